@@ -1,0 +1,66 @@
+# The README's commands. Each target does its own set-up on a fresh machine: a virtual
+# environment, torch from the local CPU wheel, Debian packages when missing (as root), then an
+# incremental build of the C++ core and an editable install of the Python package.
+#
+#   make demo    fuse a built-in population of models, check every member, print a speed table
+#   make test    C++ tests (ctest) + Python tests (pytest)
+#   make bench   benchmarks, JSON records under bench-results/
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+BUILD  := build/cmake
+APT_PACKAGES := cmake ninja-build g++ libgtest-dev ccache
+# torch is pinned: the C++ core links against this exact LibTorch (see pyproject.toml).
+TORCH_SPEC := torch==2.13.0
+SOURCES := $(shell find csrc tests/cpp -name '*.cpp' -o -name '*.h' 2>/dev/null) CMakeLists.txt pyproject.toml python/wide_compiler/_C.c
+
+.PHONY: all setup build demo test test-cpp test-python bench clean distclean
+
+all: build
+
+$(VENV)/.stamp-apt:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then echo "installing Debian packages:$$missing"; \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	  else echo "missing Debian packages:$$missing (run as root, or: sudo apt-get install$$missing)"; exit 1; fi; \
+	fi
+	@mkdir -p $(VENV) && touch $@
+
+$(VENV)/.stamp-py: $(VENV)/.stamp-apt
+	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)" numpy "scikit-build-core>=0.10" tqdm pytest hypothesis
+	touch $@
+
+setup: $(VENV)/.stamp-py
+
+# Rebuild the C++ core when a C++/build file changes; Python files are live (editable install).
+$(VENV)/.stamp-build: $(VENV)/.stamp-py $(SOURCES)
+	$(PIP) install -q --no-build-isolation --no-deps -e . \
+	  -Cbuild-dir=$(BUILD) -Ccmake.define.WIDE_BUILD_TESTS=ON
+	touch $@
+
+build: $(VENV)/.stamp-build
+
+demo: build
+	$(PY) examples/demo.py
+
+test: test-cpp test-python
+
+test-cpp: build
+	cd $(BUILD) && ctest --output-on-failure -j2
+
+test-python: build
+	$(PY) -m pytest -q tests/python
+
+bench: build
+	$(PY) -m wide_compiler benchmark linear --preset quick --json bench-results/linear.json
+
+clean:
+	rm -rf build $(VENV)/.stamp-build
+
+distclean: clean
+	rm -rf $(VENV)

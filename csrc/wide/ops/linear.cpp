@@ -1,0 +1,120 @@
+#include "wide/ops/linear.h"
+
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/baddbmm.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/stack.h>
+#include <torch/library.h>
+
+#include <vector>
+
+// Note [wide::linear strategies]
+// ------------------------------
+// Member n computes input[n] @ weight[n].T + bias[n]. Three ways to run that:
+//  * shared: dim 0 of the input has stride 0, i.e. the caller passed x.expand(N, ...): every
+//    member reads the same activation. Concatenate the weights on the output dim ([N*O, I], a free
+//    view) and run ONE GEMM [M, I] x [I, N*O] with the bias fused (addmm). The result [M, N*O] is
+//    returned as the N-first view [N, M, O] (a permute, no copy). N copies of the input are never
+//    made. This path is always taken for a shared input: it does the same FLOPs as the others on
+//    N times less input memory, so no strategy beats it.
+//  * bmm: one batched GEMM over the member dim with the bias fused (baddbmm).
+//  * loop: N separate at::linear calls, stacked. Wins only when each member's GEMM is large
+//    enough that batching gains nothing; the compile-time tuner measures rather than guesses.
+// `auto` means shared for an expanded input, else bmm. All paths are built from ATen ops, so the
+// op is CompositeImplicitAutograd: autograd, fake tensors, torch.compile and export come free,
+// and all size arithmetic uses SymInts so it traces with a dynamic batch dimension.
+
+namespace wide {
+
+LinearStrategy parse_linear_strategy(std::string_view name) {
+  if (name == "auto") return LinearStrategy::Auto;
+  if (name == "bmm") return LinearStrategy::Bmm;
+  if (name == "loop") return LinearStrategy::Loop;
+  TORCH_CHECK(false, "wide::linear: expected strategy 'auto', 'bmm' or 'loop', got '",
+              std::string(name), "'");
+}
+
+namespace {
+
+void check_linear_args(const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 3, "wide::linear: expected weight of shape [N, out, in], got ",
+              weight.sym_sizes());
+  TORCH_CHECK(input.dim() >= 2, "wide::linear: expected input of shape [N, ..., in] with at least "
+              "2 dims, got ", input.sym_sizes());
+  TORCH_CHECK(input.sym_size(0) == weight.sym_size(0), "wide::linear: input has ",
+              input.sym_size(0), " members (dim 0) but weight has ", weight.sym_size(0),
+              " (input ", input.sym_sizes(), ", weight ", weight.sym_sizes(), ")");
+  TORCH_CHECK(input.sym_size(-1) == weight.sym_size(2), "wide::linear: input features (last dim) ",
+              input.sym_size(-1), " do not match weight in_features ", weight.sym_size(2),
+              " (input ", input.sym_sizes(), ", weight ", weight.sym_sizes(), ")");
+  TORCH_CHECK(input.scalar_type() == weight.scalar_type(), "wide::linear: expected input and "
+              "weight of the same dtype, got ", input.scalar_type(), " and ", weight.scalar_type());
+  TORCH_CHECK(input.device() == weight.device(), "wide::linear: expected input and weight on the "
+              "same device, got ", input.device(), " and ", weight.device());
+  if (bias.has_value()) {
+    const auto& b = *bias;
+    TORCH_CHECK(b.dim() == 2 && b.sym_size(0) == weight.sym_size(0) &&
+                    b.sym_size(1) == weight.sym_size(1),
+                "wide::linear: expected bias of shape [N, out] = [", weight.sym_size(0), ", ",
+                weight.sym_size(1), "], got ", b.sym_sizes());
+    TORCH_CHECK(b.scalar_type() == weight.scalar_type() && b.device() == weight.device(),
+                "wide::linear: expected bias with the weight's dtype and device, got ",
+                b.scalar_type(), " on ", b.device());
+  }
+}
+
+} // namespace
+
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias, std::string_view strategy) {
+  const LinearStrategy kind = parse_linear_strategy(strategy);
+  check_linear_args(input, weight, bias);
+  const c10::SymInt n = weight.sym_size(0);
+  const c10::SymInt out_features = weight.sym_size(1);
+  const c10::SymInt in_features = weight.sym_size(2);
+
+  // Output shape: the input's with the last dim replaced; m = rows each member multiplies.
+  std::vector<c10::SymInt> out_sizes(input.sym_sizes().begin(), input.sym_sizes().end());
+  out_sizes.back() = out_features;
+  c10::SymInt m = 1;
+  for (size_t d = 1; d + 1 < out_sizes.size(); ++d) m *= out_sizes[d];
+
+  if (kind == LinearStrategy::Loop) {
+    std::vector<at::Tensor> outs;
+    const int64_t members = n.guard_int(__FILE__, __LINE__);
+    outs.reserve(members);
+    for (int64_t k = 0; k < members; ++k) {
+      outs.push_back(at::linear(input.select(0, k), weight.select(0, k),
+                                bias.has_value() ? std::optional<at::Tensor>(bias->select(0, k))
+                                                 : std::nullopt));
+    }
+    return at::stack(outs);
+  }
+
+  if (kind == LinearStrategy::Auto && input.sym_stride(0) == 0) {
+    // Shared input: one GEMM against the weights concatenated on the output dim.
+    const at::Tensor x = input.select(0, 0).reshape_symint({m, in_features});
+    const at::Tensor w = weight.reshape_symint({n * out_features, in_features});
+    const at::Tensor y = bias.has_value()
+                             ? at::addmm(bias->reshape_symint({n * out_features}), x, w.t())
+                             : at::mm(x, w.t());
+    return y.view_symint({m, n, out_features}).permute({1, 0, 2}).view_symint(out_sizes);
+  }
+
+  const at::Tensor x = input.reshape_symint({n, m, in_features});
+  const at::Tensor wt = weight.transpose(1, 2);
+  const at::Tensor y = bias.has_value() ? at::baddbmm(bias->unsqueeze(1), x, wt) : at::bmm(x, wt);
+  return y.view_symint(out_sizes);
+}
+
+} // namespace wide
+
+TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
+  m.impl("linear", [](const at::Tensor& input, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias, c10::string_view strategy) {
+    return wide::linear(input, weight, bias, std::string_view(strategy.data(), strategy.size()));
+  });
+}

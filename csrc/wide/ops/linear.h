@@ -1,0 +1,25 @@
+// wide::linear: N independent nn.Linear layers evaluated as one operator.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string_view>
+
+namespace wide {
+
+/// Algorithm used for per-member (N-first, not shared) inputs. See Note [wide::linear strategies].
+enum class LinearStrategy { Auto, Bmm, Loop };
+
+/// Parses "auto" | "bmm" | "loop"; throws a c10::Error naming the bad value otherwise.
+LinearStrategy parse_linear_strategy(std::string_view name);
+
+/// out[n] = input[n] @ weight[n].T + bias[n]; input [N, B, *, I] (or [N, I]), weight [N, O, I],
+/// bias [N, O] or none; out [N, B, *, O]. A stride-0 (expanded) dim 0 takes the shared-input path.
+at::Tensor linear(
+    const at::Tensor& input,
+    const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias,
+    std::string_view strategy = "auto");
+
+} // namespace wide
