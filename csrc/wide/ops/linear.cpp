@@ -18,11 +18,12 @@
 //    view) and run ONE GEMM [M, I] x [I, N*O] with the bias fused (addmm). The result [M, N*O] is
 //    returned as the N-first view [N, M, O] (a permute, no copy). N copies of the input are never
 //    made. This path is always taken for a shared input: it does the same FLOPs as the others on
-//    N times less input memory, so no strategy beats it.
+//    N times less input memory, so no strategy beats it; `strategy` does not apply to it.
 //  * bmm: one batched GEMM over the member dim with the bias fused (baddbmm).
 //  * loop: N separate at::linear calls, stacked. Wins only when each member's GEMM is large
 //    enough that batching gains nothing; the compile-time tuner measures rather than guesses.
-// `auto` means shared for an expanded input, else bmm. All paths are built from ATen ops, so the
+// `strategy` picks between bmm and loop for per-member inputs; `auto` is bmm (the heuristic used
+// when nothing was measured). All paths are built from ATen ops, so the
 // op is CompositeImplicitAutograd: autograd, fake tensors, torch.compile and export come free,
 // and all size arithmetic uses SymInts so it traces with a dynamic batch dimension.
 
@@ -82,6 +83,16 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
   c10::SymInt m = 1;
   for (size_t d = 1; d + 1 < out_sizes.size(); ++d) m *= out_sizes[d];
 
+  if (input.sym_stride(0) == 0) {
+    // Shared input: one GEMM against the weights concatenated on the output dim.
+    const at::Tensor x = input.select(0, 0).reshape_symint({m, in_features});
+    const at::Tensor w = weight.reshape_symint({n * out_features, in_features});
+    const at::Tensor y = bias.has_value()
+                             ? at::addmm(bias->reshape_symint({n * out_features}), x, w.t())
+                             : at::mm(x, w.t());
+    return y.view_symint({m, n, out_features}).permute({1, 0, 2}).view_symint(out_sizes);
+  }
+
   if (kind == LinearStrategy::Loop) {
     std::vector<at::Tensor> outs;
     const int64_t members = n.guard_int(__FILE__, __LINE__);
@@ -92,16 +103,6 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
                                                  : std::nullopt));
     }
     return at::stack(outs);
-  }
-
-  if (kind == LinearStrategy::Auto && input.sym_stride(0) == 0) {
-    // Shared input: one GEMM against the weights concatenated on the output dim.
-    const at::Tensor x = input.select(0, 0).reshape_symint({m, in_features});
-    const at::Tensor w = weight.reshape_symint({n * out_features, in_features});
-    const at::Tensor y = bias.has_value()
-                             ? at::addmm(bias->reshape_symint({n * out_features}), x, w.t())
-                             : at::mm(x, w.t());
-    return y.view_symint({m, n, out_features}).permute({1, 0, 2}).view_symint(out_sizes);
   }
 
   const at::Tensor x = input.reshape_symint({n, m, in_features});

@@ -8,7 +8,8 @@
 
 namespace wide {
 
-/// Algorithm used for per-member (N-first, not shared) inputs. See Note [wide::linear strategies].
+/// Algorithm for per-member inputs (a shared input always runs as one GEMM); Auto = Bmm.
+/// See Note [wide::linear strategies].
 enum class LinearStrategy { Auto, Bmm, Loop };
 
 /// Parses "auto" | "bmm" | "loop"; throws a c10::Error naming the bad value otherwise.

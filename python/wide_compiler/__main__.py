@@ -1,0 +1,4 @@
+"""``python -m wide_compiler``: see :mod:`wide_compiler.cli`."""
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,200 @@
+"""The user API: :func:`compile` and the layout helpers."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import WideConfig
+from .errors import ValidationError
+from .fx.capture import check_members
+from .model import WideModel
+
+__all__ = ["compile", "stack", "unstack", "pack", "unpack"]
+
+log = logging.getLogger(__name__)
+
+
+def _reinitialised_copies(model: nn.Module, n: int) -> list[nn.Module]:
+    copies = []
+    for _ in range(n):
+        m = copy.deepcopy(model)
+        reset = [sub for sub in m.modules() if callable(getattr(sub, "reset_parameters", None))]
+        if not reset and any(True for _ in m.parameters()):
+            raise ValueError(
+                f"wide_compiler.compile(model, n={n}): {type(model).__name__} has parameters but no "
+                "submodule with reset_parameters(), so independent members cannot be made; pass a "
+                "list of models instead")
+        for sub in reset:
+            sub.reset_parameters()
+        copies.append(m)
+    return copies
+
+
+def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.compile)
+    models: nn.Module | Sequence[nn.Module],
+    sample_input: torch.Tensor | tuple,
+    *,
+    n: int | None = None,
+    validate: bool = False,
+    strict: bool = False,
+    config: WideConfig | None = None,
+    dynamic_shapes: Any = None,
+) -> WideModel:
+    """Fuse N models of one architecture into one :class:`WideModel`.
+
+    Member 0 is captured with ``torch.export`` (non-strict, batch dim dynamic), every member is
+    checked to be the same program, parameters and buffers are stacked into ``[N, ...]``
+    ``nn.Parameter``s, and every op is rewritten into its wide form; each wide op's strategy is
+    measured on the sample shapes (see :class:`WideConfig`).
+
+    Args:
+        models: the N members, or ONE model with ``n=K`` for K members re-initialised
+            independently with ``reset_parameters()`` (the model itself is left untouched).
+        sample_input: ONE member's input: a tensor, or a tuple of positional inputs.
+        n: number of members when ``models`` is a single module.
+        validate: run the sample through the wide model and every member and raise
+            :class:`ValidationError` if a member differs (also ``config.validate``).
+        strict: raise instead of falling back (also ``config.strict``).
+        config: :class:`WideConfig` (default ``WideConfig.default()``).
+        dynamic_shapes: passed to ``torch.export.export``; default: dim 0 of every input with at
+            least 2 dims is a dynamic batch dimension.
+
+    Raises:
+        ArchitectureMismatchError: members differ (the message names the member and the first
+            difference).
+        UnsupportedOperationError: an op has no wide form (names the op and the source line).
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> mlp = lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        >>> models = [mlp() for _ in range(8)]
+        >>> wide = wc.compile(models, torch.randn(10, 16))
+        >>> xs = torch.randn(8, 10, 16)                  # member i gets xs[i]
+        >>> wide(xs).shape
+        torch.Size([8, 10, 4])
+        >>> x = torch.randn(10, 16)                      # one input for all members
+        >>> torch.allclose(wide(x.expand(8, *x.shape))[3], models[3](x), atol=1e-5)
+        True
+        >>> members = wide.unfuse()                      # 8 ordinary nn.Sequential
+    """
+    config = config or WideConfig.default()
+    config = config.replace(validate=validate or config.validate, strict=strict or config.strict)
+    if isinstance(models, nn.Module):
+        if n is None:
+            raise ValueError("wide_compiler.compile: got one model; pass n=K to make K independent "
+                             "members, or a list of models")
+        if n < 1:
+            raise ValueError(f"wide_compiler.compile: expected n >= 1, got {n}")
+        members = _reinitialised_copies(models, n)
+    else:
+        members = list(models)
+        if not members:
+            raise ValueError("wide_compiler.compile: expected at least one model, got an empty list")
+        for i, m in enumerate(members):
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"wide_compiler.compile: member {i} is a {type(m).__name__}, "
+                                "expected an nn.Module")
+        if n is not None and n != len(members):
+            raise ValueError(f"wide_compiler.compile: n={n} but {len(members)} models were given")
+    args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
+    check_members(members)
+    wide = WideModel(members, args, config=config, dynamic_shapes=dynamic_shapes)
+    if config.validate:
+        _validate(wide, members, args, config)
+    return wide
+
+
+def _validate(wide: WideModel, members: Sequence[nn.Module], args: tuple, config: WideConfig) -> None:
+    """Every member's output on its own (slightly perturbed) sample, and on the shared sample."""
+    gen = torch.Generator().manual_seed(0)
+    per_member = [tuple(a + 0.01 * torch.randn(a.shape, generator=gen, dtype=a.dtype).to(a.device)
+                        if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+                  for _ in members]
+    stacked = tuple(torch.stack([m[j] for m in per_member]) if isinstance(a, torch.Tensor) else a
+                    for j, a in enumerate(args))
+    shared = tuple(a.expand(len(members), *a.shape) if isinstance(a, torch.Tensor) else a for a in args)
+    with torch.no_grad():
+        for label, wide_args, member_args in (("its own input", stacked, per_member),
+                                              ("the shared sample", shared, [args] * len(members))):
+            got = torch.utils._pytree.tree_leaves(wide(*wide_args))
+            for i, m in enumerate(members):
+                want = torch.utils._pytree.tree_leaves(m(*member_args[i]))
+                for k, (g, w) in enumerate(zip(got, want)):
+                    if isinstance(w, torch.Tensor) and not torch.allclose(
+                            g[i], w, rtol=config.rtol, atol=config.atol, equal_nan=True):
+                        err = (g[i] - w).abs().max().item()
+                        raise ValidationError(
+                            f"wide_compiler: validate: member {i} differs on {label} (output {k}: "
+                            f"max abs error {err:.3g}, rtol={config.rtol}, atol={config.atol})")
+    log.info("wide_compiler: validated %d members", len(members))
+
+
+# --- layout helpers (API boundary only; see DESIGN §3) --------------------------------------
+
+
+def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """N per-member tensors -> one N-first tensor ``[N, ...]``.
+
+    >>> import torch, wide_compiler as wc
+    >>> wc.stack([torch.zeros(2, 3), torch.ones(2, 3)]).shape
+    torch.Size([2, 2, 3])
+    """
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("wide_compiler.stack: expected at least one tensor")
+    for i, t in enumerate(tensors):
+        if t.shape != tensors[0].shape:
+            raise ValueError(f"wide_compiler.stack: member {i} has shape {list(t.shape)}, "
+                             f"member 0 has {list(tensors[0].shape)}")
+    return torch.stack(tensors)
+
+
+def unstack(t: torch.Tensor) -> list[torch.Tensor]:
+    """One N-first tensor -> the list of its N members (views).
+
+    >>> import torch, wide_compiler as wc
+    >>> len(wc.unstack(torch.zeros(4, 2, 3)))
+    4
+    """
+    if t.dim() < 1:
+        raise ValueError("wide_compiler.unstack: expected a tensor with a member dim, got a 0-dim tensor")
+    return list(t.unbind(0))
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """N per-member tensors ``[B, C, ...]`` -> one channel-packed tensor ``[B, N*C, ...]`` (member
+    i owns channels ``[i*C, (i+1)*C)``).
+
+    >>> import torch, wide_compiler as wc
+    >>> wc.pack([torch.zeros(2, 3, 5), torch.ones(2, 3, 5)]).shape
+    torch.Size([2, 6, 5])
+    """
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("wide_compiler.pack: expected at least one tensor")
+    for i, t in enumerate(tensors):
+        if t.dim() < 2 or t.shape != tensors[0].shape:
+            raise ValueError(f"wide_compiler.pack: expected tensors [B, C, ...] of one shape; member "
+                             f"{i} has {list(t.shape)}, member 0 has {list(tensors[0].shape)}")
+    return torch.cat(tensors, dim=1)
+
+
+def unpack(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """A channel-packed tensor ``[B, N*C, ...]`` -> the list of N member tensors ``[B, C, ...]``.
+
+    >>> import torch, wide_compiler as wc
+    >>> [x.shape[1] for x in wc.unpack(torch.zeros(2, 6, 5), 3)]
+    [2, 2, 2]
+    """
+    if t.dim() < 2 or n < 1 or t.shape[1] % n:
+        raise ValueError(f"wide_compiler.unpack: expected [B, N*C, ...] with dim 1 divisible by "
+                         f"n={n}, got {list(t.shape)}")
+    return list(t.chunk(n, dim=1))
+
+

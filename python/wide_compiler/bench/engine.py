@@ -1,0 +1,482 @@
+"""Benchmark engine: contenders, timing, records and the table printer.
+
+A benchmark compares, in one run on one machine, a *wide* contender (one op or one model for all
+N members) against the *baselines* a user would otherwise write: N separate modules in a Python
+loop, ``torch.func`` ensembling (``stack_module_state`` + ``functional_call`` + ``vmap``),
+``torch.compile`` of the loop, and where it helps a roofline (one plain GEMM with the same FLOPs).
+Every member has its own weights and its own input: ``x`` is ``[N, B, ...]`` and member ``i``
+gets ``x[i]``.
+
+Timing uses :class:`torch.utils.benchmark.Timer` with ``num_threads=torch.get_num_threads()``
+(the Timer's default is ONE thread) and ``blocked_autorange``; the median is reported.
+
+One record (a JSON-able ``dict``) per wide contender, mode and case::
+
+    {"target": "linear", "case": "separate", "n": 64, "batch": 32,
+     "in_features": 64, "out_features": 128, "dtype": "float32",
+     "mode": "inference", "execution": "eager", "strategy": "bmm",
+     "wide_ms": 0.21, "baseline_ms": {"loop": 1.9, "vmap": 0.6},
+     "speedup": {"loop": 9.0, "vmap": 2.9}, "max_abs_err": 9.5e-07,
+     "baseline_max_abs_err": {"vmap": 0.0}, "errors": {}, "machine": {...}}
+
+``mode`` is ``"inference"`` (forward under ``torch.no_grad``) or ``"train"`` (forward, sum of
+all outputs, gradients of the parameters with ``torch.autograd.grad``); ``execution`` is
+``"eager"`` or ``"compiled"`` for the wide contender; ``speedup[name]`` is
+``baseline_ms[name] / wide_ms`` (above 1: the wide contender is faster); ``max_abs_err`` is the
+largest absolute difference of any member's output (and, in train mode, parameter gradient)
+against that member run on its own; ``errors`` maps a baseline that failed (e.g. a
+``torch.compile`` that raised) to its error message.
+
+Example::
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from wide_compiler.bench import engine
+    >>> models = [nn.Linear(8, 4) for _ in range(3)]
+    >>> x = torch.randn(3, 2, 8)
+    >>> W = torch.stack([m.weight.detach() for m in models]).requires_grad_()
+    >>> b = torch.stack([m.bias.detach() for m in models]).requires_grad_()
+    >>> wide = engine.Contender("bmm", lambda x: torch.ops.wide.linear(x, W, b, strategy="bmm"),
+    ...                         [W, b])
+    >>> recs = engine.run_case(models, x, [wide], [engine.loop_contender(models)],
+    ...                        mode="inference", min_run_time=0.01, base={"target": "linear"})
+    >>> recs[0]["max_abs_err"] < 1e-5
+    True
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import platform
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import benchmark as tbench
+from torch.utils._pytree import tree_leaves
+
+__all__ = [
+    "RECORD_KEYS",
+    "MODES",
+    "Contender",
+    "machine_info",
+    "time_ms",
+    "loop_contender",
+    "vmap_contender",
+    "compiled_loop_contender",
+    "stacked_params",
+    "wide_params_in_member_order",
+    "make_step",
+    "max_abs_err",
+    "make_record",
+    "run_case",
+    "format_table",
+]
+
+log = logging.getLogger(__name__)
+
+#: Keys every record has (see the module docstring).
+RECORD_KEYS = (
+    "target", "case", "n", "batch", "in_features", "out_features", "dtype", "mode", "execution",
+    "strategy", "wide_ms", "baseline_ms", "speedup", "max_abs_err", "baseline_max_abs_err",
+    "errors", "machine",
+)
+MODES = ("inference", "train")
+
+
+@dataclasses.dataclass
+class Contender:
+    """One way to run all N members.
+
+    ``forward(x)`` takes the N-first input ``[N, B, ...]``. ``layout`` says what it returns:
+    ``"wide"``: one N-first output (any pytree of ``[N, ...]`` tensors); ``"members"``: a list of
+    N per-member outputs; ``"opaque"``: not comparable per member (a roofline), never checked.
+    ``params`` are the tensors whose gradients a train step computes: for ``"wide"``, one stacked
+    ``[N, *shape]`` tensor per member parameter in ``member.parameters()`` order; for
+    ``"members"``, member-major (all of member 0's parameters, then member 1's, ...).
+    """
+
+    name: str
+    forward: Callable[[torch.Tensor], Any]
+    params: Sequence[torch.Tensor]
+    layout: str = "wide"
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("wide", "members", "opaque"):
+            raise ValueError(
+                f"Contender {self.name!r}: layout must be 'wide', 'members' or 'opaque', "
+                f"got {self.layout!r}")
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers depend on: versions, threads and the CPU ISA torch's kernels use.
+
+    >>> sorted(machine_info())[:3]
+    ['cpu_capability', 'machine', 'num_interop_threads']
+    """
+    return {
+        "wide_compiler": _wc_version(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "num_interop_threads": torch.get_num_interop_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or _cpu_model(),
+    }
+
+
+def _wc_version() -> str:
+    import wide_compiler
+
+    if getattr(wide_compiler, "__version__", None):
+        return wide_compiler.__version__
+    try:
+        from importlib.metadata import version
+
+        return version("wide_compiler")
+    except Exception:  # not installed (source tree on sys.path)
+        return "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def time_ms(fn: Callable[[], Any], *, min_run_time: float = 0.2, label: str = "",
+            warmup: int = 2) -> float:
+    """Median wall time of ``fn()`` in milliseconds (``blocked_autorange``, all threads).
+
+    >>> time_ms(lambda: torch.ones(4).sum(), min_run_time=0.01) > 0
+    True
+    """
+    for _ in range(warmup):
+        fn()
+    timer = tbench.Timer(stmt="fn()", globals={"fn": fn}, label=label,
+                         num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+# ---------------------------------------------------------------------------------- baselines
+
+def loop_contender(models: Sequence[nn.Module], name: str = "loop") -> Contender:
+    """N separate modules in a Python loop; member ``i`` gets ``x[i]``."""
+    models = list(models)
+
+    def forward(x: torch.Tensor) -> list[Any]:
+        return [m(x[i]) for i, m in enumerate(models)]
+
+    return Contender(name, forward, [p for m in models for p in m.parameters()], "members")
+
+
+def vmap_contender(models: Sequence[nn.Module], *, shared: bool = False,
+                   name: str = "vmap") -> Contender:
+    """``torch.func`` ensembling: ``stack_module_state`` + ``functional_call`` + ``vmap``.
+
+    With ``shared=True`` the input is not mapped (``in_dims=None``): every member reads ``x[0]``,
+    as a user with one batch for all members would write it.
+    """
+    from torch.func import functional_call, stack_module_state, vmap
+
+    params, buffers = stack_module_state(list(models))
+    base = copy.deepcopy(models[0]).to("meta")
+
+    def call(p: dict, b: dict, x: torch.Tensor) -> Any:
+        return functional_call(base, (p, b), (x,))
+
+    mapped = vmap(call, in_dims=(0, 0, None if shared else 0))
+
+    def forward(x: torch.Tensor) -> Any:
+        return mapped(params, buffers, x[0] if shared else x)
+
+    return Contender(name, forward, list(params.values()), "wide")
+
+
+def compiled_loop_contender(models: Sequence[nn.Module], name: str = "compile_loop",
+                            **compile_kwargs: Any) -> Contender:
+    """``torch.compile`` of the Python loop. Compiles lazily: failures surface on first call.
+
+    Resets dynamo first, so that compiling many populations in one process never hits the
+    recompile limit (which would silently fall back to eager).
+    """
+    torch.compiler.reset()
+    loop = loop_contender(models)
+    return Contender(name, torch.compile(loop.forward, **compile_kwargs), loop.params, "members")
+
+
+def stacked_params(models: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """One ``[N, *shape]`` leaf per member parameter (``parameters()`` order), requiring grad."""
+    per_member = [list(m.parameters()) for m in models]
+    return [torch.stack([ps[j].detach() for ps in per_member]).requires_grad_()
+            for j in range(len(per_member[0]))]
+
+
+def wide_params_in_member_order(wide: nn.Module, member: nn.Module) -> list[torch.Tensor]:
+    """The wide model's stacked parameters, in ``member.named_parameters()`` order.
+
+    Relies on the wide model's ``state_dict(keep_vars=True)`` being keyed by the member's
+    parameter names with the stacked ``[N, *shape]`` parameters as values.
+    """
+    sd = wide.state_dict(keep_vars=True)
+    out = []
+    for name, p in member.named_parameters():
+        t = sd.get(name)
+        if not isinstance(t, torch.Tensor) or not t.requires_grad or t.shape[1:] != p.shape:
+            raise RuntimeError(
+                f"wide model's state_dict(keep_vars=True)[{name!r}] is not a stacked parameter "
+                f"[N, {', '.join(map(str, p.shape))}] (got "
+                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}); "
+                f"cannot compare gradients per member")
+        out.append(t)
+    return out
+
+
+# ---------------------------------------------------------------------------------- running
+
+def _loss(out: Any) -> torch.Tensor:
+    leaves = tree_leaves(out)
+    if len(leaves) == 1:
+        return leaves[0].sum()
+    return torch.stack([t.sum() for t in leaves]).sum()
+
+
+def make_step(contender: Contender, x: torch.Tensor, mode: str) -> Callable[[], Any]:
+    """The timed callable: ``"inference"`` is a forward under ``torch.no_grad``; ``"train"`` is
+    forward, sum of every output, and ``torch.autograd.grad`` of the contender's params."""
+    if mode == "inference":
+        def step() -> Any:
+            with torch.no_grad():
+                return contender.forward(x)
+    elif mode == "train":
+        params = list(contender.params)
+
+        def step() -> Any:
+            out = contender.forward(x)
+            return out, torch.autograd.grad(_loss(out), params)
+    else:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return step
+
+
+def _member_outputs(contender: Contender, out: Any, n: int) -> list[list[torch.Tensor]]:
+    if contender.layout == "members":
+        return [tree_leaves(o) for o in out]
+    leaves = tree_leaves(out)
+    return [[t[i] for t in leaves] for i in range(n)]
+
+
+def _stacked_grads(contender: Contender, grads: Sequence[torch.Tensor], n: int
+                   ) -> list[torch.Tensor]:
+    if contender.layout == "members":
+        per = len(grads) // n
+        return [torch.stack([grads[i * per + j] for i in range(n)]) for j in range(per)]
+    return list(grads)
+
+
+def max_abs_err(reference: Contender, ref_result: Any, other: Contender, result: Any,
+                n: int, mode: str) -> float:
+    """Largest |difference| of any member's outputs (and, for train, parameter gradients)."""
+    if mode == "train":
+        ref_out, ref_grads = ref_result
+        out, grads = result
+    else:
+        ref_out, ref_grads, out, grads = ref_result, (), result, ()
+    err = 0.0
+    ref_members = _member_outputs(reference, ref_out, n)
+    members = _member_outputs(other, out, n)
+    for i, (r, o) in enumerate(zip(ref_members, members, strict=True)):
+        if len(r) != len(o):
+            raise ValueError(f"member {i}: {other.name} returned {len(o)} outputs, "
+                             f"{reference.name} returned {len(r)}")
+        for a, b in zip(r, o):
+            err = max(err, _diff(a, b, f"member {i} output of {other.name}"))
+    if mode == "train":
+        rg = _stacked_grads(reference, ref_grads, n)
+        og = _stacked_grads(other, grads, n)
+        if len(rg) != len(og):
+            raise ValueError(f"{other.name} has {len(og)} stacked parameters, "
+                             f"{reference.name} has {len(rg)}")
+        for j, (a, b) in enumerate(zip(rg, og)):
+            err = max(err, _diff(a, b, f"gradient of parameter {j} of {other.name}"))
+    return err
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
+    if a.shape != b.shape:
+        raise ValueError(f"{what}: expected shape {tuple(a.shape)}, got {tuple(b.shape)}")
+    if a.numel() == 0:
+        return 0.0
+    return (a.detach().double() - b.detach().double()).abs().max().item()
+
+
+def _error_text(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    return first[:300]
+
+
+def make_record(*, base: Mapping[str, Any], mode: str, strategy: str, wide_ms: float,
+                baseline_ms: Mapping[str, float], max_abs_err: float,
+                baseline_max_abs_err: Mapping[str, float] | None = None,
+                errors: Mapping[str, str] | None = None, execution: str = "eager",
+                machine: Mapping[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """Build one record: ``base`` fields (target, case, shapes, dtype) + timings + speedups.
+
+    >>> r = make_record(base={"target": "linear", "n": 4}, mode="inference", strategy="bmm",
+    ...                 wide_ms=0.5, baseline_ms={"loop": 2.0}, max_abs_err=0.0, machine={})
+    >>> r["speedup"], r["case"]
+    ({'loop': 4.0}, 'separate')
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    record: dict[str, Any] = {k: None for k in RECORD_KEYS}
+    record.update({"case": "separate", "execution": execution})
+    record.update(base)
+    record.update(
+        mode=mode,
+        strategy=strategy,
+        wide_ms=wide_ms,
+        baseline_ms=dict(baseline_ms),
+        speedup={k: (v / wide_ms if wide_ms > 0 else math.nan) for k, v in baseline_ms.items()},
+        max_abs_err=max_abs_err,
+        baseline_max_abs_err=dict(baseline_max_abs_err or {}),
+        errors=dict(errors or {}),
+        machine=dict(machine if machine is not None else machine_info()),
+    )
+    record.update(extra)
+    return record
+
+
+def run_case(models: Sequence[nn.Module], x: torch.Tensor, wides: Iterable[Contender],
+             baselines: Iterable[Contender], *, mode: str, base: Mapping[str, Any],
+             min_run_time: float = 0.2, machine: Mapping[str, Any] | None = None,
+             reference: Contender | None = None) -> list[dict[str, Any]]:
+    """Time every wide contender and every baseline in ``mode``; one record per wide contender.
+
+    ``reference`` (default: the loop over ``models``) gives each member's own result; every wide
+    contender and every checkable baseline is compared with it. A baseline that raises (while
+    built lazily, at warm-up or while timed) is left out of ``baseline_ms`` and its message goes
+    to ``errors``; a wide contender that raises propagates.
+    """
+    n = len(models)
+    reference = reference or loop_contender(models)
+    ref_result = make_step(reference, x, mode)()
+    machine = dict(machine) if machine is not None else machine_info()
+    base = dict(base, n=n)
+
+    baseline_ms: dict[str, float] = {}
+    baseline_err: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    for b in baselines:
+        try:
+            step = make_step(b, x, mode)
+            if b.layout != "opaque":
+                baseline_err[b.name] = max_abs_err(reference, ref_result, b, step(), n, mode)
+            baseline_ms[b.name] = time_ms(step, min_run_time=min_run_time, label=b.name)
+        except Exception as e:  # a baseline failing is a result, not a crash
+            log.warning("baseline %s failed: %s", b.name, _error_text(e))
+            errors[b.name] = _error_text(e)
+
+    records = []
+    for w in wides:
+        step = make_step(w, x, mode)
+        err = max_abs_err(reference, ref_result, w, step(), n, mode)
+        ms = time_ms(step, min_run_time=min_run_time, label=w.name)
+        records.append(make_record(base=base, mode=mode, strategy=w.name, wide_ms=ms,
+                                   baseline_ms=baseline_ms, max_abs_err=err,
+                                   baseline_max_abs_err=baseline_err, errors=errors,
+                                   machine=machine))
+    return records
+
+
+# ---------------------------------------------------------------------------------- table
+
+def _fmt_ms(v: float | None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.3f}" if v < 10 else f"{v:.1f}" if v < 1000 else f"{v:.0f}"
+
+
+def _fmt_x(v: float | None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.2f}x" if v < 10 else f"{v:.1f}x"
+
+
+def format_table(records: Sequence[Mapping[str, Any]], *, header: bool = True) -> str:
+    """Plain-text table with aligned columns: one row per record, one ``ms`` and one speedup
+    column per baseline (in first-seen order), and the max abs error.
+
+    >>> r = make_record(base={"target": "linear", "n": 4, "batch": 2, "in_features": 8,
+    ...                       "out_features": 4, "dtype": "float32"}, mode="train",
+    ...                 strategy="bmm", wide_ms=0.5, baseline_ms={"loop": 2.0},
+    ...                 max_abs_err=0.0, machine={})
+    >>> print(format_table([r], header=False))  # doctest: +NORMALIZE_WHITESPACE
+    target case     N B shape dtype   mode  strategy wide ms loop ms vs loop max err
+    linear separate 4 2 8->4  float32 train bmm      0.500   2.000   4.00x   0.0e+00
+    """
+    baselines: list[str] = []
+    for r in records:
+        for k in list(r.get("baseline_ms") or {}) + list(r.get("errors") or {}):
+            if k not in baselines:
+                baselines.append(k)
+
+    cols = ["target", "case", "N", "B", "shape", "dtype", "mode", "strategy", "wide ms"]
+    for b in baselines:
+        cols += [f"{b} ms", f"vs {b}"]
+    cols.append("max err")
+    right = {"N", "B", "wide ms", "max err"} | {c for c in cols if c.endswith(" ms")
+                                                 or c.startswith("vs ")}
+
+    rows = []
+    for r in records:
+        mode = r.get("mode", "")
+        if r.get("execution", "eager") != "eager":
+            mode = f"{mode}/{r['execution']}"
+        shape = (str(r["shape"]) if r.get("shape") else
+                 f"{r.get('in_features')}->{r.get('out_features')}")
+        row = [str(r.get("target", "")), str(r.get("case", "")), str(r.get("n", "")),
+               str(r.get("batch", "")), shape, str(r.get("dtype", "")), mode,
+               str(r.get("strategy", "")), _fmt_ms(r.get("wide_ms"))]
+        for b in baselines:
+            if b in (r.get("errors") or {}):
+                row += ["error", "-"]
+            else:
+                row += [_fmt_ms((r.get("baseline_ms") or {}).get(b)),
+                        _fmt_x((r.get("speedup") or {}).get(b))]
+        err = r.get("max_abs_err")
+        row.append("-" if err is None else f"{err:.1e}")
+        rows.append(row)
+
+    widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(cols)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if name in right else c.ljust(w)
+                         for c, w, name in zip(cells, widths, cols)).rstrip()
+
+    out = []
+    if header and records:
+        m = records[0].get("machine") or {}
+        if m:
+            out.append(f"torch {m.get('torch')}, {m.get('threads')} threads, "
+                       f"CPU capability {m.get('cpu_capability')}, "
+                       f"wide_compiler {m.get('wide_compiler')}")
+    out.append(line(cols))
+    out.append(line(["-" * w for w in widths]))
+    out += [line(row) for row in rows]
+    errs = {(k, v) for r in records for k, v in (r.get("errors") or {}).items()}
+    for k, v in sorted(errs):
+        out.append(f"{k} failed: {v}")
+    return "\n".join(out)

@@ -1,0 +1,228 @@
+"""``benchmark linear``: ``torch.ops.wide.linear`` against the ways a user runs N ``nn.Linear``.
+
+Cases (each member has its own weights; ``case="separate"``: its own input ``x[i]``):
+
+- wide: ``torch.ops.wide.linear`` with ``strategy`` ``"auto"``, ``"bmm"`` and ``"loop"``, and
+  (presets quick/full, when :func:`wide_compiler.compile` is available) ``"tuned"``: the
+  population compiled by ``wc.compile`` with the tuner on (``chosen_strategy`` in the record);
+- baselines: ``loop`` (N ``nn.Linear`` in a Python loop), ``vmap`` (``torch.func`` ensembling),
+  and in preset ``full`` ``compile_loop`` (``torch.compile`` of the loop);
+- ``case="shared"``: one batch for all members, ``x.expand(N, B, I)``, which the op runs as ONE
+  GEMM against the weights concatenated on the output dim; its roofline baseline ``gemm`` is one
+  plain ``torch.addmm`` of ``[B, I] x [I, N*O]`` (the same FLOPs), so ``speedup["gemm"]`` is the
+  fraction of the roofline reached.
+
+Example::
+
+    >>> from wide_compiler.bench import linear
+    >>> recs = linear.run("ci")                              # doctest: +SKIP
+    >>> print(engine.format_table(recs))                     # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import engine
+from .engine import Contender
+
+__all__ = ["LinearCase", "Preset", "PRESETS", "STRATEGIES", "build_case", "run_case", "run"]
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("auto", "bmm", "loop")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCase:
+    """One population of N ``nn.Linear(in_features, out_features)`` fed ``[N, batch, in]``."""
+
+    n: int
+    batch: int
+    in_features: int
+    out_features: int
+    dtype: torch.dtype = torch.float32
+    shared: bool = False
+
+    def base(self) -> dict[str, Any]:
+        return {"target": "linear", "case": "shared" if self.shared else "separate",
+                "n": self.n, "batch": self.batch, "in_features": self.in_features,
+                "out_features": self.out_features, "dtype": str(self.dtype).removeprefix("torch.")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Cases and settings of one ``--preset``."""
+
+    cases: tuple[LinearCase, ...]
+    min_run_time: float
+    modes: tuple[str, ...] = engine.MODES
+    strategies: tuple[str, ...] = STRATEGIES
+    tuned: bool = False
+    compile_loop: bool = False
+    description: str = ""
+
+
+def _grid(ns: Sequence[int], layers: Sequence[tuple[int, int]], batch: int, shared: bool
+          ) -> tuple[LinearCase, ...]:
+    return tuple(LinearCase(n, batch, i, o, shared=shared) for i, o in layers for n in ns)
+
+
+_HEADLINE = LinearCase(64, 32, 64, 128)
+_SMALL, _LARGE = (64, 128), (512, 1024)
+
+PRESETS: dict[str, Preset] = {
+    "ci": Preset(
+        cases=_grid((4, 16), [(16, 32)], 8, False) + (LinearCase(16, 8, 16, 32, shared=True),),
+        min_run_time=0.02,
+        description="tiny smoke run (seconds)"),
+    "quick": Preset(
+        cases=(_HEADLINE, dataclasses.replace(_HEADLINE, shared=True)),
+        min_run_time=0.5, tuned=True,
+        description="headline: N=64, B=32, Linear 64->128, float32, + shared input (< 1 min)"),
+    "full": Preset(
+        cases=_grid((4, 16, 64, 256), [_SMALL, _LARGE], 32, False)
+        + _grid((4, 16, 64, 256), [_SMALL, _LARGE], 32, True),
+        min_run_time=0.2, tuned=True, compile_loop=True,
+        description="N in 4,16,64,256 x Linear 64->128 and 512->1024, B=32 (a few minutes)"),
+}
+
+
+def build_case(case: LinearCase, *, seed: int = 0
+               ) -> tuple[list[nn.Linear], torch.Tensor, list[torch.Tensor]]:
+    """The members (each its own init), the N-first input and the stacked ``[W, b]`` leaves.
+
+    >>> models, x, (W, b) = build_case(LinearCase(3, 2, 8, 4))
+    >>> x.shape, W.shape, b.shape
+    (torch.Size([3, 2, 8]), torch.Size([3, 4, 8]), torch.Size([3, 4]))
+    """
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    models = [nn.Linear(case.in_features, case.out_features, dtype=case.dtype)
+              for _ in range(case.n)]
+    if case.shared:
+        x0 = torch.randn(case.batch, case.in_features, generator=g, dtype=case.dtype)
+        x = x0.expand(case.n, *x0.shape)
+    else:
+        x = torch.randn(case.n, case.batch, case.in_features, generator=g, dtype=case.dtype)
+    return models, x, engine.stacked_params(models)
+
+
+def _op_contender(strategy: str, W: torch.Tensor, b: torch.Tensor) -> Contender:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.wide.linear(x, W, b, strategy=strategy)
+
+    return Contender(strategy, forward, [W, b])
+
+
+def _gemm_roofline(models: Sequence[nn.Linear]) -> Contender:
+    # [N*O, I] and [N*O]: one GEMM computing every member's output for one shared batch.
+    Wcat = torch.cat([m.weight.detach() for m in models]).requires_grad_()
+    bcat = torch.cat([m.bias.detach() for m in models]).requires_grad_()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(bcat, x[0], Wcat.t())
+
+    return Contender("gemm", forward, [Wcat, bcat], "opaque")
+
+
+def _tuned_contender(models: Sequence[nn.Linear], x: torch.Tensor) -> Contender | None:
+    """The population through ``wc.compile`` with the tuner on; None when unavailable."""
+    import wide_compiler as wc
+
+    if not hasattr(wc, "compile"):
+        log.info("wide_compiler.compile is not available: no 'tuned' row")
+        return None
+    # Fresh measurement (no disk cache): what a first compile on this machine picks.
+    config = wc.WideConfig(tune=True, cache=False)
+    wide = wc.compile(list(models), x[0], config=config)
+    params = engine.wide_params_in_member_order(wide, models[0])
+    c = Contender("tuned", wide, params)
+    c.chosen = ",".join(sorted(set(getattr(wide, "strategies", {}).values())))  # type: ignore[attr-defined]
+    return c
+
+
+def run_case(case: LinearCase, *, modes: Sequence[str] = engine.MODES,
+             strategies: Sequence[str] = STRATEGIES, tuned: bool = False,
+             compile_loop: bool = False, min_run_time: float = 0.2,
+             machine: dict[str, Any] | None = None, seed: int = 0) -> list[dict[str, Any]]:
+    """Records of one case, for every mode (one record per wide contender and mode)."""
+    models, x, (W, b) = build_case(case, seed=seed)
+    machine = machine or engine.machine_info()
+    if case.shared:
+        # A stride-0 input always takes the shared path, whatever the strategy: time it once.
+        wides = [_op_contender("auto", W, b)]
+        baselines = [engine.loop_contender(models), engine.vmap_contender(models, shared=True),
+                     _gemm_roofline(models)]
+    else:
+        wides = [_op_contender(s, W, b) for s in strategies]
+        baselines = [engine.loop_contender(models), engine.vmap_contender(models)]
+    extra_errors: dict[str, str] = {}
+    if tuned:
+        try:
+            t = _tuned_contender(models, x)
+            if t is not None:
+                wides.append(t)
+        except Exception as e:
+            log.warning("tuned (wc.compile) failed: %s", e)
+            extra_errors["tuned"] = engine._error_text(e)
+
+    records = []
+    for mode in modes:
+        bl = list(baselines)
+        if compile_loop and not case.shared:
+            bl.append(engine.compiled_loop_contender(models))
+        recs = engine.run_case(models, x, wides, bl, mode=mode, base=case.base(),
+                               min_run_time=min_run_time, machine=machine)
+        for r in recs:
+            if case.shared:
+                r["path"] = "shared"
+            if r["strategy"] == "tuned":
+                r["chosen_strategy"] = getattr(wides[-1], "chosen", None)
+            r["errors"].update(extra_errors)
+        records += recs
+    return records
+
+
+def run(preset: str = "quick", *, progress: bool = False,
+        min_run_time: float | None = None) -> list[dict[str, Any]]:
+    """Run every case of ``preset`` (``"ci"``, ``"quick"`` or ``"full"``); returns the records.
+
+    >>> recs = run("ci")                                     # doctest: +SKIP
+    >>> {r["case"] for r in recs}                            # doctest: +SKIP
+    {'separate', 'shared'}
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    machine = engine.machine_info()
+    cases = list(p.cases)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(cases), desc=f"linear/{preset}", unit="case", leave=False)
+    records: list[dict[str, Any]] = []
+    try:
+        for case in cases:
+            if bar is not None:
+                bar.set_postfix_str(f"{case.base()['case']} N={case.n} "
+                                    f"{case.in_features}->{case.out_features}")
+            records += run_case(case, modes=p.modes, strategies=p.strategies, tuned=p.tuned,
+                                compile_loop=p.compile_loop,
+                                min_run_time=p.min_run_time if min_run_time is None
+                                else min_run_time,
+                                machine=machine)
+            if bar is not None:
+                bar.update()
+    finally:
+        if bar is not None:
+            bar.close()
+    for r in records:
+        r["preset"] = preset
+    return records

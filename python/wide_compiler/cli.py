@@ -1,0 +1,378 @@
+"""Command line: ``python -m wide_compiler {info,test,benchmark}`` (console script ``wide_compiler``).
+
+Examples::
+
+    python -m wide_compiler info
+    python -m wide_compiler test
+    python -m wide_compiler benchmark linear --preset quick --json bench-results/linear.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "build_parser"]
+
+
+# ---------------------------------------------------------------------------------- info
+
+def _registered_ops() -> list[tuple[str, list[str], list[str]]]:
+    """(name, schemas, dispatch keys with a kernel) of every ``wide::`` operator."""
+    import torch
+
+    keys = ("CompositeImplicitAutograd", "CompositeExplicitAutograd", "CPU", "CUDA", "Meta",
+            "Autograd", "AutogradCPU")
+    out = []
+    for name in sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("wide::")):
+        schemas = []
+        packet = getattr(torch.ops.wide, name.split("::", 1)[1], None)
+        if packet is not None:
+            for ov in packet.overloads():
+                schemas.append(str(getattr(packet, ov)._schema))
+        has = [k for k in keys if torch._C._dispatch_has_kernel_for_dispatch_key(name, k)]
+        out.append((name, schemas, has))
+    return out
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
+    import wide_compiler as wc
+
+    print(f"wide_compiler {getattr(wc, '__version__', 'unknown')}  "
+          f"({Path(wc.__file__).parent})")
+    print(f"torch {torch.__version__}  (debug={torch.version.debug}, "
+          f"cuda={torch.version.cuda or 'none'})")
+    print(f"python {platform.python_version()}  ({sys.executable})")
+    print(f"platform {platform.platform()}")
+    print(f"threads: {torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} "
+          f"inter-op")
+    print(f"cpu capability (torch kernels): {torch.backends.cpu.get_cpu_capability()}")
+    print(f"mkldnn: {torch.backends.mkldnn.is_available()}, mkl: {torch.backends.mkl.is_available()}"
+          f", openmp: {torch.backends.openmp.is_available()}")
+    print()
+    print("C++ core (torch.ops.wide._build_info()):")
+    try:
+        info = torch.ops.wide._build_info()
+    except Exception as e:  # the library did not load: say so, keep going
+        print(f"  unavailable: {type(e).__name__}: {e}")
+    else:
+        for line in info.rstrip().splitlines():
+            print(f"  {line}")
+    print()
+    ops = _registered_ops()
+    print(f"registered operators ({len(ops)}):")
+    for name, schemas, keys in ops:
+        print(f"  {name}  [{', '.join(keys) or 'no kernel'}]")
+        for s in schemas:
+            print(f"    {s}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------- test
+
+class _Checks:
+    """Runs named checks, prints one PASS/FAIL line each, remembers failures."""
+
+    def __init__(self, verbose: bool) -> None:
+        self.verbose = verbose
+        self.failed: list[str] = []
+        self.count = 0
+
+    def run(self, name: str, fn: Callable[[], str | None]) -> Any:
+        self.count += 1
+        start = time.perf_counter()
+        try:
+            detail = fn()
+        except Exception as e:
+            self.failed.append(name)
+            print(f"FAIL  {name}: {type(e).__name__}: {e}", flush=True)
+            if self.verbose:
+                traceback.print_exc()
+            return None
+        ms = (time.perf_counter() - start) * 1e3
+        print(f"PASS  {name}{f'  ({detail})' if detail else ''}  [{ms:.0f} ms]", flush=True)
+        return detail
+
+
+def _max_err(a: Any, b: Any) -> float:
+    return (a.detach().double() - b.detach().double()).abs().max().item()
+
+
+def _check_close(what: str, err: float, tol: float) -> None:
+    if not err <= tol:  # also catches NaN
+        raise AssertionError(f"{what}: max abs err {err:.3g} > {tol:g}")
+
+
+def _test_op() -> str:
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    n, b, i, o = 5, 3, 7, 4
+    w = torch.randn(n, o, i, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(n, o, dtype=torch.float64, requires_grad=True)
+    xs = {"separate": torch.randn(n, b, i, dtype=torch.float64),
+          "shared": torch.randn(b, i, dtype=torch.float64).expand(n, b, i),
+          "non-contiguous": torch.randn(n, i, b, dtype=torch.float64).transpose(1, 2)}
+    worst = 0.0
+    for xname, x in xs.items():
+        for strategy in ("auto", "bmm", "loop"):
+            out = torch.ops.wide.linear(x, w, bias, strategy=strategy)
+            gw, gb = torch.autograd.grad(out.square().sum(), (w, bias))
+            for k in range(n):
+                ref = F.linear(x[k], w[k], bias[k])
+                rgw, rgb = torch.autograd.grad(ref.square().sum(), (w, bias))
+                where = f"{xname} input, strategy={strategy}, member {k}"
+                worst = max(worst, _max_err(out[k], ref))
+                _check_close(f"{where} output", _max_err(out[k], ref), 1e-10)
+                _check_close(f"{where} weight grad", _max_err(gw[k], rgw[k]), 1e-10)
+                _check_close(f"{where} bias grad", _max_err(gb[k], rgb[k]), 1e-10)
+    return f"3 inputs x 3 strategies x {n} members, max err {worst:.1e}"
+
+
+def _test_opcheck() -> str:
+    import torch
+    from torch.library import opcheck
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 4, 5, requires_grad=True)
+    b = torch.randn(3, 4, requires_grad=True)
+    samples = [((torch.randn(3, 2, 5, requires_grad=True), w, b), {"strategy": "bmm"}),
+               ((torch.randn(3, 2, 5), w, None), {"strategy": "loop"}),
+               ((torch.randn(2, 5).expand(3, 2, 5), w, b), {})]
+    for args, kwargs in samples:
+        result = opcheck(torch.ops.wide.linear.default, args, kwargs)
+        bad = {k: v for k, v in result.items() if v != "SUCCESS"}
+        if bad:
+            raise AssertionError(f"opcheck(wide::linear, strategy={kwargs.get('strategy')}): {bad}")
+    return f"{len(samples)} samples: schema, autograd registration, fake tensor, aot dispatch"
+
+
+def _test_wide_linear() -> str:
+    import torch
+    from torch import nn
+
+    import wide_compiler as wc
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 3) for _ in range(4)]
+    wide = wc.nn.WideLinear.from_modules(layers)
+    x = torch.randn(4, 2, 6)
+    out = wide(x)
+    err = max(_max_err(out[k], layers[k](x[k])) for k in range(4))
+    _check_close("WideLinear output", err, 1e-5)
+    back = wide.unfuse()
+    for k, (a, m) in enumerate(zip(layers, back)):
+        if type(m) is not nn.Linear or not (torch.equal(a.weight, m.weight)
+                                            and torch.equal(a.bias, m.bias)):
+            raise AssertionError(f"member {k}: unfuse() did not give back the same nn.Linear")
+    return f"from_modules -> forward -> unfuse, max err {err:.1e}"
+
+
+class _MLP:  # built lazily so that `import wide_compiler.cli` does not import torch.nn
+    @staticmethod
+    def make(seed: int, sizes: Sequence[int] = (16, 32, 32, 4)) -> Any:
+        import torch
+        from torch import nn
+
+        torch.manual_seed(seed)
+        layers: list[nn.Module] = []
+        for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            layers.append(nn.Linear(a, b))
+            if k < len(sizes) - 2:
+                layers.append(nn.GELU() if k % 2 else nn.ReLU())
+        return nn.Sequential(*layers)
+
+
+def _compare_population(models: Sequence[Any], wide: Any, x: Any, tol: float) -> float:
+    """Every member's output and parameter gradients against the wide model's; returns max err."""
+    import torch
+
+    from .bench import engine
+
+    worst = 0.0
+    out = wide(x)
+    wide_params = engine.wide_params_in_member_order(wide, models[0])
+    wide_grads = torch.autograd.grad(out.sum(), wide_params)
+    for k, m in enumerate(models):
+        ref = m(x[k])
+        e = _max_err(out[k], ref)
+        _check_close(f"member {k} output", e, tol)
+        worst = max(worst, e)
+        grads = torch.autograd.grad(ref.sum(), list(m.parameters()))
+        for (name, _), g, wg in zip(m.named_parameters(), grads, wide_grads):
+            e = _max_err(wg[k], g)
+            _check_close(f"member {k} gradient of {name}", e, tol)
+            worst = max(worst, e)
+    return worst
+
+
+def _test_compile() -> str:
+    import torch
+
+    import wide_compiler as wc
+
+    n = 8
+    models = [_MLP.make(seed) for seed in range(n)]
+    x = torch.randn(n, 5, 16)
+    wide = wc.compile(models, x[0], config=wc.WideConfig.fast())
+    if wide.n != n:
+        raise AssertionError(f"WideModel.n is {wide.n}, expected {n}")
+    err = _compare_population(models, wide, x, 1e-5)
+    shared = torch.randn(5, 16)
+    out = wide(shared.expand(n, *shared.shape))
+    err_s = max(_max_err(out[k], models[k](shared)) for k in range(n))
+    _check_close("shared input", err_s, 1e-5)
+    return f"{n} MLPs 16->32->32->4, outputs + gradients, max err {max(err, err_s):.1e}"
+
+
+def _test_compile_strategies() -> str:
+    import torch
+
+    import wide_compiler as wc
+
+    n = 4
+    models = [_MLP.make(100 + seed) for seed in range(n)]
+    x = torch.randn(n, 3, 16)
+    worst = 0.0
+    for strategy in ("bmm", "loop"):
+        wide = wc.compile(models, x[0], config=wc.WideConfig(strategy=strategy, tune=False))
+        chosen = set(wide.strategies.values())
+        if chosen != {strategy}:
+            raise AssertionError(f"strategy={strategy!r} forced, got {wide.strategies}")
+        worst = max(worst, _compare_population(models, wide, x, 1e-5))
+    return f"forced bmm and loop, max err {worst:.1e}"
+
+
+def _test_unfuse() -> str:
+    import torch
+
+    import wide_compiler as wc
+
+    n = 4
+    models = [_MLP.make(200 + seed) for seed in range(n)]
+    x = torch.randn(n, 3, 16)
+    wide = wc.compile(models, x[0], config=wc.WideConfig.fast())
+    back = wide.unfuse()
+    if len(back) != n:
+        raise AssertionError(f"unfuse() returned {len(back)} modules, expected {n}")
+    worst = 0.0
+    for k, (a, b) in enumerate(zip(models, back)):
+        if type(a) is not type(b):
+            raise AssertionError(f"member {k}: unfuse() gave {type(b).__name__}, "
+                                 f"expected {type(a).__name__}")
+        e = _max_err(a(x[k]), b(x[k]))
+        _check_close(f"member {k} after unfuse", e, 0.0)
+        worst = max(worst, e)
+    sd = wide.state_dict()
+    for name, p in models[0].named_parameters():
+        if name not in sd or tuple(sd[name].shape) != (n, *p.shape):
+            raise AssertionError(f"state_dict()[{name!r}]: expected shape {(n, *p.shape)}, "
+                                 f"got {tuple(sd[name].shape) if name in sd else 'no such key'}")
+    return "unfuse() and state_dict() give back every member exactly"
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    import torch
+
+    import wide_compiler as wc
+
+    print(f"wide_compiler {getattr(wc, '__version__', 'unknown')}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
+    checks = _Checks(args.verbose)
+    checks.run("wide::linear registered", lambda: str(torch.ops.wide.linear.default._schema))
+    checks.run("wide::linear matches F.linear per member (outputs, gradients)", _test_op)
+    checks.run("torch.library.opcheck(wide::linear)", _test_opcheck)
+    checks.run("WideLinear round trip", _test_wide_linear)
+    checks.run("compile(): MLP population vs every member", _test_compile)
+    checks.run("compile(): forced strategies", _test_compile_strategies)
+    checks.run("WideModel.unfuse() round trip", _test_unfuse)
+    if checks.failed:
+        print(f"{len(checks.failed)} of {checks.count} checks FAILED")
+        return 1
+    print(f"all {checks.count} checks passed")
+    return 0
+
+
+# ---------------------------------------------------------------------------------- benchmark
+
+def cmd_benchmark(args: argparse.Namespace) -> int:
+    from . import bench
+
+    presets = bench.PRESETS[args.target]
+    if args.preset not in presets:
+        print(f"error: target {args.target!r} has no preset {args.preset!r}; "
+              f"expected one of {', '.join(presets)}", file=sys.stderr)
+        return 2
+    records = bench.run(args.target, args.preset, progress=not args.quiet)
+    if not args.quiet:
+        print(bench.format_table(records))
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(records, f, indent=1, default=_json_default, allow_nan=True)
+            f.write("\n")
+        if not args.quiet:
+            print(f"wrote {len(records)} records to {path}")
+    return 0
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    return str(o)
+
+
+# ---------------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import bench
+
+    parser = argparse.ArgumentParser(
+        prog="wide_compiler",
+        description="Fuse N models of one architecture into one wide model.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log INFO messages (and tracebacks of failed checks)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("info", help="versions, threads, CPU ISA, C++ build, registered ops")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("test", help="quick self-check on this machine (PASS/FAIL, exit 0/1)")
+    p.set_defaults(func=cmd_test)
+
+    all_presets = sorted({p for ps in bench.PRESETS.values() for p in ps})
+    p = sub.add_parser("benchmark", help="time wide ops against loop / vmap / torch.compile",
+                       description="Time the wide model against the baselines; print a table "
+                                   "and optionally write JSON records.")
+    p.add_argument("target", choices=sorted(bench.TARGETS), help="what to benchmark")
+    p.add_argument("--preset", default="quick", choices=all_presets,
+                   help="ci: tiny smoke run; quick: the headline case (default); full: the grid")
+    p.add_argument("--json", metavar="FILE", help="write the records (a JSON list) to FILE")
+    p.add_argument("-q", "--quiet", action="store_true", help="no table, no progress bar")
+    p.set_defaults(func=cmd_benchmark)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m wide_compiler`` and the ``wide_compiler`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

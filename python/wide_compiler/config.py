@@ -1,0 +1,92 @@
+"""Compile options: :class:`WideConfig` and its presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+__all__ = ["WideConfig"]
+
+_STRATEGIES = ("auto", "bmm", "loop")
+
+
+@dataclasses.dataclass(frozen=True)
+class WideConfig:
+    """Options of :func:`wide_compiler.compile`.
+
+    Args:
+        strategy: ``"auto"`` lets each wide op choose (measured when ``tune`` is on, a heuristic
+            otherwise); ``"bmm"`` or ``"loop"`` forces that strategy on every wide op.
+        tune: time each op's candidate strategies on the sample shapes at compile time and keep
+            the fastest (cached on disk). Off: the heuristic (batched GEMM) is used.
+        tune_repeats: timed repeats per candidate (the median is kept).
+        tune_margin: a non-default candidate must be this much faster to be chosen (0.1 = 10%),
+            so noise does not flip choices.
+        cache: read/write the strategy cache on disk.
+        cache_dir: where the cache lives; default ``$WIDE_COMPILER_CACHE_DIR`` or
+            ``~/.cache/wide_compiler``.
+        validate: after compiling, run the sample through the wide model and every member and
+            raise :class:`~wide_compiler.ValidationError` if a member differs.
+        strict: raise on anything that is not a native wide form (reserved for fallbacks).
+        rtol, atol: tolerances of ``validate``.
+
+    Example:
+        >>> import wide_compiler as wc
+        >>> wc.WideConfig.fast().tune
+        False
+        >>> wc.WideConfig(strategy="loop").strategy
+        'loop'
+    """
+
+    strategy: str = "auto"
+    tune: bool = True
+    tune_repeats: int = 7
+    tune_margin: float = 0.1
+    cache: bool = True
+    cache_dir: str | None = None
+    validate: bool = False
+    strict: bool = False
+    rtol: float = 1e-4
+    atol: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.strategy not in _STRATEGIES:
+            raise ValueError(f"WideConfig.strategy: expected one of {_STRATEGIES}, got {self.strategy!r}")
+        if self.tune_repeats < 1:
+            raise ValueError(f"WideConfig.tune_repeats: expected >= 1, got {self.tune_repeats}")
+        if self.tune_margin < 0:
+            raise ValueError(f"WideConfig.tune_margin: expected >= 0, got {self.tune_margin}")
+
+    @classmethod
+    def default(cls) -> WideConfig:
+        """Measured strategies, cached on disk; no validation."""
+        return cls()
+
+    @classmethod
+    def fast(cls) -> WideConfig:
+        """Fastest compile: no timing at compile time, heuristic strategies."""
+        return cls(tune=False)
+
+    @classmethod
+    def debug(cls) -> WideConfig:
+        """For finding problems: validate every member, strict, no tuning and no cache."""
+        return cls(tune=False, cache=False, validate=True, strict=True)
+
+    @classmethod
+    def safe(cls) -> WideConfig:
+        """Production with checks: measured strategies, validate every member, strict."""
+        return cls(validate=True, strict=True)
+
+    def replace(self, **changes) -> WideConfig:
+        """A copy with some fields changed: ``cfg.replace(validate=True)``."""
+        return dataclasses.replace(self, **changes)
+
+    def resolved_cache_dir(self) -> Path:
+        """The directory of the strategy cache."""
+        if self.cache_dir is not None:
+            return Path(self.cache_dir)
+        env = os.environ.get("WIDE_COMPILER_CACHE_DIR")
+        if env:
+            return Path(env)
+        return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "wide_compiler"

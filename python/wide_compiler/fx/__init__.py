@@ -1,0 +1,1 @@
+"""Capture (torch.export), the member check, and the widen pass."""

@@ -1,0 +1,154 @@
+"""Capture one member with ``torch.export`` and check that all members are the same program.
+
+See DESIGN §2: non-strict export runs the model's real Python on fake tensors and yields ATen ops
+with schemas; the batch dim (dim 0 of every tensor input) is marked ``Dim.AUTO`` so one wide model
+serves any batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import Dim, ExportedProgram
+
+from ..errors import ArchitectureMismatchError, WideCompileError
+
+__all__ = ["capture", "check_members", "source_line"]
+
+log = logging.getLogger(__name__)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OUR_DIR = os.path.dirname(os.path.dirname(__file__))
+# nn.Module internals every module has; they are not hyperparameters.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_state_dict_hooks", "_load_state_dict_pre_hooks")
+
+
+def _default_dynamic_shapes(args: tuple) -> tuple:
+    """Dim 0 of every tensor input with at least 2 dims is the (dynamic) batch dimension."""
+    return tuple({0: Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() >= 2 else None for a in args)
+
+
+def capture(model: nn.Module, args: tuple, *, dynamic_shapes: Any = None) -> ExportedProgram:
+    """``torch.export`` of one member (non-strict) with a dynamic batch dimension.
+
+    A batch of 1 would be specialised by export (0/1 specialisation); such inputs are captured
+    with a batch of 2 made by repeating the sample, so the wide model still takes any batch.
+    """
+    user_shapes = dynamic_shapes is not None
+    if not user_shapes:
+        dynamic_shapes = _default_dynamic_shapes(args)
+        args = tuple(a.repeat(2, *([1] * (a.dim() - 1)))
+                     if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[0] == 1 else a
+                     for a in args)
+    try:
+        return torch.export.export(model, args, dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as e:  # export's own errors are many types; keep its reason whole
+        raise WideCompileError(
+            f"wide_compiler: torch.export could not capture {type(model).__name__}: "
+            f"{type(e).__name__}: {e}\n"
+            "What to do: make the forward exportable (no data-dependent Python control flow on "
+            "tensor values; use torch.cond or restructure), or pass dynamic_shapes= to compile() "
+            "if the batch dimension is not dim 0 of every input."
+        ) from e
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """The user's source line of a captured node: the innermost stack frame outside torch and
+    wide_compiler, as ``file:line in func: code`` (``<unknown>`` when the trace has none)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace)
+    if not frames:
+        return "<unknown source>"
+    user = [f for f in frames if not f[0].startswith((_TORCH_DIR, _OUR_DIR))]
+    file, line, func, code = (user or frames)[-1]
+    return f"{file}:{line} in {func}: {code.strip()}"
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The dotted path of the innermost module that produced ``node`` ('' for the root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path if isinstance(path, str) else ""
+
+
+# --- the member check -----------------------------------------------------------------------
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
+    if callable(a) and hasattr(a, "__code__"):  # functions and lambdas: same code and constants
+        return getattr(b, "__code__", None) == a.__code__
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:
+        return repr(a) == repr(b)
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a tensor {list(v.shape)} {v.dtype}"
+    if isinstance(v, torch.Size):
+        return str(list(v))
+    return repr(v) if not callable(v) else getattr(v, "__qualname__", repr(v))
+
+
+def check_members(models: Sequence[nn.Module]) -> None:
+    """Raise :class:`ArchitectureMismatchError` unless every member is the same program as
+    member 0: class, module tree and types, training mode, hyperparameters and other non-tensor
+    attributes, hooks, and parameter/buffer names, shapes, dtypes, devices and requires_grad."""
+    ref = models[0]
+    ref_modules = list(ref.named_modules(remove_duplicate=False))
+    for i, model in enumerate(models[1:], start=1):
+        def fail(what: str, got: Any, want: Any) -> None:
+            raise ArchitectureMismatchError(
+                f"member {i}: {what} is {_describe(got)}, member 0 has {_describe(want)}")
+
+        mods = list(model.named_modules(remove_duplicate=False))
+        for (name0, m0), (name, m) in zip(ref_modules, mods):
+            where = name or "the model"
+            if name != name0:
+                fail("the module tree", f"'{name}'", f"'{name0}' at that position")
+            if type(m) is not type(m0):
+                fail(f"type of {where}", type(m).__name__, type(m0).__name__)
+            if m.training != m0.training:
+                fail(f"{where}.training", m.training, m0.training)
+            keys = (set(m.__dict__) | set(m0.__dict__)) - _MODULE_INTERNALS
+            for key in sorted(keys):
+                prefix = f"{name}.{key}" if name else key
+                if key not in m.__dict__ or key not in m0.__dict__:
+                    fail(f"attribute {prefix}", "present" if key in m.__dict__ else "absent",
+                         "present" if key in m0.__dict__ else "absent")
+                if not _same(m.__dict__[key], m0.__dict__[key]):
+                    fail(prefix, m.__dict__[key], m0.__dict__[key])
+            for hooks in _HOOK_DICTS:
+                n_got, n_want = len(getattr(m, hooks, {})), len(getattr(m0, hooks, {}))
+                if n_got != n_want:
+                    fail(f"number of {hooks} on {where}", n_got, n_want)
+        if len(mods) != len(ref_modules):
+            fail("the number of submodules", len(mods), len(ref_modules))
+        for kind, named in (("parameter", "named_parameters"), ("buffer", "named_buffers")):
+            got = dict(getattr(model, named)())
+            want = dict(getattr(ref, named)())
+            if got.keys() != want.keys():
+                fail(f"the set of {kind}s", sorted(got), sorted(want))
+            for name, t0 in want.items():
+                t = got[name]
+                for attr in ("shape", "dtype", "device", "requires_grad"):
+                    if getattr(t, attr) != getattr(t0, attr):
+                        fail(f"{name}.{attr}", getattr(t, attr), getattr(t0, attr))

@@ -1,0 +1,300 @@
+"""The widen pass: every node of a member's captured graph gets its wide form.
+
+A value of the wide graph is either *wide* (a tensor whose dim 0 is the member dim; member i's
+value is ``t[i]``, and its member-level rank is tracked) or *shared* (identical for every member:
+Python scalars, lifted constants, anything computed from shared values only).
+
+Rules are one table keyed by ATen overload, grouped by family as functorch's batching rules are:
+a new pointwise op is one row. Ops that read only shared values are copied unchanged (every member
+would compute the same thing), except random ops, whose draws must be independent per member. An
+op with no rule raises :class:`UnsupportedOperationError` naming the op, the node, the module
+path and the user's source line; nothing is ever run with one member's weights for all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from ..errors import UnsupportedOperationError
+from .capture import module_path, source_line
+
+__all__ = ["Wide", "WideGraph", "widen", "RULES"]
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class Wide:
+    """A wide value of the new graph: ``node`` is N-first, each member's value has ``rank`` dims."""
+
+    node: fx.Node
+    rank: int
+
+
+@dataclasses.dataclass
+class GraphInput:
+    """One placeholder of the wide graph: a stacked parameter/buffer/constant, or a user input."""
+
+    kind: str  # "parameter" | "buffer" | "constant" | "user"
+    name: str  # state-dict name for parameters/buffers/constants, placeholder name for users
+    node: fx.Node  # the placeholder in the wide graph (its meta["val"] is one member's value)
+
+
+@dataclasses.dataclass
+class WideGraph:
+    """The result of :func:`widen`."""
+
+    graph_module: fx.GraphModule
+    inputs: list[GraphInput]
+    # buffer name per mutated-buffer output, in output order before the user outputs
+    mutated_buffers: list[str]
+    in_spec: Any
+    out_spec: Any
+
+
+Rule = Callable[["WidenContext", fx.Node], Any]
+RULES: dict[Any, Rule] = {}
+
+
+def rule(*ops) -> Callable[[Rule], Rule]:
+    """Register ``fn`` as the widen rule of ``ops`` (ATen overloads)."""
+
+    def deco(fn: Rule) -> Rule:
+        for op in ops:
+            RULES[op] = fn
+        return fn
+
+    return deco
+
+
+class WidenContext:
+    """State of one widen pass: the new graph and the mapping old node -> new value."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, Any] = {}
+
+    # -- values -------------------------------------------------------------------------------
+    def value(self, arg: Any) -> Any:
+        """The new-graph value of an argument of an old node (Wide, or a shared node/constant)."""
+        return fx.node.map_arg(arg, lambda n: self.env[n])
+
+    @staticmethod
+    def is_wide(v: Any) -> bool:
+        if isinstance(v, Wide):
+            return True
+        if isinstance(v, (list, tuple)):
+            return any(WidenContext.is_wide(x) for x in v)
+        return False
+
+    def emit(self, target, args: tuple, kwargs: dict | None = None, like: fx.Node | None = None,
+             name: str | None = None) -> fx.Node:
+        """A new call node; ``like`` (an old node) lends its stack trace and module path."""
+        node = self.graph.create_node("call_function", target, args, kwargs or {}, name=name)
+        if like is not None:
+            for key in ("stack_trace", "nn_module_stack"):
+                if key in like.meta:
+                    node.meta[key] = like.meta[key]
+            node.meta["wide_source"] = like.name
+        return node
+
+    def unwrap(self, v: Any) -> Any:
+        """A new-graph argument from a value (Wide -> its node)."""
+        if isinstance(v, Wide):
+            return v.node
+        if isinstance(v, (list, tuple)):
+            return type(v)(self.unwrap(x) for x in v)
+        return v
+
+    def as_wide(self, v: Any, rank: int, like: fx.Node) -> Wide:
+        """A wide version of a value: shared tensors are expanded with stride 0 on dim 0 (no copy),
+        which is exactly the shared-input fast path of the wide ops."""
+        if isinstance(v, Wide):
+            return v
+        node = self.emit(aten.expand.default, (v, [self.n] + [-1] * rank), like=like)
+        return Wide(node, rank)
+
+    def align(self, v: Wide, rank: int, like: fx.Node) -> fx.Node:
+        """Member rank ``v.rank`` -> ``rank`` by inserting size-1 dims right after the member dim,
+        which is what right-aligned broadcasting does inside each member."""
+        node = v.node
+        for _ in range(rank - v.rank):
+            node = self.emit(aten.unsqueeze.default, (node, 1), like=like)
+        return node
+
+    def fail(self, node: fx.Node, why: str) -> UnsupportedOperationError:
+        where = module_path(node)
+        return UnsupportedOperationError(
+            f"wide_compiler: cannot widen {_op_name(node)} at node '{node.name}'"
+            f"{f' (module {where!r})' if where else ''}, {source_line(node)}\n  {why}")
+
+
+def _op_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return f"aten.{t.__name__}" if t.namespace == "aten" else f"{t.namespace}.{t.__name__}"
+    return getattr(t, "__name__", str(t))
+
+
+def concrete_shape(arg: fx.Node) -> list[int]:
+    """One member's shape of an old-graph node, symbolic sizes replaced by their traced sizes."""
+    return [int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in arg.meta["val"].shape]
+
+
+def _member_rank(arg: Any) -> int:
+    """Member-level rank of an old-graph argument (0 for Python scalars)."""
+    val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else 0
+
+
+# --- family: parameter-carrying ops -> torch.ops.wide.* ------------------------------------------
+
+
+@rule(aten.linear.default)
+def _linear(ctx: WidenContext, node: fx.Node) -> Wide:
+    x, w, *rest = node.args
+    b = rest[0] if rest else node.kwargs.get("bias")
+    xv, wv, bv = ctx.value(x), ctx.value(w), ctx.value(b)
+    if _member_rank(w) != 2:
+        raise ctx.fail(node, f"expected a 2-D weight, got {_member_rank(w)}-D")
+    rank = _member_rank(x)
+    if rank == 0:
+        raise ctx.fail(node, "linear of a 0-dim input")
+    args = [ctx.as_wide(xv, rank, node).node, ctx.as_wide(wv, 2, node).node]
+    args.append(ctx.as_wide(bv, 1, node).node if b is not None else None)
+    out = ctx.emit(torch.ops.wide.linear.default, tuple(args), {"strategy": "auto"}, like=node, name=node.name)
+    out.meta["wide_op"] = "wide.linear"
+    out.meta["wide_shapes"] = {"input": concrete_shape(x), "weight": concrete_shape(w)}
+    return Wide(out, _member_rank(node))
+
+
+# --- family: pointwise -----------------------------------------------------------------------
+# Unary: the wide tensor is the first argument; the rest are non-tensor options.
+_UNARY = [
+    "relu", "relu_", "gelu", "gelu_", "silu", "silu_", "tanh", "tanh_", "sigmoid", "sigmoid_",
+    "leaky_relu", "leaky_relu_", "hardtanh", "hardtanh_", "elu", "elu_", "celu", "celu_", "selu",
+    "selu_", "softplus", "mish", "mish_", "hardswish", "hardswish_", "hardsigmoid", "hardsigmoid_",
+    "logsigmoid", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "square",
+    "reciprocal", "clamp", "clamp_", "clone", "alias", "detach", "erf", "sign", "rrelu",
+]
+# Binary with broadcasting between any mix of wide tensors, shared tensors and scalars.
+_BINARY = [
+    "add.Tensor", "add_.Tensor", "add.Scalar", "sub.Tensor", "sub_.Tensor", "sub.Scalar",
+    "rsub.Tensor", "rsub.Scalar", "mul.Tensor", "mul_.Tensor", "mul.Scalar", "div.Tensor",
+    "div_.Tensor", "div.Scalar", "div.Tensor_mode", "pow.Tensor_Scalar", "pow.Tensor_Tensor",
+    "maximum.default", "minimum.default",
+]
+
+
+def _overload(spec: str):
+    name, _, overload = spec.partition(".")
+    packet = getattr(aten, name)
+    return getattr(packet, overload or "default")
+
+
+def _pointwise(ctx: WidenContext, node: fx.Node) -> Wide:
+    """Any mix of wide tensors, shared tensors and scalars: wide operands get size-1 dims after
+    the member dim up to the output's member rank, so broadcasting stays inside each member."""
+    rank = _member_rank(node)
+
+    def convert(a: Any) -> Any:
+        v = ctx.value(a)
+        if isinstance(v, Wide):
+            return ctx.align(v, rank, node)
+        if ctx.is_wide(v):
+            raise ctx.fail(node, "a per-member tensor inside a list argument")
+        return v
+
+    args = tuple(convert(a) for a in node.args)
+    kwargs = {k: convert(a) for k, a in node.kwargs.items()}
+    return Wide(ctx.emit(node.target, args, kwargs, like=node, name=node.name), rank)
+
+
+for _spec in _UNARY + _BINARY:
+    try:
+        rule(_overload(_spec))(_pointwise)
+    except AttributeError:  # an op this torch build does not have
+        log.debug("wide_compiler: no aten op %s in this torch", _spec)
+
+
+# --- the pass --------------------------------------------------------------------------------
+
+
+def _is_random(node: fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def widen(ep: ExportedProgram, n: int, *, state_names: dict[str, str] | None = None) -> WideGraph:
+    """Turn the graph of one member into the graph of ``n`` members.
+
+    Parameters and buffers become placeholders fed with stacked ``[n, ...]`` tensors; user inputs
+    become N-first placeholders; every call node is rewritten by :data:`RULES`.
+    """
+    sig = ep.graph_signature
+    ctx = WidenContext(n)
+    inputs: list[GraphInput] = []
+    kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
+             InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "user"}
+    spec_by_name = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
+
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            spec = spec_by_name.get(node.name)
+            kind = kinds.get(spec.kind) if spec is not None else None
+            if kind is None:
+                raise UnsupportedOperationError(
+                    f"wide_compiler: cannot widen input '{node.name}' of kind {spec and spec.kind}")
+            new = ctx.graph.placeholder(node.name)
+            new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
+            inputs.append(GraphInput(kind, spec.target if kind != "user" else node.name, new))
+            val = node.meta.get("val")
+            if kind in ("parameter", "buffer") or (kind == "user" and isinstance(val, torch.Tensor)):
+                ctx.env[node] = Wide(new, val.dim())
+            else:  # lifted constants and non-tensor user inputs are shared by all members
+                ctx.env[node] = new
+        elif node.op == "call_function":
+            args = [ctx.value(a) for a in node.args] + [ctx.value(a) for a in node.kwargs.values()]
+            if not ctx.is_wide(args):
+                if _is_random(node):
+                    raise ctx.fail(node, "a random op: members need independent draws, which this "
+                                         "op does not give yet")
+                ctx.env[node] = ctx.emit(node.target, ctx.value(node.args), ctx.value(node.kwargs),
+                                         like=node, name=node.name)
+                continue
+            fn = RULES.get(node.target)
+            if fn is None:
+                raise ctx.fail(node, "no widen rule for this op yet (supported: linear, pointwise "
+                                     "activations and arithmetic). Nothing was run.")
+            ctx.env[node] = fn(ctx, node)
+        elif node.op == "output":
+            outs = node.args[0]
+            mutated = []
+            new_outs = []
+            for spec, o in zip(sig.output_specs, outs):
+                v = ctx.value(o)
+                if spec.kind == OutputKind.BUFFER_MUTATION:
+                    mutated.append(spec.target)
+                elif spec.kind != OutputKind.USER_OUTPUT:
+                    raise UnsupportedOperationError(
+                        f"wide_compiler: cannot widen an output of kind {spec.kind}")
+                if isinstance(v, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
+                    v = ctx.as_wide(v, _member_rank(o), o)  # a shared output: every member's copy
+                new_outs.append(ctx.unwrap(v))
+            ctx.graph.output(tuple(new_outs))
+        else:
+            raise UnsupportedOperationError(f"wide_compiler: unexpected graph node {node.op} {node.target}")
+
+    ctx.graph.lint()
+    gm = fx.GraphModule(torch.nn.Module(), ctx.graph, class_name="WideGraph")
+    return WideGraph(gm, inputs, mutated, ep.call_spec.in_spec, ep.call_spec.out_spec)

@@ -1,0 +1,266 @@
+"""WideModel: N members of one architecture as one ``nn.Module``."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import tuning
+from .config import WideConfig
+from .fx.capture import capture, module_path
+from .fx.widen import WideGraph, widen
+
+__all__ = ["WideModel"]
+
+log = logging.getLogger(__name__)
+
+
+class _Stacked(nn.Module):
+    """Holds the stacked ``[N, ...]`` tensors of one original submodule, under the same names."""
+
+    def __init__(self, original_type: str) -> None:
+        super().__init__()
+        self._original_type = original_type
+
+    def extra_repr(self) -> str:
+        return f"stacked {self._original_type}"
+
+
+class WideModel(nn.Module):
+    """N models of one architecture fused into one: member ``i`` of every input and output is
+    model ``i``'s. Built by :func:`wide_compiler.compile`.
+
+    Inputs and outputs are N-first ``[N, B, ...]``; a shared input is ``x.expand(N, *x.shape)``.
+    Parameters and buffers keep their original names with a leading member dim: ``fc1.weight``
+    of shape ``[N, out, in]``; ``state_dict``, ``load_state_dict``, ``.to()`` and optimizers work as
+    for any module. ``train()``/``eval()`` switch between a train graph and an eval graph (export
+    bakes the mode in), each captured and widened on first use.
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU()) for _ in range(4)]
+        >>> wide = wc.compile(models, torch.randn(2, 8), config=wc.WideConfig.fast())
+        >>> x = torch.randn(4, 5, 8)
+        >>> y = wide(x)
+        >>> y.shape
+        torch.Size([4, 5, 16])
+        >>> torch.allclose(y[2], models[2](x[2]), atol=1e-6)
+        True
+        >>> wide.state_dict()["0.weight"].shape
+        torch.Size([4, 16, 8])
+    """
+
+    def __init__(self, models: Sequence[nn.Module], sample_args: tuple, *, config: WideConfig,
+                 dynamic_shapes: Any = None) -> None:
+        super().__init__()
+        template = models[0]
+        self.n = len(models)
+        # Hidden from nn.Module registration: a structural copy of member 0 (for unfuse and for
+        # capturing the graph of the other train/eval mode), the capture sample, the graphs.
+        object.__setattr__(self, "_template", copy.deepcopy(template))
+        object.__setattr__(self, "_sample_args", tuple(
+            a.detach() if isinstance(a, torch.Tensor) else a for a in sample_args))
+        self._config = config
+        self._dynamic_shapes = dynamic_shapes
+        self._graphs: dict[bool, WideGraph] = {}
+        self._timings: dict[str, dict[str, float] | None] = {}
+
+        with torch.no_grad():
+            for name, p in template.named_parameters():
+                stacked = torch.stack([m.get_parameter(name).detach() for m in models])
+                self._install(name, nn.Parameter(stacked, requires_grad=p.requires_grad))
+            persistent = {n for n, _ in _persistent_buffers(template)}
+            for name, b in template.named_buffers():
+                stacked = torch.stack([m.get_buffer(name).detach() for m in models])
+                self._install(name, stacked, persistent=name in persistent)
+        self.train(template.training)
+        self._graph_for(template.training)
+
+    # -- construction -----------------------------------------------------------------------
+    def _container(self, path: str) -> nn.Module:
+        mod: nn.Module = self
+        for part in filter(None, path.split(".")):
+            if part not in mod._modules:
+                original = self._template.get_submodule(_join(_path_of(mod, self), part))
+                mod.add_module(part, _Stacked(type(original).__name__))
+            mod = mod._modules[part]
+        return mod
+
+    def _install(self, name: str, t: torch.Tensor, *, persistent: bool = True) -> None:
+        path, _, attr = name.rpartition(".")
+        mod = self._container(path)
+        if isinstance(t, nn.Parameter):
+            mod.register_parameter(attr, t)
+        else:
+            mod.register_buffer(attr, t, persistent=persistent)
+
+    def _graph_for(self, training: bool) -> WideGraph:
+        wg = self._graphs.get(training)
+        if wg is None:
+            template = self._template.train(training)
+            ep = capture(template, self._sample_args, dynamic_shapes=self._dynamic_shapes)
+            wg = widen(ep, self.n)
+            for name, value in ep.constants.items():
+                if not _has_tensor(self, name):
+                    device = next((p.device for p in self.parameters()), value.device)
+                    self._install(name, value.detach().clone().to(device), persistent=False)
+            self._tune(wg)
+            self._graphs[training] = wg
+            log.debug("wide_compiler: %s graph:\n%s", "train" if training else "eval", wg.graph_module.code)
+        return wg
+
+    def _tune(self, wg: WideGraph) -> None:
+        """Choose each wide op's strategy by measurement on the sample shapes (see tuning.py)."""
+        for node in wg.graph_module.graph.nodes:
+            if node.meta.get("wide_op") != "wide.linear":
+                continue
+            x_shape, w_shape = node.meta["wide_shapes"]["input"], node.meta["wide_shapes"]["weight"]
+            has_bias = node.args[2] is not None
+            ref = next(self.parameters(), None)
+            opts = {"dtype": ref.dtype if ref is not None else torch.float32,
+                    "device": ref.device if ref is not None else "cpu"}
+
+            def candidate(strategy: str, x_shape=x_shape, w_shape=w_shape, has_bias=has_bias):
+                x = torch.randn(self.n, *x_shape, **opts)
+                w = torch.randn(self.n, *w_shape, **opts)
+                b = torch.randn(self.n, w_shape[0], **opts) if has_bias else None
+                return lambda: torch.ops.wide.linear(x, w, b, strategy=strategy)
+
+            key = {"n": self.n, "input": x_shape, "weight": w_shape, "bias": has_bias,
+                   "dtype": str(opts["dtype"]), "device": str(opts["device"])}
+            strategy, timings = tuning.choose_strategy(
+                "wide.linear", key, {"bmm": candidate("bmm"), "loop": candidate("loop")},
+                "bmm", self._config)
+            node.update_kwarg("strategy", strategy)
+            self._timings[node.name] = timings
+        wg.graph_module.recompile()
+
+    # -- running ----------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        wg = self._graph_for(self.training)
+        flat, spec = tree_flatten((args, kwargs))
+        if spec != wg.in_spec:
+            raise ValueError(
+                f"wide_compiler: the wide model takes inputs structured as one member's sample "
+                f"({wg.in_spec}), each tensor with a leading member dim; got {spec}")
+        feeds, user = [], iter(flat)
+        for inp in wg.inputs:
+            if inp.kind == "user":
+                x = next(user)
+                if isinstance(x, torch.Tensor):
+                    self._check_input(x, inp.node)
+                feeds.append(x)
+            else:
+                feeds.append(_get_tensor(self, inp.name))
+        outs = wg.graph_module(*feeds)
+        k = len(wg.mutated_buffers)
+        if k:
+            with torch.no_grad():
+                for name, new in zip(wg.mutated_buffers, outs[:k]):
+                    _get_tensor(self, name).copy_(new)
+        return tree_unflatten(list(outs[k:]), wg.out_spec)
+
+    def _check_input(self, x: torch.Tensor, ph: torch.fx.Node) -> None:
+        val = ph.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return
+        member = ["B" if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
+        ok = x.dim() == len(member) + 1 and x.shape[0] == self.n and all(
+            m == "B" or m == s for m, s in zip(member, x.shape[1:]))
+        if not ok:
+            raise ValueError(
+                f"wide_compiler: input '{ph.name}' has shape {list(x.shape)}; expected N-first "
+                f"[{self.n}, {', '.join(map(str, member))}] (one member's input is "
+                f"[{', '.join(map(str, member))}] and there are {self.n} members). Stack per-member "
+                f"inputs with wide_compiler.stack(xs), or share one input x with "
+                f"x.expand({self.n}, *x.shape).")
+
+    # -- inspection -------------------------------------------------------------------------
+    @property
+    def strategies(self) -> dict[str, str]:
+        """Graph node name -> strategy of every wide op (current train/eval graph)."""
+        wg = self._graph_for(self.training)
+        return {n.name: n.kwargs["strategy"] for n in wg.graph_module.graph.nodes if "wide_op" in n.meta}
+
+    def summary(self) -> str:
+        """A table of the wide ops of the current graph: node, module, op, strategy, member shapes."""
+        wg = self._graph_for(self.training)
+        rows = [("node", "module", "wide op", "strategy", "member input", "weight", "tuned (ms)")]
+        for node in wg.graph_module.graph.nodes:
+            if "wide_op" not in node.meta:
+                continue
+            shapes = node.meta["wide_shapes"]
+            t = self._timings.get(node.name)
+            rows.append((node.name, module_path(node) or "-", node.meta["wide_op"], node.kwargs["strategy"],
+                         str(shapes["input"]), str(shapes["weight"]),
+                         ", ".join(f"{k} {v:.3f}" for k, v in t.items()) if t else "-"))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        n_params = sum(p.numel() for p in self.parameters())
+        head = (f"WideModel: {self.n} members of {type(self._template).__name__}, "
+                f"{n_params // self.n:,} parameters per member, "
+                f"{'train' if self.training else 'eval'} graph, "
+                f"{len(rows) - 1} wide ops (a shared input x.expand(N, ...) runs each first GEMM once)")
+        return "\n".join([head, *lines])
+
+    def extra_repr(self) -> str:
+        return f"n={self.n}, model={type(self._template).__name__}"
+
+    # -- back to N models ---------------------------------------------------------------------
+    def unfuse(self) -> list[nn.Module]:
+        """N ordinary modules (the original class) holding copies of the members' weights and
+        buffers, in this model's train/eval mode, dtype and device."""
+        out = []
+        with torch.no_grad():
+            for i in range(self.n):
+                m = copy.deepcopy(self._template)
+                for name, p in self._template.named_parameters():
+                    path, _, attr = name.rpartition(".")
+                    sub = m.get_submodule(path)
+                    sub._parameters[attr] = nn.Parameter(
+                        _get_tensor(self, name)[i].detach().clone(), requires_grad=p.requires_grad)
+                for name, _ in self._template.named_buffers():
+                    path, _, attr = name.rpartition(".")
+                    m.get_submodule(path)._buffers[attr] = _get_tensor(self, name)[i].detach().clone()
+                out.append(m.train(self.training))
+        return out
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}.{b}" if a else b
+
+
+def _path_of(mod: nn.Module, root: nn.Module) -> str:
+    for name, m in root.named_modules():
+        if m is mod:
+            return name
+    raise KeyError("module not under root")
+
+
+def _persistent_buffers(model: nn.Module):
+    for mod_name, mod in model.named_modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                yield _join(mod_name, name), b
+
+
+def _get_tensor(root: nn.Module, name: str) -> torch.Tensor:
+    path, _, attr = name.rpartition(".")
+    mod = root.get_submodule(path) if path else root
+    t = mod._parameters.get(attr)
+    return t if t is not None else mod._buffers[attr]
+
+
+def _has_tensor(root: nn.Module, name: str) -> bool:
+    try:
+        _get_tensor(root, name)
+        return True
+    except (AttributeError, KeyError):
+        return False

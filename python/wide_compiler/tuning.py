@@ -1,0 +1,117 @@
+"""Measured strategy choice for wide operators, cached on disk.
+
+Each wide op offers several strategies (``torch.ops.wide.linear``: ``bmm`` or ``loop``). At compile
+time :func:`choose_strategy` times each candidate on the sample shapes (a few warm-up calls, then
+the median of ``config.tune_repeats`` timed calls) and keeps the fastest; the default candidate
+wins unless another is faster by ``config.tune_margin``, so timing noise does not flip choices.
+Results are cached in ``<cache_dir>/strategies.json`` keyed by op, shapes, dtype, device, thread
+count and library versions, so a second compile of the same shapes costs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .config import WideConfig
+
+__all__ = ["choose_strategy", "cache_key"]
+
+log = logging.getLogger(__name__)
+_CACHE_FILE = "strategies.json"
+
+
+def cache_key(op: str, **fields: Any) -> str:
+    """The cache key of one tuning problem: op, the caller's fields, and the machine/version facts
+    a measurement depends on."""
+    from . import __version__
+
+    full = dict(fields, op=op, threads=torch.get_num_threads(), torch=torch.__version__, wide=__version__)
+    return json.dumps(full, sort_keys=True, default=str)
+
+
+def _load(path: os.PathLike) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(path, key: str, value: dict[str, Any]) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        data = _load(path)
+        data[key] = value
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".strategies-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home must not break compile()
+        log.warning("wide_compiler: cannot write the strategy cache %s: %s", path, e)
+
+
+def _median_ms(candidates: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median wall time (ms) of each candidate. All are warmed up first (first calls pay one-time
+    library initialisation) and then timed round-robin, so drift hits every candidate alike."""
+    for fn in candidates.values():
+        for _ in range(3):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(1e3 * (time.perf_counter() - start))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def choose_strategy(
+    op: str,
+    key_fields: Mapping[str, Any],
+    candidates: Mapping[str, Callable[[], Any]],
+    default: str,
+    config: WideConfig,
+) -> tuple[str, dict[str, float] | None]:
+    """Pick the fastest of ``candidates`` (name -> zero-argument callable running the op).
+
+    Returns ``(strategy, timings_ms)``; ``timings_ms`` is ``None`` when nothing was measured
+    (tuning off, forced strategy). Example:
+
+        >>> import torch, wide_compiler as wc
+        >>> from wide_compiler.tuning import choose_strategy
+        >>> x, w = torch.randn(4, 8, 16), torch.randn(4, 32, 16)
+        >>> cands = {s: (lambda s=s: torch.ops.wide.linear(x, w, strategy=s)) for s in ("bmm", "loop")}
+        >>> choose_strategy("linear", {"x": [4, 8, 16]}, cands, "bmm", wc.WideConfig.fast())
+        ('bmm', None)
+    """
+    if config.strategy != "auto":
+        return config.strategy, None
+    if not config.tune or len(candidates) == 1:
+        return default, None
+    key = cache_key(op, **key_fields)
+    path = os.path.join(config.resolved_cache_dir(), _CACHE_FILE)
+    if config.cache:
+        hit = _load(path).get(key)
+        if isinstance(hit, dict) and hit.get("strategy") in candidates:
+            log.debug("wide_compiler: strategy cache hit for %s: %s", op, hit["strategy"])
+            return hit["strategy"], hit.get("timings_ms")
+    with torch.no_grad():
+        timings = _median_ms(candidates, config.tune_repeats)
+    best = min(timings, key=timings.get)
+    if best != default and timings[default] <= timings[best] * (1.0 + config.tune_margin):
+        best = default
+    log.info("wide_compiler: %s strategy %s (%s)", op, best,
+             ", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()))
+    if config.cache:
+        _store(path, key, {"strategy": best, "timings_ms": timings})
+    return best, timings
