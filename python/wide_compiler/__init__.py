@@ -10,11 +10,18 @@ torch.Size([4, 3, 2])
 
 import torch  # noqa: F401  (loads libtorch before our core library)
 
-from . import _C  # noqa: F401  (loads libwide: registers torch.ops.wide.*)
-from . import nn
+from . import (
+    _C,  # noqa: F401  (loads libwide: registers torch.ops.wide.*)
+    nn,
+)
 from .api import compile, pack, stack, unpack, unstack
 from .config import WideConfig
-from .errors import ArchitectureMismatchError, UnsupportedOperationError, ValidationError, WideCompileError
+from .errors import (
+    ArchitectureMismatchError,
+    UnsupportedOperationError,
+    ValidationError,
+    WideCompileError,
+)
 from .model import WideModel
 
 __version__ = "0.1.0"

@@ -15,6 +15,7 @@ from . import tuning
 from .config import WideConfig
 from .fx.capture import capture, module_path
 from .fx.widen import WideGraph, widen
+from .members import MemberOpsMixin
 
 __all__ = ["WideModel"]
 
@@ -32,7 +33,7 @@ class _Stacked(nn.Module):
         return f"stacked {self._original_type}"
 
 
-class WideModel(nn.Module):
+class WideModel(MemberOpsMixin, nn.Module):
     """N models of one architecture fused into one: member ``i`` of every input and output is
     model ``i``'s. Built by :func:`wide_compiler.compile`.
 
@@ -117,26 +118,17 @@ class WideModel(nn.Module):
 
     def _tune(self, wg: WideGraph) -> None:
         """Choose each wide op's strategy by measurement on the sample shapes (see tuning.py)."""
+        ref = next(self.parameters(), None)
+        opts = {"dtype": ref.dtype if ref is not None else torch.float32,
+                "device": ref.device if ref is not None else torch.device("cpu")}
         for node in wg.graph_module.graph.nodes:
-            if node.meta.get("wide_op") != "wide.linear":
+            spec = node.meta.get("wide_tune")
+            if spec is None:
                 continue
-            x_shape, w_shape = node.meta["wide_shapes"]["input"], node.meta["wide_shapes"]["weight"]
-            has_bias = node.args[2] is not None
-            ref = next(self.parameters(), None)
-            opts = {"dtype": ref.dtype if ref is not None else torch.float32,
-                    "device": ref.device if ref is not None else "cpu"}
-
-            def candidate(strategy: str, x_shape=x_shape, w_shape=w_shape, has_bias=has_bias):
-                x = torch.randn(self.n, *x_shape, **opts)
-                w = torch.randn(self.n, *w_shape, **opts)
-                b = torch.randn(self.n, w_shape[0], **opts) if has_bias else None
-                return lambda: torch.ops.wide.linear(x, w, b, strategy=strategy)
-
-            key = {"n": self.n, "input": x_shape, "weight": w_shape, "bias": has_bias,
-                   "dtype": str(opts["dtype"]), "device": str(opts["device"])}
+            key = {"n": self.n, **node.meta["wide_shapes"], "dtype": str(opts["dtype"]),
+                   "device": str(opts["device"])}
             strategy, timings = tuning.choose_strategy(
-                "wide.linear", key, {"bmm": candidate("bmm"), "loop": candidate("loop")},
-                "bmm", self._config)
+                node.meta["wide_op"], key, lambda spec=spec: spec.make(self.n, opts), spec.default, self._config)
             node.update_kwarg("strategy", strategy)
             self._timings[node.name] = timings
         wg.graph_module.recompile()

@@ -78,11 +78,12 @@ def _median_ms(candidates: Mapping[str, Callable[[], Any]], repeats: int) -> dic
 def choose_strategy(
     op: str,
     key_fields: Mapping[str, Any],
-    candidates: Mapping[str, Callable[[], Any]],
+    make_candidates: Callable[[], Mapping[str, Callable[[], Any]]],
     default: str,
     config: WideConfig,
 ) -> tuple[str, dict[str, float] | None]:
-    """Pick the fastest of ``candidates`` (name -> zero-argument callable running the op).
+    """Pick the fastest strategy. ``make_candidates()`` returns ``{name: zero-argument callable
+    running the op with that strategy}``; it is called only when something must be measured.
 
     Returns ``(strategy, timings_ms)``; ``timings_ms`` is ``None`` when nothing was measured
     (tuning off, forced strategy). Example:
@@ -90,23 +91,25 @@ def choose_strategy(
         >>> import torch, wide_compiler as wc
         >>> from wide_compiler.tuning import choose_strategy
         >>> x, w = torch.randn(4, 8, 16), torch.randn(4, 32, 16)
-        >>> cands = {s: (lambda s=s: torch.ops.wide.linear(x, w, strategy=s)) for s in ("bmm", "loop")}
-        >>> choose_strategy("linear", {"x": [4, 8, 16]}, cands, "bmm", wc.WideConfig.fast())
+        >>> make = lambda: {s: (lambda s=s: torch.ops.wide.linear(x, w, strategy=s)) for s in ("bmm", "loop")}
+        >>> choose_strategy("linear", {"x": [4, 8, 16]}, make, "bmm", wc.WideConfig.fast())
         ('bmm', None)
+        >>> choose_strategy("linear", {"x": [4, 8, 16]}, make, "bmm", wc.WideConfig(cache=False))[0] in ("bmm", "loop")
+        True
     """
     if config.strategy != "auto":
         return config.strategy, None
-    if not config.tune or len(candidates) == 1:
+    if not config.tune:
         return default, None
     key = cache_key(op, **key_fields)
     path = os.path.join(config.resolved_cache_dir(), _CACHE_FILE)
     if config.cache:
         hit = _load(path).get(key)
-        if isinstance(hit, dict) and hit.get("strategy") in candidates:
+        if isinstance(hit, dict) and isinstance(hit.get("strategy"), str):
             log.debug("wide_compiler: strategy cache hit for %s: %s", op, hit["strategy"])
             return hit["strategy"], hit.get("timings_ms")
     with torch.no_grad():
-        timings = _median_ms(candidates, config.tune_repeats)
+        timings = _median_ms(make_candidates(), config.tune_repeats)
     best = min(timings, key=timings.get)
     if best != default and timings[default] <= timings[best] * (1.0 + config.tune_margin):
         best = default

@@ -50,7 +50,6 @@ import dataclasses
 import logging
 import math
 import platform
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -423,9 +422,10 @@ def format_table(records: Sequence[Mapping[str, Any]], *, header: bool = True) -
     ...                       "out_features": 4, "dtype": "float32"}, mode="train",
     ...                 strategy="bmm", wide_ms=0.5, baseline_ms={"loop": 2.0},
     ...                 max_abs_err=0.0, machine={})
-    >>> print(format_table([r], header=False))  # doctest: +NORMALIZE_WHITESPACE
-    target case     N B shape dtype   mode  strategy wide ms loop ms vs loop max err
-    linear separate 4 2 8->4  float32 train bmm      0.500   2.000   4.00x   0.0e+00
+    >>> print(format_table([r], header=False))
+    target  case      N  B  shape  dtype    mode   strategy  wide ms  loop ms  vs loop  max err
+    ------  --------  -  -  -----  -------  -----  --------  -------  -------  -------  -------
+    linear  separate  4  2  8->4   float32  train  bmm         0.500    2.000    4.00x  0.0e+00
     """
     baselines: list[str] = []
     for r in records:

@@ -26,7 +26,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from ..errors import UnsupportedOperationError
 from .capture import module_path, source_line
 
-__all__ = ["Wide", "WideGraph", "widen", "RULES"]
+__all__ = ["RULES", "TuneSpec", "Wide", "WideGraph", "rule", "widen"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -59,6 +59,20 @@ class WideGraph:
     mutated_buffers: list[str]
     in_spec: Any
     out_spec: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneSpec:
+    """How to measure a wide op's strategies (attached by its rule as ``node.meta["wide_tune"]``).
+
+    ``make(n, {"dtype": ..., "device": ...})`` returns ``{strategy: zero-argument callable}`` that
+    runs the op on random tensors of the sample shapes; ``default`` is used when nothing is
+    measured. The chosen strategy is written into the node's ``strategy`` kwarg. The cache key is
+    the op, ``node.meta["wide_shapes"]``, N, dtype and device (see tuning.py).
+    """
+
+    default: str
+    make: Callable[[int, dict], dict[str, Callable[[], Any]]]
 
 
 Rule = Callable[["WidenContext", fx.Node], Any]
@@ -135,11 +149,11 @@ class WidenContext:
     def fail(self, node: fx.Node, why: str) -> UnsupportedOperationError:
         where = module_path(node)
         return UnsupportedOperationError(
-            f"wide_compiler: cannot widen {_op_name(node)} at node '{node.name}'"
+            f"wide_compiler: cannot widen {op_name(node)} at node '{node.name}'"
             f"{f' (module {where!r})' if where else ''}, {source_line(node)}\n  {why}")
 
 
-def _op_name(node: fx.Node) -> str:
+def op_name(node: fx.Node) -> str:
     t = node.target
     if isinstance(t, torch._ops.OpOverload):
         return f"aten.{t.__name__}" if t.namespace == "aten" else f"{t.namespace}.{t.__name__}"
@@ -151,80 +165,10 @@ def concrete_shape(arg: fx.Node) -> list[int]:
     return [int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in arg.meta["val"].shape]
 
 
-def _member_rank(arg: Any) -> int:
+def member_rank(arg: Any) -> int:
     """Member-level rank of an old-graph argument (0 for Python scalars)."""
     val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
     return val.dim() if isinstance(val, torch.Tensor) else 0
-
-
-# --- family: parameter-carrying ops -> torch.ops.wide.* ------------------------------------------
-
-
-@rule(aten.linear.default)
-def _linear(ctx: WidenContext, node: fx.Node) -> Wide:
-    x, w, *rest = node.args
-    b = rest[0] if rest else node.kwargs.get("bias")
-    xv, wv, bv = ctx.value(x), ctx.value(w), ctx.value(b)
-    if _member_rank(w) != 2:
-        raise ctx.fail(node, f"expected a 2-D weight, got {_member_rank(w)}-D")
-    rank = _member_rank(x)
-    if rank == 0:
-        raise ctx.fail(node, "linear of a 0-dim input")
-    args = [ctx.as_wide(xv, rank, node).node, ctx.as_wide(wv, 2, node).node]
-    args.append(ctx.as_wide(bv, 1, node).node if b is not None else None)
-    out = ctx.emit(torch.ops.wide.linear.default, tuple(args), {"strategy": "auto"}, like=node, name=node.name)
-    out.meta["wide_op"] = "wide.linear"
-    out.meta["wide_shapes"] = {"input": concrete_shape(x), "weight": concrete_shape(w)}
-    return Wide(out, _member_rank(node))
-
-
-# --- family: pointwise -----------------------------------------------------------------------
-# Unary: the wide tensor is the first argument; the rest are non-tensor options.
-_UNARY = [
-    "relu", "relu_", "gelu", "gelu_", "silu", "silu_", "tanh", "tanh_", "sigmoid", "sigmoid_",
-    "leaky_relu", "leaky_relu_", "hardtanh", "hardtanh_", "elu", "elu_", "celu", "celu_", "selu",
-    "selu_", "softplus", "mish", "mish_", "hardswish", "hardswish_", "hardsigmoid", "hardsigmoid_",
-    "logsigmoid", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "square",
-    "reciprocal", "clamp", "clamp_", "clone", "alias", "detach", "erf", "sign", "rrelu",
-]
-# Binary with broadcasting between any mix of wide tensors, shared tensors and scalars.
-_BINARY = [
-    "add.Tensor", "add_.Tensor", "add.Scalar", "sub.Tensor", "sub_.Tensor", "sub.Scalar",
-    "rsub.Tensor", "rsub.Scalar", "mul.Tensor", "mul_.Tensor", "mul.Scalar", "div.Tensor",
-    "div_.Tensor", "div.Scalar", "div.Tensor_mode", "pow.Tensor_Scalar", "pow.Tensor_Tensor",
-    "maximum.default", "minimum.default",
-]
-
-
-def _overload(spec: str):
-    name, _, overload = spec.partition(".")
-    packet = getattr(aten, name)
-    return getattr(packet, overload or "default")
-
-
-def _pointwise(ctx: WidenContext, node: fx.Node) -> Wide:
-    """Any mix of wide tensors, shared tensors and scalars: wide operands get size-1 dims after
-    the member dim up to the output's member rank, so broadcasting stays inside each member."""
-    rank = _member_rank(node)
-
-    def convert(a: Any) -> Any:
-        v = ctx.value(a)
-        if isinstance(v, Wide):
-            return ctx.align(v, rank, node)
-        if ctx.is_wide(v):
-            raise ctx.fail(node, "a per-member tensor inside a list argument")
-        return v
-
-    args = tuple(convert(a) for a in node.args)
-    kwargs = {k: convert(a) for k, a in node.kwargs.items()}
-    return Wide(ctx.emit(node.target, args, kwargs, like=node, name=node.name), rank)
-
-
-for _spec in _UNARY + _BINARY:
-    try:
-        rule(_overload(_spec))(_pointwise)
-    except AttributeError:  # an op this torch build does not have
-        log.debug("wide_compiler: no aten op %s in this torch", _spec)
 
 
 # --- the pass --------------------------------------------------------------------------------
@@ -289,7 +233,7 @@ def widen(ep: ExportedProgram, n: int, *, state_names: dict[str, str] | None = N
                     raise UnsupportedOperationError(
                         f"wide_compiler: cannot widen an output of kind {spec.kind}")
                 if isinstance(v, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
-                    v = ctx.as_wide(v, _member_rank(o), o)  # a shared output: every member's copy
+                    v = ctx.as_wide(v, member_rank(o), o)  # a shared output: every member's copy
                 new_outs.append(ctx.unwrap(v))
             ctx.graph.output(tuple(new_outs))
         else:
@@ -298,3 +242,7 @@ def widen(ep: ExportedProgram, n: int, *, state_names: dict[str, str] | None = N
     ctx.graph.lint()
     gm = fx.GraphModule(torch.nn.Module(), ctx.graph, class_name="WideGraph")
     return WideGraph(gm, inputs, mutated, ep.call_spec.in_spec, ep.call_spec.out_spec)
+
+
+# Rule families register themselves into RULES on import (one family per file, DESIGN §8).
+from . import rules  # noqa: E402,F401

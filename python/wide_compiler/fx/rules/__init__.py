@@ -1,0 +1,5 @@
+"""Widen rule families, one per file; importing this package fills ``widen.RULES``.
+
+A new family is a new file here plus one import line below."""
+
+from . import linear, pointwise  # noqa: F401

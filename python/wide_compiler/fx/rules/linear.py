@@ -1,0 +1,39 @@
+"""Widen rules: linear layers -> torch.ops.wide.linear."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ..widen import TuneSpec, Wide, WidenContext, concrete_shape, member_rank, rule
+
+aten = torch.ops.aten
+
+
+def _linear_candidates(n: int, shapes: dict, has_bias: bool, opts: dict) -> dict:
+    """Zero-argument callables running each strategy on random tensors of the sample shapes."""
+    x = torch.randn(n, *shapes["input"], **opts)
+    w = torch.randn(n, *shapes["weight"], **opts)
+    b = torch.randn(n, shapes["weight"][0], **opts) if has_bias else None
+    return {s: (lambda s=s: torch.ops.wide.linear(x, w, b, strategy=s)) for s in ("bmm", "loop")}
+
+
+
+@rule(aten.linear.default)
+def _linear(ctx: WidenContext, node: fx.Node) -> Wide:
+    x, w, *rest = node.args
+    b = rest[0] if rest else node.kwargs.get("bias")
+    xv, wv, bv = ctx.value(x), ctx.value(w), ctx.value(b)
+    if member_rank(w) != 2:
+        raise ctx.fail(node, f"expected a 2-D weight, got {member_rank(w)}-D")
+    rank = member_rank(x)
+    if rank == 0:
+        raise ctx.fail(node, "linear of a 0-dim input")
+    args = [ctx.as_wide(xv, rank, node).node, ctx.as_wide(wv, 2, node).node]
+    args.append(ctx.as_wide(bv, 1, node).node if b is not None else None)
+    out = ctx.emit(torch.ops.wide.linear.default, tuple(args), {"strategy": "auto"}, like=node, name=node.name)
+    out.meta["wide_op"] = "wide.linear"
+    out.meta["wide_shapes"] = {"input": concrete_shape(x), "weight": concrete_shape(w), "bias": b is not None}
+    out.meta["wide_tune"] = TuneSpec(
+        default="bmm", make=lambda n, opts, s=out.meta["wide_shapes"]: _linear_candidates(n, s, s["bias"], opts))
+    return Wide(out, member_rank(node))

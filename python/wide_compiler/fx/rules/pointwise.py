@@ -1,0 +1,63 @@
+"""Widen rules: pointwise ops (unary, and binary with broadcasting)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import fx
+
+from ..widen import Wide, WidenContext, member_rank, rule
+
+aten = torch.ops.aten
+
+log = logging.getLogger(__name__)
+
+# --- family: pointwise -----------------------------------------------------------------------
+# Unary: the wide tensor is the first argument; the rest are non-tensor options.
+_UNARY = [
+    "relu", "relu_", "gelu", "gelu_", "silu", "silu_", "tanh", "tanh_", "sigmoid", "sigmoid_",
+    "leaky_relu", "leaky_relu_", "hardtanh", "hardtanh_", "elu", "elu_", "celu", "celu_", "selu",
+    "selu_", "softplus", "mish", "mish_", "hardswish", "hardswish_", "hardsigmoid", "hardsigmoid_",
+    "logsigmoid", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "square",
+    "reciprocal", "clamp", "clamp_", "clone", "alias", "detach", "erf", "sign", "rrelu",
+]
+# Binary with broadcasting between any mix of wide tensors, shared tensors and scalars.
+_BINARY = [
+    "add.Tensor", "add_.Tensor", "add.Scalar", "sub.Tensor", "sub_.Tensor", "sub.Scalar",
+    "rsub.Tensor", "rsub.Scalar", "mul.Tensor", "mul_.Tensor", "mul.Scalar", "div.Tensor",
+    "div_.Tensor", "div.Scalar", "div.Tensor_mode", "pow.Tensor_Scalar", "pow.Tensor_Tensor",
+    "maximum.default", "minimum.default",
+]
+
+
+def _overload(spec: str):
+    name, _, overload = spec.partition(".")
+    packet = getattr(aten, name)
+    return getattr(packet, overload or "default")
+
+
+def _pointwise(ctx: WidenContext, node: fx.Node) -> Wide:
+    """Any mix of wide tensors, shared tensors and scalars: wide operands get size-1 dims after
+    the member dim up to the output's member rank, so broadcasting stays inside each member."""
+    rank = member_rank(node)
+
+    def convert(a: Any) -> Any:
+        v = ctx.value(a)
+        if isinstance(v, Wide):
+            return ctx.align(v, rank, node)
+        if ctx.is_wide(v):
+            raise ctx.fail(node, "a per-member tensor inside a list argument")
+        return v
+
+    args = tuple(convert(a) for a in node.args)
+    kwargs = {k: convert(a) for k, a in node.kwargs.items()}
+    return Wide(ctx.emit(node.target, args, kwargs, like=node, name=node.name), rank)
+
+
+for _spec in _UNARY + _BINARY:
+    try:
+        rule(_overload(_spec))(_pointwise)
+    except AttributeError:  # an op this torch build does not have
+        log.debug("wide_compiler: no aten op %s in this torch", _spec)

@@ -1,0 +1,254 @@
+"""The command line (``python -m wide_compiler ...`` in a subprocess) and the benchmark engine.
+
+No assertion here depends on timing: benchmark numbers are checked for being finite and
+positive, never compared with each other.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from wide_compiler import cli
+from wide_compiler.bench import engine, linear
+
+
+def run_cli(*args: str, cache_dir, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, WIDE_COMPILER_CACHE_DIR=str(cache_dir))
+    return subprocess.run([sys.executable, "-m", "wide_compiler", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------- subprocess
+
+def test_info_lists_ops_and_build_info(tmp_path):
+    proc = run_cli("info", cache_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "wide::linear" in proc.stdout
+    assert "parallel_for_threads_used" in proc.stdout
+    assert torch.__version__ in proc.stdout
+    assert torch.backends.cpu.get_cpu_capability() in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def ci_run(tmp_path_factory):
+    """One `benchmark linear --preset ci --json` run shared by the checks below."""
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "nested" / "dir" / "linear.json"  # parent dirs do not exist yet
+    proc = run_cli("benchmark", "linear", "--preset", "ci", "--json", str(out),
+                   cache_dir=tmp / "cache")
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads(out.read_text())
+
+
+def test_benchmark_ci_writes_valid_records(ci_run):
+    _, records = ci_run
+    assert isinstance(records, list) and records
+    for r in records:
+        missing = set(engine.RECORD_KEYS) - set(r)
+        assert not missing, f"record lacks {missing}: {r}"
+        assert r["target"] == "linear" and r["preset"] == "ci"
+        assert r["mode"] in ("inference", "train") and r["execution"] == "eager"
+        assert math.isfinite(r["wide_ms"]) and r["wide_ms"] > 0
+        assert r["errors"] == {}
+        assert set(r["baseline_ms"]) >= {"loop", "vmap"}
+        assert set(r["speedup"]) == set(r["baseline_ms"])
+        for name, ms in r["baseline_ms"].items():
+            assert math.isfinite(ms) and ms > 0, (name, ms)
+            assert math.isfinite(r["speedup"][name]) and r["speedup"][name] > 0
+        assert r["max_abs_err"] < 1e-4
+        assert all(e < 1e-4 for e in r["baseline_max_abs_err"].values())
+        m = r["machine"]
+        assert m["threads"] >= 1 and m["torch"] == torch.__version__
+        assert m["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+def test_benchmark_ci_covers_cases(ci_run):
+    _, records = ci_run
+    sep = [r for r in records if r["case"] == "separate"]
+    shared = [r for r in records if r["case"] == "shared"]
+    assert {r["strategy"] for r in sep} == {"auto", "bmm", "loop"}
+    assert {r["mode"] for r in records} == {"inference", "train"}
+    assert shared and all("gemm" in r["baseline_ms"] for r in shared)
+    assert {r["n"] for r in sep} == {4, 16}
+
+
+def test_benchmark_prints_table(ci_run):
+    proc, records = ci_run
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("target"))
+    for col in ("wide ms", "loop ms", "vs loop", "vmap ms", "max err"):
+        assert col in lines[header]
+    assert len([line for line in lines if line.startswith("linear ")]) == len(records)
+    assert "wrote" in proc.stdout
+
+
+def test_unknown_target_is_a_clear_error(tmp_path):
+    proc = run_cli("benchmark", "conv9d", "--preset", "ci", cache_dir=tmp_path)
+    assert proc.returncode == 2
+    assert "conv9d" in proc.stderr and "linear" in proc.stderr
+
+
+def test_self_test_passes(tmp_path):
+    proc = run_cli("test", cache_dir=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "FAIL" not in proc.stdout
+    assert proc.stdout.count("PASS") >= 5
+
+
+def test_parser_rejects_unknown_preset():
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["benchmark", "linear", "--preset", "huge"])
+    assert e.value.code == 2
+
+
+# ---------------------------------------------------------------------------------- engine
+
+def _population(n=3, i=5, o=4, b=2):
+    torch.manual_seed(0)
+    models = [nn.Linear(i, o) for _ in range(n)]
+    x = torch.randn(n, b, i)
+    W, bias = engine.stacked_params(models)
+    return models, x, W, bias
+
+
+def _wide_op(W, bias, name="bmm", strategy="bmm"):
+    return engine.Contender(
+        name, lambda x: torch.ops.wide.linear(x, W, bias, strategy=strategy), [W, bias])
+
+
+def test_make_record_fields_and_speedup():
+    r = engine.make_record(
+        base={"target": "linear", "n": 4, "batch": 2, "in_features": 8, "out_features": 3,
+              "dtype": "float32"},
+        mode="train", strategy="loop", wide_ms=2.0, baseline_ms={"loop": 6.0, "vmap": 1.0},
+        max_abs_err=1e-7, machine={"threads": 2})
+    assert set(engine.RECORD_KEYS) <= set(r)
+    assert r["speedup"] == {"loop": 3.0, "vmap": 0.5}
+    assert r["case"] == "separate" and r["execution"] == "eager" and r["errors"] == {}
+    json.dumps(r)  # JSON-able
+    with pytest.raises(ValueError, match="mode"):
+        engine.make_record(base={}, mode="training", strategy="bmm", wide_ms=1.0,
+                           baseline_ms={}, max_abs_err=0.0, machine={})
+
+
+def test_machine_info():
+    m = engine.machine_info()
+    assert m["threads"] == torch.get_num_threads()
+    assert m["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert m["torch"] == torch.__version__
+
+
+@pytest.mark.parametrize("mode", engine.MODES)
+def test_max_abs_err_matches_and_detects_a_wrong_member(mode):
+    models, x, W, bias = _population()
+    ref = engine.loop_contender(models)
+    ref_result = engine.make_step(ref, x, mode)()
+    good = _wide_op(W, bias)
+    err = engine.max_abs_err(ref, ref_result, good, engine.make_step(good, x, mode)(), 3, mode)
+    assert err < 1e-5
+
+    W_bad = W.detach().clone()
+    W_bad[1, 0, 0] += 1.0  # member 1 is wrong
+    W_bad.requires_grad_()
+    bad = _wide_op(W_bad, bias)
+    err = engine.max_abs_err(ref, ref_result, bad, engine.make_step(bad, x, mode)(), 3, mode)
+    assert err > 0.1
+
+
+def test_max_abs_err_checks_gradients():
+    models, x, W, bias = _population()
+    ref = engine.loop_contender(models)
+    ref_result = engine.make_step(ref, x, "train")()
+    # Right outputs, wrong gradient: scale the weight gradient through a custom hook.
+    W2 = W.detach().clone().requires_grad_()
+    W2.register_hook(lambda g: g * 2)
+    c = _wide_op(W2, bias)
+    err = engine.max_abs_err(ref, ref_result, c, engine.make_step(c, x, "train")(), 3, "train")
+    assert err > 0.1
+
+
+def test_vmap_contender_matches_loop():
+    models, x, W, bias = _population()
+    ref = engine.loop_contender(models)
+    for shared, xx in ((False, x), (True, x[0].expand_as(x))):
+        v = engine.vmap_contender(models, shared=shared)
+        for mode in engine.MODES:
+            ref_result = engine.make_step(ref, xx, mode)()
+            err = engine.max_abs_err(ref, ref_result, v, engine.make_step(v, xx, mode)(), 3, mode)
+            assert err < 1e-5, (shared, mode)
+
+
+def test_run_case_records_and_failing_baseline():
+    models, x, W, bias = _population()
+
+    def broken(x):
+        raise RuntimeError("baseline exploded\nsecond line")
+
+    recs = engine.run_case(
+        models, x, [_wide_op(W, bias, "bmm", "bmm"), _wide_op(W, bias, "loop", "loop")],
+        [engine.loop_contender(models), engine.Contender("broken", broken, [], "members")],
+        mode="train", base={"target": "linear", "batch": 2}, min_run_time=0.001,
+        machine={"threads": 1})
+    assert [r["strategy"] for r in recs] == ["bmm", "loop"]
+    for r in recs:
+        assert r["n"] == 3 and r["mode"] == "train"
+        assert set(r["baseline_ms"]) == {"loop"}
+        assert r["errors"] == {"broken": "RuntimeError: baseline exploded"}
+        assert r["max_abs_err"] < 1e-4
+    table = engine.format_table(recs)
+    assert "broken failed: RuntimeError: baseline exploded" in table
+    assert "error" in table.splitlines()[-2]
+
+
+def test_wide_contender_errors_propagate():
+    models, x, W, bias = _population()
+    with pytest.raises(RuntimeError, match="wide::linear"):
+        engine.run_case(models, x, [_wide_op(W, bias, "bad", "not-a-strategy")], [],
+                        mode="inference", base={}, min_run_time=0.001, machine={})
+
+
+def test_format_table_aligned_columns():
+    base = {"target": "linear", "batch": 32, "in_features": 64, "out_features": 128,
+            "dtype": "float32"}
+    recs = [engine.make_record(base=dict(base, n=n), mode="inference", strategy=s,
+                               wide_ms=ms, baseline_ms={"loop": 10 * ms, "vmap": 2 * ms},
+                               max_abs_err=1e-7, machine={})
+            for n, s, ms in ((4, "bmm", 0.01), (256, "loop", 1234.5))]
+    lines = engine.format_table(recs, header=False).splitlines()
+    assert len(lines) == 4
+    header, rule = lines[0], lines[1]
+    # the rule marks each column's extent; every cell stays inside its column
+    starts = [i for i in range(len(rule)) if rule[i] == "-" and (i == 0 or rule[i - 1] == " ")]
+    assert len(starts) == 13  # 9 fixed + 2 per baseline + max err
+    for line in [header] + lines[2:]:
+        for s in starts[1:]:
+            assert line[s - 1] == " " and line[s - 2] == " ", (s, line)
+    assert "10.00x" not in lines[2] and "10.0x" in lines[2]
+
+
+def test_linear_presets():
+    assert set(linear.PRESETS) == {"ci", "quick", "full"}
+    headline = linear.LinearCase(64, 32, 64, 128)
+    assert headline in linear.PRESETS["quick"].cases
+    assert any(c.shared for c in linear.PRESETS["quick"].cases)
+    full = linear.PRESETS["full"]
+    assert {c.n for c in full.cases} == {4, 16, 64, 256}
+    assert {(c.in_features, c.out_features) for c in full.cases} == {(64, 128), (512, 1024)}
+    assert full.compile_loop and headline in full.cases
+    ci = linear.PRESETS["ci"]
+    assert not ci.compile_loop and not ci.tuned
+    assert max(c.n * c.in_features * c.out_features for c in ci.cases) <= 16 * 64 * 64
+
+
+def test_build_case_shared_input_is_stride0():
+    models, x, (W, b) = linear.build_case(linear.LinearCase(3, 2, 8, 4, shared=True))
+    assert x.stride(0) == 0 and x.shape == (3, 2, 8)
+    assert torch.equal(W[2], models[2].weight) and W.requires_grad
+    assert linear.LinearCase(3, 2, 8, 4, shared=True).base()["case"] == "shared"
