@@ -106,7 +106,7 @@ class WideModel(MemberOpsMixin, nn.Module):
         if wg is None:
             template = self._template.train(training)
             ep = capture(template, self._sample_args, dynamic_shapes=self._dynamic_shapes)
-            wg = widen(ep, self.n)
+            wg = widen(ep, self.n, strict=self._config.strict)
             for name, value in ep.constants.items():
                 if not _has_tensor(self, name):
                     device = next((p.device for p in self.parameters()), value.device)

@@ -64,12 +64,12 @@ def source_line(node: torch.fx.Node) -> str:
     """The user's source line of a captured node: the innermost stack frame outside torch and
     wide_compiler, as ``file:line in func: code`` (``<unknown>`` when the trace has none)."""
     trace = node.meta.get("stack_trace") or ""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace)
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)(?:\n(?!\s*File )\s*(.*))?', trace)
     if not frames:
         return "<unknown source>"
     user = [f for f in frames if not f[0].startswith((_TORCH_DIR, _OUR_DIR))]
     file, line, func, code = (user or frames)[-1]
-    return f"{file}:{line} in {func}: {code.strip()}"
+    return f"{file}:{line} in {func}" + (f": {code.strip()}" if code.strip() else "")
 
 
 def module_path(node: torch.fx.Node) -> str:

@@ -4,17 +4,21 @@ A value of the wide graph is either *wide* (a tensor whose dim 0 is the member d
 value is ``t[i]``, and its member-level rank is tracked) or *shared* (identical for every member:
 Python scalars, lifted constants, anything computed from shared values only).
 
-Rules are one table keyed by ATen overload, grouped by family as functorch's batching rules are:
-a new pointwise op is one row. Ops that read only shared values are copied unchanged (every member
-would compute the same thing), except random ops, whose draws must be independent per member. An
-op with no rule raises :class:`UnsupportedOperationError` naming the op, the node, the module
-path and the user's source line; nothing is ever run with one member's weights for all.
+Rules are one table keyed by ATen overload, grouped by family as functorch's batching rules are
+(``fx/rules/<family>.py``): a new pointwise op is one row, and ops tagged ``pointwise`` need no row
+at all. Ops that read only shared values are copied unchanged (every member would compute the same
+thing), except random ops, whose draws must be independent per member. An op with no rule runs
+through a correct per-op fallback (``torch.vmap`` of that op over the member dim, or a loop over
+members where vmap cannot), with one warning naming the op and the user's source line;
+``strict=True`` raises :class:`UnsupportedOperationError` instead. Nothing is ever run with one
+member's weights for all.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +63,7 @@ class WideGraph:
     mutated_buffers: list[str]
     in_spec: Any
     out_spec: Any
+    fallbacks: list[dict[str, str]]  # nodes run through a fallback: op, node, source, how
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +98,12 @@ def rule(*ops) -> Callable[[Rule], Rule]:
 class WidenContext:
     """State of one widen pass: the new graph and the mapping old node -> new value."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, strict: bool = False) -> None:
         self.n = n
+        self.strict = strict
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
+        self.fallbacks: list[dict[str, str]] = []  # one entry per node run through a fallback
 
     # -- values -------------------------------------------------------------------------------
     def value(self, arg: Any) -> Any:
@@ -146,6 +153,46 @@ class WidenContext:
             node = self.emit(aten.unsqueeze.default, (node, 1), like=like)
         return node
 
+    def schema_args(self, node: fx.Node) -> dict[str, Any]:
+        """The node's arguments by schema name (defaults filled in), mapped to new-graph values."""
+        schema = node.target._schema
+        out = {}
+        for i, a in enumerate(schema.arguments):
+            if i < len(node.args) and not a.kwarg_only:
+                raw = node.args[i]
+            elif a.name in node.kwargs:
+                raw = node.kwargs[a.name]
+            elif a.has_default_value():
+                raw = a.default_value
+            else:
+                raise self.fail(node, f"missing argument {a.name!r}")
+            out[a.name] = self.value(raw)
+        return out
+
+    def emit_schema(self, target, values: dict[str, Any], like: fx.Node, name: str | None = None) -> fx.Node:
+        """Emit ``target`` with arguments given by schema name (Wide values unwrapped)."""
+        schema = target._schema
+        args, kwargs = [], {}
+        for a in schema.arguments:
+            v = self.unwrap(values[a.name])
+            if a.kwarg_only:
+                kwargs[a.name] = v
+            else:
+                args.append(v)
+        return self.emit(target, tuple(args), kwargs, like=like, name=name)
+
+    def outputs(self, node: fx.Node, out: fx.Node, ranks: Any = None) -> Any:
+        """Wrap the new node ``out`` standing for old ``node``: a Wide, or for multi-output ops a
+        tuple/list of Wides (one getitem node each). ``ranks`` defaults to the old node's."""
+        val = node.meta.get("val")
+        if isinstance(val, (tuple, list)):
+            items = []
+            for i, v in enumerate(val):
+                item = self.emit(operator.getitem, (out, i), like=node)
+                items.append(Wide(item, v.dim()) if isinstance(v, torch.Tensor) else item)
+            return type(val)(items) if isinstance(val, tuple) else items
+        return Wide(out, member_rank(node) if ranks is None else ranks)
+
     def fail(self, node: fx.Node, why: str) -> UnsupportedOperationError:
         where = module_path(node)
         return UnsupportedOperationError(
@@ -179,14 +226,22 @@ def _is_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags
 
 
-def widen(ep: ExportedProgram, n: int, *, state_names: dict[str, str] | None = None) -> WideGraph:
+def find_rule(target) -> Rule | None:
+    """The rule of an op: its table row, else the pointwise rule for ops tagged pointwise."""
+    fn = RULES.get(target)
+    if fn is None and torch.Tag.pointwise in getattr(target, "tags", ()):
+        fn = RULES.get("pointwise")
+    return fn
+
+
+def widen(ep: ExportedProgram, n: int, *, strict: bool = False) -> WideGraph:
     """Turn the graph of one member into the graph of ``n`` members.
 
     Parameters and buffers become placeholders fed with stacked ``[n, ...]`` tensors; user inputs
     become N-first placeholders; every call node is rewritten by :data:`RULES`.
     """
     sig = ep.graph_signature
-    ctx = WidenContext(n)
+    ctx = WidenContext(n, strict)
     inputs: list[GraphInput] = []
     kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
              InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "user"}
@@ -209,18 +264,15 @@ def widen(ep: ExportedProgram, n: int, *, state_names: dict[str, str] | None = N
                 ctx.env[node] = new
         elif node.op == "call_function":
             args = [ctx.value(a) for a in node.args] + [ctx.value(a) for a in node.kwargs.values()]
-            if not ctx.is_wide(args):
-                if _is_random(node):
-                    raise ctx.fail(node, "a random op: members need independent draws, which this "
-                                         "op does not give yet")
+            fn = find_rule(node.target)
+            if not ctx.is_wide(args) and not (_is_random(node) and fn is not None):
+                if _is_random(node):  # members must draw independently: N draws, stacked
+                    ctx.env[node] = fallback(ctx, node, reason="a random op with no wide rule")
+                    continue
                 ctx.env[node] = ctx.emit(node.target, ctx.value(node.args), ctx.value(node.kwargs),
                                          like=node, name=node.name)
                 continue
-            fn = RULES.get(node.target)
-            if fn is None:
-                raise ctx.fail(node, "no widen rule for this op yet (supported: linear, pointwise "
-                                     "activations and arithmetic). Nothing was run.")
-            ctx.env[node] = fn(ctx, node)
+            ctx.env[node] = fn(ctx, node) if fn is not None else fallback(ctx, node)
         elif node.op == "output":
             outs = node.args[0]
             mutated = []
@@ -241,8 +293,9 @@ def widen(ep: ExportedProgram, n: int, *, state_names: dict[str, str] | None = N
 
     ctx.graph.lint()
     gm = fx.GraphModule(torch.nn.Module(), ctx.graph, class_name="WideGraph")
-    return WideGraph(gm, inputs, mutated, ep.call_spec.in_spec, ep.call_spec.out_spec)
+    return WideGraph(gm, inputs, mutated, ep.call_spec.in_spec, ep.call_spec.out_spec, ctx.fallbacks)
 
 
 # Rule families register themselves into RULES on import (one family per file, DESIGN §8).
 from . import rules  # noqa: E402,F401
+from .fallback import fallback  # noqa: E402

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..widen import Wide, WidenContext, member_rank, rule
+from ..widen import RULES, Wide, WidenContext, member_rank, rule
 
 aten = torch.ops.aten
 
@@ -22,6 +22,9 @@ _UNARY = [
     "selu_", "softplus", "mish", "mish_", "hardswish", "hardswish_", "hardsigmoid", "hardsigmoid_",
     "logsigmoid", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "square",
     "reciprocal", "clamp", "clamp_", "clone", "alias", "detach", "erf", "sign", "rrelu",
+    "contiguous", "lift_fresh_copy", "to.dtype", "to.dtype_layout", "to.device", "to.other",
+    "_to_copy", "type_as", "masked_fill.Scalar", "masked_fill.Tensor", "where.self", "lerp.Scalar",
+    "lerp.Tensor", "addcmul", "addcdiv", "clamp.Tensor", "nan_to_num", "logical_not", "bitwise_not",
 ]
 # Binary with broadcasting between any mix of wide tensors, shared tensors and scalars.
 _BINARY = [
@@ -56,6 +59,7 @@ def _pointwise(ctx: WidenContext, node: fx.Node) -> Wide:
     return Wide(ctx.emit(node.target, args, kwargs, like=node, name=node.name), rank)
 
 
+RULES["pointwise"] = _pointwise  # any op tagged torch.Tag.pointwise (see widen.find_rule)
 for _spec in _UNARY + _BINARY:
     try:
         rule(_overload(_spec))(_pointwise)

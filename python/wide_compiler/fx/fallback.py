@@ -1,0 +1,79 @@
+"""The per-op fallback: ops with no widen rule run correctly, just not fused.
+
+The op is run with ``torch.vmap`` over the member dim (functorch has batching rules for nearly every
+ATen op; ``randomness="different"`` gives each member its own random draws), or, where vmap cannot
+run it (data-dependent output shapes, ops vmap refuses), as a loop over the N members whose
+results are stacked. Each fallback warns once, naming the op and the user's source line;
+``strict=True`` raises :class:`~wide_compiler.UnsupportedOperationError` instead. Fallbacks are
+listed by ``WideModel.report()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .capture import source_line
+from .widen import Wide, WidenContext, op_name
+
+__all__ = ["fallback", "MemberFallback"]
+
+log = logging.getLogger(__name__)
+
+
+class MemberFallback:
+    """The callable a fallback node runs: ``op`` applied per member to the flattened arguments
+    ``leaves`` (``in_dims[k]`` is 0 for N-first tensors, None for shared values)."""
+
+    def __init__(self, op, spec, in_dims: tuple, n: int, label: str) -> None:
+        self.op, self.spec, self.in_dims, self.n = op, spec, in_dims, n
+        self.mode = "vmap" if any(d == 0 for d in in_dims) else "loop"
+        self.__name__ = self.__qualname__ = f"wide_fallback_{label}"
+        self.__module__ = __name__
+
+    def _call(self, *leaves: Any) -> Any:
+        args, kwargs = tree_unflatten(list(leaves), self.spec)
+        return self.op(*args, **kwargs)
+
+    def __call__(self, *leaves: Any) -> Any:
+        if self.mode == "vmap":
+            try:
+                return torch.vmap(self._call, in_dims=self.in_dims, randomness="different")(*leaves)
+            except Exception as e:  # vmap could not batch it: fall back to a loop from now on
+                log.warning("wide_compiler: torch.vmap cannot run %s (%s); looping over members",
+                            self.__name__, e)
+                self.mode = "loop"
+        outs = [self._call(*(leaf[i] if d == 0 else leaf for leaf, d in zip(leaves, self.in_dims)))
+                for i in range(self.n)]
+        if isinstance(outs[0], (tuple, list)):
+            return type(outs[0])(torch.stack([o[k] for o in outs]) for k in range(len(outs[0])))
+        return torch.stack(outs)
+
+    def __repr__(self) -> str:
+        return f"<{self.__name__} ({self.mode})>"
+
+
+def fallback(ctx: WidenContext, node: fx.Node, reason: str = "no widen rule for this op") -> Any:
+    """Emit a fallback node for ``node`` (or raise in strict mode) and return its wide value."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        raise ctx.fail(node, f"{reason}, and its output is not a tensor, so it cannot run per member")
+    if ctx.strict:
+        raise ctx.fail(node, f"{reason} (strict=True forbids the per-member fallback)")
+    leaves, spec = tree_flatten((ctx.value(node.args), ctx.value(node.kwargs)))
+    in_dims = tuple(0 if isinstance(leaf, Wide) else None for leaf in leaves)
+    fn = MemberFallback(node.target, spec, in_dims, ctx.n, node.name)
+    out = ctx.emit(fn, tuple(ctx.unwrap(leaf) for leaf in leaves), like=node, name=node.name)
+    where = source_line(node)
+    ctx.fallbacks.append({"op": op_name(node), "node": node.name, "source": where, "how": fn.mode,
+                          "reason": reason})
+    warnings.warn(f"wide_compiler: {op_name(node)} at {where} runs through a per-member "
+                  f"{'torch.vmap' if fn.mode == 'vmap' else 'loop'} fallback ({reason}): correct, "
+                  "but not fused. strict=True makes this an error.", stacklevel=2)
+    return ctx.outputs(node, out)

@@ -1,0 +1,82 @@
+"""Widen rules: products between activations (and activations and parameters): matmul/mm/bmm,
+einsum, and scaled dot-product attention with the member dim folded into the batch."""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from torch import fx
+
+from ..widen import Wide, WidenContext, member_rank, rule
+
+aten = torch.ops.aten
+
+
+@rule(aten.matmul.default, aten.mm.default, aten.bmm.default)
+def _matmul(ctx: WidenContext, node: fx.Node) -> Wide:
+    a, b = ctx.value(node.args[0]), ctx.value(node.args[1])
+    ra, rb = member_rank(node.args[0]), member_rank(node.args[1])
+    out_rank = member_rank(node)
+    # A shared matrix against a per-member operand of rank >= 2 broadcasts correctly as it is.
+    if (not isinstance(a, Wide) and ra == 2 and rb >= 2) or (not isinstance(b, Wide) and rb <= 2 and ra >= 2):
+        args = (ctx.unwrap(a), ctx.unwrap(b))
+        return Wide(ctx.emit(aten.matmul.default, args, like=node, name=node.name), out_rank)
+    a, b = ctx.as_wide(a, ra, node), ctx.as_wide(b, rb, node)
+    # 1-D members are a row (left) or a column (right) vector, squeezed away after.
+    an = ctx.emit(aten.unsqueeze.default, (a.node, 1), like=node) if ra == 1 else a.node
+    bn = ctx.emit(aten.unsqueeze.default, (b.node, -1), like=node) if rb == 1 else b.node
+    ea, eb = max(ra, 2), max(rb, 2)
+    rank = max(ea, eb)
+    an, bn = ctx.align(Wide(an, ea), rank, node), ctx.align(Wide(bn, eb), rank, node)
+    out = ctx.emit(aten.matmul.default, (an, bn), like=node, name=node.name)
+    if rb == 1:
+        out = ctx.emit(aten.squeeze.dim, (out, -1), like=node)
+    if ra == 1:
+        out = ctx.emit(aten.squeeze.dim, (out, -1 if rb == 1 else -2), like=node)
+    return Wide(out, out_rank)
+
+
+@rule(aten.einsum.default)
+def _einsum(ctx: WidenContext, node: fx.Node) -> Wide:
+    equation = node.args[0].replace(" ", "")
+    operands = [ctx.value(t) for t in node.args[1]]
+    if "->" not in equation:
+        from ..fallback import fallback
+        return fallback(ctx, node, reason="einsum with an implicit output")
+    lhs, rhs = equation.split("->")
+    free = [c for c in string.ascii_letters if c not in equation]
+    m = free[0]
+    terms = [(m + t if isinstance(v, Wide) else t) for t, v in zip(lhs.split(","), operands)]
+    out = ctx.emit(aten.einsum.default, (f"{','.join(terms)}->{m}{rhs}", [ctx.unwrap(v) for v in operands]),
+                   {k: v for k, v in node.kwargs.items()}, like=node, name=node.name)
+    return Wide(out, member_rank(node))
+
+
+@rule(aten.scaled_dot_product_attention.default)
+def _sdpa(ctx: WidenContext, node: fx.Node) -> Wide:
+    """One SDPA call for all members: [N, B, H, L, E] is folded to [N*B, H, L, E] (members are
+    independent batch entries); unbatched members ([H, L, E]) use N as the batch directly."""
+    values = ctx.schema_args(node)
+    rank = member_rank(node.args[0])
+    qkv = [ctx.as_wide(values[k], member_rank(node.args[i]), node) for i, k in enumerate(("query", "key", "value"))]
+    if len({member_rank(node.args[i]) for i in range(3)}) != 1:
+        raise ctx.fail(node, "query, key and value of different ranks")
+    mask = values.get("attn_mask")
+    fold = rank >= 4  # the member has its own batch dim(s)
+    if mask is not None:
+        mrank = member_rank(node.args[3] if len(node.args) > 3 else node.kwargs["attn_mask"])
+        if isinstance(mask, Wide) or (fold and mrank == rank):
+            mask = ctx.as_wide(mask, mrank, node)
+            mask = Wide(ctx.align(mask, rank, node), rank)
+    if fold:
+        flat = lambda w: ctx.emit(aten.flatten.using_ints, (w.node, 0, 1), like=node)  # noqa: E731
+        values["query"], values["key"], values["value"] = (flat(w) for w in qkv)
+        values["attn_mask"] = flat(mask) if isinstance(mask, Wide) else mask
+        out = ctx.emit_schema(node.target, values, like=node)
+        out = ctx.emit(aten.unflatten.int, (out, 0, [ctx.n, -1]), like=node, name=node.name)
+    else:
+        values["query"], values["key"], values["value"] = qkv
+        values["attn_mask"] = mask
+        out = ctx.emit_schema(node.target, values, like=node, name=node.name)
+    return Wide(out, rank)

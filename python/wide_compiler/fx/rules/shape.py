@@ -1,0 +1,149 @@
+"""Widen rules: shape ops (view/reshape/expand/permute/transpose/squeeze/slicing/cat/split/...).
+
+Sizes get the member dim prepended, dim arguments shift (see reduction.dim_rule), permutations
+keep the member dim first. ``x.size(d)`` reads dim d+1 of the wide tensor: sizes are the same for
+every member, so they are shared values.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from ..widen import Wide, WidenContext, member_rank, rule
+from .reduction import dim_rule
+
+aten = torch.ops.aten
+
+# Ops whose only change is shifting their dim arguments.
+_DIM_SHAPE_OPS = [
+    aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.flatten.using_ints, aten.unflatten.int, aten.select.int, aten.slice.Tensor,
+    aten.narrow.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+    aten.unbind.int, aten.tensor_split.sections, aten.tensor_split.indices, aten.flip.default,
+    aten.movedim.int, aten.movedim.intlist, aten.diagonal.default, aten.index_select.default,
+    aten.repeat_interleave.self_int, aten.unfold.default, aten.swapaxes.default, aten.swapdims.default,
+]
+for _op in _DIM_SHAPE_OPS:
+    rule(_op)(dim_rule)
+
+
+def _wide(ctx: WidenContext, node: fx.Node, i: int = 0) -> Wide:
+    v = ctx.value(node.args[i])
+    if not isinstance(v, Wide):
+        raise ctx.fail(node, "expected a per-member tensor")
+    return v
+
+
+@rule(aten.sym_size.int)
+def _sym_size(ctx: WidenContext, node: fx.Node):
+    x, d = _wide(ctx, node), node.args[1]
+    return ctx.emit(aten.sym_size.int, (x.node, d + 1 if d >= 0 else d), like=node, name=node.name)
+
+
+@rule(aten.sym_numel.default)
+def _sym_numel(ctx: WidenContext, node: fx.Node):
+    numel = ctx.emit(aten.sym_numel.default, (_wide(ctx, node).node,), like=node)
+    return ctx.emit(operator.floordiv, (numel, ctx.n), like=node, name=node.name)
+
+
+@rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+def _view(ctx: WidenContext, node: fx.Node) -> Wide:
+    x, size = _wide(ctx, node), ctx.value(node.args[1])
+    return Wide(ctx.emit(node.target, (x.node, [ctx.n, *size]), like=node, name=node.name), len(size))
+
+
+@rule(aten.expand.default)
+def _expand(ctx: WidenContext, node: fx.Node) -> Wide:
+    x, size = _wide(ctx, node), ctx.value(node.args[1])
+    base = ctx.align(x, len(size), node)
+    return Wide(ctx.emit(aten.expand.default, (base, [-1, *size]), like=node, name=node.name), len(size))
+
+
+@rule(aten.repeat.default)
+def _repeat(ctx: WidenContext, node: fx.Node) -> Wide:
+    x, reps = _wide(ctx, node), ctx.value(node.args[1])
+    base = ctx.align(x, len(reps), node)
+    return Wide(ctx.emit(aten.repeat.default, (base, [1, *reps]), like=node, name=node.name), len(reps))
+
+
+@rule(aten.permute.default)
+def _permute(ctx: WidenContext, node: fx.Node) -> Wide:
+    x, dims = _wide(ctx, node), node.args[1]
+    perm = [0] + [(d % x.rank) + 1 if x.rank else 0 for d in dims]
+    return Wide(ctx.emit(aten.permute.default, (x.node, perm), like=node, name=node.name), x.rank)
+
+
+@rule(aten.t.default, aten.numpy_T.default)
+def _t(ctx: WidenContext, node: fx.Node) -> Wide:
+    x = _wide(ctx, node)
+    perm = [0] + list(range(x.rank, 0, -1))  # reverse the member dims (t: rank <= 2)
+    return Wide(ctx.emit(aten.permute.default, (x.node, perm), like=node, name=node.name), x.rank)
+
+
+@rule(aten.squeeze.default)
+def _squeeze(ctx: WidenContext, node: fx.Node) -> Wide:
+    # Squeeze the member's size-1 dims only: never the member dim (N may be 1). Sizes traced as
+    # symbols are >= 2 (export specialises 0/1), so the static 1s are exactly the squeezed dims.
+    x = _wide(ctx, node)
+    dims = [i + 1 for i, s in enumerate(node.args[0].meta["val"].shape) if isinstance(s, int) and s == 1]
+    return Wide(ctx.emit(aten.squeeze.dims, (x.node, dims), like=node, name=node.name), member_rank(node))
+
+
+@rule(aten.cat.default, aten.stack.default)
+def _cat(ctx: WidenContext, node: fx.Node) -> Wide:
+    tensors = [ctx.value(t) for t in node.args[0]]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    ranks = [member_rank(t) for t in node.args[0]]
+    nodes = [ctx.as_wide(v, r, node).node for v, r in zip(tensors, ranks)]
+    return Wide(ctx.emit(node.target, (nodes, dim + 1 if dim >= 0 else dim), like=node, name=node.name),
+                member_rank(node))
+
+
+@rule(aten.roll.default)
+def _roll(ctx: WidenContext, node: fx.Node):
+    dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
+    if not dims:  # roll of the flattened tensor: per member
+        from ..fallback import fallback
+        return fallback(ctx, node, reason="roll without dims flattens the member")
+    return dim_rule(ctx, node)
+
+
+@rule(aten.index.Tensor)
+def _index(ctx: WidenContext, node: fx.Node):
+    """``x[idx]`` with shared index tensors: prepend a full slice (None) for the member dim. With
+    several advanced indices separated by slices, numpy moves the indexed dims to the front,
+    which would move them before the member dim: those go through the fallback."""
+    x, indices = _wide(ctx, node), ctx.value(node.args[1])
+    present = [i for i, t in enumerate(indices) if t is not None]
+    adjacent = present == list(range(present[0], present[-1] + 1)) if present else True
+    if ctx.is_wide(indices) or not adjacent:
+        from ..fallback import fallback
+        return fallback(ctx, node, reason="per-member or non-adjacent advanced indices")
+    return Wide(ctx.emit(aten.index.Tensor, (x.node, [None, *indices]), like=node, name=node.name),
+                member_rank(node))
+
+
+@rule(operator.getitem)
+def _getitem(ctx: WidenContext, node: fx.Node):
+    container, i = ctx.value(node.args[0]), node.args[1]
+    if isinstance(container, (tuple, list)):
+        return container[i]
+    raise ctx.fail(node, "getitem on a per-member value that is not a tuple or list")
+
+
+@rule(aten._assert_tensor_metadata.default)
+def _drop_assert(ctx: WidenContext, node: fx.Node):
+    # export's check of one member's size/dtype; the wide tensor has the member dim in front
+    return None
+
+
+@rule(aten.mT.default, aten.mH.default, aten.adjoint.default, aten.diag_embed.default, aten.tril.default,
+      aten.triu.default)
+def _trailing(ctx: WidenContext, node: fx.Node) -> Wide:
+    # Ops on the last dims only (negative dim defaults): unchanged on the wide tensor.
+    x = _wide(ctx, node)
+    return Wide(ctx.emit(node.target, (x.node, *ctx.value(tuple(node.args[1:]))), ctx.value(node.kwargs),
+                         like=node, name=node.name), member_rank(node))
