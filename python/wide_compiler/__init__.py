@@ -14,7 +14,7 @@ from . import (
     _C,  # noqa: F401  (loads libwide: registers torch.ops.wide.*)
     nn,
 )
-from .api import compile, pack, stack, unpack, unstack
+from .api import WideBuilder, compile, pack, stack, unpack, unstack
 from .config import WideConfig
 from .errors import (
     ArchitectureMismatchError,
@@ -30,6 +30,7 @@ __all__ = [
     "ArchitectureMismatchError",
     "UnsupportedOperationError",
     "ValidationError",
+    "WideBuilder",
     "WideCompileError",
     "WideConfig",
     "WideModel",

@@ -9,13 +9,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from .config import WideConfig
 from .errors import ValidationError
 from .fx.capture import check_members
 from .model import WideModel
 
-__all__ = ["compile", "stack", "unstack", "pack", "unpack"]
+__all__ = ["WideBuilder", "compile", "pack", "stack", "unpack", "unstack"]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,10 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
     validate: bool = False,
     strict: bool = False,
     config: WideConfig | None = None,
+    sample_kwargs: dict[str, Any] | None = None,
     dynamic_shapes: Any = None,
+    compile_model: bool = False,
+    compile_options: dict[str, Any] | None = None,
 ) -> WideModel:
     """Fuse N models of one architecture into one :class:`WideModel`.
 
@@ -56,14 +60,19 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
     Args:
         models: the N members, or ONE model with ``n=K`` for K members re-initialised
             independently with ``reset_parameters()`` (the model itself is left untouched).
-        sample_input: ONE member's input: a tensor, or a tuple of positional inputs.
+        sample_input: ONE member's input: a tensor, or a tuple of positional inputs (tensors,
+            nested lists/tuples/dicts of tensors, or Python values, which are baked in).
         n: number of members when ``models`` is a single module.
         validate: run the sample through the wide model and every member and raise
             :class:`ValidationError` if a member differs (also ``config.validate``).
-        strict: raise instead of falling back (also ``config.strict``).
+        strict: raise for an op with no wide rule instead of running it through the per-member
+            fallback (also ``config.strict``).
         config: :class:`WideConfig` (default ``WideConfig.default()``).
+        sample_kwargs: keyword inputs of one member (tensors are N-first at call time too).
         dynamic_shapes: passed to ``torch.export.export``; default: dim 0 of every input with at
             least 2 dims is a dynamic batch dimension.
+        compile_model: return ``torch.compile(wide_model, **compile_options)``.
+        compile_options: keyword arguments of ``torch.compile`` (``mode``, ``fullgraph``, ...).
 
     Raises:
         ArchitectureMismatchError: members differ (the message names the member and the first
@@ -104,27 +113,88 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
             raise ValueError(f"wide_compiler.compile: n={n} but {len(members)} models were given")
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
     check_members(members)
-    wide = WideModel(members, args, config=config, dynamic_shapes=dynamic_shapes)
+    wide = WideModel(members, args, sample_kwargs, config=config, dynamic_shapes=dynamic_shapes)
     if config.validate:
-        _validate(wide, members, args, config)
-    return wide
+        _validate(wide, members, args, sample_kwargs or {}, config)
+    return torch.compile(wide, **(compile_options or {})) if compile_model else wide
 
 
-def _validate(wide: WideModel, members: Sequence[nn.Module], args: tuple, config: WideConfig) -> None:
+class WideBuilder:
+    """Step-by-step construction of a wide model, for people who prefer it to keyword arguments.
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> models = [torch.nn.Linear(4, 2) for _ in range(3)]
+        >>> wide = (wc.WideBuilder(models).with_sample(torch.randn(5, 4)).validate()
+        ...         .with_config(wc.WideConfig.fast()).build())
+        >>> wide(torch.randn(3, 5, 4)).shape
+        torch.Size([3, 5, 2])
+    """
+
+    def __init__(self, models: nn.Module | Sequence[nn.Module], *, n: int | None = None) -> None:
+        self._models, self._n = models, n
+        self._args: tuple | None = None
+        self._kwargs: dict[str, Any] = {}
+        self._options: dict[str, Any] = {}
+
+    def with_sample(self, *args: Any, **kwargs: Any) -> WideBuilder:
+        """One member's inputs, positional and keyword."""
+        self._args, self._kwargs = args, kwargs
+        return self
+
+    def with_config(self, config: WideConfig) -> WideBuilder:
+        self._options["config"] = config
+        return self
+
+    def with_dynamic_shapes(self, dynamic_shapes: Any) -> WideBuilder:
+        self._options["dynamic_shapes"] = dynamic_shapes
+        return self
+
+    def validate(self, enabled: bool = True) -> WideBuilder:
+        """Check every member's output against its own model after compiling."""
+        self._options["validate"] = enabled
+        return self
+
+    def strict(self, enabled: bool = True) -> WideBuilder:
+        """Raise for ops with no wide rule instead of falling back."""
+        self._options["strict"] = enabled
+        return self
+
+    def compile(self, **torch_compile_options: Any) -> WideBuilder:
+        """Wrap the result in ``torch.compile`` with these options (``mode=...``, ``fullgraph=...``)."""
+        self._options.update(compile_model=True, compile_options=torch_compile_options)
+        return self
+
+    def build(self) -> WideModel:
+        if self._args is None:
+            raise ValueError("WideBuilder: call .with_sample(...) with one member's input before .build()")
+        return compile(self._models, self._args, n=self._n, sample_kwargs=self._kwargs, **self._options)
+
+
+def _validate(wide: WideModel, members: Sequence[nn.Module], args: tuple, kwargs: dict,
+              config: WideConfig) -> None:
     """Every member's output on its own (slightly perturbed) sample, and on the shared sample."""
     gen = torch.Generator().manual_seed(0)
-    per_member = [tuple(a + 0.01 * torch.randn(a.shape, generator=gen, dtype=a.dtype).to(a.device)
-                        if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-                  for _ in members]
-    stacked = tuple(torch.stack([m[j] for m in per_member]) if isinstance(a, torch.Tensor) else a
-                    for j, a in enumerate(args))
-    shared = tuple(a.expand(len(members), *a.shape) if isinstance(a, torch.Tensor) else a for a in args)
+    n = len(members)
+
+    def perturb(a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a + 0.01 * torch.randn(a.shape, generator=gen, dtype=a.dtype).to(a.device)
+        return a
+
+    sample = (args, kwargs)
+    per_member = [tree_map(perturb, sample) for _ in members]
+    leaves = [tree_flatten(p)[0] for p in per_member]
+    flat, spec = tree_flatten(sample)
+    stacked = tree_unflatten([torch.stack([lv[j] for lv in leaves]) if isinstance(a, torch.Tensor) else a
+                              for j, a in enumerate(flat)], spec)
+    shared = tree_map(lambda a: a.expand(n, *a.shape) if isinstance(a, torch.Tensor) else a, sample)
     with torch.no_grad():
-        for label, wide_args, member_args in (("its own input", stacked, per_member),
-                                              ("the shared sample", shared, [args] * len(members))):
-            got = torch.utils._pytree.tree_leaves(wide(*wide_args))
+        for label, wide_in, member_in in (("its own input", stacked, per_member),
+                                          ("the shared sample", shared, [sample] * n)):
+            got = tree_leaves(wide(*wide_in[0], **wide_in[1]))
             for i, m in enumerate(members):
-                want = torch.utils._pytree.tree_leaves(m(*member_args[i]))
+                want = tree_leaves(m(*member_in[i][0], **member_in[i][1]))
                 for k, (g, w) in enumerate(zip(got, want)):
                     if isinstance(w, torch.Tensor) and not torch.allclose(
                             g[i], w, rtol=config.rtol, atol=config.atol, equal_nan=True):

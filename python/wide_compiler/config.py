@@ -28,7 +28,11 @@ class WideConfig:
             ``~/.cache/wide_compiler``.
         validate: after compiling, run the sample through the wide model and every member and
             raise :class:`~wide_compiler.ValidationError` if a member differs.
-        strict: raise on anything that is not a native wide form (reserved for fallbacks).
+        strict: raise :class:`~wide_compiler.UnsupportedOperationError` for an op with no wide
+            rule instead of running it through the per-member (vmap/loop) fallback.
+        trace_members: export every member and compare the traced programs with member 0's
+            (slower compile; catches members whose forward reads different Python constants that
+            are not module attributes). Module attributes are always compared.
         rtol, atol: tolerances of ``validate``.
 
     Example:
@@ -47,6 +51,7 @@ class WideConfig:
     cache_dir: str | None = None
     validate: bool = False
     strict: bool = False
+    trace_members: bool = False
     rtol: float = 1e-4
     atol: float = 1e-5
 
@@ -71,12 +76,12 @@ class WideConfig:
     @classmethod
     def debug(cls) -> WideConfig:
         """For finding problems: validate every member, strict, no tuning and no cache."""
-        return cls(tune=False, cache=False, validate=True, strict=True)
+        return cls(tune=False, cache=False, validate=True, strict=True, trace_members=True)
 
     @classmethod
     def safe(cls) -> WideConfig:
-        """Production with checks: measured strategies, validate every member, strict."""
-        return cls(validate=True, strict=True)
+        """Production with checks: measured strategies, every member traced and validated, strict."""
+        return cls(validate=True, strict=True, trace_members=True)
 
     def replace(self, **changes) -> WideConfig:
         """A copy with some fields changed: ``cfg.replace(validate=True)``."""

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import tuning
 from .config import WideConfig
-from .fx.capture import capture, module_path
+from .fx.capture import capture, check_traced_members, module_path
 from .fx.widen import WideGraph, widen
 from .members import MemberOpsMixin
 
@@ -57,16 +57,16 @@ class WideModel(MemberOpsMixin, nn.Module):
         torch.Size([4, 16, 8])
     """
 
-    def __init__(self, models: Sequence[nn.Module], sample_args: tuple, *, config: WideConfig,
-                 dynamic_shapes: Any = None) -> None:
+    def __init__(self, models: Sequence[nn.Module], sample_args: tuple, sample_kwargs: dict | None = None,
+                 *, config: WideConfig, dynamic_shapes: Any = None) -> None:
         super().__init__()
         template = models[0]
         self.n = len(models)
         # Hidden from nn.Module registration: a structural copy of member 0 (for unfuse and for
         # capturing the graph of the other train/eval mode), the capture sample, the graphs.
         object.__setattr__(self, "_template", copy.deepcopy(template))
-        object.__setattr__(self, "_sample_args", tuple(
-            a.detach() if isinstance(a, torch.Tensor) else a for a in sample_args))
+        detach = lambda a: a.detach() if isinstance(a, torch.Tensor) else a  # noqa: E731
+        object.__setattr__(self, "_sample", tree_map(detach, (tuple(sample_args), dict(sample_kwargs or {}))))
         self._config = config
         self._dynamic_shapes = dynamic_shapes
         self._graphs: dict[bool, WideGraph] = {}
@@ -81,7 +81,10 @@ class WideModel(MemberOpsMixin, nn.Module):
                 stacked = torch.stack([m.get_buffer(name).detach() for m in models])
                 self._install(name, stacked, persistent=name in persistent)
         self.train(template.training)
-        self._graph_for(template.training)
+        ep = self._capture(template.training)
+        if config.trace_members:
+            check_traced_members(models, *self._sample, self._dynamic_shapes, ref=ep)
+        self._graphs[template.training] = self._build(ep)
 
     # -- construction -----------------------------------------------------------------------
     def _container(self, path: str) -> nn.Module:
@@ -101,19 +104,24 @@ class WideModel(MemberOpsMixin, nn.Module):
         else:
             mod.register_buffer(attr, t, persistent=persistent)
 
+    def _capture(self, training: bool):
+        return capture(self._template.train(training), *self._sample, dynamic_shapes=self._dynamic_shapes)
+
+    def _build(self, ep) -> WideGraph:
+        wg = widen(ep, self.n, strict=self._config.strict)
+        for name, value in ep.constants.items():
+            if not _has_tensor(self, name):
+                device = next((p.device for p in self.parameters()), value.device)
+                self._install(name, value.detach().clone().to(device), persistent=False)
+        self._tune(wg)
+        log.debug("wide_compiler: wide graph:\n%s", wg.graph_module.code)
+        return wg
+
     def _graph_for(self, training: bool) -> WideGraph:
+        """The wide graph of a train/eval mode, captured and widened on first use."""
         wg = self._graphs.get(training)
         if wg is None:
-            template = self._template.train(training)
-            ep = capture(template, self._sample_args, dynamic_shapes=self._dynamic_shapes)
-            wg = widen(ep, self.n, strict=self._config.strict)
-            for name, value in ep.constants.items():
-                if not _has_tensor(self, name):
-                    device = next((p.device for p in self.parameters()), value.device)
-                    self._install(name, value.detach().clone().to(device), persistent=False)
-            self._tune(wg)
-            self._graphs[training] = wg
-            log.debug("wide_compiler: %s graph:\n%s", "train" if training else "eval", wg.graph_module.code)
+            wg = self._graphs[training] = self._build(self._capture(training))
         return wg
 
     def _tune(self, wg: WideGraph) -> None:
@@ -147,6 +155,11 @@ class WideModel(MemberOpsMixin, nn.Module):
                 x = next(user)
                 if isinstance(x, torch.Tensor):
                     self._check_input(x, inp.node)
+                elif x != inp.node.meta.get("val", x):
+                    raise ValueError(
+                        f"wide_compiler: input '{inp.node.name}' is {x!r}, but the wide model was "
+                        f"compiled with {inp.node.meta['val']!r}: non-tensor inputs are baked into "
+                        "the graph at compile time; compile again for another value")
                 feeds.append(x)
             else:
                 feeds.append(_get_tensor(self, inp.name))
@@ -201,6 +214,25 @@ class WideModel(MemberOpsMixin, nn.Module):
                 f"{'train' if self.training else 'eval'} graph, "
                 f"{len(rows) - 1} wide ops (a shared input x.expand(N, ...) runs each first GEMM once)")
         return "\n".join([head, *lines])
+
+    @property
+    def fallbacks(self) -> list[dict[str, str]]:
+        """Ops of the current graph that run through the per-member fallback (op, node, source,
+        how: "vmap" or "loop", reason)."""
+        return list(self._graph_for(self.training).fallbacks)
+
+    def report(self) -> str:
+        """What the compiler did: each wide op's strategy, every fallback with its source line, and
+        the layout conversions the plan keeps."""
+        wg = self._graph_for(self.training)
+        lines = [self.summary(), ""]
+        conversions = [n for n in wg.graph_module.graph.nodes if n.meta.get("wide_layout_conversion")]
+        lines.append(f"layout conversions: {len(conversions)}")
+        lines.extend(f"  {n.name}: {n.meta['wide_layout_conversion']}" for n in conversions)
+        lines.append(f"fallbacks: {len(wg.fallbacks)}" + ("" if wg.fallbacks else " (every op has a wide form)"))
+        for fb in wg.fallbacks:
+            lines.append(f"  {fb['op']} at node '{fb['node']}' ({fb['how']}): {fb['reason']}; {fb['source']}")
+        return "\n".join(lines)
 
     def extra_repr(self) -> str:
         return f"n={self.n}, model={type(self._template).__name__}"

@@ -7,6 +7,7 @@ serves any batch size.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -16,10 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
+from torch.utils._pytree import tree_map
 
 from ..errors import ArchitectureMismatchError, WideCompileError
 
-__all__ = ["capture", "check_members", "source_line"]
+__all__ = ["capture", "check_members", "check_traced_members", "graph_fingerprint", "source_line"]
 
 log = logging.getLogger(__name__)
 
@@ -31,33 +33,57 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
                "_state_dict_hooks", "_load_state_dict_pre_hooks")
 
 
-def _default_dynamic_shapes(args: tuple) -> tuple:
+def _batch_spec(a: Any) -> Any:
+    return {0: Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() >= 2 else None
+
+
+def _default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     """Dim 0 of every tensor input with at least 2 dims is the (dynamic) batch dimension."""
-    return tuple({0: Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() >= 2 else None for a in args)
+    if not kwargs:
+        return tuple(tree_map(_batch_spec, a) for a in args)
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    return {name: tree_map(_batch_spec, v) for name, v in bound.arguments.items()}
 
 
-def capture(model: nn.Module, args: tuple, *, dynamic_shapes: Any = None) -> ExportedProgram:
+def _batch_of_two(a: Any) -> Any:
+    if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[0] == 1:
+        return a.repeat(2, *([1] * (a.dim() - 1)))
+    return a
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
+            dynamic_shapes: Any = None) -> ExportedProgram:
     """``torch.export`` of one member (non-strict) with a dynamic batch dimension.
 
     A batch of 1 would be specialised by export (0/1 specialisation); such inputs are captured
     with a batch of 2 made by repeating the sample, so the wide model still takes any batch.
     """
-    user_shapes = dynamic_shapes is not None
-    if not user_shapes:
-        dynamic_shapes = _default_dynamic_shapes(args)
-        args = tuple(a.repeat(2, *([1] * (a.dim() - 1)))
-                     if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[0] == 1 else a
-                     for a in args)
+    kwargs = dict(kwargs or {})
+    if dynamic_shapes is None:
+        dynamic_shapes = _default_dynamic_shapes(model, args, kwargs)
+        args, kwargs = tree_map(_batch_of_two, (args, kwargs))
     try:
-        return torch.export.export(model, args, dynamic_shapes=dynamic_shapes, strict=False)
+        return torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # export's own errors are many types; keep its reason whole
         raise WideCompileError(
             f"wide_compiler: torch.export could not capture {type(model).__name__}: "
             f"{type(e).__name__}: {e}\n"
             "What to do: make the forward exportable (no data-dependent Python control flow on "
-            "tensor values; use torch.cond or restructure), or pass dynamic_shapes= to compile() "
-            "if the batch dimension is not dim 0 of every input."
+            "tensor values: use torch.cond, or restructure), register a wide form for the "
+            "offending module with @wide_compiler.register(ModuleType) so it is kept whole, or "
+            "pass dynamic_shapes= to compile() if the batch is not dim 0 of every input."
         ) from e
+
+
+def graph_fingerprint(ep: ExportedProgram) -> list[tuple[str, str, str]]:
+    """The traced program without tensor values: per node its op, target and non-tensor
+    arguments. Two members with equal fingerprints run the same program."""
+    out = []
+    for node in ep.graph.nodes:
+        if node.op in ("call_function", "output"):
+            args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{n.name}")
+            out.append((node.name, str(node.target), repr(args)))
+    return out
 
 
 def source_line(node: torch.fx.Node) -> str:
@@ -152,3 +178,23 @@ def check_members(models: Sequence[nn.Module]) -> None:
                 for attr in ("shape", "dtype", "device", "requires_grad"):
                     if getattr(t, attr) != getattr(t0, attr):
                         fail(f"{name}.{attr}", getattr(t, attr), getattr(t0, attr))
+
+
+def check_traced_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None,
+                         dynamic_shapes: Any, ref: ExportedProgram) -> None:
+    """Trace every member and compare its program with member 0's (``ref``): catches members
+    whose forward reads different Python constants (globals, closures, class attributes set per
+    instance in ways the attribute check cannot see)."""
+    want = graph_fingerprint(ref)
+    for i, model in enumerate(models[1:], start=1):
+        got = graph_fingerprint(capture(model, args, kwargs, dynamic_shapes=dynamic_shapes))
+        for g, w in zip(got, want):
+            if g != w:
+                node = next((n for n in ref.graph.nodes if n.name == w[0]), None)
+                where = f" ({source_line(node)})" if node is not None else ""
+                raise ArchitectureMismatchError(
+                    f"member {i}: the traced program differs at node '{w[0]}'{where}: "
+                    f"{g[1]}{g[2]}, member 0 has {w[1]}{w[2]}")
+        if len(got) != len(want):
+            raise ArchitectureMismatchError(
+                f"member {i}: the traced program has {len(got)} nodes, member 0 has {len(want)}")
