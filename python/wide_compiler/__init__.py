@@ -23,6 +23,7 @@ from .errors import (
     WideCompileError,
 )
 from .model import WideModel
+from .registry import register
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,7 @@ __all__ = [
     "compile",
     "nn",
     "pack",
+    "register",
     "stack",
     "unpack",
     "unstack",

@@ -16,6 +16,7 @@ from .config import WideConfig
 from .fx.capture import capture, check_traced_members, module_path
 from .fx.widen import WideGraph, widen
 from .members import MemberOpsMixin
+from .registry import opaque_template, registered_paths, registered_wide_form
 
 __all__ = ["WideModel"]
 
@@ -72,12 +73,24 @@ class WideModel(MemberOpsMixin, nn.Module):
         self._graphs: dict[bool, WideGraph] = {}
         self._timings: dict[str, dict[str, float] | None] = {}
 
+        # Modules with a user-registered wide form are kept whole: their wide module replaces them.
+        self._registered = registered_paths(template)
+        object.__setattr__(self, "_capture_template", opaque_template(template, self._registered))
+        for path in self._registered:
+            parent, _, attr = path.rpartition(".")
+            wide_cls = registered_wide_form(template.get_submodule(path))
+            self._container(parent).add_module(attr, wide_cls.from_modules([m.get_submodule(path) for m in models]))
+
         with torch.no_grad():
             for name, p in template.named_parameters():
+                if not self._owns(name):
+                    continue
                 stacked = torch.stack([m.get_parameter(name).detach() for m in models])
                 self._install(name, nn.Parameter(stacked, requires_grad=p.requires_grad))
             persistent = {n for n, _ in _persistent_buffers(template)}
             for name, b in template.named_buffers():
+                if not self._owns(name):
+                    continue
                 stacked = torch.stack([m.get_buffer(name).detach() for m in models])
                 self._install(name, stacked, persistent=name in persistent)
         self.train(template.training)
@@ -104,11 +117,16 @@ class WideModel(MemberOpsMixin, nn.Module):
         else:
             mod.register_buffer(attr, t, persistent=persistent)
 
+    def _owns(self, name: str) -> bool:
+        """Whether this model stacks ``name`` itself (not a registered module's wide form)."""
+        return not any(name.startswith(p + ".") for p in self._registered)
+
     def _capture(self, training: bool):
-        return capture(self._template.train(training), *self._sample, dynamic_shapes=self._dynamic_shapes)
+        model = self._capture_template[0].train(training)
+        return capture(model, *self._sample, dynamic_shapes=self._dynamic_shapes)
 
     def _build(self, ep) -> WideGraph:
-        wg = widen(ep, self.n, strict=self._config.strict)
+        wg = widen(ep, self.n, strict=self._config.strict, opaque_paths=self._capture_template[1])
         for name, value in ep.constants.items():
             if not _has_tensor(self, name):
                 device = next((p.device for p in self.parameters()), value.device)
@@ -151,14 +169,16 @@ class WideModel(MemberOpsMixin, nn.Module):
                 f"({wg.in_spec}), each tensor with a leading member dim; got {spec}")
         feeds, user = [], iter(flat)
         for inp in wg.inputs:
-            if inp.kind == "user":
+            if inp.kind == "root":
+                feeds.append(self)
+            elif inp.kind == "user":
                 x = next(user)
                 if isinstance(x, torch.Tensor):
-                    self._check_input(x, inp.node)
-                elif x != inp.node.meta.get("val", x):
+                    self._check_input(x, inp)
+                elif x != inp.sample_value:
                     raise ValueError(
-                        f"wide_compiler: input '{inp.node.name}' is {x!r}, but the wide model was "
-                        f"compiled with {inp.node.meta['val']!r}: non-tensor inputs are baked into "
+                        f"wide_compiler: input '{inp.name}' is {x!r}, but the wide model was "
+                        f"compiled with {inp.sample_value!r}: non-tensor inputs are baked into "
                         "the graph at compile time; compile again for another value")
                 feeds.append(x)
             else:
@@ -171,27 +191,26 @@ class WideModel(MemberOpsMixin, nn.Module):
                     _get_tensor(self, name).copy_(new)
         return tree_unflatten(list(outs[k:]), wg.out_spec)
 
-    def _check_input(self, x: torch.Tensor, ph: torch.fx.Node) -> None:
-        val = ph.meta.get("val")
-        if not isinstance(val, torch.Tensor):
+    def _check_input(self, x: torch.Tensor, inp) -> None:
+        member = inp.member_shape
+        if member is None:
             return
-        member = ["B" if isinstance(s, torch.SymInt) else int(s) for s in val.shape]
         ok = x.dim() == len(member) + 1 and x.shape[0] == self.n and all(
-            m == "B" or m == s for m, s in zip(member, x.shape[1:]))
+            m is None or m == s for m, s in zip(member, x.shape[1:]))
         if not ok:
+            dims = ", ".join("B" if m is None else str(m) for m in member)
             raise ValueError(
-                f"wide_compiler: input '{ph.name}' has shape {list(x.shape)}; expected N-first "
-                f"[{self.n}, {', '.join(map(str, member))}] (one member's input is "
-                f"[{', '.join(map(str, member))}] and there are {self.n} members). Stack per-member "
-                f"inputs with wide_compiler.stack(xs), or share one input x with "
-                f"x.expand({self.n}, *x.shape).")
+                f"wide_compiler: input '{inp.name}' has shape {list(x.shape)}; expected N-first "
+                f"[{self.n}, {dims}] (one member's input is [{dims}] and there are {self.n} "
+                f"members). Stack per-member inputs with wide_compiler.stack(xs), or share one "
+                f"input x with x.expand({self.n}, *x.shape).")
 
     # -- inspection -------------------------------------------------------------------------
     @property
     def strategies(self) -> dict[str, str]:
         """Graph node name -> strategy of every wide op (current train/eval graph)."""
         wg = self._graph_for(self.training)
-        return {n.name: n.kwargs["strategy"] for n in wg.graph_module.graph.nodes if "wide_op" in n.meta}
+        return {n.name: n.kwargs["strategy"] for n in wg.graph_module.graph.nodes if "strategy" in n.kwargs}
 
     def summary(self) -> str:
         """A table of the wide ops of the current graph: node, module, op, strategy, member shapes."""
@@ -200,10 +219,11 @@ class WideModel(MemberOpsMixin, nn.Module):
         for node in wg.graph_module.graph.nodes:
             if "wide_op" not in node.meta:
                 continue
-            shapes = node.meta["wide_shapes"]
+            shapes = node.meta.get("wide_shapes", {})
             t = self._timings.get(node.name)
-            rows.append((node.name, module_path(node) or "-", node.meta["wide_op"], node.kwargs["strategy"],
-                         str(shapes["input"]), str(shapes["weight"]),
+            rows.append((node.name, module_path(node) or "-", node.meta["wide_op"],
+                         node.kwargs.get("strategy", "-"), str(shapes.get("input", "-")),
+                         str(shapes.get("weight", "-")),
                          ", ".join(f"{k} {v:.3f}" for k, v in t.items()) if t else "-"))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
@@ -242,15 +262,22 @@ class WideModel(MemberOpsMixin, nn.Module):
         """N ordinary modules (the original class) holding copies of the members' weights and
         buffers, in this model's train/eval mode, dtype and device."""
         out = []
+        registered = {p: self.get_submodule(p).unfuse() for p in self._registered}
         with torch.no_grad():
             for i in range(self.n):
                 m = copy.deepcopy(self._template)
-                for name, p in self._template.named_parameters():
+                for path, members in registered.items():
+                    m.set_submodule(path, members[i])
+                for name, p in m.named_parameters():
+                    if not self._owns(name):
+                        continue
                     path, _, attr = name.rpartition(".")
                     sub = m.get_submodule(path)
                     sub._parameters[attr] = nn.Parameter(
                         _get_tensor(self, name)[i].detach().clone(), requires_grad=p.requires_grad)
-                for name, _ in self._template.named_buffers():
+                for name, _ in m.named_buffers():
+                    if not self._owns(name):
+                        continue
                     path, _, attr = name.rpartition(".")
                     m.get_submodule(path)._buffers[attr] = _get_tensor(self, name)[i].detach().clone()
                 out.append(m.train(self.training))

@@ -48,9 +48,12 @@ class Wide:
 class GraphInput:
     """One placeholder of the wide graph: a stacked parameter/buffer/constant, or a user input."""
 
-    kind: str  # "parameter" | "buffer" | "constant" | "user"
+    kind: str  # "parameter" | "buffer" | "constant" | "user" | "root" (the WideModel itself)
     name: str  # state-dict name for parameters/buffers/constants, placeholder name for users
     node: fx.Node  # the placeholder in the wide graph (its meta["val"] is one member's value)
+    # one member's shape (None for the dynamic batch size) for tensors; the traced value otherwise
+    member_shape: tuple | None = None
+    sample_value: Any = None
 
 
 @dataclasses.dataclass
@@ -82,6 +85,8 @@ class TuneSpec:
 
 Rule = Callable[["WidenContext", fx.Node], Any]
 RULES: dict[Any, Rule] = {}
+# Ops whose rule runs even when no argument is per member (they read per-member state themselves).
+ALWAYS_WIDEN: set[Any] = set()
 
 
 def rule(*ops) -> Callable[[Rule], Rule]:
@@ -98,9 +103,11 @@ def rule(*ops) -> Callable[[Rule], Rule]:
 class WidenContext:
     """State of one widen pass: the new graph and the mapping old node -> new value."""
 
-    def __init__(self, n: int, strict: bool = False) -> None:
+    def __init__(self, n: int, strict: bool = False, opaque_paths: dict[str, str] | None = None) -> None:
         self.n = n
         self.strict = strict
+        self.opaque_paths = opaque_paths or {}  # registered modules: opaque key -> module path
+        self.root: fx.Node | None = None  # placeholder fed with the WideModel (registered modules)
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.fallbacks: list[dict[str, str]] = []  # one entry per node run through a fallback
@@ -234,15 +241,19 @@ def find_rule(target) -> Rule | None:
     return fn
 
 
-def widen(ep: ExportedProgram, n: int, *, strict: bool = False) -> WideGraph:
+def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
+          opaque_paths: dict[str, str] | None = None) -> WideGraph:
     """Turn the graph of one member into the graph of ``n`` members.
 
     Parameters and buffers become placeholders fed with stacked ``[n, ...]`` tensors; user inputs
     become N-first placeholders; every call node is rewritten by :data:`RULES`.
     """
     sig = ep.graph_signature
-    ctx = WidenContext(n, strict)
+    ctx = WidenContext(n, strict, opaque_paths)
     inputs: list[GraphInput] = []
+    if any(node.target in ALWAYS_WIDEN for node in ep.graph.nodes):
+        ctx.root = ctx.graph.placeholder("wide_model")
+        inputs.append(GraphInput("root", "", ctx.root))
     kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
              InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "user"}
     spec_by_name = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
@@ -256,8 +267,11 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False) -> WideGraph:
                     f"wide_compiler: cannot widen input '{node.name}' of kind {spec and spec.kind}")
             new = ctx.graph.placeholder(node.name)
             new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
-            inputs.append(GraphInput(kind, spec.target if kind != "user" else node.name, new))
             val = node.meta.get("val")
+            shape = (tuple(None if isinstance(s, torch.SymInt) else int(s) for s in val.shape)
+                     if isinstance(val, torch.Tensor) else None)
+            inputs.append(GraphInput(kind, spec.target if kind != "user" else node.name, new, shape,
+                                     None if isinstance(val, torch.Tensor) else val))
             if kind in ("parameter", "buffer") or (kind == "user" and isinstance(val, torch.Tensor)):
                 ctx.env[node] = Wide(new, val.dim())
             else:  # lifted constants and non-tensor user inputs are shared by all members
@@ -265,7 +279,7 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False) -> WideGraph:
         elif node.op == "call_function":
             args = [ctx.value(a) for a in node.args] + [ctx.value(a) for a in node.kwargs.values()]
             fn = find_rule(node.target)
-            if not ctx.is_wide(args) and not (_is_random(node) and fn is not None):
+            if not ctx.is_wide(args) and node.target not in ALWAYS_WIDEN and not (_is_random(node) and fn is not None):
                 if _is_random(node):  # members must draw independently: N draws, stacked
                     ctx.env[node] = fallback(ctx, node, reason="a random op with no wide rule")
                     continue

@@ -2,4 +2,4 @@
 
 A new family is a new file here plus one import line below."""
 
-from . import creation, linear, matmul, pointwise, reduction, shape, spatial  # noqa: F401
+from . import creation, linear, matmul, pointwise, reduction, registered, shape, spatial  # noqa: F401

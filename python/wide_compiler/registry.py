@@ -1,0 +1,150 @@
+"""User-supplied wide forms of modules: ``@wide_compiler.register(ModuleType)``.
+
+A registered module is kept whole through capture: export sees one opaque custom op
+(``wide_compiler::opaque_module``) where the module is called, so its forward may be anything
+(data-dependent control flow included), and the widen pass replaces that op by a call of the
+user's wide module, built with ``WideCls.from_modules([member_0_module, ...])``.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["register", "registered_wide_form"]
+
+_REGISTRY: dict[type, type] = {}
+_OPAQUE: dict[str, nn.Module] = {}  # key -> member 0's module, run for shape inference only
+_KEYS = itertools.count()
+
+
+def register(module_type: type[nn.Module]) -> Callable[[type], type]:
+    """Register the wide form of ``module_type``; used by :func:`wide_compiler.compile`.
+
+    The wide class must provide ``from_modules(cls, modules) -> wide module`` (a classmethod taking
+    the N member modules), ``forward(*inputs)`` on N-first tensors returning N-first tensors, and
+    ``unfuse() -> list[module_type]``. The module's inputs must be tensors; sizes of its outputs
+    equal to the traced batch size are taken to be that (dynamic) batch size.
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> class Scale(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.s = torch.nn.Parameter(torch.rand(()))
+        ...     def forward(self, x):
+        ...         return x * self.s if self.s > 0.5 else x   # data-dependent: export cannot trace
+        >>> @wc.register(Scale)
+        ... class WideScale(torch.nn.Module):
+        ...     def __init__(self, s):
+        ...         super().__init__()
+        ...         self.s = torch.nn.Parameter(s)
+        ...     @classmethod
+        ...     def from_modules(cls, modules):
+        ...         return cls(torch.stack([m.s.detach() for m in modules]))
+        ...     def forward(self, x):               # x: [N, B, ...]
+        ...         s = torch.where(self.s > 0.5, self.s, torch.ones_like(self.s))
+        ...         return x * s.view(-1, *([1] * (x.dim() - 1)))
+        ...     def unfuse(self):
+        ...         out = [Scale() for _ in range(self.s.shape[0])]
+        ...         for m, s in zip(out, self.s.detach()):
+        ...             m.s.data.copy_(s)
+        ...         return out
+        >>> models = [torch.nn.Sequential(torch.nn.Linear(3, 3), Scale()) for _ in range(4)]
+        >>> wide = wc.compile(models, torch.randn(2, 3), config=wc.WideConfig.fast())
+        >>> x = torch.randn(4, 2, 3)
+        >>> torch.allclose(wide(x)[1], models[1](x[1]), atol=1e-6)
+        True
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"wide_compiler.register: expected an nn.Module subclass, got {module_type!r}")
+
+    def deco(wide_cls: type) -> type:
+        for needed in ("from_modules", "unfuse", "forward"):
+            if not callable(getattr(wide_cls, needed, None)):
+                raise TypeError(f"wide_compiler.register({module_type.__name__}): {wide_cls.__name__} "
+                                f"has no {needed}(); a wide form needs from_modules, forward and unfuse")
+        _REGISTRY[module_type] = wide_cls
+        return wide_cls
+
+    return deco
+
+
+def registered_wide_form(module: nn.Module) -> type | None:
+    """The wide class registered for ``type(module)`` (exact type first, then base classes)."""
+    for cls in type(module).__mro__:
+        if cls in _REGISTRY:
+            return _REGISTRY[cls]
+    return None
+
+
+def registered_paths(model: nn.Module) -> list[str]:
+    """Paths of the outermost submodules with a registered wide form (never the root)."""
+    paths: list[str] = []
+    for name, mod in model.named_modules():
+        if name and registered_wide_form(mod) is not None and not any(name.startswith(p + ".") for p in paths):
+            paths.append(name)
+    return paths
+
+
+def _as_list(out) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+@torch.library.custom_op("wide_compiler::opaque_module", mutates_args=())
+def opaque_module(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One member's registered module, opaque to export (see module docstring)."""
+    return [t.clone() for t in _as_list(_OPAQUE[key](*inputs))]
+
+
+@opaque_module.register_fake
+def _opaque_module_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    # Shapes by running member 0's module on zeros of the traced (hint) sizes, outside fake mode;
+    # output sizes equal to a symbolic input size's hint become that symbol.
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def hint(s):
+        return int(s.node.hint) if isinstance(s, torch.SymInt) else int(s)
+
+    symbols = {hint(s): s for x in inputs for s in x.shape if isinstance(s, torch.SymInt)}
+    with unset_fake_temporarily(), torch.no_grad():
+        real = [torch.zeros([hint(s) for s in x.shape], dtype=x.dtype, device=x.device) for x in inputs]
+        outs = _as_list(_OPAQUE[key](*real))
+    return [inputs[0].new_empty([symbols.get(d, d) for d in o.shape], dtype=o.dtype) for o in outs]
+
+
+class _OpaqueCall(nn.Module):
+    """Stands in for a registered module during capture."""
+
+    def __init__(self, key: str, path: str) -> None:
+        super().__init__()
+        self.key, self.path = key, path
+
+    def forward(self, *args, **kwargs):
+        if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
+            raise TypeError(f"wide_compiler: the registered module at '{self.path}' must be called with "
+                            "positional tensor arguments only")
+        out = torch.ops.wide_compiler.opaque_module(self.key, list(args))
+        return out[0] if len(out) == 1 else tuple(out)
+
+
+def opaque_template(template: nn.Module, paths: list[str]) -> tuple[nn.Module, dict[str, str]]:
+    """A copy of ``template`` whose registered submodules are opaque calls; returns it and the
+    mapping key -> path."""
+    copy_ = copy.deepcopy(template)
+    keys = {}
+    for path in paths:
+        key = f"m{next(_KEYS)}"
+        _OPAQUE[key] = copy.deepcopy(template.get_submodule(path)).eval()
+        copy_.set_submodule(path, _OpaqueCall(key, path))
+        keys[key] = path
+    return copy_, keys
+
+
+def call_registered(root: nn.Module, path: str, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    """Run the wide form at ``root.<path>`` (called from the wide graph)."""
+    return _as_list(root.get_submodule(path)(*inputs))
