@@ -110,16 +110,39 @@ def module_path(node: torch.fx.Node) -> str:
 # --- the member check -----------------------------------------------------------------------
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any, depth: int = 0) -> bool:
+    """Whether two attribute values of members are interchangeable (recursing into containers,
+    function closures and plain objects without ``__eq__``)."""
+    if depth > 8:
+        return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
                 and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
-    if callable(a) and hasattr(a, "__code__"):  # functions and lambdas: same code and constants
-        return getattr(b, "__code__", None) == a.__code__
+    if isinstance(a, nn.Module) or isinstance(b, nn.Module):
+        return type(a) is type(b)  # each member's own submodule: its structure is checked elsewhere
+    if hasattr(a, "__func__") and hasattr(a, "__self__"):  # bound methods
+        return getattr(b, "__func__", None) is a.__func__ and _same(a.__self__, getattr(b, "__self__", None), depth + 1)
+    if callable(a) and hasattr(a, "__code__"):  # functions and lambdas: code, closure, defaults
+        if getattr(b, "__code__", None) != a.__code__:
+            return False
+
+        def cells(f):
+            out = []
+            for c in f.__closure__ or ():
+                try:
+                    out.append(c.cell_contents)
+                except ValueError:  # an empty cell
+                    out.append(None)
+            return out
+
+        return (_same(cells(a), cells(b), depth + 1) and _same(a.__defaults__, b.__defaults__, depth + 1)
+                and _same(a.__kwdefaults__, b.__kwdefaults__, depth + 1))
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y, depth + 1) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(_same(a[k], b[k], depth + 1) for k in a)
+    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):
+        return _same(vars(a), vars(b), depth + 1)  # plain objects: compare their attributes
     try:
         return bool(a == b)
     except Exception:
@@ -127,6 +150,10 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _describe(v: Any) -> str:
+    if callable(v) and hasattr(v, "__code__"):
+        return f"function {v.__qualname__} (code, closure constants or defaults differ)"
+    if type(v).__eq__ is object.__eq__ and hasattr(v, "__dict__") and not isinstance(v, type):
+        return f"{type(v).__name__}({', '.join(f'{k}={_describe(x)}' for k, x in vars(v).items())})"
     if isinstance(v, torch.Tensor):
         return f"a tensor {list(v.shape)} {v.dtype}"
     if isinstance(v, torch.Size):
