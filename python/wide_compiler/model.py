@@ -99,6 +99,19 @@ class WideModel(MemberOpsMixin, nn.Module):
             check_traced_members(models, *self._sample, self._dynamic_shapes, ref=ep)
         self._graphs[template.training] = self._build(ep)
 
+    # -- copying and pickling: the graphs hold no parameters (those are graph inputs) ----------
+    def __deepcopy__(self, memo: dict) -> WideModel:
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = dict(value) if key == "_graphs" else copy.deepcopy(value, memo)
+        return new
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_graphs"] = {}  # captured and widened again on first use after unpickling
+        return state
+
     # -- construction -----------------------------------------------------------------------
     def _container(self, path: str) -> nn.Module:
         mod: nn.Module = self
@@ -164,9 +177,12 @@ class WideModel(MemberOpsMixin, nn.Module):
         wg = self._graph_for(self.training)
         flat, spec = tree_flatten((args, kwargs))
         if spec != wg.in_spec:
+            want_args, want_kwargs = self._sample
             raise ValueError(
-                f"wide_compiler: the wide model takes inputs structured as one member's sample "
-                f"({wg.in_spec}), each tensor with a leading member dim; got {spec}")
+                f"wide_compiler: the wide model takes the inputs of one member's sample, each "
+                f"tensor with a leading member dim: {len(want_args)} positional input(s) and "
+                f"keywords {sorted(want_kwargs)}, nested as in the sample; got {len(args)} "
+                f"positional input(s) and keywords {sorted(kwargs)}")
         feeds, user = [], iter(flat)
         for inp in wg.inputs:
             if inp.kind == "root":
@@ -232,7 +248,9 @@ class WideModel(MemberOpsMixin, nn.Module):
         head = (f"WideModel: {self.n} members of {type(self._template).__name__}, "
                 f"{n_params // self.n:,} parameters per member, "
                 f"{'train' if self.training else 'eval'} graph, "
-                f"{len(rows) - 1} wide ops (a shared input x.expand(N, ...) runs each first GEMM once)")
+                f"{len(rows) - 1} wide ops (a shared input x.expand(N, ...) runs each first GEMM once), "
+                f"{sum(1 for n in wg.graph_module.graph.nodes if n.meta.get('wide_layout_conversion'))} "
+                f"layout conversions (see report())")
         return "\n".join([head, *lines])
 
     @property

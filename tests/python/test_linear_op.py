@@ -259,18 +259,36 @@ def test_loop_strategy_runs_one_gemm_per_member(rank):
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library.opcheck on every case family (float64, one N and B per family to stay fast).
+# torch.library.opcheck on every case family. The schema / autograd-registration / fake-tensor
+# checks are cheap and run on every family; test_aot_dispatch_dynamic (an AOTAutograd compile per
+# case, ~1 s) runs on one representative per strategy x layout.
 # ---------------------------------------------------------------------------------------------
+CHEAP_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
 OPCHECK_SAMPLES = list(sample_inputs(ns=(2,), batches=(2,), ranks=(2,), dtypes=(torch.float64,)))
 OPCHECK_SAMPLES += list(sample_inputs(strategies=("auto",), ns=(1, 2), batches=(2,), ranks=(1, 3),
                                       layouts=("contiguous", "shared"),
                                       dtypes=(torch.float32,)))
+AOT_OPCHECK_SAMPLES = list(sample_inputs(biases=(True,), ns=(2,), batches=(2,), ranks=(2,),
+                                         layouts=("contiguous", "shared"),
+                                         dtypes=(torch.float64,)))
+AOT_OPCHECK_SAMPLES += list(sample_inputs(strategies=("auto",), biases=(False,), ns=(3,),
+                                          batches=(2,), ranks=(1, 3), layouts=("strided",),
+                                          dtypes=(torch.float32,)))
 
 
 @pytest.mark.parametrize("sample", OPCHECK_SAMPLES, ids=_ids(OPCHECK_SAMPLES))
 def test_opcheck(sample: Sample):
-    result = torch.library.opcheck(torch.ops.wide.linear.default, sample.args(), sample.kwargs())
+    result = torch.library.opcheck(torch.ops.wide.linear.default, sample.args(), sample.kwargs(),
+                                   test_utils=CHEAP_OPCHECKS)
+    assert set(result) == set(CHEAP_OPCHECKS)
     assert all(v == "SUCCESS" for v in result.values()), result
+
+
+@pytest.mark.parametrize("sample", AOT_OPCHECK_SAMPLES, ids=_ids(AOT_OPCHECK_SAMPLES))
+def test_opcheck_aot_dispatch_dynamic(sample: Sample):
+    result = torch.library.opcheck(torch.ops.wide.linear.default, sample.args(), sample.kwargs(),
+                                   test_utils="test_aot_dispatch_dynamic")
+    assert result == {"test_aot_dispatch_dynamic": "SUCCESS"}, result
 
 
 def test_opcheck_without_grad():

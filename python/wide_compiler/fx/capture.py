@@ -92,7 +92,8 @@ def source_line(node: torch.fx.Node) -> str:
     trace = node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)(?:\n(?!\s*File )\s*(.*))?', trace)
     if not frames:
-        return "<unknown source>"
+        path = module_path(node)
+        return f"<no source line recorded{f'; in module {path!r}' if path else ''}>"
     user = [f for f in frames if not f[0].startswith((_TORCH_DIR, _OUR_DIR))]
     file, line, func, code = (user or frames)[-1]
     return f"{file}:{line} in {func}" + (f": {code.strip()}" if code.strip() else "")
@@ -174,13 +175,13 @@ def check_members(models: Sequence[nn.Module]) -> None:
 
         mods = list(model.named_modules(remove_duplicate=False))
         for (name0, m0), (name, m) in zip(ref_modules, mods):
-            where = name or "the model"
+            where = name or f"the model ({type(m0).__name__})"
             if name != name0:
                 fail("the module tree", f"'{name}'", f"'{name0}' at that position")
             if type(m) is not type(m0):
                 fail(f"type of {where}", type(m).__name__, type(m0).__name__)
             if m.training != m0.training:
-                fail(f"{where}.training", m.training, m0.training)
+                fail(f"{name}.training" if name else "training", m.training, m0.training)
             keys = (set(m.__dict__) | set(m0.__dict__)) - _MODULE_INTERNALS
             for key in sorted(keys):
                 prefix = f"{name}.{key}" if name else key

@@ -41,6 +41,8 @@ class WideLinear(nn.Module):
         super().__init__()
         if n < 1:
             raise ValueError(f"WideLinear: expected n >= 1 members, got {n}")
+        if strategy not in ("auto", "bmm", "loop"):
+            raise ValueError(f"WideLinear: expected strategy 'auto', 'bmm' or 'loop', got {strategy!r}")
         factory = {"device": device, "dtype": dtype}
         self.n = n
         self.in_features = in_features
