@@ -12,4 +12,42 @@ TORCH_LIBRARY(wide, m) {
 
   // Build facts of the loaded library: version, compiler, OpenMP, threads; for `wide_compiler info`.
   m.def("_build_info() -> str", &wide::build_info);
+
+  // --- vision and tabular ops ---
+  // Layouts (Note [wide layouts] in ops/layout.cpp): N-first [N, B, C, *] and channel-packed
+  // [B, N*C, *]. Packed-family ops (conv, conv_transpose, batch/instance/group norm, prelu) take
+  // their input N-first (packed_input=False; a stride-0 shared input takes the fast path where
+  // one exists) or packed (packed_input=True) and always return a PACKED result.
+  m.def("to_packed(Tensor(a) input) -> Tensor(a)");
+  m.def("to_nfirst(Tensor(a) input, SymInt n) -> Tensor(a)");
+  // N Conv{1,2,3}d: weight [N, C_out, C_in/groups, *k], bias [N, C_out]. padding: one value per
+  // spatial dim, or (left, right) per dim in F.pad order. strategy: "auto" | "grouped" | "loop".
+  m.def("conv(Tensor input, Tensor weight, Tensor? bias, SymInt[] stride, SymInt[] padding, "
+        "SymInt[] dilation, SymInt groups, *, bool packed_input=False, str strategy=\"auto\") -> Tensor");
+  // N ConvTranspose{1,2,3}d: weight [N, C_in, C_out/groups, *k], bias [N, C_out].
+  m.def("conv_transpose(Tensor input, Tensor weight, Tensor? bias, SymInt[] stride, SymInt[] padding, "
+        "SymInt[] output_padding, SymInt groups, SymInt[] dilation, *, bool packed_input=False, "
+        "str strategy=\"auto\") -> Tensor");
+  // N BatchNorm / InstanceNorm: parameters and running stats [N, C]; running stats updated in place.
+  m.def("batch_norm(Tensor input, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, "
+        "Tensor(b!)? running_var, bool training, float momentum, float eps, *, bool packed_input=False) -> Tensor");
+  m.def("instance_norm(Tensor input, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, "
+        "Tensor(b!)? running_var, bool use_input_stats, float momentum, float eps, *, "
+        "bool packed_input=False) -> Tensor");
+  // N GroupNorm(num_groups per member): weight/bias [N, C].
+  m.def("group_norm(Tensor input, int n, int num_groups, Tensor? weight=None, Tensor? bias=None, "
+        "float eps=1e-05, *, bool packed_input=False) -> Tensor");
+  // N LayerNorm / RMSNorm on N-first input [N, *, *normalized_shape]; weight/bias [N, *normalized_shape].
+  m.def("layer_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, Tensor? bias=None, "
+        "float eps=1e-05) -> Tensor");
+  m.def("rms_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> Tensor");
+  // N PReLU: weight [N, 1] or [N, C].
+  m.def("prelu(Tensor input, Tensor weight, *, bool packed_input=False) -> Tensor");
+  // N Embedding / EmbeddingBag tables [N, V, D], one lookup into the [N*V, D] table; N-first.
+  m.def("embedding(Tensor weight, Tensor indices, SymInt padding_idx=-1, bool scale_grad_by_freq=False, "
+        "bool sparse=False) -> Tensor");
+  m.def("embedding_renorm_(Tensor(a!) weight, Tensor indices, float max_norm, float norm_type) -> Tensor(a!)");
+  m.def("embedding_bag(Tensor weight, Tensor indices, Tensor? offsets=None, bool scale_grad_by_freq=False, "
+        "int mode=0, bool sparse=False, Tensor? per_sample_weights=None, bool include_last_offset=False, "
+        "int padding_idx=-1) -> Tensor");
 }

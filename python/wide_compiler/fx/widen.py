@@ -87,6 +87,9 @@ Rule = Callable[["WidenContext", fx.Node], Any]
 RULES: dict[Any, Rule] = {}
 # Ops whose rule runs even when no argument is per member (they read per-member state themselves).
 ALWAYS_WIDEN: set[Any] = set()
+# Passes run on the finished wide graph, in order: fn(graph, n, member_graph) (e.g. the layout plan,
+# fx/layout.py, registered by the rule family that needs it).
+POST_PASSES: list[Callable[[fx.Graph, int, fx.Graph], Any]] = []
 
 
 def rule(*ops) -> Callable[[Rule], Rule]:
@@ -305,6 +308,8 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
         else:
             raise UnsupportedOperationError(f"wide_compiler: unexpected graph node {node.op} {node.target}")
 
+    for post in POST_PASSES:
+        post(ctx.graph, n, ep.graph)
     ctx.graph.lint()
     gm = fx.GraphModule(torch.nn.Module(), ctx.graph, class_name="WideGraph")
     return WideGraph(gm, inputs, mutated, ep.call_spec.in_spec, ep.call_spec.out_spec, ctx.fallbacks)

@@ -1,0 +1,191 @@
+#include "wide/ops/conv.h"
+
+#include "wide/ops/layout.h"
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/convolution.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+// Note [wide::conv strategies]
+// ----------------------------
+// Member n convolves its input with weight[n]. The result is always channel-packed
+// [B, N*C_out, *] (Note [wide layouts]). Three ways to compute it:
+//  * shared: the input is N-first with stride 0 on dim 0 (x.expand(N, ...)): every member reads
+//    the same activation. With groups == 1 this is ONE ordinary conv with the N*C_out filters
+//    stacked ([N*C_out, C_in, *k] is a free view of the weight), whose output is already packed.
+//    N copies of the input are never made. (With groups > 1 the members' filters of one group
+//    are not adjacent in that stacking, so the input is packed and the grouped path runs.)
+//  * grouped: one conv over the packed input with groups = N*groups: group g of member n sees
+//    exactly member n's channels of group g. The weight view [N*C_out, C_in/groups, *k] is free.
+//  * loop: N separate convs on the channel slices (or on input[n] for an N-first input, which
+//    avoids packing it), concatenated on the channel dim.
+// Grouped convolution kernels are sometimes slower than N ordinary ones (e.g. few large
+// members), so `auto` is only the heuristic default (grouped): the compile-time tuner measures.
+// Built from ATen ops with SymInt sizes: CompositeImplicitAutograd, traces with a dynamic batch.
+//
+// Padding: `padding` has one value per spatial dim (symmetric, passed to the conv) or two per
+// dim in F.pad order (last dim first: left, right, ...), which is how padding='same' with an
+// even kernel comes out; then the input is zero-padded first and the conv gets padding 0.
+// Non-zero padding modes (reflect, replicate, circular) arrive as an aten.pad before the conv in
+// the captured graph and are widened as layout-transparent ops (fx/rules/vision.py).
+
+namespace wide {
+
+ConvStrategy parse_conv_strategy(std::string_view name, std::string_view op) {
+  if (name == "auto") return ConvStrategy::Auto;
+  if (name == "grouped") return ConvStrategy::Grouped;
+  if (name == "loop") return ConvStrategy::Loop;
+  TORCH_CHECK(false, "wide::", std::string(op), ": expected strategy 'auto', 'grouped' or 'loop', got '",
+              std::string(name), "'");
+}
+
+namespace {
+
+// One convolution (transposed or not) of all members; weight is [N, A, B', *k] where
+// (A, B') = (C_out, C_in/g) for conv and (C_in, C_out/g) for conv_transpose.
+at::Tensor wide_convolution(const char* op, const at::Tensor& input, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
+                            c10::SymIntArrayRef padding_in, c10::SymIntArrayRef dilation,
+                            bool transposed, c10::SymIntArrayRef output_padding,
+                            const c10::SymInt& groups, bool packed_input, std::string_view strategy) {
+  const ConvStrategy kind = parse_conv_strategy(strategy, op);
+  TORCH_CHECK(weight.dim() >= 4 && weight.dim() <= 6, "wide::", op, ": expected weight [N, ",
+              transposed ? "C_in, C_out/groups" : "C_out, C_in/groups", ", *kernel] with 1 to 3 "
+              "spatial dims, got ", weight.sym_sizes());
+  const int64_t d = weight.dim() - 3;
+  TORCH_CHECK(groups >= 1, "wide::", op, ": expected groups >= 1, got ", groups);
+  TORCH_CHECK(input.scalar_type() == weight.scalar_type() && input.device() == weight.device(),
+              "wide::", op, ": expected input and weight of the same dtype and device, got ",
+              input.scalar_type(), " on ", input.device(), " and ", weight.scalar_type(), " on ",
+              weight.device());
+  const int64_t want_dim = packed_input ? d + 2 : d + 3;
+  TORCH_CHECK(input.dim() == want_dim, "wide::", op, ": expected ",
+              packed_input ? "a channel-packed input [B, N*C_in, *] with " : "an N-first input [N, B, C_in, *] with ",
+              want_dim, " dims for a ", d, "-d weight ", weight.sym_sizes(), ", got ", input.sym_sizes());
+  const c10::SymInt n = weight.sym_size(0);
+  const c10::SymInt c_in = transposed ? weight.sym_size(1) : weight.sym_size(2) * groups;
+  const c10::SymInt c_out = transposed ? weight.sym_size(2) * groups : weight.sym_size(1);
+  if (packed_input) {
+    TORCH_CHECK(input.sym_size(1) == n * c_in, "wide::", op, ": packed input has ",
+                input.sym_size(1), " channels, expected N*C_in = ", n, "*", c_in, " (input ",
+                input.sym_sizes(), ", weight ", weight.sym_sizes(), ")");
+  } else {
+    TORCH_CHECK(input.sym_size(0) == n, "wide::", op, ": input has ", input.sym_size(0),
+                " members (dim 0) but weight has ", n);
+    TORCH_CHECK(input.sym_size(2) == c_in, "wide::", op, ": input has ", input.sym_size(2),
+                " channels (dim 2), expected C_in = ", c_in, " (input ", input.sym_sizes(),
+                ", weight ", weight.sym_sizes(), ")");
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 2 && bias->sym_size(0) == n && bias->sym_size(1) == c_out,
+                "wide::", op, ": expected bias [N, C_out] = [", n, ", ", c_out, "], got ",
+                bias->sym_sizes());
+  }
+  TORCH_CHECK(static_cast<int64_t>(stride.size()) == d && static_cast<int64_t>(dilation.size()) == d,
+              "wide::", op, ": expected ", d, " stride and dilation values, got ", stride.size(),
+              " and ", dilation.size());
+  TORCH_CHECK(static_cast<int64_t>(padding_in.size()) == d ||
+                  (!transposed && static_cast<int64_t>(padding_in.size()) == 2 * d),
+              "wide::", op, ": expected ", d, transposed ? "" : " or 2*", transposed ? "" : std::to_string(d),
+              " padding values, got ", padding_in.size());
+
+  // Explicit (left, right) padding: zero-pad first (Note [wide::conv strategies]).
+  std::vector<c10::SymInt> zeros(d, c10::SymInt(0));
+  const bool explicit_pad = static_cast<int64_t>(padding_in.size()) == 2 * d;
+  c10::SymIntArrayRef padding = explicit_pad ? c10::SymIntArrayRef(zeros) : padding_in;
+  auto pre_pad = [&](const at::Tensor& x) {
+    return explicit_pad ? at::constant_pad_nd_symint(x, padding_in, 0) : x;
+  };
+
+  // Shared input, one conv with N*C_out filters (groups == 1 only).
+  if (!packed_input && input.sym_stride(0) == 0 && groups == 1) {
+    std::vector<c10::SymInt> wsizes(weight.sym_sizes().begin() + 1, weight.sym_sizes().end());
+    if (transposed) {
+      // [N, C_in, C_out, *k] -> [C_in, N*C_out, *k]: filters of member n at output block n.
+      wsizes[1] = n * c_out;
+      const at::Tensor w = weight.movedim(0, 1).reshape_symint(wsizes);
+      const std::optional<at::Tensor> b =
+          bias.has_value() ? std::optional<at::Tensor>(bias->reshape_symint({n * c_out})) : std::nullopt;
+      return at::convolution_symint(pre_pad(input.select(0, 0)), w, b, stride, padding, dilation,
+                                    true, output_padding, 1);
+    }
+    wsizes[0] = n * c_out;
+    const at::Tensor w = weight.reshape_symint(wsizes);
+    const std::optional<at::Tensor> b =
+        bias.has_value() ? std::optional<at::Tensor>(bias->reshape_symint({n * c_out})) : std::nullopt;
+    return at::convolution_symint(pre_pad(input.select(0, 0)), w, b, stride, padding, dilation,
+                                  false, output_padding, 1);
+  }
+
+  if (kind == ConvStrategy::Loop) {
+    const int64_t members = n.guard_int(__FILE__, __LINE__);
+    std::vector<at::Tensor> outs;
+    outs.reserve(members);
+    for (int64_t k = 0; k < members; ++k) {
+      const at::Tensor xk = packed_input ? input.narrow_symint(1, c_in * k, c_in) : input.select(0, k);
+      outs.push_back(at::convolution_symint(
+          pre_pad(xk), weight.select(0, k),
+          bias.has_value() ? std::optional<at::Tensor>(bias->select(0, k)) : std::nullopt, stride,
+          padding, dilation, transposed, output_padding, groups));
+    }
+    return at::cat(outs, 1);
+  }
+
+  const at::Tensor x = pre_pad(packed_activation(input, packed_input, d + 2, op));
+  std::vector<c10::SymInt> wsizes(weight.sym_sizes().begin() + 1, weight.sym_sizes().end());
+  wsizes[0] = n * weight.sym_size(1);
+  const at::Tensor w = weight.reshape_symint(wsizes);
+  const std::optional<at::Tensor> b =
+      bias.has_value() ? std::optional<at::Tensor>(bias->reshape_symint({n * c_out})) : std::nullopt;
+  return at::convolution_symint(x, w, b, stride, padding, dilation, transposed, output_padding,
+                                n * groups);
+}
+
+} // namespace
+
+at::Tensor conv(const at::Tensor& input, const at::Tensor& weight,
+                const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
+                c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, c10::SymInt groups,
+                bool packed_input, std::string_view strategy) {
+  const int64_t d = std::max<int64_t>(weight.dim() - 3, 0);
+  std::vector<c10::SymInt> output_padding(d, c10::SymInt(0));
+  return wide_convolution("conv", input, weight, bias, stride, padding, dilation, false,
+                          output_padding, groups, packed_input, strategy);
+}
+
+at::Tensor conv_transpose(const at::Tensor& input, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
+                          c10::SymIntArrayRef padding, c10::SymIntArrayRef output_padding,
+                          c10::SymInt groups, c10::SymIntArrayRef dilation, bool packed_input,
+                          std::string_view strategy) {
+  const int64_t d = std::max<int64_t>(weight.dim() - 3, 0);
+  TORCH_CHECK(static_cast<int64_t>(output_padding.size()) == d, "wide::conv_transpose: expected ",
+              d, " output_padding values, got ", output_padding.size());
+  return wide_convolution("conv_transpose", input, weight, bias, stride, padding, dilation, true,
+                          output_padding, groups, packed_input, strategy);
+}
+
+} // namespace wide
+
+TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
+  m.impl("conv", [](const at::Tensor& input, const at::Tensor& weight,
+                    const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
+                    c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, c10::SymInt groups,
+                    bool packed_input, c10::string_view strategy) {
+    return wide::conv(input, weight, bias, stride, padding, dilation, std::move(groups), packed_input,
+                      std::string_view(strategy.data(), strategy.size()));
+  });
+  m.impl("conv_transpose", [](const at::Tensor& input, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
+                              c10::SymIntArrayRef padding, c10::SymIntArrayRef output_padding,
+                              c10::SymInt groups, c10::SymIntArrayRef dilation, bool packed_input,
+                              c10::string_view strategy) {
+    return wide::conv_transpose(input, weight, bias, stride, padding, output_padding,
+                                std::move(groups), dilation, packed_input,
+                                std::string_view(strategy.data(), strategy.size()));
+  });
+}

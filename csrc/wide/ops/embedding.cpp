@@ -1,0 +1,151 @@
+#include "wide/ops/embedding.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/embedding.h>
+#include <ATen/ops/embedding_bag.h>
+#include <ATen/ops/embedding_renorm.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/where.h>
+#include <torch/library.h>
+
+#include <vector>
+
+// Note [wide embeddings]
+// ----------------------
+// The N tables [N, V, D] are one table [N*V, D] (a free view); member n's index i is row n*V + i.
+// One lookup with offset indices serves all members: no N x N cross products and no loop. Shared
+// indices (stride 0 on dim 0) get their offsets by broadcasting, which materialises only the
+// [N, *] integer indices, never the embeddings.
+//  * padding_idx: at::embedding takes ONE padding row, but each member has its own (n*V + p).
+//    The lookup runs without one and the positions that hit the padding row take the detached
+//    value: same output, and no gradient reaches the padding rows, exactly as nn.Embedding.
+//  * scale_grad_by_freq counts occurrences per flat row, i.e. per member and row: as each
+//    member alone.
+//  * max_norm arrives as a separate in-place aten.embedding_renorm_ on the (detached) weight:
+//    embedding_renorm_ below renormalises the rows each member references.
+//  * EmbeddingBag: bags of all members are concatenated: indices [N*T] offset by member, bag
+//    offsets shifted by n*T. padding_idx entries are excluded from their bag whatever their
+//    row, so a member's padding index is mapped to member 0's padding row p and p is passed as
+//    the one padding_idx. Bag offsets are assumed to start at 0 per member, as PyTorch requires.
+// sparse=True gradients are not supported (a sparse gradient of the [N*V, D] view).
+
+namespace wide {
+
+namespace {
+
+void check_table(const char* op, const at::Tensor& weight, const at::Tensor& indices) {
+  TORCH_CHECK(weight.dim() == 3, "wide::", op, ": expected weight [N, num_embeddings, dim], got ",
+              weight.sym_sizes());
+  TORCH_CHECK(indices.dim() >= 1 && indices.sym_size(0) == weight.sym_size(0), "wide::", op,
+              ": expected N-first indices [N, *] with N=", weight.sym_size(0), ", got ",
+              indices.sym_sizes());
+  TORCH_CHECK(indices.scalar_type() == at::kLong || indices.scalar_type() == at::kInt,
+              "wide::", op, ": expected integer indices, got ", indices.scalar_type());
+}
+
+// indices [N, *] -> indices + n * V (broadcast; materialises only the integer indices).
+at::Tensor offset_indices(const at::Tensor& indices, const c10::SymInt& n, const c10::SymInt& v) {
+  std::vector<c10::SymInt> shape(indices.dim(), c10::SymInt(1));
+  shape[0] = n;
+  const at::Tensor base = at::arange(c10::Scalar(n), indices.options()).mul(c10::Scalar(v)).view_symint(shape);
+  return indices.add(base);
+}
+
+} // namespace
+
+at::Tensor embedding(const at::Tensor& weight, const at::Tensor& indices, c10::SymInt padding_idx,
+                     bool scale_grad_by_freq, bool sparse) {
+  check_table("embedding", weight, indices);
+  TORCH_CHECK(!sparse, "wide::embedding: sparse=True gradients are not supported; use sparse=False");
+  const c10::SymInt n = weight.sym_size(0), v = weight.sym_size(1), dim = weight.sym_size(2);
+  TORCH_CHECK(padding_idx >= -1 && padding_idx < v, "wide::embedding: expected padding_idx in "
+              "[0, num_embeddings) or -1 (none), got ", padding_idx);
+  const at::Tensor table = weight.reshape_symint({n * v, dim});
+  at::Tensor out = at::embedding_symint(table, offset_indices(indices, n, v), -1, scale_grad_by_freq, false);
+  if (padding_idx >= 0) {
+    const at::Tensor hit = indices.eq(padding_idx.guard_int(__FILE__, __LINE__)).unsqueeze(-1);
+    out = at::where(hit, out.detach(), out);
+  }
+  return out;
+}
+
+at::Tensor& embedding_renorm_(at::Tensor& weight, const at::Tensor& indices, double max_norm,
+                              double norm_type) {
+  check_table("embedding_renorm_", weight, indices);
+  const c10::SymInt n = weight.sym_size(0), v = weight.sym_size(1), dim = weight.sym_size(2);
+  if (weight.is_contiguous()) {
+    at::Tensor table = weight.view_symint({n * v, dim});
+    at::embedding_renorm_(table, offset_indices(indices, n, v), max_norm, norm_type);
+  } else {
+    const int64_t members = n.guard_int(__FILE__, __LINE__);
+    for (int64_t k = 0; k < members; ++k) {
+      at::Tensor table = weight.select(0, k);
+      at::embedding_renorm_(table, indices.select(0, k), max_norm, norm_type);
+    }
+  }
+  return weight;
+}
+
+at::Tensor embedding_bag(const at::Tensor& weight, const at::Tensor& indices,
+                         const std::optional<at::Tensor>& offsets, bool scale_grad_by_freq,
+                         int64_t mode, bool sparse,
+                         const std::optional<at::Tensor>& per_sample_weights,
+                         bool include_last_offset, int64_t padding_idx) {
+  check_table("embedding_bag", weight, indices);
+  TORCH_CHECK(!sparse, "wide::embedding_bag: sparse=True gradients are not supported");
+  TORCH_CHECK(mode >= 0 && mode <= 2, "wide::embedding_bag: expected mode 0 (sum), 1 (mean) or 2 "
+              "(max), got ", mode);
+  const c10::SymInt n = weight.sym_size(0), v = weight.sym_size(1), dim = weight.sym_size(2);
+  TORCH_CHECK(padding_idx >= -1 && v > padding_idx, "wide::embedding_bag: expected padding_idx "
+              "in [0, num_embeddings) or -1, got ", padding_idx);
+  if (per_sample_weights.has_value()) {
+    TORCH_CHECK(per_sample_weights->sym_sizes() == indices.sym_sizes(), "wide::embedding_bag: "
+                "expected per_sample_weights shaped like indices ", indices.sym_sizes(), ", got ",
+                per_sample_weights->sym_sizes());
+  }
+  at::Tensor idx = offset_indices(indices, n, v);
+  if (padding_idx >= 0) idx = at::where(indices.eq(padding_idx), indices.new_full({}, padding_idx), idx);
+  const at::Tensor table = weight.reshape_symint({n * v, dim});
+  std::optional<at::Tensor> psw;
+  if (per_sample_weights.has_value()) psw = per_sample_weights->reshape_symint({-1});
+  const std::optional<int64_t> pad = padding_idx >= 0 ? std::optional<int64_t>(padding_idx) : std::nullopt;
+
+  c10::SymInt bags;
+  at::Tensor flat_offsets;
+  if (!offsets.has_value()) {
+    // Fixed-length bags: indices [N, B, L] -> N*B bags of L.
+    TORCH_CHECK(indices.dim() == 3, "wide::embedding_bag: without offsets expected indices "
+                "[N, B, L], got ", indices.sym_sizes());
+    TORCH_CHECK(!include_last_offset, "wide::embedding_bag: include_last_offset needs offsets");
+    const c10::SymInt l = indices.sym_size(2);
+    bags = n * indices.sym_size(1);
+    flat_offsets = at::arange(c10::Scalar(0), c10::Scalar(bags * l + 1), c10::Scalar(l), indices.options());
+  } else {
+    TORCH_CHECK(indices.dim() == 2, "wide::embedding_bag: with offsets expected indices [N, T], got ",
+                indices.sym_sizes());
+    const at::Tensor& off = *offsets;
+    TORCH_CHECK(off.dim() == 1 || (off.dim() == 2 && off.sym_size(0) == n), "wide::embedding_bag: "
+                "expected offsets [B] (shared) or [N, B], got ", off.sym_sizes());
+    const c10::SymInt t = indices.sym_size(1);
+    const at::Tensor per_member = (off.dim() == 1 ? off.unsqueeze(0) : off);
+    // Starts of every bag of member m shifted by m*T; the concatenation ends with N*T.
+    const at::Tensor starts = include_last_offset ? per_member.narrow_symint(1, 0, per_member.sym_size(1) - 1)
+                                                  : per_member;
+    const at::Tensor shift = at::arange(c10::Scalar(n), off.options()).mul(c10::Scalar(t)).unsqueeze(1);
+    const at::Tensor shifted = starts.add(shift).reshape_symint({-1});
+    bags = shifted.sym_size(0);
+    flat_offsets = at::cat({shifted, at::full_symint({c10::SymInt(1)}, c10::Scalar(n * t), off.options())});
+  }
+  auto result = at::embedding_bag(table, idx.reshape_symint({-1}), flat_offsets, scale_grad_by_freq,
+                                  mode, false, psw, /*include_last_offset=*/true, pad);
+  return std::get<0>(result).view_symint({n, bags / n, dim});
+}
+
+} // namespace wide
+
+TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
+  m.impl("embedding", &wide::embedding);
+  m.impl("embedding_renorm_", &wide::embedding_renorm_);
+  m.impl("embedding_bag", &wide::embedding_bag);
+}

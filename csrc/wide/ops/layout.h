@@ -1,0 +1,24 @@
+// wide layouts: N-first [N, B, C, *] and channel-packed [B, N*C, *] (DESIGN §3).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
+
+#include <string_view>
+
+namespace wide {
+
+/// N-first [N, B, C, *] -> channel-packed [B, N*C, *]; free (a view) when the memory is already
+/// packed (e.g. the input is to_nfirst() of a packed tensor), one copy otherwise.
+at::Tensor to_packed(const at::Tensor& input);
+
+/// Channel-packed [B, N*C, *] -> N-first [N, B, C, *]; always a view (no copy).
+/// See Note [wide layouts].
+at::Tensor to_nfirst(const at::Tensor& input, const c10::SymInt& n);
+
+/// The packed form of an op's activation: `input` itself when `packed_input`, else to_packed();
+/// checks that each member's value has `member_rank` dims ([B, C, *]).
+at::Tensor packed_activation(const at::Tensor& input, bool packed_input, int64_t member_rank,
+                             std::string_view op);
+
+} // namespace wide

@@ -1,0 +1,215 @@
+#include "wide/ops/norm.h"
+
+#include "wide/ops/layout.h"
+
+#include <ATen/ops/batch_norm.h>
+#include <ATen/ops/group_norm.h>
+#include <ATen/ops/instance_norm.h>
+#include <ATen/ops/layer_norm.h>
+#include <ATen/ops/rms_norm.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+// Note [wide norms]
+// -----------------
+// BatchNorm, InstanceNorm and GroupNorm act per channel (or per group of adjacent channels), so
+// on the channel-packed layout [B, N*C, *] (Note [wide layouts]) N members are ONE ATen call with
+// the [N, C] parameters and running statistics viewed as [N*C]: channel i*C+c is member i's
+// channel c, and GroupNorm uses N*num_groups groups (member i's groups are the i-th block).
+// Batch statistics are taken over (B, *) per channel, i.e. per member, exactly as each member
+// alone. Running statistics are updated IN PLACE through the [N*C] view (the schemas mark them
+// mutable), so the caller's [N, C] buffers are the members' buffers; a non-contiguous buffer is
+// updated through a contiguous copy written back. momentum is one float for all members: it is
+// a module hyperparameter, equal across members by the architecture check.
+//
+// LayerNorm and RMSNorm normalise each member's trailing dims, which the N-first layout already
+// exposes, so they run N-first: one ATen norm without affine, then the member's weight/bias
+// broadcast as [N, 1, ..., *normalized_shape]. That is one more pass over the activation than a
+// fused kernel; see the benchmark before writing one.
+
+namespace wide {
+
+namespace {
+
+// A [N, C] tensor as [N*C] sharing memory (for in-place updates), or none.
+std::optional<at::Tensor> flat(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return std::nullopt;
+  return t->reshape_symint({t->sym_numel()});
+}
+
+void check_param(const char* op, const char* what, const std::optional<at::Tensor>& t,
+                 const at::Tensor& input) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->dim() == 2, "wide::", op, ": expected ", what, " of shape [N, C], got ",
+              t->sym_sizes());
+  TORCH_CHECK(t->device() == input.device(), "wide::", op, ": expected ", what, " on ",
+              input.device(), ", got ", t->device());
+}
+
+// The member count and channels the [N, C] tensors agree on (-1 when there are none), checked
+// against the input.
+void check_channels(const char* op, const at::Tensor& x_packed,
+                    std::initializer_list<const std::optional<at::Tensor>*> params,
+                    const at::Tensor& input, bool packed_input) {
+  for (const auto* p : params) {
+    if (!p->has_value()) continue;
+    const at::Tensor& t = **p;
+    TORCH_CHECK(x_packed.sym_size(1) == t.sym_numel(), "wide::", op, ": input has ",
+                x_packed.sym_size(1), " packed channels (N*C) but a [N, C] parameter/buffer is ",
+                t.sym_sizes(), " (input ", input.sym_sizes(), packed_input ? ", packed)" : ", N-first)");
+    if (!packed_input) {
+      TORCH_CHECK(input.sym_size(0) == t.sym_size(0), "wide::", op, ": input has ",
+                  input.sym_size(0), " members (dim 0) but a parameter/buffer has ", t.sym_size(0));
+    }
+  }
+}
+
+// Runs fn(mean_view, var_view) with [N*C] views of the running stats that write through to the
+// caller's [N, C] buffers (Note [wide norms]).
+template <typename Fn>
+at::Tensor with_running_stats(const std::optional<at::Tensor>& rm, const std::optional<at::Tensor>& rv,
+                              Fn&& fn) {
+  auto view_of = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+    if (!t.has_value()) return std::nullopt;
+    return t->is_contiguous() ? t->view_symint({t->sym_numel()}) : t->reshape_symint({t->sym_numel()}).clone();
+  };
+  std::optional<at::Tensor> m = view_of(rm), v = view_of(rv);
+  at::Tensor out = fn(m, v);
+  if (rm.has_value() && !rm->is_contiguous()) rm->copy_(m->view_symint(rm->sym_sizes()));
+  if (rv.has_value() && !rv->is_contiguous()) rv->copy_(v->view_symint(rv->sym_sizes()));
+  return out;
+}
+
+} // namespace
+
+at::Tensor batch_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& running_mean,
+                      const std::optional<at::Tensor>& running_var, bool training,
+                      double momentum, double eps, bool packed_input) {
+  TORCH_CHECK(input.dim() >= (packed_input ? 2 : 3) && input.dim() <= (packed_input ? 5 : 6),
+              "wide::batch_norm: expected ", packed_input ? "a packed input [B, N*C, *]" : "an N-first input [N, B, C, *]",
+              " with 0 to 3 spatial dims, got ", input.sym_sizes());
+  for (auto [what, t] : {std::pair{"weight", &weight}, {"bias", &bias}, {"running_mean", &running_mean},
+                         {"running_var", &running_var}}) {
+    check_param("batch_norm", what, *t, input);
+  }
+  TORCH_CHECK(running_mean.has_value() == running_var.has_value(), "wide::batch_norm: expected "
+              "both running_mean and running_var or neither");
+  TORCH_CHECK(training || running_mean.has_value(), "wide::batch_norm: expected running stats in "
+              "eval mode (training=False), got none");
+  const at::Tensor x = packed_input ? input : to_packed(input);
+  check_channels("batch_norm", x, {&weight, &bias, &running_mean, &running_var}, input, packed_input);
+  return with_running_stats(running_mean, running_var, [&](auto& m, auto& v) {
+    return at::batch_norm(x, flat(weight), flat(bias), m, v, training, momentum, eps, false);
+  });
+}
+
+at::Tensor instance_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                         const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& running_mean,
+                         const std::optional<at::Tensor>& running_var, bool use_input_stats,
+                         double momentum, double eps, bool packed_input) {
+  TORCH_CHECK(input.dim() >= (packed_input ? 3 : 4) && input.dim() <= (packed_input ? 5 : 6),
+              "wide::instance_norm: expected ", packed_input ? "a packed input [B, N*C, *]" : "an N-first input [N, B, C, *]",
+              " with 1 to 3 spatial dims, got ", input.sym_sizes());
+  for (auto [what, t] : {std::pair{"weight", &weight}, {"bias", &bias}, {"running_mean", &running_mean},
+                         {"running_var", &running_var}}) {
+    check_param("instance_norm", what, *t, input);
+  }
+  TORCH_CHECK(running_mean.has_value() == running_var.has_value(), "wide::instance_norm: expected "
+              "both running_mean and running_var or neither");
+  TORCH_CHECK(use_input_stats || running_mean.has_value(), "wide::instance_norm: expected running "
+              "stats when use_input_stats=False, got none");
+  const at::Tensor x = packed_input ? input : to_packed(input);
+  check_channels("instance_norm", x, {&weight, &bias, &running_mean, &running_var}, input, packed_input);
+  return with_running_stats(running_mean, running_var, [&](auto& m, auto& v) {
+    return at::instance_norm(x, flat(weight), flat(bias), m, v, use_input_stats, momentum, eps, false);
+  });
+}
+
+at::Tensor group_norm(const at::Tensor& input, int64_t n, int64_t num_groups,
+                      const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, double eps, bool packed_input) {
+  TORCH_CHECK(n >= 1 && num_groups >= 1, "wide::group_norm: expected n >= 1 and num_groups >= 1, "
+              "got n=", n, ", num_groups=", num_groups);
+  TORCH_CHECK(input.dim() >= (packed_input ? 2 : 3), "wide::group_norm: expected ",
+              packed_input ? "a packed input [B, N*C, *]" : "an N-first input [N, B, C, *]", ", got ",
+              input.sym_sizes());
+  check_param("group_norm", "weight", weight, input);
+  check_param("group_norm", "bias", bias, input);
+  if (!packed_input) {
+    TORCH_CHECK(input.sym_size(0) == n, "wide::group_norm: input has ", input.sym_size(0),
+                " members (dim 0), expected n=", n);
+  }
+  const at::Tensor x = packed_input ? input : to_packed(input);
+  TORCH_CHECK(x.sym_size(1) % (n * num_groups) == 0, "wide::group_norm: expected the ",
+              x.sym_size(1) / n, " channels per member to be divisible by num_groups=", num_groups);
+  check_channels("group_norm", x, {&weight, &bias}, input, packed_input);
+  return at::group_norm(x, n * num_groups, flat(weight), flat(bias), eps, false);
+}
+
+namespace {
+
+// [N, *ns] -> [N, 1, ..., 1, *ns] broadcasting against an N-first [N, *lead, *ns] input.
+at::Tensor broadcastable(const at::Tensor& p, const at::Tensor& input, int64_t k) {
+  std::vector<c10::SymInt> sizes;
+  sizes.push_back(p.sym_size(0));
+  for (int64_t d = 1; d < input.dim() - k; ++d) sizes.push_back(1);
+  for (int64_t d = 1; d < p.dim(); ++d) sizes.push_back(p.sym_size(d));
+  return p.view_symint(sizes);
+}
+
+void check_affine(const char* op, const char* what, const std::optional<at::Tensor>& p,
+                  const at::Tensor& input, c10::SymIntArrayRef ns) {
+  if (!p.has_value()) return;
+  bool ok = p->dim() == static_cast<int64_t>(ns.size()) + 1 && p->sym_size(0) == input.sym_size(0);
+  for (size_t d = 0; ok && d < ns.size(); ++d) ok = p->sym_size(d + 1) == ns[d];
+  TORCH_CHECK(ok, "wide::", op, ": expected ", what, " of shape [N, *normalized_shape] = [",
+              input.sym_size(0), ", ", ns, "], got ", p->sym_sizes());
+}
+
+void check_trailing(const char* op, const at::Tensor& input, c10::SymIntArrayRef ns) {
+  const int64_t k = static_cast<int64_t>(ns.size());
+  bool ok = k >= 1 && input.dim() >= k + 1;
+  for (int64_t d = 0; ok && d < k; ++d) ok = input.sym_size(input.dim() - k + d) == ns[d];
+  TORCH_CHECK(ok, "wide::", op, ": expected an N-first input [N, *, ", ns, "], got ",
+              input.sym_sizes());
+}
+
+} // namespace
+
+at::Tensor layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                      const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, double eps) {
+  check_trailing("layer_norm", input, normalized_shape);
+  check_affine("layer_norm", "weight", weight, input, normalized_shape);
+  check_affine("layer_norm", "bias", bias, input, normalized_shape);
+  const int64_t k = static_cast<int64_t>(normalized_shape.size());
+  at::Tensor y = at::layer_norm_symint(input, normalized_shape, std::nullopt, std::nullopt, eps, false);
+  if (weight.has_value()) y = y.mul(broadcastable(*weight, input, k));
+  if (bias.has_value()) y = y.add(broadcastable(*bias, input, k));
+  return y;
+}
+
+at::Tensor rms_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  check_trailing("rms_norm", input, normalized_shape);
+  check_affine("rms_norm", "weight", weight, input, normalized_shape);
+  const int64_t k = static_cast<int64_t>(normalized_shape.size());
+  at::Tensor y = at::rms_norm_symint(input, normalized_shape, std::nullopt, eps);
+  if (weight.has_value()) y = y.mul(broadcastable(*weight, input, k));
+  return y;
+}
+
+} // namespace wide
+
+TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
+  m.impl("batch_norm", &wide::batch_norm);
+  m.impl("instance_norm", &wide::instance_norm);
+  m.impl("group_norm", &wide::group_norm);
+  m.impl("layer_norm", &wide::layer_norm);
+  m.impl("rms_norm", &wide::rms_norm);
+}

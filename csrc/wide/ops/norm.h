@@ -1,0 +1,40 @@
+// wide normalisations: N independent BatchNorm / InstanceNorm / GroupNorm / LayerNorm / RMSNorm.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
+
+#include <optional>
+
+namespace wide {
+
+/// N BatchNorm{1,2,3}d: weight/bias/running stats [N, C]; input N-first [N, B, C, *] or packed
+/// [B, N*C, *]; output packed. Running stats are updated in place when training (per member).
+at::Tensor batch_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& running_mean,
+                      const std::optional<at::Tensor>& running_var, bool training,
+                      double momentum, double eps, bool packed_input = false);
+
+/// N InstanceNorm{1,2,3}d: parameters and running stats [N, C]; layouts as batch_norm.
+at::Tensor instance_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                         const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& running_mean,
+                         const std::optional<at::Tensor>& running_var, bool use_input_stats,
+                         double momentum, double eps, bool packed_input = false);
+
+/// N GroupNorm(num_groups, C): weight/bias [N, C]; `n` members; layouts as batch_norm.
+at::Tensor group_norm(const at::Tensor& input, int64_t n, int64_t num_groups,
+                      const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, double eps, bool packed_input = false);
+
+/// N LayerNorm(normalized_shape): weight/bias [N, *normalized_shape]; input and output N-first.
+at::Tensor layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                      const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, double eps);
+
+/// N RMSNorm(normalized_shape): weight [N, *normalized_shape]; input and output N-first.
+at::Tensor rms_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                    const std::optional<at::Tensor>& weight, std::optional<double> eps);
+
+} // namespace wide

@@ -1,0 +1,245 @@
+"""The layout plan: keep conv/norm/pool runs channel-packed ``[B, N*C, *]`` end to end.
+
+See DESIGN §3 and Note [wide layouts] (csrc/wide/ops/layout.cpp). The widen rules of the packed
+family (``wide.conv``, ``wide.conv_transpose``, ``wide.batch_norm``, ``wide.instance_norm``,
+``wide.group_norm``, ``wide.prelu``) emit ``wide.to_nfirst(op(x, packed_input=False), N)``: every
+value the other rules see is N-first. This pass, run at the end of :func:`~.widen.widen`:
+
+1. pushes ``to_nfirst`` down through layout-transparent ops, which give the same member values on
+   packed and N-first tensors:
+
+   - elementwise ops (the pointwise family, dropout, alpha dropout) whose tensor operands are all
+     ``to_nfirst`` of packed values with identical member shapes (so broadcasting can't mix
+     members);
+   - the per-channel spatial ops widened by folding the member dim into the batch
+     (``unflatten(op(flatten(x, 0, 1)), 0, [N, -1])``: pooling, padding, upsampling, channel
+     dropout) and constant padding of spatial dims: on a packed input they run as they are;
+
+2. feeds a packed op whose input is ``to_nfirst(p)`` with ``p`` itself (``packed_input=True``);
+3. removes the ``to_nfirst`` nodes left without users, and marks the layout conversions that
+   remain (``node.meta["wide_layout_conversion"]``, counted by ``WideModel.summary()``/``report()``):
+   each packed op fed an N-first value (a copy, or nothing for a shared ``x.expand(N, ...)``
+   input of a conv) and each ``to_nfirst`` still read by a non-packed op (a view; the reader, e.g.
+   a Linear, pays the copy if it needs N-first memory).
+
+A ResNet thus keeps two conversions: the input into the stem conv, and the pooled features into
+the classifier. The pass only rewrites what it proves equivalent; anything else stays N-first,
+which is always correct.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = ["PACKED_OPS", "TRANSPARENT_FOLD_OPS", "plan_layout", "count_conversions"]
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+wide = torch.ops.wide
+
+PACKED_OPS = {wide.conv.default, wide.conv_transpose.default, wide.batch_norm.default,
+              wide.instance_norm.default, wide.group_norm.default, wide.prelu.default}
+TO_NFIRST = wide.to_nfirst.default
+
+
+def _ops(*specs: str) -> set:
+    out = set()
+    for spec in specs:
+        name, _, ovl = spec.partition(".")
+        op = getattr(getattr(aten, name, None), ovl or "default", None)
+        if op is not None:
+            out.add(op)
+    return out
+
+
+# Per-channel ops run on [N*B, C, *] by folding the member dim into the batch: on a packed
+# [B, N*C, *] tensor they give the same values (each channel plane is processed on its own).
+TRANSPARENT_FOLD_OPS = _ops(
+    "max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices",
+    "max_pool3d_with_indices", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
+    "adaptive_max_pool3d", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "feature_dropout",
+    "feature_alpha_dropout", "pad", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d",
+    "replication_pad1d", "replication_pad2d", "replication_pad3d", "upsample_nearest1d.vec",
+    "upsample_nearest2d.vec", "upsample_nearest3d.vec", "_upsample_nearest_exact1d.vec",
+    "_upsample_nearest_exact2d.vec", "_upsample_nearest_exact3d.vec", "upsample_linear1d.vec",
+    "upsample_bilinear2d.vec", "upsample_bicubic2d.vec", "upsample_trilinear3d.vec",
+)
+# Elementwise random ops: one independent draw per element whatever the layout.
+_ELEMENTWISE_RANDOM = _ops("dropout", "alpha_dropout")
+# Reading sizes of a view is free: such readers do not make a to_nfirst a conversion.
+_SIZE_READERS = _ops("sym_size.int", "sym_numel", "sym_stride.int", "sym_storage_offset")
+
+
+def _is_to_nfirst(a: Any) -> bool:
+    return isinstance(a, fx.Node) and a.op == "call_function" and a.target is TO_NFIRST
+
+
+def _member_shape(node: fx.Node, old: dict[str, fx.Node]) -> tuple | None:
+    """One member's shape (as strings, symbolic sizes by name) of the old node behind ``node``."""
+    if node.meta.get("wide_member_shape_hint") is not None:
+        return node.meta["wide_member_shape_hint"]
+    src = old.get(node.meta.get("wide_source", ""))
+    val = src.meta.get("val") if src is not None else None
+    if isinstance(val, (tuple, list)):
+        return None
+    return tuple(str(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _is_elementwise(node: fx.Node) -> bool:
+    from .rules.pointwise import _pointwise
+    from .widen import find_rule
+
+    if node.target in _ELEMENTWISE_RANDOM:
+        return True
+    return find_rule(node.target) is _pointwise
+
+
+def _wrap(graph: fx.Graph, value: fx.Node, n: int, like: fx.Node, shape: tuple | None) -> fx.Node:
+    with graph.inserting_after(value):
+        out = graph.call_function(TO_NFIRST, (value, n))
+    for key in ("stack_trace", "nn_module_stack", "wide_source"):
+        if key in like.meta:
+            out.meta[key] = like.meta[key]
+    out.meta["wide_member_shape"] = shape
+    return out
+
+
+def _push_elementwise(graph: fx.Graph, node: fx.Node, n: int, old: dict[str, fx.Node]) -> bool:
+    if not _is_elementwise(node) or not node.users:
+        return False
+    operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
+    if not operands or not all(_is_to_nfirst(a) and a.args[1] == n for a in operands):
+        return False
+    if any(isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a)
+           for a in (*node.args, *node.kwargs.values())):
+        return False
+    shapes = {a.meta.get("wide_member_shape") for a in operands}
+    out_shape = _member_shape(node, old)
+    if len(shapes) != 1 or None in shapes or out_shape not in shapes:
+        return False  # broadcasting between different member shapes: keep N-first
+    node.args = tuple(a.args[0] if _is_to_nfirst(a) else a for a in node.args)
+    node.kwargs = {k: (a.args[0] if _is_to_nfirst(a) else a) for k, a in node.kwargs.items()}
+    users = list(node.users)
+    wrapped = _wrap(graph, node, n, node, out_shape)
+    for u in users:
+        u.replace_input_with(node, wrapped)
+    return True
+
+
+def _fold_outputs(node: fx.Node) -> list[tuple[fx.Node, fx.Node]] | None:
+    """(value, unflatten) pairs of a folded op: its unflatten users, or getitem -> unflatten."""
+    pairs = []
+    for u in node.users:
+        if u.target is aten.unflatten.int and u.args[1] == 0:
+            pairs.append((node, u))
+        elif u.target is operator.getitem:
+            for uu in u.users:
+                if uu.target is aten.unflatten.int and uu.args[1] == 0:
+                    pairs.append((u, uu))
+                else:
+                    return None
+        else:
+            return None
+    return pairs or None
+
+
+def _push_fold(graph: fx.Graph, node: fx.Node, n: int, old: dict[str, fx.Node]) -> bool:
+    if node.target not in TRANSPARENT_FOLD_OPS or not node.args:
+        return False
+    flat = node.args[0]
+    if not (isinstance(flat, fx.Node) and flat.target is aten.flatten.using_ints
+            and tuple(flat.args[1:]) == (0, 1) and len(flat.users) == 1 and _is_to_nfirst(flat.args[0])):
+        return False
+    if any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
+        return False
+    pairs = _fold_outputs(node)
+    if pairs is None:
+        return False
+    src = flat.args[0]
+    node.update_arg(0, src.args[0])
+    graph.erase_node(flat)
+    for value, unflat in pairs:
+        wrapped = _wrap(graph, value, n, unflat, _member_shape(unflat, old))
+        unflat.replace_all_uses_with(wrapped)
+        graph.erase_node(unflat)
+    return True
+
+
+def _push_constant_pad(graph: fx.Graph, node: fx.Node, n: int, old: dict[str, fx.Node]) -> bool:
+    """Constant padding of spatial dims only (the lead's spatial rule pads N-first directly)."""
+    if node.target not in (aten.pad.default, aten.constant_pad_nd.default) or not _is_to_nfirst(node.args[0]):
+        return False
+    mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+    shape = node.args[0].meta.get("wide_member_shape")
+    pad = node.args[1]
+    if mode != "constant" or shape is None or not isinstance(pad, (list, tuple)):
+        return False
+    if len(pad) // 2 > len(shape) - 2:  # touches the channel or batch dim
+        return False
+    node.update_arg(0, node.args[0].args[0])
+    users = list(node.users)
+    wrapped = _wrap(graph, node, n, node, _member_shape(node, old))
+    for u in users:
+        u.replace_input_with(node, wrapped)
+    return True
+
+
+def _feed_packed(node: fx.Node) -> bool:
+    if node.target not in PACKED_OPS or node.kwargs.get("packed_input") or not _is_to_nfirst(node.args[0]):
+        return False
+    node.update_arg(0, node.args[0].args[0])
+    node.update_kwarg("packed_input", True)
+    shapes = node.meta.get("wide_shapes")
+    if isinstance(shapes, dict):
+        shapes["packed_input"] = True
+    return True
+
+
+def plan_layout(graph: fx.Graph, n: int, old_graph: fx.Graph | None = None) -> dict[str, int]:
+    """Run the plan on a wide graph in place; returns ``{"conversions": k, "packed_ops": m}``.
+
+    ``old_graph`` is the captured member graph (for member shapes of the values pushed through).
+    """
+    old = {nd.name: nd for nd in old_graph.nodes} if old_graph is not None else {}
+    for _ in range(len(graph.nodes) + 1):  # each round removes at least one N-first boundary
+        changed = False
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.graph is not graph:
+                continue
+            changed |= (_feed_packed(node) or _push_fold(graph, node, n, old)
+                        or _push_constant_pad(graph, node, n, old) or _push_elementwise(graph, node, n, old))
+        for node in list(graph.nodes):
+            if _is_to_nfirst(node) and not node.users:
+                graph.erase_node(node)
+        if not changed:
+            break
+    return count_conversions(graph)
+
+
+def count_conversions(graph: fx.Graph) -> dict[str, int]:
+    """Mark and count the layout conversions of a planned graph (see the module docstring)."""
+    conversions = packed = 0
+    for node in graph.nodes:
+        node.meta.pop("wide_layout_conversion", None)
+        if node.op != "call_function":
+            continue
+        if node.target in PACKED_OPS:
+            packed += 1
+            if not node.kwargs.get("packed_input"):
+                conversions += 1
+                node.meta["wide_layout_conversion"] = (
+                    f"N-first -> packed into {node.target._schema.name} (a copy; none for a shared "
+                    "input of a conv)")
+        elif _is_to_nfirst(node):
+            readers = [u for u in node.users if u.target not in _SIZE_READERS]
+            if readers:
+                conversions += 1
+                names = ", ".join(u.name for u in readers[:3]) + (", ..." if len(readers) > 3 else "")
+                node.meta["wide_layout_conversion"] = f"packed -> N-first for {names}"
+    return {"conversions": conversions, "packed_ops": packed}

@@ -1,0 +1,150 @@
+"""Widen rules: convolutions -> torch.ops.wide.conv / wide.conv_transpose (channel-packed).
+
+Every conv becomes ``wide.to_nfirst(wide.conv(x, W, b, ..., packed_input=False), N)``; the layout
+plan (fx/layout.py) then chains consecutive packed ops without conversions. ``padding='same'`` /
+``'valid'`` (the ``.padding`` overloads) become explicit padding; an even kernel's asymmetric
+'same' padding is passed as (left, right) pairs. Non-zero padding modes arrive as an ``aten.pad``
+before the conv (spatial rules). Unbatched member inputs ``[C, *]`` get a batch dim of 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ..widen import TuneSpec, Wide, WidenContext, concrete_shape, member_rank, rule
+
+aten = torch.ops.aten
+wide = torch.ops.wide
+
+__all__ = ["conv_candidates", "packed_result", "spatial_list"]
+
+
+def spatial_list(v, d: int) -> list:
+    """An int or a 1- or d-element list as a d-element list."""
+    if isinstance(v, (list, tuple)):
+        v = list(v)
+        return v * d if len(v) == 1 else v
+    return [v] * d
+
+
+def same_padding(kernel: list[int], dilation: list[int], stride: list[int]) -> list[int]:
+    """padding='same' as one value per dim, or (left, right) per dim in F.pad order (last dim
+    first) when some total padding is odd (even kernels): the extra pad goes right, as in ATen."""
+    if any(s != 1 for s in stride):
+        raise ValueError("padding='same' is not supported for strided convolutions")
+    totals = [dl * (k - 1) for k, dl in zip(kernel, dilation)]
+    if all(t % 2 == 0 for t in totals):
+        return [t // 2 for t in totals]
+    out: list[int] = []
+    for t in reversed(totals):
+        out += [t // 2, t - t // 2]
+    return out
+
+
+def conv_candidates(op, n: int, shapes: dict, opts: dict) -> dict:
+    """Zero-argument callables running each strategy on random tensors of the sample shapes (the
+    input packed or not as the layout plan decided)."""
+    x = torch.randn(n, *shapes["input"], **opts)
+    if shapes.get("packed_input"):
+        x = wide.to_packed(x).contiguous()
+    w = torch.randn(n, *shapes["weight"], **opts)
+    b = torch.randn(n, shapes["bias_features"], **opts) if shapes["bias_features"] else None
+    args = shapes["args"]
+    return {s: (lambda s=s: op(x, w, b, *args, packed_input=bool(shapes.get("packed_input")), strategy=s))
+            for s in ("grouped", "loop")}
+
+
+def packed_result(ctx: WidenContext, node: fx.Node, packed: fx.Node, unbatched: bool = False) -> Wide:
+    """``to_nfirst`` of a packed op's result (and the unbatched squeeze), as the node's value."""
+    out = ctx.emit(wide.to_nfirst.default, (packed, ctx.n), like=node,
+                   name=None if unbatched else node.name)
+    shape = node.meta["val"].shape
+    out.meta["wide_member_shape"] = tuple(str(s) for s in ((1, *shape) if unbatched else shape))
+    if unbatched:
+        out = ctx.emit(aten.squeeze.dim, (out, 1), like=node, name=node.name)
+    return Wide(out, member_rank(node))
+
+
+def _conv(ctx: WidenContext, node: fx.Node, transposed: bool) -> Wide:
+    a = ctx.schema_args(node)
+    x_old, w_old = node.args[0], node.args[1]
+    d = member_rank(w_old) - 2
+    rank = member_rank(x_old)
+    if rank not in (d + 1, d + 2):
+        raise ctx.fail(node, f"expected a member input of {d + 1} or {d + 2} dims for a {d}-d conv, got {rank}")
+    if not isinstance(a["weight"], Wide):
+        raise ctx.fail(node, "a convolution whose weight is not a per-member parameter")
+    if ctx.is_wide([a[k] for k in a if k not in ("input", "weight", "bias")]):
+        raise ctx.fail(node, "a per-member stride/padding/dilation/groups")
+    x = ctx.as_wide(a["input"], rank, node)
+    unbatched = rank == d + 1
+    xn = ctx.emit(aten.unsqueeze.default, (x.node, 1), like=node) if unbatched else x.node
+    bias = ctx.as_wide(a["bias"], 1, node).node if a["bias"] is not None else None
+    stride, dilation = spatial_list(a["stride"], d), spatial_list(a["dilation"], d)
+    kernel = concrete_shape(w_old)[2:]
+    if transposed:
+        padding = spatial_list(a["padding"], d)
+        args = (stride, padding, spatial_list(a["output_padding"], d), a["groups"], dilation)
+        op = wide.conv_transpose.default
+    else:
+        padding = a["padding"]
+        if isinstance(padding, str):
+            if padding == "valid":
+                padding = [0] * d
+            elif padding == "same":
+                try:
+                    padding = same_padding(kernel, dilation, stride)
+                except ValueError as e:
+                    raise ctx.fail(node, str(e)) from None
+            else:
+                raise ctx.fail(node, f"unknown padding {padding!r}")
+        else:
+            padding = spatial_list(padding, d)
+        args = (stride, padding, dilation, a["groups"])
+        op = wide.conv.default
+    packed = ctx.emit(op, (xn, a["weight"].node, bias, *args), {"packed_input": False, "strategy": "auto"},
+                      like=node)
+    in_shape = concrete_shape(x_old)
+    packed.meta["wide_op"] = f"wide.{op._schema.name.split('::')[1]}"
+    packed.meta["wide_shapes"] = {
+        "input": [1, *in_shape] if unbatched else in_shape, "weight": concrete_shape(w_old),
+        "bias_features": concrete_shape(node.args[2])[0] if a["bias"] is not None else 0,
+        "args": [list(v) if isinstance(v, (list, tuple)) else v for v in args], "packed_input": False}
+    packed.meta["wide_tune"] = TuneSpec(
+        default="grouped",
+        make=lambda n, opts, s=packed.meta["wide_shapes"], op=op: conv_candidates(op, n, s, opts))
+    return packed_result(ctx, node, packed, unbatched)
+
+
+@rule(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+      aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding)
+def _conv_rule(ctx: WidenContext, node: fx.Node) -> Wide:
+    return _conv(ctx, node, transposed=False)
+
+
+@rule(aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input)
+def _conv_transpose_rule(ctx: WidenContext, node: fx.Node) -> Wide:
+    return _conv(ctx, node, transposed=True)
+
+
+@rule(aten.convolution.default)
+def _convolution_rule(ctx: WidenContext, node: fx.Node) -> Wide:
+    transposed = node.args[6] if len(node.args) > 6 else node.kwargs["transposed"]
+    if not transposed and any(int(p) for p in (node.args[7] if len(node.args) > 7 else [])):
+        raise ctx.fail(node, "output_padding on a non-transposed convolution")
+    return _conv(ctx, node, transposed=bool(transposed))
+
+
+def _register_layout_plan() -> None:
+    from .. import widen as _widen
+    from ..layout import plan_layout
+
+    def layout_pass(graph: fx.Graph, n: int, member_graph: fx.Graph) -> None:
+        plan_layout(graph, n, member_graph)
+
+    if not any(getattr(p, "__name__", "") == "layout_pass" for p in _widen.POST_PASSES):
+        _widen.POST_PASSES.append(layout_pass)
+
+
+_register_layout_plan()

@@ -1,0 +1,125 @@
+"""Widen rules: normalisations and PReLU.
+
+- ``aten.batch_norm`` / ``aten.instance_norm`` / ``aten.group_norm`` / ``aten.prelu`` ->
+  the packed-family ``wide.*`` ops (one ATen call over ``[B, N*C, *]``, see Note [wide norms]),
+  followed by ``wide.to_nfirst`` (removed between packed ops by the layout plan). Running stats
+  are the stacked buffers themselves: the op updates them in place in train mode, and export's
+  ``num_batches_tracked.add_(1)`` is an ordinary pointwise op on the ``[N]`` buffer.
+- ``aten.layer_norm`` / ``aten.rms_norm`` -> ``wide.layer_norm`` / ``wide.rms_norm`` (N-first).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ..widen import Wide, WidenContext, concrete_shape, member_rank, rule
+from .conv import packed_result
+
+aten = torch.ops.aten
+wide = torch.ops.wide
+
+
+def _param(ctx: WidenContext, node: fx.Node, v, rank: int):
+    """A per-member parameter/buffer node (shared values are expanded), or None."""
+    if v is None:
+        return None
+    return ctx.as_wide(v, rank, node).node
+
+
+def _activation(ctx: WidenContext, node: fx.Node, v, min_rank: int) -> tuple[fx.Node, bool]:
+    rank = member_rank(node.args[0])
+    if rank < min_rank:
+        raise ctx.fail(node, f"expected a member input of at least {min_rank} dims, got {rank}")
+    return ctx.as_wide(v, rank, node).node, False
+
+
+def _mark(node: fx.Node, packed: fx.Node, op: str, old: fx.Node) -> None:
+    packed.meta["wide_op"] = op
+    packed.meta["wide_shapes"] = {"input": concrete_shape(old.args[0]), "packed_input": False}
+
+
+@rule(aten.batch_norm.default)
+def _batch_norm(ctx: WidenContext, node: fx.Node) -> Wide:
+    a = ctx.schema_args(node)
+    x, _ = _activation(ctx, node, a["input"], 2)
+    if a["running_mean"] is not None and not isinstance(a["running_mean"], Wide):
+        raise ctx.fail(node, "running stats that are not per-member buffers")
+    args = (x, _param(ctx, node, a["weight"], 1), _param(ctx, node, a["bias"], 1),
+            _param(ctx, node, a["running_mean"], 1), _param(ctx, node, a["running_var"], 1),
+            a["training"], a["momentum"], a["eps"])
+    packed = ctx.emit(wide.batch_norm.default, args, {"packed_input": False}, like=node)
+    _mark(node, packed, "wide.batch_norm", node)
+    return packed_result(ctx, node, packed)
+
+
+@rule(aten.instance_norm.default)
+def _instance_norm(ctx: WidenContext, node: fx.Node) -> Wide:
+    a = ctx.schema_args(node)
+    x, _ = _activation(ctx, node, a["input"], 3)
+    if a["running_mean"] is not None and not isinstance(a["running_mean"], Wide):
+        raise ctx.fail(node, "running stats that are not per-member buffers")
+    args = (x, _param(ctx, node, a["weight"], 1), _param(ctx, node, a["bias"], 1),
+            _param(ctx, node, a["running_mean"], 1), _param(ctx, node, a["running_var"], 1),
+            a["use_input_stats"], a["momentum"], a["eps"])
+    packed = ctx.emit(wide.instance_norm.default, args, {"packed_input": False}, like=node)
+    _mark(node, packed, "wide.instance_norm", node)
+    return packed_result(ctx, node, packed)
+
+
+@rule(aten.group_norm.default)
+def _group_norm(ctx: WidenContext, node: fx.Node) -> Wide:
+    a = ctx.schema_args(node)
+    x, _ = _activation(ctx, node, a["input"], 2)
+    args = (x, ctx.n, a["num_groups"], _param(ctx, node, a["weight"], 1),
+            _param(ctx, node, a["bias"], 1), a["eps"])
+    packed = ctx.emit(wide.group_norm.default, args, {"packed_input": False}, like=node)
+    _mark(node, packed, "wide.group_norm", node)
+    return packed_result(ctx, node, packed)
+
+
+@rule(aten.prelu.default)
+def _prelu(ctx: WidenContext, node: fx.Node) -> Wide:
+    a = ctx.schema_args(node)
+    rank = member_rank(node.args[0])
+    if member_rank(node.args[1]) != 1:
+        raise ctx.fail(node, f"expected a 1-d PReLU weight, got {member_rank(node.args[1])}-d")
+    if rank == 0:
+        raise ctx.fail(node, "PReLU of a 0-dim input")
+    x = ctx.as_wide(a["self"], rank, node).node
+    unbatched = rank == 1  # a 1-d member input has ONE channel (as in F.prelu)
+    if unbatched and concrete_shape(node.args[1])[0] != 1:
+        raise ctx.fail(node, "PReLU with several slopes on a 1-d input")
+    if unbatched:
+        x = ctx.emit(aten.unsqueeze.default, (x, 1), like=node)
+    packed = ctx.emit(wide.prelu.default, (x, _param(ctx, node, a["weight"], 1)), {"packed_input": False},
+                      like=node)
+    _mark(node, packed, "wide.prelu", node)
+    return packed_result(ctx, node, packed, unbatched)
+
+
+@rule(aten.layer_norm.default)
+def _layer_norm(ctx: WidenContext, node: fx.Node) -> Wide:
+    a = ctx.schema_args(node)
+    rank = member_rank(node.args[0])
+    x = ctx.as_wide(a["input"], rank, node).node
+    k = len(a["normalized_shape"])
+    out = ctx.emit(wide.layer_norm.default, (x, a["normalized_shape"], _param(ctx, node, a["weight"], k),
+                                             _param(ctx, node, a["bias"], k), a["eps"]),
+                   like=node, name=node.name)
+    out.meta["wide_op"] = "wide.layer_norm"
+    out.meta["wide_shapes"] = {"input": concrete_shape(node.args[0])}
+    return Wide(out, rank)
+
+
+@rule(aten.rms_norm.default)
+def _rms_norm(ctx: WidenContext, node: fx.Node) -> Wide:
+    a = ctx.schema_args(node)
+    rank = member_rank(node.args[0])
+    x = ctx.as_wide(a["input"], rank, node).node
+    k = len(a["normalized_shape"])
+    out = ctx.emit(wide.rms_norm.default, (x, a["normalized_shape"], _param(ctx, node, a["weight"], k), a["eps"]),
+                   like=node, name=node.name)
+    out.meta["wide_op"] = "wide.rms_norm"
+    out.meta["wide_shapes"] = {"input": concrete_shape(node.args[0])}
+    return Wide(out, rank)

@@ -1,0 +1,60 @@
+"""WidePReLU over ``torch.ops.wide.prelu``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ._common import check_members, stack_param
+
+__all__ = ["WidePReLU"]
+
+
+class WidePReLU(nn.Module):
+    """N ``nn.PReLU`` (1 or C slopes per member) as one PReLU over the packed channels; input
+    N-first ``[N, B, C, *]`` (or ``[N, C]`` for unbatched members), output N-first.
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> acts = [torch.nn.PReLU(3, init=0.1 * (i + 1)) for i in range(4)]
+        >>> wide = wc.nn.WidePReLU.from_modules(acts)
+        >>> x = torch.randn(4, 2, 3, 5)
+        >>> torch.allclose(wide(x)[3], acts[3](x[3]))
+        True
+    """
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.n, self.num_parameters = weight.shape
+        self.weight = weight
+
+    @classmethod
+    def from_modules(cls, modules: Sequence[nn.PReLU]) -> WidePReLU:
+        """Stack the slopes of N ``nn.PReLU`` with the same num_parameters (copied)."""
+        modules = check_members(modules, nn.PReLU, ("num_parameters", "weight"), cls.__name__)
+        return cls(stack_param(modules, "weight"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        unbatched = x.dim() == 2
+        if unbatched and self.num_parameters != 1:
+            raise ValueError(f"WidePReLU: a 1-d member input has one channel, so num_parameters must be 1 "
+                             f"(as nn.PReLU), got {self.num_parameters}")
+        if unbatched:
+            x = x.unsqueeze(1)
+        y = torch.ops.wide.to_nfirst(torch.ops.wide.prelu(x, self.weight), self.n)
+        return y.squeeze(1) if unbatched else y
+
+    def unfuse(self) -> list[nn.PReLU]:
+        """N ordinary ``nn.PReLU`` with copies of the members' slopes."""
+        out = []
+        for i in range(self.n):
+            m = nn.PReLU(self.num_parameters, device=self.weight.device, dtype=self.weight.dtype)
+            with torch.no_grad():
+                m.weight.copy_(self.weight[i])
+            out.append(m)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"n={self.n}, num_parameters={self.num_parameters}"

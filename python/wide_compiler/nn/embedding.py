@@ -1,0 +1,105 @@
+"""WideEmbedding and WideEmbeddingBag over ``torch.ops.wide.embedding`` / ``embedding_bag``."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ._common import check_members, copy_member, stack_param
+
+__all__ = ["WideEmbedding", "WideEmbeddingBag"]
+
+_MODES = {"sum": 0, "mean": 1, "max": 2}
+
+
+class _WideTable(nn.Module):
+    _base: type[nn.Module]
+    _attrs: tuple[str, ...]
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.n = len(modules)
+        object.__setattr__(self, "_template", copy.deepcopy(modules[0]).to("meta"))
+        self.weight = stack_param(modules, "weight")
+
+    @classmethod
+    def from_modules(cls, modules: Sequence[nn.Module]):
+        """Stack N tables of one configuration (weights copied)."""
+        return cls(check_members(modules, cls._base, cls._attrs, cls.__name__))
+
+    def unfuse(self) -> list[nn.Module]:
+        """N ordinary modules with copies of the members' tables."""
+        out = []
+        for i in range(self.n):
+            m = copy.deepcopy(self._template).to_empty(device=self.weight.device).to(self.weight.dtype)
+            copy_member(m, self, i, ("weight",))
+            out.append(m)
+        return out
+
+    def _renorm(self, indices: torch.Tensor) -> None:
+        t = self._template
+        if t.max_norm is not None:
+            with torch.no_grad():
+                torch.ops.wide.embedding_renorm_(self.weight.detach(), indices, t.max_norm, t.norm_type)
+
+    def extra_repr(self) -> str:
+        return f"n={self.n}, {self._template.extra_repr()}"
+
+
+class WideEmbedding(_WideTable):
+    """N ``nn.Embedding`` tables looked up at once (one lookup into the ``[N*V, D]`` table).
+    Indices are N-first ``[N, *]``, or shared: ``idx.expand(N, *idx.shape)``.
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> embs = [torch.nn.Embedding(10, 4, padding_idx=0) for _ in range(3)]
+        >>> wide = wc.nn.WideEmbedding.from_modules(embs)
+        >>> idx = torch.randint(0, 10, (3, 2, 5))
+        >>> torch.equal(wide(idx)[1], embs[1](idx[1]))
+        True
+    """
+
+    _base = nn.Embedding
+    _attrs = ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
+              "scale_grad_by_freq", "sparse", "weight")
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        t = self._template
+        if t.sparse:
+            raise ValueError("WideEmbedding: sparse=True gradients are not supported")
+        self._renorm(indices)
+        pad = -1 if t.padding_idx is None else t.padding_idx
+        return torch.ops.wide.embedding(self.weight, indices, pad, t.scale_grad_by_freq, False)
+
+
+class WideEmbeddingBag(_WideTable):
+    """N ``nn.EmbeddingBag`` (sum/mean/max, offsets, per_sample_weights, padding_idx).
+
+    ``forward(input, offsets=None, per_sample_weights=None)`` as the original with a member dim:
+    input ``[N, B, L]`` (fixed-size bags), or ``[N, T]`` with offsets ``[N, B]`` or shared ``[B]``.
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> bags = [torch.nn.EmbeddingBag(10, 4, mode='max') for _ in range(3)]
+        >>> wide = wc.nn.WideEmbeddingBag.from_modules(bags)
+        >>> idx = torch.randint(0, 10, (3, 2, 5))
+        >>> torch.allclose(wide(idx)[2], bags[2](idx[2]))
+        True
+    """
+
+    _base = nn.EmbeddingBag
+    _attrs = ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
+              "scale_grad_by_freq", "sparse", "mode", "include_last_offset", "weight")
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        t = self._template
+        if t.sparse:
+            raise ValueError("WideEmbeddingBag: sparse=True gradients are not supported")
+        self._renorm(input)
+        pad = -1 if t.padding_idx is None else t.padding_idx
+        return torch.ops.wide.embedding_bag(self.weight, input, offsets, t.scale_grad_by_freq, _MODES[t.mode],
+                                            False, per_sample_weights, t.include_last_offset, pad)

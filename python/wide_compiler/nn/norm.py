@@ -1,0 +1,216 @@
+"""Wide normalisation modules: BatchNorm, InstanceNorm, GroupNorm, LayerNorm, RMSNorm."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ._common import check_members, copy_member, stack_buffer, stack_param
+
+__all__ = ["WideBatchNorm1d", "WideBatchNorm2d", "WideBatchNorm3d", "WideInstanceNorm1d",
+           "WideInstanceNorm2d", "WideInstanceNorm3d", "WideGroupNorm", "WideLayerNorm", "WideRMSNorm"]
+
+_STATE = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+
+
+class _WideNorm(nn.Module):
+    """Stacked ``[N, ...]`` parameters/buffers of N norm modules plus a meta template holding the
+    hyperparameters (for unfuse)."""
+
+    _base: type[nn.Module]
+    _attrs: tuple[str, ...] = ()
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.n = len(modules)
+        object.__setattr__(self, "_template", copy.deepcopy(modules[0]).to("meta"))
+        for name in _STATE:
+            if name in modules[0]._parameters:
+                self.register_parameter(name, stack_param(modules, name))
+            elif name in modules[0]._buffers:
+                self.register_buffer(name, stack_buffer(modules, name))
+        self.train(modules[0].training)
+
+    @classmethod
+    def from_modules(cls, modules: Sequence[nn.Module]):
+        """Stack N modules of one configuration (parameters and buffers copied)."""
+        return cls(check_members(modules, cls._base, cls._attrs + ("training",), cls.__name__))
+
+    def unfuse(self) -> list[nn.Module]:
+        """N ordinary modules with copies of the members' parameters and buffers."""
+        ref = next(iter(self.parameters()), None)
+        ref = ref if ref is not None else next(iter(self.buffers()), None)
+        out = []
+        for i in range(self.n):
+            m = copy.deepcopy(self._template)
+            if ref is not None:
+                m = m.to_empty(device=ref.device)
+                m = m.to(ref.dtype) if ref.is_floating_point() else m
+            copy_member(m, self, i, _STATE)
+            out.append(m.train(self.training))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"n={self.n}, {self._template.extra_repr()}"
+
+
+class _WideBatchNorm(_WideNorm):
+    _attrs = ("num_features", "eps", "momentum", "affine", "track_running_stats")
+    _ranks: tuple[int, ...] = ()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self._template
+        if x.dim() - 1 not in self._ranks:
+            raise ValueError(f"{type(self).__name__}: expected N-first input with {[r + 1 for r in self._ranks]} "
+                             f"dims, got {list(x.shape)}")
+        factor = 0.0 if t.momentum is None else t.momentum
+        if self.training and t.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            if t.momentum is None:
+                counts = self.num_batches_tracked
+                if not bool((counts == counts[0]).all()):
+                    raise ValueError(f"{type(self).__name__}: momentum=None (cumulative average) needs every "
+                                     f"member to have seen the same number of batches, got {counts.tolist()}")
+                factor = 1.0 / float(counts[0])
+        use_batch = self.training or (self.running_mean is None and self.running_var is None)
+        keep = not self.training or t.track_running_stats
+        y = torch.ops.wide.batch_norm(x, self.weight, self.bias, self.running_mean if keep else None,
+                                      self.running_var if keep else None, use_batch, factor, t.eps)
+        return torch.ops.wide.to_nfirst(y, self.n)
+
+
+class WideBatchNorm1d(_WideBatchNorm):
+    """N ``nn.BatchNorm1d`` as one batch norm over N*C channels; input ``[N, B, C]`` or
+    ``[N, B, C, L]``; running statistics and ``num_batches_tracked`` per member.
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> bns = [torch.nn.BatchNorm1d(4) for _ in range(3)]
+        >>> wide = wc.nn.WideBatchNorm1d.from_modules(bns)
+        >>> x = torch.randn(3, 8, 4)
+        >>> y = wide(x)
+        >>> torch.allclose(y[2], bns[2](x[2]), atol=1e-6)
+        True
+        >>> torch.allclose(wide.running_mean[2], bns[2].running_mean)
+        True
+    """
+
+    _base, _ranks = nn.BatchNorm1d, (2, 3)
+
+
+class WideBatchNorm2d(_WideBatchNorm):
+    """N ``nn.BatchNorm2d``; input ``[N, B, C, H, W]`` (see :class:`WideBatchNorm1d`)."""
+
+    _base, _ranks = nn.BatchNorm2d, (4,)
+
+
+class WideBatchNorm3d(_WideBatchNorm):
+    """N ``nn.BatchNorm3d``; input ``[N, B, C, D, H, W]``."""
+
+    _base, _ranks = nn.BatchNorm3d, (5,)
+
+
+class _WideInstanceNorm(_WideNorm):
+    _attrs = ("num_features", "eps", "momentum", "affine", "track_running_stats")
+    _d: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self._template
+        if x.dim() not in (self._d + 2, self._d + 3):
+            raise ValueError(f"{type(self).__name__}: expected N-first input [N, B, C, *] with {self._d + 3} "
+                             f"dims (or {self._d + 2} for unbatched members), got {list(x.shape)}")
+        unbatched = x.dim() == self._d + 2
+        if unbatched:
+            x = x.unsqueeze(1)
+        y = torch.ops.wide.instance_norm(
+            x, self.weight, self.bias, getattr(self, "running_mean", None), getattr(self, "running_var", None),
+            self.training or not t.track_running_stats, t.momentum if t.momentum is not None else 0.0, t.eps)
+        out = torch.ops.wide.to_nfirst(y, self.n)
+        return out.squeeze(1) if unbatched else out
+
+
+class WideInstanceNorm1d(_WideInstanceNorm):
+    """N ``nn.InstanceNorm1d``; input ``[N, B, C, L]`` (or ``[N, C, L]``).
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> ins = [torch.nn.InstanceNorm1d(3, affine=True) for _ in range(2)]
+        >>> x = torch.randn(2, 4, 3, 7)
+        >>> torch.allclose(wc.nn.WideInstanceNorm1d.from_modules(ins)(x)[1], ins[1](x[1]), atol=1e-6)
+        True
+    """
+
+    _base, _d = nn.InstanceNorm1d, 1
+
+
+class WideInstanceNorm2d(_WideInstanceNorm):
+    """N ``nn.InstanceNorm2d``; input ``[N, B, C, H, W]``."""
+
+    _base, _d = nn.InstanceNorm2d, 2
+
+
+class WideInstanceNorm3d(_WideInstanceNorm):
+    """N ``nn.InstanceNorm3d``; input ``[N, B, C, D, H, W]``."""
+
+    _base, _d = nn.InstanceNorm3d, 3
+
+
+class WideGroupNorm(_WideNorm):
+    """N ``nn.GroupNorm`` as one group norm with N*num_groups groups; input ``[N, B, C, *]``.
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> gns = [torch.nn.GroupNorm(2, 6) for _ in range(3)]
+        >>> x = torch.randn(3, 4, 6, 5)
+        >>> torch.allclose(wc.nn.WideGroupNorm.from_modules(gns)(x)[0], gns[0](x[0]), atol=1e-6)
+        True
+    """
+
+    _base = nn.GroupNorm
+    _attrs = ("num_groups", "num_channels", "eps", "affine")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self._template
+        y = torch.ops.wide.group_norm(x, self.n, t.num_groups, self.weight, self.bias, t.eps)
+        return torch.ops.wide.to_nfirst(y, self.n)
+
+
+class WideLayerNorm(_WideNorm):
+    """N ``nn.LayerNorm`` (any normalized_shape, elementwise_affine, bias); N-first in and out.
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> lns = [torch.nn.LayerNorm([4, 5], bias=False) for _ in range(3)]
+        >>> x = torch.randn(3, 2, 4, 5)
+        >>> torch.allclose(wc.nn.WideLayerNorm.from_modules(lns)(x)[1], lns[1](x[1]), atol=1e-6)
+        True
+    """
+
+    _base = nn.LayerNorm
+    _attrs = ("normalized_shape", "eps", "elementwise_affine", "bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self._template
+        return torch.ops.wide.layer_norm(x, list(t.normalized_shape), self.weight, self.bias, t.eps)
+
+
+class WideRMSNorm(_WideNorm):
+    """N ``nn.RMSNorm``; N-first in and out.
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> rms = [torch.nn.RMSNorm(6) for _ in range(2)]
+        >>> x = torch.randn(2, 3, 6)
+        >>> torch.allclose(wc.nn.WideRMSNorm.from_modules(rms)(x)[0], rms[0](x[0]), atol=1e-6)
+        True
+    """
+
+    _base = nn.RMSNorm
+    _attrs = ("normalized_shape", "eps", "elementwise_affine")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self._template
+        return torch.ops.wide.rms_norm(x, list(t.normalized_shape), self.weight, t.eps)

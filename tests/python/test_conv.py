@@ -1,0 +1,144 @@
+"""torch.ops.wide.conv / conv_transpose and WideConv*/WideConvTranspose* against N separate modules."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+from torch.library import opcheck
+
+import wide_compiler as wc
+from conftest import assert_members_close
+from vision_helpers import check_wide_against_members
+
+FAST = wc.WideConfig.fast()  # no strategy timing: these tests check values, not speed
+
+CONV = {1: (nn.Conv1d, wc.nn.WideConv1d), 2: (nn.Conv2d, wc.nn.WideConv2d), 3: (nn.Conv3d, wc.nn.WideConv3d)}
+CONVT = {1: (nn.ConvTranspose1d, wc.nn.WideConvTranspose1d), 2: (nn.ConvTranspose2d, wc.nn.WideConvTranspose2d),
+         3: (nn.ConvTranspose3d, wc.nn.WideConvTranspose3d)}
+SPATIAL = {1: (9,), 2: (7, 6), 3: (5, 4, 5)}
+
+# (groups, c_in, c_out, kernel, stride, padding, dilation, padding_mode, bias)
+CONV_CASES = [
+    (1, 3, 4, 3, 1, 1, 1, "zeros", True),
+    (1, 3, 4, 2, 1, "same", 1, "zeros", True),        # even kernel: asymmetric 'same'
+    (1, 3, 4, 3, 2, "valid", 1, "zeros", False),
+    (2, 4, 6, 3, 1, 2, 2, "reflect", True),
+    (4, 4, 4, 3, 1, 1, 1, "replicate", False),        # depthwise
+    (1, 2, 3, 3, 2, 1, 1, "circular", True),
+    (2, 4, 4, 1, 1, 0, 1, "zeros", True),
+]
+
+
+def _members(cls, n, *args, dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    return [cls(*args, **kw, dtype=dtype) for _ in range(n)]
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"g{c[0]}-k{c[3]}-s{c[4]}-p{c[5]}-{c[7]}-b{int(c[8])}")
+@pytest.mark.parametrize("strategy", ["grouped", "loop"])
+def test_wide_conv_matches_members(d, case, strategy):
+    groups, cin, cout, k, s, p, dil, mode, bias = case
+    base, wcls = CONV[d]
+    n = 3
+    models = _members(base, n, cin, cout, k, stride=s, padding=p, dilation=dil, groups=groups,
+                      padding_mode=mode, bias=bias)
+    wide = wcls.from_modules(models, strategy=strategy)
+    x = torch.randn(n, 2, cin, *SPATIAL[d])
+    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, x)
+
+
+@pytest.mark.parametrize("layout", ["shared", "noncontiguous", "n1", "b1", "float64", "unbatched"])
+def test_wide_conv2d_layouts_and_edge_cases(layout):
+    n, dtype = (1 if layout == "n1" else 4), (torch.float64 if layout == "float64" else torch.float32)
+    models = _members(nn.Conv2d, n, 3, 5, 3, padding=1, dtype=dtype)
+    wide = wc.nn.WideConv2d.from_modules(models)
+    b = 1 if layout == "b1" else 2
+    if layout == "shared":
+        x = torch.randn(b, 3, 6, 6)
+        check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, x, shared=True)
+        return
+    if layout == "noncontiguous":
+        x = torch.randn(b, 3, n, 6, 12)[..., ::2].permute(2, 0, 1, 3, 4)
+        assert not x.is_contiguous()
+    elif layout == "unbatched":
+        x = torch.randn(n, 3, 6, 6)
+    else:
+        x = torch.randn(n, b, 3, 6, 6, dtype=dtype)
+    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, x, dtype=dtype)
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+@pytest.mark.parametrize("groups,stride,padding,output_padding,dilation,bias",
+                         [(1, 2, 1, 1, 1, True), (2, 2, 0, 0, 2, False), (1, 1, 1, 0, 1, True)])
+@pytest.mark.parametrize("strategy", ["grouped", "loop"])
+def test_wide_conv_transpose_matches_members(d, groups, stride, padding, output_padding, dilation, bias, strategy):
+    base, wcls = CONVT[d]
+    models = _members(base, 3, 4, 6, 3, stride=stride, padding=padding, output_padding=output_padding,
+                      groups=groups, dilation=dilation, bias=bias)
+    wide = wcls.from_modules(models, strategy=strategy)
+    x = torch.randn(3, 2, 4, *SPATIAL[d])
+    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, x)
+
+
+def test_conv_transpose_output_size_and_shared_input():
+    models = _members(nn.ConvTranspose2d, 3, 4, 2, 3, stride=2, padding=1)
+    wide = wc.nn.WideConvTranspose2d.from_modules(models)
+    x = torch.randn(3, 2, 4, 5, 5)
+    y = wide(x, output_size=[10, 10])
+    assert y.shape == (3, 2, 2, 10, 10)
+    assert_members_close(y, [m(x[i], output_size=[10, 10]) for i, m in enumerate(models)])
+    xs = torch.randn(2, 4, 5, 5)
+    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, xs, shared=True)
+
+
+def test_unfuse_round_trip_and_errors():
+    models = _members(nn.Conv2d, 3, 2, 4, 3, padding="same", padding_mode="reflect")
+    wide = wc.nn.WideConv2d.from_modules(models)
+    back = wide.unfuse()
+    for m, b in zip(models, back):
+        assert type(b) is nn.Conv2d and b.padding_mode == "reflect"
+        assert torch.equal(m.weight, b.weight) and torch.equal(m.bias, b.bias)
+    assert "weight" in wide.state_dict() and not any(k.startswith("_template") for k in wide.state_dict())
+    with pytest.raises(wc.ArchitectureMismatchError, match="member 1: stride"):
+        wc.nn.WideConv2d.from_modules([nn.Conv2d(2, 4, 3), nn.Conv2d(2, 4, 3, stride=2)])
+    with pytest.raises(RuntimeError, match="wide::conv: expected strategy"):
+        torch.ops.wide.conv(torch.randn(2, 1, 2, 5, 5), torch.randn(2, 4, 2, 3, 3), None, [1, 1], [0, 0], [1, 1], 1,
+                            strategy="nope")
+    with pytest.raises(RuntimeError, match="channels"):
+        torch.ops.wide.conv(torch.randn(2, 1, 3, 5, 5), torch.randn(2, 4, 2, 3, 3), None, [1, 1], [0, 0], [1, 1], 1)
+
+
+def _opcheck_samples():
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s, **kw: torch.randn(*s, generator=g, **kw).requires_grad_()  # noqa: E731
+    yield "conv-nfirst", torch.ops.wide.conv.default, (r(2, 3, 4, 6, 6), r(2, 6, 2, 3, 3), r(2, 6), [1, 1], [1, 1], [1, 1], 2), {}
+    yield "conv-packed-loop", torch.ops.wide.conv.default, (r(3, 8, 7), r(2, 5, 4, 3), None, [2], [1, 2], [1], 1), {"packed_input": True, "strategy": "loop"}
+    yield "conv-shared", torch.ops.wide.conv.default, (r(3, 4, 6).expand(2, 3, 4, 6), r(2, 5, 4, 3), r(2, 5), [1], [1], [1], 1), {}
+    yield "convt", torch.ops.wide.conv_transpose.default, (r(2, 3, 4, 5, 5), r(2, 4, 3, 3, 3), r(2, 6), [2, 2], [1, 1], [1, 1], 2, [1, 1]), {}
+    yield "convt-shared", torch.ops.wide.conv_transpose.default, (r(3, 4, 5).expand(2, 3, 4, 5), r(2, 4, 3, 3), None, [2], [0], [0], 1, [1]), {}
+    yield "to_nfirst", torch.ops.wide.to_nfirst.default, (r(2, 6, 3), 3), {}
+    yield "to_packed", torch.ops.wide.to_packed.default, (r(3, 2, 4, 5),), {}
+
+
+@pytest.mark.parametrize("name,op,args,kwargs", list(_opcheck_samples()), ids=[s[0] for s in _opcheck_samples()])
+def test_opcheck(name, op, args, kwargs):
+    opcheck(op, args, kwargs)
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect", "replicate", "circular"])
+def test_compile_conv_net_train_step(padding_mode):
+    def make():
+        return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1, padding_mode=padding_mode), nn.ReLU(),
+                             nn.Conv2d(6, 6, 3, groups=6, padding="same"), nn.Conv2d(6, 4, 2, stride=2))
+    torch.manual_seed(0)
+    models = [make() for _ in range(3)]
+    wide = wc.compile(models, torch.randn(2, 3, 8, 8), strict=True)
+    x = torch.randn(3, 2, 3, 8, 8)
+    params = dict(wide.named_parameters())
+    check_wide_against_members(wide, params, models, x)
+    assert not wide.fallbacks
+    # the input into the first conv and the output: nothing between the convs
+    assert "2 layout conversions" in wide.summary(), wide.report()

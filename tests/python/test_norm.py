@@ -1,0 +1,158 @@
+"""Wide norms (BatchNorm, InstanceNorm, GroupNorm, LayerNorm, RMSNorm) and PReLU against N separate
+modules: outputs, input/parameter grads and running stats, train and eval; opcheck on each op."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.library import opcheck
+
+import wide_compiler as wc
+from conftest import assert_members_close
+from vision_helpers import check_wide_against_members
+
+FAST = wc.WideConfig.fast()  # no strategy timing: these tests check values, not speed
+
+
+def _members(make, n=3, dtype=torch.float32):
+    torch.manual_seed(0)
+    ms = [make().to(dtype) for _ in range(n)]
+    with torch.no_grad():  # distinct affine params and running stats per member
+        for i, m in enumerate(ms):
+            for p in m.parameters():
+                p.add_(torch.randn_like(p) * 0.3)
+            for name, b in m.named_buffers():
+                if b.is_floating_point():
+                    b.add_(torch.rand_like(b) * 0.5)
+    return ms
+
+
+BN = [
+    (nn.BatchNorm1d, wc.nn.WideBatchNorm1d, (2, 4)),
+    (nn.BatchNorm1d, wc.nn.WideBatchNorm1d, (2, 4, 5)),
+    (nn.BatchNorm2d, wc.nn.WideBatchNorm2d, (2, 4, 3, 3)),
+    (nn.BatchNorm3d, wc.nn.WideBatchNorm3d, (2, 4, 2, 3, 2)),
+]
+
+
+@pytest.mark.parametrize("base,wcls,shape", BN, ids=["bn1d-2d", "bn1d-3d", "bn2d", "bn3d"])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("track", [True, False])
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_module(base, wcls, shape, affine, track, momentum, training):
+    models = [m.train(training) for m in _members(lambda: base(4, affine=affine, track_running_stats=track,
+                                                                momentum=momentum))]
+    wide = wcls.from_modules(models).train(training)
+    x = torch.randn(3, *shape)
+    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, x,
+                               buffers={"running_mean": getattr(wide, "running_mean", None),
+                                        "running_var": getattr(wide, "running_var", None),
+                                        "num_batches_tracked": getattr(wide, "num_batches_tracked", None)})
+
+
+@pytest.mark.parametrize("d,shape", [(1, (2, 3, 6)), (2, (2, 3, 4, 5)), (3, (2, 3, 2, 3, 4)), (1, (3, 6))])
+@pytest.mark.parametrize("affine,track", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("training", [True, False])
+def test_instance_norm_module(d, shape, affine, track, training):
+    base = {1: nn.InstanceNorm1d, 2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}[d]
+    wcls = {1: wc.nn.WideInstanceNorm1d, 2: wc.nn.WideInstanceNorm2d, 3: wc.nn.WideInstanceNorm3d}[d]
+    models = [m.train(training) for m in _members(lambda: base(3, affine=affine, track_running_stats=track))]
+    wide = wcls.from_modules(models).train(training)
+    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, torch.randn(3, *shape),
+                               buffers={"running_mean": getattr(wide, "running_mean", None),
+                                        "running_var": getattr(wide, "running_var", None)})
+
+
+@pytest.mark.parametrize("groups,affine,shape", [(2, True, (2, 6, 5)), (3, False, (1, 6, 2, 3)), (6, True, (2, 6))])
+def test_group_norm_module(groups, affine, shape):
+    models = _members(lambda: nn.GroupNorm(groups, 6, affine=affine))
+    wide = wc.nn.WideGroupNorm.from_modules(models)
+    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, torch.randn(3, *shape))
+
+
+@pytest.mark.parametrize("ns,affine,bias", [([5], True, True), ([3, 5], True, False), ([5], False, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_layer_norm_module(ns, affine, bias, dtype):
+    models = _members(lambda: nn.LayerNorm(ns, elementwise_affine=affine, bias=bias), dtype=dtype)
+    wide = wc.nn.WideLayerNorm.from_modules(models)
+    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models,
+                               torch.randn(3, 2, 3, 5, dtype=dtype), dtype=dtype)
+
+
+@pytest.mark.parametrize("ns,affine,eps", [([5], True, None), ([3, 5], True, 1e-3), ([5], False, None)])
+def test_rms_norm_module(ns, affine, eps):
+    models = _members(lambda: nn.RMSNorm(ns, eps=eps, elementwise_affine=affine))
+    wide = wc.nn.WideRMSNorm.from_modules(models)
+    check_wide_against_members(wide, {"weight": wide.weight}, models, torch.randn(3, 2, 3, 5))
+
+
+@pytest.mark.parametrize("num_parameters,shape", [(1, (2, 4, 5)), (4, (2, 4, 5)), (4, (2, 4)), (1, (4,))])
+def test_prelu_module(num_parameters, shape):
+    models = _members(lambda: nn.PReLU(num_parameters))
+    wide = wc.nn.WidePReLU.from_modules(models)
+    check_wide_against_members(wide, {"weight": wide.weight}, models, torch.randn(3, *shape))
+    assert [torch.equal(a.weight, b.weight) for a, b in zip(models, wide.unfuse())] == [True] * 3
+
+
+def test_prelu_1d_input_with_channel_slopes_is_rejected_like_pytorch():
+    wide = wc.nn.WidePReLU.from_modules([nn.PReLU(4) for _ in range(2)])
+    with pytest.raises(ValueError, match="1-d member input"):
+        wide(torch.randn(2, 4))
+
+
+def test_norm_unfuse_round_trip():
+    models = _members(lambda: nn.BatchNorm2d(4))
+    wide = wc.nn.WideBatchNorm2d.from_modules(models)
+    wide(torch.randn(3, 2, 4, 3, 3))
+    for i, m in enumerate(wide.unfuse()):
+        assert isinstance(m, nn.BatchNorm2d)
+        assert torch.equal(m.running_mean, wide.running_mean[i]) and int(m.num_batches_tracked) == 1
+
+
+def _opcheck_samples():
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g).requires_grad_()  # noqa: E731
+    rm = lambda: torch.zeros(2, 3)  # noqa: E731
+    rv = lambda: torch.ones(2, 3)  # noqa: E731
+    w = torch.ops.wide
+    yield "bn-train", w.batch_norm.default, (r(2, 4, 3, 5), r(2, 3), r(2, 3), rm(), rv(), True, 0.1, 1e-5), {}
+    yield "bn-eval-packed", w.batch_norm.default, (r(4, 6, 5), None, None, rm(), rv(), False, 0.1, 1e-5), {"packed_input": True}
+    yield "bn-noncontig-stats", w.batch_norm.default, (r(2, 4, 3), r(2, 3), None, torch.zeros(3, 2).t(), torch.ones(3, 2).t(), True, 0.2, 1e-5), {}
+    yield "in", w.instance_norm.default, (r(2, 4, 3, 5), r(2, 3), r(2, 3), rm(), rv(), True, 0.1, 1e-5), {}
+    yield "gn", w.group_norm.default, (r(2, 4, 6, 5), 2, 3, r(2, 6), r(2, 6), 1e-5), {}
+    yield "ln", w.layer_norm.default, (r(2, 4, 3, 5), [3, 5], r(2, 3, 5), r(2, 3, 5), 1e-5), {}
+    yield "rms", w.rms_norm.default, (r(2, 4, 5), [5], r(2, 5), None), {}
+    yield "prelu", w.prelu.default, (r(2, 4, 3, 5), r(2, 1)), {}
+
+
+@pytest.mark.parametrize("name,op,args,kwargs", list(_opcheck_samples()), ids=[s[0] for s in _opcheck_samples()])
+def test_opcheck(name, op, args, kwargs):
+    opcheck(op, args, kwargs)
+
+
+def test_batch_norm_noncontiguous_running_stats_written_back():
+    rm, rv = torch.zeros(3, 2).t(), torch.ones(3, 2).t()
+    x = torch.randn(2, 5, 3)
+    torch.ops.wide.batch_norm(x, None, None, rm, rv, True, 0.5, 1e-5)
+    ref = [nn.BatchNorm1d(3, affine=False, momentum=0.5) for _ in range(2)]
+    for i, m in enumerate(ref):
+        m(x[i])
+        torch.testing.assert_close(rm[i], m.running_mean)
+        torch.testing.assert_close(rv[i], m.running_var)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_compile_norm_net_buffers_after_train_step(training):
+    def make():
+        return nn.Sequential(nn.Conv1d(3, 4, 3), nn.BatchNorm1d(4), nn.GroupNorm(2, 4), nn.InstanceNorm1d(4, affine=True,
+                             track_running_stats=True), nn.PReLU(4), nn.LayerNorm([4, 6]), nn.RMSNorm(6))
+    models = [m.train(training) for m in _members(make)]
+    wide = wc.compile(models, torch.randn(2, 3, 8), strict=True, config=FAST)
+    wide.train(training)
+    x = torch.randn(3, 2, 3, 8)
+    bufs = dict(wide.named_buffers())
+    check_wide_against_members(wide, dict(wide.named_parameters()), models, x, buffers=bufs)
+    assert not wide.fallbacks
