@@ -54,7 +54,7 @@ test-cpp: build
 	cd $(BUILD) && ctest --output-on-failure -j2
 
 test-python: build
-	$(PY) -m pytest -q tests/python
+	$(PY) -m pytest -q tests/python --doctest-modules python/wide_compiler
 
 bench: build
 	$(PY) -m wide_compiler benchmark linear --preset quick --json bench-results/linear.json

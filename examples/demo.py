@@ -20,9 +20,8 @@ import sys
 import time
 
 import torch
-from torch import nn
-
 import wide_compiler as wc
+from torch import nn
 from wide_compiler.bench import engine
 
 ATOL = 1e-5  # float32, three layers of width <= 256

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "wide/info.h"
+#include "wide/optim/cpu/kernels.h"
 
 TORCH_LIBRARY(wide, m) {
   // N independent linear layers: input [N, B, *, in], weight [N, out, in], bias [N, out].
@@ -50,4 +51,27 @@ TORCH_LIBRARY(wide, m) {
   m.def("embedding_bag(Tensor weight, Tensor indices, Tensor? offsets=None, bool scale_grad_by_freq=False, "
         "int mode=0, bool sparse=False, Tensor? per_sample_weights=None, bool include_last_offset=False, "
         "int padding_idx=-1) -> Tensor");
+
+  // --- optimizers (csrc/wide/optim) ---
+  // Fused per-member optimizer steps on stacked [N, ...] parameters (optim/optim.h): one call
+  // updates a parameter and its state for all N members, each as torch.optim's single-tensor path
+  // would update it alone. Every hyperparameter is a real tensor with one value per member ([N])
+  // or one shared value; `step` [N] (float) is incremented by the call. Flags are shared.
+  m.def("sgd_step(Tensor(a!) param, Tensor grad, Tensor(b!)? momentum_buffer, Tensor lr, "
+        "Tensor weight_decay, Tensor momentum, Tensor dampening, *, bool nesterov=False, "
+        "bool maximize=False, bool init_buffer=False) -> ()");
+  m.def("adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+        "Tensor(d!)? max_exp_avg_sq, Tensor(e!) step, Tensor lr, Tensor beta1, Tensor beta2, "
+        "Tensor eps, Tensor weight_decay, *, bool decoupled_weight_decay=False, bool amsgrad=False, "
+        "bool maximize=False) -> ()");
+  m.def("rmsprop_step(Tensor(a!) param, Tensor grad, Tensor(b!) square_avg, Tensor(c!)? grad_avg, "
+        "Tensor(d!)? momentum_buffer, Tensor(e!) step, Tensor lr, Tensor alpha, Tensor eps, "
+        "Tensor weight_decay, Tensor momentum, *, bool centered=False, bool maximize=False) -> ()");
+  m.def("adagrad_step(Tensor(a!) param, Tensor grad, Tensor(b!) state_sum, Tensor(c!) step, "
+        "Tensor lr, Tensor lr_decay, Tensor weight_decay, Tensor eps, *, bool maximize=False) -> ()");
+  // Instruction set of the optimizer kernels: sets it when `capability` is non-empty ("auto",
+  // "default", "avx2", "avx512"); returns the one in use. For tests and benchmarks.
+  m.def("_optim_cpu_capability(str capability=\"\") -> str", [](c10::string_view capability) {
+    return wide::optim::optim_cpu_capability(std::string_view(capability.data(), capability.size()));
+  });
 }

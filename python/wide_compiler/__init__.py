@@ -13,6 +13,7 @@ import torch  # noqa: F401  (loads libtorch before our core library)
 from . import (
     _C,  # noqa: F401  (loads libwide: registers torch.ops.wide.*)
     nn,
+    optim,
 )
 from .api import WideBuilder, compile, pack, stack, unpack, unstack
 from .config import WideConfig
@@ -37,6 +38,7 @@ __all__ = [
     "WideModel",
     "compile",
     "nn",
+    "optim",
     "pack",
     "register",
     "stack",

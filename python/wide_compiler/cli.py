@@ -1,14 +1,16 @@
-"""Command line: ``python -m wide_compiler {info,test,benchmark}`` (console script ``wide_compiler``).
+"""Command line: ``python -m wide_compiler {info,test,trace,benchmark}`` (console script ``wide_compiler``).
 
 Examples::
 
     python -m wide_compiler info
     python -m wide_compiler test
+    python -m wide_compiler trace -m transformer
     python -m wide_compiler benchmark linear --preset quick --json bench-results/linear.json
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -20,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 
 # ---------------------------------------------------------------------------------- info
@@ -63,7 +65,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print("C++ core (torch.ops.wide._build_info()):")
     try:
         info = torch.ops.wide._build_info()
-    except Exception as e:  # the library did not load: say so, keep going
+    except Exception as e:  # noqa: BLE001 (the library did not load: say so, keep going)
         print(f"  unavailable: {type(e).__name__}: {e}")
     else:
         for line in info.rstrip().splitlines():
@@ -93,7 +95,7 @@ class _Checks:
         start = time.perf_counter()
         try:
             detail = fn()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (a failed check is a FAIL line, not a crash)
             self.failed.append(name)
             print(f"FAIL  {name}: {type(e).__name__}: {e}", flush=True)
             if self.verbose:
@@ -187,7 +189,7 @@ class _MLP:  # built lazily so that `import wide_compiler.cli` does not import t
 
         torch.manual_seed(seed)
         layers: list[nn.Module] = []
-        for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        for k, (a, b) in enumerate(itertools.pairwise(sizes)):
             layers.append(nn.Linear(a, b))
             if k < len(sizes) - 2:
                 layers.append(nn.GELU() if k % 2 else nn.ReLU())
@@ -316,22 +318,78 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
         return 2
     records = bench.run(args.target, args.preset, progress=not args.quiet)
     if not args.quiet:
-        print(bench.format_table(records))
+        print(bench.format_records(args.target, records))
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
-            json.dump(records, f, indent=1, default=_json_default, allow_nan=True)
+            json.dump(_finite(records), f, indent=1, default=str, allow_nan=False)
             f.write("\n")
         if not args.quiet:
             print(f"wrote {len(records)} records to {path}")
     return 0
 
 
-def _json_default(o: Any) -> Any:
-    if isinstance(o, float) and math.isnan(o):
-        return None
-    return str(o)
+def _finite(o: Any) -> Any:
+    """Records with NaN/inf floats replaced by None: the file stays strict JSON."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
+# ---------------------------------------------------------------------------------- trace
+
+def _side_by_side(left: str, right: str, titles: tuple[str, str], cut: int = 72) -> str:
+    def clip(line: str) -> str:
+        return line if len(line) <= cut else line[: cut - 3] + "..."
+
+    a, b = [clip(x) for x in left.splitlines()], [clip(x) for x in right.splitlines()]
+    width = max([len(titles[0])] + [len(line) for line in a])
+    rows = [f"{titles[0].ljust(width)} | {titles[1]}", f"{'-' * width}-+-{'-' * len(titles[1])}"]
+    for i in range(max(len(a), len(b))):
+        rows.append(f"{(a[i] if i < len(a) else '').ljust(width)} | {b[i] if i < len(b) else ''}")
+    return "\n".join(rows)
+
+
+def _graph_lines(graph: Any) -> str:
+    """One line per call node: ``name = target(args)``, placeholders and output included."""
+    lines = []
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            lines.append(f"{node.name} = input")
+        elif node.op == "output":
+            lines.append(f"return {node.args[0]}")
+        else:
+            target = getattr(node.target, "__name__", str(node.target))
+            ns = getattr(node.target, "namespace", "")
+            args = ", ".join([str(a) for a in node.args] + [f"{k}={v}" for k, v in node.kwargs.items()])
+            lines.append(f"{node.name} = {ns + '.' if ns else ''}{target}({args})")
+    return "\n".join(lines)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    import torch
+
+    import wide_compiler as wc
+    from wide_compiler import zoo
+    from wide_compiler.fx.capture import capture
+
+    factory, shape = zoo.MODELS[args.model]
+    torch.manual_seed(0)
+    models = [factory() for _ in range(args.n)]
+    sample = torch.randn(*shape)
+    ep = capture(models[0], (sample,))
+    wide = wc.compile(models, sample, config=wc.WideConfig.fast())
+    wide_graph = wide._graph_for(wide.training).graph_module.graph
+    print(_side_by_side(_graph_lines(ep.graph), _graph_lines(wide_graph),
+                        (f"captured member graph ({args.model})", f"wide graph (N={args.n})")))
+    print()
+    print(wide.report())
+    return 0
 
 
 # ---------------------------------------------------------------------------------- main
@@ -344,16 +402,31 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fuse N models of one architecture into one wide model.")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log INFO messages (and tracebacks of failed checks)")
+    # -v is accepted before or after the command (SUPPRESS: a subcommand's default must not
+    # overwrite a -v given before it).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log INFO messages (and tracebacks of failed checks)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("info", help="versions, threads, CPU ISA, C++ build, registered ops")
+    p = sub.add_parser("info", parents=[common],
+                       help="versions, threads, CPU ISA, C++ build, registered ops")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("test", help="quick self-check on this machine (PASS/FAIL, exit 0/1)")
+    p = sub.add_parser("test", parents=[common],
+                       help="quick self-check on this machine (PASS/FAIL, exit 0/1)")
     p.set_defaults(func=cmd_test)
 
+    from . import zoo
+
+    p = sub.add_parser("trace", parents=[common],
+                       help="a built-in model's captured graph and wide graph side by side")
+    p.add_argument("-m", "--model", required=True, choices=sorted(zoo.MODELS), help="built-in model")
+    p.add_argument("-n", type=int, default=4, help="number of members (default 4)")
+    p.set_defaults(func=cmd_trace)
+
     all_presets = sorted({p for ps in bench.PRESETS.values() for p in ps})
-    p = sub.add_parser("benchmark", help="time wide ops against loop / vmap / torch.compile",
+    p = sub.add_parser("benchmark", parents=[common], help="time wide ops against loop / vmap / torch.compile",
                        description="Time the wide model against the baselines; print a table "
                                    "and optionally write JSON records.")
     p.add_argument("target", choices=sorted(bench.TARGETS), help="what to benchmark")

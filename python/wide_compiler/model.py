@@ -248,7 +248,7 @@ class WideModel(MemberOpsMixin, nn.Module):
         head = (f"WideModel: {self.n} members of {type(self._template).__name__}, "
                 f"{n_params // self.n:,} parameters per member, "
                 f"{'train' if self.training else 'eval'} graph, "
-                f"{len(rows) - 1} wide ops (a shared input x.expand(N, ...) runs each first GEMM once), "
+                f"{len(rows) - 1} wide ops, "
                 f"{sum(1 for n in wg.graph_module.graph.nodes if n.meta.get('wide_layout_conversion'))} "
                 f"layout conversions (see report())")
         return "\n".join([head, *lines])

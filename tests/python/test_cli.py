@@ -14,7 +14,6 @@ import sys
 import pytest
 import torch
 from torch import nn
-
 from wide_compiler import cli
 from wide_compiler.bench import engine, linear
 
@@ -22,7 +21,7 @@ from wide_compiler.bench import engine, linear
 def run_cli(*args: str, cache_dir, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, WIDE_COMPILER_CACHE_DIR=str(cache_dir))
     return subprocess.run([sys.executable, "-m", "wide_compiler", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 # ---------------------------------------------------------------------------------- subprocess
@@ -175,7 +174,7 @@ def test_max_abs_err_checks_gradients():
 
 
 def test_vmap_contender_matches_loop():
-    models, x, W, bias = _population()
+    models, x, _, _ = _population()
     ref = engine.loop_contender(models)
     for shared, xx in ((False, x), (True, x[0].expand_as(x))):
         v = engine.vmap_contender(models, shared=shared)
@@ -226,7 +225,7 @@ def test_format_table_aligned_columns():
     header, rule = lines[0], lines[1]
     # the rule marks each column's extent; every cell stays inside its column
     starts = [i for i in range(len(rule)) if rule[i] == "-" and (i == 0 or rule[i - 1] == " ")]
-    assert len(starts) == 13  # 9 fixed + 2 per baseline + max err
+    assert len(starts) == 14  # 9 fixed + 2 for each of 2 baselines + max err
     for line in [header] + lines[2:]:
         for s in starts[1:]:
             assert line[s - 1] == " " and line[s - 2] == " ", (s, line)
@@ -248,7 +247,32 @@ def test_linear_presets():
 
 
 def test_build_case_shared_input_is_stride0():
-    models, x, (W, b) = linear.build_case(linear.LinearCase(3, 2, 8, 4, shared=True))
+    models, x, (W, _) = linear.build_case(linear.LinearCase(3, 2, 8, 4, shared=True))
     assert x.stride(0) == 0 and x.shape == (3, 2, 8)
     assert torch.equal(W[2], models[2].weight) and W.requires_grad
     assert linear.LinearCase(3, 2, 8, 4, shared=True).base()["case"] == "shared"
+
+
+@pytest.mark.parametrize("argv", [["-v", "test"], ["test", "-v"]])
+def test_verbose_before_or_after_command(argv):
+    assert cli.build_parser().parse_args(argv).verbose is True
+    assert cli.build_parser().parse_args(["test"]).verbose is False
+
+
+def test_contention_note():
+    assert engine.contention_note({"cpu_count": 4, "load_avg": [0.5, 0.4, 0.3]}) is None
+    note = engine.contention_note({"cpu_count": 2, "load_avg": [0.1, 0, 0],
+                                   "load_avg_end": [3.0, 2, 1]})
+    assert note and "3.0" in note and "unreliable" in note
+    assert engine.contention_note({}) is None
+
+
+@pytest.mark.parametrize("model", ["mlp", "convnet"])
+def test_trace_prints_both_graphs_and_the_report(model, tmp_path):
+    env = dict(os.environ, WIDE_COMPILER_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "wide_compiler", "trace", "-m", model, "-n", "3"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"captured member graph ({model})" in out.stdout and "wide graph (N=3)" in out.stdout
+    assert "wide.linear.default" in out.stdout and "aten.linear.default" in out.stdout
+    assert "fallbacks: 0" in out.stdout

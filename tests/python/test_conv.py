@@ -1,7 +1,6 @@
 """torch.ops.wide.conv / conv_transpose and WideConv*/WideConvTranspose* against N separate modules."""
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch

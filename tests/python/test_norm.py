@@ -2,7 +2,6 @@
 modules: outputs, input/parameter grads and running stats, train and eval; opcheck on each op."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -10,7 +9,6 @@ from torch import nn
 from torch.library import opcheck
 
 import wide_compiler as wc
-from conftest import assert_members_close
 from vision_helpers import check_wide_against_members
 
 FAST = wc.WideConfig.fast()  # no strategy timing: these tests check values, not speed

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch import nn
 
 from conftest import assert_members_close
 

@@ -6,6 +6,7 @@
 #include <ATen/ops/embedding_bag.h>
 #include <ATen/ops/embedding_renorm.h>
 #include <ATen/ops/full.h>
+#include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/ops/where.h>
 #include <torch/library.h>
 
@@ -44,12 +45,15 @@ void check_table(const char* op, const at::Tensor& weight, const at::Tensor& ind
               "wide::", op, ": expected integer indices, got ", indices.scalar_type());
 }
 
-// indices [N, *] -> indices + n * V (broadcast; materialises only the integer indices).
+// indices [N, *] -> indices + n * V (broadcast; materialises only the integer indices). An index
+// outside [0, V) must not read another member's row: it is mapped to row N*V, past the table, so
+// the lookup raises ATen's own "index out of range" error, as the member alone would.
 at::Tensor offset_indices(const at::Tensor& indices, const c10::SymInt& n, const c10::SymInt& v) {
   std::vector<c10::SymInt> shape(indices.dim(), c10::SymInt(1));
   shape[0] = n;
   const at::Tensor base = at::arange(c10::Scalar(n), indices.options()).mul(c10::Scalar(v)).view_symint(shape);
-  return indices.add(base);
+  const at::Tensor valid = indices.ge(c10::Scalar(0)).logical_and(indices.lt(c10::Scalar(v)));
+  return at::where(valid, indices.add(base), c10::Scalar(n * v));
 }
 
 } // namespace
@@ -129,6 +133,18 @@ at::Tensor embedding_bag(const at::Tensor& weight, const at::Tensor& indices,
                 "expected offsets [B] (shared) or [N, B], got ", off.sym_sizes());
     const c10::SymInt t = indices.sym_size(1);
     const at::Tensor per_member = (off.dim() == 1 ? off.unsqueeze(0) : off);
+    // Each member's bags must start at 0, as ATen requires of one member; otherwise the previous
+    // member's last bag would absorb the leading indices. Checked on real tensors only (a fake
+    // or traced tensor has no values to read).
+    // With include_last_offset the last offset must be T (as PyTorch documents; ATen's own paths
+    // disagree on a smaller one), since bags run to the end of each member's indices here.
+    if (!at::isTensorSubclassLike(off) && !off.is_meta() && off.numel() > 0) {
+      TORCH_CHECK(per_member.select(1, 0).eq(0).all().item<bool>(), "wide::embedding_bag: expected "
+                  "every member's offsets to start at 0, got first offsets ", per_member.select(1, 0));
+      TORCH_CHECK(!include_last_offset || per_member.select(1, -1).eq(t.guard_int(__FILE__, __LINE__)).all().item<bool>(),
+                  "wide::embedding_bag: with include_last_offset=True expected every member's last "
+                  "offset to equal the number of indices ", t, ", got ", per_member.select(1, -1));
+    }
     // Starts of every bag of member m shifted by m*T; the concatenation ends with N*T.
     const at::Tensor starts = include_last_offset ? per_member.narrow_symint(1, 0, per_member.sym_size(1) - 1)
                                                   : per_member;

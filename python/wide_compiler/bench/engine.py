@@ -49,6 +49,7 @@ import copy
 import dataclasses
 import logging
 import math
+import os
 import platform
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -59,21 +60,22 @@ from torch.utils import benchmark as tbench
 from torch.utils._pytree import tree_leaves
 
 __all__ = [
-    "RECORD_KEYS",
     "MODES",
+    "RECORD_KEYS",
     "Contender",
-    "machine_info",
-    "time_ms",
-    "loop_contender",
-    "vmap_contender",
     "compiled_loop_contender",
-    "stacked_params",
-    "wide_params_in_member_order",
+    "contention_note",
+    "format_table",
+    "loop_contender",
+    "machine_info",
+    "make_record",
     "make_step",
     "max_abs_err",
-    "make_record",
     "run_case",
-    "format_table",
+    "stacked_params",
+    "time_ms",
+    "vmap_contender",
+    "wide_params_in_member_order",
 ]
 
 log = logging.getLogger(__name__)
@@ -114,8 +116,9 @@ class Contender:
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on: versions, threads and the CPU ISA torch's kernels use.
 
-    >>> sorted(machine_info())[:3]
-    ['cpu_capability', 'machine', 'num_interop_threads']
+    >>> info = machine_info()
+    >>> info["threads"] == torch.get_num_threads(), "cpu_capability" in info
+    (True, True)
     """
     return {
         "wide_compiler": _wc_version(),
@@ -127,7 +130,28 @@ def machine_info() -> dict[str, Any]:
         "machine": platform.machine(),
         "platform": platform.platform(),
         "processor": platform.processor() or _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "load_avg": _load_avg(),
     }
+
+
+def _load_avg() -> list[float] | None:
+    """1/5/15-minute load averages: other processes competing for the cores spoil timings."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):  # not on every platform
+        return None
+
+
+def contention_note(machine: Mapping[str, Any]) -> str | None:
+    """A warning when the machine was busy (1-minute load average, at the start or the end of
+    the run, at least 75% of the CPU count), else None."""
+    cpus = machine.get("cpu_count") or 0
+    loads = [la[0] for la in (machine.get("load_avg"), machine.get("load_avg_end")) if la]
+    if not cpus or not loads or max(loads) < 0.75 * cpus:
+        return None
+    return (f"note: load average {max(loads):.1f} on {cpus} CPUs during the run: other "
+            f"processes competed for the cores, so these timings are unreliable")
 
 
 def _wc_version() -> str:
@@ -139,7 +163,7 @@ def _wc_version() -> str:
         from importlib.metadata import version
 
         return version("wide_compiler")
-    except Exception:  # not installed (source tree on sys.path)
+    except Exception:  # noqa: BLE001 (not installed: source tree on sys.path)
         return "unknown"
 
 
@@ -384,7 +408,7 @@ def run_case(models: Sequence[nn.Module], x: torch.Tensor, wides: Iterable[Conte
             if b.layout != "opaque":
                 baseline_err[b.name] = max_abs_err(reference, ref_result, b, step(), n, mode)
             baseline_ms[b.name] = time_ms(step, min_run_time=min_run_time, label=b.name)
-        except Exception as e:  # a baseline failing is a result, not a crash
+        except Exception as e:  # noqa: BLE001 (a baseline failing is a result, not a crash)
             log.warning("baseline %s failed: %s", b.name, _error_text(e))
             errors[b.name] = _error_text(e)
 
@@ -446,7 +470,8 @@ def format_table(records: Sequence[Mapping[str, Any]], *, header: bool = True) -
         if r.get("execution", "eager") != "eager":
             mode = f"{mode}/{r['execution']}"
         shape = (str(r["shape"]) if r.get("shape") else
-                 f"{r.get('in_features')}->{r.get('out_features')}")
+                 f"{r['in_features']}->{r['out_features']}"
+                 if r.get("in_features") is not None else "-")
         row = [str(r.get("target", "")), str(r.get("case", "")), str(r.get("n", "")),
                str(r.get("batch", "")), shape, str(r.get("dtype", "")), mode,
                str(r.get("strategy", "")), _fmt_ms(r.get("wide_ms"))]
@@ -476,6 +501,9 @@ def format_table(records: Sequence[Mapping[str, Any]], *, header: bool = True) -
     out.append(line(cols))
     out.append(line(["-" * w for w in widths]))
     out += [line(row) for row in rows]
+    note = contention_note(records[0].get("machine") or {}) if records else None
+    if note:
+        out.append(note)
     errs = {(k, v) for r in records for k, v in (r.get("errors") or {}).items()}
     for k, v in sorted(errs):
         out.append(f"{k} failed: {v}")

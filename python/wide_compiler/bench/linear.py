@@ -2,9 +2,10 @@
 
 Cases (each member has its own weights; ``case="separate"``: its own input ``x[i]``):
 
-- wide: ``torch.ops.wide.linear`` with ``strategy`` ``"auto"``, ``"bmm"`` and ``"loop"``, and
-  (presets quick/full, when :func:`wide_compiler.compile` is available) ``"tuned"``: the
-  population compiled by ``wc.compile`` with the tuner on (``chosen_strategy`` in the record);
+- wide: ``torch.ops.wide.linear`` with ``strategy`` ``"auto"``, ``"bmm"`` and ``"loop"``; in
+  presets quick/full also ``"tuned"`` (the op with the strategy the tuner of ``wc.compile``
+  picks, fresh, no disk cache; ``chosen_strategy`` in the record) and ``"wc.compile"`` (the
+  compiled ``WideModel`` itself: the same op plus the model's per-call overhead);
 - baselines: ``loop`` (N ``nn.Linear`` in a Python loop), ``vmap`` (``torch.func`` ensembling),
   and in preset ``full`` ``compile_loop`` (``torch.compile`` of the loop);
 - ``case="shared"``: one batch for all members, ``x.expand(N, B, I)``, which the op runs as ONE
@@ -31,7 +32,7 @@ from torch import nn
 from . import engine
 from .engine import Contender
 
-__all__ = ["LinearCase", "Preset", "PRESETS", "STRATEGIES", "build_case", "run_case", "run"]
+__all__ = ["PRESETS", "STRATEGIES", "LinearCase", "Preset", "build_case", "run", "run_case"]
 
 log = logging.getLogger(__name__)
 
@@ -131,20 +132,25 @@ def _gemm_roofline(models: Sequence[nn.Linear]) -> Contender:
     return Contender("gemm", forward, [Wcat, bcat], "opaque")
 
 
-def _tuned_contender(models: Sequence[nn.Linear], x: torch.Tensor) -> Contender | None:
-    """The population through ``wc.compile`` with the tuner on; None when unavailable."""
+def _tuned_contenders(models: Sequence[nn.Linear], x: torch.Tensor, W: torch.Tensor,
+                      b: torch.Tensor) -> tuple[list[Contender], str | None]:
+    """``"tuned"``: the op with the strategy ``wc.compile``'s tuner picks for this population;
+    ``"wc.compile"``: the compiled :class:`~wide_compiler.WideModel` itself (the same op plus the
+    model's per-call overhead). Returns ``([], None)`` when ``wc.compile`` is not available."""
     import wide_compiler as wc
 
     if not hasattr(wc, "compile"):
-        log.info("wide_compiler.compile is not available: no 'tuned' row")
-        return None
+        log.info("wide_compiler.compile is not available: no 'tuned' rows")
+        return [], None
     # Fresh measurement (no disk cache): what a first compile on this machine picks.
-    config = wc.WideConfig(tune=True, cache=False)
-    wide = wc.compile(list(models), x[0], config=config)
-    params = engine.wide_params_in_member_order(wide, models[0])
-    c = Contender("tuned", wide, params)
-    c.chosen = ",".join(sorted(set(getattr(wide, "strategies", {}).values())))  # type: ignore[attr-defined]
-    return c
+    wide = wc.compile(list(models), x[0], config=wc.WideConfig(tune=True, cache=False))
+    chosen = sorted(set(wide.strategies.values()))
+    if len(chosen) != 1:
+        raise RuntimeError(f"expected one wide op with one strategy, got {wide.strategies}")
+    tuned = _op_contender(chosen[0], W, b)
+    tuned.name = "tuned"
+    model = Contender("wc.compile", wide, engine.wide_params_in_member_order(wide, models[0]))
+    return [tuned, model], chosen[0]
 
 
 def run_case(case: LinearCase, *, modes: Sequence[str] = engine.MODES,
@@ -163,14 +169,15 @@ def run_case(case: LinearCase, *, modes: Sequence[str] = engine.MODES,
         wides = [_op_contender(s, W, b) for s in strategies]
         baselines = [engine.loop_contender(models), engine.vmap_contender(models)]
     extra_errors: dict[str, str] = {}
+    chosen = None
     if tuned:
         try:
-            t = _tuned_contender(models, x)
-            if t is not None:
-                wides.append(t)
-        except Exception as e:
+            more, chosen = _tuned_contenders(models, x, W, b)
+            # A stride-0 input takes the shared path whatever the strategy: "tuned" == "auto".
+            wides += [c for c in more if not (case.shared and c.name == "tuned")]
+        except Exception as e:  # noqa: BLE001 (reported in the records, the run goes on)
             log.warning("tuned (wc.compile) failed: %s", e)
-            extra_errors["tuned"] = engine._error_text(e)
+            extra_errors["wc.compile"] = engine._error_text(e)
 
     records = []
     for mode in modes:
@@ -182,8 +189,8 @@ def run_case(case: LinearCase, *, modes: Sequence[str] = engine.MODES,
         for r in recs:
             if case.shared:
                 r["path"] = "shared"
-            if r["strategy"] == "tuned":
-                r["chosen_strategy"] = getattr(wides[-1], "chosen", None)
+            if r["strategy"] in ("tuned", "wc.compile"):
+                r["chosen_strategy"] = chosen
             r["errors"].update(extra_errors)
         records += recs
     return records
@@ -223,6 +230,8 @@ def run(preset: str = "quick", *, progress: bool = False,
     finally:
         if bar is not None:
             bar.close()
+    machine["load_avg_end"] = engine.machine_info()["load_avg"]
     for r in records:
         r["preset"] = preset
+        r["machine"] = dict(machine)
     return records

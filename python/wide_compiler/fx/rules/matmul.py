@@ -13,7 +13,7 @@ from ..widen import Wide, WidenContext, member_rank, rule
 aten = torch.ops.aten
 
 
-@rule(aten.matmul.default, aten.mm.default, aten.bmm.default)
+@rule(aten.matmul.default, aten.mm.default, aten.bmm.default, aten.mv.default, aten.dot.default)
 def _matmul(ctx: WidenContext, node: fx.Node) -> Wide:
     a, b = ctx.value(node.args[0]), ctx.value(node.args[1])
     ra, rb = member_rank(node.args[0]), member_rank(node.args[1])
@@ -67,8 +67,11 @@ def _sdpa(ctx: WidenContext, node: fx.Node) -> Wide:
     if mask is not None:
         mrank = member_rank(node.args[3] if len(node.args) > 3 else node.kwargs["attn_mask"])
         if isinstance(mask, Wide) or (fold and mrank == rank):
-            mask = ctx.as_wide(mask, mrank, node)
-            mask = Wide(ctx.align(mask, rank, node), rank)
+            mask = Wide(ctx.align(ctx.as_wide(mask, mrank, node), rank, node), rank)
+            if fold:  # broadcast over the member's batch so it folds like q: [N, B, ...]
+                batch = ctx.emit(aten.sym_size.int, (qkv[0].node, 1), like=node)
+                mask = Wide(ctx.emit(aten.expand.default, (mask.node, [-1, batch] + [-1] * (rank - 1)),
+                                     like=node), rank)
     if fold:
         flat = lambda w: ctx.emit(aten.flatten.using_ints, (w.node, 0, 1), like=node)  # noqa: E731
         values["query"], values["key"], values["value"] = (flat(w) for w in qkv)
@@ -80,3 +83,27 @@ def _sdpa(ctx: WidenContext, node: fx.Node) -> Wide:
         values["attn_mask"] = mask
         out = ctx.emit_schema(node.target, values, like=node, name=node.name)
     return Wide(out, rank)
+
+
+@rule(aten.outer.default)
+def _outer(ctx: WidenContext, node: fx.Node) -> Wide:
+    a = ctx.as_wide(ctx.value(node.args[0]), 1, node)
+    b = ctx.as_wide(ctx.value(node.args[1]), 1, node)
+    col = ctx.emit(aten.unsqueeze.default, (a.node, -1), like=node)
+    row = ctx.emit(aten.unsqueeze.default, (b.node, -2), like=node)
+    return Wide(ctx.emit(aten.mul.Tensor, (col, row), like=node, name=node.name), 2)
+
+
+@rule(aten.addmm.default)
+def _addmm(ctx: WidenContext, node: fx.Node) -> Wide:
+    """beta * input + alpha * (mat1 @ mat2), with input broadcast inside each member."""
+    values = ctx.schema_args(node)
+    a, b = ctx.as_wide(values["mat1"], 2, node), ctx.as_wide(values["mat2"], 2, node)
+    prod = ctx.emit(aten.matmul.default, (a.node, b.node), like=node)
+    if values["alpha"] != 1:
+        prod = ctx.emit(aten.mul.Tensor, (prod, values["alpha"]), like=node)
+    bias = values["self"]
+    bias = ctx.align(bias, 2, node) if isinstance(bias, Wide) else bias
+    if values["beta"] != 1:
+        bias = ctx.emit(aten.mul.Tensor, (bias, values["beta"]), like=node)
+    return Wide(ctx.emit(aten.add.Tensor, (prod, bias), like=node, name=node.name), 2)

@@ -31,8 +31,13 @@ _BINARY = [
     "add.Tensor", "add_.Tensor", "add.Scalar", "sub.Tensor", "sub_.Tensor", "sub.Scalar",
     "rsub.Tensor", "rsub.Scalar", "mul.Tensor", "mul_.Tensor", "mul.Scalar", "div.Tensor",
     "div_.Tensor", "div.Scalar", "div.Tensor_mode", "pow.Tensor_Scalar", "pow.Tensor_Tensor",
-    "maximum.default", "minimum.default",
+    "maximum.default", "minimum.default", "__and__.Tensor", "__or__.Tensor", "__xor__.Tensor",
+    "bitwise_and.Tensor", "bitwise_or.Tensor", "bitwise_xor.Tensor", "logical_and.default",
+    "logical_or.default", "logical_xor.default",
 ]
+# Memory formats are layouts of one member's dims (channels_last needs a 4-D tensor): the wide
+# tensor keeps its own layout; values are unchanged.
+_DROP_KWARGS = ("memory_format",)
 
 
 def _overload(spec: str):
@@ -55,7 +60,7 @@ def _pointwise(ctx: WidenContext, node: fx.Node) -> Wide:
         return v
 
     args = tuple(convert(a) for a in node.args)
-    kwargs = {k: convert(a) for k, a in node.kwargs.items()}
+    kwargs = {k: convert(a) for k, a in node.kwargs.items() if k not in _DROP_KWARGS}
     return Wide(ctx.emit(node.target, args, kwargs, like=node, name=node.name), rank)
 
 

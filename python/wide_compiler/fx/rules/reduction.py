@@ -13,7 +13,10 @@ from ..widen import Wide, WidenContext, member_rank, rule
 aten = torch.ops.aten
 
 # Schema argument names that hold dimension indices.
-DIM_ARGS = ("dim", "dims", "dim0", "dim1", "dim2", "start_dim", "end_dim", "source", "destination")
+DIM_ARGS = ("dim", "dims", "dim0", "dim1", "dim2", "start_dim", "end_dim", "source", "destination",
+            "axis0", "axis1", "dimension")
+# Ops that work on the flattened tensor when dim is None, like a reduction over all dims.
+FLATTEN_WHEN_NO_DIM = {aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor}
 
 
 def shift_dim(d, rank: int):
@@ -40,10 +43,12 @@ def shift_dims(value, rank: int):
 
 
 def dim_rule(ctx: WidenContext, node: fx.Node):
-    """Generic: shift every dim argument; other tensor arguments (index, src, ...) become wide with
-    their own member rank. A reduction over all dims reduces the member's dims: ``dim=None``/``[]``
-    with a list-typed ``dim`` becomes the list of member dims; with an int-typed ``dim`` the
-    member's dims are flattened into one first (argmax, aminmax, ...)."""
+    """Generic: shift every dim argument. Other tensor arguments (src, values, same-rank indices)
+    become wide with their own member rank, except a shared ``index`` of lower rank than ``self``
+    (index_select, index_add: a list of positions along ``dim``), which stays shared; a
+    per-member one of that kind goes to the fallback. A reduction over all dims reduces the
+    member's dims: ``dim=None``/``[]`` with a list-typed ``dim`` becomes the list of member dims;
+    with an int-typed ``dim`` the member's dims are flattened into one first (argmax, ...)."""
     values = ctx.schema_args(node)
     first = next(iter(values))
     self_v = values[first]
@@ -57,7 +62,8 @@ def dim_rule(ctx: WidenContext, node: fx.Node):
             continue
         v = values[name]
         list_typed = isinstance(_arg_type(node.target, name), torch.ListType)
-        if reduction and name == "dim" and (v is None or (list_typed and len(v) == 0)):
+        all_dims = reduction or node.target in FLATTEN_WHEN_NO_DIM
+        if all_dims and name == "dim" and (v is None or (list_typed and len(v) == 0)):
             if list_typed:
                 values[name] = list(range(1, rank + 1))
             else:  # one int dim: flatten the member's dims into dim 1
@@ -67,8 +73,15 @@ def dim_rule(ctx: WidenContext, node: fx.Node):
         elif v is not None:
             values[name] = shift_dims(v, rank)
     for name, v in values.items():
-        if name != first and isinstance(v, (Wide, fx.Node)) and is_tensor_arg(node.target, name):
-            values[name] = ctx.as_wide(v, _member_rank_of(node, name), node)
+        if name == first or not isinstance(v, (Wide, fx.Node)) or not is_tensor_arg(node.target, name):
+            continue
+        arg_rank = _member_rank_of(node, name)
+        if name == "index" and arg_rank < self_v.rank:
+            if isinstance(v, Wide):
+                from ..fallback import fallback
+                return fallback(ctx, node, reason="a per-member index list")
+            continue  # positions along dim, the same for every member
+        values[name] = ctx.as_wide(v, arg_rank, node)
     out = ctx.outputs(node, ctx.emit_schema(node.target, values, like=node, name=node.name))
     if flattened and values.get("keepdim"):  # [N, 1] -> [N, 1, ..., 1] (member rank dims)
         reshape = lambda w: Wide(ctx.emit(aten.reshape.default, (w.node, [ctx.n] + [1] * rank), like=node), rank)  # noqa: E731
@@ -92,8 +105,11 @@ _DIM_OPS = [
     "norm.ScalarOpt_dim", "max.dim", "min.dim", "logsumexp.default", "prod.dim_int", "any.dim",
     "any.dims", "all.dim", "all.dims", "topk.default", "sort.default", "sort.stable", "argsort.default",
     "argsort.stable", "cummax.default", "cummin.default", "median.dim", "mode.default",
-    "kthvalue.default", "nansum.default", "gather.default", "glu.default", "renorm.default",
-    "aminmax.default",
+    "kthvalue.default", "nansum.default", "gather.default", "glu.default", "aminmax.default",
+    "var_mean.dim", "std_mean.dim", "select_scatter.default", "slice_scatter.default",
+    "diagonal_scatter.default", "scatter.src", "scatter.value", "scatter_add.default",
+    "scatter_reduce.two", "index_add.default", "index_copy.default", "index_fill.int_Scalar",
+    "index_fill.int_Tensor", "diag_embed.default",
 ]
 
 for _spec in _DIM_OPS:

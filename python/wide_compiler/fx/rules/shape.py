@@ -49,10 +49,41 @@ def _sym_numel(ctx: WidenContext, node: fx.Node):
     return ctx.emit(operator.floordiv, (numel, ctx.n), like=node, name=node.name)
 
 
+def _mutated(node: fx.Node) -> bool:
+    """Whether some user writes into ``node`` in place (then a view must stay a view)."""
+    for user in node.users:
+        schema = getattr(user.target, "_schema", None)
+        if schema is None:
+            continue
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                arg = user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
+                if arg is node:
+                    return True
+    return False
+
+
 @rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 def _view(ctx: WidenContext, node: fx.Node) -> Wide:
+    """Member sizes with the member dim prepended. A member's ``view`` of a contiguous tensor may
+    meet a wide tensor that is a strided view (the shared-input GEMM returns one), so it becomes a
+    ``reshape`` (a view whenever possible, else a copy), unless the view or its base is written in
+    place, where aliasing is the point and ``view`` is kept."""
     x, size = _wide(ctx, node), ctx.value(node.args[1])
-    return Wide(ctx.emit(node.target, (x.node, [ctx.n, *size]), like=node, name=node.name), len(size))
+    target = node.target
+    if target is aten.view.default and not (_mutated(node) or _mutated(node.args[0])):
+        target = aten.reshape.default
+    return Wide(ctx.emit(target, (x.node, [ctx.n, *size]), like=node, name=node.name), len(size))
+
+
+@rule(aten.expand_as.default, aten.view_as.default, aten.reshape_as.default)
+def _as_other(ctx: WidenContext, node: fx.Node) -> Wide:
+    x, other = _wide(ctx, node), ctx.value(node.args[1])
+    rank = member_rank(node.args[1])
+    other = ctx.as_wide(other, rank, node)
+    base = ctx.align(x, rank, node) if node.target is aten.expand_as.default else x.node
+    target = aten.reshape_as.default if node.target is aten.view_as.default and not _mutated(node) else node.target
+    return Wide(ctx.emit(target, (base, other.node), like=node, name=node.name), rank)
 
 
 @rule(aten.expand.default)
@@ -140,8 +171,7 @@ def _drop_assert(ctx: WidenContext, node: fx.Node):
     return None
 
 
-@rule(aten.mT.default, aten.mH.default, aten.adjoint.default, aten.diag_embed.default, aten.tril.default,
-      aten.triu.default)
+@rule(aten.mT.default, aten.mH.default, aten.adjoint.default, aten.tril.default, aten.triu.default)
 def _trailing(ctx: WidenContext, node: fx.Node) -> Wide:
     # Ops on the last dims only (negative dim defaults): unchanged on the wide tensor.
     x = _wide(ctx, node)

@@ -1,0 +1,118 @@
+"""WideModel member operations: write_back, member_state_dict, copy_member (with optimizer)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import wide_compiler as wc
+from torch import nn
+
+N = 4
+
+
+def make(n=N):
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2)) for _ in range(n)]
+    wide = wc.compile(models, torch.randn(3, 5), config=wc.WideConfig.fast())
+    return models, wide
+
+
+def train(wide, opt, steps=3):
+    for s in range(steps):
+        g = torch.Generator().manual_seed(s)
+        x, y = torch.randn(N, 6, 5, generator=g), torch.randn(N, 6, 2, generator=g)
+        opt.zero_grad()
+        wc.optim.member_losses(F.mse_loss, wide(x), y).sum().backward()
+        opt.step()
+
+
+def test_write_back_updates_the_originals_in_place():
+    models, wide = make()
+    ids = [id(m[0].weight) for m in models]
+    opt = wc.optim.Adam(wide.parameters(), lr=[0.1, 0.01, 0.001, 0.0])
+    train(wide, opt)
+    wide.write_back(models)
+    assert [id(m[0].weight) for m in models] == ids
+    x = torch.randn(N, 7, 5)
+    y = wide(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(m(x[i]), y[i], rtol=1e-5, atol=1e-5)
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, wide.member_state_dict(i)[k])
+
+
+def test_write_back_checks_before_writing():
+    models, wide = make()
+    before = [copy.deepcopy(m.state_dict()) for m in models]
+    with pytest.raises(ValueError, match="expected 4 modules"):
+        wide.write_back(models[:3])
+    bad = models[:3] + [nn.Sequential(nn.Linear(5, 9), nn.ReLU(), nn.Linear(9, 2))]
+    with torch.no_grad():
+        wide.get_parameter("0.weight").add_(1)
+    with pytest.raises(ValueError, match="member 3 parameter '0.weight'"):
+        wide.write_back(bad)
+    for m, sd in zip(models, before):
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, sd[k])
+
+
+def test_member_state_dict_loads_into_the_original_class():
+    models, wide = make()
+    sd = wide.member_state_dict(2)
+    fresh = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
+    fresh.load_state_dict(sd)
+    x = torch.randn(3, 5)
+    torch.testing.assert_close(fresh(x), models[2](x))
+    sd["0.weight"].zero_()            # a copy, not a view
+    assert torch.count_nonzero(wide.get_parameter("0.weight")[2]) > 0
+    m = wide.member(1)
+    torch.testing.assert_close(m(x), models[1](x))
+    with pytest.raises(IndexError):
+        wide.member_state_dict(N)
+
+
+def test_load_member_state_dict():
+    models, wide = make()
+    other = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
+    wide.load_member_state_dict(0, other.state_dict())
+    x = torch.randn(N, 3, 5)
+    torch.testing.assert_close(wide(x)[0], other(x[0]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wide(x)[1], models[1](x[1]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(KeyError, match="missing"):
+        wide.load_member_state_dict(0, {"0.weight": torch.zeros(8, 5)})
+
+
+def test_copy_member_with_optimizer_then_training_matches():
+    """After copy_member(src, dst, opt), dst continues exactly as src does (same weights, same
+    optimizer state, same hyperparameters): the PBT exploit step."""
+    models, wide = make()
+    opt = wc.optim.AdamW(wide.parameters(), lr=[0.03, 0.01, 0.003, 0.001], weight_decay=[0, 0.1, 0.2, 0.3])
+    train(wide, opt)
+    wide.copy_member(1, 3, opt)
+    for name, p in wide.named_parameters():
+        assert torch.equal(p[3], p[1]), name
+        for key, t in opt.state[p].items():
+            assert torch.equal(t[3], t[1]), (name, key)
+    assert opt.member_hyperparameters(3) == opt.member_hyperparameters(1)
+    # same data for members 1 and 3 -> they stay identical
+    for s in range(3):
+        x = torch.randn(N, 6, 5)
+        x[3] = x[1]
+        y = torch.randn(N, 6, 2)
+        y[3] = y[1]
+        opt.zero_grad()
+        wc.optim.member_losses(F.mse_loss, wide(x), y).sum().backward()
+        opt.step()
+    for name, p in wide.named_parameters():
+        assert torch.equal(p[3], p[1]), name
+    assert not torch.equal(wide.get_parameter("0.weight")[0], wide.get_parameter("0.weight")[1])
+
+
+def test_copy_member_rejects_bad_arguments():
+    _, wide = make()
+    with pytest.raises(IndexError):
+        wide.copy_member(0, N)
+    with pytest.raises(TypeError, match="copy_member"):
+        wide.copy_member(0, 1, torch.optim.SGD(wide.parameters(), lr=0.1))

@@ -1,0 +1,368 @@
+"""The widen pass on whole small models (tracker issue 3): several inputs (positional, keyword,
+nested, non-tensor), structured outputs, residual and branching graphs, a module reused in one
+forward, train/eval graphs, WideBuilder, compile_model and torch.compile of the wide model.
+
+Every check compares member by member against the N separate models (outputs, input gradients,
+parameter gradients; see test_widen_rules.check_members_equal).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import wide_compiler as wc
+from conftest import assert_close, assert_members_close
+from test_widen_rules import (
+    FAST,
+    check_members_equal,
+    check_wide,
+    compile_wide,
+    make_members,
+    randn_inputs,
+)
+from torch import nn
+
+
+# ---------------------------------------------------------------------------------------------
+# Several inputs, non-tensor arguments, structured outputs
+# ---------------------------------------------------------------------------------------------
+class MultiIO(nn.Module):
+    """Two positional tensors, an optional tensor, Python values; a dict/tuple/list output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fa = nn.Linear(4, 6)
+        self.fb = nn.Linear(3, 6)
+        self.gain = nn.Parameter(torch.rand(6) + 0.5)
+
+    def forward(self, a, b, mask=None, scale=2.0, mode="dict"):
+        h = self.fa(a) * scale + self.fb(b)
+        if mask is not None:
+            h = h * mask
+        h = torch.tanh(h) * self.gain
+        if mode == "dict":
+            return {"h": h, "pair": (h.sum(-1), [h.mean(), h[:, :2].softmax(dim=1)])}
+        return [h, -h.amax(dim=1, keepdim=True)]
+
+
+def _multi_input(**fixed):
+    def make():
+        kwargs = {"mask": torch.rand(5, 6), **fixed}
+        return (torch.randn(5, 4), torch.randn(5, 3)), kwargs
+    return make
+
+
+def test_positional_and_keyword_tensors_with_a_baked_python_value():
+    sample = (torch.randn(4, 4), torch.randn(4, 3))
+    wide, _ = check_wide(MultiIO, sample, _multi_input(scale=3.0),
+                              sample_kwargs={"mask": torch.rand(4, 6), "scale": 3.0})
+    out = wide(torch.randn(3, 5, 4), torch.randn(3, 5, 3), mask=torch.rand(3, 5, 6), scale=3.0)
+    assert isinstance(out, dict) and list(out) == ["h", "pair"]
+    assert isinstance(out["pair"], tuple) and isinstance(out["pair"][1], list)
+    assert out["h"].shape == (3, 5, 6) and out["pair"][0].shape == (3, 5)
+    assert out["pair"][1][0].shape == (3,) and out["pair"][1][1].shape == (3, 5, 2)
+    # The Python value is baked in: another value at call time is an error, not a silent rerun.
+    with pytest.raises(ValueError, match=r"scale.*2\.0.*compiled with 3\.0"):
+        wide(torch.randn(3, 5, 4), torch.randn(3, 5, 3), mask=torch.rand(3, 5, 6), scale=2.0)
+    # Leaving out a keyword input the model was compiled with is an error too.
+    with pytest.raises(ValueError):
+        wide(torch.randn(3, 5, 4), torch.randn(3, 5, 3), mask=torch.rand(3, 5, 6))
+
+
+def test_positional_python_values_and_list_output():
+    sample = (torch.randn(4, 4), torch.randn(4, 3), None, 1.5, "list")
+    make = lambda: ((torch.randn(5, 4), torch.randn(5, 3), None, 1.5, "list"), {})
+    wide, _ = check_wide(MultiIO, sample, make)
+    out = wide(torch.randn(3, 2, 4), torch.randn(3, 2, 3), None, 1.5, "list")
+    assert isinstance(out, list) and len(out) == 2 and out[1].shape == (3, 2, 1)
+    with pytest.raises(ValueError, match=r"mode"):
+        wide(torch.randn(3, 2, 4), torch.randn(3, 2, 3), None, 1.5, "dict")
+    with pytest.raises(ValueError, match=r"scale"):
+        wide(torch.randn(3, 2, 4), torch.randn(3, 2, 3), None, 2.5, "list")
+
+
+class NestedInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, pair, extra):
+        a, b = pair
+        return self.fc(a) * b + extra["bias"].sum(-1, keepdim=True), (a - b).flatten(1)
+
+
+def test_nested_tuple_and_dict_inputs():
+    sample = ((torch.randn(4, 4), torch.randn(4, 4)), {"bias": torch.randn(4, 2)})
+    make = lambda: (((torch.randn(6, 4), torch.randn(6, 4)), {"bias": torch.randn(6, 2)}), {})
+    check_wide(NestedInputs, sample, make)
+
+
+class TupleOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h.softmax(-1), h.argmax(-1), (h.max(dim=0).values, x.size(0) * h.mean())
+
+
+def test_tuple_output_with_indices_and_nested_tuple():
+    wide, _ = check_wide(TupleOut, torch.randn(4, 6), randn_inputs((5, 6)))
+    out = wide(torch.randn(3, 7, 6))
+    assert isinstance(out, tuple) and isinstance(out[2], tuple)
+    assert out[1].dtype == torch.int64 and out[1].shape == (3, 7)
+    assert out[2][0].shape == (3, 6) and out[2][1].shape == (3,)
+
+
+# ---------------------------------------------------------------------------------------------
+# Graph shapes: residual, branching, reuse
+# ---------------------------------------------------------------------------------------------
+class ResidualBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 8)
+        self.left = nn.Linear(8, 8)
+        self.right = nn.Linear(8, 8)
+        self.out = nn.Linear(16, 3)
+        self.alpha = nn.Parameter(torch.rand(()))
+
+    def forward(self, x):
+        h = F.gelu(self.inp(x))
+        left = self.left(h).softmax(dim=1) * h      # branch 1 reuses h
+        right = torch.sigmoid(self.right(h)) + h    # branch 2 reuses h
+        merged = torch.cat([left + self.alpha * right, left * right], dim=1)
+        return self.out(merged) + h.mean(dim=1, keepdim=True)
+
+
+class ReusedBlock(nn.Module):
+    """One Linear applied three times: its gradient is the sum over the uses, per member."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 6)
+        self.block = nn.Linear(6, 6)
+        self.norm_scale = nn.Parameter(torch.rand(6) + 0.5)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(3):
+            h = h + torch.tanh(self.block(h)) * self.norm_scale
+            h = h / h.norm(dim=-1, keepdim=True)
+        return h
+
+
+@pytest.mark.parametrize("factory", [ResidualBranches, ReusedBlock], ids=["residual-branches", "reused"])
+@pytest.mark.parametrize("shared", [False, True], ids=["own-input", "shared-input"])
+def test_graph_shapes(factory, shared):
+    n = 4
+    models = make_members(factory, n)
+    wide = compile_wide(models, torch.randn(4, 5))
+    for training in (True, False):
+        wide.train(training)
+        for m in models:
+            m.train(training)
+        per_member = [((torch.randn(6, 5),), {}) for _ in range(n)]
+        check_members_equal(wide, models, per_member, shared=shared)
+    if factory is ReusedBlock:
+        # One wide op per use of a Linear: inp once, block three times, all on the same weights.
+        assert len(wide.strategies) == 4, wide.strategies
+        assert wide.get_parameter("block.weight").shape == (n, 6, 6)
+
+
+# ---------------------------------------------------------------------------------------------
+# train() / eval(): two graphs
+# ---------------------------------------------------------------------------------------------
+class ModeBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.training:
+            return h * 2 + 1
+        return h.softmax(dim=1)
+
+
+def test_forward_branching_on_self_training_switches_graphs():
+    n = 3
+    models = make_members(ModeBranch, n)
+    wide = compile_wide(models, torch.randn(4, 5))
+    x = torch.randn(n, 6, 5)
+    outs = {}
+    for training in (True, False, True, False):  # switch back and forth: each graph is kept
+        wide.train(training)
+        for m in models:
+            m.train(training)
+        outs[training] = check_members_equal(wide, models, [((x[i],), {}) for i in range(n)])
+    assert not torch.allclose(outs[True], outs[False]), "eval ran the train graph"
+    assert torch.allclose(outs[False].sum(-1), torch.ones(n, 6))  # softmax rows: the eval branch
+
+
+class Dropper(nn.Module):
+    def __init__(self, functional: bool):
+        super().__init__()
+        self.fc = nn.Linear(5, 64)
+        self.drop = nn.Dropout(0.5)
+        self.functional = functional
+
+    def forward(self, x):
+        h = self.fc(x)
+        return F.dropout(h, 0.5, self.training) if self.functional else self.drop(h)
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["nn.Dropout", "F.dropout-self.training"])
+def test_dropout_train_masks_per_member_and_eval_identity(functional):
+    n = 3
+    torch.manual_seed(0)
+    models = [Dropper(functional) for _ in range(n)]
+    wide = compile_wide(models, torch.randn(4, 5), strict=False)
+    xs = torch.randn(n, 8, 5)
+    # train: member i's output is its own fc(x[i]) with about half the entries zeroed and the
+    # rest scaled by 2; the masks differ between members (never one mask shared by all).
+    y = wide(xs)
+    assert y.shape == (n, 8, 64)
+    masks = y == 0
+    for i, m in enumerate(models):
+        ref = m.fc(xs[i]).detach()
+        kept = ~masks[i]
+        assert_close(y[i][kept], 2 * ref[kept], msg=f"member {i}: kept entries are not fc(x)/(1-p)")
+        frac = masks[i].float().mean().item()
+        assert 0.35 < frac < 0.65, f"member {i}: dropped fraction {frac}"
+    for i in range(1, n):
+        assert not torch.equal(masks[0], masks[i]), f"member {i} reused member 0's dropout mask"
+    # Identical members on a shared input: still independent masks.
+    same = [copy.deepcopy(models[0]) for _ in range(n)]
+    wide_same = compile_wide(same, torch.randn(4, 5), strict=False)
+    x = torch.randn(8, 5)
+    ys = wide_same(x.expand(n, *x.shape))
+    assert not torch.equal(ys[0] == 0, ys[1] == 0)
+    # eval: dropout is the identity, every member exactly its own model (with gradients).
+    wide.eval()
+    for m in models:
+        m.eval()
+    check_members_equal(wide, models, [((xs[i],), {}) for i in range(n)])
+    wide.train()
+    assert (wide(xs) == 0).any(), "train() did not switch back to the train graph"
+
+
+# ---------------------------------------------------------------------------------------------
+# WideBuilder, compile_model, torch.compile, the default (tuned) config
+# ---------------------------------------------------------------------------------------------
+class SmallNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(5, 8)
+        self.fc2 = nn.Linear(8, 4)
+        self.temp = nn.Parameter(torch.rand(()) + 0.5)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        h = h - h.mean(dim=1, keepdim=True)
+        return F.log_softmax(self.fc2(h) / self.temp, dim=1), h.sum()
+
+
+def test_wide_builder_chain_with_torch_compile_fullgraph():
+    n = 3
+    models = make_members(SmallNet, n)
+    torch._dynamo.reset()
+    wide = (wc.WideBuilder(models).with_sample(torch.randn(4, 5)).validate()
+            .with_config(FAST).compile(fullgraph=True).build())
+    assert isinstance(wide, torch._dynamo.eval_frame.OptimizedModule)
+    assert isinstance(wide._orig_mod, wc.WideModel)
+    xs = torch.randn(n, 4, 5)
+    out = wide(xs)
+    for i, m in enumerate(models):
+        ref = m(xs[i])
+        assert_close(out[0][i], ref[0], msg=f"member {i} log_softmax")
+        assert_close(out[1][i], ref[1], msg=f"member {i} sum")
+
+
+def test_compile_model_option_returns_a_compiled_wide_model():
+    n = 3
+    models = make_members(SmallNet, n)
+    torch._dynamo.reset()
+    wide = compile_wide(models, torch.randn(4, 5), compile_model=True,
+                        compile_options={"backend": "aot_eager", "fullgraph": True})
+    assert isinstance(wide, torch._dynamo.eval_frame.OptimizedModule)
+    check_members_equal(wide, models, [((torch.randn(4, 5),), {}) for _ in range(n)])
+
+
+def _heads_sdpa(h):
+    q = h.view(h.size(0), 3, 2, 4).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).flatten(2)
+
+
+TORCH_COMPILE_CASES = {
+    "softmax-sum": (lambda s, h, x: F.softmax(h, dim=1) * h.sum(), (4, 8)),
+    "view-size0-cat": (lambda s, h, x: torch.cat([h.reshape(x.size(0), -1), x.flatten(1)], 1), (4, 3, 8)),
+    "max-tuple-argmax": (lambda s, h, x: (h.max(dim=1), h.argmax()), (4, 3, 8)),
+    "split-pad-reflect": (lambda s, h, x: [F.pad(t, (1, 1), mode="reflect") for t in h.split(4, -1)], (4, 3, 8)),
+    "einsum-param-arange": (lambda s, h, x: torch.einsum("bi,ij->bj", h, s.mat) * torch.arange(8), (4, 8)),
+    "sdpa-causal": (lambda s, h, x: _heads_sdpa(h), (4, 3, 8)),
+    "where-param-squeeze": (lambda s, h, x: torch.where(h > 0, h, s.p)[:, :1].squeeze(1), (4, 8)),
+}
+
+
+@pytest.mark.parametrize("name", list(TORCH_COMPILE_CASES))
+def test_torch_compile_fullgraph_gives_the_same_outputs(name):
+    from test_widen_rules import Case
+
+    fn, shape = TORCH_COMPILE_CASES[name]
+    n = 3
+    models = make_members(lambda: Case(fn, in_features=shape[-1]), n)
+    wide = compile_wide(models, torch.randn(*shape))
+    torch._dynamo.reset()
+    compiled = torch.compile(wide, fullgraph=True, backend="aot_eager")
+    xs = torch.randn(n, *shape)
+    check_members_equal(compiled, models, [((xs[i],), {}) for i in range(n)])
+
+
+def test_multi_input_model_under_torch_compile():
+    n = 3
+    models = make_members(MultiIO, n)
+    wide = compile_wide(models, (torch.randn(4, 4), torch.randn(4, 3)),
+                        sample_kwargs={"mask": torch.rand(4, 6), "scale": 3.0})
+    torch._dynamo.reset()
+    compiled = torch.compile(wide, fullgraph=True, backend="aot_eager")
+    per_member = [((torch.randn(4, 4), torch.randn(4, 3)), {"mask": torch.rand(4, 6), "scale": 3.0})
+                  for _ in range(n)]
+    check_members_equal(compiled, models, per_member)
+
+
+def test_default_config_measures_strategies_and_stays_correct():
+    """The one test of the default WideConfig (strategies timed at compile time)."""
+    n = 3
+    models = make_members(SmallNet, n)
+    wide = wc.compile(models, torch.randn(4, 5), strict=True)
+    assert set(wide.strategies.values()) <= {"bmm", "loop"} and len(wide.strategies) == 2
+    for training in (True, False):
+        wide.train(training)
+        for m in models:
+            m.train(training)
+        check_members_equal(wide, models, [((torch.randn(6, 5),), {}) for _ in range(n)])
+    text = wide.report()
+    assert "fallbacks: 0" in text and "fc1" in text and "fc2" in text, text
+
+
+def test_members_stay_independent_after_a_training_step():
+    """A step on the wide model equals a step on each member (glue ops included)."""
+    n, lr = 3, 0.1
+    models = make_members(ResidualBranches, n)
+    wide = compile_wide(models, torch.randn(4, 5))
+    xs, ts = torch.randn(n, 6, 5), torch.randn(n, 6, 3)
+    opt = torch.optim.SGD(wide.parameters(), lr=lr)
+    opt.zero_grad()
+    ((wide(xs) - ts) ** 2).mean(dim=(1, 2)).sum().backward()
+    opt.step()
+    for i, m in enumerate(models):
+        opt_i = torch.optim.SGD(m.parameters(), lr=lr)
+        opt_i.zero_grad()
+        F.mse_loss(m(xs[i]), ts[i]).backward()
+        opt_i.step()
+    for name, p in wide.named_parameters():
+        assert_members_close(p.detach(), [m.get_parameter(name).detach() for m in models],
+                             what=f"{name} after one SGD step")

@@ -1,0 +1,782 @@
+"""The widen pass, one glue-op rule at a time (tracker issue 3, DESIGN §4).
+
+Every case is a small model: a Linear (so there are per-member parameters and an input gradient
+to check), then ONE pattern of glue ops, sometimes mixed with per-member parameters and buffers.
+Members have different weights and each member gets its own input ``x[i]``; the wide model's
+outputs, input gradients and parameter gradients must equal those of every member run alone, in
+train AND eval mode (each mode is its own captured graph: every case runs alone in train mode,
+then all cases of a family together in one eval-mode model, which keeps the suite quick). Inputs
+use another batch size than the compile sample (the batch is dynamic). ``strict=True`` proves the
+op has a real wide rule: a fallback would raise. Library bugs found here are strict xfails at the
+end of the file, with the reason.
+
+This file also holds the equivalence helper (`check_wide` / `check_members_equal`) that the other
+test_widen_* files import.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import wide_compiler as wc
+from conftest import assert_close, assert_members_close
+from torch import nn
+from torch.utils._pytree import (
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
+
+FAST = wc.WideConfig.fast()  # no timing at compile time
+
+
+# ---------------------------------------------------------------------------------------------
+# The equivalence helper (shared by test_widen_*.py)
+# ---------------------------------------------------------------------------------------------
+def make_members(factory: Callable[[], nn.Module], n: int = 3, seed: int = 0) -> list[nn.Module]:
+    """n members with different (seeded) weights."""
+    torch.manual_seed(seed)
+    return [factory() for _ in range(n)]
+
+
+def compile_wide(models, sample, *, strict: bool = True, config: wc.WideConfig = FAST, **kwargs):
+    return wc.compile(models, sample, config=config.replace(strict=strict or config.strict), **kwargs)
+
+
+def _is_float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def stack_inputs(per_member: Sequence[tuple[tuple, dict]], *, requires_grad: bool, shared: bool = False):
+    """Per-member (args, kwargs) -> (wide leaves, grad leaves, spec): every tensor stacked N-first
+    (or, with ``shared``, member 0's tensor passed as ``x.expand(N, *x.shape)``, stride 0).
+    ``grad leaves`` are the tensors whose .grad to read (the stacked tensor, or the shared base).
+    Non-tensor leaves must be the same for all members (they are baked into the graph)."""
+    flats = [tree_flatten(p) for p in per_member]
+    spec = flats[0][1]
+    n = len(per_member)
+    wide_leaves, grad_leaves = [], []
+    for j, leaf in enumerate(flats[0][0]):
+        if isinstance(leaf, torch.Tensor):
+            base = leaf.detach().clone() if shared else torch.stack([f[0][j] for f in flats]).detach()
+            base.requires_grad_(requires_grad and base.is_floating_point())
+            wide_leaves.append(base.expand(n, *base.shape) if shared else base)
+            grad_leaves.append(base)
+        else:
+            assert all(f[0][j] == leaf for f in flats), "non-tensor inputs must agree across members"
+            wide_leaves.append(leaf)
+            grad_leaves.append(None)
+    return wide_leaves, grad_leaves, spec
+
+
+def check_members_equal(wide, models: Sequence[nn.Module], per_member: Sequence[tuple[tuple, dict]],
+                        *, grads: bool = True, shared: bool = False, what: str = "output"):
+    """Run ``wide`` on the stacked inputs and every member i on its own ``per_member[i]``; compare
+    outputs (structure, shape, dtype, values), then input and parameter gradients under the same
+    random cotangents. ``shared``: every member gets member 0's input, passed to the wide model
+    as ``x.expand(N, ...)``; its gradient is the sum of the members'. Returns the wide output."""
+    n = len(models)
+    if shared:
+        per_member = [per_member[0]] * n
+    dtype = next(iter(models[0].parameters())).dtype
+    wide_leaves_in, grad_leaves, spec = stack_inputs(per_member, requires_grad=grads, shared=shared)
+    wide_args, wide_kwargs = tree_unflatten(wide_leaves_in, spec)
+
+    ref_outs, ref_in_grads, cotangents = [], [], []
+    for i, m in enumerate(models):
+        m.zero_grad(set_to_none=True)
+        leaves = [a.detach().clone().requires_grad_(grads and a.is_floating_point())
+                  if isinstance(a, torch.Tensor) else a for a in tree_flatten(per_member[i])[0]]
+        args, kwargs = tree_unflatten(leaves, spec)
+        out = m(*args, **kwargs)
+        ref_outs.append(out)
+        out_leaves = tree_flatten(out)[0]
+        cot = [torch.randn_like(t) if _is_float(t) and t.requires_grad else None for t in out_leaves]
+        cotangents.append(cot)
+        if grads:
+            terms = [(t * g).sum() for t, g in zip(out_leaves, cot) if g is not None]
+            if terms:
+                sum(terms).backward()
+            ref_in_grads.append([a.grad if isinstance(a, torch.Tensor) else None for a in leaves])
+
+    wide.zero_grad(set_to_none=True)
+    wide_out = wide(*wide_args, **wide_kwargs)
+    wide_paths, wide_spec = tree_flatten_with_path(wide_out)
+    wide_leaves = [leaf for _, leaf in wide_paths]
+    for i, ref in enumerate(ref_outs):
+        ref_spec = tree_flatten(ref)[1]
+        assert ref_spec == wide_spec, f"{what}: output structure {wide_spec} != member {i}'s {ref_spec}"
+    for k, (path, leaf) in enumerate(wide_paths):
+        label = f"{what}{keystr(path)}"
+        refs = [tree_flatten(r)[0][k] for r in ref_outs]
+        assert isinstance(leaf, torch.Tensor), f"{label}: {type(leaf)}"
+        if refs[0].is_floating_point():
+            assert_members_close(leaf, refs, dtype, what=label)
+        else:  # indices, masks: exact
+            assert_members_exact(leaf, refs, what=label)
+
+    if not grads:
+        return wide_out
+    terms = [(t * torch.stack([c[k] for c in cotangents])).sum()
+             for k, t in enumerate(wide_leaves) if cotangents[0][k] is not None]
+    if terms:
+        assert all(wide_leaves[k].requires_grad for k in range(len(wide_leaves))
+                   if cotangents[0][k] is not None), "a wide output lost its autograd graph"
+        sum(terms).backward()
+    for j, leaf in enumerate(grad_leaves):
+        if not (isinstance(leaf, torch.Tensor) and leaf.requires_grad):
+            continue
+        refs = [g[j] for g in ref_in_grads]
+        if all(r is None for r in refs):
+            assert leaf.grad is None or not leaf.grad.any(), f"input {j}: unexpected gradient"
+            continue
+        assert leaf.grad is not None, f"input {j}: no gradient reached the wide model's input"
+        refs = [torch.zeros_like(leaf if shared else leaf[0]) if r is None else r for r in refs]
+        if shared:
+            assert_close(leaf.grad, torch.stack(refs).sum(0), grad=True,
+                         msg=f"grad of shared input {j} (sum over members)")
+        else:
+            assert_members_close(leaf.grad, refs, dtype, grad=True, what=f"grad of input {j}")
+    for name, p in wide.named_parameters():
+        name = name.removeprefix("_orig_mod.")  # a torch.compile'd wide model
+        refs = [m.get_parameter(name).grad for m in models]
+        if all(r is None for r in refs):
+            assert p.grad is None or not p.grad.any(), f"{name}: unexpected gradient"
+            continue
+        assert p.grad is not None, f"{name}: no gradient on the wide parameter"
+        refs = [torch.zeros_like(p[0]) if r is None else r for r in refs]
+        assert_members_close(p.grad, refs, dtype, grad=True, what=f"grad of {name}")
+    return wide_out
+
+
+def assert_members_exact(wide_out: torch.Tensor, member_outs, *, what: str = "output") -> None:
+    """Integer/bool outputs (argmax, indices, masks): member i must be exactly member_outs[i]."""
+    assert wide_out.shape == (len(member_outs), *member_outs[0].shape), (
+        f"{what}: shape {tuple(wide_out.shape)}, expected N-first {(len(member_outs), *member_outs[0].shape)}")
+    for i, ref in enumerate(member_outs):
+        assert wide_out.dtype == ref.dtype, f"{what}: member {i}: dtype {wide_out.dtype} != {ref.dtype}"
+        assert torch.equal(wide_out[i], ref), f"{what}: member {i} differs:\n{wide_out[i]}\n!=\n{ref}"
+
+
+def randn_inputs(*shapes) -> Callable[[], tuple[tuple, dict]]:
+    """A per-member input maker: one tensor per shape, as positional arguments."""
+    return lambda: (tuple(torch.randn(s) for s in shapes), {})
+
+
+def check_wide(factory, sample, make_input: Callable[[], tuple[tuple, dict]], *, n: int = 3,
+               modes: Sequence[bool] = (True, False), strict: bool = True, grads: bool = True,
+               seed: int = 0, **compile_kwargs):
+    """Compile ``n`` members of ``factory()`` on ``sample`` and check them against the members in
+    every train/eval mode of ``modes``, each mode on fresh per-member inputs from ``make_input``.
+    Returns (wide, models)."""
+    models = make_members(factory, n, seed)
+    wide = compile_wide(models, sample, strict=strict, **compile_kwargs)
+    for training in modes:
+        wide.train(training)
+        for m in models:
+            m.train(training)
+        torch.manual_seed(seed + 100 + training)
+        per_member = [make_input() for _ in range(n)]
+        check_members_equal(wide, models, per_member, grads=grads,
+                            what=f"{'train' if training else 'eval'} output")
+    return wide, models
+
+
+# ---------------------------------------------------------------------------------------------
+# The case model
+# ---------------------------------------------------------------------------------------------
+class Case(nn.Module):
+    """Linear -> ``fn(self, h, x)``, with per-member parameters and a buffer ``fn`` may use."""
+
+    def __init__(self, fn, in_features: int = 8, hidden: int = 8):
+        super().__init__()
+        self.fn = fn
+        self.fc = nn.Linear(in_features, hidden)
+        self.scale = nn.Parameter(torch.randn(hidden))       # [H] per member
+        self.p = nn.Parameter(torch.randn(()))               # 0-dim per member
+        self.mat = nn.Parameter(torch.randn(hidden, hidden))  # [H, H] per member
+        self.register_buffer("bias_buf", torch.randn(hidden))
+
+    def forward(self, x):
+        return self.fn(self, self.fc(x), x)
+
+
+B2, B3, B4 = (4, 8), (4, 3, 8), (4, 2, 3, 8)  # member shapes: [B, F], [B, T, F], [B, C, T, F]
+
+
+def _call_shape(shape):
+    """The per-member input shape at call time: another batch than the sample's (dynamic batch)."""
+    return (shape[0] + 1, *shape[1:])
+
+
+def run_case(fn, shape, **kwargs):
+    """One case in train mode (the mode the members are in at compile time: one capture). Eval
+    mode of every case is covered by `test_family_in_eval_mode` (one model per family)."""
+    kwargs.setdefault("modes", (True,))
+    return check_wide(lambda: Case(fn, in_features=shape[-1]), torch.randn(*shape),
+                      randn_inputs(_call_shape(shape)), **kwargs)
+
+
+class Family(nn.Module):
+    """Every case of a family that takes one input shape, in one model: a dict output, one entry
+    per case, each on its own copy of the activation (some cases work in place)."""
+
+    def __init__(self, fns: dict, in_features: int = 8, hidden: int = 8):
+        super().__init__()
+        self.fns = fns
+        self.fc = nn.Linear(in_features, hidden)
+        self.scale = nn.Parameter(torch.randn(hidden))
+        self.p = nn.Parameter(torch.randn(()))
+        self.mat = nn.Parameter(torch.randn(hidden, hidden))
+        self.register_buffer("bias_buf", torch.randn(hidden))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return {name: fn(self, h.clone(), x) for name, fn in self.fns.items()}
+
+
+def _cases(table: dict):
+    return pytest.mark.parametrize("name", list(table))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pointwise (unary / binary / ternary, broadcasting against per-member parameters and buffers)
+# ---------------------------------------------------------------------------------------------
+POINTWISE = {
+    "exp": (lambda s, h, x: torch.exp(h), B2),
+    "unary-chain": (lambda s, h, x: F.gelu(h).abs().sqrt() + torch.erf(h) * h.sigmoid(), B3),
+    "clamp-scalars": (lambda s, h, x: torch.clamp(h, -0.3, 0.3) + F.hardtanh(h, -0.2, 0.2), B2),
+    "scalar-arith": (lambda s, h, x: 2.0 - (0.5 * h + 1.0) / 3.0 + h ** 2, B2),
+    "mul-param": (lambda s, h, x: h * s.scale, B3),
+    "add-buffer": (lambda s, h, x: h + s.bias_buf, B2),
+    "sub-0dim-param": (lambda s, h, x: h - s.p, B3),
+    "div-0dim-param": (lambda s, h, x: h / (s.p.abs() + 1), B2),
+    "pow-param": (lambda s, h, x: h ** 2 + s.p ** 2 * h, B2),
+    "where-0dim-param": (lambda s, h, x: torch.where(h > 0, h, s.p), B2),
+    "where-param-vector": (lambda s, h, x: torch.where(h > 0, s.scale, h), B3),
+    "where-buffer-cond": (lambda s, h, x: torch.where(s.bias_buf > 0, h, -h), B3),
+    "addcmul-param": (lambda s, h, x: torch.addcmul(h, h, s.scale, value=0.5), B2),
+    "lerp-param": (lambda s, h, x: torch.lerp(h, s.scale, 0.3), B2),
+    "masked_fill": (lambda s, h, x: h.masked_fill(h > 0.2, 0.0), B2),
+    "maximum-param": (lambda s, h, x: torch.maximum(h, s.scale) + torch.min(h, x), B2),
+    "clamp-tensor-bounds": (lambda s, h, x: torch.clamp(h, min=-s.scale.abs(), max=s.bias_buf.abs()), B2),
+    "compare-param": (lambda s, h, x: (h > s.scale).float() * h, B2),
+    "atan2-param": (lambda s, h, x: torch.atan2(h, s.scale), B2),
+    "fmod-remainder": (lambda s, h, x: torch.fmod(h, 0.3) + torch.remainder(h, s.scale.abs() + 0.1), B2),
+    "floor-div": (lambda s, h, x: torch.div(h, 0.3, rounding_mode="floor") * h, B2),
+    "outer-broadcast-param": (lambda s, h, x: h[:, :, None] * s.scale, B2),
+    "param-broadcast-up": (lambda s, h, x: s.scale[:, None] + h[:, None, :], B2),
+    "act-outer-product": (lambda s, h, x: h.unsqueeze(1) * h.unsqueeze(2), B2),
+    "in-place-with-param": (lambda s, h, x: h.mul_(2).add_(s.scale).mul_(s.p), B2),
+    "dtype-casts": (lambda s, h, x: (h * 3).long().float() + h.double().float() * h.type_as(x), B2),
+}
+
+
+@_cases(POINTWISE)
+def test_pointwise(name):
+    fn, shape = POINTWISE[name]
+    run_case(fn, shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dim-taking ops and reductions (positive dims shift, negative stay, dim=None is per member)
+# ---------------------------------------------------------------------------------------------
+DIMS = {
+    "softmax-dim1": (lambda s, h, x: F.softmax(h, dim=1), B2),
+    "softmax-dim1-3d": (lambda s, h, x: F.softmax(h, dim=1), B3),
+    "softmax-dim0": (lambda s, h, x: h.softmax(0), B3),
+    "softmax-dim-1": (lambda s, h, x: torch.softmax(h, dim=-1), B3),
+    "log_softmax-dim1": (lambda s, h, x: F.log_softmax(h, dim=1), B3),
+    "log_softmax-dim-1": (lambda s, h, x: F.log_softmax(h, dim=-1), B3),
+    "cumsum-dim1": (lambda s, h, x: h.cumsum(1), B3),
+    "cumsum-dim-1": (lambda s, h, x: torch.cumsum(h, dim=-1), B3),
+    "cumprod-logcumsumexp": (lambda s, h, x: torch.cumprod(h, 1) + torch.logcumsumexp(h, 0), B2),
+    "norm-dim": (lambda s, h, x: h.norm(dim=1), B2),
+    "norm-all": (lambda s, h, x: h * h.norm(), B3),
+    "norm-p1-keepdim": (lambda s, h, x: h.norm(p=1, dim=-1, keepdim=True), B3),
+    "vector_norm-dims": (lambda s, h, x: torch.linalg.vector_norm(h, dim=(1, 2)), B3),
+    "mean-dim1": (lambda s, h, x: h.mean(dim=1), B3),
+    "mean-neg-dims": (lambda s, h, x: h.mean((-1, -2)), B3),
+    "sum-dims-keepdim": (lambda s, h, x: h.sum(dim=(0, 2), keepdim=True), B3),
+    "sum-neg-keepdim": (lambda s, h, x: h.sum(-2, keepdim=True), B3),
+    "sum-dtype": (lambda s, h, x: h.sum(dtype=torch.float64), B2),
+    "amax-dim": (lambda s, h, x: h.amax(dim=-1), B3),
+    "amax-all": (lambda s, h, x: h.amax() * h, B3),
+    "amin-keepdim": (lambda s, h, x: h.amin(dim=(0, 1), keepdim=True), B3),
+    "argmax-dim": (lambda s, h, x: h.argmax(dim=1), B3),
+    "argmax-all": (lambda s, h, x: h.argmax(), B3),
+    "argmax-all-keepdim": (lambda s, h, x: h.argmax(keepdim=True), B3),
+    "argmin-neg": (lambda s, h, x: h.argmin(-2), B3),
+    "var-keepdim": (lambda s, h, x: h.var(dim=1, keepdim=True), B3),
+    "var-all": (lambda s, h, x: h.var(), B3),
+    "std-biased": (lambda s, h, x: h.std(dim=-1, unbiased=False), B3),
+    "std-correction": (lambda s, h, x: h.std(dim=(0, 2), correction=0), B3),
+    "std-all": (lambda s, h, x: h * h.std(), B3),
+    "sum-all": (lambda s, h, x: h.sum(), B3),
+    "mean-all": (lambda s, h, x: h.mean(), B3),
+    "max-all": (lambda s, h, x: h.max(), B3),
+    "prod-all": (lambda s, h, x: h.prod(), B2),
+    "max-dim-tuple": (lambda s, h, x: h.max(dim=1), B3),
+    "min-dim-keepdim": (lambda s, h, x: h.min(dim=-1, keepdim=True), B3),
+    "logsumexp": (lambda s, h, x: torch.logsumexp(h, dim=1), B3),
+    "topk": (lambda s, h, x: torch.topk(h, 3, dim=-1), B3),
+    "sort-dim1": (lambda s, h, x: torch.sort(h, dim=1), B3),
+    "aminmax": (lambda s, h, x: torch.aminmax(h, dim=1), B3),
+    "any-all-bool": (lambda s, h, x: h * (h > 0).any() + (h > -1).all(dim=1).float().sum(), B3),
+    "cummax": (lambda s, h, x: torch.cummax(h, dim=1), B3),
+    "median-dim": (lambda s, h, x: h.median(dim=-1), B3),
+    "gather-argsort": (lambda s, h, x: torch.gather(h, 1, h.argsort(dim=1)), B3),
+}
+
+
+@_cases(DIMS)
+def test_dim_ops(name):
+    fn, shape = DIMS[name]
+    run_case(fn, shape)
+
+
+SIZES = {
+    "size-dim-ndim": (lambda s, h, x: h * h.size(1) / h.dim() + x.shape[0] + h.ndim, B2),
+    "size-negative": (lambda s, h, x: h.reshape(h.size(0), h.size(-1) // 2, 2), B2),
+    "size-tuple": (lambda s, h, x: h.view(*x.shape[:-1], 2, 4), B3),
+    "size-whole": (lambda s, h, x: h.reshape(x.size()).flatten(1).view(h.size()), B3),
+    "numel": (lambda s, h, x: h / h.numel(), B2),
+    "size-float-arith": (lambda s, h, x: (h @ h.T) / h.shape[-1] ** 0.5, B2),
+}
+
+
+@_cases(SIZES)
+def test_sizes_are_one_members(name):
+    """x.size(), x.size(d), x.shape, x.dim()/ndim, numel read one member's sizes."""
+    fn, shape = SIZES[name]
+    run_case(fn, shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape ops
+# ---------------------------------------------------------------------------------------------
+def _setitem(h):
+    h = h.clone()
+    h[:, 0] = 0.0
+    return h
+
+
+SHAPE = {
+    "view-minus-one": (lambda s, h, x: h.view(-1, 2, 4), B2),
+    "view-size0": (lambda s, h, x: h.view(x.size(0), -1), B3),
+    "reshape": (lambda s, h, x: h.reshape(-1, 4, 4), (4, 2, 8)),
+    "flatten1": (lambda s, h, x: torch.flatten(h, 1), B3),
+    "flatten-all": (lambda s, h, x: torch.flatten(h), B3),
+    "flatten0-1": (lambda s, h, x: h.flatten(0, 1), B3),
+    "unflatten-neg": (lambda s, h, x: h.unflatten(-1, (2, 4)), B3),
+    "unflatten1": (lambda s, h, x: h.unflatten(1, (2, 4)), B2),
+    "permute": (lambda s, h, x: h.permute(2, 0, 1), B3),
+    "permute-neg": (lambda s, h, x: h.permute(-1, 0, -2), B3),
+    "transpose12": (lambda s, h, x: h.transpose(1, 2), B3),
+    "transpose0-neg": (lambda s, h, x: h.transpose(0, -1), B3),
+    "T": (lambda s, h, x: h.T, B2),
+    "mT": (lambda s, h, x: h.mT, B3),
+    "movedim": (lambda s, h, x: h.movedim(0, -1), B3),
+    "squeeze-all": (lambda s, h, x: h[:, :1].squeeze(), B2),
+    "squeeze-dim": (lambda s, h, x: h.unsqueeze(1).squeeze(1), B2),
+    "squeeze-dims": (lambda s, h, x: h[:, :1, None].squeeze((1, 2)), B3),
+    "unsqueeze": (lambda s, h, x: h.unsqueeze(0) + h.unsqueeze(-1).mean(), B2),
+    "expand": (lambda s, h, x: h[:, None, :].expand(-1, 3, -1), B2),
+    "expand-param": (lambda s, h, x: s.scale.expand(x.size(0), 8) * h, B2),
+    "repeat": (lambda s, h, x: h.repeat(2, 1, 3), B2),
+    "contiguous": (lambda s, h, x: h.transpose(0, 1).contiguous().view(-1), B2),
+    "chunk": (lambda s, h, x: torch.chunk(h, 2, dim=-1), B3),
+    "chunk-dim1-getitem": (lambda s, h, x: h.chunk(3, dim=1)[1] * 2, B3),
+    "split-sizes": (lambda s, h, x: h.split([3, 5], dim=1), B2),
+    "split-int-list": (lambda s, h, x: list(h.split(3, dim=-1)), B3),
+    "tensor_split": (lambda s, h, x: torch.tensor_split(h, 3, dim=1), B2),
+    "unbind": (lambda s, h, x: h.unbind(1), B3),
+    "cat-dim1": (lambda s, h, x: torch.cat([h, x], 1), B2),
+    "cat-neg": (lambda s, h, x: torch.cat([h, h * 2], -1), B3),
+    "cat-dim0": (lambda s, h, x: torch.cat([h, h * 2], 0), B2),
+    "cat-param": (lambda s, h, x: torch.cat([h, s.scale.expand(h.size(0), -1)], 1), B2),
+    "cat-shared": (lambda s, h, x: torch.cat([torch.zeros(h.size(0), 2), h], -1), B2),
+    "stack-dim1": (lambda s, h, x: torch.stack([h, x], 1), B2),
+    "stack-neg": (lambda s, h, x: torch.stack([h, x, h], -1), B2),
+    "stack-params": (lambda s, h, x: torch.stack([s.scale, s.bias_buf]) @ h.T, B2),
+    "select": (lambda s, h, x: h[:, 0], B3),
+    "select-neg": (lambda s, h, x: h[:, -1] + h[0, 0], B3),
+    "select-param": (lambda s, h, x: s.mat[0] * h + s.mat[:, 1], B2),
+    "slice-ellipsis": (lambda s, h, x: h[..., :3], B3),
+    "slice-step": (lambda s, h, x: h[:, ::2], B2),
+    "index-none": (lambda s, h, x: h[:, None], B2),
+    "narrow-neg": (lambda s, h, x: h.narrow(-1, 2, 3), B3),
+    "narrow-dim1": (lambda s, h, x: torch.narrow(h, 1, 1, 2), B3),
+    "roll-dim": (lambda s, h, x: torch.roll(h, 2, dims=1), B2),
+    "roll-dims": (lambda s, h, x: torch.roll(h, (1, -1), dims=(0, 2)), B3),
+    "flip": (lambda s, h, x: h.flip(1), B3),
+    "flip-dims": (lambda s, h, x: h.flip((0, -1)), B3),
+    "index-list": (lambda s, h, x: h[:, [0, 2, 3]], B2),
+    "index-tensor": (lambda s, h, x: h[:, torch.tensor([0, 2])], B3),
+    "index-bool-mask": (lambda s, h, x: h[:, torch.arange(8) % 2 == 0], B2),
+    "index-two-adjacent": (lambda s, h, x: h[:, [0, 1], [2, 3]], B3),
+    "index-param": (lambda s, h, x: s.scale[[1, 3]] * h[:, :2], B2),
+    "tril": (lambda s, h, x: h.reshape(-1, 2, 4).tril(), B2),
+    "triu-param": (lambda s, h, x: h @ s.mat.triu(1), B2),
+    "diagonal": (lambda s, h, x: h.reshape(-1, 2, 4).diagonal(dim1=-2, dim2=-1), B2),
+    "repeat_interleave-dim": (lambda s, h, x: h.repeat_interleave(2, dim=1), B2),
+}
+
+
+@_cases(SHAPE)
+def test_shape_ops(name):
+    fn, shape = SHAPE[name]
+    run_case(fn, shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Products: matmul/mm/bmm/einsum (activation x activation, activation x parameter, 1-D operands),
+# F.linear with a parameter weight, scaled dot-product attention
+# ---------------------------------------------------------------------------------------------
+def _heads(h):  # [B, T=3, 8] -> [B, 2 heads, 3, 4]
+    return h.view(h.size(0), 3, 2, 4).transpose(1, 2)
+
+
+def _sdpa(h, **kwargs):
+    q = _heads(h)
+    return F.scaled_dot_product_attention(q, q * 0.5, q + 1, **kwargs)
+
+
+PRODUCTS = {
+    "act@act": (lambda s, h, x: h @ h.transpose(-1, -2), B3),
+    "bmm": (lambda s, h, x: torch.bmm(h, h.transpose(1, 2)), B3),
+    "mm-act-act": (lambda s, h, x: torch.mm(h.T, h), B2),
+    "act@param": (lambda s, h, x: h @ s.mat, B3),
+    "mm-act-param": (lambda s, h, x: torch.mm(h, s.mat), B2),
+    "param@act": (lambda s, h, x: s.mat @ h.T, B2),
+    "param@act-3d": (lambda s, h, x: s.mat @ h.transpose(1, 2), B3),
+    "act@vector-param": (lambda s, h, x: h @ s.scale, B3),
+    "vector-param@act": (lambda s, h, x: s.scale @ h.transpose(-1, -2), B3),
+    "vector@vector-params": (lambda s, h, x: h * (s.scale @ s.bias_buf), B2),
+    "act-1d@act-1d": (lambda s, h, x: h[0] @ h[1], B2),
+    "act-1d@param": (lambda s, h, x: h[0] @ s.mat, B2),
+    "act@shared": (lambda s, h, x: h @ torch.ones(8, 2), B3),
+    "shared@act": (lambda s, h, x: torch.ones(2, x.size(0)) @ h, B2),
+    "einsum-act-param": (lambda s, h, x: torch.einsum("bi,ij->bj", h, s.mat), B2),
+    "einsum-act-act": (lambda s, h, x: torch.einsum("bij,bkj->bik", h, h), B3),
+    "einsum-act-vector": (lambda s, h, x: torch.einsum("bi,i->b", h, s.scale), B2),
+    "einsum-ellipsis": (lambda s, h, x: torch.einsum("...i,ij->...j", h, s.mat), B3),
+    "einsum-two-params": (lambda s, h, x: h * torch.einsum("i,i->", s.scale, s.bias_buf), B2),
+    "linear-param": (lambda s, h, x: F.linear(h, s.mat, s.scale), B3),
+    "linear-param-nobias": (lambda s, h, x: F.linear(h, s.mat), B2),
+    "linear-param-1d-input": (lambda s, h, x: F.linear(h[0], s.mat, s.scale), B2),
+    "sdpa": (lambda s, h, x: _sdpa(h), B3),
+    "sdpa-causal": (lambda s, h, x: _sdpa(h, is_causal=True), B3),
+    "sdpa-shared-bool-mask": (lambda s, h, x: _sdpa(h, attn_mask=torch.ones(3, 3, dtype=torch.bool).tril()), B3),
+    "sdpa-activation-mask": (lambda s, h, x: _sdpa(h, attn_mask=h[:, None, :, :3] @ h[:, None, :, :3].mT), B3),
+    "sdpa-3d": (lambda s, h, x: F.scaled_dot_product_attention(h, h, h), B3),
+    "sdpa-3d-param-mask": (lambda s, h, x: F.scaled_dot_product_attention(h, h, h, attn_mask=s.mat[:3, :3]), B3),
+    "sdpa-scale": (lambda s, h, x: _sdpa(h, scale=0.3), B3),
+}
+
+
+@_cases(PRODUCTS)
+def test_products(name):
+    fn, shape = PRODUCTS[name]
+    run_case(fn, shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Spatial glue (padding, interpolation) and tensor creation inside forward
+# ---------------------------------------------------------------------------------------------
+SPATIAL = {
+    "pad-constant": (lambda s, h, x: F.pad(h, (1, 2)), B3),
+    "pad-constant-2d-value": (lambda s, h, x: F.pad(h, (1, 2, 0, 1), value=0.5), B3),
+    "pad-reflect": (lambda s, h, x: F.pad(h, (2, 1), mode="reflect"), B3),
+    "pad-reflect-2d": (lambda s, h, x: F.pad(h, (2, 1, 1, 1), mode="reflect"), B4),
+    "pad-replicate": (lambda s, h, x: F.pad(h, (2, 1), mode="replicate"), B3),
+    "pad-circular": (lambda s, h, x: F.pad(h, (2, 1), mode="circular"), B3),
+    "interpolate-nearest": (lambda s, h, x: F.interpolate(h, scale_factor=2), B3),
+    "interpolate-linear-size": (lambda s, h, x: F.interpolate(h, size=11, mode="linear"), B3),
+    "interpolate-bilinear": (lambda s, h, x: F.interpolate(h, scale_factor=2, mode="bilinear"), B4),
+}
+
+CREATION = {
+    "zeros_like-ones_like": (lambda s, h, x: h + torch.zeros_like(h) + torch.ones_like(x).sum(), B2),
+    "full_like": (lambda s, h, x: torch.full_like(h, 2.0) * h, B2),
+    "arange": (lambda s, h, x: torch.arange(h.size(-1)) * h, B2),
+    "arange-batch": (lambda s, h, x: torch.arange(x.size(0))[:, None] * h, B2),
+    "new_zeros": (lambda s, h, x: torch.cat([h, h.new_zeros(h.shape)], 1), B2),
+    "new_ones-batch": (lambda s, h, x: torch.cat([h.new_ones(h.size(0), 1), h], 1), B2),
+    "new_tensor": (lambda s, h, x: h.new_tensor([1.0, 2.0]).repeat(4) * h, B2),
+    "ones": (lambda s, h, x: h + torch.ones(8), B2),
+    "ones-batch": (lambda s, h, x: torch.cat([torch.ones(h.size(0), 1), h], 1), B2),
+    "zeros-shape": (lambda s, h, x: torch.zeros(h.shape) + h, B2),
+    "eye": (lambda s, h, x: h @ torch.eye(8) * 2, B2),
+    "full": (lambda s, h, x: torch.full((1, 8), 3.0) - h, B2),
+    "shared-output": (lambda s, h, x: (h, torch.full((h.size(0), 2), 0.5)), B2),
+    "tensor-literal": (lambda s, h, x: h * torch.tensor([1.0, 2.0]).repeat(4), B2),
+}
+
+
+@_cases(SPATIAL)
+def test_spatial_glue(name):
+    fn, shape = SPATIAL[name]
+    run_case(fn, shape)
+
+
+@_cases(CREATION)
+def test_creation_in_forward(name):
+    fn, shape = CREATION[name]
+    run_case(fn, shape)
+
+
+class RandomCreation(nn.Module):
+    def __init__(self, which):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.which = which
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.which == "randn_like":
+            return h + torch.randn_like(h)
+        if self.which == "rand_like-of-input":
+            return h * torch.rand_like(x)
+        if self.which == "randn-size":
+            return h + torch.randn(8)
+        return h + torch.bernoulli(torch.full_like(h, 0.5))
+
+
+@pytest.mark.parametrize("which", ["randn_like", "rand_like-of-input", "randn-size", "bernoulli"])
+def test_random_creation_draws_per_member(which):
+    """Identical members on one shared input: the only difference between their outputs is the
+    random draw, which must be independent per member (never one draw shared by all)."""
+    torch.manual_seed(0)
+    model = RandomCreation(which)
+    models = [copy.deepcopy(model) for _ in range(3)]
+    wide = compile_wide(models, torch.randn(4, 8))
+    x = torch.randn(5, 8)
+    out = wide(x.expand(3, *x.shape))
+    assert out.shape == (3, 5, 8)
+    for i in range(1, 3):
+        assert not torch.equal(out[0], out[i]), f"member {i} got member 0's random draw"
+    # The deterministic part is right: the noise has the right distribution around fc(x).
+    noise = out - model.fc(x)
+    if which == "rand_like-of-input":
+        noise = out / model.fc(x)
+        assert ((noise >= 0) & (noise <= 1)).all()
+    elif which == "bernoulli":
+        assert ((noise.round() == 0) | (noise.round() == 1)).all()
+        assert torch.allclose(noise, noise.round(), atol=1e-5)
+    else:
+        assert noise.std() > 0.3, noise.std()
+    if which == "randn-size":  # one [8] draw per member, shared over its batch
+        assert torch.allclose(noise, noise[:, :1].expand_as(noise), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The upstream failure list: each of these was silently wrong before; each must be right now
+# ---------------------------------------------------------------------------------------------
+class Upstream(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.fc1 = nn.Linear(16, 16)
+        self.fc2 = nn.Linear(16, 16)
+
+    def forward(self, x):
+        a, b = self.fc1(x), self.fc2(x)
+        return self.op(a, b, x)
+
+
+UPSTREAM = {
+    "softmax(x, dim=1)": (lambda a, b, x: torch.softmax(a, dim=1), (4, 16)),
+    "y * x.sum()": (lambda a, b, x: b * a.sum(), (4, 16)),
+    "x.transpose(1, 2)": (lambda a, b, x: a.transpose(1, 2), (4, 3, 16)),
+    "x.mean(dim=1)": (lambda a, b, x: a.mean(dim=1), (4, 3, 16)),
+    "x.reshape(-1, 4, 4)": (lambda a, b, x: a.reshape(-1, 4, 4), (4, 16)),
+    "torch.flatten(x, 1)": (lambda a, b, x: torch.flatten(a.view(-1, 4, 4), 1), (4, 16)),
+    "x.view(x.size(0), -1)": (lambda a, b, x: a.view(x.size(0), -1), (4, 2, 16)),
+    "torch.cat([a, b], 1)": (lambda a, b, x: torch.cat([a, b], 1), (4, 16)),
+}
+
+
+@pytest.mark.parametrize("name", list(UPSTREAM))
+def test_upstream_failures_are_fixed(name):
+    """Train and eval, each on per-member inputs and on one shared input x.expand(N, ...)."""
+    op, shape = UPSTREAM[name]
+    n = 4
+    models = make_members(lambda: Upstream(op), n, seed=1)
+    wide = compile_wide(models, torch.randn(*shape))
+    for training in (True, False):
+        wide.train(training)
+        for m in models:
+            m.train(training)
+        for shared in (False, True):
+            xs = [torch.randn(*_call_shape(shape)) for _ in range(n)]
+            out = check_members_equal(wide, models, [((x,), {}) for x in xs], shared=shared,
+                                      what=f"{'train' if training else 'eval'} shared={shared}")
+            # The members really differ (a rule running member 0 for all would be caught above).
+            assert not torch.allclose(out[0].float(), out[1].float())
+
+
+FAMILIES = {"pointwise": POINTWISE, "dims": DIMS, "sizes": SIZES, "shape": SHAPE,
+            "products": PRODUCTS, "spatial": SPATIAL, "creation": CREATION}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_in_eval_mode(family):
+    """Every case above again, in eval mode (members and wide model captured in eval), grouped by
+    input shape into one model per family so the suite stays quick. A failure names the case
+    (the key of the dict output)."""
+    table = FAMILIES[family]
+    shapes = sorted({shape for _, shape in table.values()})
+    for shape in shapes:
+        fns = {name: fn for name, (fn, s) in table.items() if s == shape}
+        models = make_members(lambda fns=fns, f=shape[-1]: Family(fns, in_features=f).eval(), 3, seed=7)
+        wide = compile_wide(models, torch.randn(*shape))
+        assert not wide.training
+        torch.manual_seed(8)
+        per_member = [((torch.randn(*_call_shape(shape)),), {}) for _ in range(3)]
+        out = check_members_equal(wide, models, per_member, what=f"eval {family} {shape}")
+        assert isinstance(out, dict) and list(out) == list(fns)
+
+
+# ---------------------------------------------------------------------------------------------
+# Regressions: library bugs this suite found (all fixed); each case must stay correct
+# ---------------------------------------------------------------------------------------------
+
+
+class ViewAfterLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x).view(x.size(0), -1)
+
+
+def test_view_of_linear_output_on_shared_input():
+    """Was: on a shared input wide.linear returns a strided N-first view, so the member's legal
+    .view() raised 'view size is not compatible'. Views now become reshapes unless written to."""
+    models = make_members(ViewAfterLinear, 2)
+    wide = compile_wide(models, torch.randn(4, 2, 16))
+    x = torch.randn(5, 2, 16)
+    check_members_equal(wide, models, [((x,), {})] * 2, shared=True)
+
+
+REGRESSIONS = {  # name: (fn, member shape, exception the bug raised, strict, what was wrong)
+    "swapaxes": (
+        lambda s, h, x: h.swapaxes(0, 1), B3, AssertionError, True,
+        ("library bug: aten.swapaxes names its dims axis0/axis1, which reduction.DIM_ARGS does not "
+        "list, so they are not shifted: the member dim is swapped with the batch (silently wrong)")),
+    "unfold": (
+        lambda s, h, x: h.unfold(1, 3, 2), B2, AssertionError, True,
+        ("library bug: aten.unfold names its dim 'dimension', not in reduction.DIM_ARGS, so it "
+        "unfolds the wrong wide dim (silently wrong)")),
+    "repeat_interleave-no-dim": (
+        lambda s, h, x: h.repeat_interleave(2), B2, AssertionError, True,
+        ("library bug: repeat_interleave(dim=None) flattens the whole wide tensor (members mixed) "
+        "instead of each member")),
+    "diag_embed-explicit-dims": (
+        lambda s, h, x: torch.diag_embed(h, 0, 0, 2), B2, AssertionError, True,
+        ("library bug: shape._trailing passes diag_embed's dim1/dim2 through unshifted; only the "
+        "negative defaults are right (silently wrong)")),
+    "renorm": (
+        lambda s, h, x: torch.renorm(h, 2, 1, 1.0), B3, AssertionError, False,
+        ("library bug: renorm normalises each slice along `dim` over ALL other dims, which on the "
+        "wide tensor include the member dim: the norm mixes members (silently wrong)")),
+    "index_select-shared-index": (
+        lambda s, h, x: h.index_select(-1, torch.tensor([1, 0])), B2, IndexError, True,
+        ("library bug: dim_rule expands the shared 1-D index to [N, k]; index_select raises "
+        "'Index is supposed to be a vector'")),
+    "sdpa-param-mask-no-batch": (
+        lambda s, h, x: _sdpa(h, attn_mask=s.mat[:3, :3]), B3, RuntimeError, True,
+        ("library bug: a per-member attn_mask without the batch dim is folded to [N, ...] while "
+        "q/k/v are folded to [N*B, ...]: RuntimeError size mismatch")),
+    "contiguous-channels_last": (
+        lambda s, h, x: h.reshape(-1, 2, 2, 2).contiguous(memory_format=torch.channels_last), B2,
+        RuntimeError, True,
+        ("library bug: contiguous/clone(memory_format=channels_last) of a 4-D member is passed to "
+        "the 5-D wide tensor: 'required rank 4 tensor to use channels_last format'")),
+    "select_scatter-fallback-grads": (
+        lambda s, h, x: torch.select_scatter(h, h[:, 0] * 2, 1, 1), B3, AssertionError, False,
+        ("library bug: select_scatter has no rule; its torch.vmap fallback gives the right output "
+        "but WRONG input gradients (torch.vmap's select_scatter backward, torch 2.13): the "
+        "fallback is silently wrong in training")),
+}
+
+
+@pytest.mark.parametrize("name", list(REGRESSIONS))
+def test_former_bugs_stay_fixed(name):
+    fn, shape, _, strict, _ = REGRESSIONS[name]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        run_case(fn, shape, strict=strict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ops without a rule (today) still give the right answer through the fallback
+# ---------------------------------------------------------------------------------------------
+FALLBACK_OK = {
+    "roll-flattened": (lambda s, h, x: torch.roll(h, 3), B2),
+    "einsum-implicit-output": (lambda s, h, x: torch.einsum("bi,ij", h, s.mat), B2),
+    "index-non-adjacent": (lambda s, h, x: h[[0, 1], :, [2, 3]], B3),
+    "setitem-slice": (lambda s, h, x: _setitem(h), B2),
+    "normalize": (lambda s, h, x: F.normalize(h, dim=1), B3),
+    "expand_as-param": (lambda s, h, x: s.scale.expand_as(h) * h, B2),
+    "cosine_similarity-param": (lambda s, h, x: F.cosine_similarity(h, s.scale, dim=-1), B2),
+    "bool-and-or": (lambda s, h, x: ((h > 0) & (h < 0.5) | ~(h > 0.9)).float() * h, B2),
+    "var_mean": (lambda s, h, x: torch.var_mean(h, dim=1), B3),
+}
+
+
+@_cases(FALLBACK_OK)
+def test_ops_correct_with_or_without_a_rule(name):
+    """These may run through the per-member fallback (a warning is fine): never wrong."""
+    fn, shape = FALLBACK_OK[name]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        run_case(fn, shape, strict=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness itself can fail
+# ---------------------------------------------------------------------------------------------
+class _DoubleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+class _WrongGrads(nn.Module):
+    """Right outputs, wrong gradients."""
+
+    def __init__(self, wide):
+        super().__init__()
+        self.wide = wide
+
+    def forward(self, x):
+        return _DoubleGrad.apply(self.wide(x))
+
+    def named_parameters(self, *args, **kwargs):
+        yield from self.wide.named_parameters(*args, **kwargs)
+
+
+def test_harness_detects_a_member_mixup_and_wrong_gradients():
+    fn, shape = DIMS["softmax-dim1"]
+    models = make_members(lambda: Case(fn, in_features=shape[-1]), 3)
+    wide = compile_wide(models, torch.randn(*shape))
+    per_member = [((torch.randn(*shape),), {}) for _ in range(3)]
+    check_members_equal(wide, models, per_member)  # the real thing passes
+    with pytest.raises(AssertionError, match=r"member 0 of 3"):
+        check_members_equal(wide, models[::-1], per_member)
+    with pytest.raises(AssertionError, match=r"grad of"):
+        check_members_equal(_WrongGrads(wide), models, per_member)
