@@ -97,7 +97,7 @@ class WideModel(MemberOpsMixin, nn.Module):
         ep = self._capture(template.training)
         if config.trace_members:
             check_traced_members(models, *self._sample, self._dynamic_shapes, ref=ep)
-        self._graphs[template.training] = self._build(ep)
+        self._graphs[template.training] = self._build(ep, template.training)
 
     # -- copying and pickling: the graphs hold no parameters (those are graph inputs) ----------
     def __deepcopy__(self, memo: dict) -> WideModel:
@@ -138,13 +138,13 @@ class WideModel(MemberOpsMixin, nn.Module):
         model = self._capture_template[0].train(training)
         return capture(model, *self._sample, dynamic_shapes=self._dynamic_shapes)
 
-    def _build(self, ep) -> WideGraph:
+    def _build(self, ep, training: bool) -> WideGraph:
         wg = widen(ep, self.n, strict=self._config.strict, opaque_paths=self._capture_template[1])
         for name, value in ep.constants.items():
             if not _has_tensor(self, name):
                 device = next((p.device for p in self.parameters()), value.device)
                 self._install(name, value.detach().clone().to(device), persistent=False)
-        self._tune(wg)
+        self._tune(wg, training)
         log.debug("wide_compiler: wide graph:\n%s", wg.graph_module.code)
         return wg
 
@@ -152,22 +152,26 @@ class WideModel(MemberOpsMixin, nn.Module):
         """The wide graph of a train/eval mode, captured and widened on first use."""
         wg = self._graphs.get(training)
         if wg is None:
-            wg = self._graphs[training] = self._build(self._capture(training))
+            wg = self._graphs[training] = self._build(self._capture(training), training)
         return wg
 
-    def _tune(self, wg: WideGraph) -> None:
-        """Choose each wide op's strategy by measurement on the sample shapes (see tuning.py)."""
+    def _tune(self, wg: WideGraph, training: bool) -> None:
+        """Choose each wide op's strategy by measurement on the sample shapes (see tuning.py): the
+        forward for the eval graph, forward and backward for the train graph, where a strategy
+        with a cheap forward can have a slow backward."""
         ref = next(self.parameters(), None)
         opts = {"dtype": ref.dtype if ref is not None else torch.float32,
-                "device": ref.device if ref is not None else torch.device("cpu")}
+                "device": ref.device if ref is not None else torch.device("cpu"),
+                "requires_grad": training}
         for node in wg.graph_module.graph.nodes:
             spec = node.meta.get("wide_tune")
             if spec is None:
                 continue
             key = {"n": self.n, **node.meta["wide_shapes"], "dtype": str(opts["dtype"]),
-                   "device": str(opts["device"])}
+                   "device": str(opts["device"]), "train": training}
             strategy, timings = tuning.choose_strategy(
-                node.meta["wide_op"], key, lambda spec=spec: spec.make(self.n, opts), spec.default, self._config)
+                node.meta["wide_op"], key, lambda spec=spec: _timed_calls(spec.make(self.n, opts), training),
+                spec.default, self._config)
             node.update_kwarg("strategy", strategy)
             self._timings[node.name] = timings
         wg.graph_module.recompile()
@@ -205,7 +209,9 @@ class WideModel(MemberOpsMixin, nn.Module):
             with torch.no_grad():
                 for name, new in zip(wg.mutated_buffers, outs[:k]):
                     _get_tensor(self, name).copy_(new)
-        return tree_unflatten(list(outs[k:]), wg.out_spec)
+        # Outputs are contiguous, as the members' would be (wide ops may return strided views).
+        outs = [o.contiguous() if isinstance(o, torch.Tensor) else o for o in outs[k:]]
+        return tree_unflatten(outs, wg.out_spec)
 
     def _check_input(self, x: torch.Tensor, inp) -> None:
         member = inp.member_shape
@@ -300,6 +306,20 @@ class WideModel(MemberOpsMixin, nn.Module):
                     m.get_submodule(path)._buffers[attr] = _get_tensor(self, name)[i].detach().clone()
                 out.append(m.train(self.training))
         return out
+
+
+def _timed_calls(candidates: dict, training: bool) -> dict:
+    """What tuning times per candidate: forward and backward in training, else the forward alone."""
+    def train(fn):
+        return lambda: fn().sum().backward()
+
+    def infer(fn):
+        def run():
+            with torch.no_grad():
+                return fn()
+        return run
+
+    return {name: (train if training else infer)(fn) for name, fn in candidates.items()}
 
 
 def _join(a: str, b: str) -> str:

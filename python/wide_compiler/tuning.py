@@ -83,7 +83,8 @@ def choose_strategy(
     config: WideConfig,
 ) -> tuple[str, dict[str, float] | None]:
     """Pick the fastest strategy. ``make_candidates()`` returns ``{name: zero-argument callable
-    running the op with that strategy}``; it is called only when something must be measured.
+    running the op with that strategy}`` (forward only, or forward and backward: the caller
+    decides); it is called only when something must be measured.
 
     Returns ``(strategy, timings_ms)``; ``timings_ms`` is ``None`` when nothing was measured
     (tuning off, forced strategy). Example:
@@ -108,8 +109,7 @@ def choose_strategy(
         if isinstance(hit, dict) and isinstance(hit.get("strategy"), str):
             log.debug("wide_compiler: strategy cache hit for %s: %s", op, hit["strategy"])
             return hit["strategy"], hit.get("timings_ms")
-    with torch.no_grad():
-        timings = _median_ms(make_candidates(), config.tune_repeats)
+    timings = _median_ms(make_candidates(), config.tune_repeats)
     best = min(timings, key=timings.get)
     if best != default and timings[default] <= timings[best] * (1.0 + config.tune_margin):
         best = default

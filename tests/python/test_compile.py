@@ -988,3 +988,15 @@ def test_torch_save_of_the_whole_wide_model_round_trips(tmp_path):
     xs = torch.randn(3, 6, 5)
     torch.testing.assert_close(loaded(xs), wide(xs))
     assert loaded.summary().count("wide.linear") == 2  # graphs rebuilt on first use
+
+
+def test_outputs_are_contiguous_like_the_members():
+    """Wide ops return strided views (the GEMM orientation, the shared-input path); the model's
+    outputs are contiguous, so a user's .view() on them works as on the members' outputs."""
+    models = members(lambda: MLP(2), 3)
+    wide = compile_fast(models, torch.randn(4, 5))
+    x = torch.randn(6, 5)
+    for inp in (torch.randn(3, 6, 5), x.expand(3, 6, 5)):
+        out = wide(inp)
+        assert out.is_contiguous()
+        assert out.view(3, -1).shape[1] == out[0].numel()

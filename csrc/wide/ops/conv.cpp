@@ -122,14 +122,16 @@ at::Tensor wide_convolution(const char* op, const at::Tensor& input, const at::T
   }
 
   if (kind == ConvStrategy::Loop) {
-    const int64_t members = n.guard_int(__FILE__, __LINE__);
+    // unbind/split, not select/narrow: their backward stacks/concatenates the N gradients once,
+    // where N selects would each scatter into a zero tensor of the full size (O(N^2) traffic).
+    const std::vector<at::Tensor> xs = packed_input ? input.split_symint(c_in, 1) : input.unbind(0);
+    const std::vector<at::Tensor> ws = weight.unbind(0);
+    const std::vector<at::Tensor> bs = bias.has_value() ? bias->unbind(0) : std::vector<at::Tensor>{};
     std::vector<at::Tensor> outs;
-    outs.reserve(members);
-    for (int64_t k = 0; k < members; ++k) {
-      const at::Tensor xk = packed_input ? input.narrow_symint(1, c_in * k, c_in) : input.select(0, k);
+    outs.reserve(ws.size());
+    for (size_t k = 0; k < ws.size(); ++k) {
       outs.push_back(at::convolution_symint(
-          pre_pad(xk), weight.select(0, k),
-          bias.has_value() ? std::optional<at::Tensor>(bias->select(0, k)) : std::nullopt, stride,
+          pre_pad(xs[k]), ws[k], bs.empty() ? std::nullopt : std::optional<at::Tensor>(bs[k]), stride,
           padding, dilation, transposed, output_padding, groups));
     }
     return at::cat(outs, 1);

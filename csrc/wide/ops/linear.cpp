@@ -19,7 +19,8 @@
 //    returned as the N-first view [N, M, O] (a permute, no copy). N copies of the input are never
 //    made. This path is always taken for a shared input: it does the same FLOPs as the others on
 //    N times less input memory, so no strategy beats it; `strategy` does not apply to it.
-//  * bmm: one batched GEMM over the member dim with the bias fused (baddbmm).
+//  * bmm: one batched GEMM over the member dim with the bias fused (baddbmm); see
+//    Note [wide::linear bmm orientation].
 //  * loop: N separate at::linear calls, stacked. Wins only when each member's GEMM is large
 //    enough that batching gains nothing; the compile-time tuner measures rather than guesses.
 // `strategy` picks between bmm and loop for per-member inputs; `auto` is bmm (the heuristic used
@@ -94,21 +95,28 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
   }
 
   if (kind == LinearStrategy::Loop) {
+    // unbind, not select: its backward stacks the N gradients once, where N selects would each
+    // scatter into a zero tensor of the full [N, ...] size (O(N^2) memory traffic).
+    const std::vector<at::Tensor> xs = input.unbind(0);
+    const std::vector<at::Tensor> ws = weight.unbind(0);
+    const std::vector<at::Tensor> bs = bias.has_value() ? bias->unbind(0) : std::vector<at::Tensor>{};
     std::vector<at::Tensor> outs;
-    const int64_t members = n.guard_int(__FILE__, __LINE__);
-    outs.reserve(members);
-    for (int64_t k = 0; k < members; ++k) {
-      outs.push_back(at::linear(input.select(0, k), weight.select(0, k),
-                                bias.has_value() ? std::optional<at::Tensor>(bias->select(0, k))
-                                                 : std::nullopt));
+    outs.reserve(ws.size());
+    for (size_t k = 0; k < ws.size(); ++k) {
+      outs.push_back(at::linear(xs[k], ws[k], bs.empty() ? std::nullopt : std::optional<at::Tensor>(bs[k])));
     }
     return at::stack(outs);
   }
 
-  const at::Tensor x = input.reshape_symint({n, m, in_features});
-  const at::Tensor wt = weight.transpose(1, 2);
-  const at::Tensor y = bias.has_value() ? at::baddbmm(bias->unsqueeze(1), x, wt) : at::bmm(x, wt);
-  return y.view_symint(out_sizes);
+  // Note [wide::linear bmm orientation]: computed as out^T = W @ x^T ([N, O, I] x [N, I, M]) and
+  // returned as the transposed view [N, M, O]. Measured here (fp32, N=64, B=32): the forward is
+  // 1.4x faster than x @ W^T, and forward+backward 1.3-1.5x, because the weight gradient then
+  // comes out as a contiguous [N, O, I] (x @ W^T yields it transposed, and accumulating a
+  // transposed gradient into .grad is a strided copy of every weight). A following wide::linear
+  // reads the view without a copy (its x^T is then contiguous).
+  const at::Tensor xt = input.reshape_symint({n, m, in_features}).transpose(1, 2);
+  const at::Tensor yt = bias.has_value() ? at::baddbmm(bias->unsqueeze(2), weight, xt) : at::bmm(weight, xt);
+  return yt.transpose(1, 2).view_symint(out_sizes);
 }
 
 } // namespace wide

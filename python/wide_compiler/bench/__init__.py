@@ -16,18 +16,24 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import engine, linear, optim
+from . import engine, linear, optim, vision
 from .engine import RECORD_KEYS, format_table, machine_info
 
 __all__ = ["FORMATTERS", "PRESETS", "RECORD_KEYS", "TARGETS", "engine", "format_records",
-           "format_table", "linear", "machine_info", "optim", "run"]
+           "format_table", "linear", "machine_info", "optim", "run", "vision"]
 
 TARGETS: dict[str, Callable[..., list[dict[str, Any]]]] = {
-    "linear": linear.run, "optim": optim.run_optim, "train": optim.run_train}
+    "linear": linear.run, "optim": optim.run_optim, "train": optim.run_train,
+    "conv": vision.run_conv, "norm": vision.run_norm, "pool": vision.run_pool,
+    "embedding": vision.run_embedding, "models": vision.run_models}
 PRESETS: dict[str, tuple[str, ...]] = {
-    "linear": tuple(linear.PRESETS), "optim": tuple(optim.PRESETS), "train": tuple(optim.PRESETS)}
+    "linear": tuple(linear.PRESETS), "optim": tuple(optim.PRESETS), "train": tuple(optim.PRESETS),
+    "conv": tuple(vision.PRESETS), "norm": tuple(vision.PRESETS), "pool": tuple(vision.PRESETS),
+    "embedding": tuple(vision.PRESETS), "models": tuple(vision.PRESETS)}
 FORMATTERS: dict[str, Callable[[Sequence[dict[str, Any]]], str]] = {
-    "optim": optim.format_records, "train": optim.format_records}
+    "optim": optim.format_records, "train": optim.format_records,
+    "conv": vision.format_records, "norm": vision.format_records, "pool": vision.format_records,
+    "embedding": vision.format_records, "models": vision.format_records}
 
 
 def run(target: str, preset: str = "quick", *, progress: bool = False) -> list[dict[str, Any]]:

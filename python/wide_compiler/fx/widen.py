@@ -73,9 +73,10 @@ class WideGraph:
 class TuneSpec:
     """How to measure a wide op's strategies (attached by its rule as ``node.meta["wide_tune"]``).
 
-    ``make(n, {"dtype": ..., "device": ...})`` returns ``{strategy: zero-argument callable}`` that
-    runs the op on random tensors of the sample shapes; ``default`` is used when nothing is
-    measured. The chosen strategy is written into the node's ``strategy`` kwarg. The cache key is
+    ``make(n, {"dtype": ..., "device": ..., "requires_grad": ...})`` returns ``{strategy:
+    zero-argument callable}`` that runs the op on random tensors of the sample shapes (made with
+    those options) and returns its output; the tuner times the forward for an eval graph and
+    forward + backward for a train graph. ``default`` is used when nothing is measured. The chosen strategy is written into the node's ``strategy`` kwarg. The cache key is
     the op, ``node.meta["wide_shapes"]``, N, dtype and device (see tuning.py).
     """
 

@@ -39,32 +39,28 @@ def _mark(node: fx.Node, packed: fx.Node, op: str, old: fx.Node) -> None:
     packed.meta["wide_shapes"] = {"input": concrete_shape(old.args[0]), "packed_input": False}
 
 
-@rule(aten.batch_norm.default)
-def _batch_norm(ctx: WidenContext, node: fx.Node) -> Wide:
+def _running_stats_norm(ctx: WidenContext, node: fx.Node, target, min_rank: int, use_stats: str) -> Wide:
+    """Batch/instance norm: per-member affine and running statistics (updated in place)."""
     a = ctx.schema_args(node)
-    x, _ = _activation(ctx, node, a["input"], 2)
+    x, _ = _activation(ctx, node, a["input"], min_rank)
     if a["running_mean"] is not None and not isinstance(a["running_mean"], Wide):
         raise ctx.fail(node, "running stats that are not per-member buffers")
     args = (x, _param(ctx, node, a["weight"], 1), _param(ctx, node, a["bias"], 1),
             _param(ctx, node, a["running_mean"], 1), _param(ctx, node, a["running_var"], 1),
-            a["training"], a["momentum"], a["eps"])
-    packed = ctx.emit(wide.batch_norm.default, args, {"packed_input": False}, like=node)
-    _mark(node, packed, "wide.batch_norm", node)
+            a[use_stats], a["momentum"], a["eps"])
+    packed = ctx.emit(target, args, {"packed_input": False}, like=node)
+    _mark(node, packed, f"wide.{target._schema.name.split('::')[-1]}", node)
     return packed_result(ctx, node, packed)
+
+
+@rule(aten.batch_norm.default)
+def _batch_norm(ctx: WidenContext, node: fx.Node) -> Wide:
+    return _running_stats_norm(ctx, node, wide.batch_norm.default, 2, "training")
 
 
 @rule(aten.instance_norm.default)
 def _instance_norm(ctx: WidenContext, node: fx.Node) -> Wide:
-    a = ctx.schema_args(node)
-    x, _ = _activation(ctx, node, a["input"], 3)
-    if a["running_mean"] is not None and not isinstance(a["running_mean"], Wide):
-        raise ctx.fail(node, "running stats that are not per-member buffers")
-    args = (x, _param(ctx, node, a["weight"], 1), _param(ctx, node, a["bias"], 1),
-            _param(ctx, node, a["running_mean"], 1), _param(ctx, node, a["running_var"], 1),
-            a["use_input_stats"], a["momentum"], a["eps"])
-    packed = ctx.emit(wide.instance_norm.default, args, {"packed_input": False}, like=node)
-    _mark(node, packed, "wide.instance_norm", node)
-    return packed_result(ctx, node, packed)
+    return _running_stats_norm(ctx, node, wide.instance_norm.default, 3, "use_input_stats")
 
 
 @rule(aten.group_norm.default)

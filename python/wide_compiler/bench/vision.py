@@ -1,0 +1,424 @@
+"""``benchmark conv|norm|pool|embedding|models``: vision, audio and tabular layers and whole models
+(DESIGN §10), float32 eager, ``inference`` (forward under ``no_grad``) and ``train`` (forward,
+sum of the outputs, gradients of every parameter).
+
+Every member has its own weights and its own input (``[N, B, ...]``, member ``i`` reads
+``x[i]``). Wide contenders (the record's ``strategy``):
+
+- ``module:<s>`` / ``module``: the hand-built wide module (``wc.nn.WideConv2d`` with strategy
+  ``grouped`` or ``loop``, ``WideBatchNorm2d``, ``WideLayerNorm``, ``WideGroupNorm``,
+  ``WideEmbedding``, ``WideEmbeddingBag``);
+- ``compile:auto``: ``wc.compile`` with measured strategies (``tune=True``, fresh: no disk
+  cache), i.e. what a first compile on this machine picks. ``chosen_strategy`` summarises
+  ``WideModel.strategies`` (e.g. ``"7 grouped, 1 bmm"``), ``strategies`` has them per node and
+  ``tuned_ms`` the tuner's timings per node (as in ``WideModel.summary()``);
+- ``compile:fast`` (models): ``wc.WideConfig.fast()``, the heuristic strategies
+  (grouped convs, bmm linears), no timing at compile time;
+- ``compile:loop`` (models, preset full): every wide op forced to its per-member loop.
+
+Baselines: ``loop`` (N separate modules in a Python loop) and ``vmap`` (``torch.func``:
+``stack_module_state`` + ``functional_call`` + ``vmap``, ``randomness="different"``). A baseline
+that cannot run a case (e.g. vmap of a module that updates buffers in place) is left out of
+``baseline_ms`` and its message goes to ``errors``; so does a ``wc.compile`` that fails.
+
+Module state: ``norm`` runs BatchNorm in training mode (batch statistics, running stats
+updated) in both modes; ``models`` runs members in ``eval()`` for ``inference`` and ``train()``
+for ``train``; buffers are reset to the members' initial values before each mode.
+
+Records are :mod:`.engine` records (``engine.RECORD_KEYS``) plus ``shape`` (the layer or model,
+for the table), ``chosen_strategy``, ``strategies``, ``tuned_ms``, ``compile_s``,
+``fallbacks`` (ops the compiled graph runs per member), ``warnings`` (e.g. vmap's "performance
+drop" for an op without a batching rule) and ``preset``.
+
+Example::
+
+    >>> from wide_compiler.bench import vision
+    >>> recs = vision.run_conv("ci")                          # doctest: +SKIP
+    >>> print(vision.format_records(recs))                    # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import logging
+import math
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import engine
+from .engine import Contender
+from .vision_models import MODELS
+
+__all__ = ["CASES", "PRESETS", "Case", "Preset", "format_records", "run_case", "run_conv",
+           "run_embedding", "run_models", "run_norm", "run_pool", "run_target"]
+
+log = logging.getLogger(__name__)
+
+Inputs = tuple[torch.Tensor, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One population: ``make()`` builds one member, ``inputs(lead, g)`` its inputs (a tuple)
+    with leading dims ``lead`` (``(N, B)`` for the wide input).
+
+    ``module(models, strategy)`` builds the hand-built wide module (None: none), once per entry
+    of ``module_strategies`` (``""``: the module has no strategy). ``compile`` lists the
+    ``wc.compile`` variants (``"auto"``, ``"fast"``, ``"loop"``). ``train_state``: the members'
+    ``training`` flag in every mode (None: ``train()`` in mode train, ``eval()`` in inference).
+    """
+
+    target: str
+    name: str
+    shape: str
+    make: Callable[[], nn.Module]
+    inputs: Callable[[tuple[int, ...], torch.Generator], Inputs]
+    batch: int
+    module: Callable[[list[nn.Module], str], nn.Module] | None = None
+    module_strategies: tuple[str, ...] = ("",)
+    compile: tuple[str, ...] = ("auto",)
+    train_state: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Ns, sizes and timing of one ``--preset``."""
+
+    ns: tuple[int, ...]
+    size: str  # "tiny" | "small" (see the case builders)
+    min_run_time: float
+    compile_variants: tuple[str, ...] = ("auto",)  # of the models target
+    description: str = ""
+
+
+PRESETS: dict[str, Preset] = {
+    "ci": Preset((4,), "tiny", 0.01, description="tiny shapes, N=4 (seconds)"),
+    "quick": Preset((16,), "small", 0.2, ("auto", "fast"),
+                    description="moderate shapes, N=16 (< 2 min per target)"),
+    "full": Preset((4, 16, 64), "small", 0.2, ("auto", "fast", "loop"),
+                   description="moderate shapes, N in 4, 16, 64 (minutes per target)"),
+}
+
+_CONFIGS = {
+    "auto": lambda wc: wc.WideConfig(tune=True, cache=False),
+    "fast": lambda wc: wc.WideConfig.fast(),
+    "loop": lambda wc: wc.WideConfig(strategy="loop", tune=False),
+}
+
+
+# ------------------------------------------------------------------------------------ cases
+
+def _randn(*shape: int) -> Callable[[tuple[int, ...], torch.Generator], Inputs]:
+    return lambda lead, g: (torch.randn(*lead, *shape, generator=g),)
+
+
+def _randint(high: int, *shape: int) -> Callable[[tuple[int, ...], torch.Generator], Inputs]:
+    return lambda lead, g: (torch.randint(0, high, (*lead, *shape), generator=g),)
+
+
+def _conv_module(models: list[nn.Module], strategy: str) -> nn.Module:
+    import wide_compiler as wc
+
+    cls = wc.nn.WideConvTranspose2d if isinstance(models[0], nn.ConvTranspose2d) else wc.nn.WideConv2d
+    return cls.from_modules(models, strategy=strategy)
+
+
+def _from_modules(cls_name: str) -> Callable[[list[nn.Module], str], nn.Module]:
+    def build(models: list[nn.Module], strategy: str) -> nn.Module:
+        import wide_compiler as wc
+
+        return getattr(wc.nn, cls_name).from_modules(models)
+    return build
+
+
+def conv_cases(size: str) -> list[Case]:
+    """Conv2d small / medium / depthwise / pointwise 1x1, and a ConvTranspose2d."""
+    tiny = size == "tiny"
+    b, hw = (2, 8) if tiny else (8, 16)
+    specs = [  # name, module factory, C_in, spatial size
+        ("conv3x3_small", lambda: nn.Conv2d(3, 8, 3, padding=1), 3, hw) if tiny else
+        ("conv3x3_small", lambda: nn.Conv2d(16, 32, 3, padding=1), 16, 32),
+        ("conv3x3_medium", lambda: nn.Conv2d(8, 8, 3, padding=1), 8, hw) if tiny else
+        ("conv3x3_medium", lambda: nn.Conv2d(64, 64, 3, padding=1), 64, 16),
+        ("depthwise3x3", lambda: nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), 8, hw) if tiny
+        else ("depthwise3x3", lambda: nn.Conv2d(64, 64, 3, padding=1, groups=64, bias=False), 64, 16),
+    ]
+    if not tiny:
+        specs += [("pointwise1x1", lambda: nn.Conv2d(64, 128, 1, bias=False), 64, 16),
+                  ("convT4x4_s2", lambda: nn.ConvTranspose2d(32, 16, 4, 2, 1, bias=False), 32, 8)]
+    out = []
+    for name, make, cin, s in specs:
+        m = make()
+        shape = (f"{cin}->{m.out_channels} k{m.kernel_size[0]}"
+                 f"{' g' + str(m.groups) if m.groups > 1 else ''} {s}x{s}")
+        out.append(Case("conv", name, shape, make, _randn(cin, s, s), b, _conv_module,
+                        ("grouped", "loop")))
+    return out
+
+
+def norm_cases(size: str) -> list[Case]:
+    """BatchNorm2d (training: batch statistics), LayerNorm, GroupNorm."""
+    tiny = size == "tiny"
+    b = 2 if tiny else 8
+    c, hw = (8, 8) if tiny else (32, 16)
+    t, d = (4, 16) if tiny else (64, 256)
+    return [
+        Case("norm", "batchnorm2d_train", f"C={c} {hw}x{hw}", lambda: nn.BatchNorm2d(c),
+             _randn(c, hw, hw), b, _from_modules("WideBatchNorm2d"), train_state=True),
+        Case("norm", "layernorm", f"T={t} D={d}", lambda: nn.LayerNorm(d), _randn(t, d), b,
+             _from_modules("WideLayerNorm")),
+        Case("norm", "groupnorm", f"G=4 C={c} {hw}x{hw}", lambda: nn.GroupNorm(4, c),
+             _randn(c, hw, hw), b, _from_modules("WideGroupNorm")),
+    ]
+
+
+def pool_cases(size: str) -> list[Case]:
+    """MaxPool2d / AdaptiveAvgPool2d in a compiled tiny model: after a 1x1 conv (the pool runs
+    on the channel-packed layout), before it (member dim folded into the batch), and the 1x1 conv
+    alone (subtract it to see the pool)."""
+    tiny = size == "tiny"
+    b, c, hw = (2, 4, 8) if tiny else (8, 16, 32)
+    specs = [
+        ("conv1x1+maxpool2d", lambda: nn.Sequential(nn.Conv2d(c, c, 1), nn.MaxPool2d(2))),
+        ("conv1x1+adaptiveavgpool2d", lambda: nn.Sequential(nn.Conv2d(c, c, 1), nn.AdaptiveAvgPool2d(2))),
+        ("maxpool2d+conv1x1", lambda: nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(c, c, 1))),
+        ("conv1x1 (no pool)", lambda: nn.Sequential(nn.Conv2d(c, c, 1))),
+    ]
+    return [Case("pool", name, f"C={c} {hw}x{hw}", make, _randn(c, hw, hw), b) for name, make in specs]
+
+
+def embedding_cases(size: str) -> list[Case]:
+    """Embedding lookups and EmbeddingBag (sum, fixed-size bags) on per-member indices."""
+    tiny = size == "tiny"
+    b, l, v, d = (2, 3, 10, 4) if tiny else (32, 16, 1000, 32)
+    return [
+        Case("embedding", "embedding", f"V={v} D={d} L={l}", lambda: nn.Embedding(v, d),
+             _randint(v, l), b, _from_modules("WideEmbedding")),
+        Case("embedding", "embedding_bag_sum", f"V={v} D={d} bag={l}",
+             lambda: nn.EmbeddingBag(v, d, mode="sum"), _randint(v, l), b,
+             _from_modules("WideEmbeddingBag")),
+        Case("embedding", "embedding_bag_mean", f"V={v} D={d} bag={l}",
+             lambda: nn.EmbeddingBag(v, d, mode="mean"), _randint(v, l), b,
+             _from_modules("WideEmbeddingBag")),
+    ]
+
+
+def model_cases(size: str) -> list[Case]:
+    """The whole models of :mod:`.vision_models` (one case each)."""
+    out = []
+    for name, spec in MODELS.items():
+        out.append(Case("models", name, f"{name}/{size}", lambda spec=spec: spec.make(size),
+                        lambda lead, g, spec=spec: spec.inputs(lead, size, g), spec.batch[size]))
+    return out
+
+
+CASES: dict[str, Callable[[str], list[Case]]] = {
+    "conv": conv_cases, "norm": norm_cases, "pool": pool_cases, "embedding": embedding_cases,
+    "models": model_cases,
+}
+
+
+# ------------------------------------------------------------------------------- contenders
+
+def _loop(models: Sequence[nn.Module], name: str = "loop") -> Contender:
+    """N separate modules in a Python loop; member ``i`` gets ``(x[i] for x in inputs)``."""
+    models = list(models)
+
+    def forward(xs: Inputs) -> list[Any]:
+        return [m(*(t[i] for t in xs)) for i, m in enumerate(models)]
+
+    return Contender(name, forward, [p for m in models for p in m.parameters()], "members")
+
+
+def _vmap(models: Sequence[nn.Module], n_inputs: int, name: str = "vmap") -> Contender:
+    """``torch.func`` ensembling over stacked parameters and buffers (all inputs mapped)."""
+    from torch.func import functional_call, stack_module_state, vmap
+
+    params, buffers = stack_module_state(list(models))
+    base = copy.deepcopy(models[0]).to("meta")
+
+    def call(p: dict, b: dict, *xs: torch.Tensor) -> Any:
+        return functional_call(base, (p, b), xs)
+
+    mapped = vmap(call, in_dims=(0, 0, *([0] * n_inputs)), randomness="different")
+
+    def forward(xs: Inputs) -> Any:
+        return mapped(params, buffers, *xs)
+
+    return Contender(name, forward, list(params.values()), "wide")
+
+
+def _wide(name: str, module: nn.Module, member: nn.Module) -> Contender:
+    return Contender(name, lambda xs: module(*xs), engine.wide_params_in_member_order(module, member))
+
+
+def _strategy_summary(strategies: dict[str, str]) -> str:
+    counts = collections.Counter(strategies.values())
+    return ", ".join(f"{k} x{v}" if len(strategies) > 1 else k for k, v in counts.most_common()) or "-"
+
+
+def _reset_buffers(wide: nn.Module, members: Sequence[nn.Module]) -> None:
+    """The wide model's stacked buffers := the members' (stacked by name)."""
+    sd = wide.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, _ in members[0].named_buffers():
+            if name in sd:
+                sd[name].copy_(torch.stack([m.get_buffer(name) for m in members]))
+
+
+# ---------------------------------------------------------------------------------- running
+
+def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
+             compile_variants: Sequence[str] | None = None, min_run_time: float = 0.2,
+             machine: dict[str, Any] | None = None, seed: int = 0) -> list[dict[str, Any]]:
+    """Records of one case at ``n`` members, every mode (one record per wide contender)."""
+    import wide_compiler as wc
+
+    machine = machine if machine is not None else engine.machine_info()
+    torch.manual_seed(seed)
+    master = [case.make() for _ in range(n)]
+    g = torch.Generator().manual_seed(seed)
+    xs = case.inputs((n, case.batch), g)
+    sample = tuple(t[0] for t in xs)
+    base = {"target": case.target, "case": case.name, "batch": case.batch, "shape": case.shape,
+            "dtype": "float32"}
+
+    compiled: dict[str, tuple[nn.Module, float]] = {}
+    compile_errors: dict[str, str] = {}
+    for variant in compile_variants if compile_variants is not None else case.compile:
+        name = f"compile:{variant}"
+        try:
+            t0 = time.perf_counter()
+            wide = wc.compile([copy.deepcopy(m) for m in master], sample, config=_CONFIGS[variant](wc))
+            compiled[name] = (wide, time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 (a failed compile is a result: recorded)
+            log.warning("%s/%s: wc.compile (%s) failed: %s", case.target, case.name, variant, e)
+            compile_errors[name] = engine._error_text(e)
+
+    records = []
+    for mode in modes:
+        training = case.train_state if case.train_state is not None else mode == "train"
+        models = [copy.deepcopy(m).train(training) for m in master]
+        wides = []
+        for s in case.module_strategies if case.module is not None else ():
+            module = case.module([copy.deepcopy(m) for m in models], s).train(training)
+            wides.append(_wide(f"module:{s}" if s else "module", module, models[0]))
+        for name, (wide, _) in compiled.items():
+            _reset_buffers(wide, master)
+            wide.train(training)
+            wides.append(_wide(name, wide, models[0]))
+        baselines = [_loop(models), _vmap(models, len(xs))]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if wides:
+                recs = engine.run_case(models, xs, wides, baselines, mode=mode, base=base,
+                                       min_run_time=min_run_time, machine=machine,
+                                       reference=_loop([copy.deepcopy(m) for m in models], "reference"))
+            else:  # nothing wide could be built: one record that says why
+                recs = [engine.make_record(base=dict(base, n=n), mode=mode, strategy="compile:auto",
+                                           wide_ms=math.nan, baseline_ms={}, max_abs_err=math.nan,
+                                           machine=machine)]
+        notes = sorted({str(w.message).splitlines()[0][:200] for w in caught})
+        for r in recs:
+            r["errors"] = {**r["errors"], **compile_errors}
+            r["warnings"] = notes
+            if r["strategy"] in compiled:
+                wide, seconds = compiled[r["strategy"]]
+                strategies = dict(wide.strategies)
+                r["strategies"] = strategies
+                r["chosen_strategy"] = _strategy_summary(strategies)
+                r["tuned_ms"] = {k: v for k, v in getattr(wide, "_timings", {}).items()
+                                 if k in strategies and v}
+                r["compile_s"] = seconds
+                r["fallbacks"] = [f"{fb['op']} ({fb['how']})" for fb in wide.fallbacks]
+            elif r["strategy"].startswith("module:"):
+                r["chosen_strategy"] = r["strategy"].split(":", 1)[1]
+        records += recs
+    return records
+
+
+def run_target(target: str, preset: str = "quick", *, progress: bool = False,
+               min_run_time: float | None = None) -> list[dict[str, Any]]:
+    """Run every case of ``target`` with ``preset``; returns the records."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    cases = CASES[target](p.size)
+    machine = engine.machine_info()
+    work = [(case, n) for case in cases for n in p.ns]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(work), desc=f"{target}/{preset}", unit="case", leave=False)
+    records: list[dict[str, Any]] = []
+    try:
+        for case, n in work:
+            if bar is not None:
+                bar.set_postfix_str(f"{case.name} N={n}")
+            records += run_case(case, n, compile_variants=p.compile_variants if target == "models" else None,
+                                min_run_time=p.min_run_time if min_run_time is None else min_run_time,
+                                machine=machine)
+            if bar is not None:
+                bar.update()
+    finally:
+        if bar is not None:
+            bar.close()
+    machine["load_avg_end"] = engine.machine_info()["load_avg"]
+    for r in records:
+        r["preset"] = preset
+        r["machine"] = dict(machine)
+    return records
+
+
+def run_conv(preset: str = "quick", *, progress: bool = False) -> list[dict[str, Any]]:
+    """``benchmark conv``: Conv2d small/medium/depthwise/pointwise and ConvTranspose2d."""
+    return run_target("conv", preset, progress=progress)
+
+
+def run_norm(preset: str = "quick", *, progress: bool = False) -> list[dict[str, Any]]:
+    """``benchmark norm``: BatchNorm2d (training), LayerNorm, GroupNorm."""
+    return run_target("norm", preset, progress=progress)
+
+
+def run_pool(preset: str = "quick", *, progress: bool = False) -> list[dict[str, Any]]:
+    """``benchmark pool``: MaxPool2d / AdaptiveAvgPool2d in compiled tiny models."""
+    return run_target("pool", preset, progress=progress)
+
+
+def run_embedding(preset: str = "quick", *, progress: bool = False) -> list[dict[str, Any]]:
+    """``benchmark embedding``: Embedding and EmbeddingBag."""
+    return run_target("embedding", preset, progress=progress)
+
+
+def run_models(preset: str = "quick", *, progress: bool = False) -> list[dict[str, Any]]:
+    """``benchmark models``: whole models compiled with ``wc.compile``."""
+    return run_target("models", preset, progress=progress)
+
+
+# ------------------------------------------------------------------------------------ table
+
+def format_records(records: Sequence[dict[str, Any]], *, header: bool = True) -> str:
+    """:func:`engine.format_table` with the strategy ``compile:auto`` shown with what it chose
+    (``compile:auto[loop]``), then the compile warnings/fallbacks worth knowing."""
+    shown = []
+    for r in records:
+        r = dict(r)
+        if r.get("strategy", "").startswith("compile:") and r.get("chosen_strategy"):
+            r["strategy"] = f"{r['strategy']}[{r['chosen_strategy']}]"
+        shown.append(r)
+    out = [engine.format_table(shown, header=header)]
+    fallbacks = sorted({f"{r['case']}: {fb}" for r in records for fb in r.get("fallbacks") or ()})
+    if fallbacks:
+        out.append("per-member fallbacks in the compiled graph: " + "; ".join(fallbacks))
+    slow = sorted({f"{r['case']}: {w}" for r in records for w in r.get("warnings") or ()
+                   if "performance drop" in w})
+    for w in slow:
+        out.append(f"warning: {w}")
+    return "\n".join(out)

@@ -1,0 +1,199 @@
+"""Whole models for ``benchmark models`` (DESIGN §10): the vision, audio and tabular families the
+widen pass covers, each at a few sizes.
+
+Each entry of :data:`MODELS` is a :class:`ModelSpec`: ``make(size)`` builds one member (its own
+random init), ``inputs(lead, size, generator)`` builds that member's inputs with leading dims
+``lead`` (``(B,)`` for one member's sample, ``(N, B)`` for the N-first wide input). ``size`` is
+``"tiny"`` (the shapes of tests/python/test_vision_models.py, for smoke runs) or ``"small"``
+(moderate shapes for timing). The architectures follow the ones the tests compile (the tests keep
+their own copies).
+
+>>> import torch
+>>> from wide_compiler.bench.vision_models import MODELS
+>>> spec = MODELS["resnet"]
+>>> m = spec.make("tiny")
+>>> (x,) = spec.inputs((2,), "tiny", torch.Generator().manual_seed(0))
+>>> m(x).shape
+torch.Size([2, 5])
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["MODELS", "SIZES", "BasicBlock", "ModelSpec", "ResNetTiny", "Tabular", "audio1d",
+           "dcgan_d", "dcgan_g", "mobilenet"]
+
+SIZES = ("tiny", "small")
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block: conv-BN-ReLU-conv-BN plus the (projected) shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + (x if self.down is None else self.down(x)))
+
+
+class ResNetTiny(nn.Module):
+    """ResNet-18-style: stem conv/BN/ReLU/max-pool, basic blocks, global pool, linear head."""
+
+    def __init__(self, width: int = 8, classes: int = 5, blocks: int = 2) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width),
+                                  nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
+        layers, c = [BasicBlock(width, width, 1)], width
+        for _ in range(blocks - 1):
+            layers.append(BasicBlock(c, 2 * c, 2))
+            c *= 2
+        self.layers = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
+
+
+def mobilenet(width: int = 8, classes: int = 4) -> nn.Module:
+    """MobileNet-style: strided stem, depthwise-separable blocks (depthwise 3x3 + pointwise 1x1,
+    BN, ReLU6), global pool, linear head."""
+    def dw(cin: int, cout: int, s: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(cin, cin, 3, s, 1, groups=cin, bias=False), nn.BatchNorm2d(cin),
+                             nn.ReLU6(), nn.Conv2d(cin, cout, 1, bias=False), nn.BatchNorm2d(cout),
+                             nn.ReLU6())
+    w = width
+    return nn.Sequential(nn.Conv2d(3, w, 3, 2, 1), nn.BatchNorm2d(w), nn.ReLU6(), dw(w, 2 * w, 1),
+                         dw(2 * w, 2 * w, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.0),
+                         nn.Linear(2 * w, classes))
+
+
+def dcgan_g(nz: int = 6, ngf: int = 4, img: int = 16) -> nn.Module:
+    """DCGAN generator: noise ``[nz, 1, 1]`` -> transposed convs with BN/ReLU -> Tanh image
+    ``[3, img, img]`` (img a power of two >= 8)."""
+    ups = int(math.log2(img)) - 2  # 1 -> 4, then doubling
+    c = ngf * 2 ** (ups - 1)
+    layers: list[nn.Module] = [nn.ConvTranspose2d(nz, c, 4, 1, 0, bias=False), nn.BatchNorm2d(c),
+                               nn.ReLU(True)]
+    for _ in range(ups - 1):
+        layers += [nn.ConvTranspose2d(c, c // 2, 4, 2, 1, bias=False), nn.BatchNorm2d(c // 2),
+                   nn.ReLU(True)]
+        c //= 2
+    layers += [nn.ConvTranspose2d(c, 3, 4, 2, 1, bias=False), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def dcgan_d(ndf: int = 8, img: int = 16) -> nn.Module:
+    """DCGAN discriminator: strided 4x4 convs with BN/LeakyReLU down to 4x4, a 4x4 conv to one
+    logit, Sigmoid."""
+    layers: list[nn.Module] = [nn.Conv2d(3, ndf, 4, 2, 1, bias=False), nn.LeakyReLU(0.2, inplace=True)]
+    c, s = ndf, img // 2
+    while s > 4:
+        layers += [nn.Conv2d(c, 2 * c, 4, 2, 1, bias=False), nn.BatchNorm2d(2 * c),
+                   nn.LeakyReLU(0.2, inplace=True)]
+        c, s = 2 * c, s // 2
+    layers += [nn.Conv2d(c, 1, 4, 1, 0, bias=False), nn.Flatten(), nn.Sigmoid()]
+    return nn.Sequential(*layers)
+
+
+def audio1d(channels: int = 8, classes: int = 3) -> nn.Module:
+    """1-D audio classifier on a waveform ``[1, L]``: strided conv, BN, pool, 'same' reflect-padded
+    conv, GroupNorm, GELU, channel dropout, global pool, linear head."""
+    c = channels
+    return nn.Sequential(nn.Conv1d(1, c, 9, stride=2, padding=4), nn.BatchNorm1d(c), nn.ReLU(),
+                         nn.MaxPool1d(2), nn.Conv1d(c, c, 5, padding="same", padding_mode="reflect"),
+                         nn.GroupNorm(2, c), nn.GELU(), nn.Dropout1d(0.0), nn.AdaptiveAvgPool1d(1),
+                         nn.Flatten(), nn.Linear(c, classes))
+
+
+class Tabular(nn.Module):
+    """Tabular model: one embedding per categorical column, concatenated with the numeric
+    features, then an MLP with BatchNorm1d. Inputs: ``idx [B, len(cards)]`` (int64) and
+    ``num [B, n_num]``."""
+
+    def __init__(self, cards: tuple[int, ...] = (10, 10), dim: int = 4, n_num: int = 3,
+                 hidden: int = 8, out: int = 1) -> None:
+        super().__init__()
+        self.cards = tuple(cards)
+        self.embs = nn.ModuleList(nn.Embedding(c, dim) for c in cards)
+        self.mlp = nn.Sequential(nn.Linear(dim * len(cards) + n_num, hidden), nn.BatchNorm1d(hidden),
+                                 nn.ReLU(), nn.Dropout(0.0), nn.Linear(hidden, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, out))
+
+    def forward(self, idx, num):
+        cols = [e(idx[:, j]) for j, e in enumerate(self.embs)]
+        return self.mlp(torch.cat([*cols, num], dim=1))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """One model family: ``make(size)`` -> one member; ``inputs(lead, size, g)`` -> its inputs
+    (a tuple) with leading dims ``lead``; ``batch[size]`` is the batch of the benchmark."""
+
+    name: str
+    make: Callable[[str], nn.Module]
+    inputs: Callable[[tuple[int, ...], str, torch.Generator], tuple[torch.Tensor, ...]]
+    batch: dict[str, int]
+    description: str = ""
+
+
+def _image(c: int, hw: dict[str, int]):
+    def inputs(lead, size, g):
+        return (torch.randn(*lead, c, hw[size], hw[size], generator=g),)
+    return inputs
+
+
+_TAB = {"tiny": {"cards": (10, 10), "dim": 4, "n_num": 3, "hidden": 8},
+        "small": {"cards": (100, 50, 20, 10), "dim": 16, "n_num": 8, "hidden": 64}}
+
+
+def _tab_inputs(lead, size, g):
+    cfg = _TAB[size]
+    idx = torch.stack([torch.randint(0, c, lead, generator=g) for c in cfg["cards"]], dim=-1)
+    return idx, torch.randn(*lead, cfg["n_num"], generator=g)
+
+
+def _audio_inputs(lead, size, g):
+    return (torch.randn(*lead, 1, {"tiny": 64, "small": 1024}[size], generator=g),)
+
+
+def _spec(name: str, factory: Callable[..., nn.Module], kwargs: dict[str, dict], inputs,
+          batch: dict[str, int], description: str) -> ModelSpec:
+    return ModelSpec(name, lambda size: factory(**kwargs[size]), inputs, batch, description)
+
+
+MODELS: dict[str, ModelSpec] = {s.name: s for s in (
+    _spec("resnet", ResNetTiny,
+          {"tiny": {"width": 8, "classes": 5}, "small": {"width": 16, "classes": 10}},
+          _image(3, {"tiny": 16, "small": 32}), {"tiny": 2, "small": 8},
+          "ResNet-18-style, 2 basic blocks (width 8 / 16), 16x16 / 32x32 images"),
+    _spec("mobilenet", mobilenet, {"tiny": {"width": 8}, "small": {"width": 16, "classes": 10}},
+          _image(3, {"tiny": 16, "small": 32}), {"tiny": 2, "small": 8},
+          "MobileNet-style depthwise-separable blocks (width 8 / 16)"),
+    _spec("dcgan_g", dcgan_g,
+          {"tiny": {"nz": 6, "ngf": 4, "img": 16}, "small": {"nz": 32, "ngf": 16, "img": 32}},
+          lambda lead, size, g: (torch.randn(*lead, {"tiny": 6, "small": 32}[size], 1, 1,
+                                             generator=g),),
+          {"tiny": 2, "small": 8}, "DCGAN generator, 16x16 / 32x32 output"),
+    _spec("dcgan_d", dcgan_d, {"tiny": {"ndf": 8, "img": 16}, "small": {"ndf": 16, "img": 32}},
+          _image(3, {"tiny": 16, "small": 32}), {"tiny": 2, "small": 8},
+          "DCGAN discriminator, 16x16 / 32x32 input"),
+    _spec("audio1d", audio1d, {"tiny": {"channels": 8}, "small": {"channels": 32, "classes": 10}},
+          _audio_inputs, {"tiny": 2, "small": 8}, "1-D conv audio classifier, 64 / 1024 samples"),
+    _spec("tabular", Tabular, _TAB, _tab_inputs, {"tiny": 4, "small": 64},
+          "embeddings per categorical column + MLP with BatchNorm1d"),
+)}

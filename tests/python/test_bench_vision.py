@@ -1,0 +1,86 @@
+"""The vision/tabular benchmark targets (conv, norm, pool, embedding, models) in preset ``ci``.
+
+No assertion depends on timing: times are checked for being finite and positive, and every wide
+contender (and every baseline that ran) for matching the separate members.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from wide_compiler import bench
+from wide_compiler.bench import engine, vision
+from wide_compiler.bench.vision_models import MODELS
+
+TARGETS = ("conv", "norm", "pool", "embedding", "models")
+MAX_ERR = 1e-3
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def ci_records(request, tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setenv("WIDE_COMPILER_CACHE_DIR", str(tmp_path_factory.mktemp("wc-cache")))
+    return request.param, bench.run(request.param, "ci")
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_registered():
+    for t in TARGETS:
+        assert t in bench.TARGETS and "ci" in bench.PRESETS[t] and t in bench.FORMATTERS
+
+
+def test_ci_records(ci_records):
+    target, records = ci_records
+    assert records, target
+    cases = {c.name for c in vision.CASES[target](vision.PRESETS["ci"].size)}
+    assert {r["case"] for r in records} == cases
+    for r in records:
+        what = f"{target}/{r['case']}/{r['mode']}/{r['strategy']}"
+        assert set(engine.RECORD_KEYS) <= set(r), what
+        assert r["target"] == target and r["mode"] in engine.MODES and r["dtype"] == "float32"
+        assert r["n"] == 4 and r["preset"] == "ci"
+        assert not any(k.startswith("compile:") for k in r["errors"]), (what, r["errors"])
+        assert math.isfinite(r["wide_ms"]) and r["wide_ms"] > 0, what
+        assert r["max_abs_err"] < MAX_ERR, (what, r["max_abs_err"])
+        assert "loop" in r["baseline_ms"], (what, r["errors"])
+        for name, ms in r["baseline_ms"].items():
+            assert math.isfinite(ms) and ms > 0, (what, name)
+            assert math.isfinite(r["speedup"][name]) and r["speedup"][name] > 0
+        for name, err in r["baseline_max_abs_err"].items():
+            assert err < MAX_ERR, (what, name, err)
+        assert set(r["baseline_ms"]) | set(r["errors"]) >= {"loop", "vmap"}, what
+        if r["strategy"].startswith("compile:"):
+            assert r["chosen_strategy"] and isinstance(r["strategies"], dict), what
+            assert r["compile_s"] > 0
+    modes = {(r["case"], r["mode"]) for r in records}
+    assert {m for _, m in modes} == set(engine.MODES)
+    table = bench.format_records(target, records)
+    assert all(r["case"] in table for r in records)
+
+
+def test_ci_models_cover_every_model_and_the_auto_choice_is_recorded(ci_records):
+    target, records = ci_records
+    if target != "models":
+        pytest.skip("models only")
+    assert {r["case"] for r in records} == set(MODELS)
+    auto = [r for r in records if r["strategy"] == "compile:auto"]
+    assert len(auto) == 2 * len(MODELS)
+    for r in auto:
+        assert set(r["strategies"].values()) <= {"grouped", "loop", "bmm"}, r["strategies"]
+        assert not r["fallbacks"], (r["case"], r["fallbacks"])
+
+
+def test_vision_models_run_one_member():
+    g = torch.Generator().manual_seed(0)
+    for name, spec in MODELS.items():
+        for size in ("tiny", "small"):
+            m = spec.make(size).eval()
+            with torch.no_grad():
+                y = m(*spec.inputs((spec.batch[size],), size, g))
+            assert y.shape[0] == spec.batch[size], (name, size, y.shape)
