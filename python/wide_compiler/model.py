@@ -104,12 +104,15 @@ class WideModel(MemberOpsMixin, nn.Module):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
+            if key == "_holder_plans":
+                continue  # refers to this instance's modules; the copy builds its own
             new.__dict__[key] = dict(value) if key == "_graphs" else copy.deepcopy(value, memo)
         return new
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_graphs"] = {}  # captured and widened again on first use after unpickling
+        state.pop("_holder_plans", None)
         return state
 
     # -- construction -----------------------------------------------------------------------
@@ -179,19 +182,26 @@ class WideModel(MemberOpsMixin, nn.Module):
     # -- running ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         wg = self._graph_for(self.training)
-        flat, spec = tree_flatten((args, kwargs))
-        if spec != wg.in_spec:
-            want_args, want_kwargs = self._sample
-            raise ValueError(
-                f"wide_compiler: the wide model takes the inputs of one member's sample, each "
-                f"tensor with a leading member dim: {len(want_args)} positional input(s) and "
-                f"keywords {sorted(want_kwargs)}, nested as in the sample; got {len(args)} "
-                f"positional input(s) and keywords {sorted(kwargs)}")
+        if not kwargs and len(args) == wg.positional_arity and all(isinstance(a, torch.Tensor) for a in args):
+            flat = args  # the common case: positional tensors, no pytree walk
+        else:
+            flat, spec = tree_flatten((args, kwargs))
+            if spec != wg.in_spec:
+                want_args, want_kwargs = self._sample
+                raise ValueError(
+                    f"wide_compiler: the wide model takes the inputs of one member's sample, each "
+                    f"tensor with a leading member dim: {len(want_args)} positional input(s) and "
+                    f"keywords {sorted(want_kwargs)}, nested as in the sample; got {len(args)} "
+                    f"positional input(s) and keywords {sorted(kwargs)}")
         feeds, user = [], iter(flat)
-        for inp in wg.inputs:
-            if inp.kind == "root":
+        for inp, holder in zip(wg.inputs, self._holders(wg)):
+            if holder is not None:  # a stacked parameter/buffer/constant: read it live
+                mod, attr = holder
+                t = mod._parameters.get(attr)
+                feeds.append(t if t is not None else mod._buffers[attr])
+            elif inp.kind == "root":
                 feeds.append(self)
-            elif inp.kind == "user":
+            else:
                 x = next(user)
                 if isinstance(x, torch.Tensor):
                     self._check_input(x, inp)
@@ -201,8 +211,6 @@ class WideModel(MemberOpsMixin, nn.Module):
                         f"compiled with {inp.sample_value!r}: non-tensor inputs are baked into "
                         "the graph at compile time; compile again for another value")
                 feeds.append(x)
-            else:
-                feeds.append(_get_tensor(self, inp.name))
         outs = wg.graph_module(*feeds)
         k = len(wg.mutated_buffers)
         if k:
@@ -212,6 +220,22 @@ class WideModel(MemberOpsMixin, nn.Module):
         # Outputs are contiguous, as the members' would be (wide ops may return strided views).
         outs = [o.contiguous() if isinstance(o, torch.Tensor) else o for o in outs[k:]]
         return tree_unflatten(outs, wg.out_spec)
+
+    def _holders(self, wg: WideGraph) -> list:
+        """Per graph input: the (module, attribute) holding its stacked tensor, or None for user
+        inputs. Cached per model instance (copies get their own)."""
+        plans = self.__dict__.setdefault("_holder_plans", {})
+        plan = plans.get(id(wg))
+        if plan is None:
+            plan = []
+            for inp in wg.inputs:
+                if inp.kind in ("parameter", "buffer", "constant"):
+                    path, _, attr = inp.name.rpartition(".")
+                    plan.append((self.get_submodule(path) if path else self, attr))
+                else:
+                    plan.append(None)
+            plans[id(wg)] = plan
+        return plan
 
     def _check_input(self, x: torch.Tensor, inp) -> None:
         member = inp.member_shape

@@ -26,6 +26,7 @@ import torch
 from torch import fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils._pytree import tree_flatten
 
 from ..errors import UnsupportedOperationError
 from .capture import module_path, source_line
@@ -67,6 +68,8 @@ class WideGraph:
     in_spec: Any
     out_spec: Any
     fallbacks: list[dict[str, str]]  # nodes run through a fallback: op, node, source, how
+    # k when the inputs are exactly k positional tensors (the forward's fast path), else None
+    positional_arity: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +316,10 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
         post(ctx.graph, n, ep.graph)
     ctx.graph.lint()
     gm = fx.GraphModule(torch.nn.Module(), ctx.graph, class_name="WideGraph")
-    return WideGraph(gm, inputs, mutated, ep.call_spec.in_spec, ep.call_spec.out_spec, ctx.fallbacks)
+    users = [i for i in inputs if i.kind == "user"]
+    arity = len(users) if all(i.member_shape is not None for i in users) and \
+        tree_flatten((tuple(range(len(users))), {}))[1] == ep.call_spec.in_spec else None
+    return WideGraph(gm, inputs, mutated, ep.call_spec.in_spec, ep.call_spec.out_spec, ctx.fallbacks, arity)
 
 
 # Rule families register themselves into RULES on import (one family per file, DESIGN §8).
