@@ -39,8 +39,10 @@ TORCH_LIBRARY(wide, m) {
   m.def("group_norm(Tensor input, int n, int num_groups, Tensor? weight=None, Tensor? bias=None, "
         "float eps=1e-05, *, bool packed_input=False) -> Tensor");
   // N LayerNorm / RMSNorm on N-first input [N, *, *normalized_shape]; weight/bias [N, *normalized_shape].
+  // layer_norm strategy: "auto" | "fused" (one norm over all members, affine in one addcmul) |
+  // "loop" (N ATen layer norms with the affine fused, each member's data staying in cache).
   m.def("layer_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, Tensor? bias=None, "
-        "float eps=1e-05) -> Tensor");
+        "float eps=1e-05, *, str strategy=\"auto\") -> Tensor");
   m.def("rms_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> Tensor");
   // N PReLU: weight [N, 1] or [N, C].
   m.def("prelu(Tensor input, Tensor weight, *, bool packed_input=False) -> Tensor");

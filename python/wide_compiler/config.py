@@ -8,7 +8,6 @@ from pathlib import Path
 
 __all__ = ["WideConfig"]
 
-_STRATEGIES = ("auto", "bmm", "loop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +16,10 @@ class WideConfig:
 
     Args:
         strategy: ``"auto"`` lets each wide op choose (measured when ``tune`` is on, a heuristic
-            otherwise); ``"bmm"`` or ``"loop"`` forces that strategy on every wide op.
+            otherwise); ``"batched"`` forces every op's one-kernel strategy (linear ``bmm``, conv
+            ``grouped``, layer norm ``fused``), ``"loop"`` every op's loop over members; an op's
+            own strategy name (``"bmm"``, ``"grouped"``, ...) forces it on the ops that offer it
+            (the others run batched).
         tune: time each op's candidate strategies on the sample shapes at compile time and keep
             the fastest (cached on disk). Off: the heuristic (batched GEMM) is used.
         tune_repeats: timed repeats per candidate (the median is kept).
@@ -56,8 +58,11 @@ class WideConfig:
     atol: float = 1e-5
 
     def __post_init__(self) -> None:
-        if self.strategy not in _STRATEGIES:
-            raise ValueError(f"WideConfig.strategy: expected one of {_STRATEGIES}, got {self.strategy!r}")
+        from .fx.widen import STRATEGY_NAMES
+
+        known = {"auto", "batched"} | STRATEGY_NAMES
+        if self.strategy not in known:
+            raise ValueError(f"WideConfig.strategy: expected one of {sorted(known)}, got {self.strategy!r}")
         if self.tune_repeats < 1:
             raise ValueError(f"WideConfig.tune_repeats: expected >= 1, got {self.tune_repeats}")
         if self.tune_margin < 0:

@@ -71,7 +71,7 @@ class WideModel(MemberOpsMixin, nn.Module):
         self._config = config
         self._dynamic_shapes = dynamic_shapes
         self._graphs: dict[bool, WideGraph] = {}
-        self._timings: dict[str, dict[str, float] | None] = {}
+        self._timings: dict[tuple[bool, str], dict[str, float] | None] = {}  # (training, node) -> ms
 
         # Modules with a user-registered wide form are kept whole: their wide module replaces them.
         self._registered = registered_paths(template)
@@ -166,17 +166,26 @@ class WideModel(MemberOpsMixin, nn.Module):
         opts = {"dtype": ref.dtype if ref is not None else torch.float32,
                 "device": ref.device if ref is not None else torch.device("cpu"),
                 "requires_grad": training}
+        forced, matched = self._config.strategy, False
         for node in wg.graph_module.graph.nodes:
             spec = node.meta.get("wide_tune")
             if spec is None:
                 continue
-            key = {"n": self.n, **node.meta["wide_shapes"], "dtype": str(opts["dtype"]),
-                   "device": str(opts["device"]), "train": training}
-            strategy, timings = tuning.choose_strategy(
-                node.meta["wide_op"], key, lambda spec=spec: _timed_calls(spec.make(self.n, opts), training),
-                spec.default, self._config)
+            if forced != "auto":
+                name = spec.default if forced == "batched" else forced
+                matched |= name in spec.names
+                strategy, timings = (name if name in spec.names else spec.default), None
+            else:
+                key = {"n": self.n, **node.meta["wide_shapes"], "dtype": str(opts["dtype"]),
+                       "device": str(opts["device"]), "train": training}
+                strategy, timings = tuning.choose_strategy(
+                    node.meta["wide_op"], key, lambda spec=spec: _timed_calls(spec.make(self.n, opts), training),
+                    spec.default, self._config)
             node.update_kwarg("strategy", strategy)
-            self._timings[node.name] = timings
+            self._timings[(training, node.name)] = timings
+        if forced not in ("auto", "batched", "loop") and not matched:
+            raise ValueError(f"WideConfig.strategy={forced!r}: no wide op of this model offers that "
+                             "strategy; use 'auto', 'batched', 'loop' or an op's strategy name")
         wg.graph_module.recompile()
 
     # -- running ----------------------------------------------------------------------------
@@ -266,7 +275,7 @@ class WideModel(MemberOpsMixin, nn.Module):
             if "wide_op" not in node.meta:
                 continue
             shapes = node.meta.get("wide_shapes", {})
-            t = self._timings.get(node.name)
+            t = self._timings.get((self.training, node.name))
             rows.append((node.name, module_path(node) or "-", node.meta["wide_op"],
                          node.kwargs.get("strategy", "-"), str(shapes.get("input", "-")),
                          str(shapes.get("weight", "-")),

@@ -93,13 +93,11 @@ def choose_strategy(
         >>> from wide_compiler.tuning import choose_strategy
         >>> x, w = torch.randn(4, 8, 16), torch.randn(4, 32, 16)
         >>> make = lambda: {s: (lambda s=s: torch.ops.wide.linear(x, w, strategy=s)) for s in ("bmm", "loop")}
-        >>> choose_strategy("linear", {"x": [4, 8, 16]}, make, "bmm", wc.WideConfig.fast())
+        >>> choose_strategy("linear", {"x": [4, 8, 16]}, make, "bmm", wc.WideConfig(tune=False))
         ('bmm', None)
         >>> choose_strategy("linear", {"x": [4, 8, 16]}, make, "bmm", wc.WideConfig(cache=False))[0] in ("bmm", "loop")
         True
     """
-    if config.strategy != "auto":
-        return config.strategy, None
     if not config.tune:
         return default, None
     key = cache_key(op, **key_fields)

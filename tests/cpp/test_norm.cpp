@@ -60,11 +60,13 @@ at::Tensor call_group_norm(const at::Tensor& x, int64_t n, int64_t groups, const
   return op.call(x, n, groups, w, b, kEps, packed_input);
 }
 
-at::Tensor call_layer_norm(const at::Tensor& x, const Ints& ns, const OptT& w, const OptT& b) {
+at::Tensor call_layer_norm(const at::Tensor& x, const Ints& ns, const OptT& w, const OptT& b,
+                           const std::string& strategy = "auto") {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("wide::layer_norm", "")
-                       .typed<at::Tensor(const at::Tensor&, c10::SymIntArrayRef, const OptT&, const OptT&, double)>();
-  return op.call(x, syms(ns), w, b, kEps);
+                       .typed<at::Tensor(const at::Tensor&, c10::SymIntArrayRef, const OptT&, const OptT&, double,
+                                         c10::string_view)>();
+  return op.call(x, syms(ns), w, b, kEps, strategy);
 }
 
 at::Tensor call_rms_norm(const at::Tensor& x, const Ints& ns, const OptT& w, std::optional<double> eps) {
@@ -279,6 +281,7 @@ TEST_P(WideLayerNormTest, MatchesPerMemberReference) {
           const OptT b = maybe_randn(variant == 1, pshape);
           for (int64_t m = 0; m < n; ++m) outs.push_back(at::layer_norm(x[m], ns, member(w, m), member(b, m), kEps, false));
           got = call_layer_norm(x, ns, w, b);
+          WIDE_EXPECT_CLOSE(call_layer_norm(x, ns, w, b, "loop"), at::stack(outs));
         }
         WIDE_EXPECT_CLOSE(got, at::stack(outs));
       }
@@ -366,6 +369,7 @@ TEST(WideNorm, NonContiguousInputs) {
     rmsn.push_back(at::rms_norm(y[k], {5}, lw[k], std::nullopt));
   }
   WIDE_EXPECT_CLOSE(call_layer_norm(y, {5}, lw, lb), at::stack(ln));
+  WIDE_EXPECT_CLOSE(call_layer_norm(y, {5}, lw, lb, "loop"), at::stack(ln));
   WIDE_EXPECT_CLOSE(call_rms_norm(y, {5}, lw, std::nullopt), at::stack(rmsn));
 }
 
@@ -379,6 +383,7 @@ TEST(WideNorm, EmptyBatch) {
   EXPECT_EQ(call_group_norm(x, n, 2, w, w, false).sizes(), packed_shape);
   EXPECT_EQ(call_prelu(x, w, false).sizes(), packed_shape);
   EXPECT_EQ(call_layer_norm(at::randn({n, 0, 5}), {5}, std::nullopt, std::nullopt).sizes(), (Ints{n, 0, 5}));
+  EXPECT_EQ(call_layer_norm(at::randn({n, 0, 5}), {5}, std::nullopt, std::nullopt, "loop").sizes(), (Ints{n, 0, 5}));
 }
 
 TEST(WideNorm, Errors) {
@@ -424,6 +429,8 @@ TEST(WideNorm, Errors) {
   expect_error([&] { call_layer_norm(x, {4}, none, none); },
                "wide::layer_norm: expected an N-first input [N, *, [4]], got [3, 2, 4, 5]");
   expect_error([&] { call_layer_norm(x, {}, none, none); }, "wide::layer_norm: expected an N-first input");
+  expect_error([&] { call_layer_norm(x, {5}, none, none, "bmm"); },
+               "wide::layer_norm: expected strategy 'auto', 'fused' or 'loop', got 'bmm'");
   expect_error([&] { call_layer_norm(x, {5}, at::randn({2, 5}), none); },
                "wide::layer_norm: expected weight of shape [N, *normalized_shape] = [3, [5]], got [2, 5]");
   expect_error([&] { call_layer_norm(x, {4, 5}, none, at::randn({3, 5})); },

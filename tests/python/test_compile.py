@@ -1000,3 +1000,15 @@ def test_outputs_are_contiguous_like_the_members():
         out = wide(inp)
         assert out.is_contiguous()
         assert out.view(3, -1).shape[1] == out[0].numel()
+
+
+def test_forced_strategies_apply_per_op_and_unknown_names_are_rejected():
+    from wide_compiler.zoo import ConvNet
+    models = members(lambda: ConvNet(channels=4), 2)
+    sample = torch.randn(2, 3, 8, 8)
+    for forced, want in (("batched", {"bmm", "grouped"}), ("loop", {"loop"}), ("bmm", {"bmm", "grouped"}),
+                         ("grouped", {"grouped", "bmm"})):
+        wide = wc.compile(models, sample, config=wc.WideConfig(strategy=forced, tune=False))
+        assert set(wide.strategies.values()) == want, (forced, wide.strategies)
+    with pytest.raises(ValueError, match="no wide op of this model offers that strategy"):
+        wc.compile(models, sample, config=wc.WideConfig(strategy="fused", tune=False))

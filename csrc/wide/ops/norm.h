@@ -5,6 +5,7 @@
 #include <c10/core/SymInt.h>
 
 #include <optional>
+#include <string_view>
 
 namespace wide {
 
@@ -31,7 +32,7 @@ at::Tensor group_norm(const at::Tensor& input, int64_t n, int64_t num_groups,
 /// N LayerNorm(normalized_shape): weight/bias [N, *normalized_shape]; input and output N-first.
 at::Tensor layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
                       const std::optional<at::Tensor>& weight,
-                      const std::optional<at::Tensor>& bias, double eps);
+                      const std::optional<at::Tensor>& bias, double eps, std::string_view strategy = "auto");
 
 /// N RMSNorm(normalized_shape): weight [N, *normalized_shape]; input and output N-first.
 at::Tensor rms_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,

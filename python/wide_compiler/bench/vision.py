@@ -11,7 +11,8 @@ Every member has its own weights and its own input (``[N, B, ...]``, member ``i`
 - ``compile:auto``: ``wc.compile`` with measured strategies (``tune=True``, fresh: no disk
   cache), i.e. what a first compile on this machine picks. ``chosen_strategy`` summarises
   ``WideModel.strategies`` (e.g. ``"7 grouped, 1 bmm"``), ``strategies`` has them per node and
-  ``tuned_ms`` the tuner's timings per node (as in ``WideModel.summary()``);
+  ``tuned_ms`` the tuner's timings per node (as in ``WideModel.summary()``), ``compile_s`` the
+  seconds of ``wc.compile`` plus the first call in the record's mode (capture, widen, tune);
 - ``compile:fast`` (models): ``wc.WideConfig.fast()``, the heuristic strategies
   (grouped convs, bmm linears), no timing at compile time;
 - ``compile:loop`` (models, preset full): every wide op forced to its per-member loop.
@@ -29,6 +30,14 @@ Records are :mod:`.engine` records (``engine.RECORD_KEYS``) plus ``shape`` (the 
 for the table), ``chosen_strategy``, ``strategies``, ``tuned_ms``, ``compile_s``,
 ``fallbacks`` (ops the compiled graph runs per member), ``warnings`` (e.g. vmap's "performance
 drop" for an op without a batching rule) and ``preset``.
+
+Reading the numbers: ``max_abs_err`` in train mode can reach 1e-3..1e-2 on a conv weight
+gradient in front of a max-pool (e.g. the ResNet stem) when two window values differ by one
+float32 rounding: the argmax flips and the gradient moves to the other position (checked against
+float64 members; ``vmap`` shows the same). Big single allocations of the wide ops (one
+``[B, N*C, H, W]`` output or workspace instead of N small ones) can cost page faults on every call
+with glibc malloc's defaults (``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` or jemalloc
+change that), and ``compile:*`` returns contiguous outputs (one more copy than ``module``).
 
 Example::
 
@@ -260,7 +269,7 @@ def _wide(name: str, module: nn.Module, member: nn.Module) -> Contender:
 
 def _strategy_summary(strategies: dict[str, str]) -> str:
     counts = collections.Counter(strategies.values())
-    return ", ".join(f"{k} x{v}" if len(strategies) > 1 else k for k, v in counts.most_common()) or "-"
+    return ", ".join(f"{k} x{v}" if len(strategies) > 1 else k for k, v in counts.most_common())
 
 
 def _reset_buffers(wide: nn.Module, members: Sequence[nn.Module]) -> None:
@@ -289,7 +298,11 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
     base = {"target": case.target, "case": case.name, "batch": case.batch, "shape": case.shape,
             "dtype": "float32"}
 
+    def _tuner_timings(wide, training: bool) -> dict:
+        return {node: t for (mode, node), t in getattr(wide, "_timings", {}).items() if mode == training}
+
     compiled: dict[str, tuple[nn.Module, float]] = {}
+    tuned: dict[tuple[str, bool], dict] = {}  # the tuner's timings per (contender, training)
     compile_errors: dict[str, str] = {}
     for variant in compile_variants if compile_variants is not None else case.compile:
         name = f"compile:{variant}"
@@ -297,11 +310,13 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
             t0 = time.perf_counter()
             wide = wc.compile([copy.deepcopy(m) for m in master], sample, config=_CONFIGS[variant](wc))
             compiled[name] = (wide, time.perf_counter() - t0)
+            tuned[name, wide.training] = _tuner_timings(wide, wide.training)  # compile built this graph
         except Exception as e:  # noqa: BLE001 (a failed compile is a result: recorded)
             log.warning("%s/%s: wc.compile (%s) failed: %s", case.target, case.name, variant, e)
             compile_errors[name] = engine._error_text(e)
 
     records = []
+    build_s: dict[tuple[str, str], float] = {}
     for mode in modes:
         training = case.train_state if case.train_state is not None else mode == "train"
         models = [copy.deepcopy(m).train(training) for m in master]
@@ -309,9 +324,16 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
         for s in case.module_strategies if case.module is not None else ():
             module = case.module([copy.deepcopy(m) for m in models], s).train(training)
             wides.append(_wide(f"module:{s}" if s else "module", module, models[0]))
-        for name, (wide, _) in compiled.items():
-            _reset_buffers(wide, master)
+        for name, (wide, seconds) in compiled.items():
+            # The graph of a train/eval mode is captured, widened and tuned on its first call.
             wide.train(training)
+            t0 = time.perf_counter()
+            with torch.set_grad_enabled(mode == "train"):
+                wide(*xs)
+            build_s[name, mode] = seconds + time.perf_counter() - t0
+            if (name, training) not in tuned:  # this call captured, widened and tuned the graph
+                tuned[name, training] = _tuner_timings(wide, training)
+            _reset_buffers(wide, master)
             wides.append(_wide(name, wide, models[0]))
         baselines = [_loop(models), _vmap(models, len(xs))]
         with warnings.catch_warnings(record=True) as caught:
@@ -329,13 +351,13 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
             r["errors"] = {**r["errors"], **compile_errors}
             r["warnings"] = notes
             if r["strategy"] in compiled:
-                wide, seconds = compiled[r["strategy"]]
+                wide = compiled[r["strategy"]][0]
                 strategies = dict(wide.strategies)
                 r["strategies"] = strategies
-                r["chosen_strategy"] = _strategy_summary(strategies)
-                r["tuned_ms"] = {k: v for k, v in getattr(wide, "_timings", {}).items()
+                r["chosen_strategy"] = _strategy_summary(strategies) if strategies else None
+                r["tuned_ms"] = {k: v for k, v in tuned.get((r["strategy"], training), {}).items()
                                  if k in strategies and v}
-                r["compile_s"] = seconds
+                r["compile_s"] = build_s[r["strategy"], mode]
                 r["fallbacks"] = [f"{fb['op']} ({fb['how']})" for fb in wide.fallbacks]
             elif r["strategy"].startswith("module:"):
                 r["chosen_strategy"] = r["strategy"].split(":", 1)[1]

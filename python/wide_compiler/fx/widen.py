@@ -85,10 +85,17 @@ class TuneSpec:
 
     default: str
     make: Callable[[int, dict], dict[str, Callable[[], Any]]]
+    strategies: tuple[str, ...] = ()  # the candidates' names (default: the default and "loop")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.strategies or (self.default, "loop")
 
 
 Rule = Callable[["WidenContext", fx.Node], Any]
 RULES: dict[Any, Rule] = {}
+# Every strategy name some wide op offers (filled by the rule families): WideConfig checks these.
+STRATEGY_NAMES: set[str] = {"loop"}
 # Ops whose rule runs even when no argument is per member (they read per-member state themselves).
 ALWAYS_WIDEN: set[Any] = set()
 # Passes run on the finished wide graph, in order: fn(graph, n, member_graph) (e.g. the layout plan,

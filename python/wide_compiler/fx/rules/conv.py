@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..widen import TuneSpec, Wide, WidenContext, concrete_shape, member_rank, rule
+from ..widen import STRATEGY_NAMES, TuneSpec, Wide, WidenContext, concrete_shape, member_rank, rule
 
 aten = torch.ops.aten
+STRATEGY_NAMES.add("grouped")
 wide = torch.ops.wide
 
 __all__ = ["conv_candidates", "packed_result", "spatial_list"]

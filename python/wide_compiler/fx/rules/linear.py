@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..widen import TuneSpec, Wide, WidenContext, concrete_shape, member_rank, rule
+from ..widen import STRATEGY_NAMES, TuneSpec, Wide, WidenContext, concrete_shape, member_rank, rule
 
 aten = torch.ops.aten
+STRATEGY_NAMES.add("bmm")
 
 
 def _linear_candidates(n: int, shapes: dict, has_bias: bool, opts: dict) -> dict:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..widen import Wide, WidenContext, concrete_shape, member_rank, rule
+from ..widen import STRATEGY_NAMES, TuneSpec, Wide, WidenContext, concrete_shape, member_rank, rule
 from .conv import packed_result
 
 aten = torch.ops.aten
+STRATEGY_NAMES.add("fused")
 wide = torch.ops.wide
 
 
@@ -102,10 +103,21 @@ def _layer_norm(ctx: WidenContext, node: fx.Node) -> Wide:
     k = len(a["normalized_shape"])
     out = ctx.emit(wide.layer_norm.default, (x, a["normalized_shape"], _param(ctx, node, a["weight"], k),
                                              _param(ctx, node, a["bias"], k), a["eps"]),
-                   like=node, name=node.name)
+                   {"strategy": "auto"}, like=node, name=node.name)
     out.meta["wide_op"] = "wide.layer_norm"
-    out.meta["wide_shapes"] = {"input": concrete_shape(node.args[0])}
+    shapes = {"input": concrete_shape(node.args[0]), "normalized_shape": [int(d) for d in a["normalized_shape"]],
+              "weight": a["weight"] is not None, "bias": a["bias"] is not None}
+    out.meta["wide_shapes"] = shapes
+    out.meta["wide_tune"] = TuneSpec(default="fused", make=lambda n, opts, s=shapes, eps=a["eps"]: _layer_norm_candidates(n, s, eps, opts))
     return Wide(out, rank)
+
+
+def _layer_norm_candidates(n: int, shapes: dict, eps: float, opts: dict) -> dict:
+    x = torch.randn(n, *shapes["input"], **opts)
+    w = torch.randn(n, *shapes["normalized_shape"], **opts) if shapes["weight"] else None
+    b = torch.randn(n, *shapes["normalized_shape"], **opts) if shapes["bias"] else None
+    return {s: (lambda s=s: wide.layer_norm(x, shapes["normalized_shape"], w, b, eps, strategy=s))
+            for s in ("fused", "loop")}
 
 
 @rule(aten.rms_norm.default)
