@@ -7,7 +7,7 @@
 
 TORCH_LIBRARY(wide, m) {
   // N independent linear layers: input [N, B, *, in], weight [N, out, in], bias [N, out].
-  // `strategy` picks the algorithm for per-member inputs: "auto" | "bmm" | "loop"; a stride-0
+  // `strategy` picks the algorithm for per-member inputs: "auto" | "bmm" | "bmm_t" | "loop"; a stride-0
   // (expanded, shared) input always takes the one-GEMM shared path.
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None, *, str strategy=\"auto\") -> Tensor");
 

@@ -128,7 +128,7 @@ def _test_op() -> str:
           "non-contiguous": torch.randn(n, i, b, dtype=torch.float64).transpose(1, 2)}
     worst = 0.0
     for xname, x in xs.items():
-        for strategy in ("auto", "bmm", "loop"):
+        for strategy in ("auto", "bmm", "bmm_t", "loop"):
             out = torch.ops.wide.linear(x, w, bias, strategy=strategy)
             gw, gb = torch.autograd.grad(out.square().sum(), (w, bias))
             for k in range(n):

@@ -59,7 +59,7 @@ TEST_P(WideLinearTest, MatchesPerMemberReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Grid, WideLinearTest,
-    ::testing::Combine(::testing::Values("auto", "bmm", "loop"), ::testing::Bool(),
+    ::testing::Combine(::testing::Values("auto", "bmm", "bmm_t", "loop"), ::testing::Bool(),
                        ::testing::Values(1, 2, 3), ::testing::Bool()));
 
 TEST(WideLinear, NonContiguousInput) {
@@ -67,7 +67,7 @@ TEST(WideLinear, NonContiguousInput) {
   const at::Tensor xt = at::randn({6, 3, 4, 5}).permute({0, 2, 3, 1});
   const at::Tensor w = at::randn({6, 2, 3});
   ASSERT_FALSE(xt.is_contiguous());
-  for (const char* s : {"auto", "bmm", "loop"}) {
+  for (const char* s : {"auto", "bmm", "bmm_t", "loop"}) {
     EXPECT_TRUE(at::allclose(call_linear(xt, w, std::nullopt, s), reference(xt, w, std::nullopt), 1e-5, 1e-5)) << s;
   }
 }
@@ -76,7 +76,7 @@ TEST(WideLinear, EmptyBatch) {
   const at::Tensor x = at::randn({3, 0, 4});
   const at::Tensor w = at::randn({3, 2, 4});
   const at::Tensor b = at::randn({3, 2});
-  for (const char* s : {"auto", "bmm", "loop"}) {
+  for (const char* s : {"auto", "bmm", "bmm_t", "loop"}) {
     EXPECT_EQ(call_linear(x, w, b, s).sizes(), (std::vector<int64_t>{3, 0, 2})) << s;
   }
 }
@@ -94,7 +94,7 @@ void expect_error(const at::Tensor& x, const at::Tensor& w, const std::optional<
 TEST(WideLinear, Errors) {
   const at::Tensor x = at::randn({3, 2, 4});
   const at::Tensor w = at::randn({3, 5, 4});
-  expect_error(x, w, std::nullopt, "fast", "expected strategy 'auto', 'bmm' or 'loop', got 'fast'");
+  expect_error(x, w, std::nullopt, "fast", "expected strategy 'auto', 'bmm', 'bmm_t' or 'loop', got 'fast'");
   expect_error(x, at::randn({5, 4}), std::nullopt, "auto", "expected weight of shape [N, out, in]");
   expect_error(at::randn({2, 2, 4}), w, std::nullopt, "auto", "input has 2 members (dim 0) but weight has 3");
   expect_error(at::randn({3, 2, 6}), w, std::nullopt, "auto", "do not match weight in_features 4");

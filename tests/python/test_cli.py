@@ -72,7 +72,7 @@ def test_benchmark_ci_covers_cases(ci_run):
     _, records = ci_run
     sep = [r for r in records if r["case"] == "separate"]
     shared = [r for r in records if r["case"] == "shared"]
-    assert {r["strategy"] for r in sep} == {"auto", "bmm", "loop"}
+    assert {r["strategy"] for r in sep} == {"auto", "bmm", "bmm_t", "loop"}
     assert {r["mode"] for r in records} == {"inference", "train"}
     assert shared and all("gemm" in r["baseline_ms"] for r in shared)
     assert {r["n"] for r in sep} == {4, 16}

@@ -22,7 +22,7 @@ from conftest import assert_close, assert_members_close, tol
 
 wide_linear = torch.ops.wide.linear
 
-STRATEGIES = ("auto", "bmm", "loop")
+STRATEGIES = ("auto", "bmm", "bmm_t", "loop")
 DTYPES = (torch.float32, torch.float64)
 LAYOUTS = ("contiguous", "strided", "permuted", "shared")
 # Member input shapes (before the feature dim) by member rank: rank 1 -> [I], 2 -> [B, I],
@@ -387,7 +387,7 @@ def _good():
 
 def test_error_bad_strategy():
     x, w, b = _good()
-    with pytest.raises(RuntimeError, match=r"strategy 'auto', 'bmm' or 'loop', got 'fast'"):
+    with pytest.raises(RuntimeError, match=r"strategy 'auto', 'bmm', 'bmm_t' or 'loop', got 'fast'"):
         wide_linear(x, w, b, strategy="fast")
 
 

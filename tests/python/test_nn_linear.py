@@ -59,7 +59,7 @@ def test_from_modules_copies_and_unfuse_copies():
     assert not torch.equal(wide.weight[1], layers[1].weight)
 
 
-@pytest.mark.parametrize("strategy", ["auto", "bmm", "loop"])
+@pytest.mark.parametrize("strategy", ["auto", "bmm", "bmm_t", "loop"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("lead", [(), (5,), (2, 3)], ids=["rank1", "rank2", "rank3"])
 def test_forward_equals_the_linears(strategy, bias, lead):

@@ -19,12 +19,12 @@
 //    returned as the N-first view [N, M, O] (a permute, no copy). N copies of the input are never
 //    made. This path is always taken for a shared input: it does the same FLOPs as the others on
 //    N times less input memory, so no strategy beats it; `strategy` does not apply to it.
-//  * bmm: one batched GEMM over the member dim with the bias fused (baddbmm); see
-//    Note [wide::linear bmm orientation].
+//  * bmm: one batched GEMM over the member dim with the bias fused (baddbmm);
+//  * bmm_t: the same GEMM as out^T = W @ x^T, see Note [wide::linear bmm orientation].
 //  * loop: N separate at::linear calls, stacked. Wins only when each member's GEMM is large
 //    enough that batching gains nothing; the compile-time tuner measures rather than guesses.
-// `strategy` picks between bmm and loop for per-member inputs; `auto` is bmm (the heuristic used
-// when nothing was measured). All paths are built from ATen ops, so the
+// `strategy` picks among bmm, bmm_t and loop for per-member inputs; `auto` is bmm (the heuristic
+// used when nothing was measured). All paths are built from ATen ops, so the
 // op is CompositeImplicitAutograd: autograd, fake tensors, torch.compile and export come free,
 // and all size arithmetic uses SymInts so it traces with a dynamic batch dimension.
 
@@ -33,8 +33,9 @@ namespace wide {
 LinearStrategy parse_linear_strategy(std::string_view name) {
   if (name == "auto") return LinearStrategy::Auto;
   if (name == "bmm") return LinearStrategy::Bmm;
+  if (name == "bmm_t") return LinearStrategy::BmmT;
   if (name == "loop") return LinearStrategy::Loop;
-  TORCH_CHECK(false, "wide::linear: expected strategy 'auto', 'bmm' or 'loop', got '",
+  TORCH_CHECK(false, "wide::linear: expected strategy 'auto', 'bmm', 'bmm_t' or 'loop', got '",
               std::string(name), "'");
 }
 
@@ -108,15 +109,21 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
     return at::stack(outs);
   }
 
-  // Note [wide::linear bmm orientation]: computed as out^T = W @ x^T ([N, O, I] x [N, I, M]),
-  // then made contiguous [N, M, O]. Measured here (fp32, N=64, B=32): forward+backward is up to
-  // 1.4x faster than x @ W^T (512->1024: 151 vs 215 ms), because the weight gradient then comes
-  // out as a contiguous [N, O, I] where x @ W^T yields it transposed (accumulating a transposed
-  // gradient into .grad is a strided copy of every weight). The output copy keeps what follows
-  // fast: returning the transposed view instead made a following BatchNorm1d + ReLU 2x slower.
-  const at::Tensor xt = input.reshape_symint({n, m, in_features}).transpose(1, 2);
-  const at::Tensor yt = bias.has_value() ? at::baddbmm(bias->unsqueeze(2), weight, xt) : at::bmm(weight, xt);
-  return yt.transpose(1, 2).contiguous().view_symint(out_sizes);
+  if (kind == LinearStrategy::BmmT) {
+    // Note [wide::linear bmm orientation]: out^T = W @ x^T ([N, O, I] x [N, I, M]), made
+    // contiguous [N, M, O]. Its weight gradient comes out as a contiguous [N, O, I] where x @ W^T
+    // yields it transposed (accumulating a transposed gradient into .grad is a strided copy of
+    // every weight): forward+backward of 512->1024 at N=64, B=32 took 151 ms against 215 ms here.
+    // The output copy costs the forward of small layers (64->128: 0.49 against 0.35 ms), so the
+    // tuner, which times forward+backward for train graphs and the forward for eval graphs, picks.
+    const at::Tensor xt = input.reshape_symint({n, m, in_features}).transpose(1, 2);
+    const at::Tensor yt = bias.has_value() ? at::baddbmm(bias->unsqueeze(2), weight, xt) : at::bmm(weight, xt);
+    return yt.transpose(1, 2).contiguous().view_symint(out_sizes);
+  }
+  const at::Tensor x = input.reshape_symint({n, m, in_features});
+  const at::Tensor wt = weight.transpose(1, 2);
+  const at::Tensor y = bias.has_value() ? at::baddbmm(bias->unsqueeze(1), x, wt) : at::bmm(x, wt);
+  return y.view_symint(out_sizes);
 }
 
 } // namespace wide

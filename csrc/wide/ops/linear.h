@@ -10,9 +10,9 @@ namespace wide {
 
 /// Algorithm for per-member inputs (a shared input always runs as one GEMM); Auto = Bmm.
 /// See Note [wide::linear strategies].
-enum class LinearStrategy { Auto, Bmm, Loop };
+enum class LinearStrategy { Auto, Bmm, BmmT, Loop };
 
-/// Parses "auto" | "bmm" | "loop"; throws a c10::Error naming the bad value otherwise.
+/// Parses "auto" | "bmm" | "bmm_t" | "loop"; throws a c10::Error naming the bad value otherwise.
 LinearStrategy parse_linear_strategy(std::string_view name);
 
 /// out[n] = input[n] @ weight[n].T + bias[n]; input [N, B, *, I] (or [N, I]), weight [N, O, I],

@@ -36,7 +36,7 @@ __all__ = ["PRESETS", "STRATEGIES", "LinearCase", "Preset", "build_case", "run",
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("auto", "bmm", "loop")
+STRATEGIES = ("auto", "bmm", "bmm_t", "loop")
 
 
 @dataclasses.dataclass(frozen=True)

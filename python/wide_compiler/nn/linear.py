@@ -22,7 +22,7 @@ class WideLinear(nn.Module):
     Args:
         n: number of members.
         in_features, out_features, bias: as ``nn.Linear``.
-        strategy: ``"auto"``, ``"bmm"`` or ``"loop"`` (see ``torch.ops.wide.linear``).
+        strategy: ``"auto"``, ``"bmm"``, ``"bmm_t"`` or ``"loop"`` (see ``torch.ops.wide.linear``).
 
     Example:
         >>> import torch, wide_compiler as wc
@@ -41,8 +41,8 @@ class WideLinear(nn.Module):
         super().__init__()
         if n < 1:
             raise ValueError(f"WideLinear: expected n >= 1 members, got {n}")
-        if strategy not in ("auto", "bmm", "loop"):
-            raise ValueError(f"WideLinear: expected strategy 'auto', 'bmm' or 'loop', got {strategy!r}")
+        if strategy not in ("auto", "bmm", "bmm_t", "loop"):
+            raise ValueError(f"WideLinear: expected strategy 'auto', 'bmm', 'bmm_t' or 'loop', got {strategy!r}")
         factory = {"device": device, "dtype": dtype}
         self.n = n
         self.in_features = in_features

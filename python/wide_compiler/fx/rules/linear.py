@@ -8,7 +8,8 @@ from torch import fx
 from ..widen import STRATEGY_NAMES, TuneSpec, Wide, WidenContext, concrete_shape, member_rank, rule
 
 aten = torch.ops.aten
-STRATEGY_NAMES.add("bmm")
+_STRATEGIES = ("bmm", "bmm_t", "loop")
+STRATEGY_NAMES.update(_STRATEGIES)
 
 
 def _linear_candidates(n: int, shapes: dict, has_bias: bool, opts: dict) -> dict:
@@ -16,7 +17,7 @@ def _linear_candidates(n: int, shapes: dict, has_bias: bool, opts: dict) -> dict
     x = torch.randn(n, *shapes["input"], **opts)
     w = torch.randn(n, *shapes["weight"], **opts)
     b = torch.randn(n, shapes["weight"][0], **opts) if has_bias else None
-    return {s: (lambda s=s: torch.ops.wide.linear(x, w, b, strategy=s)) for s in ("bmm", "loop")}
+    return {s: (lambda s=s: torch.ops.wide.linear(x, w, b, strategy=s)) for s in _STRATEGIES}
 
 
 
@@ -36,5 +37,5 @@ def _linear(ctx: WidenContext, node: fx.Node) -> Wide:
     out.meta["wide_op"] = "wide.linear"
     out.meta["wide_shapes"] = {"input": concrete_shape(x), "weight": concrete_shape(w), "bias": b is not None}
     out.meta["wide_tune"] = TuneSpec(
-        default="bmm", make=lambda n, opts, s=out.meta["wide_shapes"]: _linear_candidates(n, s, s["bias"], opts))
+        default="bmm", strategies=_STRATEGIES, make=lambda n, opts, s=out.meta["wide_shapes"]: _linear_candidates(n, s, s["bias"], opts))
     return Wide(out, member_rank(node))
