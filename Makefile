@@ -4,7 +4,7 @@
 #
 #   make demo    fuse a built-in population of models, check every member, print a speed table
 #   make test    C++ tests (ctest) + Python tests (pytest)
-#   make bench   benchmarks, JSON records under bench-results/
+#   make bench   benchmarks, JSON records under bench-results/ (PRESET=ci|quick|full)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -56,8 +56,13 @@ test-cpp: build
 test-python: build
 	$(PY) -m pytest -q tests/python --doctest-modules python/wide_compiler
 
+# Each target writes JSON records (DESIGN §10) under bench-results/; PRESET=full for the grids.
+PRESET ?= quick
+BENCH_TARGETS ?= linear conv norm pool embedding models optim train
 bench: build
-	$(PY) -m wide_compiler benchmark linear --preset quick --json bench-results/linear.json
+	@for t in $(BENCH_TARGETS); do \
+	  $(PY) -m wide_compiler benchmark $$t --preset $(PRESET) --json bench-results/$$t-$(PRESET).json || exit 1; \
+	done
 
 clean:
 	rm -rf build $(VENV)/.stamp-build

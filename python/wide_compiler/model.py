@@ -88,7 +88,7 @@ class WideModel(MemberOpsMixin, nn.Module):
                 stacked = torch.stack([m.get_parameter(name).detach() for m in models])
                 self._install(name, nn.Parameter(stacked, requires_grad=p.requires_grad))
             persistent = {n for n, _ in _persistent_buffers(template)}
-            for name, b in template.named_buffers():
+            for name, _ in template.named_buffers():
                 if not self._owns(name):
                     continue
                 stacked = torch.stack([m.get_buffer(name).detach() for m in models])
