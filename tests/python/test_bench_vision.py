@@ -64,7 +64,7 @@ def test_ci_records(ci_records):
         auto = [r for r in records if r["strategy"] == "compile:auto"]
         assert len(auto) == 2 * len(MODELS)
         for r in auto:
-            assert r["strategies"] and set(r["strategies"].values()) <= {"grouped", "loop", "bmm"}
+            assert r["strategies"] and set(r["strategies"].values()) <= {"grouped", "loop", "bmm", "bmm_t", "fused"}
             assert not r["fallbacks"], (r["case"], r["fallbacks"])
     modes = {(r["case"], r["mode"]) for r in records}
     assert {m for _, m in modes} == set(engine.MODES)

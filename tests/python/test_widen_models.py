@@ -338,7 +338,7 @@ def test_default_config_measures_strategies_and_stays_correct():
     n = 3
     models = make_members(SmallNet, n)
     wide = wc.compile(models, torch.randn(4, 5), strict=True)
-    assert set(wide.strategies.values()) <= {"bmm", "loop"} and len(wide.strategies) == 2
+    assert set(wide.strategies.values()) <= {"bmm", "bmm_t", "loop"} and len(wide.strategies) == 2
     for training in (True, False):
         wide.train(training)
         for m in models:
