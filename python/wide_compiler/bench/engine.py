@@ -65,6 +65,7 @@ __all__ = [
     "Contender",
     "compiled_loop_contender",
     "contention_note",
+    "finish_records",
     "format_table",
     "loop_contender",
     "machine_info",
@@ -508,3 +509,13 @@ def format_table(records: Sequence[Mapping[str, Any]], *, header: bool = True) -
     for k, v in sorted(errs):
         out.append(f"{k} failed: {v}")
     return "\n".join(out)
+
+
+def finish_records(records: list[dict[str, Any]], preset: str, machine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Stamp every record of a run with its preset and the machine facts (load average at the
+    end included, so a busy run is visible in the JSON)."""
+    machine["load_avg_end"] = machine_info()["load_avg"]
+    for r in records:
+        r["preset"] = preset
+        r["machine"] = dict(machine)
+    return records

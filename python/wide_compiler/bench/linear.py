@@ -230,8 +230,4 @@ def run(preset: str = "quick", *, progress: bool = False,
     finally:
         if bar is not None:
             bar.close()
-    machine["load_avg_end"] = engine.machine_info()["load_avg"]
-    for r in records:
-        r["preset"] = preset
-        r["machine"] = dict(machine)
-    return records
+    return engine.finish_records(records, preset, machine)

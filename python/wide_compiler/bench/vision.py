@@ -392,11 +392,7 @@ def run_target(target: str, preset: str = "quick", *, progress: bool = False,
     finally:
         if bar is not None:
             bar.close()
-    machine["load_avg_end"] = engine.machine_info()["load_avg"]
-    for r in records:
-        r["preset"] = preset
-        r["machine"] = dict(machine)
-    return records
+    return engine.finish_records(records, preset, machine)
 
 
 def run_conv(preset: str = "quick", *, progress: bool = False) -> list[dict[str, Any]]:
