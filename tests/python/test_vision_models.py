@@ -9,6 +9,7 @@ from torch import nn
 from torch.library import opcheck
 
 import wide_compiler as wc
+from wide_compiler.bench import vision_models
 from conftest import assert_members_close
 from vision_helpers import check_wide_against_members
 
@@ -190,67 +191,16 @@ def test_embedding_module_shared_indices_and_opcheck():
 
 
 # --- whole models -----------------------------------------------------------------------------
-class BasicBlock(nn.Module):
-    def __init__(self, cin, cout, stride):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return F.relu(out + (x if self.down is None else self.down(x)))
-
-
-class ResNetTiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-                                  nn.MaxPool2d(3, 2, 1))
-        self.layers = nn.Sequential(BasicBlock(8, 8, 1), BasicBlock(8, 16, 2))
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(16, 5)
-
-    def forward(self, x):
-        return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
-
-
-def _mobilenet():
-    def dw(cin, cout, s):
-        return nn.Sequential(nn.Conv2d(cin, cin, 3, s, 1, groups=cin, bias=False), nn.BatchNorm2d(cin), nn.ReLU6(),
-                             nn.Conv2d(cin, cout, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU6())
-    return nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU6(), dw(8, 16, 1), dw(16, 16, 2),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.0), nn.Linear(16, 4))
-
-
-def _dcgan_g():
-    return nn.Sequential(nn.ConvTranspose2d(6, 16, 4, 1, 0, bias=False), nn.BatchNorm2d(16), nn.ReLU(True),
-                         nn.ConvTranspose2d(16, 8, 4, 2, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(True),
-                         nn.ConvTranspose2d(8, 3, 4, 2, 1, bias=False), nn.Tanh())
-
-
-def _dcgan_d():
-    return nn.Sequential(nn.Conv2d(3, 8, 4, 2, 1, bias=False), nn.LeakyReLU(0.2, inplace=True),
-                         nn.Conv2d(8, 16, 4, 2, 1, bias=False), nn.BatchNorm2d(16), nn.LeakyReLU(0.2, inplace=True),
-                         nn.Conv2d(16, 1, 4, 1, 0, bias=False), nn.Flatten(), nn.Sigmoid())
-
-
-def _audio():
-    return nn.Sequential(nn.Conv1d(1, 8, 9, stride=2, padding=4), nn.BatchNorm1d(8), nn.ReLU(), nn.MaxPool1d(2),
-                         nn.Conv1d(8, 8, 5, padding="same", padding_mode="reflect"), nn.GroupNorm(2, 8), nn.GELU(),
-                         nn.Dropout1d(0.0), nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(8, 3))
+# The whole models are the benchmark's (one definition, tiny sizes by default).
+ResNetTiny = vision_models.ResNetTiny
 
 
 MODELS = {
     "resnet": (ResNetTiny, (2, 3, 16, 16)),
-    "mobilenet": (_mobilenet, (2, 3, 16, 16)),
-    "dcgan_g": (_dcgan_g, (2, 6, 1, 1)),
-    "dcgan_d": (_dcgan_d, (2, 3, 16, 16)),
-    "audio": (_audio, (2, 1, 64)),
+    "mobilenet": (vision_models.mobilenet, (2, 3, 16, 16)),
+    "dcgan_g": (lambda: vision_models.dcgan_g(ngf=8), (2, 6, 1, 1)),
+    "dcgan_d": (vision_models.dcgan_d, (2, 3, 16, 16)),
+    "audio": (vision_models.audio1d, (2, 1, 64)),
 }
 
 

@@ -15,6 +15,11 @@ __all__ = ["WideOptimizer", "per_member"]
 HParam = float | Sequence[float] | torch.Tensor
 
 
+def zeros_state(p: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous state tensor shaped like parameter ``p``."""
+    return torch.zeros_like(p, memory_format=torch.contiguous_format)
+
+
 def per_member(value: Any, n: int, *, what: str) -> torch.Tensor:
     """``value`` (a float, N floats, or a 0-d / ``[N]`` tensor) as a float64 CPU tensor ``[N]``.
 
@@ -79,6 +84,31 @@ class WideOptimizer(torch.optim.Optimizer):
     _pairs: tuple[str, ...] = ()        # hyperparameters that are pairs of per-member values (betas)
     _flags: tuple[str, ...] = ()
     _rules: Mapping[str, Rule] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step for every member; returns ``closure()`` when given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            prepared = self._prepare_group(group)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{self._name} does not support sparse gradients")
+                self._step_param(p, group, prepared)
+        return loss
+
+    def _prepare_group(self, group: dict) -> Any:
+        """What ``_step_param`` needs once per param group (default: nothing)."""
+        return None
+
+    def _step_param(self, p: torch.Tensor, group: dict, prepared: Any) -> None:
+        """Update ``p`` and its state for all members: ONE fused ``torch.ops.wide.*_step`` call."""
+        raise NotImplementedError
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], *, n: int | None = None) -> None:
         if isinstance(params, torch.Tensor):

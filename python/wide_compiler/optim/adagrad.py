@@ -66,21 +66,8 @@ class Adagrad(WideOptimizer):
                 if st and "sum" in st:
                     st["sum"][member].fill_(float(group["initial_accumulator_value"][member]))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One step for every member; returns ``closure()`` when given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{self._name} does not support sparse gradients")
-                state = self.state[p]
-                torch.ops.wide.adagrad_step(
-                    p, p.grad, state["sum"], state["step"], group["lr"], group["lr_decay"],
-                    group["weight_decay"], group["eps"], maximize=group["maximize"])
-        return loss
+    def _step_param(self, p, group, prepared):
+        state = self.state[p]
+        torch.ops.wide.adagrad_step(
+            p, p.grad, state["sum"], state["step"], group["lr"], group["lr_decay"],
+            group["weight_decay"], group["eps"], maximize=group["maximize"])

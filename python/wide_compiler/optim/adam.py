@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ._base import HParam, WideOptimizer, in_unit, nonneg
+from ._base import HParam, WideOptimizer, in_unit, nonneg, zeros_state
 
 __all__ = ["Adam", "AdamW"]
 
@@ -48,35 +48,22 @@ class Adam(WideOptimizer):
                         maximize=maximize)
         super().__init__(params, defaults, n=n)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One step for every member; returns ``closure()`` when given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            amsgrad = group["amsgrad"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{self._name} does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros(self.n, dtype=_step_dtype())
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                if amsgrad and "max_exp_avg_sq" not in state:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                torch.ops.wide.adam_step(
-                    p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                    state["max_exp_avg_sq"] if amsgrad else None, state["step"], group["lr"],
-                    beta1, beta2, group["eps"], group["weight_decay"],
-                    decoupled_weight_decay=self._decoupled, amsgrad=amsgrad,
-                    maximize=group["maximize"])
-        return loss
+    def _step_param(self, p, group, prepared):
+        beta1, beta2 = group["betas"]
+        amsgrad = group["amsgrad"]
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros(self.n, dtype=_step_dtype())
+            state["exp_avg"] = zeros_state(p)
+            state["exp_avg_sq"] = zeros_state(p)
+        if amsgrad and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = zeros_state(p)
+        torch.ops.wide.adam_step(
+            p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+            state["max_exp_avg_sq"] if amsgrad else None, state["step"], group["lr"],
+            beta1, beta2, group["eps"], group["weight_decay"],
+            decoupled_weight_decay=self._decoupled, amsgrad=amsgrad,
+            maximize=group["maximize"])
 
 
 class AdamW(Adam):

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ._base import HParam, WideOptimizer, nonneg
+from ._base import HParam, WideOptimizer, nonneg, zeros_state
 from .adam import _step_dtype
 
 __all__ = ["RMSprop"]
@@ -47,34 +47,21 @@ class RMSprop(WideOptimizer):
     def _member_state_absent(self, group, member):
         return {"momentum_buffer"} if float(group["momentum"][member]) <= 0 else set()
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One step for every member; returns ``closure()`` when given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            use_buffer = bool((group["momentum"] > 0).any())
-            centered = group["centered"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{self._name} does not support sparse gradients")
-                state = self.state[p]
-                def zeros(p=p):
-                    return torch.zeros_like(p, memory_format=torch.contiguous_format)
-                if not state:
-                    state["step"] = torch.zeros(self.n, dtype=_step_dtype())
-                    state["square_avg"] = zeros()
-                if use_buffer and "momentum_buffer" not in state:
-                    state["momentum_buffer"] = zeros()
-                if centered and "grad_avg" not in state:
-                    state["grad_avg"] = zeros()
-                torch.ops.wide.rmsprop_step(
-                    p, p.grad, state["square_avg"], state["grad_avg"] if centered else None,
-                    state["momentum_buffer"] if use_buffer else None, state["step"], group["lr"],
-                    group["alpha"], group["eps"], group["weight_decay"], group["momentum"],
-                    centered=centered, maximize=group["maximize"])
-        return loss
+    def _prepare_group(self, group):
+        return bool((group["momentum"] > 0).any())
+
+    def _step_param(self, p, group, use_buffer):
+        centered = group["centered"]
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros(self.n, dtype=_step_dtype())
+            state["square_avg"] = zeros_state(p)
+        if use_buffer and "momentum_buffer" not in state:
+            state["momentum_buffer"] = zeros_state(p)
+        if centered and "grad_avg" not in state:
+            state["grad_avg"] = zeros_state(p)
+        torch.ops.wide.rmsprop_step(
+            p, p.grad, state["square_avg"], state["grad_avg"] if centered else None,
+            state["momentum_buffer"] if use_buffer else None, state["step"], group["lr"],
+            group["alpha"], group["eps"], group["weight_decay"], group["momentum"],
+            centered=centered, maximize=group["maximize"])

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ._base import HParam, WideOptimizer, nonneg
+from ._base import HParam, WideOptimizer, nonneg, zeros_state
 
 __all__ = ["SGD"]
 
@@ -61,30 +61,18 @@ class SGD(WideOptimizer):
     def _member_state_absent(self, group, member):
         return {"momentum_buffer"} if float(group["momentum"][member]) == 0 else set()
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One step for every member; returns ``closure()`` when given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            use_buffer = bool((group["momentum"] != 0).any())
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{self._name} does not support sparse gradients")
-                buf, init = None, False
-                if use_buffer:   # like torch.optim, no state at all without momentum
-                    state = self.state[p]
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        buf = state["momentum_buffer"] = torch.zeros_like(
-                            p, memory_format=torch.contiguous_format)
-                        init = True
-                torch.ops.wide.sgd_step(
-                    p, p.grad, buf, group["lr"], group["weight_decay"],
-                    group["momentum"], group["dampening"], nesterov=group["nesterov"],
-                    maximize=group["maximize"], init_buffer=init)
-        return loss
+    def _prepare_group(self, group):
+        return bool((group["momentum"] != 0).any())  # like torch.optim: no state without momentum
+
+    def _step_param(self, p, group, use_buffer):
+        buf, init = None, False
+        if use_buffer:
+            state = self.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = zeros_state(p)
+                init = True
+        torch.ops.wide.sgd_step(
+            p, p.grad, buf, group["lr"], group["weight_decay"],
+            group["momentum"], group["dampening"], nesterov=group["nesterov"],
+            maximize=group["maximize"], init_buffer=init)

@@ -2,5 +2,17 @@
 
 A new family is a new file here plus one import line below."""
 
-from . import creation, linear, matmul, pointwise, reduction, registered, shape, spatial  # noqa: F401
-from . import conv, embedding, norm, pooling  # noqa: F401  (vision and tabular ops)
+from . import (  # noqa: F401  # noqa: F401  (vision and tabular ops)
+    conv,
+    creation,
+    embedding,
+    linear,
+    matmul,
+    norm,
+    pointwise,
+    pooling,
+    reduction,
+    registered,
+    shape,
+    spatial,
+)

@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..widen import STRATEGY_NAMES, TuneSpec, Wide, WidenContext, concrete_shape, member_rank, rule
+from ..widen import (
+    STRATEGY_NAMES,
+    TuneSpec,
+    Wide,
+    WidenContext,
+    concrete_shape,
+    member_rank,
+    rule,
+)
 
 aten = torch.ops.aten
 _STRATEGIES = ("bmm", "bmm_t", "loop")

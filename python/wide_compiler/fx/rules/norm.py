@@ -13,7 +13,15 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..widen import STRATEGY_NAMES, TuneSpec, Wide, WidenContext, concrete_shape, member_rank, rule
+from ..widen import (
+    STRATEGY_NAMES,
+    TuneSpec,
+    Wide,
+    WidenContext,
+    concrete_shape,
+    member_rank,
+    rule,
+)
 from .conv import packed_result
 
 aten = torch.ops.aten
