@@ -12,6 +12,7 @@ import torch  # noqa: F401  (loads libtorch before our core library)
 
 from . import (
     _C,  # noqa: F401  (loads libwide: registers torch.ops.wide.*)
+    functional,
     nn,
     optim,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "WideConfig",
     "WideModel",
     "compile",
+    "functional",
     "nn",
     "optim",
     "pack",

@@ -13,7 +13,6 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 
 from .config import WideConfig
 from .errors import ValidationError
-from .fx.capture import check_members
 from .model import WideModel
 
 __all__ = ["WideBuilder", "compile", "pack", "stack", "unpack", "unstack"]
@@ -112,7 +111,6 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
         if n is not None and n != len(members):
             raise ValueError(f"wide_compiler.compile: n={n} but {len(members)} models were given")
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
-    check_members(members)
     wide = WideModel(members, args, sample_kwargs, config=config, dynamic_shapes=dynamic_shapes)
     if config.validate:
         _validate(wide, members, args, sample_kwargs or {}, config)

@@ -58,9 +58,10 @@ class WideConfig:
     atol: float = 1e-5
 
     def __post_init__(self) -> None:
-        from .fx.widen import STRATEGY_NAMES
+        from .fx import widen  # noqa: F401  (loads the rule table)
+        from .fx.table import strategy_names
 
-        known = {"auto", "batched"} | STRATEGY_NAMES
+        known = {"auto", "batched"} | strategy_names()
         if self.strategy not in known:
             raise ValueError(f"WideConfig.strategy: expected one of {sorted(known)}, got {self.strategy!r}")
         if self.tune_repeats < 1:

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from . import tuning
 from .config import WideConfig
-from .fx.capture import capture, check_traced_members, module_path
-from .fx.widen import WideGraph, widen
+from .fx.capture import module_path
+from .fx.pipeline import Compilation, run_pipeline
+from .fx.widen import WideGraph
 from .members import MemberOpsMixin
 from .registry import opaque_template, registered_paths, registered_wide_form
 
@@ -76,11 +76,13 @@ class WideModel(MemberOpsMixin, nn.Module):
         # Modules with a user-registered wide form are kept whole: their wide module replaces them.
         self._registered = registered_paths(template)
         object.__setattr__(self, "_capture_template", opaque_template(template, self._registered))
+        # The compiler pipeline checks the members first: nothing is stacked from mismatched ones.
+        compiled = self._compile(template.training, members=models)
+
         for path in self._registered:
             parent, _, attr = path.rpartition(".")
             wide_cls = registered_wide_form(template.get_submodule(path))
             self._container(parent).add_module(attr, wide_cls.from_modules([m.get_submodule(path) for m in models]))
-
         with torch.no_grad():
             for name, p in template.named_parameters():
                 if not self._owns(name):
@@ -94,10 +96,7 @@ class WideModel(MemberOpsMixin, nn.Module):
                 stacked = torch.stack([m.get_buffer(name).detach() for m in models])
                 self._install(name, stacked, persistent=name in persistent)
         self.train(template.training)
-        ep = self._capture(template.training)
-        if config.trace_members:
-            check_traced_members(models, *self._sample, self._dynamic_shapes, ref=ep)
-        self._graphs[template.training] = self._build(ep, template.training)
+        self._adopt(compiled)
 
     # -- copying and pickling: the graphs hold no parameters (those are graph inputs) ----------
     def __deepcopy__(self, memo: dict) -> WideModel:
@@ -137,56 +136,31 @@ class WideModel(MemberOpsMixin, nn.Module):
         """Whether this model stacks ``name`` itself (not a registered module's wide form)."""
         return not any(name.startswith(p + ".") for p in self._registered)
 
-    def _capture(self, training: bool):
-        model = self._capture_template[0].train(training)
-        return capture(model, *self._sample, dynamic_shapes=self._dynamic_shapes)
+    def _compile(self, training: bool, members: Sequence[nn.Module] | None = None) -> Compilation:
+        """Run the compiler pipeline (fx/pipeline.py) for one train/eval mode."""
+        ref = next(self.parameters(), None)
+        return run_pipeline(Compilation(
+            self._capture_template[0].train(training), self._sample, self.n, self._config, members=members,
+            dynamic_shapes=self._dynamic_shapes, opaque_paths=self._capture_template[1],
+            dtype=ref.dtype if ref is not None else None, device=ref.device if ref is not None else None))
 
-    def _build(self, ep, training: bool) -> WideGraph:
-        wg = widen(ep, self.n, strict=self._config.strict, opaque_paths=self._capture_template[1])
-        for name, value in ep.constants.items():
+    def _adopt(self, c: Compilation) -> WideGraph:
+        """Keep a compiled graph: its lifted constants become (non-persistent) buffers."""
+        for name, value in c.ep.constants.items():
             if not _has_tensor(self, name):
                 device = next((p.device for p in self.parameters()), value.device)
                 self._install(name, value.detach().clone().to(device), persistent=False)
-        self._tune(wg, training)
-        log.debug("wide_compiler: wide graph:\n%s", wg.graph_module.code)
-        return wg
+        self._timings.update({(c.training, node): t for node, t in c.timings.items()})
+        self._graphs[c.training] = c.wide
+        log.debug("wide_compiler: wide graph:\n%s", c.wide.graph_module.code)
+        return c.wide
 
     def _graph_for(self, training: bool) -> WideGraph:
-        """The wide graph of a train/eval mode, captured and widened on first use."""
+        """The wide graph of a train/eval mode, compiled on first use."""
         wg = self._graphs.get(training)
         if wg is None:
-            wg = self._graphs[training] = self._build(self._capture(training), training)
+            wg = self._adopt(self._compile(training))
         return wg
-
-    def _tune(self, wg: WideGraph, training: bool) -> None:
-        """Choose each wide op's strategy by measurement on the sample shapes (see tuning.py): the
-        forward for the eval graph, forward and backward for the train graph, where a strategy
-        with a cheap forward can have a slow backward."""
-        ref = next(self.parameters(), None)
-        opts = {"dtype": ref.dtype if ref is not None else torch.float32,
-                "device": ref.device if ref is not None else torch.device("cpu"),
-                "requires_grad": training}
-        forced, matched = self._config.strategy, False
-        for node in wg.graph_module.graph.nodes:
-            spec = node.meta.get("wide_tune")
-            if spec is None:
-                continue
-            if forced != "auto":
-                name = spec.default if forced == "batched" else forced
-                matched |= name in spec.names
-                strategy, timings = (name if name in spec.names else spec.default), None
-            else:
-                key = {"n": self.n, **node.meta["wide_shapes"], "dtype": str(opts["dtype"]),
-                       "device": str(opts["device"]), "train": training}
-                strategy, timings = tuning.choose_strategy(
-                    node.meta["wide_op"], key, lambda spec=spec: _timed_calls(spec.make(self.n, opts), training),
-                    spec.default, self._config)
-            node.update_kwarg("strategy", strategy)
-            self._timings[(training, node.name)] = timings
-        if forced not in ("auto", "batched", "loop") and not matched:
-            raise ValueError(f"WideConfig.strategy={forced!r}: no wide op of this model offers that "
-                             "strategy; use 'auto', 'batched', 'loop' or an op's strategy name")
-        wg.graph_module.recompile()
 
     # -- running ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -339,20 +313,6 @@ class WideModel(MemberOpsMixin, nn.Module):
                     m.get_submodule(path)._buffers[attr] = _get_tensor(self, name)[i].detach().clone()
                 out.append(m.train(self.training))
         return out
-
-
-def _timed_calls(candidates: dict, training: bool) -> dict:
-    """What tuning times per candidate: forward and backward in training, else the forward alone."""
-    def train(fn):
-        return lambda: fn().sum().backward()
-
-    def infer(fn):
-        def run():
-            with torch.no_grad():
-                return fn()
-        return run
-
-    return {name: (train if training else infer)(fn) for name, fn in candidates.items()}
 
 
 def _join(a: str, b: str) -> str:

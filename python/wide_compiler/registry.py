@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -18,7 +19,10 @@ from torch import nn
 __all__ = ["register", "registered_wide_form"]
 
 _REGISTRY: dict[type, type] = {}
-_OPAQUE: dict[str, nn.Module] = {}  # key -> member 0's module, run for shape inference only
+# key -> member 0's module, run for shape inference only during capture. Weak: the module is owned
+# by the _OpaqueCall standing in for it (in the WideModel's capture template), so it lives exactly
+# as long as the wide model that may capture again.
+_OPAQUE: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 
 
@@ -120,14 +124,16 @@ def _opaque_module_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tens
 class _OpaqueCall(nn.Module):
     """Stands in for a registered module during capture."""
 
-    def __init__(self, key: str, path: str) -> None:
+    def __init__(self, key: str, path: str, module: nn.Module) -> None:
         super().__init__()
         self.key, self.path = key, path
+        object.__setattr__(self, "module", module)  # not a submodule: export must not see into it
 
     def forward(self, *args, **kwargs):
         if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
             raise TypeError(f"wide_compiler: the registered module at '{self.path}' must be called with "
                             "positional tensor arguments only")
+        _OPAQUE[self.key] = self.module  # (again: a deep copy of the template owns a copy)
         out = torch.ops.wide_compiler.opaque_module(self.key, list(args))
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -139,8 +145,7 @@ def opaque_template(template: nn.Module, paths: list[str]) -> tuple[nn.Module, d
     keys = {}
     for path in paths:
         key = f"m{next(_KEYS)}"
-        _OPAQUE[key] = copy.deepcopy(template.get_submodule(path)).eval()
-        copy_.set_submodule(path, _OpaqueCall(key, path))
+        copy_.set_submodule(path, _OpaqueCall(key, path, copy.deepcopy(template.get_submodule(path)).eval()))
         keys[key] = path
     return copy_, keys
 

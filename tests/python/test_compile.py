@@ -757,7 +757,7 @@ def test_validate_catches_a_member_that_differs(monkeypatch):
     switched off, members differing in a constant must be caught by validation."""
     import sys
 
-    monkeypatch.setattr(sys.modules["wide_compiler.api"], "check_members", lambda models: None)
+    monkeypatch.setattr(sys.modules["wide_compiler.fx.pipeline"], "check_members", lambda models: None)
     models = [Signed(1), Signed(-1)]
     compile_fast(models, torch.randn(4, 5))  # without validation nothing notices
     with pytest.raises(wc.ValidationError, match=r"member 1 differs"):

@@ -3,7 +3,7 @@
 See DESIGN §3 and Note [wide layouts] (csrc/wide/ops/layout.cpp). The widen rules of the packed
 family (``wide.conv``, ``wide.conv_transpose``, ``wide.batch_norm``, ``wide.instance_norm``,
 ``wide.group_norm``, ``wide.prelu``) emit ``wide.to_nfirst(op(x, packed_input=False), N)``: every
-value the other rules see is N-first. This pass, run at the end of :func:`~.widen.widen`:
+value the other rules see is N-first. This pass (the "layout" pass of fx/pipeline.py):
 
 1. pushes ``to_nfirst`` down through layout-transparent ops, which give the same member values on
    packed and N-first tensors:
@@ -36,44 +36,22 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["PACKED_OPS", "TRANSPARENT_FOLD_OPS", "plan_layout", "count_conversions"]
+from .table import find_rule, packed_ops
+
+__all__ = ["plan_layout", "count_conversions"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
-wide = torch.ops.wide
-
-PACKED_OPS = {wide.conv.default, wide.conv_transpose.default, wide.batch_norm.default,
-              wide.instance_norm.default, wide.group_norm.default, wide.prelu.default}
-TO_NFIRST = wide.to_nfirst.default
-
-
-def _ops(*specs: str) -> set:
-    out = set()
-    for spec in specs:
-        name, _, ovl = spec.partition(".")
-        op = getattr(getattr(aten, name, None), ovl or "default", None)
-        if op is not None:
-            out.add(op)
-    return out
-
-
-# Per-channel ops run on [N*B, C, *] by folding the member dim into the batch: on a packed
-# [B, N*C, *] tensor they give the same values (each channel plane is processed on its own).
-TRANSPARENT_FOLD_OPS = _ops(
-    "max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices",
-    "max_pool3d_with_indices", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
-    "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
-    "adaptive_max_pool3d", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "feature_dropout",
-    "feature_alpha_dropout", "pad", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d",
-    "replication_pad1d", "replication_pad2d", "replication_pad3d", "upsample_nearest1d.vec",
-    "upsample_nearest2d.vec", "upsample_nearest3d.vec", "_upsample_nearest_exact1d.vec",
-    "_upsample_nearest_exact2d.vec", "_upsample_nearest_exact3d.vec", "upsample_linear1d.vec",
-    "upsample_bilinear2d.vec", "upsample_bicubic2d.vec", "upsample_trilinear3d.vec",
-)
-# Elementwise random ops: one independent draw per element whatever the layout.
-_ELEMENTWISE_RANDOM = _ops("dropout", "alpha_dropout")
+TO_NFIRST = torch.ops.wide.to_nfirst.default
 # Reading sizes of a view is free: such readers do not make a to_nfirst a conversion.
-_SIZE_READERS = _ops("sym_size.int", "sym_numel", "sym_stride.int", "sym_storage_offset")
+_SIZE_READERS = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
+                 aten.sym_storage_offset.default}
+
+
+def _layout(node: fx.Node) -> str:
+    """The layout behaviour of the rule that emitted ``node`` (the table's ``layout``)."""
+    entry = find_rule(node.target)
+    return entry.layout if entry is not None else "nfirst"
 
 
 def _is_to_nfirst(a: Any) -> bool:
@@ -91,15 +69,6 @@ def _member_shape(node: fx.Node, old: dict[str, fx.Node]) -> tuple | None:
     return tuple(str(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def _is_elementwise(node: fx.Node) -> bool:
-    from .rules.pointwise import _pointwise
-    from .widen import find_rule
-
-    if node.target in _ELEMENTWISE_RANDOM:
-        return True
-    return find_rule(node.target) is _pointwise
-
-
 def _wrap(graph: fx.Graph, value: fx.Node, n: int, like: fx.Node, shape: tuple | None) -> fx.Node:
     with graph.inserting_after(value):
         out = graph.call_function(TO_NFIRST, (value, n))
@@ -111,7 +80,7 @@ def _wrap(graph: fx.Graph, value: fx.Node, n: int, like: fx.Node, shape: tuple |
 
 
 def _push_elementwise(graph: fx.Graph, node: fx.Node, n: int, old: dict[str, fx.Node]) -> bool:
-    if not _is_elementwise(node) or not node.users:
+    if _layout(node) != "elementwise" or not node.users:
         return False
     operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
     if not operands or not all(_is_to_nfirst(a) and a.args[1] == n for a in operands):
@@ -150,7 +119,7 @@ def _fold_outputs(node: fx.Node) -> list[tuple[fx.Node, fx.Node]] | None:
 
 
 def _push_fold(graph: fx.Graph, node: fx.Node, n: int, old: dict[str, fx.Node]) -> bool:
-    if node.target not in TRANSPARENT_FOLD_OPS or not node.args:
+    if _layout(node) not in ("fold", "pad") or not node.args:
         return False
     flat = node.args[0]
     if not (isinstance(flat, fx.Node) and flat.target is aten.flatten.using_ints
@@ -173,7 +142,7 @@ def _push_fold(graph: fx.Graph, node: fx.Node, n: int, old: dict[str, fx.Node]) 
 
 def _push_constant_pad(graph: fx.Graph, node: fx.Node, n: int, old: dict[str, fx.Node]) -> bool:
     """Constant padding of spatial dims only (the lead's spatial rule pads N-first directly)."""
-    if node.target not in (aten.pad.default, aten.constant_pad_nd.default) or not _is_to_nfirst(node.args[0]):
+    if _layout(node) != "pad" or not _is_to_nfirst(node.args[0]):
         return False
     mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
     shape = node.args[0].meta.get("wide_member_shape")
@@ -190,8 +159,8 @@ def _push_constant_pad(graph: fx.Graph, node: fx.Node, n: int, old: dict[str, fx
     return True
 
 
-def _feed_packed(node: fx.Node) -> bool:
-    if node.target not in PACKED_OPS or node.kwargs.get("packed_input") or not _is_to_nfirst(node.args[0]):
+def _feed_packed(node: fx.Node, packed: frozenset) -> bool:
+    if node.target not in packed or node.kwargs.get("packed_input") or not _is_to_nfirst(node.args[0]):
         return False
     node.update_arg(0, node.args[0].args[0])
     node.update_kwarg("packed_input", True)
@@ -207,12 +176,13 @@ def plan_layout(graph: fx.Graph, n: int, old_graph: fx.Graph | None = None) -> d
     ``old_graph`` is the captured member graph (for member shapes of the values pushed through).
     """
     old = {nd.name: nd for nd in old_graph.nodes} if old_graph is not None else {}
+    packed = packed_ops()
     for _ in range(len(graph.nodes) + 1):  # each round removes at least one N-first boundary
         changed = False
         for node in list(graph.nodes):
             if node.op != "call_function" or node.graph is not graph:
                 continue
-            changed |= (_feed_packed(node) or _push_fold(graph, node, n, old)
+            changed |= (_feed_packed(node, packed) or _push_fold(graph, node, n, old)
                         or _push_constant_pad(graph, node, n, old) or _push_elementwise(graph, node, n, old))
         for node in list(graph.nodes):
             if _is_to_nfirst(node) and not node.users:
@@ -225,11 +195,12 @@ def plan_layout(graph: fx.Graph, n: int, old_graph: fx.Graph | None = None) -> d
 def count_conversions(graph: fx.Graph) -> dict[str, int]:
     """Mark and count the layout conversions of a planned graph (see the module docstring)."""
     conversions = packed = 0
+    packed_targets = packed_ops()
     for node in graph.nodes:
         node.meta.pop("wide_layout_conversion", None)
         if node.op != "call_function":
             continue
-        if node.target in PACKED_OPS:
+        if node.target in packed_targets:
             packed += 1
             if not node.kwargs.get("packed_input"):
                 conversions += 1

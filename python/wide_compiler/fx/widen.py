@@ -30,8 +30,9 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import UnsupportedOperationError
 from .capture import module_path, source_line
+from .table import RuleEntry, find_rule
 
-__all__ = ["RULES", "TuneSpec", "Wide", "WideGraph", "rule", "widen"]
+__all__ = ["TuneSpec", "Wide", "WideGraph", "WidenContext", "widen"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -70,6 +71,8 @@ class WideGraph:
     fallbacks: list[dict[str, str]]  # nodes run through a fallback: op, node, source, how
     # k when the inputs are exactly k positional tensors (the forward's fast path), else None
     positional_arity: int | None = None
+    # the rule-table rows this graph went through (tests/python/test_rule_coverage.py)
+    rules_used: set = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,28 +95,6 @@ class TuneSpec:
         return self.strategies or (self.default, "loop")
 
 
-Rule = Callable[["WidenContext", fx.Node], Any]
-RULES: dict[Any, Rule] = {}
-# Every strategy name some wide op offers (filled by the rule families): WideConfig checks these.
-STRATEGY_NAMES: set[str] = {"loop"}
-# Ops whose rule runs even when no argument is per member (they read per-member state themselves).
-ALWAYS_WIDEN: set[Any] = set()
-# Passes run on the finished wide graph, in order: fn(graph, n, member_graph) (e.g. the layout plan,
-# fx/layout.py, registered by the rule family that needs it).
-POST_PASSES: list[Callable[[fx.Graph, int, fx.Graph], Any]] = []
-
-
-def rule(*ops) -> Callable[[Rule], Rule]:
-    """Register ``fn`` as the widen rule of ``ops`` (ATen overloads)."""
-
-    def deco(fn: Rule) -> Rule:
-        for op in ops:
-            RULES[op] = fn
-        return fn
-
-    return deco
-
-
 class WidenContext:
     """State of one widen pass: the new graph and the mapping old node -> new value."""
 
@@ -125,6 +106,7 @@ class WidenContext:
         self.graph = fx.Graph()
         self.env: dict[fx.Node, Any] = {}
         self.fallbacks: list[dict[str, str]] = []  # one entry per node run through a fallback
+        self.rules_used: set = set()  # ops whose table row ran
 
     # -- values -------------------------------------------------------------------------------
     def value(self, arg: Any) -> Any:
@@ -247,14 +229,6 @@ def _is_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags
 
 
-def find_rule(target) -> Rule | None:
-    """The rule of an op: its table row, else the pointwise rule for ops tagged pointwise."""
-    fn = RULES.get(target)
-    if fn is None and torch.Tag.pointwise in getattr(target, "tags", ()):
-        fn = RULES.get("pointwise")
-    return fn
-
-
 def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
           opaque_paths: dict[str, str] | None = None) -> WideGraph:
     """Turn the graph of one member into the graph of ``n`` members.
@@ -265,7 +239,7 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
     sig = ep.graph_signature
     ctx = WidenContext(n, strict, opaque_paths)
     inputs: list[GraphInput] = []
-    if any(node.target in ALWAYS_WIDEN for node in ep.graph.nodes):
+    if any((e := find_rule(node.target)) is not None and e.always for node in ep.graph.nodes):
         ctx.root = ctx.graph.placeholder("wide_model")
         inputs.append(GraphInput("root", "", ctx.root))
     kinds = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
@@ -291,16 +265,7 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
             else:  # lifted constants and non-tensor user inputs are shared by all members
                 ctx.env[node] = new
         elif node.op == "call_function":
-            args = [ctx.value(a) for a in node.args] + [ctx.value(a) for a in node.kwargs.values()]
-            fn = find_rule(node.target)
-            if not ctx.is_wide(args) and node.target not in ALWAYS_WIDEN and not (_is_random(node) and fn is not None):
-                if _is_random(node):  # members must draw independently: N draws, stacked
-                    ctx.env[node] = fallback(ctx, node, reason="a random op with no wide rule")
-                    continue
-                ctx.env[node] = ctx.emit(node.target, ctx.value(node.args), ctx.value(node.kwargs),
-                                         like=node, name=node.name)
-                continue
-            ctx.env[node] = fn(ctx, node) if fn is not None else fallback(ctx, node)
+            ctx.env[node] = _widen_node(ctx, node)
         elif node.op == "output":
             outs = node.args[0]
             mutated = []
@@ -319,16 +284,30 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
         else:
             raise UnsupportedOperationError(f"wide_compiler: unexpected graph node {node.op} {node.target}")
 
-    for post in POST_PASSES:
-        post(ctx.graph, n, ep.graph)
     ctx.graph.lint()
     gm = fx.GraphModule(torch.nn.Module(), ctx.graph, class_name="WideGraph")
     users = [i for i in inputs if i.kind == "user"]
     arity = len(users) if all(i.member_shape is not None for i in users) and \
         tree_flatten((tuple(range(len(users))), {}))[1] == ep.call_spec.in_spec else None
-    return WideGraph(gm, inputs, mutated, ep.call_spec.in_spec, ep.call_spec.out_spec, ctx.fallbacks, arity)
+    return WideGraph(gm, inputs, mutated, ep.call_spec.in_spec, ep.call_spec.out_spec, ctx.fallbacks, arity,
+                     ctx.rules_used)
 
 
-# Rule families register themselves into RULES on import (one family per file, DESIGN §8).
+def _widen_node(ctx: WidenContext, node: fx.Node) -> Any:
+    """The wide value of one call node: its rule's, a shared copy, or the fallback's."""
+    entry: RuleEntry | None = find_rule(node.target)
+    args = [ctx.value(a) for a in node.args] + [ctx.value(a) for a in node.kwargs.values()]
+    if not ctx.is_wide(args) and not (entry is not None and (entry.always or _is_random(node))):
+        if _is_random(node):  # members must draw independently: N draws, stacked
+            return fallback(ctx, node, reason="a random op with no wide rule")
+        # every member would compute the same value: one shared copy
+        return ctx.emit(node.target, ctx.value(node.args), ctx.value(node.kwargs), like=node, name=node.name)
+    if entry is None:
+        return fallback(ctx, node)
+    ctx.rules_used.add(entry.op)
+    return entry.fn(ctx, node)
+
+
+# Rule families register themselves in the table on import (one family per file, DESIGN §8).
 from . import rules  # noqa: E402,F401
 from .fallback import fallback  # noqa: E402

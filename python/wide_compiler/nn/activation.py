@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .. import functional as WF
 from ._common import check_members, stack_param
 
 __all__ = ["WidePReLU"]
@@ -37,14 +38,7 @@ class WidePReLU(nn.Module):
         return cls(stack_param(modules, "weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        unbatched = x.dim() == 2
-        if unbatched and self.num_parameters != 1:
-            raise ValueError(f"WidePReLU: a 1-d member input has one channel, so num_parameters must be 1 "
-                             f"(as nn.PReLU), got {self.num_parameters}")
-        if unbatched:
-            x = x.unsqueeze(1)
-        y = torch.ops.wide.to_nfirst(torch.ops.wide.prelu(x, self.weight), self.n)
-        return y.squeeze(1) if unbatched else y
+        return WF.prelu(x, self.weight)
 
     def unfuse(self) -> list[nn.PReLU]:
         """N ordinary ``nn.PReLU`` with copies of the members' slopes."""

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from .. import functional as WF
 from ._common import check_members, copy_member, stack_param
 
 __all__ = ["WideConv1d", "WideConv2d", "WideConv3d", "WideConvTranspose1d", "WideConvTranspose2d",
@@ -17,12 +17,6 @@ __all__ = ["WideConv1d", "WideConv2d", "WideConv3d", "WideConvTranspose1d", "Wid
 
 _ATTRS = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups",
           "padding_mode", "output_padding", "transposed", "weight", "bias")
-
-
-def _same_padding(kernel, dilation, stride) -> list[int]:
-    from ..fx.rules.conv import same_padding
-
-    return same_padding(list(kernel), list(dilation), list(stride))
 
 
 class _WideConvNd(nn.Module):
@@ -56,18 +50,6 @@ class _WideConvNd(nn.Module):
             out.append(m)
         return out
 
-    def _prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        d = self._d
-        if x.dim() not in (d + 2, d + 3):
-            raise ValueError(f"{type(self).__name__}: expected N-first input [N, B, C, *] with {d + 3} dims "
-                             f"(or {d + 2} for unbatched members), got {list(x.shape)}")
-        unbatched = x.dim() == d + 2
-        return (x.unsqueeze(1) if unbatched else x), unbatched
-
-    def _finish(self, y: torch.Tensor, unbatched: bool) -> torch.Tensor:
-        out = torch.ops.wide.to_nfirst(y, self.n)
-        return out.squeeze(1) if unbatched else out
-
     def extra_repr(self) -> str:
         return f"n={self.n}, {self._template.extra_repr()}, strategy={self.strategy!r}"
 
@@ -75,30 +57,17 @@ class _WideConvNd(nn.Module):
 class _WideConv(_WideConvNd):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self._template
-        x, unbatched = self._prepare(x)
-        if t.padding_mode != "zeros":
-            flat = F.pad(x.flatten(0, 1), t._reversed_padding_repeated_twice, mode=t.padding_mode)
-            x = flat.unflatten(0, (self.n, -1))
-            padding = [0] * self._d
-        elif isinstance(t.padding, str):
-            padding = [0] * self._d if t.padding == "valid" else _same_padding(t.kernel_size, t.dilation, t.stride)
-        else:
-            padding = list(t.padding)
-        y = torch.ops.wide.conv(x, self.weight, self.bias, list(t.stride), padding, list(t.dilation), t.groups,
-                                strategy=self.strategy)
-        return self._finish(y, unbatched)
+        return WF.conv(x, self.weight, self.bias, t.stride, t.padding, t.dilation, t.groups,
+                       padding_mode=t.padding_mode, strategy=self.strategy)
 
 
 class _WideConvTranspose(_WideConvNd):
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         t = self._template
-        x, unbatched = self._prepare(x)
         output_padding = t._output_padding(x[0], output_size, t.stride, t.padding, t.kernel_size,
                                            self._d, t.dilation)
-        y = torch.ops.wide.conv_transpose(x, self.weight, self.bias, list(t.stride), list(t.padding),
-                                          list(output_padding), t.groups, list(t.dilation),
-                                          strategy=self.strategy)
-        return self._finish(y, unbatched)
+        return WF.conv_transpose(x, self.weight, self.bias, t.stride, t.padding, output_padding, t.groups,
+                                 t.dilation, strategy=self.strategy)
 
 
 class WideConv1d(_WideConv):

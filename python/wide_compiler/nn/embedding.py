@@ -8,11 +8,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .. import functional as WF
 from ._common import check_members, copy_member, stack_param
 
 __all__ = ["WideEmbedding", "WideEmbeddingBag"]
-
-_MODES = {"sum": 0, "mean": 1, "max": 2}
 
 
 class _WideTable(nn.Module):
@@ -39,12 +38,6 @@ class _WideTable(nn.Module):
             out.append(m)
         return out
 
-    def _renorm(self, indices: torch.Tensor) -> None:
-        t = self._template
-        if t.max_norm is not None:
-            with torch.no_grad():
-                torch.ops.wide.embedding_renorm_(self.weight.detach(), indices, t.max_norm, t.norm_type)
-
     def extra_repr(self) -> str:
         return f"n={self.n}, {self._template.extra_repr()}"
 
@@ -68,11 +61,8 @@ class WideEmbedding(_WideTable):
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         t = self._template
-        if t.sparse:
-            raise ValueError("WideEmbedding: sparse=True gradients are not supported")
-        self._renorm(indices)
-        pad = -1 if t.padding_idx is None else t.padding_idx
-        return torch.ops.wide.embedding(self.weight, indices, pad, t.scale_grad_by_freq, False)
+        return WF.embedding(indices, self.weight, t.padding_idx, t.max_norm, t.norm_type, t.scale_grad_by_freq,
+                            t.sparse)
 
 
 class WideEmbeddingBag(_WideTable):
@@ -97,9 +87,5 @@ class WideEmbeddingBag(_WideTable):
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         t = self._template
-        if t.sparse:
-            raise ValueError("WideEmbeddingBag: sparse=True gradients are not supported")
-        self._renorm(input)
-        pad = -1 if t.padding_idx is None else t.padding_idx
-        return torch.ops.wide.embedding_bag(self.weight, input, offsets, t.scale_grad_by_freq, _MODES[t.mode],
-                                            False, per_sample_weights, t.include_last_offset, pad)
+        return WF.embedding_bag(input, self.weight, offsets, t.max_norm, t.norm_type, t.scale_grad_by_freq, t.mode,
+                                t.sparse, per_sample_weights, t.include_last_offset, t.padding_idx)

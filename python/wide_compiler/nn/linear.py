@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .. import functional as WF
 from ..errors import ArchitectureMismatchError
 
 __all__ = ["WideLinear"]
@@ -88,7 +89,7 @@ class WideLinear(nn.Module):
         return wide
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.wide.linear(x, self.weight, self.bias, strategy=self.strategy)
+        return WF.linear(x, self.weight, self.bias, strategy=self.strategy)
 
     def unfuse(self) -> list[nn.Linear]:
         """N ordinary ``nn.Linear`` modules holding copies of the members' weights."""

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .. import functional as WF
 from ._common import check_members, copy_member, stack_buffer, stack_param
 
 __all__ = ["WideBatchNorm1d", "WideBatchNorm2d", "WideBatchNorm3d", "WideInstanceNorm1d",
@@ -66,20 +67,14 @@ class _WideBatchNorm(_WideNorm):
         if x.dim() - 1 not in self._ranks:
             raise ValueError(f"{type(self).__name__}: expected N-first input with {[r + 1 for r in self._ranks]} "
                              f"dims, got {list(x.shape)}")
-        factor = 0.0 if t.momentum is None else t.momentum
+        factor = 0.0
         if self.training and t.track_running_stats:
             self.num_batches_tracked.add_(1)
-            if t.momentum is None:
-                counts = self.num_batches_tracked
-                if not bool((counts == counts[0]).all()):
-                    raise ValueError(f"{type(self).__name__}: momentum=None (cumulative average) needs every "
-                                     f"member to have seen the same number of batches, got {counts.tolist()}")
-                factor = 1.0 / float(counts[0])
+            factor = WF.batch_norm_factor(t.momentum, self.num_batches_tracked)
         use_batch = self.training or (self.running_mean is None and self.running_var is None)
         keep = not self.training or t.track_running_stats
-        y = torch.ops.wide.batch_norm(x, self.weight, self.bias, self.running_mean if keep else None,
-                                      self.running_var if keep else None, use_batch, factor, t.eps)
-        return torch.ops.wide.to_nfirst(y, self.n)
+        return WF.batch_norm(x, self.running_mean if keep else None, self.running_var if keep else None,
+                             self.weight, self.bias, use_batch, factor, t.eps)
 
 
 class WideBatchNorm1d(_WideBatchNorm):
@@ -119,17 +114,9 @@ class _WideInstanceNorm(_WideNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self._template
-        if x.dim() not in (self._d + 2, self._d + 3):
-            raise ValueError(f"{type(self).__name__}: expected N-first input [N, B, C, *] with {self._d + 3} "
-                             f"dims (or {self._d + 2} for unbatched members), got {list(x.shape)}")
-        unbatched = x.dim() == self._d + 2
-        if unbatched:
-            x = x.unsqueeze(1)
-        y = torch.ops.wide.instance_norm(
-            x, self.weight, self.bias, getattr(self, "running_mean", None), getattr(self, "running_var", None),
-            self.training or not t.track_running_stats, t.momentum if t.momentum is not None else 0.0, t.eps)
-        out = torch.ops.wide.to_nfirst(y, self.n)
-        return out.squeeze(1) if unbatched else out
+        return WF.instance_norm(x, getattr(self, "running_mean", None), getattr(self, "running_var", None),
+                                self.weight, self.bias, self.training or not t.track_running_stats,
+                                t.momentum if t.momentum is not None else 0.0, t.eps, spatial=self._d)
 
 
 class WideInstanceNorm1d(_WideInstanceNorm):
@@ -174,8 +161,7 @@ class WideGroupNorm(_WideNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self._template
-        y = torch.ops.wide.group_norm(x, self.n, t.num_groups, self.weight, self.bias, t.eps)
-        return torch.ops.wide.to_nfirst(y, self.n)
+        return WF.group_norm(x, t.num_groups, self.weight, self.bias, t.eps)
 
 
 class WideLayerNorm(_WideNorm):
@@ -194,7 +180,7 @@ class WideLayerNorm(_WideNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self._template
-        return torch.ops.wide.layer_norm(x, list(t.normalized_shape), self.weight, self.bias, t.eps)
+        return WF.layer_norm(x, t.normalized_shape, self.weight, self.bias, t.eps)
 
 
 class WideRMSNorm(_WideNorm):
@@ -213,4 +199,4 @@ class WideRMSNorm(_WideNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self._template
-        return torch.ops.wide.rms_norm(x, list(t.normalized_shape), self.weight, t.eps)
+        return WF.rms_norm(x, t.normalized_shape, self.weight, t.eps)

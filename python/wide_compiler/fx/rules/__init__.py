@@ -1,18 +1,12 @@
-"""Widen rule families, one per file; importing this package fills ``widen.RULES``.
+"""Widen rule families, one per file (as functorch's ``BatchRules*.cpp``); importing this package
+registers every family's rows in the rule table (fx/table.py, Note [Adding a widen rule]).
 
-A new family is a new file here plus one import line below."""
+Families are discovered: a new file here is a new family, with no import list to edit. Files
+whose name starts with ``_`` hold shared rule templates and register nothing themselves.
+"""
 
-from . import (  # noqa: F401  # noqa: F401  (vision and tabular ops)
-    conv,
-    creation,
-    embedding,
-    linear,
-    matmul,
-    norm,
-    pointwise,
-    pooling,
-    reduction,
-    registered,
-    shape,
-    spatial,
-)
+import importlib
+import pkgutil
+
+for _info in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_info.name}")

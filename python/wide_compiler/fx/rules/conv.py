@@ -12,43 +12,17 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..widen import (
-    STRATEGY_NAMES,
-    TuneSpec,
-    Wide,
-    WidenContext,
-    concrete_shape,
-    member_rank,
-    rule,
-)
+from ...functional import conv_padding, spatial_list
+from ..table import rule
+from ..widen import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
+from ._packed import packed_result
 
 aten = torch.ops.aten
-STRATEGY_NAMES.add("grouped")
 wide = torch.ops.wide
+_STRATEGIES = ("grouped", "loop")
+_PACKED = {"layout": "packed", "strategies": _STRATEGIES}
 
-__all__ = ["conv_candidates", "packed_result", "spatial_list"]
-
-
-def spatial_list(v, d: int) -> list:
-    """An int or a 1- or d-element list as a d-element list."""
-    if isinstance(v, (list, tuple)):
-        v = list(v)
-        return v * d if len(v) == 1 else v
-    return [v] * d
-
-
-def same_padding(kernel: list[int], dilation: list[int], stride: list[int]) -> list[int]:
-    """padding='same' as one value per dim, or (left, right) per dim in F.pad order (last dim
-    first) when some total padding is odd (even kernels): the extra pad goes right, as in ATen."""
-    if any(s != 1 for s in stride):
-        raise ValueError("padding='same' is not supported for strided convolutions")
-    totals = [dl * (k - 1) for k, dl in zip(kernel, dilation)]
-    if all(t % 2 == 0 for t in totals):
-        return [t // 2 for t in totals]
-    out: list[int] = []
-    for t in reversed(totals):
-        out += [t // 2, t - t // 2]
-    return out
+__all__ = ["conv_candidates"]
 
 
 def conv_candidates(op, n: int, shapes: dict, opts: dict) -> dict:
@@ -61,18 +35,7 @@ def conv_candidates(op, n: int, shapes: dict, opts: dict) -> dict:
     b = torch.randn(n, shapes["bias_features"], **opts) if shapes["bias_features"] else None
     args = shapes["args"]
     return {s: (lambda s=s: op(x, w, b, *args, packed_input=bool(shapes.get("packed_input")), strategy=s))
-            for s in ("grouped", "loop")}
-
-
-def packed_result(ctx: WidenContext, node: fx.Node, packed: fx.Node, unbatched: bool = False) -> Wide:
-    """``to_nfirst`` of a packed op's result (and the unbatched squeeze), as the node's value."""
-    out = ctx.emit(wide.to_nfirst.default, (packed, ctx.n), like=node,
-                   name=None if unbatched else node.name)
-    shape = node.meta["val"].shape
-    out.meta["wide_member_shape"] = tuple(str(s) for s in ((1, *shape) if unbatched else shape))
-    if unbatched:
-        out = ctx.emit(aten.squeeze.dim, (out, 1), like=node, name=node.name)
-    return Wide(out, member_rank(node))
+            for s in _STRATEGIES}
 
 
 def _conv(ctx: WidenContext, node: fx.Node, transposed: bool) -> Wide:
@@ -97,19 +60,10 @@ def _conv(ctx: WidenContext, node: fx.Node, transposed: bool) -> Wide:
         args = (stride, padding, spatial_list(a["output_padding"], d), a["groups"], dilation)
         op = wide.conv_transpose.default
     else:
-        padding = a["padding"]
-        if isinstance(padding, str):
-            if padding == "valid":
-                padding = [0] * d
-            elif padding == "same":
-                try:
-                    padding = same_padding(kernel, dilation, stride)
-                except ValueError as e:
-                    raise ctx.fail(node, str(e)) from None
-            else:
-                raise ctx.fail(node, f"unknown padding {padding!r}")
-        else:
-            padding = spatial_list(padding, d)
+        try:
+            padding = conv_padding(a["padding"], kernel, dilation, stride)
+        except ValueError as e:
+            raise ctx.fail(node, str(e)) from None
         args = (stride, padding, dilation, a["groups"])
         op = wide.conv.default
     packed = ctx.emit(op, (xn, a["weight"].node, bias, *args), {"packed_input": False, "strategy": "auto"},
@@ -127,33 +81,20 @@ def _conv(ctx: WidenContext, node: fx.Node, transposed: bool) -> Wide:
 
 
 @rule(aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
-      aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding)
+      aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding, packed=wide.conv.default, **_PACKED)
 def _conv_rule(ctx: WidenContext, node: fx.Node) -> Wide:
     return _conv(ctx, node, transposed=False)
 
 
-@rule(aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input)
+@rule(aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input,
+      packed=wide.conv_transpose.default, **_PACKED)
 def _conv_transpose_rule(ctx: WidenContext, node: fx.Node) -> Wide:
     return _conv(ctx, node, transposed=True)
 
 
-@rule(aten.convolution.default)
+@rule(aten.convolution.default, packed=(wide.conv.default, wide.conv_transpose.default), **_PACKED)
 def _convolution_rule(ctx: WidenContext, node: fx.Node) -> Wide:
     transposed = node.args[6] if len(node.args) > 6 else node.kwargs["transposed"]
     if not transposed and any(int(p) for p in (node.args[7] if len(node.args) > 7 else [])):
         raise ctx.fail(node, "output_padding on a non-transposed convolution")
     return _conv(ctx, node, transposed=bool(transposed))
-
-
-def _register_layout_plan() -> None:
-    from .. import widen as _widen
-    from ..layout import plan_layout
-
-    def layout_pass(graph: fx.Graph, n: int, member_graph: fx.Graph) -> None:
-        plan_layout(graph, n, member_graph)
-
-    if not any(getattr(p, "__name__", "") == "layout_pass" for p in _widen.POST_PASSES):
-        _widen.POST_PASSES.append(layout_pass)
-
-
-_register_layout_plan()

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..widen import Wide, WidenContext, member_rank, rule
+from ..table import rule
+from ..widen import Wide, WidenContext, member_rank
 
 aten = torch.ops.aten
 

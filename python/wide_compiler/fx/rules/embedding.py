@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..widen import Wide, WidenContext, concrete_shape, member_rank, rule
+from ..table import rule
+from ..widen import Wide, WidenContext, concrete_shape, member_rank
 
 aten = torch.ops.aten
 wide = torch.ops.wide

@@ -5,19 +5,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..widen import (
-    STRATEGY_NAMES,
-    TuneSpec,
-    Wide,
-    WidenContext,
-    concrete_shape,
-    member_rank,
-    rule,
-)
+from ..table import rule
+from ..widen import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
 
 aten = torch.ops.aten
 _STRATEGIES = ("bmm", "bmm_t", "loop")
-STRATEGY_NAMES.update(_STRATEGIES)
 
 
 def _linear_candidates(n: int, shapes: dict, has_bias: bool, opts: dict) -> dict:
@@ -29,7 +21,7 @@ def _linear_candidates(n: int, shapes: dict, has_bias: bool, opts: dict) -> dict
 
 
 
-@rule(aten.linear.default)
+@rule(aten.linear.default, strategies=_STRATEGIES)
 def _linear(ctx: WidenContext, node: fx.Node) -> Wide:
     x, w, *rest = node.args
     b = rest[0] if rest else node.kwargs.get("bias")

@@ -8,7 +8,8 @@ import string
 import torch
 from torch import fx
 
-from ..widen import Wide, WidenContext, member_rank, rule
+from ..table import rule
+from ..widen import Wide, WidenContext, member_rank
 
 aten = torch.ops.aten
 

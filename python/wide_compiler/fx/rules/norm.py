@@ -13,20 +13,13 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..widen import (
-    STRATEGY_NAMES,
-    TuneSpec,
-    Wide,
-    WidenContext,
-    concrete_shape,
-    member_rank,
-    rule,
-)
-from .conv import packed_result
+from ..table import rule
+from ..widen import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
+from ._packed import packed_result
 
 aten = torch.ops.aten
-STRATEGY_NAMES.add("fused")
 wide = torch.ops.wide
+_LAYER_NORM_STRATEGIES = ("fused", "loop")
 
 
 def _param(ctx: WidenContext, node: fx.Node, v, rank: int):
@@ -36,54 +29,54 @@ def _param(ctx: WidenContext, node: fx.Node, v, rank: int):
     return ctx.as_wide(v, rank, node).node
 
 
-def _activation(ctx: WidenContext, node: fx.Node, v, min_rank: int) -> tuple[fx.Node, bool]:
+def _activation(ctx: WidenContext, node: fx.Node, v, min_rank: int) -> fx.Node:
     rank = member_rank(node.args[0])
     if rank < min_rank:
         raise ctx.fail(node, f"expected a member input of at least {min_rank} dims, got {rank}")
-    return ctx.as_wide(v, rank, node).node, False
+    return ctx.as_wide(v, rank, node).node
 
 
-def _mark(node: fx.Node, packed: fx.Node, op: str, old: fx.Node) -> None:
+def _mark(node: fx.Node, packed: fx.Node, op: str) -> None:
     packed.meta["wide_op"] = op
-    packed.meta["wide_shapes"] = {"input": concrete_shape(old.args[0]), "packed_input": False}
+    packed.meta["wide_shapes"] = {"input": concrete_shape(node.args[0]), "packed_input": False}
 
 
 def _running_stats_norm(ctx: WidenContext, node: fx.Node, target, min_rank: int, use_stats: str) -> Wide:
     """Batch/instance norm: per-member affine and running statistics (updated in place)."""
     a = ctx.schema_args(node)
-    x, _ = _activation(ctx, node, a["input"], min_rank)
+    x = _activation(ctx, node, a["input"], min_rank)
     if a["running_mean"] is not None and not isinstance(a["running_mean"], Wide):
         raise ctx.fail(node, "running stats that are not per-member buffers")
     args = (x, _param(ctx, node, a["weight"], 1), _param(ctx, node, a["bias"], 1),
             _param(ctx, node, a["running_mean"], 1), _param(ctx, node, a["running_var"], 1),
             a[use_stats], a["momentum"], a["eps"])
     packed = ctx.emit(target, args, {"packed_input": False}, like=node)
-    _mark(node, packed, f"wide.{target._schema.name.split('::')[-1]}", node)
+    _mark(node, packed, f"wide.{target._schema.name.split('::')[-1]}")
     return packed_result(ctx, node, packed)
 
 
-@rule(aten.batch_norm.default)
+@rule(aten.batch_norm.default, layout="packed", packed=wide.batch_norm.default)
 def _batch_norm(ctx: WidenContext, node: fx.Node) -> Wide:
     return _running_stats_norm(ctx, node, wide.batch_norm.default, 2, "training")
 
 
-@rule(aten.instance_norm.default)
+@rule(aten.instance_norm.default, layout="packed", packed=wide.instance_norm.default)
 def _instance_norm(ctx: WidenContext, node: fx.Node) -> Wide:
     return _running_stats_norm(ctx, node, wide.instance_norm.default, 3, "use_input_stats")
 
 
-@rule(aten.group_norm.default)
+@rule(aten.group_norm.default, layout="packed", packed=wide.group_norm.default)
 def _group_norm(ctx: WidenContext, node: fx.Node) -> Wide:
     a = ctx.schema_args(node)
-    x, _ = _activation(ctx, node, a["input"], 2)
+    x = _activation(ctx, node, a["input"], 2)
     args = (x, ctx.n, a["num_groups"], _param(ctx, node, a["weight"], 1),
             _param(ctx, node, a["bias"], 1), a["eps"])
     packed = ctx.emit(wide.group_norm.default, args, {"packed_input": False}, like=node)
-    _mark(node, packed, "wide.group_norm", node)
+    _mark(node, packed, "wide.group_norm")
     return packed_result(ctx, node, packed)
 
 
-@rule(aten.prelu.default)
+@rule(aten.prelu.default, layout="packed", packed=wide.prelu.default)
 def _prelu(ctx: WidenContext, node: fx.Node) -> Wide:
     a = ctx.schema_args(node)
     rank = member_rank(node.args[0])
@@ -99,11 +92,11 @@ def _prelu(ctx: WidenContext, node: fx.Node) -> Wide:
         x = ctx.emit(aten.unsqueeze.default, (x, 1), like=node)
     packed = ctx.emit(wide.prelu.default, (x, _param(ctx, node, a["weight"], 1)), {"packed_input": False},
                       like=node)
-    _mark(node, packed, "wide.prelu", node)
+    _mark(node, packed, "wide.prelu")
     return packed_result(ctx, node, packed, unbatched)
 
 
-@rule(aten.layer_norm.default)
+@rule(aten.layer_norm.default, strategies=_LAYER_NORM_STRATEGIES)
 def _layer_norm(ctx: WidenContext, node: fx.Node) -> Wide:
     a = ctx.schema_args(node)
     rank = member_rank(node.args[0])
@@ -125,7 +118,7 @@ def _layer_norm_candidates(n: int, shapes: dict, eps: float, opts: dict) -> dict
     w = torch.randn(n, *shapes["normalized_shape"], **opts) if shapes["weight"] else None
     b = torch.randn(n, *shapes["normalized_shape"], **opts) if shapes["bias"] else None
     return {s: (lambda s=s: wide.layer_norm(x, shapes["normalized_shape"], w, b, eps, strategy=s))
-            for s in ("fused", "loop")}
+            for s in _LAYER_NORM_STRATEGIES}
 
 
 @rule(aten.rms_norm.default)

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-import torch
 from torch import fx
 
-from ..widen import RULES, Wide, WidenContext, member_rank, rule
-
-aten = torch.ops.aten
-
-log = logging.getLogger(__name__)
+from ..table import rows, rule
+from ..widen import Wide, WidenContext, member_rank
 
 # --- family: pointwise -----------------------------------------------------------------------
 # Unary: the wide tensor is the first argument; the rest are non-tensor options.
@@ -20,7 +15,7 @@ _UNARY = [
     "relu", "relu_", "gelu", "gelu_", "silu", "silu_", "tanh", "tanh_", "sigmoid", "sigmoid_",
     "leaky_relu", "leaky_relu_", "hardtanh", "hardtanh_", "elu", "elu_", "celu", "celu_", "selu",
     "selu_", "softplus", "mish", "mish_", "hardswish", "hardswish_", "hardsigmoid", "hardsigmoid_",
-    "logsigmoid", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "square",
+    "log_sigmoid", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "square",
     "reciprocal", "clamp", "clamp_", "clone", "alias", "detach", "erf", "sign", "rrelu",
     "contiguous", "lift_fresh_copy", "to.dtype", "to.dtype_layout", "to.device", "to.other",
     "_to_copy", "type_as", "masked_fill.Scalar", "masked_fill.Tensor", "where.self", "lerp.Scalar",
@@ -38,12 +33,6 @@ _BINARY = [
 # Memory formats are layouts of one member's dims (channels_last needs a 4-D tensor): the wide
 # tensor keeps its own layout; values are unchanged.
 _DROP_KWARGS = ("memory_format",)
-
-
-def _overload(spec: str):
-    name, _, overload = spec.partition(".")
-    packet = getattr(aten, name)
-    return getattr(packet, overload or "default")
 
 
 def _pointwise(ctx: WidenContext, node: fx.Node) -> Wide:
@@ -64,9 +53,6 @@ def _pointwise(ctx: WidenContext, node: fx.Node) -> Wide:
     return Wide(ctx.emit(node.target, args, kwargs, like=node, name=node.name), rank)
 
 
-RULES["pointwise"] = _pointwise  # any op tagged torch.Tag.pointwise (see widen.find_rule)
-for _spec in _UNARY + _BINARY:
-    try:
-        rule(_overload(_spec))(_pointwise)
-    except AttributeError:  # an op this torch build does not have
-        log.debug("wide_compiler: no aten op %s in this torch", _spec)
+# Same member values on packed and N-first tensors of one member shape: "elementwise" layout.
+rule(layout="elementwise", tagged_pointwise=True)(_pointwise)  # any op tagged torch.Tag.pointwise
+rows(_pointwise, _UNARY + _BINARY, layout="elementwise")

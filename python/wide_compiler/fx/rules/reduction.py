@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..widen import Wide, WidenContext, member_rank, rule
+from ..table import rows, rule
+from ..widen import Wide, WidenContext, member_rank
 
 aten = torch.ops.aten
 
@@ -19,7 +20,7 @@ DIM_ARGS = ("dim", "dims", "dim0", "dim1", "dim2", "start_dim", "end_dim", "sour
 FLATTEN_WHEN_NO_DIM = {aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor}
 
 
-def shift_dim(d, rank: int):
+def shift_dim(d: int) -> int:
     """A member dim index -> the wide dim index (negative indices count from the end: unchanged)."""
     return d + 1 if d >= 0 else d
 
@@ -36,10 +37,10 @@ def is_tensor_arg(op, name: str) -> bool:
     return isinstance(_arg_type(op, name), torch.TensorType)
 
 
-def shift_dims(value, rank: int):
+def shift_dims(value):
     if isinstance(value, (list, tuple)):
-        return [shift_dim(d, rank) for d in value]
-    return shift_dim(value, rank)
+        return [shift_dim(d) for d in value]
+    return shift_dim(value)
 
 
 def dim_rule(ctx: WidenContext, node: fx.Node):
@@ -71,7 +72,7 @@ def dim_rule(ctx: WidenContext, node: fx.Node):
                 values[name] = 1
                 flattened = True
         elif v is not None:
-            values[name] = shift_dims(v, rank)
+            values[name] = shift_dims(v)
     for name, v in values.items():
         if name == first or not isinstance(v, (Wide, fx.Node)) or not is_tensor_arg(node.target, name):
             continue
@@ -112,11 +113,7 @@ _DIM_OPS = [
     "index_fill.int_Tensor", "diag_embed.default",
 ]
 
-for _spec in _DIM_OPS:
-    _name, _, _ovl = _spec.partition(".")
-    _op = getattr(getattr(aten, _name, None), _ovl or "default", None)
-    if _op is not None:
-        rule(_op)(dim_rule)
+rows(dim_rule, _DIM_OPS)
 
 
 # Reductions with no dim at all: reduce over the member's dims, per member.

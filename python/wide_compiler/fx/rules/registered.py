@@ -7,13 +7,12 @@ import torch
 from torch import fx
 
 from ...registry import call_registered
-from ..widen import ALWAYS_WIDEN, WidenContext, member_rank, rule
+from ..table import rule
+from ..widen import WidenContext, member_rank
 
 _OPAQUE = torch.ops.wide_compiler.opaque_module.default
-ALWAYS_WIDEN.add(_OPAQUE)
 
-
-@rule(_OPAQUE)
+@rule(_OPAQUE, always=True)
 def _registered(ctx: WidenContext, node: fx.Node):
     path = ctx.opaque_paths.get(node.args[0])
     if path is None or ctx.root is None:

@@ -12,7 +12,8 @@ import operator
 import torch
 from torch import fx
 
-from ..widen import Wide, WidenContext, member_rank, rule
+from ..table import rows, rule
+from ..widen import Wide, WidenContext, member_rank
 from .reduction import dim_rule
 
 aten = torch.ops.aten
@@ -26,8 +27,7 @@ _DIM_SHAPE_OPS = [
     aten.movedim.int, aten.movedim.intlist, aten.diagonal.default, aten.index_select.default,
     aten.repeat_interleave.self_int, aten.unfold.default, aten.swapaxes.default, aten.swapdims.default,
 ]
-for _op in _DIM_SHAPE_OPS:
-    rule(_op)(dim_rule)
+rows(dim_rule, _DIM_SHAPE_OPS)
 
 
 def _wide(ctx: WidenContext, node: fx.Node, i: int = 0) -> Wide:

@@ -1,0 +1,157 @@
+"""The compiler pipeline: N members -> one wide graph, as named passes run from an explicit list.
+
+    check_members -> capture -> check_traced_members -> widen -> layout -> strategies
+
+Each pass is an ordinary function of a :class:`Compilation` (what the passes read and write) with
+a check before (what it needs is there) and after (its result is well formed), in the style of
+torch.fx's pass infrastructure. :class:`~wide_compiler.WideModel` runs the pipeline for its first
+train/eval mode and again, lazily, for the other; it only holds parameters, runs the graph and
+answers inspection. Runs are serialised by one lock: export is not thread-safe, and a failed run
+leaves nothing behind (the model builds a new :class:`Compilation` per run).
+
+Example:
+    >>> import torch
+    >>> from wide_compiler import WideConfig
+    >>> from wide_compiler.fx.pipeline import Compilation, run_pipeline
+    >>> models = [torch.nn.Linear(4, 2) for _ in range(3)]
+    >>> c = run_pipeline(Compilation(models[0], ((torch.randn(5, 4),), {}), n=3,
+    ...                              config=WideConfig.fast(), members=models))
+    >>> [name for name, _ in c.log]
+    ['check_members', 'capture', 'check_traced_members', 'widen', 'layout', 'strategies']
+    >>> c.wide.graph_module.graph.find_nodes(op="call_function", target=torch.ops.wide.linear.default)[0].kwargs
+    {'strategy': 'bmm'}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.export import ExportedProgram
+
+from ..config import WideConfig
+from .capture import capture, check_members, check_traced_members
+from .layout import plan_layout
+from .strategy import choose_strategies
+from .widen import WideGraph, widen
+
+__all__ = ["PASSES", "Compilation", "Pass", "run_pipeline"]
+
+log = logging.getLogger(__name__)
+_LOCK = threading.RLock()
+
+
+@dataclasses.dataclass
+class Compilation:
+    """The state the passes share: inputs first, then what each pass produces."""
+
+    model: nn.Module  # what is captured: member 0 (registered modules made opaque), in its mode
+    sample: tuple[tuple, dict]  # one member's (args, kwargs)
+    n: int
+    config: WideConfig
+    members: Sequence[nn.Module] | None = None  # all members, for the member checks (None: skip)
+    dynamic_shapes: Any = None
+    opaque_paths: dict[str, str] = dataclasses.field(default_factory=dict)  # opaque key -> path
+    # where the wide parameters live (strategies are measured there); default: the model's
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
+    # produced by the passes
+    ep: ExportedProgram | None = None
+    wide: WideGraph | None = None
+    layout: dict[str, int] | None = None  # {"conversions": k, "packed_ops": m}
+    timings: dict[str, dict[str, float] | None] = dataclasses.field(default_factory=dict)
+    log: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # (pass, seconds) run
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """A named pass: ``run`` mutates the :class:`Compilation`; ``requires`` names the fields it
+    reads (checked before), ``check`` validates its result (after)."""
+
+    name: str
+    run: Callable[[Compilation], None]
+    requires: tuple[str, ...] = ()
+    check: Callable[[Compilation], None] | None = None
+
+
+def _check_members(c: Compilation) -> None:
+    if c.members is not None:
+        check_members(c.members)
+
+
+def _capture(c: Compilation) -> None:
+    args, kwargs = c.sample
+    c.ep = capture(c.model, args, kwargs, dynamic_shapes=c.dynamic_shapes)
+
+
+def _check_traced_members(c: Compilation) -> None:
+    if c.members is not None and c.config.trace_members:
+        check_traced_members(c.members, *c.sample, c.dynamic_shapes, ref=c.ep)
+
+
+def _widen(c: Compilation) -> None:
+    c.wide = widen(c.ep, c.n, strict=c.config.strict, opaque_paths=c.opaque_paths)
+
+
+def _layout(c: Compilation) -> None:
+    c.layout = plan_layout(c.wide.graph_module.graph, c.n, c.ep.graph)
+
+
+def _strategies(c: Compilation) -> None:
+    ref = next(c.model.parameters(), None)
+    dtype = c.dtype or (ref.dtype if ref is not None else torch.get_default_dtype())
+    device = c.device or (ref.device if ref is not None else torch.device("cpu"))
+    c.timings = choose_strategies(c.wide.graph_module.graph, c.n, c.config, training=c.training,
+                                  dtype=dtype, device=device)
+
+
+def _lint(c: Compilation) -> None:
+    c.wide.graph_module.graph.lint()
+
+
+def _all_chosen(c: Compilation) -> None:
+    for node in c.wide.graph_module.graph.nodes:
+        if "wide_tune" in node.meta and node.kwargs.get("strategy") in (None, "auto"):
+            raise AssertionError(f"wide_compiler: strategy pass left node '{node.name}' without a strategy")
+    c.wide.graph_module.recompile()
+
+
+PASSES: tuple[Pass, ...] = (
+    Pass("check_members", _check_members),
+    Pass("capture", _capture, ("model", "sample"),
+         check=lambda c: isinstance(c.ep, ExportedProgram) or _bad("capture", "no ExportedProgram")),
+    Pass("check_traced_members", _check_traced_members, ("ep",)),
+    Pass("widen", _widen, ("ep",), check=_lint),
+    Pass("layout", _layout, ("ep", "wide"), check=_lint),
+    Pass("strategies", _strategies, ("wide",), check=_all_chosen),
+)
+
+
+def _bad(name: str, why: str) -> None:
+    raise AssertionError(f"wide_compiler: pass {name!r}: {why}")
+
+
+def run_pipeline(c: Compilation, passes: Sequence[Pass] = PASSES) -> Compilation:
+    """Run ``passes`` in order on ``c`` (under the compile lock); returns ``c``."""
+    with _LOCK:
+        for p in passes:
+            missing = [f for f in p.requires if getattr(c, f) is None]
+            if missing:
+                _bad(p.name, f"needs {', '.join(missing)}, which no earlier pass produced")
+            start = time.perf_counter()
+            p.run(c)
+            if p.check is not None:
+                p.check(c)
+            c.log.append((p.name, time.perf_counter() - start))
+            log.debug("wide_compiler: pass %s took %.3f s", p.name, c.log[-1][1])
+    return c
