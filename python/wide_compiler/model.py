@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .config import WideConfig
 from .fx.capture import module_path
-from .fx.pipeline import Compilation, run_pipeline
+from .fx.pipeline import COMPILE_LOCK, Compilation, run_pipeline
 from .fx.widen import WideGraph
 from .members import MemberOpsMixin
 from .registry import opaque_template, registered_paths, registered_wide_form
@@ -95,8 +95,8 @@ class WideModel(MemberOpsMixin, nn.Module):
                     continue
                 stacked = torch.stack([m.get_buffer(name).detach() for m in models])
                 self._install(name, stacked, persistent=name in persistent)
-        self.train(template.training)
         self._adopt(compiled)
+        self.train(template.training)
 
     # -- copying and pickling: the graphs hold no parameters (those are graph inputs) ----------
     def __deepcopy__(self, memo: dict) -> WideModel:
@@ -156,11 +156,24 @@ class WideModel(MemberOpsMixin, nn.Module):
         return c.wide
 
     def _graph_for(self, training: bool) -> WideGraph:
-        """The wide graph of a train/eval mode, compiled on first use."""
+        """The wide graph of a train/eval mode, compiled on first use (once, whatever the threads:
+        a failed compile leaves nothing behind and the next call tries again)."""
         wg = self._graphs.get(training)
         if wg is None:
-            wg = self._adopt(self._compile(training))
+            with COMPILE_LOCK:
+                wg = self._graphs.get(training)
+                if wg is None:
+                    wg = self._adopt(self._compile(training))
         return wg
+
+    def train(self, mode: bool = True) -> WideModel:
+        """Switch to the train (``mode=True``) or eval graph; the graph of a mode is captured and
+        widened on the first switch to it, here rather than inside a later forward (so a forward
+        under ``torch.compile(fullgraph=True)`` never has to capture)."""
+        super().train(mode)
+        if "_graphs" in self.__dict__ and self._graphs:  # constructed (not inside __init__/unpickling)
+            self._graph_for(mode)
+        return self
 
     # -- running ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

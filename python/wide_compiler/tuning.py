@@ -16,7 +16,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -81,10 +81,13 @@ def choose_strategy(
     make_candidates: Callable[[], Mapping[str, Callable[[], Any]]],
     default: str,
     config: WideConfig,
+    names: Sequence[str] | None = None,
 ) -> tuple[str, dict[str, float] | None]:
     """Pick the fastest strategy. ``make_candidates()`` returns ``{name: zero-argument callable
     running the op with that strategy}`` (forward only, or forward and backward: the caller
     decides); it is called only when something must be measured.
+
+    ``names``: the op's strategies; a cache entry naming another (a stale cache) is measured again.
 
     Returns ``(strategy, timings_ms)``; ``timings_ms`` is ``None`` when nothing was measured
     (tuning off, forced strategy). Example:
@@ -105,8 +108,11 @@ def choose_strategy(
     if config.cache:
         hit = _load(path).get(key)
         if isinstance(hit, dict) and isinstance(hit.get("strategy"), str):
-            log.debug("wide_compiler: strategy cache hit for %s: %s", op, hit["strategy"])
-            return hit["strategy"], hit.get("timings_ms")
+            if names is None or hit["strategy"] in names:
+                log.debug("wide_compiler: strategy cache hit for %s: %s", op, hit["strategy"])
+                return hit["strategy"], hit.get("timings_ms")
+            log.warning("wide_compiler: the strategy cache %s names %r for %s, which offers %s; measuring "
+                        "again", path, hit["strategy"], op, list(names))
     timings = _median_ms(make_candidates(), config.tune_repeats)
     best = min(timings, key=timings.get)
     if best != default and timings[default] <= timings[best] * (1.0 + config.tune_margin):

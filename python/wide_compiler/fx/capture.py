@@ -142,21 +142,39 @@ def _same(a: Any, b: Any, depth: int = 0) -> bool:
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y, depth + 1) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k], depth + 1) for k in a)
-    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and hasattr(a, "__dict__"):
-        return _same(vars(a), vars(b), depth + 1)  # plain objects: compare their attributes
+    if type(a) is type(b) and type(a).__eq__ is object.__eq__:
+        # Plain objects: compare their state as pickling sees it, which includes state kept
+        # outside __dict__ (functools.partial's func/args/keywords, __slots__).
+        sa, sb = _state(a), _state(b)
+        if sa is not None and sb is not None:
+            return _same(sa, sb, depth + 1)
     try:
         return bool(a == b)
     except Exception:
         return repr(a) == repr(b)
 
 
+def _state(v: Any) -> Any:
+    """An object's state for comparison: its ``__reduce_ex__`` arguments and state (the callable
+    itself, a class, is compared by the type check), else ``vars(v)``, else None."""
+    try:
+        reduced = v.__reduce_ex__(4)
+    except Exception:  # objects that refuse to pickle
+        reduced = None
+    if isinstance(reduced, tuple) and len(reduced) >= 2:
+        return list(reduced[1:3])
+    return vars(v) if hasattr(v, "__dict__") else None
+
+
 def _describe(v: Any) -> str:
     if callable(v) and hasattr(v, "__code__"):
         return f"function {v.__qualname__} (code, closure constants or defaults differ)"
-    if type(v).__eq__ is object.__eq__ and hasattr(v, "__dict__") and not isinstance(v, type):
+    if (type(v).__eq__ is object.__eq__ and type(v).__repr__ is object.__repr__ and hasattr(v, "__dict__")
+            and not isinstance(v, type)):
         return f"{type(v).__name__}({', '.join(f'{k}={_describe(x)}' for k, x in vars(v).items())})"
     if isinstance(v, torch.Tensor):
-        return f"a tensor {list(v.shape)} {v.dtype}"
+        values = v.detach().flatten()[:6].tolist() if v.device.type != "meta" else "?"
+        return f"a tensor {list(v.shape)} {v.dtype} starting {values}"
     if isinstance(v, torch.Size):
         return str(list(v))
     return repr(v) if not callable(v) else getattr(v, "__qualname__", repr(v))
@@ -166,6 +184,7 @@ def check_members(models: Sequence[nn.Module]) -> None:
     """Raise :class:`ArchitectureMismatchError` unless every member is the same program as
     member 0: class, module tree and types, training mode, hyperparameters and other non-tensor
     attributes, hooks, and parameter/buffer names, shapes, dtypes, devices and requires_grad."""
+    _check_no_sharing(models)
     ref = models[0]
     ref_modules = list(ref.named_modules(remove_duplicate=False))
     for i, model in enumerate(models[1:], start=1):
@@ -206,6 +225,32 @@ def check_members(models: Sequence[nn.Module]) -> None:
                 for attr in ("shape", "dtype", "device", "requires_grad"):
                     if getattr(t, attr) != getattr(t0, attr):
                         fail(f"{name}.{attr}", getattr(t, attr), getattr(t0, attr))
+
+
+def _check_no_sharing(models: Sequence[nn.Module]) -> None:
+    """Members own their modules and tensors: one object reachable from two members (the same
+    model passed twice, a submodule or parameter shared between members) would be untied by
+    stacking and written back from one member only, so it is refused."""
+    owner: dict[int, tuple[int, str]] = {}
+    for i, model in enumerate(models):
+        named = [*model.named_modules(remove_duplicate=False),
+                 *model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        seen_here: set[int] = set()
+        for name, obj in named:
+            key = id(obj)
+            if key in seen_here:
+                continue  # tied inside one member: that member's own business
+            seen_here.add(key)
+            if key in owner:
+                j, name_j = owner[key]
+                what = "the same model object" if not name and not name_j else (
+                    f"one {type(obj).__name__} object ('{name_j or 'the model'}' of member {j}, "
+                    f"'{name or 'the model'}' of member {i})")
+                raise ArchitectureMismatchError(
+                    f"member {i} and member {j} share {what}: members must be independent copies "
+                    "(stacking would untie them and write_back would keep one member's values); "
+                    "pass copy.deepcopy(model) for each member")
+            owner[key] = (i, name)
 
 
 def check_traced_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None,

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.export import ExportedProgram
 
 from ..config import WideConfig
@@ -41,10 +41,10 @@ from .layout import plan_layout
 from .strategy import choose_strategies
 from .widen import WideGraph, widen
 
-__all__ = ["PASSES", "Compilation", "Pass", "run_pipeline"]
+__all__ = ["COMPILE_LOCK", "PASSES", "Compilation", "Pass", "run_pipeline"]
 
 log = logging.getLogger(__name__)
-_LOCK = threading.RLock()
+COMPILE_LOCK = threading.RLock()  # export is not thread-safe: one compile at a time
 
 
 @dataclasses.dataclass
@@ -143,7 +143,7 @@ def _bad(name: str, why: str) -> None:
 
 def run_pipeline(c: Compilation, passes: Sequence[Pass] = PASSES) -> Compilation:
     """Run ``passes`` in order on ``c`` (under the compile lock); returns ``c``."""
-    with _LOCK:
+    with COMPILE_LOCK:
         for p in passes:
             missing = [f for f in p.requires if getattr(c, f) is None]
             if missing:

@@ -40,7 +40,7 @@ def choose_strategies(graph: fx.Graph, n: int, config: WideConfig, *, training: 
                    "train": training}
             strategy, timings = tuning.choose_strategy(
                 node.meta["wide_op"], key, lambda spec=spec: _timed_calls(spec.make(n, opts), training),
-                spec.default, config)
+                spec.default, config, spec.names)
         node.update_kwarg("strategy", strategy)
         timings_by_node[node.name] = timings
     if forced not in ("auto", "batched", "loop") and not matched:

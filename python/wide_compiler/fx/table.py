@@ -30,6 +30,7 @@ reached by a case of tests/python/test_rule_coverage.py, which fails when a row 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -81,15 +82,18 @@ def aten_op(spec: str) -> torch._ops.OpOverload:
     return op
 
 
-def _family(fn: Callable) -> str:
-    return fn.__module__.rpartition(".")[2]
+def _caller_family(depth: int) -> str:
+    """The rules file registering a row (a template from ``rules/_*.py`` belongs to the family
+    that registers it)."""
+    return sys._getframe(depth + 1).f_globals.get("__name__", "?").rpartition(".")[2]
 
 
 def rule(*ops: Any, layout: str = "nfirst", packed: Any = None, strategies: Iterable[str] = (),
-         always: bool = False, tagged_pointwise: bool = False) -> Callable:
+         always: bool = False, tagged_pointwise: bool = False, family: str | None = None) -> Callable:
     """Decorator: register ``fn`` as the widen rule of ``ops`` (overloads or names for
     :func:`aten_op`). ``tagged_pointwise=True`` also makes it the rule of every op tagged
-    ``torch.Tag.pointwise`` that has no row."""
+    ``torch.Tag.pointwise`` that has no row. ``family`` defaults to the calling rules file."""
+    family = family or _caller_family(1)
     if layout not in LAYOUTS:
         raise ValueError(f"wide_compiler: unknown rule layout {layout!r}; expected one of {LAYOUTS}")
     packed = tuple(packed) if isinstance(packed, (tuple, list)) else (() if packed is None else (packed,))
@@ -97,13 +101,13 @@ def rule(*ops: Any, layout: str = "nfirst", packed: Any = None, strategies: Iter
         raise ValueError("wide_compiler: a 'packed' rule names its wide ops with packed=, and only it")
 
     def deco(fn: Callable) -> Callable:
-        make = lambda op: RuleEntry(op, fn, _family(fn), layout, packed, tuple(strategies), always)  # noqa: E731
+        make = lambda op: RuleEntry(op, fn, family, layout, packed, tuple(strategies), always)  # noqa: E731
         for spec in ops:
             op = aten_op(spec) if isinstance(spec, str) else spec
             if op in RULES:
                 old = RULES[op]
                 raise ValueError(f"wide_compiler: {op} already has a widen rule ({old.family}.{old.fn.__name__}); "
-                                 f"cannot register {_family(fn)}.{fn.__name__} for it too")
+                                 f"cannot register {family}.{fn.__name__} for it too")
             RULES[op] = make(op)
         if tagged_pointwise:
             if _TAGGED_POINTWISE:
@@ -116,7 +120,7 @@ def rule(*ops: Any, layout: str = "nfirst", packed: Any = None, strategies: Iter
 
 def rows(fn: Callable, specs: Iterable[Any], **options: Any) -> None:
     """Register ``fn`` for every op of ``specs``: a family's table of one-line rows."""
-    rule(*specs, **options)(fn)
+    rule(*specs, **{"family": _caller_family(1), **options})(fn)
 
 
 def find_rule(target: Any) -> RuleEntry | None:

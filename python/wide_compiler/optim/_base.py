@@ -92,7 +92,8 @@ class WideOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
+            self._renormalize(group, gi)
             prepared = self._prepare_group(group)
             for p in group["params"]:
                 if p.grad is None:
@@ -101,6 +102,19 @@ class WideOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{self._name} does not support sparse gradients")
                 self._step_param(p, group, prepared)
         return loss
+
+    def _renormalize(self, group: dict, index: int) -> None:
+        """Hyperparameters assigned by hand since the last step (``group["lr"] = 1e-4``, the
+        manual-schedule idiom) become per-member tensors again, validated."""
+        def ok(v: Any) -> bool:
+            return isinstance(v, torch.Tensor) and v.dtype == torch.float64 and v.shape == (self.n,)
+
+        stale = {k: group[k] for k in self._hparams if k in group and not ok(group[k])}
+        stale.update({k: group[k] for k in self._pairs
+                      if k in group and not (isinstance(group[k], tuple) and all(ok(v) for v in group[k]))})
+        if stale:
+            group.update(self._normalize(stale, where=f"param group {index}"))
+            self._check_group(group)
 
     def _prepare_group(self, group: dict) -> Any:
         """What ``_step_param`` needs once per param group (default: nothing)."""
@@ -377,16 +391,27 @@ class WideOptimizer(torch.optim.Optimizer):
         groups = state_dict.get("param_groups", [])
         checked = []
         for gi, g in enumerate(groups):
+            missing = sorted(set(self.defaults) - set(g) - {"params"})
+            if missing:
+                raise ValueError(f"{self._name}: saved param group {gi} has no {', '.join(map(repr, missing))}: "
+                                 f"it was saved by another optimizer (load it into the same class)")
             checked.append(self._normalize({k: v for k, v in g.items() if k != "params"},
                                            where=f"saved param group {gi}"))
             if "initial_lr" in g:
                 checked[-1]["initial_lr"] = per_member(g["initial_lr"], self.n,
                                                        what=f"{self._name}: saved initial_lr")
+        params = {pid: p for g, cur in zip(groups, self.param_groups) for pid, p in zip(g["params"], cur["params"])}
         for pid, st in state_dict.get("state", {}).items():
+            p = params.get(pid)
             for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] != self.n:
+                if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                    continue
+                if v.shape[0] != self.n:
                     raise ValueError(f"{self._name}: saved state {k!r} of parameter {pid} has shape "
                                      f"{list(v.shape)}; expected dim 0 = N = {self.n}")
+                if p is not None and v.shape not in (p.shape, (self.n,)):
+                    raise ValueError(f"{self._name}: saved state {k!r} of parameter {pid} has shape "
+                                     f"{list(v.shape)}; expected {list(p.shape)} (the parameter's) or [{self.n}]")
         super().load_state_dict(state_dict)
         for g, c in zip(self.param_groups, checked):
             for k, v in c.items():

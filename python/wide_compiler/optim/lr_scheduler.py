@@ -106,7 +106,11 @@ class WideLRScheduler:
         return {k: v for k, v in self.__dict__.items() if k != "optimizer"}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume: the schedule's position and the learning rates it last set, which are written
+        back into the optimizer (constructing the scheduler reset them to the base rates)."""
         self.__dict__.update(state_dict)
+        for g, lr in zip(self.optimizer.param_groups, self._last_lr):
+            g["lr"] = lr.clone()
 
 
 class StepLR(WideLRScheduler):

@@ -1,0 +1,233 @@
+"""The compiler's infrastructure: the rule table (fx/table.py), the pass pipeline
+(fx/pipeline.py), the functional layer, the opaque-module registry and concurrent compiles."""
+from __future__ import annotations
+
+import gc
+import pickle
+import pkgutil
+import threading
+
+import pytest
+import torch
+import wide_compiler as wc
+import wide_compiler.functional as WF
+from torch import nn
+from wide_compiler import registry, testing
+from wide_compiler.fx import rules, table
+from wide_compiler.fx.pipeline import PASSES, Compilation, Pass, run_pipeline
+
+aten = torch.ops.aten
+wide = torch.ops.wide
+FAST = wc.WideConfig.fast()
+
+
+# --- the rule table --------------------------------------------------------------------------
+def test_resolver_raises_on_an_unknown_name():
+    assert table.aten_op("relu") is aten.relu.default
+    assert table.aten_op("add.Tensor") is aten.add.Tensor
+    with pytest.raises(ValueError, match="no ATen op 'logsigmoid'"):
+        table.aten_op("logsigmoid")
+    with pytest.raises(ValueError, match="no ATen op 'add.Nope'"):
+        table.aten_op("add.Nope")
+
+
+def test_registering_an_op_twice_raises_and_keeps_the_first_rule():
+    before = table.RULES[aten.relu.default]
+    with pytest.raises(ValueError, match=r"already has a widen rule \(pointwise\._pointwise\)"):
+        table.rule(aten.relu.default)(lambda ctx, node: None)
+    assert table.RULES[aten.relu.default] is before
+
+
+def test_rule_options_are_checked():
+    with pytest.raises(ValueError, match="unknown rule layout 'sideways'"):
+        table.rule(layout="sideways")
+    with pytest.raises(ValueError, match="names its wide ops with packed="):
+        table.rule(layout="packed")
+    with pytest.raises(ValueError, match="names its wide ops with packed="):
+        table.rule(packed=wide.conv.default)
+
+
+def test_the_table_knows_what_the_layout_plan_and_config_need():
+    assert table.packed_ops() == {wide.conv.default, wide.conv_transpose.default, wide.batch_norm.default,
+                                  wide.instance_norm.default, wide.group_norm.default, wide.prelu.default}
+    assert {"loop", "bmm", "bmm_t", "grouped", "fused"} <= table.strategy_names()
+    assert table.RULES[aten.max_pool2d.default].layout == "fold"
+    assert table.RULES[aten.dropout.default].layout == "elementwise"
+    assert table.RULES[aten.channel_shuffle.default].layout == "nfirst"  # would mix members when packed
+    # tagged pointwise ops without a row share the pointwise rule
+    assert aten.atan.default not in table.RULES
+    assert table.find_rule(aten.atan.default).family == "pointwise"
+    assert table.find_rule(aten.nonzero.default) is None
+
+
+def test_every_family_file_is_discovered_and_registers_rows():
+    families = {e.family for e in table.RULES.values()}
+    files = {m.name for m in pkgutil.iter_modules(rules.__path__) if not m.name.startswith("_")}
+    assert files == families, f"files without rows: {files - families}; rows from elsewhere: {families - files}"
+
+
+def test_an_unknown_strategy_name_is_refused_by_the_config():
+    with pytest.raises(ValueError, match="WideConfig.strategy: expected one of"):
+        wc.WideConfig(strategy="nonsense")
+    assert wc.WideConfig(strategy="bmm_t").strategy == "bmm_t"
+
+
+# --- the pipeline ----------------------------------------------------------------------------
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_pipeline_runs_the_named_passes_in_order():
+    models = [_mlp() for _ in range(3)]
+    c = run_pipeline(Compilation(models[0], ((torch.randn(5, 4),), {}), 3, FAST, members=models))
+    assert [name for name, _ in c.log] == [p.name for p in PASSES] == [
+        "check_members", "capture", "check_traced_members", "widen", "layout", "strategies"]
+    linears = c.wide.graph_module.graph.find_nodes(op="call_function", target=wide.linear.default)
+    assert [n.kwargs["strategy"] for n in linears] == ["bmm", "bmm"]
+    assert c.layout == {"conversions": 0, "packed_ops": 0}
+
+
+def test_a_pass_whose_input_is_missing_is_refused():
+    models = [_mlp() for _ in range(2)]
+    widen_only = [p for p in PASSES if p.name == "widen"]
+    with pytest.raises(AssertionError, match=r"pass 'widen': needs ep"):
+        run_pipeline(Compilation(models[0], ((torch.randn(5, 4),), {}), 2, FAST), widen_only)
+
+
+def test_a_custom_pass_list_can_stop_early_and_add_passes():
+    seen = []
+    models = [_mlp() for _ in range(2)]
+    passes = [*PASSES[:4], Pass("count", lambda c: seen.append(len(c.wide.graph_module.graph.nodes)), ("wide",))]
+    c = run_pipeline(Compilation(models[0], ((torch.randn(5, 4),), {}), 2, FAST), passes)
+    assert c.layout is None and seen and seen[0] > 0
+
+
+def test_the_member_check_runs_before_anything_is_stacked():
+    models = [_mlp(), nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))]
+    with pytest.raises(wc.ArchitectureMismatchError, match=r"member 1: type of 1 is 'Tanh', member 0 has 'ReLU'"):
+        wc.compile(models, torch.randn(3, 4), config=FAST)
+
+
+def test_compiles_from_several_threads_all_succeed():
+    sets = [[_mlp() for _ in range(3)] for _ in range(3)]
+    results, errors = [None] * 3, []
+
+    def work(k):
+        try:
+            results[k] = wc.compile(sets[k], torch.randn(4, 4), config=FAST)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for k, wide_model in enumerate(results):
+        xs = torch.randn(3, 4, 4)
+        testing.assert_members_close(wide_model(xs), [m(x) for m, x in zip(sets[k], xs)])
+
+
+def test_threads_calling_the_first_forward_at_once_compile_the_graph_once():
+    models = [nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2)) for _ in range(3)]
+    # an unpickled model has no graph yet: the first forwards of all threads race to build it
+    wide_model = pickle.loads(pickle.dumps(wc.compile(models, torch.randn(4, 4), config=FAST))).eval()
+    assert not wide_model._graphs
+    for m in models:
+        m.eval()
+    xs = torch.randn(3, 4, 4)
+    outs, errors = [], []
+
+    def work():
+        try:
+            outs.append(wide_model(xs))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for out in outs:
+        testing.assert_members_close(out, [m(x) for m, x in zip(models, xs)])
+    assert set(wide_model._graphs) == {False}
+
+
+# --- the opaque registry ---------------------------------------------------------------------
+class _Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.rand(()))
+
+    def forward(self, x):
+        return x * self.s if self.s > 0.5 else x  # data-dependent: kept opaque through capture
+
+
+@wc.register(_Gate)
+class _WideGate(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.s = nn.Parameter(s)
+
+    @classmethod
+    def from_modules(cls, modules):
+        return cls(torch.stack([m.s.detach() for m in modules]))
+
+    def forward(self, x):
+        s = torch.where(self.s > 0.5, self.s, torch.ones_like(self.s))
+        return x * s.view(-1, *([1] * (x.dim() - 1)))
+
+    def unfuse(self):
+        out = [_Gate() for _ in range(self.s.shape[0])]
+        for m, s in zip(out, self.s.detach()):
+            m.s.data.copy_(s)
+        return out
+
+
+def test_registered_modules_are_not_kept_alive_after_the_wide_model_is_gone():
+    gc.collect()
+    before = len(registry._OPAQUE)
+    models = [nn.Sequential(nn.Linear(3, 3), _Gate()) for _ in range(3)]
+    wide_model = wc.compile(models, torch.randn(2, 3), config=FAST)
+    copy_ = __import__("copy").deepcopy(wide_model)
+    wide_model.eval()(torch.randn(3, 2, 3))  # a lazy capture of the eval graph still works
+    del wide_model
+    gc.collect()
+    copy_.eval()(torch.randn(3, 2, 3))  # ... and in a copy whose original is gone
+    del copy_
+    gc.collect()
+    assert len(registry._OPAQUE) == before
+
+
+# --- the functional layer --------------------------------------------------------------------
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect", "circular"])
+@pytest.mark.parametrize("padding", ["same", "valid", 1])
+def test_functional_conv_normalises_padding_like_nn_conv(padding, padding_mode):
+    torch.manual_seed(0)
+    convs = [nn.Conv2d(3, 4, (2, 3), padding=padding, padding_mode=padding_mode) for _ in range(3)]
+    w, b = torch.stack([c.weight for c in convs]), torch.stack([c.bias for c in convs])
+    x = torch.randn(3, 2, 3, 7, 6)
+    y = WF.conv(x, w, b, padding=padding, padding_mode=padding_mode)
+    testing.assert_members_close(y, [c(xi) for c, xi in zip(convs, x)])
+    unbatched = WF.conv(x[:, 0], w, b, padding=padding, padding_mode=padding_mode)
+    testing.assert_members_close(unbatched, [c(xi[0]) for c, xi in zip(convs, x)])
+
+
+def test_functional_argument_errors():
+    with pytest.raises(ValueError, match="padding='same' is not supported for strided"):
+        WF.conv_padding("same", [3, 3], 1, 2)
+    with pytest.raises(ValueError, match="unknown padding 'full'"):
+        WF.conv_padding("full", [3], 1, 1)
+    with pytest.raises(ValueError, match="needs every member to have seen the same number of batches"):
+        WF.batch_norm_factor(None, torch.tensor([2, 3]))
+    assert WF.batch_norm_factor(None, torch.tensor([4, 4])) == 0.25
+    assert WF.batch_norm_factor(0.3, None) == 0.3
+    with pytest.raises(ValueError, match="a member needs 1 slope"):
+        WF.prelu(torch.randn(2, 5), torch.rand(2, 5))
+    with pytest.raises(ValueError, match="expected mode in"):
+        WF.embedding_bag(torch.zeros(2, 3, 4, dtype=torch.long), torch.randn(2, 5, 3), mode="median")
+    with pytest.raises(ValueError, match="sparse=True"):
+        WF.embedding(torch.zeros(2, 3, dtype=torch.long), torch.randn(2, 5, 3), sparse=True)

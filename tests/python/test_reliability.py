@@ -1,0 +1,223 @@
+"""Adversarial cases: members that differ in hidden ways or share objects, stale caches, graphs
+built outside forward. Each case was silently wrong or unclear before its fix."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import pytest
+import torch
+import wide_compiler as wc
+from torch import nn
+from torch.nn import functional as F
+from wide_compiler import testing
+
+FAST = wc.WideConfig.fast()
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+# --- members that are not independent ---------------------------------------------------------
+def test_the_same_model_object_twice_is_refused():
+    m = _mlp()
+    with pytest.raises(wc.ArchitectureMismatchError, match="member 1 and member 0 share the same model object"):
+        wc.compile([m, m], torch.randn(3, 4), config=FAST)
+
+
+def test_a_submodule_shared_between_members_is_refused():
+    shared = nn.Linear(8, 2)
+    a, b = nn.Sequential(nn.Linear(4, 8), shared), nn.Sequential(nn.Linear(4, 8), shared)
+    with pytest.raises(wc.ArchitectureMismatchError, match=r"member 1 and member 0 share one Linear object \('1'"):
+        wc.compile([a, b], torch.randn(3, 4), config=FAST)
+
+
+def test_a_parameter_shared_between_members_is_refused():
+    a, b = _mlp(), _mlp()
+    b[2].weight = a[2].weight
+    with pytest.raises(wc.ArchitectureMismatchError, match=r"share one Parameter object \('2.weight'"):
+        wc.compile([a, b], torch.randn(3, 4), config=FAST)
+
+
+def test_a_weight_tied_inside_one_member_is_not_a_sharing_error():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    from wide_compiler.fx.capture import check_members
+    check_members([Tied(), Tied()])  # no sharing error (tied parameters are the real-model issue's)
+
+
+# --- hidden differences -----------------------------------------------------------------------
+class _PartialAct(nn.Module):
+    def __init__(self, slope):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = functools.partial(F.leaky_relu, negative_slope=slope)
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+
+def test_a_functools_partial_constant_is_compared():
+    with pytest.raises(wc.ArchitectureMismatchError,
+                       match=r"member 1: act is functools.partial\(.*negative_slope=0.2\), member 0 has .*0.1\)"):
+        wc.compile([_PartialAct(0.1), _PartialAct(0.2)], torch.randn(3, 4), config=FAST)
+    models = [_PartialAct(0.1), _PartialAct(0.1)]
+    wide = wc.compile(models, torch.randn(3, 4), config=FAST)
+    xs = torch.randn(2, 3, 4)
+    testing.assert_members_close(wide(xs), [m(x) for m, x in zip(models, xs)])
+
+
+class _Slots:
+    __slots__ = ("sign",)
+
+    def __init__(self, sign):
+        self.sign = sign
+
+
+class _SlotsModel(nn.Module):
+    def __init__(self, sign):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.cfg = _Slots(sign)
+
+    def forward(self, x):
+        return self.fc(x) * self.cfg.sign
+
+
+def test_state_kept_in_slots_is_compared():
+    with pytest.raises(wc.ArchitectureMismatchError, match=r"member 1: cfg is"):
+        wc.compile([_SlotsModel(1.0), _SlotsModel(-1.0)], torch.randn(3, 4), config=FAST)
+
+
+class _TensorAttr(nn.Module):
+    def __init__(self, v):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.c = torch.tensor([1.0, v])
+
+    def forward(self, x):
+        return self.fc(x) * self.c.sum()
+
+
+def test_a_differing_tensor_attribute_is_described_by_its_values():
+    with pytest.raises(wc.ArchitectureMismatchError) as info:
+        wc.compile([_TensorAttr(1.0), _TensorAttr(2.0)], torch.randn(3, 4), config=FAST)
+    msg = str(info.value)
+    assert "starting [1.0, 2.0]" in msg and "starting [1.0, 1.0]" in msg, msg
+
+
+# --- caches and lazily built graphs -----------------------------------------------------------
+def test_a_stale_cache_entry_naming_a_strategy_the_op_lacks_is_measured_again(tmp_path, caplog):
+    models = [_mlp() for _ in range(3)]
+    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1)
+    wc.compile(models, torch.randn(3, 4), config=config)
+    path = tmp_path / "strategies.json"
+    entries = json.loads(path.read_text())
+    assert entries
+    path.write_text(json.dumps({k: {**v, "strategy": "winograd"} for k, v in entries.items()}))
+    with caplog.at_level("WARNING", logger="wide_compiler"):
+        wide = wc.compile(models, torch.randn(3, 4), config=config)
+    assert set(wide.strategies.values()) <= {"bmm", "bmm_t", "loop"}
+    assert "names 'winograd'" in caplog.text
+    assert "winograd" not in path.read_text()  # the entry was replaced by the new measurement
+    xs = torch.randn(3, 3, 4)
+    testing.assert_members_close(wide(xs), [m(x) for m, x in zip(models, xs)])
+    os.remove(path)
+
+
+def test_eval_builds_its_graph_outside_forward_so_fullgraph_compile_works():
+    models = [nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 2)) for _ in range(3)]
+    wide = wc.compile(models, torch.randn(3, 4), config=FAST)  # train mode: only the train graph
+    wide.eval()
+    for m in models:
+        m.eval()
+    compiled = torch.compile(wide, fullgraph=True, backend="eager")
+    xs = torch.randn(3, 5, 4)
+    testing.assert_members_close(compiled(xs), [m(x) for m, x in zip(models, xs)])
+
+
+# --- optimizers and schedulers -----------------------------------------------------------------
+def _params(n=3):
+    torch.manual_seed(0)
+    return [nn.Parameter(torch.randn(n, 4, 2)), nn.Parameter(torch.randn(n, 4))]
+
+
+def _grads(params):
+    for p in params:
+        p.grad = torch.ones_like(p)
+
+
+def test_assigning_a_float_lr_by_hand_works_like_torch_optim():
+    params = _params()
+    opt = wc.optim.SGD(params, lr=0.1)
+    opt.param_groups[0]["lr"] = 1e-2  # the manual-schedule idiom
+    before = params[0].detach().clone()
+    _grads(params)
+    opt.step()
+    torch.testing.assert_close(params[0].detach(), before - 1e-2)
+    assert opt.param_groups[0]["lr"].tolist() == [1e-2] * 3
+    opt.param_groups[0]["lr"] = [0.1, 0.2, 0.3]  # one value per member
+    _grads(params)
+    opt.step()
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"invalid lr -1.0 for member 0"):
+        opt.step()
+
+
+def test_a_state_dict_of_another_optimizer_is_refused_before_anything_changes():
+    params = _params()
+    sgd = wc.optim.SGD(params, lr=0.1, momentum=0.9)
+    _grads(params)
+    sgd.step()
+    adam = wc.optim.Adam(params, lr=1e-3)
+    with pytest.raises(ValueError, match=r"saved param group 0 has no 'amsgrad', 'betas'.*another optimizer"):
+        adam.load_state_dict(sgd.state_dict())
+    _grads(params)
+    adam.step()  # still usable
+
+
+def test_optimizer_state_of_the_wrong_shape_is_refused_at_load():
+    params = _params()
+    opt = wc.optim.Adam(params, lr=1e-3)
+    _grads(params)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg"] = torch.zeros(3, 5, 2)
+    fresh = wc.optim.Adam(params, lr=1e-3)
+    with pytest.raises(ValueError, match=r"saved state 'exp_avg' of parameter 0 has shape \[3, 5, 2\]; "
+                                         r"expected \[3, 4, 2\]"):
+        fresh.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("make", [
+    lambda opt: wc.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+    lambda opt: wc.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),
+    lambda opt: wc.optim.lr_scheduler.ExponentialLR(opt, gamma=[0.9, 0.8, 0.7]),
+], ids=["step", "cosine", "exponential"])
+def test_resuming_a_scheduler_keeps_the_learning_rates(make):
+    params = _params()
+    opt = wc.optim.SGD(params, lr=[0.1, 0.2, 0.3])
+    sched = make(opt)
+    for _ in range(5):
+        _grads(params)
+        opt.step()
+        sched.step()
+    lrs = opt.param_groups[0]["lr"].clone()
+    # the standard recipe: new optimizer, load, new scheduler, load
+    opt2 = wc.optim.SGD(params, lr=[0.1, 0.2, 0.3])
+    opt2.load_state_dict(opt.state_dict())
+    sched2 = make(opt2)
+    sched2.load_state_dict(sched.state_dict())
+    torch.testing.assert_close(opt2.param_groups[0]["lr"], lrs)
+    sched.step()
+    sched2.step()
+    torch.testing.assert_close(opt2.param_groups[0]["lr"], opt.param_groups[0]["lr"])
