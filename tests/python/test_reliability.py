@@ -221,3 +221,121 @@ def test_resuming_a_scheduler_keeps_the_learning_rates(make):
     sched.step()
     sched2.step()
     torch.testing.assert_close(opt2.param_groups[0]["lr"], opt.param_groups[0]["lr"])
+
+
+# --- in-place writes of per-member values into tensors made inside forward --------------------
+class _SliceWrite(nn.Module):  # the upstream issue's example
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 4)
+
+    def forward(self, x):
+        out = torch.zeros(x.shape[0], 8)
+        out[:, 4:].fill_(0.5)
+        head = out[:, :4]  # a view taken before the write must see it too
+        out[:, :4] = self.fc(x)
+        return out * 2, head + 1
+
+
+class _TimeLoop(nn.Module):  # the seq2seq tutorial's outputs[t] = ...
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.Linear(6, 6)
+
+    def forward(self, x):  # x [T, B, 6]
+        outputs = torch.zeros(3, x.shape[1], 6)
+        h = x[0]
+        for t in range(3):
+            h = torch.tanh(self.cell(h) + x[t])
+            outputs[t] = h
+        return outputs
+
+
+class _Scatter(nn.Module):  # PyG-style message passing
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):  # x [5, 4]: 5 edges' features; one graph (a constant) for all members
+        dst = torch.tensor([0, 1, 1, 0, 2])
+        msg = self.fc(x)
+        summed = x.new_zeros(3, 4).index_add_(0, dst, msg)
+        counts = torch.zeros(3, 4).scatter_add_(0, dst.unsqueeze(1).expand(5, 4), torch.ones_like(msg) * msg)
+        return summed + counts
+
+
+class _MaskedFill(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        scores = torch.ones(x.shape[0], 4)
+        scores.masked_fill_(self.fc(x) > 0, -1.0)
+        return scores * x
+
+
+@pytest.mark.parametrize("factory,sample", [
+    (_SliceWrite, torch.randn(2, 5)), (_TimeLoop, torch.randn(3, 2, 6)), (_Scatter, torch.randn(5, 4)),
+    (_MaskedFill, torch.randn(3, 4)),
+], ids=["slice", "time_loop", "scatter", "masked_fill"])
+def test_per_member_writes_into_a_tensor_made_in_forward(factory, sample):
+    torch.manual_seed(0)
+    models = [factory() for _ in range(3)]
+    wide = wc.compile(models, sample, config=FAST, strict=True)  # no fallback needed
+    xs = torch.randn(3, *sample.shape, requires_grad=True)
+    out = wide(xs)
+    outs = out if isinstance(out, tuple) else (out,)
+    refs = [m(x) for m, x in zip(models, xs.detach())]
+    refs = [r if isinstance(r, tuple) else (r,) for r in refs]
+    for k, o in enumerate(outs):
+        testing.assert_members_close(o, [r[k] for r in refs])
+    # gradients: each member's own, through the writes
+    sum(o.sum() for o in outs).backward()
+    for i, m in enumerate(models):
+        xi = xs.detach()[i].clone().requires_grad_()
+        r = m(xi)
+        sum(t.sum() for t in (r if isinstance(r, tuple) else (r,))).backward()
+        torch.testing.assert_close(xs.grad[i], xi.grad, rtol=1e-5, atol=1e-5)
+        for name, p in m.named_parameters():
+            got = dict(wide.named_parameters())[name].grad
+            if p.grad is None:  # no gradient path (masked_fill's mask): none in the wide model either
+                assert got is None or not got[i].any(), name
+            else:
+                torch.testing.assert_close(got[i], p.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fallback_never_writes_through_a_shared_tensor():
+    import torch.fx as tfx
+    from wide_compiler.fx.fallback import fallback
+    from wide_compiler.fx.widen import Wide, WidenContext
+
+    g = tfx.Graph()
+    shared, src = g.placeholder("shared"), g.placeholder("src")
+    shared.meta["val"], src.meta["val"] = torch.zeros(4), torch.zeros(4)
+    node = g.call_function(torch.ops.aten.copy_.default, (shared, src))
+    node.meta["val"] = torch.zeros(4)
+    ctx = WidenContext(3)
+    ctx.env[shared] = ctx.graph.placeholder("shared")
+    ctx.env[src] = Wide(ctx.graph.placeholder("src"), 1)
+    with pytest.raises(wc.UnsupportedOperationError, match="writes in place into a value shared by all members"):
+        fallback(ctx, node)
+
+
+class _ScatterBuffer(nn.Module):  # the index is a buffer: stacked per member, so the fallback runs
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("dst", torch.tensor([0, 1, 1, 0, 2]))
+
+    def forward(self, x):
+        return x.new_zeros(3, 4).index_add_(0, self.dst, self.fc(x))
+
+
+def test_per_member_writes_through_the_fallback_stay_per_member():
+    torch.manual_seed(0)
+    models = [_ScatterBuffer() for _ in range(3)]
+    with pytest.warns(UserWarning, match="index_add_"):
+        wide = wc.compile(models, torch.randn(5, 4), config=FAST)
+    xs = torch.randn(3, 5, 4)
+    testing.assert_members_close(wide(xs), [m(x) for m, x in zip(models, xs)])

@@ -19,7 +19,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .capture import source_line
-from .widen import Wide, WidenContext, op_name
+from .widen import Wide, WidenContext, op_name, written_args
 
 __all__ = ["fallback", "MemberFallback"]
 
@@ -66,6 +66,9 @@ def fallback(ctx: WidenContext, node: fx.Node, reason: str = "no widen rule for 
         raise ctx.fail(node, f"{reason}, and its output is not a tensor, so it cannot run per member")
     if ctx.strict:
         raise ctx.fail(node, f"{reason} (strict=True forbids the per-member fallback)")
+    if any(isinstance(t, fx.Node) and not isinstance(ctx.env.get(t), Wide) for t in written_args(node)):
+        raise ctx.fail(node, f"{reason}, and it writes in place into a value shared by all members, which "
+                             "a per-member fallback would overwrite N times")
     leaves, spec = tree_flatten((ctx.value(node.args), ctx.value(node.kwargs)))
     in_dims = tuple(0 if isinstance(leaf, Wide) else None for leaf in leaves)
     fn = MemberFallback(node.target, spec, in_dims, ctx.n, node.name)

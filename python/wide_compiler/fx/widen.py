@@ -297,6 +297,8 @@ def _widen_node(ctx: WidenContext, node: fx.Node) -> Any:
     """The wide value of one call node: its rule's, a shared copy, or the fallback's."""
     entry: RuleEntry | None = find_rule(node.target)
     args = [ctx.value(a) for a in node.args] + [ctx.value(a) for a in node.kwargs.values()]
+    if ctx.is_wide(args):
+        _own_written_tensors(ctx, node)
     if not ctx.is_wide(args) and not (entry is not None and (entry.always or _is_random(node))):
         if _is_random(node):  # members must draw independently: N draws, stacked
             return fallback(ctx, node, reason="a random op with no wide rule")
@@ -306,6 +308,54 @@ def _widen_node(ctx: WidenContext, node: fx.Node) -> Any:
         return fallback(ctx, node)
     ctx.rules_used.add(entry.op)
     return entry.fn(ctx, node)
+
+
+def written_args(node: fx.Node) -> list[Any]:
+    """The arguments an op writes in place (``Tensor(a!)`` in its schema)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            out.append(node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name))
+    return out
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether ``node`` returns a view of its first argument (an alias in its schema's return)."""
+    schema = getattr(node.target, "_schema", None)
+    return (node.op == "call_function" and schema is not None and bool(schema.returns)
+            and schema.returns[0].alias_info is not None and not schema.returns[0].alias_info.is_write)
+
+
+def _own_written_tensors(ctx: WidenContext, node: fx.Node) -> None:
+    """Note [Per-member writes into shared tensors]: a tensor made inside forward from shared
+    values only (``out = torch.zeros(B, 8)``) is ONE shared tensor in the wide graph. When an op
+    writes per-member data into it in place (``out[:, :4] = self.fc(x)``, ``index_add_``), every
+    member needs its own copy: the tensor's base becomes ``clone(expand(base, N))`` right here
+    (its value so far is the same for every member), and the views of it already taken are
+    derived again from the per-member copy, so later reads of the base or of any view see each
+    member's own writes."""
+    for target in written_args(node):
+        if not isinstance(target, fx.Node) or isinstance(ctx.env.get(target), Wide):
+            continue
+        base = target
+        while _is_view(base) and isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+        val = base.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise ctx.fail(node, "an in-place write of per-member values into a shared value that is not a tensor")
+        if base.op == "placeholder":
+            raise ctx.fail(node, f"an in-place write of per-member values into the shared input '{base.name}'")
+        expanded = ctx.as_wide(ctx.env[base], val.dim(), base)
+        ctx.env[base] = Wide(ctx.emit(aten.clone.default, (expanded.node,),
+                                      {"memory_format": torch.contiguous_format}, like=base), val.dim())
+        aliases = {base}
+        for old in list(ctx.env):  # nodes done so far, in graph order
+            if old is not base and _is_view(old) and old.args[0] in aliases:
+                aliases.add(old)
+                ctx.env[old] = _widen_node(ctx, old)
 
 
 # Rule families register themselves in the table on import (one family per file, DESIGN §8).

@@ -53,6 +53,11 @@ def _pointwise(ctx: WidenContext, node: fx.Node) -> Wide:
     return Wide(ctx.emit(node.target, args, kwargs, like=node, name=node.name), rank)
 
 
+# In-place writes that ATen does not tag pointwise; the target is per member (see Note [Per-member
+# writes into shared tensors] in widen.py). Not pushed through by the layout plan ("nfirst").
+_INPLACE = ["copy_", "fill_.Scalar", "fill_.Tensor", "zero_", "masked_fill_.Scalar", "masked_fill_.Tensor"]
+
 # Same member values on packed and N-first tensors of one member shape: "elementwise" layout.
 rule(layout="elementwise", tagged_pointwise=True)(_pointwise)  # any op tagged torch.Tag.pointwise
 rows(_pointwise, _UNARY + _BINARY, layout="elementwise")
+rows(_pointwise, _INPLACE)

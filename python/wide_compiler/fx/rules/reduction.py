@@ -59,7 +59,7 @@ def dim_rule(ctx: WidenContext, node: fx.Node):
     reduction = "keepdim" in values
     flattened = False
     for name in DIM_ARGS:
-        if name not in values:
+        if name not in values or is_tensor_arg(node.target, name):  # index_add's `source` is a tensor
             continue
         v = values[name]
         list_typed = isinstance(_arg_type(node.target, name), torch.ListType)
@@ -111,6 +111,9 @@ _DIM_OPS = [
     "diagonal_scatter.default", "scatter.src", "scatter.value", "scatter_add.default",
     "scatter_reduce.two", "index_add.default", "index_copy.default", "index_fill.int_Scalar",
     "index_fill.int_Tensor", "diag_embed.default",
+    # in place: the target is per member (Note [Per-member writes into shared tensors])
+    "index_add_.default", "index_copy_.default", "index_fill_.int_Scalar", "index_fill_.int_Tensor",
+    "scatter_.src", "scatter_.value", "scatter_add_.default", "scatter_reduce_.two",
 ]
 
 rows(dim_rule, _DIM_OPS)
