@@ -25,8 +25,7 @@ _POOLS = {
     "max_pool1d": 1, "max_pool2d": 2, "max_pool3d": 3, "max_pool1d_with_indices": 1,
     "max_pool2d_with_indices": 2, "max_pool3d_with_indices": 3, "avg_pool1d": 1, "avg_pool2d": 2,
     "avg_pool3d": 3, "adaptive_avg_pool1d": 1, "adaptive_avg_pool2d": 2, "adaptive_avg_pool3d": 3,
-    "_adaptive_avg_pool2d": 2, "_adaptive_avg_pool3d": 3, "adaptive_max_pool1d": 1,
-    "adaptive_max_pool2d": 2, "adaptive_max_pool3d": 3,
+    "adaptive_max_pool1d": 1, "adaptive_max_pool2d": 2, "adaptive_max_pool3d": 3,
 }
 
 

@@ -77,6 +77,8 @@ def dim_rule(ctx: WidenContext, node: fx.Node):
         if name == first or not isinstance(v, (Wide, fx.Node)) or not is_tensor_arg(node.target, name):
             continue
         arg_rank = _member_rank_of(node, name)
+        if arg_rank == 0 and not isinstance(v, Wide):
+            continue  # a shared 0-d tensor (index_fill's value) is the same scalar for every member
         if name == "index" and arg_rank < self_v.rank:
             if isinstance(v, Wide):
                 from ..fallback import fallback
@@ -99,7 +101,7 @@ def _member_rank_of(node: fx.Node, name: str) -> int:
 
 
 _DIM_OPS = [
-    "softmax.int", "_softmax.default", "log_softmax.int", "_log_softmax.default", "cumsum.default",
+    "softmax.int", "log_softmax.int", "cumsum.default",
     "cumprod.default", "logcumsumexp.default", "sum.dim_IntList", "mean.dim", "amax.default",
     "amin.default", "argmax.default", "argmin.default", "var.correction", "var.dim", "std.correction",
     "std.dim", "var_mean.correction", "std_mean.correction", "linalg_vector_norm.default",
@@ -110,9 +112,9 @@ _DIM_OPS = [
     "var_mean.dim", "std_mean.dim", "select_scatter.default", "slice_scatter.default",
     "diagonal_scatter.default", "scatter.src", "scatter.value", "scatter_add.default",
     "scatter_reduce.two", "index_add.default", "index_copy.default", "index_fill.int_Scalar",
-    "index_fill.int_Tensor", "diag_embed.default",
+    "diag_embed.default",
     # in place: the target is per member (Note [Per-member writes into shared tensors])
-    "index_add_.default", "index_copy_.default", "index_fill_.int_Scalar", "index_fill_.int_Tensor",
+    "index_add_.default", "index_copy_.default", "index_fill_.int_Scalar",
     "scatter_.src", "scatter_.value", "scatter_add_.default", "scatter_reduce_.two",
 ]
 
@@ -162,3 +164,26 @@ def _flat_stat(ctx: WidenContext, node: fx.Node) -> Wide:
         target = aten.std.correction if node.target is aten.std.default else aten.var.correction
         out = ctx.emit(target, (flat, [1]), {"correction": 1 if unbiased else 0}, like=node, name=node.name)
     return Wide(out, 0)
+
+
+@rule(aten.index_fill.int_Tensor, aten.index_fill_.int_Tensor)
+def _index_fill_tensor(ctx: WidenContext, node: fx.Node):
+    """``index_fill`` with a 0-d tensor value: a shared value is the generic dim rule; a
+    per-member value fills ``where(positions, value, x)`` with the positions marked by an
+    ``index_fill`` of a boolean mask (written back with ``copy_`` in place)."""
+    x, dim, index, value = (ctx.value(a) for a in node.args[:4])
+    if not isinstance(value, Wide):
+        return dim_rule(ctx, node)
+    if isinstance(index, Wide):
+        from ..fallback import fallback
+        return fallback(ctx, node, reason="a per-member index list")
+    rank = member_rank(node.args[0])
+    x = ctx.as_wide(x, rank, node)
+    mask = ctx.emit(aten.zeros_like.default, (x.node,), {"dtype": torch.bool}, like=node)
+    mask = ctx.emit(aten.index_fill.int_Scalar, (mask, shift_dim(dim), index, True), like=node)
+    inplace = node.target is aten.index_fill_.int_Tensor
+    out = ctx.emit(aten.where.self, (mask, ctx.align(value, rank, node), x.node), like=node,
+                   name=None if inplace else node.name)
+    if inplace:
+        out = ctx.emit(aten.copy_.default, (x.node, out), like=node, name=node.name)
+    return Wide(out, rank)
