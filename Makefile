@@ -57,10 +57,13 @@ test-python: build
 	$(PY) -m pytest -q tests/python --doctest-modules python/wide_compiler
 
 # Each target writes JSON records (DESIGN §10) under bench-results/; PRESET=full for the grids.
+# The targets come from the benchmark registry (`benchmark --list`, run once the build is done);
+# BENCH_TARGETS="linear conv" runs some of them.
 PRESET ?= quick
-BENCH_TARGETS ?= linear conv norm pool embedding models optim train
+BENCH_TARGETS ?= $$($(PY) -m wide_compiler benchmark --list)
 bench: build
-	@for t in $(BENCH_TARGETS); do \
+	@targets="$(BENCH_TARGETS)" && [ -n "$$targets" ] || { echo "make bench: no benchmark targets" >&2; exit 1; }; \
+	for t in $$targets; do \
 	  $(PY) -m wide_compiler benchmark $$t --preset $(PRESET) --json bench-results/$$t-$(PRESET).json || exit 1; \
 	done
 

@@ -13,7 +13,9 @@ from wide_compiler import bench
 from wide_compiler.bench import engine, vision
 from wide_compiler.bench.vision_models import MODELS
 
-TARGETS = ("conv", "norm", "pool", "embedding", "models")
+CASES = {"conv": vision.conv_cases, "norm": vision.norm_cases, "pool": vision.pool_cases,
+         "embedding": vision.embedding_cases, "models": vision.model_cases}
+TARGETS = tuple(CASES)
 MAX_ERR = 1e-3
 
 
@@ -32,13 +34,20 @@ def monkeypatch_module():
 
 def test_registered():
     for t in TARGETS:
-        assert t in bench.TARGETS and "ci" in bench.PRESETS[t] and t in bench.FORMATTERS
+        spec = bench.TARGETS[t]
+        assert set(bench.PRESET_NAMES) <= set(spec.presets)
+        assert spec.formatter is vision.format_records
+        for name, preset in spec.presets.items():
+            jobs = spec.jobs(preset)
+            cases = CASES[t](preset.grid["size"])
+            assert len(jobs) == len(cases) * len(preset.grid["ns"]), (t, name)
+    assert bench.TARGETS["models"].presets["full"].grid["compile_variants"] == ("auto", "fast", "loop")
 
 
 def test_ci_records(ci_records):
     target, records = ci_records
     assert records, target
-    cases = {c.name for c in vision.CASES[target](vision.PRESETS["ci"].size)}
+    cases = {c.name for c in CASES[target](bench.TARGETS[target].presets["ci"].grid["size"])}
     assert {r["case"] for r in records} == cases
     for r in records:
         what = f"{target}/{r['case']}/{r['mode']}/{r['strategy']}"

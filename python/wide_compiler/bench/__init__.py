@@ -1,51 +1,40 @@
 """Benchmarks: the wide model against the baselines a user would otherwise pick (DESIGN §10).
 
-``TARGETS`` maps a ``python -m wide_compiler benchmark <target>`` name to its runner
-``run(preset, *, progress=False) -> list[dict]``, ``PRESETS`` to its preset names and
-``FORMATTERS`` (optional; default :func:`format_table`) to its table printer. A new target is one
-row in each.
+Every ``python -m wide_compiler benchmark <target>`` is one function decorated with
+:func:`.registry.target` in a module of this package (:mod:`.linear`: ``linear``;
+:mod:`.vision`: ``conv``, ``norm``, ``pool``, ``embedding``, ``models``; :mod:`.optim`: ``optim``,
+``train``); a new target is one such function in its own module, imported below. :data:`TARGETS` is the read-only registry (name -> :class:`Target`,
+with its presets ``ci``, ``quick`` and ``full`` and its description), :func:`run` runs a target,
+:func:`format_records` prints its records; every record is built by :func:`.engine.make_record`.
 
 Example::
 
     >>> from wide_compiler import bench
+    >>> "linear" in bench.TARGETS and sorted(bench.TARGETS["train"].presets)
+    ['ci', 'full', 'quick']
     >>> records = bench.run("linear", "ci")                  # doctest: +SKIP
     >>> print(bench.format_records("linear", records))       # doctest: +SKIP
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
-
-from . import engine, linear, optim, vision
+from . import engine, registry
 from .engine import RECORD_KEYS, format_table, machine_info
+from .registry import (
+    PRESET_NAMES,
+    TARGETS,
+    Job,
+    Preset,
+    Target,
+    format_records,
+    run,
+    target,
+)
 
-__all__ = ["FORMATTERS", "PRESETS", "RECORD_KEYS", "TARGETS", "engine", "format_records",
-           "format_table", "linear", "machine_info", "optim", "run", "vision"]
+# Importing a target module registers its targets, in this order (that of `benchmark --list`).
+from . import linear  # isort: skip
+from . import vision  # isort: skip
+from . import optim  # isort: skip
 
-TARGETS: dict[str, Callable[..., list[dict[str, Any]]]] = {
-    "linear": linear.run, "optim": optim.run_optim, "train": optim.run_train,
-    "conv": vision.run_conv, "norm": vision.run_norm, "pool": vision.run_pool,
-    "embedding": vision.run_embedding, "models": vision.run_models}
-PRESETS: dict[str, tuple[str, ...]] = {
-    "linear": tuple(linear.PRESETS), "optim": tuple(optim.PRESETS), "train": tuple(optim.PRESETS),
-    "conv": tuple(vision.PRESETS), "norm": tuple(vision.PRESETS), "pool": tuple(vision.PRESETS),
-    "embedding": tuple(vision.PRESETS), "models": tuple(vision.PRESETS)}
-FORMATTERS: dict[str, Callable[[Sequence[dict[str, Any]]], str]] = {
-    "optim": optim.format_records, "train": optim.format_records,
-    "conv": vision.format_records, "norm": vision.format_records, "pool": vision.format_records,
-    "embedding": vision.format_records, "models": vision.format_records}
-
-
-def run(target: str, preset: str = "quick", *, progress: bool = False) -> list[dict[str, Any]]:
-    """Run benchmark ``target`` with ``preset``; returns its records (see :mod:`.engine`)."""
-    if target not in TARGETS:
-        raise ValueError(f"unknown benchmark target {target!r}; expected one of {sorted(TARGETS)}")
-    if preset not in PRESETS.get(target, ()):
-        raise ValueError(f"benchmark target {target!r} has no preset {preset!r}; expected one "
-                         f"of {list(PRESETS.get(target, ()))}")
-    return TARGETS[target](preset, progress=progress)
-
-
-def format_records(target: str, records: Sequence[dict[str, Any]]) -> str:
-    """The plain-text table of ``target``'s records (its own formatter, else :func:`format_table`)."""
-    return FORMATTERS.get(target, format_table)(records)
+__all__ = ["PRESET_NAMES", "RECORD_KEYS", "TARGETS", "Job", "Preset", "Target", "engine",
+           "format_records", "format_table", "linear", "machine_info", "optim", "registry", "run",
+           "target", "vision"]

@@ -25,7 +25,9 @@ all outputs, gradients of the parameters with ``torch.autograd.grad``); ``execut
 ``baseline_ms[name] / wide_ms`` (above 1: the wide contender is faster); ``max_abs_err`` is the
 largest absolute difference of any member's output (and, in train mode, parameter gradient)
 against that member run on its own; ``errors`` maps a baseline that failed (e.g. a
-``torch.compile`` that raised) to its error message.
+``torch.compile`` that raised) to its error message. Every benchmark builds its records with
+:func:`make_record` and compares with :func:`max_abs_err` (the one comparison:
+:func:`params_max_abs_err` goes through it too); targets are registered in :mod:`.registry`.
 
 Example::
 
@@ -39,7 +41,8 @@ Example::
     >>> wide = engine.Contender("bmm", lambda x: torch.ops.wide.linear(x, W, b, strategy="bmm"),
     ...                         [W, b])
     >>> recs = engine.run_case(models, x, [wide], [engine.loop_contender(models)],
-    ...                        mode="inference", min_run_time=0.01, base={"target": "linear"})
+    ...                        mode="inference", min_run_time=0.01,
+    ...                        base={"target": "linear", "dtype": "float32"})
     >>> recs[0]["max_abs_err"] < 1e-5
     True
 """
@@ -66,12 +69,16 @@ __all__ = [
     "compiled_loop_contender",
     "contention_note",
     "finish_records",
+    "fmt_ms",
+    "fmt_x",
     "format_table",
+    "frame_table",
     "loop_contender",
     "machine_info",
     "make_record",
     "make_step",
     "max_abs_err",
+    "params_max_abs_err",
     "run_case",
     "stacked_params",
     "time_ms",
@@ -88,6 +95,7 @@ RECORD_KEYS = (
     "errors", "machine",
 )
 MODES = ("inference", "train")
+_REQUIRED = ("target", "n", "dtype")
 
 
 @dataclasses.dataclass
@@ -337,6 +345,25 @@ def max_abs_err(reference: Contender, ref_result: Any, other: Contender, result:
     return err
 
 
+def params_max_abs_err(reference: Sequence[Sequence[torch.Tensor]],
+                       stacked: Sequence[torch.Tensor]) -> float:
+    """Largest |difference| of member ``i``'s tensors ``reference[i]`` against the stacked
+    ``[t[i] for t in stacked]`` (e.g. parameters after an optimizer step): :func:`max_abs_err`
+    of a ``"members"`` and a ``"wide"`` result.
+
+    >>> a, b = torch.zeros(2, 3), torch.ones(2)
+    >>> params_max_abs_err([[a[0], b[0]], [a[1], b[1] + 0.5]], [a, b])
+    0.5
+    """
+    def unused(x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    ref = Contender("reference", unused, [], "members")
+    wide = Contender("wide", unused, [], "wide")
+    return max_abs_err(ref, [list(r) for r in reference], wide, list(stacked), len(reference),
+                       "inference")
+
+
 def _diff(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
     if a.shape != b.shape:
         raise ValueError(f"{what}: expected shape {tuple(a.shape)}, got {tuple(b.shape)}")
@@ -356,15 +383,21 @@ def make_record(*, base: Mapping[str, Any], mode: str, strategy: str, wide_ms: f
                 baseline_max_abs_err: Mapping[str, float] | None = None,
                 errors: Mapping[str, str] | None = None, execution: str = "eager",
                 machine: Mapping[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-    """Build one record: ``base`` fields (target, case, shapes, dtype) + timings + speedups.
+    """Build one record, the only way every benchmark builds one: ``base`` fields (target, case,
+    n, batch, shapes, dtype; ``target``, ``n`` and ``dtype`` required) + timings + speedups +
+    errors + machine; ``extra`` fields go last. See the module docstring for the keys.
 
-    >>> r = make_record(base={"target": "linear", "n": 4}, mode="inference", strategy="bmm",
-    ...                 wide_ms=0.5, baseline_ms={"loop": 2.0}, max_abs_err=0.0, machine={})
+    >>> r = make_record(base={"target": "linear", "n": 4, "dtype": "float32"}, mode="inference",
+    ...                 strategy="bmm", wide_ms=0.5, baseline_ms={"loop": 2.0}, max_abs_err=0.0,
+    ...                 machine={})
     >>> r["speedup"], r["case"]
     ({'loop': 4.0}, 'separate')
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    missing = [k for k in _REQUIRED if base.get(k) is None]
+    if missing:
+        raise ValueError(f"a benchmark record needs {missing} in base (got {sorted(base)})")
     record: dict[str, Any] = {k: None for k in RECORD_KEYS}
     record.update({"case": "separate", "execution": execution})
     record.update(base)
@@ -427,13 +460,13 @@ def run_case(models: Sequence[nn.Module], x: torch.Tensor, wides: Iterable[Conte
 
 # ---------------------------------------------------------------------------------- table
 
-def _fmt_ms(v: float | None) -> str:
+def fmt_ms(v: float | None) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return f"{v:.3f}" if v < 10 else f"{v:.1f}" if v < 1000 else f"{v:.0f}"
 
 
-def _fmt_x(v: float | None) -> str:
+def fmt_x(v: float | None) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return f"{v:.2f}x" if v < 10 else f"{v:.1f}x"
@@ -475,13 +508,13 @@ def format_table(records: Sequence[Mapping[str, Any]], *, header: bool = True) -
                  if r.get("in_features") is not None else "-")
         row = [str(r.get("target", "")), str(r.get("case", "")), str(r.get("n", "")),
                str(r.get("batch", "")), shape, str(r.get("dtype", "")), mode,
-               str(r.get("strategy", "")), _fmt_ms(r.get("wide_ms"))]
+               str(r.get("strategy", "")), fmt_ms(r.get("wide_ms"))]
         for b in baselines:
             if b in (r.get("errors") or {}):
                 row += ["error", "-"]
             else:
-                row += [_fmt_ms((r.get("baseline_ms") or {}).get(b)),
-                        _fmt_x((r.get("speedup") or {}).get(b))]
+                row += [fmt_ms((r.get("baseline_ms") or {}).get(b)),
+                        fmt_x((r.get("speedup") or {}).get(b))]
         err = r.get("max_abs_err")
         row.append("-" if err is None else f"{err:.1e}")
         rows.append(row)
@@ -492,17 +525,23 @@ def format_table(records: Sequence[Mapping[str, Any]], *, header: bool = True) -
         return "  ".join(c.rjust(w) if name in right else c.ljust(w)
                          for c, w, name in zip(cells, widths, cols)).rstrip()
 
+    body = [line(cols), line(["-" * w for w in widths])] + [line(row) for row in rows]
+    return frame_table(records, body, header=header)
+
+
+def frame_table(records: Sequence[Mapping[str, Any]], body: Sequence[str], *,
+                header: bool = True) -> str:
+    """A table's ``body`` lines framed as every benchmark table is: with ``header``, the machine
+    line above (torch, threads, CPU capability); below, the :func:`contention_note` and one line
+    per failed baseline (``errors``)."""
     out = []
-    if header and records:
-        m = records[0].get("machine") or {}
-        if m:
-            out.append(f"torch {m.get('torch')}, {m.get('threads')} threads, "
-                       f"CPU capability {m.get('cpu_capability')}, "
-                       f"wide_compiler {m.get('wide_compiler')}")
-    out.append(line(cols))
-    out.append(line(["-" * w for w in widths]))
-    out += [line(row) for row in rows]
-    note = contention_note(records[0].get("machine") or {}) if records else None
+    m = (records[0].get("machine") or {}) if records else {}
+    if header and m:
+        out.append(f"torch {m.get('torch')}, {m.get('threads')} threads, "
+                   f"CPU capability {m.get('cpu_capability')}, "
+                   f"wide_compiler {m.get('wide_compiler')}")
+    out += body
+    note = contention_note(m)
     if note:
         out.append(note)
     errs = {(k, v) for r in records for k, v in (r.get("errors") or {}).items()}

@@ -15,13 +15,14 @@ Cases (each member has its own weights; ``case="separate"``: its own input ``x[i
 
 Example::
 
-    >>> from wide_compiler.bench import linear
-    >>> recs = linear.run("ci")                              # doctest: +SKIP
-    >>> print(engine.format_table(recs))                     # doctest: +SKIP
+    >>> from wide_compiler import bench
+    >>> recs = bench.run("linear", "ci")                     # doctest: +SKIP
+    >>> print(bench.format_records("linear", recs))          # doctest: +SKIP
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -31,8 +32,9 @@ from torch import nn
 
 from . import engine
 from .engine import Contender
+from .registry import Job, Preset, target
 
-__all__ = ["PRESETS", "STRATEGIES", "LinearCase", "Preset", "build_case", "run", "run_case"]
+__all__ = ["PRESETS", "STRATEGIES", "LinearCase", "build_case", "jobs", "run_case"]
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +58,6 @@ class LinearCase:
                 "out_features": self.out_features, "dtype": str(self.dtype).removeprefix("torch.")}
 
 
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    """Cases and settings of one ``--preset``."""
-
-    cases: tuple[LinearCase, ...]
-    min_run_time: float
-    modes: tuple[str, ...] = engine.MODES
-    strategies: tuple[str, ...] = STRATEGIES
-    tuned: bool = False
-    compile_loop: bool = False
-    description: str = ""
-
-
 def _grid(ns: Sequence[int], layers: Sequence[tuple[int, int]], batch: int, shared: bool
           ) -> tuple[LinearCase, ...]:
     return tuple(LinearCase(n, batch, i, o, shared=shared) for i, o in layers for n in ns)
@@ -79,18 +68,18 @@ _SMALL, _LARGE = (64, 128), (512, 1024)
 
 PRESETS: dict[str, Preset] = {
     "ci": Preset(
-        cases=_grid((4, 16), [(16, 32)], 8, False) + (LinearCase(16, 8, 16, 32, shared=True),),
-        min_run_time=0.02,
-        description="tiny smoke run (seconds)"),
+        "tiny smoke run (seconds)", 0.02,
+        {"cases": _grid((4, 16), [(16, 32)], 8, False) + (LinearCase(16, 8, 16, 32, shared=True),),
+         "tuned": False, "compile_loop": False}),
     "quick": Preset(
-        cases=(_HEADLINE, dataclasses.replace(_HEADLINE, shared=True)),
-        min_run_time=0.5, tuned=True,
-        description="headline: N=64, B=32, Linear 64->128, float32, + shared input (< 1 min)"),
+        "headline: N=64, B=32, Linear 64->128, float32, + shared input (< 1 min)", 0.5,
+        {"cases": (_HEADLINE, dataclasses.replace(_HEADLINE, shared=True)),
+         "tuned": True, "compile_loop": False}),
     "full": Preset(
-        cases=_grid((4, 16, 64, 256), [_SMALL, _LARGE], 32, False)
-        + _grid((4, 16, 64, 256), [_SMALL, _LARGE], 32, True),
-        min_run_time=0.2, tuned=True, compile_loop=True,
-        description="N in 4,16,64,256 x Linear 64->128 and 512->1024, B=32 (a few minutes)"),
+        "N in 4,16,64,256 x Linear 64->128 and 512->1024, B=32 (a few minutes)", 0.2,
+        {"cases": _grid((4, 16, 64, 256), [_SMALL, _LARGE], 32, False)
+         + _grid((4, 16, 64, 256), [_SMALL, _LARGE], 32, True),
+         "tuned": True, "compile_loop": True}),
 }
 
 
@@ -196,38 +185,20 @@ def run_case(case: LinearCase, *, modes: Sequence[str] = engine.MODES,
     return records
 
 
-def run(preset: str = "quick", *, progress: bool = False,
-        min_run_time: float | None = None) -> list[dict[str, Any]]:
-    """Run every case of ``preset`` (``"ci"``, ``"quick"`` or ``"full"``); returns the records.
+@target("linear", presets=PRESETS,
+        description="torch.ops.wide.linear per strategy vs loop / vmap / GEMM roofline")
+def jobs(p: Preset) -> list[Job]:
+    """One job per case of ``p.grid["cases"]`` (``tuned``, ``compile_loop``: see :func:`run_case`).
 
-    >>> recs = run("ci")                                     # doctest: +SKIP
-    >>> {r["case"] for r in recs}                            # doctest: +SKIP
-    {'separate', 'shared'}
+    >>> [j.label for j in jobs(PRESETS["ci"])]
+    ['separate N=4 16->32', 'separate N=16 16->32', 'shared N=16 16->32']
     """
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
-    p = PRESETS[preset]
-    machine = engine.machine_info()
-    cases = list(p.cases)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    return [Job(f"{case.base()['case']} N={case.n} {case.in_features}->{case.out_features}",
+                functools.partial(_run_job, case, p))
+            for case in p.grid["cases"]]
 
-        bar = tqdm(total=len(cases), desc=f"linear/{preset}", unit="case", leave=False)
-    records: list[dict[str, Any]] = []
-    try:
-        for case in cases:
-            if bar is not None:
-                bar.set_postfix_str(f"{case.base()['case']} N={case.n} "
-                                    f"{case.in_features}->{case.out_features}")
-            records += run_case(case, modes=p.modes, strategies=p.strategies, tuned=p.tuned,
-                                compile_loop=p.compile_loop,
-                                min_run_time=p.min_run_time if min_run_time is None
-                                else min_run_time,
-                                machine=machine)
-            if bar is not None:
-                bar.update()
-    finally:
-        if bar is not None:
-            bar.close()
-    return engine.finish_records(records, preset, machine)
+
+def _run_job(case: LinearCase, p: Preset, machine: dict[str, Any]) -> list[dict[str, Any]]:
+    return run_case(case, tuned=p.grid.get("tuned", False),
+                    compile_loop=p.grid.get("compile_loop", False),
+                    min_run_time=p.min_run_time, machine=machine)

@@ -39,17 +39,21 @@ float64 members; ``vmap`` shows the same). Big single allocations of the wide op
 with glibc malloc's defaults (``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` or jemalloc
 change that), and ``compile:*`` returns contiguous outputs (one more copy than ``module``).
 
+Each target is its case builder (``conv_cases`` ...) decorated with ``_vision_target``: one job
+per case and N (presets :data:`PRESETS`; ``models``: :data:`MODEL_PRESETS`).
+
 Example::
 
-    >>> from wide_compiler.bench import vision
-    >>> recs = vision.run_conv("ci")                          # doctest: +SKIP
-    >>> print(vision.format_records(recs))                    # doctest: +SKIP
+    >>> from wide_compiler import bench
+    >>> recs = bench.run("conv", "ci")                        # doctest: +SKIP
+    >>> print(bench.format_records("conv", recs))             # doctest: +SKIP
 """
 from __future__ import annotations
 
 import collections
 import copy
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -62,10 +66,11 @@ from torch import nn
 
 from . import engine
 from .engine import Contender
+from .registry import Job, Preset, jobs_per_n, target
 from .vision_models import MODELS
 
-__all__ = ["CASES", "PRESETS", "Case", "Preset", "format_records", "run_case", "run_conv",
-           "run_embedding", "run_models", "run_norm", "run_pool", "run_target"]
+__all__ = ["MODEL_PRESETS", "PRESETS", "Case", "conv_cases", "embedding_cases", "format_records",
+           "model_cases", "norm_cases", "pool_cases", "run_case"]
 
 log = logging.getLogger(__name__)
 
@@ -95,23 +100,22 @@ class Case:
     train_state: bool | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    """Ns, sizes and timing of one ``--preset``."""
-
-    ns: tuple[int, ...]
-    size: str  # "tiny" | "small" (see the case builders)
-    min_run_time: float
-    compile_variants: tuple[str, ...] = ("auto",)  # of the models target
-    description: str = ""
-
-
-PRESETS: dict[str, Preset] = {
-    "ci": Preset((4,), "tiny", 0.01, description="tiny shapes, N=4 (seconds)"),
-    "quick": Preset((16,), "small", 0.2, ("auto", "fast"),
-                    description="moderate shapes, N=16 (< 2 min per target)"),
-    "full": Preset((4, 16, 64), "small", 0.2, ("auto", "fast", "loop"),
-                   description="moderate shapes, N in 4, 16, 64 (minutes per target)"),
+PRESETS: dict[str, Preset] = {  # conv, norm, pool, embedding
+    "ci": Preset("tiny shapes, N=4 (seconds)", 0.01, {"ns": (4,), "size": "tiny"}),
+    "quick": Preset("moderate shapes, N=16 (< 2 min per target)", 0.2,
+                    {"ns": (16,), "size": "small"}),
+    "full": Preset("moderate shapes, N in 4, 16, 64 (minutes per target)", 0.2,
+                   {"ns": (4, 16, 64), "size": "small"}),
+}
+#: ``models``: also the ``wc.compile`` variants to time (``compile_variants``, see ``_CONFIGS``).
+MODEL_PRESETS: dict[str, Preset] = {
+    "ci": Preset("tiny models, N=4 (seconds)", 0.01,
+                 {"ns": (4,), "size": "tiny", "compile_variants": ("auto",)}),
+    "quick": Preset("small models, N=16, compile auto and fast (minutes)", 0.2,
+                    {"ns": (16,), "size": "small", "compile_variants": ("auto", "fast")}),
+    "full": Preset("small models, N in 4, 16, 64, compile auto, fast and loop (many minutes)",
+                   0.2, {"ns": (4, 16, 64), "size": "small",
+                         "compile_variants": ("auto", "fast", "loop")}),
 }
 
 _CONFIGS = {
@@ -119,6 +123,49 @@ _CONFIGS = {
     "fast": lambda wc: wc.WideConfig.fast(),
     "loop": lambda wc: wc.WideConfig(strategy="loop", tune=False),
 }
+
+
+# ---------------------------------------------------------------------------------- targets
+
+def _jobs(cases: Callable[[str], list[Case]], p: Preset) -> list[Job]:
+    """One job per case of ``cases(p.grid["size"])`` and N of ``p.grid["ns"]``."""
+    return jobs_per_n(_run_job, cases(p.grid["size"]), p, label=lambda case: case.name)
+
+
+def _run_job(case: Case, n: int, p: Preset, machine: dict[str, Any]) -> list[dict[str, Any]]:
+    return run_case(case, n, compile_variants=p.grid.get("compile_variants"),
+                    min_run_time=p.min_run_time, machine=machine)
+
+
+def format_records(records: Sequence[dict[str, Any]], *, header: bool = True) -> str:
+    """:func:`engine.format_table` with the strategy ``compile:auto`` shown with what it chose
+    (``compile:auto[loop]``), then the compile warnings/fallbacks worth knowing."""
+    shown = []
+    for r in records:
+        r = dict(r)
+        if r.get("strategy", "").startswith("compile:") and r.get("chosen_strategy"):
+            r["strategy"] = f"{r['strategy']}[{r['chosen_strategy']}]"
+        shown.append(r)
+    out = [engine.format_table(shown, header=header)]
+    fallbacks = sorted({f"{r['case']}: {fb}" for r in records for fb in r.get("fallbacks") or ()})
+    if fallbacks:
+        out.append("per-member fallbacks in the compiled graph: " + "; ".join(fallbacks))
+    slow = sorted({f"{r['case']}: {w}" for r in records for w in r.get("warnings") or ()
+                   if "performance drop" in w})
+    for w in slow:
+        out.append(f"warning: {w}")
+    return "\n".join(out)
+
+
+def _vision_target(name: str, description: str, presets: dict[str, Preset] = PRESETS
+                   ) -> Callable[[Callable[[str], list[Case]]], Callable[[str], list[Case]]]:
+    """Register the decorated case builder ``cases(size)`` as benchmark target ``name``: one job
+    per case and N (:func:`.registry.target`); returns the builder unchanged."""
+    def register(cases: Callable[[str], list[Case]]) -> Callable[[str], list[Case]]:
+        target(name, presets=presets, formatter=format_records,
+               description=description)(functools.partial(_jobs, cases))
+        return cases
+    return register
 
 
 # ------------------------------------------------------------------------------------ cases
@@ -146,6 +193,7 @@ def _from_modules(cls_name: str) -> Callable[[list[nn.Module], str], nn.Module]:
     return build
 
 
+@_vision_target("conv", "Conv2d small/medium/depthwise/pointwise and ConvTranspose2d")
 def conv_cases(size: str) -> list[Case]:
     """Conv2d small / medium / depthwise / pointwise 1x1, and a ConvTranspose2d."""
     tiny = size == "tiny"
@@ -171,6 +219,7 @@ def conv_cases(size: str) -> list[Case]:
     return out
 
 
+@_vision_target("norm", "BatchNorm2d (training), LayerNorm, GroupNorm")
 def norm_cases(size: str) -> list[Case]:
     """BatchNorm2d (training: batch statistics), LayerNorm, GroupNorm."""
     tiny = size == "tiny"
@@ -187,6 +236,7 @@ def norm_cases(size: str) -> list[Case]:
     ]
 
 
+@_vision_target("pool", "MaxPool2d / AdaptiveAvgPool2d in compiled tiny models")
 def pool_cases(size: str) -> list[Case]:
     """MaxPool2d / AdaptiveAvgPool2d in a compiled tiny model: after a 1x1 conv (the pool runs
     on the channel-packed layout), before it (member dim folded into the batch), and the 1x1 conv
@@ -202,6 +252,7 @@ def pool_cases(size: str) -> list[Case]:
     return [Case("pool", name, f"C={c} {hw}x{hw}", make, _randn(c, hw, hw), b) for name, make in specs]
 
 
+@_vision_target("embedding", "Embedding and EmbeddingBag (sum, mean)")
 def embedding_cases(size: str) -> list[Case]:
     """Embedding lookups and EmbeddingBag (sum, fixed-size bags) on per-member indices."""
     tiny = size == "tiny"
@@ -218,6 +269,8 @@ def embedding_cases(size: str) -> list[Case]:
     ]
 
 
+@_vision_target("models", "whole vision, audio and tabular models compiled with wc.compile",
+                MODEL_PRESETS)
 def model_cases(size: str) -> list[Case]:
     """The whole models of :mod:`.vision_models` (one case each)."""
     out = []
@@ -225,12 +278,6 @@ def model_cases(size: str) -> list[Case]:
         out.append(Case("models", name, f"{name}/{size}", lambda spec=spec: spec.make(size),
                         lambda lead, g, spec=spec: spec.inputs(lead, size, g), spec.batch[size]))
     return out
-
-
-CASES: dict[str, Callable[[str], list[Case]]] = {
-    "conv": conv_cases, "norm": norm_cases, "pool": pool_cases, "embedding": embedding_cases,
-    "models": model_cases,
-}
 
 
 # ------------------------------------------------------------------------------- contenders
@@ -363,80 +410,3 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
                 r["chosen_strategy"] = r["strategy"].split(":", 1)[1]
         records += recs
     return records
-
-
-def run_target(target: str, preset: str = "quick", *, progress: bool = False,
-               min_run_time: float | None = None) -> list[dict[str, Any]]:
-    """Run every case of ``target`` with ``preset``; returns the records."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
-    p = PRESETS[preset]
-    cases = CASES[target](p.size)
-    machine = engine.machine_info()
-    work = [(case, n) for case in cases for n in p.ns]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(work), desc=f"{target}/{preset}", unit="case", leave=False)
-    records: list[dict[str, Any]] = []
-    try:
-        for case, n in work:
-            if bar is not None:
-                bar.set_postfix_str(f"{case.name} N={n}")
-            records += run_case(case, n, compile_variants=p.compile_variants if target == "models" else None,
-                                min_run_time=p.min_run_time if min_run_time is None else min_run_time,
-                                machine=machine)
-            if bar is not None:
-                bar.update()
-    finally:
-        if bar is not None:
-            bar.close()
-    return engine.finish_records(records, preset, machine)
-
-
-def run_conv(preset: str = "quick", *, progress: bool = False) -> list[dict[str, Any]]:
-    """``benchmark conv``: Conv2d small/medium/depthwise/pointwise and ConvTranspose2d."""
-    return run_target("conv", preset, progress=progress)
-
-
-def run_norm(preset: str = "quick", *, progress: bool = False) -> list[dict[str, Any]]:
-    """``benchmark norm``: BatchNorm2d (training), LayerNorm, GroupNorm."""
-    return run_target("norm", preset, progress=progress)
-
-
-def run_pool(preset: str = "quick", *, progress: bool = False) -> list[dict[str, Any]]:
-    """``benchmark pool``: MaxPool2d / AdaptiveAvgPool2d in compiled tiny models."""
-    return run_target("pool", preset, progress=progress)
-
-
-def run_embedding(preset: str = "quick", *, progress: bool = False) -> list[dict[str, Any]]:
-    """``benchmark embedding``: Embedding and EmbeddingBag."""
-    return run_target("embedding", preset, progress=progress)
-
-
-def run_models(preset: str = "quick", *, progress: bool = False) -> list[dict[str, Any]]:
-    """``benchmark models``: whole models compiled with ``wc.compile``."""
-    return run_target("models", preset, progress=progress)
-
-
-# ------------------------------------------------------------------------------------ table
-
-def format_records(records: Sequence[dict[str, Any]], *, header: bool = True) -> str:
-    """:func:`engine.format_table` with the strategy ``compile:auto`` shown with what it chose
-    (``compile:auto[loop]``), then the compile warnings/fallbacks worth knowing."""
-    shown = []
-    for r in records:
-        r = dict(r)
-        if r.get("strategy", "").startswith("compile:") and r.get("chosen_strategy"):
-            r["strategy"] = f"{r['strategy']}[{r['chosen_strategy']}]"
-        shown.append(r)
-    out = [engine.format_table(shown, header=header)]
-    fallbacks = sorted({f"{r['case']}: {fb}" for r in records for fb in r.get("fallbacks") or ()})
-    if fallbacks:
-        out.append("per-member fallbacks in the compiled graph: " + "; ".join(fallbacks))
-    slow = sorted({f"{r['case']}: {w}" for r in records for w in r.get("warnings") or ()
-                   if "performance drop" in w})
-    for w in slow:
-        out.append(f"warning: {w}")
-    return "\n".join(out)
