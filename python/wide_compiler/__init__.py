@@ -15,6 +15,7 @@ from . import (
     functional,
     nn,
     optim,
+    testing,
 )
 from .api import WideBuilder, compile, pack, stack, unpack, unstack
 from .config import WideConfig
@@ -44,6 +45,7 @@ __all__ = [
     "pack",
     "register",
     "stack",
+    "testing",
     "unpack",
     "unstack",
 ]

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from . import testing
 from .config import WideConfig
 from .errors import ValidationError
 from .model import WideModel
@@ -62,8 +62,10 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
         sample_input: ONE member's input: a tensor, or a tuple of positional inputs (tensors,
             nested lists/tuples/dicts of tensors, or Python values, which are baked in).
         n: number of members when ``models`` is a single module.
-        validate: run the sample through the wide model and every member and raise
-            :class:`ValidationError` if a member differs (also ``config.validate``).
+        validate: run the sample through the wide model and every member (on copies; nothing is
+            modified) and raise :class:`ValidationError` if a member's outputs or buffers differ
+            (also ``config.validate``); a train graph with random ops (dropout) is compared in
+            eval mode instead, and a log message says so.
         strict: raise for an op with no wide rule instead of running it through the per-member
             fallback (also ``config.strict``).
         config: :class:`WideConfig` (default ``WideConfig.default()``).
@@ -171,36 +173,32 @@ class WideBuilder:
 
 def _validate(wide: WideModel, members: Sequence[nn.Module], args: tuple, kwargs: dict,
               config: WideConfig) -> None:
-    """Every member's output on its own (slightly perturbed) sample, and on the shared sample."""
-    gen = torch.Generator().manual_seed(0)
+    """Every member's outputs and buffers on its own (perturbed) sample and on the shared sample,
+    through :func:`wide_compiler.testing.check_equivalence` with ``config.rtol``/``config.atol``.
+
+    Nothing is modified: members run on deep copies and the wide model's buffers are restored.
+    A train graph with random ops (dropout...) is compared in eval mode instead, since each
+    member draws its own random numbers."""
     n = len(members)
-
-    def perturb(a: Any) -> Any:
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
-            return a + 0.01 * torch.randn(a.shape, generator=gen, dtype=a.dtype).to(a.device)
-        return a
-
-    sample = (args, kwargs)
-    per_member = [tree_map(perturb, sample) for _ in members]
-    leaves = [tree_flatten(p)[0] for p in per_member]
-    flat, spec = tree_flatten(sample)
-    stacked = tree_unflatten([torch.stack([lv[j] for lv in leaves]) if isinstance(a, torch.Tensor) else a
-                              for j, a in enumerate(flat)], spec)
-    shared = tree_map(lambda a: a.expand(n, *a.shape) if isinstance(a, torch.Tensor) else a, sample)
-    with torch.no_grad():
-        for label, wide_in, member_in in (("its own input", stacked, per_member),
-                                          ("the shared sample", shared, [sample] * n)):
-            got = tree_leaves(wide(*wide_in[0], **wide_in[1]))
-            for i, m in enumerate(members):
-                want = tree_leaves(m(*member_in[i][0], **member_in[i][1]))
-                for k, (g, w) in enumerate(zip(got, want)):
-                    if isinstance(w, torch.Tensor) and not torch.allclose(
-                            g[i], w, rtol=config.rtol, atol=config.atol, equal_nan=True):
-                        err = (g[i] - w).abs().max().item()
-                        raise ValidationError(
-                            f"wide_compiler: validate: member {i} differs on {label} (output {k}: "
-                            f"max abs error {err:.3g}, rtol={config.rtol}, atol={config.atol})")
-    log.info("wide_compiler: validated %d members", len(members))
+    training = wide.training
+    random = testing._random_ops(wide, training) if training else []
+    if random:
+        log.info("wide_compiler: validate: the train graph has random ops (%s) and every member "
+                 "draws its own random numbers, so the members are compared in eval mode (on copies)",
+                 ", ".join(random))
+        training = False
+    _, per_member = testing.member_inputs((args, kwargs), n, seed=0, scale=0.01)
+    checks = (("its own input", [a for a, _ in per_member], [k for _, k in per_member], False),
+              ("the shared sample", args, kwargs, True))
+    for label, inputs, kw, shared in checks:
+        try:
+            testing.check_equivalence(wide, members, inputs, kwargs=kw, shared=shared, grads=False,
+                                      training=training, rtol=config.rtol, atol=config.atol,
+                                      equal_nan=True)
+        except AssertionError as e:
+            mode = "train" if training else "eval"
+            raise ValidationError(f"wide_compiler: validate ({mode} mode, on {label}): {e}") from None
+    log.info("wide_compiler: validated %d members (%s mode)", n, "train" if training else "eval")
 
 
 # --- layout helpers (API boundary only; see DESIGN §3) --------------------------------------

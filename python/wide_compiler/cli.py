@@ -119,6 +119,8 @@ def _test_op() -> str:
     import torch
     import torch.nn.functional as F
 
+    from . import testing
+
     torch.manual_seed(0)
     n, b, i, o = 5, 3, 7, 4
     w = torch.randn(n, o, i, dtype=torch.float64, requires_grad=True)
@@ -131,15 +133,16 @@ def _test_op() -> str:
         for strategy in ("auto", "bmm", "bmm_t", "loop"):
             out = torch.ops.wide.linear(x, w, bias, strategy=strategy)
             gw, gb = torch.autograd.grad(out.square().sum(), (w, bias))
-            for k in range(n):
-                ref = F.linear(x[k], w[k], bias[k])
-                rgw, rgb = torch.autograd.grad(ref.square().sum(), (w, bias))
-                where = f"{xname} input, strategy={strategy}, member {k}"
-                worst = max(worst, _max_err(out[k], ref))
-                _check_close(f"{where} output", _max_err(out[k], ref), 1e-10)
-                _check_close(f"{where} weight grad", _max_err(gw[k], rgw[k]), 1e-10)
-                _check_close(f"{where} bias grad", _max_err(gb[k], rgb[k]), 1e-10)
-    return f"3 inputs x 3 strategies x {n} members, max err {worst:.1e}"
+            refs = [F.linear(x[k], w[k], bias[k]) for k in range(n)]
+            ref_grads = [torch.autograd.grad(r.square().sum(), (w, bias)) for r in refs]
+            where = f"{xname} input, strategy={strategy}"
+            testing.assert_members_close(out, refs, what=f"{where} output")
+            testing.assert_members_close(gw, [g[0][k] for k, g in enumerate(ref_grads)], kind="grad",
+                                         what=f"{where} weight grad")
+            testing.assert_members_close(gb, [g[1][k] for k, g in enumerate(ref_grads)], kind="grad",
+                                         what=f"{where} bias grad")
+            worst = max(worst, testing.max_member_error(out, refs))
+    return f"3 inputs x 4 strategies x {n} members (float64), max err {worst:.1e}"
 
 
 def _test_opcheck() -> str:
@@ -169,16 +172,13 @@ def _test_wide_linear() -> str:
     torch.manual_seed(0)
     layers = [nn.Linear(6, 3) for _ in range(4)]
     wide = wc.nn.WideLinear.from_modules(layers)
-    x = torch.randn(4, 2, 6)
-    out = wide(x)
-    err = max(_max_err(out[k], layers[k](x[k])) for k in range(4))
-    _check_close("WideLinear output", err, 1e-5)
+    report = wc.testing.check_equivalence(wide, layers, torch.randn(4, 2, 6))
     back = wide.unfuse()
     for k, (a, m) in enumerate(zip(layers, back)):
         if type(m) is not nn.Linear or not (torch.equal(a.weight, m.weight)
                                             and torch.equal(a.bias, m.bias)):
             raise AssertionError(f"member {k}: unfuse() did not give back the same nn.Linear")
-    return f"from_modules -> forward -> unfuse, max err {err:.1e}"
+    return f"from_modules -> forward (outputs, gradients) -> unfuse, max err {report.max_error():.1e}"
 
 
 class _MLP:  # built lazily so that `import wide_compiler.cli` does not import torch.nn
@@ -196,27 +196,13 @@ class _MLP:  # built lazily so that `import wide_compiler.cli` does not import t
         return nn.Sequential(*layers)
 
 
-def _compare_population(models: Sequence[Any], wide: Any, x: Any, tol: float) -> float:
-    """Every member's output and parameter gradients against the wide model's; returns max err."""
-    import torch
+def _compare_population(models: Sequence[Any], wide: Any, x: Any, *, shared: bool = False) -> float:
+    """Every member's outputs, input and parameter gradients and buffers against the wide
+    model's (:func:`wide_compiler.testing.check_equivalence`, raises on a difference); returns
+    the max error. ``x``: the N-first input, or one member's input with ``shared``."""
+    from . import testing
 
-    from .bench import engine
-
-    worst = 0.0
-    out = wide(x)
-    wide_params = engine.wide_params_in_member_order(wide, models[0])
-    wide_grads = torch.autograd.grad(out.sum(), wide_params)
-    for k, m in enumerate(models):
-        ref = m(x[k])
-        e = _max_err(out[k], ref)
-        _check_close(f"member {k} output", e, tol)
-        worst = max(worst, e)
-        grads = torch.autograd.grad(ref.sum(), list(m.parameters()))
-        for (name, _), g, wg in zip(m.named_parameters(), grads, wide_grads):
-            e = _max_err(wg[k], g)
-            _check_close(f"member {k} gradient of {name}", e, tol)
-            worst = max(worst, e)
-    return worst
+    return testing.check_equivalence(wide, models, x, shared=shared).max_error()
 
 
 def _test_compile() -> str:
@@ -230,11 +216,8 @@ def _test_compile() -> str:
     wide = wc.compile(models, x[0], config=wc.WideConfig.fast())
     if wide.n != n:
         raise AssertionError(f"WideModel.n is {wide.n}, expected {n}")
-    err = _compare_population(models, wide, x, 1e-5)
-    shared = torch.randn(5, 16)
-    out = wide(shared.expand(n, *shared.shape))
-    err_s = max(_max_err(out[k], models[k](shared)) for k in range(n))
-    _check_close("shared input", err_s, 1e-5)
+    err = _compare_population(models, wide, x)
+    err_s = _compare_population(models, wide, torch.randn(5, 16), shared=True)
     return f"{n} MLPs 16->32->32->4, outputs + gradients, max err {max(err, err_s):.1e}"
 
 
@@ -252,8 +235,23 @@ def _test_compile_strategies() -> str:
         chosen = set(wide.strategies.values())
         if chosen != {strategy}:
             raise AssertionError(f"strategy={strategy!r} forced, got {wide.strategies}")
-        worst = max(worst, _compare_population(models, wide, x, 1e-5))
+        worst = max(worst, _compare_population(models, wide, x))
     return f"forced bmm and loop, max err {worst:.1e}"
+
+
+def _test_check_compile() -> str:
+    import torch
+    from torch import nn
+
+    import wide_compiler as wc
+
+    torch.manual_seed(300)
+    models = [nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2)) for _ in range(3)]
+    _, report = wc.testing.check_compile(models, torch.randn(2, 3, 6, 6), config=wc.WideConfig.fast())
+    worst = max(r.max_error() for r in report.values())
+    return (f"{len(report)} checks (train/eval x own/shared input): outputs, gradients, running "
+            f"stats, max err {worst:.1e}")
 
 
 def _test_unfuse() -> str:
@@ -298,6 +296,7 @@ def cmd_test(args: argparse.Namespace) -> int:
     checks.run("WideLinear round trip", _test_wide_linear)
     checks.run("compile(): MLP population vs every member", _test_compile)
     checks.run("compile(): forced strategies", _test_compile_strategies)
+    checks.run("testing.check_compile(): CNN with BatchNorm, train and eval", _test_check_compile)
     checks.run("WideModel.unfuse() round trip", _test_unfuse)
     if checks.failed:
         print(f"{len(checks.failed)} of {checks.count} checks FAILED")
@@ -308,10 +307,34 @@ def cmd_test(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------- benchmark
 
+def _benchmark_targets() -> str:
+    """The registered benchmark targets, one line each with its description, and the presets."""
+    from . import bench
+
+    width = max(map(len, bench.TARGETS))
+    lines = ["targets:"] + [f"  {name.ljust(width)}  {t.description}"
+                            for name, t in bench.TARGETS.items()]
+    lines.append("presets: ci (smoke run, seconds), quick (headline cases, default), "
+                 "full (grid, minutes)")
+    return "\n".join(lines)
+
+
 def cmd_benchmark(args: argparse.Namespace) -> int:
     from . import bench
 
-    presets = bench.PRESETS[args.target]
+    if args.list:  # machine-readable: one target name a line (the Makefile's `make bench`)
+        print("\n".join(bench.TARGETS))
+        return 0
+    if args.target is None:
+        print("usage: python -m wide_compiler benchmark TARGET [--preset ci|quick|full] "
+              "[--json FILE]\n")
+        print(_benchmark_targets())
+        return 0
+    if args.target not in bench.TARGETS:
+        print(f"error: unknown benchmark target {args.target!r}; expected one of "
+              f"{', '.join(bench.TARGETS)}", file=sys.stderr)
+        return 2
+    presets = bench.TARGETS[args.target].presets
     if args.preset not in presets:
         print(f"error: target {args.target!r} has no preset {args.preset!r}; "
               f"expected one of {', '.join(presets)}", file=sys.stderr)
@@ -425,11 +448,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=4, help="number of members (default 4)")
     p.set_defaults(func=cmd_trace)
 
-    all_presets = sorted({p for ps in bench.PRESETS.values() for p in ps})
+    all_presets = sorted({name for t in bench.TARGETS.values() for name in t.presets})
     p = sub.add_parser("benchmark", parents=[common], help="time wide ops against loop / vmap / torch.compile",
                        description="Time the wide model against the baselines; print a table "
-                                   "and optionally write JSON records.")
-    p.add_argument("target", choices=sorted(bench.TARGETS), help="what to benchmark")
+                                   "and optionally write JSON records.\nWithout a target: the "
+                                   "list of targets.",
+                       epilog=_benchmark_targets(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Checked by cmd_benchmark (not `choices`): no target lists the targets, exit 0.
+    p.add_argument("target", nargs="?", metavar="TARGET",
+                   help=f"what to benchmark: {', '.join(bench.TARGETS)}")
+    p.add_argument("--list", action="store_true",
+                   help="print the target names, one a line, and exit")
     p.add_argument("--preset", default="quick", choices=all_presets,
                    help="ci: tiny smoke run; quick: the headline case (default); full: the grid")
     p.add_argument("--json", metavar="FILE", help="write the records (a JSON list) to FILE")

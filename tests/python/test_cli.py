@@ -94,6 +94,23 @@ def test_unknown_target_is_a_clear_error(tmp_path):
     assert "conv9d" in proc.stderr and "linear" in proc.stderr
 
 
+def test_benchmark_list_prints_the_registry(capsys):
+    from wide_compiler import bench
+
+    assert cli.main(["benchmark", "--list"]) == 0
+    assert capsys.readouterr().out.split() == list(bench.TARGETS)  # what `make bench` runs
+
+
+def test_benchmark_without_target_lists_targets(capsys):
+    from wide_compiler import bench
+
+    assert cli.main(["benchmark"]) == 0
+    out = capsys.readouterr().out
+    for name, t in bench.TARGETS.items():
+        assert f"  {name}" in out and t.description in out
+    assert "ci" in out and "quick" in out and "full" in out
+
+
 def test_self_test_passes(tmp_path):
     proc = run_cli("test", cache_dir=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -135,6 +152,9 @@ def test_make_record_fields_and_speedup():
     with pytest.raises(ValueError, match="mode"):
         engine.make_record(base={}, mode="training", strategy="bmm", wide_ms=1.0,
                            baseline_ms={}, max_abs_err=0.0, machine={})
+    with pytest.raises(ValueError, match="dtype"):  # the DESIGN §10 fields are required
+        engine.make_record(base={"target": "linear", "n": 4}, mode="train", strategy="bmm",
+                           wide_ms=1.0, baseline_ms={}, max_abs_err=0.0, machine={})
 
 
 def test_machine_info():
@@ -193,7 +213,7 @@ def test_run_case_records_and_failing_baseline():
     recs = engine.run_case(
         models, x, [_wide_op(W, bias, "bmm", "bmm"), _wide_op(W, bias, "loop", "loop")],
         [engine.loop_contender(models), engine.Contender("broken", broken, [], "members")],
-        mode="train", base={"target": "linear", "batch": 2}, min_run_time=0.001,
+        mode="train", base={"target": "linear", "batch": 2, "dtype": "float32"}, min_run_time=0.001,
         machine={"threads": 1})
     assert [r["strategy"] for r in recs] == ["bmm", "loop"]
     for r in recs:
@@ -235,15 +255,16 @@ def test_format_table_aligned_columns():
 def test_linear_presets():
     assert set(linear.PRESETS) == {"ci", "quick", "full"}
     headline = linear.LinearCase(64, 32, 64, 128)
-    assert headline in linear.PRESETS["quick"].cases
-    assert any(c.shared for c in linear.PRESETS["quick"].cases)
-    full = linear.PRESETS["full"]
-    assert {c.n for c in full.cases} == {4, 16, 64, 256}
-    assert {(c.in_features, c.out_features) for c in full.cases} == {(64, 128), (512, 1024)}
-    assert full.compile_loop and headline in full.cases
-    ci = linear.PRESETS["ci"]
-    assert not ci.compile_loop and not ci.tuned
-    assert max(c.n * c.in_features * c.out_features for c in ci.cases) <= 16 * 64 * 64
+    quick = linear.PRESETS["quick"].grid
+    assert headline in quick["cases"] and any(c.shared for c in quick["cases"])
+    full = linear.PRESETS["full"].grid
+    assert {c.n for c in full["cases"]} == {4, 16, 64, 256}
+    assert {(c.in_features, c.out_features) for c in full["cases"]} == {(64, 128), (512, 1024)}
+    assert full["compile_loop"] and headline in full["cases"]
+    ci = linear.PRESETS["ci"].grid
+    assert not ci["compile_loop"] and not ci["tuned"]
+    assert max(c.n * c.in_features * c.out_features for c in ci["cases"]) <= 16 * 64 * 64
+    assert len(linear.jobs(linear.PRESETS["full"])) == len(full["cases"])
 
 
 def test_build_case_shared_input_is_stride0():

@@ -1,8 +1,8 @@
 """wc.compile on whole models: every member of the wide model must be exactly its own model.
 
-For every model family the check is the same (see `check_equivalent`): member i gets its own input
-x[i] (or one shared input x.expand(N, *x.shape)), and its outputs, its input gradients and its
-parameter gradients must equal those of model i run alone.
+For every model family the check is the same (`wide_compiler.testing.check_equivalence`): member
+i gets its own input x[i] (or one shared input x.expand(N, *x.shape)), and its outputs, its input
+gradients, its parameter gradients and its buffers must equal those of model i run alone.
 """
 from __future__ import annotations
 
@@ -13,11 +13,9 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils._pytree import tree_leaves
-
 import wide_compiler as wc
-from conftest import assert_close, assert_members_close, assert_trees_members_close
+from torch import nn
+from wide_compiler.testing import assert_close, assert_members_close, check_equivalence
 
 FAST = wc.WideConfig.fast()  # no timing at compile time: keeps the suite quick
 
@@ -174,68 +172,8 @@ def members(factory, n, dtype=torch.float32, seed=0):
 
 
 # ---------------------------------------------------------------------------------------------
-# The equivalence check
+# Inputs (the check itself is wide_compiler.testing.check_equivalence)
 # ---------------------------------------------------------------------------------------------
-def check_equivalent(wide, models, inputs, *, shared=False, check_grads=True, seed=0):
-    """Run the wide model and every member; compare outputs, input grads and parameter grads.
-
-    inputs: per-member input tuples (a list of N tuples), or ONE tuple when shared=True (passed to
-    the wide model as x.expand(N, *x.shape)).
-    """
-    n = len(models)
-    dtype = next(models[0].parameters()).dtype
-    k = len(inputs if shared else inputs[0])
-    if shared:
-        leaves = tuple(a.detach().clone().requires_grad_(check_grads) for a in inputs)
-        wide_args = tuple(a.expand(n, *a.shape) for a in leaves)
-    else:
-        leaves = tuple(torch.stack([inputs[i][j] for i in range(n)]).detach()
-                       .requires_grad_(check_grads) for j in range(k))
-        wide_args = leaves
-
-    torch.manual_seed(seed)
-    ref_outs, ref_in_grads, cotangents = [], [], []
-    for i, m in enumerate(models):
-        m.zero_grad(set_to_none=True)
-        xi = tuple(a.detach().clone().requires_grad_(check_grads)
-                   for a in (inputs if shared else inputs[i]))
-        out = m(*xi)
-        ref_outs.append(tree_leaves(out) if not isinstance(out, torch.Tensor) else out)
-        if check_grads:
-            gs = [torch.randn_like(t) for t in tree_leaves(out)]
-            sum((t * g).sum() for t, g in zip(tree_leaves(out), gs)).backward()
-            cotangents.append(gs)
-            ref_in_grads.append([x.grad for x in xi])
-
-    wide_out = wide(*wide_args)
-    wide_cmp = wide_out if isinstance(wide_out, torch.Tensor) else tree_leaves(wide_out)
-    assert_trees_members_close(wide_cmp, ref_outs, dtype)
-    if not check_grads:
-        return wide_out
-
-    wide.zero_grad(set_to_none=True)
-    loss = sum((t * torch.stack([cotangents[i][j] for i in range(n)])).sum()
-               for j, t in enumerate(tree_leaves(wide_out)))
-    loss.backward()
-    for j, leaf in enumerate(leaves):
-        assert leaf.grad is not None, f"input {j}: no gradient reached the wide model's input"
-        if shared:
-            assert_close(leaf.grad, torch.stack([g[j] for g in ref_in_grads]).sum(0), grad=True,
-                         msg=f"grad of shared input {j} (sum over members)")
-        else:
-            assert_members_close(leaf.grad, [g[j] for g in ref_in_grads], dtype, grad=True,
-                                 what=f"grad of input {j}")
-    wide_params = dict(wide.named_parameters())
-    ref_names = [name for name, _ in models[0].named_parameters()]
-    assert list(wide_params) == ref_names
-    for name in ref_names:
-        g = wide_params[name].grad
-        assert g is not None, f"{name}: no gradient on the wide parameter"
-        assert_members_close(g, [m.get_parameter(name).grad for m in models], dtype, grad=True,
-                             what=f"grad of {name}")
-    return wide_out
-
-
 def per_member_inputs(n, *shapes, dtype=torch.float32):
     return [tuple(torch.randn(s, dtype=dtype) for s in shapes) for _ in range(n)]
 
@@ -247,7 +185,7 @@ def per_member_inputs(n, *shapes, dtype=torch.float32):
 def test_mlp_activations(act):
     models = members(lambda: MLP(2, ACTIVATIONS[act]), 3)
     wide = compile_fast(models, torch.randn(4, 5))
-    check_equivalent(wide, models, per_member_inputs(3, (6, 5)))
+    check_equivalence(wide, models, per_member_inputs(3, (6, 5)))
 
 
 DEPTH_CASES = [(1, "ReLU")] + [(d, a) for d in (2, 3, 4)
@@ -261,7 +199,7 @@ def test_mlp_depths(depth, act):
     n_linear = sum(isinstance(m, nn.Linear) for m in models[0].modules())
     assert n_linear == depth
     assert len(wide.strategies) == depth, wide.strategies
-    check_equivalent(wide, models, per_member_inputs(3, (6, 5)))
+    check_equivalence(wide, models, per_member_inputs(3, (6, 5)))
 
 
 @pytest.mark.parametrize("factory", [Residual, lambda: Residual(nn.SiLU), InplaceResidual, Branches,
@@ -274,7 +212,7 @@ def test_model_families(factory, shared):
     models = members(factory, n)
     wide = compile_fast(models, torch.randn(4, 5))
     inputs = (torch.randn(6, 5),) if shared else per_member_inputs(n, (6, 5))
-    check_equivalent(wide, models, inputs, shared=shared)
+    check_equivalence(wide, models, inputs, shared=shared)
 
 
 def test_two_outputs_keep_their_structure():
@@ -291,7 +229,7 @@ def test_shared_input_equals_each_model_on_x(act):
     models = members(lambda: MLP(3, ACTIVATIONS[act]), n)
     wide = compile_fast(models, torch.randn(4, 5))
     x = torch.randn(7, 5)
-    out = check_equivalent(wide, models, (x,), shared=True)
+    out = check_equivalence(wide, models, (x,), shared=True).wide_output
     # Sanity: the members really are different models.
     assert not torch.allclose(out[0], out[1])
 
@@ -302,7 +240,7 @@ def test_tuple_of_inputs(shared):
     models = members(TwoInputs, n)
     wide = compile_fast(models, (torch.randn(4, 4), torch.randn(4, 6)))
     inputs = (torch.randn(5, 4), torch.randn(5, 6)) if shared else per_member_inputs(n, (5, 4), (5, 6))
-    check_equivalent(wide, models, inputs, shared=shared)
+    check_equivalence(wide, models, inputs, shared=shared)
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -311,7 +249,7 @@ def test_3d_member_inputs(shared):
     models = members(lambda: MLP(3, nn.GELU), n)
     wide = compile_fast(models, torch.randn(2, 4, 5))
     inputs = (torch.randn(3, 4, 5),) if shared else per_member_inputs(n, (3, 4, 5))
-    out = check_equivalent(wide, models, inputs, shared=shared)
+    out = check_equivalence(wide, models, inputs, shared=shared).wide_output
     assert out.shape == (n, 3, 4, 3)
 
 
@@ -319,8 +257,8 @@ def test_single_member():
     models = members(lambda: MLP(3, nn.SiLU), 1)
     wide = compile_fast(models, torch.randn(4, 5))
     assert wide.n == 1
-    check_equivalent(wide, models, per_member_inputs(1, (6, 5)))
-    check_equivalent(wide, models, (torch.randn(6, 5),), shared=True)
+    check_equivalence(wide, models, per_member_inputs(1, (6, 5)))
+    check_equivalence(wide, models, (torch.randn(6, 5),), shared=True)
 
 
 @pytest.mark.parametrize("sample_batch", [1, 2, 4])
@@ -330,7 +268,7 @@ def test_dynamic_batch(sample_batch):
     models = members(lambda: MLP(2, nn.ReLU), n)
     wide = compile_fast(models, torch.randn(sample_batch, 5))
     for batch in (1, 2, 7):
-        out = check_equivalent(wide, models, per_member_inputs(n, (batch, 5)))
+        out = check_equivalence(wide, models, per_member_inputs(n, (batch, 5))).wide_output
         assert out.shape == (n, batch, 3)
 
 
@@ -339,7 +277,7 @@ def test_float64_models():
     models = members(lambda: MLP(3, nn.Tanh), n, dtype=torch.float64)
     wide = compile_fast(models, torch.randn(4, 5, dtype=torch.float64))
     assert all(p.dtype == torch.float64 for p in wide.parameters())
-    out = check_equivalent(wide, models, per_member_inputs(n, (6, 5), dtype=torch.float64))
+    out = check_equivalence(wide, models, per_member_inputs(n, (6, 5), dtype=torch.float64)).wide_output
     assert out.dtype == torch.float64
 
 
@@ -349,7 +287,7 @@ def test_default_config_tunes_and_caches_in_the_env_cache_dir(_isolated_cache_di
     wide = wc.compile(models, torch.randn(4, 5))  # default config: measured strategies
     assert set(wide.strategies.values()) <= {"bmm", "bmm_t", "loop"}, wide.strategies
     assert (_isolated_cache_dir / "strategies.json").is_file(), list(_isolated_cache_dir.iterdir())
-    check_equivalent(wide, models, per_member_inputs(n, (6, 5)))
+    check_equivalence(wide, models, per_member_inputs(n, (6, 5)))
     # A second compile of the same shapes reads the cache and chooses the same.
     again = wc.compile(members(lambda: MLP(2, nn.ReLU), n, seed=1), torch.randn(4, 5))
     assert again.strategies == wide.strategies
@@ -362,8 +300,8 @@ def test_forced_strategy(strategy):
     wide = wc.compile(models, torch.randn(4, 5), config=wc.WideConfig(strategy=strategy))
     assert set(wide.strategies.values()) == {strategy}
     assert strategy in wide.summary()
-    check_equivalent(wide, models, per_member_inputs(n, (6, 5)))
-    check_equivalent(wide, models, (torch.randn(6, 5),), shared=True)
+    check_equivalence(wide, models, per_member_inputs(n, (6, 5)))
+    check_equivalence(wide, models, (torch.randn(6, 5),), shared=True)
 
 
 def test_expanded_input_takes_the_shared_gemm_path():
@@ -443,9 +381,100 @@ def test_validate_passes_on_good_models():
     models = members(Branches, n)
     wide = compile_fast(models, torch.randn(4, 5), validate=True)
     assert isinstance(wide, wc.WideModel)
-    check_equivalent(wide, models, per_member_inputs(n, (6, 5)))
+    check_equivalence(wide, models, per_member_inputs(n, (6, 5)))
     wide_dbg = wc.compile(models, torch.randn(4, 5), config=wc.WideConfig.debug())
     assert isinstance(wide_dbg, wc.WideModel)
+
+
+class NormNet(nn.Module):
+    """BatchNorm (running stats, num_batches_tracked) and, optionally, dropout."""
+
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.fc = nn.Linear(5, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(p) if p else nn.Identity()
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(self.drop(torch.relu(self.bn(self.fc(x)))))
+
+
+def _state(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _assert_same_state(module, before, what):
+    after = module.state_dict()
+    assert list(after) == list(before), what
+    for k, v in before.items():
+        assert torch.equal(after[k], v), f"{what}: validate changed {k}"
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_validate_leaves_the_models_and_the_wide_buffers_untouched(training):
+    """Was (reliability issue): validate=True ran the user's models in train mode, so their
+    BatchNorm running stats and num_batches_tracked changed, and so did the wide model's."""
+    models = [m.train(training) for m in members(NormNet, 3)]
+    before = [_state(m) for m in models]
+    wide = compile_fast(models, torch.randn(4, 5), validate=True)
+    for i, m in enumerate(models):
+        _assert_same_state(m, before[i], f"original member {i}")
+        assert m.training == training
+    for name, b in wide.named_buffers():
+        if name in before[0]:
+            assert torch.equal(b, torch.stack([s[name] for s in before])), f"wide buffer {name} changed"
+    assert int(wide.get_buffer("bn.num_batches_tracked").sum()) == 0
+    assert wide.training == training
+    # The same through WideBuilder and for one model with n=K.
+    one = NormNet().train(training)
+    state = _state(one)
+    wc.compile(one, torch.randn(4, 5), n=2, validate=True, config=FAST)
+    _assert_same_state(one, state, "the single model of n=K")
+
+
+def test_validate_with_dropout_compares_in_eval_mode_and_says_so(caplog):
+    """Was: members draw different dropout masks than the wide model, so validate raised a false
+    ValidationError. A train graph with random ops is validated in eval mode, with a log line."""
+    models = members(lambda: NormNet(p=0.5), 3)
+    before = [_state(m) for m in models]
+    with caplog.at_level("INFO", logger="wide_compiler.api"):
+        wide = compile_fast(models, torch.randn(4, 5), validate=True)
+    assert wide.training and all(m.training for m in models)
+    assert any("random ops" in r.getMessage() and "eval mode" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
+    for i, m in enumerate(models):
+        _assert_same_state(m, before[i], f"original member {i}")
+    assert int(wide.get_buffer("bn.num_batches_tracked").sum()) == 0
+    # Validation still checks something: a member that differs is caught in eval mode too.
+    wide = compile_fast(members(lambda: NormNet(p=0.5), 3), torch.randn(4, 5))
+    with torch.no_grad():
+        wide.get_parameter("out.weight")[1].mul_(-1)
+    from wide_compiler.api import _validate
+    with pytest.raises(wc.ValidationError, match=r"eval mode.*member 1 differs"):
+        _validate(wide, members(lambda: NormNet(p=0.5), 3), (torch.randn(4, 5),), {}, FAST)
+
+
+def test_check_compile_is_the_one_line_check():
+    models = members(NormNet, 3)
+    before = [_state(m) for m in models]
+    wide, report = wc.testing.check_compile(models, torch.randn(6, 5), config=FAST)
+    assert set(report) == {"train/own", "train/shared", "eval/own", "eval/shared"}
+    for key, r in report.items():
+        assert r["output"] is not None and r["param_grad"] is not None and r["buffer"] is not None, key
+    for i, m in enumerate(models):
+        _assert_same_state(m, before[i], f"member {i}")
+    assert wide.training
+    # Dropout: the train-mode checks are skipped (and say why), eval is checked.
+    _, report = wc.testing.check_compile(members(lambda: NormNet(p=0.5), 2), torch.randn(6, 5),
+                                         config=FAST, shared=False)
+    assert "random ops" in report["train/own"] and report["eval/own"]["output"] is not None
+    # Explicit per-member inputs; and the check fails on a wrong model (members in another order).
+    wide, report = wc.testing.check_compile(models, torch.randn(6, 5), config=FAST, modes=("eval",),
+                                            inputs=[torch.randn(4, 5) for _ in range(3)])
+    assert set(report) == {"eval/own", "eval/shared"} and wide.training  # the models' mode
+    with pytest.raises(AssertionError, match=r"member 0 differs"):
+        wc.testing.check_equivalence(wide, models[::-1], [torch.randn(6, 5) for _ in range(3)])
 
 
 def test_unfuse_round_trip():
@@ -521,7 +550,7 @@ def test_to_float64():
     assert wide64 is wide
     assert all(p.dtype == torch.float64 for p in wide.parameters())
     models64 = [copy.deepcopy(m).double() for m in models]
-    out = check_equivalent(wide, models64, per_member_inputs(n, (6, 5), dtype=torch.float64))
+    out = check_equivalence(wide, models64, per_member_inputs(n, (6, 5), dtype=torch.float64)).wide_output
     assert out.dtype == torch.float64
 
 
@@ -588,7 +617,7 @@ def test_parameter_only_and_passthrough_outputs(shared):
     models = members(Passthrough, n)
     wide = compile_fast(models, torch.randn(4, 5))
     inputs = (torch.randn(6, 5),) if shared else per_member_inputs(n, (6, 5))
-    out = check_equivalent(wide, models, inputs, shared=shared)
+    out = check_equivalence(wide, models, inputs, shared=shared).wide_output
     assert out[1].shape == (n, 3) and out[2].shape == (n, 6, 5)
 
 
@@ -788,7 +817,7 @@ def test_equal_plain_config_objects_are_not_a_mismatch():
     """Each member holds its own (equal) config object: that is the same architecture."""
     models = members(WithSettings, 2)
     wide = compile_fast(models, torch.randn(4, 5))
-    check_equivalent(wide, models, per_member_inputs(2, (6, 5)))
+    check_equivalence(wide, models, per_member_inputs(2, (6, 5)))
 
 
 def test_frozen_parameters_stay_frozen():
@@ -809,7 +838,7 @@ def test_harness_detects_a_wrong_member():
     models = members(lambda: MLP(2), 3)
     wide = compile_fast(models, torch.randn(4, 5))
     with pytest.raises(AssertionError, match=r"member 0 of 3"):
-        check_equivalent(wide, models[::-1], per_member_inputs(3, (6, 5)))
+        check_equivalence(wide, models[::-1], per_member_inputs(3, (6, 5)))
 
 
 def test_empty_model_list():
@@ -859,8 +888,8 @@ def test_glue_ops_are_per_member(name):
     n = 3
     models = members(lambda: Glue(op), n)
     wide = compile_fast(models, torch.randn(*shape), strict=True)  # strict: no fallback allowed
-    check_equivalent(wide, models, per_member_inputs(n, shape))
-    check_equivalent(wide, models, (torch.randn(*shape),), shared=True)
+    check_equivalence(wide, models, per_member_inputs(n, shape))
+    check_equivalence(wide, models, (torch.randn(*shape),), shared=True)
 
 
 class Cdist(nn.Module):
@@ -913,8 +942,8 @@ def test_unsupported_operation_falls_back_with_a_warning_and_is_correct(cls, op)
     texts = [str(w.message) for w in record if re.search(op, str(w.message))]
     where = f"test_compile.py:{_marked_line(cls)}"
     assert any(where in t for t in texts), texts
-    check_equivalent(wide, models, per_member_inputs(n, (6, 5)))
-    check_equivalent(wide, models, (torch.randn(6, 5),), shared=True)
+    check_equivalence(wide, models, per_member_inputs(n, (6, 5)))
+    check_equivalence(wide, models, (torch.randn(6, 5),), shared=True)
     # The fallback is listed by report().
     report = wide.report()
     assert re.search(op, report) and where in report, report

@@ -1,15 +1,12 @@
 """torch.ops.wide.conv / conv_transpose and WideConv*/WideConvTranspose* against N separate modules."""
 from __future__ import annotations
 
-
 import pytest
 import torch
+import wide_compiler as wc
 from torch import nn
 from torch.library import opcheck
-
-import wide_compiler as wc
-from conftest import assert_members_close
-from vision_helpers import check_wide_against_members
+from wide_compiler.testing import assert_members_close, check_equivalence
 
 FAST = wc.WideConfig.fast()  # no strategy timing: these tests check values, not speed
 
@@ -46,7 +43,7 @@ def test_wide_conv_matches_members(d, case, strategy):
                       padding_mode=mode, bias=bias)
     wide = wcls.from_modules(models, strategy=strategy)
     x = torch.randn(n, 2, cin, *SPATIAL[d])
-    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, x)
+    check_equivalence(wide, models, x)
 
 
 @pytest.mark.parametrize("layout", ["shared", "noncontiguous", "n1", "b1", "float64", "unbatched"])
@@ -57,7 +54,7 @@ def test_wide_conv2d_layouts_and_edge_cases(layout):
     b = 1 if layout == "b1" else 2
     if layout == "shared":
         x = torch.randn(b, 3, 6, 6)
-        check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, x, shared=True)
+        check_equivalence(wide, models, x, shared=True)
         return
     if layout == "noncontiguous":
         x = torch.randn(b, 3, n, 6, 12)[..., ::2].permute(2, 0, 1, 3, 4)
@@ -66,7 +63,7 @@ def test_wide_conv2d_layouts_and_edge_cases(layout):
         x = torch.randn(n, 3, 6, 6)
     else:
         x = torch.randn(n, b, 3, 6, 6, dtype=dtype)
-    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, x, dtype=dtype)
+    check_equivalence(wide, models, x, dtype=dtype)
 
 
 @pytest.mark.parametrize("d", [1, 2, 3])
@@ -79,7 +76,7 @@ def test_wide_conv_transpose_matches_members(d, groups, stride, padding, output_
                       groups=groups, dilation=dilation, bias=bias)
     wide = wcls.from_modules(models, strategy=strategy)
     x = torch.randn(3, 2, 4, *SPATIAL[d])
-    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, x)
+    check_equivalence(wide, models, x)
 
 
 def test_conv_transpose_output_size_and_shared_input():
@@ -90,7 +87,7 @@ def test_conv_transpose_output_size_and_shared_input():
     assert y.shape == (3, 2, 2, 10, 10)
     assert_members_close(y, [m(x[i], output_size=[10, 10]) for i, m in enumerate(models)])
     xs = torch.randn(2, 4, 5, 5)
-    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, xs, shared=True)
+    check_equivalence(wide, models, xs, shared=True)
 
 
 def test_unfuse_round_trip_and_errors():
@@ -112,7 +109,7 @@ def test_unfuse_round_trip_and_errors():
 
 def _opcheck_samples():
     g = torch.Generator().manual_seed(0)
-    r = lambda *s, **kw: torch.randn(*s, generator=g, **kw).requires_grad_()  # noqa: E731
+    r = lambda *s, **kw: torch.randn(*s, generator=g, **kw).requires_grad_()
     yield "conv-nfirst", torch.ops.wide.conv.default, (r(2, 3, 4, 6, 6), r(2, 6, 2, 3, 3), r(2, 6), [1, 1], [1, 1], [1, 1], 2), {}
     yield "conv-packed-loop", torch.ops.wide.conv.default, (r(3, 8, 7), r(2, 5, 4, 3), None, [2], [1, 2], [1], 1), {"packed_input": True, "strategy": "loop"}
     yield "conv-shared", torch.ops.wide.conv.default, (r(3, 4, 6).expand(2, 3, 4, 6), r(2, 5, 4, 3), r(2, 5), [1], [1], [1], 1), {}
@@ -136,8 +133,7 @@ def test_compile_conv_net_train_step(padding_mode):
     models = [make() for _ in range(3)]
     wide = wc.compile(models, torch.randn(2, 3, 8, 8), strict=True)
     x = torch.randn(3, 2, 3, 8, 8)
-    params = dict(wide.named_parameters())
-    check_wide_against_members(wide, params, models, x)
+    check_equivalence(wide, models, x)
     assert not wide.fallbacks
     # the input into the first conv and the output: nothing between the convs
     assert "2 layout conversions" in wide.summary(), wide.report()

@@ -12,13 +12,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
+import wide_compiler  # noqa: F401  (registers torch.ops.wide)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-
-import wide_compiler  # noqa: F401  (registers torch.ops.wide)
-from conftest import assert_close, assert_members_close, tol
+from wide_compiler.testing import assert_close, assert_members_close, tolerance
 
 wide_linear = torch.ops.wide.linear
 
@@ -153,14 +152,14 @@ def test_forward_and_grads_match_separate_linears(sample: Sample):
     assert sample.x_leaf.grad is not None
     assert sample.x_leaf.grad.shape == sample.x_leaf.shape
     if sample.shared:
-        assert_close(sample.x_leaf.grad, ref_xg, grad=True,
+        assert_close(sample.x_leaf.grad, ref_xg, kind="grad",
                      msg=f"{sample.name}: grad of the shared input (sum over members)")
     else:
-        assert_members_close(sample.x_leaf.grad, list(ref_xg), grad=True,
+        assert_members_close(sample.x_leaf.grad, list(ref_xg), kind="grad",
                              what=f"{sample.name} input grad")
-    assert_members_close(sample.weight.grad, ref_wg, grad=True, what=f"{sample.name} weight grad")
+    assert_members_close(sample.weight.grad, ref_wg, kind="grad", what=f"{sample.name} weight grad")
     if sample.bias is not None:
-        assert_members_close(sample.bias.grad, ref_bg, grad=True, what=f"{sample.name} bias grad")
+        assert_members_close(sample.bias.grad, ref_bg, kind="grad", what=f"{sample.name} bias grad")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -338,7 +337,7 @@ def test_torch_compile_fullgraph_dynamic_batch_aot_eager(strategy):
         out.sum().backward()
         ref_w1 = w1.detach().clone().requires_grad_()
         _mlp_reference(x, ref_w1, b1.detach(), w2.detach()).sum().backward()
-        assert_close(w1.grad, ref_w1.grad, grad=True)
+        assert_close(w1.grad, ref_w1.grad, kind="grad")
     assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
 
 
@@ -469,9 +468,9 @@ def test_property_random_shapes(n, lead, in_features, out_features, strategy, bi
     assert_members_close(out, ref_out, dtype)
     (out * torch.stack(gs)).sum().backward()
     if sample.shared:
-        torch.testing.assert_close(leaf.grad, ref_xg, **tol(dtype, grad=True))
+        torch.testing.assert_close(leaf.grad, ref_xg, **tolerance(dtype, "grad"))
     else:
-        assert_members_close(leaf.grad, list(ref_xg), grad=True, what="input grad")
-    assert_members_close(w.grad, ref_wg, grad=True, what="weight grad")
+        assert_members_close(leaf.grad, list(ref_xg), kind="grad", what="input grad")
+    assert_members_close(w.grad, ref_wg, kind="grad", what="weight grad")
     if b is not None:
-        assert_members_close(b.grad, ref_bg, grad=True, what="bias grad")
+        assert_members_close(b.grad, ref_bg, kind="grad", what="bias grad")

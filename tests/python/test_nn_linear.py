@@ -6,10 +6,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 import wide_compiler as wc
-from conftest import assert_close, assert_members_close
+from torch import nn
+from wide_compiler.testing import assert_close, assert_members_close
 
 WideLinear = wc.nn.WideLinear
 
@@ -80,9 +79,9 @@ def test_forward_equals_the_linears(strategy, bias, lead):
     for i, layer in enumerate(layers):
         layer.zero_grad()
         (layer(x[i].detach()) * g[i]).sum().backward()
-    assert_members_close(wide.weight.grad, [l.weight.grad for l in layers], grad=True)
+    assert_members_close(wide.weight.grad, [l.weight.grad for l in layers], kind="grad")
     if bias:
-        assert_members_close(wide.bias.grad, [l.bias.grad for l in layers], grad=True)
+        assert_members_close(wide.bias.grad, [l.bias.grad for l in layers], kind="grad")
 
 
 def test_constructor_shapes_and_init_bound_per_member():

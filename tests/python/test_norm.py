@@ -2,14 +2,12 @@
 modules: outputs, input/parameter grads and running stats, train and eval; opcheck on each op."""
 from __future__ import annotations
 
-
 import pytest
 import torch
+import wide_compiler as wc
 from torch import nn
 from torch.library import opcheck
-
-import wide_compiler as wc
-from vision_helpers import check_wide_against_members
+from wide_compiler.testing import check_equivalence
 
 FAST = wc.WideConfig.fast()  # no strategy timing: these tests check values, not speed
 
@@ -45,10 +43,7 @@ def test_batch_norm_module(base, wcls, shape, affine, track, momentum, training)
                                                                 momentum=momentum))]
     wide = wcls.from_modules(models).train(training)
     x = torch.randn(3, *shape)
-    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, x,
-                               buffers={"running_mean": getattr(wide, "running_mean", None),
-                                        "running_var": getattr(wide, "running_var", None),
-                                        "num_batches_tracked": getattr(wide, "num_batches_tracked", None)})
+    check_equivalence(wide, models, x)  # outputs, grads, and the running stats after the call
 
 
 @pytest.mark.parametrize("d,shape", [(1, (2, 3, 6)), (2, (2, 3, 4, 5)), (3, (2, 3, 2, 3, 4)), (1, (3, 6))])
@@ -59,16 +54,14 @@ def test_instance_norm_module(d, shape, affine, track, training):
     wcls = {1: wc.nn.WideInstanceNorm1d, 2: wc.nn.WideInstanceNorm2d, 3: wc.nn.WideInstanceNorm3d}[d]
     models = [m.train(training) for m in _members(lambda: base(3, affine=affine, track_running_stats=track))]
     wide = wcls.from_modules(models).train(training)
-    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, torch.randn(3, *shape),
-                               buffers={"running_mean": getattr(wide, "running_mean", None),
-                                        "running_var": getattr(wide, "running_var", None)})
+    check_equivalence(wide, models, torch.randn(3, *shape))
 
 
 @pytest.mark.parametrize("groups,affine,shape", [(2, True, (2, 6, 5)), (3, False, (1, 6, 2, 3)), (6, True, (2, 6))])
 def test_group_norm_module(groups, affine, shape):
     models = _members(lambda: nn.GroupNorm(groups, 6, affine=affine))
     wide = wc.nn.WideGroupNorm.from_modules(models)
-    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models, torch.randn(3, *shape))
+    check_equivalence(wide, models, torch.randn(3, *shape))
 
 
 @pytest.mark.parametrize("ns,affine,bias", [([5], True, True), ([3, 5], True, False), ([5], False, False)])
@@ -76,22 +69,21 @@ def test_group_norm_module(groups, affine, shape):
 def test_layer_norm_module(ns, affine, bias, dtype):
     models = _members(lambda: nn.LayerNorm(ns, elementwise_affine=affine, bias=bias), dtype=dtype)
     wide = wc.nn.WideLayerNorm.from_modules(models)
-    check_wide_against_members(wide, {"weight": wide.weight, "bias": wide.bias}, models,
-                               torch.randn(3, 2, 3, 5, dtype=dtype), dtype=dtype)
+    check_equivalence(wide, models, torch.randn(3, 2, 3, 5, dtype=dtype), dtype=dtype)
 
 
 @pytest.mark.parametrize("ns,affine,eps", [([5], True, None), ([3, 5], True, 1e-3), ([5], False, None)])
 def test_rms_norm_module(ns, affine, eps):
     models = _members(lambda: nn.RMSNorm(ns, eps=eps, elementwise_affine=affine))
     wide = wc.nn.WideRMSNorm.from_modules(models)
-    check_wide_against_members(wide, {"weight": wide.weight}, models, torch.randn(3, 2, 3, 5))
+    check_equivalence(wide, models, torch.randn(3, 2, 3, 5))
 
 
 @pytest.mark.parametrize("num_parameters,shape", [(1, (2, 4, 5)), (4, (2, 4, 5)), (4, (2, 4)), (1, (4,))])
 def test_prelu_module(num_parameters, shape):
     models = _members(lambda: nn.PReLU(num_parameters))
     wide = wc.nn.WidePReLU.from_modules(models)
-    check_wide_against_members(wide, {"weight": wide.weight}, models, torch.randn(3, *shape))
+    check_equivalence(wide, models, torch.randn(3, *shape))
     assert [torch.equal(a.weight, b.weight) for a, b in zip(models, wide.unfuse())] == [True] * 3
 
 
@@ -112,9 +104,9 @@ def test_norm_unfuse_round_trip():
 
 def _opcheck_samples():
     g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g).requires_grad_()  # noqa: E731
-    rm = lambda: torch.zeros(2, 3)  # noqa: E731
-    rv = lambda: torch.ones(2, 3)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g).requires_grad_()
+    rm = lambda: torch.zeros(2, 3)
+    rv = lambda: torch.ones(2, 3)
     w = torch.ops.wide
     yield "bn-train", w.batch_norm.default, (r(2, 4, 3, 5), r(2, 3), r(2, 3), rm(), rv(), True, 0.1, 1e-5), {}
     yield "bn-eval-packed", w.batch_norm.default, (r(4, 6, 5), None, None, rm(), rv(), False, 0.1, 1e-5), {"packed_input": True}
@@ -151,6 +143,5 @@ def test_compile_norm_net_buffers_after_train_step(training):
     wide = wc.compile(models, torch.randn(2, 3, 8), strict=True, config=FAST)
     wide.train(training)
     x = torch.randn(3, 2, 3, 8)
-    bufs = dict(wide.named_buffers())
-    check_wide_against_members(wide, dict(wide.named_parameters()), models, x, buffers=bufs)
+    check_equivalence(wide, models, x)  # every buffer compared after the call
     assert not wide.fallbacks

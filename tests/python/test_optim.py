@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
-from conftest import assert_members_close
 from torch import nn
 from torch.func import functional_call
+from wide_compiler.testing import assert_members_close
 
 N, STEPS = 8, 20
 RTOL, ATOL = 1e-6, 1e-7

@@ -2,16 +2,16 @@
 outputs, input grads, parameter grads and buffers after a train step; layout conversions."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
+import wide_compiler as wc
 from torch import nn
 from torch.library import opcheck
-
-import wide_compiler as wc
 from wide_compiler.bench import vision_models
-from conftest import assert_members_close
-from vision_helpers import check_wide_against_members
+from wide_compiler.testing import assert_members_close, check_equivalence
 
 FAST = wc.WideConfig.fast()  # no strategy timing: these tests check values, not speed
 
@@ -24,8 +24,7 @@ def _compile_and_check(make, sample, n=3, *, training=True, x=None, dtype=torch.
     if x is None:
         x = torch.randn(n, *sample.shape, dtype=dtype) if sample.is_floating_point() else \
             torch.randint(0, 10, (n, *sample.shape))
-    check_wide_against_members(wide, dict(wide.named_parameters()), models, x, dtype=dtype, shared=shared,
-                               buffers=dict(wide.named_buffers()))
+    check_equivalence(wide, models, x, dtype=dtype, shared=shared)  # + every buffer after the call
     assert not wide.fallbacks, wide.report()
     return wide
 
@@ -68,7 +67,7 @@ def test_pool_1d_3d_after_conv(pool):
     three = isinstance(pool, (nn.MaxPool3d, nn.AvgPool3d, nn.AdaptiveAvgPool3d))
     conv = (lambda: nn.Conv3d(2, 2, 1)) if three else (lambda: nn.Conv1d(2, 2, 1))
     sample = torch.randn(2, 2, 4, 4, 4) if three else torch.randn(2, 2, 9)
-    _compile_and_check(lambda: nn.Sequential(conv(), pool), sample)
+    _compile_and_check(lambda: nn.Sequential(conv(), copy.deepcopy(pool)), sample)  # members share no module
 
 
 def test_dropout_masks_are_per_member_reproducible_and_off_in_eval():
@@ -138,7 +137,7 @@ def test_tabular_model_with_embeddings(training):
     sum(r.sum() for r in ref).backward()
     y.sum().backward()
     for name, p in wide.named_parameters():
-        assert_members_close(p.grad, [m.get_parameter(name).grad for m in models], grad=True, what=name)
+        assert_members_close(p.grad, [m.get_parameter(name).grad for m in models], kind="grad", what=name)
         if name == "cat.weight":
             assert torch.all(p.grad[:, 0] == 0), "padding rows get no gradient"
     for name, b in wide.named_buffers():
@@ -174,7 +173,7 @@ def test_embedding_bag_module(mode, form):
     assert_members_close(y, ref)
     y.sum().backward()
     sum(r.sum() for r in ref).backward()
-    assert_members_close(wide.weight.grad, [b.weight.grad for b in bags], grad=True)
+    assert_members_close(wide.weight.grad, [b.weight.grad for b in bags], kind="grad")
 
 
 def test_embedding_module_shared_indices_and_opcheck():
@@ -182,7 +181,7 @@ def test_embedding_module_shared_indices_and_opcheck():
     embs = [nn.Embedding(8, 3, padding_idx=2, scale_grad_by_freq=True) for _ in range(3)]
     wide = wc.nn.WideEmbedding.from_modules(embs)
     idx = torch.tensor([[2, 3, 3], [1, 2, 7]])
-    check_wide_against_members(wide, {"weight": wide.weight}, embs, idx, shared=True)
+    check_equivalence(wide, embs, idx, shared=True)
     w = torch.randn(3, 8, 3, requires_grad=True)
     opcheck(torch.ops.wide.embedding.default, (w, torch.randint(0, 8, (3, 2, 4)), 2, True, False))
     opcheck(torch.ops.wide.embedding_bag.default, (w, torch.randint(0, 8, (3, 6)), torch.tensor([0, 2, 5]),

@@ -14,8 +14,20 @@ import warnings
 import pytest
 import torch
 import wide_compiler as wc
-from test_widen_rules import FAST, check_members_equal, compile_wide, make_members
 from torch import nn
+from wide_compiler.testing import check_equivalence
+
+FAST = wc.WideConfig.fast()  # no timing at compile time
+
+
+def make_members(factory, n: int = 3, seed: int = 0) -> list[nn.Module]:
+    """n members with different (seeded) weights."""
+    torch.manual_seed(seed)
+    return [factory() for _ in range(n)]
+
+
+def compile_wide(models, sample, *, strict: bool = True, config: wc.WideConfig = FAST, **kwargs):
+    return wc.compile(models, sample, config=config.replace(strict=strict or config.strict), **kwargs)
 
 THIS_FILE = "test_widen_errors.py"
 
@@ -47,7 +59,7 @@ def test_a_python_attribute_that_differs_is_a_mismatch():
     # Equal attributes are fine, and the members are really run (not member 0 for all).
     good = [Signed(-1) for _ in range(3)]
     wide = compile_wide(good, torch.randn(4, 5))
-    check_members_equal(wide, good, [((torch.randn(6, 5),), {}) for _ in range(3)])
+    check_equivalence(wide, good, [torch.randn(6, 5) for _ in range(3)])
 
 
 @dataclasses.dataclass
@@ -84,7 +96,7 @@ def test_trace_members_catches_a_difference_only_the_trace_shows():
 def test_trace_members_passes_on_identical_programs():
     models = make_members(lambda: HiddenSign(2.0), 3)
     wide = compile_wide(models, torch.randn(4, 5), config=FAST.replace(trace_members=True))
-    check_members_equal(wide, models, [((torch.randn(6, 5),), {}) for _ in range(3)])
+    check_equivalence(wide, models, [torch.randn(6, 5) for _ in range(3)])
     # The debug and safe presets trace members too.
     assert wc.WideConfig.debug().trace_members and wc.WideConfig.safe().trace_members
 
@@ -138,7 +150,7 @@ def test_ops_without_a_rule_fall_back_correctly_warn_once_and_are_reported():
             m.train(training)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # the eval graph warns again
-            check_members_equal(wide, models, [((torch.randn(6, 5),), {}) for _ in range(n)])
+            check_equivalence(wide, models, [torch.randn(6, 5) for _ in range(n)])
     assert {fb["op"].rsplit(".", 1)[0] for fb in wide.fallbacks} >= set(NO_RULE_OPS)
 
 
@@ -176,7 +188,7 @@ def test_not_strict_is_the_default():
     with pytest.warns(UserWarning, match=rf"aten\.cdist.*{THIS_FILE}:"):
         wide = wc.compile(models, torch.randn(4, 5), config=FAST)
     assert [fb["op"] for fb in wide.fallbacks] == ["aten.cdist.default"]
-    check_members_equal(wide, models, [((torch.randn(6, 5),), {}) for _ in range(2)])
+    check_equivalence(wide, models, [torch.randn(6, 5) for _ in range(2)])
 
 
 class RandPerm(nn.Module):

@@ -3,7 +3,7 @@ nested, non-tensor), structured outputs, residual and branching graphs, a module
 forward, train/eval graphs, WideBuilder, compile_model and torch.compile of the wide model.
 
 Every check compares member by member against the N separate models (outputs, input gradients,
-parameter gradients; see test_widen_rules.check_members_equal).
+parameter gradients, buffers; see wide_compiler.testing.check_equivalence / check_compile).
 """
 from __future__ import annotations
 
@@ -13,16 +13,37 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
-from conftest import assert_close, assert_members_close
-from test_widen_rules import (
-    FAST,
-    check_members_equal,
-    check_wide,
-    compile_wide,
-    make_members,
-    randn_inputs,
-)
 from torch import nn
+from wide_compiler.testing import (
+    assert_close,
+    assert_members_close,
+    check_compile,
+    check_equivalence,
+)
+
+FAST = wc.WideConfig.fast()  # no timing at compile time
+
+
+def make_members(factory, n: int = 3, seed: int = 0) -> list[nn.Module]:
+    """n members with different (seeded) weights."""
+    torch.manual_seed(seed)
+    return [factory() for _ in range(n)]
+
+
+def compile_wide(models, sample, *, strict: bool = True, config: wc.WideConfig = FAST, **kwargs):
+    return wc.compile(models, sample, config=config.replace(strict=strict or config.strict), **kwargs)
+
+
+def check_wide(factory, sample, make_input, *, n: int = 3, sample_kwargs=None):
+    """Compile n members of factory() (strict) and check them in train and eval mode on per-member
+    inputs from make_input() -> (args, kwargs). Returns (wide, models)."""
+    models = make_members(factory, n)
+    torch.manual_seed(100)
+    per_member = [make_input() for _ in range(n)]
+    wide, _ = check_compile(models, sample, inputs=[a for a, _ in per_member],
+                            kwargs=[k for _, k in per_member], shared=False, strict=True,
+                            config=FAST, sample_kwargs=sample_kwargs)
+    return wide, models
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +131,7 @@ class TupleOut(nn.Module):
 
 
 def test_tuple_output_with_indices_and_nested_tuple():
-    wide, _ = check_wide(TupleOut, torch.randn(4, 6), randn_inputs((5, 6)))
+    wide, _ = check_wide(TupleOut, torch.randn(4, 6), lambda: ((torch.randn(5, 6),), {}))
     out = wide(torch.randn(3, 7, 6))
     assert isinstance(out, tuple) and isinstance(out[2], tuple)
     assert out[1].dtype == torch.int64 and out[1].shape == (3, 7)
@@ -164,8 +185,8 @@ def test_graph_shapes(factory, shared):
         wide.train(training)
         for m in models:
             m.train(training)
-        per_member = [((torch.randn(6, 5),), {}) for _ in range(n)]
-        check_members_equal(wide, models, per_member, shared=shared)
+        per_member = [torch.randn(6, 5) for _ in range(n)]
+        check_equivalence(wide, models, per_member[0] if shared else per_member, shared=shared)
     if factory is ReusedBlock:
         # One wide op per use of a Linear: inp once, block three times, all on the same weights.
         assert len(wide.strategies) == 4, wide.strategies
@@ -197,7 +218,7 @@ def test_forward_branching_on_self_training_switches_graphs():
         wide.train(training)
         for m in models:
             m.train(training)
-        outs[training] = check_members_equal(wide, models, [((x[i],), {}) for i in range(n)])
+        outs[training] = check_equivalence(wide, models, x).wide_output
     assert not torch.allclose(outs[True], outs[False]), "eval ran the train graph"
     assert torch.allclose(outs[False].sum(-1), torch.ones(n, 6))  # softmax rows: the eval branch
 
@@ -244,7 +265,7 @@ def test_dropout_train_masks_per_member_and_eval_identity(functional):
     wide.eval()
     for m in models:
         m.eval()
-    check_members_equal(wide, models, [((xs[i],), {}) for i in range(n)])
+    check_equivalence(wide, models, xs)
     wide.train()
     assert (wide(xs) == 0).any(), "train() did not switch back to the train graph"
 
@@ -288,37 +309,7 @@ def test_compile_model_option_returns_a_compiled_wide_model():
     wide = compile_wide(models, torch.randn(4, 5), compile_model=True,
                         compile_options={"backend": "aot_eager", "fullgraph": True})
     assert isinstance(wide, torch._dynamo.eval_frame.OptimizedModule)
-    check_members_equal(wide, models, [((torch.randn(4, 5),), {}) for _ in range(n)])
-
-
-def _heads_sdpa(h):
-    q = h.view(h.size(0), 3, 2, 4).transpose(1, 2)
-    return F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).flatten(2)
-
-
-TORCH_COMPILE_CASES = {
-    "softmax-sum": (lambda s, h, x: F.softmax(h, dim=1) * h.sum(), (4, 8)),
-    "view-size0-cat": (lambda s, h, x: torch.cat([h.reshape(x.size(0), -1), x.flatten(1)], 1), (4, 3, 8)),
-    "max-tuple-argmax": (lambda s, h, x: (h.max(dim=1), h.argmax()), (4, 3, 8)),
-    "split-pad-reflect": (lambda s, h, x: [F.pad(t, (1, 1), mode="reflect") for t in h.split(4, -1)], (4, 3, 8)),
-    "einsum-param-arange": (lambda s, h, x: torch.einsum("bi,ij->bj", h, s.mat) * torch.arange(8), (4, 8)),
-    "sdpa-causal": (lambda s, h, x: _heads_sdpa(h), (4, 3, 8)),
-    "where-param-squeeze": (lambda s, h, x: torch.where(h > 0, h, s.p)[:, :1].squeeze(1), (4, 8)),
-}
-
-
-@pytest.mark.parametrize("name", list(TORCH_COMPILE_CASES))
-def test_torch_compile_fullgraph_gives_the_same_outputs(name):
-    from test_widen_rules import Case
-
-    fn, shape = TORCH_COMPILE_CASES[name]
-    n = 3
-    models = make_members(lambda: Case(fn, in_features=shape[-1]), n)
-    wide = compile_wide(models, torch.randn(*shape))
-    torch._dynamo.reset()
-    compiled = torch.compile(wide, fullgraph=True, backend="aot_eager")
-    xs = torch.randn(n, *shape)
-    check_members_equal(compiled, models, [((xs[i],), {}) for i in range(n)])
+    check_equivalence(wide, models, [torch.randn(4, 5) for _ in range(n)])
 
 
 def test_multi_input_model_under_torch_compile():
@@ -328,9 +319,9 @@ def test_multi_input_model_under_torch_compile():
                         sample_kwargs={"mask": torch.rand(4, 6), "scale": 3.0})
     torch._dynamo.reset()
     compiled = torch.compile(wide, fullgraph=True, backend="aot_eager")
-    per_member = [((torch.randn(4, 4), torch.randn(4, 3)), {"mask": torch.rand(4, 6), "scale": 3.0})
-                  for _ in range(n)]
-    check_members_equal(compiled, models, per_member)
+    per_member = [(torch.randn(4, 4), torch.randn(4, 3)) for _ in range(n)]
+    check_equivalence(compiled, models, per_member,
+                      kwargs=[{"mask": torch.rand(4, 6), "scale": 3.0} for _ in range(n)])
 
 
 def test_default_config_measures_strategies_and_stays_correct():
@@ -343,7 +334,7 @@ def test_default_config_measures_strategies_and_stays_correct():
         wide.train(training)
         for m in models:
             m.train(training)
-        check_members_equal(wide, models, [((torch.randn(6, 5),), {}) for _ in range(n)])
+        check_equivalence(wide, models, [torch.randn(6, 5) for _ in range(n)])
     text = wide.report()
     assert "fallbacks: 0" in text and "fc1" in text and "fc2" in text, text
 

@@ -13,12 +13,18 @@ import math
 import os
 
 import torch
+import wide_compiler as wc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_widen_rules import check_members_equal, compile_wide
 from torch import nn
+from wide_compiler.testing import check_equivalence
 
 N = 3
+FAST_STRICT = wc.WideConfig.fast().replace(strict=True)  # every op needs a rule; no timing
+
+
+def compile_wide(models, sample):
+    return wc.compile(models, sample, config=FAST_STRICT)
 # WIDE_PROPERTY_EXAMPLES=500 explores more (and randomly) when hunting for bugs.
 _EXAMPLES = os.environ.get("WIDE_PROPERTY_EXAMPLES")
 PROPERTY_SETTINGS = settings(
@@ -47,8 +53,8 @@ def check_property(shape, fn, *, call_batch: int | None = None, seed: int = 0):
     models = [Prop(shape, fn) for _ in range(N)]
     wide = compile_wide(models, torch.randn(*shape))
     call = tuple(shape) if call_batch is None or len(shape) < 2 else (call_batch, *shape[1:])
-    per_member = [((torch.randn(*call),), {}) for _ in range(N)]
-    return check_members_equal(wide, models, per_member)
+    per_member = [torch.randn(*call) for _ in range(N)]
+    return check_equivalence(wide, models, per_member).wide_output
 
 
 # --- strategies ---------------------------------------------------------------------------
@@ -256,5 +262,5 @@ def test_broadcasting_against_per_member_parameters(shape, data):
     models = [Bcast(shape, pshape, op, param_first, reduce_back) for _ in range(N)]
     wide = compile_wide(models, torch.randn(*shape))
     call = shape if r == 1 else (shape[0] + 1, *shape[1:])
-    per_member = [((torch.randn(*call),), {}) for _ in range(N)]
-    check_members_equal(wide, models, per_member)
+    per_member = [torch.randn(*call) for _ in range(N)]
+    check_equivalence(wide, models, per_member)

@@ -10,33 +10,26 @@ use another batch size than the compile sample (the batch is dynamic). ``strict=
 op has a real wide rule: a fallback would raise. Library bugs found here are strict xfails at the
 end of the file, with the reason.
 
-This file also holds the equivalence helper (`check_wide` / `check_members_equal`) that the other
-test_widen_* files import.
+The check is :func:`wide_compiler.testing.check_compile` / ``check_equivalence`` (buffers after
+the call are compared too).
 """
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
-from conftest import assert_close, assert_members_close
 from torch import nn
-from torch.utils._pytree import (
-    keystr,
-    tree_flatten,
-    tree_flatten_with_path,
-    tree_unflatten,
-)
+from wide_compiler.testing import check_compile, check_equivalence
 
 FAST = wc.WideConfig.fast()  # no timing at compile time
 
 
 # ---------------------------------------------------------------------------------------------
-# The equivalence helper (shared by test_widen_*.py)
+# Helpers (the check itself is wide_compiler.testing.check_equivalence / check_compile)
 # ---------------------------------------------------------------------------------------------
 def make_members(factory: Callable[[], nn.Module], n: int = 3, seed: int = 0) -> list[nn.Module]:
     """n members with different (seeded) weights."""
@@ -46,145 +39,6 @@ def make_members(factory: Callable[[], nn.Module], n: int = 3, seed: int = 0) ->
 
 def compile_wide(models, sample, *, strict: bool = True, config: wc.WideConfig = FAST, **kwargs):
     return wc.compile(models, sample, config=config.replace(strict=strict or config.strict), **kwargs)
-
-
-def _is_float(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point()
-
-
-def stack_inputs(per_member: Sequence[tuple[tuple, dict]], *, requires_grad: bool, shared: bool = False):
-    """Per-member (args, kwargs) -> (wide leaves, grad leaves, spec): every tensor stacked N-first
-    (or, with ``shared``, member 0's tensor passed as ``x.expand(N, *x.shape)``, stride 0).
-    ``grad leaves`` are the tensors whose .grad to read (the stacked tensor, or the shared base).
-    Non-tensor leaves must be the same for all members (they are baked into the graph)."""
-    flats = [tree_flatten(p) for p in per_member]
-    spec = flats[0][1]
-    n = len(per_member)
-    wide_leaves, grad_leaves = [], []
-    for j, leaf in enumerate(flats[0][0]):
-        if isinstance(leaf, torch.Tensor):
-            base = leaf.detach().clone() if shared else torch.stack([f[0][j] for f in flats]).detach()
-            base.requires_grad_(requires_grad and base.is_floating_point())
-            wide_leaves.append(base.expand(n, *base.shape) if shared else base)
-            grad_leaves.append(base)
-        else:
-            assert all(f[0][j] == leaf for f in flats), "non-tensor inputs must agree across members"
-            wide_leaves.append(leaf)
-            grad_leaves.append(None)
-    return wide_leaves, grad_leaves, spec
-
-
-def check_members_equal(wide, models: Sequence[nn.Module], per_member: Sequence[tuple[tuple, dict]],
-                        *, grads: bool = True, shared: bool = False, what: str = "output"):
-    """Run ``wide`` on the stacked inputs and every member i on its own ``per_member[i]``; compare
-    outputs (structure, shape, dtype, values), then input and parameter gradients under the same
-    random cotangents. ``shared``: every member gets member 0's input, passed to the wide model
-    as ``x.expand(N, ...)``; its gradient is the sum of the members'. Returns the wide output."""
-    n = len(models)
-    if shared:
-        per_member = [per_member[0]] * n
-    dtype = next(iter(models[0].parameters())).dtype
-    wide_leaves_in, grad_leaves, spec = stack_inputs(per_member, requires_grad=grads, shared=shared)
-    wide_args, wide_kwargs = tree_unflatten(wide_leaves_in, spec)
-
-    ref_outs, ref_in_grads, cotangents = [], [], []
-    for i, m in enumerate(models):
-        m.zero_grad(set_to_none=True)
-        leaves = [a.detach().clone().requires_grad_(grads and a.is_floating_point())
-                  if isinstance(a, torch.Tensor) else a for a in tree_flatten(per_member[i])[0]]
-        args, kwargs = tree_unflatten(leaves, spec)
-        out = m(*args, **kwargs)
-        ref_outs.append(out)
-        out_leaves = tree_flatten(out)[0]
-        cot = [torch.randn_like(t) if _is_float(t) and t.requires_grad else None for t in out_leaves]
-        cotangents.append(cot)
-        if grads:
-            terms = [(t * g).sum() for t, g in zip(out_leaves, cot) if g is not None]
-            if terms:
-                sum(terms).backward()
-            ref_in_grads.append([a.grad if isinstance(a, torch.Tensor) else None for a in leaves])
-
-    wide.zero_grad(set_to_none=True)
-    wide_out = wide(*wide_args, **wide_kwargs)
-    wide_paths, wide_spec = tree_flatten_with_path(wide_out)
-    wide_leaves = [leaf for _, leaf in wide_paths]
-    for i, ref in enumerate(ref_outs):
-        ref_spec = tree_flatten(ref)[1]
-        assert ref_spec == wide_spec, f"{what}: output structure {wide_spec} != member {i}'s {ref_spec}"
-    for k, (path, leaf) in enumerate(wide_paths):
-        label = f"{what}{keystr(path)}"
-        refs = [tree_flatten(r)[0][k] for r in ref_outs]
-        assert isinstance(leaf, torch.Tensor), f"{label}: {type(leaf)}"
-        if refs[0].is_floating_point():
-            assert_members_close(leaf, refs, dtype, what=label)
-        else:  # indices, masks: exact
-            assert_members_exact(leaf, refs, what=label)
-
-    if not grads:
-        return wide_out
-    terms = [(t * torch.stack([c[k] for c in cotangents])).sum()
-             for k, t in enumerate(wide_leaves) if cotangents[0][k] is not None]
-    if terms:
-        assert all(wide_leaves[k].requires_grad for k in range(len(wide_leaves))
-                   if cotangents[0][k] is not None), "a wide output lost its autograd graph"
-        sum(terms).backward()
-    for j, leaf in enumerate(grad_leaves):
-        if not (isinstance(leaf, torch.Tensor) and leaf.requires_grad):
-            continue
-        refs = [g[j] for g in ref_in_grads]
-        if all(r is None for r in refs):
-            assert leaf.grad is None or not leaf.grad.any(), f"input {j}: unexpected gradient"
-            continue
-        assert leaf.grad is not None, f"input {j}: no gradient reached the wide model's input"
-        refs = [torch.zeros_like(leaf if shared else leaf[0]) if r is None else r for r in refs]
-        if shared:
-            assert_close(leaf.grad, torch.stack(refs).sum(0), grad=True,
-                         msg=f"grad of shared input {j} (sum over members)")
-        else:
-            assert_members_close(leaf.grad, refs, dtype, grad=True, what=f"grad of input {j}")
-    for name, p in wide.named_parameters():
-        name = name.removeprefix("_orig_mod.")  # a torch.compile'd wide model
-        refs = [m.get_parameter(name).grad for m in models]
-        if all(r is None for r in refs):
-            assert p.grad is None or not p.grad.any(), f"{name}: unexpected gradient"
-            continue
-        assert p.grad is not None, f"{name}: no gradient on the wide parameter"
-        refs = [torch.zeros_like(p[0]) if r is None else r for r in refs]
-        assert_members_close(p.grad, refs, dtype, grad=True, what=f"grad of {name}")
-    return wide_out
-
-
-def assert_members_exact(wide_out: torch.Tensor, member_outs, *, what: str = "output") -> None:
-    """Integer/bool outputs (argmax, indices, masks): member i must be exactly member_outs[i]."""
-    assert wide_out.shape == (len(member_outs), *member_outs[0].shape), (
-        f"{what}: shape {tuple(wide_out.shape)}, expected N-first {(len(member_outs), *member_outs[0].shape)}")
-    for i, ref in enumerate(member_outs):
-        assert wide_out.dtype == ref.dtype, f"{what}: member {i}: dtype {wide_out.dtype} != {ref.dtype}"
-        assert torch.equal(wide_out[i], ref), f"{what}: member {i} differs:\n{wide_out[i]}\n!=\n{ref}"
-
-
-def randn_inputs(*shapes) -> Callable[[], tuple[tuple, dict]]:
-    """A per-member input maker: one tensor per shape, as positional arguments."""
-    return lambda: (tuple(torch.randn(s) for s in shapes), {})
-
-
-def check_wide(factory, sample, make_input: Callable[[], tuple[tuple, dict]], *, n: int = 3,
-               modes: Sequence[bool] = (True, False), strict: bool = True, grads: bool = True,
-               seed: int = 0, **compile_kwargs):
-    """Compile ``n`` members of ``factory()`` on ``sample`` and check them against the members in
-    every train/eval mode of ``modes``, each mode on fresh per-member inputs from ``make_input``.
-    Returns (wide, models)."""
-    models = make_members(factory, n, seed)
-    wide = compile_wide(models, sample, strict=strict, **compile_kwargs)
-    for training in modes:
-        wide.train(training)
-        for m in models:
-            m.train(training)
-        torch.manual_seed(seed + 100 + training)
-        per_member = [make_input() for _ in range(n)]
-        check_members_equal(wide, models, per_member, grads=grads,
-                            what=f"{'train' if training else 'eval'} output")
-    return wide, models
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,12 +68,15 @@ def _call_shape(shape):
     return (shape[0] + 1, *shape[1:])
 
 
-def run_case(fn, shape, **kwargs):
-    """One case in train mode (the mode the members are in at compile time: one capture). Eval
-    mode of every case is covered by `test_family_in_eval_mode` (one model per family)."""
-    kwargs.setdefault("modes", (True,))
-    return check_wide(lambda: Case(fn, in_features=shape[-1]), torch.randn(*shape),
-                      randn_inputs(_call_shape(shape)), **kwargs)
+def run_case(fn, shape, *, strict: bool = True, modes: Sequence[str] = ("train",), seed: int = 0):
+    """One case in train mode (the mode the members are in at compile time: one capture), on
+    per-member inputs of another batch size than the sample's. Eval mode of every case is covered
+    by `test_family_in_eval_mode` (one model per family). Returns (wide, report)."""
+    models = make_members(lambda: Case(fn, in_features=shape[-1]), 3, seed)
+    torch.manual_seed(seed + 101)
+    inputs = [torch.randn(*_call_shape(shape)) for _ in range(3)]
+    return check_compile(models, torch.randn(*shape), inputs=inputs, modes=modes, shared=False,
+                         strict=strict, config=FAST)
 
 
 class Family(nn.Module):
@@ -486,6 +343,35 @@ def test_products(name):
     run_case(fn, shape)
 
 
+# The same rules under torch.compile(fullgraph=True) of the wide model
+def _heads_sdpa(h):
+    q = h.view(h.size(0), 3, 2, 4).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).flatten(2)
+
+
+TORCH_COMPILE_CASES = {
+    "softmax-sum": (lambda s, h, x: F.softmax(h, dim=1) * h.sum(), (4, 8)),
+    "view-size0-cat": (lambda s, h, x: torch.cat([h.reshape(x.size(0), -1), x.flatten(1)], 1), (4, 3, 8)),
+    "max-tuple-argmax": (lambda s, h, x: (h.max(dim=1), h.argmax()), (4, 3, 8)),
+    "split-pad-reflect": (lambda s, h, x: [F.pad(t, (1, 1), mode="reflect") for t in h.split(4, -1)], (4, 3, 8)),
+    "einsum-param-arange": (lambda s, h, x: torch.einsum("bi,ij->bj", h, s.mat) * torch.arange(8), (4, 8)),
+    "sdpa-causal": (lambda s, h, x: _heads_sdpa(h), (4, 3, 8)),
+    "where-param-squeeze": (lambda s, h, x: torch.where(h > 0, h, s.p)[:, :1].squeeze(1), (4, 8)),
+}
+
+
+@pytest.mark.parametrize("name", list(TORCH_COMPILE_CASES))
+def test_torch_compile_fullgraph_gives_the_same_outputs(name):
+    fn, shape = TORCH_COMPILE_CASES[name]
+    n = 3
+    models = make_members(lambda: Case(fn, in_features=shape[-1]), n)
+    wide = compile_wide(models, torch.randn(*shape))
+    torch._dynamo.reset()
+    compiled = torch.compile(wide, fullgraph=True, backend="aot_eager")
+    xs = torch.randn(n, *shape)
+    check_equivalence(compiled, models, xs)
+
+
 # ---------------------------------------------------------------------------------------------
 # Spatial glue (padding, interpolation) and tensor creation inside forward
 # ---------------------------------------------------------------------------------------------
@@ -615,8 +501,8 @@ def test_upstream_failures_are_fixed(name):
             m.train(training)
         for shared in (False, True):
             xs = [torch.randn(*_call_shape(shape)) for _ in range(n)]
-            out = check_members_equal(wide, models, [((x,), {}) for x in xs], shared=shared,
-                                      what=f"{'train' if training else 'eval'} shared={shared}")
+            out = check_equivalence(wide, models, xs[0] if shared else xs, shared=shared,
+                                    what=f"{'train' if training else 'eval'} shared={shared}").wide_output
             # The members really differ (a rule running member 0 for all would be caught above).
             assert not torch.allclose(out[0].float(), out[1].float())
 
@@ -638,8 +524,8 @@ def test_family_in_eval_mode(family):
         wide = compile_wide(models, torch.randn(*shape))
         assert not wide.training
         torch.manual_seed(8)
-        per_member = [((torch.randn(*_call_shape(shape)),), {}) for _ in range(3)]
-        out = check_members_equal(wide, models, per_member, what=f"eval {family} {shape}")
+        per_member = [torch.randn(*_call_shape(shape)) for _ in range(3)]
+        out = check_equivalence(wide, models, per_member, what=f"eval {family} {shape}").wide_output
         assert isinstance(out, dict) and list(out) == list(fns)
 
 
@@ -663,7 +549,7 @@ def test_view_of_linear_output_on_shared_input():
     models = make_members(ViewAfterLinear, 2)
     wide = compile_wide(models, torch.randn(4, 2, 16))
     x = torch.randn(5, 2, 16)
-    check_members_equal(wide, models, [((x,), {})] * 2, shared=True)
+    check_equivalence(wide, models, x, shared=True)
 
 
 REGRESSIONS = {  # name: (fn, member shape, exception the bug raised, strict, what was wrong)
@@ -769,14 +655,17 @@ class _WrongGrads(nn.Module):
     def named_parameters(self, *args, **kwargs):
         yield from self.wide.named_parameters(*args, **kwargs)
 
+    def named_buffers(self, *args, **kwargs):
+        yield from self.wide.named_buffers(*args, **kwargs)
+
 
 def test_harness_detects_a_member_mixup_and_wrong_gradients():
     fn, shape = DIMS["softmax-dim1"]
     models = make_members(lambda: Case(fn, in_features=shape[-1]), 3)
     wide = compile_wide(models, torch.randn(*shape))
-    per_member = [((torch.randn(*shape),), {}) for _ in range(3)]
-    check_members_equal(wide, models, per_member)  # the real thing passes
+    per_member = [torch.randn(*shape) for _ in range(3)]
+    check_equivalence(wide, models, per_member)  # the real thing passes
     with pytest.raises(AssertionError, match=r"member 0 of 3"):
-        check_members_equal(wide, models[::-1], per_member)
+        check_equivalence(wide, models[::-1], per_member)
     with pytest.raises(AssertionError, match=r"grad of"):
-        check_members_equal(_WrongGrads(wide), models, per_member)
+        check_equivalence(_WrongGrads(wide), models, per_member)
