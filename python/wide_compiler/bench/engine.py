@@ -62,6 +62,8 @@ from torch import nn
 from torch.utils import benchmark as tbench
 from torch.utils._pytree import tree_leaves
 
+from .. import testing
+
 __all__ = [
     "MODES",
     "RECORD_KEYS",
@@ -365,11 +367,10 @@ def params_max_abs_err(reference: Sequence[Sequence[torch.Tensor]],
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
+    """|a - b| at most, as wide_compiler.testing measures it (float64, NaN == NaN)."""
     if a.shape != b.shape:
         raise ValueError(f"{what}: expected shape {tuple(a.shape)}, got {tuple(b.shape)}")
-    if a.numel() == 0:
-        return 0.0
-    return (a.detach().double() - b.detach().double()).abs().max().item()
+    return testing.max_member_error(b.unsqueeze(0), [a])
 
 
 def _error_text(e: BaseException) -> str:
