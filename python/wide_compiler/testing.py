@@ -58,7 +58,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -80,6 +80,7 @@ __all__ = [
     "check_compile",
     "check_equivalence",
     "max_member_error",
+    "make_members",
     "member_inputs",
     "shared_input",
     "stack_inputs",
@@ -345,6 +346,20 @@ def stack_inputs(per_member: Sequence[Any]) -> Any:
                                      "Python values are baked into the graph and must agree")
             leaves.append(leaf)
     return tree_unflatten(leaves, spec)
+
+
+def make_members(factory: Callable[[], nn.Module], n: int = 3, seed: int = 0) -> list[nn.Module]:
+    """``n`` members from ``factory()``, each with its own weights, reproducibly (the global RNG
+    is seeded with ``seed`` first, as a user's experiment would be).
+
+    >>> import torch
+    >>> from wide_compiler.testing import make_members
+    >>> a, b = make_members(lambda: torch.nn.Linear(2, 2), 2)
+    >>> torch.equal(a.weight, b.weight)
+    False
+    """
+    torch.manual_seed(seed)
+    return [factory() for _ in range(n)]
 
 
 def member_inputs(sample: Any, n: int, *, seed: int = 0, shared: bool = False,

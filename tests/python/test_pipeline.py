@@ -157,40 +157,33 @@ def test_threads_calling_the_first_forward_at_once_compile_the_graph_once():
 
 
 # --- the opaque registry ---------------------------------------------------------------------
-class _Gate(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.s = nn.Parameter(torch.rand(()))
-
+class _Flip(nn.Module):
     def forward(self, x):
-        return x * self.s if self.s > 0.5 else x  # data-dependent: kept opaque through capture
+        return x if x.sum() > 0 else -x  # data-dependent: kept opaque through capture
 
 
-@wc.register(_Gate)
-class _WideGate(nn.Module):
-    def __init__(self, s):
+@wc.register(_Flip)
+class _WideFlip(nn.Module):
+    def __init__(self, n):
         super().__init__()
-        self.s = nn.Parameter(s)
+        self.n = n
 
     @classmethod
     def from_modules(cls, modules):
-        return cls(torch.stack([m.s.detach() for m in modules]))
+        return cls(len(modules))
 
-    def forward(self, x):
-        s = torch.where(self.s > 0.5, self.s, torch.ones_like(self.s))
-        return x * s.view(-1, *([1] * (x.dim() - 1)))
+    def forward(self, x):  # x [N, ...]: each member's own sign
+        positive = x.flatten(1).sum(1) > 0
+        return torch.where(positive.view(-1, *([1] * (x.dim() - 1))), x, -x)
 
     def unfuse(self):
-        out = [_Gate() for _ in range(self.s.shape[0])]
-        for m, s in zip(out, self.s.detach()):
-            m.s.data.copy_(s)
-        return out
+        return [_Flip() for _ in range(self.n)]
 
 
 def test_registered_modules_are_not_kept_alive_after_the_wide_model_is_gone():
     gc.collect()
     before = len(registry._OPAQUE)
-    models = [nn.Sequential(nn.Linear(3, 3), _Gate()) for _ in range(3)]
+    models = [nn.Sequential(nn.Linear(3, 3), _Flip()) for _ in range(3)]
     wide_model = wc.compile(models, torch.randn(2, 3), config=FAST)
     copy_ = __import__("copy").deepcopy(wide_model)
     wide_model.eval()(torch.randn(3, 2, 3))  # a lazy capture of the eval graph still works

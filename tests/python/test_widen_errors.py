@@ -15,15 +15,10 @@ import pytest
 import torch
 import wide_compiler as wc
 from torch import nn
-from wide_compiler.testing import check_equivalence
+from wide_compiler.testing import check_equivalence, make_members
 
 FAST = wc.WideConfig.fast()  # no timing at compile time
 
-
-def make_members(factory, n: int = 3, seed: int = 0) -> list[nn.Module]:
-    """n members with different (seeded) weights."""
-    torch.manual_seed(seed)
-    return [factory() for _ in range(n)]
 
 
 def compile_wide(models, sample, *, strict: bool = True, config: wc.WideConfig = FAST, **kwargs):

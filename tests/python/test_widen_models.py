@@ -19,15 +19,11 @@ from wide_compiler.testing import (
     assert_members_close,
     check_compile,
     check_equivalence,
+    make_members,
 )
 
 FAST = wc.WideConfig.fast()  # no timing at compile time
 
-
-def make_members(factory, n: int = 3, seed: int = 0) -> list[nn.Module]:
-    """n members with different (seeded) weights."""
-    torch.manual_seed(seed)
-    return [factory() for _ in range(n)]
 
 
 def compile_wide(models, sample, *, strict: bool = True, config: wc.WideConfig = FAST, **kwargs):

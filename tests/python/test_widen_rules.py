@@ -16,14 +16,14 @@ the call are compared too).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
 from torch import nn
-from wide_compiler.testing import check_compile, check_equivalence
+from wide_compiler.testing import check_compile, check_equivalence, make_members
 
 FAST = wc.WideConfig.fast()  # no timing at compile time
 
@@ -31,11 +31,6 @@ FAST = wc.WideConfig.fast()  # no timing at compile time
 # ---------------------------------------------------------------------------------------------
 # Helpers (the check itself is wide_compiler.testing.check_equivalence / check_compile)
 # ---------------------------------------------------------------------------------------------
-def make_members(factory: Callable[[], nn.Module], n: int = 3, seed: int = 0) -> list[nn.Module]:
-    """n members with different (seeded) weights."""
-    torch.manual_seed(seed)
-    return [factory() for _ in range(n)]
-
 
 def compile_wide(models, sample, *, strict: bool = True, config: wc.WideConfig = FAST, **kwargs):
     return wc.compile(models, sample, config=config.replace(strict=strict or config.strict), **kwargs)
