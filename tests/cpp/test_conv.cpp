@@ -1,8 +1,7 @@
-// wide::conv and wide::conv_transpose called through the dispatcher (as torch.ops.wide.conv is),
-// against a reference written with plain ATen calls: member n is at::conv{1,2,3}d (or
+// wide::conv and wide::conv_transpose (public C++ API, through the dispatcher as
+// torch.ops.wide.conv is), against a reference written with plain ATen calls: member n is at::conv{1,2,3}d (or
 // at::conv_transpose{1,2,3}d) of its own input with weight[n], bias[n] and the member's `groups`;
 // the members' results concatenated on the channel dim are the packed result the op returns.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/conv1d.h>
@@ -24,37 +23,7 @@
 
 namespace {
 
-using wide_test::expect_error;
-using wide_test::f64;
-using wide_test::Layout;
-using wide_test::member;
-using wide_test::syms;
-using Ints = std::vector<int64_t>;
-
-using ConvFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                          c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymInt,
-                          bool, c10::string_view);
-using ConvTransposeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                   c10::SymIntArrayRef, c10::SymIntArrayRef, c10::SymIntArrayRef,
-                                   c10::SymInt, c10::SymIntArrayRef, bool, c10::string_view);
-
-at::Tensor call_conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-                     const Ints& stride, const Ints& padding, const Ints& dilation, int64_t groups,
-                     bool packed_input, const std::string& strategy) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("wide::conv", "").typed<ConvFn>();
-  return op.call(x, w, b, syms(stride), syms(padding), syms(dilation), c10::SymInt(groups), packed_input,
-                 strategy);
-}
-
-at::Tensor call_conv_transpose(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-                               const Ints& stride, const Ints& padding, const Ints& output_padding,
-                               int64_t groups, const Ints& dilation, bool packed_input,
-                               const std::string& strategy) {
-  static auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("wide::conv_transpose", "").typed<ConvTransposeFn>();
-  return op.call(x, w, b, syms(stride), syms(padding), syms(output_padding), c10::SymInt(groups),
-                 syms(dilation), packed_input, strategy);
-}
+using namespace wide_test;
 
 // One member's convolution with plain ATen.
 at::Tensor member_conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
@@ -83,7 +52,7 @@ at::Tensor reference_conv(const at::Tensor& x, const at::Tensor& w, const std::o
   for (int64_t n = 0; n < w.size(0); ++n) {
     outs.push_back(member_conv(x[n], w[n], member(b, n), stride, padding, dilation, groups));
   }
-  return wide_test::pack(outs);
+  return pack(outs);
 }
 
 at::Tensor reference_conv_transpose(const at::Tensor& x, const at::Tensor& w,
@@ -95,7 +64,7 @@ at::Tensor reference_conv_transpose(const at::Tensor& x, const at::Tensor& w,
     outs.push_back(member_conv_transpose(x[n], w[n], member(b, n), stride, padding, output_padding,
                                          groups, dilation));
   }
-  return wide_test::pack(outs);
+  return pack(outs);
 }
 
 Ints first(const Ints& v, int64_t d) { return Ints(v.begin(), v.begin() + d); }
@@ -113,8 +82,8 @@ TEST_P(WideConvTest, MatchesPerMemberReference) {
   const Ints dilation = first({1, 2, 1}, d), output_padding = first({1, 0, 0}, d);
   Ints in_shape = {batch, c_in};
   for (int64_t s : first({7, 6, 5}, d)) in_shape.push_back(s);
-  const at::Tensor x = wide_test::member_inputs(layout, n, in_shape);
-  const at::Tensor input = wide_test::op_input(layout, x);
+  const at::Tensor x = member_inputs(layout, n, in_shape);
+  const at::Tensor input = op_input(layout, x);
   const bool packed = layout == Layout::Packed;
 
   for (int64_t groups : {1, 2}) {
@@ -126,12 +95,13 @@ TEST_P(WideConvTest, MatchesPerMemberReference) {
       const std::optional<at::Tensor> b =
           has_bias ? std::optional<at::Tensor>(at::randn({n, c_out}, f64())) : std::nullopt;
       if (transposed) {
-        WIDE_EXPECT_CLOSE(
-            call_conv_transpose(input, w, b, stride, padding, output_padding, groups, dilation, packed, strategy),
-            reference_conv_transpose(x, w, b, stride, padding, output_padding, groups, dilation));
+        WIDE_EXPECT_CLOSE(wide::conv_transpose(input, w, b, syms(stride), syms(padding), syms(output_padding),
+                                               groups, syms(dilation), packed, strategy),
+                          reference_conv_transpose(x, w, b, stride, padding, output_padding, groups, dilation));
       } else {
-        WIDE_EXPECT_CLOSE(call_conv(input, w, b, stride, padding, dilation, groups, packed, strategy),
-                          reference_conv(x, w, b, stride, padding, dilation, groups));
+        WIDE_EXPECT_CLOSE(
+            wide::conv(input, w, b, syms(stride), syms(padding), syms(dilation), groups, packed, strategy),
+            reference_conv(x, w, b, stride, padding, dilation, groups));
       }
     }
   }
@@ -140,7 +110,7 @@ TEST_P(WideConvTest, MatchesPerMemberReference) {
 std::string conv_case_name(const ::testing::TestParamInfo<Case>& info) {
   const auto& [transposed, d, layout, strategy] = info.param;
   return std::string(transposed ? "transpose" : "conv") + std::to_string(d) + "d_" +
-         wide_test::layout_name(layout) + "_" + strategy;
+         layout_name(layout) + "_" + strategy;
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -159,17 +129,17 @@ TEST(WideConv, ExplicitPadding) {
   const at::Tensor w = at::randn({n, 6, 2, 2, 2}, f64());
   const at::Tensor b = at::randn({n, 6}, f64());
   for (Layout layout : {Layout::NFirst, Layout::Packed, Layout::Shared}) {
-    const at::Tensor x = wide_test::member_inputs(layout, n, {2, 4, 5, 6});
+    const at::Tensor x = member_inputs(layout, n, {2, 4, 5, 6});
     std::vector<at::Tensor> outs;
     for (int64_t k = 0; k < n; ++k) {
       outs.push_back(at::conv2d(at::constant_pad_nd(x[k], pad, 0), w[k], b[k], stride, Ints{0, 0}, dilation, 2));
     }
-    const at::Tensor want = wide_test::pack(outs);
+    const at::Tensor want = pack(outs);
     ASSERT_EQ(want.sizes(), (Ints{2, n * 6, 5, 6}));  // "same" output size for a 2x2 kernel
     for (const char* s : {"auto", "grouped", "loop"}) {
-      SCOPED_TRACE(std::string(wide_test::layout_name(layout)) + " " + s);
-      WIDE_EXPECT_CLOSE(call_conv(wide_test::op_input(layout, x), w, b, stride, pad, dilation, 2,
-                                  layout == Layout::Packed, s),
+      SCOPED_TRACE(std::string(layout_name(layout)) + " " + s);
+      WIDE_EXPECT_CLOSE(wide::conv(op_input(layout, x), w, b, syms(stride), syms(pad), syms(dilation), 2,
+                                   layout == Layout::Packed, s),
                         want);
     }
   }
@@ -182,13 +152,15 @@ TEST(WideConv, AutoStrategy) {
   const at::Tensor wt = at::randn({n, 2, 3, 3, 3}, f64());
   const at::Tensor b = at::randn({n, 3}, f64());
   for (Layout layout : {Layout::NFirst, Layout::Packed, Layout::Shared}) {
-    SCOPED_TRACE(wide_test::layout_name(layout));
-    const at::Tensor x = wide_test::member_inputs(layout, n, {2, 2, 5, 4});
-    const at::Tensor input = wide_test::op_input(layout, x);
-    WIDE_EXPECT_CLOSE(call_conv(input, w, b, one, one, one, 1, layout == Layout::Packed, "auto"),
+    SCOPED_TRACE(layout_name(layout));
+    const at::Tensor x = member_inputs(layout, n, {2, 2, 5, 4});
+    const at::Tensor input = op_input(layout, x);
+    const bool packed = layout == Layout::Packed;
+    WIDE_EXPECT_CLOSE(wide::conv(input, w, b, syms(one), syms(one), syms(one), 1, packed, "auto"),
                       reference_conv(x, w, b, one, one, one, 1));
-    WIDE_EXPECT_CLOSE(call_conv_transpose(input, wt, b, one, one, {0, 0}, 1, one, layout == Layout::Packed, "auto"),
-                      reference_conv_transpose(x, wt, b, one, one, {0, 0}, 1, one));
+    WIDE_EXPECT_CLOSE(
+        wide::conv_transpose(input, wt, b, syms(one), syms(one), syms({0, 0}), 1, syms(one), packed, "auto"),
+        reference_conv_transpose(x, wt, b, one, one, {0, 0}, 1, one));
   }
 }
 
@@ -201,16 +173,17 @@ TEST(WideConv, NonContiguousInput) {
   const Ints one = {1, 1}, two = {2, 2};
   for (const char* s : {"grouped", "loop"}) {
     SCOPED_TRACE(s);
-    WIDE_EXPECT_CLOSE(call_conv(x, w, std::nullopt, two, one, one, 2, false, s),
+    WIDE_EXPECT_CLOSE(wide::conv(x, w, std::nullopt, syms(two), syms(one), syms(one), 2, false, s),
                       reference_conv(x, w, std::nullopt, two, one, one, 2));
-    WIDE_EXPECT_CLOSE(call_conv_transpose(x, wt, std::nullopt, two, one, one, 2, one, false, s),
-                      reference_conv_transpose(x, wt, std::nullopt, two, one, one, 2, one));
+    WIDE_EXPECT_CLOSE(
+        wide::conv_transpose(x, wt, std::nullopt, syms(two), syms(one), syms(one), 2, syms(one), false, s),
+        reference_conv_transpose(x, wt, std::nullopt, two, one, one, 2, one));
     // A non-contiguous packed input: every other channel of a wider tensor.
     const at::Tensor wide_buf = at::randn({2, 24, 5, 6}, f64());
     const at::Tensor p = wide_buf.slice(1, 0, 24, 2);
     ASSERT_FALSE(p.is_contiguous());
     const at::Tensor nf = p.view({2, 3, 4, 5, 6}).movedim(1, 0);  // members' values, strided
-    WIDE_EXPECT_CLOSE(call_conv(p, w, std::nullopt, one, one, one, 2, true, s),
+    WIDE_EXPECT_CLOSE(wide::conv(p, w, std::nullopt, syms(one), syms(one), syms(one), 2, true, s),
                       reference_conv(nf, w, std::nullopt, one, one, one, 2));
   }
 }
@@ -221,8 +194,10 @@ TEST(WideConv, EmptyBatch) {
   const at::Tensor wt = at::randn({3, 4, 2, 3, 3}, f64());
   const Ints one = {1, 1};
   for (const char* s : {"grouped", "loop"}) {
-    EXPECT_EQ(call_conv(x, w, std::nullopt, one, one, one, 1, false, s).sizes(), (Ints{0, 6, 5, 5})) << s;
-    EXPECT_EQ(call_conv_transpose(x, wt, std::nullopt, one, one, {0, 0}, 1, one, false, s).sizes(),
+    EXPECT_EQ(wide::conv(x, w, std::nullopt, syms(one), syms(one), syms(one), 1, false, s).sizes(),
+              (Ints{0, 6, 5, 5})) << s;
+    EXPECT_EQ(wide::conv_transpose(x, wt, std::nullopt, syms(one), syms(one), syms({0, 0}), 1, syms(one), false, s)
+                  .sizes(),
               (Ints{0, 6, 5, 5})) << s;
   }
 }
@@ -233,7 +208,7 @@ TEST(WideConv, Errors) {
   const Ints one = {1};
   auto conv = [&](const at::Tensor& xx, const at::Tensor& ww, const std::optional<at::Tensor>& b,
                   const Ints& stride, const Ints& padding, int64_t groups, bool packed, const char* s) {
-    return [=] { call_conv(xx, ww, b, stride, padding, one, groups, packed, s); };
+    return [=] { wide::conv(xx, ww, b, syms(stride), syms(padding), syms(one), groups, packed, s); };
   };
   expect_error(conv(x, w, std::nullopt, one, one, 1, false, "fast"),
                "wide::conv: expected strategy 'auto', 'grouped' or 'loop', got 'fast'");
@@ -261,21 +236,23 @@ TEST(WideConv, Errors) {
   expect_error(conv(x, w, std::nullopt, one, {1, 1, 1}, 1, false, "auto"),
                "expected 1 or 2*1 padding values, got 3");
   const at::Tensor wt = at::randn({3, 4, 6, 3});
-  expect_error([&] { call_conv_transpose(x, wt, std::nullopt, one, {0, 0}, {0}, 1, one, false, "auto"); },
-               "wide::conv_transpose: expected 1 padding values, got 2");
-  expect_error([&] { call_conv_transpose(x, wt, std::nullopt, one, one, {0, 0}, 1, one, false, "auto"); },
-               "wide::conv_transpose: expected 1 output_padding values, got 2");
-  expect_error([&] { call_conv_transpose(x, wt, std::nullopt, one, one, {0}, 1, one, false, "loops"); },
+  auto conv_t = [&](const Ints& padding, const Ints& output_padding, const char* s) {
+    return [=] { wide::conv_transpose(x, wt, std::nullopt, syms(one), syms(padding), syms(output_padding), 1,
+                                      syms(one), false, s); };
+  };
+  expect_error(conv_t({0, 0}, {0}, "auto"), "wide::conv_transpose: expected 1 padding values, got 2");
+  expect_error(conv_t(one, {0, 0}, "auto"), "wide::conv_transpose: expected 1 output_padding values, got 2");
+  expect_error(conv_t(one, {0}, "loops"),
                "wide::conv_transpose: expected strategy 'auto', 'grouped' or 'loop', got 'loops'");
 }
 
-// The public C++ API (wide::conv) agrees with the dispatcher op.
+// The public C++ API (a typed dispatcher call) agrees with the boxed call Python makes.
 TEST(WideConv, CppApiMatchesDispatcher) {
   const at::Tensor x = at::randn({3, 2, 4, 5, 5});
   const at::Tensor w = at::randn({3, 6, 2, 3, 3});
   const Ints one = {1, 1};
-  EXPECT_TRUE(at::allclose(wide::conv(x, w, std::nullopt, syms(one), syms(one), syms(one), 2, false, "loop"),
-                           call_conv(x, w, std::nullopt, one, one, one, 2, false, "loop")));
+  const at::Tensor boxed = call_boxed("wide::conv", x, w, std::nullopt, one, one, one, 2, false, "loop").toTensor();
+  EXPECT_TRUE(at::allclose(wide::conv(x, w, std::nullopt, syms(one), syms(one), syms(one), 2, false, "loop"), boxed));
   EXPECT_EQ(wide::parse_conv_strategy("grouped", "conv"), wide::ConvStrategy::Grouped);
   EXPECT_EQ(wide::parse_conv_strategy("auto", "conv"), wide::ConvStrategy::Auto);
 }

@@ -1,9 +1,8 @@
-// wide::embedding / embedding_renorm_ / embedding_bag called through the dispatcher, against
-// references written with plain ATen calls per member: at::embedding(weight[n], indices[n], ...),
+// wide::embedding / embedding_renorm_ / embedding_bag (public C++ API, through the dispatcher),
+// against references written with plain ATen calls per member: at::embedding(weight[n], indices[n], ...),
 // at::embedding_renorm_ on weight[n], at::embedding_bag(weight[n], indices[n], offsets[n], ...).
 // Embeddings are N-first in and out. Gradients are compared too: the op's padding_idx handling
 // (Note [wide embeddings]) changes only what flows back, not the forward value.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/embedding.h>
@@ -28,38 +27,9 @@
 
 namespace {
 
-using wide_test::expect_error;
-using wide_test::f64;
-using wide_test::member;
-using Ints = std::vector<int64_t>;
-using OptT = std::optional<at::Tensor>;
+using namespace wide_test;
 
 constexpr int64_t kN = 3, kV = 6, kD = 4, kPad = 2;
-
-at::Tensor call_embedding(const at::Tensor& w, const at::Tensor& idx, int64_t padding_idx,
-                          bool scale_grad_by_freq = false, bool sparse = false) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::embedding", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymInt, bool, bool)>();
-  return op.call(w, idx, c10::SymInt(padding_idx), scale_grad_by_freq, sparse);
-}
-
-at::Tensor& call_embedding_renorm_(at::Tensor& w, const at::Tensor& idx, double max_norm, double norm_type) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::embedding_renorm_", "")
-                       .typed<at::Tensor&(at::Tensor&, const at::Tensor&, double, double)>();
-  return op.call(w, idx, max_norm, norm_type);
-}
-
-at::Tensor call_embedding_bag(const at::Tensor& w, const at::Tensor& idx, const OptT& offsets, int64_t mode,
-                              const OptT& per_sample_weights, bool include_last_offset, int64_t padding_idx,
-                              bool sparse = false) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::embedding_bag", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, bool, int64_t, bool,
-                                         const OptT&, bool, int64_t)>();
-  return op.call(w, idx, offsets, false, mode, sparse, per_sample_weights, include_last_offset, padding_idx);
-}
 
 // Random indices [N, *member_shape] (or one [*member_shape] expanded with stride 0 when shared)
 // whose first column is kPad and whose second repeats the third, so padding rows and repeated
@@ -96,7 +66,7 @@ TEST_P(WideEmbeddingTest, MatchesPerMemberReferenceWithGradients) {
   for (bool scale_grad : {false, true}) {
     SCOPED_TRACE("scale_grad_by_freq=" + std::to_string(scale_grad));
     const at::Tensor w = leaf_weight();
-    const at::Tensor got = call_embedding(w, idx, padding_idx, scale_grad);
+    const at::Tensor got = wide::embedding(w, idx, padding_idx, scale_grad);
     const at::Tensor w_ref = leaf_copy(w);
     std::vector<at::Tensor> outs;
     for (int64_t n = 0; n < kN; ++n) {
@@ -144,7 +114,7 @@ TEST(WideEmbedding, RenormMatchesPerMemberReference) {
         at::Tensor table = want.select(0, n);
         at::embedding_renorm_(table, idx[n], 1.5, 2.0);
       }
-      at::Tensor& out = call_embedding_renorm_(w, idx, 1.5, 2.0);
+      at::Tensor& out = wide::embedding_renorm_(w, idx, 1.5, 2.0);
       EXPECT_TRUE(out.is_same(w)) << "embedding_renorm_ must return its (in-place) argument";
       WIDE_EXPECT_CLOSE(w, want);
       EXPECT_FALSE(at::equal(w, before)) << "nothing was renormalised: the test cannot fail";
@@ -186,7 +156,8 @@ TEST_P(WideEmbeddingBagTest, MatchesPerMemberReferenceWithGradients) {
           const std::optional<int64_t> pad = padding_idx >= 0 ? std::optional<int64_t>(padding_idx) : std::nullopt;
 
           const at::Tensor w = leaf_weight();
-          const at::Tensor got = call_embedding_bag(w, idx, offsets, mode, psw, last_offset, padding_idx);
+          const at::Tensor got =
+              wide::embedding_bag(w, idx, offsets, false, mode, false, psw, last_offset, padding_idx);
           const at::Tensor w_ref = leaf_copy(w);
           std::vector<at::Tensor> outs;
           for (int64_t n = 0; n < kN; ++n) {
@@ -235,16 +206,17 @@ TEST(WideEmbedding, IntIndicesEmptyAndCppApi) {
   const at::Tensor off = longs({0, 3});
   std::vector<at::Tensor> outs;
   for (int64_t n = 0; n < kN; ++n) outs.push_back(std::get<0>(at::embedding_bag(w[n], idx[n], off, false, 1)));
-  WIDE_EXPECT_CLOSE(call_embedding_bag(w, idx, off, 1, std::nullopt, false, -1), at::stack(outs));
+  WIDE_EXPECT_CLOSE(wide::embedding_bag(w, idx, off, false, 1), at::stack(outs));
   // Empty lookups.
-  EXPECT_EQ(call_embedding(w, at::zeros({kN, 0}, at::kLong), -1).sizes(), (Ints{kN, 0, kD}));
-  EXPECT_EQ(call_embedding_bag(w, at::zeros({kN, 0, 2}, at::kLong), std::nullopt, 0, std::nullopt, false, -1).sizes(),
-            (Ints{kN, 0, kD}));
-  // The public C++ API agrees with the dispatcher op.
+  EXPECT_EQ(wide::embedding(w, at::zeros({kN, 0}, at::kLong)).sizes(), (Ints{kN, 0, kD}));
+  EXPECT_EQ(wide::embedding_bag(w, at::zeros({kN, 0, 2}, at::kLong)).sizes(), (Ints{kN, 0, kD}));
+  // The public C++ API (a typed dispatcher call) agrees with the boxed call Python makes.
   const at::Tensor i2 = make_indices(false, {4});
-  EXPECT_TRUE(at::equal(wide::embedding(w, i2, kPad, false, false), call_embedding(w, i2, kPad)));
+  EXPECT_TRUE(at::equal(wide::embedding(w, i2, kPad, false, false),
+                        call_boxed("wide::embedding", w, i2, kPad, false, false).toTensor()));
   EXPECT_TRUE(at::equal(wide::embedding_bag(w, i2, off, false, 0, false, std::nullopt, false, -1),
-                        call_embedding_bag(w, i2, off, 0, std::nullopt, false, -1)));
+                        call_boxed("wide::embedding_bag", w, i2, off, false, 0, false, std::nullopt, false, -1)
+                            .toTensor()));
 }
 
 TEST(WideEmbedding, Errors) {
@@ -252,36 +224,36 @@ TEST(WideEmbedding, Errors) {
   const at::Tensor idx = at::zeros({kN, 4}, at::kLong);
   const OptT none;
   // embedding
-  expect_error([&] { call_embedding(at::randn({kV, kD}), idx, -1); },
+  expect_error([&] { wide::embedding(at::randn({kV, kD}), idx); },
                "wide::embedding: expected weight [N, num_embeddings, dim], got [6, 4]");
-  expect_error([&] { call_embedding(w, at::zeros({2, 4}, at::kLong), -1); },
+  expect_error([&] { wide::embedding(w, at::zeros({2, 4}, at::kLong)); },
                "wide::embedding: expected N-first indices [N, *] with N=3, got [2, 4]");
-  expect_error([&] { call_embedding(w, at::zeros({kN, 4}), -1); }, "wide::embedding: expected integer indices, got Float");
-  expect_error([&] { call_embedding(w, idx, -1, false, true); }, "wide::embedding: sparse=True gradients are not supported");
-  expect_error([&] { call_embedding(w, idx, kV); },
+  expect_error([&] { wide::embedding(w, at::zeros({kN, 4})); }, "wide::embedding: expected integer indices, got Float");
+  expect_error([&] { wide::embedding(w, idx, -1, false, true); }, "wide::embedding: sparse=True gradients are not supported");
+  expect_error([&] { wide::embedding(w, idx, kV); },
                "wide::embedding: expected padding_idx in [0, num_embeddings) or -1 (none), got 6");
-  expect_error([&] { call_embedding(w, idx, -2); }, "expected padding_idx in [0, num_embeddings) or -1 (none), got -2");
+  expect_error([&] { wide::embedding(w, idx, -2); }, "expected padding_idx in [0, num_embeddings) or -1 (none), got -2");
   // embedding_renorm_
   at::Tensor w2 = w.clone();
-  expect_error([&] { call_embedding_renorm_(w2, at::zeros({kN + 1, 2}, at::kLong), 1.0, 2.0); },
+  expect_error([&] { wide::embedding_renorm_(w2, at::zeros({kN + 1, 2}, at::kLong), 1.0, 2.0); },
                "wide::embedding_renorm_: expected N-first indices [N, *] with N=3");
   // embedding_bag
   const at::Tensor bag_idx = at::zeros({kN, 2, 2}, at::kLong);
-  expect_error([&] { call_embedding_bag(w, bag_idx, none, 0, none, false, -1, true); },
+  expect_error([&] { wide::embedding_bag(w, bag_idx, none, false, 0, true); },
                "wide::embedding_bag: sparse=True gradients are not supported");
-  expect_error([&] { call_embedding_bag(w, bag_idx, none, 3, none, false, -1); },
+  expect_error([&] { wide::embedding_bag(w, bag_idx, none, false, 3); },
                "wide::embedding_bag: expected mode 0 (sum), 1 (mean) or 2 (max), got 3");
-  expect_error([&] { call_embedding_bag(w, bag_idx, none, 0, none, false, kV); },
+  expect_error([&] { wide::embedding_bag(w, bag_idx, none, false, 0, false, none, false, kV); },
                "wide::embedding_bag: expected padding_idx in [0, num_embeddings) or -1, got 6");
-  expect_error([&] { call_embedding_bag(w, bag_idx, none, 0, at::randn({kN, 4}), false, -1); },
+  expect_error([&] { wide::embedding_bag(w, bag_idx, none, false, 0, false, at::randn({kN, 4})); },
                "expected per_sample_weights shaped like indices [3, 2, 2], got [3, 4]");
-  expect_error([&] { call_embedding_bag(w, idx, none, 0, none, false, -1); },
+  expect_error([&] { wide::embedding_bag(w, idx, none); },
                "wide::embedding_bag: without offsets expected indices [N, B, L], got [3, 4]");
-  expect_error([&] { call_embedding_bag(w, bag_idx, none, 0, none, true, -1); },
+  expect_error([&] { wide::embedding_bag(w, bag_idx, none, false, 0, false, none, true); },
                "wide::embedding_bag: include_last_offset needs offsets");
-  expect_error([&] { call_embedding_bag(w, bag_idx, longs({0, 1}), 0, none, false, -1); },
+  expect_error([&] { wide::embedding_bag(w, bag_idx, longs({0, 1})); },
                "wide::embedding_bag: with offsets expected indices [N, T], got [3, 2, 2]");
-  expect_error([&] { call_embedding_bag(w, idx, at::zeros({2, 2}, at::kLong), 0, none, false, -1); },
+  expect_error([&] { wide::embedding_bag(w, idx, at::zeros({2, 2}, at::kLong)); },
                "wide::embedding_bag: expected offsets [B] (shared) or [N, B], got [2, 2]");
 }
 
@@ -289,10 +261,9 @@ TEST(WideEmbedding, Errors) {
 // another member's row of the flat [N*V, D] table (index V of member 0 would be member 1's row 0).
 TEST(WideEmbedding, OutOfRangeIndicesRaise) {
   const at::Tensor w = at::randn({kN, kV, kD});
-  expect_error([&] { call_embedding(w, longs({kV, 0, 0}).view({kN, 1}), -1); }, "out of range");
-  expect_error([&] { call_embedding(w, longs({0, -1, 0}).view({kN, 1}), -1); }, "out of range");
-  expect_error([&] { call_embedding_bag(w, longs({kV, 0, 0}).view({kN, 1, 1}), std::nullopt, 0,
-                                        std::nullopt, false, -1); },
+  expect_error([&] { wide::embedding(w, longs({kV, 0, 0}).view({kN, 1})); }, "out of range");
+  expect_error([&] { wide::embedding(w, longs({0, -1, 0}).view({kN, 1})); }, "out of range");
+  expect_error([&] { wide::embedding_bag(w, longs({kV, 0, 0}).view({kN, 1, 1})); },
                "not in the valid range");
 }
 
@@ -302,9 +273,9 @@ TEST(WideEmbedding, OutOfRangeIndicesRaise) {
 TEST(WideEmbedding, BadOffsetsRaise) {
   const at::Tensor w = at::randn({kN, kV, kD});
   const at::Tensor idx = longs({0, 1, 2, 3}).expand({kN, 4});
-  expect_error([&] { call_embedding_bag(w, idx, longs({0, 2, 1, 3, 0, 2}).view({kN, 2}), 0, std::nullopt, false, -1); },
+  expect_error([&] { wide::embedding_bag(w, idx, longs({0, 2, 1, 3, 0, 2}).view({kN, 2})); },
                "expected every member's offsets to start at 0");
-  expect_error([&] { call_embedding_bag(w, idx, longs({0, 1, 3}), 0, std::nullopt, true, -1); },
+  expect_error([&] { wide::embedding_bag(w, idx, longs({0, 1, 3}), false, 0, false, std::nullopt, true); },
                "last offset to equal the number of indices 4");
 }
 
@@ -320,8 +291,8 @@ TEST(WideEmbedding, BagFloat32FastPath) {
       for (int64_t n = 0; n < kN; ++n) {
         outs.push_back(std::get<0>(at::embedding_bag(w[n], idx[n], off[n], false, mode, false, std::nullopt, true, pad)));
       }
-      EXPECT_TRUE(at::allclose(call_embedding_bag(w, idx, off, mode, std::nullopt, true, padding_idx), at::stack(outs),
-                               1e-5, 1e-5))
+      EXPECT_TRUE(at::allclose(wide::embedding_bag(w, idx, off, false, mode, false, std::nullopt, true, padding_idx),
+                               at::stack(outs), 1e-5, 1e-5))
           << "mode " << mode << " padding_idx " << padding_idx;
     }
   }

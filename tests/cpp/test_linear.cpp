@@ -1,6 +1,5 @@
-// wide::linear called through the dispatcher (as torch.ops.wide.linear is), against a reference
-// written with plain ATen calls: member n is at::linear(input[n], weight[n], bias[n]).
-#include <ATen/core/dispatch/Dispatcher.h>
+// wide::linear (public C++ API, through the dispatcher as torch.ops.wide.linear is), against a
+// reference written with plain ATen calls: member n is at::linear(input[n], weight[n], bias[n]).
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/randn.h>
@@ -13,17 +12,9 @@
 #include <vector>
 
 #include "wide/ops/linear.h"
+#include "wide_test_utils.h"
 
 namespace {
-
-using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                            c10::string_view);
-
-at::Tensor call_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-                       const std::string& strategy) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("wide::linear", "").typed<LinearFn>();
-  return op.call(x, w, b, strategy);
-}
 
 at::Tensor reference(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   std::vector<at::Tensor> outs;
@@ -51,7 +42,7 @@ TEST_P(WideLinearTest, MatchesPerMemberReference) {
   const at::Tensor w = at::randn({n, out, in}, opts);
   const std::optional<at::Tensor> b = has_bias ? std::optional<at::Tensor>(at::randn({n, out}, opts)) : std::nullopt;
 
-  const at::Tensor got = call_linear(x, w, b, strategy);
+  const at::Tensor got = wide::linear(x, w, b, strategy);
   const at::Tensor want = reference(x, w, b);
   ASSERT_EQ(got.sizes(), want.sizes());
   EXPECT_TRUE(at::allclose(got, want, 1e-12, 1e-12)) << "max diff " << at::sub(got, want).abs().max().item<double>();
@@ -68,7 +59,7 @@ TEST(WideLinear, NonContiguousInput) {
   const at::Tensor w = at::randn({6, 2, 3});
   ASSERT_FALSE(xt.is_contiguous());
   for (const char* s : {"auto", "bmm", "bmm_t", "loop"}) {
-    EXPECT_TRUE(at::allclose(call_linear(xt, w, std::nullopt, s), reference(xt, w, std::nullopt), 1e-5, 1e-5)) << s;
+    EXPECT_TRUE(at::allclose(wide::linear(xt, w, std::nullopt, s), reference(xt, w, std::nullopt), 1e-5, 1e-5)) << s;
   }
 }
 
@@ -77,18 +68,13 @@ TEST(WideLinear, EmptyBatch) {
   const at::Tensor w = at::randn({3, 2, 4});
   const at::Tensor b = at::randn({3, 2});
   for (const char* s : {"auto", "bmm", "bmm_t", "loop"}) {
-    EXPECT_EQ(call_linear(x, w, b, s).sizes(), (std::vector<int64_t>{3, 0, 2})) << s;
+    EXPECT_EQ(wide::linear(x, w, b, s).sizes(), (std::vector<int64_t>{3, 0, 2})) << s;
   }
 }
 
 void expect_error(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
                   const std::string& strategy, const std::string& fragment) {
-  try {
-    call_linear(x, w, b, strategy);
-    FAIL() << "expected an error containing: " << fragment;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
+  wide_test::expect_error([&] { wide::linear(x, w, b, strategy); }, fragment);
 }
 
 TEST(WideLinear, Errors) {
@@ -103,16 +89,13 @@ TEST(WideLinear, Errors) {
   expect_error(at::randn({4}), w, std::nullopt, "auto", "at least 2 dims");
 }
 
-}  // namespace
-
-namespace {
-
-// The public C++ API (wide::linear) agrees with the dispatcher op.
+// The public C++ API (a typed dispatcher call) agrees with the boxed call Python makes.
 TEST(WideLinear, CppApiMatchesDispatcher) {
   const at::Tensor x = at::randn({4, 3, 5});
   const at::Tensor w = at::randn({4, 2, 5});
   const at::Tensor b = at::randn({4, 2});
-  EXPECT_TRUE(at::allclose(wide::linear(x, w, b, "bmm"), call_linear(x, w, b, "bmm")));
+  EXPECT_TRUE(at::allclose(wide::linear(x, w, b, "bmm"),
+                           wide_test::call_boxed("wide::linear", x, w, b, "bmm").toTensor()));
   EXPECT_EQ(wide::parse_linear_strategy("loop"), wide::LinearStrategy::Loop);
 }
 

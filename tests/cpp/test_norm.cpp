@@ -1,9 +1,8 @@
-// wide::batch_norm / instance_norm / group_norm / layer_norm / rms_norm / prelu called through the
-// dispatcher, against references written with plain ATen calls per member: at::batch_norm(x[n],
+// wide::batch_norm / instance_norm / group_norm / layer_norm / rms_norm / prelu (public C++ API,
+// through the dispatcher), against references written with plain ATen calls per member: at::batch_norm(x[n],
 // weight[n], bias[n], running_mean[n], running_var[n], ...) and so on. Packed-family ops (all but
 // layer_norm and rms_norm) return the members' results concatenated on the channel dim; their
 // running statistics must end up exactly as each member's own buffers would.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/batch_norm.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/group_norm.h>
@@ -23,65 +22,15 @@
 #include <tuple>
 #include <vector>
 
+#include "wide/ops/norm.h"
+#include "wide/ops/prelu.h"
 #include "wide_test_utils.h"
 
 namespace {
 
-using wide_test::expect_error;
-using wide_test::f64;
-using wide_test::Layout;
-using wide_test::member;
-using wide_test::syms;
-using Ints = std::vector<int64_t>;
-using OptT = std::optional<at::Tensor>;
+using namespace wide_test;
 
 constexpr double kMomentum = 0.3, kEps = 1e-4;
-
-using StatNormFn = at::Tensor(const at::Tensor&, const OptT&, const OptT&, const OptT&, const OptT&, bool,
-                              double, double, bool);
-
-at::Tensor call_batch_norm(const at::Tensor& x, const OptT& w, const OptT& b, const OptT& rm, const OptT& rv,
-                           bool training, bool packed_input, double momentum = kMomentum, double eps = kEps) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("wide::batch_norm", "").typed<StatNormFn>();
-  return op.call(x, w, b, rm, rv, training, momentum, eps, packed_input);
-}
-
-at::Tensor call_instance_norm(const at::Tensor& x, const OptT& w, const OptT& b, const OptT& rm,
-                              const OptT& rv, bool use_input_stats, bool packed_input) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("wide::instance_norm", "").typed<StatNormFn>();
-  return op.call(x, w, b, rm, rv, use_input_stats, kMomentum, kEps, packed_input);
-}
-
-at::Tensor call_group_norm(const at::Tensor& x, int64_t n, int64_t groups, const OptT& w, const OptT& b,
-                           bool packed_input) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::group_norm", "")
-                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t, const OptT&, const OptT&, double, bool)>();
-  return op.call(x, n, groups, w, b, kEps, packed_input);
-}
-
-at::Tensor call_layer_norm(const at::Tensor& x, const Ints& ns, const OptT& w, const OptT& b,
-                           const std::string& strategy = "auto") {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::layer_norm", "")
-                       .typed<at::Tensor(const at::Tensor&, c10::SymIntArrayRef, const OptT&, const OptT&, double,
-                                         c10::string_view)>();
-  return op.call(x, syms(ns), w, b, kEps, strategy);
-}
-
-at::Tensor call_rms_norm(const at::Tensor& x, const Ints& ns, const OptT& w, std::optional<double> eps) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::rms_norm", "")
-                       .typed<at::Tensor(const at::Tensor&, c10::SymIntArrayRef, const OptT&, std::optional<double>)>();
-  return op.call(x, syms(ns), w, eps);
-}
-
-at::Tensor call_prelu(const at::Tensor& x, const at::Tensor& w, bool packed_input) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::prelu", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>();
-  return op.call(x, w, packed_input);
-}
 
 OptT maybe_randn(bool present, const Ints& shape) {
   return present ? OptT(at::randn(shape, f64())) : std::nullopt;
@@ -115,11 +64,16 @@ StatResult reference_stat_norm(const at::Tensor& x, const OptT& w, const OptT& b
     if (m) means.push_back(*m);
     if (v) vars.push_back(*v);
   }
-  StatResult r{wide_test::pack(outs), std::nullopt, std::nullopt};
+  StatResult r{pack(outs), std::nullopt, std::nullopt};
   if (rm) r.running_mean = at::stack(means);
   if (rv) r.running_var = at::stack(vars);
   return r;
 }
+
+// --- batch_norm / instance_norm -------------------------------------------------------------------
+
+// The norms with running statistics (the same signature, wide and per member).
+enum class StatNorm { Batch, Instance };
 
 // Which statistics the norm uses: batch (or instance) statistics and updates running stats /
 // batch statistics without running stats / running stats (eval; use_input_stats=False).
@@ -134,23 +88,34 @@ const char* stat_mode_name(StatMode m) {
   return "?";
 }
 
-using StatCase = std::tuple<Layout, StatMode>;
+// norm, input layout, statistics
+using StatCase = std::tuple<StatNorm, Layout, StatMode>;
 
 std::string stat_case_name(const ::testing::TestParamInfo<StatCase>& info) {
-  return std::string(wide_test::layout_name(std::get<0>(info.param))) + "_" + stat_mode_name(std::get<1>(info.param));
+  const auto& [norm, layout, mode] = info.param;
+  return std::string(norm == StatNorm::Batch ? "batch_" : "instance_") + layout_name(layout) + "_" +
+         stat_mode_name(mode);
 }
 
-// Runs the wide op (call) and the member reference (norm) for every shape in `member_shapes`, with
-// and without affine parameters, with contiguous and transposed running-stat buffers.
-template <class CallFn, class NormFn>
-void check_stat_norm(const StatCase& param, const std::vector<Ints>& member_shapes, CallFn&& call,
-                     NormFn&& norm) {
-  const auto& [layout, mode] = param;
-  const int64_t n = 3;
+class WideStatNormTest : public ::testing::TestWithParam<StatCase> {};
+
+// The wide op against the member reference for every member shape, with and without affine
+// parameters, with contiguous and transposed running-stat buffers.
+TEST_P(WideStatNormTest, MatchesPerMemberReference) {
+  const auto& [norm, layout, mode] = GetParam();
+  const bool batch = norm == StatNorm::Batch;
+  const auto wide_op = batch ? &wide::batch_norm : &wide::instance_norm;
+  const auto member_op = batch ? &at::batch_norm : &at::instance_norm;
+  const bool batch_stats = mode != StatMode::UseRunning;  // training / use_input_stats
   const bool has_stats = mode != StatMode::NoRunning;
+  // BatchNorm1d on [B, C] and [B, C, L], BatchNorm2d, BatchNorm3d; InstanceNorm1d, 2d, 3d.
+  const std::vector<Ints> member_shapes =
+      batch ? std::vector<Ints>{{4, 5}, {4, 3, 6}, {2, 3, 4, 3}, {2, 2, 3, 2, 3}}
+            : std::vector<Ints>{{3, 4, 6}, {2, 3, 4, 3}, {2, 2, 3, 2, 3}};
+  const int64_t n = 3;
   for (const Ints& shape : member_shapes) {
     const int64_t c = shape[1];
-    const at::Tensor x = wide_test::member_inputs(layout, n, shape);
+    const at::Tensor x = member_inputs(layout, n, shape);
     for (bool affine : {false, true}) {
       for (bool contiguous_stats : {true, false}) {
         if (!has_stats && !contiguous_stats) continue;
@@ -159,8 +124,13 @@ void check_stat_norm(const StatCase& param, const std::vector<Ints>& member_shap
         const OptT w = maybe_randn(affine, {n, c}), b = maybe_randn(affine, {n, c});
         const auto [rm, rv] = running_stats(has_stats, contiguous_stats, n, c);
         const OptT rm0 = clone(rm), rv0 = clone(rv);
-        const StatResult want = reference_stat_norm(x, w, b, rm0, rv0, norm);
-        const at::Tensor got = call(wide_test::op_input(layout, x), w, b, rm, rv, layout == Layout::Packed);
+        const StatResult want = reference_stat_norm(
+            x, w, b, rm0, rv0,
+            [&](const at::Tensor& xx, const OptT& ww, const OptT& bb, const OptT& m, const OptT& v) {
+              return member_op(xx, ww, bb, m, v, batch_stats, kMomentum, kEps, false);
+            });
+        const at::Tensor got =
+            wide_op(op_input(layout, x), w, b, rm, rv, batch_stats, kMomentum, kEps, layout == Layout::Packed);
         WIDE_EXPECT_CLOSE(got, want.out);
         if (has_stats) {
           WIDE_EXPECT_CLOSE(*rm, *want.running_mean);
@@ -174,49 +144,10 @@ void check_stat_norm(const StatCase& param, const std::vector<Ints>& member_shap
   }
 }
 
-// --- batch_norm ------------------------------------------------------------------------------------
-
-class WideBatchNormTest : public ::testing::TestWithParam<StatCase> {};
-
-TEST_P(WideBatchNormTest, MatchesPerMemberReference) {
-  const bool training = std::get<1>(GetParam()) != StatMode::UseRunning;
-  // BatchNorm1d on [B, C] and [B, C, L], BatchNorm2d, BatchNorm3d.
-  check_stat_norm(
-      GetParam(), {{4, 5}, {4, 3, 6}, {2, 3, 4, 3}, {2, 2, 3, 2, 3}},
-      [&](const at::Tensor& x, const OptT& w, const OptT& b, const OptT& rm, const OptT& rv, bool packed) {
-        return call_batch_norm(x, w, b, rm, rv, training, packed);
-      },
-      [&](const at::Tensor& x, const OptT& w, const OptT& b, const OptT& rm, const OptT& rv) {
-        return at::batch_norm(x, w, b, rm, rv, training, kMomentum, kEps, false);
-      });
-}
-
 INSTANTIATE_TEST_SUITE_P(
-    Grid, WideBatchNormTest,
-    ::testing::Combine(::testing::Values(Layout::NFirst, Layout::Packed, Layout::Shared),
-                       ::testing::Values(StatMode::UpdateRunning, StatMode::NoRunning, StatMode::UseRunning)),
-    stat_case_name);
-
-// --- instance_norm ---------------------------------------------------------------------------------
-
-class WideInstanceNormTest : public ::testing::TestWithParam<StatCase> {};
-
-TEST_P(WideInstanceNormTest, MatchesPerMemberReference) {
-  const bool use_input_stats = std::get<1>(GetParam()) != StatMode::UseRunning;
-  // InstanceNorm1d, 2d, 3d.
-  check_stat_norm(
-      GetParam(), {{3, 4, 6}, {2, 3, 4, 3}, {2, 2, 3, 2, 3}},
-      [&](const at::Tensor& x, const OptT& w, const OptT& b, const OptT& rm, const OptT& rv, bool packed) {
-        return call_instance_norm(x, w, b, rm, rv, use_input_stats, packed);
-      },
-      [&](const at::Tensor& x, const OptT& w, const OptT& b, const OptT& rm, const OptT& rv) {
-        return at::instance_norm(x, w, b, rm, rv, use_input_stats, kMomentum, kEps, false);
-      });
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    Grid, WideInstanceNormTest,
-    ::testing::Combine(::testing::Values(Layout::NFirst, Layout::Packed, Layout::Shared),
+    Grid, WideStatNormTest,
+    ::testing::Combine(::testing::Values(StatNorm::Batch, StatNorm::Instance),
+                       ::testing::Values(Layout::NFirst, Layout::Packed, Layout::Shared),
                        ::testing::Values(StatMode::UpdateRunning, StatMode::NoRunning, StatMode::UseRunning)),
     stat_case_name);
 
@@ -228,7 +159,7 @@ TEST_P(WideGroupNormTest, MatchesPerMemberReference) {
   const Layout layout = GetParam();
   const int64_t n = 3, c = 4;
   for (const Ints& shape : std::vector<Ints>{{3, c}, {2, c, 5}, {2, c, 3, 2}}) {
-    const at::Tensor x = wide_test::member_inputs(layout, n, shape);
+    const at::Tensor x = member_inputs(layout, n, shape);
     for (int64_t groups : {1, 2, 4}) {
       for (bool affine : {false, true}) {
         SCOPED_TRACE("member shape " + c10::str(at::IntArrayRef(shape)) + " groups=" + std::to_string(groups) +
@@ -236,8 +167,8 @@ TEST_P(WideGroupNormTest, MatchesPerMemberReference) {
         const OptT w = maybe_randn(affine, {n, c}), b = maybe_randn(affine, {n, c});
         std::vector<at::Tensor> outs;
         for (int64_t k = 0; k < n; ++k) outs.push_back(at::group_norm(x[k], groups, member(w, k), member(b, k), kEps, false));
-        WIDE_EXPECT_CLOSE(call_group_norm(wide_test::op_input(layout, x), n, groups, w, b, layout == Layout::Packed),
-                          wide_test::pack(outs));
+        WIDE_EXPECT_CLOSE(wide::group_norm(op_input(layout, x), n, groups, w, b, kEps, layout == Layout::Packed),
+                          pack(outs));
       }
     }
   }
@@ -246,7 +177,7 @@ TEST_P(WideGroupNormTest, MatchesPerMemberReference) {
 INSTANTIATE_TEST_SUITE_P(Grid, WideGroupNormTest,
                          ::testing::Values(Layout::NFirst, Layout::Packed, Layout::Shared),
                          [](const ::testing::TestParamInfo<Layout>& info) {
-                           return std::string(wide_test::layout_name(info.param));
+                           return std::string(layout_name(info.param));
                          });
 
 // --- layer_norm / rms_norm (N-first in, N-first out) ---------------------------------------------
@@ -265,7 +196,7 @@ TEST_P(WideLayerNormTest, MatchesPerMemberReference) {
     const Ints ns(shape.end() - k, shape.end());
     Ints pshape = ns;
     pshape.insert(pshape.begin(), n);
-    const at::Tensor x = wide_test::member_inputs(shared ? Layout::Shared : Layout::NFirst, n, shape);
+    const at::Tensor x = member_inputs(shared ? Layout::Shared : Layout::NFirst, n, shape);
     for (bool has_weight : {false, true}) {
       for (int variant : {0, 1}) {  // layer_norm: without / with bias; rms_norm: default eps / 1e-3
         SCOPED_TRACE("member shape " + c10::str(at::IntArrayRef(shape)) + " weight=" + std::to_string(has_weight) +
@@ -276,12 +207,12 @@ TEST_P(WideLayerNormTest, MatchesPerMemberReference) {
         if (rms) {
           const std::optional<double> eps = variant ? std::optional<double>(1e-3) : std::nullopt;
           for (int64_t m = 0; m < n; ++m) outs.push_back(at::rms_norm(x[m], ns, member(w, m), eps));
-          got = call_rms_norm(x, ns, w, eps);
+          got = wide::rms_norm(x, syms(ns), w, eps);
         } else {
           const OptT b = maybe_randn(variant == 1, pshape);
           for (int64_t m = 0; m < n; ++m) outs.push_back(at::layer_norm(x[m], ns, member(w, m), member(b, m), kEps, false));
-          got = call_layer_norm(x, ns, w, b);
-          WIDE_EXPECT_CLOSE(call_layer_norm(x, ns, w, b, "loop"), at::stack(outs));
+          got = wide::layer_norm(x, syms(ns), w, b, kEps);
+          WIDE_EXPECT_CLOSE(wide::layer_norm(x, syms(ns), w, b, kEps, "loop"), at::stack(outs));
         }
         WIDE_EXPECT_CLOSE(got, at::stack(outs));
       }
@@ -310,16 +241,16 @@ TEST_P(WidePreluTest, MatchesPerMemberReference) {
   const int64_t n = 3, c = 4;
   for (const Ints& shape : std::vector<Ints>{{5, c}, {2, c, 5}, {2, c, 3, 2}}) {
     SCOPED_TRACE("member shape " + c10::str(at::IntArrayRef(shape)));
-    const at::Tensor x = wide_test::member_inputs(layout, n, shape);
+    const at::Tensor x = member_inputs(layout, n, shape);
     const at::Tensor w = at::randn({n, per_channel ? c : 1}, f64());
     std::vector<at::Tensor> outs;
     for (int64_t k = 0; k < n; ++k) outs.push_back(at::prelu(x[k], w[k]));
-    WIDE_EXPECT_CLOSE(call_prelu(wide_test::op_input(layout, x), w, layout == Layout::Packed), wide_test::pack(outs));
+    WIDE_EXPECT_CLOSE(wide::prelu(op_input(layout, x), w, layout == Layout::Packed), pack(outs));
   }
 }
 
 std::string prelu_case_name(const ::testing::TestParamInfo<PreluCase>& info) {
-  return std::string(wide_test::layout_name(std::get<0>(info.param))) +
+  return std::string(layout_name(std::get<0>(info.param))) +
          (std::get<1>(info.param) ? "_per_channel" : "_per_member");
 }
 
@@ -341,7 +272,7 @@ TEST(WideNorm, NonContiguousInputs) {
       [](const at::Tensor& xx, const OptT& ww, const OptT& bb, const OptT& m, const OptT& v) {
         return at::batch_norm(xx, ww, bb, m, v, true, kMomentum, kEps, false);
       });
-  WIDE_EXPECT_CLOSE(call_batch_norm(x, w, b, rm, rv, true, false), want.out);
+  WIDE_EXPECT_CLOSE(wide::batch_norm(x, w, b, rm, rv, true, kMomentum, kEps, false), want.out);
   WIDE_EXPECT_CLOSE(*rm, *want.running_mean);
   WIDE_EXPECT_CLOSE(*rv, *want.running_var);
 
@@ -350,15 +281,15 @@ TEST(WideNorm, NonContiguousInputs) {
     gn.push_back(at::group_norm(x[k], 2, w[k], b[k], kEps, false));
     pr.push_back(at::prelu(x[k], w[k]));
   }
-  WIDE_EXPECT_CLOSE(call_group_norm(x, n, 2, w, b, false), wide_test::pack(gn));
-  WIDE_EXPECT_CLOSE(call_prelu(x, w, false), wide_test::pack(pr));
+  WIDE_EXPECT_CLOSE(wide::group_norm(x, n, 2, w, b, kEps, false), pack(gn));
+  WIDE_EXPECT_CLOSE(wide::prelu(x, w, false), pack(pr));
   // Non-contiguous packed input: every other channel of a wider tensor.
   const at::Tensor p = at::randn({2, 2 * n * c, 3}, f64()).slice(1, 0, 2 * n * c, 2);
   ASSERT_FALSE(p.is_contiguous());
   const at::Tensor p_nfirst = p.view({2, n, c, 3}).movedim(1, 0);
   std::vector<at::Tensor> pr2;
   for (int64_t k = 0; k < n; ++k) pr2.push_back(at::prelu(p_nfirst[k], w[k]));
-  WIDE_EXPECT_CLOSE(call_prelu(p, w, true), wide_test::pack(pr2));
+  WIDE_EXPECT_CLOSE(wide::prelu(p, w, true), pack(pr2));
 
   // layer_norm / rms_norm on a transposed N-first input, with non-contiguous weights.
   const at::Tensor y = at::randn({n, 5, 2, 4}, f64()).transpose(1, 3);  // [N, 4, 2, 5]
@@ -368,9 +299,9 @@ TEST(WideNorm, NonContiguousInputs) {
     ln.push_back(at::layer_norm(y[k], {5}, lw[k], lb[k], kEps, false));
     rmsn.push_back(at::rms_norm(y[k], {5}, lw[k], std::nullopt));
   }
-  WIDE_EXPECT_CLOSE(call_layer_norm(y, {5}, lw, lb), at::stack(ln));
-  WIDE_EXPECT_CLOSE(call_layer_norm(y, {5}, lw, lb, "loop"), at::stack(ln));
-  WIDE_EXPECT_CLOSE(call_rms_norm(y, {5}, lw, std::nullopt), at::stack(rmsn));
+  WIDE_EXPECT_CLOSE(wide::layer_norm(y, syms({5}), lw, lb, kEps), at::stack(ln));
+  WIDE_EXPECT_CLOSE(wide::layer_norm(y, syms({5}), lw, lb, kEps, "loop"), at::stack(ln));
+  WIDE_EXPECT_CLOSE(wide::rms_norm(y, syms({5}), lw, std::nullopt), at::stack(rmsn));
 }
 
 TEST(WideNorm, EmptyBatch) {
@@ -378,12 +309,14 @@ TEST(WideNorm, EmptyBatch) {
   const at::Tensor x = at::randn({n, 0, c, 5});
   const at::Tensor w = at::randn({n, c});
   const Ints packed_shape = {0, n * c, 5};
-  EXPECT_EQ(call_batch_norm(x, w, w, at::zeros({n, c}), at::ones({n, c}), false, false).sizes(), packed_shape);
+  EXPECT_EQ(wide::batch_norm(x, w, w, at::zeros({n, c}), at::ones({n, c}), false, kMomentum, kEps, false).sizes(),
+            packed_shape);
   // (instance_norm is left out: at::instance_norm itself fails on an empty batch, in select().)
-  EXPECT_EQ(call_group_norm(x, n, 2, w, w, false).sizes(), packed_shape);
-  EXPECT_EQ(call_prelu(x, w, false).sizes(), packed_shape);
-  EXPECT_EQ(call_layer_norm(at::randn({n, 0, 5}), {5}, std::nullopt, std::nullopt).sizes(), (Ints{n, 0, 5}));
-  EXPECT_EQ(call_layer_norm(at::randn({n, 0, 5}), {5}, std::nullopt, std::nullopt, "loop").sizes(), (Ints{n, 0, 5}));
+  EXPECT_EQ(wide::group_norm(x, n, 2, w, w, kEps, false).sizes(), packed_shape);
+  EXPECT_EQ(wide::prelu(x, w, false).sizes(), packed_shape);
+  const at::Tensor empty = at::randn({n, 0, 5});
+  EXPECT_EQ(wide::layer_norm(empty, syms({5}), std::nullopt, std::nullopt, kEps).sizes(), (Ints{n, 0, 5}));
+  EXPECT_EQ(wide::layer_norm(empty, syms({5}), std::nullopt, std::nullopt, kEps, "loop").sizes(), (Ints{n, 0, 5}));
 }
 
 TEST(WideNorm, Errors) {
@@ -391,59 +324,60 @@ TEST(WideNorm, Errors) {
   const at::Tensor p = at::randn({3, 4});
   const OptT none;
   // batch_norm
-  expect_error([&] { call_batch_norm(at::randn({3, 4}), p, p, none, none, true, false); },
+  expect_error([&] { wide::batch_norm(at::randn({3, 4}), p, p, none, none, true, kMomentum, kEps, false); },
                "wide::batch_norm: expected an N-first input [N, B, C, *] with 0 to 3 spatial dims, got [3, 4]");
-  expect_error([&] { call_batch_norm(at::randn({2, 12, 1, 1, 1, 1}), none, none, none, none, true, true); },
+  expect_error([&] { wide::batch_norm(at::randn({2, 12, 1, 1, 1, 1}), none, none, none, none, true, kMomentum, kEps,
+                                      true); },
                "wide::batch_norm: expected a packed input [B, N*C, *] with 0 to 3 spatial dims");
-  expect_error([&] { call_batch_norm(x, at::randn({12}), none, none, none, true, false); },
+  expect_error([&] { wide::batch_norm(x, at::randn({12}), none, none, none, true, kMomentum, kEps, false); },
                "wide::batch_norm: expected weight of shape [N, C], got [12]");
-  expect_error([&] { call_batch_norm(x, none, none, p, none, true, false); },
+  expect_error([&] { wide::batch_norm(x, none, none, p, none, true, kMomentum, kEps, false); },
                "expected both running_mean and running_var or neither");
-  expect_error([&] { call_batch_norm(x, none, none, none, none, false, false); },
+  expect_error([&] { wide::batch_norm(x, none, none, none, none, false, kMomentum, kEps, false); },
                "expected running stats in eval mode (training=False), got none");
-  expect_error([&] { call_batch_norm(x, at::randn({3, 5}), none, none, none, true, false); },
+  expect_error([&] { wide::batch_norm(x, at::randn({3, 5}), none, none, none, true, kMomentum, kEps, false); },
                "wide::batch_norm: input has 12 packed channels (N*C) but a [N, C] parameter/buffer is [3, 5]");
-  expect_error([&] { call_batch_norm(x, at::randn({2, 6}), none, none, none, true, false); },
+  expect_error([&] { wide::batch_norm(x, at::randn({2, 6}), none, none, none, true, kMomentum, kEps, false); },
                "wide::batch_norm: input has 3 members (dim 0) but a parameter/buffer has 2");
-  expect_error([&] { call_batch_norm(at::randn({2, 10, 5}), p, none, none, none, true, true); },
+  expect_error([&] { wide::batch_norm(at::randn({2, 10, 5}), p, none, none, none, true, kMomentum, kEps, true); },
                "input has 10 packed channels (N*C) but a [N, C] parameter/buffer is [3, 4] (input [2, 10, 5], packed)");
   // instance_norm
-  expect_error([&] { call_instance_norm(at::randn({3, 2, 4}), none, none, none, none, true, false); },
+  expect_error([&] { wide::instance_norm(at::randn({3, 2, 4}), none, none, none, none, true, kMomentum, kEps, false); },
                "wide::instance_norm: expected an N-first input [N, B, C, *] with 1 to 3 spatial dims, got [3, 2, 4]");
-  expect_error([&] { call_instance_norm(x, none, none, none, none, false, false); },
+  expect_error([&] { wide::instance_norm(x, none, none, none, none, false, kMomentum, kEps, false); },
                "expected running stats when use_input_stats=False, got none");
-  expect_error([&] { call_instance_norm(x, at::randn({3, 3}), none, none, none, true, false); },
+  expect_error([&] { wide::instance_norm(x, at::randn({3, 3}), none, none, none, true, kMomentum, kEps, false); },
                "wide::instance_norm: input has 12 packed channels (N*C)");
   // group_norm
-  expect_error([&] { call_group_norm(x, 3, 0, none, none, false); },
+  expect_error([&] { wide::group_norm(x, 3, 0, none, none, kEps, false); },
                "wide::group_norm: expected n >= 1 and num_groups >= 1, got n=3, num_groups=0");
-  expect_error([&] { call_group_norm(x, 2, 1, none, none, false); },
+  expect_error([&] { wide::group_norm(x, 2, 1, none, none, kEps, false); },
                "wide::group_norm: input has 3 members (dim 0), expected n=2");
-  expect_error([&] { call_group_norm(x, 3, 3, none, none, false); },
+  expect_error([&] { wide::group_norm(x, 3, 3, none, none, kEps, false); },
                "expected the 4 channels per member to be divisible by num_groups=3");
-  expect_error([&] { call_group_norm(x, 3, 2, at::randn({3, 4, 1}), none, false); },
+  expect_error([&] { wide::group_norm(x, 3, 2, at::randn({3, 4, 1}), none, kEps, false); },
                "wide::group_norm: expected weight of shape [N, C], got [3, 4, 1]");
-  expect_error([&] { call_group_norm(at::randn({4}), 3, 1, none, none, true); },
+  expect_error([&] { wide::group_norm(at::randn({4}), 3, 1, none, none, kEps, true); },
                "wide::group_norm: expected a packed input [B, N*C, *], got [4]");
   // layer_norm / rms_norm
-  expect_error([&] { call_layer_norm(x, {4}, none, none); },
+  expect_error([&] { wide::layer_norm(x, syms({4}), none, none, kEps); },
                "wide::layer_norm: expected an N-first input [N, *, [4]], got [3, 2, 4, 5]");
-  expect_error([&] { call_layer_norm(x, {}, none, none); }, "wide::layer_norm: expected an N-first input");
-  expect_error([&] { call_layer_norm(x, {5}, none, none, "bmm"); },
+  expect_error([&] { wide::layer_norm(x, syms({}), none, none, kEps); }, "wide::layer_norm: expected an N-first input");
+  expect_error([&] { wide::layer_norm(x, syms({5}), none, none, kEps, "bmm"); },
                "wide::layer_norm: expected strategy 'auto', 'fused' or 'loop', got 'bmm'");
-  expect_error([&] { call_layer_norm(x, {5}, at::randn({2, 5}), none); },
+  expect_error([&] { wide::layer_norm(x, syms({5}), at::randn({2, 5}), none, kEps); },
                "wide::layer_norm: expected weight of shape [N, *normalized_shape] = [3, [5]], got [2, 5]");
-  expect_error([&] { call_layer_norm(x, {4, 5}, none, at::randn({3, 5})); },
+  expect_error([&] { wide::layer_norm(x, syms({4, 5}), none, at::randn({3, 5}), kEps); },
                "wide::layer_norm: expected bias of shape [N, *normalized_shape]");
-  expect_error([&] { call_rms_norm(x, {3}, none, std::nullopt); }, "wide::rms_norm: expected an N-first input");
-  expect_error([&] { call_rms_norm(x, {5}, at::randn({3, 4}), std::nullopt); },
+  expect_error([&] { wide::rms_norm(x, syms({3}), none, std::nullopt); }, "wide::rms_norm: expected an N-first input");
+  expect_error([&] { wide::rms_norm(x, syms({5}), at::randn({3, 4}), std::nullopt); },
                "wide::rms_norm: expected weight of shape [N, *normalized_shape]");
   // prelu
-  expect_error([&] { call_prelu(x, at::randn({3}), false); }, "wide::prelu: expected weight [N, 1] or [N, C], got [3]");
-  expect_error([&] { call_prelu(at::randn({3, 4}), p, false); }, "wide::prelu: expected an N-first input [N, B, C, *]");
-  expect_error([&] { call_prelu(x, at::randn({2, 4}), false); }, "wide::prelu: input has 3 members (dim 0) but weight has 2");
-  expect_error([&] { call_prelu(at::randn({2, 10}), p, true); }, "packed input has 10 channels, not a multiple of N=3");
-  expect_error([&] { call_prelu(x, at::randn({3, 2}), false); }, "expected weight [N, 1] or [N, C] = [3, 4], got [3, 2]");
+  expect_error([&] { wide::prelu(x, at::randn({3}), false); }, "wide::prelu: expected weight [N, 1] or [N, C], got [3]");
+  expect_error([&] { wide::prelu(at::randn({3, 4}), p, false); }, "wide::prelu: expected an N-first input [N, B, C, *]");
+  expect_error([&] { wide::prelu(x, at::randn({2, 4}), false); }, "wide::prelu: input has 3 members (dim 0) but weight has 2");
+  expect_error([&] { wide::prelu(at::randn({2, 10}), p, true); }, "packed input has 10 channels, not a multiple of N=3");
+  expect_error([&] { wide::prelu(x, at::randn({3, 2}), false); }, "expected weight [N, 1] or [N, C] = [3, 4], got [3, 2]");
 }
 
 }  // namespace

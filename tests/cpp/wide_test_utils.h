@@ -1,9 +1,11 @@
-// Helpers shared by the GoogleTest files of the packed-family and tabular wide ops: how a test
-// feeds N members' activations to an op (N-first, channel-packed, or one shared input expanded
-// with stride 0), the reference's packed result, tolerance and error-message checks.
+// Helpers shared by the GoogleTest files of the wide ops: how a test feeds N members' activations
+// to an op (N-first, channel-packed, or one shared input expanded with stride 0), the reference's
+// packed result, tolerance and error-message checks, and the boxed call Python makes. The tests
+// call the public C++ API (wide::<op>), which reaches each op through the dispatcher.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/randn.h>
@@ -14,9 +16,13 @@
 
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace wide_test {
+
+using Ints = std::vector<int64_t>;
+using OptT = std::optional<at::Tensor>;
 
 // All references run in float64 with the same ATen kernels on per-member slices; the wide op runs
 // them on packed/grouped/offset data, so only the reduction order differs. 1e-10 is far above
@@ -88,6 +94,16 @@ void expect_error(Fn&& fn, const std::string& fragment) {
     EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos)
         << "expected: " << fragment << "\ngot: " << e.what();
   }
+}
+
+// Calls the schema `name` ("wide::<op>") as torch.ops.wide.<op> does from Python: boxed, every
+// argument an IValue in schema order. Returns the first result.
+template <class... Args>
+c10::IValue call_boxed(const char* name, Args&&... args) {
+  const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  torch::jit::Stack stack{c10::IValue(std::forward<Args>(args))...};
+  op.callBoxed(&stack);
+  return stack.at(0);
 }
 
 } // namespace wide_test

@@ -2,6 +2,7 @@
 
 #include "wide/ops/layout.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/convolution.h>
@@ -31,7 +32,8 @@
 // dim in F.pad order (last dim first: left, right, ...), which is how padding='same' with an
 // even kernel comes out; then the input is zero-padded first and the conv gets padding 0.
 // Non-zero padding modes (reflect, replicate, circular) arrive as an aten.pad before the conv in
-// the captured graph and are widened as layout-transparent ops (fx/rules/vision.py).
+// the captured graph; the spatial widen rules handle it (python/wide_compiler/fx/rules/spatial.py)
+// and the conv rule (fx/rules/conv.py) passes this op only the conv's own zero padding.
 
 namespace wide {
 
@@ -137,7 +139,7 @@ at::Tensor wide_convolution(const char* op, const at::Tensor& input, const at::T
     return at::cat(outs, 1);
   }
 
-  const at::Tensor x = pre_pad(packed_activation(input, packed_input, d + 2, op));
+  const at::Tensor x = pre_pad(detail::packed_activation(input, packed_input, d + 2, op));
   std::vector<c10::SymInt> wsizes(weight.sym_sizes().begin() + 1, weight.sym_sizes().end());
   wsizes[0] = n * weight.sym_size(1);
   const at::Tensor w = weight.reshape_symint(wsizes);
@@ -147,23 +149,21 @@ at::Tensor wide_convolution(const char* op, const at::Tensor& input, const at::T
                                 n * groups);
 }
 
-} // namespace
-
-at::Tensor conv(const at::Tensor& input, const at::Tensor& weight,
-                const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
-                c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, c10::SymInt groups,
-                bool packed_input, std::string_view strategy) {
+at::Tensor conv_impl(const at::Tensor& input, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
+                     c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, c10::SymInt groups,
+                     bool packed_input, std::string_view strategy) {
   const int64_t d = std::max<int64_t>(weight.dim() - 3, 0);
   std::vector<c10::SymInt> output_padding(d, c10::SymInt(0));
   return wide_convolution("conv", input, weight, bias, stride, padding, dilation, false,
                           output_padding, groups, packed_input, strategy);
 }
 
-at::Tensor conv_transpose(const at::Tensor& input, const at::Tensor& weight,
-                          const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
-                          c10::SymIntArrayRef padding, c10::SymIntArrayRef output_padding,
-                          c10::SymInt groups, c10::SymIntArrayRef dilation, bool packed_input,
-                          std::string_view strategy) {
+at::Tensor conv_transpose_impl(const at::Tensor& input, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
+                               c10::SymIntArrayRef padding, c10::SymIntArrayRef output_padding,
+                               c10::SymInt groups, c10::SymIntArrayRef dilation, bool packed_input,
+                               std::string_view strategy) {
   const int64_t d = std::max<int64_t>(weight.dim() - 3, 0);
   TORCH_CHECK(static_cast<int64_t>(output_padding.size()) == d, "wide::conv_transpose: expected ",
               d, " output_padding values, got ", output_padding.size());
@@ -171,23 +171,34 @@ at::Tensor conv_transpose(const at::Tensor& input, const at::Tensor& weight,
                           output_padding, groups, packed_input, strategy);
 }
 
+} // namespace
+
+at::Tensor conv(const at::Tensor& input, const at::Tensor& weight,
+                const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
+                c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, c10::SymInt groups,
+                bool packed_input, std::string_view strategy) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::conv", "")
+                       .typed<decltype(conv)>();
+  return op.call(input, weight, bias, stride, padding, dilation, std::move(groups), packed_input,
+                 strategy);
+}
+
+at::Tensor conv_transpose(const at::Tensor& input, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
+                          c10::SymIntArrayRef padding, c10::SymIntArrayRef output_padding,
+                          c10::SymInt groups, c10::SymIntArrayRef dilation, bool packed_input,
+                          std::string_view strategy) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::conv_transpose", "")
+                       .typed<decltype(conv_transpose)>();
+  return op.call(input, weight, bias, stride, padding, output_padding, std::move(groups), dilation,
+                 packed_input, strategy);
+}
+
 } // namespace wide
 
 TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
-  m.impl("conv", [](const at::Tensor& input, const at::Tensor& weight,
-                    const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
-                    c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, c10::SymInt groups,
-                    bool packed_input, c10::string_view strategy) {
-    return wide::conv(input, weight, bias, stride, padding, dilation, std::move(groups), packed_input,
-                      std::string_view(strategy.data(), strategy.size()));
-  });
-  m.impl("conv_transpose", [](const at::Tensor& input, const at::Tensor& weight,
-                              const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
-                              c10::SymIntArrayRef padding, c10::SymIntArrayRef output_padding,
-                              c10::SymInt groups, c10::SymIntArrayRef dilation, bool packed_input,
-                              c10::string_view strategy) {
-    return wide::conv_transpose(input, weight, bias, stride, padding, output_padding,
-                                std::move(groups), dilation, packed_input,
-                                std::string_view(strategy.data(), strategy.size()));
-  });
+  m.impl("conv", &wide::conv_impl);
+  m.impl("conv_transpose", &wide::conv_transpose_impl);
 }

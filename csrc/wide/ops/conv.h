@@ -1,4 +1,6 @@
 // wide::conv and wide::conv_transpose: N independent Conv{1,2,3}d / ConvTranspose{1,2,3}d layers.
+// Public C++ API: each function calls its op through the dispatcher, as torch.ops.wide.conv does;
+// the implementation is internal to conv.cpp (schemas in registration.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>

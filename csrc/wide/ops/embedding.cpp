@@ -1,5 +1,6 @@
 #include "wide/ops/embedding.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/embedding.h>
@@ -56,10 +57,8 @@ at::Tensor offset_indices(const at::Tensor& indices, const c10::SymInt& n, const
   return at::where(valid, indices.add(base), c10::Scalar(n * v));
 }
 
-} // namespace
-
-at::Tensor embedding(const at::Tensor& weight, const at::Tensor& indices, c10::SymInt padding_idx,
-                     bool scale_grad_by_freq, bool sparse) {
+at::Tensor embedding_impl(const at::Tensor& weight, const at::Tensor& indices,
+                          c10::SymInt padding_idx, bool scale_grad_by_freq, bool sparse) {
   check_table("embedding", weight, indices);
   TORCH_CHECK(!sparse, "wide::embedding: sparse=True gradients are not supported; use sparse=False");
   const c10::SymInt n = weight.sym_size(0), v = weight.sym_size(1), dim = weight.sym_size(2);
@@ -74,8 +73,8 @@ at::Tensor embedding(const at::Tensor& weight, const at::Tensor& indices, c10::S
   return out;
 }
 
-at::Tensor& embedding_renorm_(at::Tensor& weight, const at::Tensor& indices, double max_norm,
-                              double norm_type) {
+at::Tensor& embedding_renorm_impl(at::Tensor& weight, const at::Tensor& indices,
+                                  double max_norm, double norm_type) {
   check_table("embedding_renorm_", weight, indices);
   const c10::SymInt n = weight.sym_size(0), v = weight.sym_size(1), dim = weight.sym_size(2);
   if (weight.is_contiguous()) {
@@ -91,11 +90,11 @@ at::Tensor& embedding_renorm_(at::Tensor& weight, const at::Tensor& indices, dou
   return weight;
 }
 
-at::Tensor embedding_bag(const at::Tensor& weight, const at::Tensor& indices,
-                         const std::optional<at::Tensor>& offsets, bool scale_grad_by_freq,
-                         int64_t mode, bool sparse,
-                         const std::optional<at::Tensor>& per_sample_weights,
-                         bool include_last_offset, int64_t padding_idx) {
+at::Tensor embedding_bag_impl(const at::Tensor& weight, const at::Tensor& indices,
+                              const std::optional<at::Tensor>& offsets, bool scale_grad_by_freq,
+                              int64_t mode, bool sparse,
+                              const std::optional<at::Tensor>& per_sample_weights,
+                              bool include_last_offset, int64_t padding_idx) {
   check_table("embedding_bag", weight, indices);
   TORCH_CHECK(!sparse, "wide::embedding_bag: sparse=True gradients are not supported");
   TORCH_CHECK(mode >= 0 && mode <= 2, "wide::embedding_bag: expected mode 0 (sum), 1 (mean) or 2 "
@@ -158,10 +157,40 @@ at::Tensor embedding_bag(const at::Tensor& weight, const at::Tensor& indices,
   return std::get<0>(result).view_symint({n, bags / n, dim});
 }
 
+} // namespace
+
+at::Tensor embedding(const at::Tensor& weight, const at::Tensor& indices, c10::SymInt padding_idx,
+                     bool scale_grad_by_freq, bool sparse) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::embedding", "")
+                       .typed<decltype(embedding)>();
+  return op.call(weight, indices, std::move(padding_idx), scale_grad_by_freq, sparse);
+}
+
+at::Tensor& embedding_renorm_(at::Tensor& weight, const at::Tensor& indices, double max_norm,
+                              double norm_type) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::embedding_renorm_", "")
+                       .typed<decltype(embedding_renorm_)>();
+  return op.call(weight, indices, max_norm, norm_type);
+}
+
+at::Tensor embedding_bag(const at::Tensor& weight, const at::Tensor& indices,
+                         const std::optional<at::Tensor>& offsets, bool scale_grad_by_freq,
+                         int64_t mode, bool sparse,
+                         const std::optional<at::Tensor>& per_sample_weights,
+                         bool include_last_offset, int64_t padding_idx) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::embedding_bag", "")
+                       .typed<decltype(embedding_bag)>();
+  return op.call(weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights,
+                 include_last_offset, padding_idx);
+}
+
 } // namespace wide
 
 TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
-  m.impl("embedding", &wide::embedding);
-  m.impl("embedding_renorm_", &wide::embedding_renorm_);
-  m.impl("embedding_bag", &wide::embedding_bag);
+  m.impl("embedding", &wide::embedding_impl);
+  m.impl("embedding_renorm_", &wide::embedding_renorm_impl);
+  m.impl("embedding_bag", &wide::embedding_bag_impl);
 }

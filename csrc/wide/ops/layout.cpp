@@ -1,5 +1,6 @@
 #include "wide/ops/layout.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/movedim.h>
 #include <torch/library.h>
 
@@ -28,6 +29,7 @@
 // enters a packed op. The layout plan counts those boundaries for WideModel.summary().
 
 namespace wide {
+namespace detail {
 
 at::Tensor to_packed(const at::Tensor& input) {
   TORCH_CHECK(input.dim() >= 3, "wide::to_packed: expected an N-first tensor [N, B, C, *] with at "
@@ -40,7 +42,20 @@ at::Tensor to_packed(const at::Tensor& input) {
   return input.movedim(0, 1).reshape_symint(sizes);
 }
 
-at::Tensor to_nfirst(const at::Tensor& input, const c10::SymInt& n) {
+at::Tensor packed_activation(const at::Tensor& input, bool packed_input, int64_t member_rank,
+                             std::string_view op) {
+  const int64_t want = packed_input ? member_rank : member_rank + 1;
+  TORCH_CHECK(input.dim() == want, "wide::", std::string(op), ": expected ",
+              packed_input ? "a channel-packed input [B, N*C, *] with " : "an N-first input [N, B, C, *] with ",
+              want, " dims, got ", input.sym_sizes());
+  return packed_input ? input : to_packed(input);
+}
+
+} // namespace detail
+
+namespace {
+
+at::Tensor to_nfirst_impl(const at::Tensor& input, c10::SymInt n) {
   TORCH_CHECK(input.dim() >= 2, "wide::to_nfirst: expected a channel-packed tensor [B, N*C, *] "
               "with at least 2 dims, got ", input.sym_sizes());
   TORCH_CHECK(n >= 1, "wide::to_nfirst: expected n >= 1 members, got ", n);
@@ -55,18 +70,25 @@ at::Tensor to_nfirst(const at::Tensor& input, const c10::SymInt& n) {
   return input.view_symint(sizes).movedim(1, 0);
 }
 
-at::Tensor packed_activation(const at::Tensor& input, bool packed_input, int64_t member_rank,
-                             std::string_view op) {
-  const int64_t want = packed_input ? member_rank : member_rank + 1;
-  TORCH_CHECK(input.dim() == want, "wide::", std::string(op), ": expected ",
-              packed_input ? "a channel-packed input [B, N*C, *] with " : "an N-first input [N, B, C, *] with ",
-              want, " dims, got ", input.sym_sizes());
-  return packed_input ? input : to_packed(input);
+} // namespace
+
+at::Tensor to_packed(const at::Tensor& input) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::to_packed", "")
+                       .typed<decltype(to_packed)>();
+  return op.call(input);
+}
+
+at::Tensor to_nfirst(const at::Tensor& input, c10::SymInt n) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::to_nfirst", "")
+                       .typed<decltype(to_nfirst)>();
+  return op.call(input, std::move(n));
 }
 
 } // namespace wide
 
 TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
-  m.impl("to_nfirst", [](const at::Tensor& input, c10::SymInt n) { return wide::to_nfirst(input, n); });
-  m.impl("to_packed", [](const at::Tensor& input) { return wide::to_packed(input); });
+  m.impl("to_packed", &wide::detail::to_packed);
+  m.impl("to_nfirst", &wide::to_nfirst_impl);
 }

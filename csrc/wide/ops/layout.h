@@ -1,4 +1,6 @@
 // wide layouts: N-first [N, B, C, *] and channel-packed [B, N*C, *] (DESIGN §3).
+// Public C++ API: each function calls its op through the dispatcher, as torch.ops.wide.to_packed
+// does; the implementation is internal to layout.cpp (schemas in registration.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,11 +16,20 @@ at::Tensor to_packed(const at::Tensor& input);
 
 /// Channel-packed [B, N*C, *] -> N-first [N, B, C, *]; always a view (no copy).
 /// See Note [wide layouts].
-at::Tensor to_nfirst(const at::Tensor& input, const c10::SymInt& n);
+at::Tensor to_nfirst(const at::Tensor& input, c10::SymInt n);
+
+namespace detail {
+
+// Internal helpers of the packed-family op implementations (called directly, not through the
+// dispatcher, from inside their composite kernels).
+
+/// The implementation of wide::to_packed.
+at::Tensor to_packed(const at::Tensor& input);
 
 /// The packed form of an op's activation: `input` itself when `packed_input`, else to_packed();
 /// checks that each member's value has `member_rank` dims ([B, C, *]).
 at::Tensor packed_activation(const at::Tensor& input, bool packed_input, int64_t member_rank,
                              std::string_view op);
 
+} // namespace detail
 } // namespace wide

@@ -1,5 +1,6 @@
 #include "wide/ops/linear.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/baddbmm.h>
 #include <ATen/ops/bmm.h>
@@ -69,10 +70,8 @@ void check_linear_args(const at::Tensor& input, const at::Tensor& weight,
   }
 }
 
-} // namespace
-
-at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias, std::string_view strategy) {
+at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, std::string_view strategy) {
   const LinearStrategy kind = parse_linear_strategy(strategy);
   check_linear_args(input, weight, bias);
   const c10::SymInt n = weight.sym_size(0);
@@ -126,11 +125,18 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
   return y.view_symint(out_sizes);
 }
 
+} // namespace
+
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias, std::string_view strategy) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::linear", "")
+                       .typed<decltype(linear)>();
+  return op.call(input, weight, bias, strategy);
+}
+
 } // namespace wide
 
 TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
-  m.impl("linear", [](const at::Tensor& input, const at::Tensor& weight,
-                      const std::optional<at::Tensor>& bias, c10::string_view strategy) {
-    return wide::linear(input, weight, bias, std::string_view(strategy.data(), strategy.size()));
-  });
+  m.impl("linear", &wide::linear_impl);
 }

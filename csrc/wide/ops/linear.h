@@ -1,4 +1,6 @@
 // wide::linear: N independent nn.Linear layers evaluated as one operator.
+// Public C++ API: each function calls its op through the dispatcher, as torch.ops.wide.linear does;
+// the implementation is internal to linear.cpp (schemas in registration.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,10 +19,8 @@ LinearStrategy parse_linear_strategy(std::string_view name);
 
 /// out[n] = input[n] @ weight[n].T + bias[n]; input [N, B, *, I] (or [N, I]), weight [N, O, I],
 /// bias [N, O] or none; out [N, B, *, O]. A stride-0 (expanded) dim 0 takes the shared-input path.
-at::Tensor linear(
-    const at::Tensor& input,
-    const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias,
-    std::string_view strategy = "auto");
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias = std::nullopt,
+                  std::string_view strategy = "auto");
 
 } // namespace wide

@@ -2,6 +2,7 @@
 
 #include "wide/ops/layout.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/batch_norm.h>
 #include <ATen/ops/group_norm.h>
 #include <ATen/ops/instance_norm.h>
@@ -32,7 +33,6 @@
 // fused kernel; see the benchmark before writing one.
 
 namespace wide {
-
 namespace {
 
 // A [N, C] tensor as [N*C] sharing memory (for in-place updates), or none.
@@ -84,57 +84,63 @@ at::Tensor with_running_stats(const std::optional<at::Tensor>& rm, const std::op
   return out;
 }
 
-} // namespace
-
-at::Tensor batch_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                      const std::optional<at::Tensor>& bias,
-                      const std::optional<at::Tensor>& running_mean,
-                      const std::optional<at::Tensor>& running_var, bool training,
-                      double momentum, double eps, bool packed_input) {
-  TORCH_CHECK(input.dim() >= (packed_input ? 2 : 3) && input.dim() <= (packed_input ? 5 : 6),
-              "wide::batch_norm: expected ", packed_input ? "a packed input [B, N*C, *]" : "an N-first input [N, B, C, *]",
-              " with 0 to 3 spatial dims, got ", input.sym_sizes());
+// The body of batch_norm and instance_norm: checks, the packed input and [N*C] views of the
+// running stats around `norm(x, weight, bias, running_mean, running_var)`, the ATen norm.
+// `use_batch_stats` is training / use_input_stats; without it running stats are required
+// (`without_batch_stats` says when, for the message).
+template <typename Norm>
+at::Tensor stat_norm(const char* op, int64_t min_spatial, const char* without_batch_stats,
+                     const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                     const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& running_mean,
+                     const std::optional<at::Tensor>& running_var, bool use_batch_stats,
+                     bool packed_input, Norm&& norm) {
+  const int64_t lead = packed_input ? 2 : 3;
+  TORCH_CHECK(input.dim() >= lead + min_spatial && input.dim() <= lead + 3, "wide::", op,
+              ": expected ", packed_input ? "a packed input [B, N*C, *]" : "an N-first input [N, B, C, *]",
+              " with ", min_spatial, " to 3 spatial dims, got ", input.sym_sizes());
   for (auto [what, t] : {std::pair{"weight", &weight}, {"bias", &bias}, {"running_mean", &running_mean},
                          {"running_var", &running_var}}) {
-    check_param("batch_norm", what, *t, input);
+    check_param(op, what, *t, input);
   }
-  TORCH_CHECK(running_mean.has_value() == running_var.has_value(), "wide::batch_norm: expected "
+  TORCH_CHECK(running_mean.has_value() == running_var.has_value(), "wide::", op, ": expected "
               "both running_mean and running_var or neither");
-  TORCH_CHECK(training || running_mean.has_value(), "wide::batch_norm: expected running stats in "
-              "eval mode (training=False), got none");
-  const at::Tensor x = packed_input ? input : to_packed(input);
-  check_channels("batch_norm", x, {&weight, &bias, &running_mean, &running_var}, input, packed_input);
+  TORCH_CHECK(use_batch_stats || running_mean.has_value(), "wide::", op, ": expected running "
+              "stats ", without_batch_stats, ", got none");
+  const at::Tensor x = packed_input ? input : detail::to_packed(input);
+  check_channels(op, x, {&weight, &bias, &running_mean, &running_var}, input, packed_input);
   return with_running_stats(running_mean, running_var, [&](auto& m, auto& v) {
-    return at::batch_norm(x, flat(weight), flat(bias), m, v, training, momentum, eps, false);
+    return norm(x, flat(weight), flat(bias), m, v);
   });
 }
 
-at::Tensor instance_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight,
-                         const std::optional<at::Tensor>& bias,
-                         const std::optional<at::Tensor>& running_mean,
-                         const std::optional<at::Tensor>& running_var, bool use_input_stats,
-                         double momentum, double eps, bool packed_input) {
-  TORCH_CHECK(input.dim() >= (packed_input ? 3 : 4) && input.dim() <= (packed_input ? 5 : 6),
-              "wide::instance_norm: expected ", packed_input ? "a packed input [B, N*C, *]" : "an N-first input [N, B, C, *]",
-              " with 1 to 3 spatial dims, got ", input.sym_sizes());
-  for (auto [what, t] : {std::pair{"weight", &weight}, {"bias", &bias}, {"running_mean", &running_mean},
-                         {"running_var", &running_var}}) {
-    check_param("instance_norm", what, *t, input);
-  }
-  TORCH_CHECK(running_mean.has_value() == running_var.has_value(), "wide::instance_norm: expected "
-              "both running_mean and running_var or neither");
-  TORCH_CHECK(use_input_stats || running_mean.has_value(), "wide::instance_norm: expected running "
-              "stats when use_input_stats=False, got none");
-  const at::Tensor x = packed_input ? input : to_packed(input);
-  check_channels("instance_norm", x, {&weight, &bias, &running_mean, &running_var}, input, packed_input);
-  return with_running_stats(running_mean, running_var, [&](auto& m, auto& v) {
-    return at::instance_norm(x, flat(weight), flat(bias), m, v, use_input_stats, momentum, eps, false);
-  });
+at::Tensor batch_norm_impl(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                           const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& running_mean,
+                           const std::optional<at::Tensor>& running_var, bool training,
+                           double momentum, double eps, bool packed_input) {
+  return stat_norm("batch_norm", 0, "in eval mode (training=False)", input, weight, bias,
+                   running_mean, running_var, training, packed_input,
+                   [&](const at::Tensor& x, const auto& w, const auto& b, auto& m, auto& v) {
+                     return at::batch_norm(x, w, b, m, v, training, momentum, eps, false);
+                   });
 }
 
-at::Tensor group_norm(const at::Tensor& input, int64_t n, int64_t num_groups,
-                      const std::optional<at::Tensor>& weight,
-                      const std::optional<at::Tensor>& bias, double eps, bool packed_input) {
+at::Tensor instance_norm_impl(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                              const std::optional<at::Tensor>& bias,
+                              const std::optional<at::Tensor>& running_mean,
+                              const std::optional<at::Tensor>& running_var, bool use_input_stats,
+                              double momentum, double eps, bool packed_input) {
+  return stat_norm("instance_norm", 1, "when use_input_stats=False", input, weight, bias,
+                   running_mean, running_var, use_input_stats, packed_input,
+                   [&](const at::Tensor& x, const auto& w, const auto& b, auto& m, auto& v) {
+                     return at::instance_norm(x, w, b, m, v, use_input_stats, momentum, eps, false);
+                   });
+}
+
+at::Tensor group_norm_impl(const at::Tensor& input, int64_t n, int64_t num_groups,
+                           const std::optional<at::Tensor>& weight,
+                           const std::optional<at::Tensor>& bias, double eps, bool packed_input) {
   TORCH_CHECK(n >= 1 && num_groups >= 1, "wide::group_norm: expected n >= 1 and num_groups >= 1, "
               "got n=", n, ", num_groups=", num_groups);
   TORCH_CHECK(input.dim() >= (packed_input ? 2 : 3), "wide::group_norm: expected ",
@@ -146,14 +152,12 @@ at::Tensor group_norm(const at::Tensor& input, int64_t n, int64_t num_groups,
     TORCH_CHECK(input.sym_size(0) == n, "wide::group_norm: input has ", input.sym_size(0),
                 " members (dim 0), expected n=", n);
   }
-  const at::Tensor x = packed_input ? input : to_packed(input);
+  const at::Tensor x = packed_input ? input : detail::to_packed(input);
   TORCH_CHECK(x.sym_size(1) % (n * num_groups) == 0, "wide::group_norm: expected the ",
               x.sym_size(1) / n, " channels per member to be divisible by num_groups=", num_groups);
   check_channels("group_norm", x, {&weight, &bias}, input, packed_input);
   return at::group_norm(x, n * num_groups, flat(weight), flat(bias), eps, false);
 }
-
-namespace {
 
 // [N, *ns] -> [N, 1, ..., 1, *ns] broadcasting against an N-first [N, *lead, *ns] input.
 at::Tensor broadcastable(const at::Tensor& p, const at::Tensor& input, int64_t k) {
@@ -181,11 +185,10 @@ void check_trailing(const char* op, const at::Tensor& input, c10::SymIntArrayRef
               input.sym_sizes());
 }
 
-} // namespace
-
-at::Tensor layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
-                      const std::optional<at::Tensor>& weight,
-                      const std::optional<at::Tensor>& bias, double eps, std::string_view strategy) {
+at::Tensor layer_norm_impl(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                           const std::optional<at::Tensor>& weight,
+                           const std::optional<at::Tensor>& bias, double eps,
+                           std::string_view strategy) {
   TORCH_CHECK(strategy == "auto" || strategy == "fused" || strategy == "loop", "wide::layer_norm: "
               "expected strategy 'auto', 'fused' or 'loop', got '", std::string(strategy), "'");
   check_trailing("layer_norm", input, normalized_shape);
@@ -216,8 +219,8 @@ at::Tensor layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_sh
   return y;
 }
 
-at::Tensor rms_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
-                    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+at::Tensor rms_norm_impl(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                         const std::optional<at::Tensor>& weight, std::optional<double> eps) {
   check_trailing("rms_norm", input, normalized_shape);
   check_affine("rms_norm", "weight", weight, input, normalized_shape);
   const int64_t k = static_cast<int64_t>(normalized_shape.size());
@@ -226,17 +229,64 @@ at::Tensor rms_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shap
   return y;
 }
 
+} // namespace
+
+at::Tensor batch_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias,
+                      const std::optional<at::Tensor>& running_mean,
+                      const std::optional<at::Tensor>& running_var, bool training,
+                      double momentum, double eps, bool packed_input) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::batch_norm", "")
+                       .typed<decltype(batch_norm)>();
+  return op.call(input, weight, bias, running_mean, running_var, training, momentum, eps,
+                 packed_input);
+}
+
+at::Tensor instance_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                         const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& running_mean,
+                         const std::optional<at::Tensor>& running_var, bool use_input_stats,
+                         double momentum, double eps, bool packed_input) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::instance_norm", "")
+                       .typed<decltype(instance_norm)>();
+  return op.call(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps,
+                 packed_input);
+}
+
+at::Tensor group_norm(const at::Tensor& input, int64_t n, int64_t num_groups,
+                      const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, double eps, bool packed_input) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::group_norm", "")
+                       .typed<decltype(group_norm)>();
+  return op.call(input, n, num_groups, weight, bias, eps, packed_input);
+}
+
+at::Tensor layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                      const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, double eps, std::string_view strategy) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::layer_norm", "")
+                       .typed<decltype(layer_norm)>();
+  return op.call(input, normalized_shape, weight, bias, eps, strategy);
+}
+
+at::Tensor rms_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                    const std::optional<at::Tensor>& weight, std::optional<double> eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::rms_norm", "")
+                       .typed<decltype(rms_norm)>();
+  return op.call(input, normalized_shape, weight, eps);
+}
+
 } // namespace wide
 
 TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
-  m.impl("batch_norm", &wide::batch_norm);
-  m.impl("instance_norm", &wide::instance_norm);
-  m.impl("group_norm", &wide::group_norm);
-  m.impl("layer_norm", [](const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
-                          const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                          double eps, c10::string_view strategy) {
-    return wide::layer_norm(input, normalized_shape, weight, bias, eps,
-                            std::string_view(strategy.data(), strategy.size()));
-  });
-  m.impl("rms_norm", &wide::rms_norm);
+  m.impl("batch_norm", &wide::batch_norm_impl);
+  m.impl("instance_norm", &wide::instance_norm_impl);
+  m.impl("group_norm", &wide::group_norm_impl);
+  m.impl("layer_norm", &wide::layer_norm_impl);
+  m.impl("rms_norm", &wide::rms_norm_impl);
 }

@@ -1,4 +1,6 @@
 // wide normalisations: N independent BatchNorm / InstanceNorm / GroupNorm / LayerNorm / RMSNorm.
+// Public C++ API: each function calls its op through the dispatcher, as torch.ops.wide.batch_norm
+// does; the implementation is internal to norm.cpp (schemas in registration.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -26,16 +28,19 @@ at::Tensor instance_norm(const at::Tensor& input, const std::optional<at::Tensor
 
 /// N GroupNorm(num_groups, C): weight/bias [N, C]; `n` members; layouts as batch_norm.
 at::Tensor group_norm(const at::Tensor& input, int64_t n, int64_t num_groups,
-                      const std::optional<at::Tensor>& weight,
-                      const std::optional<at::Tensor>& bias, double eps, bool packed_input = false);
+                      const std::optional<at::Tensor>& weight = std::nullopt,
+                      const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5,
+                      bool packed_input = false);
 
 /// N LayerNorm(normalized_shape): weight/bias [N, *normalized_shape]; input and output N-first.
 at::Tensor layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
-                      const std::optional<at::Tensor>& weight,
-                      const std::optional<at::Tensor>& bias, double eps, std::string_view strategy = "auto");
+                      const std::optional<at::Tensor>& weight = std::nullopt,
+                      const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5,
+                      std::string_view strategy = "auto");
 
 /// N RMSNorm(normalized_shape): weight [N, *normalized_shape]; input and output N-first.
 at::Tensor rms_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
-                    const std::optional<at::Tensor>& weight, std::optional<double> eps);
+                    const std::optional<at::Tensor>& weight = std::nullopt,
+                    std::optional<double> eps = std::nullopt);
 
 } // namespace wide

@@ -2,6 +2,7 @@
 
 #include "wide/ops/layout.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/prelu.h>
 #include <torch/library.h>
 
@@ -11,8 +12,9 @@
 // gradient sums back to the one slope). Upstream's bug was sharing member 0's slope: never here.
 
 namespace wide {
+namespace {
 
-at::Tensor prelu(const at::Tensor& input, const at::Tensor& weight, bool packed_input) {
+at::Tensor prelu_impl(const at::Tensor& input, const at::Tensor& weight, bool packed_input) {
   TORCH_CHECK(weight.dim() == 2, "wide::prelu: expected weight [N, 1] or [N, C], got ",
               weight.sym_sizes());
   TORCH_CHECK(input.dim() >= (packed_input ? 2 : 3), "wide::prelu: expected ",
@@ -23,7 +25,7 @@ at::Tensor prelu(const at::Tensor& input, const at::Tensor& weight, bool packed_
     TORCH_CHECK(input.sym_size(0) == n, "wide::prelu: input has ", input.sym_size(0),
                 " members (dim 0) but weight has ", n);
   }
-  const at::Tensor x = packed_input ? input : to_packed(input);
+  const at::Tensor x = packed_input ? input : detail::to_packed(input);
   TORCH_CHECK(x.sym_size(1) % n == 0, "wide::prelu: packed input has ", x.sym_size(1),
               " channels, not a multiple of N=", n);
   const c10::SymInt c = x.sym_size(1) / n;
@@ -33,8 +35,17 @@ at::Tensor prelu(const at::Tensor& input, const at::Tensor& weight, bool packed_
   return at::prelu(x, w);
 }
 
+} // namespace
+
+at::Tensor prelu(const at::Tensor& input, const at::Tensor& weight, bool packed_input) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::prelu", "")
+                       .typed<decltype(prelu)>();
+  return op.call(input, weight, packed_input);
+}
+
 } // namespace wide
 
 TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
-  m.impl("prelu", &wide::prelu);
+  m.impl("prelu", &wide::prelu_impl);
 }

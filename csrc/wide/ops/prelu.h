@@ -1,4 +1,6 @@
 // wide::prelu: N independent nn.PReLU layers (1 or C parameters per member).
+// Public C++ API: each function calls its op through the dispatcher, as torch.ops.wide.prelu does;
+// the implementation is internal to prelu.cpp (schemas in registration.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,6 +1,6 @@
-// wide::sgd_step: checks, per-member coefficients, the CPU kernel entry, the ATen composite and
-// the meta kernel. The schema is in registration.cpp; the kernel body in cpu/kernels_impl.h.
-#include <ATen/Dispatch.h>
+// wide::sgd_step: what is specific to SGD (arguments, per-member coefficients, the ATen
+// composite); the shared skeleton is in common.h, the kernel body in cpu/kernels_impl.h and the
+// schema in registration.cpp.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -12,108 +12,54 @@
 namespace wide {
 namespace {
 
-constexpr const char* kOp = "sgd_step";
+struct Sgd : optim::detail::Optimizer<optim::cpu::SgdCoef, optim::cpu::SgdFlags, 1, 4> {
+  static constexpr const char* kOp = "sgd_step";
+  static constexpr StepCounter kStep = StepCounter::None;
+  static constexpr States kState{{{"momentum_buffer", true}}};
+  static constexpr HParamNames kHParams{"lr", "weight_decay", "momentum", "dampening"};
 
-void check_sgd(const at::Tensor& param, const at::Tensor& grad,
-               const std::optional<at::Tensor>& buf, const at::Tensor& lr,
-               const at::Tensor& weight_decay, const at::Tensor& momentum,
-               const at::Tensor& dampening) {
-  optim::detail::check_param(param, kOp);
-  optim::detail::check_like(param, grad, kOp, "grad");
-  if (buf.has_value()) optim::detail::check_like(param, *buf, kOp, "momentum_buffer");
-  const c10::SymInt n = param.sym_size(0);
-  optim::detail::check_hparam(lr, n, kOp, "lr");
-  optim::detail::check_hparam(weight_decay, n, kOp, "weight_decay");
-  optim::detail::check_hparam(momentum, n, kOp, "momentum");
-  optim::detail::check_hparam(dampening, n, kOp, "dampening");
-}
-
-std::vector<optim::cpu::SgdCoef> sgd_coefficients(int64_t n, const at::Tensor& lr,
-                                                  const at::Tensor& weight_decay,
-                                                  const at::Tensor& momentum,
-                                                  const at::Tensor& dampening, bool nesterov) {
-  const auto lr_v = optim::detail::member_values(lr, n);
-  const auto wd_v = optim::detail::member_values(weight_decay, n);
-  const auto mom_v = optim::detail::member_values(momentum, n);
-  const auto damp_v = optim::detail::member_values(dampening, n);
-  std::vector<optim::cpu::SgdCoef> coef(n);
-  for (int64_t k = 0; k < n; ++k) {
-    TORCH_CHECK(!nesterov || (mom_v[k] > 0 && damp_v[k] == 0), "wide::sgd_step: nesterov "
-                "momentum requires momentum > 0 and dampening == 0, got momentum ", mom_v[k],
-                " and dampening ", damp_v[k], " for member ", k);
-    coef[k] = {-lr_v[k], wd_v[k], mom_v[k], 1 - damp_v[k]};
-  }
-  return coef;
-}
-
-void sgd_step_cpu(const at::Tensor& param, const at::Tensor& grad,
-                  const std::optional<at::Tensor>& buf, const at::Tensor& lr,
-                  const at::Tensor& weight_decay, const at::Tensor& momentum,
-                  const at::Tensor& dampening, bool nesterov, bool maximize, bool init_buffer) {
-  if (!optim::detail::kernel_dtype(param)) {
-    optim::sgd_step_composite(param, grad, buf, lr, weight_decay, momentum, dampening, nesterov,
-                              maximize, init_buffer);
-    return;
-  }
-  check_sgd(param, grad, buf, lr, weight_decay, momentum, dampening);
-  const int64_t n = param.size(0);
-  const auto coef = sgd_coefficients(n, lr, weight_decay, momentum, dampening, nesterov);
-  if (param.numel() == 0) return;
-  const at::Tensor p = optim::detail::contiguous(param);
-  const at::Tensor g = optim::detail::contiguous(grad);
-  const at::Tensor b = buf.has_value() ? optim::detail::contiguous(*buf) : at::Tensor();
-  const optim::cpu::SgdFlags flags{nesterov, maximize, init_buffer};
-  AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "wide::sgd_step", [&] {
-    WIDE_OPTIM_ISA_CALL(sgd, p.mutable_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(),
-                        b.defined() ? b.mutable_data_ptr<scalar_t>() : nullptr, n,
-                        param.numel() / n, coef.data(), flags);
-  });
-  optim::detail::copy_back(param, p);
-  if (buf.has_value()) optim::detail::copy_back(*buf, b);
-}
-
-void sgd_step_meta(const at::Tensor& param, const at::Tensor& grad,
-                   const std::optional<at::Tensor>& buf, const at::Tensor& lr,
+  static Args bind(const at::Tensor& param, const at::Tensor& grad,
+                   const std::optional<at::Tensor>& momentum_buffer, const at::Tensor& lr,
                    const at::Tensor& weight_decay, const at::Tensor& momentum,
-                   const at::Tensor& dampening, bool, bool, bool) {
-  check_sgd(param, grad, buf, lr, weight_decay, momentum, dampening);
-}
+                   const at::Tensor& dampening, bool nesterov, bool maximize, bool init_buffer) {
+    return {param, grad, {momentum_buffer.value_or(at::Tensor())}, at::Tensor(),
+            {lr, weight_decay, momentum, dampening}, {nesterov, maximize, init_buffer}};
+  }
+
+  static Coef coefficient(const HParams& hp, double, const Flags& flags, int64_t k) {
+    const auto [lr, weight_decay, momentum, dampening] = hp;
+    TORCH_CHECK(!flags.nesterov || (momentum > 0 && dampening == 0), "wide::sgd_step: nesterov "
+                "momentum requires momentum > 0 and dampening == 0, got momentum ", momentum,
+                " and dampening ", dampening, " for member ", k);
+    return {-lr, weight_decay, momentum, 1 - dampening};
+  }
+
+  static void composite(const Args& a, const std::vector<Coef>& coef) {
+    const at::Tensor& param = a.param;
+    const at::Tensor& buf = a.state[0];
+    auto per_member = [&](auto f) { return optim::detail::member_tensor(coef, f, param); };
+    const auto has_momentum = [](const Coef& c) { return c.momentum != 0 ? 1.0 : 0.0; };
+    at::Tensor d = a.flags.maximize ? a.grad.neg() : a.grad;
+    if (optim::detail::any_member(coef, &Coef::weight_decay)) {
+      d = d.add(param.mul(per_member(&Coef::weight_decay)));
+    }
+    if (optim::detail::any_member(coef, has_momentum) && buf.defined()) {
+      const at::Tensor mom = per_member(&Coef::momentum);
+      const at::Tensor mask = per_member(has_momentum).ne(0);
+      const at::Tensor new_buf = a.flags.init_buffer
+                                     ? d.clone()
+                                     : buf.mul(mom).add(d.mul(per_member(&Coef::one_minus_dampening)));
+      buf.copy_(new_buf.where(mask, buf));
+      const at::Tensor upd = a.flags.nesterov ? d.add(new_buf.mul(mom)) : new_buf;
+      d = upd.where(mask, d);
+    }
+    param.add_(d.mul(per_member(&Coef::neg_lr)));
+  }
+};
+
+using Kernels = optim::detail::StepKernels<Sgd>;
 
 }  // namespace
-
-void optim::sgd_step_composite(const at::Tensor& param, const at::Tensor& grad,
-                               const std::optional<at::Tensor>& buf, const at::Tensor& lr,
-                               const at::Tensor& weight_decay, const at::Tensor& momentum,
-                               const at::Tensor& dampening, bool nesterov, bool maximize,
-                               bool init_buffer) {
-  check_sgd(param, grad, buf, lr, weight_decay, momentum, dampening);
-  const int64_t n = param.size(0);
-  const auto coef = sgd_coefficients(n, lr, weight_decay, momentum, dampening, nesterov);
-  std::vector<double> neg_lr(n), wd(n), mom(n), omd(n), has_mom(n);
-  bool any_wd = false, any_mom = false;
-  for (int64_t k = 0; k < n; ++k) {
-    neg_lr[k] = coef[k].neg_lr;
-    wd[k] = coef[k].weight_decay;
-    mom[k] = coef[k].momentum;
-    omd[k] = coef[k].one_minus_dampening;
-    has_mom[k] = coef[k].momentum != 0 ? 1 : 0;
-    any_wd |= wd[k] != 0;
-    any_mom |= has_mom[k] != 0;
-  }
-  using detail::member_tensor;
-  at::Tensor d = maximize ? grad.neg() : grad;
-  if (any_wd) d = d.add(param.mul(member_tensor(wd, param)));
-  if (any_mom && buf.has_value()) {
-    const at::Tensor mom_t = member_tensor(mom, param);
-    const at::Tensor mask = member_tensor(has_mom, param).ne(0);
-    const at::Tensor new_buf =
-        init_buffer ? d.clone() : buf->mul(mom_t).add(d.mul(member_tensor(omd, param)));
-    buf->copy_(new_buf.where(mask, *buf));
-    const at::Tensor upd = nesterov ? d.add(new_buf.mul(mom_t)) : new_buf;
-    d = upd.where(mask, d);
-  }
-  param.add_(d.mul(member_tensor(neg_lr, param)));
-}
 
 void sgd_step(const at::Tensor& param, const at::Tensor& grad,
               const std::optional<at::Tensor>& momentum_buffer, const at::Tensor& lr,
@@ -121,15 +67,24 @@ void sgd_step(const at::Tensor& param, const at::Tensor& grad,
               const at::Tensor& dampening, bool nesterov, bool maximize, bool init_buffer) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("wide::sgd_step", "")
-                       .typed<decltype(sgd_step_meta)>();
+                       .typed<decltype(sgd_step)>();
   op.call(param, grad, momentum_buffer, lr, weight_decay, momentum, dampening, nesterov, maximize,
           init_buffer);
 }
 
+void optim::sgd_step_composite(const at::Tensor& param, const at::Tensor& grad,
+                               const std::optional<at::Tensor>& momentum_buffer,
+                               const at::Tensor& lr, const at::Tensor& weight_decay,
+                               const at::Tensor& momentum, const at::Tensor& dampening,
+                               bool nesterov, bool maximize, bool init_buffer) {
+  Kernels::composite(param, grad, momentum_buffer, lr, weight_decay, momentum, dampening, nesterov,
+                     maximize, init_buffer);
+}
+
 }  // namespace wide
 
-TORCH_LIBRARY_IMPL(wide, CPU, m) { m.impl("sgd_step", &wide::sgd_step_cpu); }
-TORCH_LIBRARY_IMPL(wide, Meta, m) { m.impl("sgd_step", &wide::sgd_step_meta); }
+TORCH_LIBRARY_IMPL(wide, CPU, m) { m.impl("sgd_step", &wide::Kernels::cpu); }
+TORCH_LIBRARY_IMPL(wide, Meta, m) { m.impl("sgd_step", &wide::Kernels::meta); }
 TORCH_LIBRARY_IMPL(wide, CompositeExplicitAutograd, m) {
-  m.impl("sgd_step", &wide::optim::sgd_step_composite);
+  m.impl("sgd_step", &wide::Kernels::composite);
 }

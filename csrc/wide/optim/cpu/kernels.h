@@ -40,18 +40,19 @@ struct AdagradFlags {
   bool maximize;
 };
 
-// One set of kernels per instruction set. Every tensor is contiguous [n, m]: n members of m
-// elements each; coef has n entries (one per member).
-#define WIDE_OPTIM_DECLARE_KERNELS(ISA, T)                                                      \
-  namespace ISA {                                                                               \
-  void sgd(T* param, const T* grad, T* buf, int64_t n, int64_t m, const SgdCoef* coef,          \
-           SgdFlags flags);                                                                     \
-  void adam(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, T* max_exp_avg_sq, int64_t n,   \
-            int64_t m, const AdamCoef* coef, AdamFlags flags);                                  \
-  void rmsprop(T* param, const T* grad, T* square_avg, T* grad_avg, T* buf, int64_t n,          \
-               int64_t m, const RmspropCoef* coef, RmspropFlags flags);                         \
-  void adagrad(T* param, const T* grad, T* sum, int64_t n, int64_t m, const AdagradCoef* coef,  \
-               AdagradFlags flags);                                                             \
+// One set of kernels per instruction set: `step`, overloaded on the optimizer's coefficients.
+// Every tensor is contiguous [n, m]: n members of m elements each; `state` holds the optimizer's
+// state tensors in schema order (nullptr where absent or unused); coef has n entries (one per
+// member).
+#define WIDE_OPTIM_DECLARE_STEP(T, Opt)                                                            \
+  void step(T* param, const T* grad, T* const* state, int64_t n, int64_t m, const Opt##Coef* coef, \
+            Opt##Flags flags);
+#define WIDE_OPTIM_DECLARE_KERNELS(ISA, T) \
+  namespace ISA {                          \
+  WIDE_OPTIM_DECLARE_STEP(T, Sgd)          \
+  WIDE_OPTIM_DECLARE_STEP(T, Adam)         \
+  WIDE_OPTIM_DECLARE_STEP(T, Rmsprop)      \
+  WIDE_OPTIM_DECLARE_STEP(T, Adagrad)      \
   }
 
 WIDE_OPTIM_DECLARE_KERNELS(DEFAULT, float)
@@ -63,6 +64,7 @@ WIDE_OPTIM_DECLARE_KERNELS(AVX512, float)
 WIDE_OPTIM_DECLARE_KERNELS(AVX512, double)
 #endif
 #undef WIDE_OPTIM_DECLARE_KERNELS
+#undef WIDE_OPTIM_DECLARE_STEP
 
 /// Instruction set the kernels run with.
 enum class Isa { Default, Avx2, Avx512 };

@@ -39,6 +39,14 @@
 //    The DEFAULT build's fmadd is an unfused multiply-add, so it differs by a few ulps more.
 //  * The tail of each member block (< one vector) runs the same vector code on a partial load.
 
+// GCC 12 flags the _mm512_undefined_*() inside its own AVX-512 intrinsics (sqrt, max) as
+// maybe-uninitialized once they are inlined here: a false positive (GCC bug 105593).
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define WIDE_OPTIM_POP_DIAGNOSTIC
+#endif
+
 namespace wide::optim::cpu::CPU_CAPABILITY {
 namespace {
 
@@ -78,10 +86,26 @@ inline Vectorized<T> lerp(const Vectorized<T>& start, const Vectorized<T>& end, 
   return at::vec::fmadd(Vectorized<T>(weight - T(1)), end - start, end);
 }
 
-template <typename T>
-void sgd_impl(T* param, const T* grad, T* buf, int64_t n, int64_t m, const SgdCoef* coef,
-              SgdFlags flags) {
+// update(param, grad, j, count) on every vector of one member block, with the parameter and the
+// gradient (negated when maximize) loaded at element j. Each kernel runs it per member block
+// (for_each_member_block) after making that member's vector constants once.
+template <typename T, typename Update>
+inline void for_each_vector(const T* param, const T* grad, int64_t len, bool maximize,
+                            const Update& update) {
   using Vec = Vectorized<T>;
+  vector_loop<T>(len, [&](int64_t j, int64_t cnt) {
+    Vec g = Vec::loadu(grad + j, cnt);
+    if (maximize) g = g.neg();
+    update(Vec::loadu(param + j, cnt), g, j, cnt);
+  });
+}
+
+// state: momentum_buffer.
+template <typename T>
+void step_impl(T* param, const T* grad, T* const* state, int64_t n, int64_t m, const SgdCoef* coef,
+               SgdFlags flags) {
+  using Vec = Vectorized<T>;
+  T* const buf = state[0];
   for_each_member_block(n, m, [&](int64_t k, int64_t off, int64_t len) {
     const SgdCoef& c = coef[k];
     const bool decay = c.weight_decay != 0;
@@ -89,12 +113,8 @@ void sgd_impl(T* param, const T* grad, T* buf, int64_t n, int64_t m, const SgdCo
     const Vec wd(static_cast<T>(c.weight_decay)), mom(static_cast<T>(c.momentum)),
         one_minus_damp(static_cast<T>(c.one_minus_dampening)), neg_lr(static_cast<T>(c.neg_lr));
     T* p = param + off;
-    const T* g_ptr = grad + off;
     T* b_ptr = buf != nullptr ? buf + off : nullptr;
-    vector_loop<T>(len, [&](int64_t j, int64_t cnt) {
-      Vec g = Vec::loadu(g_ptr + j, cnt);
-      if (flags.maximize) g = g.neg();
-      Vec pv = Vec::loadu(p + j, cnt);
+    for_each_vector(p, grad + off, len, flags.maximize, [&](Vec pv, Vec g, int64_t j, int64_t cnt) {
       if (decay) g = at::vec::fmadd(pv, wd, g);                 // grad.add(param, alpha=wd)
       if (momentum) {
         Vec b = flags.init_buffer ? g                             // buf = grad.clone()
@@ -107,10 +127,12 @@ void sgd_impl(T* param, const T* grad, T* buf, int64_t n, int64_t m, const SgdCo
   });
 }
 
+// state: exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad).
 template <typename T>
-void adam_impl(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, T* max_exp_avg_sq, int64_t n,
-               int64_t m, const AdamCoef* coef, AdamFlags flags) {
+void step_impl(T* param, const T* grad, T* const* state, int64_t n, int64_t m, const AdamCoef* coef,
+               AdamFlags flags) {
   using Vec = Vectorized<T>;
+  T *const exp_avg = state[0], *const exp_avg_sq = state[1], *const max_exp_avg_sq = state[2];
   for_each_member_block(n, m, [&](int64_t k, int64_t off, int64_t len) {
     const AdamCoef& c = coef[k];
     const bool decay = c.weight_decay != 0;
@@ -120,14 +142,10 @@ void adam_impl(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, T* max_exp_av
         bc2_sqrt(static_cast<T>(c.bias_correction2_sqrt)), eps(static_cast<T>(c.eps)),
         neg_step(static_cast<T>(c.neg_step_size));
     T* p = param + off;
-    const T* g_ptr = grad + off;
     T* m_ptr = exp_avg + off;
     T* v_ptr = exp_avg_sq + off;
     T* vmax_ptr = flags.amsgrad ? max_exp_avg_sq + off : nullptr;
-    vector_loop<T>(len, [&](int64_t j, int64_t cnt) {
-      Vec g = Vec::loadu(g_ptr + j, cnt);
-      if (flags.maximize) g = g.neg();
-      Vec pv = Vec::loadu(p + j, cnt);
+    for_each_vector(p, grad + off, len, flags.maximize, [&](Vec pv, Vec g, int64_t j, int64_t cnt) {
       if (decay) {
         if (flags.decoupled) {
           pv = pv * decay_factor;                               // param.mul_(1 - lr * wd)
@@ -151,10 +169,12 @@ void adam_impl(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, T* max_exp_av
   });
 }
 
+// state: square_avg, grad_avg (centered), momentum_buffer.
 template <typename T>
-void rmsprop_impl(T* param, const T* grad, T* square_avg, T* grad_avg, T* buf, int64_t n, int64_t m,
-                  const RmspropCoef* coef, RmspropFlags flags) {
+void step_impl(T* param, const T* grad, T* const* state, int64_t n, int64_t m,
+               const RmspropCoef* coef, RmspropFlags flags) {
   using Vec = Vectorized<T>;
+  T *const square_avg = state[0], *const grad_avg = state[1], *const buf = state[2];
   for_each_member_block(n, m, [&](int64_t k, int64_t off, int64_t len) {
     const RmspropCoef& c = coef[k];
     const bool decay = c.weight_decay != 0;
@@ -164,14 +184,10 @@ void rmsprop_impl(T* param, const T* grad, T* square_avg, T* grad_avg, T* buf, i
         one_minus_alpha(one_minus_alpha_s), eps(static_cast<T>(c.eps)),
         mom(static_cast<T>(c.momentum)), neg_lr(static_cast<T>(c.neg_lr)), one(T(1)), minus_one(T(-1));
     T* p = param + off;
-    const T* g_ptr = grad + off;
     T* sq_ptr = square_avg + off;
     T* ga_ptr = flags.centered ? grad_avg + off : nullptr;
     T* b_ptr = momentum ? buf + off : nullptr;
-    vector_loop<T>(len, [&](int64_t j, int64_t cnt) {
-      Vec g = Vec::loadu(g_ptr + j, cnt);
-      if (flags.maximize) g = g.neg();
-      Vec pv = Vec::loadu(p + j, cnt);
+    for_each_vector(p, grad + off, len, flags.maximize, [&](Vec pv, Vec g, int64_t j, int64_t cnt) {
       if (decay) g = at::vec::fmadd(pv, wd, g);                 // grad.add(param, alpha=wd)
       Vec sq = Vec::loadu(sq_ptr + j, cnt) * alpha;             // square_avg.mul_(alpha)
       sq = at::vec::fmadd(one_minus_alpha * g, g, sq);          //   .addcmul_(grad, grad, 1 - alpha)
@@ -196,22 +212,20 @@ void rmsprop_impl(T* param, const T* grad, T* square_avg, T* grad_avg, T* buf, i
   });
 }
 
+// state: state_sum.
 template <typename T>
-void adagrad_impl(T* param, const T* grad, T* sum, int64_t n, int64_t m, const AdagradCoef* coef,
-                  AdagradFlags flags) {
+void step_impl(T* param, const T* grad, T* const* state, int64_t n, int64_t m,
+               const AdagradCoef* coef, AdagradFlags flags) {
   using Vec = Vectorized<T>;
+  T* const sum = state[0];
   for_each_member_block(n, m, [&](int64_t k, int64_t off, int64_t len) {
     const AdagradCoef& c = coef[k];
     const bool decay = c.weight_decay != 0;
     const Vec wd(static_cast<T>(c.weight_decay)), eps(static_cast<T>(c.eps)),
         neg_clr(static_cast<T>(c.neg_clr)), one(T(1));
     T* p = param + off;
-    const T* g_ptr = grad + off;
     T* s_ptr = sum + off;
-    vector_loop<T>(len, [&](int64_t j, int64_t cnt) {
-      Vec g = Vec::loadu(g_ptr + j, cnt);
-      if (flags.maximize) g = g.neg();
-      Vec pv = Vec::loadu(p + j, cnt);
+    for_each_vector(p, grad + off, len, flags.maximize, [&](Vec pv, Vec g, int64_t j, int64_t cnt) {
       if (decay) g = at::vec::fmadd(pv, wd, g);                 // grad.add(param, alpha=wd)
       const Vec s = at::vec::fmadd(one * g, g, Vec::loadu(s_ptr + j, cnt));  // state_sum.addcmul_(g, g, 1)
       s.store(s_ptr + j, cnt);
@@ -223,26 +237,25 @@ void adagrad_impl(T* param, const T* grad, T* sum, int64_t n, int64_t m, const A
 
 }  // namespace
 
-#define WIDE_OPTIM_DEFINE_KERNELS(T)                                                            \
-  void sgd(T* param, const T* grad, T* buf, int64_t n, int64_t m, const SgdCoef* coef,          \
-           SgdFlags flags) {                                                                    \
-    sgd_impl<T>(param, grad, buf, n, m, coef, flags);                                           \
-  }                                                                                             \
-  void adam(T* param, const T* grad, T* exp_avg, T* exp_avg_sq, T* max_exp_avg_sq, int64_t n,   \
-            int64_t m, const AdamCoef* coef, AdamFlags flags) {                                 \
-    adam_impl<T>(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, n, m, coef, flags);          \
-  }                                                                                             \
-  void rmsprop(T* param, const T* grad, T* square_avg, T* grad_avg, T* buf, int64_t n,          \
-               int64_t m, const RmspropCoef* coef, RmspropFlags flags) {                        \
-    rmsprop_impl<T>(param, grad, square_avg, grad_avg, buf, n, m, coef, flags);                 \
-  }                                                                                             \
-  void adagrad(T* param, const T* grad, T* sum, int64_t n, int64_t m, const AdagradCoef* coef,  \
-               AdagradFlags flags) {                                                            \
-    adagrad_impl<T>(param, grad, sum, n, m, coef, flags);                                       \
+#define WIDE_OPTIM_DEFINE_STEP(T, Opt)                                                            \
+  void step(T* param, const T* grad, T* const* state, int64_t n, int64_t m, const Opt##Coef* coef, \
+            Opt##Flags flags) {                                                                   \
+    step_impl<T>(param, grad, state, n, m, coef, flags);                                          \
   }
+#define WIDE_OPTIM_DEFINE_KERNELS(T) \
+  WIDE_OPTIM_DEFINE_STEP(T, Sgd)     \
+  WIDE_OPTIM_DEFINE_STEP(T, Adam)    \
+  WIDE_OPTIM_DEFINE_STEP(T, Rmsprop) \
+  WIDE_OPTIM_DEFINE_STEP(T, Adagrad)
 
 WIDE_OPTIM_DEFINE_KERNELS(float)
 WIDE_OPTIM_DEFINE_KERNELS(double)
 #undef WIDE_OPTIM_DEFINE_KERNELS
+#undef WIDE_OPTIM_DEFINE_STEP
 
 }  // namespace wide::optim::cpu::CPU_CAPABILITY
+
+#ifdef WIDE_OPTIM_POP_DIAGNOSTIC
+#pragma GCC diagnostic pop
+#undef WIDE_OPTIM_POP_DIAGNOSTIC
+#endif
