@@ -263,6 +263,9 @@ TEST(WideEmbedding, OutOfRangeIndicesRaise) {
   const at::Tensor w = at::randn({kN, kV, kD});
   expect_error([&] { wide::embedding(w, longs({kV, 0, 0}).view({kN, 1})); }, "out of range");
   expect_error([&] { wide::embedding(w, longs({0, -1, 0}).view({kN, 1})); }, "out of range");
+  // the message names the member and the user's own index, not the flat table's
+  expect_error([&] { wide::embedding(w, longs({0, kV + 2, 0}).view({kN, 1})); },
+               "index " + std::to_string(kV + 2) + " of member 1 is not in the valid range");
   expect_error([&] { wide::embedding_bag(w, longs({kV, 0, 0}).view({kN, 1, 1})); },
                "not in the valid range");
 }
@@ -277,6 +280,11 @@ TEST(WideEmbedding, BadOffsetsRaise) {
                "expected every member's offsets to start at 0");
   expect_error([&] { wide::embedding_bag(w, idx, longs({0, 1, 3}), false, 0, false, std::nullopt, true); },
                "last offset to equal the number of indices 4");
+  // one member's offsets past T (or decreasing) must not shift another member's bags
+  expect_error([&] { wide::embedding_bag(w, idx, longs({0, 2, 0, 9, 0, 1}).view({kN, 2})); },
+               "offsets of member 1 must be non-decreasing and at most the number of indices 4");
+  expect_error([&] { wide::embedding_bag(w, idx, longs({0, 3, 1, 0, 1, 2, 0, 1, 2}).view({kN, 3})); },
+               "offsets of member 0 must be non-decreasing");
 }
 
 // float32 sum/mean run ATen's fbgemm path, not the generic one the float64 grid exercises.

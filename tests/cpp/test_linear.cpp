@@ -72,6 +72,15 @@ TEST(WideLinear, EmptyBatch) {
   }
 }
 
+TEST(WideLinear, NoMembers) {
+  const at::Tensor x = at::randn({0, 5, 4});
+  const at::Tensor w = at::randn({0, 2, 4});
+  const at::Tensor b = at::randn({0, 2});
+  for (const char* s : {"auto", "bmm", "bmm_t", "loop"}) {
+    EXPECT_EQ(wide::linear(x, w, b, s).sizes(), (std::vector<int64_t>{0, 5, 2})) << s;
+  }
+}
+
 void expect_error(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
                   const std::string& strategy, const std::string& fragment) {
   wide_test::expect_error([&] { wide::linear(x, w, b, strategy); }, fragment);

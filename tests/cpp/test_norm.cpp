@@ -381,3 +381,21 @@ TEST(WideNorm, Errors) {
 }
 
 }  // namespace
+
+// PyTorch's run-time checks of a norm in training: one value to normalise raises (a member alone
+// raises it too) instead of returning 0 and setting the running variance to NaN.
+TEST(WideNormChecks, OneValuePerChannelInTrainingRaises) {
+  const at::Tensor x = at::randn({2, 1, 3});  // N=2 members, batch of 1, 3 channels
+  const at::Tensor mean = at::zeros({2, 3}), var = at::ones({2, 3});
+  wide_test::expect_error([&] { wide::batch_norm(x, std::nullopt, std::nullopt, mean, var, true, 0.1, 1e-5); },
+                          "expected more than 1 value per channel when training");
+  EXPECT_TRUE(at::equal(var, at::ones({2, 3})));  // nothing changed
+  // eval: fine (the result is packed [B, N*C])
+  EXPECT_EQ(wide::batch_norm(x, std::nullopt, std::nullopt, mean, var, false, 0.1, 1e-5).sizes(), (std::vector<int64_t>{1, 6}));
+  wide_test::expect_error(
+      [&] { wide::instance_norm(at::randn({2, 4, 3, 1}), std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+                                true, 0.1, 1e-5); },
+      "expected more than 1 spatial element when training");
+  wide_test::expect_error([&] { wide::group_norm(at::randn({2, 1, 3}), 2, 3); },
+                          "expected more than 1 value per channel");
+}

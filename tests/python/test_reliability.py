@@ -339,3 +339,48 @@ def test_per_member_writes_through_the_fallback_stay_per_member():
         wide = wc.compile(models, torch.randn(5, 4), config=FAST)
     xs = torch.randn(3, 5, 4)
     testing.assert_members_close(wide(xs), [m(x) for m, x in zip(models, xs)])
+
+
+# --- the wide ops apply PyTorch's run-time checks, per member ---------------------------------
+def test_training_batch_norm_on_a_batch_of_one_raises_and_changes_nothing():
+    models = [nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)) for _ in range(3)]
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        models[0](torch.randn(1, 4))  # what a member alone does
+    wide = wc.compile(models, torch.randn(4, 4), config=FAST)
+    before = {k: v.clone() for k, v in wide.state_dict().items()}
+    with pytest.raises(RuntimeError, match="expected more than 1 value per channel when training"):
+        wide(torch.randn(3, 1, 4))
+    for k, v in wide.state_dict().items():
+        if k.endswith("num_batches_tracked"):  # counted before the check, by nn.BatchNorm as by us
+            assert torch.equal(v, before[k] + 1), k
+        else:
+            assert torch.equal(v, before[k]), f"{k} changed by a failed call"
+    wide.eval()
+    assert torch.isfinite(wide(torch.randn(3, 1, 4))).all()  # eval on a batch of 1 is fine
+    wide.train()
+    xs = torch.randn(3, 5, 4)
+    testing.assert_members_close(wide(xs), [m(x) for m, x in zip(models, xs)])  # usable after
+
+
+def test_group_norm_with_one_value_per_group_raises_as_pytorch_does():
+    gns = [nn.GroupNorm(3, 3) for _ in range(2)]
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        gns[0](torch.randn(1, 3))
+    with pytest.raises(RuntimeError, match="expected more than 1 value per channel"):
+        wc.nn.WideGroupNorm.from_modules(gns)(torch.randn(2, 1, 3))
+
+
+def test_embedding_errors_name_the_member_and_its_own_index():
+    embs = [nn.Embedding(10, 4) for _ in range(3)]
+    idx = torch.randint(0, 10, (3, 2, 5))
+    idx[1, 1, 2] = 10
+    with pytest.raises(IndexError, match=r"index 10 of member 1 is not in the valid range \[0, 10\)"):
+        wc.nn.WideEmbedding.from_modules(embs)(idx)
+
+
+def test_one_members_bad_offsets_never_change_another_members_bags():
+    bags = [nn.EmbeddingBag(10, 4, mode="sum") for _ in range(3)]
+    idx = torch.randint(0, 10, (3, 6))
+    offsets = torch.tensor([[0, 2, 4], [0, 3, 9], [0, 1, 5]])  # member 1's last bag starts past T=6
+    with pytest.raises(RuntimeError, match=r"offsets of member 1 must be non-decreasing and at most"):
+        wc.nn.WideEmbeddingBag.from_modules(bags)(idx, offsets)

@@ -46,14 +46,25 @@ void check_table(const char* op, const at::Tensor& weight, const at::Tensor& ind
               "wide::", op, ": expected integer indices, got ", indices.scalar_type());
 }
 
+// Whether real values can be read (a fake, meta or traced tensor has none).
+bool has_values(const at::Tensor& t) { return !at::isTensorSubclassLike(t) && !t.is_meta() && t.numel() > 0; }
+
 // indices [N, *] -> indices + n * V (broadcast; materialises only the integer indices). An index
-// outside [0, V) must not read another member's row: it is mapped to row N*V, past the table, so
-// the lookup raises ATen's own "index out of range" error, as the member alone would.
-at::Tensor offset_indices(const at::Tensor& indices, const c10::SymInt& n, const c10::SymInt& v) {
+// outside [0, V) must not read another member's row: on real tensors it raises an IndexError
+// naming the member and the user's own index; on traced ones it is mapped to row N*V, past the
+// table, so the lookup raises ATen's own "index out of range" error.
+at::Tensor offset_indices(const char* op, const at::Tensor& indices, const c10::SymInt& n, const c10::SymInt& v) {
   std::vector<c10::SymInt> shape(indices.dim(), c10::SymInt(1));
   shape[0] = n;
   const at::Tensor base = at::arange(c10::Scalar(n), indices.options()).mul(c10::Scalar(v)).view_symint(shape);
   const at::Tensor valid = indices.ge(c10::Scalar(0)).logical_and(indices.lt(c10::Scalar(v)));
+  if (has_values(indices) && !valid.all().item<bool>()) {
+    const int64_t first = valid.logical_not().reshape({-1}).nonzero().select(0, 0).item<int64_t>();
+    const int64_t per_member = indices.numel() / indices.size(0);
+    TORCH_CHECK_INDEX(false, "wide::", op, ": index ", indices.reshape({-1})[first].item<int64_t>(),
+                      " of member ", first / per_member, " is not in the valid range [0, ", v,
+                      ") of its table (index out of range in self)");
+  }
   return at::where(valid, indices.add(base), c10::Scalar(n * v));
 }
 
@@ -65,7 +76,7 @@ at::Tensor embedding_impl(const at::Tensor& weight, const at::Tensor& indices,
   TORCH_CHECK(padding_idx >= -1 && padding_idx < v, "wide::embedding: expected padding_idx in "
               "[0, num_embeddings) or -1 (none), got ", padding_idx);
   const at::Tensor table = weight.reshape_symint({n * v, dim});
-  at::Tensor out = at::embedding_symint(table, offset_indices(indices, n, v), -1, scale_grad_by_freq, false);
+  at::Tensor out = at::embedding_symint(table, offset_indices("embedding", indices, n, v), -1, scale_grad_by_freq, false);
   if (padding_idx >= 0) {
     const at::Tensor hit = indices.eq(padding_idx.guard_int(__FILE__, __LINE__)).unsqueeze(-1);
     out = at::where(hit, out.detach(), out);
@@ -79,7 +90,7 @@ at::Tensor& embedding_renorm_impl(at::Tensor& weight, const at::Tensor& indices,
   const c10::SymInt n = weight.sym_size(0), v = weight.sym_size(1), dim = weight.sym_size(2);
   if (weight.is_contiguous()) {
     at::Tensor table = weight.view_symint({n * v, dim});
-    at::embedding_renorm_(table, offset_indices(indices, n, v), max_norm, norm_type);
+    at::embedding_renorm_(table, offset_indices("embedding_renorm_", indices, n, v), max_norm, norm_type);
   } else {
     const int64_t members = n.guard_int(__FILE__, __LINE__);
     for (int64_t k = 0; k < members; ++k) {
@@ -107,7 +118,7 @@ at::Tensor embedding_bag_impl(const at::Tensor& weight, const at::Tensor& indice
                 "expected per_sample_weights shaped like indices ", indices.sym_sizes(), ", got ",
                 per_sample_weights->sym_sizes());
   }
-  at::Tensor idx = offset_indices(indices, n, v);
+  at::Tensor idx = offset_indices("embedding_bag", indices, n, v);
   if (padding_idx >= 0) idx = at::where(indices.eq(padding_idx), indices.new_full({}, padding_idx), idx);
   const at::Tensor table = weight.reshape_symint({n * v, dim});
   std::optional<at::Tensor> psw;
@@ -137,9 +148,19 @@ at::Tensor embedding_bag_impl(const at::Tensor& weight, const at::Tensor& indice
     // or traced tensor has no values to read).
     // With include_last_offset the last offset must be T (as PyTorch documents; ATen's own paths
     // disagree on a smaller one), since bags run to the end of each member's indices here.
-    if (!at::isTensorSubclassLike(off) && !off.is_meta() && off.numel() > 0) {
+    if (has_values(off)) {
       TORCH_CHECK(per_member.select(1, 0).eq(0).all().item<bool>(), "wide::embedding_bag: expected "
                   "every member's offsets to start at 0, got first offsets ", per_member.select(1, 0));
+      // As ATen checks one member's offsets: non-decreasing and at most T, per member, so that a
+      // member's bad offsets can never move indices into another member's bags.
+      const at::Tensor bad = per_member.gt(t.guard_int(__FILE__, __LINE__)).any(1).logical_or(
+          per_member.narrow(1, 1, per_member.size(1) - 1).lt(per_member.narrow(1, 0, per_member.size(1) - 1)).any(1));
+      if (bad.any().item<bool>()) {
+        const int64_t m = bad.nonzero().select(0, 0).item<int64_t>();
+        TORCH_CHECK(false, "wide::embedding_bag: offsets of member ", off.dim() == 1 ? 0 : m,
+                    off.dim() == 1 ? " (shared)" : "", " must be non-decreasing and at most the number of "
+                    "indices ", t, ", got ", per_member.select(0, m));
+      }
       TORCH_CHECK(!include_last_offset || per_member.select(1, -1).eq(t.guard_int(__FILE__, __LINE__)).all().item<bool>(),
                   "wide::embedding_bag: with include_last_offset=True expected every member's last "
                   "offset to equal the number of indices ", t, ", got ", per_member.select(1, -1));

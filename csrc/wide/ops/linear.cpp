@@ -94,7 +94,7 @@ at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight,
     return y.view_symint({m, n, out_features}).permute({1, 0, 2}).view_symint(out_sizes);
   }
 
-  if (kind == LinearStrategy::Loop) {
+  if (kind == LinearStrategy::Loop && weight.sym_size(0) != 0) {  // N = 0: the batched path's empty result
     // unbind, not select: its backward stacks the N gradients once, where N selects would each
     // scatter into a zero tensor of the full [N, ...] size (O(N^2) memory traffic).
     const std::vector<at::Tensor> xs = input.unbind(0);

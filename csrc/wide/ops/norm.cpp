@@ -114,6 +114,14 @@ at::Tensor stat_norm(const char* op, int64_t min_spatial, const char* without_ba
   });
 }
 
+// PyTorch's run-time check of a norm in training (F.batch_norm / instance_norm / group_norm):
+// with one value to normalise, the output is 0 and the running variance NaN, so it raises.
+void check_values(const char* op, const c10::SymInt& values, const at::Tensor& input, const char* what) {
+  TORCH_CHECK(values != 1, "wide::", op, ": expected more than 1 ", what, " (as PyTorch checks), got ",
+              "input size ", input.sym_sizes(), "; a member would be normalised to 0 and its running "
+              "statistics set to NaN");
+}
+
 at::Tensor batch_norm_impl(const at::Tensor& input, const std::optional<at::Tensor>& weight,
                            const std::optional<at::Tensor>& bias,
                            const std::optional<at::Tensor>& running_mean,
@@ -122,6 +130,10 @@ at::Tensor batch_norm_impl(const at::Tensor& input, const std::optional<at::Tens
   return stat_norm("batch_norm", 0, "in eval mode (training=False)", input, weight, bias,
                    running_mean, running_var, training, packed_input,
                    [&](const at::Tensor& x, const auto& w, const auto& b, auto& m, auto& v) {
+                     if (training) {
+                       check_values("batch_norm", x.sym_numel() / x.sym_size(1), input,
+                                    "value per channel when training");
+                     }
                      return at::batch_norm(x, w, b, m, v, training, momentum, eps, false);
                    });
 }
@@ -134,6 +146,10 @@ at::Tensor instance_norm_impl(const at::Tensor& input, const std::optional<at::T
   return stat_norm("instance_norm", 1, "when use_input_stats=False", input, weight, bias,
                    running_mean, running_var, use_input_stats, packed_input,
                    [&](const at::Tensor& x, const auto& w, const auto& b, auto& m, auto& v) {
+                     if (use_input_stats) {
+                       check_values("instance_norm", x.sym_numel() / (x.sym_size(0) * x.sym_size(1)), input,
+                                    "spatial element when training");
+                     }
                      return at::instance_norm(x, w, b, m, v, use_input_stats, momentum, eps, false);
                    });
 }
@@ -156,6 +172,7 @@ at::Tensor group_norm_impl(const at::Tensor& input, int64_t n, int64_t num_group
   TORCH_CHECK(x.sym_size(1) % (n * num_groups) == 0, "wide::group_norm: expected the ",
               x.sym_size(1) / n, " channels per member to be divisible by num_groups=", num_groups);
   check_channels("group_norm", x, {&weight, &bias}, input, packed_input);
+  check_values("group_norm", x.sym_numel() / (n * num_groups), input, "value per channel");
   return at::group_norm(x, n * num_groups, flat(weight), flat(bias), eps, false);
 }
 
