@@ -32,6 +32,10 @@ class WideConfig:
             raise :class:`~wide_compiler.ValidationError` if a member differs.
         strict: raise :class:`~wide_compiler.UnsupportedOperationError` for an op with no wide
             rule instead of running it through the per-member (vmap/loop) fallback.
+        run_members: run every member once on the sample (no gradients; buffers untouched) and
+            compare the ATen ops it runs and their non-tensor arguments with member 0's: catches
+            members whose forward reads different Python constants (globals, closures, class
+            attributes) at the cost of N small forwards. On by default.
         trace_members: export every member and compare the traced programs with member 0's
             (slower compile; catches members whose forward reads different Python constants that
             are not module attributes). Module attributes are always compared.
@@ -53,6 +57,7 @@ class WideConfig:
     cache_dir: str | None = None
     validate: bool = False
     strict: bool = False
+    run_members: bool = True
     trace_members: bool = False
     rtol: float = 1e-4
     atol: float = 1e-5

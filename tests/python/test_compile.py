@@ -771,9 +771,23 @@ class HiddenSign(nn.Module):
 
 def test_trace_members_catches_a_constant_the_attribute_check_cannot_see():
     models = [HiddenSign(1.0), HiddenSign(-1.0)]
-    compile_fast(models, torch.randn(4, 5))  # the attribute check alone does not notice
+    no_run = FAST.replace(run_members=False)
+    compile_fast(models, torch.randn(4, 5), config=no_run)  # the attribute check alone does not notice
     with pytest.raises(wc.ArchitectureMismatchError, match=r"member 1: the traced program differs"):
-        wc.compile(models, torch.randn(4, 5), config=FAST.replace(trace_members=True))
+        wc.compile(models, torch.randn(4, 5), config=no_run.replace(trace_members=True))
+
+
+def test_running_every_member_catches_a_hidden_constant_by_default():
+    models = [HiddenSign(1.0), HiddenSign(-1.0)]
+    with pytest.raises(wc.ArchitectureMismatchError,
+                       match=r"member 1: its forward runs a different program from member 0's at "
+                             r".*test_compile.py:\d+ in forward: return self.fc\(x\) \* self.cfg.sign: "
+                             r"aten.mul.Tensor with \(tensor\[4, 3\], -1.0\), member 0 runs aten.mul.Tensor "
+                             r"with \(tensor\[4, 3\], 1.0\)"):
+        compile_fast(models, torch.randn(4, 5))
+    before = [dict(m.state_dict()) for m in models]
+    compile_fast([HiddenSign(1.0), HiddenSign(1.0)], torch.randn(4, 5))
+    assert all(torch.equal(v, before[0][k]) for k, v in models[0].state_dict().items())
 
 
 def test_closure_mismatch_message_names_the_attribute():
@@ -788,9 +802,10 @@ def test_validate_catches_a_member_that_differs(monkeypatch):
 
     monkeypatch.setattr(sys.modules["wide_compiler.fx.pipeline"], "check_members", lambda models: None)
     models = [Signed(1), Signed(-1)]
-    compile_fast(models, torch.randn(4, 5))  # without validation nothing notices
+    no_run = FAST.replace(run_members=False)
+    compile_fast(models, torch.randn(4, 5), config=no_run)  # without validation nothing notices
     with pytest.raises(wc.ValidationError, match=r"member 1 differs"):
-        compile_fast(models, torch.randn(4, 5), validate=True)
+        compile_fast(models, torch.randn(4, 5), config=no_run, validate=True)
     # debug() also traces every member, which names the differing node instead.
     with pytest.raises((wc.ValidationError, wc.ArchitectureMismatchError), match=r"member 1"):
         wc.compile(models, torch.randn(4, 5), config=wc.WideConfig.debug())

@@ -81,7 +81,7 @@ def test_pipeline_runs_the_named_passes_in_order():
     models = [_mlp() for _ in range(3)]
     c = run_pipeline(Compilation(models[0], ((torch.randn(5, 4),), {}), 3, FAST, members=models))
     assert [name for name, _ in c.log] == [p.name for p in PASSES] == [
-        "check_members", "capture", "check_traced_members", "widen", "layout", "strategies"]
+        "check_members", "capture", "check_programs", "widen", "layout", "strategies"]
     linears = c.wide.graph_module.graph.find_nodes(op="call_function", target=wide.linear.default)
     assert [n.kwargs["strategy"] for n in linears] == ["bmm", "bmm"]
     assert c.layout == {"conversions": 0, "packed_ops": 0}

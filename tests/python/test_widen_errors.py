@@ -80,11 +80,21 @@ def test_trace_members_catches_a_difference_only_the_trace_shows():
     models = [HiddenSign(1.0), HiddenSign(1.0), HiddenSign(-1.0)]
     assert models[0].settings == models[2].settings  # the attribute check cannot tell them apart
     with pytest.raises(wc.ArchitectureMismatchError) as info:
-        compile_wide(models, torch.randn(4, 5), config=FAST.replace(trace_members=True))
+        compile_wide(models, torch.randn(4, 5), config=FAST.replace(trace_members=True, run_members=False))
     msg = str(info.value)
     assert "member 2" in msg and "traced program" in msg, msg
     assert "node 'mul'" in msg, msg  # names the node ...
     assert f"{THIS_FILE}:{marked_line(HiddenSign.forward, 'HIDDEN-SIGN')}" in msg, msg  # ... and line
+    assert "-1.0" in msg and "1.0" in msg, msg
+
+
+def test_running_the_members_catches_it_by_default_and_names_the_line():
+    models = [HiddenSign(1.0), HiddenSign(1.0), HiddenSign(-1.0)]
+    with pytest.raises(wc.ArchitectureMismatchError) as info:
+        compile_wide(models, torch.randn(4, 5))
+    msg = str(info.value)
+    assert "member 2: its forward runs a different program" in msg, msg
+    assert f"{THIS_FILE}:{marked_line(HiddenSign.forward, 'HIDDEN-SIGN')}" in msg, msg
     assert "-1.0" in msg and "1.0" in msg, msg
 
 

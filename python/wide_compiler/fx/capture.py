@@ -11,17 +11,20 @@ import inspect
 import logging
 import os
 import re
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from ..errors import ArchitectureMismatchError, WideCompileError
 
-__all__ = ["capture", "check_members", "check_traced_members", "graph_fingerprint", "source_line"]
+__all__ = ["capture", "check_members", "check_run_members", "check_traced_members", "graph_fingerprint",
+           "source_line"]
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +254,86 @@ def _check_no_sharing(models: Sequence[nn.Module]) -> None:
                     "(stacking would untie them and write_back would keep one member's values); "
                     "pass copy.deepcopy(model) for each member")
             owner[key] = (i, name)
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records the ATen ops a forward runs: op name, non-tensor arguments, tensor shapes/dtypes,
+    and the values of constants the forward makes (``torch.tensor(...)``). With ``stop_at`` it
+    keeps the user's source line of that op instead."""
+
+    _CONSTANT_OPS = ("aten.lift_fresh.default", "aten.lift_fresh_copy.default")
+
+    def __init__(self, stop_at: int | None = None) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, Any]] = []
+        self.stop_at, self.where = stop_at, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+
+        def sig(a: Any) -> Any:
+            if isinstance(a, torch.Tensor):
+                if name in self._CONSTANT_OPS:
+                    return ("constant", a.tolist() if a.numel() <= 256 else a.sum().item())
+                return ("tensor", tuple(a.shape), a.dtype)
+            return a
+
+        if self.stop_at is not None and len(self.ops) == self.stop_at:
+            self.where = _user_frame()
+        self.ops.append((name, tree_map(sig, (args, kwargs))))
+        return func(*args, **kwargs)
+
+
+def _user_frame() -> str:
+    frames = [f for f in traceback.extract_stack() if not f.filename.startswith((_TORCH_DIR, _OUR_DIR))]
+    if not frames:
+        return "<unknown>"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "")
+
+
+def _run_recorded(model: nn.Module, args: tuple, kwargs: dict, stop_at: int | None = None) -> _OpRecorder:
+    """Run ``model`` once with no gradients on copies of its buffers (so nothing of the user's
+    changes: running stats, counters), recording its ops."""
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    rec = _OpRecorder(stop_at)
+    with torch.no_grad(), rec:
+        torch.func.functional_call(model, buffers, args, kwargs, strict=False)
+    return rec
+
+
+def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None) -> None:
+    """Run every member once on the sample and compare the ops it runs and their non-tensor
+    arguments with member 0's (``WideConfig.run_members``): a member whose forward reads a
+    different Python constant (a global, a closure, a class attribute) runs a different program.
+    A sample the eager forward cannot run (export succeeded on fake values) skips the check."""
+    args, kwargs = tree_map(_batch_of_two, (tuple(args), dict(kwargs or {})))
+    try:
+        want = _run_recorded(models[0], args, kwargs).ops
+    except Exception as e:  # the check is a safety net; export already accepted the program
+        log.debug("wide_compiler: cannot run member 0 on the sample (%s); run_members check skipped", e)
+        return
+    for i, model in enumerate(models[1:], start=1):
+        got = _run_recorded(model, args, kwargs).ops
+        k = next((k for k, (g, w) in enumerate(zip(got, want)) if g != w), None)
+        if k is None and len(got) == len(want):
+            continue
+        if k is None:
+            raise ArchitectureMismatchError(
+                f"member {i}: its forward runs {len(got)} ops, member 0's runs {len(want)}")
+        where = _run_recorded(model, args, kwargs, stop_at=k).where
+        raise ArchitectureMismatchError(
+            f"member {i}: its forward runs a different program from member 0's at {where}: "
+            f"{got[k][0]} with {_brief(got[k][1])}, member 0 runs {want[k][0]} with {_brief(want[k][1])} "
+            "(a Python constant the forward reads differs between members)")
+
+
+def _brief(sig: Any) -> str:
+    args, kwargs = sig
+    parts = [f"tensor{list(a[1])}" if isinstance(a, tuple) and a and a[0] == "tensor" else repr(a) for a in args]
+    parts += [f"{k}={v!r}" for k, v in kwargs.items()]
+    return "(" + ", ".join(parts) + ")"
 
 
 def check_traced_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None,

@@ -1,6 +1,6 @@
 """The compiler pipeline: N members -> one wide graph, as named passes run from an explicit list.
 
-    check_members -> capture -> check_traced_members -> widen -> layout -> strategies
+    check_members -> capture -> check_programs -> widen -> layout -> strategies
 
 Each pass is an ordinary function of a :class:`Compilation` (what the passes read and write) with
 a check before (what it needs is there) and after (its result is well formed), in the style of
@@ -17,7 +17,7 @@ Example:
     >>> c = run_pipeline(Compilation(models[0], ((torch.randn(5, 4),), {}), n=3,
     ...                              config=WideConfig.fast(), members=models))
     >>> [name for name, _ in c.log]
-    ['check_members', 'capture', 'check_traced_members', 'widen', 'layout', 'strategies']
+    ['check_members', 'capture', 'check_programs', 'widen', 'layout', 'strategies']
     >>> c.wide.graph_module.graph.find_nodes(op="call_function", target=torch.ops.wide.linear.default)[0].kwargs
     {'strategy': 'bmm'}
 """
@@ -36,7 +36,7 @@ from torch import nn
 from torch.export import ExportedProgram
 
 from ..config import WideConfig
-from .capture import capture, check_members, check_traced_members
+from .capture import capture, check_members, check_run_members, check_traced_members
 from .layout import plan_layout
 from .strategy import choose_strategies
 from .widen import WideGraph, widen
@@ -94,8 +94,15 @@ def _capture(c: Compilation) -> None:
     c.ep = capture(c.model, args, kwargs, dynamic_shapes=c.dynamic_shapes)
 
 
-def _check_traced_members(c: Compilation) -> None:
-    if c.members is not None and c.config.trace_members:
+def _check_programs(c: Compilation) -> None:
+    """After a successful capture (so the forward has no data-dependent branches): run every
+    member (``run_members``; registered modules run their own per-member Python, which may
+    branch, so not then) and/or export every member (``trace_members``) and compare programs."""
+    if c.members is None or len(c.members) < 2:
+        return
+    if c.config.run_members and not c.opaque_paths:
+        check_run_members(c.members, *c.sample)
+    if c.config.trace_members:
         check_traced_members(c.members, *c.sample, c.dynamic_shapes, ref=c.ep)
 
 
@@ -130,7 +137,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("check_members", _check_members),
     Pass("capture", _capture, ("model", "sample"),
          check=lambda c: isinstance(c.ep, ExportedProgram) or _bad("capture", "no ExportedProgram")),
-    Pass("check_traced_members", _check_traced_members, ("ep",)),
+    Pass("check_programs", _check_programs, ("ep",)),
     Pass("widen", _widen, ("ep",), check=_lint),
     Pass("layout", _layout, ("ep", "wide"), check=_lint),
     Pass("strategies", _strategies, ("wide",), check=_all_chosen),
