@@ -116,7 +116,20 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
     wide = WideModel(members, args, sample_kwargs, config=config, dynamic_shapes=dynamic_shapes)
     if config.validate:
         _validate(wide, members, args, sample_kwargs or {}, config)
-    return torch.compile(wide, **(compile_options or {})) if compile_model else wide
+    if not compile_model:
+        return wide
+    compiled = torch.compile(wide, **(compile_options or {}))
+    compiled.__class__ = _CompiledWideModel  # checks inputs before entering the compiled region
+    return compiled
+
+
+class _CompiledWideModel(torch._dynamo.eval_frame.OptimizedModule):
+    """``torch.compile`` of a WideModel whose calls check their inputs first, in eager Python: a
+    wrong input raises the WideModel's own error, never a torch.compile tracing failure."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._orig_mod.check_inputs(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
 
 class WideBuilder:

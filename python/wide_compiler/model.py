@@ -170,25 +170,14 @@ class WideModel(MemberOpsMixin, nn.Module):
         """Switch to the train (``mode=True``) or eval graph; the graph of a mode is captured and
         widened on the first switch to it, here rather than inside a later forward (so a forward
         under ``torch.compile(fullgraph=True)`` never has to capture)."""
-        super().train(mode)
         if "_graphs" in self.__dict__ and self._graphs:  # constructed (not inside __init__/unpickling)
-            self._graph_for(mode)
-        return self
+            self._graph_for(mode)  # raises (with the mode unchanged) if that graph cannot be built
+        return super().train(mode)
 
     # -- running ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         wg = self._graph_for(self.training)
-        if not kwargs and len(args) == wg.positional_arity and all(isinstance(a, torch.Tensor) for a in args):
-            flat = args  # the common case: positional tensors, no pytree walk
-        else:
-            flat, spec = tree_flatten((args, kwargs))
-            if spec != wg.in_spec:
-                want_args, want_kwargs = self._sample
-                raise ValueError(
-                    f"wide_compiler: the wide model takes the inputs of one member's sample, each "
-                    f"tensor with a leading member dim: {len(want_args)} positional input(s) and "
-                    f"keywords {sorted(want_kwargs)}, nested as in the sample; got {len(args)} "
-                    f"positional input(s) and keywords {sorted(kwargs)}")
+        flat = self._user_inputs(wg, args, kwargs)
         feeds, user = [], iter(flat)
         for inp, holder in zip(wg.inputs, self._holders(wg)):
             if holder is not None:  # a stacked parameter/buffer/constant: read it live
@@ -199,13 +188,7 @@ class WideModel(MemberOpsMixin, nn.Module):
                 feeds.append(self)
             else:
                 x = next(user)
-                if isinstance(x, torch.Tensor):
-                    self._check_input(x, inp)
-                elif x != inp.sample_value:
-                    raise ValueError(
-                        f"wide_compiler: input '{inp.name}' is {x!r}, but the wide model was "
-                        f"compiled with {inp.sample_value!r}: non-tensor inputs are baked into "
-                        "the graph at compile time; compile again for another value")
+                self._check_input(x, inp)
                 feeds.append(x)
         outs = wg.graph_module(*feeds)
         k = len(wg.mutated_buffers)
@@ -233,7 +216,37 @@ class WideModel(MemberOpsMixin, nn.Module):
             plans[id(wg)] = plan
         return plan
 
-    def _check_input(self, x: torch.Tensor, inp) -> None:
+    def _user_inputs(self, wg: WideGraph, args: tuple, kwargs: dict) -> Any:
+        """The flat user inputs of a call, checked against the sample's structure."""
+        if not kwargs and len(args) == wg.positional_arity and all(isinstance(a, torch.Tensor) for a in args):
+            return args  # the common case: positional tensors, no pytree walk
+        flat, spec = tree_flatten((args, kwargs))
+        if spec != wg.in_spec:
+            want_args, want_kwargs = self._sample
+            raise ValueError(
+                f"wide_compiler: the wide model takes the inputs of one member's sample, each "
+                f"tensor with a leading member dim: {len(want_args)} positional input(s) and "
+                f"keywords {sorted(want_kwargs)}, nested as in the sample; got {len(args)} "
+                f"positional input(s) and keywords {sorted(kwargs)}")
+        return flat
+
+    def check_inputs(self, *args: Any, **kwargs: Any) -> None:
+        """Raise the error a call with these inputs would raise for their structure and shapes,
+        without running anything (``compile(..., compile_model=True)`` runs it before the compiled
+        call, so a wrong input is reported as such and not as a torch.compile failure)."""
+        wg = self._graph_for(self.training)
+        users = (inp for inp in wg.inputs if inp.kind not in ("parameter", "buffer", "constant", "root"))
+        for inp, x in zip(users, self._user_inputs(wg, args, kwargs)):
+            self._check_input(x, inp)
+
+    def _check_input(self, x: Any, inp) -> None:
+        if not isinstance(x, torch.Tensor):
+            if x != inp.sample_value:
+                raise ValueError(
+                    f"wide_compiler: input '{inp.name}' is {x!r}, but the wide model was "
+                    f"compiled with {inp.sample_value!r}: non-tensor inputs are baked into "
+                    "the graph at compile time; compile again for another value")
+            return
         member = inp.member_shape
         if member is None:
             return

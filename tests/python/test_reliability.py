@@ -384,3 +384,41 @@ def test_one_members_bad_offsets_never_change_another_members_bags():
     offsets = torch.tensor([[0, 2, 4], [0, 3, 9], [0, 1, 5]])  # member 1's last bag starts past T=6
     with pytest.raises(RuntimeError, match=r"offsets of member 1 must be non-decreasing and at most"):
         wc.nn.WideEmbeddingBag.from_modules(bags)(idx, offsets)
+
+
+class _EvalOnlyBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if not self.training and h.sum() > 0:  # data-dependent, in eval mode only
+            return -h
+        return h
+
+
+def test_a_graph_that_cannot_be_built_leaves_the_model_in_its_mode_and_usable():
+    models = [_EvalOnlyBranch() for _ in range(2)]
+    wide = wc.compile(models, torch.randn(3, 4), config=FAST)
+    with pytest.raises(wc.WideCompileError, match="torch.export could not capture"):
+        wide.eval()
+    assert wide.training
+    with pytest.raises(wc.WideCompileError):  # a second try fails the same way, cleanly
+        wide.eval()
+    xs = torch.randn(2, 3, 4)
+    testing.assert_members_close(wide(xs), [m(x) for m, x in zip(models, xs)])
+
+
+def test_a_wrong_input_to_a_compiled_wide_model_raises_the_wide_models_error():
+    models = [nn.Linear(4, 2) for _ in range(3)]
+    wide = wc.compile(models, torch.randn(5, 4), config=FAST, compile_model=True,
+                      compile_options={"fullgraph": True, "backend": "eager"})
+    assert isinstance(wide, torch._dynamo.eval_frame.OptimizedModule)
+    xs = torch.randn(3, 5, 4)
+    testing.assert_members_close(wide(xs), [m(x) for m, x in zip(models, xs)])
+    with pytest.raises(ValueError, match=r"expected N-first \[3, B, 4\]"):
+        wide(torch.randn(4, 5, 4))
+    with pytest.raises(ValueError, match="takes the inputs of one member's sample"):
+        wide(xs, xs)
+    testing.assert_members_close(wide(xs), [m(x) for m, x in zip(models, xs)])  # still fine after
