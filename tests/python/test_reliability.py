@@ -422,3 +422,58 @@ def test_a_wrong_input_to_a_compiled_wide_model_raises_the_wide_models_error():
     with pytest.raises(ValueError, match="takes the inputs of one member's sample"):
         wide(xs, xs)
     testing.assert_members_close(wide(xs), [m(x) for m, x in zip(models, xs)])  # still fine after
+
+
+# --- user objects are never modified by an API that does not say so ---------------------------
+def _bn_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Dropout(0.2), nn.Linear(6, 2))
+
+
+def _snapshot(models):
+    return [({k: v.clone() for k, v in m.state_dict().items()}, [s.training for s in m.modules()]) for m in models]
+
+
+def test_no_api_that_does_not_say_so_modifies_the_users_models():
+    torch.manual_seed(0)
+    models = [_bn_net() for _ in range(3)]
+    x = torch.randn(5, 4)
+    before = _snapshot(models)
+    wide = wc.compile(models, x, config=FAST, validate=True)
+    wc.compile(models[0], x, n=4, config=FAST)
+    testing.check_compile(models, x, config=FAST)
+    wide(torch.randn(3, 5, 4)).sum().backward()
+    wide.unfuse()
+    wide.member(1)
+    wide.member_state_dict(2)
+    wide.eval()
+    for (state, modes), (state0, modes0) in zip(_snapshot(models), before):
+        assert modes == modes0
+        for k in state0:
+            assert torch.equal(state[k], state0[k]), k
+    assert all(p.grad is None for m in models for p in m.parameters())
+    wide.write_back(models)  # says that it writes: now the models hold the wide state
+    for i, m in enumerate(models):
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, wide.member_state_dict(i)[k]), k
+
+
+def test_nan_in_one_member_stays_in_that_member():
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2)) for _ in range(3)]
+    with torch.no_grad():
+        models[1][0].weight[0, 0] = float("nan")
+    wide = wc.compile(models, torch.randn(5, 4), config=FAST)
+    xs = torch.randn(3, 5, 4)
+    out = wide(xs)
+    out.sum().backward()
+    assert torch.isnan(out[1]).any()
+    for i in (0, 2):
+        ref = models[i](xs[i])
+        ref.sum().backward()
+        testing.assert_close(out[i], ref)
+        for name, p in wide.named_parameters():
+            assert torch.isfinite(p.grad[i]).all(), name
+            testing.assert_close(p.grad[i], models[i].get_parameter(name).grad, kind="grad")
+        for name, b in wide.named_buffers():
+            if b.is_floating_point():
+                testing.assert_close(b[i], models[i].get_buffer(name), kind="buffer")
