@@ -477,3 +477,17 @@ def test_nan_in_one_member_stays_in_that_member():
         for name, b in wide.named_buffers():
             if b.is_floating_point():
                 testing.assert_close(b[i], models[i].get_buffer(name), kind="buffer")
+
+
+def test_module_caches_are_not_compared_by_value():
+    """nn.RNN keeps its weights in _flat_weights (the Parameters) and _flat_weight_refs (weakrefs
+    to them): per-member state, not configuration."""
+    from wide_compiler.fx.capture import check_members
+
+    check_members([nn.LSTM(4, 6, num_layers=2, bidirectional=True) for _ in range(3)])
+    with pytest.raises(wc.ArchitectureMismatchError, match=r"member 1: hidden_size is 7, member 0 has 6"):
+        check_members([nn.GRU(4, 6), nn.GRU(4, 7)])
+    a, b = nn.LSTM(4, 6), nn.LSTM(4, 6)
+    b.weight_hh_l0.requires_grad_(False)
+    with pytest.raises(wc.ArchitectureMismatchError, match="requires_grad"):
+        check_members([a, b])

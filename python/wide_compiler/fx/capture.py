@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import traceback
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,6 +120,13 @@ def _same(a: Any, b: Any, depth: int = 0) -> bool:
     function closures and plain objects without ``__eq__``)."""
     if depth > 8:
         return True
+    if isinstance(a, weakref.ref) and isinstance(b, weakref.ref):  # e.g. nn.RNN's _flat_weight_refs
+        return _same(a(), b(), depth + 1)
+    if isinstance(a, nn.Parameter) and isinstance(b, nn.Parameter):
+        # A parameter held as a plain attribute (nn.RNN's _flat_weights) is per-member state,
+        # stacked like any parameter: compare what stacking needs, never the values.
+        return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                and a.requires_grad == b.requires_grad)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
                 and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
@@ -170,6 +178,12 @@ def _state(v: Any) -> Any:
 
 
 def _describe(v: Any) -> str:
+    if isinstance(v, weakref.ref):
+        return f"a weak reference to {_describe(v())}"
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, (weakref.ref, nn.Parameter)) for x in v):
+        return "[" + ", ".join(_describe(x) for x in v) + "]"
+    if isinstance(v, nn.Parameter):
+        return f"a parameter {list(v.shape)} {v.dtype}{'' if v.requires_grad else ' (requires_grad=False)'}"
     if callable(v) and hasattr(v, "__code__"):
         return f"function {v.__qualname__} (code, closure constants or defaults differ)"
     if (type(v).__eq__ is object.__eq__ and type(v).__repr__ is object.__repr__ and hasattr(v, "__dict__")
@@ -186,7 +200,13 @@ def _describe(v: Any) -> str:
 def check_members(models: Sequence[nn.Module]) -> None:
     """Raise :class:`ArchitectureMismatchError` unless every member is the same program as
     member 0: class, module tree and types, training mode, hyperparameters and other non-tensor
-    attributes, hooks, and parameter/buffer names, shapes, dtypes, devices and requires_grad."""
+    attributes, hooks, and parameter/buffer names, shapes, dtypes, devices and requires_grad.
+
+    What is not compared by value, and why: ``nn.Module``'s own bookkeeping (``_parameters``,
+    ``_modules``, hook dicts, ...: checked structurally instead); parameters held as plain
+    attributes (``nn.RNN._flat_weights``) and weak references to them (``_flat_weight_refs``),
+    which are each member's own weights (compared by shape, dtype, device, requires_grad);
+    submodules held as attributes (compared by type; their contents are checked as modules)."""
     _check_no_sharing(models)
     ref = models[0]
     ref_modules = list(ref.named_modules(remove_duplicate=False))
@@ -205,7 +225,7 @@ def check_members(models: Sequence[nn.Module]) -> None:
             if m.training != m0.training:
                 fail(f"{name}.training" if name else "training", m.training, m0.training)
             keys = (set(m.__dict__) | set(m0.__dict__)) - _MODULE_INTERNALS
-            for key in sorted(keys):
+            for key in sorted(keys, key=lambda k: (k.startswith("_"), k)):  # configuration first
                 prefix = f"{name}.{key}" if name else key
                 if key not in m.__dict__ or key not in m0.__dict__:
                     fail(f"attribute {prefix}", "present" if key in m.__dict__ else "absent",
