@@ -54,6 +54,19 @@ TORCH_LIBRARY(wide, m) {
         "int mode=0, bool sparse=False, Tensor? per_sample_weights=None, bool include_last_offset=False, "
         "int padding_idx=-1) -> Tensor");
 
+  // --- recurrent ops (Note [wide::rnn] in ops/rnn.cpp) ---
+  // N LSTM / GRU / RNN (mode "LSTM" | "GRU" | "RNN_TANH" | "RNN_RELU") as one op, one time loop for
+  // all members. input [N, T, B, I] ([N, B, T, I] if batch_first); hx [h0] or [h0, c0] (LSTM) with
+  // h0 [N, L*D, B, H_out], c0 [N, L*D, B, H], or empty for zeros; params: torch's _flat_weights
+  // stacked over members (per layer and direction: w_ih, w_hh[, b_ih, b_hh][, w_hr]). Returns
+  // (output [N, T, B, D*H_out], [h_n] or [h_n, c_n]), batch_first as the input.
+  m.def("rnn(Tensor input, Tensor[] hx, Tensor[] params, str mode, int num_layers, bool bidirectional, "
+        "bool batch_first, float dropout, bool train, bool has_biases, int proj_size=0) -> (Tensor, Tensor[])");
+  // One step of N LSTMCell / GRUCell / RNNCell: input [N, B, I] or [N, I]; hx [h] or [h, c] (empty
+  // for zeros); w_ih [N, G*H, I], w_hh [N, G*H, H], biases [N, G*H]. Returns [h'] or [h', c'].
+  m.def("rnn_cell(Tensor input, Tensor[] hx, Tensor w_ih, Tensor w_hh, Tensor? b_ih=None, "
+        "Tensor? b_hh=None, *, str mode) -> Tensor[]");
+
   // --- optimizers (csrc/wide/optim) ---
   // Fused per-member optimizer steps on stacked [N, ...] parameters (optim/optim.h): one call
   // updates a parameter and its state for all N members, each as torch.optim's single-tensor path

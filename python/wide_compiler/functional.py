@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 __all__ = ["EMBEDDING_BAG_MODES", "batch_norm", "batch_norm_factor", "conv", "conv_padding", "conv_transpose",
            "embedding", "embedding_bag", "group_norm", "instance_norm", "layer_norm", "linear", "prelu",
-           "rms_norm", "same_padding", "spatial_list"]
+           "rms_norm", "rnn", "rnn_cell", "same_padding", "spatial_list"]
 
 wide = torch.ops.wide
 EMBEDDING_BAG_MODES = {"sum": 0, "mean": 1, "max": 2}
@@ -211,3 +211,32 @@ def embedding_bag(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Tens
             wide.embedding_renorm_(weight.detach(), input, max_norm, norm_type)
     return wide.embedding_bag(weight, input, offsets, scale_grad_by_freq, EMBEDDING_BAG_MODES[mode], False,
                               per_sample_weights, include_last_offset, -1 if padding_idx is None else padding_idx)
+
+
+def rnn(input: torch.Tensor, hx: Sequence[torch.Tensor], params: Sequence[torch.Tensor], mode: str,
+        num_layers: int = 1, bidirectional: bool = False, batch_first: bool = False, dropout: float = 0.0,
+        train: bool = False, has_biases: bool = True, proj_size: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """N ``nn.LSTM``/``GRU``/``RNN`` (``mode`` ``"LSTM"``, ``"GRU"``, ``"RNN_TANH"``, ``"RNN_RELU"``) in one
+    time loop. ``input`` ``[N, T, B, I]`` (``[N, B, T, I]`` batch-first, ``[N, T, I]`` for unbatched
+    members); ``hx`` ``[h0]`` or ``[h0, c0]`` each ``[N, L*D, B, H]`` (``[N, L*D, H]`` unbatched), or
+    empty for zeros; ``params`` the stacked ``_flat_weights``. Returns ``(output, [h_n(, c_n)])``."""
+    unbatched = input.dim() == 3
+    if unbatched:
+        input = input.unsqueeze(1 if batch_first else 2)
+        hx = [h.unsqueeze(2) for h in hx]
+    out, states = wide.rnn(input, list(hx), list(params), mode, num_layers, bidirectional, batch_first, dropout,
+                           train, has_biases, proj_size)
+    if unbatched:
+        out, states = out.squeeze(1 if batch_first else 2), [h.squeeze(2) for h in states]
+    return out, list(states)
+
+
+def rnn_cell(input: torch.Tensor, hx: Sequence[torch.Tensor], w_ih: torch.Tensor, w_hh: torch.Tensor,
+             b_ih: torch.Tensor | None = None, b_hh: torch.Tensor | None = None, *, mode: str) -> list[torch.Tensor]:
+    """One step of N ``nn.LSTMCell``/``GRUCell``/``RNNCell``: ``input`` ``[N, B, I]`` (``[N, I]``
+    unbatched), ``hx`` ``[h]`` or ``[h, c]``; returns ``[h']`` or ``[h', c']``."""
+    unbatched = input.dim() == 2
+    if unbatched:
+        input, hx = input.unsqueeze(1), [h.unsqueeze(1) for h in hx]
+    out = wide.rnn_cell(input, list(hx), w_ih, w_hh, b_ih, b_hh, mode=mode)
+    return [h.squeeze(1) for h in out] if unbatched else list(out)

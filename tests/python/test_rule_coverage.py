@@ -572,6 +572,28 @@ def _index_fill_member_value(m, x):
     return x.index_fill(1, torch.tensor([0, 2]), m.w[0])  # the fill value is a per-member 0-d tensor
 
 
+# --- recurrent layers and cells ------------------------------------------------------------------
+class _Recurrent(nn.Module):
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return out
+
+
+class _Cells(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.gru = nn.LSTMCell(6, 6), nn.GRUCell(6, 6)
+        self.tanh, self.relu = nn.RNNCell(6, 6), nn.RNNCell(6, 6, nonlinearity="relu")
+
+    def forward(self, x):
+        h, c = self.lstm(x)
+        return self.relu(self.tanh(self.gru(h), c))
+
+
 CASES: list[Case] = [
     Case("unary", _fn_module(_unary, 1, w=(8,)), _randn((4, 8)), _UNARY_OPS),
     Case("inplace", _fn_module(_inplace, 2, w=(8,)), _randn((4, 8), (4, 8)), _INPLACE_OPS),
@@ -596,6 +618,13 @@ CASES: list[Case] = [
     Case("embedding", _Embeddings, _embedding_inputs, _EMBEDDING_OPS),
     # wide_params: the wide model lists the registered module's parameters first, not in the
     # member's order, which check_equivalence's default refuses.
+    Case("rnn-lstm", lambda: _Recurrent(nn.LSTM(6, 5, num_layers=2, bidirectional=True)), _randn((3, 4, 6)),
+         ("lstm.input",)),
+    Case("rnn-gru", lambda: _Recurrent(nn.GRU(6, 5, batch_first=True)), _randn((4, 3, 6)), ("gru.input",)),
+    Case("rnn-tanh", lambda: _Recurrent(nn.RNN(6, 5)), _randn((3, 4, 6)), ("rnn_tanh.input",)),
+    Case("rnn-relu", lambda: _Recurrent(nn.RNN(6, 5, nonlinearity="relu")), _randn((3, 4, 6)), ("rnn_relu.input",)),
+    Case("rnn-cells", _Cells, _randn((4, 6)),
+         ("lstm_cell.default", "gru_cell.default", "rnn_tanh_cell.default", "rnn_relu_cell.default")),
     Case("registered", _WithGate, _randn((4, 6)), ("opaque_module", "linear", "relu"),
          harness=lambda wide: {"wide_params": dict(wide.named_parameters())}),
     Case("direct-aten", _fn_module(_direct_aten, 1, w=(6,)), _randn((4, 6)), _DIRECT_ATEN_OPS),

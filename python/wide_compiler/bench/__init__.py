@@ -34,7 +34,8 @@ from .registry import (
 from . import linear  # isort: skip
 from . import vision  # isort: skip
 from . import optim  # isort: skip
+from . import rnn  # isort: skip
 
 __all__ = ["PRESET_NAMES", "RECORD_KEYS", "TARGETS", "Job", "Preset", "Target", "engine",
            "format_records", "format_table", "linear", "machine_info", "optim", "registry", "run",
-           "target", "vision"]
+           "rnn", "target", "vision"]

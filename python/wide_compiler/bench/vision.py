@@ -98,6 +98,7 @@ class Case:
     module_strategies: tuple[str, ...] = ("",)
     compile: tuple[str, ...] = ("auto",)
     train_state: bool | None = None
+    baselines: tuple[str, ...] = ("loop", "vmap")  # also "compile_loop": torch.compile of the loop
 
 
 PRESETS: dict[str, Preset] = {  # conv, norm, pool, embedding
@@ -292,6 +293,13 @@ def _loop(models: Sequence[nn.Module], name: str = "loop") -> Contender:
     return Contender(name, forward, [p for m in models for p in m.parameters()], "members")
 
 
+def _compiled_loop(models: Sequence[nn.Module]) -> Contender:
+    """``torch.compile`` of :func:`_loop` (dynamo reset first: no recompile limit across cases)."""
+    torch.compiler.reset()
+    loop = _loop(models, "compile_loop")
+    return Contender("compile_loop", torch.compile(loop.forward), loop.params, "members")
+
+
 def _vmap(models: Sequence[nn.Module], n_inputs: int, name: str = "vmap") -> Contender:
     """``torch.func`` ensembling over stacked parameters and buffers (all inputs mapped)."""
     from torch.func import functional_call, stack_module_state, vmap
@@ -382,7 +390,9 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
                 tuned[name, training] = _tuner_timings(wide, training)
             _reset_buffers(wide, master)
             wides.append(_wide(name, wide, models[0]))
-        baselines = [_loop(models), _vmap(models, len(xs))]
+        makers = {"loop": lambda: _loop(models), "vmap": lambda: _vmap(models, len(xs)),
+                  "compile_loop": lambda: _compiled_loop(models)}
+        baselines = [makers[b]() for b in case.baselines]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if wides:

@@ -11,6 +11,7 @@ from .conv import (
 )
 from .embedding import WideEmbedding, WideEmbeddingBag
 from .linear import WideLinear
+from .rnn import WideGRU, WideGRUCell, WideLSTM, WideLSTMCell, WideRNN, WideRNNCell
 from .norm import (
     WideBatchNorm1d,
     WideBatchNorm2d,
@@ -26,6 +27,7 @@ from .norm import (
 __all__ = [
     "WideBatchNorm1d", "WideBatchNorm2d", "WideBatchNorm3d", "WideConv1d", "WideConv2d", "WideConv3d",
     "WideConvTranspose1d", "WideConvTranspose2d", "WideConvTranspose3d", "WideEmbedding",
-    "WideEmbeddingBag", "WideGroupNorm", "WideInstanceNorm1d", "WideInstanceNorm2d",
-    "WideInstanceNorm3d", "WideLayerNorm", "WideLinear", "WidePReLU", "WideRMSNorm",
+    "WideEmbeddingBag", "WideGRU", "WideGRUCell", "WideGroupNorm", "WideInstanceNorm1d", "WideInstanceNorm2d",
+    "WideInstanceNorm3d", "WideLSTM", "WideLSTMCell", "WideLayerNorm", "WideLinear", "WidePReLU", "WideRMSNorm",
+    "WideRNN", "WideRNNCell",
 ]

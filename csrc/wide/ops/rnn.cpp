@@ -1,0 +1,348 @@
+#include "wide/ops/rnn.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/addcmul.h>
+#include <ATen/ops/baddbmm.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/dropout.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/ScalarType.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+// Note [wide::rnn]
+// ----------------
+// N independent recurrent networks (nn.LSTM / nn.GRU / nn.RNN with equal hyperparameters) run as
+// one operator: the time loop is shared, every step advances all N members at once.
+//
+// Layout. Everything is N-first. The input is [N, T, B, I] ([N, B, T, I] with batch_first), the
+// states [N, L*D, B, H_out] (h) and [N, L*D, B, H] (c, LSTM), and `params` is torch's
+// `_flat_weights` list with every entry stacked over members: per layer, per direction (forward
+// then reverse) w_ih [N, G*H, I_l], w_hh [N, G*H, H_out], then b_ih, b_hh [N, G*H] (has_biases),
+// then w_hr [N, proj_size, H] (LSTM with projections). G = 4 (LSTM: i, f, g, o), 3 (GRU: r, z, n)
+// or 1 (RNN). Results are laid out exactly as torch's, with N in front.
+//
+// Algorithm, per layer and direction:
+//  1. the input projection of ALL time steps is one batched GEMM over the member dim:
+//     [N, T*B, I_l] x [N, I_l, G*H] (baddbmm) with b_ih folded in, and for LSTM/RNN also b_hh
+//     (the sum b_ih + b_hh is added once). GRU keeps b_hh with the hidden projection, because its
+//     candidate gate needs r * (W_hn h + b_hn). Layer 0 is projected in the caller's memory order
+//     (a batch_first input is not transposed to time-major first; the result is viewed instead);
+//  2. per step t, one batched GEMM for the hidden projection: baddbmm(xw_t, h, W_hh^T) puts the
+//     step's input projection in the GEMM's accumulator (GRU: baddbmm(b_hh, h, W_hh^T)), then the
+//     gate math as ATen pointwise ops on [N, B, G*H] (chunk, sigmoid/tanh, addcmul), in torch's
+//     formulas (LSTM c' = f*c + i*g, h' = o*tanh(c'), projected h' = h' @ W_hr^T; GRU
+//     n = tanh(x_n + r*(W_hn h + b_hn)), h' = (h - n)*z + n; RNN h' = act(x + W_hh h));
+//  3. the reverse direction runs t = T-1 .. 0 and its outputs are stored at their own t, so both
+//     directions come out in time order; the per-step outputs are stacked once (no in-place writes
+//     into tensors that require grad), the directions concatenated on the feature dim.
+// Between layers (not after the last) the output goes through at::dropout in train mode, on the
+// N-first tensor: every member and element draws its own mask.
+//
+// The op is CompositeImplicitAutograd: backward through time is autograd's, exact per member
+// (members never mix: every GEMM is batched over N, every pointwise op is elementwise). The
+// per-step slices of the input projection come from ONE unbind (likewise the initial states):
+// its backward stacks the T gradients once, where T selects would each scatter into a zero
+// tensor of the full [N, T, B, G*H] size (O(T^2) memory traffic).
+// T is a concrete loop bound (torch.compile specialises on it, as for torch's own RNNs); N, B and
+// the feature sizes are SymInts.
+
+namespace wide {
+namespace {
+
+enum class Mode { LSTM, GRU, RNNTanh, RNNRelu };
+
+Mode parse_mode(std::string_view name, const char* op) {
+  if (name == "LSTM") return Mode::LSTM;
+  if (name == "GRU") return Mode::GRU;
+  if (name == "RNN_TANH") return Mode::RNNTanh;
+  if (name == "RNN_RELU") return Mode::RNNRelu;
+  TORCH_CHECK(false, op, ": expected mode 'LSTM', 'GRU', 'RNN_TANH' or 'RNN_RELU', got '",
+              std::string(name), "'");
+}
+
+int64_t gate_count(Mode mode) {
+  switch (mode) {
+    case Mode::LSTM: return 4;
+    case Mode::GRU: return 3;
+    default: return 1;
+  }
+}
+
+const char* mode_name(Mode mode) {
+  switch (mode) {
+    case Mode::LSTM: return "LSTM";
+    case Mode::GRU: return "GRU";
+    case Mode::RNNTanh: return "RNN_TANH";
+    case Mode::RNNRelu: return "RNN_RELU";
+  }
+  return "?";
+}
+
+// t has exactly the sizes `want` and the dtype and device of `like`; `what` names it in errors.
+void check_shape(const char* op, const at::Tensor& t, const std::vector<c10::SymInt>& want,
+                 const std::string& what, const char* pattern, const at::Tensor& like) {
+  bool ok = t.dim() == static_cast<int64_t>(want.size());
+  for (size_t d = 0; ok && d < want.size(); ++d) ok = t.sym_size(static_cast<int64_t>(d)) == want[d];
+  TORCH_CHECK(ok, op, ": expected ", what, " of shape ", pattern, " = ", c10::SymIntArrayRef(want),
+              ", got ", t.sym_sizes());
+  TORCH_CHECK(t.scalar_type() == like.scalar_type() && t.device() == like.device(), op,
+              ": expected ", what, " with the input's dtype and device (", like.scalar_type(), " on ",
+              like.device(), "), got ", t.scalar_type(), " on ", t.device());
+}
+
+// One step of N cells. xw [N, B, G*H]: this step's input projection, b_ih included (and b_hh for
+// LSTM/RNN); h [N, B, H_out]; c [N, B, H] (LSTM, else undefined); w_hh_t [N, H_out, G*H];
+// b_hh_gru [N, 1, G*H] (GRU with biases, else undefined); w_hr_t [N, H, proj] or undefined.
+struct State {
+  at::Tensor h, c;
+};
+
+State cell_step(Mode mode, const at::Tensor& xw, const at::Tensor& h, const at::Tensor& c,
+                const at::Tensor& w_hh_t, const at::Tensor& b_hh_gru, const at::Tensor& w_hr_t) {
+  switch (mode) {
+    case Mode::LSTM: {
+      const std::vector<at::Tensor> gates = at::baddbmm(xw, h, w_hh_t).chunk(4, 2);
+      const at::Tensor i = gates[0].sigmoid();
+      const at::Tensor f = gates[1].sigmoid();
+      const at::Tensor g = gates[2].tanh();
+      const at::Tensor o = gates[3].sigmoid();
+      const at::Tensor c_next = at::addcmul(f.mul(c), i, g);
+      at::Tensor h_next = o.mul(c_next.tanh());
+      if (w_hr_t.defined()) h_next = at::bmm(h_next, w_hr_t);
+      return {h_next, c_next};
+    }
+    case Mode::GRU: {
+      const at::Tensor hg = b_hh_gru.defined() ? at::baddbmm(b_hh_gru, h, w_hh_t) : at::bmm(h, w_hh_t);
+      const std::vector<at::Tensor> xs = xw.chunk(3, 2);
+      const std::vector<at::Tensor> hs = hg.chunk(3, 2);
+      const at::Tensor r = hs[0].add(xs[0]).sigmoid();
+      const at::Tensor z = hs[1].add(xs[1]).sigmoid();
+      const at::Tensor n = at::addcmul(xs[2], r, hs[2]).tanh();
+      return {at::addcmul(n, h.sub(n), z), at::Tensor()};
+    }
+    case Mode::RNNTanh: return {at::baddbmm(xw, h, w_hh_t).tanh(), at::Tensor()};
+    case Mode::RNNRelu: return {at::baddbmm(xw, h, w_hh_t).relu(), at::Tensor()};
+  }
+  TORCH_CHECK(false, "wide::rnn: unreachable mode");
+}
+
+// x [N, A, C, I] -> x @ w_ih^T + bias: [N, A, C, G*H], one batched GEMM over all A*C rows.
+at::Tensor project_input(const at::Tensor& x, const at::Tensor& w_ih, const at::Tensor& bias) {
+  const c10::SymInt n = x.sym_size(0), a = x.sym_size(1), c = x.sym_size(2);
+  const at::Tensor x2 = x.reshape_symint({n, a * c, x.sym_size(3)});
+  const at::Tensor wt = w_ih.transpose(1, 2);
+  const at::Tensor y = bias.defined() ? at::baddbmm(bias.unsqueeze(1), x2, wt) : at::bmm(x2, wt);
+  return y.view_symint({n, a, c, w_ih.sym_size(1)});
+}
+
+at::Tensor opt_sum(const std::optional<at::Tensor>& a, const std::optional<at::Tensor>& b) {
+  if (a.has_value() && b.has_value()) return a->add(*b);
+  if (a.has_value()) return *a;
+  if (b.has_value()) return *b;
+  return at::Tensor();
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_impl(
+    const at::Tensor& input, at::TensorList hx, at::TensorList params, std::string_view mode_str,
+    int64_t num_layers, bool bidirectional, bool batch_first, double dropout, bool train,
+    bool has_biases, int64_t proj_size) {
+  constexpr const char* op = "wide::rnn";
+  const Mode mode = parse_mode(mode_str, op);
+  TORCH_CHECK(proj_size >= 0, op, ": expected proj_size >= 0, got ", proj_size);
+  TORCH_CHECK(proj_size == 0 || mode == Mode::LSTM, op, ": expected proj_size = 0 for mode ",
+              mode_name(mode), " (projections are LSTM only), got ", proj_size);
+  TORCH_CHECK(num_layers >= 1, op, ": expected num_layers >= 1, got ", num_layers);
+  TORCH_CHECK(dropout >= 0 && dropout <= 1, op, ": expected dropout in [0, 1], got ", dropout);
+  TORCH_CHECK(input.dim() == 4, op, ": expected input of shape ",
+              batch_first ? "[N, B, T, I]" : "[N, T, B, I]", " (4 dims), got ", input.sym_sizes());
+  TORCH_CHECK(c10::isFloatingType(input.scalar_type()), op, ": expected a floating-point input, got ",
+              input.scalar_type());
+
+  const int64_t dirs = bidirectional ? 2 : 1;
+  const int64_t per_dir = 2 + (has_biases ? 2 : 0) + (proj_size > 0 ? 1 : 0);
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * dirs * per_dir, op, ": expected ",
+              num_layers * dirs * per_dir, " params (", num_layers, " layers x ", dirs,
+              " directions x ", per_dir, ": w_ih, w_hh", has_biases ? ", b_ih, b_hh" : "",
+              proj_size > 0 ? ", w_hr" : "", "), got ", params.size());
+  const int64_t seq_dim = batch_first ? 2 : 1, batch_dim = batch_first ? 1 : 2;
+  const int64_t steps = input.size(seq_dim);
+  TORCH_CHECK(steps > 0, op, ": expected sequence length > 0, got input ", input.sym_sizes());
+  const c10::SymInt n = input.sym_size(0), batch = input.sym_size(batch_dim);
+  const int64_t gates = gate_count(mode);
+  TORCH_CHECK(params[0].dim() == 3 && params[0].sym_size(1) % gates == 0, op,
+              ": expected layer 0 w_ih of shape [N, G*H, I] with G = ", gates, " for ",
+              mode_name(mode), ", got ", params[0].sym_sizes());
+  const c10::SymInt hidden = params[0].sym_size(1) / gates;
+  const c10::SymInt h_out = proj_size > 0 ? c10::SymInt(proj_size) : hidden;
+  const c10::SymInt gh = hidden * gates;
+
+  // Parameters, named as torch names them ("layer 1 reverse w_hh").
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const c10::SymInt in_l = l == 0 ? input.sym_size(3) : h_out * dirs;
+    for (int64_t d = 0; d < dirs; ++d) {
+      const std::string name = "layer " + std::to_string(l) + (d == 1 ? " reverse " : " ");
+      const at::Tensor* p = params.data() + (l * dirs + d) * per_dir;
+      check_shape(op, p[0], {n, gh, in_l}, name + "w_ih", "[N, G*H, I_l]", input);
+      check_shape(op, p[1], {n, gh, h_out}, name + "w_hh", "[N, G*H, H_out]", input);
+      if (has_biases) {
+        check_shape(op, p[2], {n, gh}, name + "b_ih", "[N, G*H]", input);
+        check_shape(op, p[3], {n, gh}, name + "b_hh", "[N, G*H]", input);
+      }
+      if (proj_size > 0) check_shape(op, p[per_dir - 1], {n, proj_size, hidden}, name + "w_hr", "[N, proj_size, H]", input);
+    }
+  }
+  const int64_t states = mode == Mode::LSTM ? 2 : 1;
+  TORCH_CHECK(hx.empty() || static_cast<int64_t>(hx.size()) == states, op, ": expected hx ",
+              mode == Mode::LSTM ? "[h0, c0]" : "[h0]", " or an empty list (zeros) for mode ",
+              mode_name(mode), ", got ", hx.size(), " tensors");
+
+  // Initial states per layer and direction, [N, B, H_out] / [N, B, H].
+  std::vector<at::Tensor> h0s, c0s;
+  if (hx.empty()) {
+    const at::Tensor h0 = at::zeros_symint({n, batch, h_out}, input.options());
+    h0s.assign(num_layers * dirs, h0);
+    if (mode == Mode::LSTM) {
+      c0s.assign(num_layers * dirs, proj_size > 0 ? at::zeros_symint({n, batch, hidden}, input.options()) : h0);
+    }
+  } else {
+    check_shape(op, hx[0], {n, c10::SymInt(num_layers * dirs), batch, h_out}, "h0", "[N, L*D, B, H_out]", input);
+    h0s = hx[0].unbind(1);
+    if (mode == Mode::LSTM) {
+      check_shape(op, hx[1], {n, c10::SymInt(num_layers * dirs), batch, hidden}, "c0", "[N, L*D, B, H]", input);
+      c0s = hx[1].unbind(1);
+    }
+  }
+
+  std::vector<at::Tensor> h_n, c_n;
+  at::Tensor layer_in = input;  // layer 0 in the caller's layout, later layers time-major
+  bool in_batch_first = batch_first;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    std::vector<at::Tensor> dir_outs;
+    for (int64_t d = 0; d < dirs; ++d) {
+      const int64_t k = l * dirs + d;
+      const at::Tensor* p = params.data() + k * per_dir;
+      const at::Tensor& w_ih = p[0];
+      const at::Tensor w_hh_t = p[1].transpose(1, 2);
+      const at::Tensor w_hr_t = proj_size > 0 ? p[per_dir - 1].transpose(1, 2) : at::Tensor();
+      at::Tensor x_bias, b_hh_gru;
+      if (has_biases) {
+        x_bias = mode == Mode::GRU ? p[2] : p[2].add(p[3]);
+        if (mode == Mode::GRU) b_hh_gru = p[3].unsqueeze(1);
+      }
+      at::Tensor xw = project_input(layer_in, w_ih, x_bias);  // [N, A, C, G*H]
+      if (in_batch_first) xw = xw.transpose(1, 2);             // [N, T, B, G*H]
+      const std::vector<at::Tensor> xw_steps = xw.unbind(1);
+
+      at::Tensor h = h0s[k];
+      at::Tensor c = mode == Mode::LSTM ? c0s[k] : at::Tensor();
+      std::vector<at::Tensor> outs(steps);
+      for (int64_t s = 0; s < steps; ++s) {
+        const int64_t t = d == 0 ? s : steps - 1 - s;
+        State next = cell_step(mode, xw_steps[t], h, c, w_hh_t, b_hh_gru, w_hr_t);
+        h = std::move(next.h);
+        c = std::move(next.c);
+        outs[t] = h;
+      }
+      h_n.push_back(h);
+      if (mode == Mode::LSTM) c_n.push_back(c);
+      dir_outs.push_back(at::stack(outs, 1));  // [N, T, B, H_out]
+    }
+    at::Tensor layer_out = dirs == 2 ? at::cat(dir_outs, 3) : dir_outs[0];
+    if (train && dropout > 0 && l + 1 < num_layers) layer_out = at::dropout(layer_out, dropout, true);
+    layer_in = std::move(layer_out);
+    in_batch_first = false;
+  }
+  at::Tensor output = batch_first ? layer_in.transpose(1, 2) : layer_in;
+  std::vector<at::Tensor> final_states{at::stack(h_n, 1)};
+  if (mode == Mode::LSTM) final_states.push_back(at::stack(c_n, 1));
+  return {std::move(output), std::move(final_states)};
+}
+
+std::vector<at::Tensor> rnn_cell_impl(const at::Tensor& input, at::TensorList hx, const at::Tensor& w_ih,
+                                      const at::Tensor& w_hh, const std::optional<at::Tensor>& b_ih,
+                                      const std::optional<at::Tensor>& b_hh, std::string_view mode_str) {
+  constexpr const char* op = "wide::rnn_cell";
+  const Mode mode = parse_mode(mode_str, op);
+  TORCH_CHECK(input.dim() == 2 || input.dim() == 3, op, ": expected input of shape [N, B, I] or [N, I], got ",
+              input.sym_sizes());
+  TORCH_CHECK(c10::isFloatingType(input.scalar_type()), op, ": expected a floating-point input, got ",
+              input.scalar_type());
+  const bool batched = input.dim() == 3;
+  const int64_t gates = gate_count(mode);
+  TORCH_CHECK(w_ih.dim() == 3 && w_ih.sym_size(1) % gates == 0, op,
+              ": expected w_ih of shape [N, G*H, I] with G = ", gates, " for ", mode_name(mode), ", got ",
+              w_ih.sym_sizes());
+  const c10::SymInt n = input.sym_size(0), gh = w_ih.sym_size(1), hidden = gh / gates;
+  check_shape(op, w_ih, {n, gh, input.sym_size(-1)}, "w_ih", "[N, G*H, I]", input);
+  check_shape(op, w_hh, {n, gh, hidden}, "w_hh", "[N, G*H, H]", input);
+  if (b_ih.has_value()) check_shape(op, *b_ih, {n, gh}, "b_ih", "[N, G*H]", input);
+  if (b_hh.has_value()) check_shape(op, *b_hh, {n, gh}, "b_hh", "[N, G*H]", input);
+  const size_t states = mode == Mode::LSTM ? 2 : 1;
+  TORCH_CHECK(hx.empty() || hx.size() == states, op, ": expected hx ", mode == Mode::LSTM ? "[h, c]" : "[h]",
+              " or an empty list (zeros) for mode ", mode_name(mode), ", got ", hx.size(), " tensors");
+
+  const at::Tensor x = batched ? input : input.unsqueeze(1);  // [N, B, I]
+  const c10::SymInt batch = x.sym_size(1);
+  std::vector<c10::SymInt> state_shape{n, batch, hidden};
+  const char* pattern = "[N, B, H]";
+  if (!batched) {
+    state_shape.erase(state_shape.begin() + 1);
+    pattern = "[N, H]";
+  }
+  at::Tensor h, c;
+  if (hx.empty()) {
+    h = at::zeros_symint({n, batch, hidden}, input.options());
+    if (mode == Mode::LSTM) c = h;
+  } else {
+    check_shape(op, hx[0], state_shape, "h", pattern, input);
+    h = batched ? hx[0] : hx[0].unsqueeze(1);
+    if (mode == Mode::LSTM) {
+      check_shape(op, hx[1], state_shape, "c", pattern, input);
+      c = batched ? hx[1] : hx[1].unsqueeze(1);
+    }
+  }
+
+  const at::Tensor x_bias = mode == Mode::GRU ? (b_ih.has_value() ? *b_ih : at::Tensor()) : opt_sum(b_ih, b_hh);
+  const at::Tensor b_hh_gru = mode == Mode::GRU && b_hh.has_value() ? b_hh->unsqueeze(1) : at::Tensor();
+  const at::Tensor wt = w_ih.transpose(1, 2);
+  const at::Tensor xw = x_bias.defined() ? at::baddbmm(x_bias.unsqueeze(1), x, wt) : at::bmm(x, wt);
+  State next = cell_step(mode, xw, h, c, w_hh.transpose(1, 2), b_hh_gru, at::Tensor());
+  std::vector<at::Tensor> result{batched ? next.h : next.h.squeeze(1)};
+  if (mode == Mode::LSTM) result.push_back(batched ? next.c : next.c.squeeze(1));
+  return result;
+}
+
+} // namespace
+
+std::tuple<at::Tensor, std::vector<at::Tensor>> rnn(const at::Tensor& input, at::TensorList hx,
+                                                    at::TensorList params, std::string_view mode,
+                                                    int64_t num_layers, bool bidirectional,
+                                                    bool batch_first, double dropout, bool train,
+                                                    bool has_biases, int64_t proj_size) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::rnn", "")
+                       .typed<decltype(rnn)>();
+  return op.call(input, hx, params, mode, num_layers, bidirectional, batch_first, dropout, train,
+                 has_biases, proj_size);
+}
+
+std::vector<at::Tensor> rnn_cell(const at::Tensor& input, at::TensorList hx, const at::Tensor& w_ih,
+                                 const at::Tensor& w_hh, const std::optional<at::Tensor>& b_ih,
+                                 const std::optional<at::Tensor>& b_hh, std::string_view mode) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::rnn_cell", "")
+                       .typed<decltype(rnn_cell)>();
+  return op.call(input, hx, w_ih, w_hh, b_ih, b_hh, mode);
+}
+
+} // namespace wide
+
+TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
+  m.impl("rnn", &wide::rnn_impl);
+  m.impl("rnn_cell", &wide::rnn_cell_impl);
+}

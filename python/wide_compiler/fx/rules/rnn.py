@@ -1,0 +1,95 @@
+"""Widen rules: recurrent layers and cells -> torch.ops.wide.rnn / wide.rnn_cell.
+
+``nn.LSTM``/``nn.GRU``/``nn.RNN`` reach the graph as ``aten.lstm.input``/``gru.input``/
+``rnn_tanh.input``/``rnn_relu.input`` with the member's flat weights (``_flat_weights`` order:
+per layer, per direction, ``w_ih, w_hh[, b_ih, b_hh][, w_hr]``) and an always-batched input
+(the module unsqueezes unbatched ones). The wide op runs ONE time loop for all N members (Note
+[wide::rnn] in csrc/wide/ops/rnn.cpp): N-first input ``[N, T, B, I]``, stacked weights, states
+``[N, L*D, B, H]``; a state every member shares (the zeros the module makes when none is given)
+is expanded with stride 0. The cells (``lstm_cell``, ``gru_cell``, ``rnn_*_cell``) become
+``wide.rnn_cell``, so hand-written time loops fuse too.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from ..table import rule
+from ..widen import Wide, WidenContext, member_rank
+
+aten = torch.ops.aten
+wide = torch.ops.wide
+
+_MODES = {aten.lstm.input: "LSTM", aten.gru.input: "GRU", aten.rnn_tanh.input: "RNN_TANH",
+          aten.rnn_relu.input: "RNN_RELU", aten.lstm_cell.default: "LSTM", aten.gru_cell.default: "GRU",
+          aten.rnn_tanh_cell.default: "RNN_TANH", aten.rnn_relu_cell.default: "RNN_RELU"}
+
+
+def _wide_list(ctx: WidenContext, node: fx.Node, olds, what: str) -> list[fx.Node]:
+    out = []
+    for k, old in enumerate(olds):
+        v = ctx.value(old)
+        if not isinstance(old, fx.Node):
+            raise ctx.fail(node, f"{what} {k} is not a tensor")
+        out.append(ctx.as_wide(v, member_rank(old), node).node)
+    return out
+
+
+def _proj_size(node: fx.Node, params: list, num_layers: int, directions: int, has_biases: bool) -> int:
+    """LSTM projections show up as a fifth (third without biases) weight per layer and direction."""
+    per = len(params) // (num_layers * directions)
+    return int(params[per - 1].meta["val"].shape[0]) if per == (5 if has_biases else 3) else 0
+
+
+@rule(aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input)
+def _rnn(ctx: WidenContext, node: fx.Node):
+    a = ctx.schema_args(node)
+    mode = _MODES[node.target]
+    x_old = node.args[0]
+    if member_rank(x_old) != 3:
+        raise ctx.fail(node, f"expected a batched member input of 3 dims, got {member_rank(x_old)}")
+    if ctx.is_wide([a["has_biases"], a["num_layers"], a["dropout"], a["train"], a["bidirectional"],
+                    a["batch_first"]]):
+        raise ctx.fail(node, "a per-member RNN option")
+    hx_old = node.args[1] if mode == "LSTM" else [node.args[1]]
+    params_old = list(node.args[2])
+    x = ctx.as_wide(a["input"], 3, node).node
+    hx = _wide_list(ctx, node, hx_old, "state")
+    params = _wide_list(ctx, node, params_old, "weight")
+    directions = 2 if a["bidirectional"] else 1
+    proj = _proj_size(node, params_old, a["num_layers"], directions, a["has_biases"]) if mode == "LSTM" else 0
+    out = ctx.emit(wide.rnn.default, (x, hx, params, mode, a["num_layers"], a["bidirectional"], a["batch_first"],
+                                      a["dropout"], a["train"], a["has_biases"], proj), like=node)
+    out.meta["wide_op"] = "wide.rnn"
+    out.meta["wide_shapes"] = {"input": [str(s) for s in x_old.meta["val"].shape], "mode": mode,
+                               "layers": a["num_layers"], "bidirectional": a["bidirectional"]}
+    output = ctx.emit(operator.getitem, (out, 0), like=node)
+    states = ctx.emit(operator.getitem, (out, 1), like=node)
+    ranks = [v.dim() for v in node.meta["val"]]
+    items = [Wide(output, ranks[0])]
+    for k in range(len(ranks) - 1):
+        items.append(Wide(ctx.emit(operator.getitem, (states, k), like=node), ranks[k + 1]))
+    return tuple(items)
+
+
+@rule(aten.lstm_cell.default, aten.gru_cell.default, aten.rnn_tanh_cell.default, aten.rnn_relu_cell.default)
+def _cell(ctx: WidenContext, node: fx.Node):
+    a = ctx.schema_args(node)
+    mode = _MODES[node.target]
+    rank = member_rank(node.args[0])
+    if rank != 2:
+        raise ctx.fail(node, f"expected a batched member input [B, I], got {rank} dims")
+    hx_old = node.args[1] if mode == "LSTM" else [node.args[1]]
+    x = ctx.as_wide(a["input"], 2, node).node
+    hx = _wide_list(ctx, node, hx_old, "state")
+    w_ih, w_hh = (ctx.as_wide(a[k], 2, node).node for k in ("w_ih", "w_hh"))
+    b_ih, b_hh = (ctx.as_wide(a[k], 1, node).node if a[k] is not None else None for k in ("b_ih", "b_hh"))
+    out = ctx.emit(wide.rnn_cell.default, (x, hx, w_ih, w_hh, b_ih, b_hh), {"mode": mode}, like=node)
+    out.meta["wide_op"] = "wide.rnn_cell"
+    out.meta["wide_shapes"] = {"input": [str(s) for s in node.args[0].meta["val"].shape], "mode": mode}
+    if mode == "LSTM":
+        return tuple(Wide(ctx.emit(operator.getitem, (out, k), like=node, name=None), 2) for k in range(2))
+    return Wide(ctx.emit(operator.getitem, (out, 0), like=node, name=node.name), 2)

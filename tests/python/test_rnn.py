@@ -1,0 +1,179 @@
+"""Recurrent models: nn.LSTM / nn.GRU / nn.RNN with every option and their cells, through
+compile(strict=True) and as hand-built wide modules, member by member (wide_compiler.testing)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import wide_compiler as wc
+from torch import nn
+from wide_compiler.testing import assert_members_close, check_compile, check_equivalence, make_members
+
+FAST = wc.WideConfig.fast()
+
+# (module class, kwargs): every option appears at least once
+CONFIGS = [
+    (nn.LSTM, {}),
+    (nn.LSTM, {"num_layers": 2, "bidirectional": True}),
+    (nn.LSTM, {"batch_first": True, "bias": False}),
+    (nn.LSTM, {"proj_size": 3, "num_layers": 2}),
+    (nn.LSTM, {"proj_size": 2, "bidirectional": True, "batch_first": True}),
+    (nn.GRU, {}),
+    (nn.GRU, {"num_layers": 2, "bidirectional": True, "batch_first": True}),
+    (nn.GRU, {"bias": False, "num_layers": 3}),
+    (nn.RNN, {}),
+    (nn.RNN, {"nonlinearity": "relu", "num_layers": 2, "bidirectional": True}),
+    (nn.RNN, {"batch_first": True, "bias": False}),
+]
+IDS = [f"{cls.__name__}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'default'}" for cls, kw in CONFIGS]
+
+
+class Seq(nn.Module):
+    """An RNN layer with a head, returning the output and the final states as torch does."""
+
+    def __init__(self, cls, **kw):
+        super().__init__()
+        self.rnn = cls(4, 6, **kw)
+        self.batch_first = kw.get("batch_first", False)
+
+    def forward(self, x, h0=None):
+        out, h = self.rnn(x, h0)
+        return out * 2, h
+
+
+def _sample(batch_first: bool, t: int = 5, b: int = 3) -> torch.Tensor:
+    return torch.randn(b, t, 4) if batch_first else torch.randn(t, b, 4)
+
+
+@pytest.mark.parametrize("cls,kw", CONFIGS, ids=IDS)
+def test_rnn_layers_match_their_members(cls, kw):
+    models = make_members(lambda: Seq(cls, **kw), 3)
+    # own and shared inputs, train and eval, outputs, states, input and parameter gradients
+    check_compile(models, _sample(kw.get("batch_first", False)), strict=True, config=FAST)
+
+
+@pytest.mark.parametrize("cls,kw", [CONFIGS[1], CONFIGS[4], CONFIGS[6], CONFIGS[9]],
+                         ids=[IDS[1], IDS[4], IDS[6], IDS[9]])
+def test_initial_states_given(cls, kw):
+    models = make_members(lambda: Seq(cls, **kw), 3)
+    m = models[0].rnn
+    d = 2 if m.bidirectional else 1
+    h_out = m.proj_size or m.hidden_size
+    h0 = torch.randn(m.num_layers * d, 3, h_out)
+    sample = (_sample(m.batch_first), (h0, torch.randn(m.num_layers * d, 3, m.hidden_size)) if cls is nn.LSTM else h0)
+    check_compile(models, sample, strict=True, config=FAST, modes=("train",))
+
+
+def test_unbatched_member_inputs():
+    models = make_members(lambda: Seq(nn.LSTM, num_layers=2), 3)
+    check_compile(models, torch.randn(5, 4), strict=True, config=FAST, modes=("eval",))
+
+
+def test_dropout_between_layers_draws_per_member():
+    models = make_members(lambda: Seq(nn.GRU, num_layers=2, dropout=0.5), 3)
+    wide = wc.compile(models, torch.randn(5, 3, 4), strict=True, config=FAST)
+    x = torch.randn(5, 3, 4)
+    out, _ = wide(x.expand(3, *x.shape))
+    assert not torch.allclose(out[0], out[1])  # shared input, independent masks
+    wide.eval()
+    for m in models:
+        m.eval()
+    out, h = wide(x.expand(3, *x.shape))
+    assert_members_close(out, [m(x)[0] for m in models])
+
+
+class CellLoop(nn.Module):
+    """A hand-written time loop over a cell (the seq2seq decoder pattern)."""
+
+    def __init__(self, cls):
+        super().__init__()
+        self.cell = cls(4, 6)
+        self.head = nn.Linear(6, 2)
+        self.lstm = cls is nn.LSTMCell
+
+    def forward(self, x):  # x [T, B, 4]
+        state = None
+        outs = []
+        for t in range(x.shape[0]):
+            state = self.cell(x[t], state)
+            outs.append(self.head(state[0] if self.lstm else state))
+        return torch.stack(outs)
+
+
+@pytest.mark.parametrize("cls", [nn.LSTMCell, nn.GRUCell, nn.RNNCell])
+def test_cell_loops_fuse(cls):
+    models = make_members(lambda: CellLoop(cls), 3)
+    wide, _ = check_compile(models, torch.randn(4, 2, 4), strict=True, config=FAST)
+    assert "wide.rnn_cell" in wide.summary()
+
+
+def test_relu_cell_and_unbatched_cell():
+    models = make_members(lambda: nn.RNNCell(4, 5, nonlinearity="relu"), 3)
+    check_compile(models, torch.randn(2, 4), strict=True, config=FAST)
+    models = make_members(lambda: nn.GRUCell(4, 5), 3)
+    check_compile(models, torch.randn(4), strict=True, config=FAST, modes=("eval",))
+
+
+class Tagger(nn.Module):
+    """A 2-layer bidirectional LSTM tagger: embedding -> LSTM -> per-step classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.lstm = nn.LSTM(8, 12, num_layers=2, bidirectional=True, batch_first=True)
+        self.out = nn.Linear(24, 5)
+
+    def forward(self, tokens):
+        h, _ = self.lstm(self.emb(tokens))
+        return self.out(h).log_softmax(-1)
+
+
+def test_lstm_tagger_trains_like_its_members():
+    models = make_members(Tagger, 4)
+    tokens = torch.randint(0, 20, (3, 7))
+    wide, _ = check_compile(models, tokens, strict=True, config=FAST, shared=(True,))
+    assert not wide.fallbacks
+
+
+# --- hand-built modules ----------------------------------------------------------------------
+@pytest.mark.parametrize("cls,kw", CONFIGS, ids=IDS)
+def test_wide_modules_from_modules_and_unfuse(cls, kw):
+    members = make_members(lambda: cls(4, 6, **kw), 3)
+    wide_cls = {nn.LSTM: wc.nn.WideLSTM, nn.GRU: wc.nn.WideGRU, nn.RNN: wc.nn.WideRNN}[cls]
+    wide = wide_cls.from_modules(members)
+    x = [_sample(kw.get("batch_first", False)) for _ in range(3)]
+    check_equivalence(wide, members, x)
+    back = wide.unfuse()
+    for m, b in zip(members, back):
+        for (name, p), (_, q) in zip(m.named_parameters(), b.named_parameters()):
+            assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("cls", [nn.LSTMCell, nn.GRUCell, nn.RNNCell])
+def test_wide_cells(cls):
+    members = make_members(lambda: cls(4, 6), 3)
+    wide = {nn.LSTMCell: wc.nn.WideLSTMCell, nn.GRUCell: wc.nn.WideGRUCell, nn.RNNCell: wc.nn.WideRNNCell}[cls]
+    check_equivalence(wide.from_modules(members), members, [torch.randn(2, 4) for _ in range(3)])
+
+
+# --- bad input ---------------------------------------------------------------------------------
+def test_members_that_differ_are_refused_by_configuration():
+    with pytest.raises(wc.ArchitectureMismatchError, match=r"member 1: (rnn\.)?batch_first is True, member 0 has False"):
+        wc.compile([Seq(nn.GRU), Seq(nn.GRU, batch_first=True)], torch.randn(5, 3, 4), config=FAST)
+    with pytest.raises(wc.ArchitectureMismatchError, match="member 1: expected LSTM, got GRU"):
+        wc.nn.WideLSTM.from_modules([nn.LSTM(4, 6), nn.GRU(4, 6)])
+
+
+def test_packed_sequences_get_a_clear_error():
+    wide = wc.nn.WideGRU.from_modules([nn.GRU(4, 6) for _ in range(2)])
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(5, 2, 4), [5, 3])
+    with pytest.raises(TypeError, match="PackedSequence inputs are not supported"):
+        wide(packed)
+
+
+def test_wrong_state_shapes_name_what_is_wrong():
+    wide = wc.nn.WideLSTM.from_modules([nn.LSTM(4, 6) for _ in range(2)])
+    x = torch.randn(2, 5, 3, 4)
+    with pytest.raises(RuntimeError, match="wide::rnn"):
+        wide(x, (torch.zeros(3, 1, 3, 6), torch.zeros(3, 1, 3, 6)))  # N=3 states for 2 members
+    with pytest.raises(RuntimeError, match="wide::rnn"):
+        wide(x.long())
