@@ -59,9 +59,11 @@ TORCH_LIBRARY(wide, m) {
   // all members. input [N, T, B, I] ([N, B, T, I] if batch_first); hx [h0] or [h0, c0] (LSTM) with
   // h0 [N, L*D, B, H_out], c0 [N, L*D, B, H], or empty for zeros; params: torch's _flat_weights
   // stacked over members (per layer and direction: w_ih, w_hh[, b_ih, b_hh][, w_hr]). Returns
-  // (output [N, T, B, D*H_out], [h_n] or [h_n, c_n]), batch_first as the input.
+  // (output [N, T, B, D*H_out], [h_n] or [h_n, c_n]), batch_first as the input. strategy: "auto" |
+  // "fused" (one time loop for all members) | "loop" (ATen's recurrent op per member, stacked).
   m.def("rnn(Tensor input, Tensor[] hx, Tensor[] params, str mode, int num_layers, bool bidirectional, "
-        "bool batch_first, float dropout, bool train, bool has_biases, int proj_size=0) -> (Tensor, Tensor[])");
+        "bool batch_first, float dropout, bool train, bool has_biases, int proj_size=0, *, "
+        "str strategy=\"auto\") -> (Tensor, Tensor[])");
   // One step of N LSTMCell / GRUCell / RNNCell: input [N, B, I] or [N, I]; hx [h] or [h, c] (empty
   // for zeros); w_ih [N, G*H, I], w_hh [N, G*H, H], biases [N, G*H]. Returns [h'] or [h', c'].
   m.def("rnn_cell(Tensor input, Tensor[] hx, Tensor w_ih, Tensor w_hh, Tensor? b_ih=None, "

@@ -215,17 +215,20 @@ def embedding_bag(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Tens
 
 def rnn(input: torch.Tensor, hx: Sequence[torch.Tensor], params: Sequence[torch.Tensor], mode: str,
         num_layers: int = 1, bidirectional: bool = False, batch_first: bool = False, dropout: float = 0.0,
-        train: bool = False, has_biases: bool = True, proj_size: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        train: bool = False, has_biases: bool = True, proj_size: int = 0, *,
+        strategy: str = "auto") -> tuple[torch.Tensor, list[torch.Tensor]]:
     """N ``nn.LSTM``/``GRU``/``RNN`` (``mode`` ``"LSTM"``, ``"GRU"``, ``"RNN_TANH"``, ``"RNN_RELU"``) in one
     time loop. ``input`` ``[N, T, B, I]`` (``[N, B, T, I]`` batch-first, ``[N, T, I]`` for unbatched
     members); ``hx`` ``[h0]`` or ``[h0, c0]`` each ``[N, L*D, B, H]`` (``[N, L*D, H]`` unbatched), or
-    empty for zeros; ``params`` the stacked ``_flat_weights``. Returns ``(output, [h_n(, c_n)])``."""
+    empty for zeros; ``params`` the stacked ``_flat_weights``. Returns ``(output, [h_n(, c_n)])``.
+    ``strategy``: ``"fused"`` (= ``"auto"``: one time loop for all members) or ``"loop"``
+    (ATen's recurrent op, e.g. oneDNN's fused LSTM, per member)."""
     unbatched = input.dim() == 3
     if unbatched:
         input = input.unsqueeze(1 if batch_first else 2)
         hx = [h.unsqueeze(2) for h in hx]
     out, states = wide.rnn(input, list(hx), list(params), mode, num_layers, bidirectional, batch_first, dropout,
-                           train, has_biases, proj_size)
+                           train, has_biases, proj_size, strategy=strategy)
     if unbatched:
         out, states = out.squeeze(1 if batch_first else 2), [h.squeeze(2) for h in states]
     return out, list(states)

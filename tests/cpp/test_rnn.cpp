@@ -53,6 +53,7 @@ struct Config {
   int64_t layers;
   bool bidirectional, batch_first, biases, hx_given;
   int64_t proj;
+  std::string strategy = "fused";
   int64_t dirs() const { return bidirectional ? 2 : 1; }
   int64_t h_out() const { return proj > 0 ? proj : kH; }
 };
@@ -125,11 +126,11 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> run(const Config& c, const at::T
                                                     const std::vector<at::Tensor>& params,
                                                     double dropout = 0, bool train = false) {
   return wide::rnn(x, hx, params, c.mode, c.layers, c.bidirectional, c.batch_first, dropout, train,
-                   c.biases, c.proj);
+                   c.biases, c.proj, c.strategy);
 }
 
-// mode, layers, bidirectional, batch_first, has_biases, hx given, proj_size (LSTM only)
-using Case = std::tuple<std::string, int64_t, bool, bool, bool, bool, int64_t>;
+// mode, layers, bidirectional, batch_first, has_biases, hx given, proj_size (LSTM only), strategy
+using Case = std::tuple<std::string, int64_t, bool, bool, bool, bool, int64_t, std::string>;
 
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
@@ -139,16 +140,17 @@ std::vector<Case> all_cases() {
         for (bool bf : {false, true})
           for (bool biases : {false, true})
             for (bool hx : {false, true})
-              for (int64_t proj : {0, 3}) {
-                if (proj > 0 && std::string(mode) != "LSTM") continue;
-                cases.emplace_back(mode, layers, bidir, bf, biases, hx, proj);
-              }
+              for (int64_t proj : {0, 3})
+                for (const char* strategy : {"fused", "loop"}) {
+                  if (proj > 0 && std::string(mode) != "LSTM") continue;
+                  cases.emplace_back(mode, layers, bidir, bf, biases, hx, proj, strategy);
+                }
   return cases;
 }
 
 Config config(const Case& k) {
-  const auto& [mode, layers, bidir, bf, biases, hx, proj] = k;
-  return Config{mode, layers, bidir, bf, biases, hx, proj};
+  const auto& [mode, layers, bidir, bf, biases, hx, proj, strategy] = k;
+  return Config{mode, layers, bidir, bf, biases, hx, proj, strategy};
 }
 
 class WideRnnTest : public ::testing::TestWithParam<Case> {};
@@ -197,7 +199,7 @@ INSTANTIATE_TEST_SUITE_P(Grid, WideRnnTest, ::testing::ValuesIn(all_cases()),
                            return c.mode + "_L" + std::to_string(c.layers) +
                                   (c.bidirectional ? "_bidir" : "_uni") +
                                   (c.batch_first ? "_bf" : "_tf") + (c.biases ? "_bias" : "_nobias") +
-                                  (c.hx_given ? "_hx" : "_nohx") + "_proj" + std::to_string(c.proj);
+                                  (c.hx_given ? "_hx" : "_nohx") + "_proj" + std::to_string(c.proj) + "_" + c.strategy;
                          });
 
 TEST(WideRnn, DropoutInTrainMode) {
@@ -274,7 +276,7 @@ TEST(WideRnn, CppApiMatchesDispatcher) {
   for (const auto& p : make_params(c)) params.push_back(p.detach());
   for (const auto& h : make_hx(c)) hx.push_back(h.detach());
   const at::Tensor boxed = call_boxed("wide::rnn", x, hx, params, std::string("GRU"), int64_t{2}, true, false,
-                                      0.0, false, true, int64_t{0})
+                                      0.0, false, true, int64_t{0}, std::string("auto"))
                                .toTensor();
   EXPECT_TRUE(at::allclose(std::get<0>(run(c, x, hx, params)), boxed, kTol, kTol));
 }
@@ -291,6 +293,8 @@ TEST(WideRnn, Errors) {
   for (const auto& p : make_params(c)) params.push_back(p.detach());
   for (const auto& h : make_hx(c)) hx.push_back(h.detach());
 
+  expect_error([&] { wide::rnn(x, hx, params, "LSTM", 2, true, false, 0, false, true, 0, "winograd"); },
+               "wide::rnn: expected strategy \"auto\", \"fused\" or \"loop\", got \"winograd\"");
   expect_error([&] { wide::rnn(x, hx, params, "LSMT", 2, true, false, 0, false, true, 0); },
                "wide::rnn: expected mode 'LSTM', 'GRU', 'RNN_TANH' or 'RNN_RELU', got 'LSMT'");
   expect_rnn_error(c, x, hx, std::vector<at::Tensor>(params.begin(), params.end() - 1),

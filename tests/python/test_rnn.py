@@ -177,3 +177,22 @@ def test_wrong_state_shapes_name_what_is_wrong():
         wide(x, (torch.zeros(3, 1, 3, 6), torch.zeros(3, 1, 3, 6)))  # N=3 states for 2 members
     with pytest.raises(RuntimeError, match="wide::rnn"):
         wide(x.long())
+
+
+@pytest.mark.parametrize("cls,kw", [CONFIGS[1], CONFIGS[4], CONFIGS[7], CONFIGS[9]],
+                         ids=[IDS[1], IDS[4], IDS[7], IDS[9]])
+def test_loop_strategy_matches_members(cls, kw):
+    members = make_members(lambda: cls(4, 6, **kw), 3)
+    wide_cls = {nn.LSTM: wc.nn.WideLSTM, nn.GRU: wc.nn.WideGRU, nn.RNN: wc.nn.WideRNN}[cls]
+    check_equivalence(wide_cls.from_modules(members, strategy="loop"), members,
+                      [_sample(kw.get("batch_first", False)) for _ in range(3)])
+    with pytest.raises(ValueError, match="expected strategy in"):
+        wide_cls.from_modules(members, strategy="winograd")
+
+
+@pytest.mark.parametrize("strategy", ["fused", "loop"])
+def test_compiled_with_a_forced_strategy(strategy):
+    models = make_members(lambda: Seq(nn.LSTM, num_layers=2), 3)
+    wide, _ = check_compile(models, _sample(False), strict=True, config=FAST.replace(strategy=strategy),
+                            modes=("train",), shared=(False,))
+    assert set(wide.strategies.values()) == {strategy}

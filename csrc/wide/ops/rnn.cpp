@@ -6,6 +6,10 @@
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/dropout.h>
+#include <ATen/ops/gru.h>
+#include <ATen/ops/lstm.h>
+#include <ATen/ops/rnn_relu.h>
+#include <ATen/ops/rnn_tanh.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/ScalarType.h>
@@ -147,12 +151,73 @@ at::Tensor opt_sum(const std::optional<at::Tensor>& a, const std::optional<at::T
   return at::Tensor();
 }
 
+// Strategy "loop": ATen's own recurrent op per member (oneDNN's fused LSTM kernel on CPU, cuDNN
+// on CUDA), stacked. unbind, not select: its backward stacks the N gradients once.
+std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_loop(
+    Mode mode, const at::Tensor& input, at::TensorList hx, at::TensorList params, int64_t num_layers,
+    bool bidirectional, bool batch_first, double dropout, bool train, bool has_biases,
+    const c10::SymInt& h_out, const c10::SymInt& hidden, const c10::SymInt& batch) {
+  const int64_t members = input.size(0), dirs = bidirectional ? 2 : 1;
+  const std::vector<at::Tensor> xs = input.unbind(0);
+  std::vector<std::vector<at::Tensor>> ps(members), states(members);
+  for (const at::Tensor& p : params) {
+    auto slices = p.unbind(0);
+    for (int64_t m = 0; m < members; ++m) ps[m].push_back(slices[m]);
+  }
+  const int64_t k = mode == Mode::LSTM ? 2 : 1;
+  for (int64_t j = 0; j < k; ++j) {
+    std::vector<at::Tensor> slices;
+    if (hx.empty()) {
+      const at::Tensor zero = at::zeros_symint({c10::SymInt(num_layers * dirs), batch, j == 0 ? h_out : hidden},
+                                               input.options());
+      slices.assign(members, zero);
+    } else {
+      slices = hx[j].unbind(0);
+    }
+    for (int64_t m = 0; m < members; ++m) states[m].push_back(slices[m]);
+  }
+  std::vector<at::Tensor> outs, hs, cs;
+  for (int64_t m = 0; m < members; ++m) {
+    switch (mode) {
+      case Mode::LSTM: {
+        auto [o, h, c] = at::lstm(xs[m], states[m], ps[m], has_biases, num_layers, dropout, train,
+                                  bidirectional, batch_first);
+        outs.push_back(o), hs.push_back(h), cs.push_back(c);
+        break;
+      }
+      case Mode::GRU: {
+        auto [o, h] = at::gru(xs[m], states[m][0], ps[m], has_biases, num_layers, dropout, train,
+                              bidirectional, batch_first);
+        outs.push_back(o), hs.push_back(h);
+        break;
+      }
+      case Mode::RNNTanh: {
+        auto [o, h] = at::rnn_tanh(xs[m], states[m][0], ps[m], has_biases, num_layers, dropout, train,
+                                   bidirectional, batch_first);
+        outs.push_back(o), hs.push_back(h);
+        break;
+      }
+      case Mode::RNNRelu: {
+        auto [o, h] = at::rnn_relu(xs[m], states[m][0], ps[m], has_biases, num_layers, dropout, train,
+                                   bidirectional, batch_first);
+        outs.push_back(o), hs.push_back(h);
+        break;
+      }
+    }
+  }
+  std::vector<at::Tensor> final_states{at::stack(hs)};
+  if (mode == Mode::LSTM) final_states.push_back(at::stack(cs));
+  return {at::stack(outs), std::move(final_states)};
+}
+
 std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_impl(
     const at::Tensor& input, at::TensorList hx, at::TensorList params, std::string_view mode_str,
     int64_t num_layers, bool bidirectional, bool batch_first, double dropout, bool train,
-    bool has_biases, int64_t proj_size) {
+    bool has_biases, int64_t proj_size, std::string_view strategy) {
   constexpr const char* op = "wide::rnn";
   const Mode mode = parse_mode(mode_str, op);
+  TORCH_CHECK(strategy == "auto" || strategy == "fused" || strategy == "loop", op,
+              ": expected strategy \"auto\", \"fused\" or \"loop\", got \"", strategy, "\"");
   TORCH_CHECK(proj_size >= 0, op, ": expected proj_size >= 0, got ", proj_size);
   TORCH_CHECK(proj_size == 0 || mode == Mode::LSTM, op, ": expected proj_size = 0 for mode ",
               mode_name(mode), " (projections are LSTM only), got ", proj_size);
@@ -200,6 +265,11 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_impl(
   TORCH_CHECK(hx.empty() || static_cast<int64_t>(hx.size()) == states, op, ": expected hx ",
               mode == Mode::LSTM ? "[h0, c0]" : "[h0]", " or an empty list (zeros) for mode ",
               mode_name(mode), ", got ", hx.size(), " tensors");
+
+  if (strategy == "loop" && n != 0) {
+    return rnn_loop(mode, input, hx, params, num_layers, bidirectional, batch_first, dropout, train,
+                    has_biases, h_out, hidden, batch);
+  }
 
   // Initial states per layer and direction, [N, B, H_out] / [N, B, H].
   std::vector<at::Tensor> h0s, c0s;
@@ -323,12 +393,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn(const at::Tensor& input, at:
                                                     at::TensorList params, std::string_view mode,
                                                     int64_t num_layers, bool bidirectional,
                                                     bool batch_first, double dropout, bool train,
-                                                    bool has_biases, int64_t proj_size) {
+                                                    bool has_biases, int64_t proj_size,
+                                                    std::string_view strategy) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("wide::rnn", "")
                        .typed<decltype(rnn)>();
   return op.call(input, hx, params, mode, num_layers, bidirectional, batch_first, dropout, train,
-                 has_biases, proj_size);
+                 has_biases, proj_size, strategy);
 }
 
 std::vector<at::Tensor> rnn_cell(const at::Tensor& input, at::TensorList hx, const at::Tensor& w_ih,

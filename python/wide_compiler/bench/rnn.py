@@ -4,8 +4,9 @@ modules in a Python loop and ``torch.compile`` of that loop, inference and train
 ``torch.func.vmap`` is run too but cannot batch ``aten::lstm``/``gru`` (no batching rule,
 pytorch#105982): its error is recorded in each record's ``errors`` and the table shows it as
 missing. Every member has its own weights and its own batch-first input ``[B, T, I]``. Wide
-contenders: ``module`` (``wc.nn.WideLSTM``/``WideGRU.from_modules``) and ``compile:auto``
-(``wc.compile`` of the member). Records as :mod:`.vision` (same fields).
+contenders: ``module:fused`` / ``module:loop`` (``wc.nn.WideLSTM``/``WideGRU.from_modules`` with
+that strategy: one time loop for all members, or ATen's op per member) and ``compile:auto``
+(``wc.compile`` of the member, strategy measured). Records as :mod:`.vision` (same fields).
 
 Example::
 
@@ -57,14 +58,15 @@ def _module(models: list[nn.Module], strategy: str) -> nn.Module:
     import wide_compiler as wc
 
     cls = wc.nn.WideLSTM if isinstance(models[0].rnn, nn.LSTM) else wc.nn.WideGRU
-    return _WideOutput(cls.from_modules([m.rnn for m in models]))
+    return _WideOutput(cls.from_modules([m.rnn for m in models], strategy=strategy))
 
 
 def _case(kind: str, layers: int, hidden: int, t: int, batch: int, features: int = 64) -> Case:
     cls: Callable[..., nn.Module] = nn.LSTM if kind == "lstm" else nn.GRU
     return Case("rnn", f"{kind}{layers}_h{hidden}_t{t}", f"{layers}x{kind.upper()} {features}->{hidden} T={t} B={batch}",
                 lambda: _Output(cls(features, hidden, num_layers=layers, batch_first=True)),
-                _randn(t, features), batch, _module, baselines=("loop", "compile_loop", "vmap"))
+                _randn(t, features), batch, _module, module_strategies=("fused", "loop"),
+                baselines=("loop", "compile_loop", "vmap"))
 
 
 @_vision_target("rnn", "LSTM and GRU layers: one time loop for all members", PRESETS)

@@ -65,6 +65,19 @@ class _WideRecurrent(nn.Module):
 class _WideRNNBase(_WideRecurrent):
     _attrs = ("mode", "input_size", "hidden_size", "num_layers", "bias", "batch_first", "dropout",
               "bidirectional", "proj_size")
+    STRATEGIES = ("auto", "fused", "loop")
+
+    def __init__(self, modules: Sequence[nn.Module], *, strategy: str = "auto") -> None:
+        if strategy not in self.STRATEGIES:
+            raise ValueError(f"{type(self).__name__}: expected strategy in {self.STRATEGIES}, got {strategy!r}")
+        super().__init__(modules)
+        self.strategy = strategy
+
+    @classmethod
+    def from_modules(cls, modules: Sequence[nn.Module], *, strategy: str = "auto"):
+        """Stack N modules of one configuration (weights copied); ``strategy`` ``"fused"``
+        (``"auto"``: one time loop for all members) or ``"loop"`` (ATen's op per member)."""
+        return cls(check_members(modules, cls._base, cls._attrs + ("training",), cls.__name__), strategy=strategy)
 
     def forward(self, input, hx=None):
         """As the member's forward with a leading member dim on the input and the states
@@ -77,7 +90,7 @@ class _WideRNNBase(_WideRecurrent):
         states = [] if hx is None else (list(hx) if self.mode == "LSTM" else [hx])
         out, states = WF.rnn(input, states, [getattr(self, n) for n in self._names], self.mode, t.num_layers,
                              t.bidirectional, t.batch_first, float(t.dropout), self.training, t.bias,
-                             getattr(t, "proj_size", 0))
+                             getattr(t, "proj_size", 0), strategy=self.strategy)
         return out, (tuple(states) if self.mode == "LSTM" else states[0])
 
 

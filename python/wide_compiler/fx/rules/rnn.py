@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from ..table import rule
-from ..widen import Wide, WidenContext, member_rank
+from ..widen import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
 
 aten = torch.ops.aten
 wide = torch.ops.wide
@@ -44,7 +44,17 @@ def _proj_size(node: fx.Node, params: list, num_layers: int, directions: int, ha
     return int(params[per - 1].meta["val"].shape[0]) if per == (5 if has_biases else 3) else 0
 
 
-@rule(aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input)
+_STRATEGIES = ("fused", "loop")
+
+
+def _rnn_candidates(n: int, args: tuple, shapes: dict, opts: dict) -> dict:
+    """Each strategy on random tensors of the sample shapes (states zero, as when none is given)."""
+    x = torch.randn(n, *shapes["input"], **opts)
+    params = [torch.randn(n, *s, **opts) for s in shapes["params"]]
+    return {s: (lambda s=s: wide.rnn(x, [], params, *args, strategy=s)[0]) for s in _STRATEGIES}
+
+
+@rule(aten.lstm.input, aten.gru.input, aten.rnn_tanh.input, aten.rnn_relu.input, strategies=_STRATEGIES)
 def _rnn(ctx: WidenContext, node: fx.Node):
     a = ctx.schema_args(node)
     mode = _MODES[node.target]
@@ -61,11 +71,15 @@ def _rnn(ctx: WidenContext, node: fx.Node):
     params = _wide_list(ctx, node, params_old, "weight")
     directions = 2 if a["bidirectional"] else 1
     proj = _proj_size(node, params_old, a["num_layers"], directions, a["has_biases"]) if mode == "LSTM" else 0
-    out = ctx.emit(wide.rnn.default, (x, hx, params, mode, a["num_layers"], a["bidirectional"], a["batch_first"],
-                                      a["dropout"], a["train"], a["has_biases"], proj), like=node)
+    args = (mode, a["num_layers"], a["bidirectional"], a["batch_first"], a["dropout"], a["train"], a["has_biases"],
+            proj)
+    out = ctx.emit(wide.rnn.default, (x, hx, params, *args), {"strategy": "auto"}, like=node)
     out.meta["wide_op"] = "wide.rnn"
-    out.meta["wide_shapes"] = {"input": [str(s) for s in x_old.meta["val"].shape], "mode": mode,
-                               "layers": a["num_layers"], "bidirectional": a["bidirectional"]}
+    shapes = {"input": concrete_shape(x_old), "params": [concrete_shape(p) for p in params_old], "mode": mode,
+              "layers": a["num_layers"], "bidirectional": a["bidirectional"], "batch_first": a["batch_first"]}
+    out.meta["wide_shapes"] = shapes
+    out.meta["wide_tune"] = TuneSpec(default="fused", strategies=_STRATEGIES,
+                                     make=lambda n, opts: _rnn_candidates(n, args, shapes, opts))
     output = ctx.emit(operator.getitem, (out, 0), like=node)
     states = ctx.emit(operator.getitem, (out, 1), like=node)
     ranks = [v.dim() for v in node.meta["val"]]
