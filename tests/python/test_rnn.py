@@ -196,3 +196,42 @@ def test_compiled_with_a_forced_strategy(strategy):
     wide, _ = check_compile(models, _sample(False), strict=True, config=FAST.replace(strategy=strategy),
                             modes=("train",), shared=(False,))
     assert set(wide.strategies.values()) == {strategy}
+
+
+class GRULanguageModel(nn.Module):
+    """Seq-first GRU language model: tokens [T, B] -> next-token log-probabilities [T, B, V]."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 8)
+        self.gru = nn.GRU(8, 16, num_layers=2, dropout=0.0)
+        self.head = nn.Linear(16, 30)
+
+    def forward(self, tokens, h0):
+        out, h = self.gru(self.emb(tokens), h0)
+        return self.head(out).log_softmax(-1), h
+
+
+class RNNClassifier(nn.Module):
+    """nn.RNN classifier on the last step's hidden state."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.RNN(5, 12, batch_first=True, nonlinearity="relu")
+        self.fc = nn.Linear(12, 3)
+
+    def forward(self, x):
+        _, h = self.rnn(x)
+        return self.fc(h[-1])
+
+
+def test_gru_language_model_with_initial_state():
+    models = make_members(GRULanguageModel, 3)
+    sample = (torch.randint(0, 30, (6, 2)), torch.randn(2, 2, 16))
+    wide, _ = check_compile(models, sample, strict=True, config=FAST)
+    assert "wide.rnn" in wide.summary()
+
+
+def test_rnn_classifier():
+    models = make_members(RNNClassifier, 4)
+    check_compile(models, torch.randn(3, 7, 5), strict=True, config=FAST)
