@@ -185,6 +185,17 @@ def prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _nfirst(y, x.shape[0], unbatched)
 
 
+def _padding_idx(padding_idx: int | None, weight: torch.Tensor) -> int:
+    """``padding_idx`` as ``F.embedding`` reads it (negative: counted from the end), as the op's
+    index, or -1 for none."""
+    if padding_idx is None:
+        return -1
+    v = weight.shape[1]
+    if not -v <= padding_idx < v:
+        raise ValueError(f"padding_idx must be within [-{v}, {v}) for tables of {v} rows, got {padding_idx}")
+    return padding_idx + v if padding_idx < 0 else padding_idx
+
+
 def embedding(indices: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None,
               max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
               sparse: bool = False) -> torch.Tensor:
@@ -194,7 +205,7 @@ def embedding(indices: torch.Tensor, weight: torch.Tensor, padding_idx: int | No
     if max_norm is not None:
         with torch.no_grad():
             wide.embedding_renorm_(weight.detach(), indices, max_norm, norm_type)
-    return wide.embedding(weight, indices, -1 if padding_idx is None else padding_idx, scale_grad_by_freq, False)
+    return wide.embedding(weight, indices, _padding_idx(padding_idx, weight), scale_grad_by_freq, False)
 
 
 def embedding_bag(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None = None,
@@ -210,7 +221,7 @@ def embedding_bag(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Tens
         with torch.no_grad():
             wide.embedding_renorm_(weight.detach(), input, max_norm, norm_type)
     return wide.embedding_bag(weight, input, offsets, scale_grad_by_freq, EMBEDDING_BAG_MODES[mode], False,
-                              per_sample_weights, include_last_offset, -1 if padding_idx is None else padding_idx)
+                              per_sample_weights, include_last_offset, _padding_idx(padding_idx, weight))
 
 
 def rnn(input: torch.Tensor, hx: Sequence[torch.Tensor], params: Sequence[torch.Tensor], mode: str,

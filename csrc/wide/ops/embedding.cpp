@@ -118,6 +118,22 @@ at::Tensor embedding_bag_impl(const at::Tensor& weight, const at::Tensor& indice
                 "expected per_sample_weights shaped like indices ", indices.sym_sizes(), ", got ",
                 per_sample_weights->sym_sizes());
   }
+  if (scale_grad_by_freq && n != 1) {
+    // PyTorch 2.13's CPU backward with scale_grad_by_freq divides a row's gradient by the count
+    // of another row of the same call (pytorch#190063): with all members in one call that row can
+    // belong to another member. One call per member keeps each member's counts its own.
+    std::vector<at::Tensor> outs;
+    const int64_t members = n.guard_int(__FILE__, __LINE__);
+    for (int64_t m = 0; m < members; ++m) {
+      const auto slice = [m](const at::Tensor& t) { return t.narrow(0, m, 1); };
+      std::optional<at::Tensor> off, psw;
+      if (offsets.has_value()) off = offsets->dim() == 2 ? slice(*offsets) : *offsets;
+      if (per_sample_weights.has_value()) psw = slice(*per_sample_weights);
+      outs.push_back(embedding_bag_impl(slice(weight), slice(indices), off, true, mode, false, psw,
+                                        include_last_offset, padding_idx));
+    }
+    return at::cat(outs);
+  }
   at::Tensor idx = offset_indices("embedding_bag", indices, n, v);
   if (padding_idx >= 0) idx = at::where(indices.eq(padding_idx), indices.new_full({}, padding_idx), idx);
   const at::Tensor table = weight.reshape_symint({n * v, dim});

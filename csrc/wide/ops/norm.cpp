@@ -35,10 +35,11 @@
 namespace wide {
 namespace {
 
-// A [N, C] tensor as [N*C] sharing memory (for in-place updates), or none.
+// An affine parameter [N, C] as a contiguous [N*C] (a copy only if it is strided: ATen's CPU
+// batch_norm backward gets the input gradient wrong for a non-contiguous weight), or none.
 std::optional<at::Tensor> flat(const std::optional<at::Tensor>& t) {
   if (!t.has_value()) return std::nullopt;
-  return t->reshape_symint({t->sym_numel()});
+  return t->reshape_symint({t->sym_numel()}).contiguous();
 }
 
 void check_param(const char* op, const char* what, const std::optional<at::Tensor>& t,
