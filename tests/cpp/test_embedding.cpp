@@ -280,6 +280,8 @@ TEST(WideEmbedding, BadOffsetsRaise) {
                "expected every member's offsets to start at 0");
   expect_error([&] { wide::embedding_bag(w, idx, longs({0, 1, 3}), false, 0, false, std::nullopt, true); },
                "last offset to equal the number of indices 4");
+  expect_error([&] { wide::embedding_bag(w, idx.view({kN, 2, 2}), std::nullopt, true, 2); },
+               "max mode does not support scale_grad_by_freq");
   // one member's offsets past T (or decreasing) must not shift another member's bags
   expect_error([&] { wide::embedding_bag(w, idx, longs({0, 2, 0, 9, 0, 1}).view({kN, 2})); },
                "offsets of member 1 must be non-decreasing and at most the number of indices 4");

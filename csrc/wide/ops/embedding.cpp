@@ -110,6 +110,8 @@ at::Tensor embedding_bag_impl(const at::Tensor& weight, const at::Tensor& indice
   TORCH_CHECK(!sparse, "wide::embedding_bag: sparse=True gradients are not supported");
   TORCH_CHECK(mode >= 0 && mode <= 2, "wide::embedding_bag: expected mode 0 (sum), 1 (mean) or 2 "
               "(max), got ", mode);
+  TORCH_CHECK(!(scale_grad_by_freq && mode == 2), "wide::embedding_bag: max mode does not support "
+              "scale_grad_by_freq (as PyTorch)");
   const c10::SymInt n = weight.sym_size(0), v = weight.sym_size(1), dim = weight.sym_size(2);
   TORCH_CHECK(padding_idx >= -1 && v > padding_idx, "wide::embedding_bag: expected padding_idx "
               "in [0, num_embeddings) or -1, got ", padding_idx);
