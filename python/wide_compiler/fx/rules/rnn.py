@@ -38,7 +38,7 @@ def _wide_list(ctx: WidenContext, node: fx.Node, olds, what: str) -> list[fx.Nod
     return out
 
 
-def _proj_size(node: fx.Node, params: list, num_layers: int, directions: int, has_biases: bool) -> int:
+def _proj_size(params: list, num_layers: int, directions: int, has_biases: bool) -> int:
     """LSTM projections show up as a fifth (third without biases) weight per layer and direction."""
     per = len(params) // (num_layers * directions)
     return int(params[per - 1].meta["val"].shape[0]) if per == (5 if has_biases else 3) else 0
@@ -61,16 +61,13 @@ def _rnn(ctx: WidenContext, node: fx.Node):
     x_old = node.args[0]
     if member_rank(x_old) != 3:
         raise ctx.fail(node, f"expected a batched member input of 3 dims, got {member_rank(x_old)}")
-    if ctx.is_wide([a["has_biases"], a["num_layers"], a["dropout"], a["train"], a["bidirectional"],
-                    a["batch_first"]]):
-        raise ctx.fail(node, "a per-member RNN option")
     hx_old = node.args[1] if mode == "LSTM" else [node.args[1]]
     params_old = list(node.args[2])
     x = ctx.as_wide(a["input"], 3, node).node
     hx = _wide_list(ctx, node, hx_old, "state")
     params = _wide_list(ctx, node, params_old, "weight")
     directions = 2 if a["bidirectional"] else 1
-    proj = _proj_size(node, params_old, a["num_layers"], directions, a["has_biases"]) if mode == "LSTM" else 0
+    proj = _proj_size(params_old, a["num_layers"], directions, a["has_biases"]) if mode == "LSTM" else 0
     args = (mode, a["num_layers"], a["bidirectional"], a["batch_first"], a["dropout"], a["train"], a["has_biases"],
             proj)
     out = ctx.emit(wide.rnn.default, (x, hx, params, *args), {"strategy": "auto"}, like=node)
