@@ -178,31 +178,19 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_loop(
   }
   std::vector<at::Tensor> outs, hs, cs;
   for (int64_t m = 0; m < members; ++m) {
-    switch (mode) {
-      case Mode::LSTM: {
-        auto [o, h, c] = at::lstm(xs[m], states[m], ps[m], has_biases, num_layers, dropout, train,
-                                  bidirectional, batch_first);
-        outs.push_back(o), hs.push_back(h), cs.push_back(c);
-        break;
-      }
-      case Mode::GRU: {
-        auto [o, h] = at::gru(xs[m], states[m][0], ps[m], has_biases, num_layers, dropout, train,
-                              bidirectional, batch_first);
-        outs.push_back(o), hs.push_back(h);
-        break;
-      }
-      case Mode::RNNTanh: {
-        auto [o, h] = at::rnn_tanh(xs[m], states[m][0], ps[m], has_biases, num_layers, dropout, train,
-                                   bidirectional, batch_first);
-        outs.push_back(o), hs.push_back(h);
-        break;
-      }
-      case Mode::RNNRelu: {
-        auto [o, h] = at::rnn_relu(xs[m], states[m][0], ps[m], has_biases, num_layers, dropout, train,
-                                   bidirectional, batch_first);
-        outs.push_back(o), hs.push_back(h);
-        break;
-      }
+    if (mode == Mode::LSTM) {
+      auto [o, h, c] = at::lstm(xs[m], states[m], ps[m], has_biases, num_layers, dropout, train,
+                                bidirectional, batch_first);
+      outs.push_back(o), hs.push_back(h), cs.push_back(c);
+    } else {
+      using Single = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor&, const at::Tensor&, at::TensorList,
+                                                            bool, int64_t, double, bool, bool, bool);
+      const Single single = mode == Mode::GRU       ? static_cast<Single>(&at::gru)
+                            : mode == Mode::RNNTanh ? static_cast<Single>(&at::rnn_tanh)
+                                                    : static_cast<Single>(&at::rnn_relu);
+      auto [o, h] = single(xs[m], states[m][0], ps[m], has_biases, num_layers, dropout, train, bidirectional,
+                           batch_first);
+      outs.push_back(o), hs.push_back(h);
     }
   }
   std::vector<at::Tensor> final_states{at::stack(hs)};

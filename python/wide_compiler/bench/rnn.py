@@ -35,7 +35,7 @@ PRESETS: dict[str, Preset] = {
 
 
 class _Output(nn.Module):
-    """A recurrent layer whose forward returns its output sequence only."""
+    """A recurrent layer (a member's, or its wide form) whose forward returns the output sequence."""
 
     def __init__(self, rnn: nn.Module) -> None:
         super().__init__()
@@ -45,20 +45,11 @@ class _Output(nn.Module):
         return self.rnn(x)[0]
 
 
-class _WideOutput(nn.Module):
-    def __init__(self, wide: nn.Module) -> None:
-        super().__init__()
-        self.rnn = wide
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rnn(x)[0]
-
-
 def _module(models: list[nn.Module], strategy: str) -> nn.Module:
     import wide_compiler as wc
 
     cls = wc.nn.WideLSTM if isinstance(models[0].rnn, nn.LSTM) else wc.nn.WideGRU
-    return _WideOutput(cls.from_modules([m.rnn for m in models], strategy=strategy))
+    return _Output(cls.from_modules([m.rnn for m in models], strategy=strategy))
 
 
 def _case(kind: str, layers: int, hidden: int, t: int, batch: int, features: int = 64) -> Case:
