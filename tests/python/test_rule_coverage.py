@@ -44,6 +44,8 @@ aten = torch.ops.aten
 _SPECIAL_KEYS = {
     "getitem": operator.getitem,
     "opaque_module": torch.ops.wide_compiler.opaque_module.default,
+    "wrap_with_set_grad_enabled": torch.ops.higher_order.wrap_with_set_grad_enabled,
+    "wrap_with_autocast": torch.ops.higher_order.wrap_with_autocast,
 }
 
 
@@ -594,6 +596,19 @@ class _Cells(nn.Module):
         return self.relu(self.tanh(self.gru(h), c))
 
 
+class _Regions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():
+            scale = h.abs().mean(-1, keepdim=True) + 1
+        with torch.autocast("cpu", enabled=False):
+            return h / scale
+
+
 CASES: list[Case] = [
     Case("unary", _fn_module(_unary, 1, w=(8,)), _randn((4, 8)), _UNARY_OPS),
     Case("inplace", _fn_module(_inplace, 2, w=(8,)), _randn((4, 8), (4, 8)), _INPLACE_OPS),
@@ -625,6 +640,7 @@ CASES: list[Case] = [
     Case("rnn-relu", lambda: _Recurrent(nn.RNN(6, 5, nonlinearity="relu")), _randn((3, 4, 6)), ("rnn_relu.input",)),
     Case("rnn-cells", _Cells, _randn((4, 6)),
          ("lstm_cell.default", "gru_cell.default", "rnn_tanh_cell.default", "rnn_relu_cell.default")),
+    Case("regions", _Regions, _randn((4, 6)), ("wrap_with_set_grad_enabled", "wrap_with_autocast", "linear")),
     Case("registered", _WithGate, _randn((4, 6)), ("opaque_module", "linear", "relu"),
          harness=lambda wide: {"wide_params": dict(wide.named_parameters())}),
     Case("direct-aten", _fn_module(_direct_aten, 1, w=(6,)), _randn((4, 6)), _DIRECT_ATEN_OPS),

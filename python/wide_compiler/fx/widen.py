@@ -266,6 +266,8 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
                 ctx.env[node] = new
         elif node.op == "call_function":
             ctx.env[node] = _widen_node(ctx, node)
+        elif node.op == "get_attr":  # the body of a higher-order region (rules/regions.py)
+            ctx.env[node] = getattr(ep.graph_module, node.target)
         elif node.op == "output":
             outs = node.args[0]
             mutated = []

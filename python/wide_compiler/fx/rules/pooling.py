@@ -54,10 +54,12 @@ def _feature_dropout(ctx: WidenContext, node: fx.Node):
 @rule(aten.native_dropout.default)
 def _dropout(ctx: WidenContext, node: fx.Node):
     """Dropout / AlphaDropout: elementwise, so one call on the N-first tensor draws an
-    independent mask for every member (and element); identity when train=False."""
-    x = ctx.value(node.args[0])
-    if not isinstance(x, Wide) or ctx.is_wide(ctx.value(tuple(node.args[1:]))):
+    independent mask for every member (and element); identity when train=False. A value every
+    member shares (position terms computed from shapes) is expanded first, so each member still
+    draws its own mask."""
+    if ctx.is_wide(ctx.value(tuple(node.args[1:]))):
         raise ctx.fail(node, "expected only the input to be per member")
+    x = ctx.as_wide(ctx.value(node.args[0]), member_rank(node.args[0]), node)
     out = ctx.emit(node.target, (x.node, *ctx.value(tuple(node.args[1:]))), ctx.value(node.kwargs),
                    like=node, name=node.name)
     return ctx.outputs(node, out)

@@ -1,0 +1,118 @@
+"""Higher-order regions in a member's forward: ``torch.no_grad()`` / ``set_grad_enabled`` and
+``torch.autocast`` blocks (decoder LLMs' rotary embeddings), widened inside with their
+semantics kept, member by member (wide_compiler.testing)."""
+from __future__ import annotations
+
+import torch
+import wide_compiler as wc
+from torch import nn
+from wide_compiler.testing import assert_members_close, check_compile, make_members
+
+FAST = wc.WideConfig.fast()
+
+
+class Rotary(nn.Module):
+    """The transformers pattern: a @torch.no_grad() rotary table and an autocast-disabled block."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("inv_freq", torch.rand(4))
+
+    @torch.no_grad()
+    def table(self, x):
+        return torch.outer(x[:, 0], self.inv_freq).cos()
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.autocast("cpu", enabled=False):
+            h2 = h.float() * 2
+        return h2[..., :4] * self.table(x) + h[..., 4:]
+
+
+def test_no_grad_and_disabled_autocast_regions_match_members():
+    models = make_members(Rotary, 3)
+    wide, _ = check_compile(models, torch.randn(5, 8), strict=True, config=FAST)
+    assert not wide.fallbacks
+    assert "region:" in wide.summary()
+
+
+class GradOnlyOutside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.outer = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            frozen = self.inner(x)
+        with torch.set_grad_enabled(True):
+            live = self.outer(x)
+        return frozen * live
+
+
+def test_no_gradient_flows_through_a_no_grad_region():
+    models = make_members(GradOnlyOutside, 3)
+    wide, _ = check_compile(models, torch.randn(3, 4), strict=True, config=FAST)
+    wide.zero_grad(set_to_none=True)
+    wide(torch.randn(3, 3, 4)).sum().backward()
+    assert wide.get_parameter("inner.weight").grad is None
+    assert wide.get_parameter("outer.weight").grad is not None
+
+
+class Bf16Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.b(h)
+            with torch.no_grad():
+                scale = y.detach().abs().mean(-1, keepdim=True) + 1
+        return y / scale
+
+
+def test_autocast_region_keeps_its_dtypes_and_nested_regions_work():
+    models = make_members(Bf16Block, 3)
+    wide = wc.compile(models, torch.randn(4, 6), strict=True, config=FAST)
+    xs = torch.randn(3, 4, 6)
+    out = wide(xs)
+    refs = [m(x) for m, x in zip(models, xs)]
+    assert out.dtype == refs[0].dtype == torch.bfloat16
+    assert_members_close(out, refs)
+
+
+def test_regions_run_under_torch_compile_fullgraph():
+    models = make_members(Rotary, 3)
+    wide = wc.compile(models, torch.randn(5, 8), strict=True, config=FAST)
+    compiled = torch.compile(wide, fullgraph=True, backend="eager")
+    xs = torch.randn(3, 5, 8)
+    assert_members_close(compiled(xs), [m(x) for m, x in zip(models, xs)])
+
+
+class SharedDropout(nn.Module):
+    """XLNet/Funnel pattern: dropout of a term computed from shapes only (shared by all members)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[-1], dtype=torch.float32).sin() + 2.0
+        return self.fc(x) + self.drop(pos)
+
+
+def test_random_op_on_a_shared_value_draws_per_member():
+    models = make_members(SharedDropout, 3)
+    wide = wc.compile(models, torch.randn(4, 6), strict=True, config=FAST)
+    x = torch.randn(4, 6)
+    out = wide(x.expand(3, *x.shape)) - torch.stack([m.fc(x) for m in models])
+    pos = torch.arange(6, dtype=torch.float32).sin() + 2.0
+    assert set(torch.unique(torch.round(out / pos, decimals=4)).tolist()) <= {0.0, 2.0}  # dropped or scaled
+    assert not torch.equal(out[0], out[1])  # independent masks
+    wide.eval()
+    for m in models:
+        m.eval()
+    check_compile(models, torch.randn(4, 6), strict=True, config=FAST, modes=("eval",))
