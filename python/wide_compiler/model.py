@@ -79,10 +79,14 @@ class WideModel(MemberOpsMixin, nn.Module):
         # The compiler pipeline checks the members first: nothing is stacked from mismatched ones.
         compiled = self._compile(template.training, members=models)
 
-        for path in self._registered:
-            parent, _, attr = path.rpartition(".")
-            wide_cls = registered_wide_form(template.get_submodule(path))
-            self._container(parent).add_module(attr, wide_cls.from_modules([m.get_submodule(path) for m in models]))
+        # Submodules in the member's order, so parameters()/state_dict() list them in its order.
+        for path, mod in template.named_modules():
+            if path in self._registered:
+                parent, _, attr = path.rpartition(".")
+                wide_cls = registered_wide_form(template.get_submodule(path))
+                self._container(parent).add_module(attr, wide_cls.from_modules([m.get_submodule(path) for m in models]))
+            elif path and self._owns(path) and (mod._parameters or mod._buffers):
+                self._container(path)
         with torch.no_grad():
             for name, p in template.named_parameters():
                 if not self._owns(name):

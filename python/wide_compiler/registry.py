@@ -79,11 +79,24 @@ def register(module_type: type[nn.Module]) -> Callable[[type], type]:
 
 
 def registered_wide_form(module: nn.Module) -> type | None:
-    """The wide class registered for ``type(module)`` (exact type first, then base classes)."""
+    """The wide class registered for ``type(module)`` (exact type first, then base classes), or
+    a built-in one for modules torch.export cannot capture (see :func:`_builtin_wide_form`)."""
     for cls in type(module).__mro__:
         if cls in _REGISTRY:
             return _REGISTRY[cls]
-    return None
+    return _builtin_wide_form(module)
+
+
+def _builtin_wide_form(module: nn.Module) -> type | None:
+    """BatchNorm with ``momentum=None`` (a cumulative average) computes its update factor as
+    ``1 / float(num_batches_tracked)`` in Python, a data-dependent value export cannot trace: it
+    is kept whole and run by ``wc.nn.WideBatchNorm*d``, which computes the same factor per call."""
+    from . import nn as wide_nn
+
+    forms = {nn.BatchNorm1d: wide_nn.WideBatchNorm1d, nn.BatchNorm2d: wide_nn.WideBatchNorm2d,
+             nn.BatchNorm3d: wide_nn.WideBatchNorm3d}
+    form = forms.get(type(module))
+    return form if form is not None and module.momentum is None and module.track_running_stats else None
 
 
 def registered_paths(model: nn.Module) -> list[str]:

@@ -116,3 +116,22 @@ def test_random_op_on_a_shared_value_draws_per_member():
     for m in models:
         m.eval()
     check_compile(models, torch.randn(4, 6), strict=True, config=FAST, modes=("eval",))
+
+
+def test_batch_norm_with_a_cumulative_average_trains_and_evaluates_like_its_members():
+    """momentum=None: export cannot trace 1/float(num_batches_tracked); the module is kept whole
+    and run by WideBatchNorm, in train and eval mode, with running stats per member."""
+    def make():
+        return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6, momentum=None), nn.ReLU(), nn.Linear(6, 2))
+
+    models = make_members(make, 3)
+    wide, _ = check_compile(models, torch.randn(5, 4), strict=True, config=FAST)
+    xs = torch.randn(3, 5, 4)
+    for _ in range(3):  # the cumulative average over several steps
+        wide(xs)
+        for m, x in zip(models, xs):
+            m(x)
+    for name, b in wide.named_buffers():
+        assert_members_close(b, [m.get_buffer(name) for m in models], kind="buffer", what=name)
+    back = wide.unfuse()
+    assert back[1][1].momentum is None and int(back[1][1].num_batches_tracked) == 3
