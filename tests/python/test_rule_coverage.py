@@ -596,6 +596,20 @@ class _Cells(nn.Module):
         return self.relu(self.tanh(self.gru(h), c))
 
 
+def _model_ops(m, x):  # ops real models emit (ConvBERT, MultiheadAttention masks, losses' softmax)
+    h = x * m.w
+    a = torch.multiply(h, 2.0) + torch.floor_divide(h.detach(), 0.7)  # no derivative
+    b = torch.where(h > 0, 1.0, h) + torch.where(h > 0, h, 0.5) + torch.where(h > 0, 1.0, 0.0)
+    c = h.clone().abs_()
+    e = torch.special.softmax(h, 1) + torch.special.log_softmax(h, 1)
+    f = torch.baddbmm(m.A, m.A, m.A, beta=0.5, alpha=2.0) + torch.baddbmm(m.A, m.A, m.A, beta=0.0)
+    return a + b + c + e, h[:3, :3].H, f
+
+
+def _dropout_inplace(m, x):
+    return F.dropout(x * m.w, 0.3, training=m.training, inplace=True)
+
+
 class _Regions(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -640,6 +654,12 @@ CASES: list[Case] = [
     Case("rnn-relu", lambda: _Recurrent(nn.RNN(6, 5, nonlinearity="relu")), _randn((3, 4, 6)), ("rnn_relu.input",)),
     Case("rnn-cells", _Cells, _randn((4, 6)),
          ("lstm_cell.default", "gru_cell.default", "rnn_tanh_cell.default", "rnn_relu_cell.default")),
+    Case("model-ops", _fn_module(_model_ops, 1, w=(6,), A=(2, 3, 3)), _randn((4, 6)),
+         ("multiply.Tensor", "floor_divide.default", "where.ScalarOther", "where.ScalarSelf", "where.Scalar",
+          "abs_.default", "matrix_H.default", "special_softmax.default", "special_log_softmax.default",
+          "baddbmm.default"), modes=("train", "eval")),
+    Case("dropout-inplace", _fn_module(_dropout_inplace, 1, w=(6,)), _randn((4, 6)), ("dropout_.default",),
+         modes=("eval",)),
     Case("regions", _Regions, _randn((4, 6)), ("wrap_with_set_grad_enabled", "wrap_with_autocast", "linear")),
     Case("registered", _WithGate, _randn((4, 6)), ("opaque_module", "linear", "relu"),
          harness=lambda wide: {"wide_params": dict(wide.named_parameters())}),

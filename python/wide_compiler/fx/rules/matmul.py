@@ -95,16 +95,21 @@ def _outer(ctx: WidenContext, node: fx.Node) -> Wide:
     return Wide(ctx.emit(aten.mul.Tensor, (col, row), like=node, name=node.name), 2)
 
 
-@rule(aten.addmm.default)
+@rule(aten.addmm.default, aten.baddbmm.default)
 def _addmm(ctx: WidenContext, node: fx.Node) -> Wide:
-    """beta * input + alpha * (mat1 @ mat2), with input broadcast inside each member."""
+    """beta * input + alpha * (mat1 @ mat2) (``baddbmm``: batch1 @ batch2), with input broadcast
+    inside each member; ``beta=0`` ignores input (NaN included), as ATen does."""
     values = ctx.schema_args(node)
-    a, b = ctx.as_wide(values["mat1"], 2, node), ctx.as_wide(values["mat2"], 2, node)
+    rank = 2 if node.target is aten.addmm.default else 3
+    first, second = ("mat1", "mat2") if rank == 2 else ("batch1", "batch2")
+    a, b = ctx.as_wide(values[first], rank, node), ctx.as_wide(values[second], rank, node)
     prod = ctx.emit(aten.matmul.default, (a.node, b.node), like=node)
     if values["alpha"] != 1:
         prod = ctx.emit(aten.mul.Tensor, (prod, values["alpha"]), like=node)
+    if values["beta"] == 0:
+        return Wide(ctx.emit(aten.clone.default, (prod,), like=node, name=node.name), rank)
     bias = values["self"]
-    bias = ctx.align(bias, 2, node) if isinstance(bias, Wide) else bias
+    bias = ctx.align(bias, rank, node) if isinstance(bias, Wide) else bias
     if values["beta"] != 1:
         bias = ctx.emit(aten.mul.Tensor, (bias, values["beta"]), like=node)
-    return Wide(ctx.emit(aten.add.Tensor, (prod, bias), like=node, name=node.name), 2)
+    return Wide(ctx.emit(aten.add.Tensor, (prod, bias), like=node, name=node.name), rank)

@@ -31,7 +31,8 @@ _BINARY = [
     "pow.Tensor_Tensor",
     "maximum.default", "minimum.default", "__and__.Tensor", "__or__.Tensor", "__xor__.Tensor",
     "bitwise_and.Tensor", "bitwise_or.Tensor", "bitwise_xor.Tensor", "logical_and.default",
-    "logical_or.default", "logical_xor.default",
+    "logical_or.default", "logical_xor.default", "multiply.Tensor", "floor_divide.default",
+    "where.ScalarOther", "where.ScalarSelf", "where.Scalar",
 ]
 # Memory formats are layouts of one member's dims (channels_last needs a 4-D tensor): the wide
 # tensor keeps its own layout; values are unchanged.
@@ -58,7 +59,7 @@ def _pointwise(ctx: WidenContext, node: fx.Node) -> Wide:
 
 # In-place writes that ATen does not tag pointwise; the target is per member (see Note [Per-member
 # writes into shared tensors] in widen.py). Not pushed through by the layout plan ("nfirst").
-_INPLACE = ["copy_", "fill_.Scalar", "zero_", "masked_fill_.Scalar"]
+_INPLACE = ["copy_", "fill_.Scalar", "zero_", "masked_fill_.Scalar", "abs_"]
 
 # Same member values on packed and N-first tensors of one member shape: "elementwise" layout.
 rule(layout="elementwise", tagged_pointwise=True)(_pointwise)  # any op tagged torch.Tag.pointwise

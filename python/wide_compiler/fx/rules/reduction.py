@@ -101,7 +101,7 @@ def _member_rank_of(node: fx.Node, name: str) -> int:
 
 
 _DIM_OPS = [
-    "softmax.int", "log_softmax.int", "cumsum.default",
+    "softmax.int", "log_softmax.int", "special_softmax.default", "special_log_softmax.default", "cumsum.default",
     "cumprod.default", "logcumsumexp.default", "sum.dim_IntList", "mean.dim", "amax.default",
     "amin.default", "argmax.default", "argmin.default", "var.correction", "var.dim", "std.correction",
     "std.dim", "var_mean.correction", "std_mean.correction", "linalg_vector_norm.default",

@@ -171,9 +171,12 @@ def _drop_assert(ctx: WidenContext, node: fx.Node):
     return None
 
 
-@rule(aten.mT.default, aten.mH.default, aten.adjoint.default, aten.tril.default, aten.triu.default)
+@rule(aten.mT.default, aten.mH.default, aten.matrix_H.default, aten.adjoint.default, aten.tril.default,
+      aten.triu.default)
 def _trailing(ctx: WidenContext, node: fx.Node) -> Wide:
-    # Ops on the last dims only (negative dim defaults): unchanged on the wide tensor.
+    # Ops on the last dims only (negative dim defaults): unchanged on the wide tensor (x.H of a
+    # member matrix is the batched mH of the wide tensor).
     x = _wide(ctx, node)
-    return Wide(ctx.emit(node.target, (x.node, *ctx.value(tuple(node.args[1:]))), ctx.value(node.kwargs),
+    target = aten.mH.default if node.target is aten.matrix_H.default else node.target
+    return Wide(ctx.emit(target, (x.node, *ctx.value(tuple(node.args[1:]))), ctx.value(node.kwargs),
                          like=node, name=node.name), member_rank(node))
