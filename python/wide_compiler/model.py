@@ -87,18 +87,23 @@ class WideModel(MemberOpsMixin, nn.Module):
                 self._container(parent).add_module(attr, wide_cls.from_modules([m.get_submodule(path) for m in models]))
             elif path and self._owns(path) and (mod._parameters or mod._buffers):
                 self._container(path)
+        # A tensor tied inside a member (an LM head sharing the embedding) is ONE stacked tensor
+        # under every name it has: the graph reads it once per alias and autograd sums the
+        # gradients, as in the member; state_dict lists every alias, as the member's does.
         with torch.no_grad():
-            for name, p in template.named_parameters():
-                if not self._owns(name):
-                    continue
-                stacked = torch.stack([m.get_parameter(name).detach() for m in models])
-                self._install(name, nn.Parameter(stacked, requires_grad=p.requires_grad))
+            stacked_by_id: dict[int, torch.Tensor] = {}
+            for name, p in template.named_parameters(remove_duplicate=False):
+                if self._owns(name):
+                    if id(p) not in stacked_by_id:
+                        stacked = torch.stack([m.get_parameter(name).detach() for m in models])
+                        stacked_by_id[id(p)] = nn.Parameter(stacked, requires_grad=p.requires_grad)
+                    self._install(name, stacked_by_id[id(p)])
             persistent = {n for n, _ in _persistent_buffers(template)}
-            for name, _ in template.named_buffers():
-                if not self._owns(name):
-                    continue
-                stacked = torch.stack([m.get_buffer(name).detach() for m in models])
-                self._install(name, stacked, persistent=name in persistent)
+            for name, b in template.named_buffers(remove_duplicate=False):
+                if self._owns(name):
+                    if id(b) not in stacked_by_id:
+                        stacked_by_id[id(b)] = torch.stack([m.get_buffer(name).detach() for m in models])
+                    self._install(name, stacked_by_id[id(b)], persistent=name in persistent)
         self._adopt(compiled)
         self.train(template.training)
 
@@ -329,18 +334,17 @@ class WideModel(MemberOpsMixin, nn.Module):
                 m = copy.deepcopy(self._template)
                 for path, members in registered.items():
                     m.set_submodule(path, members[i])
-                for name, p in m.named_parameters():
-                    if not self._owns(name):
-                        continue
-                    path, _, attr = name.rpartition(".")
-                    sub = m.get_submodule(path)
-                    sub._parameters[attr] = nn.Parameter(
-                        _get_tensor(self, name)[i].detach().clone(), requires_grad=p.requires_grad)
-                for name, _ in m.named_buffers():
-                    if not self._owns(name):
-                        continue
-                    path, _, attr = name.rpartition(".")
-                    m.get_submodule(path)._buffers[attr] = _get_tensor(self, name)[i].detach().clone()
+                copies: dict[int, torch.Tensor] = {}  # ties inside the member stay tied
+                for kind, named in (("_parameters", m.named_parameters), ("_buffers", m.named_buffers)):
+                    for name, t in list(named(remove_duplicate=False)):
+                        if not self._owns(name):
+                            continue
+                        if id(t) not in copies:
+                            value = _get_tensor(self, name)[i].detach().clone()
+                            copies[id(t)] = (nn.Parameter(value, requires_grad=t.requires_grad)
+                                             if kind == "_parameters" else value)
+                        path, _, attr = name.rpartition(".")
+                        getattr(m.get_submodule(path), kind)[attr] = copies[id(t)]
                 out.append(m.train(self.training))
         return out
 

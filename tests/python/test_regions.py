@@ -135,3 +135,39 @@ def test_batch_norm_with_a_cumulative_average_trains_and_evaluates_like_its_memb
         assert_members_close(b, [m.get_buffer(name) for m in models], kind="buffer", what=name)
     back = wide.unfuse()
     assert back[1][1].momentum is None and int(back[1][1].num_batches_tracked) == 3
+
+
+class TiedLM(nn.Module):
+    """An LM whose head shares the embedding's weight (and T5/BART's `shared` pattern)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Embedding(10, 6)
+        self.encoder = nn.Module()
+        self.encoder.embed_tokens = self.shared
+        self.mix = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.shared.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.encoder.embed_tokens(tokens))))
+
+
+def test_tied_parameters_stay_tied_everywhere():
+    models = make_members(TiedLM, 3)
+    wide, _ = check_compile(models, torch.randint(0, 10, (2, 5)), strict=True, config=FAST, shared=(True,))
+    # one stacked parameter under every alias, as in the member
+    assert wide.get_parameter("head.weight") is wide.get_parameter("shared.weight")
+    assert wide.get_parameter("encoder.embed_tokens.weight") is wide.get_parameter("shared.weight")
+    assert [n for n, _ in wide.named_parameters()] == [n for n, _ in models[0].named_parameters()]
+    assert set(wide.state_dict()) == set(models[0].state_dict())
+    opt = wc.optim.SGD(wide.parameters(), lr=0.1)
+    wide(torch.randint(0, 10, (3, 2, 5))).sum().backward()
+    opt.step()
+    back = wide.unfuse()
+    assert back[1].head.weight is back[1].shared.weight is back[1].encoder.embed_tokens.weight
+    assert torch.equal(back[1].head.weight, wide.get_parameter("shared.weight")[1])
+    assert torch.equal(wide.member(2).head.weight, wide.get_parameter("head.weight")[2])
+    wide.write_back(models)
+    assert models[0].head.weight is models[0].shared.weight
+    assert torch.equal(models[0].shared.weight, wide.get_parameter("shared.weight")[0])
