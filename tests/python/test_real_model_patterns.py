@@ -1,6 +1,6 @@
-"""Higher-order regions in a member's forward: ``torch.no_grad()`` / ``set_grad_enabled`` and
-``torch.autocast`` blocks (decoder LLMs' rotary embeddings), widened inside with their
-semantics kept, member by member (wide_compiler.testing)."""
+"""Patterns real models use (transformers, timm, diffusers): no_grad/autocast regions (rotary
+embeddings), dropout of a shared value, BatchNorm with a cumulative average, tied parameters;
+member by member with wide_compiler.testing."""
 from __future__ import annotations
 
 import torch
