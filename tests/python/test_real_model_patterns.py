@@ -3,6 +3,7 @@ embeddings), dropout of a shared value, BatchNorm with a cumulative average, tie
 member by member with wide_compiler.testing."""
 from __future__ import annotations
 
+import pytest
 import torch
 import wide_compiler as wc
 from torch import nn
@@ -171,3 +172,29 @@ def test_tied_parameters_stay_tied_everywhere():
     wide.write_back(models)
     assert models[0].head.weight is models[0].shared.weight
     assert torch.equal(models[0].shared.weight, wide.get_parameter("shared.weight")[0])
+
+
+def _parametrized():
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    return nn.Sequential(weight_norm(nn.Conv1d(3, 4, 3)), nn.ReLU(), nn.Flatten(),
+                         weight_norm(nn.Linear(4 * 6, 5), dim=None), spectral_norm(nn.Linear(5, 2)))
+
+
+def test_weight_norm_and_spectral_norm_parametrizations():
+    """The classes are created per instance (ParametrizedConv1d): compared by the original class
+    and the parametrization modules; the wide parameters are original0/original1 and spectral
+    norm's power-iteration vectors are per-member buffers."""
+    models = make_members(_parametrized, 3)
+    wide, _ = check_compile(models, torch.randn(2, 3, 8), strict=True, config=FAST)
+    assert "0.parametrizations.weight.original0" in dict(wide.named_parameters())
+    xs = torch.randn(3, 2, 3, 8)
+    wide.eval()
+    back = wide.unfuse()
+    for b, x, o in zip(back, xs, wide(xs)):
+        assert torch.nn.utils.parametrize.is_parametrized(b[0])
+        assert_members_close(o.unsqueeze(0), [b.eval()(x)])
+    other = _parametrized()
+    other[0] = nn.Conv1d(3, 4, 3)  # not parametrized: a different program
+    with pytest.raises(wc.ArchitectureMismatchError, match="member 2"):
+        wc.compile([*make_members(_parametrized, 2), other], torch.randn(2, 3, 8), config=FAST)

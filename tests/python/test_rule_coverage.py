@@ -660,6 +660,10 @@ CASES: list[Case] = [
           "baddbmm.default"), modes=("train", "eval")),
     Case("dropout-inplace", _fn_module(_dropout_inplace, 1, w=(6,)), _randn((4, 6)), ("dropout_.default",),
          modes=("eval",)),
+    Case("parametrizations", lambda: nn.Sequential(
+        torch.nn.utils.parametrizations.weight_norm(nn.Linear(6, 5)),
+        torch.nn.utils.parametrizations.spectral_norm(nn.Linear(5, 3))), _randn((4, 6)),
+        ("_weight_norm.default", "vdot.default"), modes=("train", "eval")),
     Case("regions", _Regions, _randn((4, 6)), ("wrap_with_set_grad_enabled", "wrap_with_autocast", "linear")),
     Case("registered", _WithGate, _randn((4, 6)), ("opaque_module", "linear", "relu"),
          harness=lambda wide: {"wide_params": dict(wide.named_parameters())}),

@@ -197,6 +197,15 @@ def _describe(v: Any) -> str:
     return repr(v) if not callable(v) else getattr(v, "__qualname__", repr(v))
 
 
+def _module_class(m: nn.Module) -> type:
+    """A module's class; for a parametrized module (``weight_norm``, ``spectral_norm``, which
+    create a class per instance) the original class: its parametrizations are submodules, checked
+    like any other."""
+    if torch.nn.utils.parametrize.is_parametrized(m):
+        return type(m).__bases__[0]
+    return type(m)
+
+
 def check_members(models: Sequence[nn.Module]) -> None:
     """Raise :class:`ArchitectureMismatchError` unless every member is the same program as
     member 0: class, module tree and types, training mode, hyperparameters and other non-tensor
@@ -220,7 +229,7 @@ def check_members(models: Sequence[nn.Module]) -> None:
             where = name or f"the model ({type(m0).__name__})"
             if name != name0:
                 fail("the module tree", f"'{name}'", f"'{name0}' at that position")
-            if type(m) is not type(m0):
+            if _module_class(m) is not _module_class(m0):
                 fail(f"type of {where}", type(m).__name__, type(m0).__name__)
             if m.training != m0.training:
                 fail(f"{name}.training" if name else "training", m.training, m0.training)

@@ -113,3 +113,12 @@ def _addmm(ctx: WidenContext, node: fx.Node) -> Wide:
     if values["beta"] != 1:
         bias = ctx.emit(aten.mul.Tensor, (bias, values["beta"]), like=node)
     return Wide(ctx.emit(aten.add.Tensor, (prod, bias), like=node, name=node.name), rank)
+
+
+@rule(aten.vdot.default)
+def _vdot(ctx: WidenContext, node: fx.Node) -> Wide:
+    """conj(a) . b of 1-d members (spectral_norm's sigma): a sum over each member's last dim."""
+    a = ctx.as_wide(ctx.value(node.args[0]), 1, node)
+    b = ctx.as_wide(ctx.value(node.args[1]), 1, node)
+    prod = ctx.emit(aten.mul.Tensor, (ctx.emit(aten.conj.default, (a.node,), like=node), b.node), like=node)
+    return Wide(ctx.emit(aten.sum.dim_IntList, (prod, [-1]), like=node, name=node.name), 0)

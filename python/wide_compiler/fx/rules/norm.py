@@ -132,3 +132,19 @@ def _rms_norm(ctx: WidenContext, node: fx.Node) -> Wide:
     out.meta["wide_op"] = "wide.rms_norm"
     out.meta["wide_shapes"] = {"input": concrete_shape(node.args[0])}
     return Wide(out, rank)
+
+
+@rule(aten._weight_norm.default)
+def _weight_norm(ctx: WidenContext, node: fx.Node) -> Wide:
+    """``weight_norm``'s ``v * (g / ||v||)`` with the norm over each member's dims except ``dim``
+    (``dim=-1``: over all of them); ATen's op would take the member dim into the norm."""
+    v_old, g_old = node.args[0], node.args[1]
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    rank = member_rank(v_old)
+    v = ctx.as_wide(ctx.value(v_old), rank, node)
+    g = ctx.align(ctx.as_wide(ctx.value(g_old), member_rank(g_old), node), rank, node)
+    keep = None if dim == -1 else dim % rank
+    dims = [d + 1 for d in range(rank) if d != keep]
+    norm = ctx.emit(aten.linalg_vector_norm.default, (v.node, 2, dims, True), like=node)
+    scale = ctx.emit(aten.div.Tensor, (g, norm), like=node)
+    return Wide(ctx.emit(aten.mul.Tensor, (v.node, scale), like=node, name=node.name), rank)
