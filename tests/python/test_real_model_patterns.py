@@ -198,3 +198,23 @@ def test_weight_norm_and_spectral_norm_parametrizations():
     other[0] = nn.Conv1d(3, 4, 3)  # not parametrized: a different program
     with pytest.raises(wc.ArchitectureMismatchError, match="member 2"):
         wc.compile([*make_members(_parametrized, 2), other], torch.randn(2, 3, 8), config=FAST)
+
+
+class SharedInplaceDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        pos = torch.ones(4)  # made in forward: shared until the in-place random write
+        nn.functional.dropout(pos, 0.5, training=self.training, inplace=True)
+        return self.fc(x) + pos
+
+
+def test_in_place_dropout_of_a_shared_tensor_draws_per_member():
+    models = make_members(SharedInplaceDropout, 3)
+    wide = wc.compile(models, torch.randn(2, 4), strict=True, config=FAST)
+    x = torch.randn(2, 4)
+    noise = wide(x.expand(3, *x.shape)) - torch.stack([m.fc(x) for m in models])
+    assert set(torch.unique(noise.round(decimals=4)).tolist()) <= {0.0, 2.0}
+    assert not torch.equal(noise[0], noise[1])  # each member its own mask

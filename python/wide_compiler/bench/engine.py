@@ -68,6 +68,7 @@ __all__ = [
     "MODES",
     "RECORD_KEYS",
     "Contender",
+    "compiled",
     "compiled_loop_contender",
     "contention_note",
     "finish_records",
@@ -240,14 +241,18 @@ def vmap_contender(models: Sequence[nn.Module], *, shared: bool = False,
 
 def compiled_loop_contender(models: Sequence[nn.Module], name: str = "compile_loop",
                             **compile_kwargs: Any) -> Contender:
-    """``torch.compile`` of the Python loop. Compiles lazily: failures surface on first call.
+    """``torch.compile`` of the Python loop (:func:`compiled`)."""
+    return compiled(loop_contender(models), name, **compile_kwargs)
+
+
+def compiled(contender: Contender, name: str, **compile_kwargs: Any) -> Contender:
+    """``torch.compile`` of a contender's forward. Compiles lazily: failures surface on first call.
 
     Resets dynamo first, so that compiling many populations in one process never hits the
     recompile limit (which would silently fall back to eager).
     """
     torch.compiler.reset()
-    loop = loop_contender(models)
-    return Contender(name, torch.compile(loop.forward, **compile_kwargs), loop.params, "members")
+    return Contender(name, torch.compile(contender.forward, **compile_kwargs), contender.params, contender.layout)
 
 
 def stacked_params(models: Sequence[nn.Module]) -> list[torch.Tensor]:

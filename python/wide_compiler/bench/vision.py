@@ -293,13 +293,6 @@ def _loop(models: Sequence[nn.Module], name: str = "loop") -> Contender:
     return Contender(name, forward, [p for m in models for p in m.parameters()], "members")
 
 
-def _compiled_loop(models: Sequence[nn.Module]) -> Contender:
-    """``torch.compile`` of :func:`_loop` (dynamo reset first: no recompile limit across cases)."""
-    torch.compiler.reset()
-    loop = _loop(models, "compile_loop")
-    return Contender("compile_loop", torch.compile(loop.forward), loop.params, "members")
-
-
 def _vmap(models: Sequence[nn.Module], n_inputs: int, name: str = "vmap") -> Contender:
     """``torch.func`` ensembling over stacked parameters and buffers (all inputs mapped)."""
     from torch.func import functional_call, stack_module_state, vmap
@@ -391,7 +384,7 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
             _reset_buffers(wide, master)
             wides.append(_wide(name, wide, models[0]))
         makers = {"loop": lambda: _loop(models), "vmap": lambda: _vmap(models, len(xs)),
-                  "compile_loop": lambda: _compiled_loop(models)}
+                  "compile_loop": lambda: engine.compiled(_loop(models), "compile_loop")}
         baselines = [makers[b]() for b in case.baselines]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -299,8 +299,8 @@ def _widen_node(ctx: WidenContext, node: fx.Node) -> Any:
     """The wide value of one call node: its rule's, a shared copy, or the fallback's."""
     entry: RuleEntry | None = find_rule(node.target)
     args = [ctx.value(a) for a in node.args] + [ctx.value(a) for a in node.kwargs.values()]
-    if ctx.is_wide(args):
-        own_written_tensors(ctx, node)
+    if ctx.is_wide(args) or (entry is not None and _is_random(node)):  # per-member data is written
+        _own_written_tensors(ctx, node)
     if not ctx.is_wide(args) and not (entry is not None and (entry.always or _is_random(node))):
         if _is_random(node):  # members must draw independently: N draws, stacked
             return fallback(ctx, node, reason="a random op with no wide rule")
@@ -331,7 +331,7 @@ def _is_view(node: fx.Node) -> bool:
             and schema.returns[0].alias_info is not None and not schema.returns[0].alias_info.is_write)
 
 
-def own_written_tensors(ctx: WidenContext, node: fx.Node) -> None:
+def _own_written_tensors(ctx: WidenContext, node: fx.Node) -> None:
     """Note [Per-member writes into shared tensors]: a tensor made inside forward from shared
     values only (``out = torch.zeros(B, 8)``) is ONE shared tensor in the wide graph. When an op
     writes per-member data into it in place (``out[:, :4] = self.fc(x)``, ``index_add_``), every

@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from ..table import rule
-from ..widen import WidenContext, member_rank, own_written_tensors
+from ..widen import WidenContext, member_rank
 from ._fold import fold_batch
 
 aten = torch.ops.aten
@@ -59,8 +59,6 @@ def _dropout(ctx: WidenContext, node: fx.Node):
     draws its own mask."""
     if ctx.is_wide(ctx.value(tuple(node.args[1:]))):
         raise ctx.fail(node, "expected only the input to be per member")
-    if node.target is aten.dropout_.default:  # in place: each member needs its own tensor first
-        own_written_tensors(ctx, node)
     x = ctx.as_wide(ctx.value(node.args[0]), member_rank(node.args[0]), node)
     out = ctx.emit(node.target, (x.node, *ctx.value(tuple(node.args[1:]))), ctx.value(node.kwargs),
                    like=node, name=node.name)
