@@ -194,7 +194,7 @@ def _validate(wide: WideModel, members: Sequence[nn.Module], args: tuple, kwargs
     member draws its own random numbers."""
     n = len(members)
     training = wide.training
-    random = testing._random_ops(wide, training) if training else []
+    random = testing.random_ops(wide, training) if training else []
     if random:
         log.info("wide_compiler: validate: the train graph has random ops (%s) and every member "
                  "draws its own random numbers, so the members are compared in eval mode (on copies)",

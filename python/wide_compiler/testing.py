@@ -82,6 +82,7 @@ __all__ = [
     "max_member_error",
     "make_members",
     "member_inputs",
+    "random_ops",
     "shared_input",
     "stack_inputs",
     "tolerance",
@@ -757,27 +758,15 @@ def check_equivalence(
 # --- the whole-model check ----------------------------------------------------------------------
 
 
-def _random_ops(wide: Any, training: bool = True) -> list[str]:
-    """The random ops (ATen ``nondeterministic_seeded``: dropout, bernoulli, randn ...) of a wide
-    model's train or eval graph, fallbacks included; [] for anything else than a WideModel."""
-    from .fx.fallback import MemberFallback
+def random_ops(wide: Any, training: bool = True) -> list[str]:
+    """The random ops (dropout, bernoulli, randn ...) of a wide model's train or eval graph,
+    inside no-grad/autocast regions and fallbacks included; [] for anything but a WideModel
+    (or its ``torch.compile``): their members draw their own numbers, so they cannot be compared
+    value by value."""
     from .model import WideModel
 
     wide = getattr(wide, "_orig_mod", wide)
-    if not isinstance(wide, WideModel):
-        return []
-    found = []
-    for gm in wide._graph_for(training).graph_module.modules():
-        graph = getattr(gm, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
-        for node in graph.nodes:
-            if node.op != "call_function":
-                continue
-            target = node.target.op if isinstance(node.target, MemberFallback) else node.target
-            if torch.Tag.nondeterministic_seeded in getattr(target, "tags", ()):
-                found.append(str(target))
-    return sorted(set(found))
+    return sorted(wide._graph_for(training).random_ops) if isinstance(wide, WideModel) else []
 
 
 def check_compile(
@@ -855,7 +844,7 @@ def check_compile(
     report: dict[str, EquivalenceReport | str] = {}
     for mode in modes:
         training = mode == "train"
-        random = _random_ops(wide, training) if training else []
+        random = random_ops(wide, training) if training else []
         for is_shared in layouts:
             key = f"{mode}/{'shared' if is_shared else 'own'}"
             if random:

@@ -218,3 +218,23 @@ def test_in_place_dropout_of_a_shared_tensor_draws_per_member():
     noise = wide(x.expand(3, *x.shape)) - torch.stack([m.fc(x) for m in models])
     assert set(torch.unique(noise.round(decimals=4)).tolist()) <= {0.0, 2.0}
     assert not torch.equal(noise[0], noise[1])  # each member its own mask
+
+
+class DropoutInRegion(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            noise = nn.functional.dropout(torch.ones_like(x), 0.5, training=self.training)
+        return self.fc(x) * noise
+
+
+def test_random_ops_inside_regions_are_known_to_validate():
+    from wide_compiler.testing import random_ops
+
+    models = make_members(DropoutInRegion, 3)
+    wide = wc.compile(models, torch.randn(2, 4), config=FAST, validate=True)  # compared in eval mode
+    assert random_ops(wide) == ["aten.dropout.default"]
+    assert random_ops(wide, training=False) == ["aten.dropout.default"]  # there too (train=False: identity)

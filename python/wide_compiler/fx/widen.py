@@ -73,6 +73,8 @@ class WideGraph:
     positional_arity: int | None = None
     # the rule-table rows this graph went through (tests/python/test_rule_coverage.py)
     rules_used: set = dataclasses.field(default_factory=set)
+    # the random ops of the member graph ("aten.dropout.default" ...): members draw their own numbers
+    random_ops: set = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +109,7 @@ class WidenContext:
         self.env: dict[fx.Node, Any] = {}
         self.fallbacks: list[dict[str, str]] = []  # one entry per node run through a fallback
         self.rules_used: set = set()  # ops whose table row ran
+        self.random_ops: set = set()  # random ops met (op names)
 
     # -- values -------------------------------------------------------------------------------
     def value(self, arg: Any) -> Any:
@@ -292,13 +295,15 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
     arity = len(users) if all(i.member_shape is not None for i in users) and \
         tree_flatten((tuple(range(len(users))), {}))[1] == ep.call_spec.in_spec else None
     return WideGraph(gm, inputs, mutated, ep.call_spec.in_spec, ep.call_spec.out_spec, ctx.fallbacks, arity,
-                     ctx.rules_used)
+                     ctx.rules_used, ctx.random_ops)
 
 
 def _widen_node(ctx: WidenContext, node: fx.Node) -> Any:
     """The wide value of one call node: its rule's, a shared copy, or the fallback's."""
     entry: RuleEntry | None = find_rule(node.target)
     args = [ctx.value(a) for a in node.args] + [ctx.value(a) for a in node.kwargs.values()]
+    if _is_random(node):
+        ctx.random_ops.add(op_name(node))
     if ctx.is_wide(args) or (entry is not None and _is_random(node)):  # per-member data is written
         _own_written_tensors(ctx, node)
     if not ctx.is_wide(args) and not (entry is not None and (entry.always or _is_random(node))):

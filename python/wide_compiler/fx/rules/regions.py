@@ -69,6 +69,7 @@ def widen_body(ctx: WidenContext, body: fx.GraphModule, inputs: list[Any]) -> tu
     sub.graph.lint()
     ctx.fallbacks += sub.fallbacks
     ctx.rules_used |= sub.rules_used
+    ctx.random_ops |= sub.random_ops
     return fx.GraphModule(torch.nn.Module(), sub.graph, class_name="WideRegion"), outs
 
 
