@@ -249,13 +249,13 @@ def assert_trees_members_close(wide_out: Any, member_outs: Sequence[Any],
     >>> refs = [{"y": torch.zeros(2), "i": torch.tensor(0)}, {"y": torch.ones(2), "i": torch.tensor(1)}]
     >>> assert_trees_members_close({"y": torch.stack([r["y"] for r in refs]), "i": torch.tensor([0, 1])}, refs)
     """
-    wide_paths, wide_spec = tree_flatten_with_path(wide_out)
+    wide_paths, wide_spec = _leaves_with_labels(wide_out)
     flats = [tree_flatten(o) for o in member_outs]
     for i, (_, spec) in enumerate(flats):
         if spec != wide_spec:
             raise AssertionError(f"{what}: member {i}: output structure {spec} != wide {wide_spec}")
     for k, (path, leaf) in enumerate(wide_paths):
-        label = f"{what}{keystr(path)}"
+        label = f"{what}{path}"
         refs = [leaves[k] for leaves, _ in flats]
         if all(isinstance(r, torch.Tensor) for r in refs):
             assert_members_close(leaf, refs, dtype, kind=kind, what=label, rtol=rtol, atol=atol,
@@ -267,6 +267,18 @@ def assert_trees_members_close(wide_out: Any, member_outs: Sequence[Any],
                     got = got.item() if got.numel() == 1 else got.tolist()
                 if got != r:
                     raise AssertionError(f"{label}: member {i} differs from its own model: {got!r} != {r!r}")
+
+
+def _leaves_with_labels(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """``[(label, leaf)]`` and the spec: key paths (``[1]['h']``) where every node type has them
+    (a pytree node registered without ``flatten_with_keys_fn``, as diffusers' outputs are, has
+    not: then the leaf's flat position, ``<leaf 3>``)."""
+    try:
+        paths, spec = tree_flatten_with_path(tree)
+        return [(keystr(p), leaf) for p, leaf in paths], spec
+    except ValueError:
+        leaves, spec = tree_flatten(tree)
+        return [(f"<leaf {k}>", leaf) for k, leaf in enumerate(leaves)], spec
 
 
 def max_member_error(wide_out: Any, member_outs: Sequence[Any]) -> float:
@@ -760,7 +772,8 @@ def check_equivalence(
 
 def random_ops(wide: Any, training: bool = True) -> list[str]:
     """The random ops (dropout, bernoulli, randn ...) of a wide model's train or eval graph,
-    inside no-grad/autocast regions and fallbacks included; [] for anything but a WideModel
+    inside no-grad/autocast regions and fallbacks included, that really draw (a dropout with
+    ``p=0`` does not, nor does SDPA with ``dropout_p=0``); [] for anything but a WideModel
     (or its ``torch.compile``): their members draw their own numbers, so they cannot be compared
     value by value."""
     from .model import WideModel
@@ -781,6 +794,8 @@ def check_compile(
     grads: bool = True,
     buffers: bool = True,
     seed: int = 0,
+    rtol: float | None = None,
+    atol: float | None = None,
     strict: bool = False,
     config: Any = None,
     **compile_kwargs: Any,
@@ -806,7 +821,7 @@ def check_compile(
         shared: check on per-member inputs (False), on one shared input (True), or both.
         inputs, kwargs: the per-member inputs (a list of N) and keyword inputs (a list of N dicts)
             to check on, instead of perturbed copies of ``sample``/``sample_kwargs``.
-        grads, buffers, seed: as for :func:`check_equivalence`.
+        grads, buffers, seed, rtol, atol: as for :func:`check_equivalence`.
 
     Returns:
         ``(wide, report)``: the compiled model, and ``{"train/own": EquivalenceReport, ...}`` per
@@ -857,10 +872,10 @@ def check_compile(
                 report[key] = check_equivalence(
                     wide, members, inputs[0], kwargs=(kwargs[0] if kwargs is not None else None),
                     shared=True, grads=grads, buffers=buffers, seed=seed, training=training,
-                    what=f"{key} output")
+                    rtol=rtol, atol=atol, what=f"{key} output")
             else:
                 report[key] = check_equivalence(
                     wide, members, inputs, kwargs=kwargs, grads=grads, buffers=buffers, seed=seed,
-                    training=training, what=f"{key} output")
+                    training=training, rtol=rtol, atol=atol, what=f"{key} output")
             log.info("wide_compiler.testing.check_compile: %s: %s", key, report[key])
     return wide, report

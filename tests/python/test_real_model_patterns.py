@@ -237,4 +237,83 @@ def test_random_ops_inside_regions_are_known_to_validate():
     models = make_members(DropoutInRegion, 3)
     wide = wc.compile(models, torch.randn(2, 4), config=FAST, validate=True)  # compared in eval mode
     assert random_ops(wide) == ["aten.dropout.default"]
-    assert random_ops(wide, training=False) == ["aten.dropout.default"]  # there too (train=False: identity)
+    assert random_ops(wide, training=False) == []  # dropout(train=False) draws nothing
+
+
+class ZeroDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = nn.functional.dropout(self.fc(x), 0.0, training=True)
+        return nn.functional.scaled_dot_product_attention(h[:, None], h[:, None], h[:, None], dropout_p=0.0)
+
+
+def test_zero_probability_dropout_is_compared_in_train_mode():
+    """transformers' tiny configs set every dropout to 0: train mode is then deterministic and
+    must be checked member by member, not skipped."""
+    from wide_compiler.testing import random_ops
+
+    models = make_members(ZeroDropout, 3)
+    wide, report = check_compile(models, torch.randn(2, 4), strict=True, config=FAST)
+    assert random_ops(wide) == []
+    assert not isinstance(report["train/own"], str) and report["train/own"]["param_grad"] is not None
+
+
+class EndOfText(nn.Module):
+    """CLIP's pooled output: the hidden state at each sequence's argmax token (a per-member index)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return h[torch.arange(h.shape[0]), ids.argmax(dim=-1)]
+
+
+class RelativeBias(nn.Module):
+    """Swin's relative-position bias: a table indexed by an integer buffer (per member once stacked)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(9, 2))
+        self.register_buffer("index", torch.randint(0, 9, (4, 4)))
+
+    def forward(self, x):
+        bias = self.table[self.index.view(-1)].view(4, 4, 2).permute(2, 0, 1)
+        return x + bias
+
+
+class Indexing(nn.Module):
+    """Advanced indices: per member after leading slices, shared ones split by a slice, a shared mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x, i):
+        h = self.fc(x)                                   # [B, S, 6]
+        mask = torch.tensor([True, False, True, True, False, True])
+        return (h[:, i], h[:, :, i], h[:, i, i], h[torch.tensor([0, 1]), :, torch.tensor([2, 3])],
+                h[..., mask], h[i.clamp(max=1)])
+
+
+@pytest.mark.parametrize("factory,sample", [
+    (EndOfText, (torch.tensor([[3, 9, 1], [4, 2, 15]]),)),
+    (RelativeBias, (torch.randn(2, 2, 4, 4),)),
+    (Indexing, (torch.randn(2, 5, 6), torch.tensor([[4, 0], [2, 3]]))),
+], ids=["end_of_text", "relative_bias", "mixed"])
+def test_advanced_indices_per_member_and_split_by_slices(factory, sample):
+    models = make_members(factory, 3)
+    if factory is RelativeBias:  # the members' index buffers differ: each reads its own
+        for k, m in enumerate(models):
+            m.index.copy_(torch.randint(0, 9, (4, 4), generator=torch.Generator().manual_seed(k)))
+    inputs = None
+    if factory is not RelativeBias:  # integer inputs: a different index per member
+        g = torch.Generator().manual_seed(1)
+        inputs = [tuple(torch.randint(0, 2 if t.dim() == 2 and factory is Indexing else 16, t.shape, generator=g)
+                        if t.dtype == torch.long else t + k for t in sample) for k in range(3)]
+    wide, _ = check_compile(models, sample, inputs=inputs, strict=True, config=FAST)
+    assert not wide.fallbacks

@@ -461,6 +461,8 @@ def _spatial(m, x1, x2, x3):
         F.interpolate(x2, size=(3, 3), mode="bicubic", antialias=True), up(x3, "nearest"), up(x3, "nearest-exact"),
         up(x3, "trilinear"), F.pixel_shuffle(torch.cat([x2, x2 + 1, x2 * 2, x2 - 1], 1), 2),
         F.pixel_unshuffle(x2, 2), F.channel_shuffle(torch.cat([x2, x2 * 2], 1), 2),
+        F.fold(F.unfold(x2, 2, padding=1), (6, 6), 2, padding=1), F.unfold(x2[0], 3, stride=2),
+        F.fold(F.unfold(x2, 2)[0], (6, 6), 2),
     )
 
 
@@ -469,7 +471,7 @@ _SPATIAL_OPS = (
     "upsample_nearest2d.vec", "_upsample_nearest_exact2d.vec", "upsample_bilinear2d.vec", "upsample_bicubic2d.vec",
     "_upsample_bilinear2d_aa.vec", "_upsample_bicubic2d_aa.vec", "upsample_nearest3d.vec",
     "_upsample_nearest_exact3d.vec", "upsample_trilinear3d.vec", "pixel_shuffle", "pixel_unshuffle",
-    "channel_shuffle", "cat",
+    "channel_shuffle", "cat", "im2col", "col2im",
 )
 
 

@@ -66,17 +66,66 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     if dynamic_shapes is None:
         dynamic_shapes = _default_dynamic_shapes(model, args, kwargs)
         args, kwargs = tree_map(_batch_of_two, (args, kwargs))
-    try:
-        return torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
-    except Exception as e:  # export's own errors are many types; keep its reason whole
-        raise WideCompileError(
-            f"wide_compiler: torch.export could not capture {type(model).__name__}: "
-            f"{type(e).__name__}: {e}\n"
-            "What to do: make the forward exportable (no data-dependent Python control flow on "
-            "tensor values: use torch.cond, or restructure), register a wide form for the "
-            "offending module with @wide_compiler.register(ModuleType) so it is kept whole, or "
-            "pass dynamic_shapes= to compile() if the batch is not dim 0 of every input."
-        ) from e
+    registered: set[str] = set()
+    while True:
+        try:
+            return torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        except Exception as e:  # export's own errors are many types; keep its reason whole
+            found = _UNKNOWN_OUTPUT.search(str(e))
+            if found and found[1] not in registered and register_output_type(found[1]):
+                registered.add(found[1])  # a known container (a transformers cache): capture again
+                continue
+            if found:
+                raise WideCompileError(
+                    f"wide_compiler: {type(model).__name__} returns a {found[1]}, which torch.export "
+                    "cannot carry as an output (it is not a registered pytree node).\n"
+                    "What to do: turn that output off (for a transformers model: pass "
+                    "sample_kwargs={'use_cache': False} or set config.use_cache = False), or register "
+                    "the type with torch.utils._pytree.register_pytree_node so its tensors come out "
+                    "N-first like any output.") from e
+            raise _capture_error(model, e) from e
+
+
+# export's message for an output type it cannot flatten
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output")
+
+
+def register_output_type(qualname: str) -> bool:
+    """Register a known non-tensor output container as a pytree node, so a model that returns it
+    (transformers' decoders return a ``DynamicCache`` with ``use_cache=True``, the default, and
+    encoder-decoders an ``EncoderDecoderCache`` of two) is captured as it comes and the cache
+    comes out N-first. True when ``qualname`` is known.
+
+    ``DynamicCache`` gets transformers' own registration (the one its ``torch.export`` support
+    uses); ``EncoderDecoderCache`` is the pair of its two caches. Registrations are process-wide,
+    as any pytree registration is."""
+    if qualname not in _KNOWN_OUTPUTS:
+        return False
+    from torch.utils import _pytree as pytree
+    from transformers.cache_utils import EncoderDecoderCache
+    from transformers.integrations.executorch import register_dynamic_cache_export_support
+
+    log.info("wide_compiler: registering %s as a pytree node so the cache comes out N-first", qualname)
+    register_dynamic_cache_export_support()  # EncoderDecoderCache holds two of them
+    if qualname.endswith("EncoderDecoderCache") and EncoderDecoderCache not in pytree.SUPPORTED_NODES:
+        fields = ("self_attention_cache", "cross_attention_cache")
+        pytree.register_pytree_node(
+            EncoderDecoderCache, lambda c: ([getattr(c, f) for f in fields], None),
+            lambda caches, _: EncoderDecoderCache(*caches), serialized_type_name=qualname,
+            flatten_with_keys_fn=lambda c: ([(pytree.GetAttrKey(f), getattr(c, f)) for f in fields], None))
+    return True
+
+
+_KNOWN_OUTPUTS = ("transformers.cache_utils.DynamicCache", "transformers.cache_utils.EncoderDecoderCache")
+
+
+def _capture_error(model: nn.Module, e: Exception) -> WideCompileError:
+    return WideCompileError(
+        f"wide_compiler: torch.export could not capture {type(model).__name__}: {type(e).__name__}: {e}\n"
+        "What to do: make the forward exportable (no data-dependent Python control flow on "
+        "tensor values: use torch.cond, or restructure), register a wide form for the "
+        "offending module with @wide_compiler.register(ModuleType) so it is kept whole, or "
+        "pass dynamic_shapes= to compile() if the batch is not dim 0 of every input.")
 
 
 def graph_fingerprint(ep: ExportedProgram) -> list[tuple[str, str, str]]:

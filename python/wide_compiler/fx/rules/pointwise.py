@@ -20,7 +20,7 @@ _UNARY = [
     "selu_", "softplus", "mish", "mish_", "hardswish", "hardswish_", "hardsigmoid", "hardsigmoid_",
     "log_sigmoid", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "square",
     "reciprocal", "clamp", "clamp_", "clone", "alias", "detach", "erf", "sign", "rrelu",
-    "contiguous", "to.dtype", "to.dtype_layout", "to.device", "type_as", "masked_fill.Scalar",
+    "contiguous", "to.dtype", "to.dtype_layout", "to.device", "masked_fill.Scalar",
     "where.self", "lerp.Scalar", "lerp.Tensor", "addcmul", "addcdiv",
     "clamp.Tensor", "nan_to_num", "logical_not", "bitwise_not",
 ]
@@ -65,6 +65,15 @@ _INPLACE = ["copy_", "fill_.Scalar", "zero_", "masked_fill_.Scalar", "abs_"]
 rule(layout="elementwise", tagged_pointwise=True)(_pointwise)  # any op tagged torch.Tag.pointwise
 rows(_pointwise, _UNARY + _BINARY, layout="elementwise")
 rows(_pointwise, _INPLACE)
+
+
+@rule("type_as", layout="elementwise")
+def _type_as(ctx: WidenContext, node: fx.Node):
+    """``x.type_as(other)`` reads only other's dtype: the result is x's, shared when x is (a
+    mask made with ``torch.ones(...).type_as(hidden)`` stays one mask for all members)."""
+    x, other = ctx.value(node.args[0]), ctx.unwrap(ctx.value(node.args[1]))
+    out = ctx.emit(node.target, (ctx.unwrap(x), other), like=node, name=node.name)
+    return Wide(out, x.rank) if isinstance(x, Wide) else out
 
 
 @rule("masked_fill.Tensor", "masked_fill_.Tensor", "fill_.Tensor")

@@ -125,9 +125,15 @@ def _squeeze(ctx: WidenContext, node: fx.Node) -> Wide:
 
 @rule(aten.cat.default, aten.stack.default)
 def _cat(ctx: WidenContext, node: fx.Node) -> Wide:
-    tensors = [ctx.value(t) for t in node.args[0]]
+    args = list(node.args[0])
+    if node.target is aten.cat.default and member_rank(node) != 1:
+        # torch.cat skips 1-D empty inputs of any other rank (legacy; transformers' caches start as
+        # torch.tensor([])); widened they would be [N, 0] and refused, so they are dropped here
+        kept = [t for t in args if tuple(t.meta["val"].shape) != (0,)]
+        args = kept or args[:1]
+    tensors = [ctx.value(t) for t in args]
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    ranks = [member_rank(t) for t in node.args[0]]
+    ranks = [member_rank(t) for t in args]
     nodes = [ctx.as_wide(v, r, node).node for v, r in zip(tensors, ranks)]
     return Wide(ctx.emit(node.target, (nodes, dim + 1 if dim >= 0 else dim), like=node, name=node.name),
                 member_rank(node))
@@ -142,19 +148,42 @@ def _roll(ctx: WidenContext, node: fx.Node):
     return dim_rule(ctx, node)
 
 
+def member_index(x: torch.Tensor, rank: int) -> torch.Tensor:
+    """``arange(N)`` on ``x``'s device, shaped ``[N, 1 * rank]``: the advanced index that keeps
+    member ``i`` reading row ``i`` of a wide tensor (a graph call, so ``.to(device)`` follows)."""
+    return torch.arange(x.shape[0], device=x.device).view(-1, *([1] * rank))
+
+
 @rule(aten.index.Tensor)
 def _index(ctx: WidenContext, node: fx.Node):
-    """``x[idx]`` with shared index tensors: prepend a full slice (None) for the member dim. With
-    several advanced indices separated by slices, numpy moves the indexed dims to the front,
-    which would move them before the member dim: those go through the fallback."""
-    x, indices = _wide(ctx, node), ctx.value(node.args[1])
+    """``x[idx, ...]``. Shared indices that are adjacent keep their place behind a full slice for
+    the member dim. Otherwise (an index is per member -- CLIP's end-of-text token, Swin's
+    relative-position buffer -- or the indices are separated by slices) the member dim gets its
+    own advanced index ``arange(N)``, every per-member index ``[N, *s]`` is aligned to the
+    members' broadcast shape, and the broadcast dims, which numpy puts first when advanced
+    indices are not adjacent, are permuted back behind the member dim where the member has them.
+    Boolean masks select a member-dependent count, so a per-member one goes through the fallback."""
+    x, indices = _wide(ctx, node), list(ctx.value(node.args[1]))
     present = [i for i, t in enumerate(indices) if t is not None]
     adjacent = present == list(range(present[0], present[-1] + 1)) if present else True
-    if ctx.is_wide(indices) or not adjacent:
+    if not ctx.is_wide(indices) and adjacent:
+        return Wide(ctx.emit(aten.index.Tensor, (x.node, [None, *indices]), like=node, name=node.name),
+                    member_rank(node))
+    metas = [node.args[1][i].meta["val"] for i in present]
+    if any(m.dtype in (torch.bool, torch.uint8) for m in metas):
         from ..fallback import fallback
-        return fallback(ctx, node, reason="per-member or non-adjacent advanced indices")
-    return Wide(ctx.emit(aten.index.Tensor, (x.node, [None, *indices]), like=node, name=node.name),
-                member_rank(node))
+        return fallback(ctx, node, reason="a per-member boolean mask index selects a different count per member")
+    shape = torch.broadcast_shapes(*(m.shape for m in metas))
+    wide_indices = [ctx.emit(member_index, (x.node, len(shape)), like=node)]
+    for t in indices:
+        wide_indices.append(ctx.align(t, len(shape), node) if isinstance(t, Wide) else t)
+    lead, rank = (present[0] if adjacent else 0), member_rank(node)
+    out = ctx.emit(aten.index.Tensor, (x.node, wide_indices), like=node, name=None if lead else node.name)
+    if lead:  # numpy put the broadcast dims before the member's leading slices: move them back
+        r = len(shape)
+        perm = [0, *range(r + 1, r + 1 + lead), *range(1, r + 1), *range(r + 1 + lead, rank + 1)]
+        out = ctx.emit(aten.permute.default, (out, perm), like=node, name=node.name)
+    return Wide(out, rank)
 
 
 @rule(operator.getitem)

@@ -27,6 +27,16 @@ rows(fold_batch, _FOLD, layout="fold")
 # proven layout-transparent: folded, but always N-first.
 rows(fold_batch, ["_upsample_bilinear2d_aa.vec", "_upsample_bicubic2d_aa.vec", "pixel_shuffle.default",
                   "pixel_unshuffle.default", "channel_shuffle.default"])
+# unfold/fold (ConvBERT's span conv): ``im2col`` takes [C, H, W] or [B, C, H, W], ``col2im``
+# [C*kh*kw, L] or [B, C*kh*kw, L]; an unbatched member's N-first tensor is already a batch.
+@rule(aten.im2col.default)
+def _im2col(ctx: WidenContext, node: fx.Node) -> Wide:
+    return fold_batch(ctx, node, spatial=2)
+
+
+@rule(aten.col2im.default)
+def _col2im(ctx: WidenContext, node: fx.Node) -> Wide:
+    return fold_batch(ctx, node, spatial=1)
 
 
 @rule(aten.pad.default, layout="pad")
