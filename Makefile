@@ -37,6 +37,13 @@ $(VENV)/.stamp-py: $(VENV)/.stamp-apt
 
 setup: $(VENV)/.stamp-py
 
+# Test-only dependencies: the real-model suite (tests/python/real_models.py) builds tiny models
+# from these libraries. Pinned, and installed with torch pinned so pip never swaps torch.
+TEST_SPECS := "transformers==5.23.0" "diffusers==0.42.1"
+$(VENV)/.stamp-test: $(VENV)/.stamp-py
+	$(PIP) install -q "$(TORCH_SPEC)" $(TEST_SPECS)
+	touch $@
+
 # Rebuild the C++ core when a C++/build file changes; Python files are live (editable install).
 $(VENV)/.stamp-build: $(VENV)/.stamp-py $(SOURCES)
 	$(PIP) install -q --no-build-isolation --no-deps -e . \
@@ -53,7 +60,7 @@ test: test-cpp test-python
 test-cpp: build
 	cd $(BUILD) && ctest --output-on-failure -j2
 
-test-python: build
+test-python: build $(VENV)/.stamp-test
 	$(PY) -m pytest -q tests/python --doctest-modules python/wide_compiler
 
 # Each target writes JSON records (DESIGN §10) under bench-results/; PRESET=full for the grids.

@@ -87,7 +87,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
 
 
 # export's message for an output type it cannot flatten
-_UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output")
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output")
 
 
 def register_output_type(qualname: str) -> bool:

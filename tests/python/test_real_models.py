@@ -1,0 +1,76 @@
+"""Real models nobody here wrote (tiny random configs from transformers and diffusers, catalog in
+real_models.py), each compiled with strict=True (no fallback) and checked member by member with
+wide_compiler.testing: eval and train outputs, input and parameter gradients, buffers."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import wide_compiler as wc
+from wide_compiler.testing import check_compile
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+
+from real_models import catalog, members, sample  # noqa: E402  (after the skips: it imports both)
+
+CASES = catalog()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_real_model_matches_its_members(case):
+    models = members(case)
+    args, kwargs = sample(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wide, report = check_compile(models, args, sample_kwargs=kwargs, shared=(False,), strict=True,
+                                     config=wc.WideConfig.fast())
+    assert not wide.fallbacks
+    for key in ("train/own", "eval/own"):  # dropout is 0: train mode is compared too, never skipped
+        assert not isinstance(report[key], str), report[key]
+    assert report["train/own"]["param_grad"] is not None
+
+
+def test_decoder_cache_comes_out_n_first():
+    """A decoder as it comes (use_cache=True) returns its DynamicCache; every key/value tensor of
+    the wide cache is N-first and member i's slice is member i's own cache."""
+    case = next(c for c in CASES if c.name == "LlamaForCausalLM")
+    models = [m.eval() for m in members(case)]
+    ids = case.args()[0]
+    wide = wc.compile(models, (ids,), strict=True, config=wc.WideConfig.fast())
+    out = wide(ids.expand(3, *ids.shape))
+    layer = out.past_key_values.layers[0]
+    assert layer.keys.shape[0] == 3
+    for i, m in enumerate(models):
+        ref = m(ids).past_key_values.layers[0]
+        torch.testing.assert_close(layer.keys[i], ref.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.values[i], ref.values, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_output_container_names_what_to_do():
+    class Box:
+        def __init__(self, t):
+            self.t = t
+
+    class ReturnsBox(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return Box(self.fc(x))
+
+    with pytest.raises(wc.WideCompileError, match=r"(?s)returns a .*Box.*use_cache.*register_pytree_node"):
+        wc.compile([ReturnsBox() for _ in range(2)], torch.randn(2, 3))
+
+
+def test_readme_table_lists_the_catalog():
+    """The README's "Models known to work" table is generated from this catalog: same models."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    block = readme.split("<!-- real-models-table -->")[1].split("<!-- /real-models-table -->")[0]
+    listed = re.findall(r"^\| ([^|]+?) \| (?:transformers|diffusers) \|", block, flags=re.M)
+    assert listed == [c.name for c in CASES], "regenerate: .venv/bin/python tests/python/real_models.py"
