@@ -224,3 +224,35 @@ def test_functional_argument_errors():
         WF.embedding_bag(torch.zeros(2, 3, 4, dtype=torch.long), torch.randn(2, 5, 3), mode="median")
     with pytest.raises(ValueError, match="sparse=True"):
         WF.embedding(torch.zeros(2, 3, dtype=torch.long), torch.randn(2, 5, 3), sparse=True)
+
+
+class _MaskFromShape(torch.nn.Module):
+    """``torch.ones(B, S).type_as(h)``: a mask shared by every member (funnel-style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        mask = torch.ones(x.shape[0], 4).type_as(h)
+        return h * mask
+
+
+def test_a_rule_that_mislabels_a_shared_value_stops_the_compile(monkeypatch):
+    """The rank check after widen: a rule returning a shared value labelled per member (what the
+    old type_as rule did) would broadcast silently whenever the batch equals N; compile refuses."""
+    import dataclasses
+
+    from wide_compiler.fx.rules.pointwise import _pointwise
+    from wide_compiler.fx.table import RULES
+
+    op = torch.ops.aten.type_as.default
+    monkeypatch.setitem(RULES, op, dataclasses.replace(RULES[op], fn=_pointwise))
+    models = [_MaskFromShape() for _ in range(2)]
+    with pytest.raises(wc.UnsupportedOperationError, match=r"internal error: aten.type_as.default .* rank 2 .* rank 3"):
+        wc.compile(models, torch.randn(2, 4), config=wc.WideConfig.fast())
+    monkeypatch.undo()
+    wide = wc.compile(models, torch.randn(2, 4), config=wc.WideConfig.fast())  # the real rule
+    x = torch.randn(2, 2, 4)
+    torch.testing.assert_close(wide(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))

@@ -39,7 +39,7 @@ from ..config import WideConfig
 from .capture import capture, check_members, check_run_members, check_traced_members
 from .layout import plan_layout
 from .strategy import choose_strategies
-from .widen import WideGraph, widen
+from .widen import WideGraph, check_ranks, widen
 
 __all__ = ["COMPILE_LOCK", "PASSES", "Compilation", "Pass", "run_pipeline"]
 
@@ -126,6 +126,11 @@ def _lint(c: Compilation) -> None:
     c.wide.graph_module.graph.lint()
 
 
+def _lint_and_check_ranks(c: Compilation) -> None:
+    _lint(c)
+    check_ranks(c.wide, c.n)
+
+
 def _all_chosen(c: Compilation) -> None:
     for node in c.wide.graph_module.graph.nodes:
         if "wide_tune" in node.meta and node.kwargs.get("strategy") in (None, "auto"):
@@ -138,7 +143,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("capture", _capture, ("model", "sample"),
          check=lambda c: isinstance(c.ep, ExportedProgram) or _bad("capture", "no ExportedProgram")),
     Pass("check_programs", _check_programs, ("ep",)),
-    Pass("widen", _widen, ("ep",), check=_lint),
+    Pass("widen", _widen, ("ep",), check=_lint_and_check_ranks),
     Pass("layout", _layout, ("ep", "wide"), check=_lint),
     Pass("strategies", _strategies, ("wide",), check=_all_chosen),
 )

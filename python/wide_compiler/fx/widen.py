@@ -286,6 +286,7 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
                 ctx.env[node] = new
         elif node.op == "call_function":
             ctx.env[node] = _widen_node(ctx, node)
+            _expect_ranks(ctx.env[node], node)
         elif node.op == "get_attr":  # the body of a higher-order region (rules/regions.py)
             ctx.env[node] = getattr(ep.graph_module, node.target)
         elif node.op == "output":
@@ -313,6 +314,73 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
         tree_flatten((tuple(range(len(users))), {}))[1] == ep.call_spec.in_spec else None
     return WideGraph(gm, inputs, mutated, ep.call_spec.in_spec, ep.call_spec.out_spec, ctx.fallbacks, arity,
                      ctx.rules_used, ctx.random_ops)
+
+
+def _expect_ranks(value: Any, node: fx.Node) -> None:
+    """Record on the new node(s) standing for ``node`` the rank its value must have: the member's
+    rank + 1 for a wide value, the member's for a shared one (checked by :func:`check_ranks`)."""
+    val = node.meta.get("val")
+    vals, values = (list(val), list(value)) if isinstance(val, (tuple, list)) and isinstance(
+        value, (tuple, list)) else ([val], [value])
+    for v, m in zip(values, vals):
+        if not isinstance(m, torch.Tensor):
+            continue
+        if isinstance(v, Wide):
+            v.node.meta.setdefault("wide_expect", (m.dim() + 1, op_name(node), node.name))
+        elif isinstance(v, fx.Node):
+            v.meta.setdefault("wide_expect", (m.dim(), op_name(node), node.name))
+
+
+def _fake_feed(i: GraphInput, n: int) -> Any:
+    """A fake wide input for placeholder ``i`` at the sizes the member was captured with."""
+    v = i.node.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        return v
+    shape = [s.node.hint if isinstance(s, torch.SymInt) else int(s) for s in v.shape]
+    return torch.empty(shape if i.kind == "constant" else (n, *shape), dtype=v.dtype, device=v.device)
+
+
+def check_ranks(wg: WideGraph, n: int) -> None:
+    """Run the wide graph on fake tensors and check that every value a rule produced has the rank
+    it claims: N-first values one more than the member's, shared ones the member's. A value
+    labelled per member that is really shared (or the reverse) would otherwise broadcast into
+    silently wrong members whenever a size happens to equal N. Raises on a mismatch, naming the
+    member node and its source line; a graph the fake run cannot execute is left to the first
+    call (logged at debug level)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    if any(i.kind == "root" for i in wg.inputs):
+        return  # registered modules run the WideModel itself: no fake stand-in for it
+    gm = wg.graph_module
+    before = {node: node.meta.get("val") for node in gm.graph.nodes}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # concrete sizes: the sample's
+    try:
+        with mode:
+            feeds = [_fake_feed(i, n) for i in wg.inputs]
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*feeds)
+        bad = []
+        for node in gm.graph.nodes:
+            expect = node.meta.get("wide_expect")
+            got = node.meta.get("val")
+            if expect is not None and isinstance(got, torch.Tensor) and got.dim() != expect[0]:
+                bad.append((node, expect, got.dim()))
+    except Exception as e:  # noqa: BLE001 -- the check must never be what breaks a compile
+        log.debug("wide_compiler: rank check skipped (the fake run failed: %s: %s)", type(e).__name__, e)
+        return
+    finally:
+        for node, v in before.items():
+            if v is None:
+                node.meta.pop("val", None)
+            else:
+                node.meta["val"] = v
+    if bad:
+        node, (expect, op, name), got = bad[0]
+        raise UnsupportedOperationError(
+            f"wide_compiler: internal error: {op} at node '{name}', {source_line(node)} was "
+            f"widened to a value of rank {got} where rank {expect} was expected (a per-member value "
+            f"labelled shared or the reverse); this would mix members, so compile stops. Please report "
+            f"it; strict=False does not help, but @wide_compiler.register on the module works around it.")
 
 
 def _widen_node(ctx: WidenContext, node: fx.Node) -> Any:
