@@ -13,7 +13,7 @@ from torch import nn
 from . import testing
 from .config import WideConfig
 from .errors import ValidationError
-from .model import WideModel
+from .model import WideModel, layout_of, tag_layout
 
 __all__ = ["WideBuilder", "compile", "pack", "stack", "unpack", "unstack"]
 
@@ -237,12 +237,18 @@ def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 def unstack(t: torch.Tensor) -> list[torch.Tensor]:
     """One N-first tensor -> the list of its N members (views).
 
+    A channel-packed tensor (from :func:`pack` or a :attr:`WideModel.packed` call) is refused:
+    its dim 0 is the batch, so :func:`unpack` is the helper for it.
+
     >>> import torch, wide_compiler as wc
     >>> len(wc.unstack(torch.zeros(4, 2, 3)))
     4
     """
     if t.dim() < 1:
         raise ValueError("wide_compiler.unstack: expected a tensor with a member dim, got a 0-dim tensor")
+    if layout_of(t) == "packed":
+        raise ValueError("wide_compiler.unstack: this tensor is channel-packed [B, N*C, ...] (it came from "
+                         "pack() or a wide.packed call): use wide_compiler.unpack(t, n)")
     return list(t.unbind(0))
 
 
@@ -261,19 +267,36 @@ def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         if t.dim() < 2 or t.shape != tensors[0].shape:
             raise ValueError(f"wide_compiler.pack: expected tensors [B, C, ...] of one shape; member "
                              f"{i} has {list(t.shape)}, member 0 has {list(tensors[0].shape)}")
-    return torch.cat(tensors, dim=1)
+    return tag_layout(torch.cat(tensors, dim=1), "packed")
 
 
-def unpack(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+def unpack(t: torch.Tensor, n: int, *, assume_packed: bool = False) -> list[torch.Tensor]:
     """A channel-packed tensor ``[B, N*C, ...]`` -> the list of N member tensors ``[B, C, ...]``.
+
+    Never a silent wrong split: an N-first tensor (a :class:`WideModel` output, tagged as such) is
+    refused with a pointer to :func:`unstack`, and so is an untagged tensor whose dim 0 equals
+    ``n``, which could be either layout; pass ``assume_packed=True`` when you know it is packed.
 
     >>> import torch, wide_compiler as wc
     >>> [x.shape[1] for x in wc.unpack(torch.zeros(2, 6, 5), 3)]
     [2, 2, 2]
+    >>> wc.unpack(torch.zeros(3, 6, 5), 3)
+    Traceback (most recent call last):
+    ...
+    ValueError: wide_compiler.unpack: dim 0 of this [3, 6, 5] tensor is n=3, so it may be N-first [N, ...] (use wide_compiler.unstack(t) or t[i]) rather than packed [B, N*C, ...]; if it is packed, pass assume_packed=True
     """
     if t.dim() < 2 or n < 1 or t.shape[1] % n:
         raise ValueError(f"wide_compiler.unpack: expected [B, N*C, ...] with dim 1 divisible by "
                          f"n={n}, got {list(t.shape)}")
+    layout = layout_of(t)
+    if layout == "nfirst":
+        raise ValueError("wide_compiler.unpack: this tensor is N-first [N, ...] (a WideModel output): member i "
+                         "is t[i]; use wide_compiler.unstack(t) for the list, or wide.packed(...) to get "
+                         "packed outputs")
+    if layout is None and t.shape[0] == n and not assume_packed:
+        raise ValueError(f"wide_compiler.unpack: dim 0 of this {list(t.shape)} tensor is n={n}, so it may be "
+                         f"N-first [N, ...] (use wide_compiler.unstack(t) or t[i]) rather than packed "
+                         f"[B, N*C, ...]; if it is packed, pass assume_packed=True")
     return list(t.chunk(n, dim=1))
 
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 
 __all__ = ["WideConfig"]
-
-
 
 @dataclasses.dataclass(frozen=True)
 class WideConfig:
@@ -106,3 +105,26 @@ class WideConfig:
         if env:
             return Path(env)
         return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "wide_compiler"
+
+
+# WideCompiler 0.x field names -> where that option lives now (refused with this pointer rather
+# than accepted with a different meaning).
+_SEED_FIELDS = {
+    "compile": "wide_compiler.compile(..., compile_model=True) (or WideBuilder(...).compile())",
+    "compile_mode": "wide_compiler.compile(..., compile_model=True, compile_options={'mode': ...})",
+    "validate_rtol": "WideConfig(rtol=...) (and atol=...)",
+    "debug": "WideConfig.debug() (validate, strict, every member traced, no tuning)",
+}
+_dataclass_init = WideConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self: WideConfig, *args, **kwargs) -> None:
+    seed = [k for k in kwargs if k in _SEED_FIELDS]
+    if seed:
+        raise TypeError("WideConfig: " + "; ".join(f"{k!r} is a WideCompiler 0.x field, now {_SEED_FIELDS[k]}"
+                                                    for k in seed))
+    _dataclass_init(self, *args, **kwargs)
+
+
+WideConfig.__init__ = _init

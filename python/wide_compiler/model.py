@@ -34,6 +34,24 @@ class _Stacked(nn.Module):
         return f"stacked {self._original_type}"
 
 
+# Tensors made here or returned by a WideModel carry their layout, so the helpers can refuse the
+# wrong one instead of splitting the wrong dim (a Python attribute: ops on the tensor drop it).
+_LAYOUT_ATTR = "_wide_layout"
+
+
+def tag_layout(t: Any, layout: str) -> Any:
+    """Mark tensor ``t`` as ``"nfirst"`` or ``"packed"`` (no-op for other values and under
+    ``torch.compile``, where tensors take no Python attributes); returns ``t``."""
+    if isinstance(t, torch.Tensor) and not torch.compiler.is_compiling():
+        setattr(t, _LAYOUT_ATTR, layout)
+    return t
+
+
+def layout_of(t: torch.Tensor) -> str | None:
+    """``"nfirst"``/``"packed"`` for a tensor tagged by :func:`tag_layout`, else None."""
+    return getattr(t, _LAYOUT_ATTR, None)
+
+
 class WideModel(MemberOpsMixin, nn.Module):
     """N models of one architecture fused into one: member ``i`` of every input and output is
     model ``i``'s. Built by :func:`wide_compiler.compile`.
@@ -206,8 +224,25 @@ class WideModel(MemberOpsMixin, nn.Module):
                 for name, new in zip(wg.mutated_buffers, outs[:k]):
                     _get_tensor(self, name).copy_(new)
         # Outputs are contiguous, as the members' would be (wide ops may return strided views).
-        outs = [o.contiguous() if isinstance(o, torch.Tensor) else o for o in outs[k:]]
+        outs = [tag_layout(o.contiguous(), "nfirst") if isinstance(o, torch.Tensor) else o for o in outs[k:]]
         return tree_unflatten(outs, wg.out_spec)
+
+    @property
+    def packed(self) -> PackedWideModel:
+        """This model with the channel-packed calling convention of WideCompiler 0.x: every tensor
+        input ``[B, N*C, ...]`` (``pack`` of the members' inputs), every output packed the same
+        way (member rank 1: ``[N*C]``; rank 0: ``[N]``). A view: it shares this model's
+        parameters and mode.
+
+        >>> import torch, wide_compiler as wc
+        >>> models = [torch.nn.Linear(4, 3) for _ in range(2)]
+        >>> wide = wc.compile(models, torch.randn(5, 4), config=wc.WideConfig.fast())
+        >>> xs = [torch.randn(5, 4) for _ in models]
+        >>> outs = wc.unpack(wide.packed(wc.pack(xs)), n=2)
+        >>> all(torch.allclose(o, m(x), atol=1e-6) for o, m, x in zip(outs, models, xs))
+        True
+        """
+        return PackedWideModel(self)
 
     def _holders(self, wg: WideGraph) -> list:
         """Per graph input: the (module, attribute) holding its stacked tensor, or None for user
@@ -365,6 +400,34 @@ def _persistent_buffers(model: nn.Module):
         for name, b in mod._buffers.items():
             if b is not None and name not in mod._non_persistent_buffers_set:
                 yield _join(mod_name, name), b
+
+
+class PackedWideModel(nn.Module):
+    """A :class:`WideModel` called with channel-packed tensors (see :attr:`WideModel.packed`)."""
+
+    def __init__(self, wide: WideModel) -> None:
+        super().__init__()
+        self.wide = wide
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        n = self.wide.n
+
+        def to_nfirst(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.dim() < 2 or t.shape[1] % n:
+                raise ValueError(f"wide_compiler: packed input: expected [B, N*C, ...] with dim 1 divisible "
+                                 f"by N={n}, got {list(t.shape)}")
+            return t.unflatten(1, (n, -1)).movedim(1, 0)
+
+        def to_packed(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            out = t.movedim(0, 1).flatten(1, 2) if t.dim() >= 3 else t.flatten()
+            return tag_layout(out.contiguous(), "packed")
+
+        args, kwargs = tree_map(to_nfirst, (args, kwargs))
+        return tree_map(to_packed, self.wide(*args, **kwargs))
 
 
 def _get_tensor(root: nn.Module, name: str) -> torch.Tensor:

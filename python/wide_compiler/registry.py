@@ -18,7 +18,7 @@ from torch import nn
 
 __all__ = ["register", "registered_wide_form"]
 
-_REGISTRY: dict[type, type] = {}
+_REGISTRY: dict[type | str, type] = {}  # module class, or a class name (the 0.x string form)
 # key -> member 0's module, run for shape inference only during capture. Weak: the module is owned
 # by the _OpaqueCall standing in for it (in the WideModel's capture template), so it lives exactly
 # as long as the wide model that may capture again.
@@ -26,8 +26,12 @@ _OPAQUE: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictiona
 _KEYS = itertools.count()
 
 
-def register(module_type: type[nn.Module]) -> Callable[[type], type]:
+def register(module_type: type[nn.Module] | str) -> Callable[[type], type]:
     """Register the wide form of ``module_type``; used by :func:`wide_compiler.compile`.
+
+    ``module_type`` is the module class, or its class name as a string (WideCompiler 0.x's form,
+    ``@register("Scale")``: it matches any module whose class, or a base class, has that name;
+    a registered class wins over a name).
 
     The wide class must provide ``from_modules(cls, modules) -> wide module`` (a classmethod taking
     the N member modules), ``forward(*inputs)`` on N-first tensors returning N-first tensors, and
@@ -64,13 +68,17 @@ def register(module_type: type[nn.Module]) -> Callable[[type], type]:
         >>> torch.allclose(wide(x)[1], models[1](x[1]), atol=1e-6)
         True
     """
-    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-        raise TypeError(f"wide_compiler.register: expected an nn.Module subclass, got {module_type!r}")
+    named = isinstance(module_type, str)
+    if not (named and module_type.isidentifier()) and not (
+            isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"wide_compiler.register: expected an nn.Module subclass or its class name, "
+                        f"got {module_type!r}")
+    label = module_type if named else module_type.__name__
 
     def deco(wide_cls: type) -> type:
         for needed in ("from_modules", "unfuse", "forward"):
             if not callable(getattr(wide_cls, needed, None)):
-                raise TypeError(f"wide_compiler.register({module_type.__name__}): {wide_cls.__name__} "
+                raise TypeError(f"wide_compiler.register({label}): {wide_cls.__name__} "
                                 f"has no {needed}(); a wide form needs from_modules, forward and unfuse")
         _REGISTRY[module_type] = wide_cls
         return wide_cls
@@ -81,9 +89,10 @@ def register(module_type: type[nn.Module]) -> Callable[[type], type]:
 def registered_wide_form(module: nn.Module) -> type | None:
     """The wide class registered for ``type(module)`` (exact type first, then base classes), or
     a built-in one for modules torch.export cannot capture (see :func:`_builtin_wide_form`)."""
-    for cls in type(module).__mro__:
-        if cls in _REGISTRY:
-            return _REGISTRY[cls]
+    mro = type(module).__mro__
+    for key in (*mro, *(cls.__name__ for cls in mro)):
+        if key in _REGISTRY:
+            return _REGISTRY[key]
     return _builtin_wide_form(module)
 
 

@@ -1,0 +1,129 @@
+"""Code written for WideCompiler 0.x: the channel-packed calling convention, and the layout
+helpers refusing a tensor of the other layout instead of splitting the wrong dim."""
+from __future__ import annotations
+
+import pytest
+import torch
+import wide_compiler as wc
+from torch import nn
+
+FAST = wc.WideConfig.fast()
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_seed_quick_start_packed_in_packed_out():
+    """The 0.x quick start: ``out = wide(pack(inputs)); outs = unpack(out, n)``, through ``.packed``."""
+    n = 100
+    models = [MLP() for _ in range(n)]
+    wide = wc.compile(models, torch.randn(8, 64), config=FAST)
+    inputs = [torch.randn(8, 64) for _ in range(n)]
+    out = wide.packed(wc.pack(inputs))
+    assert out.shape == (8, n * 10)
+    outs = wc.unpack(out, n=n)
+    for o, m, x in zip(outs, models, inputs):
+        torch.testing.assert_close(o, m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_view_conv_and_rank_one_outputs():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return y, y.mean(dim=(0, 2, 3)), y.sum()
+
+    models = [Net() for _ in range(3)]
+    wide = wc.compile(models, torch.randn(2, 3, 5, 5), config=FAST)
+    xs = [torch.randn(2, 3, 5, 5) for _ in models]
+    y, per_channel, total = wide.packed(wc.pack(xs))
+    assert y.shape == (2, 12, 5, 5) and per_channel.shape == (12,) and total.shape == (3,)
+    for i, (m, x) in enumerate(zip(models, xs)):
+        ry, rc, rt = m(x)
+        torch.testing.assert_close(wc.unpack(y, 3)[i], ry, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(per_channel[4 * i:4 * i + 4], rc, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(total[i], rt, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="divisible by N=3"):
+        wide.packed(torch.randn(2, 4, 5, 5))
+
+
+def test_unpack_refuses_an_n_first_output_instead_of_splitting_the_wrong_dim():
+    models = [MLP() for _ in range(4)]
+    wide = wc.compile(models, torch.randn(8, 64), config=FAST)
+    out = wide(torch.randn(4, 8, 64))  # N-first [4, 8, 10]: dim 1 (8) is divisible by 4
+    with pytest.raises(ValueError, match=r"N-first .*unstack"):
+        wc.unpack(out, n=4)
+    assert len(wc.unstack(out)) == 4
+    untagged = out + 0  # an op drops the tag; dim 0 == n is still refused as ambiguous
+    with pytest.raises(ValueError, match="assume_packed=True"):
+        wc.unpack(untagged, n=4)
+    assert len(wc.unpack(untagged, n=4, assume_packed=True)) == 4
+    with pytest.raises(ValueError, match="channel-packed.*unpack"):
+        wc.unstack(wc.pack([torch.randn(4, 3)] * 4))
+
+
+def test_packed_view_shares_parameters_and_mode():
+    models = [MLP() for _ in range(2)]
+    wide = wc.compile(models, torch.randn(8, 64), config=FAST)
+    view = wide.packed
+    assert {id(p) for p in view.parameters()} == {id(p) for p in wide.parameters()}
+    view.eval()
+    assert not wide.training
+
+
+def test_register_by_class_name_as_in_0x():
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.s = nn.Parameter(torch.rand(()))
+
+        def forward(self, x):
+            return x * self.s if self.s > 0.5 else x  # data-dependent: export cannot trace it
+
+    from wide_compiler import registry
+
+    @wc.register("Gate")
+    class WideGate(nn.Module):
+        def __init__(self, s):
+            super().__init__()
+            self.s = nn.Parameter(s)
+
+        @classmethod
+        def from_modules(cls, modules):
+            return cls(torch.stack([m.s.detach() for m in modules]))
+
+        def forward(self, x):
+            s = torch.where(self.s > 0.5, self.s, torch.ones_like(self.s))
+            return x * s.view(-1, *([1] * (x.dim() - 1)))
+
+        def unfuse(self):
+            return []
+
+    try:
+        models = [nn.Sequential(nn.Linear(3, 3), Gate()) for _ in range(3)]
+        wide = wc.compile(models, torch.randn(2, 3), config=FAST)
+        x = torch.randn(3, 2, 3)
+        for i, m in enumerate(models):
+            torch.testing.assert_close(wide(x)[i], m(x[i]), rtol=1e-5, atol=1e-5)
+    finally:
+        registry._REGISTRY.pop("Gate", None)
+    with pytest.raises(TypeError, match="nn.Module subclass or its class name"):
+        wc.register("not a name")
+
+
+@pytest.mark.parametrize("field,points_to", [("compile", "compile_model=True"), ("compile_mode", "compile_options"),
+                                             ("validate_rtol", "rtol="), ("debug", "WideConfig.debug()")])
+def test_seed_config_fields_name_their_new_home(field, points_to):
+    with pytest.raises(TypeError, match=f"{field!r} is a WideCompiler 0.x field, now .*{points_to}".replace("(", r"\(")
+                       .replace(")", r"\)")):
+        wc.WideConfig(**{field: True})
+    assert wc.WideConfig(rtol=1e-3).replace(atol=1e-4).rtol == 1e-3  # ordinary fields still work
