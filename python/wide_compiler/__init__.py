@@ -12,6 +12,7 @@ import torch  # noqa: F401  (loads libtorch before our core library)
 
 from . import (
     _C,  # noqa: F401  (loads libwide: registers torch.ops.wide.*)
+    blocks,
     functional,
     nn,
     optim,
@@ -38,6 +39,7 @@ __all__ = [
     "WideCompileError",
     "WideConfig",
     "WideModel",
+    "blocks",
     "compile",
     "functional",
     "nn",

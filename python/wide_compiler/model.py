@@ -203,6 +203,9 @@ class WideModel(MemberOpsMixin, nn.Module):
 
     # -- running ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling() and any(
+                layout_of(t) == "packed" for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)):
+            return self.packed(*args, **kwargs)  # wide(wc.pack(xs)): WideCompiler 0.x's convention
         wg = self._graph_for(self.training)
         flat = self._user_inputs(wg, args, kwargs)
         feeds, user = [], iter(flat)
@@ -232,7 +235,9 @@ class WideModel(MemberOpsMixin, nn.Module):
         """This model with the channel-packed calling convention of WideCompiler 0.x: every tensor
         input ``[B, N*C, ...]`` (``pack`` of the members' inputs), every output packed the same
         way (member rank 1: ``[N*C]``; rank 0: ``[N]``). A view: it shares this model's
-        parameters and mode.
+        parameters and mode. Calling the model itself with a tensor made by
+        :func:`~wide_compiler.pack` takes this path too (outside ``torch.compile``), so 0.x code
+        ``unpack(wide(pack(xs)), n)`` runs unchanged.
 
         >>> import torch, wide_compiler as wc
         >>> models = [torch.nn.Linear(4, 3) for _ in range(2)]
@@ -297,12 +302,13 @@ class WideModel(MemberOpsMixin, nn.Module):
         ok = x.dim() == len(member) + 1 and x.shape[0] == self.n and all(
             m is None or m == s for m, s in zip(member, x.shape[1:]))
         if not ok:
-            dims = ", ".join("B" if m is None else str(m) for m in member)
+            dims = _member_dims(member)
             raise ValueError(
                 f"wide_compiler: input '{inp.name}' has shape {list(x.shape)}; expected N-first "
                 f"[{self.n}, {dims}] (one member's input is [{dims}] and there are {self.n} "
-                f"members). Stack per-member inputs with wide_compiler.stack(xs), or share one "
-                f"input x with x.expand({self.n}, *x.shape).")
+                f"members; sizes given as numbers were fixed at capture by the forward's ops, "
+                f"B and * are free). Stack per-member inputs with wide_compiler.stack(xs), or "
+                f"share one input x with x.expand({self.n}, *x.shape).")
 
     # -- inspection -------------------------------------------------------------------------
     @property
@@ -334,6 +340,9 @@ class WideModel(MemberOpsMixin, nn.Module):
                 f"{len(rows) - 1} wide ops, "
                 f"{sum(1 for n in wg.graph_module.graph.nodes if n.meta.get('wide_layout_conversion'))} "
                 f"layout conversions (see report())")
+        inputs = ", ".join(f"{i.name} [{_member_dims(i.member_shape)}]" for i in wg.inputs
+                           if i.kind == "user" and i.member_shape is not None)
+        head += f"\ninputs (one member's; B and * are dynamic, numbers fixed): {inputs or '-'}"
         return "\n".join([head, *lines])
 
     @property
@@ -402,6 +411,12 @@ def _persistent_buffers(model: nn.Module):
                 yield _join(mod_name, name), b
 
 
+def _member_dims(member: tuple) -> str:
+    """One member's input shape as captured: ``B`` for a dynamic dim 0, ``*`` for another
+    dynamic dim (a sequence-first batch, a length), numbers for sizes export fixed."""
+    return ", ".join(str(m) if m is not None else "B" if k == 0 else "*" for k, m in enumerate(member))
+
+
 class PackedWideModel(nn.Module):
     """A :class:`WideModel` called with channel-packed tensors (see :attr:`WideModel.packed`)."""
 
@@ -411,6 +426,11 @@ class PackedWideModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         n = self.wide.n
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if any(layout_of(t) == "nfirst" for t in tensors):
+            raise ValueError("wide_compiler: packed call given an N-first tensor (a WideModel output): call "
+                             "the WideModel itself with N-first inputs, or pack per-member tensors with "
+                             "wide_compiler.pack")
 
         def to_nfirst(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):

@@ -32,6 +32,32 @@ def test_seed_quick_start_packed_in_packed_out():
         torch.testing.assert_close(o, m(x), rtol=1e-5, atol=1e-5)
 
 
+def test_seed_quick_starts_run_unchanged():
+    """0.2-0.7 quick starts, only the import line kept: ``wide(pack(inputs))`` + ``unpack``, ``n=100``
+    from one model, the WideBuilder chain."""
+    import wide_compiler
+
+    models = [MLP() for _ in range(100)]
+    sample_input = torch.randn(8, 64)
+    wide = wide_compiler.compile(models, sample_input)
+    inputs = [torch.randn(8, 64) for _ in range(100)]
+    packed = wide_compiler.pack(inputs)
+    outputs = wide_compiler.unpack(wide(packed), n=100)
+    for o, m, x in zip(outputs, models, inputs):
+        torch.testing.assert_close(o, m(x), rtol=1e-5, atol=1e-5)
+
+    wide = wide_compiler.compile(MLP(), sample_input, n=100)  # N copies with their own weights
+    assert wide(sample_input.expand(100, 8, 64)).shape == (100, 8, 10)
+
+    wide = (wide_compiler.WideBuilder(models[:4])
+            .with_sample(sample_input)
+            .with_config(wide_compiler.WideConfig.fast())
+            .validate()
+            .build())
+    outs = wide_compiler.unpack(wide(wide_compiler.pack(inputs[:4])), n=4)
+    torch.testing.assert_close(outs[2], models[2](inputs[2]), rtol=1e-5, atol=1e-5)
+
+
 def test_packed_view_conv_and_rank_one_outputs():
     class Net(nn.Module):
         def __init__(self):
@@ -127,3 +153,73 @@ def test_seed_config_fields_name_their_new_home(field, points_to):
                        .replace(")", r"\)")):
         wc.WideConfig(**{field: True})
     assert wc.WideConfig(rtol=1e-3).replace(atol=1e-4).rtol == 1e-3  # ordinary fields still work
+
+
+# --- batch dims found, not assumed -----------------------------------------------------------------
+class SeqFirstAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2)  # batch_first=False: [T, B, E]
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+class SeqFirstGRU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(8, 6, num_layers=2)
+
+    def forward(self, x):
+        out, h = self.rnn(x)
+        return out, h
+
+
+class SeqFirstTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0), 1,
+                                         enable_nested_tensor=False)
+
+    def forward(self, x):
+        return self.enc(x)
+
+
+class BroadcastTable(nn.Module):
+    """Flux-style: a RoPE-like table ``pe [1, T, D]`` broadcast over the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, pe):
+        h = self.fc(x)
+        return (h.view(*h.shape[:-1], 4, 2) * pe.view(*pe.shape[:-1], 4, 2)).flatten(-2)
+
+
+@pytest.mark.parametrize("factory", [SeqFirstAttention, SeqFirstGRU, SeqFirstTransformer],
+                         ids=["mha", "gru", "transformer"])
+def test_sequence_first_inputs_take_any_batch(factory):
+    torch.manual_seed(0)
+    models = [factory().eval() for _ in range(3)]
+    wide = wc.compile(models, torch.randn(5, 2, 8), config=FAST)  # [T=5, B=2, E]
+    sizes = [(5, 2), (5, 3), (5, 1), (5, 6)]  # [T, B]: other batches
+    if factory is not SeqFirstGRU:  # attention also takes other lengths (the RNN op fixes T)
+        sizes += [(7, 1), (4, 6)]
+    for t, b in sizes:
+        x = torch.randn(3, t, b, 8)
+        out = wide(x)
+        for i, m in enumerate(models):
+            ref = m(x[i])
+            got = tuple(o[i] for o in out) if isinstance(out, tuple) else out[i]
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_broadcast_side_input_stays_size_one():
+    models = [BroadcastTable() for _ in range(3)]
+    wide = wc.compile(models, (torch.randn(2, 5, 8), torch.randn(1, 5, 8)), config=FAST)
+    for b in (1, 2, 4):
+        x, pe = torch.randn(3, b, 5, 8), torch.randn(1, 5, 8)
+        out = wide(x, pe.expand(3, 1, 5, 8))
+        for i, m in enumerate(models):
+            torch.testing.assert_close(out[i], m(x[i], pe), rtol=1e-5, atol=1e-5)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import ArchitectureMismatchError, WideCompileError
 
@@ -37,22 +37,54 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
                "_state_dict_hooks", "_load_state_dict_pre_hooks")
 
 
-def _batch_spec(a: Any) -> Any:
-    return {0: Dim.AUTO} if isinstance(a, torch.Tensor) and a.dim() >= 2 else None
+def _batched(args: Any) -> bool:
+    """Whether the sample has a real batch: some tensor input of 2+ dims is larger than 1 in dim
+    0. Then inputs of size 1 there are broadcast over the batch (Flux's RoPE table ``pe [1, ...]``)
+    and stay static; otherwise the sample is a batch of 1, captured as a batch of 2."""
+    leaves = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor) and a.dim() >= 2]
+    return any(a.shape[0] > 1 for a in leaves)
+
+
+def _sequence_first(model: nn.Module) -> bool:
+    """Whether the model holds a module whose inputs are sequence-first by convention
+    (``batch_first=False`` attention, RNNs and transformer layers): their batch is dim 1."""
+    kinds = (nn.MultiheadAttention, nn.RNNBase, nn.Transformer, nn.TransformerEncoderLayer,
+             nn.TransformerDecoderLayer)
+    return any(isinstance(m, kinds) and not getattr(m, "batch_first", False) for m in model.modules())
+
+
+def _batch_spec(a: Any, dims: tuple[int, ...], batched: bool) -> Any:
+    """``Dim.AUTO`` on ``dims`` of a tensor of 2+ dims, but not on a size-1 dim of a batched
+    sample (broadcast over the batch: export would specialise it anyway, with a warning); a
+    batch-of-1 sample's dim 0 is repeated to 2 (:func:`batch_of_two`), so it stays marked."""
+    if not isinstance(a, torch.Tensor) or a.dim() < 2:
+        return None
+    return {d: Dim.AUTO for d in dims if a.shape[d] > 1 or (d == 0 and not batched)} or None
 
 
 def _default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """Dim 0 of every tensor input with at least 2 dims is the (dynamic) batch dimension."""
+    """``Dim.AUTO`` on the batch dim of every tensor input of 2+ dims: dim 0, and dim 1 too in a
+    model with sequence-first modules (see :func:`_sequence_first`). Export keeps dynamic what
+    the program lets vary and specialises the rest (a size-1 dim broadcast over the batch stays
+    1). Only the likely batch dims are marked: a free feature dim could tie the batch to it."""
+    dims, batched = ((0, 1) if _sequence_first(model) else (0,)), _batched((args, kwargs))
+    spec = lambda a: _batch_spec(a, dims, batched)  # noqa: E731
     if not kwargs:
-        return tuple(tree_map(_batch_spec, a) for a in args)
+        return tuple(tree_map(spec, a) for a in args)
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    return {name: tree_map(_batch_spec, v) for name, v in bound.arguments.items()}
+    return {name: tree_map(spec, v) for name, v in bound.arguments.items()}
 
 
 def _batch_of_two(a: Any) -> Any:
     if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[0] == 1:
         return a.repeat(2, *([1] * (a.dim() - 1)))
     return a
+
+
+def batch_of_two(args: Any) -> Any:
+    """A batch-of-1 sample repeated to a batch of 2 (export would specialise a size of 1); a
+    sample with a real batch is returned as it is (its size-1 inputs are broadcast ones)."""
+    return args if _batched(args) else tree_map(_batch_of_two, args)
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
@@ -65,7 +97,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     kwargs = dict(kwargs or {})
     if dynamic_shapes is None:
         dynamic_shapes = _default_dynamic_shapes(model, args, kwargs)
-        args, kwargs = tree_map(_batch_of_two, (args, kwargs))
+        args, kwargs = batch_of_two((args, kwargs))
     registered: set[str] = set()
     while True:
         try:
@@ -386,7 +418,7 @@ def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | N
     arguments with member 0's (``WideConfig.run_members``): a member whose forward reads a
     different Python constant (a global, a closure, a class attribute) runs a different program.
     A sample the eager forward cannot run (export succeeded on fake values) skips the check."""
-    args, kwargs = tree_map(_batch_of_two, (tuple(args), dict(kwargs or {})))
+    args, kwargs = batch_of_two((tuple(args), dict(kwargs or {})))
     try:
         want = _run_recorded(models[0], args, kwargs).ops
     except Exception as e:  # the check is a safety net; export already accepted the program

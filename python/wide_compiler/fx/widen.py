@@ -26,6 +26,7 @@ import torch
 from torch import fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import tree_flatten
 
 from ..errors import UnsupportedOperationError
@@ -276,7 +277,7 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
             new = ctx.graph.placeholder(node.name)
             new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")})
             val = node.meta.get("val")
-            shape = (tuple(None if isinstance(s, torch.SymInt) else int(s) for s in val.shape)
+            shape = (tuple(int(s) if is_concrete_int(s) else None for s in val.shape)
                      if isinstance(val, torch.Tensor) else None)
             inputs.append(GraphInput(kind, spec.target if kind != "user" else node.name, new, shape,
                                      None if isinstance(val, torch.Tensor) else val))

@@ -1,8 +1,9 @@
-"""Helpers shared by the hand-built wide modules: member checks and stacking."""
+"""Helpers shared by the hand-built wide modules: member checks, strategies and stacking."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import reduce
 
 import torch
 from torch import nn
@@ -10,8 +11,14 @@ from torch import nn
 from ..errors import ArchitectureMismatchError
 
 
+def get_path(obj, name: str):
+    """``obj.<name>`` where ``name`` may be dotted (``out_proj.weight``); None if absent."""
+    return reduce(lambda o, a: getattr(o, a, None), name.split("."), obj)
+
+
 def check_members(modules: Sequence[nn.Module], cls: type | tuple, attrs: Sequence[str], owner: str) -> list:
-    """Every module is a ``cls`` with the same ``attrs`` (and parameter dtypes/devices) as member 0."""
+    """Every module is a ``cls`` with the same ``attrs`` (dotted names reach into submodules;
+    tensors compare by presence, shape, dtype and device) as member 0."""
     modules = list(modules)
     if not modules:
         raise ValueError(f"{owner}.from_modules: expected at least one module, got none")
@@ -22,15 +29,26 @@ def check_members(modules: Sequence[nn.Module], cls: type | tuple, attrs: Sequen
         if type(m) is not type(first):
             raise ArchitectureMismatchError(f"member {i}: type is {type(m).__name__}, member 0 has {type(first).__name__}")
         for a in attrs:
-            va, vb = getattr(m, a, None), getattr(first, a, None)
+            va, vb = get_path(m, a), get_path(first, a)
+            fmt = repr
             if isinstance(va, torch.Tensor) or isinstance(vb, torch.Tensor):
-                same = (va is None) == (vb is None) and (va is None or (va.shape == vb.shape and va.dtype == vb.dtype
-                                                                       and va.device == vb.device))
-            else:
-                same = va == vb
-            if not same:
-                raise ArchitectureMismatchError(f"member {i}: {a} is {va!r}, member 0 has {vb!r}")
+                va, vb = (None if v is None else f"a {list(v.shape)} {v.dtype} tensor on {v.device}" for v in (va, vb))
+                fmt = str
+            if va != vb:
+                raise ArchitectureMismatchError(f"member {i}: {a} is {fmt(va)}, member 0 has {fmt(vb)}")
     return modules
+
+
+def check_strategy(owner: type | nn.Module, strategy: str) -> str:
+    """``strategy`` if the wide module class ``owner`` offers it (its ``STRATEGIES``: the names its
+    ``torch.ops.wide`` op accepts; ``("auto",)`` for an op with one implementation), else a
+    ValueError naming the class and the valid strategies. Called at construction, so a bad name
+    never waits for the first forward."""
+    cls = owner if isinstance(owner, type) else type(owner)
+    valid = getattr(cls, "STRATEGIES", ("auto",))
+    if not isinstance(strategy, str) or strategy not in valid:
+        raise ValueError(f"{cls.__name__}: expected strategy in {valid}, got {strategy!r}")
+    return strategy
 
 
 def stack_param(modules: Sequence[nn.Module], name: str) -> nn.Parameter | None:
@@ -48,9 +66,10 @@ def stack_buffer(modules: Sequence[nn.Module], name: str) -> torch.Tensor | None
 
 
 def copy_member(dst: nn.Module, src: nn.Module, i: int, names: Sequence[str]) -> None:
-    """dst.<name> = src.<name>[i] (copies) for each parameter/buffer name present."""
+    """dst.<name> = src.<name>[i] (copies) for each parameter/buffer name present (dotted names
+    such as ``out_proj.weight`` reach into submodules)."""
     with torch.no_grad():
         for name in names:
-            s = getattr(src, name, None)
+            s = get_path(src, name)
             if s is not None:
-                getattr(dst, name).copy_(s[i])
+                get_path(dst, name).copy_(s[i])

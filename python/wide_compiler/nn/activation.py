@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .. import functional as WF
-from ._common import check_members, stack_param
+from ._common import check_members, check_strategy, stack_param
 
 __all__ = ["WidePReLU"]
 
@@ -26,16 +26,20 @@ class WidePReLU(nn.Module):
         True
     """
 
-    def __init__(self, weight: nn.Parameter) -> None:
+    STRATEGIES = ("auto",)  # wide::prelu has one implementation
+
+    def __init__(self, weight: nn.Parameter, *, strategy: str = "auto") -> None:
         super().__init__()
+        self.strategy = check_strategy(self, strategy)
         self.n, self.num_parameters = weight.shape
         self.weight = weight
 
     @classmethod
-    def from_modules(cls, modules: Sequence[nn.PReLU]) -> WidePReLU:
+    def from_modules(cls, modules: Sequence[nn.PReLU], *, strategy: str = "auto") -> WidePReLU:
         """Stack the slopes of N ``nn.PReLU`` with the same num_parameters (copied)."""
+        check_strategy(cls, strategy)
         modules = check_members(modules, nn.PReLU, ("num_parameters", "weight"), cls.__name__)
-        return cls(stack_param(modules, "weight"))
+        return cls(stack_param(modules, "weight"), strategy=strategy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return WF.prelu(x, self.weight)
@@ -51,4 +55,4 @@ class WidePReLU(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"n={self.n}, num_parameters={self.num_parameters}"
+        return f"n={self.n}, num_parameters={self.num_parameters}, strategy={self.strategy!r}"

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .. import functional as WF
-from ._common import check_members, copy_member, stack_param
+from ._common import check_members, check_strategy, copy_member, stack_param
 
 __all__ = ["WideConv1d", "WideConv2d", "WideConv3d", "WideConvTranspose1d", "WideConvTranspose2d",
            "WideConvTranspose3d"]
@@ -24,12 +24,13 @@ class _WideConvNd(nn.Module):
 
     _base: type[nn.Module]
     _d: int
+    STRATEGIES = ("auto", "grouped", "loop")  # wide::conv / wide::conv_transpose
 
     def __init__(self, template: nn.Module, weight: nn.Parameter, bias: nn.Parameter | None, *,
                  strategy: str = "auto") -> None:
         super().__init__()
         self.n = weight.shape[0]
-        self.strategy = strategy
+        self.strategy = check_strategy(self, strategy)
         # Hyperparameters only (meta tensors, never run on data); hidden from state_dict and .to().
         object.__setattr__(self, "_template", copy.deepcopy(template).to("meta"))
         self.weight = weight
@@ -38,6 +39,7 @@ class _WideConvNd(nn.Module):
     @classmethod
     def from_modules(cls, modules: Sequence[nn.Module], *, strategy: str = "auto"):
         """Stack the weights of N ``nn.Conv*`` modules of one configuration (copied)."""
+        check_strategy(cls, strategy)
         modules = check_members(modules, cls._base, _ATTRS, cls.__name__)
         return cls(modules[0], stack_param(modules, "weight"), stack_param(modules, "bias"), strategy=strategy)
 

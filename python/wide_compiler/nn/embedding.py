@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .. import functional as WF
-from ._common import check_members, copy_member, stack_param
+from ._common import check_members, check_strategy, copy_member, stack_param
 
 __all__ = ["WideEmbedding", "WideEmbeddingBag"]
 
@@ -17,17 +17,20 @@ __all__ = ["WideEmbedding", "WideEmbeddingBag"]
 class _WideTable(nn.Module):
     _base: type[nn.Module]
     _attrs: tuple[str, ...]
+    STRATEGIES = ("auto",)  # wide::embedding / wide::embedding_bag have one implementation
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+    def __init__(self, modules: Sequence[nn.Module], *, strategy: str = "auto") -> None:
         super().__init__()
+        self.strategy = check_strategy(self, strategy)
         self.n = len(modules)
         object.__setattr__(self, "_template", copy.deepcopy(modules[0]).to("meta"))
         self.weight = stack_param(modules, "weight")
 
     @classmethod
-    def from_modules(cls, modules: Sequence[nn.Module]):
+    def from_modules(cls, modules: Sequence[nn.Module], *, strategy: str = "auto"):
         """Stack N tables of one configuration (weights copied)."""
-        return cls(check_members(modules, cls._base, cls._attrs, cls.__name__))
+        check_strategy(cls, strategy)
+        return cls(check_members(modules, cls._base, cls._attrs, cls.__name__), strategy=strategy)
 
     def unfuse(self) -> list[nn.Module]:
         """N ordinary modules with copies of the members' tables."""
@@ -39,7 +42,7 @@ class _WideTable(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"n={self.n}, {self._template.extra_repr()}"
+        return f"n={self.n}, {self._template.extra_repr()}, strategy={self.strategy!r}"
 
 
 class WideEmbedding(_WideTable):

@@ -10,6 +10,7 @@ from torch import nn
 
 from .. import functional as WF
 from ..errors import ArchitectureMismatchError
+from ._common import check_strategy
 
 __all__ = ["WideLinear"]
 
@@ -37,13 +38,14 @@ class WideLinear(nn.Module):
         True
     """
 
+    STRATEGIES = ("auto", "bmm", "bmm_t", "loop")
+
     def __init__(self, n: int, in_features: int, out_features: int, bias: bool = True, *,
                  strategy: str = "auto", device=None, dtype=None) -> None:
         super().__init__()
         if n < 1:
             raise ValueError(f"WideLinear: expected n >= 1 members, got {n}")
-        if strategy not in ("auto", "bmm", "bmm_t", "loop"):
-            raise ValueError(f"WideLinear: expected strategy 'auto', 'bmm', 'bmm_t' or 'loop', got {strategy!r}")
+        check_strategy(self, strategy)
         factory = {"device": device, "dtype": dtype}
         self.n = n
         self.in_features = in_features
@@ -64,6 +66,7 @@ class WideLinear(nn.Module):
     @classmethod
     def from_modules(cls, modules: Sequence[nn.Linear], *, strategy: str = "auto") -> WideLinear:
         """Stack the weights of ``modules`` (copied) into one WideLinear."""
+        check_strategy(cls, strategy)
         modules = list(modules)
         if not modules:
             raise ValueError("WideLinear.from_modules: expected at least one nn.Linear, got none")

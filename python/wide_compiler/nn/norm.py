@@ -9,23 +9,41 @@ import torch
 from torch import nn
 
 from .. import functional as WF
-from ._common import check_members, copy_member, stack_buffer, stack_param
+from ._common import (
+    check_members,
+    check_strategy,
+    copy_member,
+    stack_buffer,
+    stack_param,
+)
 
-__all__ = ["WideBatchNorm1d", "WideBatchNorm2d", "WideBatchNorm3d", "WideInstanceNorm1d",
-           "WideInstanceNorm2d", "WideInstanceNorm3d", "WideGroupNorm", "WideLayerNorm", "WideRMSNorm"]
+__all__ = [
+    "WideBatchNorm1d",
+    "WideBatchNorm2d",
+    "WideBatchNorm3d",
+    "WideGroupNorm",
+    "WideInstanceNorm1d",
+    "WideInstanceNorm2d",
+    "WideInstanceNorm3d",
+    "WideLayerNorm",
+    "WideRMSNorm",
+]
 
 _STATE = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
 
 
 class _WideNorm(nn.Module):
     """Stacked ``[N, ...]`` parameters/buffers of N norm modules plus a meta template holding the
-    hyperparameters (for unfuse)."""
+    hyperparameters (for unfuse). ``strategy``: one of ``STRATEGIES``, the names the module's
+    ``torch.ops.wide`` op accepts (``"auto"`` alone where the op has one implementation)."""
 
     _base: type[nn.Module]
     _attrs: tuple[str, ...] = ()
+    STRATEGIES: tuple[str, ...] = ("auto",)
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+    def __init__(self, modules: Sequence[nn.Module], *, strategy: str = "auto") -> None:
         super().__init__()
+        self.strategy = check_strategy(self, strategy)
         self.n = len(modules)
         object.__setattr__(self, "_template", copy.deepcopy(modules[0]).to("meta"))
         for name in _STATE:
@@ -36,9 +54,10 @@ class _WideNorm(nn.Module):
         self.train(modules[0].training)
 
     @classmethod
-    def from_modules(cls, modules: Sequence[nn.Module]):
+    def from_modules(cls, modules: Sequence[nn.Module], *, strategy: str = "auto"):
         """Stack N modules of one configuration (parameters and buffers copied)."""
-        return cls(check_members(modules, cls._base, cls._attrs + ("training",), cls.__name__))
+        check_strategy(cls, strategy)
+        return cls(check_members(modules, cls._base, cls._attrs + ("training",), cls.__name__), strategy=strategy)
 
     def unfuse(self) -> list[nn.Module]:
         """N ordinary modules with copies of the members' parameters and buffers."""
@@ -55,7 +74,7 @@ class _WideNorm(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"n={self.n}, {self._template.extra_repr()}"
+        return f"n={self.n}, {self._template.extra_repr()}, strategy={self.strategy!r}"
 
 
 class _WideBatchNorm(_WideNorm):
@@ -166,6 +185,7 @@ class WideGroupNorm(_WideNorm):
 
 class WideLayerNorm(_WideNorm):
     """N ``nn.LayerNorm`` (any normalized_shape, elementwise_affine, bias); N-first in and out.
+    ``strategy``: ``"auto"``, ``"fused"`` (one norm over all members) or ``"loop"`` (one per member).
 
     Example:
         >>> import torch, wide_compiler as wc
@@ -177,10 +197,11 @@ class WideLayerNorm(_WideNorm):
 
     _base = nn.LayerNorm
     _attrs = ("normalized_shape", "eps", "elementwise_affine", "bias")
+    STRATEGIES = ("auto", "fused", "loop")  # wide::layer_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self._template
-        return WF.layer_norm(x, t.normalized_shape, self.weight, self.bias, t.eps)
+        return WF.layer_norm(x, t.normalized_shape, self.weight, self.bias, t.eps, strategy=self.strategy)
 
 
 class WideRMSNorm(_WideNorm):

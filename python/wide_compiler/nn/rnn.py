@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .. import functional as WF
-from ._common import check_members, stack_param
+from ._common import check_members, check_strategy, stack_param
 
 __all__ = ["WideGRU", "WideGRUCell", "WideLSTM", "WideLSTMCell", "WideRNN", "WideRNNCell"]
 
@@ -28,9 +28,11 @@ class _WideRecurrent(nn.Module):
 
     _base: type[nn.Module]
     _attrs: tuple[str, ...]
+    STRATEGIES: tuple[str, ...] = ("auto",)  # wide::rnn_cell has one implementation
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+    def __init__(self, modules: Sequence[nn.Module], *, strategy: str = "auto") -> None:
         super().__init__()
+        self.strategy = check_strategy(self, strategy)
         self.n = len(modules)
         self.mode = _mode(modules[0])
         object.__setattr__(self, "_template", copy.deepcopy(modules[0]).to("meta"))
@@ -40,9 +42,12 @@ class _WideRecurrent(nn.Module):
         self.train(modules[0].training)
 
     @classmethod
-    def from_modules(cls, modules: Sequence[nn.Module]):
-        """Stack N modules of one configuration (weights copied)."""
-        return cls(check_members(modules, cls._base, cls._attrs + ("training",), cls.__name__))
+    def from_modules(cls, modules: Sequence[nn.Module], *, strategy: str = "auto"):
+        """Stack N modules of one configuration (weights copied); ``strategy``: one of
+        ``STRATEGIES`` (recurrent modules: ``"fused"`` (= ``"auto"``: one time loop for all
+        members) or ``"loop"`` (ATen's op per member); cells: ``"auto"``)."""
+        check_strategy(cls, strategy)
+        return cls(check_members(modules, cls._base, cls._attrs + ("training",), cls.__name__), strategy=strategy)
 
     def unfuse(self) -> list[nn.Module]:
         """N ordinary modules holding copies of the members' weights."""
@@ -59,25 +64,13 @@ class _WideRecurrent(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"n={self.n}, {self._template.extra_repr()}"
+        return f"n={self.n}, {self._template.extra_repr()}, strategy={self.strategy!r}"
 
 
 class _WideRNNBase(_WideRecurrent):
     _attrs = ("mode", "input_size", "hidden_size", "num_layers", "bias", "batch_first", "dropout",
               "bidirectional", "proj_size")
-    STRATEGIES = ("auto", "fused", "loop")
-
-    def __init__(self, modules: Sequence[nn.Module], *, strategy: str = "auto") -> None:
-        if strategy not in self.STRATEGIES:
-            raise ValueError(f"{type(self).__name__}: expected strategy in {self.STRATEGIES}, got {strategy!r}")
-        super().__init__(modules)
-        self.strategy = strategy
-
-    @classmethod
-    def from_modules(cls, modules: Sequence[nn.Module], *, strategy: str = "auto"):
-        """Stack N modules of one configuration (weights copied); ``strategy`` ``"fused"``
-        (``"auto"``: one time loop for all members) or ``"loop"`` (ATen's op per member)."""
-        return cls(check_members(modules, cls._base, cls._attrs + ("training",), cls.__name__), strategy=strategy)
+    STRATEGIES = ("auto", "fused", "loop")  # wide::rnn
 
     def forward(self, input, hx=None):
         """As the member's forward with a leading member dim on the input and the states
