@@ -81,7 +81,7 @@ def test_pipeline_runs_the_named_passes_in_order():
     models = [_mlp() for _ in range(3)]
     c = run_pipeline(Compilation(models[0], ((torch.randn(5, 4),), {}), 3, FAST, members=models))
     assert [name for name, _ in c.log] == [p.name for p in PASSES] == [
-        "check_members", "capture", "check_programs", "widen", "layout", "strategies"]
+        "check_members", "capture", "check_programs", "widen", "layout", "fold", "strategies"]
     linears = c.wide.graph_module.graph.find_nodes(op="call_function", target=wide.linear.default)
     assert [n.kwargs["strategy"] for n in linears] == ["bmm", "bmm"]
     assert c.layout == {"conversions": 0, "packed_ops": 0}
@@ -256,3 +256,72 @@ def test_a_rule_that_mislabels_a_shared_value_stops_the_compile(monkeypatch):
     wide = wc.compile(models, torch.randn(2, 4), config=wc.WideConfig.fast())  # the real rule
     x = torch.randn(2, 2, 4)
     torch.testing.assert_close(wide(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))
+
+
+
+class _ConvBN(nn.Module):
+    """conv-BN-ReLU-maxpool, a conv read twice (not folded) and a BN without running stats."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.conv3, self.bn3 = nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8, track_running_stats=False)
+
+    def forward(self, x):
+        h = nn.functional.max_pool2d(torch.relu(self.bn1(self.conv1(x))), 3, 2, 1)
+        c2 = self.conv2(h)
+        return self.bn3(self.conv3(self.bn2(c2) + c2))
+
+
+def _trained_members(n):
+    models = testing.make_members(_ConvBN, n)
+    for m in models:  # running statistics and affine parameters away from their defaults
+        with torch.no_grad():
+            for bn in (m.bn1, m.bn2):
+                bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.5, 2), bn.weight.uniform_(0.5, 2)
+                bn.bias.uniform_(-1, 1)
+    return models
+
+
+def test_eval_graph_folds_batch_norm_into_its_conv_and_pools_channels_last():
+    """Note [Folding BatchNorm into the conv] and [Channels-last max pooling] (fx/fold.py): only
+    bn1 is folded (conv2 is read twice, bn3 has no running statistics); outputs, input and
+    parameter gradients match the members in eval mode, under no_grad too, and the outputs are
+    contiguous."""
+    from wide_compiler.fx.fold import channels_last_conv, channels_last_max_pool2d
+
+    models = [m.eval() for m in _trained_members(3)]
+    wide, _ = testing.check_compile(models, torch.randn(4, 3, 8, 8), modes=("eval",), config=FAST, strict=True)
+    nodes = list(wide._graph_for(False).graph_module.graph.nodes)
+    assert sum(n.target is torch.ops.wide.batch_norm.default for n in nodes) == 2  # bn2, bn3 kept
+    assert any(n.target is channels_last_conv for n in nodes) and any(n.target is channels_last_max_pool2d for n in nodes)
+    train_nodes = wide._graph_for(True).graph_module.graph.nodes  # training normalises by batch stats
+    assert sum(n.target is torch.ops.wide.batch_norm.default for n in train_nodes) == 3
+    x = torch.randn(3, 4, 3, 8, 8)
+    with torch.no_grad():
+        out = wide(x)
+    assert out.is_contiguous()
+    testing.assert_members_close(out, [m(x[i]) for i, m in enumerate(models)])
+
+
+def test_folded_eval_graph_follows_later_changes_to_the_batch_norm():
+    """The fold is computed on every call from the live parameters and buffers."""
+    models = [m.eval() for m in _trained_members(2)]
+    wide = wc.compile(models, torch.randn(4, 3, 8, 8), config=FAST).eval()
+    with torch.no_grad():
+        wide.get_buffer("bn1.running_var").mul_(3.0)
+        wide.get_parameter("bn1.bias").add_(0.5)
+    refs = wide.unfuse()
+    x = torch.randn(2, 4, 3, 8, 8)
+    with torch.no_grad():
+        testing.assert_members_close(wide(x), [m.eval()(x[i]) for i, m in enumerate(refs)])
+
+
+def test_folded_eval_graph_under_torch_compile_fullgraph():
+    models = [m.eval() for m in _trained_members(2)]
+    wide = wc.compile(models, torch.randn(4, 3, 8, 8), config=FAST).eval()
+    compiled = torch.compile(wide, fullgraph=True, backend="eager")
+    x = torch.randn(2, 4, 3, 8, 8)
+    with torch.no_grad():
+        testing.assert_members_close(compiled(x), [m(x[i]) for i, m in enumerate(models)])

@@ -1,6 +1,6 @@
 """The compiler pipeline: N members -> one wide graph, as named passes run from an explicit list.
 
-    check_members -> capture -> check_programs -> widen -> layout -> strategies
+    check_members -> capture -> check_programs -> widen -> layout -> fold (eval) -> strategies
 
 Each pass is an ordinary function of a :class:`Compilation` (what the passes read and write) with
 a check before (what it needs is there) and after (its result is well formed), in the style of
@@ -17,7 +17,7 @@ Example:
     >>> c = run_pipeline(Compilation(models[0], ((torch.randn(5, 4),), {}), n=3,
     ...                              config=WideConfig.fast(), members=models))
     >>> [name for name, _ in c.log]
-    ['check_members', 'capture', 'check_programs', 'widen', 'layout', 'strategies']
+    ['check_members', 'capture', 'check_programs', 'widen', 'layout', 'fold', 'strategies']
     >>> c.wide.graph_module.graph.find_nodes(op="call_function", target=torch.ops.wide.linear.default)[0].kwargs
     {'strategy': 'bmm'}
 """
@@ -37,6 +37,7 @@ from torch.export import ExportedProgram
 
 from ..config import WideConfig
 from .capture import capture, check_members, check_run_members, check_traced_members
+from .fold import fold_batch_norms, rewrite_channels_last
 from .layout import plan_layout
 from .strategy import choose_strategies
 from .widen import WideGraph, check_ranks, widen
@@ -65,6 +66,7 @@ class Compilation:
     ep: ExportedProgram | None = None
     wide: WideGraph | None = None
     layout: dict[str, int] | None = None  # {"conversions": k, "packed_ops": m}
+    folded: int = 0  # eval BatchNorms folded into their conv
     timings: dict[str, dict[str, float] | None] = dataclasses.field(default_factory=dict)
     log: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # (pass, seconds) run
 
@@ -114,6 +116,12 @@ def _layout(c: Compilation) -> None:
     c.layout = plan_layout(c.wide.graph_module.graph, c.n, c.ep.graph)
 
 
+def _fold(c: Compilation) -> None:
+    if not c.training:  # Notes [Folding BatchNorm into the conv], [Channels-last max pooling]
+        c.folded = fold_batch_norms(c.wide.graph_module)
+        rewrite_channels_last(c.wide.graph_module)
+
+
 def _strategies(c: Compilation) -> None:
     ref = next(c.model.parameters(), None)
     dtype = c.dtype or (ref.dtype if ref is not None else torch.get_default_dtype())
@@ -145,6 +153,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("check_programs", _check_programs, ("ep",)),
     Pass("widen", _widen, ("ep",), check=_lint_and_check_ranks),
     Pass("layout", _layout, ("ep", "wide"), check=_lint),
+    Pass("fold", _fold, ("wide",), check=_lint),
     Pass("strategies", _strategies, ("wide",), check=_all_chosen),
 )
 
