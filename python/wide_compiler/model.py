@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import statistics
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -178,9 +180,69 @@ class WideModel(MemberOpsMixin, nn.Module):
                 device = next((p.device for p in self.parameters()), value.device)
                 self._install(name, value.detach().clone().to(device), persistent=False)
         self._timings.update({(c.training, node): t for node, t in c.timings.items()})
+        self._check_tuning(c)
         self._graphs[c.training] = c.wide
         log.debug("wide_compiler: wide graph:\n%s", c.wide.graph_module.code)
         return c.wide
+
+    def _check_tuning(self, c: Compilation) -> None:
+        """Note [Model-level tuning check]: each op's strategy is measured alone, on contiguous
+        random inputs; in the model an op meets other layouts and caches (an eval graph keeps its
+        activations channels-last, Note [Channels-last max pooling]). When tuning changed any
+        strategy, the whole graph runs on the sample (N-first copies; forward, plus backward for
+        a train graph) with the tuned and with the default strategies, in alternating blocks of
+        calls (the first of each block warms up; medians), and the
+        defaults are kept unless the tuned graph is faster by more than ``tune_margin``. Buffers
+        are restored and no ``.grad`` is written; a sample the graph cannot run keeps the tuned
+        choices (logged at debug level)."""
+        nodes = [node for node in c.wide.graph_module.graph.nodes if "wide_tune" in node.meta]
+        tuned = {node: node.kwargs.get("strategy") for node in nodes}
+        default = {node: node.meta["wide_tune"].default for node in nodes}
+        if not self._config.tune or self._config.strategy != "auto" or tuned == default:
+            return
+        gm = c.wide.graph_module
+
+        def use(strategies: dict) -> None:
+            for node, name in strategies.items():
+                node.update_kwarg("strategy", name)
+            gm.recompile()
+
+        wide_sample = tree_map(lambda a: a.unsqueeze(0).expand(self.n, *a.shape).clone()
+                               if isinstance(a, torch.Tensor) else a, self._sample)
+        params = [p for p in self.parameters() if p.requires_grad]
+        saved = {name: b.clone() for name, b in self.named_buffers()}
+
+        def run() -> None:
+            with torch.set_grad_enabled(c.training):
+                out = self._call_graph(c.wide, *wide_sample)
+                loss = [o.float().sum() for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+                if loss and params:
+                    torch.autograd.grad(sum(loss), params, allow_unused=True)
+
+        times: dict[str, list[float]] = {"tuned": [], "default": []}
+        try:
+            order = [("tuned", tuned), ("default", default)]
+            for k in range(3):  # blocks of calls, alternating; the first call of a block warms up
+                for label, strategies in order[::-1] if k % 2 else order:
+                    use(strategies)
+                    for j in range(1 + max(2, self._config.tune_repeats // 2)):
+                        start = time.perf_counter()
+                        run()
+                        if j:
+                            times[label].append(time.perf_counter() - start)
+        except Exception as e:  # noqa: BLE001 -- a check of speed never fails a compile
+            log.debug("wide_compiler: model-level tuning check skipped (%s: %s)", type(e).__name__, e)
+            use(tuned)
+            return
+        finally:
+            with torch.no_grad():
+                for name, b in self.named_buffers():
+                    b.copy_(saved[name])
+        t_tuned, t_default = (statistics.median(v) for v in (times["tuned"], times["default"]))
+        keep = t_tuned < t_default * (1 - self._config.tune_margin)
+        use(tuned if keep else default)
+        log.info("wide_compiler: %s graph: tuned strategies %.3f ms, defaults %.3f ms: keeping the %s",
+                 "train" if c.training else "eval", t_tuned * 1e3, t_default * 1e3, "tuned" if keep else "defaults")
 
     def _graph_for(self, training: bool) -> WideGraph:
         """The wide graph of a train/eval mode, compiled on first use (once, whatever the threads:
@@ -206,7 +268,9 @@ class WideModel(MemberOpsMixin, nn.Module):
         if not torch.compiler.is_compiling() and any(
                 layout_of(t) == "packed" for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)):
             return self.packed(*args, **kwargs)  # wide(wc.pack(xs)): WideCompiler 0.x's convention
-        wg = self._graph_for(self.training)
+        return self._call_graph(self._graph_for(self.training), args, kwargs)
+
+    def _call_graph(self, wg: WideGraph, args: tuple, kwargs: dict) -> Any:
         flat = self._user_inputs(wg, args, kwargs)
         feeds, user = [], iter(flat)
         for inp, holder in zip(wg.inputs, self._holders(wg)):

@@ -325,3 +325,26 @@ def test_folded_eval_graph_under_torch_compile_fullgraph():
     x = torch.randn(2, 4, 3, 8, 8)
     with torch.no_grad():
         testing.assert_members_close(compiled(x), [m(x[i]) for i, m in enumerate(models)])
+
+
+def test_model_level_tuning_check_keeps_one_of_the_two_and_leaves_no_trace(monkeypatch, caplog):
+    """Note [Model-level tuning check] (model.py): when the per-op tuner changes a strategy, the
+    whole graph is timed both ways and one of the two sets is kept (which one is the machine's
+    call: not asserted); buffers come back as they were and no ``.grad`` is written."""
+    import logging
+
+    from wide_compiler import tuning
+
+    monkeypatch.setattr(tuning, "choose_strategy", lambda op, key, make, default, config, names: ("loop", None))
+    models = _trained_members(2)  # train mode: BatchNorm updates its running stats when run
+    before = [{k: v.clone() for k, v in m.named_buffers()} for m in models]
+    with caplog.at_level(logging.INFO, logger="wide_compiler.model"):
+        wide = wc.compile(models, torch.randn(4, 3, 8, 8), config=wc.WideConfig(cache=False))
+    assert "tuned strategies" in caplog.text and "keeping the" in caplog.text
+    chosen = set(wide.strategies.values())
+    assert chosen in ({"loop"}, {"grouped"}), chosen
+    for i, m in enumerate(models):  # the wide buffers are the members' initial ones
+        for name, b in before[i].items():
+            torch.testing.assert_close(wide.get_buffer(name)[i], b)
+    assert all(p.grad is None for p in wide.parameters())
+    testing.check_equivalence(wide, models, torch.randn(2, 4, 3, 8, 8), buffers=True)
