@@ -47,10 +47,9 @@ def _batched(args: Any) -> bool:
 
 def _sequence_first(model: nn.Module) -> bool:
     """Whether the model holds a module whose inputs are sequence-first by convention
-    (``batch_first=False`` attention, RNNs and transformer layers): their batch is dim 1."""
-    kinds = (nn.MultiheadAttention, nn.RNNBase, nn.Transformer, nn.TransformerEncoderLayer,
-             nn.TransformerDecoderLayer)
-    return any(isinstance(m, kinds) and not getattr(m, "batch_first", False) for m in model.modules())
+    (``batch_first=False`` attention and RNNs; transformer layers hold such an attention): their
+    batch is dim 1."""
+    return any(isinstance(m, (nn.MultiheadAttention, nn.RNNBase)) and not m.batch_first for m in model.modules())
 
 
 def _batch_spec(a: Any, dims: tuple[int, ...], batched: bool) -> Any:
