@@ -10,6 +10,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import logging
@@ -326,31 +327,89 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
         print("\n".join(bench.TARGETS))
         return 0
     if args.target is None:
-        print("usage: python -m wide_compiler benchmark TARGET [--preset ci|quick|full] "
-              "[--json FILE]\n")
+        print("usage: python -m wide_compiler benchmark TARGET|all [--preset ci|quick|full] "
+              "[--json FILE] [--save] [--top K] [--plot FILE.png]\n")
         print(_benchmark_targets())
         return 0
-    if args.target not in bench.TARGETS:
-        print(f"error: unknown benchmark target {args.target!r}; expected one of "
-              f"{', '.join(bench.TARGETS)}", file=sys.stderr)
+    targets = list(bench.TARGETS) if args.target == "all" else [args.target]
+    for name in targets:
+        if name not in bench.TARGETS:
+            print(f"error: unknown benchmark target {name!r}; expected one of "
+                  f"{', '.join(bench.TARGETS)} or all", file=sys.stderr)
+            return 2
+        if args.preset not in bench.TARGETS[name].presets:
+            print(f"error: target {name!r} has no preset {args.preset!r}; "
+                  f"expected one of {', '.join(bench.TARGETS[name].presets)}", file=sys.stderr)
+            return 2
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
-    presets = bench.TARGETS[args.target].presets
-    if args.preset not in presets:
-        print(f"error: target {args.target!r} has no preset {args.preset!r}; "
-              f"expected one of {', '.join(presets)}", file=sys.stderr)
-        return 2
-    records = bench.run(args.target, args.preset, progress=not args.quiet)
-    if not args.quiet:
-        print(bench.format_records(args.target, records))
-    if args.json:
-        path = Path(args.json)
+    records = []
+    for name in targets:
+        recs = bench.run(name, args.preset, progress=not args.quiet)
+        records += recs
+        if not args.quiet:
+            print(bench.format_records(name, top_records(recs, args.top) if args.top else recs))
+    paths = [Path(args.json)] if args.json else []
+    if args.save:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        paths.append(Path("bench-results") / f"{args.target}-{args.preset}-{stamp}.json")
+    for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
             json.dump(_finite(records), f, indent=1, default=str, allow_nan=False)
             f.write("\n")
         if not args.quiet:
             print(f"wrote {len(records)} records to {path}")
+    if args.plot:
+        plot_speedups(records, args.plot)
+        if not args.quiet:
+            print(f"wrote {args.plot}")
     return 0
+
+
+def _best_speedup(record: dict) -> float:
+    """A record's speedup over its best (fastest) baseline; -inf when it has none."""
+    speedups = [v for v in (record.get("speedup") or {}).values() if isinstance(v, (int, float))]
+    return min(speedups) if speedups else -math.inf
+
+
+def top_records(records: Sequence[dict], k: int) -> list[dict]:
+    """The ``k`` records with the largest speedup over their best baseline, best first.
+
+    >>> recs = [{"speedup": {"loop": 3.0, "vmap": 1.5}}, {"speedup": {"loop": 2.0}}, {"speedup": {}}]
+    >>> [min(r["speedup"].values(), default=None) for r in top_records(recs, 2)]
+    [2.0, 1.5]
+    """
+    return sorted(records, key=_best_speedup, reverse=True)[:k]
+
+
+def plot_speedups(records: Sequence[dict], path: str) -> None:
+    """Speedup of wide over each baseline against N, one line per (target, case, mode, strategy,
+    baseline), log-scaled N, a dashed line at 1x; written to ``path`` (matplotlib, optional)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        for baseline, x in (r.get("speedup") or {}).items():
+            if isinstance(x, (int, float)) and math.isfinite(x) and r.get("n"):
+                label = f"{r['target']}/{r.get('case') or ''} {r.get('mode') or ''} {r.get('strategy') or ''} vs {baseline}"
+                series.setdefault(label, []).append((r["n"], x))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for label, points in sorted(series.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("N (members)")
+    ax.set_ylabel("speedup of wide (baseline ms / wide ms)")
+    ax.legend(fontsize=6, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _finite(o: Any) -> Any:
@@ -457,12 +516,18 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     # Checked by cmd_benchmark (not `choices`): no target lists the targets, exit 0.
     p.add_argument("target", nargs="?", metavar="TARGET",
-                   help=f"what to benchmark: {', '.join(bench.TARGETS)}")
+                   help=f"what to benchmark: {', '.join(bench.TARGETS)}, or all")
     p.add_argument("--list", action="store_true",
                    help="print the target names, one a line, and exit")
     p.add_argument("--preset", default="quick", choices=all_presets,
                    help="ci: tiny smoke run; quick: the headline case (default); full: the grid")
     p.add_argument("--json", metavar="FILE", help="write the records (a JSON list) to FILE")
+    p.add_argument("--save", action="store_true",
+                   help="also write them to bench-results/TARGET-PRESET-YYYYmmdd-HHMMSS.json")
+    p.add_argument("--top", type=int, metavar="K",
+                   help="print only the K records with the largest speedup over their best baseline")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw speedup vs N per baseline to FILE.png (needs matplotlib)")
     p.add_argument("-q", "--quiet", action="store_true", help="no table, no progress bar")
     p.set_defaults(func=cmd_benchmark)
     return parser

@@ -111,6 +111,45 @@ def test_benchmark_without_target_lists_targets(capsys):
     assert "ci" in out and "quick" in out and "full" in out
 
 
+def _fake_records(name, preset, progress=False):
+    return [{"target": name, "case": c, "n": n, "mode": "inference", "strategy": "s", "wide_ms": 1.0,
+             "baseline_ms": {"loop": x, "vmap": 2 * x}, "speedup": {"loop": x, "vmap": 2 * x}}
+            for c, n, x in (("a", 4, 1.5), ("a", 16, 3.0), ("b", 4, 0.5))]
+
+
+def test_benchmark_all_save_and_top(tmp_path, monkeypatch, capsys):
+    """`benchmark all` runs every target; --save writes one timestamped file under bench-results/;
+    --top K prints only the K records with the largest speedup over their best baseline."""
+    from wide_compiler import bench
+
+    ran = []
+    monkeypatch.setattr(bench, "run", lambda name, preset, progress=False: ran.append(name) or _fake_records(name, preset))
+    monkeypatch.setattr(bench, "format_records", lambda name, recs: "\n".join(
+        f"{r['target']} {r['case']} N={r['n']} x{r['speedup']['loop']}" for r in recs))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["benchmark", "all", "--preset", "ci", "--save", "--top", "1"]) == 0
+    assert ran == list(bench.TARGETS)
+    out = capsys.readouterr().out
+    assert out.count("N=16 x3.0") == len(bench.TARGETS) and "N=4" not in out  # top 1 per target
+    (saved,) = (tmp_path / "bench-results").glob("all-ci-*.json")
+    assert len(json.loads(saved.read_text())) == 3 * len(bench.TARGETS)
+
+
+def test_benchmark_plot_needs_matplotlib_or_draws(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from wide_compiler import bench
+
+    monkeypatch.setattr(bench, "run", _fake_records)
+    monkeypatch.setattr(bench, "format_records", lambda name, recs: "")
+    png = tmp_path / "speedup.png"
+    code = cli.main(["benchmark", "linear", "--preset", "ci", "--plot", str(png), "--quiet"])
+    if importlib.util.find_spec("matplotlib") is None:
+        assert code == 2 and "needs matplotlib" in capsys.readouterr().err and not png.exists()
+    else:
+        assert code == 0 and png.stat().st_size > 0
+
+
 def test_self_test_passes(tmp_path):
     proc = run_cli("test", cache_dir=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
