@@ -306,13 +306,29 @@ class _WideBlock(nn.Module):
 
     _member: type[nn.Module]
 
-    def __init__(self, n: int, *args, strategy: str = "auto", **kwargs) -> None:
-        """N fresh members ``_member(*args, **kwargs)``, each initialised independently."""
+    def __init__(self, n: int, *args, strategy: str = "auto", head_dim: int | None = None,
+                 bias: bool | None = None, **kwargs) -> None:
+        """N fresh members ``_member(*args, **kwargs)``, each initialised independently.
+
+        WideCompiler 0.x's arguments are accepted: ``head_dim`` (checked against
+        ``hidden_size // num_heads``) and ``bias`` (the attention's ``qkv_bias``)."""
         super().__init__()
         if n < 1:
             raise ValueError(f"{type(self).__name__}: expected n >= 1 members, got {n}")
         self._check_strategy(strategy)
+        if bias is not None:
+            if "qkv_bias" not in self._hparams():
+                raise TypeError(f"{type(self).__name__}: no bias option (its member has no qkv_bias)")
+            kwargs["qkv_bias"] = bias
         self._fuse([self._member(*args, **kwargs) for _ in range(n)], strategy)
+        if head_dim is not None and getattr(self, "hidden_size", 0) // getattr(self, "num_heads", 1) != head_dim:
+            raise ValueError(f"{type(self).__name__}: head_dim={head_dim}, but hidden_size "
+                             f"{self.hidden_size} / num_heads {self.num_heads} is {self.hidden_size // self.num_heads}")
+
+    def __call__(self, *args, **kwargs):
+        if "rope" in kwargs:  # WideCompiler 0.x's name of the rotary table
+            kwargs["pe"] = kwargs.pop("rope")
+        return super().__call__(*args, **kwargs)
 
     @classmethod
     def from_modules(cls, modules: Sequence[nn.Module], *, strategy: str = "auto"):

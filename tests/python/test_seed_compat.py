@@ -223,3 +223,25 @@ def test_a_broadcast_side_input_stays_size_one():
         out = wide(x, pe.expand(3, 1, 5, 8))
         for i, m in enumerate(models):
             torch.testing.assert_close(out[i], m(x[i], pe), rtol=1e-5, atol=1e-5)
+
+
+def test_seed_flux_block_quick_start():
+    """0.7's block quick start (sizes scaled down), import line changed: head_dim and rope= are
+    accepted; the blocks themselves follow Flux (README: Coming from WideCompiler 0.x)."""
+    from wide_compiler.blocks import WideDoubleStreamBlock, WideJointAttention
+
+    n = 2
+    txt = torch.randn(n, 4, 6, 32)   # [N, B, L, hidden_size] text
+    img = torch.randn(n, 4, 10, 32)  # [N, B, S, hidden_size] image
+    vec = torch.randn(n, 4, 32)      # [N, B, emb_size] conditioning
+    joint_attn = WideJointAttention(n=n, hidden_size=32, num_heads=4, head_dim=8)
+    txt_out, img_out = joint_attn(txt, img, rope=None)
+    assert txt_out.shape == txt.shape and img_out.shape == img.shape
+    block = WideDoubleStreamBlock(n=n, hidden_size=32, num_heads=4, head_dim=8)
+    first, second = block(txt, img, vec, rope=None)
+    assert first.shape == txt.shape and second.shape == img.shape
+    members = block.unfuse()
+    ref = members[1](txt[1], img[1], vec[1])
+    torch.testing.assert_close(first[1], ref[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="head_dim=16, but hidden_size 32 / num_heads 4 is 8"):
+        WideDoubleStreamBlock(n=n, hidden_size=32, num_heads=4, head_dim=16)
