@@ -265,8 +265,7 @@ class WideModel(MemberOpsMixin, nn.Module):
 
     # -- running ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling() and any(
-                layout_of(t) == "packed" for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)):
+        if not torch.compiler.is_compiling() and _any_packed(args, kwargs):
             return self.packed(*args, **kwargs)  # wide(wc.pack(xs)): WideCompiler 0.x's convention
         return self._call_graph(self._graph_for(self.training), args, kwargs)
 
@@ -473,6 +472,12 @@ def _persistent_buffers(model: nn.Module):
         for name, b in mod._buffers.items():
             if b is not None and name not in mod._non_persistent_buffers_set:
                 yield _join(mod_name, name), b
+
+
+def _any_packed(args: tuple, kwargs: dict) -> bool:
+    """Whether an input was made by :func:`~wide_compiler.pack` (positional tensors: no pytree walk)."""
+    leaves = args if not kwargs and all(isinstance(a, torch.Tensor) for a in args) else tree_flatten((args, kwargs))[0]
+    return any(isinstance(t, torch.Tensor) and layout_of(t) == "packed" for t in leaves)
 
 
 def _member_dims(member: tuple) -> str:
