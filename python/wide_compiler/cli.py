@@ -10,6 +10,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -328,7 +329,7 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
         return 0
     if args.target is None:
         print("usage: python -m wide_compiler benchmark TARGET|all [--preset ci|quick|full] "
-              "[--json FILE] [--save] [--top K] [--plot FILE.png]\n")
+              "[--json FILE] [--save] [--top K] [--plot FILE.png] [--compile]\n")
         print(_benchmark_targets())
         return 0
     targets = list(bench.TARGETS) if args.target == "all" else [args.target]
@@ -346,7 +347,8 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
         return 2
     records = []
     for name in targets:
-        recs = bench.run(name, args.preset, progress=not args.quiet)
+        with bench.engine.compile_all() if args.compile else contextlib.nullcontext():
+            recs = bench.run(name, args.preset, progress=not args.quiet)
         records += recs
         if not args.quiet:
             print(bench.format_records(name, top_records(recs, args.top) if args.top else recs))
@@ -522,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="quick", choices=all_presets,
                    help="ci: tiny smoke run; quick: the headline case (default); full: the grid")
     p.add_argument("--json", metavar="FILE", help="write the records (a JSON list) to FILE")
+    p.add_argument("--compile", action="store_true",
+                   help="run the wide model and every baseline under torch.compile (targets on the "
+                        "shared engine: all but optim and train), checked against the eager loop")
     p.add_argument("--save", action="store_true",
                    help="also write them to bench-results/TARGET-PRESET-YYYYmmdd-HHMMSS.json")
     p.add_argument("--top", type=int, metavar="K",

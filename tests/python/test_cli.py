@@ -150,6 +150,22 @@ def test_benchmark_plot_needs_matplotlib_or_draws(tmp_path, monkeypatch, capsys)
         assert code == 0 and png.stat().st_size > 0
 
 
+def test_compile_all_runs_every_contender_compiled():
+    """`--compile`: engine.run_case wraps the wide contender and the baselines in torch.compile
+    (the reference loop stays eager) and marks the records."""
+    from wide_compiler.nn import WideLinear
+
+    models = [torch.nn.Linear(3, 2) for _ in range(2)]
+    wide = WideLinear.from_modules(models)
+    contender = engine.Contender("wide", wide, list(wide.parameters()), "wide")
+    x = torch.randn(2, 4, 3)
+    with engine.compile_all(backend="eager"):
+        (rec,) = engine.run_case(models, x, [contender], [engine.loop_contender(models)], mode="inference",
+                                 base={"target": "t", "dtype": "float32"}, min_run_time=0.01, machine={})
+    assert rec["execution"] == "compiled" and rec["max_abs_err"] < 1e-6 and rec["baseline_ms"]["loop"] > 0
+    assert engine.COMPILE_OPTIONS is None  # restored
+
+
 def test_self_test_passes(tmp_path):
     proc = run_cli("test", cache_dir=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

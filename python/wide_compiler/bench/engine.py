@@ -48,13 +48,14 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
 import math
 import os
 import platform
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -67,7 +68,9 @@ from .. import testing
 __all__ = [
     "MODES",
     "RECORD_KEYS",
+    "COMPILE_OPTIONS",
     "Contender",
+    "compile_all",
     "compiled",
     "compiled_loop_contender",
     "contention_note",
@@ -422,6 +425,24 @@ def make_record(*, base: Mapping[str, Any], mode: str, strategy: str, wide_ms: f
     return record
 
 
+#: ``torch.compile`` options applied to every contender of :func:`run_case` (the CLI's
+#: ``--compile``); None: eager. Set with :func:`compile_all`.
+COMPILE_OPTIONS: dict[str, Any] | None = None
+
+
+@contextlib.contextmanager
+def compile_all(**options: Any) -> Iterator[None]:
+    """Within the block, :func:`run_case` runs every wide contender and every baseline under
+    ``torch.compile(**options)`` (a baseline that is already compiled is kept), checked against
+    the eager loop; records say ``execution="compiled"``."""
+    global COMPILE_OPTIONS
+    before, COMPILE_OPTIONS = COMPILE_OPTIONS, dict(options)
+    try:
+        yield
+    finally:
+        COMPILE_OPTIONS = before
+
+
 def run_case(models: Sequence[nn.Module], x: torch.Tensor, wides: Iterable[Contender],
              baselines: Iterable[Contender], *, mode: str, base: Mapping[str, Any],
              min_run_time: float = 0.2, machine: Mapping[str, Any] | None = None,
@@ -436,6 +457,12 @@ def run_case(models: Sequence[nn.Module], x: torch.Tensor, wides: Iterable[Conte
     n = len(models)
     reference = reference or loop_contender(models)
     ref_result = make_step(reference, x, mode)()
+    execution = "eager"
+    if COMPILE_OPTIONS is not None:
+        execution = "compiled"
+        wides = [compiled(w, w.name, **COMPILE_OPTIONS) for w in wides]
+        baselines = [b if b.name.startswith("compile") else compiled(b, b.name, **COMPILE_OPTIONS)
+                     for b in baselines]
     machine = dict(machine) if machine is not None else machine_info()
     base = dict(base, n=n)
 
@@ -460,7 +487,7 @@ def run_case(models: Sequence[nn.Module], x: torch.Tensor, wides: Iterable[Conte
         records.append(make_record(base=base, mode=mode, strategy=w.name, wide_ms=ms,
                                    baseline_ms=baseline_ms, max_abs_err=err,
                                    baseline_max_abs_err=baseline_err, errors=errors,
-                                   machine=machine))
+                                   execution=execution, machine=machine))
     return records
 
 

@@ -1,0 +1,797 @@
+"""``wide_compiler.analyze``: what fusing N members of YOUR model buys, measured on this machine.
+
+One call compiles the model for each requested N and reports, in one :class:`AnalysisReport`:
+
+1. the compile result: every wide op with its strategy (eval and train graphs), every op that
+   runs through the per-member fallback with its source line and a fix to try, and the layout
+   conversions the plan keeps (the data of :meth:`WideModel.summary` / :meth:`~WideModel.report` /
+   :attr:`~WideModel.fallbacks`);
+2. the measured time of one step of the wide model, of the loop over the N members and of
+   ``torch.func`` ensembling (vmap), for inference (forward under ``no_grad``, ``eval()``) and
+   one training step (forward + backward of every parameter, ``train()``): medians over
+   ``repeats`` interleaved blocks (contenders alternate, so load on the machine hits them alike),
+   with throughput per member and in all;
+3. where the time goes: ``torch.profiler`` self CPU time grouped by op, wide model beside loop;
+4. memory: parameters, gradients and an Adam state estimate (2x parameters) per member, the
+   activation memory per member MEASURED as the bytes of the tensors autograd saves during one
+   training forward (``torch.autograd.graph.saved_tensors_hooks``) at a few small N, and the
+   largest N whose extrapolated training footprint fits a budget (doubling then bisection on
+   the linear fit; nothing near the budget is ever allocated);
+5. recommendations ranked by measured effect.
+
+Example::
+
+    >>> import wide_compiler as wc
+    >>> from wide_compiler import zoo
+    >>> from wide_compiler.analyze import analyze
+    >>> r = analyze(lambda: zoo.MLP(16, 32, 4), torch.randn(8, 16), n=(2, 4), repeats=3,
+    ...             memory="200MB")                                         # doctest: +SKIP
+    >>> print(r)                                                            # doctest: +SKIP
+    >>> r.to_json(), r.to_markdown()                                        # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import importlib.util
+import json
+import logging
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .bench import engine
+
+__all__ = ["AnalysisReport", "add_cli", "analyze", "cmd_analyze", "load_factory", "parse_bytes"]
+
+log = logging.getLogger(__name__)
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``8GB`` (10^9), ``8GiB`` (2^30), ``512MB``, ``1.5e9`` or an int -> bytes.
+
+    >>> parse_bytes("200MB"), parse_bytes("1GiB"), parse_bytes(1000)
+    (200000000, 1073741824, 1000)
+    """
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"wide_compiler.analyze: memory budget {value!r}: expected bytes or a size "
+                         f"like '8GB', '512MiB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def load_factory(spec: str) -> Callable[[], nn.Module]:
+    """``"path/to/file.py:make_model"`` -> the zero-argument callable ``make_model`` of that file
+    (an ``nn.Module`` class works too). The file is imported as a fresh module.
+
+    >>> load_factory("no_colon")
+    Traceback (most recent call last):
+    ...
+    ValueError: wide_compiler.analyze: expected 'path/to/file.py:factory', got 'no_colon'
+    """
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        raise ValueError(f"wide_compiler.analyze: expected 'path/to/file.py:factory', got {spec!r}")
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"wide_compiler.analyze: {spec!r}: no file {str(file)!r}")
+    mod_spec = importlib.util.spec_from_file_location(f"_wc_analyze_{file.stem}", file)
+    if mod_spec is None or mod_spec.loader is None:
+        raise ImportError(f"wide_compiler.analyze: cannot import {str(file)!r}")
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise AttributeError(f"wide_compiler.analyze: {str(file)!r} has no callable {name!r} "
+                             f"(found: {sorted(k for k in vars(module) if not k.startswith('_'))})")
+    return factory
+
+
+# ---------------------------------------------------------------------------------- report
+
+@dataclasses.dataclass
+class AnalysisReport:
+    """The result of :func:`analyze`; ``str(report)`` is a readable report, :meth:`to_json`
+    and :meth:`to_markdown` the same data for files."""
+
+    model: str
+    input_shapes: list[list[int]]
+    ns: list[int]
+    modes: list[str]
+    repeats: int
+    config: str
+    compile: dict[str, Any]
+    speed: list[dict[str, Any]]
+    profile: dict[str, Any]
+    memory: dict[str, Any]
+    recommendations: list[dict[str, Any]]
+    machine: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return _finite(dataclasses.asdict(self))
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The report as JSON (NaN and infinities as null)."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        return "\n".join(self._sections(markdown=False))
+
+    def to_markdown(self) -> str:
+        """The report as Markdown: a heading per section, tables as pipe tables."""
+        return "\n".join(self._sections(markdown=True))
+
+    # -- rendering ------------------------------------------------------------------------------
+    def _sections(self, markdown: bool) -> list[str]:
+        out: list[str] = []
+        table = _md_table if markdown else _text_table
+
+        def head(title: str) -> None:
+            out.extend(["", f"## {title}", ""] if markdown else ["", f"== {title} =="])
+
+        m = self.machine
+        shapes = ", ".join(str(s) for s in self.input_shapes)
+        title = f"wide_compiler analyze: {self.model}, one member's input {shapes}, N = {', '.join(map(str, self.ns))}"
+        out.append(f"# {title}" if markdown else title)
+        out.append(f"{'' if not markdown else chr(10)}torch {m.get('torch')}, {m.get('threads')} threads, CPU "
+                   f"capability {m.get('cpu_capability')}, config {self.config}, medians of {self.repeats} "
+                   f"interleaved repeats")
+        note = engine.contention_note(m)
+        if note:
+            out.append(note)
+
+        c = self.compile
+        head(f"Compile (N={c['n']})")
+        out.append(f"{len(c['wide_ops'])} wide ops, {len(c['fallbacks'])} fallbacks, "
+                   f"{len(c['layout_conversions'])} layout conversions, "
+                   f"{c['params_per_member']:,} parameters per member, compile {c['compile_s']:.2f} s")
+        if c["wide_ops"]:
+            out.extend(table(["node", "module", "wide op", *[f"strategy ({g})" for g in c["graphs"]],
+                              "member input", "weight"],
+                             [[o["node"], o["module"] or "-", o["op"],
+                               *[o["strategy"].get(g, "-") for g in c["graphs"]],
+                               o["input"], o["weight"]] for o in c["wide_ops"]]))
+        for fb in c["fallbacks"]:
+            out.append(f"{'- ' if markdown else '  '}fallback ({fb['graph']}): {fb['op']} ({fb['how']}, "
+                       f"{fb['reason']}) at {fb['source']}. Fix: {fb['fix']}")
+        for lc in c["layout_conversions"]:
+            out.append(f"{'- ' if markdown else '  '}layout conversion ({lc['graph']}): {lc['node']}: {lc['what']}")
+
+        head("Speed (ms per step; speedup = baseline / wide)")
+        rows = []
+        for s in self.speed:
+            ms, sp, tp = s["ms"], s["speedup"], s["samples_per_s_per_member"]
+            rows.append([str(s["n"]), s["mode"], engine.fmt_ms(ms.get("wide")),
+                         _cell(ms, s, "loop", engine.fmt_ms), _cell(ms, s, "vmap", engine.fmt_ms),
+                         engine.fmt_x(sp.get("loop")), engine.fmt_x(sp.get("vmap")),
+                         _num(tp.get("wide")), _num(tp.get("loop")), _num(s["samples_per_s"].get("wide"))])
+        out.extend(table(["N", "mode", "wide ms", "loop ms", "vmap ms", "vs loop", "vs vmap",
+                          "wide samples/s/member", "loop samples/s/member", "wide samples/s (all)"], rows))
+        errs = {(s["mode"], k, v) for s in self.speed for k, v in s["errors"].items()}
+        for mode, k, v in sorted(errs):
+            out.append(f"{k} failed ({mode}): {v}")
+
+        p = self.profile
+        if p.get("runs"):
+            head(f"Where the time goes (N={p['n']}, self CPU ms per step, torch.profiler, top {p['top']})")
+            for run in p["runs"]:
+                out.append(f"{run['mode']}:" if not markdown else f"**{run['mode']}**")
+                if markdown:
+                    out.append("")
+                w, lp = run["wide"], run["loop"]
+                rows = []
+                for i in range(max(len(w), len(lp))):
+                    a = w[i] if i < len(w) else None
+                    b = lp[i] if i < len(lp) else None
+                    rows.append([a["op"] if a else "", engine.fmt_ms(a["ms"]) if a else "",
+                                 f"{a['pct']:.0f}%" if a else "",
+                                 b["op"] if b else "", engine.fmt_ms(b["ms"]) if b else "",
+                                 f"{b['pct']:.0f}%" if b else ""])
+                out.extend(table(["wide op", "ms", "%", "loop op", "ms", "%"], rows))
+                if markdown:
+                    out.append("")
+
+        mem = self.memory
+        head("Memory")
+        mb = _fmt_bytes
+        out.extend(table(["per member", "bytes"], [
+            ["parameters + buffers", mb(mem["param_bytes_per_member"] + mem["buffer_bytes_per_member"])],
+            ["gradients", mb(mem["param_bytes_per_member"])],
+            ["Adam state (estimate: 2x parameters)", mb(mem["adam_bytes_per_member"])],
+            [f"activations saved for backward (measured at N={mem['measured_ns']}, batch {mem['batch']})",
+             mb(mem["activation_bytes_per_member"])],
+            ["training footprint", mb(mem["train_bytes_per_member"])],
+        ]))
+        out.append(f"budget {mb(mem['budget_bytes'])} ({mem['budget_source']}): largest N for one training "
+                   f"step with Adam = {mem['max_n_train']} (inference: {mem['max_n_inference']})")
+        out.append(mem["method"])
+
+        head("Recommendations (ranked by measured effect)")
+        if not self.recommendations:
+            out.append("nothing to change: no fallbacks, no per-member loops, wide is faster everywhere")
+        for i, r in enumerate(self.recommendations, 1):
+            out.append(f"{i}. {r['text']}")
+        return out
+
+
+def _fmt_bytes(v: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if v >= scale:
+            return f"{v / scale:,.2f} {unit}"
+    return f"{v:,.0f} B"
+
+
+def _cell(ms: dict, s: dict, name: str, fmt: Callable) -> str:
+    return "error" if name in s["errors"] else fmt(ms.get(name))
+
+
+def _num(v: float | None) -> str:
+    if v is None or not math.isfinite(v):
+        return "-"
+    return f"{v:,.0f}"
+
+
+def _text_table(cols: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return [line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
+
+
+def _md_table(cols: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
+    return ["| " + " | ".join(map(esc, cols)) + " |", "|" + "---|" * len(cols)] + [
+        "| " + " | ".join(map(esc, r)) + " |" for r in rows]
+
+
+def _finite(o: Any) -> Any:
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {str(k): _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
+# ---------------------------------------------------------------------------------- analysis
+
+def _make_members(model_or_factory: nn.Module | Callable[[], nn.Module], n: int) -> list[nn.Module]:
+    if isinstance(model_or_factory, nn.Module):
+        from .api import _reinitialised_copies
+
+        return _reinitialised_copies(model_or_factory, n)
+    if not callable(model_or_factory):
+        raise TypeError(f"wide_compiler.analyze: expected an nn.Module or a zero-argument callable "
+                        f"returning one, got {type(model_or_factory).__name__}")
+    members = [model_or_factory() for _ in range(n)]
+    if not isinstance(members[0], nn.Module):
+        raise TypeError(f"wide_compiler.analyze: the factory returned a {type(members[0]).__name__}, "
+                        "expected an nn.Module")
+    return members
+
+
+def _wide_inputs(sample: tuple, n: int, seed: int = 0) -> tuple:
+    """N-first inputs: member i gets its own random copy of a float sample (ints are repeated)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for a in sample:
+        if isinstance(a, torch.Tensor):
+            x = a.unsqueeze(0).expand(n, *a.shape).clone()
+            if x.is_floating_point():
+                x = torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device) * a.std().clamp_min(1e-3) + a.mean()
+            out.append(x)
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+def _contenders(wide: nn.Module, members: Sequence[nn.Module]) -> dict[str, engine.Contender]:
+    """wide, loop and vmap (torch.func) over a tuple of N-first inputs."""
+    from torch.func import functional_call, stack_module_state, vmap
+
+    def nth(xs: tuple, i: int) -> tuple:
+        return tuple(a[i] if isinstance(a, torch.Tensor) else a for a in xs)
+
+    out = {"wide": engine.Contender("wide", lambda xs: wide(*xs),
+                                    engine.wide_params_in_member_order(wide, members[0]), "wide"),
+           "loop": engine.Contender("loop", lambda xs: [m(*nth(xs, i)) for i, m in enumerate(members)],
+                                    [p for m in members for p in m.parameters()], "members")}
+    params, buffers = stack_module_state(list(members))
+    base = copy.deepcopy(members[0]).to("meta")
+
+    def call(p: dict, b: dict, *xs: Any) -> Any:
+        return functional_call(base, (p, b), xs)
+
+    def vmapped(xs: tuple) -> Any:
+        dims = (0, 0, *[0 if isinstance(a, torch.Tensor) else None for a in xs])
+        return vmap(call, in_dims=dims, randomness="different")(params, buffers, *xs)
+
+    out["vmap"] = engine.Contender("vmap", vmapped, list(params.values()), "wide")
+    return out
+
+
+def _interleaved(steps: dict[str, Callable[[], Any]], repeats: int, block_s: float
+                 ) -> tuple[dict[str, float], dict[str, str]]:
+    """Median ms per call of each step over ``repeats`` blocks, the steps taking turns (the
+    order rotates each round). A step that raises is left out; its message is returned."""
+    errors: dict[str, str] = {}
+    calls: dict[str, int] = {}
+    for name, fn in steps.items():
+        try:
+            for _ in range(3):  # warm up (first calls allocate, autograd builds caches)
+                fn()
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 -- a baseline that cannot run is a result
+            errors[name] = engine._error_text(e)
+            continue
+        calls[name] = max(1, min(1000, int(block_s / max(dt, 1e-7))))
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    names = list(calls)
+    for r in range(repeats):
+        k = r % max(1, len(names))
+        for name in names[k:] + names[:k]:
+            fn, c = steps[name], calls[name]
+            t0 = time.perf_counter()
+            for _ in range(c):
+                fn()
+            times[name].append((time.perf_counter() - t0) / c * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}, errors
+
+
+def _profile(step: Callable[[], Any], calls: int, top: int, rounds: int = 3) -> list[dict[str, Any]]:
+    """Self CPU time per op (``torch.profiler``, grouped by op name), per step: the quietest of
+    ``rounds`` profiled runs of ``calls`` steps (a busy machine spoils single runs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    best = None
+    for _ in range(rounds):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(calls):
+                step()
+        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        total = sum(e.self_cpu_time_total for e in events) or 1.0
+        if best is None or total < best[0]:
+            best = (total, events)
+    total, events = best
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [{"op": e.key, "ms": e.self_cpu_time_total / 1e3 / calls, "calls": e.count / calls,
+             "pct": 100.0 * e.self_cpu_time_total / total} for e in events[:top]]
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
+    try:
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except Exception:  # noqa: BLE001 -- sparse, nested, fake...: not counted
+        return None
+
+
+def _saved_bytes(wide: nn.Module, xs: tuple) -> int:
+    """Bytes of the distinct storages autograd saves in one training forward (parameters and
+    buffers excluded: counted apart), plus the outputs."""
+    own = {k[0] for t in list(wide.parameters()) + list(wide.buffers()) if (k := _storage_key(t))}
+    seen: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            k = _storage_key(t)
+            if k and k[0] not in own:
+                seen[k[0]] = max(seen.get(k[0], 0), k[1])
+        return t
+
+    wide.train()
+    saved = {name: b.clone() for name, b in wide.named_buffers()}
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = wide(*xs)
+        for o in torch.utils._pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor) and (k := _storage_key(o)):
+                seen[k[0]] = max(seen.get(k[0], 0), k[1])
+        del out
+    finally:
+        with torch.no_grad():
+            for name, b in wide.named_buffers():
+                b.copy_(saved[name])
+    return sum(seen.values())
+
+
+def _fix_for(fb: dict[str, str]) -> str:
+    op = fb["op"]
+    if fb.get("how") == "loop":
+        return (f"{op} runs as a Python loop over members (vmap cannot run it): register a wide form "
+                f"of the module that calls it with @wc.register, or rewrite it with ops that have one")
+    return (f"no widen rule for {op}: strict=False runs it per member through torch.vmap; register a "
+            f"wide form of the module that calls it with @wc.register (or open an issue for a rule)")
+
+
+def _compile_info(wide: Any, compile_s: float, modes: Sequence[str]) -> dict[str, Any]:
+    from .fx.capture import module_path
+
+    graphs = [("eval" if m == "inference" else "train") for m in modes]
+    ops: dict[str, dict[str, Any]] = {}
+    fallbacks, conversions = [], []
+    was_training = wide.training
+    for g in graphs:
+        wg = wide._graph_for(g == "train")
+        for node in wg.graph_module.graph.nodes:
+            if node.meta.get("wide_layout_conversion"):
+                conversions.append({"graph": g, "node": node.name, "what": str(node.meta["wide_layout_conversion"])})
+            if "wide_op" not in node.meta:
+                continue
+            shapes = node.meta.get("wide_shapes", {})
+            row = ops.setdefault(node.name, {"node": node.name, "module": module_path(node), "op": node.meta["wide_op"],
+                                             "strategy": {}, "input": str(shapes.get("input", "-")),
+                                             "weight": str(shapes.get("weight", "-"))})
+            row["strategy"][g] = str(node.kwargs.get("strategy", "-"))
+        for fb in wg.fallbacks:
+            fallbacks.append(dict(fb, graph=g, fix=_fix_for(fb)))
+    wide.train(was_training)
+    return {"n": wide.n, "graphs": graphs, "compile_s": compile_s, "wide_ops": list(ops.values()),
+            "fallbacks": fallbacks, "layout_conversions": conversions,
+            "params_per_member": sum(p.numel() for p in wide.parameters()) // wide.n,
+            "summary": wide.summary()}
+
+
+def _max_n(fixed: float, per_member: float, budget: float, cap: int = 2**40) -> tuple[int, list[int]]:
+    """Largest N with ``fixed + N * per_member <= budget``: N doubles while the estimate fits,
+    then bisection; returns (N, the Ns tried). 0 if not even one member fits."""
+    fits = lambda n: fixed + n * per_member <= budget  # noqa: E731
+    tried = [1]
+    if not fits(1):
+        return 0, tried
+    lo = 1
+    while lo < cap and fits(lo * 2):
+        lo *= 2
+        tried.append(lo)
+    hi = min(lo * 2, cap + 1)
+    tried.append(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        tried.append(mid)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, tried
+
+
+def _slope(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares line through (n, bytes): (intercept, slope)."""
+    if len(points) == 1:
+        return 0.0, points[0][1] / points[0][0]
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return max(0.0, my - slope * mx), max(0.0, slope)
+
+
+def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch.Tensor | tuple,
+            n: int | Sequence[int] = (4, 16), *, memory: int | str | None = None,
+            modes: Sequence[str] = ("inference", "train"), repeats: int = 7, block_s: float = 0.02,
+            config: Any = None, profile_top: int = 8, memory_ns: Sequence[int] = (1, 2, 4),
+            seed: int = 0) -> AnalysisReport:
+    """Compile, time, profile and size a population of ``model_or_factory`` on this machine.
+
+    Args:
+        model_or_factory: an ``nn.Module`` (members are copies re-initialised with
+            ``reset_parameters()``, as ``wc.compile(model, sample, n=K)`` makes them) or a
+            zero-argument callable returning a fresh member.
+        sample: ONE member's input (a tensor or a tuple of positional inputs).
+        n: the population sizes to measure.
+        memory: the budget for the largest-N search: bytes or a string ``"8GB"`` / ``"512MiB"``;
+            default: MemAvailable of /proc/meminfo.
+        modes: ``"inference"`` (forward under ``no_grad``, ``eval()``) and/or ``"train"``
+            (forward + backward of every parameter, ``train()``).
+        repeats: interleaved timing blocks per contender (medians are reported).
+        block_s: target seconds per timing block.
+        config: the :class:`~wide_compiler.WideConfig` (default ``WideConfig.fast()``: the
+            heuristic strategies, no tuning at compile time).
+        profile_top: rows of the per-op profile.
+        memory_ns: the small Ns at which activation memory is measured.
+
+    Example:
+        >>> import torch
+        >>> from wide_compiler import zoo
+        >>> r = analyze(lambda: zoo.MLP(16, 32, 4), torch.randn(8, 16), n=(2,), repeats=2,
+        ...             modes=("inference",), memory="100MB")
+        >>> r.speed[0]["ms"]["wide"] > 0 and r.memory["max_n_train"] >= 1
+        True
+    """
+    import wide_compiler as wc
+
+    ns = sorted({int(k) for k in ([n] if isinstance(n, int) else n)})
+    if not ns or ns[0] < 1:
+        raise ValueError(f"wide_compiler.analyze: expected N >= 1, got n={n!r}")
+    modes = list(modes)
+    bad = [m for m in modes if m not in engine.MODES]
+    if bad or not modes:
+        raise ValueError(f"wide_compiler.analyze: modes must be among {engine.MODES}, got {modes}")
+    if repeats < 1:
+        raise ValueError(f"wide_compiler.analyze: expected repeats >= 1, got {repeats}")
+    config = config or wc.WideConfig.fast()
+    sample_t = sample if isinstance(sample, tuple) else (sample,)
+    tensors = [a for a in sample_t if isinstance(a, torch.Tensor)]
+    batch = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
+    machine = engine.machine_info()
+
+    torch.manual_seed(seed)
+    mem_ns = sorted({int(k) for k in memory_ns if k >= 1} or {1})
+    members_all = _make_members(model_or_factory, max(ns + mem_ns))
+    initial = [copy.deepcopy(m.state_dict()) for m in members_all]
+    model_name = type(members_all[0]).__name__
+    wides: dict[int, Any] = {}
+    compile_s: dict[int, float] = {}
+
+    def wide_for(k: int) -> Any:
+        if k not in wides:
+            t0 = time.perf_counter()
+            wides[k] = wc.compile(members_all[:k], sample_t, config=config)
+            compile_s[k] = time.perf_counter() - t0
+        return wides[k]
+
+    def reset(k: int) -> list[nn.Module]:
+        members = members_all[:k]
+        for m, sd in zip(members, initial):
+            m.load_state_dict(sd)
+        return members
+
+    # 1. compile result (largest N)
+    compile_info = _compile_info(wide_for(ns[-1]), 0.0, modes)
+    compile_info["compile_s"] = compile_s[ns[-1]]
+
+    # 2. speed
+    speed: list[dict[str, Any]] = []
+    steps_at_max: dict[str, dict[str, Callable]] = {}
+    for k in ns:
+        wide = wide_for(k)
+        xs = _wide_inputs(sample_t, k, seed)
+        for mode in modes:
+            training = mode == "train"
+            members = [m.train(training) for m in reset(k)]
+            wide.train(training)
+            contenders = _contenders(wide, members)
+            steps = {name: engine.make_step(c, xs, mode) for name, c in contenders.items()}
+            err = math.nan
+            if not training:
+                try:
+                    err = engine.max_abs_err(contenders["loop"], steps["loop"](), contenders["wide"],
+                                             steps["wide"](), k, mode)
+                except Exception as e:  # noqa: BLE001 -- reported, never fatal
+                    log.warning("wide_compiler.analyze: comparing wide with the loop failed: %s", e)
+            ms, errors = _interleaved(steps, repeats, block_s)
+            if "wide" not in ms:
+                raise RuntimeError(f"wide_compiler.analyze: the wide model failed in {mode} mode at N={k}: "
+                                   f"{errors.get('wide')}")
+            speed.append({
+                "n": k, "mode": mode, "batch": batch, "ms": ms, "errors": errors,
+                "speedup": {b: ms[b] / ms["wide"] for b in ("loop", "vmap") if b in ms},
+                "samples_per_s_per_member": {c: batch / (t / 1e3) for c, t in ms.items()},
+                "samples_per_s": {c: k * batch / (t / 1e3) for c, t in ms.items()},
+                "max_abs_err_vs_loop": err,
+            })
+            if k == ns[-1]:
+                steps_at_max[mode] = steps
+
+    # 3. profile at the largest N
+    runs = []
+    for mode, steps in steps_at_max.items():
+        training = mode == "train"
+        wides[ns[-1]].train(training)
+        for m in members_all[:ns[-1]]:
+            m.train(training)
+        wide_ms = next(s["ms"]["wide"] for s in speed if s["n"] == ns[-1] and s["mode"] == mode)
+        calls = max(2, min(20, int(0.05 / max(wide_ms / 1e3, 1e-6))))
+        runs.append({"mode": mode, "calls": calls, "wide": _profile(steps["wide"], calls, profile_top),
+                     "loop": _profile(steps["loop"], calls, profile_top)})
+    profile = {"n": ns[-1], "top": profile_top, "runs": runs}
+
+    # 4. memory
+    member = members_all[0]
+    param_bytes = sum(p.numel() * p.element_size() for p in member.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in member.buffers())
+    points = []
+    for k in mem_ns:
+        wide = wide_for(k)
+        was = wide.training
+        points.append((k, float(_saved_bytes(wide, _wide_inputs(sample_t, k, seed)))))
+        wide.train(was)
+    act_fixed, act_per_member = _slope(points)
+    adam = 2 * param_bytes
+    train_per_member = param_bytes + buffer_bytes + param_bytes + adam + act_per_member
+    if memory is None:
+        budget, source = available_memory(), "MemAvailable of /proc/meminfo"
+        if budget is None:
+            budget, source = 8 * 10**9, "default 8 GB (no /proc/meminfo)"
+    else:
+        budget, source = parse_bytes(memory), f"given: {memory}"
+    max_train, tried = _max_n(act_fixed, train_per_member, budget)
+    in_bytes = sum(a.numel() * a.element_size() for a in tensors)
+    max_inf, _ = _max_n(0.0, param_bytes + buffer_bytes + 2 * in_bytes, budget)
+    mem = {
+        "param_bytes_per_member": param_bytes, "buffer_bytes_per_member": buffer_bytes,
+        "grad_bytes_per_member": param_bytes, "adam_bytes_per_member": adam,
+        "activation_bytes_per_member": act_per_member, "activation_fixed_bytes": act_fixed,
+        "measured_ns": mem_ns, "measured_points": [{"n": k, "saved_bytes": b} for k, b in points],
+        "batch": batch, "train_bytes_per_member": train_per_member,
+        "budget_bytes": budget, "budget_source": source, "max_n_train": max_train,
+        "max_n_inference": max_inf, "search_ns": tried,
+        "method": (f"activation bytes = storages autograd saves in one training forward (+ outputs), measured "
+                   f"at N={mem_ns} and batch {batch}, extrapolated LINEARLY in N (doubling then bisection on "
+                   "the fit; nothing near the budget is allocated); Adam state is an estimate (2x "
+                   "parameters); inference counts parameters, buffers and input/output-sized activations "
+                   "only; allocator overhead and workspace are not included"),
+    }
+
+    recs = _recommendations(compile_info, speed, profile, mem, ns)
+    return AnalysisReport(model=model_name, input_shapes=[list(a.shape) for a in tensors], ns=ns, modes=modes,
+                          repeats=repeats, config=_config_name(config, wc), compile=compile_info, speed=speed,
+                          profile=profile, memory=mem, recommendations=recs,
+                          machine=dict(machine, load_avg_end=engine.machine_info()["load_avg"]))
+
+
+def _config_name(config: Any, wc: Any) -> str:
+    for name in ("fast", "default", "safe", "debug"):
+        try:
+            if config == getattr(wc.WideConfig, name)():
+                return f"WideConfig.{name}()"
+        except Exception:  # noqa: BLE001
+            pass
+    return "custom WideConfig"
+
+
+def _share(profile: dict, mode: str, needle: str) -> float:
+    """Percent of the wide model's self CPU time in ops whose name contains ``needle``."""
+    for run in profile["runs"]:
+        if run["mode"] == mode:
+            return sum(e["pct"] for e in run["wide"] if needle in e["op"])
+    return 0.0
+
+
+def _recommendations(c: dict, speed: list[dict], profile: dict, mem: dict, ns: list[int]) -> list[dict]:
+    recs: list[dict[str, Any]] = []
+    mode0 = profile["runs"][0]["mode"] if profile["runs"] else "inference"
+    for fb in c["fallbacks"]:
+        op = fb["op"].removeprefix("aten.").split(".")[0]
+        pct = max((_share(profile, run["mode"], op) for run in profile["runs"]), default=0.0)
+        recs.append({"kind": "fallback", "effect": pct / 100,
+                     "text": f"{fb['op']} ({fb['graph']} graph) runs per member ({fb['how']}), {pct:.0f}% of the "
+                             f"profiled wide step, at {fb['source']}. {fb['fix']}"})
+    for o in c["wide_ops"]:
+        loops = [g for g, s in o["strategy"].items() if s == "loop"]
+        if loops:
+            name = o["op"].split(".")[-1]
+            pct = _share(profile, mode0, name)
+            recs.append({"kind": "loop_strategy", "effect": pct / 100 / max(1, len(c["wide_ops"])),
+                         "text": f"{o['op']} at '{o['module'] or o['node']}' runs as a per-member loop in the "
+                                 f"{'/'.join(loops)} graph: measure other strategies with the default "
+                                 f"WideConfig (tuning) or WideConfig(strategy=...)"})
+    for s in speed:
+        for b, x in s["speedup"].items():
+            if x < 1:
+                recs.append({"kind": "slower", "effect": 1 - x,
+                             "text": f"N={s['n']} {s['mode']}: wide is {x:.2f}x the {b} (slower): "
+                                     f"{'try the measured strategies (WideConfig.default())' if b == 'loop' else 'torch.func vmap wins here'}"
+                                     "; see the per-op profile for where the time goes"})
+    if c["layout_conversions"]:
+        pct = _share(profile, mode0, "copy")
+        recs.append({"kind": "layout", "effect": pct / 100 / 2,
+                     "text": f"{len(c['layout_conversions'])} layout conversions (a full activation copy "
+                             f"each; copies are {pct:.0f}% of the profiled step)"})
+    for mode in dict.fromkeys(s["mode"] for s in speed):
+        rows = [s for s in speed if s["mode"] == mode]
+        if len(rows) > 1:
+            peak = max(rows, key=lambda s: s["samples_per_s"]["wide"])
+            p = peak["samples_per_s"]["wide"]
+            parts = ", ".join(f"N={s['n']}: {100 * s['samples_per_s']['wide'] / p:.0f}%" for s in rows)
+            recs.append({"kind": "throughput", "effect": 0.0,
+                         "text": f"{mode}: aggregate wide throughput relative to its measured peak "
+                                 f"(N={peak['n']}, {p:,.0f} samples/s): {parts}"
+                                 + (f"; larger N may gain more (peak at the largest N measured)"
+                                    if peak["n"] == ns[-1] else "")})
+    recs.append({"kind": "memory", "effect": 0.0,
+                 "text": f"up to N={mem['max_n_train']:,} members fit the {_fmt_bytes(mem['budget_bytes'])} "
+                         f"budget for training with Adam (linear extrapolation from N={mem['measured_ns']})"})
+    recs.sort(key=lambda r: r["effect"], reverse=True)
+    return recs
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+def add_cli(subparsers: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``analyze`` subcommand to ``python -m wide_compiler``'s subparsers."""
+    p = subparsers.add_parser(
+        "analyze", parents=[common], help="compile, time, profile and size N members of a model",
+        description="Report what fusing N members of a model buys on this machine: wide ops and "
+                    "fallbacks, speed vs loop and vmap, per-op profile, memory and the largest N "
+                    "that fits, recommendations.")
+    p.add_argument("model", help="a built-in model (mlp, resblock, convnet, transformer) or "
+                                 "path/to/file.py:factory (a zero-argument callable returning one member)")
+    p.add_argument("--shape", help="one member's input shape, e.g. 32,64 (default for built-in models: "
+                                   "their sample shape)")
+    p.add_argument("-n", default="4,16", help="population sizes, comma-separated (default 4,16)")
+    p.add_argument("--modes", default="inference,train", help="inference,train (default both)")
+    p.add_argument("--memory", help="memory budget for the largest-N search, e.g. 8GB (default: MemAvailable)")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved timing repeats (default 7)")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
+    p.add_argument("--markdown", metavar="FILE", help="also write the report as Markdown to FILE")
+    p.add_argument("--plot", metavar="FILE.png", help="draw per-member throughput vs N (needs matplotlib)")
+    p.set_defaults(func=cmd_analyze)
+    return p
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from . import zoo
+
+    if args.model in zoo.MODELS:
+        factory, shape = zoo.MODELS[args.model]
+    else:
+        factory, shape = load_factory(args.model), None
+    if args.shape:
+        shape = tuple(int(s) for s in args.shape.replace("x", ",").split(",") if s.strip())
+    if shape is None:
+        print(f"wide_compiler analyze: {args.model}: give one member's input shape with --shape, e.g. --shape 32,64")
+        return 2
+    torch.manual_seed(0)
+    report = analyze(factory, torch.randn(*shape), n=[int(k) for k in str(args.n).split(",") if k.strip()],
+                     memory=args.memory, modes=[m.strip() for m in args.modes.split(",") if m.strip()],
+                     repeats=args.repeats)
+    print(report)
+    if args.json:
+        Path(args.json).write_text(report.to_json())
+    if args.markdown:
+        Path(args.markdown).write_text(report.to_markdown())
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
+def plot(report: AnalysisReport, path: str) -> None:
+    """Per-member samples/s vs N, one line per contender and mode (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(f"wide_compiler analyze --plot needs matplotlib ({e})") from None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in report.modes:
+        rows = [s for s in report.speed if s["mode"] == mode]
+        for c in ("wide", "loop", "vmap"):
+            pts = [(s["n"], s["samples_per_s_per_member"][c]) for s in rows if c in s["samples_per_s_per_member"]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{c} ({mode})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("N (members)")
+    ax.set_ylabel("samples/s per member")
+    ax.set_title(f"{report.model}: throughput per member")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

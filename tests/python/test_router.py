@@ -1,0 +1,327 @@
+"""WideRouter: towers grouped by program, each group one WideModel; checked tower by tower
+against every tower called alone (outputs, parameter gradients, buffers), train and eval."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import wide_compiler as wc
+from wide_compiler.router import Tower, WideRouter
+from wide_compiler.testing import assert_close, make_members
+
+FAST = wc.WideConfig.fast()
+
+
+class MLPTower(Tower):
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, hidden), nn.GELU(), nn.Linear(hidden, 3))
+
+    def forward(self, x, mask=None):
+        y = self.net(x)
+        return y if mask is None else y * mask.unsqueeze(-1)
+
+
+class NormTower(Tower):
+    """A second architecture, with buffers (BatchNorm running statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x, mask=None):
+        y = self.out(torch.relu(self.bn(self.fc(x))))
+        return y if mask is None else y * mask.unsqueeze(-1)
+
+
+class SignTower(Tower):
+    """Differs from its inverse only in a Python constant read in forward."""
+
+    def __init__(self, sign: int) -> None:
+        super().__init__()
+        self.sign = sign
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x, mask=None):
+        y = self.sign * self.fc(x)
+        return y if mask is None else y * mask.unsqueeze(-1)
+
+
+class BranchyTower(Tower):
+    """Data-dependent Python control flow: torch.export cannot capture it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x, mask=None):
+        y = self.fc(x)
+        if y.sum() > 0:
+            y = -y
+        return y if mask is None else y * mask.unsqueeze(-1)
+
+
+def build(towers: dict[str, nn.Module]) -> tuple[WideRouter, dict[str, nn.Module]]:
+    """A router over ``towers`` and independent reference copies of them."""
+    refs = {n: copy.deepcopy(t) for n, t in towers.items()}
+    router = WideRouter(config=FAST)
+    for n, t in towers.items():
+        router.attach(n, t)
+    router.discover_towers()
+    return router, refs
+
+
+def mixed_towers() -> dict[str, nn.Module]:
+    torch.manual_seed(0)
+    towers = {f"a{i}": MLPTower(8) for i in range(3)}
+    towers.update({f"b{i}": MLPTower(16) for i in range(2)})
+    towers.update({f"n{i}": NormTower() for i in range(2)})
+    towers["s0"] = SignTower(+1)
+    return towers
+
+
+def sample(batch: int = 5, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 6, generator=g), (torch.rand(batch, generator=g) > 0.3).float()
+
+
+def tower_tensors(router: WideRouter, name: str) -> dict[str, torch.Tensor]:
+    """Tower ``name``'s live parameters and buffers: its rows of the wide tensors when grouped."""
+    for key, members in router._members.items():
+        if name in members:
+            wide, i = router.groups[key], members.index(name)
+            params, buffers = wide._member_names()
+            return {p: wide._stacked(p)[i] for p in (*params, *buffers)}
+    mod = router._modules[name]
+    return dict([*mod.named_parameters(), *mod.named_buffers()])
+
+
+def tower_grads(router: WideRouter, name: str) -> dict[str, torch.Tensor | None]:
+    for key, members in router._members.items():
+        if name in members:
+            wide, i = router.groups[key], members.index(name)
+            return {p: None if wide._stacked(p).grad is None else wide._stacked(p).grad[i]
+                    for p in wide._member_names()[0]}
+    return {p: t.grad for p, t in router._modules[name].named_parameters()}
+
+
+def check_call(router, refs, inputs: dict[str, tuple], kwargs: dict, names=None, grads=True) -> dict:
+    """Run the router (shared or per-tower inputs) and every selected tower alone; compare outputs,
+    parameter gradients of a fixed random cotangent, and buffers."""
+    names = list(names or router.tower_names)
+    shared = len({id(v) for v in inputs.values()}) == 1
+    args = next(iter(inputs.values())) if shared else ({n: inputs[n] for n in names},)
+    router.zero_grad(set_to_none=True)
+    outs = router.wide_forward(*args, tower_names=names, **kwargs)
+    assert list(outs) == names
+    g = torch.Generator().manual_seed(7)
+    cot = {n: torch.randn(outs[n].shape, generator=g) for n in names}
+    if grads:
+        sum((outs[n] * cot[n]).sum() for n in names).backward()
+    for n in names:
+        ref = refs[n]
+        ref.zero_grad(set_to_none=True)
+        want = ref(*inputs[n], **kwargs)
+        assert_close(outs[n], want, msg=f"output of tower {n}")
+        if grads:
+            (want * cot[n]).sum().backward()
+            got = tower_grads(router, n)
+            for p, t in ref.named_parameters():
+                assert got[p] is not None, f"tower {n}: no gradient for {p}"
+                assert_close(got[p], t.grad, kind="grad", msg=f"grad of {n}.{p}")
+        live = tower_tensors(router, n)
+        for b, t in ref.named_buffers():
+            assert_close(live[b], t, kind="buffer", msg=f"buffer {n}.{b}")
+    return outs
+
+
+def test_homogeneous_shared_inputs_train_and_eval():
+    router, refs = build({f"t{i}": m for i, m in enumerate(make_members(lambda: MLPTower(8), 4))})
+    x, mask = sample()
+    router.prepare_for_compile(x, mask=mask)
+    assert router.group_members() == {"t0": ["t0", "t1", "t2", "t3"]}
+    assert isinstance(router.groups["t0"], wc.WideModel)
+    shared = (x,)
+    check_call(router, refs, {n: shared for n in refs}, {"mask": mask})
+    router.eval()
+    [r.eval() for r in refs.values()]
+    assert not router.groups["t0"].training
+    check_call(router, refs, {n: shared for n in refs}, {"mask": mask}, grads=False)
+
+
+def test_mixed_architectures_grouped_by_program_train_and_eval():
+    router, refs = build(mixed_towers())
+    x, mask = sample()
+    router.prepare_for_compile(x, mask=mask)
+    assert router.group_members() == {"a0": ["a0", "a1", "a2"], "b0": ["b0", "b1"], "n0": ["n0", "n1"],
+                                      "s0": ["s0"]}
+    assert sorted(router.groups) == ["a0", "b0", "n0"]
+    shared = (x,)
+    for step in range(2):  # twice: BatchNorm running statistics accumulate per tower
+        check_call(router, refs, {n: shared for n in refs}, {"mask": mask})
+    router.eval()
+    [r.eval() for r in refs.values()]
+    check_call(router, refs, {n: shared for n in refs}, {"mask": mask}, grads=False)
+    text = router.report()
+    assert "wide 'a0'" in text and "singleton 's0'" in text
+
+
+def test_per_tower_inputs():
+    router, refs = build(mixed_towers())
+    x, mask = sample()
+    router.prepare_for_compile(x, mask=mask)
+    per = {n: (sample(seed=10 + k)[0],) for k, n in enumerate(refs)}
+    check_call(router, refs, per, {"mask": mask})
+
+
+def test_inverse_pair_never_shares_one_program():
+    torch.manual_seed(0)
+    towers = {"pos0": SignTower(+1), "neg0": SignTower(-1), "pos1": SignTower(+1), "neg1": SignTower(-1)}
+    router, refs = build(towers)
+    x, mask = sample()
+    router.prepare_for_compile(x, mask=mask)
+    assert router.group_members() == {"pos0": ["pos0", "pos1"], "neg0": ["neg0", "neg1"]}
+    check_call(router, refs, {n: (x,) for n in refs}, {"mask": mask})
+    # the same weights under both signs: outputs are exact negatives
+    with torch.no_grad():
+        router.groups["neg0"].fc.weight.copy_(router.groups["pos0"].fc.weight)
+        router.groups["neg0"].fc.bias.copy_(router.groups["pos0"].fc.bias)
+        outs = router.wide_forward(x, mask=mask)
+    torch.testing.assert_close(outs["neg0"], -outs["pos0"])
+
+
+def test_other_input_structure_runs_member_by_member_with_one_warning():
+    router, refs = build(mixed_towers())
+    x, mask = sample()
+    router.prepare_for_compile(x, mask=mask)
+    with pytest.warns(UserWarning, match="compiled for other inputs") as record:
+        check_call(router, refs, {n: (x,) for n in refs}, {})  # no mask: not the compiled structure
+    assert len([w for w in record if "WideRouter" in str(w.message)]) == 3  # one per wide group
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_call(router, refs, {n: (x,) for n in refs}, {})
+
+
+def test_subset_of_towers():
+    router, refs = build(mixed_towers())
+    x, mask = sample()
+    router.prepare_for_compile(x, mask=mask)
+    before = {n: {k: v.clone() for k, v in tower_tensors(router, n).items()} for n in ("n1", "a2")}
+    names = ["n0", "a0", "a1", "s0", "b0", "b1"]  # parts of groups a and n, all of group b
+    check_call(router, refs, {n: (x,) for n in refs}, {"mask": mask}, names=names)
+    for n in ("n1", "a2"):  # unselected towers: untouched buffers, no gradient
+        for k, v in tower_tensors(router, n).items():
+            torch.testing.assert_close(v, before[n][k], rtol=0, atol=0)
+        assert all(g is None or not g.any() for g in tower_grads(router, n).values())
+    with pytest.raises(KeyError, match="not a tower"):
+        router.wide_forward(x, mask=mask, tower_names=["nope"])
+
+
+def test_parameters_unique_optimizer_step_and_write_back():
+    towers = mixed_towers()
+    originals = dict(towers)
+    router, refs = build(towers)
+    x, mask = sample()
+    router.prepare_for_compile(x, mask=mask)
+    params = list(router.parameters())
+    assert len({id(p) for p in params}) == len(params)
+    assert sum(p.numel() for p in params) == sum(p.numel() for r in refs.values() for p in r.parameters())
+    opt = torch.optim.SGD(router.parameters(), lr=0.1)
+    ref_opts = {n: torch.optim.SGD(r.parameters(), lr=0.1) for n, r in refs.items()}
+    w_before = router.groups["a0"].net[0].weight.detach().clone()
+    for _ in range(2):
+        opt.zero_grad()
+        outs = router.wide_forward(x, mask=mask)
+        sum(o.square().sum() for o in outs.values()).backward()
+        opt.step()
+        for n, r in refs.items():
+            ref_opts[n].zero_grad()
+            r(x, mask=mask).square().sum().backward()
+            ref_opts[n].step()
+    assert not torch.equal(router.groups["a0"].net[0].weight, w_before)
+    # the grouped originals are stale until write_back, which updates them in place
+    weight_obj = originals["a1"].net[0].weight
+    assert not torch.allclose(originals["a1"].net[0].weight, refs["a1"].net[0].weight)
+    router.write_back()
+    assert originals["a1"].net[0].weight is weight_obj
+    fresh = router.unfuse()
+    for n, ref in refs.items():
+        for k, t in [*ref.named_parameters(), *ref.named_buffers()]:
+            assert_close(originals[n].get_parameter(k) if k in dict(ref.named_parameters())
+                         else originals[n].get_buffer(k), t, msg=f"write_back {n}.{k}")
+            got = dict([*fresh[n].named_parameters(), *fresh[n].named_buffers()])[k]
+            assert_close(got, t, msg=f"unfuse {n}.{k}")
+    assert fresh["a1"] is not originals["a1"]
+    with pytest.raises(AttributeError, match="fused into the WideModel"):
+        router.a1  # noqa: B018
+
+
+def test_state_dict_round_trip():
+    router, _ = build(mixed_towers())
+    x, mask = sample()
+    router.prepare_for_compile(x, mask=mask)
+    router.eval()
+    want = router.wide_forward(x, mask=mask)
+    torch.manual_seed(123)  # other weights, same structure
+    other, _ = build({n: type(t)(*([t.sign] if isinstance(t, SignTower) else
+                                   [t.net[0].out_features] if isinstance(t, MLPTower) else []))
+                      for n, t in mixed_towers().items()})
+    with pytest.raises(ValueError, match="prepare_for_compile"):
+        other.load_state_dict(router.state_dict())
+    other.prepare_for_compile(x, mask=mask)
+    other.load_state_dict(router.state_dict())
+    other.eval()
+    got = other.wide_forward(x, mask=mask)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n])
+
+
+def test_compile_failure_warns_once_and_falls_back():
+    torch.manual_seed(0)
+    towers = {"br0": BranchyTower(), "br1": BranchyTower(), "m0": MLPTower(), "m1": MLPTower()}
+    router, refs = build(towers)
+    x, mask = sample()
+    with pytest.warns(UserWarning, match=r"\['br0', 'br1'\].*could not be compiled") as record:
+        router.prepare_for_compile(x, mask=mask)
+    assert len([w for w in record if "WideRouter" in str(w.message)]) == 1
+    assert list(router.groups) == ["m0"]  # the other group is still wide
+    assert list(router.fallbacks) == [("br0", "br1")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning on later calls
+        check_call(router, refs, {n: (x,) for n in refs}, {"mask": mask})
+        check_call(router, refs, {n: (-x,) for n in refs}, {"mask": mask})
+    assert "fallback, one by one 'br0'" in router.report()
+
+
+def test_lazy_grouping_warns_in_training_and_registration():
+    torch.manual_seed(0)
+    router = WideRouter(config=FAST)
+    for i in range(2):
+        router.attach(f"t{i}", MLPTower())
+    router.attach("head", nn.Linear(3, 1))
+    router.register_tower("extra", MLPTower())
+    assert router.discover_towers() == ["extra", "t0", "t1"]
+    x, _ = sample()
+    with pytest.warns(UserWarning, match="Create the optimizer after"):
+        router.wide_forward(x)
+    assert router.group_members() == {"extra": ["extra", "t0", "t1"]}
+    assert {id(p) for p in router.head.parameters()} <= {id(p) for p in router.parameters()}
+    with torch.no_grad():
+        router.groups["extra"].net[0].bias.add_(1.0)
+    router.unregister_tower("extra")  # writes back and ungroups
+    assert router.tower_names == ["t0", "t1"] and not router.groups
+    torch.testing.assert_close(router.t0.net[0].bias, router.unfuse()["t0"].net[0].bias)
+    router.eval()
+    outs = router.wide_forward(x)
+    assert sorted(outs) == ["t0", "t1"] and list(router.groups) == ["t0"]
+    torch.testing.assert_close(outs["t1"], router.unfuse()["t1"](x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(KeyError):
+        router.register_tower("missing")
+    with pytest.raises(ValueError, match="taken"):
+        router.attach("groups", nn.Linear(1, 1))
