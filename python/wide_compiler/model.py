@@ -212,12 +212,16 @@ class WideModel(MemberOpsMixin, nn.Module):
         params = [p for p in self.parameters() if p.requires_grad]
         saved = {name: b.clone() for name, b in self.named_buffers()}
 
+        cuda = any(p.is_cuda for p in self.parameters())
+
         def run() -> None:
             with torch.set_grad_enabled(c.training):
                 out = self._call_graph(c.wide, *wide_sample)
                 loss = [o.float().sum() for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
                 if loss and params:
                     torch.autograd.grad(sum(loss), params, allow_unused=True)
+            if cuda:
+                torch.cuda.synchronize()
 
         times: dict[str, list[float]] = {"tuned": [], "default": []}
         try:
