@@ -18,6 +18,7 @@ from . import (
     optim,
     testing,
 )
+from .analyze import AnalysisReport, analyze
 from .api import WideBuilder, compile, pack, stack, unpack, unstack
 from .config import WideConfig
 from .errors import (
@@ -28,17 +29,22 @@ from .errors import (
 )
 from .model import WideModel
 from .registry import register
+from .router import Tower, WideRouter
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AnalysisReport",
     "ArchitectureMismatchError",
+    "Tower",
     "UnsupportedOperationError",
     "ValidationError",
     "WideBuilder",
     "WideCompileError",
     "WideConfig",
     "WideModel",
+    "WideRouter",
+    "analyze",
     "blocks",
     "compile",
     "functional",

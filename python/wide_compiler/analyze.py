@@ -50,7 +50,7 @@ from torch import nn
 
 from .bench import engine
 
-__all__ = ["AnalysisReport", "add_cli", "analyze", "cmd_analyze", "load_factory", "parse_bytes"]
+__all__ = ["AnalysisReport", "add_cli", "analyze", "available_memory", "cmd_analyze", "load_factory", "parse_bytes", "plot"]
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value: int | float | str) -> int:
+def parse_bytes(value: float | str) -> int:
     """``8GB`` (10^9), ``8GiB`` (2^30), ``512MB``, ``1.5e9`` or an int -> bytes.
 
     >>> parse_bytes("200MB"), parse_bytes("1GiB"), parse_bytes(1000)
@@ -105,10 +105,13 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
         raise ImportError(f"wide_compiler.analyze: cannot import {str(file)!r}")
     module = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(module)
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise AttributeError(f"wide_compiler.analyze: {str(file)!r} has no callable {name!r} "
+    if not hasattr(module, name):
+        raise AttributeError(f"wide_compiler.analyze: {str(file)!r} has no {name!r} "
                              f"(found: {sorted(k for k in vars(module) if not k.startswith('_'))})")
+    factory = getattr(module, name)
+    if not callable(factory):
+        raise TypeError(f"wide_compiler.analyze: {spec!r} is a {type(factory).__name__}, expected "
+                        "a zero-argument callable returning an nn.Module")
     return factory
 
 
@@ -167,8 +170,10 @@ class AnalysisReport:
 
         c = self.compile
         head(f"Compile (N={c['n']})")
+        per_graph = ", ".join(f"{sum(1 for lc in c['layout_conversions'] if lc['graph'] == g)} ({g} graph)"
+                              for g in c["graphs"])
         out.append(f"{len(c['wide_ops'])} wide ops, {len(c['fallbacks'])} fallbacks, "
-                   f"{len(c['layout_conversions'])} layout conversions, "
+                   f"layout conversions: {per_graph}, "
                    f"{c['params_per_member']:,} parameters per member, compile {c['compile_s']:.2f} s")
         if c["wide_ops"]:
             out.extend(table(["node", "module", "wide op", *[f"strategy ({g})" for g in c["graphs"]],
@@ -189,9 +194,11 @@ class AnalysisReport:
             rows.append([str(s["n"]), s["mode"], engine.fmt_ms(ms.get("wide")),
                          _cell(ms, s, "loop", engine.fmt_ms), _cell(ms, s, "vmap", engine.fmt_ms),
                          engine.fmt_x(sp.get("loop")), engine.fmt_x(sp.get("vmap")),
-                         _num(tp.get("wide")), _num(tp.get("loop")), _num(s["samples_per_s"].get("wide"))])
+                         _num(tp.get("wide")), _num(tp.get("loop")), _num(s["samples_per_s"].get("wide")),
+                         _err(s.get("max_abs_err_vs_loop"))])
         out.extend(table(["N", "mode", "wide ms", "loop ms", "vmap ms", "vs loop", "vs vmap",
-                          "wide samples/s/member", "loop samples/s/member", "wide samples/s (all)"], rows))
+                          "wide samples/s/member", "loop samples/s/member", "wide samples/s (all)",
+                          "max err vs loop"], rows))
         errs = {(s["mode"], k, v) for s in self.speed for k, v in s["errors"].items()}
         for mode, k, v in sorted(errs):
             out.append(f"{k} failed ({mode}): {v}")
@@ -229,6 +236,10 @@ class AnalysisReport:
         ]))
         out.append(f"budget {mb(mem['budget_bytes'])} ({mem['budget_source']}): largest N for one training "
                    f"step with Adam = {mem['max_n_train']} (inference: {mem['max_n_inference']})")
+        chk = mem.get("fit_check")
+        if chk:
+            out.append(f"linear fit checked at N={chk['n']}: measured {mb(chk['measured_bytes'])} of saved "
+                       f"activations, predicted {mb(chk['predicted_bytes'])} ({100 * chk['rel_err']:.1f}% off)")
         out.append(mem["method"])
 
         head("Recommendations (ranked by measured effect)")
@@ -250,6 +261,10 @@ def _cell(ms: dict, s: dict, name: str, fmt: Callable) -> str:
     return "error" if name in s["errors"] else fmt(ms.get(name))
 
 
+def _err(v: float | None) -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{v:.1e}"
+
+
 def _num(v: float | None) -> str:
     if v is None or not math.isfinite(v):
         return "-"
@@ -258,12 +273,12 @@ def _num(v: float | None) -> str:
 
 def _text_table(cols: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
     return [line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
 
 
 def _md_table(cols: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
+    esc = lambda s: str(s).replace("|", "\\|")
     return ["| " + " | ".join(map(esc, cols)) + " |", "|" + "---|" * len(cols)] + [
         "| " + " | ".join(map(esc, r)) + " |" for r in rows]
 
@@ -463,7 +478,7 @@ def _compile_info(wide: Any, compile_s: float, modes: Sequence[str]) -> dict[str
 def _max_n(fixed: float, per_member: float, budget: float, cap: int = 2**40) -> tuple[int, list[int]]:
     """Largest N with ``fixed + N * per_member <= budget``: N doubles while the estimate fits,
     then bisection; returns (N, the Ns tried). 0 if not even one member fits."""
-    fits = lambda n: fixed + n * per_member <= budget  # noqa: E731
+    fits = lambda n: fixed + n * per_member <= budget
     tried = [1]
     if not fits(1):
         return 0, tried
@@ -544,11 +559,14 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
     members_all = _make_members(model_or_factory, max(ns + mem_ns))
     initial = [copy.deepcopy(m.state_dict()) for m in members_all]
     model_name = type(members_all[0]).__name__
+    start_mode = members_all[0].training
     wides: dict[int, Any] = {}
     compile_s: dict[int, float] = {}
 
     def wide_for(k: int) -> Any:
         if k not in wides:
+            for m in reset(k):  # one mode and the initial state for all (earlier runs change both)
+                m.train(start_mode)
             t0 = time.perf_counter()
             wides[k] = wc.compile(members_all[:k], sample_t, config=config)
             compile_s[k] = time.perf_counter() - t0
@@ -563,6 +581,8 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
     # 1. compile result (largest N)
     compile_info = _compile_info(wide_for(ns[-1]), 0.0, modes)
     compile_info["compile_s"] = compile_s[ns[-1]]
+
+    log.info("wide_compiler.analyze: %s compiled for N=%d in %.2f s", model_name, ns[-1], compile_s[ns[-1]])
 
     # 2. speed
     speed: list[dict[str, Any]] = []
@@ -583,6 +603,7 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
                                              steps["wide"](), k, mode)
                 except Exception as e:  # noqa: BLE001 -- reported, never fatal
                     log.warning("wide_compiler.analyze: comparing wide with the loop failed: %s", e)
+            log.info("wide_compiler.analyze: timing N=%d %s (%d interleaved repeats)", k, mode, repeats)
             ms, errors = _interleaved(steps, repeats, block_s)
             if "wide" not in ms:
                 raise RuntimeError(f"wide_compiler.analyze: the wide model failed in {mode} mode at N={k}: "
@@ -605,12 +626,13 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
         for m in members_all[:ns[-1]]:
             m.train(training)
         wide_ms = next(s["ms"]["wide"] for s in speed if s["n"] == ns[-1] and s["mode"] == mode)
-        calls = max(2, min(20, int(0.05 / max(wide_ms / 1e3, 1e-6))))
+        calls = max(2, min(5, int(0.05 / max(wide_ms / 1e3, 1e-6))))
         runs.append({"mode": mode, "calls": calls, "wide": _profile(steps["wide"], calls, profile_top),
                      "loop": _profile(steps["loop"], calls, profile_top)})
     profile = {"n": ns[-1], "top": profile_top, "runs": runs}
 
     # 4. memory
+    log.info("wide_compiler.analyze: measuring saved activations at N=%s", mem_ns)
     member = members_all[0]
     param_bytes = sum(p.numel() * p.element_size() for p in member.parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in member.buffers())
@@ -621,6 +643,13 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
         points.append((k, float(_saved_bytes(wide, _wide_inputs(sample_t, k, seed)))))
         wide.train(was)
     act_fixed, act_per_member = _slope(points)
+    check = None  # the fit checked at the largest requested N (compiled already), when small enough
+    k = ns[-1]
+    if k > mem_ns[-1] and act_fixed + k * act_per_member < 256 * 2**20:
+        measured = float(_saved_bytes(wides[k], _wide_inputs(sample_t, k, seed)))
+        predicted = act_fixed + k * act_per_member
+        check = {"n": k, "measured_bytes": measured, "predicted_bytes": predicted,
+                 "rel_err": abs(measured - predicted) / max(measured, 1.0)}
     adam = 2 * param_bytes
     train_per_member = param_bytes + buffer_bytes + param_bytes + adam + act_per_member
     if memory is None:
@@ -639,7 +668,7 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
         "measured_ns": mem_ns, "measured_points": [{"n": k, "saved_bytes": b} for k, b in points],
         "batch": batch, "train_bytes_per_member": train_per_member,
         "budget_bytes": budget, "budget_source": source, "max_n_train": max_train,
-        "max_n_inference": max_inf, "search_ns": tried,
+        "max_n_inference": max_inf, "search_ns": tried, "fit_check": check,
         "method": (f"activation bytes = storages autograd saves in one training forward (+ outputs), measured "
                    f"at N={mem_ns} and batch {batch}, extrapolated LINEARLY in N (doubling then bisection on "
                    "the fit; nothing near the budget is allocated); Adam state is an estimate (2x "
@@ -659,7 +688,7 @@ def _config_name(config: Any, wc: Any) -> str:
         try:
             if config == getattr(wc.WideConfig, name)():
                 return f"WideConfig.{name}()"
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001,S110 -- only a label
             pass
     return "custom WideConfig"
 
@@ -699,9 +728,11 @@ def _recommendations(c: dict, speed: list[dict], profile: dict, mem: dict, ns: l
                                      "; see the per-op profile for where the time goes"})
     if c["layout_conversions"]:
         pct = _share(profile, mode0, "copy")
+        k = sum(1 for lc in c["layout_conversions"] if lc["graph"] == c["graphs"][0])
         recs.append({"kind": "layout", "effect": pct / 100 / 2,
-                     "text": f"{len(c['layout_conversions'])} layout conversions (a full activation copy "
-                             f"each; copies are {pct:.0f}% of the profiled step)"})
+                     "text": f"{k} layout conversions in the {c['graphs'][0]} graph (a full activation copy "
+                             f"each; aten::copy_ is {pct:.0f}% of the profiled {mode0} step): "
+                             + "; ".join(lc["what"] for lc in c["layout_conversions"] if lc["graph"] == c["graphs"][0])})
     for mode in dict.fromkeys(s["mode"] for s in speed):
         rows = [s for s in speed if s["mode"] == mode]
         if len(rows) > 1:
@@ -711,7 +742,7 @@ def _recommendations(c: dict, speed: list[dict], profile: dict, mem: dict, ns: l
             recs.append({"kind": "throughput", "effect": 0.0,
                          "text": f"{mode}: aggregate wide throughput relative to its measured peak "
                                  f"(N={peak['n']}, {p:,.0f} samples/s): {parts}"
-                                 + (f"; larger N may gain more (peak at the largest N measured)"
+                                 + ("; larger N may gain more (peak at the largest N measured)"
                                     if peak["n"] == ns[-1] else "")})
     recs.append({"kind": "memory", "effect": 0.0,
                  "text": f"up to N={mem['max_n_train']:,} members fit the {_fmt_bytes(mem['budget_bytes'])} "
@@ -737,6 +768,9 @@ def add_cli(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Argume
     p.add_argument("--modes", default="inference,train", help="inference,train (default both)")
     p.add_argument("--memory", help="memory budget for the largest-N search, e.g. 8GB (default: MemAvailable)")
     p.add_argument("--repeats", type=int, default=7, help="interleaved timing repeats (default 7)")
+    p.add_argument("--config", default="fast", choices=("fast", "default", "safe"),
+                   help="WideConfig preset to compile with (default fast: heuristic strategies; "
+                        "default: strategies measured at compile time)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
     p.add_argument("--markdown", metavar="FILE", help="also write the report as Markdown to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="draw per-member throughput vs N (needs matplotlib)")
@@ -745,6 +779,10 @@ def add_cli(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Argume
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
+    """``python -m wide_compiler analyze MODEL``: print the report; ``--json``/``--markdown``/``--plot``
+    also write it to files."""
+    import wide_compiler as wc
+
     from . import zoo
 
     if args.model in zoo.MODELS:
@@ -759,7 +797,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     report = analyze(factory, torch.randn(*shape), n=[int(k) for k in str(args.n).split(",") if k.strip()],
                      memory=args.memory, modes=[m.strip() for m in args.modes.split(",") if m.strip()],
-                     repeats=args.repeats)
+                     repeats=args.repeats, config=getattr(wc.WideConfig, args.config)())
     print(report)
     if args.json:
         Path(args.json).write_text(report.to_json())

@@ -1,9 +1,12 @@
-"""Command line: ``python -m wide_compiler {info,test,trace,benchmark}`` (console script ``wide_compiler``).
+"""Command line: ``python -m wide_compiler {info,test,trace,benchmark,analyze}`` (console script
+``wide_compiler``).
 
 Examples::
 
     python -m wide_compiler info
     python -m wide_compiler test
+    python -m wide_compiler test path/to/model.py:make_model --shape 32,64
+    python -m wide_compiler analyze convnet -n 4,16 --memory 8GB
     python -m wide_compiler trace -m transformer
     python -m wide_compiler benchmark linear --preset quick --json bench-results/linear.json
 """
@@ -289,6 +292,9 @@ def cmd_test(args: argparse.Namespace) -> int:
 
     import wide_compiler as wc
 
+    if getattr(args, "model", None):
+        return _test_model(args)
+
     print(f"wide_compiler {getattr(wc, '__version__', 'unknown')}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
     checks = _Checks(args.verbose)
@@ -304,6 +310,38 @@ def cmd_test(args: argparse.Namespace) -> int:
         print(f"{len(checks.failed)} of {checks.count} checks FAILED")
         return 1
     print(f"all {checks.count} checks passed")
+    return 0
+
+
+def _test_model(args: argparse.Namespace) -> int:
+    """``test MODEL``: compile N members of the user's model and check every member in train and
+    eval mode (outputs, input and parameter gradients, buffers) with ``testing.check_compile``."""
+    import torch
+
+    import wide_compiler as wc
+
+    from . import zoo
+    from .analyze import load_factory
+
+    factory, shape = zoo.MODELS[args.model] if args.model in zoo.MODELS else (load_factory(args.model), None)
+    if args.shape:
+        shape = tuple(int(s) for s in args.shape.replace("x", ",").split(",") if s.strip())
+    if shape is None:
+        print(f"wide_compiler test: {args.model}: give one member's input shape with --shape, e.g. --shape 32,64")
+        return 2
+    torch.manual_seed(0)
+    models = [factory() for _ in range(args.n)]
+    try:
+        wide, report = wc.testing.check_compile(models, torch.randn(*shape), strict=args.strict,
+                                                config=wc.WideConfig.fast())
+    except (AssertionError, wc.WideCompileError, ValueError) as e:
+        print(f"FAIL  {args.model}: {type(e).__name__}: {e}")
+        return 1
+    for key, rep in report.items():
+        print(f"PASS  {key}: {rep}")
+    for fb in wide.fallbacks:
+        print(f"note  per-member fallback: {fb['op']} at {fb['source']}")
+    print(f"{args.model}: all {args.n} members match their own models")
     return 0
 
 
@@ -498,7 +536,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("test", parents=[common],
-                       help="quick self-check on this machine (PASS/FAIL, exit 0/1)")
+                       help="quick self-check on this machine, or check a model of yours member by member "
+                            "(PASS/FAIL, exit 0/1)")
+    p.add_argument("model", nargs="?", help="path/to/file.py:factory (a zero-argument callable returning one "
+                                            "member) or a built-in model: checks N members of it with "
+                                            "wide_compiler.testing.check_compile; without: the self-check")
+    p.add_argument("--shape", help="one member's input shape, e.g. 32,64 (built-in models: their own)")
+    p.add_argument("-n", type=int, default=3, help="members to check (default 3)")
+    p.add_argument("--strict", action="store_true", help="refuse per-member fallbacks")
     p.set_defaults(func=cmd_test)
 
     from . import zoo
@@ -535,6 +580,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw speedup vs N per baseline to FILE.png (needs matplotlib)")
     p.add_argument("-q", "--quiet", action="store_true", help="no table, no progress bar")
     p.set_defaults(func=cmd_benchmark)
+
+    from .analyze import add_cli as add_analyze
+
+    add_analyze(sub, common)
     return parser
 
 

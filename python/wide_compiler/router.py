@@ -149,6 +149,7 @@ class WideRouter(nn.Module):
         self._fallbacks: dict[tuple[str, ...], str] = {}  # towers of a failed group -> why
         self._structures: dict[str, Any] = {}  # group key -> the input structure it was compiled for
         self._warned_structures: set = set()
+        self._compiled: dict[str, Any] = {}  # group key -> its torch.compile'd wide model (compile())
         self._grouped = False
 
     # -- registration -------------------------------------------------------------------------
@@ -248,12 +249,13 @@ class WideRouter(nn.Module):
             towers = [self._modules[n] for n in names]
             args, kwargs = inputs[names[0]]
             try:
+                self._check_not_shared(names)
                 wide = _wide_compile(towers, args, sample_kwargs=kwargs, config=self._config,
                                      **self._compile_options)
             except Exception as e:  # noqa: BLE001 -- the towers still run, one by one, and we say so
                 why = f"{type(e).__name__}: {e}"
                 self._fallbacks[tuple(names)] = why
-                warnings.warn(f"WideRouter: towers {names} are one program but could not be compiled into "
+                warnings.warn(f"WideRouter: towers {names} are one program but could not be fused into "
                               f"one WideModel, so they run one by one ({why.splitlines()[0]})", stacklevel=3)
                 continue
             key = names[0]
@@ -265,6 +267,22 @@ class WideRouter(nn.Module):
                 self._originals[n] = self._modules.pop(n)
         self._grouped = True
         log.info("WideRouter: %s", self.report())
+
+    def _check_not_shared(self, names: list[str]) -> None:
+        """Stacking copies a group's tensors: a parameter or buffer a grouped tower shares with a
+        module outside the group (another tower, a head) would be silently untied."""
+        def ids(mod: nn.Module) -> dict[int, str]:
+            return {id(t): k for k, t in [*mod.named_parameters(remove_duplicate=False),
+                                          *mod.named_buffers(remove_duplicate=False)]}
+        inside = {i: (n, k) for n in names for i, k in ids(self._modules[n]).items()}
+        for other, mod in self._modules.items():
+            if other in names or other == "groups":
+                continue
+            for i, k in ids(mod).items():
+                if i in inside:
+                    n, k0 = inside[i]
+                    raise ValueError(f"tower {n!r} shares its tensor {k0!r} with {other!r} ({k!r}), "
+                                     "outside the group: fusing would untie them")
 
     def _ungroup(self) -> None:
         """Write every group back into its originals and make them submodules again."""
@@ -278,6 +296,7 @@ class WideRouter(nn.Module):
         self._members.clear()
         self._templates.clear()
         self._structures.clear()
+        self._compiled = {}
         self._grouped = False
 
     def prepare_for_compile(self, *args: Any, tower_names: Iterable[str] | None = None, **kwargs: Any) -> None:
@@ -289,6 +308,21 @@ class WideRouter(nn.Module):
         self._ungroup()
         _, inputs = self._inputs(args, kwargs, None, all_towers=True)
         self._group(inputs)
+
+    def compile(self, *args: Any, options: Mapping[str, Any] | None = None, **kwargs: Any) -> WideRouter:
+        """:meth:`prepare_for_compile` with these sample inputs, then every group's wide model is
+        wrapped in ``torch.compile(fullgraph=True, **options)`` (no graph breaks; a break is an
+        error), used by :meth:`wide_forward` for whole-group calls. Returns the router.
+
+        This replaces ``nn.Module.compile`` (which would compile :meth:`forward`, not the groups)."""
+        self.prepare_for_compile(*args, **kwargs)
+        opts = {"fullgraph": True, **dict(options or {})}
+        # Every group runs the same code (WideModel.forward) with its own guards: dynamo's
+        # per-code-object limit must admit a few entries per group (raised, never lowered).
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = limit + 4 * len(self.groups)  # train/eval, shapes
+        self._compiled = {key: torch.compile(wide, **opts) for key, wide in self.groups.items()}
+        return self
 
     # -- running ------------------------------------------------------------------------------
     def _inputs(self, args: tuple, kwargs: dict, tower_names: Iterable[str] | None,
@@ -373,9 +407,12 @@ class WideRouter(nn.Module):
         else:
             raise ValueError(f"WideRouter: group {members} runs as one wide model (its towers have registered "
                              f"wide forms), so every tower of it needs an input; got inputs for {chosen}")
-        y = wide(*args, **kwargs)
-        return {n: tree_map(lambda t: t[i] if isinstance(t, torch.Tensor) else t, y)
-                for i, n in enumerate(members) if n in chosen}
+        y = self._compiled.get(members[0], wide)(*args, **kwargs)
+
+        def row(i: int) -> Any:
+            return tree_map(lambda t: t[i] if isinstance(t, torch.Tensor) else t, y)
+
+        return {n: row(i) for i, n in enumerate(members) if n in chosen}
 
     def _run_member(self, key: str, i: int, args: tuple, kwargs: dict) -> Any:
         """Member i of a group alone, on row i of the wide parameters and buffers (gradients reach
@@ -430,7 +467,7 @@ class WideRouter(nn.Module):
 
     @property
     def fallbacks(self) -> dict[tuple[str, ...], str]:
-        """Groups that could not be compiled (towers -> reason); their towers run one by one."""
+        """Groups that could not be fused (towers -> reason); their towers run one by one."""
         return dict(self._fallbacks)
 
     def report(self) -> str:
@@ -438,8 +475,9 @@ class WideRouter(nn.Module):
         if not self._grouped:
             return f"WideRouter: {len(self._tower_names)} towers, not grouped yet: {self._tower_names}"
         failed = {n for names in self._fallbacks for n in names}
-        lines = [f"WideRouter: {len(self._tower_names)} towers in {len(self.group_members())} groups "
-                 f"({len(self._members)} wide)"]
+        head = (f"WideRouter: {len(self._tower_names)} towers in {len(self.group_members())} groups "
+                f"({len(self._members)} wide)")
+        lines = [head]
         for key, names in self.group_members().items():
             if key in self._members:
                 wide = self.groups[key]

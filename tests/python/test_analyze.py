@@ -11,11 +11,17 @@ import warnings
 import pytest
 import torch
 from torch import nn
-
 from wide_compiler import zoo
-from wide_compiler.analyze import AnalysisReport, _max_n, add_cli, analyze, load_factory, parse_bytes
+from wide_compiler.analyze import (
+    AnalysisReport,
+    _max_n,
+    add_cli,
+    analyze,
+    load_factory,
+    parse_bytes,
+)
 
-FAST = dict(repeats=2, block_s=0.005, memory="200MB")
+FAST = {"repeats": 2, "block_s": 0.005, "memory": "200MB"}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +75,8 @@ def test_report_fields(which, mlp_report, cnn_report):
 def test_cnn_ops_and_vmap_train(cnn_report):
     ops = {o["op"] for o in cnn_report.compile["wide_ops"]}
     assert any("conv" in o for o in ops), ops
+    assert cnn_report.compile["layout_conversions"]  # N-first -> packed before the first conv
+    assert "layout conversions" in str(cnn_report)
     train = [s for s in cnn_report.speed if s["mode"] == "train"]
     # vmap of BatchNorm in train mode updates running stats in place: recorded either way
     assert all(_positive(s["ms"]["vmap"]) or s["errors"]["vmap"] for s in train)
@@ -132,3 +140,43 @@ def test_load_factory_and_cli(tmp_path, capsys):
     assert args.func(args) == 0
     assert "Recommendations" in capsys.readouterr().out
     assert json.loads(out_json.read_text())["ns"] == [2]
+
+
+def test_plot(mlp_report, tmp_path):
+    from wide_compiler.analyze import plot
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit, match="matplotlib"):
+            plot(mlp_report, str(tmp_path / "p.png"))
+    else:
+        plot(mlp_report, str(tmp_path / "p.png"))
+        assert (tmp_path / "p.png").stat().st_size > 0
+
+
+class _LSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 6, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+def test_vmap_failure_is_recorded():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = analyze(_LSTM, torch.randn(3, 5, 4), n=(2,), modes=("inference",), **FAST)
+    s = r.speed[0]
+    assert "vmap" not in s["ms"] and "lstm" in s["errors"]["vmap"]
+    assert _positive(s["ms"]["wide"]) and "vmap failed (inference)" in str(r)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="modes"):
+        analyze(lambda: nn.Linear(2, 2), torch.randn(1, 2), n=(1,), modes=("fast",))
+    with pytest.raises(ValueError, match="N >= 1"):
+        analyze(lambda: nn.Linear(2, 2), torch.randn(1, 2), n=(0,))
+    with pytest.raises(TypeError, match="factory returned"):
+        analyze(lambda: 3, torch.randn(1, 2), n=(1,))

@@ -352,3 +352,13 @@ def test_trace_prints_both_graphs_and_the_report(model, tmp_path):
     assert f"captured member graph ({model})" in out.stdout and "wide graph (N=3)" in out.stdout
     assert "wide.linear.default" in out.stdout and "aten.linear.default" in out.stdout
     assert "fallbacks: 0" in out.stdout
+
+
+def test_test_command_checks_a_users_model(tmp_path, capsys):
+    """`test path/to/file.py:factory --shape ...` runs testing.check_compile on N members."""
+    f = tmp_path / "my_model.py"
+    f.write_text("import torch\n\ndef make():\n    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh())\n")
+    assert cli.main(["test", f"{f}:make", "--shape", "4,5", "-n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS  train/own" in out and "PASS  eval/shared" in out and "all 2 members match" in out
+    assert cli.main(["test", f"{f}:make"]) == 2  # no shape for a user's model

@@ -74,3 +74,19 @@ def test_readme_table_lists_the_catalog():
     block = readme.split("<!-- real-models-table -->")[1].split("<!-- /real-models-table -->")[0]
     listed = re.findall(r"^\| ([^|]+?) \| (?:transformers|diffusers) \|", block, flags=re.M)
     assert listed == [c.name for c in CASES], "regenerate: .venv/bin/python tests/python/real_models.py"
+
+
+def test_analyze_runs_on_a_transformers_model():
+    """wc.analyze on a model of the catalog: it compiles, times against the loop and vmap, and
+    finds a member count that fits a small budget."""
+    case = next(c for c in CASES if c.name == "BertModel")
+    args, _ = sample(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = wc.analyze(lambda: case.make().eval(), args, n=(2,), modes=("inference",), repeats=2,
+                            memory="500MB")
+    data = report.to_dict()
+    assert data["compile"]["fallbacks"] == [] and data["compile"]["wide_ops"]
+    row = data["speed"][0]
+    assert row["n"] == 2 and row["ms"]["wide"] > 0 and row["ms"]["loop"] > 0 and row["speedup"]["vmap"] > 0
+    assert data["memory"]["max_n_train"] >= 1

@@ -7,9 +7,8 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
-
 import wide_compiler as wc
+from torch import nn
 from wide_compiler.router import Tower, WideRouter
 from wide_compiler.testing import assert_close, make_members
 
@@ -23,7 +22,7 @@ class MLPTower(Tower):
 
     def forward(self, x, mask=None):
         y = self.net(x)
-        return y if mask is None else y * mask.unsqueeze(-1)
+        return y if mask is None else y * mask
 
 
 class NormTower(Tower):
@@ -37,7 +36,7 @@ class NormTower(Tower):
 
     def forward(self, x, mask=None):
         y = self.out(torch.relu(self.bn(self.fc(x))))
-        return y if mask is None else y * mask.unsqueeze(-1)
+        return y if mask is None else y * mask
 
 
 class SignTower(Tower):
@@ -50,7 +49,7 @@ class SignTower(Tower):
 
     def forward(self, x, mask=None):
         y = self.sign * self.fc(x)
-        return y if mask is None else y * mask.unsqueeze(-1)
+        return y if mask is None else y * mask
 
 
 class BranchyTower(Tower):
@@ -64,7 +63,7 @@ class BranchyTower(Tower):
         y = self.fc(x)
         if y.sum() > 0:
             y = -y
-        return y if mask is None else y * mask.unsqueeze(-1)
+        return y if mask is None else y * mask
 
 
 def build(towers: dict[str, nn.Module]) -> tuple[WideRouter, dict[str, nn.Module]]:
@@ -88,7 +87,7 @@ def mixed_towers() -> dict[str, nn.Module]:
 
 def sample(batch: int = 5, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, 6, generator=g), (torch.rand(batch, generator=g) > 0.3).float()
+    return torch.randn(batch, 6, generator=g), (torch.rand(batch, 1, generator=g) > 0.3).float()
 
 
 def tower_tensors(router: WideRouter, name: str) -> dict[str, torch.Tensor]:
@@ -149,6 +148,8 @@ def test_homogeneous_shared_inputs_train_and_eval():
     assert isinstance(router.groups["t0"], wc.WideModel)
     shared = (x,)
     check_call(router, refs, {n: shared for n in refs}, {"mask": mask})
+    x7, mask7 = sample(batch=7, seed=3)  # another batch size: the batch dim is dynamic
+    check_call(router, refs, {n: (x7,) for n in refs}, {"mask": mask7})
     router.eval()
     [r.eval() for r in refs.values()]
     assert not router.groups["t0"].training
@@ -234,7 +235,7 @@ def test_parameters_unique_optimizer_step_and_write_back():
     assert sum(p.numel() for p in params) == sum(p.numel() for r in refs.values() for p in r.parameters())
     opt = torch.optim.SGD(router.parameters(), lr=0.1)
     ref_opts = {n: torch.optim.SGD(r.parameters(), lr=0.1) for n, r in refs.items()}
-    w_before = router.groups["a0"].net[0].weight.detach().clone()
+    w_before = router.groups["a0"].get_parameter("net.0.weight").detach().clone()
     for _ in range(2):
         opt.zero_grad()
         outs = router.wide_forward(x, mask=mask)
@@ -244,7 +245,7 @@ def test_parameters_unique_optimizer_step_and_write_back():
             ref_opts[n].zero_grad()
             r(x, mask=mask).square().sum().backward()
             ref_opts[n].step()
-    assert not torch.equal(router.groups["a0"].net[0].weight, w_before)
+    assert not torch.equal(router.groups["a0"].get_parameter("net.0.weight"), w_before)
     # the grouped originals are stale until write_back, which updates them in place
     weight_obj = originals["a1"].net[0].weight
     assert not torch.allclose(originals["a1"].net[0].weight, refs["a1"].net[0].weight)
@@ -287,7 +288,7 @@ def test_compile_failure_warns_once_and_falls_back():
     towers = {"br0": BranchyTower(), "br1": BranchyTower(), "m0": MLPTower(), "m1": MLPTower()}
     router, refs = build(towers)
     x, mask = sample()
-    with pytest.warns(UserWarning, match=r"\['br0', 'br1'\].*could not be compiled") as record:
+    with pytest.warns(UserWarning, match=r"\['br0', 'br1'\].*could not be fused") as record:
         router.prepare_for_compile(x, mask=mask)
     assert len([w for w in record if "WideRouter" in str(w.message)]) == 1
     assert list(router.groups) == ["m0"]  # the other group is still wide
@@ -313,7 +314,7 @@ def test_lazy_grouping_warns_in_training_and_registration():
     assert router.group_members() == {"extra": ["extra", "t0", "t1"]}
     assert {id(p) for p in router.head.parameters()} <= {id(p) for p in router.parameters()}
     with torch.no_grad():
-        router.groups["extra"].net[0].bias.add_(1.0)
+        router.groups["extra"].get_parameter("net.0.bias").add_(1.0)
     router.unregister_tower("extra")  # writes back and ungroups
     assert router.tower_names == ["t0", "t1"] and not router.groups
     torch.testing.assert_close(router.t0.net[0].bias, router.unfuse()["t0"].net[0].bias)
@@ -325,3 +326,43 @@ def test_lazy_grouping_warns_in_training_and_registration():
         router.register_tower("missing")
     with pytest.raises(ValueError, match="taken"):
         router.attach("groups", nn.Linear(1, 1))
+
+
+def test_tensor_shared_outside_a_group_is_never_untied():
+    torch.manual_seed(0)
+    towers = {"a0": MLPTower(), "a1": MLPTower(), "n0": NormTower()}
+    towers["n0"].fc = towers["a0"].net[0]  # a0 and n0 share one Linear
+    router, _ = build(towers)
+    x, mask = sample()
+    with pytest.warns(UserWarning, match=r"\['a0', 'a1'\].*shares its tensor"):
+        router.prepare_for_compile(x, mask=mask)
+    assert not router.groups
+    outs = router.wide_forward(x, mask=mask)
+    torch.testing.assert_close(outs["n0"], towers["n0"](x, mask=mask))
+    torch.testing.assert_close(outs["a0"], towers["a0"](x, mask=mask))
+
+
+def test_to_reaches_the_groups_and_state_has_membership():
+    router, refs = build(mixed_towers())
+    x, mask = sample()
+    router.prepare_for_compile(x, mask=mask)
+    assert router.state_dict()["_extra_state"]["groups"]["a0"] == ["a0", "a1", "a2"]
+    router.to(torch.float64)
+    assert all(p.dtype == torch.float64 for p in router.parameters())
+    outs = router.wide_forward(x.double(), mask=mask.double())
+    for n, ref in refs.items():
+        torch.testing.assert_close(outs[n], ref.double()(x.double(), mask=mask.double()))
+
+
+def test_compiled_router_matches_each_tower_with_no_graph_break():
+    """compile(): prepare + torch.compile(fullgraph=True) of every group (a graph break would be
+    an error); outputs, gradients and buffers tower by tower, train then eval."""
+    torch.compiler.reset()  # earlier tests compiled WideModel.forward for their own models
+    router, refs = build(mixed_towers())
+    x, mask = sample()
+    assert router.compile(x, mask=mask, options={"backend": "eager"}) is router
+    assert sorted(router._compiled) == ["a0", "b0", "n0"]
+    check_call(router, refs, {n: (x,) for n in refs}, {"mask": mask})
+    router.eval()
+    [r.eval() for r in refs.values()]
+    check_call(router, refs, {n: (x,) for n in refs}, {"mask": mask}, grads=False)
