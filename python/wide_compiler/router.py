@@ -379,7 +379,9 @@ class WideRouter(nn.Module):
             if not chosen:
                 continue
             wide: WideModel = self.groups[key]
-            same = all(_structure(*inputs[members[i]]) == self._structures[key] for i in chosen)
+            seen: dict[int, Any] = {}  # one structure per distinct input object (shared inputs: one)
+            same = all((seen.get(id(inputs[members[i]])) or seen.setdefault(
+                id(inputs[members[i]]), _structure(*inputs[members[i]]))) == self._structures[key] for i in chosen)
             if not same and (key, str(_structure(*inputs[members[chosen[0]]]))) not in self._warned_structures:
                 self._warned_structures.add((key, str(_structure(*inputs[members[chosen[0]]]))))
                 warnings.warn(f"WideRouter: group {members} was compiled for other inputs (another nesting, "
@@ -408,6 +410,8 @@ class WideRouter(nn.Module):
             raise ValueError(f"WideRouter: group {members} runs as one wide model (its towers have registered "
                              f"wide forms), so every tower of it needs an input; got inputs for {chosen}")
         y = self._compiled.get(members[0], wide)(*args, **kwargs)
+        if isinstance(y, torch.Tensor):  # the common case: one unbind, no pytree walk per tower
+            return {n: t for n, t in zip(members, y.unbind(0)) if n in chosen}
 
         def row(i: int) -> Any:
             return tree_map(lambda t: t[i] if isinstance(t, torch.Tensor) else t, y)
