@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.export import ExportedProgram
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .config import WideConfig
@@ -434,6 +436,54 @@ class WideModel(MemberOpsMixin, nn.Module):
     def extra_repr(self) -> str:
         return f"n={self.n}, model={type(self._template).__name__}"
 
+    # -- deployment ---------------------------------------------------------------------------
+    def export(self, path: str | os.PathLike | None = None, *args: Any, **kwargs: Any) -> ExportedProgram:
+        """The eval graph of this model as a ``torch.export`` program (written to ``path`` with
+        ``torch.export.save`` when given): ATen ops and the ``torch.ops.wide`` ops, the parameters
+        and buffers as they are now, the batch dynamic as at compile time.
+
+        ``args``/``kwargs``: N-first example inputs (default: the compile sample, one copy per
+        member). Traced under ``no_grad`` in eval mode (this model's mode is restored). Load it
+        with ``torch.export.load(path).module()`` in a process that imported ``wide_compiler``
+        (which registers the ``wide`` ops); its outputs are this model's. The program takes its
+        inputs positionally: keyword inputs follow the positional ones in the sample's order
+        (``torch.export`` cannot give a ``**kwargs`` forward dynamic shapes).
+
+        >>> import torch, tempfile, os, wide_compiler as wc
+        >>> models = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()) for _ in range(3)]
+        >>> wide = wc.compile(models, torch.randn(2, 4), config=wc.WideConfig.fast())
+        >>> path = os.path.join(tempfile.mkdtemp(), "wide.pt2")
+        >>> _ = wide.export(path)
+        >>> x = torch.randn(3, 5, 4)                                    # another batch size
+        >>> torch.allclose(torch.export.load(path).module()(x), wide.eval()(x))
+        True
+        """
+        if not args and not kwargs:
+            args, kwargs = tree_map(lambda a: a.unsqueeze(0).expand(self.n, *a.shape).clone()
+                                    if isinstance(a, torch.Tensor) else a, self._sample)
+        wg = self._graph_for(False)
+        dims = iter([i.member_shape for i in wg.inputs if i.kind == "user"])
+
+        def spec(a: Any) -> Any:
+            member = next(dims, None) if isinstance(a, torch.Tensor) else None
+            if member is None:
+                return None
+            return {d + 1: torch.export.Dim.AUTO for d, m in enumerate(member) if m is None} or None
+
+        inputs = (*args, *kwargs.values())  # keywords become trailing positional inputs (see above)
+        dynamic = (tuple(tree_map(spec, a) for a in inputs),)
+        training = self.training
+        try:
+            self.eval()
+            with torch.no_grad():
+                ep = torch.export.export(_PositionalCall(self, list(kwargs)), inputs, dynamic_shapes=dynamic,
+                                         strict=False)
+        finally:
+            self.train(training)
+        if path is not None:
+            torch.export.save(ep, path)
+        return ep
+
     # -- back to N models ---------------------------------------------------------------------
     def unfuse(self) -> list[nn.Module]:
         """N ordinary modules (the original class) holding copies of the members' weights and
@@ -476,6 +526,18 @@ def _persistent_buffers(model: nn.Module):
         for name, b in mod._buffers.items():
             if b is not None and name not in mod._non_persistent_buffers_set:
                 yield _join(mod_name, name), b
+
+
+class _PositionalCall(nn.Module):
+    """``wide(*args, **dict(zip(names, trailing)))`` with every input positional (for export)."""
+
+    def __init__(self, wide: WideModel, names: list[str]) -> None:
+        super().__init__()
+        self.wide, self.names = wide, names
+
+    def forward(self, *inputs: Any) -> Any:
+        k = len(inputs) - len(self.names)
+        return self.wide(*inputs[:k], **dict(zip(self.names, inputs[k:])))
 
 
 def _any_packed(args: tuple, kwargs: dict) -> bool:
