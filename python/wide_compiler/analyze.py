@@ -50,7 +50,8 @@ from torch import nn
 
 from .bench import engine
 
-__all__ = ["AnalysisReport", "add_cli", "analyze", "available_memory", "cmd_analyze", "load_factory", "parse_bytes", "plot"]
+__all__ = ["AnalysisReport", "add_cli", "analyze", "available_memory", "cmd_analyze", "load_factory",
+           "model_and_shape", "parse_bytes", "plot"]
 
 log = logging.getLogger(__name__)
 
@@ -778,19 +779,23 @@ def add_cli(subparsers: Any, common: argparse.ArgumentParser) -> argparse.Argume
     return p
 
 
+def model_and_shape(model: str, shape: str | None) -> tuple[Callable[[], nn.Module], tuple[int, ...] | None]:
+    """The CLI's MODEL and ``--shape``: a built-in model (with its own sample shape) or
+    ``path/to/file.py:factory``; ``shape`` like ``32,64`` (or ``32x64``) overrides."""
+    from . import zoo
+
+    factory, default = zoo.MODELS[model] if model in zoo.MODELS else (load_factory(model), None)
+    if shape:
+        return factory, tuple(int(s) for s in shape.replace("x", ",").split(",") if s.strip())
+    return factory, default
+
+
 def cmd_analyze(args: argparse.Namespace) -> int:
     """``python -m wide_compiler analyze MODEL``: print the report; ``--json``/``--markdown``/``--plot``
     also write it to files."""
     import wide_compiler as wc
 
-    from . import zoo
-
-    if args.model in zoo.MODELS:
-        factory, shape = zoo.MODELS[args.model]
-    else:
-        factory, shape = load_factory(args.model), None
-    if args.shape:
-        shape = tuple(int(s) for s in args.shape.replace("x", ",").split(",") if s.strip())
+    factory, shape = model_and_shape(args.model, args.shape)
     if shape is None:
         print(f"wide_compiler analyze: {args.model}: give one member's input shape with --shape, e.g. --shape 32,64")
         return 2

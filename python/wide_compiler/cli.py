@@ -320,12 +320,9 @@ def _test_model(args: argparse.Namespace) -> int:
 
     import wide_compiler as wc
 
-    from . import zoo
-    from .analyze import load_factory
+    from .analyze import model_and_shape
 
-    factory, shape = zoo.MODELS[args.model] if args.model in zoo.MODELS else (load_factory(args.model), None)
-    if args.shape:
-        shape = tuple(int(s) for s in args.shape.replace("x", ",").split(",") if s.strip())
+    factory, shape = model_and_shape(args.model, args.shape)
     if shape is None:
         print(f"wide_compiler test: {args.model}: give one member's input shape with --shape, e.g. --shape 32,64")
         return 2
