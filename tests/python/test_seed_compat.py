@@ -245,3 +245,25 @@ def test_seed_flux_block_quick_start():
     torch.testing.assert_close(first[1], ref[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="head_dim=16, but hidden_size 32 / num_heads 4 is 8"):
         WideDoubleStreamBlock(n=n, hidden_size=32, num_heads=4, head_dim=16)
+
+
+class WithMask(nn.Module):
+    """A per-sample 1-D input (a mask, labels, timesteps) beside the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x, mask):
+        return self.fc(x) * mask[:, None]
+
+
+def test_a_one_dim_input_as_long_as_the_batch_is_dynamic_too():
+    models = [WithMask() for _ in range(3)]
+    wide = wc.compile(models, (torch.randn(4, 6), torch.ones(4)), config=FAST)
+    assert "mask [B]" in wide.summary()
+    for b in (2, 7):
+        x, mask = torch.randn(3, b, 6), (torch.rand(3, b) > 0.5).float()
+        out = wide(x, mask)
+        for i, m in enumerate(models):
+            torch.testing.assert_close(out[i], m(x[i], mask[i]), rtol=1e-5, atol=1e-5)

@@ -52,22 +52,29 @@ def _sequence_first(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.MultiheadAttention, nn.RNNBase)) and not m.batch_first for m in model.modules())
 
 
-def _batch_spec(a: Any, dims: tuple[int, ...], batched: bool) -> Any:
+def _batch_spec(a: Any, dims: tuple[int, ...], batched: bool, batches: set[int]) -> Any:
     """``Dim.AUTO`` on ``dims`` of a tensor of 2+ dims, but not on a size-1 dim of a batched
     sample (broadcast over the batch: export would specialise it anyway, with a warning); a
-    batch-of-1 sample's dim 0 is repeated to 2 (:func:`batch_of_two`), so it stays marked."""
-    if not isinstance(a, torch.Tensor) or a.dim() < 2:
+    batch-of-1 sample's dim 0 is repeated to 2 (:func:`batch_of_two`), so it stays marked. A 1-D
+    input whose size is the batch of the others (per-sample labels, timesteps, a mask ``[B]``)
+    is marked too."""
+    if not isinstance(a, torch.Tensor) or a.dim() == 0:
         return None
+    if a.dim() == 1:
+        return {0: Dim.AUTO} if a.shape[0] > 1 and a.shape[0] in batches else None
     return {d: Dim.AUTO for d in dims if a.shape[d] > 1 or (d == 0 and not batched)} or None
 
 
 def _default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     """``Dim.AUTO`` on the batch dim of every tensor input of 2+ dims: dim 0, and dim 1 too in a
-    model with sequence-first modules (see :func:`_sequence_first`). Export keeps dynamic what
-    the program lets vary and specialises the rest (a size-1 dim broadcast over the batch stays
-    1). Only the likely batch dims are marked: a free feature dim could tie the batch to it."""
+    model with sequence-first modules (see :func:`_sequence_first`), and on a 1-D input as long as
+    that batch. Export keeps dynamic what the program lets vary and specialises the rest (a
+    size-1 dim broadcast over the batch stays 1). Only the likely batch dims are marked: a free
+    feature dim could tie the batch to it."""
     dims, batched = ((0, 1) if _sequence_first(model) else (0,)), _batched((args, kwargs))
-    spec = lambda a: _batch_spec(a, dims, batched)  # noqa: E731
+    batches = {int(a.shape[d]) for a in tree_flatten((args, kwargs))[0]
+               if isinstance(a, torch.Tensor) and a.dim() >= 2 for d in dims}
+    spec = lambda a: _batch_spec(a, dims, batched, batches)  # noqa: E731
     if not kwargs:
         return tuple(tree_map(spec, a) for a in args)
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
