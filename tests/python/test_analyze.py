@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from wide_compiler import zoo
+from wide_compiler import testing, zoo
 from wide_compiler.analyze import (
     AnalysisReport,
     _max_n,
@@ -58,6 +58,8 @@ def test_report_fields(which, mlp_report, cnn_report):
         assert _positive(s["ms"]["wide"]) and _positive(s["ms"]["loop"])
         assert _positive(s["speedup"]["loop"]) and _positive(s["samples_per_s_per_member"]["wide"])
         assert "vmap" in s["ms"] or "vmap" in s["errors"]  # vmap measured, or why it failed
+        if s["mode"] == "inference":  # the timed wide model computes what the members compute
+            assert s["max_abs_err_vs_loop"] <= 10 * testing.tolerance(torch.float32)["atol"]
     assert r.compile["wide_ops"] and all(o["strategy"] for o in r.compile["wide_ops"])
     assert r.compile["fallbacks"] == []
     assert [run["mode"] for run in r.profile["runs"]] == ["inference", "train"]
