@@ -31,7 +31,6 @@ Example::
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import importlib.util
@@ -50,8 +49,7 @@ from torch import nn
 
 from .bench import engine
 
-__all__ = ["AnalysisReport", "add_cli", "analyze", "available_memory", "cmd_analyze", "load_factory",
-           "model_and_shape", "parse_bytes", "plot"]
+__all__ = ["AnalysisReport", "analyze", "available_memory", "load_factory", "parse_bytes", "plot"]
 
 log = logging.getLogger(__name__)
 
@@ -754,65 +752,6 @@ def _recommendations(c: dict, speed: list[dict], profile: dict, mem: dict, ns: l
 
 # ---------------------------------------------------------------------------------- CLI
 
-def add_cli(subparsers: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``analyze`` subcommand to ``python -m wide_compiler``'s subparsers."""
-    p = subparsers.add_parser(
-        "analyze", parents=[common], help="compile, time, profile and size N members of a model",
-        description="Report what fusing N members of a model buys on this machine: wide ops and "
-                    "fallbacks, speed vs loop and vmap, per-op profile, memory and the largest N "
-                    "that fits, recommendations.")
-    p.add_argument("model", help="a built-in model (mlp, resblock, convnet, transformer) or "
-                                 "path/to/file.py:factory (a zero-argument callable returning one member)")
-    p.add_argument("--shape", help="one member's input shape, e.g. 32,64 (default for built-in models: "
-                                   "their sample shape)")
-    p.add_argument("-n", default="4,16", help="population sizes, comma-separated (default 4,16)")
-    p.add_argument("--modes", default="inference,train", help="inference,train (default both)")
-    p.add_argument("--memory", help="memory budget for the largest-N search, e.g. 8GB (default: MemAvailable)")
-    p.add_argument("--repeats", type=int, default=7, help="interleaved timing repeats (default 7)")
-    p.add_argument("--config", default="fast", choices=("fast", "default", "safe"),
-                   help="WideConfig preset to compile with (default fast: heuristic strategies; "
-                        "default: strategies measured at compile time)")
-    p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
-    p.add_argument("--markdown", metavar="FILE", help="also write the report as Markdown to FILE")
-    p.add_argument("--plot", metavar="FILE.png", help="draw per-member throughput vs N (needs matplotlib)")
-    p.set_defaults(func=cmd_analyze)
-    return p
-
-
-def model_and_shape(model: str, shape: str | None) -> tuple[Callable[[], nn.Module], tuple[int, ...] | None]:
-    """The CLI's MODEL and ``--shape``: a built-in model (with its own sample shape) or
-    ``path/to/file.py:factory``; ``shape`` like ``32,64`` (or ``32x64``) overrides."""
-    from . import zoo
-
-    factory, default = zoo.MODELS[model] if model in zoo.MODELS else (load_factory(model), None)
-    if shape:
-        return factory, tuple(int(s) for s in shape.replace("x", ",").split(",") if s.strip())
-    return factory, default
-
-
-def cmd_analyze(args: argparse.Namespace) -> int:
-    """``python -m wide_compiler analyze MODEL``: print the report; ``--json``/``--markdown``/``--plot``
-    also write it to files."""
-    import wide_compiler as wc
-
-    factory, shape = model_and_shape(args.model, args.shape)
-    if shape is None:
-        print(f"wide_compiler analyze: {args.model}: give one member's input shape with --shape, e.g. --shape 32,64")
-        return 2
-    torch.manual_seed(0)
-    report = analyze(factory, torch.randn(*shape), n=[int(k) for k in str(args.n).split(",") if k.strip()],
-                     memory=args.memory, modes=[m.strip() for m in args.modes.split(",") if m.strip()],
-                     repeats=args.repeats, config=getattr(wc.WideConfig, args.config)())
-    print(report)
-    if args.json:
-        Path(args.json).write_text(report.to_json())
-    if args.markdown:
-        Path(args.markdown).write_text(report.to_markdown())
-    if args.plot:
-        plot(report, args.plot)
-    return 0
-
-
 def plot(report: AnalysisReport, path: str) -> None:
     """Per-member samples/s vs N, one line per contender and mode (needs matplotlib)."""
     try:
@@ -821,7 +760,7 @@ def plot(report: AnalysisReport, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise SystemExit(f"wide_compiler analyze --plot needs matplotlib ({e})") from None
+        raise ImportError(f"wide_compiler.analyze.plot needs matplotlib ({e})") from None
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode in report.modes:
         rows = [s for s in report.speed if s["mode"] == mode]

@@ -315,7 +315,7 @@ class _WideBlock(nn.Module):
         super().__init__()
         if n < 1:
             raise ValueError(f"{type(self).__name__}: expected n >= 1 members, got {n}")
-        self._check_strategy(strategy)
+        check_strategy(self, strategy)
         if bias is not None:
             if "qkv_bias" not in self._hparams():
                 raise TypeError(f"{type(self).__name__}: no bias option (its member has no qkv_bias)")
@@ -341,7 +341,7 @@ class _WideBlock(nn.Module):
         """
         wide = cls.__new__(cls)
         nn.Module.__init__(wide)
-        wide._check_strategy(strategy)
+        check_strategy(wide, strategy)
         wide._fuse(modules, strategy)
         return wide
 
@@ -351,9 +351,6 @@ class _WideBlock(nn.Module):
         return tuple(inspect.signature(cls._member).parameters)
 
     STRATEGIES = STRATEGIES
-
-    def _check_strategy(self, strategy: str) -> None:
-        check_strategy(self, strategy)
 
     def _fuse(self, modules: Sequence[nn.Module], strategy: str) -> None:
         modules = check_members(modules, self._member, self._hparams() + ("training",), type(self).__name__)

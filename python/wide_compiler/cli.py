@@ -320,8 +320,6 @@ def _test_model(args: argparse.Namespace) -> int:
 
     import wide_compiler as wc
 
-    from .analyze import model_and_shape
-
     factory, shape = model_and_shape(args.model, args.shape)
     if shape is None:
         print(f"wide_compiler test: {args.model}: give one member's input shape with --shape, e.g. --shape 32,64")
@@ -339,6 +337,47 @@ def _test_model(args: argparse.Namespace) -> int:
     for fb in wide.fallbacks:
         print(f"note  per-member fallback: {fb['op']} at {fb['source']}")
     print(f"{args.model}: all {args.n} members match their own models")
+    return 0
+
+
+def model_and_shape(model: str, shape: str | None) -> tuple[Callable[[], Any], tuple[int, ...] | None]:
+    """The CLI's MODEL and ``--shape``: a built-in model (with its own sample shape) or
+    ``path/to/file.py:factory``; ``shape`` like ``32,64`` (or ``32x64``) overrides."""
+    from . import zoo
+    from .analyze import load_factory
+
+    factory, default = zoo.MODELS[model] if model in zoo.MODELS else (load_factory(model), None)
+    if shape:
+        return factory, tuple(int(s) for s in shape.replace("x", ",").split(",") if s.strip())
+    return factory, default
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    """``python -m wide_compiler analyze MODEL``: print the report; ``--json``/``--markdown``/``--plot``
+    also write it to files."""
+    import torch
+
+    import wide_compiler as wc
+    from .analyze import analyze, plot
+
+    factory, shape = model_and_shape(args.model, args.shape)
+    if shape is None:
+        print(f"wide_compiler analyze: {args.model}: give one member's input shape with --shape, e.g. --shape 32,64")
+        return 2
+    torch.manual_seed(0)
+    report = analyze(factory, torch.randn(*shape), n=[int(k) for k in str(args.n).split(",") if k.strip()],
+                     memory=args.memory, modes=[m.strip() for m in args.modes.split(",") if m.strip()],
+                     repeats=args.repeats, config=getattr(wc.WideConfig, args.config)())
+    print(report)
+    if args.json:
+        Path(args.json).write_text(report.to_json())
+    if args.markdown:
+        Path(args.markdown).write_text(report.to_markdown())
+    if args.plot:
+        if importlib.util.find_spec("matplotlib") is None:
+            print("error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 2
+        plot(report, args.plot)
     return 0
 
 
@@ -578,9 +617,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no table, no progress bar")
     p.set_defaults(func=cmd_benchmark)
 
-    from .analyze import add_cli as add_analyze
-
-    add_analyze(sub, common)
+    p = sub.add_parser(
+        "analyze", parents=[common], help="compile, time, profile and size N members of a model",
+        description="Report what fusing N members of a model buys on this machine: wide ops and "
+                    "fallbacks, speed vs loop and vmap, per-op profile, memory and the largest N "
+                    "that fits, recommendations.")
+    p.add_argument("model", help="a built-in model (mlp, resblock, convnet, transformer) or "
+                                 "path/to/file.py:factory (a zero-argument callable returning one member)")
+    p.add_argument("--shape", help="one member's input shape, e.g. 32,64 (default for built-in models: "
+                                   "their sample shape)")
+    p.add_argument("-n", default="4,16", help="population sizes, comma-separated (default 4,16)")
+    p.add_argument("--modes", default="inference,train", help="inference,train (default both)")
+    p.add_argument("--memory", help="memory budget for the largest-N search, e.g. 8GB (default: MemAvailable)")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved timing repeats (default 7)")
+    p.add_argument("--config", default="fast", choices=("fast", "default", "safe"),
+                   help="WideConfig preset to compile with (default fast: heuristic strategies; "
+                        "default: strategies measured at compile time)")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
+    p.add_argument("--markdown", metavar="FILE", help="also write the report as Markdown to FILE")
+    p.add_argument("--plot", metavar="FILE.png", help="draw per-member throughput vs N (needs matplotlib)")
+    p.set_defaults(func=cmd_analyze)
     return parser
 
 

@@ -379,9 +379,8 @@ class WideRouter(nn.Module):
             if not chosen:
                 continue
             wide: WideModel = self.groups[key]
-            seen: dict[int, Any] = {}  # one structure per distinct input object (shared inputs: one)
-            same = all((seen.get(id(inputs[members[i]])) or seen.setdefault(
-                id(inputs[members[i]]), _structure(*inputs[members[i]]))) == self._structures[key] for i in chosen)
+            distinct = {id(inputs[members[i]]): inputs[members[i]] for i in chosen}  # shared input: one
+            same = all(_structure(*a) == self._structures[key] for a in distinct.values())
             if not same and (key, str(_structure(*inputs[members[chosen[0]]]))) not in self._warned_structures:
                 self._warned_structures.add((key, str(_structure(*inputs[members[chosen[0]]]))))
                 warnings.warn(f"WideRouter: group {members} was compiled for other inputs (another nesting, "

@@ -3,7 +3,6 @@
 Speed numbers are only checked for being finite and positive (the machine is shared)."""
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import warnings
@@ -15,7 +14,6 @@ from wide_compiler import testing, zoo
 from wide_compiler.analyze import (
     AnalysisReport,
     _max_n,
-    add_cli,
     analyze,
     load_factory,
     parse_bytes,
@@ -133,9 +131,9 @@ def test_load_factory_and_cli(tmp_path, capsys):
     with pytest.raises(ValueError):
         load_factory("no_colon_here")
 
-    parser = argparse.ArgumentParser()
-    common = argparse.ArgumentParser(add_help=False)
-    add_cli(parser.add_subparsers(dest="command"), common)
+    from wide_compiler import cli
+
+    parser = cli.build_parser()
     out_json = tmp_path / "r.json"
     args = parser.parse_args(["analyze", f"{f}:make", "--shape", "3,6", "-n", "2", "--modes", "inference",
                               "--repeats", "1", "--memory", "50MB", "--json", str(out_json)])
@@ -150,7 +148,7 @@ def test_plot(mlp_report, tmp_path):
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        with pytest.raises(SystemExit, match="matplotlib"):
+        with pytest.raises(ImportError, match="matplotlib"):
             plot(mlp_report, str(tmp_path / "p.png"))
     else:
         plot(mlp_report, str(tmp_path / "p.png"))

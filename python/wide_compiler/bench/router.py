@@ -57,7 +57,9 @@ def router_jobs(p: Preset) -> list[Job]:
             for t in p.grid["towers"] for a in p.grid["archs"]]
 
 
-def _vmap_groups(groups: list[list[nn.Module]]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+def _vmap_groups(groups: list[list[nn.Module]]
+                 ) -> tuple[Callable[[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]:
+    """One ``torch.func`` vmap per architecture group; returns ``(call(x), stacked params)``."""
     from torch.func import functional_call, stack_module_state, vmap
 
     calls = []

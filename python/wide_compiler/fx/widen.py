@@ -233,21 +233,15 @@ def _is_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags
 
 
-def _draws(node: fx.Node) -> bool:
+def _draws(ctx: WidenContext, node: fx.Node) -> bool:
     """A random op that really draws: not a dropout with ``p == 0`` / ``train=False`` (or SDPA
     with ``dropout_p == 0``), whose outputs are deterministic and can be compared per member."""
     if not _is_random(node):
         return False
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return True
-    given = {a.name: (node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value))
-             for i, a in enumerate(schema.arguments) if i < len(node.args) or a.name in node.kwargs
-             or a.has_default_value()}
-    for name in ("p", "dropout_p"):
-        if name in given and isinstance(given[name], (int, float)) and given[name] == 0:
-            return False
-    return given.get("train", True) is not False
+    values = ctx.schema_args(node) if hasattr(node.target, "_schema") else {}
+    if any(isinstance(values.get(p), (int, float)) and values[p] == 0 for p in ("p", "dropout_p")):
+        return False
+    return values.get("train", True) is not False
 
 
 def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
@@ -388,7 +382,7 @@ def _widen_node(ctx: WidenContext, node: fx.Node) -> Any:
     """The wide value of one call node: its rule's, a shared copy, or the fallback's."""
     entry: RuleEntry | None = find_rule(node.target)
     args = [ctx.value(a) for a in node.args] + [ctx.value(a) for a in node.kwargs.values()]
-    if _draws(node):
+    if _draws(ctx, node):
         ctx.random_ops.add(op_name(node))
     if ctx.is_wide(args) or (entry is not None and _is_random(node)):  # per-member data is written
         _own_written_tensors(ctx, node)
