@@ -484,6 +484,30 @@ class WideModel(MemberOpsMixin, nn.Module):
             torch.export.save(ep, path)
         return ep
 
+    def package(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> str:
+        """Compile the eval graph ahead of time with AOTInductor into a ``.pt2`` package at
+        ``path`` (returned): native code for this model's device, the weights inside, the batch
+        dynamic. ``args``/``kwargs`` as :meth:`export`. A C++ program runs it with
+        ``torch::inductor::AOTIModelPackageLoader`` linking LibTorch and ``WideCompiler::wide``
+        (the ``wide`` ops; README: "The C++ API"); Python loads it with
+        ``torch._inductor.aoti_load_package``. Needs a C++ compiler (it compiles), and takes
+        seconds to minutes. Wide forms registered with ``wc.register`` are traced into the
+        program like every other module.
+
+        >>> import torch, tempfile, os, wide_compiler as wc
+        >>> models = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()) for _ in range(3)]
+        >>> wide = wc.compile(models, torch.randn(2, 4), config=wc.WideConfig.fast())
+        >>> path = wide.package(os.path.join(tempfile.mkdtemp(), "wide.pt2"))  # doctest: +SKIP
+        >>> loaded = torch._inductor.aoti_load_package(path)                    # doctest: +SKIP
+        >>> x = torch.randn(3, 5, 4)
+        >>> torch.allclose(loaded(x), wide.eval()(x))                           # doctest: +SKIP
+        True
+        """
+        ep = self.export(None, *args, **kwargs)
+        import torch._inductor  # deferred: importing inductor costs seconds
+
+        return torch._inductor.aoti_compile_and_package(ep, package_path=os.fspath(path))
+
     # -- back to N models ---------------------------------------------------------------------
     def unfuse(self) -> list[nn.Module]:
         """N ordinary modules (the original class) holding copies of the members' weights and

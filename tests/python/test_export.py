@@ -1,5 +1,6 @@
-"""WideModel.export: the eval graph as a torch.export program, saved, loaded and run member by
-member at other batch sizes (the C++ side of deployment is not built yet)."""
+"""WideModel.export / WideModel.package: the eval graph as a torch.export program and as an
+AOTInductor package, saved, loaded and run member by member at other batch sizes. (The C++ side,
+loading the package from a C++ program, is ctest's cpp_examples.)"""
 from __future__ import annotations
 
 import pytest
@@ -36,11 +37,7 @@ class TwoInputs(nn.Module):
     (TwoInputs, (torch.randn(4, 6), torch.randn(4, 3)), {"scale": torch.randn(4, 1)}),
 ], ids=["convnet", "two_inputs_and_a_keyword"])
 def test_export_save_load_matches_members_at_other_batches(factory, sample, kwargs, tmp_path):
-    models = make_members(factory, 3)
-    for m in models:  # BatchNorm with statistics of its own (the eval graph folds it)
-        for mod in m.modules():
-            if isinstance(mod, nn.BatchNorm2d):
-                mod.running_mean.uniform_(-1, 1), mod.running_var.uniform_(0.5, 2)
+    models = _with_statistics(make_members(factory, 3))
     wide = wc.compile(models, sample, sample_kwargs=kwargs or None, config=FAST)
     assert wide.training
     path = tmp_path / "wide.pt2"
@@ -65,3 +62,25 @@ def test_export_reflects_the_current_parameters():
         wide.weight.mul_(2.0)
     x = torch.randn(2, 3, 4)
     torch.testing.assert_close(wide.export().module()(x), wide.eval()(x))
+
+
+def _with_statistics(models):
+    for m in models:  # BatchNorm with statistics of its own (the eval graph folds it)
+        for mod in m.modules():
+            if isinstance(mod, nn.BatchNorm2d):
+                mod.running_mean.uniform_(-1, 1), mod.running_var.uniform_(0.5, 2)
+    return models
+
+
+def test_package_runs_every_member_at_other_batches(tmp_path):
+    models = _with_statistics(make_members(ConvNet, 3))
+    wide = wc.compile(models, torch.randn(2, 3, 8, 8), config=FAST)
+    path = wide.package(tmp_path / "wide.pt2")
+    assert wide.training  # mode restored
+    loaded = torch._inductor.aoti_load_package(path)
+    for m in models:
+        m.eval()
+    for batch in (1, 5):
+        x = torch.randn(3, batch, 3, 8, 8)
+        assert_members_close(loaded(x), [m(x[i]) for i, m in enumerate(models)])
+
