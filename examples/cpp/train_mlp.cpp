@@ -8,8 +8,7 @@
 //
 //   build/examples/train_mlp [steps]       (default 300)
 #include <torch/torch.h>
-#include <wide/nn/modules.h>
-#include <wide/optim/optimizer.h>
+#include <wide/wide.h>
 
 #include <chrono>
 #include <cmath>

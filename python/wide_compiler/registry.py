@@ -161,9 +161,11 @@ class _OpaqueCall(nn.Module):
 
 
 def opaque_template(template: nn.Module, paths: list[str]) -> tuple[nn.Module, dict[str, str]]:
-    """A copy of ``template`` whose registered submodules are opaque calls; returns it and the
-    mapping key -> path."""
-    copy_ = copy.deepcopy(template)
+    """A copy of ``template`` for capture: registered submodules are opaque calls, and modules
+    with a capture form use it (``fx/forms.py``); returns it and the mapping key -> path."""
+    from .fx.forms import apply_capture_forms
+
+    copy_ = apply_capture_forms(copy.deepcopy(template))
     keys = {}
     for path in paths:
         key = f"m{next(_KEYS)}"

@@ -313,4 +313,21 @@ TEST(WideOptim, MemberAccessCopyAndErrors) {
                "nesterov momentum requires momentum > 0");
 }
 
+// The README's C++ snippet ("The C++ API"), as written there: keep the two in sync.
+TEST(WideNN, ReadmeSnippet) {
+  std::vector<torch::nn::Linear> members;                    // N models' layers, as you have them
+  for (int i = 0; i < 8; ++i) members.emplace_back(16, 1);
+  auto wide = wide::nn::from_modules(members);               // one batched GEMM for all 8
+  wide::optim::Adam opt(wide->parameters(), wide::optim::AdamOptions().lr({1e-4, 3e-4, 1e-3, 3e-3,
+                                                                          1e-2, 3e-2, 1e-1, 3e-1}));
+  torch::Tensor x = torch::randn({128, 16}), y = torch::randn({128, 1});
+  torch::Tensor loss = (wide(x.expand({8, 128, 16})) - y).pow(2).mean({1, 2});  // [8]: one per member
+  loss.sum().backward();
+  opt.step();
+  EXPECT_EQ(loss.sizes(), (std::vector<int64_t>{8}));
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_FALSE(torch::equal(wide->weight[i], members[i]->weight)) << "member " << i << " did not move";
+  }
+}
+
 }  // namespace

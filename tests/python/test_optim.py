@@ -419,3 +419,22 @@ def test_step_is_one_fused_op_per_parameter():
     with Count() as c:
         opt.step()
     assert c.ops == ["wide.adam_step.default"] * 2, c.ops
+
+
+def test_member_methods_after_a_hand_assigned_hyperparameter():
+    """The manual-schedule idiom (``group["lr"] = 0.5``) between steps: the member-level methods
+    see the new value as every member's, as step() would."""
+    w = torch.nn.Parameter(torch.ones(3, 2))
+    opt = wc.optim.Adam([w], lr=[0.1, 0.2, 0.3])
+    w.grad = torch.ones(3, 2)
+    opt.step()
+    opt.param_groups[0]["lr"] = 0.5
+    assert opt.member_hyperparameters(1)["lr"] == 0.5
+    opt.param_groups[0]["lr"] = 0.25
+    opt.copy_member(0, 2)
+    assert opt.param_groups[0]["lr"].tolist() == [0.25, 0.25, 0.25]
+    opt.param_groups[0]["lr"] = 0.125
+    opt.set_member_hyperparameters(0, lr=0.01)
+    assert opt.param_groups[0]["lr"].tolist() == [0.01, 0.125, 0.125]
+    opt.param_groups[0]["lr"] = 0.75
+    assert opt.member_state_dict(2)["param_groups"][0]["lr"] == 0.75

@@ -7,6 +7,7 @@ serves any batch size.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import os
@@ -23,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import ArchitectureMismatchError, WideCompileError
+from .forms import apply_capture_forms
 
 __all__ = ["capture", "check_members", "check_run_members", "check_traced_members", "graph_fingerprint",
            "source_line"]
@@ -459,7 +461,8 @@ def check_traced_members(models: Sequence[nn.Module], args: tuple, kwargs: dict 
     instance in ways the attribute check cannot see)."""
     want = graph_fingerprint(ref)
     for i, model in enumerate(models[1:], start=1):
-        got = graph_fingerprint(capture(model, args, kwargs, dynamic_shapes=dynamic_shapes))
+        member = apply_capture_forms(copy.deepcopy(model))  # as member 0's template was
+        got = graph_fingerprint(capture(member, args, kwargs, dynamic_shapes=dynamic_shapes))
         for g, w in zip(got, want):
             if g != w:
                 node = next((n for n in ref.graph.nodes if n.name == w[0]), None)

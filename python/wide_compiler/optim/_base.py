@@ -116,6 +116,10 @@ class WideOptimizer(torch.optim.Optimizer):
             group.update(self._normalize(stale, where=f"param group {index}"))
             self._check_group(group)
 
+    def _renormalize_all(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            self._renormalize(group, gi)
+
     def _prepare_group(self, group: dict) -> Any:
         """What ``_step_param`` needs once per param group (default: nothing)."""
         return None
@@ -216,6 +220,7 @@ class WideOptimizer(torch.optim.Optimizer):
             >>> opt.member_hyperparameters(1)["lr"]
             0.2
         """
+        self._renormalize_all()  # hyperparameters assigned by hand since the last step
         self._check_member(member)
         g = self.param_groups[group]
         out: dict[str, Any] = {}
@@ -239,6 +244,7 @@ class WideOptimizer(torch.optim.Optimizer):
             >>> opt.param_groups[0]["lr"].tolist()
             [0.001, 0.001, 0.01]
         """
+        self._renormalize_all()  # hyperparameters assigned by hand since the last step
         self._check_member(member)
         groups = range(len(self.param_groups)) if group is None else [group]
         updates: list[tuple[dict, dict]] = []
@@ -303,6 +309,7 @@ class WideOptimizer(torch.optim.Optimizer):
             >>> opt.param_groups[0]["lr"].tolist()
             [0.1, 0.2, 0.1]
         """
+        self._renormalize_all()  # hyperparameters assigned by hand since the last step
         self._check_member(src, "src")
         self._check_member(dst, "dst")
         if src == dst:
@@ -356,6 +363,7 @@ class WideOptimizer(torch.optim.Optimizer):
             >>> ref.param_groups[0]["lr"]
             0.2
         """
+        self._renormalize_all()  # hyperparameters assigned by hand since the last step
         self._check_member(member)
         sd = self.state_dict()
         group_of = {pid: gi for gi, g in enumerate(sd["param_groups"]) for pid in g["params"]}
