@@ -8,11 +8,14 @@
 torch.Size([4, 3, 2])
 """
 
+import os as _os
+
 import torch  # noqa: F401  (loads libtorch before our core library)
 
 from . import (
     _C,  # noqa: F401  (loads libwide: registers torch.ops.wide.*)
     blocks,
+    distributed,
     functional,
     nn,
     optim,
@@ -33,6 +36,11 @@ from .router import Tower, WideRouter
 
 __version__ = "0.1.0"
 
+#: The CMake prefix of the installed C++ package (headers, libwide, WideCompilerConfig.cmake), for
+#: ``cmake -DCMAKE_PREFIX_PATH=...`` and ``find_package(WideCompiler)``; like
+#: ``torch.utils.cmake_prefix_path``, which it finds by itself (README: "The C++ API").
+cmake_prefix_path = _os.path.join(_os.path.dirname(_C.__file__), "share", "cmake")
+
 __all__ = [
     "AnalysisReport",
     "ArchitectureMismatchError",
@@ -46,7 +54,9 @@ __all__ = [
     "WideRouter",
     "analyze",
     "blocks",
+    "cmake_prefix_path",
     "compile",
+    "distributed",
     "functional",
     "nn",
     "optim",

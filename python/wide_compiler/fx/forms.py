@@ -19,7 +19,6 @@ construction; ``TransformerEncoderLayer``/``DecoderLayer`` self-attention takes 
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
