@@ -1,0 +1,914 @@
+"""Ray Tune sweeps where ONE trial trains N hyperparameter configurations as ONE wide model.
+
+A Tune trial normally trains one model with one configuration. :func:`fused_trainable` makes a
+trial that draws ``n_members`` configurations from a per-member search space, fuses the N models
+into one :class:`~wide_compiler.WideModel` with a per-member optimizer (:mod:`wide_compiler.optim`:
+every hyperparameter has one value per member) and trains them together: one forward, one
+backward and one fused optimizer step per batch for all N. Every ``tune.report`` carries N
+results (``members/<i>/<metric>``, the member's hyperparameters, age and status) and the trial's
+best (``<metric>``, ``best_config``), so Tune's own schedulers and searchers keep working at
+the trial level.
+
+Inside the trial, a member scheduler acts on the MEMBERS, the way Tune's schedulers act on trials:
+
+* :class:`MemberASHA`: asynchronous successive halving. A member below the rung cutoff is stopped;
+  its slot restarts with a fresh configuration from the search space (``num_member_samples`` >
+  ``n_members``) or is frozen (its weights kept) once that budget is spent.
+* :class:`MemberPBT`: population-based training. The bottom quantile of members copies a top
+  member (weights, buffers, optimizer state, hyperparameters: ``WideModel.copy_member``) and
+  perturbs its hyperparameters (``optimizer.set_member_hyperparameters``), in place.
+
+Checkpoints (``ray.tune.Checkpoint``) hold every member's ``state_dict`` (the original module's
+keys, loadable into it), the wide optimizer's state, each member's configuration and record, the
+scheduler's state and the random-number generators: a restored trial continues bit-for-bit
+(:func:`load_checkpoint`, :func:`best_model`).
+
+Ray is optional: this module imports without it (its scheduling logic, :class:`Population`,
+runs in a plain Python loop too); :func:`fused_trainable` and the checkpoint helpers raise an
+``ImportError`` naming ``pip install "ray[tune]"`` when it is missing.
+
+Example (needs Ray):
+    >>> import torch, torch.nn.functional as F, wide_compiler as wc
+    >>> from ray import tune                                                  # doctest: +SKIP
+    >>> from wide_compiler.integrations import ray as wcray
+    >>> x, y = torch.randn(256, 8), torch.randn(256, 1)
+    >>> def build_model(config):                  # ONE member; the same architecture for all
+    ...     return torch.nn.Sequential(torch.nn.Linear(8, config["hidden"]), torch.nn.ReLU(),
+    ...                                torch.nn.Linear(config["hidden"], 1))
+    >>> def train_step(pop):                      # one iteration for all members; metrics [N]
+    ...     losses = wc.optim.member_losses(F.mse_loss, pop.model(x.expand(pop.n, *x.shape)),
+    ...                                     y, shared_target=True)
+    ...     pop.optimizer.zero_grad(); losses.sum().backward(); pop.optimizer.step()
+    ...     return {"loss": losses.detach()}
+    >>> trainable = wcray.fused_trainable(                                    # doctest: +SKIP
+    ...     build_model, train_step, n_members=16, max_iterations=50,
+    ...     member_space={"lr": tune.loguniform(1e-4, 1e-1), "momentum": tune.uniform(0, 0.95)},
+    ...     optimizer=lambda params, hp: wc.optim.SGD(params, lr=hp["lr"], momentum=hp["momentum"]),
+    ...     sample_input=torch.randn(4, 8), metric="loss", mode="min",
+    ...     member_scheduler=wcray.MemberASHA(grace_period=5, reduction_factor=2),
+    ...     num_member_samples=64)               # stopped members restart with new samples
+    >>> tuner = tune.Tuner(trainable, param_space={"hidden": tune.choice([16, 32])},  # doctest: +SKIP
+    ...                    tune_config=tune.TuneConfig(num_samples=4))
+    >>> best = tuner.fit().get_best_result(metric="loss", mode="min")        # doctest: +SKIP
+    >>> best.metrics["best_config"]                                           # doctest: +SKIP
+    {'hidden': 32, 'lr': 0.031..., 'momentum': 0.83...}
+    >>> model = wcray.best_model(best.checkpoint, build_model)  # an ordinary nn.Sequential  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import os
+import random
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import WideConfig
+
+__all__ = [
+    "CHECKPOINT_FILE",
+    "MemberASHA",
+    "MemberPBT",
+    "MemberScheduler",
+    "Population",
+    "best_member",
+    "best_model",
+    "fused_trainable",
+    "load_checkpoint",
+    "ray_available",
+    "sample_member_config",
+]
+
+INSTALL_HINT = 'wide_compiler.integrations.ray needs Ray Tune: pip install "ray[tune]"'
+CHECKPOINT_FILE = "wide_population.pt"
+_FORMAT = 1
+
+
+def ray_available() -> bool:
+    """Whether ``ray[tune]`` can be imported (nothing is imported by this check)."""
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.tune") is not None
+
+
+def _require_tune() -> Any:
+    try:
+        from ray import tune
+    except ImportError as e:
+        raise ImportError(INSTALL_HINT) from e
+    return tune
+
+
+# ------------------------------------------------------------------------------------------------
+# Search spaces
+# ------------------------------------------------------------------------------------------------
+def _is_domain(v: Any) -> bool:
+    """A Ray Tune search domain (``ray.tune.search.sample.Domain``), recognised without importing ray."""
+    return any(c.__name__ == "Domain" and c.__module__.startswith("ray.") for c in type(v).__mro__)
+
+
+def sample_member_config(space: Mapping[str, Any], rng: Any) -> dict[str, Any]:
+    """One member's configuration drawn from ``space``.
+
+    Values may be Ray Tune domains (``tune.loguniform(1e-4, 1e-1)``, ``tune.choice([...])``, ...),
+    callables ``f(rng)`` taking a ``numpy.random.Generator``, nested dicts, or constants.
+    ``tune.grid_search`` has no meaning per member and is refused (put it in the Tuner's
+    ``param_space``: a trial-level key, shared by the trial's members).
+
+    Example:
+        >>> import numpy as np
+        >>> space = {"lr": lambda rng: float(10 ** rng.uniform(-4, -1)), "wd": 0.0}
+        >>> cfg = sample_member_config(space, np.random.default_rng(0))
+        >>> sorted(cfg), 1e-4 <= cfg["lr"] <= 1e-1
+        (['lr', 'wd'], True)
+    """
+    out: dict[str, Any] = {}
+    for key, v in space.items():
+        if isinstance(v, Mapping):
+            if "grid_search" in v:
+                raise ValueError(
+                    f"wide_compiler.integrations.ray: member_space[{key!r}] is a grid_search; a "
+                    "member's values are sampled, so put grid searches in the Tuner's param_space "
+                    "(trial-level keys shared by the trial's members)")
+            out[key] = sample_member_config(v, rng)
+        elif _is_domain(v):
+            out[key] = v.sample(random_state=rng)
+        elif callable(v):
+            out[key] = v(rng)
+        else:
+            out[key] = copy.deepcopy(v)
+    return out
+
+
+def _explore(config: Mapping[str, Any], mutations: Mapping[str, Any], rng: random.Random,
+             np_rng: Any, resample_probability: float,
+             factors: Sequence[float]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Ray Tune PBT's explore step, on one member's config, with seeded generators."""
+    new = copy.deepcopy(dict(config))
+    ops: dict[str, Any] = {}
+    for key, dist in mutations.items():
+        if key not in config:
+            raise KeyError(f"wide_compiler MemberPBT: hyperparam_mutations has {key!r}, which is not "
+                           f"in the member's config {sorted(config)}")
+        old = config[key]
+        if isinstance(dist, Mapping):
+            new[key], ops[key] = _explore(old, dist, rng, np_rng, resample_probability, factors)
+            continue
+        if isinstance(dist, (list, tuple)):
+            if rng.random() < resample_probability or old not in dist:
+                new[key], ops[key] = rng.choice(list(dist)), "resample"
+            else:
+                i = list(dist).index(old)
+                j = min(max(i + rng.choice([-1, 1]), 0), len(dist) - 1)
+                new[key], ops[key] = dist[j], f"shift {j - i:+d}"
+            continue
+        if not (_is_domain(dist) or callable(dist)):
+            raise ValueError(f"wide_compiler MemberPBT: mutation of {key!r} is a "
+                             f"{type(dist).__name__}; expected a tune domain, a list or a callable")
+        if rng.random() < resample_probability:
+            new[key] = dist.sample(random_state=np_rng) if _is_domain(dist) else dist()
+            ops[key] = "resample"
+        else:
+            f = rng.choice(list(factors))
+            new[key], ops[key] = old * f, f"* {f}"
+        if isinstance(old, bool):
+            new[key] = bool(new[key])
+        elif isinstance(old, int):
+            new[key] = int(round(new[key]))
+    return new, ops
+
+
+# ------------------------------------------------------------------------------------------------
+# The population of one fused trial
+# ------------------------------------------------------------------------------------------------
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _seed_of(*parts: Any) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
+
+
+def _per_member(name: str, value: Any, n: int) -> list[float]:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().to("cpu", torch.float64).reshape(-1).tolist()
+    elif isinstance(value, (int, float)):
+        raise ValueError(f"wide_compiler.integrations.ray: train_step returned {name!r} = {value!r}; "
+                         f"expected one value per member ({n} values: a tensor [N] or a list)")
+    values = [float(v) for v in value]
+    if len(values) != n:
+        raise ValueError(f"wide_compiler.integrations.ray: train_step returned {len(values)} values "
+                         f"for {name!r}; expected one per member ({n})")
+    return values
+
+
+class Population:
+    """The N members of one fused trial: the wide model, its per-member optimizer, each member's
+    configuration and record, and the member operations schedulers use (:meth:`stop`,
+    :meth:`restart`, :meth:`exploit`, :meth:`set_hyperparameters`).
+
+    ``train_step(pop)`` receives this object. Read ``pop.model`` (the :class:`WideModel`),
+    ``pop.optimizer``, ``pop.configs[i]`` (member ``i``'s configuration: hyperparameters that
+    are not the optimizer's, e.g. a loss weight, are read from here), ``pop.n``,
+    ``pop.iteration``, ``pop.active[i]``, and draw random numbers from ``pop.generator`` (a
+    ``torch.Generator`` saved in checkpoints, so a restored trial continues identically).
+
+    Without Ray, :meth:`create` and :meth:`step` run the same loop as :func:`fused_trainable`.
+
+    Example:
+        >>> import torch, torch.nn.functional as F, wide_compiler as wc
+        >>> from wide_compiler.integrations.ray import MemberASHA, Population
+        >>> _ = torch.manual_seed(0)
+        >>> x, y = torch.randn(64, 3), torch.randn(64, 1)
+        >>> def train_step(pop):
+        ...     losses = wc.optim.member_losses(F.mse_loss, pop.model(x.expand(pop.n, *x.shape)),
+        ...                                     y, shared_target=True)
+        ...     pop.optimizer.zero_grad(); losses.sum().backward(); pop.optimizer.step()
+        ...     return {"loss": losses.detach()}
+        >>> pop = Population.create(
+        ...     lambda cfg: torch.nn.Linear(3, 1), lambda params, hp: wc.optim.SGD(params, lr=hp["lr"]),
+        ...     sample_input=torch.randn(2, 3), n_members=4, metric="loss", mode="min",
+        ...     member_configs=[{"lr": lr} for lr in (1e-3, 1e-2, 1e-1, 3e-1)], max_iterations=8,
+        ...     scheduler=MemberASHA(grace_period=2, reduction_factor=2), seed=0)
+        >>> while not pop.done:
+        ...     report = pop.step(train_step)
+        >>> len(pop.finished), pop.best["config"]["lr"]
+        (4, 0.3)
+    """
+
+    def __init__(self) -> None:  # use create() or from_state()
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.n = 0
+        self.configs: list[dict[str, Any]] = []
+        self.iteration = 0
+
+    # -- construction ------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, build_model: Callable[[dict], nn.Module], optimizer: Callable[..., Any], *,
+               sample_input: Any, n_members: int, metric: str, mode: str = "min",
+               max_iterations: int | None = None, member_space: Mapping[str, Any] | None = None,
+               member_configs: Sequence[Mapping[str, Any]] | None = None,
+               trial_config: Mapping[str, Any] | None = None, num_member_samples: int | None = None,
+               scheduler: MemberScheduler | None = None,
+               hyperparameters: Mapping[str, str] | None = None,
+               wide_config: WideConfig | None = None, seed: int = 0) -> Population:
+        """A new population: ``member_configs`` first, then samples of ``member_space``, each merged
+        over ``trial_config`` (keys shared by all members, e.g. architecture sizes); member ``i``'s
+        initial weights are ``build_model(config)`` under ``torch.manual_seed(seeds[i])``.
+        ``num_member_samples`` (default ``n_members``) is the number of configurations this
+        population may try in all: a stopped member's slot restarts with a new sample while
+        some remain."""
+        self = cls()
+        self._init_spec(build_model, optimizer, sample_input=sample_input, n_members=n_members,
+                        metric=metric, mode=mode, max_iterations=max_iterations,
+                        member_space=member_space, trial_config=trial_config,
+                        num_member_samples=num_member_samples, scheduler=scheduler,
+                        hyperparameters=hyperparameters, wide_config=wide_config)
+        import numpy as np
+
+        self.seed = int(seed)
+        self.rng = random.Random(self.seed)
+        self.np_rng = np.random.default_rng(self.seed)
+        self.generator = torch.Generator().manual_seed(self.seed)
+        given = [dict(c) for c in (member_configs or [])]
+        if len(given) > n_members:
+            raise ValueError(f"wide_compiler.integrations.ray: {len(given)} member configs for "
+                             f"n_members={n_members}")
+        configs = [self._merge(c) for c in given]
+        while len(configs) < n_members:
+            configs.append(self._new_config())
+        self.configs = configs
+        self.seeds = [self.rng.randrange(2**31) for _ in range(n_members)]
+        self.member_ids = list(range(n_members))
+        self.started = n_members
+        self.ages = [0] * n_members
+        self.active = [True] * n_members
+        self.last: list[dict[str, float]] = [{} for _ in range(n_members)]
+        self.finished: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self.best: dict[str, Any] | None = None
+        self.iteration = 0
+        self.restores: list[int] = []
+        models = [self._build(c, s) for c, s in zip(configs, self.seeds)]
+        self._fuse(models)
+        self.optimizer = self._make_optimizer(configs)
+        self._frozen: dict[int, dict[str, torch.Tensor]] = {}
+        return self
+
+    def _init_spec(self, build_model, optimizer, *, sample_input, n_members, metric, mode,
+                   max_iterations, member_space, trial_config, num_member_samples, scheduler,
+                   hyperparameters, wide_config) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"wide_compiler.integrations.ray: mode must be 'min' or 'max', got {mode!r}")
+        if not isinstance(n_members, int) or n_members < 1:
+            raise ValueError(f"wide_compiler.integrations.ray: n_members must be >= 1, got {n_members!r}")
+        budget = n_members if num_member_samples is None else int(num_member_samples)
+        if budget < n_members:
+            raise ValueError(f"wide_compiler.integrations.ray: num_member_samples={budget} < "
+                             f"n_members={n_members}")
+        if budget > n_members and member_space is None:
+            raise ValueError("wide_compiler.integrations.ray: num_member_samples > n_members needs "
+                             "a member_space to draw the restarted members from")
+        if max_iterations is None and scheduler is not None:
+            max_iterations = getattr(scheduler, "max_t", None)
+        self.build_model, self.make_optimizer = build_model, optimizer
+        self.sample_input, self.n, self.metric, self.mode = sample_input, n_members, metric, mode
+        self.max_iterations = max_iterations
+        self.member_space = dict(member_space or {})
+        self.trial_config = dict(trial_config or {})
+        self.budget = budget
+        self.scheduler = scheduler
+        self.hp_map = dict(hyperparameters) if hyperparameters is not None else None
+        self.wide_config = wide_config or WideConfig.fast()
+        overlap = sorted(set(self.member_space) & set(self.trial_config))
+        if overlap:
+            raise ValueError(f"wide_compiler.integrations.ray: {overlap} are both trial-level keys "
+                             "(the Tuner's param_space) and per-member keys (member_space); keep "
+                             "each key in one of them")
+
+    def _merge(self, member: Mapping[str, Any]) -> dict[str, Any]:
+        return {**copy.deepcopy(self.trial_config), **member}
+
+    def _new_config(self) -> dict[str, Any]:
+        return self._merge(sample_member_config(self.member_space, self.np_rng))
+
+    def _build(self, config: Mapping[str, Any], seed: int) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = self.build_model(dict(config))
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"wide_compiler.integrations.ray: build_model returned a "
+                            f"{type(model).__name__}, expected an nn.Module")
+        return model
+
+    def _fuse(self, models: list[nn.Module]) -> None:
+        from ..api import compile as wide_compile
+
+        sample = self.sample_input(self.trial_config) if callable(self.sample_input) else self.sample_input
+        self.model = wide_compile(models, sample, config=self.wide_config)
+
+    def _make_optimizer(self, configs: list[dict[str, Any]]) -> Any:
+        keys = sorted({k for c in configs for k in c})
+        columns = {k: [c.get(k) for c in configs] for k in keys}
+        opt = self.make_optimizer(self.model.parameters(), columns)
+        if not callable(getattr(opt, "set_member_hyperparameters", None)):
+            raise TypeError(f"wide_compiler.integrations.ray: optimizer returned a "
+                            f"{type(opt).__name__}; expected a wide_compiler.optim optimizer "
+                            "(per-member hyperparameters), e.g. lambda params, hp: "
+                            "wc.optim.Adam(params, lr=hp['lr'])")
+        return opt
+
+    def _optimizer_keys(self) -> dict[str, str]:
+        """config key -> optimizer hyperparameter name, for the keys pushed into the optimizer."""
+        if self.hp_map is not None:
+            return self.hp_map
+        names = {k for k, v in self.optimizer.member_hyperparameters(0).items()
+                 if (isinstance(v, float) and not isinstance(v, bool))
+                 or (isinstance(v, tuple) and all(isinstance(x, float) for x in v))}
+        keys = {k for c in self.configs for k in c}
+        return {k: k for k in sorted(keys & names)}
+
+    # -- member operations -------------------------------------------------------------------------
+    def value(self, i: int) -> float | None:
+        """Member ``i``'s latest value of the metric (None before its first iteration)."""
+        return self.last[i].get(self.metric)
+
+    def sort_key(self, v: float | None) -> float:
+        """Smaller is better, whatever the mode; NaN and missing values are the worst."""
+        if not _finite(v):
+            return math.inf
+        return v if self.mode == "min" else -v  # type: ignore[operator]
+
+    def set_hyperparameters(self, i: int, **values: Any) -> None:
+        """Change member ``i``'s configuration; keys that are optimizer hyperparameters (same name,
+        or mapped with ``hyperparameters=``) are pushed into the optimizer for that member."""
+        self.configs[i].update(copy.deepcopy(values))
+        push = {opt_name: values[key] for key, opt_name in self._optimizer_keys().items() if key in values}
+        if push:
+            self.optimizer.set_member_hyperparameters(i, **push)
+
+    def restart(self, i: int, config: Mapping[str, Any] | None = None, seed: int | None = None) -> None:
+        """Slot ``i`` starts a new member: ``config`` (default: a fresh sample of the member
+        space), weights of ``build_model(config)`` under ``seed``, a zeroed optimizer state."""
+        config = self._new_config() if config is None else self._merge(config)
+        seed = self.rng.randrange(2**31) if seed is None else int(seed)
+        self.model.load_member_state_dict(i, self._build(config, seed).state_dict())
+        self.optimizer.reset_member_state(i)
+        self.configs[i] = {}
+        self.set_hyperparameters(i, **config)
+        self.seeds[i], self.member_ids[i] = seed, self.started
+        self.started += 1
+        self.ages[i], self.active[i], self.last[i] = 0, True, {}
+        self._frozen.pop(i, None)
+        self.events.append({"iteration": self.iteration, "event": "restart", "slot": i,
+                            "id": self.member_ids[i], "config": copy.deepcopy(config)})
+
+    def exploit(self, src: int, dst: int) -> None:
+        """Member ``dst`` becomes a copy of member ``src``: weights, buffers, optimizer state,
+        hyperparameters, configuration and age (``WideModel.copy_member``)."""
+        self.model.copy_member(src, dst, self.optimizer)
+        self.configs[dst] = copy.deepcopy(self.configs[src])
+        self.ages[dst], self.last[dst] = self.ages[src], dict(self.last[src])
+
+    def stop(self, i: int, status: str = "stopped") -> None:
+        """Member ``i`` is done (``"stopped"`` by a scheduler, or ``"completed"``): its record goes
+        to :attr:`finished`, then the slot restarts with a new sample while the population's
+        ``num_member_samples`` allows, or is frozen (weights kept, no longer trained)."""
+        if not self.active[i]:
+            return
+        record = self._record(i, status)
+        self.finished.append(record)
+        self.events.append({"iteration": self.iteration, "event": status, "slot": i,
+                            "id": self.member_ids[i], "value": self.value(i)})
+        if self.best is None or self.sort_key(record["value"]) < self.sort_key(self.best["value"]):
+            self.best = {**record, "state_dict": self.model.member_state_dict(i)}
+        if self.started < self.budget:
+            self.restart(i)
+        else:
+            self.active[i] = False
+            self._frozen[i] = self.model.member_state_dict(i)
+
+    def _record(self, i: int, status: str) -> dict[str, Any]:
+        return {"id": self.member_ids[i], "slot": i, "config": copy.deepcopy(self.configs[i]),
+                "seed": self.seeds[i], "iterations": self.ages[i], "status": status,
+                "value": self.value(i), "metrics": dict(self.last[i])}
+
+    @property
+    def done(self) -> bool:
+        """No member is training any more."""
+        return not any(self.active)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def step(self, train_step: Callable[[Population], Mapping[str, Any]]) -> dict[str, Any]:
+        """One iteration: ``train_step(self)`` trains every member and returns per-member metrics
+        (each a tensor ``[N]`` or N numbers, ``metric`` among them); then members that reached
+        ``max_iterations`` complete, the member scheduler acts, and the report (what
+        :func:`fused_trainable` passes to ``tune.report``) is returned."""
+        if self.done:
+            raise RuntimeError("wide_compiler.integrations.ray: every member is done")
+        raw = train_step(self)
+        if not isinstance(raw, Mapping) or self.metric not in raw:
+            raise ValueError(f"wide_compiler.integrations.ray: train_step must return a dict of "
+                             f"per-member metrics containing {self.metric!r}; got "
+                             f"{sorted(raw) if isinstance(raw, Mapping) else type(raw).__name__}")
+        values = {k: _per_member(k, v, self.n) for k, v in raw.items()}
+        self._restore_frozen()
+        self.iteration += 1
+        for i in range(self.n):
+            if self.active[i]:
+                self.ages[i] += 1
+                self.last[i] = {k: v[i] for k, v in values.items()}
+        report = self.report()                 # this iteration's results, before any change
+        if self.max_iterations is not None:
+            for i in range(self.n):
+                if self.active[i] and self.ages[i] >= self.max_iterations:
+                    self.stop(i, "completed")
+        if self.scheduler is not None:
+            self.scheduler.on_iteration(self)
+        report.update(self._counters())
+        return report
+
+    def _restore_frozen(self) -> None:
+        for i, sd in self._frozen.items():
+            self.model.load_member_state_dict(i, sd)
+
+    def report(self) -> dict[str, Any]:
+        """The N members' latest results and the trial's best, as reported to Tune."""
+        members = {}
+        for i in range(self.n):
+            members[str(i)] = {**self.last[i], "id": self.member_ids[i], "age": self.ages[i],
+                               "active": int(self.active[i]), "seed": self.seeds[i],
+                               "config": copy.deepcopy(self.configs[i])}
+        cands = [(self.sort_key(self.value(i)), self._record(i, "running"))
+                 for i in range(self.n) if self.active[i] and self.value(i) is not None]
+        if self.best is not None:
+            cands.append((self.sort_key(self.best["value"]), self.best))
+        best = min(cands, key=lambda c: c[0])[1] if cands else None
+        out: dict[str, Any] = {"members": members}
+        if best is not None:
+            out.update({self.metric: best["value"], "best_member": best["id"],
+                        "best_config": copy.deepcopy(best["config"])})
+        out.update(self._counters())
+        return out
+
+    def _counters(self) -> dict[str, Any]:
+        return {"members_started": self.started, "members_finished": len(self.finished),
+                "members_active": sum(self.active), "n_members": self.n}
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue identically: each member's ``state_dict`` (the original
+        module's keys), the optimizer, the configurations and records, the scheduler and the
+        generators (this population's and torch's global one)."""
+        return {
+            "format": _FORMAT, "n": self.n, "metric": self.metric, "mode": self.mode,
+            "seed": self.seed, "iteration": self.iteration,
+            "members": [self.model.member_state_dict(i) for i in range(self.n)],
+            "optimizer": self.optimizer.state_dict(),
+            "configs": copy.deepcopy(self.configs), "seeds": list(self.seeds),
+            "member_ids": list(self.member_ids), "ages": list(self.ages), "active": list(self.active),
+            "last": copy.deepcopy(self.last), "started": self.started, "budget": self.budget,
+            "finished": copy.deepcopy(self.finished), "events": copy.deepcopy(self.events),
+            "best": self.best, "restores": list(self.restores), "trial_config": copy.deepcopy(self.trial_config),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "rng": self.rng.getstate(), "np_rng": self.np_rng.bit_generator.state,
+            "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any], build_model: Callable[[dict], nn.Module],
+                   optimizer: Callable[..., Any], *, sample_input: Any,
+                   scheduler: MemberScheduler | None = None, max_iterations: int | None = None,
+                   member_space: Mapping[str, Any] | None = None,
+                   hyperparameters: Mapping[str, str] | None = None,
+                   wide_config: WideConfig | None = None) -> Population:
+        """The population saved by :meth:`state_dict` (``scheduler`` gets its saved state)."""
+        import numpy as np
+
+        if state.get("format") != _FORMAT:
+            raise ValueError(f"wide_compiler.integrations.ray: unknown checkpoint format {state.get('format')!r}")
+        self = cls()
+        self._init_spec(build_model, optimizer, sample_input=sample_input, n_members=state["n"],
+                        metric=state["metric"], mode=state["mode"], max_iterations=max_iterations,
+                        member_space=member_space, trial_config=state["trial_config"],
+                        num_member_samples=state["budget"], scheduler=scheduler,
+                        hyperparameters=hyperparameters, wide_config=wide_config)
+        for key in ("seed", "iteration", "seeds", "member_ids", "ages", "active", "last", "started",
+                    "finished", "events", "best", "restores"):
+            setattr(self, key, copy.deepcopy(state[key]))
+        self.configs = copy.deepcopy(state["configs"])
+        self.rng = random.Random()
+        self.rng.setstate(state["rng"])
+        self.np_rng = np.random.default_rng()
+        self.np_rng.bit_generator.state = state["np_rng"]
+        self.generator = torch.Generator()
+        self.generator.set_state(state["generator"])
+        models = []
+        for config, seed, sd in zip(self.configs, self.seeds, state["members"]):
+            m = self._build(config, seed)
+            m.load_state_dict(sd)
+            models.append(m)
+        self._fuse(models)
+        self.optimizer = self._make_optimizer(self.configs)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._frozen = {i: self.model.member_state_dict(i) for i in range(self.n) if not self.active[i]}
+        if scheduler is not None and state.get("scheduler") is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        self.restores.append(self.iteration)
+        return self
+
+    def save(self, directory: str | os.PathLike) -> str:
+        """Write :meth:`state_dict` into ``directory`` (the content of a Tune checkpoint)."""
+        path = os.path.join(os.fspath(directory), CHECKPOINT_FILE)
+        torch.save(self.state_dict(), path)
+        return path
+
+
+# ------------------------------------------------------------------------------------------------
+# Member schedulers
+# ------------------------------------------------------------------------------------------------
+class MemberScheduler:
+    """Base of the schedulers acting on the members of one fused trial. After every iteration,
+    :meth:`on_iteration` reads ``pop.last`` / ``pop.ages`` and calls ``pop.stop``,
+    ``pop.exploit`` or ``pop.set_hyperparameters``. ``metric`` / ``mode`` default to the
+    trainable's."""
+
+    max_t: int | None = None
+
+    def __init__(self, metric: str | None = None, mode: str | None = None) -> None:
+        self.metric, self.mode = metric, mode
+
+    def _key(self, pop: Population, i: int) -> float:
+        v = pop.last[i].get(self.metric or pop.metric)
+        if not _finite(v):
+            return math.inf
+        return v if (self.mode or pop.mode) == "min" else -v
+
+    def on_iteration(self, pop: Population) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+class MemberASHA(MemberScheduler):
+    """Asynchronous successive halving (``ray.tune.schedulers.ASHAScheduler``) over members.
+
+    Rungs are at member ages ``grace_period * reduction_factor**k`` below ``max_t``. A member
+    reaching a rung records its metric there; it is stopped when it is worse than the
+    ``1 - 1/reduction_factor`` quantile of everything recorded at that rung (in this trial,
+    restarted members included), the cutoff Ray's ASHA uses. Members reaching a rung in the same
+    iteration are recorded together before the cutoff is computed, so none is judged against an
+    empty rung. ``max_t`` defaults to the trainable's ``max_iterations``.
+
+    Example:
+        >>> asha = MemberASHA(grace_period=1, reduction_factor=2, max_t=8)
+        >>> asha.milestones()
+        [1, 2, 4]
+    """
+
+    def __init__(self, *, metric: str | None = None, mode: str | None = None,
+                 max_t: int | None = None, grace_period: int = 1, reduction_factor: float = 4) -> None:
+        super().__init__(metric, mode)
+        if grace_period < 1 or reduction_factor <= 1:
+            raise ValueError("MemberASHA: needs grace_period >= 1 and reduction_factor > 1")
+        self.max_t, self.grace_period, self.reduction_factor = max_t, grace_period, reduction_factor
+        self.rungs: dict[int, list[float]] = {}
+
+    def milestones(self, max_t: int | None = None) -> list[int]:
+        max_t = max_t or self.max_t
+        if max_t is None:
+            raise ValueError("MemberASHA: max_t is not set (pass max_t= or the trainable's max_iterations)")
+        out, k = [], 0
+        while round(self.grace_period * self.reduction_factor ** k) < max_t:
+            out.append(int(round(self.grace_period * self.reduction_factor ** k)))
+            k += 1
+        return out
+
+    def cutoff(self, recorded: Sequence[float]) -> float | None:
+        """The rung's cutoff on sort keys (smaller is better): stop a member whose key is larger."""
+        import numpy as np
+
+        finite = [v for v in recorded if math.isfinite(v)]
+        if not finite:
+            return None
+        return float(np.percentile(finite, 100 / self.reduction_factor))
+
+    def on_iteration(self, pop: Population) -> None:
+        milestones = set(self.milestones(self.max_t or pop.max_iterations))
+        arriving: dict[int, list[int]] = {}
+        for i in range(pop.n):
+            if pop.active[i] and pop.ages[i] in milestones:
+                arriving.setdefault(pop.ages[i], []).append(i)
+        for rung, slots in arriving.items():
+            recorded = self.rungs.setdefault(rung, [])
+            recorded.extend(self._key(pop, i) for i in slots)
+            cut = self.cutoff(recorded)
+            for i in slots:
+                k = self._key(pop, i)
+                if cut is None or k > cut:
+                    pop.stop(i, "stopped")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rungs": {k: list(v) for k, v in self.rungs.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.rungs = {int(k): list(v) for k, v in state["rungs"].items()}
+
+
+class MemberPBT(MemberScheduler):
+    """Population-based training (``ray.tune.schedulers.PopulationBasedTraining``) over members.
+
+    Every ``perturbation_interval`` iterations, members are ranked by the metric; each member of
+    the bottom ``quantile_fraction`` copies a random member of the top one (exploit:
+    :meth:`Population.exploit`, weights + optimizer state + hyperparameters) and perturbs the
+    keys of ``hyperparam_mutations`` (explore, as Ray's PBT does: a tune domain or callable is
+    resampled with ``resample_probability``, else multiplied by one of ``perturbation_factors``;
+    a list value moves to a neighbour or is resampled). Keys that are optimizer hyperparameters
+    go into the optimizer for that member only. The events are in ``pop.events``.
+
+    Example:
+        >>> pbt = MemberPBT(perturbation_interval=10, hyperparam_mutations={"lr": [1e-3, 1e-2, 1e-1]})
+        >>> pbt.quantile_fraction
+        0.25
+    """
+
+    def __init__(self, *, perturbation_interval: int, hyperparam_mutations: Mapping[str, Any],
+                 metric: str | None = None, mode: str | None = None, quantile_fraction: float = 0.25,
+                 resample_probability: float = 0.25,
+                 perturbation_factors: Sequence[float] = (1.2, 0.8),
+                 custom_explore_fn: Callable[[dict], dict] | None = None, seed: int | None = None) -> None:
+        super().__init__(metric, mode)
+        if perturbation_interval < 1:
+            raise ValueError("MemberPBT: perturbation_interval must be >= 1")
+        if not 0 < quantile_fraction <= 0.5:
+            raise ValueError("MemberPBT: quantile_fraction must be in (0, 0.5]")
+        if not hyperparam_mutations and custom_explore_fn is None:
+            raise ValueError("MemberPBT: give hyperparam_mutations or custom_explore_fn")
+        self.perturbation_interval = perturbation_interval
+        self.mutations = dict(hyperparam_mutations)
+        self.quantile_fraction, self.resample_probability = quantile_fraction, resample_probability
+        self.perturbation_factors = tuple(perturbation_factors)
+        self.custom_explore_fn, self.seed = custom_explore_fn, seed
+        self._rng: random.Random | None = None
+
+    def _generators(self, pop: Population) -> tuple[random.Random, Any]:
+        if self._rng is None:
+            self._rng = random.Random(_seed_of("MemberPBT", pop.seed if self.seed is None else self.seed))
+        return self._rng, pop.np_rng
+
+    def on_iteration(self, pop: Population) -> None:
+        if pop.iteration % self.perturbation_interval != 0:
+            return
+        ranked = sorted((i for i in range(pop.n) if pop.active[i] and pop.ages[i] > 0),
+                        key=lambda i: (self._key(pop, i), i))
+        q = int(math.ceil(len(ranked) * self.quantile_fraction))
+        q = min(q, len(ranked) // 2)
+        if q == 0:
+            return
+        top, bottom = ranked[:q], ranked[-q:]
+        rng, np_rng = self._generators(pop)
+        for dst in bottom:
+            src = rng.choice(top)
+            old = copy.deepcopy(pop.configs[dst])
+            pop.exploit(src, dst)
+            new, ops = _explore(pop.configs[dst], self.mutations, rng, np_rng,
+                                self.resample_probability, self.perturbation_factors)
+            if self.custom_explore_fn is not None:
+                new = self.custom_explore_fn(new)
+            changed = {k: v for k, v in new.items() if pop.configs[dst].get(k) != v}
+            if changed:
+                pop.set_hyperparameters(dst, **changed)
+            pop.events.append({"iteration": pop.iteration, "event": "exploit", "slot": dst,
+                               "src": src, "src_id": pop.member_ids[src], "id": pop.member_ids[dst],
+                               "old_config": old, "config": copy.deepcopy(pop.configs[dst]),
+                               "operations": ops})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self._rng.getstate() if self._rng is not None else None}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("rng") is not None:
+            self._rng = random.Random()
+            self._rng.setstate(state["rng"])
+
+
+# ------------------------------------------------------------------------------------------------
+# The Tune trainable and checkpoint helpers
+# ------------------------------------------------------------------------------------------------
+def fused_trainable(
+    build_model: Callable[[dict], nn.Module],
+    train_step: Callable[[Population], Mapping[str, Any]],
+    *,
+    optimizer: Callable[[Any, dict[str, list]], Any],
+    sample_input: Any,
+    metric: str,
+    mode: str = "min",
+    n_members: int = 8,
+    member_space: Mapping[str, Any] | None = None,
+    max_iterations: int | None = None,
+    member_scheduler: MemberScheduler | Callable[[], MemberScheduler] | None = None,
+    num_member_samples: int | None = None,
+    hyperparameters: Mapping[str, str] | None = None,
+    checkpoint_every: int = 10,
+    wide_config: WideConfig | None = None,
+) -> Callable[[dict], None]:
+    """A Ray Tune function trainable whose every trial trains ``n_members`` configurations fused.
+
+    Args:
+        build_model: ``config -> nn.Module``, ONE member built from its configuration (trial-level
+            keys merged with the member's own). All members of a trial must have the same
+            architecture: architecture keys belong in the Tuner's ``param_space`` (one value per
+            trial), per-member keys (learning rates, regularisation, seeds...) in ``member_space``.
+        train_step: ``pop -> {name: per-member values}``, one iteration (a batch, an epoch...) for
+            all members of the :class:`Population` ``pop``; returns tensors ``[N]`` (or lists of N
+            numbers), ``metric`` among them.
+        optimizer: ``(params, hp) -> WideOptimizer``; ``hp[key]`` is the list of the N members'
+            values of a config key, e.g. ``lambda params, hp: wc.optim.AdamW(params, lr=hp["lr"],
+            weight_decay=hp["wd"])``.
+        sample_input: one member's input for :func:`wide_compiler.compile` (or
+            ``trial_config -> input``).
+        metric, mode: the per-member metric and ``"min"`` / ``"max"``. The report's ``metric`` is
+            the trial's best member (finished or running), what Tune's schedulers compare.
+        n_members: members trained together (slots of the trial).
+        member_space: per-member search space (Tune domains, callables ``f(numpy_generator)``,
+            constants); each member is one sample. A trial's ``config["members"]`` (a list of
+            dicts) gives the first members explicitly; ``config["seed"]`` seeds the trial
+            (default: derived from the trial id).
+        max_iterations: a member's training budget, in iterations; it then completes.
+        member_scheduler: :class:`MemberASHA`, :class:`MemberPBT`, another
+            :class:`MemberScheduler`, or a factory of one (a fresh one per trial).
+        num_member_samples: configurations a trial may try in all (default ``n_members``);
+            members stopped by the scheduler or completed are replaced by new samples until it is
+            reached. The trial ends when no member is training any more.
+        hyperparameters: config key -> optimizer hyperparameter name for keys whose names differ
+            (default: config keys named like one of the optimizer's per-member hyperparameters).
+        checkpoint_every: iterations between checkpoints (and always at the end); 0: at the end only.
+        wide_config: :class:`WideConfig` of the fused model (default ``WideConfig.fast()``).
+
+    Each ``tune.report`` has ``members/<i>/<name>`` for every metric of member slot ``i``,
+    ``members/<i>/config/<key>``, ``members/<i>/id`` (a configuration's number in the trial),
+    ``members/<i>/age``, ``members/<i>/active``, ``members/<i>/seed`` (its initial weights are
+    ``build_model(config)`` under ``torch.manual_seed(seed)``), the trial's best (``<metric>``, ``best_member``,
+    ``best_config``) and counters (``members_started``, ``members_finished``,
+    ``members_active``). Checkpoints: :func:`load_checkpoint`, :func:`best_model`.
+
+    Member configurations are random samples of ``member_space`` drawn inside the trial (Tune's
+    searchers, e.g. Optuna, choose the trial-level keys only). Tune's own schedulers act on whole
+    trials as usual (a trial's ``metric`` is its best member's); Tune's PBT restores a trial from
+    another trial's checkpoint, members and their configurations included.
+
+    Example:
+        >>> trainable = fused_trainable(build_model, train_step, n_members=16,   # doctest: +SKIP
+        ...     member_space={"lr": tune.loguniform(1e-4, 1e-1)}, max_iterations=100,
+        ...     optimizer=lambda params, hp: wc.optim.Adam(params, lr=hp["lr"]),
+        ...     sample_input=torch.randn(8, 2), metric="val_loss",
+        ...     member_scheduler=lambda: MemberPBT(perturbation_interval=10,
+        ...                                        hyperparam_mutations={"lr": tune.loguniform(1e-4, 1e-1)}))
+        >>> tune.Tuner(trainable, tune_config=tune.TuneConfig(num_samples=4)).fit()   # doctest: +SKIP
+    """
+    tune = _require_tune()
+    if checkpoint_every < 0:
+        raise ValueError("fused_trainable: checkpoint_every must be >= 0")
+    scheduler_proto = member_scheduler
+
+    def new_scheduler() -> MemberScheduler | None:
+        if scheduler_proto is None:
+            return None
+        if isinstance(scheduler_proto, MemberScheduler):
+            return copy.deepcopy(scheduler_proto)
+        return scheduler_proto()
+
+    if max_iterations is None:
+        probe = new_scheduler()
+        if getattr(probe, "max_t", None) is None:
+            raise ValueError("fused_trainable: give max_iterations (a member's budget in iterations)")
+
+    def wide_trainable(config: dict) -> None:
+        config = dict(config)
+        explicit = config.pop("members", None)
+        seed = config.pop("seed", None)
+        if seed is None:
+            trial_id = tune.get_context().get_trial_id() or "local"
+            seed = _seed_of("wide_compiler", trial_id)
+        kwargs = dict(sample_input=sample_input, scheduler=new_scheduler(),
+                      max_iterations=max_iterations, member_space=member_space,
+                      hyperparameters=hyperparameters, wide_config=wide_config)
+        checkpoint = tune.get_checkpoint()
+        if checkpoint is not None:
+            pop = Population.from_state(load_checkpoint(checkpoint), build_model, optimizer, **kwargs)
+        else:
+            pop = Population.create(build_model, optimizer, n_members=n_members, metric=metric,
+                                    mode=mode, member_configs=explicit, trial_config=config,
+                                    num_member_samples=num_member_samples, seed=int(seed), **kwargs)
+        while not pop.done:
+            report = pop.step(train_step)
+            if pop.done or (checkpoint_every and pop.iteration % checkpoint_every == 0):
+                with tempfile.TemporaryDirectory() as d:
+                    pop.save(d)
+                    tune.report(report, checkpoint=tune.Checkpoint.from_directory(d))
+            else:
+                tune.report(report)
+
+    wide_trainable.__name__ = wide_trainable.__qualname__ = f"wide_{getattr(build_model, '__name__', 'model')}"
+    return wide_trainable
+
+
+def load_checkpoint(checkpoint: Any) -> dict[str, Any]:
+    """The :meth:`Population.state_dict` in a checkpoint of :func:`fused_trainable` (a
+    ``ray.tune.Checkpoint``, a ``ray.train.Checkpoint``, or its directory). ``["members"][i]`` is
+    member slot ``i``'s ``state_dict`` (loadable into ``build_model(["configs"][i])``),
+    ``["finished"]`` the records of the members done, ``["best"]`` the best finished member with
+    its ``state_dict``. The file is read with ``torch.load(weights_only=False)`` (configurations
+    are arbitrary Python values): load only checkpoints you trust."""
+    if callable(getattr(checkpoint, "as_directory", None)):        # a Ray checkpoint
+        with checkpoint.as_directory() as d:
+            return torch.load(os.path.join(d, CHECKPOINT_FILE), weights_only=False)
+    if isinstance(checkpoint, (str, os.PathLike)):
+        return torch.load(os.path.join(os.fspath(checkpoint), CHECKPOINT_FILE), weights_only=False)
+    raise TypeError(f"load_checkpoint: expected a ray Checkpoint or a directory, got "
+                    f"{type(checkpoint).__name__}")
+
+
+def best_member(checkpoint: Any) -> dict[str, Any]:
+    """The best member of a checkpointed fused trial, finished or still training when the
+    checkpoint was written: ``{"config", "value", "metrics", "state_dict", "id", ...}``."""
+    state = checkpoint if isinstance(checkpoint, Mapping) else load_checkpoint(checkpoint)
+    mode = state["mode"]
+
+    def key(v: Any) -> float:
+        return math.inf if not _finite(v) else (v if mode == "min" else -v)
+
+    cands = []
+    if state["best"] is not None:
+        cands.append((key(state["best"]["value"]), state["best"]))
+    for i in range(state["n"]):
+        if state["active"][i] and state["last"][i]:
+            value = state["last"][i].get(state["metric"])
+            cands.append((key(value), {
+                "id": state["member_ids"][i], "slot": i, "config": state["configs"][i],
+                "seed": state["seeds"][i], "iterations": state["ages"][i], "status": "running",
+                "value": value, "metrics": state["last"][i], "state_dict": state["members"][i]}))
+    if not cands:
+        raise ValueError("best_member: the checkpoint has no member with a result yet")
+    return min(cands, key=lambda c: c[0])[1]
+
+
+def best_model(checkpoint: Any, build_model: Callable[[dict], nn.Module]) -> nn.Module:
+    """The best member of a checkpointed fused trial as an ordinary module:
+    ``build_model(config)`` loaded with its weights (its record: :func:`best_member`)."""
+    best = best_member(checkpoint)
+    model = build_model(dict(best["config"]))
+    model.load_state_dict(best["state_dict"])
+    return model

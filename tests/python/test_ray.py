@@ -1,0 +1,333 @@
+"""wide_compiler.integrations.ray: one Ray Tune trial trains N fused members.
+
+Checks: a fused trial's per-member results are N separate trainings' results, N results per
+report, member-level ASHA stops (and refills) the members it should, member-level PBT copies and
+perturbs as Ray's PBT does, and a checkpointed trial continues identically (in-process, and under
+Tune after an injected failure)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+tune = pytest.importorskip("ray.tune", reason='ray[tune] is not installed (pip install "ray[tune]")')
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import wide_compiler as wc  # noqa: E402
+from torch import nn  # noqa: E402
+from wide_compiler.integrations import ray as wcray  # noqa: E402
+
+N = 4
+_g = torch.Generator().manual_seed(0)
+X_TRAIN, Y_TRAIN = torch.randn(64, 3, generator=_g), torch.randn(64, 1, generator=_g)
+X_VAL, Y_VAL = torch.randn(32, 3, generator=_g), torch.randn(32, 1, generator=_g)
+
+
+def build_model(config):
+    return nn.Sequential(nn.Linear(3, config.get("hidden", 8)), nn.Tanh(),
+                         nn.Linear(config.get("hidden", 8), 1))
+
+
+def sgd(params, hp):
+    return wc.optim.SGD(params, lr=hp["lr"], momentum=hp["momentum"])
+
+
+def adam(params, hp):
+    return wc.optim.Adam(params, lr=hp["lr"])
+
+
+def full_batch_step(pop):
+    """Deterministic: full batch, validation loss after the update."""
+    n = pop.n
+    losses = wc.optim.member_losses(F.mse_loss, pop.model(X_TRAIN.expand(n, *X_TRAIN.shape)),
+                                    Y_TRAIN, shared_target=True)
+    pop.optimizer.zero_grad()
+    losses.sum().backward()
+    pop.optimizer.step()
+    with torch.no_grad():
+        val = wc.optim.member_losses(F.mse_loss, pop.model(X_VAL.expand(n, *X_VAL.shape)), Y_VAL,
+                                     shared_target=True)
+    return {"loss": val, "train_loss": losses.detach()}
+
+
+def minibatch_step(pop):
+    """Per-member minibatches drawn from pop.generator (saved in checkpoints)."""
+    idx = torch.randint(0, len(X_TRAIN), (pop.n, 16), generator=pop.generator)
+    losses = wc.optim.member_losses(F.mse_loss, pop.model(X_TRAIN[idx]), Y_TRAIN[idx])
+    pop.optimizer.zero_grad()
+    losses.sum().backward()
+    pop.optimizer.step()
+    with torch.no_grad():
+        val = wc.optim.member_losses(F.mse_loss, pop.model(X_VAL.expand(pop.n, *X_VAL.shape)), Y_VAL,
+                                     shared_target=True)
+    return {"loss": val}
+
+
+def separate_training(config, seed, iterations):
+    """What one member does trained alone with torch.optim: its validation losses per iteration."""
+    torch.manual_seed(seed)
+    model = build_model(config)
+    opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=config["momentum"])
+    out = []
+    for _ in range(iterations):
+        loss = F.mse_loss(model(X_TRAIN), Y_TRAIN)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            out.append(F.mse_loss(model(X_VAL), Y_VAL).item())
+    return out, model
+
+
+SPACE = {"lr": tune.loguniform(1e-3, 3e-1), "momentum": tune.uniform(0.0, 0.9)}
+
+
+def population(n=N, *, scheduler=None, optimizer=sgd, budget=None, configs=None, max_iterations=6,
+               space=SPACE, seed=0):
+    return wcray.Population.create(
+        build_model, optimizer, sample_input=torch.randn(2, 3), n_members=n, metric="loss",
+        mode="min", max_iterations=max_iterations, member_space=space, member_configs=configs,
+        num_member_samples=budget, scheduler=scheduler, seed=seed)
+
+
+def member_params(pop, i):
+    return [t.clone() for t in pop.model.member_state_dict(i).values()]
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------------------------------------
+# Without a Ray cluster: the population and the member schedulers
+# ------------------------------------------------------------------------------------------------
+def test_population_members_equal_separate_trainings():
+    pop = population(max_iterations=5)
+    reports = []
+    while not pop.done:
+        reports.append(pop.step(full_batch_step))
+    assert len(reports) == 5
+    for i in range(N):
+        expected, model = separate_training(pop.configs[i], pop.seeds[i], 5)
+        got = [r["members"][str(i)]["loss"] for r in reports]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+        for a, b in zip(pop.model.member_state_dict(i).values(), model.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    best = min(range(N), key=lambda i: reports[-1]["members"][str(i)]["loss"])
+    assert reports[-1]["loss"] == reports[-1]["members"][str(best)]["loss"]
+    assert [r["status"] for r in pop.finished] == ["completed"] * N
+
+
+def test_member_asha_stops_the_members_below_each_rung_cutoff():
+    # The metric is a fixed per-member "quality" so the expected decisions are known exactly;
+    # the members still train, so freezing is checked on real weights.
+    quality = [0.5, 0.1, 0.8, 0.3, 0.7, 0.2, 0.6, 0.4]
+    configs = [{"lr": 0.05, "momentum": 0.0, "q": q} for q in quality]
+
+    def step(pop):
+        full_batch_step(pop)
+        return {"loss": [c["q"] for c in pop.configs]}
+
+    asha = wcray.MemberASHA(grace_period=1, reduction_factor=2)
+    pop = population(8, scheduler=asha, configs=configs, max_iterations=4)
+    assert asha.milestones(4) == [1, 2]
+    pop.step(step)                                                   # rung 1: median cutoff 0.45
+    assert pop.active == [q < 0.45 for q in quality]
+    stopped_weights = {i: member_params(pop, i) for i in range(8) if not pop.active[i]}
+    running_before = member_params(pop, 1)
+    pop.step(step)                                                   # rung 2: 0.1 0.3 0.2 0.4 -> 0.25
+    assert [i for i in range(8) if pop.active[i]] == [1, 5]
+    for i, w in stopped_weights.items():                             # frozen: weights kept
+        assert same(member_params(pop, i), w)
+    assert not same(member_params(pop, 1), running_before)           # still training
+    while not pop.done:
+        pop.step(step)
+    status = {r["id"]: (r["status"], r["iterations"]) for r in pop.finished}
+    assert status == {0: ("stopped", 1), 2: ("stopped", 1), 4: ("stopped", 1), 6: ("stopped", 1),
+                      3: ("stopped", 2), 7: ("stopped", 2), 1: ("completed", 4), 5: ("completed", 4)}
+    assert pop.best["id"] == 1 and pop.best["value"] == 0.1
+    assert asha.rungs == {1: quality, 2: [0.1, 0.3, 0.2, 0.4]}    # recorded per rung, slot order
+
+
+def test_member_asha_restarts_stopped_slots_with_new_samples():
+    asha = wcray.MemberASHA(grace_period=1, reduction_factor=2)
+    pop = population(N, scheduler=asha, budget=10, optimizer=adam, max_iterations=4)
+    pop.step(full_batch_step)
+    assert pop.started > N                                           # stopped slots refilled
+    for ev in [e for e in pop.events if e["event"] == "restart"]:
+        i = ev["slot"]
+        assert pop.ages[i] == 0 and pop.active[i] and pop.member_ids[i] == ev["id"]
+        assert pop.optimizer.member_hyperparameters(i)["lr"] == pytest.approx(pop.configs[i]["lr"])
+        torch.manual_seed(pop.seeds[i])
+        fresh = build_model(pop.configs[i]).state_dict()             # re-initialised weights
+        assert same(member_params(pop, i), list(fresh.values()))
+        for p in pop.optimizer.param_groups[0]["params"]:            # zeroed optimizer state
+            st = pop.optimizer.state[p]
+            assert float(st["exp_avg"][i].abs().sum()) == 0 and float(st["step"][i]) == 0
+    while not pop.done:
+        pop.step(full_batch_step)
+    assert pop.started == 10 and len(pop.finished) == 10
+    assert sorted(r["id"] for r in pop.finished) == list(range(10))
+    assert len({r["config"]["lr"] for r in pop.finished}) == 10      # ten different samples
+
+
+def test_member_pbt_exploits_the_top_and_perturbs_hyperparameters():
+    configs = [{"lr": lr, "momentum": 0.5} for lr in (0.003, 0.1, 0.001, 0.03)]
+    pbt = wcray.MemberPBT(perturbation_interval=2, hyperparam_mutations={"lr": SPACE["lr"]},
+                          resample_probability=0.0, quantile_fraction=0.25, seed=3)
+    pop = population(N, scheduler=pbt, configs=configs, max_iterations=6)
+    pop.step(full_batch_step)
+    assert not [e for e in pop.events if e["event"] == "exploit"]    # not yet at the interval
+    orig_step, snapshot = pop.scheduler.on_iteration, {}
+
+    def spy(p):                                                      # state just before PBT acts
+        snapshot.update(params={i: member_params(p, i) for i in range(N)},
+                        order=sorted(range(N), key=lambda i: p.last[i]["loss"]),
+                        hp={i: p.optimizer.member_hyperparameters(i) for i in range(N)})
+        orig_step(p)
+
+    pop.scheduler.on_iteration = spy
+    pop.step(full_batch_step)
+    (ev,) = [e for e in pop.events if e["event"] == "exploit"]
+    best, worst = snapshot["order"][0], snapshot["order"][-1]
+    assert (ev["src"], ev["slot"]) == (best, worst)
+    assert same(member_params(pop, worst), snapshot["params"][best])         # exploit: weights
+    for p in pop.optimizer.param_groups[0]["params"]:                        # ... optimizer state
+        buf = pop.optimizer.state[p]["momentum_buffer"]
+        assert torch.equal(buf[worst], buf[best])
+    factor = pop.configs[worst]["lr"] / snapshot["hp"][best]["lr"]            # explore: lr * 1.2|0.8
+    assert factor == pytest.approx(1.2) or factor == pytest.approx(0.8)
+    assert pop.optimizer.member_hyperparameters(worst)["lr"] == pytest.approx(pop.configs[worst]["lr"])
+    assert pop.optimizer.member_hyperparameters(worst)["momentum"] == snapshot["hp"][best]["momentum"]
+    for i in set(range(N)) - {worst}:                                        # the others untouched
+        assert same(member_params(pop, i), snapshot["params"][i])
+        assert pop.optimizer.member_hyperparameters(i) == snapshot["hp"][i]
+
+
+def test_population_checkpoint_restore_is_bit_exact(tmp_path):
+    def make():
+        return population(N, optimizer=adam, scheduler=wcray.MemberPBT(
+            perturbation_interval=2, hyperparam_mutations={"lr": SPACE["lr"]}), max_iterations=8, seed=5)
+
+    a = make()
+    for _ in range(3):
+        a.step(minibatch_step)
+    a.save(tmp_path)
+    rest_a = [a.step(minibatch_step) for _ in range(5)]
+    torch.manual_seed(123)                                           # restore resets torch's RNG too
+    b = wcray.Population.from_state(
+        wcray.load_checkpoint(tmp_path), build_model, adam, sample_input=torch.randn(2, 3),
+        scheduler=wcray.MemberPBT(perturbation_interval=2, hyperparam_mutations={"lr": SPACE["lr"]}),
+        max_iterations=8, member_space=SPACE)
+    rest_b = [b.step(minibatch_step) for _ in range(5)]
+    assert rest_a == rest_b and a.done and b.done and b.restores == [3]
+    for i in range(N):
+        assert same(member_params(a, i), member_params(b, i))
+    assert a.events == b.events and a.configs == b.configs
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    for k in sa["state"]:
+        for name, t in sa["state"][k].items():
+            assert torch.equal(t, sb["state"][k][name])
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="grid_search"):
+        wcray.sample_member_config({"lr": tune.grid_search([0.1, 0.2])}, None)
+    with pytest.raises(ValueError, match="one value per member"):
+        pop = population(max_iterations=2)
+        pop.step(lambda p: {"loss": 1.0})
+    with pytest.raises(ValueError, match="both trial-level"):
+        wcray.Population.create(build_model, sgd, sample_input=torch.randn(2, 3), n_members=2,
+                                metric="loss", member_space=SPACE, trial_config={"lr": 0.1})
+
+
+def test_missing_ray_raises_an_import_error_naming_the_install(tmp_path):
+    (tmp_path / "ray.py").write_text("raise ModuleNotFoundError('No module named ray', name='ray')\n")
+    code = ("import sys, wide_compiler\n"
+            "import wide_compiler.integrations.ray as r\n"
+            "assert 'ray' not in sys.modules\n"
+            "try:\n"
+            "    r.fused_trainable(None, None, optimizer=None, sample_input=None, metric='m', max_iterations=1)\n"
+            "except ImportError as e:\n"
+            "    print(e)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert 'pip install "ray[tune]"' in out.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# Under Ray Tune
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers can't import tests
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def run_tuner(trainable, tmp_path, *, param_space=None, max_failures=0):
+    tuner = tune.Tuner(
+        trainable, param_space=param_space or {},
+        tune_config=tune.TuneConfig(num_samples=1),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), name="t", verbose=0,
+                                  stop={"time_total_s": 120},                # bounded
+                                  failure_config=tune.FailureConfig(max_failures=max_failures)))
+    grid = tuner.fit()
+    assert not grid.errors, grid.errors
+    return grid[0]
+
+
+def test_tune_trial_reports_n_results_equal_to_separate_trainings(ray_local, tmp_path):
+    trainable = wcray.fused_trainable(
+        build_model, full_batch_step, optimizer=sgd, sample_input=torch.randn(2, 3), metric="loss",
+        n_members=N, member_space=SPACE, max_iterations=5, checkpoint_every=0)
+    result = run_tuner(trainable, tmp_path, param_space={"hidden": 6, "seed": 11})
+    df = result.metrics_dataframe
+    assert len(df) == 5                                              # one report per iteration
+    for i in range(N):
+        assert df[f"members/{i}/loss"].notna().all()                 # ... each with N results
+        config = {"hidden": 6, "lr": df[f"members/{i}/config/lr"].iloc[0],
+                  "momentum": df[f"members/{i}/config/momentum"].iloc[0]}
+        expected, model = separate_training(config, int(df[f"members/{i}/seed"].iloc[0]), 5)
+        torch.testing.assert_close(torch.tensor(df[f"members/{i}/loss"].tolist()),
+                                   torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    last = [df[f"members/{i}/loss"].iloc[-1] for i in range(N)]
+    assert result.metrics["loss"] == min(last) and result.metrics["members_finished"] == N
+    best = wcray.best_model(result.checkpoint, build_model)
+    i = last.index(min(last))
+    _, model = separate_training({"hidden": 6, "lr": df[f"members/{i}/config/lr"].iloc[0],
+                                  "momentum": df[f"members/{i}/config/momentum"].iloc[0]},
+                                 int(df[f"members/{i}/seed"].iloc[0]), 5)
+    for a, b in zip(best.state_dict().values(), model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_tune_trial_restored_after_a_failure_continues_identically(ray_local, tmp_path):
+    marker = tmp_path / "failed_once"
+
+    def flaky_step(pop):
+        if pop.iteration == 3 and not marker.exists():               # after the checkpoint at 2
+            marker.write_text("x")
+            raise RuntimeError("injected failure")
+        return minibatch_step(pop)
+
+    trainable = wcray.fused_trainable(
+        build_model, flaky_step, optimizer=adam, sample_input=torch.randn(2, 3), metric="loss",
+        n_members=N, member_space=SPACE, max_iterations=6, checkpoint_every=2)
+    result = run_tuner(trainable, tmp_path, param_space={"seed": 21}, max_failures=1)
+    assert marker.exists()
+    restored = wcray.load_checkpoint(result.checkpoint)
+    ref = population(N, optimizer=adam, max_iterations=6, seed=21)
+    while not ref.done:
+        ref.step(minibatch_step)
+    assert restored["restores"] == [2]                               # continued from iteration 2
+    assert restored["configs"] == ref.configs and restored["iteration"] == 6
+    for i in range(N):
+        for a, b in zip(restored["members"][i].values(), member_params(ref, i)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
