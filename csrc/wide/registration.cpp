@@ -44,6 +44,12 @@ TORCH_LIBRARY(wide, m) {
   m.def("layer_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, Tensor? bias=None, "
         "float eps=1e-05, *, str strategy=\"auto\") -> Tensor");
   m.def("rms_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) -> Tensor");
+  // layer_norm(input + residual) (the eval fold pass emits it for a sum only the norm reads).
+  m.def("add_layer_norm(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight=None, "
+        "Tensor? bias=None, float eps=1e-05) -> Tensor");
+  // The no-gradient kernel of the three above (one pass, per-member affine); no autograd.
+  m.def("fused_norm(Tensor input, Tensor? residual, int normalized_numel, Tensor? weight, Tensor? bias, "
+        "float eps, bool rms=False) -> Tensor");
   // N PReLU: weight [N, 1] or [N, C].
   m.def("prelu(Tensor input, Tensor weight, *, bool packed_input=False) -> Tensor");
   // N Embedding / EmbeddingBag tables [N, V, D], one lookup into the [N*V, D] table; N-first.

@@ -3,6 +3,7 @@
 // weight[n], bias[n], running_mean[n], running_var[n], ...) and so on. Packed-family ops (all but
 // layer_norm and rms_norm) return the members' results concatenated on the channel dim; their
 // running statistics must end up exactly as each member's own buffers would.
+#include <ATen/ops/allclose.h>
 #include <ATen/ops/batch_norm.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/group_norm.h>
@@ -24,6 +25,7 @@
 
 #include "wide/ops/norm.h"
 #include "wide/ops/prelu.h"
+#include "wide/optim/cpu/kernels.h"
 #include "wide_test_utils.h"
 
 namespace {
@@ -228,6 +230,87 @@ std::string layer_case_name(const ::testing::TestParamInfo<LayerCase>& info) {
 INSTANTIATE_TEST_SUITE_P(Grid, WideLayerNormTest,
                          ::testing::Combine(::testing::Bool(), ::testing::Values(1, 2), ::testing::Bool()),
                          layer_case_name);
+
+// --- fused_norm: the one-pass no-gradient kernel, every instruction set ------------------------------
+
+// instruction set, dtype
+using FusedCase = std::tuple<std::string, at::ScalarType>;
+
+class WideFusedNormTest : public ::testing::TestWithParam<FusedCase> {
+ protected:
+  void SetUp() override {
+    try {
+      wide::optim::cpu::set_cpu_capability(std::get<0>(GetParam()));
+    } catch (const c10::Error&) {
+      GTEST_SKIP() << "CPU lacks " << std::get<0>(GetParam());
+    }
+  }
+  void TearDown() override { wide::optim::cpu::set_cpu_capability("auto"); }
+};
+
+TEST_P(WideFusedNormTest, MatchesPerMemberReference) {
+  const at::ScalarType dtype = std::get<1>(GetParam());
+  const auto opts = at::TensorOptions().dtype(dtype);
+  const double tol = dtype == at::kFloat ? 1e-5 : 1e-10;
+  const int64_t n = 3;
+  for (int64_t d : {1, 7, 16, 67}) {  // below, at and across vector widths (tails)
+    for (bool residual : {false, true}) {
+      for (bool rms : {false, true}) {
+        for (bool affine : {false, true}) {
+          SCOPED_TRACE("d=" + std::to_string(d) + " residual=" + std::to_string(residual) +
+                       " rms=" + std::to_string(rms) + " affine=" + std::to_string(affine));
+          // Members on very different scales: statistics must be per row, affine per member.
+          const at::Tensor x = at::randn({n, 2, 5, d}, opts).mul(10).add(3);
+          const OptT r = residual ? OptT(at::randn({n, 2, 5, d}, opts)) : std::nullopt;
+          const OptT w = affine ? OptT(at::randn({n, d}, opts)) : std::nullopt;
+          const OptT b = affine && !rms ? OptT(at::randn({n, d}, opts)) : std::nullopt;
+          std::vector<at::Tensor> outs;
+          for (int64_t m = 0; m < n; ++m) {
+            const at::Tensor s = residual ? x[m].add((*r)[m]) : x[m];
+            outs.push_back(rms ? at::rms_norm(s, {d}, member(w, m), 1e-5)
+                               : at::layer_norm(s, {d}, member(w, m), member(b, m), 1e-5, false));
+          }
+          const at::Tensor got = wide::fused_norm(x, r, d, w, b, 1e-5, rms);
+          EXPECT_TRUE(at::allclose(got, at::stack(outs), tol, tol)) << got.sub(at::stack(outs)).abs().max();
+        }
+      }
+    }
+  }
+  // Strided input, residual and weight take the same result as contiguous ones.
+  const at::Tensor x = at::randn({5, 4, 3}, opts).transpose(0, 2);  // [3, 4, 5]
+  const at::Tensor r = at::randn({3, 5, 4}, opts).transpose(1, 2);
+  const at::Tensor w = at::randn({5, 3}, opts).t();
+  EXPECT_TRUE(at::allclose(wide::fused_norm(x, r, 5, w, std::nullopt, 1e-5),
+                           wide::fused_norm(x.contiguous(), r.contiguous(), 5, w.contiguous(), std::nullopt, 1e-5),
+                           tol, tol));
+  // add_layer_norm: the fused path (no gradient wanted) equals layer_norm of the sum.
+  const at::Tensor y = at::randn({3, 4, 5}, opts), z = at::randn({3, 4, 5}, opts);
+  EXPECT_TRUE(at::allclose(wide::add_layer_norm(y, z, syms({5}), w, std::nullopt, 1e-5),
+                           wide::layer_norm(y.add(z), syms({5}), w, std::nullopt, 1e-5, "loop"), tol, tol));
+  // ... and broadcasting sums (not fused) too.
+  const at::Tensor bias = at::randn({3, 1, 5}, opts);
+  EXPECT_TRUE(at::allclose(wide::add_layer_norm(y, bias, syms({5}), w, std::nullopt, 1e-5),
+                           wide::layer_norm(y.add(bias), syms({5}), w, std::nullopt, 1e-5, "loop"), tol, tol));
+}
+
+std::string fused_case_name(const ::testing::TestParamInfo<FusedCase>& info) {
+  return std::get<0>(info.param) + (std::get<1>(info.param) == at::kFloat ? "_float" : "_double");
+}
+
+INSTANTIATE_TEST_SUITE_P(Isa, WideFusedNormTest,
+                         ::testing::Combine(::testing::Values("default", "avx2", "avx512"),
+                                            ::testing::Values(at::kFloat, at::kDouble)),
+                         fused_case_name);
+
+TEST(WideFusedNorm, RefusesBadShapes) {
+  const at::Tensor x = at::randn({2, 3, 4});
+  wide_test::expect_error([&] { wide::fused_norm(x, at::randn({2, 3, 5}), 4, std::nullopt, std::nullopt, 1e-5); },
+                          "residual");
+  wide_test::expect_error([&] { wide::fused_norm(x, std::nullopt, 4, at::randn({3, 4}), std::nullopt, 1e-5); },
+                          "[N, *normalized_shape] with N=2");
+  wide_test::expect_error([&] { wide::fused_norm(x, std::nullopt, 5, std::nullopt, std::nullopt, 1e-5); },
+                          "multiple of normalized_numel=5");
+}
 
 // --- prelu -----------------------------------------------------------------------------------------
 

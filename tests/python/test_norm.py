@@ -7,7 +7,7 @@ import torch
 import wide_compiler as wc
 from torch import nn
 from torch.library import opcheck
-from wide_compiler.testing import check_equivalence
+from wide_compiler.testing import assert_members_close, check_equivalence, make_members
 
 FAST = wc.WideConfig.fast()  # no strategy timing: these tests check values, not speed
 
@@ -116,6 +116,11 @@ def _opcheck_samples():
     yield "ln", w.layer_norm.default, (r(2, 4, 3, 5), [3, 5], r(2, 3, 5), r(2, 3, 5), 1e-5), {}
     yield "rms", w.rms_norm.default, (r(2, 4, 5), [5], r(2, 5), None), {}
     yield "prelu", w.prelu.default, (r(2, 4, 3, 5), r(2, 1)), {}
+    yield "add-ln", w.add_layer_norm.default, (r(2, 4, 5), r(2, 4, 5), [5], r(2, 5), r(2, 5), 1e-5), {}
+    yield "add-ln-broadcast", w.add_layer_norm.default, (r(2, 4, 5), r(2, 1, 5), [5], None, r(2, 5), 1e-5), {}
+    c = lambda *s: torch.randn(*s, generator=g)  # noqa: E731 (fused_norm has no autograd: no grads)
+    yield "fused-ln", w.fused_norm.default, (c(2, 4, 3, 5), c(2, 4, 3, 5), 15, c(2, 3, 5), c(2, 3, 5), 1e-5, False), {}
+    yield "fused-rms", w.fused_norm.default, (c(3, 4, 6), None, 6, c(3, 6), None, 1e-6, True), {}
 
 
 @pytest.mark.parametrize("name,op,args,kwargs", list(_opcheck_samples()), ids=[s[0] for s in _opcheck_samples()])
@@ -145,3 +150,56 @@ def test_compile_norm_net_buffers_after_train_step(training):
     x = torch.randn(3, 2, 3, 8)
     check_equivalence(wide, models, x)  # every buffer compared after the call
     assert not wide.fallbacks
+
+
+class _PostNorm(nn.Module):
+    """Two post-norm residual blocks (LayerNorm of a sum only the norm reads) and an RMSNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.n1, self.n2, self.rms = nn.LayerNorm(6), nn.LayerNorm(6, bias=False), nn.RMSNorm(6)
+
+    def forward(self, x):
+        h = self.n1(x + self.fc1(x))
+        h = self.n2(self.fc2(h) + h)
+        return self.rms(h) + h
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_eval_residual_norms_fuse_and_match_members(grad):
+    """The eval graph reads the residual sums inside the norms (wide.add_layer_norm); without a
+    gradient that is the one-pass kernel (wide.fused_norm), with one the composite: both match
+    the members, and the input gradient too."""
+    models = make_members(_PostNorm, 3)
+    for m in models:
+        with torch.no_grad():
+            for p in m.parameters():
+                p.uniform_(-2, 2)  # members' affines far from the identity
+    wide = wc.compile(models, torch.randn(4, 6), config=FAST).eval()
+    ops = [n.target for n in wide._graph_for(False).graph_module.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.wide.add_layer_norm.default) == 2
+    x = torch.randn(3, 5, 6) * torch.tensor([1.0, 10.0, 100.0]).view(3, 1, 1)
+    xs = [x[i].clone().requires_grad_(grad) for i in range(3)]
+    xw = x.clone().requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        out = wide(xw)
+        refs = [m.eval()(xi) for m, xi in zip(models, xs)]
+    assert out.requires_grad == grad
+    assert_members_close(out, refs)
+    if grad:
+        out.sum().backward()
+        torch.stack(refs).sum().backward()
+        assert_members_close(xw.grad, [xi.grad for xi in xs])
+
+
+def test_fused_norm_kernel_under_inference_mode_and_torch_compile():
+    models = make_members(_PostNorm, 2)
+    wide = wc.compile(models, torch.randn(4, 6), config=FAST).eval()
+    x = torch.randn(2, 3, 6)
+    with torch.inference_mode():
+        want = [m.eval()(x[i]) for i, m in enumerate(models)]
+        assert_members_close(wide(x), want)
+    compiled = torch.compile(wide, fullgraph=True)
+    with torch.no_grad():
+        assert_members_close(compiled(x), want)

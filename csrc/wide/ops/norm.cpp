@@ -29,8 +29,8 @@
 //
 // LayerNorm and RMSNorm normalise each member's trailing dims, which the N-first layout already
 // exposes, so they run N-first: one ATen norm without affine, then the member's weight/bias
-// broadcast as [N, 1, ..., *normalized_shape]. That is one more pass over the activation than a
-// fused kernel; see the benchmark before writing one.
+// broadcast as [N, 1, ..., *normalized_shape]: one more pass over the activation than a fused
+// kernel, so when no gradient is wanted they take wide::fused_norm (Note [wide::fused_norm]).
 
 namespace wide {
 namespace {
@@ -227,6 +227,9 @@ at::Tensor layer_norm_impl(const at::Tensor& input, c10::SymIntArrayRef normaliz
     }
     return at::stack(outs);
   }
+  if (auto y = detail::maybe_fused_norm(input, normalized_shape, weight, bias, eps, /*rms=*/false)) {
+    return *y;  // no gradient wanted: one pass (Note [wide::fused_norm])
+  }
   const int64_t k = static_cast<int64_t>(normalized_shape.size());
   at::Tensor y = at::layer_norm_symint(input, normalized_shape, std::nullopt, std::nullopt, eps, false);
   if (weight.has_value() && bias.has_value()) {  // one pass for the affine
@@ -241,6 +244,9 @@ at::Tensor rms_norm_impl(const at::Tensor& input, c10::SymIntArrayRef normalized
                          const std::optional<at::Tensor>& weight, std::optional<double> eps) {
   check_trailing("rms_norm", input, normalized_shape);
   check_affine("rms_norm", "weight", weight, input, normalized_shape);
+  if (auto y = detail::maybe_fused_norm(input, normalized_shape, weight, std::nullopt, eps, /*rms=*/true)) {
+    return *y;  // no gradient wanted: one pass (Note [wide::fused_norm])
+  }
   const int64_t k = static_cast<int64_t>(normalized_shape.size());
   at::Tensor y = at::rms_norm_symint(input, normalized_shape, std::nullopt, eps);
   if (weight.has_value()) y = y.mul(broadcastable(*weight, input, k));

@@ -43,4 +43,28 @@ at::Tensor rms_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shap
                     const std::optional<at::Tensor>& weight = std::nullopt,
                     std::optional<double> eps = std::nullopt);
 
+/// N LayerNorm(input + residual) (a post-norm residual block), N-first; the add broadcasts as
+/// aten's. One pass over memory when the two have one shape and no gradient is needed.
+at::Tensor add_layer_norm(const at::Tensor& input, const at::Tensor& residual,
+                          c10::SymIntArrayRef normalized_shape,
+                          const std::optional<at::Tensor>& weight = std::nullopt,
+                          const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5);
+
+/// The inference kernel behind layer_norm / rms_norm / add_layer_norm: LayerNorm (RMSNorm when
+/// `rms`) of input (+ residual) over the trailing `normalized_numel` elements, each member with
+/// its own weight/bias [N, *normalized_shape]. No autograd: for inputs that need no gradient.
+at::Tensor fused_norm(const at::Tensor& input, const std::optional<at::Tensor>& residual,
+                      int64_t normalized_numel, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, double eps, bool rms = false);
+
+namespace detail {
+
+/// wide::fused_norm of `input` when nothing needs a gradient and the normalized shape is concrete,
+/// else nothing: the inference path of the layer_norm / rms_norm composites.
+std::optional<at::Tensor> maybe_fused_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                           const std::optional<at::Tensor>& weight,
+                                           const std::optional<at::Tensor>& bias,
+                                           std::optional<double> eps, bool rms);
+
+} // namespace detail
 } // namespace wide

@@ -1,6 +1,7 @@
 """Eval-graph rewrites: a BatchNorm that uses its running statistics right after a conv becomes
 part of the conv's weights, so the wide activation is not read and written a second time; 2-d
-max pooling runs channels-last when no gradient is wanted.
+max pooling runs channels-last when no gradient is wanted; a LayerNorm of a residual sum reads the
+two addends itself (one pass, Note [wide::fused_norm] in csrc/wide/ops/fused_norm.cpp).
 
 Note [Folding BatchNorm into the conv]
     In eval mode ``bn(conv(x, W, b)) = conv(x, W * s, (b - mean) * s + beta)`` with
@@ -22,7 +23,7 @@ import torch
 from torch import fx
 
 __all__ = ["channels_last_conv", "channels_last_max_pool2d", "fold_batch_norms", "folded_conv_params",
-           "rewrite_channels_last"]
+           "fuse_residual_norms", "rewrite_channels_last"]
 
 wide = torch.ops.wide
 aten = torch.ops.aten
@@ -119,3 +120,32 @@ def rewrite_channels_last(gm: fx.GraphModule) -> int:
     if count:
         gm.recompile()
     return count
+
+
+def fuse_residual_norms(gm: fx.GraphModule) -> int:
+    """``wide.layer_norm(a + b)`` where the norm is the sum's only reader becomes
+    ``wide.add_layer_norm(a, b)`` (a post-norm residual block): with no gradient wanted it is one
+    pass over memory instead of three; otherwise it computes the same composite. Returns how many."""
+    graph, fused = gm.graph, 0
+    for ln in list(graph.nodes):
+        if ln.op != "call_function" or ln.target is not wide.layer_norm.default:
+            continue
+        add = ln.args[0]
+        if (not isinstance(add, fx.Node) or add.target is not aten.add.Tensor or len(add.users) != 1
+                or add.kwargs or len(add.args) != 2 or not all(isinstance(a, fx.Node) for a in add.args)):
+            continue
+        shape, weight, bias, eps = (list(ln.args[1:]) + [None, None, 1e-5])[:4]
+        weight, bias, eps = ln.kwargs.get("weight", weight), ln.kwargs.get("bias", bias), ln.kwargs.get("eps", eps)
+        with graph.inserting_before(ln):
+            node = graph.call_function(wide.add_layer_norm.default, (*add.args, shape, weight, bias, eps))
+        # Where it came from, for reports and errors; not the norm's strategy-tuning entries
+        # (add_layer_norm has no strategies).
+        node.meta.update({k: v for k, v in ln.meta.items() if k not in ("wide_tune", "wide_shapes")})
+        ln.replace_all_uses_with(node)
+        graph.erase_node(ln)
+        graph.erase_node(add)
+        fused += 1
+    if fused:
+        graph.lint()
+        gm.recompile()
+    return fused

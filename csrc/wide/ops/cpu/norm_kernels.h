@@ -1,0 +1,29 @@
+// Hand-written CPU kernel of wide::fused_norm (LayerNorm / RMSNorm of N members with per-member
+// affine, optionally of input + residual), compiled once per instruction set
+// (norm_kernels_{default,avx2,avx512}.cpp) and chosen at run time like the optimizer kernels.
+// See Note [Fused per-member norm kernel] in norm_kernels_impl.h.
+#pragma once
+
+#include <cstdint>
+
+namespace wide::ops::cpu {
+
+/// rows of d elements, member k owning rows [k*rows_per_member, (k+1)*rows_per_member); weight
+/// and bias [n, d] (either may be null), residual like x (or null); y may not alias x.
+#define WIDE_NORM_DECLARE_KERNELS(ISA, T)                                                       \
+  namespace ISA {                                                                               \
+  void fused_norm(const T* x, const T* residual, T* y, const T* weight, const T* bias,         \
+                  int64_t rows, int64_t rows_per_member, int64_t d, double eps, bool rms);      \
+  }
+
+WIDE_NORM_DECLARE_KERNELS(DEFAULT, float)
+WIDE_NORM_DECLARE_KERNELS(DEFAULT, double)
+#if defined(__x86_64__) && !defined(WIDE_NO_AVX_KERNELS)
+WIDE_NORM_DECLARE_KERNELS(AVX2, float)
+WIDE_NORM_DECLARE_KERNELS(AVX2, double)
+WIDE_NORM_DECLARE_KERNELS(AVX512, float)
+WIDE_NORM_DECLARE_KERNELS(AVX512, double)
+#endif
+#undef WIDE_NORM_DECLARE_KERNELS
+
+}  // namespace wide::ops::cpu

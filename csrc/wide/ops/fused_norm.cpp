@@ -1,0 +1,193 @@
+// wide::fused_norm and wide::add_layer_norm: the one-pass inference path of the wide LayerNorm /
+// RMSNorm (schemas in registration.cpp, the kernel in cpu/norm_kernels_impl.h).
+//
+// Note [wide::fused_norm]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// wide::layer_norm's composite (Note [wide norms]) costs two passes over the activation, three
+// with the residual add before it. When no input needs a gradient (inference, or eval under
+// no_grad) wide::layer_norm, wide::rms_norm and wide::add_layer_norm call wide::fused_norm
+// instead: a CPU kernel doing add, statistics and per-member affine in one sweep (float and
+// double), and the same composite elsewhere (other devices and dtypes, fake tensors). It has no
+// autograd formula on purpose: whenever a gradient is needed the callers take the composite, whose
+// backward is autograd's. The decision is made per call, so one graph serves both.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/layer_norm.h>
+#include <ATen/ops/rms_norm.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <limits>
+
+#include "wide/ops/cpu/norm_kernels.h"
+#include "wide/ops/norm.h"
+#include "wide/optim/cpu/kernels.h"  // the run-time instruction-set choice, shared with the optimizers
+
+namespace wide {
+namespace {
+
+bool needs_grad(std::initializer_list<const at::Tensor*> ts) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : ts) {
+    if (t != nullptr && t->defined() && t->requires_grad()) return true;
+  }
+  return false;
+}
+
+const at::Tensor* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; }
+
+void check_fused(const at::Tensor& input, const std::optional<at::Tensor>& residual,
+                 int64_t d, const std::optional<at::Tensor>& weight,
+                 const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.dim() >= 2 && d >= 1 && input.numel() % std::max<int64_t>(d, 1) == 0 &&
+                  (input.size(0) == 0 || (input.numel() / input.size(0)) % d == 0),
+              "wide::fused_norm: expected an N-first input [N, *] whose member size is a multiple of "
+              "normalized_numel=", d, ", got ", input.sizes());
+  TORCH_CHECK(!residual.has_value() || residual->sizes() == input.sizes(),
+              "wide::fused_norm: residual ", residual.has_value() ? residual->sizes() : c10::IntArrayRef{},
+              " must have the input's shape ", input.sizes());
+  for (const auto* p : {opt_ptr(weight), opt_ptr(bias)}) {
+    TORCH_CHECK(p == nullptr || (p->numel() == input.size(0) * d && p->size(0) == input.size(0)),
+                "wide::fused_norm: weight/bias must be [N, *normalized_shape] with N=", input.size(0),
+                " and ", d, " elements per member, got ", p->sizes());
+  }
+}
+
+// The same math from ATen ops: every device and dtype, and fake tensors (symbolic sizes).
+at::Tensor fused_norm_composite(const at::Tensor& input, const std::optional<at::Tensor>& residual,
+                                int64_t d, const std::optional<at::Tensor>& weight,
+                                const std::optional<at::Tensor>& bias, double eps, bool rms) {
+  TORCH_CHECK(input.dim() >= 2 && d >= 1, "wide::fused_norm: expected an N-first input [N, *] and "
+              "normalized_numel >= 1, got ", input.sym_sizes(), " and ", d);
+  TORCH_CHECK(!residual.has_value() || residual->sym_sizes() == input.sym_sizes(),
+              "wide::fused_norm: the residual must have the input's shape ", input.sym_sizes());
+  const at::Tensor s = residual.has_value() ? at::add(input, *residual) : input;
+  const c10::SymInt n = input.sym_size(0);
+  const at::Tensor rows = s.reshape_symint({n, -1, d});
+  at::Tensor y = rms ? at::rms_norm(rows, {d}, std::nullopt, eps)
+                     : at::layer_norm(rows, {d}, std::nullopt, std::nullopt, eps, false);
+  if (weight.has_value()) y = y.mul(weight->reshape_symint({n, 1, d}));
+  if (bias.has_value()) y = y.add(bias->reshape_symint({n, 1, d}));
+  return y.view_symint(input.sym_sizes());
+}
+
+at::Tensor fused_norm_cpu(const at::Tensor& input, const std::optional<at::Tensor>& residual,
+                          int64_t d, const std::optional<at::Tensor>& weight,
+                          const std::optional<at::Tensor>& bias, double eps, bool rms) {
+  const auto dtype = input.scalar_type();
+  bool same_dtype = dtype == at::kFloat || dtype == at::kDouble;
+  for (const auto* p : {opt_ptr(residual), opt_ptr(weight), opt_ptr(bias)}) {
+    same_dtype = same_dtype && (p == nullptr || (p->scalar_type() == dtype && p->device().is_cpu()));
+  }
+  if (!same_dtype) return fused_norm_composite(input, residual, d, weight, bias, eps, rms);
+  check_fused(input, residual, d, weight, bias);
+  const at::Tensor x = input.contiguous();
+  const at::Tensor r = residual.has_value() ? residual->contiguous() : at::Tensor();
+  const at::Tensor w = weight.has_value() ? weight->contiguous() : at::Tensor();
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t n = x.size(0), rows = x.numel() / d;
+  if (rows == 0) return y;
+  const int64_t rows_per_member = rows / n;
+  auto run = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<T>() : nullptr; };
+    const T* xp = x.const_data_ptr<T>();
+    T* yp = y.mutable_data_ptr<T>();
+#if defined(__x86_64__) && !defined(WIDE_NO_AVX_KERNELS)
+    switch (optim::cpu::cpu_capability()) {
+      case optim::cpu::Isa::Avx512:
+        return ops::cpu::AVX512::fused_norm(xp, ptr(r), yp, ptr(w), ptr(b), rows, rows_per_member, d, eps, rms);
+      case optim::cpu::Isa::Avx2:
+        return ops::cpu::AVX2::fused_norm(xp, ptr(r), yp, ptr(w), ptr(b), rows, rows_per_member, d, eps, rms);
+      default:
+        break;
+    }
+#endif
+    ops::cpu::DEFAULT::fused_norm(xp, ptr(r), yp, ptr(w), ptr(b), rows, rows_per_member, d, eps, rms);
+  };
+  if (dtype == at::kFloat) {
+    run(static_cast<float*>(nullptr));
+  } else {
+    run(static_cast<double*>(nullptr));
+  }
+  return y;
+}
+
+// The trailing normalized_shape as one element count, when every size is concrete.
+std::optional<int64_t> concrete_numel(c10::SymIntArrayRef shape) {
+  int64_t numel = 1;
+  for (const c10::SymInt& s : shape) {
+    auto v = s.maybe_as_int();
+    if (!v.has_value()) return std::nullopt;
+    numel *= *v;
+  }
+  return numel;
+}
+
+at::Tensor add_layer_norm_impl(const at::Tensor& input, const at::Tensor& residual,
+                               c10::SymIntArrayRef normalized_shape,
+                               const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& bias, double eps) {
+  const auto d = concrete_numel(normalized_shape);
+  if (d.has_value() && input.sym_sizes() == residual.sym_sizes() &&
+      !needs_grad({&input, &residual, opt_ptr(weight), opt_ptr(bias)})) {
+    return fused_norm(input, residual, *d, weight, bias, eps, /*rms=*/false);
+  }
+  return layer_norm(at::add(input, residual), normalized_shape, weight, bias, eps, "fused");
+}
+
+}  // namespace
+
+namespace detail {
+
+std::optional<at::Tensor> maybe_fused_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                                           const std::optional<at::Tensor>& weight,
+                                           const std::optional<at::Tensor>& bias,
+                                           std::optional<double> eps, bool rms) {
+  const auto d = concrete_numel(normalized_shape);
+  if (!d.has_value() || needs_grad({&input, opt_ptr(weight), opt_ptr(bias)})) return std::nullopt;
+  double e = eps.value_or(0.0);
+  if (!eps.has_value()) {  // RMSNorm's default, as torch: the input dtype's machine epsilon
+    e = input.scalar_type() == at::kDouble ? std::numeric_limits<double>::epsilon()
+                                           : std::numeric_limits<float>::epsilon();
+  }
+  return fused_norm(input, std::nullopt, *d, weight, bias, e, rms);
+}
+
+}  // namespace detail
+
+at::Tensor fused_norm(const at::Tensor& input, const std::optional<at::Tensor>& residual,
+                      int64_t normalized_numel, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias, double eps, bool rms) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::fused_norm", "")
+                       .typed<decltype(fused_norm)>();
+  return op.call(input, residual, normalized_numel, weight, bias, eps, rms);
+}
+
+at::Tensor add_layer_norm(const at::Tensor& input, const at::Tensor& residual,
+                          c10::SymIntArrayRef normalized_shape,
+                          const std::optional<at::Tensor>& weight,
+                          const std::optional<at::Tensor>& bias, double eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::add_layer_norm", "")
+                       .typed<decltype(add_layer_norm)>();
+  return op.call(input, residual, normalized_shape, weight, bias, eps);
+}
+
+}  // namespace wide
+
+TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
+  m.impl("add_layer_norm", &wide::add_layer_norm_impl);
+}
+
+TORCH_LIBRARY_IMPL(wide, CompositeExplicitAutograd, m) {
+  m.impl("fused_norm", &wide::fused_norm_composite);
+}
+
+TORCH_LIBRARY_IMPL(wide, CPU, m) {
+  m.impl("fused_norm", &wide::fused_norm_cpu);
+}
