@@ -48,7 +48,8 @@ def test_registry_is_read_only_and_has_every_target():
     assert isinstance(bench.TARGETS, types.MappingProxyType)
     with pytest.raises(TypeError):
         bench.TARGETS["x"] = None  # type: ignore[index]
-    assert {"linear", "conv", "norm", "pool", "embedding", "models", "optim", "train"} <= set(bench.TARGETS)
+    assert {"linear", "conv", "norm", "pool", "embedding", "models", "optim", "train", "rnn", "router",
+            "attention", "dropout"} <= set(bench.TARGETS)
 
 
 @pytest.mark.parametrize("name", list(bench.TARGETS))

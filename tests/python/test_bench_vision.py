@@ -1,4 +1,5 @@
-"""The vision/tabular benchmark targets (conv, norm, pool, embedding, models) in preset ``ci``.
+"""The benchmark targets built on bench.vision (conv, norm, pool, embedding, models, attention,
+dropout) in preset ``ci``.
 
 No assertion depends on timing: times are checked for being finite and positive, and every wide
 contender (and every baseline that ran) for matching the separate members.
@@ -10,13 +11,26 @@ import math
 import pytest
 import torch
 from wide_compiler import bench
-from wide_compiler.bench import engine, vision
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from wide_compiler.bench import attention, dropout, engine, vision
 from wide_compiler.bench.vision_models import MODELS
 
 CASES = {"conv": vision.conv_cases, "norm": vision.norm_cases, "pool": vision.pool_cases,
-         "embedding": vision.embedding_cases, "models": vision.model_cases}
+         "embedding": vision.embedding_cases, "models": vision.model_cases,
+         "attention": attention.attention_cases, "dropout": dropout.dropout_cases}
 TARGETS = tuple(CASES)
 MAX_ERR = 1e-3
+#: Cases whose every record must have every baseline measured (no errors at all) and these wide
+#: contenders (hand-built module and wc.compile), per target.
+STRICT = {"attention": {"mha_self": {"module:auto", "compile:auto"},
+                        "mha_self_weights": {"module:auto", "compile:auto"}},
+          "dropout": {"linear+dropout": {"module", "compile:auto"}},
+          "models": {"transformer": {"compile:auto"},
+                     "flux_double": {"module:auto", "compile:auto"},
+                     "flux_single": {"module:auto", "compile:auto"}},
+          "norm": {"instancenorm2d": {"module", "compile:auto"}, "rmsnorm": {"module", "compile:auto"}},
+          "conv": {"convT4x4_s2": {"module:grouped", "module:loop", "compile:auto"}}}
 
 
 @pytest.fixture(scope="module", params=TARGETS)
@@ -75,6 +89,13 @@ def test_ci_records(ci_records):
         for r in auto:
             assert r["strategies"] and set(r["strategies"].values()) <= {"grouped", "loop", "bmm", "bmm_t", "fused"}
             assert not r["fallbacks"], (r["case"], r["fallbacks"])
+    for case, wides in STRICT.get(target, {}).items():  # the targets and cases of issue 12
+        for mode in engine.MODES:
+            recs = [r for r in records if r["case"] == case and r["mode"] == mode]
+            assert {r["strategy"] for r in recs} == wides, (case, mode)
+            for r in recs:
+                assert not r["errors"], (case, mode, r["strategy"], r["errors"])
+                assert set(r["baseline_ms"]) == set(r["baseline_max_abs_err"]) == {"loop", "vmap"}
     modes = {(r["case"], r["mode"]) for r in records}
     assert {m for _, m in modes} == set(engine.MODES)
     table = bench.format_records(target, records)
@@ -87,5 +108,32 @@ def test_vision_models_run_one_member():
         for size in ("tiny", "small"):
             m = spec.make(size).eval()
             with torch.no_grad():
-                y = m(*spec.inputs((spec.batch[size],), size, g))
-            assert y.shape[0] == spec.batch[size], (name, size, y.shape)
+                ys = tree_leaves(m(*spec.inputs((spec.batch[size],), size, g)))
+            assert ys and all(y.shape[0] == spec.batch[size] for y in ys), (name, size)
+
+
+def test_dropout_check_catches_wrong_masks():
+    """The dropout target's check (each member replayed with the mask it drew) accepts the wide
+    module and refuses one mask shared by all members, the wrong p and the wrong scale."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(16, 16), nn.Dropout(dropout.P)) for _ in range(4)]
+    x = torch.randn(4, 8, 4, 16)
+    W, b = engine.stacked_params([m[0] for m in models])
+
+    def masked(draw):
+        def forward(xs):
+            z = torch.einsum("nbti,noi->nbto", xs[0], W) + b[:, None, None]
+            return z * draw(z.shape)
+        return engine.Contender("bad", forward, [W, b])
+
+    p = dropout.P
+    bad = {"shared mask": masked(lambda s: (torch.rand(s[1:]) > p) / (1 - p)),
+           "wrong p": masked(lambda s: (torch.rand(s) > 0.5) / 0.5),
+           "wrong scale": masked(lambda s: (torch.rand(s) > p).float())}
+    check = dropout.replay_check(models, (x,), "train")
+    wide = vision._wide("module", dropout._module(models, ""), models[0])
+    assert check(wide, engine.make_step(wide, (x,), "train")()) < 1e-5
+    loop = vision._loop(models)
+    assert check(loop, engine.make_step(loop, (x,), "train")()) < 1e-5
+    for name, c in bad.items():
+        assert check(c, engine.make_step(c, (x,), "train")()) > 0.1, name

@@ -446,17 +446,25 @@ def compile_all(**options: Any) -> Iterator[None]:
 def run_case(models: Sequence[nn.Module], x: torch.Tensor, wides: Iterable[Contender],
              baselines: Iterable[Contender], *, mode: str, base: Mapping[str, Any],
              min_run_time: float = 0.2, machine: Mapping[str, Any] | None = None,
-             reference: Contender | None = None) -> list[dict[str, Any]]:
+             reference: Contender | None = None,
+             check: Callable[[Contender, Any], float] | None = None) -> list[dict[str, Any]]:
     """Time every wide contender and every baseline in ``mode``; one record per wide contender.
 
     ``reference`` (default: the loop over ``models``) gives each member's own result; every wide
-    contender and every checkable baseline is compared with it. A baseline that raises (while
-    built lazily, at warm-up or while timed) is left out of ``baseline_ms`` and its message goes
-    to ``errors``; a wide contender that raises propagates.
+    contender and every checkable baseline is compared with it. ``check(contender, result)``,
+    when given, replaces that comparison: it returns the ``max_abs_err`` of one result of
+    :func:`make_step` (for contenders whose results cannot equal the members' own, e.g. a train
+    step through dropout, where every contender draws its own masks). A baseline that raises
+    (while built lazily, at warm-up or while timed) is left out of ``baseline_ms`` and its message
+    goes to ``errors``; a wide contender that raises propagates.
     """
     n = len(models)
-    reference = reference or loop_contender(models)
-    ref_result = make_step(reference, x, mode)()
+    if check is None:
+        reference = reference or loop_contender(models)
+        ref_result = make_step(reference, x, mode)()
+
+        def check(contender: Contender, result: Any) -> float:
+            return max_abs_err(reference, ref_result, contender, result, n, mode)
     execution = "eager"
     if COMPILE_OPTIONS is not None:
         execution = "compiled"
@@ -473,7 +481,7 @@ def run_case(models: Sequence[nn.Module], x: torch.Tensor, wides: Iterable[Conte
         try:
             step = make_step(b, x, mode)
             if b.layout != "opaque":
-                baseline_err[b.name] = max_abs_err(reference, ref_result, b, step(), n, mode)
+                baseline_err[b.name] = check(b, step())
             baseline_ms[b.name] = time_ms(step, min_run_time=min_run_time, label=b.name)
         except Exception as e:  # noqa: BLE001 (a baseline failing is a result, not a crash)
             log.warning("baseline %s failed: %s", b.name, _error_text(e))
@@ -482,7 +490,7 @@ def run_case(models: Sequence[nn.Module], x: torch.Tensor, wides: Iterable[Conte
     records = []
     for w in wides:
         step = make_step(w, x, mode)
-        err = max_abs_err(reference, ref_result, w, step(), n, mode)
+        err = check(w, step())
         ms = time_ms(step, min_run_time=min_run_time, label=w.name)
         records.append(make_record(base=base, mode=mode, strategy=w.name, wide_ms=ms,
                                    baseline_ms=baseline_ms, max_abs_err=err,

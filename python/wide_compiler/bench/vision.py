@@ -1,13 +1,16 @@
 """``benchmark conv|norm|pool|embedding|models``: vision, audio and tabular layers and whole models
-(DESIGN §10), float32 eager, ``inference`` (forward under ``no_grad``) and ``train`` (forward,
+(the models of :mod:`.vision_models`: vision, audio, tabular, a transformer encoder layer, Flux
+blocks; DESIGN §10), float32 eager, ``inference`` (forward under ``no_grad``) and ``train`` (forward,
 sum of the outputs, gradients of every parameter).
 
 Every member has its own weights and its own input (``[N, B, ...]``, member ``i`` reads
 ``x[i]``). Wide contenders (the record's ``strategy``):
 
-- ``module:<s>`` / ``module``: the hand-built wide module (``wc.nn.WideConv2d`` with strategy
-  ``grouped`` or ``loop``, ``WideBatchNorm2d``, ``WideLayerNorm``, ``WideGroupNorm``,
-  ``WideEmbedding``, ``WideEmbeddingBag``);
+- ``module:<s>`` / ``module``: the hand-built wide module (``wc.nn.WideConv2d`` /
+  ``WideConvTranspose2d`` with strategy ``grouped`` or ``loop``, ``WideBatchNorm2d``,
+  ``WideLayerNorm``, ``WideGroupNorm``, ``WideInstanceNorm2d``, ``WideRMSNorm``,
+  ``WideEmbedding``, ``WideEmbeddingBag``; in ``models``, the Flux blocks'
+  ``wide_compiler.blocks.Wide*StreamBlock``);
 - ``compile:auto``: ``wc.compile`` with measured strategies (``tune=True``, fresh: no disk
   cache), i.e. what a first compile on this machine picks. ``chosen_strategy`` summarises
   ``WideModel.strategies`` (e.g. ``"7 grouped, 1 bmm"``), ``strategies`` has them per node and
@@ -86,6 +89,8 @@ class Case:
     of ``module_strategies`` (``""``: the module has no strategy). ``compile`` lists the
     ``wc.compile`` variants (``"auto"``, ``"fast"``, ``"loop"``). ``train_state``: the members'
     ``training`` flag in every mode (None: ``train()`` in mode train, ``eval()`` in inference).
+    ``check(models, inputs, mode)``, when given, returns the ``check`` of :func:`.engine.run_case`
+    (how a result is compared with the members when it cannot equal the loop's, e.g. dropout).
     """
 
     target: str
@@ -99,6 +104,7 @@ class Case:
     compile: tuple[str, ...] = ("auto",)
     train_state: bool | None = None
     baselines: tuple[str, ...] = ("loop", "vmap")  # also "compile_loop": torch.compile of the loop
+    check: Callable[[list[nn.Module], Inputs, str], Callable[[Contender, Any], float]] | None = None
 
 
 PRESETS: dict[str, Preset] = {  # conv, norm, pool, embedding
@@ -196,7 +202,7 @@ def _from_modules(cls_name: str) -> Callable[[list[nn.Module], str], nn.Module]:
 
 @_vision_target("conv", "Conv2d small/medium/depthwise/pointwise and ConvTranspose2d")
 def conv_cases(size: str) -> list[Case]:
-    """Conv2d small / medium / depthwise / pointwise 1x1, and a ConvTranspose2d."""
+    """Conv2d small / medium / depthwise / pointwise 1x1 (not tiny), and a ConvTranspose2d."""
     tiny = size == "tiny"
     b, hw = (2, 8) if tiny else (8, 16)
     specs = [  # name, module factory, C_in, spatial size
@@ -207,7 +213,9 @@ def conv_cases(size: str) -> list[Case]:
         ("depthwise3x3", lambda: nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), 8, hw) if tiny
         else ("depthwise3x3", lambda: nn.Conv2d(64, 64, 3, padding=1, groups=64, bias=False), 64, 16),
     ]
-    if not tiny:
+    if tiny:
+        specs += [("convT4x4_s2", lambda: nn.ConvTranspose2d(8, 4, 4, 2, 1, bias=False), 8, 4)]
+    else:
         specs += [("pointwise1x1", lambda: nn.Conv2d(64, 128, 1, bias=False), 64, 16),
                   ("convT4x4_s2", lambda: nn.ConvTranspose2d(32, 16, 4, 2, 1, bias=False), 32, 8)]
     out = []
@@ -220,9 +228,10 @@ def conv_cases(size: str) -> list[Case]:
     return out
 
 
-@_vision_target("norm", "BatchNorm2d (training), LayerNorm, GroupNorm")
+@_vision_target("norm", "BatchNorm2d (training), LayerNorm, GroupNorm, InstanceNorm2d, RMSNorm")
 def norm_cases(size: str) -> list[Case]:
-    """BatchNorm2d (training: batch statistics), LayerNorm, GroupNorm."""
+    """BatchNorm2d (training: batch statistics), LayerNorm, GroupNorm, InstanceNorm2d (affine),
+    RMSNorm."""
     tiny = size == "tiny"
     b = 2 if tiny else 8
     c, hw = (8, 8) if tiny else (32, 16)
@@ -234,12 +243,16 @@ def norm_cases(size: str) -> list[Case]:
              _from_modules("WideLayerNorm")),
         Case("norm", "groupnorm", f"G=4 C={c} {hw}x{hw}", lambda: nn.GroupNorm(4, c),
              _randn(c, hw, hw), b, _from_modules("WideGroupNorm")),
+        Case("norm", "instancenorm2d", f"C={c} {hw}x{hw} affine", lambda: nn.InstanceNorm2d(c, affine=True),
+             _randn(c, hw, hw), b, _from_modules("WideInstanceNorm2d")),
+        Case("norm", "rmsnorm", f"T={t} D={d}", lambda: nn.RMSNorm(d), _randn(t, d), b,
+             _from_modules("WideRMSNorm")),
     ]
 
 
-@_vision_target("pool", "MaxPool2d / AdaptiveAvgPool2d in compiled tiny models")
+@_vision_target("pool", "MaxPool2d / AvgPool2d / AdaptiveAvgPool2d in compiled tiny models")
 def pool_cases(size: str) -> list[Case]:
-    """MaxPool2d / AdaptiveAvgPool2d in a compiled tiny model: after a 1x1 conv (the pool runs
+    """MaxPool2d / AvgPool2d / AdaptiveAvgPool2d in a compiled tiny model: after a 1x1 conv (the pool runs
     on the channel-packed layout), before it (member dim folded into the batch), and the 1x1 conv
     alone (subtract it to see the pool)."""
     tiny = size == "tiny"
@@ -247,6 +260,7 @@ def pool_cases(size: str) -> list[Case]:
     specs = [
         ("conv1x1+maxpool2d", lambda: nn.Sequential(nn.Conv2d(c, c, 1), nn.MaxPool2d(2))),
         ("conv1x1+adaptiveavgpool2d", lambda: nn.Sequential(nn.Conv2d(c, c, 1), nn.AdaptiveAvgPool2d(2))),
+        ("conv1x1+avgpool2d", lambda: nn.Sequential(nn.Conv2d(c, c, 1), nn.AvgPool2d(2))),
         ("maxpool2d+conv1x1", lambda: nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(c, c, 1))),
         ("conv1x1 (no pool)", lambda: nn.Sequential(nn.Conv2d(c, c, 1))),
     ]
@@ -270,14 +284,16 @@ def embedding_cases(size: str) -> list[Case]:
     ]
 
 
-@_vision_target("models", "whole vision, audio and tabular models compiled with wc.compile",
+@_vision_target("models", "whole vision, audio, tabular, transformer and Flux-block models: "
+                "wc.compile (and the hand-built Flux blocks)",
                 MODEL_PRESETS)
 def model_cases(size: str) -> list[Case]:
     """The whole models of :mod:`.vision_models` (one case each)."""
     out = []
     for name, spec in MODELS.items():
         out.append(Case("models", name, f"{name}/{size}", lambda spec=spec: spec.make(size),
-                        lambda lead, g, spec=spec: spec.inputs(lead, size, g), spec.batch[size]))
+                        lambda lead, g, spec=spec: spec.inputs(lead, size, g), spec.batch[size],
+                        spec.module, spec.module_strategies))
     return out
 
 
@@ -391,7 +407,8 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
             if wides:
                 recs = engine.run_case(models, xs, wides, baselines, mode=mode, base=base,
                                        min_run_time=min_run_time, machine=machine,
-                                       reference=_loop([copy.deepcopy(m) for m in models], "reference"))
+                                       reference=_loop([copy.deepcopy(m) for m in models], "reference"),
+                                       check=case.check(models, xs, mode) if case.check else None)
             else:  # nothing wide could be built: one record that says why
                 recs = [engine.make_record(base=dict(base, n=n), mode=mode, strategy="compile:auto",
                                            wide_ms=math.nan, baseline_ms={}, max_abs_err=math.nan,

@@ -1,5 +1,6 @@
 """Whole models for ``benchmark models`` (DESIGN §10): the vision, audio and tabular families the
-widen pass covers, each at a few sizes.
+widen pass covers, a transformer encoder layer and the Flux double/single-stream blocks of
+:mod:`wide_compiler.blocks` (also timed as their hand-built wide blocks), each at a few sizes.
 
 Each entry of :data:`MODELS` is a :class:`ModelSpec`: ``make(size)`` builds one member (its own
 random init), ``inputs(lead, size, generator)`` builds that member's inputs with leading dims
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["MODELS", "SIZES", "BasicBlock", "ModelSpec", "ResNetTiny", "Tabular", "audio1d",
-           "dcgan_d", "dcgan_g", "mobilenet"]
+           "dcgan_d", "dcgan_g", "mobilenet", "transformer"]
 
 SIZES = ("tiny", "small")
 
@@ -142,13 +143,17 @@ class Tabular(nn.Module):
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """One model family: ``make(size)`` -> one member; ``inputs(lead, size, g)`` -> its inputs
-    (a tuple) with leading dims ``lead``; ``batch[size]`` is the batch of the benchmark."""
+    (a tuple) with leading dims ``lead``; ``batch[size]`` is the batch of the benchmark.
+    ``module(members, strategy)``: a hand-built wide form of the members, timed next to
+    ``wc.compile`` (once per entry of ``module_strategies``); None: none."""
 
     name: str
     make: Callable[[str], nn.Module]
     inputs: Callable[[tuple[int, ...], str, torch.Generator], tuple[torch.Tensor, ...]]
     batch: dict[str, int]
     description: str = ""
+    module: Callable[[list[nn.Module], str], nn.Module] | None = None
+    module_strategies: tuple[str, ...] = ("",)
 
 
 def _image(c: int, hw: dict[str, int]):
@@ -172,8 +177,67 @@ def _audio_inputs(lead, size, g):
 
 
 def _spec(name: str, factory: Callable[..., nn.Module], kwargs: dict[str, dict], inputs,
-          batch: dict[str, int], description: str) -> ModelSpec:
-    return ModelSpec(name, lambda size: factory(**kwargs[size]), inputs, batch, description)
+          batch: dict[str, int], description: str, **more) -> ModelSpec:
+    return ModelSpec(name, lambda size: factory(**kwargs[size]), inputs, batch, description, **more)
+
+
+def transformer(d_model: int = 16, nhead: int = 2, dim_feedforward: int = 32) -> nn.Module:
+    """``nn.TransformerEncoderLayer`` (batch first, no dropout): tokens ``[T, d_model]``."""
+    return nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout=0.0, batch_first=True)
+
+
+#: transformer: d_model, heads, feed-forward width and tokens T per size (the issue's reference
+#: case "TransformerEncoderLayer d=64, T=32" is ``small``).
+_TRANSFORMER = {"tiny": {"d_model": 16, "nhead": 2, "dim_feedforward": 32},
+                "small": {"d_model": 64, "nhead": 4, "dim_feedforward": 256}}
+_TOKENS = {"tiny": 8, "small": 32}
+
+
+def _transformer_inputs(lead, size, g):
+    return (torch.randn(*lead, _TOKENS[size], _TRANSFORMER[size]["d_model"], generator=g),)
+
+
+#: Flux blocks: hidden size, heads, image and text tokens per size.
+_FLUX = {"tiny": {"hidden_size": 16, "num_heads": 2, "img": 4, "txt": 4},
+         "small": {"hidden_size": 64, "num_heads": 4, "img": 16, "txt": 8}}
+
+
+def _flux_block(kind: str) -> Callable[..., nn.Module]:
+    def make(hidden_size: int, num_heads: int, img: int, txt: int) -> nn.Module:
+        from .. import blocks
+
+        cls = blocks.DoubleStreamBlock if kind == "double" else blocks.SingleStreamBlock
+        return cls(hidden_size=hidden_size, num_heads=num_heads)
+    return make
+
+
+def _flux_inputs(kind: str):
+    """A member's Flux inputs with leading dims ``lead``: ``(img, txt, vec, pe)`` (double) or
+    ``(x, vec, pe)`` (single, x = the joint sequence), ``pe`` the rotary table
+    ``[*lead, 1, T, head_dim/2, 2, 2]`` of each member at random positions (as Flux's
+    ``EmbedND``)."""
+    def inputs(lead, size, g):
+        from ..blocks import rope
+
+        c = _FLUX[size]
+        d, t = c["hidden_size"], c["img"] + c["txt"]
+        pe = rope(10 * torch.rand(*lead, t, generator=g), d // c["num_heads"]).unsqueeze(-5)
+        vec = torch.randn(*lead, d, generator=g)
+        if kind == "double":
+            return (torch.randn(*lead, c["img"], d, generator=g),
+                    torch.randn(*lead, c["txt"], d, generator=g), vec, pe)
+        return torch.randn(*lead, t, d, generator=g), vec, pe
+    return inputs
+
+
+def _flux_module(kind: str) -> Callable[[list[nn.Module], str], nn.Module]:
+    """The hand-built wide block (``wide_compiler.blocks.Wide*StreamBlock``) with ``strategy``."""
+    def build(models: list[nn.Module], strategy: str) -> nn.Module:
+        from .. import blocks
+
+        cls = blocks.WideDoubleStreamBlock if kind == "double" else blocks.WideSingleStreamBlock
+        return cls.from_modules(models, strategy=strategy)
+    return build
 
 
 MODELS: dict[str, ModelSpec] = {s.name: s for s in (
@@ -196,4 +260,11 @@ MODELS: dict[str, ModelSpec] = {s.name: s for s in (
           _audio_inputs, {"tiny": 2, "small": 8}, "1-D conv audio classifier, 64 / 1024 samples"),
     _spec("tabular", Tabular, _TAB, _tab_inputs, {"tiny": 4, "small": 64},
           "embeddings per categorical column + MLP with BatchNorm1d"),
+    _spec("transformer", transformer, _TRANSFORMER, _transformer_inputs, {"tiny": 2, "small": 8},
+          "nn.TransformerEncoderLayer d=16 / 64, 2 / 4 heads, T=8 / 32, batch first"),
+    *(_spec(f"flux_{kind}", _flux_block(kind), _FLUX, _flux_inputs(kind), {"tiny": 2, "small": 4},
+            f"Flux {kind}-stream block (wide_compiler.blocks), hidden 16 / 64, 2 / 4 heads, "
+            "4+4 / 16+8 image+text tokens, rope table per member",
+            module=_flux_module(kind), module_strategies=("auto",))
+      for kind in ("double", "single")),
 )}

@@ -1,0 +1,72 @@
+"""``benchmark attention``: N ``nn.MultiheadAttention`` self-attention layers (batch first), float32
+eager, ``inference`` and ``train``, against N separate modules in a Python loop and
+``torch.func`` ensembling (``vmap``).
+
+Every member has its own weights and its own tokens ``[B, L, E]`` (N-first ``[N, B, L, E]``).
+Cases: ``mha_self`` (``mha(x, x, x, need_weights=False)``, the SDPA path a transformer layer
+takes) and ``mha_self_weights`` (``mha(x, x, x)``, torch's default: the averaged attention
+weights are returned too). Wide contenders (the record's ``strategy``):
+
+- ``compile:auto``: ``wc.compile`` of the member (a module wrapping the attention), strategies
+  measured (``tune=True``, no disk cache);
+- ``module:auto``: the hand-built ``wc.nn.WideMultiheadAttention.from_modules`` (projections on
+  ``torch.ops.wide.linear``, one attention over ``N*B`` sequences).
+
+Records as :mod:`.vision` (same fields; ``shape`` is ``E=.. H=.. L=..``).
+
+Example::
+
+    >>> from wide_compiler import bench
+    >>> sorted(bench.TARGETS["attention"].presets)
+    ['ci', 'full', 'quick']
+    >>> recs = bench.run("attention", "ci")                   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .vision import Case, _randn, _vision_target
+
+__all__ = ["SelfAttention", "attention_cases"]
+
+#: (embed dim, heads, tokens L, batch B) per size; ``small`` is the issue's reference point
+#: (d=64, T=32, B=8; N=16 in preset quick).
+_SIZES = {"tiny": (16, 2, 8, 2), "small": (64, 4, 32, 8)}
+
+
+class SelfAttention(nn.Module):
+    """Self-attention ``mha(x, x, x)`` of a member (``nn.MultiheadAttention``) or of its wide form
+    (``wc.nn.WideMultiheadAttention``, N-first ``x``): the output, and with ``need_weights`` the
+    head-averaged attention weights too."""
+
+    def __init__(self, mha: nn.Module, need_weights: bool = False) -> None:
+        super().__init__()
+        self.mha, self.need_weights = mha, need_weights
+
+    def forward(self, x: torch.Tensor) -> Any:
+        out, weights = self.mha(x, x, x, need_weights=self.need_weights)
+        return (out, weights) if self.need_weights else out
+
+
+def _module(models: list[nn.Module], strategy: str) -> nn.Module:
+    import wide_compiler as wc
+
+    wide = wc.nn.WideMultiheadAttention.from_modules([m.mha for m in models], strategy=strategy)
+    return SelfAttention(wide, models[0].need_weights)
+
+
+@_vision_target("attention", "nn.MultiheadAttention self-attention: wc.compile and "
+                "WideMultiheadAttention vs loop / vmap")
+def attention_cases(size: str) -> list[Case]:
+    """Self-attention without and with the attention weights (tiny: E=16, 2 heads, L=8;
+    small: E=64, 4 heads, L=32, B=8)."""
+    e, h, length, b = _SIZES["tiny" if size == "tiny" else "small"]
+    return [
+        Case("attention", name, f"E={e} H={h} L={length}",
+             lambda w=weights: SelfAttention(nn.MultiheadAttention(e, h, batch_first=True), w),
+             _randn(length, e), b, _module, ("auto",))
+        for name, weights in (("mha_self", False), ("mha_self_weights", True))
+    ]
