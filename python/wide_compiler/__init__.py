@@ -21,6 +21,7 @@ from . import (
     optim,
     testing,
 )
+from .allocator import tune_cpu_allocator
 from .analyze import AnalysisReport, analyze
 from .api import WideBuilder, compile, pack, stack, unpack, unstack
 from .config import WideConfig
@@ -64,6 +65,7 @@ __all__ = [
     "register",
     "stack",
     "testing",
+    "tune_cpu_allocator",
     "unpack",
     "unstack",
 ]

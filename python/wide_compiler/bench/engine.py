@@ -63,7 +63,7 @@ from torch import nn
 from torch.utils import benchmark as tbench
 from torch.utils._pytree import tree_leaves
 
-from .. import testing
+from .. import allocator, testing
 
 __all__ = [
     "MODES",
@@ -147,6 +147,7 @@ def machine_info() -> dict[str, Any]:
         "processor": platform.processor() or _cpu_model(),
         "cpu_count": os.cpu_count(),
         "load_avg": _load_avg(),
+        "allocator": "glibc-tuned" if allocator._applied else "default",  # wc.tune_cpu_allocator()
     }
 
 
