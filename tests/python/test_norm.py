@@ -203,3 +203,19 @@ def test_fused_norm_kernel_under_inference_mode_and_torch_compile():
     compiled = torch.compile(wide, fullgraph=True)
     with torch.no_grad():
         assert_members_close(compiled(x), want)
+
+
+def test_eval_relu_after_linear_runs_in_place_and_keeps_gradients():
+    models = make_members(lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), 3)
+    wide = wc.compile(models, torch.randn(5, 4), config=FAST).eval()
+    ops = [n.target for n in wide._graph_for(False).graph_module.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.relu_.default in ops and torch.ops.aten.relu.default not in ops
+    x = torch.randn(3, 5, 4, requires_grad=True)
+    xs = [x[i].detach().clone().requires_grad_() for i in range(3)]
+    out = wide(x)
+    refs = [m.eval()(xi) for m, xi in zip(models, xs)]
+    assert_members_close(out, refs)
+    out.sum().backward()
+    torch.stack(refs).sum().backward()
+    assert_members_close(x.grad, [xi.grad for xi in xs])
+    assert_members_close(wide.get_parameter("0.weight").grad, [m[0].weight.grad for m in models])

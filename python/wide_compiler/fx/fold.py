@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 __all__ = ["channels_last_conv", "channels_last_max_pool2d", "fold_batch_norms", "folded_conv_params",
-           "fuse_residual_norms", "rewrite_channels_last"]
+           "fuse_residual_norms", "relu_in_place", "rewrite_channels_last"]
 
 wide = torch.ops.wide
 aten = torch.ops.aten
@@ -149,3 +149,19 @@ def fuse_residual_norms(gm: fx.GraphModule) -> int:
         graph.lint()
         gm.recompile()
     return fused
+
+
+def relu_in_place(gm: fx.GraphModule) -> int:
+    """``relu(wide.linear(...))`` where the ReLU is the linear's only reader runs in place on the
+    linear's fresh output: no second wide activation to allocate and fault in (ReLU's backward
+    reads its output, so autograd is unaffected). Returns how many."""
+    count = 0
+    for node in gm.graph.nodes:
+        src = node.args[0] if node.op == "call_function" and node.args else None
+        if (node.target is aten.relu.default and isinstance(src, fx.Node)
+                and src.target is wide.linear.default and len(src.users) == 1):
+            node.target = aten.relu_.default
+            count += 1
+    if count:
+        gm.recompile()
+    return count
