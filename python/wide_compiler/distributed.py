@@ -69,7 +69,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -194,8 +193,17 @@ class ShardedWideModel(nn.Module):
     @property
     def group(self) -> Any:
         """The process group the members are sharded over (None: the default group). A copy
-        (``copy.deepcopy``) shares it; a pickled model forgets it (set ``.group`` again)."""
-        return self._group.group
+        (``copy.deepcopy``) shares it; a pickled model forgets it: with world size > 1 every
+        collective then raises ``RuntimeError`` until ``.group`` is set again."""
+        group = self._group.group
+        if group is _LOST:
+            if _collective(self):
+                raise RuntimeError(f"wide_compiler.distributed: this ShardedWideModel (rank {self.rank} "
+                                   f"of {self.world_size}) was pickled, and its process group was "
+                                   f"lost in pickling; set .group to the group it was sharded over "
+                                   f"(None: the default group) before any collective")
+            return None
+        return group
 
     @group.setter
     def group(self, group: Any) -> None:
@@ -277,9 +285,12 @@ class ShardedWideModel(nn.Module):
                 f"world_size={self.world_size}")
 
 
+_LOST = object()  # the group of an unpickled _GroupRef
+
+
 class _GroupRef:
     """Holds a process group: deep copies share it, pickling drops it (process groups are
-    neither copyable nor picklable)."""
+    neither copyable nor picklable; an unpickled one holds ``_LOST``)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -288,7 +299,11 @@ class _GroupRef:
         return self
 
     def __reduce__(self) -> tuple:
-        return (_GroupRef, (None,))
+        return (_lost_group_ref, ())
+
+
+def _lost_group_ref() -> _GroupRef:
+    return _GroupRef(_LOST)
 
 
 def _span(r: range) -> str:
@@ -357,32 +372,32 @@ def shard(models: Sequence[nn.Module] | Callable[[int], nn.Module], sample: Any,
     from .api import compile as wide_compile
 
     rank, world = _rank_and_size(group)
-    if "compile_model" in compile_kwargs:
-        raise TypeError("wide_compiler.distributed.shard: compile_model is not supported here; wrap "
-                        "the shard's .wide in torch.compile yourself")
-    if isinstance(models, nn.Module):
-        raise TypeError("wide_compiler.distributed.shard: got ONE module; pass the N members as a "
-                        "list, or a factory f(i) -> module of the global member index with n=N")
-    if callable(models):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"wide_compiler.distributed.shard: a member factory needs n=N (the "
-                             f"population size, an int >= 1); got n={n!r}")
-        factory, total = models, n
-    elif isinstance(models, Sequence):
-        members_list = list(models)
-        if n is not None and n != len(members_list):
-            raise ValueError(f"wide_compiler.distributed.shard: n={n} but {len(members_list)} models "
-                             f"were given")
-        total = len(members_list)
-        if total == 0:
-            raise ValueError("wide_compiler.distributed.shard: expected at least one model, got an "
-                             "empty list")
-        factory = members_list.__getitem__
-    else:
-        raise TypeError(f"wide_compiler.distributed.shard: expected a sequence of N modules or a "
-                        f"factory f(i) -> module, got {type(models).__name__}")
-    wide, error, ids = None, None, range(0)
+    wide, error, ids, total, signature = None, None, range(0), None, None
     try:  # a rank that fails tells the others (in the all-gather below) instead of leaving them hanging
+        if "compile_model" in compile_kwargs:
+            raise TypeError("wide_compiler.distributed.shard: compile_model is not supported here; "
+                            "wrap the shard's .wide in torch.compile yourself")
+        if isinstance(models, nn.Module):
+            raise TypeError("wide_compiler.distributed.shard: got ONE module; pass the N members as a "
+                            "list, or a factory f(i) -> module of the global member index with n=N")
+        if callable(models):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"wide_compiler.distributed.shard: a member factory needs n=N (the "
+                                 f"population size, an int >= 1); got n={n!r}")
+            factory, total = models, n
+        elif isinstance(models, Sequence):
+            members_list = list(models)
+            if n is not None and n != len(members_list):
+                raise ValueError(f"wide_compiler.distributed.shard: n={n} but {len(members_list)} "
+                                 f"models were given")
+            total = len(members_list)
+            if total == 0:
+                raise ValueError("wide_compiler.distributed.shard: expected at least one model, got "
+                                 "an empty list")
+            factory = members_list.__getitem__
+        else:
+            raise TypeError(f"wide_compiler.distributed.shard: expected a sequence of N modules or a "
+                            f"factory f(i) -> module, got {type(models).__name__}")
         ids = shard_range(total, world, rank)  # N < world size
         local = []
         for i in ids:
@@ -450,16 +465,19 @@ def gather_outputs(output: Any, sharded: Any) -> Any:
         >>> wcd.gather_outputs(sharded(torch.randn(4, 5, 3)), sharded).shape
         torch.Size([4, 5, 2])
     """
-    sharded = _as_sharded(sharded, "gather_outputs")
+    return _gather(output, _as_sharded(sharded, "gather_outputs"), "gather_outputs")
+
+
+def _gather(output: Any, sharded: ShardedWideModel, what: str) -> Any:
     leaves, spec = tree_flatten(output)
     meta = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else None for t in leaves]
     if not _collective(sharded):
-        _check_meta([meta], sharded)
+        _check_meta([meta], sharded, what)
         return output
     group, world = sharded.group, sharded.world_size
     everyone: list[Any] = [None] * world
     torch.distributed.all_gather_object(everyone, meta, group=group)
-    _check_meta(everyone, sharded)
+    _check_meta(everyone, sharded, what)  # on every rank: a mismatch raises everywhere
     sizes = [len(r) for r in sharded.ranges]
     most = max(sizes)
     out = []
@@ -478,24 +496,23 @@ def gather_outputs(output: Any, sharded: Any) -> Any:
     return tree_unflatten(out, spec)
 
 
-def _check_meta(everyone: list, sharded: ShardedWideModel) -> None:
+def _check_meta(everyone: list, sharded: ShardedWideModel, what: str) -> None:
     ranges = sharded.ranges
+    name = f"wide_compiler.distributed.{what}"
     first = everyone[0]
     for r, meta in enumerate(everyone):
         if len(meta) != len(first) or [m is None for m in meta] != [m is None for m in first]:
-            raise ValueError(f"wide_compiler.distributed.gather_outputs: rank {r}'s output has a "
-                             f"different structure from rank 0's")
+            raise ValueError(f"{name}: rank {r}'s output has a different structure from rank 0's")
         for k, (m, m0) in enumerate(zip(meta, first)):
             if m is None:
                 continue
             shape, dtype = m
             if not shape or shape[0] != len(ranges[r]):
-                raise ValueError(f"wide_compiler.distributed.gather_outputs: output {k} of rank {r} has "
-                                 f"shape {list(shape)}; expected [{len(ranges[r])}, ...] (dim 0: that "
-                                 f"rank's {len(ranges[r])} members {_span(ranges[r])})")
+                raise ValueError(f"{name}: output {k} of rank {r} has shape {list(shape)}; expected "
+                                 f"[{len(ranges[r])}, ...] (dim 0: one per member of that rank, "
+                                 f"{_span(ranges[r])})")
             if shape[1:] != m0[0][1:] or dtype != m0[1]:
-                raise ValueError(f"wide_compiler.distributed.gather_outputs: output {k} is "
-                                 f"{list(shape)} {dtype} on rank {r} but {list(m0[0])} {m0[1]} on "
+                raise ValueError(f"{name}: output {k} is {list(shape)} {dtype} on rank {r} but {list(m0[0])} {m0[1]} on "
                                  f"rank 0: every rank's members must give the same shape and dtype")
 
 
@@ -516,11 +533,7 @@ def all_gather_metrics(values: Any, sharded: Any) -> torch.Tensor:
         t = values.detach()
     else:
         t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_comm_device(sharded))
-    if t.dim() == 0 or t.shape[0] != sharded.n_local:
-        raise ValueError(f"wide_compiler.distributed.all_gather_metrics: rank {sharded.rank} gave "
-                         f"{list(t.shape)} values; expected one per local member ([{sharded.n_local}] "
-                         f"for members {_span(sharded.members)})")
-    return gather_outputs(t, sharded)
+    return _gather(t, sharded, "all_gather_metrics")  # checks the counts on every rank
 
 
 # -- copying members across ranks ---------------------------------------------------------------
@@ -536,49 +549,70 @@ def _check_optimizer(optimizer: Any, sharded: ShardedWideModel, what: str) -> No
         raise ValueError(f"wide_compiler.distributed.{what}: the optimizer has N={optimizer.n} members "
                          f"but rank {sharded.rank} holds {sharded.n_local}: build it over this rank's "
                          f"shard (optimizer(sharded.parameters(), ...))")
-    # hyperparameters assigned by hand since the last step (group["lr"] = 1e-4) become [N] again
-    for gi, g in enumerate(optimizer.param_groups):
-        optimizer._renormalize(g, gi)
+    optimizer._renormalize_all()  # hyperparameters assigned by hand (group["lr"] = 1e-4) become [N] again
 
 
-def _member_tensors(sharded: ShardedWideModel, local: int, optimizer: Any) -> list[tuple[str, torch.Tensor]]:
-    """Views of everything a member is made of: weights, buffers, optimizer state, and (last) a
-    float64 vector of its hyperparameters, with names for the structure check."""
+def _agree(error: BaseException | None, sharded: ShardedWideModel, what: str) -> None:
+    """Every rank learns whether any rank failed (one small all-gather) and raises: the failing
+    rank its own exception, the others a ``RuntimeError`` naming it; instead of one rank raising
+    while the others wait in the next collective. Without collectives: raises ``error``."""
+    everyone: list[Any] = [None]
+    if _collective(sharded):
+        everyone = [None] * sharded.world_size
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        torch.distributed.all_gather_object(everyone, mine, group=sharded.group)
+    if error is not None:
+        raise error
+    for r, err in enumerate(everyone):
+        if err is not None:
+            raise RuntimeError(f"wide_compiler.distributed.{what}: rank {r} failed ({err}); see that "
+                               f"rank's traceback")
+
+
+def _member_entries(sharded: ShardedWideModel, local: int, optimizer: Any) -> dict[str, Any]:
+    """Everything a member is made of, by name: ``"model"`` (weights then buffers) and
+    ``"optimizer"`` (per-member state) map names to views of the member's rows, with the
+    state's parameter index and key; ``"hparams"``: its hyperparameters."""
     wide = sharded.wide
     params, buffers = wide._member_names()
-    out = [(name, wide._stacked(name)[local]) for name in (*params, *buffers)]
+    out: dict[str, Any] = {"model": {name: wide._stacked(name)[local] for name in (*params, *buffers)},
+                           "optimizer": None, "hparams": None}
     if optimizer is not None:
-        out += [(f"optimizer.{key}", t[local]) for key, t in optimizer._member_tensors()]
-        out.append(("optimizer.hyperparameters", _hparam_vector(optimizer, local)))
+        state = {}
+        for pid, p in enumerate(q for g in optimizer.param_groups for q in g["params"]):
+            for key, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == optimizer.n:
+                    state[f"{pid}.{key}"] = (pid, key, v[local])
+        out["optimizer"], out["hparams"] = state, optimizer._member_values(local)
     return out
 
 
-def _hparam_vector(optimizer: Any, local: int) -> torch.Tensor:
-    values = []
-    for g in optimizer.param_groups:
-        values += [float(g[name][local]) for name in optimizer._hparams]
-        values += [float(t[local]) for name in optimizer._pairs for t in g[name]]
-        if "initial_lr" in g:
-            values.append(float(g["initial_lr"][local]))
-    return torch.tensor(values, dtype=torch.float64)
+def _describe(entries: dict[str, Any]) -> dict[str, Any]:
+    """What the peer needs to know of ``_member_entries``: names, shapes, dtypes (and the
+    hyperparameter values, which travel here)."""
+    shape = lambda t: (tuple(t.shape), t.dtype)  # noqa: E731
+    return {"model": {k: shape(t) for k, t in entries["model"].items()},
+            "optimizer": None if entries["optimizer"] is None else
+            {k: (pid, key, *shape(t)) for k, (pid, key, t) in entries["optimizer"].items()},
+            "hparams": entries["hparams"]}
 
 
-def _set_hparams(optimizer: Any, local: int, vector: torch.Tensor) -> None:
-    values = iter(vector.tolist())
-    for g in optimizer.param_groups:
-        for name in optimizer._hparams:
-            t = g[name].clone()
-            t[local] = next(values)
-            g[name] = t
-        for name in optimizer._pairs:
-            pair = tuple(t.clone() for t in g[name])
-            for t in pair:
-                t[local] = next(values)
-            g[name] = pair
-        if "initial_lr" in g:
-            t = g["initial_lr"].clone()
-            t[local] = next(values)
-            g["initial_lr"] = t
+def _structure_error(src: dict, dst: dict) -> str | None:
+    """Why member state described by ``src`` cannot be copied onto ``dst``'s, or None."""
+    if src["model"] != dst["model"]:
+        diff = sorted(set(src["model"].items()) ^ set(dst["model"].items()), key=str)[:3]
+        return f"the two ranks' members differ in structure (first differences: {diff})"
+    if (src["optimizer"] is None) != (dst["optimizer"] is None):
+        return ("the two ranks' optimizer states differ in structure: an optimizer was given on one "
+                "rank only")
+    if src["optimizer"] is not None:
+        for k in src["optimizer"].keys() & dst["optimizer"].keys():
+            if src["optimizer"][k] != dst["optimizer"][k]:
+                return (f"the two ranks' optimizer states differ in structure: state {k} is "
+                        f"{src['optimizer'][k][2:]} on one, {dst['optimizer'][k][2:]} on the other")
+        if len(src["hparams"]) != len(dst["hparams"]):
+            return "the two ranks' optimizers have different numbers of param groups"
+    return None
 
 
 def _flat_by_dtype(tensors: list[torch.Tensor], device: torch.device) -> dict[torch.dtype, torch.Tensor]:
@@ -596,12 +630,15 @@ def copy_member(sharded: Any, src: int, dst: int, optimizer: Any = None) -> None
     hyperparameters. The "exploit" step of population-based training.
 
     COLLECTIVE: every rank of the group calls it with the same ``src`` and ``dst`` (and an
-    optimizer on every rank or on none); only the two ranks holding them communicate (one
-    point-to-point message of the member's tensors, after a small structure check that makes
-    both raise, instead of hang, when the two ranks' members or optimizer states differ). When
-    both members are on one rank this is :meth:`WideModel.copy_member`. Copies issued one after
-    another in the same order on every rank give the same result as the same sequence on a
-    single wide model.
+    optimizer on every rank or on none); only the two ranks holding them communicate: first a
+    small description of the member (and any error on either rank), so that both raise instead
+    of hanging when one fails or the two ranks' members differ, then one message per dtype of
+    the member's tensors. Optimizer state that only one of the two ranks has yet (SGD's
+    momentum buffer on a rank whose members all have momentum 0) is handled as on one wide
+    model: state ``src`` has and ``dst``'s rank lacks is created (zeros for its other members),
+    state ``src``'s rank lacks is zeroed for ``dst``. When both members are on one rank this is
+    :meth:`WideModel.copy_member`. Copies issued one after another in the same order on every
+    rank give the same result as the same sequence on a single wide model.
 
     Example:
         >>> import torch, wide_compiler as wc, wide_compiler.distributed as wcd
@@ -615,61 +652,93 @@ def copy_member(sharded: Any, src: int, dst: int, optimizer: Any = None) -> None
     sharded = _as_sharded(sharded, "copy_member")
     src = sharded.check_member(src, "src")
     dst = sharded.check_member(dst, "dst")
-    _check_optimizer(optimizer, sharded, "copy_member")
-    if src == dst:
-        return
+    group = sharded.group  # (raises on every rank when a pickled model lost its group)
     s_rank, d_rank = sharded.owner(src), sharded.owner(dst)
     me = sharded.rank
+    if src == dst or me not in (s_rank, d_rank):
+        _check_optimizer(optimizer, sharded, "copy_member")
+        return
     if s_rank == d_rank:
-        if s_rank == me:
-            sharded.wide.copy_member(sharded.local(src), sharded.local(dst), optimizer)
+        _check_optimizer(optimizer, sharded, "copy_member")
+        sharded.wide.copy_member(sharded.local(src), sharded.local(dst), optimizer)
         return
-    if me not in (s_rank, d_rank):
-        return
-    dist, group = torch.distributed, sharded.group
+    dist = torch.distributed
     peer = d_rank if me == s_rank else s_rank
     peer_global = dist.get_global_rank(group, peer) if group is not None else peer
-    named = _member_tensors(sharded, sharded.local(src if me == s_rank else dst), optimizer)
     device = _comm_device(sharded)
-    signature = ";".join(f"{k}:{tuple(t.shape)}:{t.dtype}" for k, t in named)
-    header = torch.tensor([len(named), sum(t.numel() for _, t in named), zlib.crc32(signature.encode())],
-                          dtype=torch.int64, device=device)
-    where = f"member {src} (rank {s_rank}) -> member {dst} (rank {d_rank})"
-    if me == s_rank:
-        dist.send(header, dst=peer_global, group=group)
-        ack = torch.zeros(1, dtype=torch.int64, device=device)
-        dist.recv(ack, src=peer_global, group=group)
-        if not ack.item():
-            raise ValueError(f"wide_compiler.distributed.copy_member {where}: the two ranks' members "
-                             f"or optimizer states differ in structure (an optimizer on one rank only, "
-                             f"or state not yet created on one of them: step every rank's optimizer "
-                             f"alike)")
-        for flat in _flat_by_dtype([t for _, t in named], device).values():
+    where = f"wide_compiler.distributed.copy_member member {src} (rank {s_rank}) -> member {dst} (rank {d_rank})"
+    error, entries, mine = None, None, None
+    try:  # a failure here is sent to the peer (which raises too) instead of leaving it waiting
+        _check_optimizer(optimizer, sharded, "copy_member")
+        entries = _member_entries(sharded, sharded.local(src if me == s_rank else dst), optimizer)
+        mine = _describe(entries)
+    except Exception as e:
+        error = e
+    message = [{"error": None if error is None else f"{type(error).__name__}: {error}", "meta": mine}]
+    if me == s_rank:  # the source describes, the destination answers with a verdict
+        dist.send_object_list(message, dst=peer_global, group=group, device=device)
+        verdict = [None]
+        dist.recv_object_list(verdict, src=peer_global, group=group, device=device)
+        if error is not None:
+            raise error
+        if verdict[0] is not None:
+            raise ValueError(f"{where}: {verdict[0]}")
+        tensors = [t for t in entries["model"].values()] + [t for *_, t in (entries["optimizer"] or {}).values()]
+        for flat in _flat_by_dtype(tensors, device).values():
             dist.send(flat, dst=peer_global, group=group)
+        log.debug("%s: sent", where)
+        return
+    theirs = [None]
+    dist.recv_object_list(theirs, src=peer_global, group=group, device=device)
+    theirs = theirs[0]
+    if error is not None:
+        verdict = f"rank {d_rank} failed ({message[0]['error']}); see that rank's traceback"
+    elif theirs["error"] is not None:
+        verdict = f"rank {s_rank} failed ({theirs['error']}); see that rank's traceback"
     else:
-        theirs = torch.empty_like(header)
-        dist.recv(theirs, src=peer_global, group=group)
-        ok = bool(torch.equal(theirs, header))
-        dist.send(torch.tensor([int(ok)], dtype=torch.int64, device=device), dst=peer_global, group=group)
-        if not ok:
-            raise ValueError(f"wide_compiler.distributed.copy_member {where}: the two ranks' members "
-                             f"or optimizer states differ in structure (this rank: {len(named)} "
-                             f"tensors, {header[1].item()} values; rank {s_rank}: {theirs[0].item()} "
-                             f"tensors, {theirs[1].item()} values)")
-        tensors = [t for _, t in named]
-        flats = _flat_by_dtype(tensors, device)
-        for flat in flats.values():
-            dist.recv(flat, src=peer_global, group=group)
-        offsets = dict.fromkeys(flats, 0)
-        for (name, t) in named:
-            k = offsets[t.dtype]
-            value = flats[t.dtype][k:k + t.numel()].view(t.shape)
-            offsets[t.dtype] = k + t.numel()
-            if name == "optimizer.hyperparameters":
-                _set_hparams(optimizer, sharded.local(dst), value.cpu())
-            else:
-                t.copy_(value)
-    log.debug("wide_compiler.distributed: copied %s", where)
+        verdict = _structure_error(theirs["meta"], mine)
+        if verdict is None and optimizer is not None:
+            try:  # hyperparameters first: validated before anything changes
+                optimizer._set_member_values(sharded.local(dst), theirs["meta"]["hparams"])
+            except (ValueError, TypeError) as e:
+                verdict = f"the source's hyperparameters do not fit this optimizer ({e})"
+    dist.send_object_list([verdict], dst=peer_global, group=group, device=device)
+    if error is not None:
+        raise error
+    if verdict is not None:
+        raise ValueError(f"{where}: {verdict}")
+    meta = theirs["meta"]
+    specs = list(meta["model"].values()) + [spec[2:] for spec in (meta["optimizer"] or {}).values()]
+    sizes: dict[torch.dtype, int] = {}
+    for shape, dtype in specs:
+        sizes[dtype] = sizes.get(dtype, 0) + torch.Size(shape).numel()
+    flats = {dt: torch.empty(k, dtype=dt, device=device) for dt, k in sizes.items()}
+    for flat in flats.values():
+        dist.recv(flat, src=peer_global, group=group)
+    offsets = dict.fromkeys(flats, 0)
+
+    def take(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        k = offsets[dtype]
+        offsets[dtype] = k + torch.Size(shape).numel()
+        return flats[dtype][k:offsets[dtype]].view(shape)
+
+    for name, (shape, dtype) in meta["model"].items():
+        entries["model"][name].copy_(take(shape, dtype))
+    if optimizer is not None:
+        local = sharded.local(dst)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for name, (pid, key, shape, dtype) in meta["optimizer"].items():
+            value = take(shape, dtype)
+            if name in entries["optimizer"]:
+                entries["optimizer"][name][2].copy_(value)
+            else:  # state this rank's optimizer has not created yet: zeros for the other members
+                p = params[pid]
+                on = p.device if shape else torch.device("cpu")  # step counts live on the CPU
+                optimizer.state[p][key] = t = torch.zeros((optimizer.n, *shape), dtype=dtype, device=on)
+                t[local].copy_(value)
+        for name in entries["optimizer"].keys() - meta["optimizer"].keys():
+            entries["optimizer"][name][2].zero_()  # state the source's rank does not have
+    log.debug("%s: received", where)
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
@@ -685,11 +754,17 @@ def save_members(model: Any, directory: str | os.PathLike, optimizer: Any = None
     dtypes, optimizer class, your ``metadata``). Returns the directory.
 
     ``model`` is a :class:`ShardedWideModel` (COLLECTIVE: every rank writes the members it
-    holds; rank 0 removes an older ``index.json`` first and writes the new one last, after a
-    barrier, so a directory with an ``index.json`` holds a complete checkpoint; the directory
-    must be one all ranks see, e.g. a shared filesystem) or a plain
-    :class:`~wide_compiler.WideModel` (all its members). Files are written atomically. Read it
-    back with :func:`load_members` on any number of ranks, or :func:`load_member` without any.
+    holds; rank 0 removes an older ``index.json`` (and member files of a larger older N) first
+    and writes the new one last, once every rank has written its members, so a directory with
+    an ``index.json`` holds a complete checkpoint; the directory must be one all ranks see, e.g.
+    a shared filesystem) or a plain :class:`~wide_compiler.WideModel` (all its members). Files
+    are written atomically. When any rank fails (a wrong optimizer, a full disk), every rank
+    raises. Read it back with :func:`load_members` on any number of ranks, or
+    :func:`load_member` without any.
+
+    Saving over an existing checkpoint is NOT crash-safe: the old one is invalidated before the
+    new one is complete, so a crash in between leaves no checkpoint there. Save each round to a
+    fresh directory (and remove older ones once the new one is written).
 
     Example:
         >>> import tempfile, torch, wide_compiler as wc, wide_compiler.distributed as wcd
@@ -706,54 +781,73 @@ def save_members(model: Any, directory: str | os.PathLike, optimizer: Any = None
         True
     """
     sharded = _as_sharded(model, "save_members")
-    _check_optimizer(optimizer, sharded, "save_members")
-    if metadata is not None:
-        try:
-            metadata = json.loads(json.dumps(dict(metadata)))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"wide_compiler.distributed.save_members: metadata must be JSON-serialisable "
-                             f"({e})") from e
+    _ = sharded.group  # raises on every rank when a pickled model lost its group
     path = Path(directory)
-    collective = _collective(sharded)
-    if sharded.rank == 0:  # an older checkpoint here is no longer complete once we start writing
+    error = None
+    try:  # every step ends with _agree: a rank that fails makes every rank raise (none hangs)
+        _check_optimizer(optimizer, sharded, "save_members")
+        if metadata is not None:
+            try:
+                metadata = json.loads(json.dumps(dict(metadata)))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"wide_compiler.distributed.save_members: metadata must be "
+                                 f"JSON-serialisable ({e})") from e
+        if sharded.rank == 0:  # an older checkpoint here is no longer complete once we start writing
+            path.mkdir(parents=True, exist_ok=True)
+            (path / INDEX_FILE).unlink(missing_ok=True)
+            for f in path.glob("member_*.pt"):  # members of a larger older N
+                k = f.stem.removeprefix("member_")
+                if k.isdigit() and int(k) >= sharded.n_global:
+                    f.unlink(missing_ok=True)
+    except Exception as e:
+        error = e
+    _agree(error, sharded, "save_members")
+    try:
         path.mkdir(parents=True, exist_ok=True)
-        (path / INDEX_FILE).unlink(missing_ok=True)
-    if collective:
-        torch.distributed.barrier(group=sharded.group)
-    path.mkdir(parents=True, exist_ok=True)
-    for i in sharded.members:
-        payload = {"format": FORMAT, "version": FORMAT_VERSION, "member": i,
-                   "model": sharded.member_state_dict(i),
-                   "optimizer": optimizer.member_state_dict(sharded.local(i)) if optimizer is not None else None}
-        _atomic_save(payload, path / _member_file(i))
-    if collective:
-        torch.distributed.barrier(group=sharded.group)
-    if sharded.rank == 0:
-        sd = sharded.member_state_dict(sharded.members.start)
-        index = {
-            "format": FORMAT, "version": FORMAT_VERSION, "n": sharded.n_global,
-            "files": [_member_file(i) for i in range(sharded.n_global)],
-            "keys": list(sd), "shapes": {k: list(v.shape) for k, v in sd.items()},
-            "dtypes": {k: str(v.dtype) for k, v in sd.items()},
-            "module": type(sharded.wide._template).__qualname__,
-            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
-            "saved_by_world_size": sharded.world_size, "torch": torch.__version__,
-            "metadata": metadata,
-        }
-        tmp = path / f".{INDEX_FILE}.tmp"
-        tmp.write_text(json.dumps(index, indent=1))
-        os.replace(tmp, path / INDEX_FILE)
-    if collective:
-        torch.distributed.barrier(group=sharded.group)
+        for i in sharded.members:
+            payload = {"format": FORMAT, "version": FORMAT_VERSION, "member": i,
+                       "model": sharded.member_state_dict(i),
+                       "optimizer": optimizer.member_state_dict(sharded.local(i)) if optimizer is not None else None}
+            _atomic_save(payload, path / _member_file(i))
+    except Exception as e:
+        error = e
+    _agree(error, sharded, "save_members")
+    try:
+        if sharded.rank == 0:
+            sd = sharded.member_state_dict(sharded.members.start)
+            index = {
+                "format": FORMAT, "version": FORMAT_VERSION, "n": sharded.n_global,
+                "files": [_member_file(i) for i in range(sharded.n_global)],
+                "keys": list(sd), "shapes": {k: list(v.shape) for k, v in sd.items()},
+                "dtypes": {k: str(v.dtype) for k, v in sd.items()},
+                "module": type(sharded.wide._template).__qualname__,
+                "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+                "saved_by_world_size": sharded.world_size, "torch": torch.__version__,
+                "metadata": metadata,
+            }
+            _atomic_write(path / INDEX_FILE, lambda tmp: tmp.write_text(json.dumps(index, indent=1)))
+    except Exception as e:
+        error = e
+    _agree(error, sharded, "save_members")
     log.info("wide_compiler.distributed: rank %d saved members %s to %s", sharded.rank,
              _span(sharded.members), path)
     return path
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
+    _atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+def _atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
+    """``write(tmp)`` to a temporary file beside ``path``, then rename it to ``path``; the
+    temporary file is removed when that fails."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_index(directory: str | os.PathLike) -> dict[str, Any]:
@@ -812,8 +906,10 @@ def load_members(model: Any, directory: str | os.PathLike, optimizer: Any = None
     hyperparameters too (state tensors are created when the optimizer has none yet). Local: no
     communication. Returns the checkpoint's index (``index["metadata"]``: what was saved with it).
 
-    Raises ``ValueError`` when the checkpoint's N, keys or shapes differ from the model's, or an
-    optimizer is given and the checkpoint has none (or another optimizer class's).
+    Raises ``ValueError`` when the checkpoint's N, keys, shapes or dtypes (as recorded in its
+    ``index.json``) differ from the model's, or an optimizer is given and the checkpoint has none
+    (or another optimizer class's). (The index's ``module``, the member class's name, is
+    informational and not checked.)
 
     Example:
         >>> import tempfile, torch, wide_compiler as wc, wide_compiler.distributed as wcd
@@ -832,13 +928,20 @@ def load_members(model: Any, directory: str | os.PathLike, optimizer: Any = None
     if index["n"] != sharded.n_global:
         raise ValueError(f"wide_compiler.distributed.load_members: the checkpoint in {directory} has "
                          f"N={index['n']} members, the model N={sharded.n_global}")
-    keys = list(sharded.member_state_dict(sharded.members.start))
+    sd = sharded.member_state_dict(sharded.members.start)
+    keys = list(sd)
     if sorted(index["keys"]) != sorted(keys):
         missing = sorted(set(keys) - set(index["keys"]))
         extra = sorted(set(index["keys"]) - set(keys))
         raise ValueError(f"wide_compiler.distributed.load_members: the checkpoint in {directory} "
                          f"does not match the model: keys missing from it {missing}, unexpected "
                          f"keys {extra}")
+    for k, v in sd.items():
+        saved = (index["shapes"].get(k), index["dtypes"].get(k))
+        if saved != (list(v.shape), str(v.dtype)):
+            raise ValueError(f"wide_compiler.distributed.load_members: the checkpoint in {directory} "
+                             f"does not match the model: {k!r} was saved as {saved[0]} {saved[1]}, "
+                             f"the model's is {list(v.shape)} {v.dtype}")
     if optimizer is not None and index.get("optimizer") != type(optimizer).__name__:
         raise ValueError(f"wide_compiler.distributed.load_members: the checkpoint in {directory} has "
                          f"optimizer state of {index.get('optimizer')!r}; got a "
@@ -888,22 +991,9 @@ def _check_member_optimizer(optimizer: Any, osd: Any, where: str) -> None:
 
 @torch.no_grad()
 def _load_member_optimizer(optimizer: Any, local: int, osd: dict) -> None:
-    for g, sg in zip(optimizer.param_groups, osd["param_groups"]):
-        for name in optimizer._hparams:
-            if name in sg:
-                t = g[name].clone()
-                t[local] = float(sg[name])
-                g[name] = optimizer._check(name, t)
-        for name in optimizer._pairs:
-            if name in sg:
-                pair = tuple(t.clone() for t in g[name])
-                for t, v in zip(pair, sg[name]):
-                    t[local] = float(v)
-                g[name] = pair
-        if "initial_lr" in sg:
-            t = g["initial_lr"].clone() if "initial_lr" in g else g["lr"].clone()
-            t[local] = float(sg["initial_lr"])
-            g["initial_lr"] = t
+    names = (*optimizer._hparams, *optimizer._pairs, "initial_lr")
+    optimizer._set_member_values(local, {gi: {k: sg[k] for k in names if k in sg}
+                                         for gi, sg in enumerate(osd["param_groups"])})
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for pid, st in osd["state"].items():
         p = params[int(pid)]

@@ -189,7 +189,7 @@ def _sync_full(full, opt_full, sharded, opt) -> None:
                 opt_full.state[q][key].copy_(wcd.gather_outputs(t, sharded))
 
 
-def _errors(rank: int, world: int) -> None:
+def _errors(rank: int, world: int, tmp: str) -> None:
     n = 3  # ranks hold 2 and 1 members
     sharded = wcd.shard(make, SAMPLE, n=n, config=FAST)
     assert [len(x) for x in sharded.ranges] == [2, 1]
@@ -206,12 +206,39 @@ def _errors(rank: int, world: int) -> None:
     out = sharded(torch.randn(len(sharded.members), 2, 4))
     with pytest.raises(ValueError, match="output 0 of rank 1 has shape"):
         wcd.gather_outputs(out if rank == 0 else out[:0], sharded)
-    with pytest.raises(ValueError, match="expected one per local member"):
-        wcd.all_gather_metrics(torch.zeros(5), sharded)
+    # a wrong number of metrics on ONE rank: every rank raises (no hang)
+    with pytest.raises(ValueError, match=r"all_gather_metrics: output 0 of rank 1 has shape \[5\]"):
+        wcd.all_gather_metrics(torch.zeros(len(sharded.members) if rank == 0 else 5), sharded)
     # an optimizer on one rank only: both ranks of the copy raise (no hang)
     opt = wc.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match="differ in structure"):
         wcd.copy_member(sharded, 0, 2, opt if rank == 0 else None)
+    # an optimizer that fails its checks on ONE of the two ranks: both raise
+    wrong_n = wc.optim.SGD([nn.Parameter(torch.zeros(5, 2))], lr=0.1)
+    for src, dst in ((0, 2), (2, 0)):
+        with pytest.raises((ValueError, RuntimeError), match="the optimizer has N=5|rank 1 failed"):
+            wcd.copy_member(sharded, src, dst, opt if rank == 0 else wrong_n)
+    # save_members failing on ONE rank (a torch.optim optimizer on rank 0, an unwritable
+    # directory on rank 1): every rank raises, no index.json is written
+    with pytest.raises((TypeError, RuntimeError), match="not a wide_compiler.optim|rank 0 failed"):
+        wcd.save_members(sharded, os.path.join(tmp, "s1"),
+                         torch.optim.SGD(sharded.parameters(), lr=0.1) if rank == 0 else opt)
+    blocker = os.path.join(tmp, f"file_{rank}")
+    open(blocker, "w").close()
+    with pytest.raises((OSError, RuntimeError), match="rank 1 failed|File exists|Not a directory"):
+        wcd.save_members(sharded, os.path.join(tmp, "s2") if rank == 0 else os.path.join(blocker, "s2"))
+    assert not os.path.exists(os.path.join(tmp, "s2", "index.json"))
+    # a pickled shard lost its process group: collectives raise until .group is set again
+    clone = pickle.loads(pickle.dumps(sharded))
+    for call in (lambda: wcd.gather_outputs(clone.wide.get_parameter("0.weight").detach(), clone),
+                 lambda: wcd.copy_member(clone, 0, 2), lambda: wcd.save_members(clone, tmp)):
+        with pytest.raises(RuntimeError, match="process group was lost in pickling; set .group"):
+            call()
+    clone.group = None
+    assert wcd.gather_outputs(clone.wide.get_parameter("0.weight").detach(), clone).shape[0] == n
+    # argument errors of shard() on ONE rank: every rank raises
+    with pytest.raises((TypeError, RuntimeError), match="got ONE module|rank 1 failed to build"):
+        wcd.shard(make(0) if rank == 1 else make, SAMPLE, n=n, config=FAST)
     # ranks that disagree on N: every rank raises at shard() (none is left hanging)
     with pytest.raises((ValueError, RuntimeError), match="cannot be sharded|rank 1 failed to build"):
         wcd.shard(make, SAMPLE, n=3 if rank == 0 else 1, config=FAST)
@@ -224,6 +251,38 @@ def _errors(rank: int, world: int) -> None:
     wcd.copy_member(sharded, 0, 2)
     weights = wcd.gather_outputs(sharded.wide.get_parameter("0.weight").detach(), sharded)
     assert torch.equal(weights[0], weights[2])
+
+
+def _sgd_partial_momentum(rank: int, world: int) -> None:
+    """SGD with momentum [0, 0, 0.9, 0.9]: rank 0's optimizer has no momentum buffer (its members
+    have none), rank 1's has; copies both ways match one wide model's."""
+    n, momentum = 4, [0.0, 0.0, 0.9, 0.9]
+    sharded = wcd.shard(lambda i: make(i, bn=False), SAMPLE, n=n, config=FAST)
+    full = wc.compile([make(i, bn=False) for i in range(n)], SAMPLE, config=FAST)
+    r = sharded.members
+    opt = wc.optim.SGD(sharded.parameters(), lr=0.1, momentum=momentum[r.start:r.stop])
+    opt_full = wc.optim.SGD(full.parameters(), lr=0.1, momentum=momentum)
+    x, y = data(n)
+    train_step(sharded, opt, x[r.start:r.stop], y[r.start:r.stop])
+    train_step(full, opt_full, x, y)
+    p = next(iter(sharded.wide.parameters()))
+    assert ("momentum_buffer" in opt.state[p]) == (rank == 1)
+    for src, dst in ((1, 2), (3, 0), (0, 1)):  # from a rank without the buffer, to one, within one
+        wcd.copy_member(sharded, src, dst, opt)
+        full.copy_member(src, dst, opt_full)
+    assert "momentum_buffer" in opt.state[p]  # created on rank 0 by the copy 3 -> 0
+    torch.testing.assert_close(opt.param_groups[0]["momentum"],
+                               opt_full.param_groups[0]["momentum"][r.start:r.stop], rtol=0, atol=0)
+    for _ in range(2):
+        x, y = data(n, seed=1 + _)
+        train_step(sharded, opt, x[r.start:r.stop], y[r.start:r.stop])
+        train_step(full, opt_full, x, y)
+    assert_members_equal(sharded, full, exact=False)
+    moving = [i for i in r if float(opt_full.param_groups[0]["momentum"][i]) > 0]
+    for q, q_full in zip(sharded.wide.parameters(), full.parameters()):
+        for i in moving:
+            torch.testing.assert_close(opt.state[q]["momentum_buffer"][sharded.local(i)],
+                                       opt_full.state[q_full]["momentum_buffer"][i])
 
 
 def _resume(rank: int, world: int, n: int, ckpt: str) -> None:
@@ -294,7 +353,11 @@ def test_sharded_matches_single_process_2_ranks(tmp_path):
 
 
 def test_errors_across_ranks(tmp_path):
-    spawn(_errors, 2, tmp_path)
+    spawn(_errors, 2, tmp_path, str(tmp_path))
+
+
+def test_copy_member_sgd_partial_momentum(tmp_path):
+    spawn(_sgd_partial_momentum, 2, tmp_path)
 
 
 def test_ddp_2_shards_x_2_replicas(tmp_path):
@@ -388,7 +451,7 @@ def test_shard_range_and_owner(n, world):
     assert [_owner(n, world, i) for i in range(n)] == [r for r, rg in enumerate(ranges) for _ in rg]
 
 
-def test_errors_world_size_1(tmp_path):
+def test_errors_world_size_1(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="cannot be sharded over 4 ranks"):
         wcd.shard_range(3, 4, 0)
     with pytest.raises(ValueError, match="factory needs n=N"):
@@ -418,6 +481,7 @@ def test_errors_world_size_1(tmp_path):
     wcd.save_members(other, tmp_path / "c2")
     wcd.save_members(sharded, tmp_path / "c2")  # over an older, larger checkpoint
     assert wcd.read_index(tmp_path / "c2")["n"] == 2
+    assert sorted(os.listdir(tmp_path / "c2")) == ["index.json", "member_000000.pt", "member_000001.pt"]
     wcd.load_members(sharded, tmp_path / "c2")
     with pytest.raises(ValueError, match="optimizer state of None"):
         wcd.load_members(sharded, tmp_path / "c", wc.optim.Adam(sharded.parameters()))
@@ -427,6 +491,13 @@ def test_errors_world_size_1(tmp_path):
     no_bn = wcd.shard(lambda i: make(i, bn=False), SAMPLE, n=2, config=FAST)
     with pytest.raises(ValueError, match="keys missing from it"):
         wcd.load_members(no_bn, tmp_path / "c")
+    narrow = wcd.shard(lambda i: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.BatchNorm1d(5), nn.Linear(5, 2)),
+                       SAMPLE, n=2, config=FAST)
+    with pytest.raises(ValueError, match=r"'0.weight' was saved as \[8, 4\] torch.float32, the model's is \[5, 4\]"):
+        wcd.load_members(narrow, tmp_path / "c")
+    double = wcd.shard(lambda i: make(i).double(), SAMPLE.double(), n=2, config=FAST)
+    with pytest.raises(ValueError, match="was saved as .* torch.float32, the model's is .* torch.float64"):
+        wcd.load_members(double, tmp_path / "c")
     wcd.save_members(sharded, tmp_path / "d", wc.optim.Adam(sharded.parameters()))
     with pytest.raises(ValueError, match="optimizer state of 'Adam'; got a SGD"):
         wcd.load_members(sharded, tmp_path / "d", wc.optim.SGD(sharded.parameters(), lr=0.1))
@@ -436,3 +507,11 @@ def test_errors_world_size_1(tmp_path):
         wcd.read_index(tmp_path / "d")
     with pytest.raises(ValueError, match="JSON-serialisable"):
         wcd.save_members(sharded, tmp_path / "e", metadata={"x": object()})
+    # a write that fails leaves no temporary file behind
+    def full_disk(obj, f):
+        open(f, "wb").write(b"partial")
+        raise OSError("No space left on device")
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        wcd.save_members(sharded, tmp_path / "f")
+    assert os.listdir(tmp_path / "f") == []

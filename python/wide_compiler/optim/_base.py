@@ -244,40 +244,58 @@ class WideOptimizer(torch.optim.Optimizer):
             >>> opt.param_groups[0]["lr"].tolist()
             [0.001, 0.001, 0.01]
         """
+        groups = range(len(self.param_groups)) if group is None else [group]
+        self._set_member_values(member, {gi: values for gi in groups})
+
+    def _member_values(self, member: int) -> dict[int, dict[str, Any]]:
+        """Member ``member``'s per-member hyperparameters (and ``initial_lr`` where a group has
+        one) in every param group, as floats: what :meth:`_set_member_values` takes."""
+        out: dict[int, dict[str, Any]] = {}
+        for gi, g in enumerate(self.param_groups):
+            vals: dict[str, Any] = {name: float(g[name][member]) for name in self._hparams}
+            vals.update({name: tuple(float(t[member]) for t in g[name]) for name in self._pairs})
+            if "initial_lr" in g:
+                vals["initial_lr"] = float(g["initial_lr"][member])
+            out[gi] = vals
+        return out
+
+    def _set_member_values(self, member: int, values: Mapping[int, Mapping[str, Any]]) -> None:
+        """Set member ``member``'s hyperparameters: ``values[gi]`` maps names (a per-member
+        hyperparameter: a float; a pair: two floats; ``initial_lr``: a float) to its new values in
+        param group ``gi``; the other members are untouched. Setting ``lr`` sets ``initial_lr``
+        too where the group has one (unless given). Everything is validated (rules and
+        cross-hyperparameter checks) before anything changes."""
         self._renormalize_all()  # hyperparameters assigned by hand since the last step
         self._check_member(member)
-        groups = range(len(self.param_groups)) if group is None else [group]
+
+        def one(name: str, old: torch.Tensor, value: Any) -> torch.Tensor:
+            t = per_member(old, self.n, what=f"{self._name}: {name}")  # a float64 copy
+            t[member] = float(value)
+            return self._check(name, per_member(t, self.n, what=f"{self._name}: {name}"))
+
         updates: list[tuple[dict, dict]] = []
-        for gi in groups:
+        for gi, vals in values.items():
             g = self.param_groups[gi]
-            new = dict(g)
-            for name, value in values.items():
+            new: dict[str, Any] = {}
+            for name, value in vals.items():
                 if name in self._hparams:
-                    t = g[name].clone()
-                    t[member] = float(value)
-                    new[name] = self._check(name, per_member(t, self.n, what=f"{self._name}: {name}"))
+                    new[name] = one(name, g[name], value)
+                elif name == "initial_lr":
+                    new[name] = one(name, g.get("initial_lr", g["lr"]), value)
                 elif name in self._pairs:
                     if not isinstance(value, (tuple, list)) or len(value) != 2:
                         raise ValueError(f"{self._name}: {name} must be a pair of floats, got {value!r}")
-                    pair = []
-                    for k, (old, v) in enumerate(zip(g[name], value)):
-                        t = old.clone()
-                        t[member] = float(v)
-                        pair.append(self._check(f"{name}[{k}]", per_member(t, self.n, what=f"{self._name}: {name}")))
-                    new[name] = tuple(pair)
+                    new[name] = tuple(one(f"{name}[{k}]", old, v) for k, (old, v) in enumerate(zip(g[name], value)))
                 else:
                     known = ", ".join((*self._hparams, *self._pairs))
                     raise ValueError(f"{self._name}: {name!r} is not a per-member hyperparameter; "
                                      f"expected one of {known}")
-            self._check_group(new)
+            if "lr" in vals and "initial_lr" not in vals and "initial_lr" in g:
+                new["initial_lr"] = one("initial_lr", g["initial_lr"], vals["lr"])
+            self._check_group({**g, **new})
             updates.append((g, new))
         for g, new in updates:
-            for name in values:
-                g[name] = new[name]
-                if name == "lr" and "initial_lr" in g:
-                    t = g["initial_lr"].clone()
-                    t[member] = float(values[name])
-                    g["initial_lr"] = t
+            g.update(new)
 
     # -- member state ---------------------------------------------------------------------------
     def _check_member(self, i: int, what: str = "member") -> None:
@@ -317,23 +335,7 @@ class WideOptimizer(torch.optim.Optimizer):
         for _, t in self._member_tensors():
             t[dst].copy_(t[src])
         if hyperparameters:
-            for g in self.param_groups:
-                values = {name: float(g[name][src]) for name in self._hparams}
-                values.update({name: tuple(float(t[src]) for t in g[name]) for name in self._pairs})
-                for name, v in values.items():
-                    if name in self._hparams:
-                        t = g[name].clone()
-                        t[dst] = v
-                        g[name] = t
-                    else:
-                        pair = tuple(t.clone() for t in g[name])
-                        for t, x in zip(pair, v):
-                            t[dst] = x
-                        g[name] = pair
-                if "initial_lr" in g:
-                    t = g["initial_lr"].clone()
-                    t[dst] = t[src]
-                    g["initial_lr"] = t
+            self._set_member_values(dst, self._member_values(src))
 
     @torch.no_grad()
     def reset_member_state(self, member: int) -> None:
