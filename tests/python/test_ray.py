@@ -234,6 +234,122 @@ def test_population_checkpoint_restore_is_bit_exact(tmp_path):
             assert torch.equal(t, sb["state"][k][name])
 
 
+def log_sgd(params, hp):
+    """A factory that renames and transforms its keys: nothing is named like SGD's arguments."""
+    return wc.optim.SGD(params, lr=[10 ** x for x in hp["log_lr"]], momentum=hp["mom"])
+
+
+LOG_SPACE = {"log_lr": tune.uniform(-3, -1), "mom": tune.uniform(0.0, 0.9)}
+
+
+def test_renamed_and_transformed_keys_reach_the_optimizer():
+    pop = population(optimizer=log_sgd, space=LOG_SPACE)
+    hp = pop.optimizer.member_hyperparameters
+    pop.set_hyperparameters(0, log_lr=-2.0)
+    assert hp(0)["lr"] == pytest.approx(0.01) and pop.configs[0]["log_lr"] == -2.0
+    pop.optimizer.set_member_hyperparameters(0, lr=0.5)             # e.g. a schedule
+    pop.set_hyperparameters(0, mom=0.25)                             # pushes what mom changes only
+    assert hp(0)["momentum"] == 0.25 and hp(0)["lr"] == 0.5
+    pop.restart(1, config={"log_lr": -1.5, "mom": 0.3})
+    assert hp(1)["lr"] == pytest.approx(10 ** -1.5) and hp(1)["momentum"] == 0.3
+    pbt = wcray.MemberPBT(perturbation_interval=1, resample_probability=1.0, seed=1,
+                          hyperparam_mutations={"log_lr": lambda rng: float(rng.uniform(-3, -1))})
+    pop = population(optimizer=log_sgd, space=LOG_SPACE, scheduler=pbt)
+    pop.step(full_batch_step)
+    (ev,) = [e for e in pop.events if e["event"] == "exploit"]
+    assert ev["config"]["log_lr"] != ev["old_config"]["log_lr"]
+    hp = pop.optimizer.member_hyperparameters
+    for i in range(N):
+        assert hp(i)["lr"] == pytest.approx(10 ** pop.configs[i]["log_lr"])
+        assert hp(i)["momentum"] == pytest.approx(pop.configs[i]["mom"])
+
+
+def test_mutation_callables_get_the_seeded_numpy_generator():
+    def run():
+        pbt = wcray.MemberPBT(perturbation_interval=1, resample_probability=1.0,
+                              hyperparam_mutations={"lr": lambda rng: float(rng.uniform(1e-3, 1e-1))})
+        pop = population(scheduler=pbt, seed=4)
+        for _ in range(3):
+            pop.step(full_batch_step)
+        return [e["config"]["lr"] for e in pop.events if e["event"] == "exploit"]
+
+    first = run()
+    assert len(first) == 3 and first == run()
+
+
+def test_invalid_hyperparameters_change_nothing():
+    pop = population()
+    config, hp = dict(pop.configs[0]), pop.optimizer.member_hyperparameters(0)
+    with pytest.raises(ValueError, match="lr"):
+        pop.set_hyperparameters(0, lr=-1.0)
+    assert pop.configs[0] == config and pop.optimizer.member_hyperparameters(0) == hp
+
+
+def test_pbt_mutation_key_missing_from_the_configs_is_refused_at_the_first_iteration():
+    pbt = wcray.MemberPBT(perturbation_interval=4, hyperparam_mutations={"wd": [0.0, 1e-4]})
+    pop = population(scheduler=pbt)
+    with pytest.raises(ValueError, match="wd.*member_space"):
+        pop.step(full_batch_step)
+
+
+def test_frozen_slots_refuse_exploit_and_final_reports_are_consistent():
+    configs = [{"lr": 0.05, "momentum": 0.0, "q": q} for q in (0.1, 0.9, 0.2, 0.8)]
+
+    def step(pop):
+        full_batch_step(pop)
+        return {"loss": [c["q"] for c in pop.configs]}
+
+    pop = population(scheduler=wcray.MemberASHA(grace_period=1, reduction_factor=2),
+                     configs=configs, max_iterations=3)
+    report = pop.step(step)                                          # slots 1 and 3 stopped, frozen
+    assert [report["members"][str(i)]["active"] for i in range(N)] == [1, 0, 1, 0]
+    assert report["members_active"] == 2
+    with pytest.raises(ValueError, match="frozen"):
+        pop.exploit(0, 1)
+    while not pop.done:
+        report = pop.step(step)
+    assert report["members_active"] == 0
+    assert [report["members"][str(i)]["active"] for i in range(N)] == [0] * N
+
+
+def test_restoring_another_trials_checkpoint_takes_its_config_and_own_generators(tmp_path):
+    def restore(**kw):
+        return wcray.Population.from_state(
+            wcray.load_checkpoint(tmp_path), build_model, sgd, sample_input=torch.randn(2, 3),
+            max_iterations=6, member_space={"lr": SPACE["lr"]}, **kw)
+
+    a = wcray.Population.create(
+        build_model, sgd, sample_input=torch.randn(2, 3), n_members=N, metric="loss",
+        max_iterations=6, member_space={"lr": SPACE["lr"]}, trial_config={"momentum": 0.5},
+        seed=5, trial_id="a")
+    for _ in range(2):
+        a.step(minibatch_step)
+    a.save(tmp_path)
+    assert wcray.load_checkpoint(tmp_path)["trial_id"] == "a"
+    same_trial = restore(trial_id="a", trial_config={"momentum": 0.5}, seed=5)
+    b = restore(trial_id="b", trial_config={"momentum": 0.7}, seed=5)   # Tune PBT: perturbed
+    assert torch.equal(same_trial.generator.get_state(), a.generator.get_state())
+    assert not torch.equal(b.generator.get_state(), a.generator.get_state())
+    assert b.rng.getstate() != a.rng.getstate() and b.trial_id == "b"
+    for i in range(N):
+        assert same(member_params(b, i), member_params(a, i))
+        assert b.configs[i] == {**a.configs[i], "momentum": 0.7}
+        assert b.optimizer.member_hyperparameters(i)["momentum"] == 0.7
+        assert b.optimizer.member_hyperparameters(i)["lr"] == a.optimizer.member_hyperparameters(i)["lr"]
+    assert b.trial_config == {"momentum": 0.7}
+    with pytest.raises(ValueError, match="hidden"):
+        restore(trial_id="c", trial_config={"momentum": 0.5, "hidden": 16})
+
+
+def test_ray_available_does_not_import_ray():
+    code = ("import sys\n"
+            "import wide_compiler.integrations.ray as r\n"
+            "assert r.ray_available()\n"
+            "assert 'ray' not in sys.modules, 'ray imported'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="grid_search"):
         wcray.sample_member_config({"lr": tune.grid_search([0.1, 0.2])}, None)
@@ -327,6 +443,7 @@ def test_tune_trial_restored_after_a_failure_continues_identically(ray_local, tm
     while not ref.done:
         ref.step(minibatch_step)
     assert restored["restores"] == [2]                               # continued from iteration 2
+    assert restored["trial_id"] == result.metrics["trial_id"]
     assert restored["configs"] == ref.configs and restored["iteration"] == 6
     for i in range(N):
         for a, b in zip(restored["members"][i].values(), member_params(ref, i)):

@@ -91,10 +91,11 @@ _FORMAT = 1
 
 
 def ray_available() -> bool:
-    """Whether ``ray[tune]`` can be imported (nothing is imported by this check)."""
+    """Whether the ``ray`` package is installed, checked without importing it (``ray.tune`` also
+    needs the ``ray[tune]`` extras; :func:`fused_trainable` raises an ``ImportError`` naming them)."""
     import importlib.util
 
-    return importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.tune") is not None
+    return importlib.util.find_spec("ray") is not None
 
 
 def _require_tune() -> Any:
@@ -146,17 +147,29 @@ def sample_member_config(space: Mapping[str, Any], rng: Any) -> dict[str, Any]:
     return out
 
 
+def _missing_mutation_keys(config: Mapping[str, Any], mutations: Mapping[str, Any],
+                           prefix: str = "") -> list[str]:
+    """The keys of ``mutations`` (nested ones as ``a/b``) that ``config`` lacks."""
+    out = []
+    for key, dist in mutations.items():
+        if key not in config:
+            out.append(prefix + key)
+        elif isinstance(dist, Mapping):
+            sub = config[key]
+            out += (_missing_mutation_keys(sub, dist, f"{prefix}{key}/") if isinstance(sub, Mapping)
+                    else [prefix + key])
+    return out
+
+
 def _explore(config: Mapping[str, Any], mutations: Mapping[str, Any], rng: random.Random,
              np_rng: Any, resample_probability: float,
              factors: Sequence[float]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Ray Tune PBT's explore step, on one member's config, with seeded generators."""
+    """Ray Tune PBT's explore step, on one member's config, with seeded generators (a callable
+    mutation is called ``dist(np_rng)``, like a ``member_space`` callable)."""
     new = copy.deepcopy(dict(config))
     ops: dict[str, Any] = {}
     for key, dist in mutations.items():
-        if key not in config:
-            raise KeyError(f"wide_compiler MemberPBT: hyperparam_mutations has {key!r}, which is not "
-                           f"in the member's config {sorted(config)}")
-        old = config[key]
+        old = config[key]       # keys checked by MemberPBT (_missing_mutation_keys) beforehand
         if isinstance(dist, Mapping):
             new[key], ops[key] = _explore(old, dist, rng, np_rng, resample_probability, factors)
             continue
@@ -172,7 +185,7 @@ def _explore(config: Mapping[str, Any], mutations: Mapping[str, Any], rng: rando
             raise ValueError(f"wide_compiler MemberPBT: mutation of {key!r} is a "
                              f"{type(dist).__name__}; expected a tune domain, a list or a callable")
         if rng.random() < resample_probability:
-            new[key] = dist.sample(random_state=np_rng) if _is_domain(dist) else dist()
+            new[key] = dist.sample(random_state=np_rng) if _is_domain(dist) else dist(np_rng)
             ops[key] = "resample"
         else:
             f = rng.choice(list(factors))
@@ -189,6 +202,29 @@ def _explore(config: Mapping[str, Any], mutations: Mapping[str, Any], rng: rando
 # ------------------------------------------------------------------------------------------------
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _sort_key(v: Any, mode: str) -> float:
+    """Smaller is better, whatever the mode; NaN and missing values are the worst."""
+    if not _finite(v):
+        return math.inf
+    return v if mode == "min" else -v
+
+
+def _member_record(s: Mapping[str, Any], i: int, status: str) -> dict[str, Any]:
+    """Slot ``i``'s member record; ``s``: a Population's ``vars()`` or its ``state_dict()``."""
+    return {"id": s["member_ids"][i], "slot": i, "config": copy.deepcopy(s["configs"][i]),
+            "seed": s["seeds"][i], "iterations": s["ages"][i], "status": status,
+            "value": s["last"][i].get(s["metric"]), "metrics": dict(s["last"][i])}
+
+
+def _best_of(s: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The best of the best finished member and the running members with a result (None if
+    none has one); ``s``: a Population's ``vars()`` or its ``state_dict()``."""
+    cands = [] if s["best"] is None else [s["best"]]
+    cands += [_member_record(s, i, "running") for i in range(s["n"])
+              if s["active"][i] and s["last"][i].get(s["metric"]) is not None]
+    return min(cands, key=lambda r: _sort_key(r["value"], s["mode"]), default=None)
 
 
 def _seed_of(*parts: Any) -> int:
@@ -257,23 +293,24 @@ class Population:
                member_configs: Sequence[Mapping[str, Any]] | None = None,
                trial_config: Mapping[str, Any] | None = None, num_member_samples: int | None = None,
                scheduler: MemberScheduler | None = None,
-               hyperparameters: Mapping[str, str] | None = None,
-               wide_config: WideConfig | None = None, seed: int = 0) -> Population:
+               wide_config: WideConfig | None = None, seed: int = 0,
+               trial_id: str | None = None) -> Population:
         """A new population: ``member_configs`` first, then samples of ``member_space``, each merged
         over ``trial_config`` (keys shared by all members, e.g. architecture sizes); member ``i``'s
         initial weights are ``build_model(config)`` under ``torch.manual_seed(seeds[i])``.
         ``num_member_samples`` (default ``n_members``) is the number of configurations this
         population may try in all: a stopped member's slot restarts with a new sample while
-        some remain."""
+        some remain. ``trial_id`` (saved in checkpoints) tells :meth:`from_state` whether it
+        restores this trial or another one (Tune's PBT)."""
         self = cls()
         self._init_spec(build_model, optimizer, sample_input=sample_input, n_members=n_members,
                         metric=metric, mode=mode, max_iterations=max_iterations,
                         member_space=member_space, trial_config=trial_config,
                         num_member_samples=num_member_samples, scheduler=scheduler,
-                        hyperparameters=hyperparameters, wide_config=wide_config)
+                        wide_config=wide_config)
         import numpy as np
 
-        self.seed = int(seed)
+        self.seed, self.trial_id = int(seed), trial_id
         self.rng = random.Random(self.seed)
         self.np_rng = np.random.default_rng(self.seed)
         self.generator = torch.Generator().manual_seed(self.seed)
@@ -304,7 +341,7 @@ class Population:
 
     def _init_spec(self, build_model, optimizer, *, sample_input, n_members, metric, mode,
                    max_iterations, member_space, trial_config, num_member_samples, scheduler,
-                   hyperparameters, wide_config) -> None:
+                   wide_config) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"wide_compiler.integrations.ray: mode must be 'min' or 'max', got {mode!r}")
         if not isinstance(n_members, int) or n_members < 1:
@@ -325,7 +362,6 @@ class Population:
         self.trial_config = dict(trial_config or {})
         self.budget = budget
         self.scheduler = scheduler
-        self.hp_map = dict(hyperparameters) if hyperparameters is not None else None
         self.wide_config = wide_config or WideConfig.fast()
         overlap = sorted(set(self.member_space) & set(self.trial_config))
         if overlap:
@@ -365,15 +401,37 @@ class Population:
                             "wc.optim.Adam(params, lr=hp['lr'])")
         return opt
 
-    def _optimizer_keys(self) -> dict[str, str]:
-        """config key -> optimizer hyperparameter name, for the keys pushed into the optimizer."""
-        if self.hp_map is not None:
-            return self.hp_map
-        names = {k for k, v in self.optimizer.member_hyperparameters(0).items()
-                 if (isinstance(v, float) and not isinstance(v, bool))
-                 or (isinstance(v, tuple) and all(isinstance(x, float) for x in v))}
-        keys = {k for c in self.configs for k in c}
-        return {k: k for k in sorted(keys & names)}
+    def _member_hparams(self, config: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The optimizer hyperparameters (per param group) that ``config`` gives a member: the
+        optimizer factory called with that config alone (each key a 1-element list) on
+        throwaway 1-member parameters (meta tensors shaped like the model's), so factories that
+        rename or transform keys (``lr=[10 ** x for x in hp["log_lr"]]``) are followed. Raises
+        what the factory raises for invalid values."""
+        params = [torch.empty((1, *p.shape[1:]), dtype=p.dtype, device="meta")
+                  for p in self.model.parameters()]
+        probe = self.make_optimizer(params, {k: [v] for k, v in config.items()})
+        if len(probe.param_groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"wide_compiler.integrations.ray: the optimizer factory made "
+                             f"{len(probe.param_groups)} param groups for one member but "
+                             f"{len(self.optimizer.param_groups)} for the population; its groups must "
+                             "depend on the parameters it is given only")
+
+        def per_member(v: Any) -> bool:
+            return isinstance(v, float) or (isinstance(v, tuple) and all(isinstance(x, float) for x in v))
+
+        return [{k: v for k, v in probe.member_hyperparameters(0, g).items() if per_member(v)}
+                for g in range(len(probe.param_groups))]
+
+    def _push_hparams(self, i: int, groups: list[dict[str, Any]]) -> None:
+        for g, values in enumerate(groups):
+            if values:
+                self.optimizer.set_member_hyperparameters(i, group=g, **values)
+
+    def _push_change(self, i: int, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+        """Push into member ``i``'s optimizer the hyperparameters that changing its configuration
+        from ``old`` to ``new`` changes (validated before anything changes)."""
+        before, after = self._member_hparams(old), self._member_hparams(new)
+        self._push_hparams(i, [{k: v for k, v in a.items() if b.get(k) != v} for a, b in zip(after, before)])
 
     # -- member operations -------------------------------------------------------------------------
     def value(self, i: int) -> float | None:
@@ -382,27 +440,28 @@ class Population:
 
     def sort_key(self, v: float | None) -> float:
         """Smaller is better, whatever the mode; NaN and missing values are the worst."""
-        if not _finite(v):
-            return math.inf
-        return v if self.mode == "min" else -v  # type: ignore[operator]
+        return _sort_key(v, self.mode)
 
     def set_hyperparameters(self, i: int, **values: Any) -> None:
-        """Change member ``i``'s configuration; keys that are optimizer hyperparameters (same name,
-        or mapped with ``hyperparameters=``) are pushed into the optimizer for that member."""
-        self.configs[i].update(copy.deepcopy(values))
-        push = {opt_name: values[key] for key, opt_name in self._optimizer_keys().items() if key in values}
-        if push:
-            self.optimizer.set_member_hyperparameters(i, **push)
+        """Change member ``i``'s configuration. The optimizer hyperparameters the change affects
+        (as the optimizer factory derives them from a configuration, however it names or
+        transforms the keys) are pushed into the optimizer for that member only, the others (e.g. a learning rate under a schedule) are left as
+        they are. The new values are validated (by the factory and the optimizer) before
+        anything changes."""
+        new = {**self.configs[i], **copy.deepcopy(values)}
+        self._push_change(i, self.configs[i], new)
+        self.configs[i] = new
 
     def restart(self, i: int, config: Mapping[str, Any] | None = None, seed: int | None = None) -> None:
         """Slot ``i`` starts a new member: ``config`` (default: a fresh sample of the member
         space), weights of ``build_model(config)`` under ``seed``, a zeroed optimizer state."""
         config = self._new_config() if config is None else self._merge(config)
         seed = self.rng.randrange(2**31) if seed is None else int(seed)
+        hparams = self._member_hparams(config)
         self.model.load_member_state_dict(i, self._build(config, seed).state_dict())
+        self._push_hparams(i, hparams)
         self.optimizer.reset_member_state(i)
-        self.configs[i] = {}
-        self.set_hyperparameters(i, **config)
+        self.configs[i] = config
         self.seeds[i], self.member_ids[i] = seed, self.started
         self.started += 1
         self.ages[i], self.active[i], self.last[i] = 0, True, {}
@@ -412,7 +471,11 @@ class Population:
 
     def exploit(self, src: int, dst: int) -> None:
         """Member ``dst`` becomes a copy of member ``src``: weights, buffers, optimizer state,
-        hyperparameters, configuration and age (``WideModel.copy_member``)."""
+        hyperparameters, configuration and age (``WideModel.copy_member``). ``dst`` must be
+        training (a done member's frozen slot keeps its weights)."""
+        if not self.active[dst]:
+            raise ValueError(f"wide_compiler.integrations.ray: exploit({src}, {dst}): slot {dst} "
+                             "is done (frozen, its weights kept); restart it first")
         self.model.copy_member(src, dst, self.optimizer)
         self.configs[dst] = copy.deepcopy(self.configs[src])
         self.ages[dst], self.last[dst] = self.ages[src], dict(self.last[src])
@@ -436,9 +499,7 @@ class Population:
             self._frozen[i] = self.model.member_state_dict(i)
 
     def _record(self, i: int, status: str) -> dict[str, Any]:
-        return {"id": self.member_ids[i], "slot": i, "config": copy.deepcopy(self.configs[i]),
-                "seed": self.seeds[i], "iterations": self.ages[i], "status": status,
-                "value": self.value(i), "metrics": dict(self.last[i])}
+        return _member_record(vars(self), i, status)
 
     @property
     def done(self) -> bool:
@@ -472,6 +533,8 @@ class Population:
                     self.stop(i, "completed")
         if self.scheduler is not None:
             self.scheduler.on_iteration(self)
+        for i, m in report["members"].items():  # whether the member that reported still trains
+            m["active"] = int(self.active[int(i)] and self.member_ids[int(i)] == m["id"])
         report.update(self._counters())
         return report
 
@@ -486,11 +549,7 @@ class Population:
             members[str(i)] = {**self.last[i], "id": self.member_ids[i], "age": self.ages[i],
                                "active": int(self.active[i]), "seed": self.seeds[i],
                                "config": copy.deepcopy(self.configs[i])}
-        cands = [(self.sort_key(self.value(i)), self._record(i, "running"))
-                 for i in range(self.n) if self.active[i] and self.value(i) is not None]
-        if self.best is not None:
-            cands.append((self.sort_key(self.best["value"]), self.best))
-        best = min(cands, key=lambda c: c[0])[1] if cands else None
+        best = _best_of(vars(self))
         out: dict[str, Any] = {"members": members}
         if best is not None:
             out.update({self.metric: best["value"], "best_member": best["id"],
@@ -509,7 +568,7 @@ class Population:
         generators (this population's and torch's global one)."""
         return {
             "format": _FORMAT, "n": self.n, "metric": self.metric, "mode": self.mode,
-            "seed": self.seed, "iteration": self.iteration,
+            "seed": self.seed, "trial_id": self.trial_id, "iteration": self.iteration,
             "members": [self.model.member_state_dict(i) for i in range(self.n)],
             "optimizer": self.optimizer.state_dict(),
             "configs": copy.deepcopy(self.configs), "seeds": list(self.seeds),
@@ -527,41 +586,83 @@ class Population:
                    optimizer: Callable[..., Any], *, sample_input: Any,
                    scheduler: MemberScheduler | None = None, max_iterations: int | None = None,
                    member_space: Mapping[str, Any] | None = None,
-                   hyperparameters: Mapping[str, str] | None = None,
-                   wide_config: WideConfig | None = None) -> Population:
-        """The population saved by :meth:`state_dict` (``scheduler`` gets its saved state)."""
+                   wide_config: WideConfig | None = None, trial_config: Mapping[str, Any] | None = None,
+                   trial_id: str | None = None, seed: int | None = None) -> Population:
+        """The population saved by :meth:`state_dict` (``scheduler`` gets its saved state).
+
+        Restored into the trial that saved it (``trial_id`` None or the saved one, e.g. a trial
+        retried after a failure), it continues bit for bit. Restored into ANOTHER trial (Tune's
+        PBT exploit: ``trial_id`` differs from the saved one), the members (weights, optimizer
+        state, configurations, records) are the checkpoint's, but the generators (the
+        population's, the member scheduler's and torch's) are reseeded from ``(seed, trial_id)``
+        so that the two trials diverge. In both cases the trial-level keys of ``trial_config``
+        (default: the saved ones; Tune passes the restoring trial's, perturbed by its PBT) replace
+        the saved ones in every member's configuration, and reach the optimizer as
+        :meth:`set_hyperparameters` does. A trial-level key that changes the architecture cannot
+        load the saved weights: ``ValueError`` naming the changed keys."""
         import numpy as np
 
         if state.get("format") != _FORMAT:
             raise ValueError(f"wide_compiler.integrations.ray: unknown checkpoint format {state.get('format')!r}")
+        other = trial_id is not None and trial_id != state.get("trial_id")
+        saved_trial = state["trial_config"]
+        new_trial = copy.deepcopy(dict(saved_trial if trial_config is None else trial_config))
+        changed = {k: v for k, v in new_trial.items() if k not in saved_trial or saved_trial[k] != v}
+        removed = [k for k in saved_trial if k not in new_trial]
         self = cls()
         self._init_spec(build_model, optimizer, sample_input=sample_input, n_members=state["n"],
                         metric=state["metric"], mode=state["mode"], max_iterations=max_iterations,
-                        member_space=member_space, trial_config=state["trial_config"],
+                        member_space=member_space, trial_config=new_trial,
                         num_member_samples=state["budget"], scheduler=scheduler,
-                        hyperparameters=hyperparameters, wide_config=wide_config)
+                        wide_config=wide_config)
         for key in ("seed", "iteration", "seeds", "member_ids", "ages", "active", "last", "started",
                     "finished", "events", "best", "restores"):
             setattr(self, key, copy.deepcopy(state[key]))
-        self.configs = copy.deepcopy(state["configs"])
-        self.rng = random.Random()
-        self.rng.setstate(state["rng"])
-        self.np_rng = np.random.default_rng()
-        self.np_rng.bit_generator.state = state["np_rng"]
-        self.generator = torch.Generator()
-        self.generator.set_state(state["generator"])
+        self.trial_id = state.get("trial_id") if trial_id is None else trial_id
+        saved = copy.deepcopy(state["configs"])
+        self.configs = [{**{k: v for k, v in c.items() if k not in removed}, **copy.deepcopy(changed)}
+                        for c in saved]
         models = []
-        for config, seed, sd in zip(self.configs, self.seeds, state["members"]):
-            m = self._build(config, seed)
-            m.load_state_dict(sd)
+        for i, (config, s, sd) in enumerate(zip(self.configs, self.seeds, state["members"])):
+            m = self._build(config, s)
+            try:
+                m.load_state_dict(sd)
+            except RuntimeError as e:
+                raise ValueError(
+                    f"wide_compiler.integrations.ray: member {i}'s weights in the checkpoint do not "
+                    f"fit build_model(config) with this trial's configuration; trial-level keys "
+                    f"changed from the checkpoint's: {sorted(changed)}, removed: {removed}. Keys "
+                    "that change the architecture cannot differ between a checkpoint and the trial "
+                    "restoring it (keep them out of Tune PBT's hyperparam_mutations)") from e
             models.append(m)
         self._fuse(models)
-        self.optimizer = self._make_optimizer(self.configs)
+        self.optimizer = self._make_optimizer(saved)
         self.optimizer.load_state_dict(state["optimizer"])
+        if changed or removed:
+            for i in range(self.n):
+                self._push_change(i, saved[i], self.configs[i])
         self._frozen = {i: self.model.member_state_dict(i) for i in range(self.n) if not self.active[i]}
         if scheduler is not None and state.get("scheduler") is not None:
             scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
+        if other:
+            self.seed = _seed_of("wide_compiler", "restored", state["seed"] if seed is None else int(seed),
+                                 trial_id)
+            self.rng = random.Random(self.seed)
+            self.np_rng = np.random.default_rng(self.seed)
+            self.generator = torch.Generator().manual_seed(self.seed)
+            torch.manual_seed(self.seed)
+            if scheduler is not None:
+                scheduler.reseed(self.seed)
+            self.events.append({"iteration": self.iteration, "event": "restored_from_trial",
+                                "from_trial": state.get("trial_id"), "changed": copy.deepcopy(changed)})
+        else:
+            self.rng = random.Random()
+            self.rng.setstate(state["rng"])
+            self.np_rng = np.random.default_rng()
+            self.np_rng.bit_generator.state = state["np_rng"]
+            self.generator = torch.Generator()
+            self.generator.set_state(state["generator"])
+            torch.set_rng_state(state["torch_rng"])
         self.restores.append(self.iteration)
         return self
 
@@ -587,13 +688,13 @@ class MemberScheduler:
         self.metric, self.mode = metric, mode
 
     def _key(self, pop: Population, i: int) -> float:
-        v = pop.last[i].get(self.metric or pop.metric)
-        if not _finite(v):
-            return math.inf
-        return v if (self.mode or pop.mode) == "min" else -v
+        return _sort_key(pop.last[i].get(self.metric or pop.metric), self.mode or pop.mode)
 
     def on_iteration(self, pop: Population) -> None:
         raise NotImplementedError
+
+    def reseed(self, seed: int) -> None:
+        """New random generators from ``seed`` (a checkpoint restored into another trial)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -675,8 +776,12 @@ class MemberPBT(MemberScheduler):
     :meth:`Population.exploit`, weights + optimizer state + hyperparameters) and perturbs the
     keys of ``hyperparam_mutations`` (explore, as Ray's PBT does: a tune domain or callable is
     resampled with ``resample_probability``, else multiplied by one of ``perturbation_factors``;
-    a list value moves to a neighbour or is resampled). Keys that are optimizer hyperparameters
-    go into the optimizer for that member only. The events are in ``pop.events``.
+    a list value moves to a neighbour or is resampled). A callable is called ``f(rng)`` with
+    the population's seeded ``numpy.random.Generator``, like a ``member_space`` callable (Ray's
+    PBT calls it without arguments). Every key must be in the members' configurations
+    (``member_space`` or trial-level keys): checked at the first iteration. The changed keys go
+    into the optimizer for that member only (:meth:`Population.set_hyperparameters`). The events
+    are in ``pop.events``.
 
     Example:
         >>> pbt = MemberPBT(perturbation_interval=10, hyperparam_mutations={"lr": [1e-3, 1e-2, 1e-1]})
@@ -702,6 +807,7 @@ class MemberPBT(MemberScheduler):
         self.perturbation_factors = tuple(perturbation_factors)
         self.custom_explore_fn, self.seed = custom_explore_fn, seed
         self._rng: random.Random | None = None
+        self._checked = False
 
     def _generators(self, pop: Population) -> tuple[random.Random, Any]:
         if self._rng is None:
@@ -709,6 +815,14 @@ class MemberPBT(MemberScheduler):
         return self._rng, pop.np_rng
 
     def on_iteration(self, pop: Population) -> None:
+        if not self._checked:
+            for config in pop.configs:
+                missing = _missing_mutation_keys(config, self.mutations)
+                if missing:
+                    raise ValueError(f"MemberPBT: hyperparam_mutations has {missing}, not in the "
+                                     f"members' configurations (keys {sorted(config)}); add them to "
+                                     "member_space or the trial-level config")
+            self._checked = True
         if pop.iteration % self.perturbation_interval != 0:
             return
         ranked = sorted((i for i in range(pop.n) if pop.active[i] and pop.ages[i] > 0),
@@ -735,6 +849,9 @@ class MemberPBT(MemberScheduler):
                                "old_config": old, "config": copy.deepcopy(pop.configs[dst]),
                                "operations": ops})
 
+    def reseed(self, seed: int) -> None:
+        self._rng = random.Random(_seed_of("MemberPBT", self.seed, seed))
+
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self._rng.getstate() if self._rng is not None else None}
 
@@ -760,7 +877,6 @@ def fused_trainable(
     max_iterations: int | None = None,
     member_scheduler: MemberScheduler | Callable[[], MemberScheduler] | None = None,
     num_member_samples: int | None = None,
-    hyperparameters: Mapping[str, str] | None = None,
     checkpoint_every: int = 10,
     wide_config: WideConfig | None = None,
 ) -> Callable[[dict], None]:
@@ -776,14 +892,18 @@ def fused_trainable(
             numbers), ``metric`` among them.
         optimizer: ``(params, hp) -> WideOptimizer``; ``hp[key]`` is the list of the N members'
             values of a config key, e.g. ``lambda params, hp: wc.optim.AdamW(params, lr=hp["lr"],
-            weight_decay=hp["wd"])``.
+            weight_decay=hp["wd"])``; keys may be renamed or transformed (``lr=[10 ** x for x
+            in hp["log_lr"]]``). When a member restarts or a scheduler changes its configuration,
+            the factory is called again with that member's configuration alone (1-element lists)
+            on throwaway 1-member parameters, and the hyperparameters it gives are pushed into the
+            optimizer for that member: it must have no side effects.
         sample_input: one member's input for :func:`wide_compiler.compile` (or
             ``trial_config -> input``).
         metric, mode: the per-member metric and ``"min"`` / ``"max"``. The report's ``metric`` is
             the trial's best member (finished or running), what Tune's schedulers compare.
         n_members: members trained together (slots of the trial).
-        member_space: per-member search space (Tune domains, callables ``f(numpy_generator)``,
-            constants); each member is one sample. A trial's ``config["members"]`` (a list of
+        member_space: per-member search space (Tune domains, callables ``f(rng)`` of the
+            trial's seeded ``numpy.random.Generator``, constants); each member is one sample. A trial's ``config["members"]`` (a list of
             dicts) gives the first members explicitly; ``config["seed"]`` seeds the trial
             (default: derived from the trial id).
         max_iterations: a member's training budget, in iterations; it then completes.
@@ -792,8 +912,6 @@ def fused_trainable(
         num_member_samples: configurations a trial may try in all (default ``n_members``);
             members stopped by the scheduler or completed are replaced by new samples until it is
             reached. The trial ends when no member is training any more.
-        hyperparameters: config key -> optimizer hyperparameter name for keys whose names differ
-            (default: config keys named like one of the optimizer's per-member hyperparameters).
         checkpoint_every: iterations between checkpoints (and always at the end); 0: at the end only.
         wide_config: :class:`WideConfig` of the fused model (default ``WideConfig.fast()``).
 
@@ -807,7 +925,9 @@ def fused_trainable(
     Member configurations are random samples of ``member_space`` drawn inside the trial (Tune's
     searchers, e.g. Optuna, choose the trial-level keys only). Tune's own schedulers act on whole
     trials as usual (a trial's ``metric`` is its best member's); Tune's PBT restores a trial from
-    another trial's checkpoint, members and their configurations included.
+    another trial's checkpoint, members and their configurations included, with the restoring
+    trial's (perturbed) trial-level keys and its own random generators
+    (:meth:`Population.from_state`).
 
     Example:
         >>> trainable = fused_trainable(build_model, train_step, n_members=16,   # doctest: +SKIP
@@ -839,19 +959,19 @@ def fused_trainable(
         config = dict(config)
         explicit = config.pop("members", None)
         seed = config.pop("seed", None)
+        trial_id = tune.get_context().get_trial_id() or "local"
         if seed is None:
-            trial_id = tune.get_context().get_trial_id() or "local"
             seed = _seed_of("wide_compiler", trial_id)
         kwargs = dict(sample_input=sample_input, scheduler=new_scheduler(),
                       max_iterations=max_iterations, member_space=member_space,
-                      hyperparameters=hyperparameters, wide_config=wide_config)
+                      wide_config=wide_config, trial_config=config, trial_id=trial_id, seed=int(seed))
         checkpoint = tune.get_checkpoint()
         if checkpoint is not None:
             pop = Population.from_state(load_checkpoint(checkpoint), build_model, optimizer, **kwargs)
         else:
             pop = Population.create(build_model, optimizer, n_members=n_members, metric=metric,
-                                    mode=mode, member_configs=explicit, trial_config=config,
-                                    num_member_samples=num_member_samples, seed=int(seed), **kwargs)
+                                    mode=mode, member_configs=explicit,
+                                    num_member_samples=num_member_samples, **kwargs)
         while not pop.done:
             report = pop.step(train_step)
             if pop.done or (checkpoint_every and pop.iteration % checkpoint_every == 0):
@@ -885,24 +1005,12 @@ def best_member(checkpoint: Any) -> dict[str, Any]:
     """The best member of a checkpointed fused trial, finished or still training when the
     checkpoint was written: ``{"config", "value", "metrics", "state_dict", "id", ...}``."""
     state = checkpoint if isinstance(checkpoint, Mapping) else load_checkpoint(checkpoint)
-    mode = state["mode"]
-
-    def key(v: Any) -> float:
-        return math.inf if not _finite(v) else (v if mode == "min" else -v)
-
-    cands = []
-    if state["best"] is not None:
-        cands.append((key(state["best"]["value"]), state["best"]))
-    for i in range(state["n"]):
-        if state["active"][i] and state["last"][i]:
-            value = state["last"][i].get(state["metric"])
-            cands.append((key(value), {
-                "id": state["member_ids"][i], "slot": i, "config": state["configs"][i],
-                "seed": state["seeds"][i], "iterations": state["ages"][i], "status": "running",
-                "value": value, "metrics": state["last"][i], "state_dict": state["members"][i]}))
-    if not cands:
+    best = _best_of(state)
+    if best is None:
         raise ValueError("best_member: the checkpoint has no member with a result yet")
-    return min(cands, key=lambda c: c[0])[1]
+    if "state_dict" not in best:                                     # a running member
+        best = {**best, "state_dict": state["members"][best["slot"]]}
+    return best
 
 
 def best_model(checkpoint: Any, build_model: Callable[[dict], nn.Module]) -> nn.Module:
