@@ -284,6 +284,18 @@ def _trained_members(n):
     return models
 
 
+def test_a_lone_conv_stays_channels_first_in_eval():
+    """rewrite_channels_last (fx/fold.py) leaves a graph with a single conv alone: nothing
+    downstream gains from channels-last, and the N-first output would cost a transposing copy."""
+    from wide_compiler.fx.fold import channels_last_conv
+
+    models = testing.make_members(lambda: nn.Conv2d(3, 4, 3, padding=1), 3)
+    wide, _ = testing.check_compile(models, torch.randn(2, 3, 8, 8), modes=("eval",), config=FAST)
+    nodes = list(wide._graph_for(False).graph_module.graph.nodes)
+    assert not any(n.target is channels_last_conv for n in nodes)
+    assert any(n.target is torch.ops.wide.conv.default for n in nodes)
+
+
 def test_eval_graph_folds_batch_norm_into_its_conv_and_pools_channels_last():
     """Note [Folding BatchNorm into the conv] and [Channels-last max pooling] (fx/fold.py): only
     bn1 is folded (conv2 is read twice, bn3 has no running statistics); outputs, input and
