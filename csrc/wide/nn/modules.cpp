@@ -15,7 +15,6 @@
 
 #include <ATen/ops/stack.h>
 #include <c10/util/Exception.h>
-#include <torch/nn/modules/container/any_value.h>
 #include <torch/types.h>
 #include <torch/utils.h>
 

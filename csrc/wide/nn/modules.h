@@ -14,6 +14,7 @@
 
 #include <torch/nn/cloneable.h>
 #include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/any_value.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
