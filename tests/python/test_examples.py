@@ -1,0 +1,36 @@
+"""The README's example programs for the distributed and Ray Tune integrations run as documented
+(shortened with their own flags): torchrun of examples/distributed_pbt.py over 2 gloo processes,
+and examples/ray_sweep.py locally. Each runs in a subprocess with a time bound."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], tmp_path: Path, timeout: int = 180) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"))
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_distributed_pbt_under_torchrun(tmp_path):
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                str(ROOT / "examples" / "distributed_pbt.py"), "--steps", "40", "--interval", "20",
+                "--save", str(tmp_path / "ckpt")], tmp_path)
+    assert "best" in out.lower()
+    assert (tmp_path / "ckpt" / "index.json").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'ray[tune]')")
+def test_ray_sweep_demo(tmp_path):
+    out = _run([sys.executable, str(ROOT / "examples" / "ray_sweep.py"), "--trials", "1", "--members", "4",
+                "--iterations", "4"], tmp_path)
+    assert "best" in out.lower()
