@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ._common import check_members, check_strategy
@@ -56,6 +57,10 @@ class _WideDropoutNd(nn.Module):
         k = self._mask_dims(x.dim() - 1)
         if not self.training or not any(self.p):
             return x
+        if k == x.dim() - 1 and len(set(self.p)) == 1:
+            # One p for all and an elementwise mask: every element draws independently either
+            # way, so ATen's fused dropout is the same distribution in one kernel.
+            return F.dropout(x, self.p[0], True, self.inplace)
         dtype = torch.promote_types(x.dtype, torch.float32)  # draws at least in float32 (half: coarse)
         shape = list(x.shape[:k + 1]) + [1] * (x.dim() - 1 - k)
         keep = 1.0 - torch.tensor(self.p, dtype=dtype, device=x.device).view(-1, *[1] * (len(shape) - 1))
