@@ -87,7 +87,7 @@ void WideOptimizer::set(std::string_view name, int64_t member, double value) {
 
 void WideOptimizer::zero_grad(bool set_to_none) {
   for (const at::Tensor& p : params_) {
-    at::Tensor& g = const_cast<at::Tensor&>(p).mutable_grad();
+    at::Tensor& g = p.mutable_grad();  // the grad slot itself (a const method in ATen)
     if (!g.defined()) continue;
     if (set_to_none) {
       g.reset();
