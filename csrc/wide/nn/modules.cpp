@@ -131,32 +131,11 @@ void WideModuleBase::match_tensor_types(torch::nn::Module& self, const torch::nn
 
 namespace {
 
-template <typename Holder>
-std::vector<std::shared_ptr<torch::nn::Module>> as_modules(const std::vector<Holder>& members) {
-  std::vector<std::shared_ptr<torch::nn::Module>> out;
-  for (const auto& m : members) out.push_back(m.is_empty() ? nullptr : m.ptr());
-  return out;
-}
-
 // N fresh members built with the member module's own constructor (its initialisation).
 template <typename Holder, typename Options>
 std::vector<std::shared_ptr<torch::nn::Module>> fresh(int64_t n, const Options& options) {
   std::vector<std::shared_ptr<torch::nn::Module>> out;
   for (int64_t i = 0; i < n; ++i) out.push_back(Holder(options).ptr());
-  return out;
-}
-
-// N ordinary modules holding copies of a wide module's members.
-template <typename Holder, typename Options>
-std::vector<Holder> unfuse_into(const torch::nn::Module& self, int64_t n, const Options& options,
-                                bool training) {
-  std::vector<Holder> out;
-  for (int64_t i = 0; i < n; ++i) {
-    Holder m(options);
-    detail::WideModuleBase::copy_out(self, *m, i);
-    m->train(training);
-    out.push_back(std::move(m));
-  }
   return out;
 }
 
@@ -207,7 +186,7 @@ Wide build(const std::vector<Holder>& members, bool training) {
 // -- Linear ----------------------------------------------------------------------------------------
 
 LinearImpl::LinearImpl(int64_t n, torch::nn::LinearOptions options_)
-    : WideModuleBase(n), options(std::move(options_)) {
+    : WideModule(n), options(std::move(options_)) {
   reset();  // NOLINT(clang-analyzer-optin.cplusplus.VirtualCall)
 }
 
@@ -222,14 +201,6 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
                       strategy);
 }
 
-void LinearImpl::load_members(const std::vector<torch::nn::Linear>& members) {
-  load_from(*this, as_modules(members), "wide::nn::Linear");
-}
-
-std::vector<torch::nn::Linear> LinearImpl::unfuse() const {
-  return unfuse_into<torch::nn::Linear>(*this, n_, options, is_training());
-}
-
 void LinearImpl::pretty_print(std::ostream& stream) const {
   stream << "wide::nn::Linear(n=" << n_ << ", in_features=" << options.in_features()
          << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha
@@ -237,7 +208,7 @@ void LinearImpl::pretty_print(std::ostream& stream) const {
 }
 
 Linear from_modules(const std::vector<torch::nn::Linear>& members) {
-  check_same_options(members, "wide::nn::Linear", [](const auto& a, const auto& b) {
+  check_same_options(members, LinearImpl::kName, [](const auto& a, const auto& b) {
     return first_of({differs("in_features", a.in_features(), b.in_features()),
                      differs("out_features", a.out_features(), b.out_features()),
                      differs("bias", a.bias(), b.bias())});
@@ -279,7 +250,7 @@ std::string padding_repr(const Options& o) {
 }  // namespace
 
 Conv2dImpl::Conv2dImpl(int64_t n, torch::nn::Conv2dOptions options_)
-    : WideModuleBase(n), options(std::move(options_)) {
+    : WideModule(n), options(std::move(options_)) {
   TORCH_CHECK(std::holds_alternative<torch::enumtype::kZeros>(options.padding_mode()),
               "wide::nn::Conv2d: only padding_mode zeros is supported, got ",
               torch::enumtype::get_enum_name(options.padding_mode()));
@@ -304,14 +275,6 @@ torch::Tensor Conv2dImpl::forward(const torch::Tensor& input) {
   return wide::to_nfirst(packed, n_);
 }
 
-void Conv2dImpl::load_members(const std::vector<torch::nn::Conv2d>& members) {
-  load_from(*this, as_modules(members), "wide::nn::Conv2d");
-}
-
-std::vector<torch::nn::Conv2d> Conv2dImpl::unfuse() const {
-  return unfuse_into<torch::nn::Conv2d>(*this, n_, options, is_training());
-}
-
 void Conv2dImpl::pretty_print(std::ostream& stream) const {
   stream << "wide::nn::Conv2d(n=" << n_ << ", " << options.in_channels() << ", "
          << options.out_channels() << ", kernel_size=" << options.kernel_size()
@@ -320,7 +283,7 @@ void Conv2dImpl::pretty_print(std::ostream& stream) const {
 }
 
 Conv2d from_modules(const std::vector<torch::nn::Conv2d>& members) {
-  check_same_options(members, "wide::nn::Conv2d", [](const auto& a, const auto& b) {
+  check_same_options(members, Conv2dImpl::kName, [](const auto& a, const auto& b) {
     return first_of({differs("in_channels", a.in_channels(), b.in_channels()),
                      differs("out_channels", a.out_channels(), b.out_channels()),
                      differs("kernel_size", *a.kernel_size(), *b.kernel_size()),
@@ -337,7 +300,7 @@ Conv2d from_modules(const std::vector<torch::nn::Conv2d>& members) {
 // -- BatchNorm2d -----------------------------------------------------------------------------------
 
 BatchNorm2dImpl::BatchNorm2dImpl(int64_t n, torch::nn::BatchNormOptions options_)
-    : WideModuleBase(n), options(std::move(options_)) {
+    : WideModule(n), options(std::move(options_)) {
   TORCH_CHECK(options.momentum().has_value(), "wide::nn::BatchNorm2d: momentum=None (a cumulative "
               "moving average) is not supported; give a momentum");
   reset();  // NOLINT(clang-analyzer-optin.cplusplus.VirtualCall)
@@ -369,14 +332,6 @@ torch::Tensor BatchNorm2dImpl::forward(const torch::Tensor& input) {
   return wide::to_nfirst(packed, n_);
 }
 
-void BatchNorm2dImpl::load_members(const std::vector<torch::nn::BatchNorm2d>& members) {
-  load_from(*this, as_modules(members), "wide::nn::BatchNorm2d");
-}
-
-std::vector<torch::nn::BatchNorm2d> BatchNorm2dImpl::unfuse() const {
-  return unfuse_into<torch::nn::BatchNorm2d>(*this, n_, options, is_training());
-}
-
 void BatchNorm2dImpl::pretty_print(std::ostream& stream) const {
   stream << "wide::nn::BatchNorm2d(n=" << n_ << ", " << options.num_features()
          << ", eps=" << options.eps() << ", momentum=" << *options.momentum()
@@ -385,7 +340,7 @@ void BatchNorm2dImpl::pretty_print(std::ostream& stream) const {
 }
 
 BatchNorm2d from_modules(const std::vector<torch::nn::BatchNorm2d>& members) {
-  check_same_options(members, "wide::nn::BatchNorm2d", [](const auto& a, const auto& b) {
+  check_same_options(members, BatchNorm2dImpl::kName, [](const auto& a, const auto& b) {
     return first_of({differs("num_features", a.num_features(), b.num_features()),
                      differs("eps", a.eps(), b.eps()),
                      differs("momentum", a.momentum(), b.momentum()),
@@ -398,7 +353,7 @@ BatchNorm2d from_modules(const std::vector<torch::nn::BatchNorm2d>& members) {
 // -- LayerNorm -------------------------------------------------------------------------------------
 
 LayerNormImpl::LayerNormImpl(int64_t n, torch::nn::LayerNormOptions options_)
-    : WideModuleBase(n), options(std::move(options_)) {
+    : WideModule(n), options(std::move(options_)) {
   reset();  // NOLINT(clang-analyzer-optin.cplusplus.VirtualCall)
 }
 
@@ -415,14 +370,6 @@ torch::Tensor LayerNormImpl::forward(const torch::Tensor& input) {
                           opt(bias), options.eps());
 }
 
-void LayerNormImpl::load_members(const std::vector<torch::nn::LayerNorm>& members) {
-  load_from(*this, as_modules(members), "wide::nn::LayerNorm");
-}
-
-std::vector<torch::nn::LayerNorm> LayerNormImpl::unfuse() const {
-  return unfuse_into<torch::nn::LayerNorm>(*this, n_, options, is_training());
-}
-
 void LayerNormImpl::pretty_print(std::ostream& stream) const {
   stream << "wide::nn::LayerNorm(n=" << n_ << ", " << c10::IntArrayRef(options.normalized_shape())
          << ", eps=" << options.eps() << ", elementwise_affine=" << std::boolalpha
@@ -430,7 +377,7 @@ void LayerNormImpl::pretty_print(std::ostream& stream) const {
 }
 
 LayerNorm from_modules(const std::vector<torch::nn::LayerNorm>& members) {
-  check_same_options(members, "wide::nn::LayerNorm", [](const auto& a, const auto& b) {
+  check_same_options(members, LayerNormImpl::kName, [](const auto& a, const auto& b) {
     return first_of({differs("normalized_shape", a.normalized_shape(), b.normalized_shape()),
                      differs("eps", a.eps(), b.eps()),
                      differs("elementwise_affine", a.elementwise_affine(), b.elementwise_affine())});
@@ -441,7 +388,7 @@ LayerNorm from_modules(const std::vector<torch::nn::LayerNorm>& members) {
 // -- Embedding -------------------------------------------------------------------------------------
 
 EmbeddingImpl::EmbeddingImpl(int64_t n, torch::nn::EmbeddingOptions options_)
-    : WideModuleBase(n), options(std::move(options_)) {
+    : WideModule(n), options(std::move(options_)) {
   reset();  // NOLINT(clang-analyzer-optin.cplusplus.VirtualCall)
 }
 
@@ -460,21 +407,13 @@ torch::Tensor EmbeddingImpl::forward(const torch::Tensor& indices) {
   return wide::embedding(weight, indices, padding_idx, options.scale_grad_by_freq(), options.sparse());
 }
 
-void EmbeddingImpl::load_members(const std::vector<torch::nn::Embedding>& members) {
-  load_from(*this, as_modules(members), "wide::nn::Embedding");
-}
-
-std::vector<torch::nn::Embedding> EmbeddingImpl::unfuse() const {
-  return unfuse_into<torch::nn::Embedding>(*this, n_, options, is_training());
-}
-
 void EmbeddingImpl::pretty_print(std::ostream& stream) const {
   stream << "wide::nn::Embedding(n=" << n_ << ", num_embeddings=" << options.num_embeddings()
          << ", embedding_dim=" << options.embedding_dim() << ")";
 }
 
 Embedding from_modules(const std::vector<torch::nn::Embedding>& members) {
-  check_same_options(members, "wide::nn::Embedding", [](const auto& a, const auto& b) {
+  check_same_options(members, EmbeddingImpl::kName, [](const auto& a, const auto& b) {
     return first_of({differs("num_embeddings", a.num_embeddings(), b.num_embeddings()),
                      differs("embedding_dim", a.embedding_dim(), b.embedding_dim()),
                      differs("padding_idx", a.padding_idx(), b.padding_idx()),
@@ -510,7 +449,7 @@ std::vector<at::Tensor> flat_params(const torch::nn::Module& m) {
 }  // namespace
 
 LSTMImpl::LSTMImpl(int64_t n, torch::nn::LSTMOptions options_)
-    : WideModuleBase(n), options(std::move(options_)) {
+    : WideModule(n), options(std::move(options_)) {
   reset();  // NOLINT(clang-analyzer-optin.cplusplus.VirtualCall)
 }
 
@@ -526,14 +465,6 @@ std::tuple<torch::Tensor, std::tuple<torch::Tensor, torch::Tensor>> LSTMImpl::fo
   return {out, {h.at(0), h.at(1)}};
 }
 
-void LSTMImpl::load_members(const std::vector<torch::nn::LSTM>& members) {
-  load_from(*this, as_modules(members), "wide::nn::LSTM");
-}
-
-std::vector<torch::nn::LSTM> LSTMImpl::unfuse() const {
-  return unfuse_into<torch::nn::LSTM>(*this, n_, options, is_training());
-}
-
 void LSTMImpl::pretty_print(std::ostream& stream) const {
   stream << "wide::nn::LSTM(n=" << n_ << ", input_size=" << options.input_size()
          << ", hidden_size=" << options.hidden_size() << ", num_layers=" << options.num_layers()
@@ -541,14 +472,14 @@ void LSTMImpl::pretty_print(std::ostream& stream) const {
 }
 
 LSTM from_modules(const std::vector<torch::nn::LSTM>& members) {
-  check_same_options(members, "wide::nn::LSTM", [](const auto& a, const auto& b) {
+  check_same_options(members, LSTMImpl::kName, [](const auto& a, const auto& b) {
     return first_of({rnn_differs(a, b), differs("proj_size", a.proj_size(), b.proj_size())});
   });
   return build<LSTM>(members, members.front()->is_training());
 }
 
 GRUImpl::GRUImpl(int64_t n, torch::nn::GRUOptions options_)
-    : WideModuleBase(n), options(std::move(options_)) {
+    : WideModule(n), options(std::move(options_)) {
   reset();  // NOLINT(clang-analyzer-optin.cplusplus.VirtualCall)
 }
 
@@ -563,14 +494,6 @@ std::tuple<torch::Tensor, torch::Tensor> GRUImpl::forward(const torch::Tensor& i
   return {out, h.at(0)};
 }
 
-void GRUImpl::load_members(const std::vector<torch::nn::GRU>& members) {
-  load_from(*this, as_modules(members), "wide::nn::GRU");
-}
-
-std::vector<torch::nn::GRU> GRUImpl::unfuse() const {
-  return unfuse_into<torch::nn::GRU>(*this, n_, options, is_training());
-}
-
 void GRUImpl::pretty_print(std::ostream& stream) const {
   stream << "wide::nn::GRU(n=" << n_ << ", input_size=" << options.input_size()
          << ", hidden_size=" << options.hidden_size() << ", num_layers=" << options.num_layers()
@@ -578,7 +501,7 @@ void GRUImpl::pretty_print(std::ostream& stream) const {
 }
 
 GRU from_modules(const std::vector<torch::nn::GRU>& members) {
-  check_same_options(members, "wide::nn::GRU", rnn_differs<torch::nn::GRUOptions>);
+  check_same_options(members, GRUImpl::kName, rnn_differs<torch::nn::GRUOptions>);
   return build<GRU>(members, members.front()->is_training());
 }
 

@@ -55,19 +55,43 @@ class WideModuleBase {
   int64_t n_;
 };
 
+/// What every wide module shares, given its class and its member module's holder type: cloning,
+/// loading members, and N ordinary modules back. `Impl` has `options` and `kName`.
+template <typename Impl, typename Member>
+class WideModule : public torch::nn::Cloneable<Impl>, public WideModuleBase {
+ public:
+  using WideModuleBase::WideModuleBase;
+
+  /// The members' values, into the wide module (the architectures must match).
+  void load_members(const std::vector<Member>& members) {
+    std::vector<std::shared_ptr<torch::nn::Module>> modules;
+    for (const Member& m : members) modules.push_back(m.is_empty() ? nullptr : m.ptr());
+    load_from(*this, modules, Impl::kName);
+  }
+
+  /// N ordinary modules holding copies of the members' current values, in this module's mode.
+  std::vector<Member> unfuse() const {
+    std::vector<Member> out;
+    for (int64_t i = 0; i < n_; ++i) {
+      Member m(static_cast<const Impl&>(*this).options);
+      copy_out(*this, *m, i);
+      m->train(this->is_training());
+      out.push_back(std::move(m));
+    }
+    return out;
+  }
+};
+
 }  // namespace detail
 
 /// N nn.Linear layers as one batched GEMM: input [N, B, *, in] -> [N, B, *, out].
-class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public detail::WideModuleBase {
+class LinearImpl : public detail::WideModule<LinearImpl, torch::nn::Linear> {
  public:
+  static constexpr const char* kName = "wide::nn::Linear";
   /// N members initialised as N fresh torch::nn::Linear(options) would be.
   LinearImpl(int64_t n, torch::nn::LinearOptions options);
   void reset() override;
   torch::Tensor forward(const torch::Tensor& input);
-  /// The members' values, into the wide module (the architectures must match).
-  void load_members(const std::vector<torch::nn::Linear>& members);
-  /// N ordinary modules holding copies of the members' current values.
-  std::vector<torch::nn::Linear> unfuse() const;
   void pretty_print(std::ostream& stream) const override;
 
   torch::nn::LinearOptions options;
@@ -78,13 +102,12 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public detail::WideM
 TORCH_MODULE(Linear);
 
 /// N nn.Conv2d layers as one grouped convolution: input [N, B, C_in, H, W] -> [N, B, C_out, H', W'].
-class Conv2dImpl : public torch::nn::Cloneable<Conv2dImpl>, public detail::WideModuleBase {
+class Conv2dImpl : public detail::WideModule<Conv2dImpl, torch::nn::Conv2d> {
  public:
+  static constexpr const char* kName = "wide::nn::Conv2d";
   Conv2dImpl(int64_t n, torch::nn::Conv2dOptions options);
   void reset() override;
   torch::Tensor forward(const torch::Tensor& input);
-  void load_members(const std::vector<torch::nn::Conv2d>& members);
-  std::vector<torch::nn::Conv2d> unfuse() const;
   void pretty_print(std::ostream& stream) const override;
 
   torch::nn::Conv2dOptions options;
@@ -96,13 +119,12 @@ TORCH_MODULE(Conv2d);
 
 /// N nn.BatchNorm2d as one norm over N*C channels: input [N, B, C, H, W] -> same shape. Each
 /// member's running statistics are its own; momentum and eps are shared by the members.
-class BatchNorm2dImpl : public torch::nn::Cloneable<BatchNorm2dImpl>, public detail::WideModuleBase {
+class BatchNorm2dImpl : public detail::WideModule<BatchNorm2dImpl, torch::nn::BatchNorm2d> {
  public:
+  static constexpr const char* kName = "wide::nn::BatchNorm2d";
   BatchNorm2dImpl(int64_t n, torch::nn::BatchNormOptions options);
   void reset() override;
   torch::Tensor forward(const torch::Tensor& input);
-  void load_members(const std::vector<torch::nn::BatchNorm2d>& members);
-  std::vector<torch::nn::BatchNorm2d> unfuse() const;
   void pretty_print(std::ostream& stream) const override;
 
   torch::nn::BatchNormOptions options;
@@ -111,13 +133,12 @@ class BatchNorm2dImpl : public torch::nn::Cloneable<BatchNorm2dImpl>, public det
 TORCH_MODULE(BatchNorm2d);
 
 /// N nn.LayerNorm: input [N, *, normalized_shape] -> same shape.
-class LayerNormImpl : public torch::nn::Cloneable<LayerNormImpl>, public detail::WideModuleBase {
+class LayerNormImpl : public detail::WideModule<LayerNormImpl, torch::nn::LayerNorm> {
  public:
+  static constexpr const char* kName = "wide::nn::LayerNorm";
   LayerNormImpl(int64_t n, torch::nn::LayerNormOptions options);
   void reset() override;
   torch::Tensor forward(const torch::Tensor& input);
-  void load_members(const std::vector<torch::nn::LayerNorm>& members);
-  std::vector<torch::nn::LayerNorm> unfuse() const;
   void pretty_print(std::ostream& stream) const override;
 
   torch::nn::LayerNormOptions options;
@@ -126,13 +147,12 @@ class LayerNormImpl : public torch::nn::Cloneable<LayerNormImpl>, public detail:
 TORCH_MODULE(LayerNorm);
 
 /// N nn.Embedding tables: indices [N, *] (each member its own) -> [N, *, embedding_dim].
-class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public detail::WideModuleBase {
+class EmbeddingImpl : public detail::WideModule<EmbeddingImpl, torch::nn::Embedding> {
  public:
+  static constexpr const char* kName = "wide::nn::Embedding";
   EmbeddingImpl(int64_t n, torch::nn::EmbeddingOptions options);
   void reset() override;
   torch::Tensor forward(const torch::Tensor& indices);
-  void load_members(const std::vector<torch::nn::Embedding>& members);
-  std::vector<torch::nn::Embedding> unfuse() const;
   void pretty_print(std::ostream& stream) const override;
 
   torch::nn::EmbeddingOptions options;
@@ -142,14 +162,13 @@ TORCH_MODULE(Embedding);
 
 /// N nn.LSTM run by one time loop: input [N, T, B, I] ([N, B, T, I] if batch_first), optional
 /// (h0, c0) [N, layers*directions, B, H]; returns (output, (h_n, c_n)), all N-first.
-class LSTMImpl : public torch::nn::Cloneable<LSTMImpl>, public detail::WideModuleBase {
+class LSTMImpl : public detail::WideModule<LSTMImpl, torch::nn::LSTM> {
  public:
+  static constexpr const char* kName = "wide::nn::LSTM";
   LSTMImpl(int64_t n, torch::nn::LSTMOptions options);
   void reset() override;
   std::tuple<torch::Tensor, std::tuple<torch::Tensor, torch::Tensor>> forward(
       const torch::Tensor& input, std::optional<std::tuple<torch::Tensor, torch::Tensor>> hx = {});
-  void load_members(const std::vector<torch::nn::LSTM>& members);
-  std::vector<torch::nn::LSTM> unfuse() const;
   void pretty_print(std::ostream& stream) const override;
 
   torch::nn::LSTMOptions options;
@@ -162,14 +181,13 @@ class LSTMImpl : public torch::nn::Cloneable<LSTMImpl>, public detail::WideModul
 TORCH_MODULE(LSTM);
 
 /// N nn.GRU run by one time loop: input as LSTM, optional h0; returns (output, h_n), N-first.
-class GRUImpl : public torch::nn::Cloneable<GRUImpl>, public detail::WideModuleBase {
+class GRUImpl : public detail::WideModule<GRUImpl, torch::nn::GRU> {
  public:
+  static constexpr const char* kName = "wide::nn::GRU";
   GRUImpl(int64_t n, torch::nn::GRUOptions options);
   void reset() override;
   std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& input,
                                                    torch::Tensor hx = {});
-  void load_members(const std::vector<torch::nn::GRU>& members);
-  std::vector<torch::nn::GRU> unfuse() const;
   void pretty_print(std::ostream& stream) const override;
 
   torch::nn::GRUOptions options;
