@@ -138,8 +138,7 @@ def fuse_residual_norms(gm: fx.GraphModule) -> int:
         if (not isinstance(add, fx.Node) or add.target is not aten.add.Tensor or len(add.users) != 1
                 or add.kwargs or len(add.args) != 2 or not all(isinstance(a, fx.Node) for a in add.args)):
             continue
-        shape, weight, bias, eps = (list(ln.args[1:]) + [None, None, 1e-5])[:4]
-        weight, bias, eps = ln.kwargs.get("weight", weight), ln.kwargs.get("bias", bias), ln.kwargs.get("eps", eps)
+        _, shape, weight, bias, eps = ln.args  # as the layer_norm rule emits it (rules/norm.py)
         with graph.inserting_before(ln):
             node = graph.call_function(wide.add_layer_norm.default, (*add.args, shape, weight, bias, eps))
         # Where it came from, for reports and errors; not the norm's strategy-tuning entries
