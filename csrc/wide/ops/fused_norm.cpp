@@ -41,8 +41,7 @@ const at::Tensor* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_val
 void check_fused(const at::Tensor& input, const std::optional<at::Tensor>& residual,
                  int64_t d, const std::optional<at::Tensor>& weight,
                  const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(input.dim() >= 2 && d >= 1 && input.numel() % std::max<int64_t>(d, 1) == 0 &&
-                  (input.size(0) == 0 || (input.numel() / input.size(0)) % d == 0),
+  TORCH_CHECK(input.dim() >= 2 && d >= 1 && (input.size(0) == 0 || (input.numel() / input.size(0)) % d == 0),
               "wide::fused_norm: expected an N-first input [N, *] whose member size is a multiple of "
               "normalized_numel=", d, ", got ", input.sizes());
   TORCH_CHECK(!residual.has_value() || residual->sizes() == input.sizes(),
@@ -77,11 +76,11 @@ at::Tensor fused_norm_cpu(const at::Tensor& input, const std::optional<at::Tenso
                           int64_t d, const std::optional<at::Tensor>& weight,
                           const std::optional<at::Tensor>& bias, double eps, bool rms) {
   const auto dtype = input.scalar_type();
-  bool same_dtype = dtype == at::kFloat || dtype == at::kDouble;
+  bool kernel = dtype == at::kFloat || dtype == at::kDouble;  // else the composite
   for (const auto* p : {opt_ptr(residual), opt_ptr(weight), opt_ptr(bias)}) {
-    same_dtype = same_dtype && (p == nullptr || (p->scalar_type() == dtype && p->device().is_cpu()));
+    kernel = kernel && (p == nullptr || (p->scalar_type() == dtype && p->device().is_cpu()));
   }
-  if (!same_dtype) return fused_norm_composite(input, residual, d, weight, bias, eps, rms);
+  if (!kernel) return fused_norm_composite(input, residual, d, weight, bias, eps, rms);
   check_fused(input, residual, d, weight, bias);
   const at::Tensor x = input.contiguous();
   const at::Tensor r = residual.has_value() ? residual->contiguous() : at::Tensor();
@@ -96,17 +95,8 @@ at::Tensor fused_norm_cpu(const at::Tensor& input, const std::optional<at::Tenso
     auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<T>() : nullptr; };
     const T* xp = x.const_data_ptr<T>();
     T* yp = y.mutable_data_ptr<T>();
-#if defined(__x86_64__) && !defined(WIDE_NO_AVX_KERNELS)
-    switch (optim::cpu::cpu_capability()) {
-      case optim::cpu::Isa::Avx512:
-        return ops::cpu::AVX512::fused_norm(xp, ptr(r), yp, ptr(w), ptr(b), rows, rows_per_member, d, eps, rms);
-      case optim::cpu::Isa::Avx2:
-        return ops::cpu::AVX2::fused_norm(xp, ptr(r), yp, ptr(w), ptr(b), rows, rows_per_member, d, eps, rms);
-      default:
-        break;
-    }
-#endif
-    ops::cpu::DEFAULT::fused_norm(xp, ptr(r), yp, ptr(w), ptr(b), rows, rows_per_member, d, eps, rms);
+    WIDE_ISA_CALL(::wide::ops::cpu, fused_norm, xp, ptr(r), yp, ptr(w), ptr(b), rows, rows_per_member,
+                  d, eps, rms);
   };
   if (dtype == at::kFloat) {
     run(static_cast<float*>(nullptr));

@@ -19,23 +19,7 @@
 #include "wide/optim/cpu/kernels.h"
 
 // Calls cpu::<ISA>::fn(args...) for the instruction set chosen at run time.
-#if defined(__x86_64__) && !defined(WIDE_NO_AVX_KERNELS)
-#define WIDE_OPTIM_ISA_CALL(fn, ...)                                      \
-  do {                                                                    \
-    switch (::wide::optim::cpu::cpu_capability()) {                       \
-      case ::wide::optim::cpu::Isa::Avx512:                               \
-        ::wide::optim::cpu::AVX512::fn(__VA_ARGS__);                      \
-        break;                                                            \
-      case ::wide::optim::cpu::Isa::Avx2:                                 \
-        ::wide::optim::cpu::AVX2::fn(__VA_ARGS__);                        \
-        break;                                                            \
-      default:                                                            \
-        ::wide::optim::cpu::DEFAULT::fn(__VA_ARGS__);                     \
-    }                                                                     \
-  } while (0)
-#else
-#define WIDE_OPTIM_ISA_CALL(fn, ...) ::wide::optim::cpu::DEFAULT::fn(__VA_ARGS__)
-#endif
+#define WIDE_OPTIM_ISA_CALL(fn, ...) WIDE_ISA_CALL(::wide::optim::cpu, fn, __VA_ARGS__)
 
 // Note [Fused per-member optimizer steps]
 // ---------------------------------------

@@ -82,6 +82,26 @@ std::string cpu_capability_name();
 
 }  // namespace wide::optim::cpu
 
+// Calls NS::<ISA>::fn(args...) for the instruction set chosen at run time (NS: a namespace with
+// DEFAULT, AVX2 and AVX512 kernel copies, as wide::optim::cpu and wide::ops::cpu have).
+#if defined(__x86_64__) && !defined(WIDE_NO_AVX_KERNELS)
+#define WIDE_ISA_CALL(NS, fn, ...)                            \
+  do {                                                        \
+    switch (::wide::optim::cpu::cpu_capability()) {           \
+      case ::wide::optim::cpu::Isa::Avx512:                   \
+        NS::AVX512::fn(__VA_ARGS__);                          \
+        break;                                                \
+      case ::wide::optim::cpu::Isa::Avx2:                     \
+        NS::AVX2::fn(__VA_ARGS__);                            \
+        break;                                                \
+      default:                                                \
+        NS::DEFAULT::fn(__VA_ARGS__);                         \
+    }                                                         \
+  } while (0)
+#else
+#define WIDE_ISA_CALL(NS, fn, ...) NS::DEFAULT::fn(__VA_ARGS__)
+#endif
+
 namespace wide::optim {
 /// torch.ops.wide._optim_cpu_capability(capability=""): sets the kernels' instruction set when
 /// `capability` is non-empty ("auto" | "default" | "avx2" | "avx512"); returns the one in use.
