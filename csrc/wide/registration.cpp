@@ -50,6 +50,14 @@ TORCH_LIBRARY(wide, m) {
   // The no-gradient kernel of the three above (one pass, per-member affine); no autograd.
   m.def("fused_norm(Tensor input, Tensor? residual, int normalized_numel, Tensor? weight, Tensor? bias, "
         "float eps, bool rms=False) -> Tensor");
+  // Scaled dot-product attention (aten's schema) of the eval graph: the small-sequence kernel below
+  // when no gradient is wanted and it wins, at::scaled_dot_product_attention otherwise
+  // (Note [wide::attention] in ops/attention.cpp).
+  m.def("attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, float dropout_p=0.0, "
+        "bool is_causal=False, *, float? scale=None, bool enable_gqa=False) -> Tensor");
+  // softmax(q k^T * scale) v, one head at a time, 4-d float/double CPU tensors; no autograd.
+  m.def("small_attention(Tensor query, Tensor key, Tensor value, bool is_causal=False, *, "
+        "float? scale=None) -> Tensor");
   // N PReLU: weight [N, 1] or [N, C].
   m.def("prelu(Tensor input, Tensor weight, *, bool packed_input=False) -> Tensor");
   // N Embedding / EmbeddingBag tables [N, V, D], one lookup into the [N*V, D] table; N-first.

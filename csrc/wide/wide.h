@@ -5,6 +5,7 @@
 
 #include "wide/info.h"
 #include "wide/nn/modules.h"
+#include "wide/ops/attention.h"
 #include "wide/ops/conv.h"
 #include "wide/ops/embedding.h"
 #include "wide/ops/layout.h"

@@ -1,7 +1,8 @@
 """The command line (``python -m wide_compiler ...`` in a subprocess) and the benchmark engine.
 
 No assertion here depends on timing: benchmark numbers are checked for being finite and
-positive, never compared with each other.
+positive, never compared with each other. (The interleaved timer's own tests compare a callable
+that sleeps 5 ms with one that does nothing, which no noisy machine reverses.)
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -362,3 +364,106 @@ def test_test_command_checks_a_users_model(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "PASS  train/own" in out and "PASS  eval/shared" in out and "all 2 members match" in out
     assert cli.main(["test", f"{f}:make"]) == 2  # no shape for a user's model
+
+
+# ---------------------------------------------------------------------------------- interleaved timing
+
+class _Counted:
+    """A callable that counts its calls, sleeps ``sleep_s`` each and raises from call ``fail_at`` on."""
+
+    def __init__(self, sleep_s: float = 0.0, fail_at: int | None = None):
+        self.calls, self.sleep_s, self.fail_at = 0, sleep_s, fail_at
+
+    def __call__(self):
+        self.calls += 1
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise RuntimeError(f"failed at call {self.calls}")
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+
+
+def test_time_interleaved_one_positive_time_per_name_and_rounds_honoured():
+    fns = {"a": _Counted(), "b": _Counted(), "c": _Counted()}
+    ms = engine.time_interleaved(fns, min_run_time=0.003, rounds=7, warmup=2)
+    assert list(ms) == ["a", "b", "c"]
+    assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in ms.values())
+    for name, f in fns.items():
+        assert f.calls >= 2 + 1 + 7, (name, f.calls)  # warm-up, calibration, one block a round
+    assert engine.time_interleaved({}, min_run_time=0.01) == {}
+    with pytest.raises(ValueError, match="rounds"):
+        engine.time_interleaved(fns, rounds=0)
+
+
+def test_time_interleaved_orders_by_cost_and_rotates():
+    order = []
+    fns = {k: (lambda k=k, s=s: (order.append(k), time.sleep(s) if s else None))
+           for k, s in (("slow", 0.005), ("fast", 0.0), ("mid", 0.0))}
+    ms = engine.time_interleaved(fns, min_run_time=0.06, rounds=3, warmup=0)
+    assert ms["slow"] > ms["fast"]  # a sleep of 5 ms against nothing: no machine is that noisy
+    assert 1.0 < ms["slow"] < 1000.0  # milliseconds, not seconds or microseconds
+    # the rounds: which callable ran first changes every round (runs of one callable = blocks)
+    blocks = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
+    timed = blocks[-9:]  # the 3 rounds of 3 blocks
+    assert [timed[0], timed[3], timed[6]] == ["slow", "fast", "mid"]
+    assert sorted(timed[:3]) == sorted(timed[3:6]) == sorted(timed[6:]) == ["fast", "mid", "slow"]
+
+
+def test_time_interleaved_names_a_callable_that_raises():
+    fns = {"ok": _Counted(), "bad": _Counted(fail_at=4)}
+    with pytest.raises(engine.TimingError, match="bad: RuntimeError: failed at call 4") as e:
+        engine.time_interleaved(fns, min_run_time=0.003, rounds=5)
+    assert e.value.name == "bad" and isinstance(e.value.error, RuntimeError)
+    assert e.value.__cause__ is e.value.error
+
+
+def test_run_case_times_interleaved_and_drops_a_baseline_failing_while_timed():
+    """A baseline that passes its check then fails while timed is left out (message in
+    ``errors``); the wide contender and the other baselines are still timed."""
+    models, x, W, bias = _population()
+    calls = {"n": 0}
+    loop = engine.loop_contender(models)
+
+    def flaky(x):  # right for its first calls (the check, the warm-up), then fails
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("flaky baseline gave up")
+        return loop.forward(x)
+
+    recs = engine.run_case(
+        models, x, [_wide_op(W, bias, "bmm", "bmm")],
+        [engine.loop_contender(models), engine.Contender("flaky", flaky, loop.params, "members")],
+        mode="inference", base={"target": "linear", "batch": 2, "dtype": "float32"},
+        min_run_time=0.002, machine={})
+    (r,) = recs
+    assert calls["n"] > 3
+    assert set(r["baseline_ms"]) == set(r["speedup"]) == {"loop"} and r["baseline_ms"]["loop"] > 0
+    assert r["errors"] == {"flaky": "RuntimeError: flaky baseline gave up"}
+    assert r["baseline_max_abs_err"]["flaky"] < 1e-6  # its check passed before it failed
+    assert r["wide_ms"] > 0 and r["timing"] == "interleaved"
+
+
+def test_run_case_wide_contender_failing_while_timed_propagates():
+    models, x, W, bias = _population()
+    good = _wide_op(W, bias)
+    calls = {"n": 0}
+
+    def flaky(x):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("wide contender gave up")
+        return good.forward(x)
+
+    with pytest.raises(RuntimeError, match="wide contender gave up"):
+        engine.run_case(models, x, [engine.Contender("flaky", flaky, [W, bias])],
+                        [engine.loop_contender(models)], mode="inference",
+                        base={"target": "linear", "dtype": "float32"}, min_run_time=0.002, machine={})
+
+
+def test_time_with_baselines_keeps_wide_and_baseline_names_apart():
+    """A wide callable and a baseline may share a name (e.g. strategy ``loop`` and baseline
+    ``loop``): both are timed."""
+    wide, base = _Counted(), _Counted()
+    wide_ms, base_ms, errors = engine.time_with_baselines({"loop": wide}, {"loop": base},
+                                                          min_run_time=0.002)
+    assert wide_ms["loop"] > 0 and base_ms["loop"] > 0 and errors == {}
+    assert wide.calls > 0 and base.calls > 0

@@ -7,8 +7,11 @@ loop, ``torch.func`` ensembling (``stack_module_state`` + ``functional_call`` + 
 Every member has its own weights and its own input: ``x`` is ``[N, B, ...]`` and member ``i``
 gets ``x[i]``.
 
-Timing uses :class:`torch.utils.benchmark.Timer` with ``num_threads=torch.get_num_threads()``
-(the Timer's default is ONE thread) and ``blocked_autorange``; the median is reported.
+Timing is interleaved (:func:`time_interleaved`): the wide contenders and the baselines of one
+case are timed together, in rounds of one block of calls each (rotating which goes first), and
+each one's median over the rounds is reported; a machine whose speed drifts over seconds (other
+processes, frequency scaling) then slows every contender alike, so the ratios hold even when the
+absolute times swing. :func:`time_ms` times one callable alone (``torch.utils.benchmark``).
 
 One record (a JSON-able ``dict``) per wide contender, mode and case::
 
@@ -17,7 +20,8 @@ One record (a JSON-able ``dict``) per wide contender, mode and case::
      "mode": "inference", "execution": "eager", "strategy": "bmm",
      "wide_ms": 0.21, "baseline_ms": {"loop": 1.9, "vmap": 0.6},
      "speedup": {"loop": 9.0, "vmap": 2.9}, "max_abs_err": 9.5e-07,
-     "baseline_max_abs_err": {"vmap": 0.0}, "errors": {}, "machine": {...}}
+     "baseline_max_abs_err": {"vmap": 0.0}, "errors": {}, "timing": "interleaved",
+     "machine": {...}}
 
 ``mode`` is ``"inference"`` (forward under ``torch.no_grad``) or ``"train"`` (forward, sum of
 all outputs, gradients of the parameters with ``torch.autograd.grad``); ``execution`` is
@@ -25,7 +29,8 @@ all outputs, gradients of the parameters with ``torch.autograd.grad``); ``execut
 ``baseline_ms[name] / wide_ms`` (above 1: the wide contender is faster); ``max_abs_err`` is the
 largest absolute difference of any member's output (and, in train mode, parameter gradient)
 against that member run on its own; ``errors`` maps a baseline that failed (e.g. a
-``torch.compile`` that raised) to its error message. Every benchmark builds its records with
+``torch.compile`` that raised) to its error message; ``timing`` says how the times were taken
+(``"interleaved"``: :func:`time_interleaved`). Every benchmark builds its records with
 :func:`make_record` and compares with :func:`max_abs_err` (the one comparison:
 :func:`params_max_abs_err` goes through it too); targets are registered in :mod:`.registry`.
 
@@ -51,10 +56,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import logging
 import math
 import os
 import platform
+import statistics
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -70,6 +78,7 @@ __all__ = [
     "RECORD_KEYS",
     "COMPILE_OPTIONS",
     "Contender",
+    "TimingError",
     "compile_all",
     "compiled",
     "compiled_loop_contender",
@@ -87,7 +96,9 @@ __all__ = [
     "params_max_abs_err",
     "run_case",
     "stacked_params",
+    "time_interleaved",
     "time_ms",
+    "time_with_baselines",
     "vmap_contender",
     "wide_params_in_member_order",
 ]
@@ -98,7 +109,7 @@ log = logging.getLogger(__name__)
 RECORD_KEYS = (
     "target", "case", "n", "batch", "in_features", "out_features", "dtype", "mode", "execution",
     "strategy", "wide_ms", "baseline_ms", "speedup", "max_abs_err", "baseline_max_abs_err",
-    "errors", "machine",
+    "errors", "timing", "machine",
 )
 MODES = ("inference", "train")
 _REQUIRED = ("target", "n", "dtype")
@@ -206,6 +217,120 @@ def time_ms(fn: Callable[[], Any], *, min_run_time: float = 0.2, label: str = ""
     timer = tbench.Timer(stmt="fn()", globals={"fn": fn}, label=label,
                          num_threads=torch.get_num_threads())
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+class TimingError(RuntimeError):
+    """A callable timed by :func:`time_interleaved` raised: ``name`` is its key, ``error`` (also
+    ``__cause__``) what it raised."""
+
+    def __init__(self, name: Any, error: BaseException) -> None:
+        super().__init__(f"{name}: {_error_text(error)}")
+        self.name = name
+        self.error = error
+
+
+def _timed_calls(fn: Callable[[], Any], calls: int) -> float:
+    """Seconds that ``calls`` calls of ``fn`` take, garbage collection off (as ``timeit``)."""
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return time.perf_counter() - start
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def time_interleaved(fns: Mapping[Any, Callable[[], Any]], *, min_run_time: float = 0.2,
+                     rounds: int = 10, warmup: int = 2, min_rounds: int = 3) -> dict[Any, float]:
+    """Median wall time of one call of each of ``fns``, in milliseconds, timed interleaved.
+
+    Every callable is called ``warmup`` times, then calibrated: ``k`` calls per block so that one
+    block takes about ``min_run_time / rounds`` seconds (at least one call). Then, ``rounds``
+    times, one block of each callable is timed, the order rotating by one every round (so none
+    always follows the same one); the result is each one's median over the rounds of block time
+    / ``k``. Machine speed drifting over the run thus affects every callable alike, and ratios of
+    the results hold far better than those of callables timed one after another. Each callable
+    runs about ``min_run_time`` seconds in all; when one call of the slowest takes longer than
+    ``min_run_time / rounds``, fewer rounds are run (``min_run_time`` over that call, at least
+    ``min(min_rounds, rounds)``). A callable that raises raises :class:`TimingError` naming it.
+
+    >>> ms = time_interleaved({"sum": lambda: torch.ones(4).sum(),
+    ...                        "mm": lambda: torch.ones(64, 64) @ torch.ones(64, 64)},
+    ...                       min_run_time=0.01)
+    >>> sorted(ms), all(v > 0 for v in ms.values())
+    (['mm', 'sum'], True)
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    names = list(fns)
+    if not names:
+        return {}
+
+    def timed(name: Any, calls: int) -> float:
+        try:
+            return _timed_calls(fns[name], calls)
+        except Exception as e:  # re-raised, naming the callable
+            raise TimingError(name, e) from e
+
+    block_s = min_run_time / rounds
+    per_call: dict[Any, float] = {}
+    for name in names:
+        if warmup > 0:
+            timed(name, warmup)
+        calls, elapsed = 1, timed(name, 1)
+        while elapsed < block_s / 4 and calls < 1 << 20:  # a few calls: enough to calibrate
+            calls *= 2
+            elapsed = timed(name, calls)
+        per_call[name] = max(elapsed / calls, 1e-9)
+    k = {name: max(1, round(block_s / per_call[name])) for name in names}
+    slowest = max(per_call.values())
+    n_rounds = min(rounds, max(min(min_rounds, rounds), int(min_run_time / slowest)))
+
+    samples: dict[Any, list[float]] = {name: [] for name in names}
+    for r in range(n_rounds):
+        start = r % len(names)
+        for name in names[start:] + names[:start]:
+            samples[name].append(timed(name, k[name]) / k[name])
+    return {name: statistics.median(samples[name]) * 1e3 for name in names}
+
+
+def time_with_baselines(wides: Mapping[Any, Callable[[], Any]],
+                        baselines: Mapping[str, Callable[[], Any]], *, min_run_time: float = 0.2,
+                        errors: dict[str, str] | None = None
+                        ) -> tuple[dict[Any, float], dict[str, float], dict[str, str]]:
+    """:func:`time_interleaved` of the wide callables and the baselines together; returns
+    ``(wide_ms, baseline_ms, errors)``. A baseline that raises is left out (its message in
+    ``errors``, which is updated in place when given, and a log warning) and the rest are timed
+    again; a wide callable that raises propagates what it raised.
+
+    >>> def broken():
+    ...     raise RuntimeError("no")
+    >>> wide_ms, base_ms, errors = time_with_baselines(
+    ...     {"wide": lambda: torch.ones(4).sum()}, {"loop": lambda: torch.ones(4).sum(),
+    ...                                             "broken": broken}, min_run_time=0.01)
+    >>> sorted(wide_ms), sorted(base_ms), errors
+    (['wide'], ['loop'], {'broken': 'RuntimeError: no'})
+    """
+    errors = errors if errors is not None else {}
+    fns: dict[Any, Callable[[], Any]] = {("wide", k): f for k, f in wides.items()}
+    fns.update({("baseline", k): f for k, f in baselines.items()})
+    while True:
+        try:
+            ms = time_interleaved(fns, min_run_time=min_run_time)
+            break
+        except TimingError as e:
+            kind, name = e.name
+            if kind == "wide":
+                raise e.error  # the wide callable's own error, with its own traceback
+            log.warning("baseline %s failed: %s", name, _error_text(e.error))
+            errors[name] = _error_text(e.error)
+            del fns[e.name]
+    wide_ms = {k: ms["wide", k] for k in wides}
+    baseline_ms = {k: ms["baseline", k] for k in baselines if ("baseline", k) in ms}
+    return wide_ms, baseline_ms, errors
 
 
 # ---------------------------------------------------------------------------------- baselines
@@ -392,10 +517,11 @@ def make_record(*, base: Mapping[str, Any], mode: str, strategy: str, wide_ms: f
                 baseline_ms: Mapping[str, float], max_abs_err: float,
                 baseline_max_abs_err: Mapping[str, float] | None = None,
                 errors: Mapping[str, str] | None = None, execution: str = "eager",
-                machine: Mapping[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+                machine: Mapping[str, Any] | None = None, timing: str = "interleaved",
+                **extra: Any) -> dict[str, Any]:
     """Build one record, the only way every benchmark builds one: ``base`` fields (target, case,
     n, batch, shapes, dtype; ``target``, ``n`` and ``dtype`` required) + timings + speedups +
-    errors + machine; ``extra`` fields go last. See the module docstring for the keys.
+    errors + ``timing`` + machine; ``extra`` fields go last. See the module docstring for the keys.
 
     >>> r = make_record(base={"target": "linear", "n": 4, "dtype": "float32"}, mode="inference",
     ...                 strategy="bmm", wide_ms=0.5, baseline_ms={"loop": 2.0}, max_abs_err=0.0,
@@ -420,6 +546,7 @@ def make_record(*, base: Mapping[str, Any], mode: str, strategy: str, wide_ms: f
         max_abs_err=max_abs_err,
         baseline_max_abs_err=dict(baseline_max_abs_err or {}),
         errors=dict(errors or {}),
+        timing=timing,
         machine=dict(machine if machine is not None else machine_info()),
     )
     record.update(extra)
@@ -449,7 +576,8 @@ def run_case(models: Sequence[nn.Module], x: torch.Tensor, wides: Iterable[Conte
              min_run_time: float = 0.2, machine: Mapping[str, Any] | None = None,
              reference: Contender | None = None,
              check: Callable[[Contender, Any], float] | None = None) -> list[dict[str, Any]]:
-    """Time every wide contender and every baseline in ``mode``; one record per wide contender.
+    """Time every wide contender and every baseline in ``mode``, all together
+    (:func:`time_with_baselines`, interleaved); one record per wide contender.
 
     ``reference`` (default: the loop over ``models``) gives each member's own result; every wide
     contender and every checkable baseline is compared with it. ``check(contender, result)``,
@@ -475,29 +603,34 @@ def run_case(models: Sequence[nn.Module], x: torch.Tensor, wides: Iterable[Conte
     machine = dict(machine) if machine is not None else machine_info()
     base = dict(base, n=n)
 
-    baseline_ms: dict[str, float] = {}
     baseline_err: dict[str, float] = {}
     errors: dict[str, str] = {}
+    baseline_steps: dict[str, Callable[[], Any]] = {}
     for b in baselines:
         try:
             step = make_step(b, x, mode)
             if b.layout != "opaque":
                 baseline_err[b.name] = check(b, step())
-            baseline_ms[b.name] = time_ms(step, min_run_time=min_run_time, label=b.name)
+            baseline_steps[b.name] = step
         except Exception as e:  # noqa: BLE001 (a baseline failing is a result, not a crash)
             log.warning("baseline %s failed: %s", b.name, _error_text(e))
             errors[b.name] = _error_text(e)
 
-    records = []
-    for w in wides:
-        step = make_step(w, x, mode)
-        err = check(w, step())
-        ms = time_ms(step, min_run_time=min_run_time, label=w.name)
-        records.append(make_record(base=base, mode=mode, strategy=w.name, wide_ms=ms,
-                                   baseline_ms=baseline_ms, max_abs_err=err,
-                                   baseline_max_abs_err=baseline_err, errors=errors,
-                                   execution=execution, machine=machine))
-    return records
+    wides = list(wides)
+    wide_steps: dict[int, Callable[[], Any]] = {}
+    wide_err: dict[int, float] = {}
+    for i, w in enumerate(wides):
+        wide_steps[i] = make_step(w, x, mode)
+        wide_err[i] = check(w, wide_steps[i]())
+
+    # all together, interleaved: the ratios wide / baseline hold on a machine whose speed drifts
+    wide_ms, baseline_ms, errors = time_with_baselines(wide_steps, baseline_steps,
+                                                       min_run_time=min_run_time, errors=errors)
+    return [make_record(base=base, mode=mode, strategy=w.name, wide_ms=wide_ms[i],
+                        baseline_ms=baseline_ms, max_abs_err=wide_err[i],
+                        baseline_max_abs_err=baseline_err, errors=errors, execution=execution,
+                        machine=machine)
+            for i, w in enumerate(wides)]
 
 
 # ---------------------------------------------------------------------------------- table

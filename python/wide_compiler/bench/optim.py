@@ -112,21 +112,15 @@ def _record(target_name: str, case: str, n: int, wide_fn: Callable[[], Any],
             baselines: dict[str, Callable[[], Any]], check: Callable[[], float], p: Preset,
             machine: dict[str, Any], *, batch: int | None, shape: str,
             errors: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
-    """Time ``wide_fn`` and every baseline (a failing baseline goes to ``errors``), then
-    ``check()`` (the max abs error after the timed steps); one :func:`.engine.make_record`."""
-    wide_ms = engine.time_ms(wide_fn, min_run_time=p.min_run_time, label=case)
-    errors = dict(errors or {})
-    base_ms = {}
-    for k, fn in baselines.items():
-        try:
-            base_ms[k] = engine.time_ms(fn, min_run_time=p.min_run_time, label=k)
-        except Exception as e:  # noqa: BLE001 (a baseline failing is a result, not a crash)
-            log.warning("baseline %s failed: %s", k, engine._error_text(e))
-            errors[k] = engine._error_text(e)
+    """Time ``wide_fn`` and every baseline, interleaved (:func:`.engine.time_with_baselines`: a
+    failing baseline goes to ``errors``), then ``check()`` (the max abs error after the timed
+    steps); one :func:`.engine.make_record`."""
+    wide_ms, base_ms, errors = engine.time_with_baselines(
+        {"wide": wide_fn}, baselines, min_run_time=p.min_run_time, errors=dict(errors or {}))
     return engine.make_record(
         base={"target": target_name, "case": case, "n": n, "batch": batch, "shape": shape,
               "dtype": "float32"},
-        mode="train", strategy=_fused_strategy(), wide_ms=wide_ms, baseline_ms=base_ms,
+        mode="train", strategy=_fused_strategy(), wide_ms=wide_ms["wide"], baseline_ms=base_ms,
         max_abs_err=check(), errors=errors, machine=machine, **extra)
 
 

@@ -102,13 +102,13 @@ def _run(towers: int, archs: int, p: Preset, machine: dict[str, Any]) -> list[di
     records = []
     for mode in engine.MODES:
         fns = steps(mode)
-        wide_ms = engine.time_ms(fns.pop("wide"), min_run_time=p.min_run_time, label="wide")
-        base_ms = {k: engine.time_ms(f, min_run_time=p.min_run_time, label=k) for k, f in fns.items()}
+        wide = {"wide": fns.pop("wide")}  # timed with the baselines, interleaved
+        wide_ms, base_ms, errors = engine.time_with_baselines(wide, fns, min_run_time=p.min_run_time)
         records.append(engine.make_record(
             base={"target": "router", "case": f"{towers} towers/{archs} archs", "n": towers, "batch": _BATCH,
                   "dtype": "float32", "shape": f"MLP {_IN}-{'/'.join(map(str, _WIDTHS[:archs]))}-{_OUT}"},
-            mode=mode, strategy="wide_forward", wide_ms=wide_ms, baseline_ms=base_ms, max_abs_err=err,
-            machine=machine))
+            mode=mode, strategy="wide_forward", wide_ms=wide_ms["wide"], baseline_ms=base_ms,
+            max_abs_err=err, errors=errors, machine=machine))
     return records
 
 

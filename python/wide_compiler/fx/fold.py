@@ -1,7 +1,9 @@
 """Eval-graph rewrites: a BatchNorm that uses its running statistics right after a conv becomes
 part of the conv's weights, so the wide activation is not read and written a second time; 2-d
 max pooling runs channels-last when no gradient is wanted; a LayerNorm of a residual sum reads the
-two addends itself (one pass, Note [wide::fused_norm] in csrc/wide/ops/fused_norm.cpp).
+two addends itself (one pass, Note [wide::fused_norm] in csrc/wide/ops/fused_norm.cpp); attention
+without mask or dropout may take the small-sequence kernel (Note [wide::attention] in
+csrc/wide/ops/attention.cpp).
 
 Note [Folding BatchNorm into the conv]
     In eval mode ``bn(conv(x, W, b)) = conv(x, W * s, (b - mean) * s + beta)`` with
@@ -22,8 +24,8 @@ import operator
 import torch
 from torch import fx
 
-__all__ = ["channels_last_conv", "channels_last_max_pool2d", "fold_batch_norms", "folded_conv_params",
-           "fuse_residual_norms", "relu_in_place", "rewrite_channels_last"]
+__all__ = ["attention_kernel", "channels_last_conv", "channels_last_max_pool2d", "fold_batch_norms",
+           "folded_conv_params", "fuse_residual_norms", "relu_in_place", "rewrite_channels_last"]
 
 wide = torch.ops.wide
 aten = torch.ops.aten
@@ -164,6 +166,24 @@ def relu_in_place(gm: fx.GraphModule) -> int:
         if (node.target is aten.relu.default and isinstance(src, fx.Node)
                 and src.target is wide.linear.default and len(src.users) == 1):
             node.target = aten.relu_.default
+            count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def attention_kernel(gm: fx.GraphModule) -> int:
+    """``aten.scaled_dot_product_attention`` without a mask or dropout becomes ``wide.attention``
+    (the same schema and arguments): with no gradient wanted it runs the small-sequence CPU kernel
+    where that is faster, and SDPA itself otherwise. Returns how many."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        dropout_p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        if mask is None and dropout_p == 0:
+            node.target = wide.attention.default
             count += 1
     if count:
         gm.recompile()

@@ -37,7 +37,7 @@ from torch.export import ExportedProgram
 
 from ..config import WideConfig
 from .capture import capture, check_members, check_run_members, check_traced_members
-from .fold import fold_batch_norms, fuse_residual_norms, relu_in_place, rewrite_channels_last
+from .fold import attention_kernel, fold_batch_norms, fuse_residual_norms, relu_in_place, rewrite_channels_last
 from .layout import plan_layout
 from .strategy import choose_strategies
 from .widen import WideGraph, check_ranks, widen
@@ -122,6 +122,7 @@ def _fold(c: Compilation) -> None:
         rewrite_channels_last(c.wide.graph_module)
         fuse_residual_norms(c.wide.graph_module)
         relu_in_place(c.wide.graph_module)
+        attention_kernel(c.wide.graph_module)
 
 
 def _strategies(c: Compilation) -> None:

@@ -1,0 +1,216 @@
+// Body of the small-sequence attention kernel. Included ONLY by
+// attention_kernels_{default,avx2,avx512}.cpp, each compiled with CPU_CAPABILITY=<ISA> and that
+// ISA's -m flags (see CMakeLists.txt), so that at::vec::Vectorized is the real SIMD type and the
+// definitions land in wide::ops::cpu::<ISA>.
+#pragma once
+
+#ifndef CPU_CAPABILITY
+#error "attention_kernels_impl.h must be compiled with CPU_CAPABILITY defined (see CMakeLists.txt)"
+#endif
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "wide/ops/cpu/attention_kernels.h"
+
+// Note [Small-sequence attention kernel]
+// --------------------------------------
+// With N members folded into the batch, a wide encoder's attention is thousands of tiny
+// problems: N*B*H heads of, e.g., 32 queries x 32 keys x 16 dims. ATen's CPU flash-attention
+// kernel is built for long sequences (blocked online softmax, per-block bookkeeping) and reaches
+// about 60 GFLOP/s there (measured: 16 members x 8 x 4 heads, T=32, E=16: 540 us, 2 threads),
+// a quarter of what the same machine's GEMMs do. This kernel does one head at a time, whole:
+//   1. pack K^T [e][lk] and V [lk][ev] into thread-local buffers padded to whole vectors (zeros),
+//      once per key/value head (grouped-query heads reuse them);
+//   2. for a block of 4 query rows: the scores of all keys, vectorised over keys, 4 rows x 2
+//      vectors of independent FMA chains (broadcast q[i, d] against row d of K^T);
+//   3. an exact softmax per row (max, exp, sum; masked keys, causal or padding, are -inf);
+//   4. out rows = P V, vectorised over the value dim, 4 rows x 2 vectors of chains;
+//   5. scale by 1/sum and store.
+// Scores are scaled after the dot product, as SDPA's kernels do; everything accumulates in T.
+// It has no backward and no mask other than causal: it is the no-gradient path of wide::attention
+// (Note [wide::attention] in ops/attention.cpp), which only takes it where it wins. Threading:
+// at::parallel_for over (batch, head) with a grain of about 64K multiply-adds.
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push  // GCC 12 misreads the AVX-512 intrinsics' self-initialised temporaries
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define WIDE_ATTENTION_POP_DIAGNOSTIC
+#endif
+
+namespace wide::ops::cpu::CPU_CAPABILITY {
+namespace {
+
+using at::vec::Vectorized;
+
+// Query rows per register block: 8 x 2 score accumulators fit AVX-512's 32 registers, 4 x 2 the
+// 16 of AVX2.
+#ifdef CPU_CAPABILITY_AVX512
+constexpr int64_t kRows = 8;
+#else
+constexpr int64_t kRows = 4;
+#endif
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+template <typename T>
+T lanes_max(const Vectorized<T>& v) {  // NaN if any lane is NaN (maximum propagates it)
+  return at::vec::vec_reduce_all<T>([](Vectorized<T>& a, Vectorized<T>& b) { return at::vec::maximum(a, b); }, v);
+}
+
+template <typename T>
+T lanes_sum(const Vectorized<T>& v) {
+  return at::vec::vec_reduce_all<T>([](Vectorized<T>& a, Vectorized<T>& b) { return a + b; }, v);
+}
+
+// Scores of kRows query rows against key vectors [c0, c0 + C) of K^T: s[r][c0*W ...] = q_r . k * scale.
+template <typename T, int C>
+inline void score_block(const T* const* qrows, const T* kt, int64_t lkp, int64_t e, int64_t c0, T* s,
+                        T scale) {
+  using V = Vectorized<T>;
+  constexpr int64_t W = V::size();
+  V acc[kRows][C];
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = V(T(0));
+  }
+  for (int64_t d = 0; d < e; ++d) {
+    V kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = V::loadu(kt + d * lkp + (c0 + c) * W);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const V qv(qrows[r][d]);
+      for (int c = 0; c < C; ++c) acc[r][c] = at::vec::fmadd(qv, kv[c], acc[r][c]);
+    }
+  }
+  const V vs(scale);
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int c = 0; c < C; ++c) (acc[r][c] * vs).store(s + r * lkp + (c0 + c) * W);
+  }
+}
+
+// o[r][c0*W ...] = sum_j p[r][j] v[j][c0*W ...] for value vectors [c0, c0 + C), keys [0, jend).
+template <typename T, int C>
+inline void value_block(const T* p, int64_t lkp, const T* vp, int64_t evp, int64_t jend, int64_t c0, T* o) {
+  using V = Vectorized<T>;
+  constexpr int64_t W = V::size();
+  V acc[kRows][C];
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = V(T(0));
+  }
+  for (int64_t j = 0; j < jend; ++j) {
+    V vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = V::loadu(vp + j * evp + (c0 + c) * W);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const V pv(p[r * lkp + j]);
+      for (int c = 0; c < C; ++c) acc[r][c] = at::vec::fmadd(pv, vv[c], acc[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c].store(o + r * evp + (c0 + c) * W);
+  }
+}
+
+// Calls block<2> on pairs of vectors in [0, count) and block<1> on the odd one left.
+template <typename F2, typename F1>
+inline void in_pairs(int64_t count, F2&& pair, F1&& single) {
+  int64_t c = 0;
+  for (; c + 2 <= count; c += 2) pair(c);
+  if (c < count) single(c);
+}
+
+template <typename T>
+void small_attention_impl(const T* q, const T* k, const T* v, T* out, const AttentionProblem& p) {
+  using V = Vectorized<T>;
+  constexpr int64_t W = V::size();
+  const int64_t lkp = round_up(p.lk, W), evp = round_up(p.ev, W);
+  const int64_t group = p.heads / p.kv_heads;
+  const T scale = static_cast<T>(p.scale);
+  const int64_t work = std::max<int64_t>(1, p.lq * p.lk * (p.e + p.ev));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work);
+  at::parallel_for(0, p.batch * p.heads, grain, [&](int64_t begin, int64_t end) {
+    // Zero padding: K^T columns [lk, lkp) and V columns [ev, evp) are never written below.
+    std::vector<T> kt(p.e * lkp, T(0)), vp(p.lk * evp, T(0)), s(kRows * lkp), o(kRows * evp);
+    int64_t packed = -1;  // the (batch, kv head) whose K^T and V are in kt / vp
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / p.heads, h = idx % p.heads, g = h / group;
+      if (b * p.kv_heads + g != packed) {
+        packed = b * p.kv_heads + g;
+        const T* K = k + b * p.k_strides[0] + g * p.k_strides[1];
+        const T* Vh = v + b * p.v_strides[0] + g * p.v_strides[1];
+        at::vec::transpose_mxn<T>(K, p.k_strides[2], kt.data(), lkp, static_cast<int>(p.lk),
+                                  static_cast<int>(p.e));
+        for (int64_t j = 0; j < p.lk; ++j) {
+          std::copy(Vh + j * p.v_strides[2], Vh + j * p.v_strides[2] + p.ev, vp.data() + j * evp);
+        }
+      }
+      const T* Q = q + b * p.q_strides[0] + h * p.q_strides[1];
+      T* O = out + b * p.out_strides[0] + h * p.out_strides[1];
+      for (int64_t i0 = 0; i0 < p.lq; i0 += kRows) {
+        const int64_t rows = std::min(kRows, p.lq - i0);
+        const T* qrows[kRows];  // rows past the end repeat the last one; they are never stored
+        for (int64_t r = 0; r < kRows; ++r) qrows[r] = Q + std::min(i0 + r, p.lq - 1) * p.q_strides[2];
+        const int64_t jend = p.causal ? std::min(p.lk, i0 + rows) : p.lk;  // keys any row here sees
+        const int64_t jvec = round_up(jend, W) / W;
+        in_pairs(jvec, [&](int64_t c) { score_block<T, 2>(qrows, kt.data(), lkp, p.e, c, s.data(), scale); },
+                 [&](int64_t c) { score_block<T, 1>(qrows, kt.data(), lkp, p.e, c, s.data(), scale); });
+        // Softmax of every row of the block, the rows interleaved (independent dependency chains).
+        for (int64_t r = 0; r < rows; ++r) {  // masked keys: causal, and the padding of the last vector
+          const int64_t seen = p.causal ? std::min(p.lk, i0 + r + 1) : p.lk;
+          std::fill(s.data() + r * lkp + seen, s.data() + r * lkp + jvec * W, -std::numeric_limits<T>::infinity());
+        }
+        V vmax[kRows], vsum[kRows];
+        for (int64_t r = 0; r < kRows; ++r) vmax[r] = V(-std::numeric_limits<T>::infinity());
+        for (int64_t c = 0; c < jvec; ++c) {
+          for (int64_t r = 0; r < kRows; ++r) vmax[r] = at::vec::maximum(vmax[r], V::loadu(s.data() + r * lkp + c * W));
+        }
+        for (int64_t r = 0; r < kRows; ++r) {
+          vmax[r] = V(lanes_max(vmax[r]));
+          vsum[r] = V(T(0));
+        }
+        for (int64_t c = 0; c < jvec; ++c) {
+          for (int64_t r = 0; r < kRows; ++r) {
+            T* sv = s.data() + r * lkp + c * W;
+            const V ex = (V::loadu(sv) - vmax[r]).exp_u20();
+            ex.store(sv);
+            vsum[r] = vsum[r] + ex;
+          }
+        }
+        T inv[kRows];
+        for (int64_t r = 0; r < kRows; ++r) inv[r] = T(1) / lanes_sum(vsum[r]);
+        in_pairs(evp / W, [&](int64_t c) { value_block<T, 2>(s.data(), lkp, vp.data(), evp, jend, c, o.data()); },
+                 [&](int64_t c) { value_block<T, 1>(s.data(), lkp, vp.data(), evp, jend, c, o.data()); });
+        for (int64_t r = 0; r < rows; ++r) {
+          T* orow = O + (i0 + r) * p.out_strides[2];
+          const V vinv(inv[r]);
+          for (int64_t c = 0; c * W < p.ev; ++c) {
+            (V::loadu(o.data() + r * evp + c * W) * vinv).store(orow + c * W, std::min(W, p.ev - c * W));
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void small_attention(const float* q, const float* k, const float* v, float* out, const AttentionProblem& p) {
+  small_attention_impl(q, k, v, out, p);
+}
+
+void small_attention(const double* q, const double* k, const double* v, double* out,
+                     const AttentionProblem& p) {
+  small_attention_impl(q, k, v, out, p);
+}
+
+}  // namespace wide::ops::cpu::CPU_CAPABILITY
+
+#ifdef WIDE_ATTENTION_POP_DIAGNOSTIC
+#pragma GCC diagnostic pop
+#undef WIDE_ATTENTION_POP_DIAGNOSTIC
+#endif
