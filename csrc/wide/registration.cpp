@@ -47,9 +47,12 @@ TORCH_LIBRARY(wide, m) {
   // layer_norm(input + residual) (the eval fold pass emits it for a sum only the norm reads).
   m.def("add_layer_norm(Tensor input, Tensor residual, SymInt[] normalized_shape, Tensor? weight=None, "
         "Tensor? bias=None, float eps=1e-05) -> Tensor");
-  // The no-gradient kernel of the three above (one pass, per-member affine); no autograd.
+  // The one-pass kernel of the three above (per-member affine, optional residual sum); its
+  // gradients: fused_norm_backward (two sweeps per row; statistics recomputed from the inputs).
   m.def("fused_norm(Tensor input, Tensor? residual, int normalized_numel, Tensor? weight, Tensor? bias, "
         "float eps, bool rms=False) -> Tensor");
+  m.def("fused_norm_backward(Tensor grad_out, Tensor input, Tensor? residual, int normalized_numel, "
+        "Tensor? weight, float eps, bool rms, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   // Scaled dot-product attention (aten's schema) of the eval graph: the small-sequence kernel below
   // when no gradient is wanted and it wins, at::scaled_dot_product_attention otherwise
   // (Note [wide::attention] in ops/attention.cpp).

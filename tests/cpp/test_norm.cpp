@@ -3,6 +3,7 @@
 // weight[n], bias[n], running_mean[n], running_var[n], ...) and so on. Packed-family ops (all but
 // layer_norm and rms_norm) return the members' results concatenated on the channel dim; their
 // running statistics must end up exactly as each member's own buffers would.
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/batch_norm.h>
 #include <ATen/ops/equal.h>
@@ -18,6 +19,7 @@
 #include <ATen/ops/zeros.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -291,6 +293,53 @@ TEST_P(WideFusedNormTest, MatchesPerMemberReference) {
   const at::Tensor bias = at::randn({3, 1, 5}, opts);
   EXPECT_TRUE(at::allclose(wide::add_layer_norm(y, bias, syms({5}), w, std::nullopt, 1e-5),
                            wide::layer_norm(y.add(bias), syms({5}), w, std::nullopt, 1e-5, "loop"), tol, tol));
+}
+
+using NormGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+NormGrads fused_norm_backward(const at::Tensor& g, const at::Tensor& x, const OptT& r, int64_t d, const OptT& w,
+                              double eps, bool rms, std::array<bool, 3> mask) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::fused_norm_backward", "")
+                       .typed<NormGrads(const at::Tensor&, const at::Tensor&, const OptT&, int64_t, const OptT&,
+                                        double, bool, std::array<bool, 3>)>();
+  return op.call(g, x, r, d, w, eps, rms, mask);
+}
+
+// The backward kernel against the same formula in ATen ops (detail::fused_norm_backward_math,
+// itself checked against autograd of the members' norms in tests/python/test_norm.py).
+TEST_P(WideFusedNormTest, BackwardMatchesFormula) {
+  const at::ScalarType dtype = std::get<1>(GetParam());
+  const auto opts = at::TensorOptions().dtype(dtype);
+  const double tol = dtype == at::kFloat ? 1e-4 : 1e-10;
+  const int64_t n = 3;
+  for (int64_t d : {2, 7, 16, 67}) {
+    for (int64_t rows : {1, 5}) {  // one row per member: a single chunk each
+      for (bool residual : {false, true}) {
+        for (bool rms : {false, true}) {
+          for (bool affine : {false, true}) {
+            SCOPED_TRACE("d=" + std::to_string(d) + " rows=" + std::to_string(rows) + " residual=" +
+                         std::to_string(residual) + " rms=" + std::to_string(rms) + " affine=" + std::to_string(affine));
+            const at::Tensor x = at::randn({n, rows, d}, opts).mul(5).add(2);
+            const at::Tensor g = at::randn({n, rows, d}, opts);
+            const OptT r = residual ? OptT(at::randn({n, rows, d}, opts)) : std::nullopt;
+            const OptT w = affine ? OptT(at::randn({n, d}, opts)) : std::nullopt;
+            for (std::array<bool, 3> mask : {std::array<bool, 3>{true, true, true}, std::array<bool, 3>{true, false, false},
+                                             std::array<bool, 3>{false, true, true}}) {
+              const auto [dx, dw, db] = fused_norm_backward(g, x, r, d, w, 1e-5, rms, mask);
+              const auto [ex, ew, eb] = wide::detail::fused_norm_backward_math(g, x, r, d, w, 1e-5, rms, mask);
+              ASSERT_EQ(dx.defined(), mask[0]);
+              ASSERT_EQ(db.defined(), mask[2]);
+              ASSERT_EQ(dw.defined(), mask[1] && affine);
+              if (dx.defined()) EXPECT_TRUE(at::allclose(dx, ex, tol, tol)) << dx.sub(ex).abs().max();
+              if (dw.defined()) EXPECT_TRUE(at::allclose(dw, ew, tol, tol)) << dw.sub(ew).abs().max();
+              if (db.defined()) EXPECT_TRUE(at::allclose(db.view({n, d}), eb.view({n, d}), tol, tol));
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 std::string fused_case_name(const ::testing::TestParamInfo<FusedCase>& info) {

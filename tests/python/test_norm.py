@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import wide_compiler as wc
+import torch.nn.functional as F
 from torch import nn
 from torch.library import opcheck
 from wide_compiler.testing import assert_members_close, check_equivalence, make_members
@@ -118,9 +119,15 @@ def _opcheck_samples():
     yield "prelu", w.prelu.default, (r(2, 4, 3, 5), r(2, 1)), {}
     yield "add-ln", w.add_layer_norm.default, (r(2, 4, 5), r(2, 4, 5), [5], r(2, 5), r(2, 5), 1e-5), {}
     yield "add-ln-broadcast", w.add_layer_norm.default, (r(2, 4, 5), r(2, 1, 5), [5], None, r(2, 5), 1e-5), {}
-    c = lambda *s: torch.randn(*s, generator=g)  # noqa: E731 (fused_norm has no autograd: no grads)
-    yield "fused-ln", w.fused_norm.default, (c(2, 4, 3, 5), c(2, 4, 3, 5), 15, c(2, 3, 5), c(2, 3, 5), 1e-5, False), {}
-    yield "fused-rms", w.fused_norm.default, (c(3, 4, 6), None, 6, c(3, 6), None, 1e-6, True), {}
+    c = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    yield "fused-ln", w.fused_norm.default, (r(2, 4, 3, 5), r(2, 4, 3, 5), 15, r(2, 3, 5), r(2, 3, 5), 1e-5, False), {}
+    yield "fused-rms", w.fused_norm.default, (r(3, 4, 6), None, 6, r(3, 6), None, 1e-6, True), {}
+    yield "fused-ln-no-grad", w.fused_norm.default, (c(2, 4, 5), None, 5, c(2, 5), c(2, 5), 1e-5, False), {}
+    yield "fused-ln-bias-only", w.fused_norm.default, (r(2, 4, 5), None, 5, None, r(2, 5), 1e-5, False), {}
+    yield "fused-bwd", w.fused_norm_backward.default, (c(2, 4, 5), c(2, 4, 5), c(2, 4, 5), 5, c(2, 5), 1e-5, False,
+                                                       [True, True, True]), {}
+    yield "fused-bwd-rms-dx", w.fused_norm_backward.default, (c(3, 2, 6), c(3, 2, 6), None, 6, None, 1e-6, True,
+                                                              [True, False, False]), {}
 
 
 @pytest.mark.parametrize("name,op,args,kwargs", list(_opcheck_samples()), ids=[s[0] for s in _opcheck_samples()])
@@ -219,3 +226,71 @@ def test_eval_relu_after_linear_runs_in_place_and_keeps_gradients():
     torch.stack(refs).sum().backward()
     assert_members_close(x.grad, [xi.grad for xi in xs])
     assert_members_close(wide.get_parameter("0.weight").grad, [m[0].weight.grad for m in models])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_fused_norm_gradients_match_members(dtype, rms, residual):
+    """With a gradient wanted, wide.fused_norm is the kernel with its own backward
+    (wide.fused_norm_backward): input, residual, weight and bias gradients per member, members
+    on very different scales, against each member's own F.layer_norm / F.rms_norm."""
+    g = torch.Generator().manual_seed(1)
+    n, d = 4, 37  # d across vector widths (tails)
+    x = (torch.randn(n, 3, 5, d, generator=g, dtype=dtype)
+         * torch.tensor([1e-2, 1.0, 30.0, 1e3], dtype=dtype).view(n, 1, 1, 1)).requires_grad_()
+    res = torch.randn(n, 3, 5, d, generator=g, dtype=dtype).requires_grad_() if residual else None
+    w = torch.randn(n, d, generator=g, dtype=dtype).requires_grad_()
+    b = None if rms else torch.randn(n, d, generator=g, dtype=dtype).requires_grad_()
+    out = torch.ops.wide.fused_norm(x, res, d, w, b, 1e-5, rms)
+    grad = torch.randn(out.shape, generator=g, dtype=dtype)
+    inputs = [t for t in (x, res, w, b) if t is not None]
+    got = torch.autograd.grad(out, inputs, grad)
+    s = x + res if residual else x
+    ref = torch.stack([F.rms_norm(s[i], (d,), w[i], 1e-5) if rms else F.layer_norm(s[i], (d,), w[i], b[i], 1e-5)
+                       for i in range(n)])
+    want = torch.autograd.grad(ref, inputs, grad)
+    tol = {torch.float32: 2e-4, torch.float64: 1e-10}[dtype]
+    for name, a, e in zip(["input", "residual", "weight", "bias"] if residual else ["input", "weight", "bias"], got, want):
+        torch.testing.assert_close(a, e, atol=tol, rtol=tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_fused_norm_gradcheck_and_double_backward():
+    g = torch.Generator().manual_seed(2)
+    c = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    x, r, w, b = c(2, 3, 5), c(2, 3, 5), c(2, 5), c(2, 5)
+    fn = lambda x, r, w, b: torch.ops.wide.fused_norm(x, r, 5, w, b, 1e-5, False)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, r, w, b))
+    assert torch.autograd.gradgradcheck(fn, (x, r, w, b))  # create_graph: the formula in ATen ops
+    rms = lambda x, w: torch.ops.wide.fused_norm(x, None, 5, w, None, 1e-6, True)  # noqa: E731
+    assert torch.autograd.gradcheck(rms, (x, w)) and torch.autograd.gradgradcheck(rms, (x, w))
+
+
+def test_fused_norm_nan_member_and_partial_grads():
+    """A NaN in one member's input stays in that member's gradients; asking only for the weight's
+    gradient works (the others are not computed)."""
+    x = torch.randn(3, 4, 8)
+    x[1, 2, 3] = float("nan")
+    x.requires_grad_()
+    w = torch.randn(3, 8, requires_grad=True)
+    b = torch.randn(3, 8)
+    out = torch.ops.wide.fused_norm(x, None, 8, w, b, 1e-5, False)
+    gx, gw = torch.autograd.grad((out * torch.randn_like(out)).nan_to_num().sum(), [x, w])
+    assert gx[1, 2].isnan().all() and not gx[[0, 2]].isnan().any() and not gx[1, [0, 1, 3]].isnan().any()
+    assert not gw[[0, 2]].isnan().any()
+    (gw_only,) = torch.autograd.grad(torch.ops.wide.fused_norm(x.detach(), None, 8, w, None, 1e-5, False).sum(), [w])
+    assert gw_only.shape == w.shape
+
+
+def test_layer_norm_training_takes_the_kernel():
+    """wide.layer_norm with a gradient wanted runs wide.fused_norm and its backward kernel on the
+    CPU (strategy fused/auto), and the per-member loop with strategy loop."""
+    x = torch.randn(4, 6, 16, requires_grad=True)
+    w, b = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+
+    def names(strategy):
+        with torch.profiler.profile() as prof:
+            torch.ops.wide.layer_norm(x, [16], w, b, 1e-5, strategy=strategy).sum().backward()
+        return {e.name for e in prof.events()}
+    assert {"wide::fused_norm", "wide::fused_norm_backward"} <= names("fused")
+    assert "wide::fused_norm_backward" not in names("loop")

@@ -7,19 +7,28 @@
 // with the residual add before it. When no input needs a gradient (inference, or eval under
 // no_grad) wide::layer_norm, wide::rms_norm and wide::add_layer_norm call wide::fused_norm
 // instead: a CPU kernel doing add, statistics and per-member affine in one sweep (float and
-// double), and the same composite elsewhere (other devices and dtypes, fake tensors). It has no
-// autograd formula on purpose: whenever a gradient is needed the callers take the composite, whose
-// backward is autograd's. The decision is made per call, so one graph serves both.
+// double), and the same composite elsewhere (other devices and dtypes, fake tensors). The decision
+// is made per call, so one graph serves both.
+//
+// With a gradient wanted, CPU float/double inputs take wide::fused_norm as well: it has an
+// autograd function (fused_norm_autograd.cpp) whose backward is wide::fused_norm_backward, a CPU
+// kernel of two sweeps per row (Note [Fused per-member norm backward]) with the same formula in
+// ATen ops for other devices and for double backward (create_graph=True), where it is
+// differentiable. Other devices keep the composite with autograd's backward.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/rsqrt.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/rms_norm.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <array>
 #include <limits>
+#include <tuple>
 
 #include "wide/ops/cpu/norm_kernels.h"
 #include "wide/ops/norm.h"
@@ -37,6 +46,21 @@ bool needs_grad(std::initializer_list<const at::Tensor*> ts) {
 }
 
 const at::Tensor* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; }
+
+// Whether wide::fused_norm serves these tensors: always when no gradient is wanted; with one, when
+// they are float/double CPU tensors (its differentiable kernel); else the callers take the
+// composite, whose backward is autograd's.
+bool takes_fused(std::initializer_list<const at::Tensor*> ts) {
+  if (!needs_grad(ts)) return true;
+  const auto dtype = (*ts.begin())->scalar_type();
+  for (const at::Tensor* t : ts) {
+    if (t != nullptr && t->defined() &&
+        (!t->device().is_cpu() || t->scalar_type() != dtype || (dtype != at::kFloat && dtype != at::kDouble))) {
+      return false;
+    }
+  }
+  return true;
+}
 
 void check_fused(const at::Tensor& input, const std::optional<at::Tensor>& residual,
                  int64_t d, const std::optional<at::Tensor>& weight,
@@ -106,6 +130,65 @@ at::Tensor fused_norm_cpu(const at::Tensor& input, const std::optional<at::Tenso
   return y;
 }
 
+using NormGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+NormGrads fused_norm_backward_cpu(const at::Tensor& grad_out, const at::Tensor& input,
+                                  const std::optional<at::Tensor>& residual, int64_t d,
+                                  const std::optional<at::Tensor>& weight, double eps, bool rms,
+                                  std::array<bool, 3> output_mask) {
+  const auto dtype = input.scalar_type();
+  bool kernel = dtype == at::kFloat || dtype == at::kDouble;
+  for (const auto* p : {&grad_out, opt_ptr(residual), opt_ptr(weight)}) {
+    kernel = kernel && (p == nullptr || (p->scalar_type() == dtype && p->device().is_cpu()));
+  }
+  if (!kernel) return detail::fused_norm_backward_math(grad_out, input, residual, d, weight, eps, rms, output_mask);
+  check_fused(input, residual, d, weight, std::nullopt);
+  TORCH_CHECK(grad_out.sizes() == input.sizes(), "wide::fused_norm_backward: grad_out ", grad_out.sizes(),
+              " must have the input's shape ", input.sizes());
+  const at::Tensor x = input.contiguous(), g = grad_out.contiguous();
+  const at::Tensor r = residual.has_value() ? residual->contiguous() : at::Tensor();
+  const at::Tensor w = weight.has_value() ? weight->contiguous() : at::Tensor();
+  const int64_t n = x.size(0);
+  at::Tensor dx = output_mask[0] ? at::empty_like(x, at::MemoryFormat::Contiguous) : at::Tensor();
+  at::Tensor dw = output_mask[1] && weight.has_value() ? at::empty({n, d}, x.options()) : at::Tensor();
+  at::Tensor db = output_mask[2] ? at::empty({n, d}, x.options()) : at::Tensor();
+  const int64_t rows = x.numel() / d;
+  if (rows == 0 || n == 0) {
+    if (dw.defined()) dw.zero_();
+    if (db.defined()) db.zero_();
+  } else {
+    auto run = [&](auto* type_tag) {
+      using T = std::remove_pointer_t<decltype(type_tag)>;
+      auto in = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<T>() : nullptr; };
+      auto out = [](at::Tensor& t) { return t.defined() ? t.mutable_data_ptr<T>() : nullptr; };
+      WIDE_ISA_CALL(::wide::ops::cpu, fused_norm_backward, g.const_data_ptr<T>(), x.const_data_ptr<T>(), in(r),
+                    in(w), out(dx), out(dw), out(db), rows, rows / n, d, eps, rms);
+    };
+    if (dtype == at::kFloat) {
+      run(static_cast<float*>(nullptr));
+    } else {
+      run(static_cast<double*>(nullptr));
+    }
+  }
+  if (dw.defined()) dw = dw.view(weight->sizes());
+  if (db.defined() && weight.has_value()) db = db.view(weight->sizes());
+  return {dx, dw, db};
+}
+
+NormGrads fused_norm_backward_meta(const at::Tensor& grad_out, const at::Tensor& input,
+                                   const std::optional<at::Tensor>& residual, int64_t d,
+                                   const std::optional<at::Tensor>& weight, double eps, bool rms,
+                                   std::array<bool, 3> output_mask) {
+  const c10::SymInt n = input.sym_size(0);
+  at::Tensor dx = output_mask[0] ? at::empty_symint(input.sym_sizes(), input.options()) : at::Tensor();
+  at::Tensor dw = output_mask[1] && weight.has_value() ? at::empty_symint(weight->sym_sizes(), input.options())
+                                                       : at::Tensor();
+  at::Tensor db = output_mask[2] ? (weight.has_value() ? at::empty_symint(weight->sym_sizes(), input.options())
+                                                       : at::empty_symint({n, d}, input.options()))
+                                 : at::Tensor();
+  return {dx, dw, db};
+}
+
 // The trailing normalized_shape as one element count, when every size is concrete.
 std::optional<int64_t> concrete_numel(c10::SymIntArrayRef shape) {
   int64_t numel = 1;
@@ -123,7 +206,7 @@ at::Tensor add_layer_norm_impl(const at::Tensor& input, const at::Tensor& residu
                                const std::optional<at::Tensor>& bias, double eps) {
   const auto d = concrete_numel(normalized_shape);
   if (d.has_value() && input.sym_sizes() == residual.sym_sizes() &&
-      !needs_grad({&input, &residual, opt_ptr(weight), opt_ptr(bias)})) {
+      takes_fused({&input, &residual, opt_ptr(weight), opt_ptr(bias)})) {
     return fused_norm(input, residual, *d, weight, bias, eps, /*rms=*/false);
   }
   return layer_norm(at::add(input, residual), normalized_shape, weight, bias, eps, "fused");
@@ -133,12 +216,43 @@ at::Tensor add_layer_norm_impl(const at::Tensor& input, const at::Tensor& residu
 
 namespace detail {
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_norm_backward_math(
+    const at::Tensor& grad_out, const at::Tensor& input, const std::optional<at::Tensor>& residual,
+    int64_t d, const std::optional<at::Tensor>& weight, double eps, bool rms, std::array<bool, 3> output_mask) {
+  const c10::SymInt n = input.sym_size(0);
+  const at::Tensor s = (residual.has_value() ? at::add(input, *residual) : input).reshape_symint({n, -1, d});
+  const at::Tensor dy = grad_out.reshape_symint({n, -1, d});
+  at::Tensor xhat;
+  at::Tensor rstd;
+  if (rms) {
+    rstd = at::rsqrt(s.mul(s).mean(-1, true).add(eps));
+    xhat = s.mul(rstd);
+  } else {
+    const at::Tensor centered = s.sub(s.mean(-1, true));
+    rstd = at::rsqrt(centered.mul(centered).mean(-1, true).add(eps));
+    xhat = centered.mul(rstd);
+  }
+  at::Tensor dx, dw, db;
+  if (output_mask[0]) {
+    const at::Tensor gw = weight.has_value() ? dy.mul(weight->reshape_symint({n, 1, d})) : dy;
+    at::Tensor inner = gw.sub(xhat.mul(gw.mul(xhat).mean(-1, true)));
+    if (!rms) inner = inner.sub(gw.mean(-1, true));
+    dx = inner.mul(rstd).view_symint(input.sym_sizes());
+  }
+  if (output_mask[1] && weight.has_value()) dw = dy.mul(xhat).sum(1).view_symint(weight->sym_sizes());
+  if (output_mask[2]) {
+    db = dy.sum(1);
+    if (weight.has_value()) db = db.view_symint(weight->sym_sizes());
+  }
+  return {dx, dw, db};
+}
+
 std::optional<at::Tensor> maybe_fused_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
                                            const std::optional<at::Tensor>& weight,
                                            const std::optional<at::Tensor>& bias,
                                            std::optional<double> eps, bool rms) {
   const auto d = concrete_numel(normalized_shape);
-  if (!d.has_value() || needs_grad({&input, opt_ptr(weight), opt_ptr(bias)})) return std::nullopt;
+  if (!d.has_value() || !takes_fused({&input, opt_ptr(weight), opt_ptr(bias)})) return std::nullopt;
   double e = eps.value_or(0.0);
   if (!eps.has_value()) {  // RMSNorm's default, as torch: the input dtype's machine epsilon
     e = input.scalar_type() == at::kDouble ? std::numeric_limits<double>::epsilon()
@@ -176,8 +290,14 @@ TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
 
 TORCH_LIBRARY_IMPL(wide, CompositeExplicitAutograd, m) {
   m.impl("fused_norm", &wide::fused_norm_composite);
+  m.impl("fused_norm_backward", &wide::detail::fused_norm_backward_math);
 }
 
 TORCH_LIBRARY_IMPL(wide, CPU, m) {
   m.impl("fused_norm", &wide::fused_norm_cpu);
+  m.impl("fused_norm_backward", &wide::fused_norm_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(wide, Meta, m) {
+  m.impl("fused_norm_backward", &wide::fused_norm_backward_meta);
 }

@@ -6,7 +6,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/SymInt.h>
 
+#include <array>
 #include <optional>
+#include <tuple>
 #include <string_view>
 
 namespace wide {
@@ -52,19 +54,27 @@ at::Tensor add_layer_norm(const at::Tensor& input, const at::Tensor& residual,
 
 /// The inference kernel behind layer_norm / rms_norm / add_layer_norm: LayerNorm (RMSNorm when
 /// `rms`) of input (+ residual) over the trailing `normalized_numel` elements, each member with
-/// its own weight/bias [N, *normalized_shape]. No autograd: for inputs that need no gradient.
+/// its own weight/bias [N, *normalized_shape]. Differentiable (wide::fused_norm_backward).
 at::Tensor fused_norm(const at::Tensor& input, const std::optional<at::Tensor>& residual,
                       int64_t normalized_numel, const std::optional<at::Tensor>& weight,
                       const std::optional<at::Tensor>& bias, double eps, bool rms = false);
 
 namespace detail {
 
-/// wide::fused_norm of `input` when nothing needs a gradient and the normalized shape is concrete,
-/// else nothing: the inference path of the layer_norm / rms_norm composites.
+/// wide::fused_norm of `input` when the normalized shape is concrete and either nothing needs a
+/// gradient or the tensors are float/double on the CPU (its differentiable kernel); else nothing.
+/// The fast path of the layer_norm / rms_norm composites.
 std::optional<at::Tensor> maybe_fused_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
                                            const std::optional<at::Tensor>& weight,
                                            const std::optional<at::Tensor>& bias,
                                            std::optional<double> eps, bool rms);
+
+/// The gradients of wide::fused_norm in ATen ops (any device; differentiable, for double
+/// backward): (d input, d weight, d bias), each only where output_mask says.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_norm_backward_math(
+    const at::Tensor& grad_out, const at::Tensor& input, const std::optional<at::Tensor>& residual,
+    int64_t normalized_numel, const std::optional<at::Tensor>& weight, double eps, bool rms,
+    std::array<bool, 3> output_mask);
 
 } // namespace detail
 } // namespace wide

@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "wide/ops/cpu/norm_kernels.h"
 
@@ -28,6 +30,20 @@
 // bias. It has no backward: it is the inference path of wide::layer_norm / wide::rms_norm /
 // wide::add_layer_norm when no input needs a gradient (see Note [wide::fused_norm] in norm.cpp).
 // Threading: at::parallel_for over rows, with a grain of about 32K elements.
+//
+// Note [Fused per-member norm backward]
+// -------------------------------------
+// With a gradient wanted, wide::fused_norm is differentiable (its autograd function in
+// fused_norm_autograd.cpp) and this kernel is its backward. Per row it recomputes the forward's
+// statistics with the same code (row_stats; the sum with the residual too), so nothing but the
+// inputs is saved, then with xhat = (s - mean) * rstd and gw = dy * weight[member]:
+//   dx = rstd * (gw - mean(gw) - xhat * mean(gw * xhat))      (RMSNorm: no mean(gw) term)
+//   dweight[member] += dy * xhat,  dbias[member] += dy
+// in two sweeps of the row while it is in L1 (the residual's gradient is dx). The composite's
+// backward takes about six passes over the wide activation. dweight/dbias are reductions over a
+// member's rows: each member's rows are split into a few tasks (enough for every thread), each
+// summing into its own slot, and the slots are added at the end; the order is fixed, so the
+// result does not depend on the thread count's scheduling.
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
@@ -49,6 +65,44 @@ T horizontal_sum(const Vectorized<T>& v) {
   return s;
 }
 
+// Mean (0 for RMSNorm) and 1/sqrt(variance + eps) of one row of d elements, in T: two passes
+// over the row while it is in L1. The forward and the backward kernels share it, so the backward
+// recomputes exactly the statistics the forward used.
+template <typename T>
+std::pair<T, T> row_stats(const T* src, int64_t d, double eps, bool rms) {
+  using V = Vectorized<T>;
+  constexpr int64_t W = V::size();
+  T mean = 0;
+  if (!rms) {
+    V acc(T(0));
+    int64_t j = 0;
+    for (; j + W <= d; j += W) acc = acc + V::loadu(src + j);
+    T s = horizontal_sum(acc);
+    for (; j < d; ++j) s += src[j];
+    mean = s / static_cast<T>(d);
+  }
+  const V vmean(mean);
+  V acc(T(0));
+  int64_t j = 0;
+  for (; j + W <= d; j += W) {
+    V c = V::loadu(src + j) - vmean;
+    acc = at::vec::fmadd(c, c, acc);
+  }
+  T sq = horizontal_sum(acc);
+  for (; j < d; ++j) sq += (src[j] - mean) * (src[j] - mean);
+  return {mean, static_cast<T>(1) / std::sqrt(sq / static_cast<T>(d) + static_cast<T>(eps))};
+}
+
+// s = x + residual into out (rounded to T as the composite's add is).
+template <typename T>
+void add_rows(const T* x, const T* residual, T* out, int64_t d) {
+  using V = Vectorized<T>;
+  constexpr int64_t W = V::size();
+  int64_t j = 0;
+  for (; j + W <= d; j += W) (V::loadu(x + j) + V::loadu(residual + j)).store(out + j);
+  if (j < d) (V::loadu(x + j, d - j) + V::loadu(residual + j, d - j)).store(out + j, d - j);
+}
+
 template <typename T>
 void fused_norm_impl(const T* x, const T* residual, T* y, const T* weight, const T* bias,
                      int64_t rows, int64_t rows_per_member, int64_t d, double eps, bool rms) {
@@ -61,32 +115,12 @@ void fused_norm_impl(const T* x, const T* residual, T* y, const T* weight, const
       const T* xr = x + r * d;
       T* yr = y + r * d;
       const T* src = xr;
-      if (residual != nullptr) {  // s = x + residual, rounded to T as the composite's add is
-        const T* rr = residual + r * d;
-        int64_t j = 0;
-        for (; j + W <= d; j += W) (V::loadu(xr + j) + V::loadu(rr + j)).store(yr + j);
-        if (j < d) (V::loadu(xr + j, d - j) + V::loadu(rr + j, d - j)).store(yr + j, d - j);
+      if (residual != nullptr) {
+        add_rows(xr, residual + r * d, yr, d);
         src = yr;
       }
-      T mean = 0;
-      if (!rms) {
-        V acc(T(0));
-        int64_t j = 0;
-        for (; j + W <= d; j += W) acc = acc + V::loadu(src + j);
-        T s = horizontal_sum(acc);
-        for (; j < d; ++j) s += src[j];
-        mean = s / static_cast<T>(d);
-      }
-      V vmean(mean);
-      V acc(T(0));
-      int64_t j = 0;
-      for (; j + W <= d; j += W) {
-        V c = V::loadu(src + j) - vmean;
-        acc = at::vec::fmadd(c, c, acc);
-      }
-      T sq = horizontal_sum(acc);
-      for (; j < d; ++j) sq += (src[j] - mean) * (src[j] - mean);
-      const T rstd = static_cast<T>(1) / std::sqrt(sq / static_cast<T>(d) + static_cast<T>(eps));
+      const auto [mean, rstd] = row_stats(src, d, eps, rms);
+      const V vmean(mean);
       const V vrstd(rstd);
       const T* w = weight != nullptr ? weight + member * d : nullptr;
       const T* b = bias != nullptr ? bias + member * d : nullptr;
@@ -96,11 +130,87 @@ void fused_norm_impl(const T* x, const T* residual, T* y, const T* weight, const
         if (b != nullptr) v = v + V::loadu(b + at, count);
         v.store(yr + at, count);
       };
-      j = 0;
+      int64_t j = 0;
       for (; j + W <= d; j += W) apply(j, W);
       if (j < d) apply(j, d - j);
     }
   });
+}
+
+// Backward of fused_norm (Note [Fused per-member norm backward]).
+template <typename T>
+void fused_norm_backward_impl(const T* dy, const T* x, const T* residual, const T* weight, T* dx,
+                              T* dw, T* db, int64_t rows, int64_t rows_per_member, int64_t d,
+                              double eps, bool rms) {
+  using V = Vectorized<T>;
+  constexpr int64_t W = V::size();
+  const int64_t n = rows / rows_per_member;
+  // Each member's rows are split into `chunks` tasks so that every thread has work even when
+  // there are fewer members than threads; each task sums its rows' dw/db into its own slot.
+  const int64_t chunks = std::min<int64_t>(
+      rows_per_member, std::max<int64_t>(1, (2 * at::get_num_threads() + n - 1) / n));
+  const int64_t tasks = n * chunks;
+  std::vector<T> pw(dw != nullptr ? tasks * d : 0, T(0)), pb(db != nullptr ? tasks * d : 0, T(0));
+  const T inv_d = T(1) / static_cast<T>(d);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> sum_row(residual != nullptr ? d : 0);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t member = task / chunks, c = task % chunks;
+      const int64_t r0 = member * rows_per_member + c * rows_per_member / chunks;
+      const int64_t r1 = member * rows_per_member + (c + 1) * rows_per_member / chunks;
+      const T* w = weight != nullptr ? weight + member * d : nullptr;
+      T* tw = dw != nullptr ? pw.data() + task * d : nullptr;
+      T* tb = db != nullptr ? pb.data() + task * d : nullptr;
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* src = x + r * d;
+        if (residual != nullptr) {
+          add_rows(src, residual + r * d, sum_row.data(), d);
+          src = sum_row.data();
+        }
+        const T* g = dy + r * d;
+        const auto [mean, rstd] = row_stats(src, d, eps, rms);
+        const V vmean(mean), vrstd(rstd);
+        // xhat = (s - mean) * rstd; gw = dy * weight. Sums of gw and gw * xhat, and dw/db.
+        V acc_g(T(0)), acc_gx(T(0));
+        auto sums = [&](int64_t j, int64_t count) {
+          const V xhat = (V::loadu(src + j, count) - vmean) * vrstd;
+          const V gv = V::loadu(g + j, count);
+          const V gw = w != nullptr ? gv * V::loadu(w + j, count) : gv;
+          acc_g = acc_g + gw;
+          acc_gx = at::vec::fmadd(gw, xhat, acc_gx);
+          if (tw != nullptr) at::vec::fmadd(gv, xhat, V::loadu(tw + j, count)).store(tw + j, count);
+          if (tb != nullptr) (V::loadu(tb + j, count) + gv).store(tb + j, count);
+        };
+        int64_t j = 0;
+        for (; j + W <= d; j += W) sums(j, W);
+        if (j < d) sums(j, d - j);  // tail lanes load as zeros: they add nothing
+        if (dx == nullptr) continue;
+        const V mean_g(rms ? T(0) : horizontal_sum(acc_g) * inv_d);
+        const V mean_gx(horizontal_sum(acc_gx) * inv_d);
+        T* out = dx + r * d;
+        auto grad = [&](int64_t at, int64_t count) {
+          const V xhat = (V::loadu(src + at, count) - vmean) * vrstd;
+          const V gv = V::loadu(g + at, count);
+          const V gw = w != nullptr ? gv * V::loadu(w + at, count) : gv;
+          (vrstd * (gw - mean_g - xhat * mean_gx)).store(out + at, count);
+        };
+        for (j = 0; j + W <= d; j += W) grad(j, W);
+        if (j < d) grad(j, d - j);
+      }
+    }
+  });
+  // Sum the tasks' slots per member (chunks is small: a few per member at most).
+  for (int64_t member = 0; member < n; ++member) {
+    for (auto [slots, out] : {std::pair{pw.data(), dw}, std::pair{pb.data(), db}}) {
+      if (out == nullptr) continue;
+      T* o = out + member * d;
+      std::copy(slots + member * chunks * d, slots + (member * chunks + 1) * d, o);
+      for (int64_t c = 1; c < chunks; ++c) {
+        const T* sl = slots + (member * chunks + c) * d;
+        for (int64_t j = 0; j < d; ++j) o[j] += sl[j];
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -115,6 +225,18 @@ void fused_norm(const double* x, const double* residual, double* y, const double
                 const double* bias, int64_t rows, int64_t rows_per_member, int64_t d, double eps,
                 bool rms) {
   fused_norm_impl(x, residual, y, weight, bias, rows, rows_per_member, d, eps, rms);
+}
+
+void fused_norm_backward(const float* dy, const float* x, const float* residual, const float* weight,
+                         float* dx, float* dw, float* db, int64_t rows, int64_t rows_per_member,
+                         int64_t d, double eps, bool rms) {
+  fused_norm_backward_impl(dy, x, residual, weight, dx, dw, db, rows, rows_per_member, d, eps, rms);
+}
+
+void fused_norm_backward(const double* dy, const double* x, const double* residual,
+                         const double* weight, double* dx, double* dw, double* db, int64_t rows,
+                         int64_t rows_per_member, int64_t d, double eps, bool rms) {
+  fused_norm_backward_impl(dy, x, residual, weight, dx, dw, db, rows, rows_per_member, d, eps, rms);
 }
 
 }  // namespace wide::ops::cpu::CPU_CAPABILITY
