@@ -4,8 +4,10 @@ eager, ``inference`` and ``train``, against N separate modules in a Python loop 
 
 Every member has its own weights and its own tokens ``[B, L, E]`` (N-first ``[N, B, L, E]``).
 Cases: ``mha_self`` (``mha(x, x, x, need_weights=False)``, the SDPA path a transformer layer
-takes) and ``mha_self_weights`` (``mha(x, x, x)``, torch's default: the averaged attention
-weights are returned too). Wide contenders (the record's ``strategy``):
+takes), ``mha_self_weights`` (``mha(x, x, x)``, torch's default: the averaged attention
+weights are returned too) and ``sdpa`` (the attention core alone, ``F.scaled_dot_product_attention``
+of a member's own ``q, k, v [B, H, L, E]``: in the eval graph ``wide.attention``, the small-sequence
+kernel, against ATen's SDPA per member). Wide contenders (the record's ``strategy``):
 
 - ``compile:auto``: ``wc.compile`` of the member (a module wrapping the attention), strategies
   measured (``tune=True``, no disk cache);
@@ -26,11 +28,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .vision import Case, _randn, _vision_target
 
-__all__ = ["SelfAttention", "attention_cases"]
+__all__ = ["Sdpa", "SelfAttention", "attention_cases"]
 
 #: (embed dim, heads, tokens L, batch B) per size; ``small`` is the issue's reference point
 #: (d=64, T=32, B=8; N=16 in preset quick).
@@ -51,6 +54,20 @@ class SelfAttention(nn.Module):
         return (out, weights) if self.need_weights else out
 
 
+class Sdpa(nn.Module):
+    """``F.scaled_dot_product_attention(q * temperature, k, v)`` of one input ``[B, 3, H, L, E]``
+    (q, k, v stacked on dim 1): the attention core of a transformer layer, with one learnable
+    scalar so that members have weights of their own (and a training step has a gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.ones(()))
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = qkv.unbind(-4)
+        return F.scaled_dot_product_attention(q * self.temperature, k, v)
+
+
 def _module(models: list[nn.Module], strategy: str) -> nn.Module:
     import wide_compiler as wc
 
@@ -61,12 +78,13 @@ def _module(models: list[nn.Module], strategy: str) -> nn.Module:
 @_vision_target("attention", "nn.MultiheadAttention self-attention: wc.compile and "
                 "WideMultiheadAttention vs loop / vmap")
 def attention_cases(size: str) -> list[Case]:
-    """Self-attention without and with the attention weights (tiny: E=16, 2 heads, L=8;
-    small: E=64, 4 heads, L=32, B=8)."""
+    """Self-attention without and with the attention weights, and the attention core alone
+    (tiny: E=16, 2 heads, L=8; small: E=64, 4 heads, L=32, B=8; the core's head dim is E/heads)."""
     e, h, length, b = _SIZES["tiny" if size == "tiny" else "small"]
     return [
         Case("attention", name, f"E={e} H={h} L={length}",
              lambda w=weights: SelfAttention(nn.MultiheadAttention(e, h, batch_first=True), w),
              _randn(length, e), b, _module, ("auto",))
         for name, weights in (("mha_self", False), ("mha_self_weights", True))
-    ]
+    ] + [Case("attention", "sdpa", f"E={e // h} H={h} L={length}", Sdpa, _randn(3, h, length, e // h), b,
+              compile=("fast",))]

@@ -219,7 +219,7 @@ class WideMultiheadAttention(nn.Module):
             weights = weights.mean(dim=2) if average_attn_weights else weights
             weights = weights if batched else weights.squeeze(1)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, mask, p, is_causal)
+            out = torch.ops.wide.attention(q, k, v, mask, p, is_causal)  # SDPA; small-sequence kernel without grad
         out = self.out_proj(out.transpose(1, 2).reshape(n, b, l, e))
         if not batched:
             return out.squeeze(1), weights
