@@ -339,6 +339,38 @@ def test_folded_eval_graph_under_torch_compile_fullgraph():
         testing.assert_members_close(compiled(x), [m(x[i]) for i, m in enumerate(models)])
 
 
+class _ReluPool(nn.Module):
+    """ReLU before 1-d and 2-d max pools (the second ReLU also feeds a skip: not moved)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv1d(2, 8, 3, padding=1), nn.Conv2d(1, 8, 3, padding=1)
+
+    def forward(self, x):
+        a = nn.functional.max_pool1d(torch.relu(self.c1(x)), 2)
+        h = torch.relu(self.c2(a.unsqueeze(1)))
+        return nn.functional.max_pool2d(h, 2) + nn.functional.max_pool2d(h, 2, ceil_mode=True)
+
+
+def test_eval_graph_pools_before_relu():
+    """Note [Max pool before ReLU] (fx/fold.py): relu(max_pool(x)) replaces max_pool(relu(x)) when
+    the pool is the ReLU's only reader; members agree in eval (grads included), eager, under
+    no_grad with negative, tied and NaN inputs, and under torch.compile."""
+    models = [m.eval() for m in testing.make_members(_ReluPool, 3)]
+    x = torch.randn(3, 2, 2, 8)
+    x[0, 0, 0, :4] = -1.0  # ties among negatives (all zero after the ReLU)
+    x[1, 1, 1, 3] = float("nan")
+    wide, _ = testing.check_compile(models, x[0], modes=("eval",), config=FAST)
+    graph = wide._graph_for(False).graph_module.graph
+    relus = [n for n in graph.nodes if n.target is torch.ops.aten.relu.default]
+    moved = [n for n in relus if n.args[0].target is torch.ops.aten.max_pool1d.default]
+    assert len(moved) == 1 and len(relus) == 2  # the shared ReLU stays before its two pools
+    with torch.no_grad():
+        want = [m(x[i]) for i, m in enumerate(models)]
+        testing.assert_members_close(wide(x), want, equal_nan=True)
+        testing.assert_members_close(torch.compile(wide, fullgraph=True)(x), want, equal_nan=True)
+
+
 def test_model_level_tuning_check_keeps_one_of_the_two_and_leaves_no_trace(monkeypatch, caplog):
     """Note [Model-level tuning check] (model.py): when the per-op tuner changes a strategy, the
     whole graph is timed both ways and one of the two sets is kept (which one is the machine's

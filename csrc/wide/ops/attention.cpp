@@ -50,6 +50,7 @@ void check_small(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   TORCH_CHECK(ks[1] >= 1 && qs[1] % ks[1] == 0, "wide::small_attention: ", qs[1],
               " query heads are not a multiple of ", ks[1], " key/value heads");
   TORCH_CHECK(ks[2] >= 1, "wide::small_attention: no keys (key length 0)");
+  TORCH_CHECK(qs[3] >= 1, "wide::small_attention: head dim 0");
 }
 
 // [B, H, L, Ev] stored [B, L, H, Ev], as ATen's CPU flash attention returns it.

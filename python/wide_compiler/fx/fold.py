@@ -25,7 +25,8 @@ import torch
 from torch import fx
 
 __all__ = ["attention_kernel", "channels_last_conv", "channels_last_max_pool2d", "fold_batch_norms",
-           "folded_conv_params", "fuse_residual_norms", "relu_in_place", "rewrite_channels_last"]
+           "folded_conv_params", "fuse_residual_norms", "pool_before_relu", "relu_in_place",
+           "rewrite_channels_last"]
 
 wide = torch.ops.wide
 aten = torch.ops.aten
@@ -186,5 +187,39 @@ def attention_kernel(gm: fx.GraphModule) -> int:
             node.target = wide.attention.default
             count += 1
     if count:
+        gm.recompile()
+    return count
+
+
+_MAX_POOLS = (aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default, channels_last_max_pool2d)
+
+
+def pool_before_relu(gm: fx.GraphModule) -> int:
+    """``max_pool(relu(x))`` where the pool is the ReLU's only reader becomes
+    ``relu(max_pool(x))``: the same values (ReLU is monotone; NaN propagates through both), the
+    ReLU on the pooled, smaller activation. Returns how many.
+
+    Note [Max pool before ReLU]: besides the smaller ReLU in eager, inductor generates a very slow
+    CPU loop for a max pool fed by a ReLU it fuses in: ``max_pool1d(relu(x))`` on [8, 512, 512],
+    k=2, compiled took 4.1 ms against 0.29 ms for ``relu(max_pool1d(x))`` (eager: 0.28 ms), and
+    the compiled audio model ran 2.3x slower than eager because of it. (The gradients agree too,
+    ties included, but only eval graphs are rewritten.)"""
+    graph, count = gm.graph, 0
+    for pool in list(graph.nodes):
+        if pool.op != "call_function" or pool.target not in _MAX_POOLS or not pool.args:
+            continue
+        relu = pool.args[0]
+        if (not isinstance(relu, fx.Node) or relu.target is not aten.relu.default or len(relu.users) != 1
+                or len(relu.args) != 1 or relu.kwargs):
+            continue
+        pool.args = (relu.args[0], *pool.args[1:])
+        with graph.inserting_after(pool):
+            after = graph.call_function(aten.relu.default, (pool,))
+        after.meta.update(relu.meta)
+        pool.replace_all_uses_with(after, delete_user_cb=lambda user: user is not after)
+        graph.erase_node(relu)
+        count += 1
+    if count:
+        graph.lint()
         gm.recompile()
     return count

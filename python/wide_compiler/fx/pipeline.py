@@ -37,7 +37,8 @@ from torch.export import ExportedProgram
 
 from ..config import WideConfig
 from .capture import capture, check_members, check_run_members, check_traced_members
-from .fold import attention_kernel, fold_batch_norms, fuse_residual_norms, relu_in_place, rewrite_channels_last
+from .fold import (attention_kernel, fold_batch_norms, fuse_residual_norms, pool_before_relu, relu_in_place,
+                   rewrite_channels_last)
 from .layout import plan_layout
 from .strategy import choose_strategies
 from .widen import WideGraph, check_ranks, widen
@@ -120,6 +121,7 @@ def _fold(c: Compilation) -> None:
     if not c.training:  # Notes [Folding BatchNorm into the conv], [Channels-last max pooling]
         c.folded = fold_batch_norms(c.wide.graph_module)
         rewrite_channels_last(c.wide.graph_module)
+        pool_before_relu(c.wide.graph_module)
         fuse_residual_norms(c.wide.graph_module)
         relu_in_place(c.wide.graph_module)
         attention_kernel(c.wide.graph_module)
