@@ -22,17 +22,7 @@ namespace {
 // instruction set, dtype
 using AttentionCase = std::tuple<std::string, at::ScalarType>;
 
-class WideSmallAttentionTest : public ::testing::TestWithParam<AttentionCase> {
- protected:
-  void SetUp() override {
-    try {
-      wide::optim::cpu::set_cpu_capability(std::get<0>(GetParam()));
-    } catch (const c10::Error&) {
-      GTEST_SKIP() << "CPU lacks " << std::get<0>(GetParam());
-    }
-  }
-  void TearDown() override { wide::optim::cpu::set_cpu_capability("auto"); }
-};
+class WideSmallAttentionTest : public wide_test::IsaTest<AttentionCase> {};
 
 at::Tensor reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                      std::optional<double> scale) {

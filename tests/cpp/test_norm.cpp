@@ -238,17 +238,7 @@ INSTANTIATE_TEST_SUITE_P(Grid, WideLayerNormTest,
 // instruction set, dtype
 using FusedCase = std::tuple<std::string, at::ScalarType>;
 
-class WideFusedNormTest : public ::testing::TestWithParam<FusedCase> {
- protected:
-  void SetUp() override {
-    try {
-      wide::optim::cpu::set_cpu_capability(std::get<0>(GetParam()));
-    } catch (const c10::Error&) {
-      GTEST_SKIP() << "CPU lacks " << std::get<0>(GetParam());
-    }
-  }
-  void TearDown() override { wide::optim::cpu::set_cpu_capability("auto"); }
-};
+class WideFusedNormTest : public wide_test::IsaTest<FusedCase> {};
 
 TEST_P(WideFusedNormTest, MatchesPerMemberReference) {
   const at::ScalarType dtype = std::get<1>(GetParam());

@@ -15,6 +15,7 @@
 
 #include "wide/optim/cpu/kernels.h"
 #include "wide/optim/optim.h"
+#include "wide_test_utils.h"
 
 namespace {
 
@@ -36,18 +37,8 @@ bool close(const at::Tensor& a, const at::Tensor& b) {
 // ISA, dtype, member shape (numel covers full vectors + tails), contiguous
 using Case = std::tuple<std::string, at::ScalarType, int64_t, bool>;
 
-class WideOptimTest : public ::testing::TestWithParam<Case> {
+class WideOptimTest : public wide_test::IsaTest<Case> {
  protected:
-  void SetUp() override {
-    const auto& isa = std::get<0>(GetParam());
-    try {
-      wide::optim::cpu::set_cpu_capability(isa);
-    } catch (const c10::Error&) {
-      GTEST_SKIP() << "CPU lacks " << isa;
-    }
-  }
-  void TearDown() override { wide::optim::cpu::set_cpu_capability("auto"); }
-
   at::Tensor make(int64_t n, bool positive = false) const {
     const auto& [isa, dtype, m, contiguous] = GetParam();
     at::Tensor t = contiguous ? at::randn({n, m}, at::TensorOptions().dtype(dtype))

@@ -15,8 +15,11 @@
 #include <gtest/gtest.h>
 
 #include <optional>
+#include <tuple>
 #include <string>
 #include <utility>
+
+#include "wide/optim/cpu/kernels.h"
 #include <vector>
 
 namespace wide_test {
@@ -105,5 +108,22 @@ c10::IValue call_boxed(const char* name, Args&&... args) {
   op.callBoxed(&stack);
   return stack.at(0);
 }
+
+// A parameterised test whose first parameter (std::get<0>) names the instruction set the hand-
+// written CPU kernels run with ("default" | "avx2" | "avx512"): set for the test, skipped when the
+// CPU lacks it, back to "auto" after.
+template <class Param>
+class IsaTest : public ::testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override {
+    const auto& isa = std::get<0>(this->GetParam());
+    try {
+      wide::optim::cpu::set_cpu_capability(isa);
+    } catch (const c10::Error&) {
+      GTEST_SKIP() << "CPU lacks " << isa;
+    }
+  }
+  void TearDown() override { wide::optim::cpu::set_cpu_capability("auto"); }
+};
 
 } // namespace wide_test
