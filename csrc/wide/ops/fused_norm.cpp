@@ -47,20 +47,21 @@ bool needs_grad(std::initializer_list<const at::Tensor*> ts) {
 
 const at::Tensor* opt_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; }
 
-// Whether wide::fused_norm serves these tensors: always when no gradient is wanted; with one, when
-// they are float/double CPU tensors (its differentiable kernel); else the callers take the
-// composite, whose backward is autograd's.
-bool takes_fused(std::initializer_list<const at::Tensor*> ts) {
-  if (!needs_grad(ts)) return true;
+// Whether the CPU kernels take these tensors: all CPU, all float or all double (the first is the
+// input; null and undefined entries are absent optionals).
+bool kernel_takes(std::initializer_list<const at::Tensor*> ts) {
   const auto dtype = (*ts.begin())->scalar_type();
+  if (dtype != at::kFloat && dtype != at::kDouble) return false;
   for (const at::Tensor* t : ts) {
-    if (t != nullptr && t->defined() &&
-        (!t->device().is_cpu() || t->scalar_type() != dtype || (dtype != at::kFloat && dtype != at::kDouble))) {
-      return false;
-    }
+    if (t != nullptr && t->defined() && (!t->device().is_cpu() || t->scalar_type() != dtype)) return false;
   }
   return true;
 }
+
+// Whether wide::fused_norm serves these tensors: always when no gradient is wanted; with one, when
+// its differentiable CPU kernel takes them; else the callers take the composite, whose backward
+// is autograd's.
+bool takes_fused(std::initializer_list<const at::Tensor*> ts) { return !needs_grad(ts) || kernel_takes(ts); }
 
 void check_fused(const at::Tensor& input, const std::optional<at::Tensor>& residual,
                  int64_t d, const std::optional<at::Tensor>& weight,
@@ -100,11 +101,9 @@ at::Tensor fused_norm_cpu(const at::Tensor& input, const std::optional<at::Tenso
                           int64_t d, const std::optional<at::Tensor>& weight,
                           const std::optional<at::Tensor>& bias, double eps, bool rms) {
   const auto dtype = input.scalar_type();
-  bool kernel = dtype == at::kFloat || dtype == at::kDouble;  // else the composite
-  for (const auto* p : {opt_ptr(residual), opt_ptr(weight), opt_ptr(bias)}) {
-    kernel = kernel && (p == nullptr || (p->scalar_type() == dtype && p->device().is_cpu()));
+  if (!kernel_takes({&input, opt_ptr(residual), opt_ptr(weight), opt_ptr(bias)})) {
+    return fused_norm_composite(input, residual, d, weight, bias, eps, rms);
   }
-  if (!kernel) return fused_norm_composite(input, residual, d, weight, bias, eps, rms);
   check_fused(input, residual, d, weight, bias);
   const at::Tensor x = input.contiguous();
   const at::Tensor r = residual.has_value() ? residual->contiguous() : at::Tensor();
@@ -137,11 +136,9 @@ NormGrads fused_norm_backward_cpu(const at::Tensor& grad_out, const at::Tensor& 
                                   const std::optional<at::Tensor>& weight, double eps, bool rms,
                                   std::array<bool, 3> output_mask) {
   const auto dtype = input.scalar_type();
-  bool kernel = dtype == at::kFloat || dtype == at::kDouble;
-  for (const auto* p : {&grad_out, opt_ptr(residual), opt_ptr(weight)}) {
-    kernel = kernel && (p == nullptr || (p->scalar_type() == dtype && p->device().is_cpu()));
+  if (!kernel_takes({&input, &grad_out, opt_ptr(residual), opt_ptr(weight)})) {
+    return detail::fused_norm_backward_math(grad_out, input, residual, d, weight, eps, rms, output_mask);
   }
-  if (!kernel) return detail::fused_norm_backward_math(grad_out, input, residual, d, weight, eps, rms, output_mask);
   check_fused(input, residual, d, weight, std::nullopt);
   TORCH_CHECK(grad_out.sizes() == input.sizes(), "wide::fused_norm_backward: grad_out ", grad_out.sizes(),
               " must have the input's shape ", input.sizes());

@@ -11,7 +11,7 @@ Timing is interleaved (:func:`time_interleaved`): the wide contenders and the ba
 case are timed together, in rounds of one block of calls each (rotating which goes first), and
 each one's median over the rounds is reported; a machine whose speed drifts over seconds (other
 processes, frequency scaling) then slows every contender alike, so the ratios hold even when the
-absolute times swing. :func:`time_ms` times one callable alone (``torch.utils.benchmark``).
+absolute times swing.
 
 One record (a JSON-able ``dict``) per wide contender, mode and case::
 
@@ -68,7 +68,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import benchmark as tbench
 from torch.utils._pytree import tree_leaves
 
 from .. import allocator, testing
@@ -97,7 +96,6 @@ __all__ = [
     "run_case",
     "stacked_params",
     "time_interleaved",
-    "time_ms",
     "time_with_baselines",
     "vmap_contender",
     "wide_params_in_member_order",
@@ -203,20 +201,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return ""
-
-
-def time_ms(fn: Callable[[], Any], *, min_run_time: float = 0.2, label: str = "",
-            warmup: int = 2) -> float:
-    """Median wall time of ``fn()`` in milliseconds (``blocked_autorange``, all threads).
-
-    >>> time_ms(lambda: torch.ones(4).sum(), min_run_time=0.01) > 0
-    True
-    """
-    for _ in range(warmup):
-        fn()
-    timer = tbench.Timer(stmt="fn()", globals={"fn": fn}, label=label,
-                         num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
 class TimingError(RuntimeError):

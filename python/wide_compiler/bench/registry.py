@@ -48,7 +48,7 @@ Record = dict[str, Any]
 @dataclasses.dataclass(frozen=True)
 class Preset:
     """One ``--preset`` of a target: what it is for, the ``min_run_time`` of every timing
-    (seconds, see :func:`.engine.time_ms`) and the target's own grid parameters (Ns, shapes,
+    (seconds per contender, see :func:`.engine.time_interleaved`) and the target's own grid parameters (Ns, shapes,
     which contenders, ...)."""
 
     description: str

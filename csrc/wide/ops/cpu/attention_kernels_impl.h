@@ -9,8 +9,6 @@
 #endif
 
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
@@ -19,6 +17,7 @@
 #include <vector>
 
 #include "wide/ops/cpu/attention_kernels.h"
+#include "wide/ops/cpu/isa_kernel.h"
 
 // Note [Small-sequence attention kernel]
 // --------------------------------------
@@ -39,16 +38,14 @@
 // (Note [wide::attention] in ops/attention.cpp), which only takes it where it wins. Threading:
 // at::parallel_for over (batch, head) with a grain of about 64K multiply-adds.
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push  // GCC 12 misreads the AVX-512 intrinsics' self-initialised temporaries
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define WIDE_ATTENTION_POP_DIAGNOSTIC
-#endif
+WIDE_ISA_KERNEL_BEGIN
 
 namespace wide::ops::cpu::CPU_CAPABILITY {
 namespace {
 
 using at::vec::Vectorized;
+using ::wide::cpu_vec::CPU_CAPABILITY::lanes_max;
+using ::wide::cpu_vec::CPU_CAPABILITY::lanes_sum;
 
 // Query rows per register block: 8 x 2 score accumulators fit AVX-512's 32 registers, 4 x 2 the
 // 16 of AVX2.
@@ -59,16 +56,6 @@ constexpr int64_t kRows = 4;
 #endif
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-template <typename T>
-T lanes_max(const Vectorized<T>& v) {  // NaN if any lane is NaN (maximum propagates it)
-  return at::vec::vec_reduce_all<T>([](Vectorized<T>& a, Vectorized<T>& b) { return at::vec::maximum(a, b); }, v);
-}
-
-template <typename T>
-T lanes_sum(const Vectorized<T>& v) {
-  return at::vec::vec_reduce_all<T>([](Vectorized<T>& a, Vectorized<T>& b) { return a + b; }, v);
-}
 
 // Scores of kRows query rows against key vectors [c0, c0 + C) of K^T: s[r][c0*W ...] = q_r . k * scale.
 template <typename T, int C>
@@ -210,7 +197,4 @@ void small_attention(const double* q, const double* k, const double* v, double* 
 
 }  // namespace wide::ops::cpu::CPU_CAPABILITY
 
-#ifdef WIDE_ATTENTION_POP_DIAGNOSTIC
-#pragma GCC diagnostic pop
-#undef WIDE_ATTENTION_POP_DIAGNOSTIC
-#endif
+WIDE_ISA_KERNEL_END

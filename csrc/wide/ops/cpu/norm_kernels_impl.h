@@ -8,7 +8,6 @@
 #endif
 
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "wide/ops/cpu/isa_kernel.h"
 #include "wide/ops/cpu/norm_kernels.h"
 
 // Note [Fused per-member norm kernel]
@@ -45,25 +45,13 @@
 // summing into its own slot, and the slots are added at the end; the order is fixed, so the
 // result does not depend on the thread count's scheduling.
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define WIDE_NORM_POP_DIAGNOSTIC
-#endif
+WIDE_ISA_KERNEL_BEGIN
 
 namespace wide::ops::cpu::CPU_CAPABILITY {
 namespace {
 
 using at::vec::Vectorized;
-
-template <typename T>
-T horizontal_sum(const Vectorized<T>& v) {
-  T lanes[Vectorized<T>::size()];
-  v.store(lanes);
-  T s = 0;
-  for (int i = 0; i < Vectorized<T>::size(); ++i) s += lanes[i];
-  return s;
-}
+using ::wide::cpu_vec::CPU_CAPABILITY::lanes_sum;
 
 // Mean (0 for RMSNorm) and 1/sqrt(variance + eps) of one row of d elements, in T: two passes
 // over the row while it is in L1. The forward and the backward kernels share it, so the backward
@@ -77,7 +65,7 @@ std::pair<T, T> row_stats(const T* src, int64_t d, double eps, bool rms) {
     V acc(T(0));
     int64_t j = 0;
     for (; j + W <= d; j += W) acc = acc + V::loadu(src + j);
-    T s = horizontal_sum(acc);
+    T s = lanes_sum(acc);
     for (; j < d; ++j) s += src[j];
     mean = s / static_cast<T>(d);
   }
@@ -88,7 +76,7 @@ std::pair<T, T> row_stats(const T* src, int64_t d, double eps, bool rms) {
     V c = V::loadu(src + j) - vmean;
     acc = at::vec::fmadd(c, c, acc);
   }
-  T sq = horizontal_sum(acc);
+  T sq = lanes_sum(acc);
   for (; j < d; ++j) sq += (src[j] - mean) * (src[j] - mean);
   return {mean, static_cast<T>(1) / std::sqrt(sq / static_cast<T>(d) + static_cast<T>(eps))};
 }
@@ -185,8 +173,8 @@ void fused_norm_backward_impl(const T* dy, const T* x, const T* residual, const 
         for (; j + W <= d; j += W) sums(j, W);
         if (j < d) sums(j, d - j);  // tail lanes load as zeros: they add nothing
         if (dx == nullptr) continue;
-        const V mean_g(rms ? T(0) : horizontal_sum(acc_g) * inv_d);
-        const V mean_gx(horizontal_sum(acc_gx) * inv_d);
+        const V mean_g(rms ? T(0) : lanes_sum(acc_g) * inv_d);
+        const V mean_gx(lanes_sum(acc_gx) * inv_d);
         T* out = dx + r * d;
         auto grad = [&](int64_t at, int64_t count) {
           const V xhat = (V::loadu(src + at, count) - vmean) * vrstd;
@@ -241,7 +229,4 @@ void fused_norm_backward(const double* dy, const double* x, const double* residu
 
 }  // namespace wide::ops::cpu::CPU_CAPABILITY
 
-#ifdef WIDE_NORM_POP_DIAGNOSTIC
-#pragma GCC diagnostic pop
-#undef WIDE_NORM_POP_DIAGNOSTIC
-#endif
+WIDE_ISA_KERNEL_END

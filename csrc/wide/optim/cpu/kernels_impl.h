@@ -9,12 +9,12 @@
 #endif
 
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
+#include "wide/ops/cpu/isa_kernel.h"
 #include "wide/optim/cpu/kernels.h"
 
 // Note [Fused per-member optimizer kernels]
@@ -39,13 +39,7 @@
 //    The DEFAULT build's fmadd is an unfused multiply-add, so it differs by a few ulps more.
 //  * The tail of each member block (< one vector) runs the same vector code on a partial load.
 
-// GCC 12 flags the _mm512_undefined_*() inside its own AVX-512 intrinsics (sqrt, max) as
-// maybe-uninitialized once they are inlined here: a false positive (GCC bug 105593).
-#if defined(CPU_CAPABILITY_AVX512) && defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define WIDE_OPTIM_POP_DIAGNOSTIC
-#endif
+WIDE_ISA_KERNEL_BEGIN
 
 namespace wide::optim::cpu::CPU_CAPABILITY {
 namespace {
@@ -255,7 +249,4 @@ WIDE_OPTIM_DEFINE_KERNELS(double)
 
 }  // namespace wide::optim::cpu::CPU_CAPABILITY
 
-#ifdef WIDE_OPTIM_POP_DIAGNOSTIC
-#pragma GCC diagnostic pop
-#undef WIDE_OPTIM_POP_DIAGNOSTIC
-#endif
+WIDE_ISA_KERNEL_END
