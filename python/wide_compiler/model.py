@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .config import WideConfig
 from .fx.capture import module_path
+from .fx.fold import clear_fold_cache
 from .fx.pipeline import COMPILE_LOCK, Compilation, run_pipeline
 from .fx.widen import WideGraph
 from .members import MemberOpsMixin
@@ -378,6 +379,26 @@ class WideModel(MemberOpsMixin, nn.Module):
                 f"members; sizes given as numbers were fixed at capture by the forward's ops, "
                 f"B and * are free). Stack per-member inputs with wide_compiler.stack(xs), or "
                 f"share one input x with x.expand({self.n}, *x.shape).")
+
+    def clear_caches(self) -> None:
+        """Drop what the eval graph derived from this model's parameters and kept (the folded
+        conv weights of Note [The fold cache] in fx/fold.py). Never needed after writes through
+        autograd's view of a tensor (optimizer steps, ``load_state_dict``, ``.to()``, in-place ops
+        under ``no_grad``): those are detected. Needed after writes that bypass version counters,
+        such as ``param.data.mul_(2)``.
+
+        >>> import torch, wide_compiler as wc
+        >>> models = [torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval() for _ in range(2)]
+        >>> wide = wc.compile(models, torch.randn(1, 3, 8, 8), config=wc.WideConfig.fast())
+        >>> x = torch.randn(2, 1, 3, 8, 8)
+        >>> with torch.no_grad():
+        ...     _ = wide(x)
+        ...     _ = wide.get_parameter("0.weight").data.mul_(2)  # invisible to version counters
+        ...     wide.clear_caches()
+        ...     torch.allclose(wide(x)[1], wide.unfuse()[1](x[1]), atol=1e-5)
+        True
+        """
+        clear_fold_cache(list(self.parameters()))
 
     # -- inspection -------------------------------------------------------------------------
     @property

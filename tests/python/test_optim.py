@@ -333,6 +333,34 @@ def test_opcheck(sample):
     torch.library.opcheck(getattr(torch.ops.wide, op).default, args, kwargs)
 
 
+@pytest.mark.parametrize("sample", list(sample_inputs()), ids=lambda s: s[0])
+def test_steps_bump_the_version_of_every_tensor_they_write(sample):
+    """Note [Optimizer steps bump version counters] (csrc/wide/optim/inplace.cpp): as for
+    torch.optim's in-place updates, so autograd and version-keyed caches see the step."""
+    op, args, kwargs = sample
+    args = _clone(args)
+    schema = getattr(torch.ops.wide, op).default._schema
+    written = [a for a, arg in zip(args, schema.arguments)
+               if isinstance(a, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write]
+    before = [t._version for t in written]
+    getattr(torch.ops.wide, op)(*args, **kwargs)
+    assert written and all(t._version > v for t, v in zip(written, before))
+    read = [a for a, arg in zip(args, schema.arguments) if isinstance(a, torch.Tensor) and arg.alias_info is None]
+    assert all(t._version == 0 for t in read)
+
+
+def test_a_step_between_forward_and_backward_is_an_autograd_error():
+    """Stepping a parameter its graph saved for backward raises, as it does with torch.optim,
+    instead of giving gradients of weights that no longer exist."""
+    w = nn.Parameter(torch.randn(N, 3, 3))
+    opt = wc.optim.SGD([w], lr=0.1)
+    w.grad = torch.ones_like(w)
+    loss = (w * w).sum()  # saves w
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def _clone(args):
     return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 

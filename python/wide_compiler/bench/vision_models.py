@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MODELS", "SIZES", "BasicBlock", "ModelSpec", "ResNetTiny", "Tabular", "audio1d",
+__all__ = ["MODELS", "SIZES", "BasicBlock", "ModelSpec", "ResNet18", "ResNetTiny", "Tabular", "audio1d",
            "dcgan_d", "dcgan_g", "mobilenet", "transformer"]
 
 SIZES = ("tiny", "small")
@@ -68,6 +68,33 @@ class ResNetTiny(nn.Module):
 
     def forward(self, x):
         return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
+
+
+class ResNet18(nn.Module):
+    """The standard ResNet-18 (torchvision's layout, written here: no torchvision needed): a 7x7
+    stride-2 stem with BatchNorm, ReLU and 3x3 max pool, four stages of two basic blocks at
+    ``width``, 2, 4 and 8 times ``width`` channels (64-512 for the real model), global average
+    pool, linear head. ``width`` below 64 gives the same architecture at a toy width."""
+
+    def __init__(self, width: int = 64, classes: int = 1000) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        c, stages = width, []
+        for k in range(4):
+            cout = width << k
+            stages.append(nn.Sequential(BasicBlock(c, cout, 1 if k == 0 else 2), BasicBlock(cout, cout, 1)))
+            c = cout
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
 def mobilenet(width: int = 8, classes: int = 4) -> nn.Module:
