@@ -22,7 +22,8 @@ TORCH_LIBRARY(wide, m) {
   m.def("to_packed(Tensor(a) input) -> Tensor(a)");
   m.def("to_nfirst(Tensor(a) input, SymInt n) -> Tensor(a)");
   // N Conv{1,2,3}d: weight [N, C_out, C_in/groups, *k], bias [N, C_out]. padding: one value per
-  // spatial dim, or (left, right) per dim in F.pad order. strategy: "auto" | "grouped" | "loop".
+  // spatial dim, or (left, right) per dim in F.pad order. strategy: "auto" | "grouped" |
+  // "grouped_cl" (channels-last, 2-d) | "loop" (Note [wide::conv strategies] in ops/conv.cpp).
   m.def("conv(Tensor input, Tensor weight, Tensor? bias, SymInt[] stride, SymInt[] padding, "
         "SymInt[] dilation, SymInt groups, *, bool packed_input=False, str strategy=\"auto\") -> Tensor");
   // N ConvTranspose{1,2,3}d: weight [N, C_in, C_out/groups, *k], bias [N, C_out].

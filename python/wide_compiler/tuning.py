@@ -103,7 +103,7 @@ def choose_strategy(
     """
     if not config.tune:
         return default, None
-    key = cache_key(op, **key_fields)
+    key = cache_key(op, **key_fields, **({"strategies": sorted(names)} if names is not None else {}))
     path = os.path.join(config.resolved_cache_dir(), _CACHE_FILE)
     if config.cache:
         hit = _load(path).get(key)

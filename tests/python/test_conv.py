@@ -34,7 +34,7 @@ def _members(cls, n, *args, dtype=torch.float32, **kw):
 
 @pytest.mark.parametrize("d", [1, 2, 3])
 @pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"g{c[0]}-k{c[3]}-s{c[4]}-p{c[5]}-{c[7]}-b{int(c[8])}")
-@pytest.mark.parametrize("strategy", ["grouped", "loop"])
+@pytest.mark.parametrize("strategy", ["grouped", "grouped_cl", "loop"])
 def test_wide_conv_matches_members(d, case, strategy):
     groups, cin, cout, k, s, p, dil, mode, bias = case
     base, wcls = CONV[d]
@@ -69,7 +69,7 @@ def test_wide_conv2d_layouts_and_edge_cases(layout):
 @pytest.mark.parametrize("d", [1, 2, 3])
 @pytest.mark.parametrize("groups,stride,padding,output_padding,dilation,bias",
                          [(1, 2, 1, 1, 1, True), (2, 2, 0, 0, 2, False), (1, 1, 1, 0, 1, True)])
-@pytest.mark.parametrize("strategy", ["grouped", "loop"])
+@pytest.mark.parametrize("strategy", ["grouped", "grouped_cl", "loop"])
 def test_wide_conv_transpose_matches_members(d, groups, stride, padding, output_padding, dilation, bias, strategy):
     base, wcls = CONVT[d]
     models = _members(base, 3, 4, 6, 3, stride=stride, padding=padding, output_padding=output_padding,
@@ -112,6 +112,8 @@ def _opcheck_samples():
     r = lambda *s, **kw: torch.randn(*s, generator=g, **kw).requires_grad_()
     yield "conv-nfirst", torch.ops.wide.conv.default, (r(2, 3, 4, 6, 6), r(2, 6, 2, 3, 3), r(2, 6), [1, 1], [1, 1], [1, 1], 2), {}
     yield "conv-packed-loop", torch.ops.wide.conv.default, (r(3, 8, 7), r(2, 5, 4, 3), None, [2], [1, 2], [1], 1), {"packed_input": True, "strategy": "loop"}
+    yield "conv-nfirst-cl", torch.ops.wide.conv.default, (r(2, 3, 4, 6, 6), r(2, 6, 2, 3, 3), r(2, 6), [1, 1], [1, 1], [1, 1], 2), {"strategy": "grouped_cl"}
+    yield "conv-packed-cl", torch.ops.wide.conv.default, (r(3, 8, 6, 5), r(2, 5, 4, 3, 3), r(2, 5), [2, 1], [1, 2, 0, 1], [1, 1], 1), {"packed_input": True, "strategy": "grouped_cl"}
     yield "conv-shared", torch.ops.wide.conv.default, (r(3, 4, 6).expand(2, 3, 4, 6), r(2, 5, 4, 3), r(2, 5), [1], [1], [1], 1), {}
     yield "convt", torch.ops.wide.conv_transpose.default, (r(2, 3, 4, 5, 5), r(2, 4, 3, 3, 3), r(2, 6), [2, 2], [1, 1], [1, 1], 2, [1, 1]), {}
     yield "convt-shared", torch.ops.wide.conv_transpose.default, (r(3, 4, 5).expand(2, 3, 4, 5), r(2, 4, 3, 3), None, [2], [0], [0], 1, [1]), {}

@@ -335,7 +335,7 @@ def gen_conv(seed: int, transposed: bool = False) -> Case:
     wshape = (n, cin, cout // groups, *kernel) if transposed else (n, cout, cin // groups, *kernel)
     args = {"x": x, "w": g.floats("weight", wshape, dtype, PARAM, scale=0.5),
             "b": g.floats("bias", (n, cout), dtype, PARAM) if g.pick("has_bias", (True, False)) else None}
-    strategy = g.pick("strategy", ("auto", "grouped", "loop"))
+    strategy = g.pick("strategy", ("auto", "grouped", "grouped_cl", "loop"))
     if transposed:
         def wide(a):
             return W.to_nfirst(W.conv_transpose(a["x"], a["w"], a["b"], stride, padding, output_padding, groups,
@@ -735,11 +735,11 @@ def test_one_value_to_normalise_raises(op, shape, packed):
 COVERAGE = {
     "linear": {"strategy": {"auto", "bmm", "bmm_t", "loop"}, "member_rank": {1, 2, 3},
                "x": {"contiguous", "sliced", "transposed", "member_inner", "batch_broadcast", "shared"}},
-    "conv": {"d": {1, 2, 3}, "strategy": {"auto", "grouped", "loop"}, "packed_input": {False, True},
+    "conv": {"d": {1, 2, 3}, "strategy": {"auto", "grouped", "grouped_cl", "loop"}, "packed_input": {False, True},
              "padding_form": {"per_dim", "left_right"}, "groups": {1, 2, 3},
              "x": {"contiguous", "sliced", "member_inner", "shared", "nfirst_view", "channels_last",
                    "batch_broadcast"}},
-    "conv_transpose": {"d": {1, 2, 3}, "strategy": {"auto", "grouped", "loop"}, "packed_input": {False, True},
+    "conv_transpose": {"d": {1, 2, 3}, "strategy": {"auto", "grouped", "grouped_cl", "loop"}, "packed_input": {False, True},
                        "groups": {1, 2, 3}, "x": {"shared", "nfirst_view"}},
     "batch_norm": {"training": {True, False}, "running_stats": {True, False}, "has_weight": {True, False},
                    "packed_input": {False, True}, "running_mean": {"contiguous", "transposed", "sliced"}},

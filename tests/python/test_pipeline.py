@@ -287,13 +287,10 @@ def _trained_members(n):
 def test_a_lone_conv_stays_channels_first_in_eval():
     """rewrite_channels_last (fx/fold.py) leaves a graph with a single conv alone: nothing
     downstream gains from channels-last, and the N-first output would cost a transposing copy."""
-    from wide_compiler.fx.fold import channels_last_conv
-
     models = testing.make_members(lambda: nn.Conv2d(3, 4, 3, padding=1), 3)
-    wide, _ = testing.check_compile(models, torch.randn(2, 3, 8, 8), modes=("eval",), config=FAST)
-    nodes = list(wide._graph_for(False).graph_module.graph.nodes)
-    assert not any(n.target is channels_last_conv for n in nodes)
-    assert any(n.target is torch.ops.wide.conv.default for n in nodes)
+    wide, _ = testing.check_compile(models, torch.randn(2, 3, 16, 16), modes=("eval",), config=FAST)
+    convs = wide._graph_for(False).graph_module.graph.find_nodes(op="call_function", target=torch.ops.wide.conv.default)
+    assert [n.kwargs["strategy"] for n in convs] == ["grouped"]
 
 
 def test_eval_graph_folds_batch_norm_into_its_conv_and_pools_channels_last():
@@ -301,16 +298,19 @@ def test_eval_graph_folds_batch_norm_into_its_conv_and_pools_channels_last():
     bn1 is folded (conv2 is read twice, bn3 has no running statistics); outputs, input and
     parameter gradients match the members in eval mode, under no_grad too, and the outputs are
     contiguous."""
-    from wide_compiler.fx.fold import channels_last_conv, channels_last_max_pool2d
+    from wide_compiler.fx.fold import channels_last_max_pool2d
 
     models = [m.eval() for m in _trained_members(3)]
-    wide, _ = testing.check_compile(models, torch.randn(4, 3, 8, 8), modes=("eval",), config=FAST, strict=True)
+    wide, _ = testing.check_compile(models, torch.randn(4, 3, 16, 16), modes=("eval",), config=FAST, strict=True)
     nodes = list(wide._graph_for(False).graph_module.graph.nodes)
     assert sum(n.target is torch.ops.wide.batch_norm.default for n in nodes) == 2  # bn2, bn3 kept
-    assert any(n.target is channels_last_conv for n in nodes) and any(n.target is channels_last_max_pool2d for n in nodes)
+    assert any(n.target is channels_last_max_pool2d for n in nodes)
+    # the 16x16 conv runs channels-last, the convs on the pooled 8x8 planes channels-first
+    convs = [n for n in nodes if n.target is torch.ops.wide.conv.default]
+    assert [n.kwargs["strategy"] for n in convs] == ["grouped_cl", "grouped", "grouped"]
     train_nodes = wide._graph_for(True).graph_module.graph.nodes  # training normalises by batch stats
     assert sum(n.target is torch.ops.wide.batch_norm.default for n in train_nodes) == 3
-    x = torch.randn(3, 4, 3, 8, 8)
+    x = torch.randn(3, 4, 3, 16, 16)
     with torch.no_grad():
         out = wide(x)
     assert out.is_contiguous()
@@ -318,7 +318,7 @@ def test_eval_graph_folds_batch_norm_into_its_conv_and_pools_channels_last():
 
 
 def test_folded_eval_graph_follows_later_changes_to_the_batch_norm():
-    """The fold is computed on every call from the live parameters and buffers."""
+    """The fold follows the live parameters and buffers (more in test_fold_cache.py)."""
     models = [m.eval() for m in _trained_members(2)]
     wide = wc.compile(models, torch.randn(4, 3, 8, 8), config=FAST).eval()
     with torch.no_grad():

@@ -14,7 +14,7 @@
 // Note [wide::conv strategies]
 // ----------------------------
 // Member n convolves its input with weight[n]. The result is always channel-packed
-// [B, N*C_out, *] (Note [wide layouts]). Three ways to compute it:
+// [B, N*C_out, *] (Note [wide layouts]). Four ways to compute it:
 //  * shared: the input is N-first with stride 0 on dim 0 (x.expand(N, ...)): every member reads
 //    the same activation. With groups == 1 this is ONE ordinary conv with the N*C_out filters
 //    stacked ([N*C_out, C_in, *k] is a free view of the weight), whose output is already packed.
@@ -22,10 +22,25 @@
 //    are not adjacent in that stacking, so the input is packed and the grouped path runs.)
 //  * grouped: one conv over the packed input with groups = N*groups: group g of member n sees
 //    exactly member n's channels of group g. The weight view [N*C_out, C_in/groups, *k] is free.
+//  * grouped_cl: the same grouped conv on a channels-last packed input ([B, N*C, H, W] with
+//    channels innermost; an N-first input is packed straight into that layout, one copy as for
+//    grouped), so the result is channels-last too (oneDNN keeps its input's layout) and the
+//    conv, norm and pool ops after it stay channels-last until an op asks for another layout.
+//    2-d convs only; other ranks run as grouped.
 //  * loop: N separate convs on the channel slices (or on input[n] for an N-first input, which
-//    avoids packing it), concatenated on the channel dim.
-// Grouped convolution kernels are sometimes slower than N ordinary ones (e.g. few large
-// members), so `auto` is only the heuristic default (grouped): the compile-time tuner measures.
+//    avoids packing it), each made channels-first contiguous, concatenated on the channel dim.
+// grouped and loop run channels-first whatever their input's layout (a channels-last input is
+// converted), so a strategy names the memory layout its conv runs in. None wins everywhere
+// (measured on this machine, ResNet-18 convs, 4 members, batch 8, inference, ms):
+//    member conv                 user loop  grouped  grouped_cl  loop
+//    3->64 7x7 /2, 64x64           4.4       7.1       1.4        8.0
+//    64->64 3x3, 16x16             1.5       1.4       1.25       1.6
+//    256->512 3x3 /2, 4x4          1.9       2.2       5.6        2.0
+//    512->512 3x3, 2x2             3.2      14.4      31.3        3.2
+// Channels-last wins while the planes are large, channels-first once they are small and the
+// channels many, and oneDNN's grouped kernel falls far behind N ordinary convs at 512 channels
+// per group. So `auto` is only a heuristic default (fx/rules/conv.py); the compile-time tuner
+// measures each conv, and the model-level check (model.py) the graph as a whole.
 // Built from ATen ops with SymInt sizes: CompositeImplicitAutograd, traces with a dynamic batch.
 //
 // Padding: `padding` has one value per spatial dim (symmetric, passed to the conv) or two per
@@ -40,9 +55,10 @@ namespace wide {
 ConvStrategy parse_conv_strategy(std::string_view name, std::string_view op) {
   if (name == "auto") return ConvStrategy::Auto;
   if (name == "grouped") return ConvStrategy::Grouped;
+  if (name == "grouped_cl") return ConvStrategy::GroupedChannelsLast;
   if (name == "loop") return ConvStrategy::Loop;
-  TORCH_CHECK(false, "wide::", std::string(op), ": expected strategy 'auto', 'grouped' or 'loop', got '",
-              std::string(name), "'");
+  TORCH_CHECK(false, "wide::", std::string(op), ": expected strategy 'auto', 'grouped', 'grouped_cl' or 'loop', "
+              "got '", std::string(name), "'");
 }
 
 namespace {
@@ -133,13 +149,26 @@ at::Tensor wide_convolution(const char* op, const at::Tensor& input, const at::T
     outs.reserve(ws.size());
     for (size_t k = 0; k < ws.size(); ++k) {
       outs.push_back(at::convolution_symint(
-          pre_pad(xs[k]), ws[k], bs.empty() ? std::nullopt : std::optional<at::Tensor>(bs[k]), stride,
+          pre_pad(xs[k]).contiguous(), ws[k], bs.empty() ? std::nullopt : std::optional<at::Tensor>(bs[k]), stride,
           padding, dilation, transposed, output_padding, groups));
     }
     return at::cat(outs, 1);
   }
 
-  const at::Tensor x = pre_pad(detail::packed_activation(input, packed_input, d + 2, op));
+  at::Tensor x;
+  if (kind == ConvStrategy::GroupedChannelsLast && d == 2) {
+    if (packed_input) {
+      x = pre_pad(input).contiguous(at::MemoryFormat::ChannelsLast);
+    } else {
+      // [N, B, C, H, W] -> [B, H, W, N*C] -> the packed [B, N*C, H, W] view with channels innermost.
+      const at::Tensor p = pre_pad(input);
+      x = p.permute({1, 3, 4, 0, 2})
+              .reshape_symint({p.sym_size(1), p.sym_size(3), p.sym_size(4), n * c_in})
+              .permute({0, 3, 1, 2});
+    }
+  } else {
+    x = pre_pad(detail::packed_activation(input, packed_input, d + 2, op)).contiguous();
+  }
   std::vector<c10::SymInt> wsizes(weight.sym_sizes().begin() + 1, weight.sym_sizes().end());
   wsizes[0] = n * weight.sym_size(1);
   const at::Tensor w = weight.reshape_symint(wsizes);

@@ -13,9 +13,9 @@ namespace wide {
 
 /// Algorithm for per-member inputs (a shared input always runs as one conv when groups == 1);
 /// Auto = Grouped. See Note [wide::conv strategies].
-enum class ConvStrategy { Auto, Grouped, Loop };
+enum class ConvStrategy { Auto, Grouped, GroupedChannelsLast, Loop };
 
-/// Parses "auto" | "grouped" | "loop"; throws a c10::Error naming the bad value otherwise.
+/// Parses "auto" | "grouped" | "grouped_cl" | "loop"; throws a c10::Error naming the bad value otherwise.
 ConvStrategy parse_conv_strategy(std::string_view name, std::string_view op);
 
 /// N convolutions; weight [N, C_out, C_in/groups, *k], bias [N, C_out]; input N-first

@@ -22,7 +22,9 @@ Note [Folding BatchNorm into the conv]
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 import operator
 import threading
 
@@ -30,7 +32,9 @@ import torch
 from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["attention_kernel", "cached_folded_conv_params", "channels_last_conv", "channels_last_max_pool2d",
+from .rules.conv import default_conv_strategy
+
+__all__ = ["attention_kernel", "cached_folded_conv_params", "channels_last_max_pool2d",
            "clear_fold_cache", "fold_batch_norms", "folded_conv_params", "fuse_residual_norms", "pool_before_relu", "relu_in_place",
            "rewrite_channels_last"]
 
@@ -147,10 +151,12 @@ def fold_batch_norms(gm: fx.GraphModule) -> int:
 #     ([8, 256, 32, 32], 3x3 stride 2: 7.3 ms contiguous, 0.34 ms channels-last, 2.6 ms with the
 #     conversion). Its backward is not faster (0.5-1.7x), so a contiguous input is converted only
 #     when no gradient is wanted, decided per call. To spare the conversion, an eval graph's
-#     first convs pack their N-first input channels-last (:func:`channels_last_conv`); oneDNN's
-#     convs keep the layout of their input, so the activations stay channels-last to the pool.
-#     The values are the same; the model's outputs are made contiguous.
+#     convs on large planes default to the channels-last grouped strategy (the stem conv packs
+#     its N-first input straight into that layout); oneDNN's convs keep the layout of their
+#     input, so the activations stay channels-last to the pool. The values are the same; the
+#     model's outputs are made contiguous.
 _MIN_CHANNELS = 8
+_CL_MIN_PLANE = 16 * 16
 
 
 def channels_last_max_pool2d(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -162,36 +168,28 @@ def channels_last_max_pool2d(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return aten.max_pool2d.default(x, *args, **kwargs)
 
 
-def channels_last_conv(x: torch.Tensor, *args, packed_input: bool = False, **kwargs) -> torch.Tensor:
-    """``wide.conv`` of an N-first 2-d input ``[N, B, C, H, W]`` packed channels-last first
-    (``[B, N*C, H, W]`` with channels innermost, one copy the packing makes anyway), so the
-    packed activations downstream stay channels-last; a shared (stride-0) input keeps the
-    conv's own shared-input path."""
-    if not packed_input and x.dim() == 5 and x.device.type == "cpu" and x.stride(0) != 0:
-        n, b, c, h, w = x.shape
-        x = x.permute(1, 3, 4, 0, 2).reshape(b, h, w, n * c).permute(0, 3, 1, 2)
-        packed_input = True
-    return wide.conv.default(x, *args, packed_input=packed_input, **kwargs)
-
-
 def rewrite_channels_last(gm: fx.GraphModule) -> int:
-    """Eval graphs on CPU: the first convs pack their input channels-last and 2-d max pools run
-    channels-last (see the note); returns how many nodes were rerouted. A graph with a single
-    conv keeps it channels-first: nothing downstream gains from the layout, and turning a
-    channels-last result back into the N-first output is a transposing copy (measured: a lone
-    16-member 3x3 conv, 32x32, took 12 ms channels-last against 6-7 ms)."""
-    convs = sum(n.op == "call_function" and n.target is wide.conv.default for n in gm.graph.nodes)
+    """Eval graphs on CPU: 2-d max pools run channels-last (see the note), and a 2-d conv on
+    planes of 16x16 or more defaults to the channels-last grouped strategy (Note [wide::conv
+    strategies] in csrc/wide/ops/conv.cpp; the tuner still measures every candidate). Returns how
+    many nodes changed. A graph with a single conv keeps it channels-first: nothing downstream
+    gains from the layout, and turning a channels-last result back into the N-first output is a
+    transposing copy (measured: a lone 16-member 3x3 conv, 32x32, took 12 ms channels-last
+    against 6-7 ms)."""
+    convs = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is wide.conv.default]
     count = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is aten.max_pool2d.default:
+        if node.op == "call_function" and node.target is aten.max_pool2d.default:
             node.target = channels_last_max_pool2d
-        elif node.target is wide.conv.default and convs > 1 and not node.kwargs.get("packed_input", False):
-            node.target = channels_last_conv
-        else:
+            count += 1
+    for node in convs if len(convs) > 1 else ():
+        spec, shapes = node.meta.get("wide_tune"), node.meta.get("wide_shapes")
+        if spec is None or len(shapes["input"]) != 4 or math.prod(shapes["input"][2:]) < _CL_MIN_PLANE:
             continue
-        count += 1
+        default = default_conv_strategy(shapes, channels_last=True)
+        if default != spec.default:
+            node.meta["wide_tune"] = dataclasses.replace(spec, default=default)
+            count += 1
     if count:
         gm.recompile()
     return count

@@ -24,7 +24,7 @@ class _WideConvNd(nn.Module):
 
     _base: type[nn.Module]
     _d: int
-    STRATEGIES = ("auto", "grouped", "loop")  # wide::conv / wide::conv_transpose
+    STRATEGIES = ("auto", "grouped", "grouped_cl", "loop")  # wide::conv / wide::conv_transpose
 
     def __init__(self, template: nn.Module, weight: nn.Parameter, bias: nn.Parameter | None, *,
                  strategy: str = "auto") -> None:
@@ -89,7 +89,7 @@ class WideConv1d(_WideConv):
 
 
 class WideConv2d(_WideConv):
-    """N ``nn.Conv2d`` as one grouped conv (strategy ``"auto"``, ``"grouped"`` or ``"loop"``).
+    """N ``nn.Conv2d`` as one grouped conv (strategy ``"auto"``, ``"grouped"``, ``"grouped_cl"`` or ``"loop"``).
 
     Example:
         >>> import torch, wide_compiler as wc

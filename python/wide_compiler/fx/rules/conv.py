@@ -9,6 +9,8 @@ before the conv (spatial rules). Unbatched member inputs ``[C, *]`` get a batch 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import fx
 
@@ -19,23 +21,43 @@ from ._packed import packed_result
 
 aten = torch.ops.aten
 wide = torch.ops.wide
-_STRATEGIES = ("grouped", "loop")
+_STRATEGIES = ("grouped", "grouped_cl", "loop")  # grouped_cl: 2-d only
 _PACKED = {"layout": "packed", "strategies": _STRATEGIES}
+# A member weight of this many elements or more defaults to the loop (Note [wide::conv strategies]
+# in csrc/wide/ops/conv.cpp: oneDNN's grouped kernel falls far behind N ordinary convs there).
+_LOOP_WEIGHT_ELEMENTS = 1 << 19
 
-__all__ = ["conv_candidates"]
+__all__ = ["conv_candidates", "conv_strategies", "default_conv_strategy"]
+
+
+def conv_strategies(shapes: dict) -> tuple[str, ...]:
+    """The strategies of one conv: grouped_cl for 2-d convs only."""
+    return _STRATEGIES if len(shapes["weight"]) == 4 else ("grouped", "loop")
+
+
+def default_conv_strategy(shapes: dict, *, channels_last: bool = False) -> str:
+    """The heuristic strategy when nothing is measured: the loop for large member weights,
+    else grouped, channels-last when ``channels_last`` is asked for and the conv is 2-d."""
+    if math.prod(shapes["weight"]) >= _LOOP_WEIGHT_ELEMENTS:
+        return "loop"
+    return "grouped_cl" if channels_last and "grouped_cl" in conv_strategies(shapes) else "grouped"
 
 
 def conv_candidates(op, n: int, shapes: dict, opts: dict) -> dict:
-    """Zero-argument callables running each strategy on random tensors of the sample shapes (the
-    input packed or not as the layout plan decided)."""
+    """Zero-argument callables running each strategy on random tensors of the sample shapes.
+    A packed input (the layout plan chained this conv to a packed op) is given to each strategy
+    in the memory layout it runs in, as the op before it would leave it in a run of convs of that
+    strategy; an N-first input is packed by every strategy alike."""
     x = torch.randn(n, *shapes["input"], **opts)
-    if shapes.get("packed_input"):
+    packed = bool(shapes.get("packed_input"))
+    inputs = {s: x for s in conv_strategies(shapes)}
+    if packed:
         x = wide.to_packed(x).contiguous()
+        inputs = {s: x.contiguous(memory_format=torch.channels_last) if s == "grouped_cl" else x for s in inputs}
     w = torch.randn(n, *shapes["weight"], **opts)
     b = torch.randn(n, shapes["bias_features"], **opts) if shapes["bias_features"] else None
     args = shapes["args"]
-    return {s: (lambda s=s: op(x, w, b, *args, packed_input=bool(shapes.get("packed_input")), strategy=s))
-            for s in _STRATEGIES}
+    return {s: (lambda s=s, x=x: op(x, w, b, *args, packed_input=packed, strategy=s)) for s, x in inputs.items()}
 
 
 def _conv(ctx: WidenContext, node: fx.Node, transposed: bool) -> Wide:
@@ -74,9 +96,10 @@ def _conv(ctx: WidenContext, node: fx.Node, transposed: bool) -> Wide:
         "input": [1, *in_shape] if unbatched else in_shape, "weight": concrete_shape(w_old),
         "bias_features": concrete_shape(node.args[2])[0] if a["bias"] is not None else 0,
         "args": [list(v) if isinstance(v, (list, tuple)) else v for v in args], "packed_input": False}
+    shapes = packed.meta["wide_shapes"]
     packed.meta["wide_tune"] = TuneSpec(
-        default="grouped",
-        make=lambda n, opts, s=packed.meta["wide_shapes"], op=op: conv_candidates(op, n, s, opts))
+        default=default_conv_strategy(shapes), strategies=conv_strategies(shapes),
+        make=lambda n, opts, s=shapes, op=op: conv_candidates(op, n, s, opts))
     return packed_result(ctx, node, packed, unbatched)
 
 
