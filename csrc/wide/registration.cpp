@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "wide/info.h"
+#include "wide/memory/caching_allocator.h"
 #include "wide/optim/cpu/kernels.h"
 
 TORCH_LIBRARY(wide, m) {
@@ -13,6 +14,12 @@ TORCH_LIBRARY(wide, m) {
 
   // Build facts of the loaded library: version, compiler, OpenMP, threads; for `wide_compiler info`.
   m.def("_build_info() -> str", &wide::build_info);
+  // The wide caching allocator (Note [The wide caching allocator] in memory/caching_allocator.cpp):
+  // enter/leave a caching scope on this thread (1 while inside one); statistics (cached, live,
+  // limit bytes, hits, misses); set the limit on cached bytes (-1: unchanged), release free blocks.
+  m.def("_caching_scope(bool enter) -> int", &wide::memory::caching_scope);
+  m.def("_cache_stats() -> (int, int, int, int, int)", &wide::memory::cache_stats);
+  m.def("_cache_control(int limit_bytes=-1, bool empty=False) -> ()", &wide::memory::cache_control);
 
   // --- vision and tabular ops ---
   // Layouts (Note [wide layouts] in ops/layout.cpp): N-first [N, B, C, *] and channel-packed

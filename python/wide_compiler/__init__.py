@@ -21,6 +21,7 @@ from . import (
     optim,
     testing,
 )
+from . import allocator
 from .allocator import tune_cpu_allocator
 from .analyze import AnalysisReport, analyze
 from .api import WideBuilder, compile, pack, stack, unpack, unstack
@@ -53,6 +54,7 @@ __all__ = [
     "WideConfig",
     "WideModel",
     "WideRouter",
+    "allocator",
     "analyze",
     "blocks",
     "cmake_prefix_path",

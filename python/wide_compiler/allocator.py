@@ -1,4 +1,6 @@
-"""glibc malloc settings for wide activations: :func:`tune_cpu_allocator`.
+"""Memory for wide activations: the wide model's own caching allocator (on by default, scoped
+to its calls; :func:`caching_scope`, :func:`cache_info`, :func:`empty_cache`,
+:func:`set_cache_limit`) and the process-wide alternative :func:`tune_cpu_allocator`.
 
 Note [Page faults on wide activations]
     PyTorch's CPU tensors come from glibc's malloc. A block above the mmap threshold (128 KiB
@@ -10,16 +12,24 @@ Note [Page faults on wide activations]
     (N=16, d=64, T=32, B=8, inference, 2 threads): the same process alternated between 3.8 and
     7.4 ms per call depending on the allocator's state, and stayed at 3.8-5 ms with the
     thresholds raised (the loop of members: about 6 ms either way). jemalloc or tcmalloc
-    (``LD_PRELOAD``) avoid it too.
+    (``LD_PRELOAD``) avoid it too. A WideModel avoids it by default without changing anything
+    for the rest of the process: its calls (and a train graph's backward pass) run in a caching
+    scope of its own allocator (Note [The wide caching allocator] in
+    csrc/wide/memory/caching_allocator.cpp).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
+from collections.abc import Iterator
+from typing import NamedTuple
 
-__all__ = ["tune_cpu_allocator"]
+import torch
+
+__all__ = ["CacheInfo", "cache_info", "caching_scope", "empty_cache", "set_cache_limit", "tune_cpu_allocator"]
 
 log = logging.getLogger(__name__)
 
@@ -59,3 +69,59 @@ def tune_cpu_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 <<
     _applied = (mmap_threshold, trim_threshold)
     log.info("wide_compiler: glibc mmap/trim thresholds set to %d/%d bytes", mmap_threshold, trim_threshold)
     return True
+
+
+class CacheInfo(NamedTuple):
+    """The wide caching allocator's state: bytes held free, bytes handed out and not yet returned,
+    the limit on free bytes, allocations served from the cache and from the system."""
+
+    cached_bytes: int
+    live_bytes: int
+    limit_bytes: int
+    hits: int
+    misses: int
+
+
+@contextlib.contextmanager
+def caching_scope() -> Iterator[None]:
+    """Run the block with CPU allocations of 64 KiB or more served by the wide caching allocator
+    (this thread only; scopes nest). WideModel enters it around its own calls, so user code
+    rarely needs it: an eager loop over a wide model's pieces, say.
+
+    >>> import torch, wide_compiler as wc
+    >>> with wc.allocator.caching_scope():
+    ...     y = torch.ones(1 << 16) * 2  # 256 KiB, from the cache
+    >>> del y
+    >>> wc.allocator.cache_info().cached_bytes >= 1 << 18
+    True
+    """
+    torch.ops.wide._caching_scope(True)
+    try:
+        yield
+    finally:
+        torch.ops.wide._caching_scope(False)
+
+
+def cache_info() -> CacheInfo:
+    """The wide caching allocator's statistics (:class:`CacheInfo`)."""
+    return CacheInfo(*torch.ops.wide._cache_stats())
+
+
+def empty_cache() -> None:
+    """Return every free block of the wide caching allocator to the system (tensors alive are
+    unaffected), as ``torch.cuda.empty_cache`` does for CUDA's."""
+    torch.ops.wide._cache_control(-1, True)
+
+
+def set_cache_limit(limit_bytes: int) -> None:
+    """Keep at most ``limit_bytes`` free in the wide caching allocator (default 1 GiB); free
+    blocks beyond it go back to the system. 0 turns caching off (every block is freed on release).
+
+    >>> import wide_compiler as wc
+    >>> wc.allocator.set_cache_limit(1 << 30)
+    >>> wc.allocator.cache_info().limit_bytes
+    1073741824
+    """
+    if not isinstance(limit_bytes, int) or isinstance(limit_bytes, bool) or limit_bytes < 0:
+        raise ValueError(f"wide_compiler.allocator.set_cache_limit: expected a byte count >= 0, got {limit_bytes!r}")
+    torch.ops.wide._cache_control(limit_bytes, False)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .allocator import caching_scope
 from .config import WideConfig
 from .fx.capture import module_path
 from .fx.fold import clear_fold_cache
@@ -290,7 +291,12 @@ class WideModel(MemberOpsMixin, nn.Module):
                 x = next(user)
                 self._check_input(x, inp)
                 feeds.append(x)
-        outs = wg.graph_module(*feeds)
+        if torch.compiler.is_compiling():
+            outs = wg.graph_module(*feeds)
+        else:  # Note [The wide caching allocator] (csrc/wide/memory/caching_allocator.cpp)
+            with caching_scope():
+                outs = wg.graph_module(*feeds)
+            _cache_backward(outs)
         k = len(wg.mutated_buffers)
         if k:
             with torch.no_grad():
@@ -635,6 +641,25 @@ def _get_tensor(root: nn.Module, name: str) -> torch.Tensor:
     mod = root.get_submodule(path) if path else root
     t = mod._parameters.get(attr)
     return t if t is not None else mod._buffers[attr]
+
+
+def _enter_backward_scope(_grad_outputs: Any) -> None:
+    """A backward pre-hook of a wide output's node: the rest of this backward pass allocates from
+    the wide cache (the engine runs CPU work on the calling thread), until its final callback."""
+    torch.ops.wide._caching_scope(True)
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: torch.ops.wide._caching_scope(False))
+
+
+def _cache_backward(outs: Sequence[Any]) -> None:
+    """Run the backward pass of CPU outputs that need one in a caching scope (one hook per node)."""
+    if not torch.is_grad_enabled():
+        return
+    seen = set()
+    for o in outs:
+        fn = o.grad_fn if isinstance(o, torch.Tensor) and o.device.type == "cpu" else None
+        if fn is not None and id(fn) not in seen:
+            seen.add(id(fn))
+            fn.register_prehook(_enter_backward_scope)
 
 
 def _has_tensor(root: nn.Module, name: str) -> bool:

@@ -87,7 +87,7 @@ def test_ci_records(ci_records):
         auto = [r for r in records if r["strategy"] == "compile:auto"]
         assert len(auto) == 2 * len(MODELS)
         for r in auto:
-            assert r["strategies"] and set(r["strategies"].values()) <= {"grouped", "loop", "bmm", "bmm_t", "fused"}
+            assert r["strategies"] and set(r["strategies"].values()) <= {"grouped", "grouped_cl", "loop", "bmm", "bmm_t", "fused"}
             assert not r["fallbacks"], (r["case"], r["fallbacks"])
     for case, wides in STRICT.get(target, {}).items():  # the targets and cases of issue 12
         for mode in engine.MODES:

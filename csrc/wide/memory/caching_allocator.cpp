@@ -1,0 +1,197 @@
+#include "wide/memory/caching_allocator.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/alignment.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
+
+#include <map>
+#include <unordered_map>
+#include <mutex>
+#include <tuple>
+
+// Note [The wide caching allocator]
+// ---------------------------------
+// A wide activation is N times a member's. On glibc a block above the mmap threshold (128 KiB,
+// raised as large blocks are freed, up to 32 MiB) is mapped on every allocation and unmapped on
+// free, so a call that makes a few MiB of intermediates pays a page fault per 4 KiB page, every
+// call (Note [Page faults on wide activations] in python/wide_compiler/allocator.py: the same
+// encoder layer ran at 3.8 or 7.4 ms depending on the allocator's state). Raising glibc's
+// thresholds (wc.tune_cpu_allocator) fixes it for the whole process; this allocator fixes it for
+// the wide model alone:
+//  * It wraps the CPU allocator that was installed when first used (c10::SetCPUAllocator).
+//    Outside a caching scope, and for blocks under kMinBytes, it forwards to that allocator and
+//    the block carries that allocator's own deleter: the process sees no difference.
+//  * Inside a scope (thread-local, entered by WideModel around its graph call and, for a train
+//    graph, around the backward pass), a request is served from the free blocks of at least its
+//    size and at most 5/4 of it (best fit), else newly allocated; the block's deleter returns it
+//    to the free list whenever and on whichever thread the tensor dies, so an output handed to a
+//    user is reused only after the user drops it.
+//  * Free blocks are kept up to a limit (1 GiB by default; wide_compiler.allocator sets it);
+//    a block freed beyond it goes back to the system. empty_cache() releases them all.
+// Blocks stay mapped and faulted in between calls, which is what the thresholds bought.
+namespace wide::memory {
+namespace {
+
+struct CacheStats {
+  std::size_t cached_bytes, live_bytes, limit_bytes;
+  std::int64_t hits, misses;
+};
+
+thread_local int scope_depth = 0;
+
+class CachingAllocator final : public c10::Allocator {
+ public:
+  explicit CachingAllocator(c10::Allocator* base) : base_(base) {}
+
+  c10::DataPtr allocate(std::size_t n) override {
+    if (scope_depth == 0 || n < kMinBytes) return base_->allocate(n);
+    std::size_t size = (n + kPage - 1) / kPage * kPage;
+    void* ptr = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.lower_bound(size);
+      if (it != free_.end() && it->first <= size + size / 4) {
+        size = it->first;
+        ptr = it->second;
+        free_.erase(it);
+        cached_ -= size;
+        ++hits_;
+      } else {
+        ++misses_;
+      }
+    }
+    if (ptr == nullptr) ptr = c10::alloc_cpu(size);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      live_bytes_ += size;
+      live_.emplace(ptr, size);
+    }
+    return {ptr, ptr, &CachingAllocator::release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  // raw_allocate (oneDNN's scratch memory) goes through allocate(); its pointers come back here.
+  c10::DeleterFnPtr raw_deleter() const override { return &CachingAllocator::release; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  void empty() {
+    std::multimap<std::size_t, void*> drop;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      drop.swap(free_);
+      cached_ = 0;
+    }
+    for (auto& [size, ptr] : drop) c10::free_cpu(ptr);
+  }
+
+  CacheStats stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {cached_, live_bytes_, limit_, hits_, misses_};
+  }
+
+  void set_limit(std::size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      limit_ = bytes;
+    }
+    trim();
+  }
+
+  static CachingAllocator* instance;
+
+ private:
+  static constexpr std::size_t kPage = 4096;
+
+  static void release(void* ptr) { instance->give_back(ptr); }
+
+  void give_back(void* ptr) {
+    bool ours = false, keep = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = live_.find(ptr);
+      if (it != live_.end()) {
+        ours = true;
+        const std::size_t size = it->second;
+        live_.erase(it);
+        live_bytes_ -= size;
+        keep = cached_ + size <= limit_;
+        if (keep) {
+          free_.emplace(size, ptr);
+          cached_ += size;
+        }
+      }
+    }
+    if (!ours) {
+      base_->raw_deleter()(ptr);  // a raw allocation forwarded to the base (outside a scope, or small)
+    } else if (!keep) {
+      c10::free_cpu(ptr);
+    }
+  }
+
+  void trim() {
+    std::multimap<std::size_t, void*> drop;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      while (cached_ > limit_ && !free_.empty()) {
+        auto it = std::prev(free_.end());  // largest first
+        cached_ -= it->first;
+        drop.insert(*it);
+        free_.erase(it);
+      }
+    }
+    for (auto& [size, ptr] : drop) c10::free_cpu(ptr);
+  }
+
+  c10::Allocator* base_;
+  std::mutex mu_;
+  std::multimap<std::size_t, void*> free_;           // free blocks by size
+  std::unordered_map<void*, std::size_t> live_;      // blocks handed out, by pointer
+  std::size_t cached_ = 0, live_bytes_ = 0, limit_ = std::size_t{1} << 30;
+  std::int64_t hits_ = 0, misses_ = 0;
+};
+
+CachingAllocator* CachingAllocator::instance = nullptr;
+
+// Installed on first use, never uninstalled: tensors alive anywhere may carry its deleter. The
+// instance is leaked on purpose (blocks may be freed during static destruction).
+CachingAllocator& allocator() {
+  static CachingAllocator* a = [] {
+    auto* made = new CachingAllocator(c10::GetCPUAllocator());
+    CachingAllocator::instance = made;
+    c10::SetCPUAllocator(made, /*priority=*/0);
+    return made;
+  }();
+  return *a;
+}
+
+}  // namespace
+
+int64_t caching_scope(bool enter) {
+  if (enter) {
+    allocator();  // installs it
+    ++scope_depth;
+  } else {
+    TORCH_CHECK(scope_depth > 0, "wide::_caching_scope: left a caching scope that was not entered");
+    --scope_depth;
+  }
+  return scope_depth > 0 ? 1 : 0;
+}
+
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> cache_stats() {
+  const auto s = allocator().stats();
+  return {static_cast<int64_t>(s.cached_bytes), static_cast<int64_t>(s.live_bytes),
+          static_cast<int64_t>(s.limit_bytes), s.hits, s.misses};
+}
+
+void cache_control(int64_t limit_bytes, bool empty) {
+  TORCH_CHECK(limit_bytes >= -1, "wide::_cache_control: expected limit_bytes >= 0 (or -1: unchanged), got ",
+              limit_bytes);
+  if (limit_bytes >= 0) allocator().set_limit(static_cast<std::size_t>(limit_bytes));
+  if (empty) allocator().empty();
+}
+
+}  // namespace wide::memory
