@@ -1,0 +1,130 @@
+"""Note [The wide caching allocator] (csrc/wide/memory/caching_allocator.cpp): a WideModel's
+calls and backward passes allocate from its cache; nothing outside a scope changes; an output
+handed to the user is never reused while alive."""
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import wide_compiler as wc
+from wide_compiler import allocator, testing
+
+FAST = wc.WideConfig.fast()
+BIG = 1 << 18  # floats: 1 MiB, above the 64 KiB floor
+
+
+def _net():
+    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64))
+
+
+def test_outside_a_scope_nothing_is_cached():
+    before = allocator.cache_info()
+    t = torch.empty(BIG)
+    assert allocator.cache_info().live_bytes == before.live_bytes
+    del t
+    assert allocator.cache_info().cached_bytes == before.cached_bytes
+
+
+def test_a_scope_reuses_freed_blocks_and_small_ones_are_left_alone():
+    allocator.empty_cache()
+    with allocator.caching_scope():
+        before = allocator.cache_info()
+        a = torch.empty(BIG)
+        small = torch.empty(16)
+        assert allocator.cache_info().live_bytes == before.live_bytes + 4 * BIG
+        ptr = a.data_ptr()
+        del a
+        b = torch.empty(BIG - 100)  # best fit within 5/4 of the request
+        assert b.data_ptr() == ptr
+        assert allocator.cache_info().hits == before.hits + 1
+    del b, small
+
+
+def test_scopes_nest_and_leaving_too_often_is_an_error():
+    with allocator.caching_scope():
+        with allocator.caching_scope():
+            pass
+        t = torch.empty(BIG)  # still inside the outer scope
+        assert allocator.cache_info().live_bytes >= 4 * BIG
+    del t
+    with pytest.raises(RuntimeError, match="not entered"):
+        torch.ops.wide._caching_scope(False)
+
+
+def test_scopes_are_per_thread():
+    seen = {}
+
+    def other():
+        before = allocator.cache_info().live_bytes
+        t = torch.empty(BIG)
+        seen["delta"] = allocator.cache_info().live_bytes - before
+        del t
+
+    with allocator.caching_scope():
+        keep = torch.empty(BIG)
+        th = threading.Thread(target=other)
+        th.start()
+        th.join()
+    assert seen["delta"] == 0
+    del keep
+
+
+def test_outputs_are_never_reused_while_alive():
+    """Two calls in a row: the first output keeps its values and its memory."""
+    models = testing.make_members(_net, 3)
+    wide = wc.compile(models, torch.randn(256, 64), config=FAST)
+    x1, x2 = torch.randn(3, 256, 64), torch.randn(3, 256, 64)
+    with torch.no_grad():
+        y1 = wide(x1)
+        want = y1.clone()
+        for _ in range(3):
+            y2 = wide(x2)
+            assert y2.data_ptr() != y1.data_ptr()
+    torch.testing.assert_close(y1, want, rtol=0, atol=0)
+    testing.assert_members_close(y2, [m(x2[i]) for i, m in enumerate(models)])
+
+
+def test_steady_calls_hit_the_cache():
+    models = testing.make_members(_net, 3)
+    wide = wc.compile(models, torch.randn(256, 64), config=FAST)
+    x = torch.randn(3, 256, 64)
+    with torch.no_grad():
+        wide(x)
+        hits = allocator.cache_info().hits
+        wide(x)
+    assert allocator.cache_info().hits > hits
+
+
+def test_training_steps_match_and_backward_leaves_no_scope_open():
+    """The backward pass runs in a scope entered by a hook and left by the engine's final
+    callback: gradients are the members' and the thread is outside any scope afterwards."""
+    models = testing.make_members(_net, 3)
+    wide = wc.compile([m.train() for m in models], torch.randn(256, 64), config=FAST).train()
+    x = torch.randn(3, 256, 64)
+    for _ in range(2):
+        wide.zero_grad()
+        wide(x).square().sum().backward()
+    for i, m in enumerate(models):
+        m(x[i]).square().sum().backward()
+    for name, p in wide.named_parameters():
+        torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in models]),
+                                   rtol=1e-4, atol=1e-4)
+    live = allocator.cache_info().live_bytes
+    t = torch.empty(BIG)
+    assert allocator.cache_info().live_bytes == live
+    del t
+
+
+def test_the_limit_bounds_what_is_kept():
+    try:
+        allocator.set_cache_limit(0)
+        with allocator.caching_scope():
+            t = torch.empty(BIG)
+        del t
+        assert allocator.cache_info().cached_bytes == 0
+    finally:
+        allocator.set_cache_limit(1 << 30)
+    with pytest.raises(ValueError, match="byte count"):
+        allocator.set_cache_limit(-5)
