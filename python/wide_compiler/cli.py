@@ -419,7 +419,7 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
-    if not args.default_allocator:  # the same process-wide setting for every contender
+    if args.tuned_allocator:  # the same process-wide setting for every contender
         from .allocator import tune_cpu_allocator
 
         tune_cpu_allocator()
@@ -618,9 +618,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print only the K records with the largest speedup over their best baseline")
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw speedup vs N per baseline to FILE.png (needs matplotlib)")
-    p.add_argument("--default-allocator", action="store_true",
-                   help="keep glibc's malloc thresholds (by default the run calls "
-                        "wc.tune_cpu_allocator() first; records say which in 'allocator')")
+    p.add_argument("--tuned-allocator", action="store_true",
+                   help="call wc.tune_cpu_allocator() first (raises glibc's malloc thresholds for "
+                        "the whole process, every contender alike; by default nothing process-wide "
+                        "changes); records say which in 'allocator'")
     p.add_argument("-q", "--quiet", action="store_true", help="no table, no progress bar")
     p.set_defaults(func=cmd_benchmark)
 

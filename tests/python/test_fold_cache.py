@@ -50,12 +50,13 @@ def counted(monkeypatch):
 
 
 def _check(wide, x):
-    """The wide eval output equals the members unfused from its current state."""
+    """The wide eval output equals the members unfused from its current state (to the rounding
+    of the fold: the members run conv then BatchNorm, the wide graph one folded conv)."""
     refs = [m.eval() for m in wide.unfuse()]
     x = x.to(next(wide.parameters()).dtype)
     with torch.no_grad():
         out = wide(x)
-    testing.assert_members_close(out, [m(x[i]) for i, m in enumerate(refs)])
+    testing.assert_members_close(out, [m(x[i]) for i, m in enumerate(refs)], rtol=1e-4, atol=1e-4)
 
 
 def test_steady_inference_computes_the_fold_once(counted):

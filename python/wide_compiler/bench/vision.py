@@ -103,7 +103,7 @@ class Case:
     module_strategies: tuple[str, ...] = ("",)
     compile: tuple[str, ...] = ("auto",)
     train_state: bool | None = None
-    baselines: tuple[str, ...] = ("loop", "vmap")  # also "compile_loop": torch.compile of the loop
+    baselines: tuple[str, ...] = ("loop", "vmap")  # also "compile_loop", "loop_cl" (channels-last)
     check: Callable[[list[nn.Module], Inputs, str], Callable[[Contender, Any], float]] | None = None
 
 
@@ -293,7 +293,8 @@ def model_cases(size: str) -> list[Case]:
     for name, spec in MODELS.items():
         out.append(Case("models", name, f"{name}/{size}", lambda spec=spec: spec.make(size),
                         lambda lead, g, spec=spec: spec.inputs(lead, size, g), spec.batch[size],
-                        spec.module, spec.module_strategies))
+                        spec.module, spec.module_strategies,
+                        baselines=("loop", "loop_cl", "vmap") if spec.channels_last else ("loop", "vmap")))
     return out
 
 
@@ -307,6 +308,18 @@ def _loop(models: Sequence[nn.Module], name: str = "loop") -> Contender:
         return [m(*(t[i] for t in xs)) for i, m in enumerate(models)]
 
     return Contender(name, forward, [p for m in models for p in m.parameters()], "members")
+
+
+def _loop_channels_last(models: Sequence[nn.Module]) -> Contender:
+    """The loop with every member and 4-d input in channels-last memory format (the input is
+    converted on every call, as from a contiguous data loader)."""
+    models = [copy.deepcopy(m).to(memory_format=torch.channels_last) for m in models]
+    cl = lambda t: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t  # noqa: E731
+
+    def forward(xs: Inputs) -> list[Any]:
+        return [m(*(cl(t[i]) for t in xs)) for i, m in enumerate(models)]
+
+    return Contender("loop_cl", forward, [p for m in models for p in m.parameters()], "members")
 
 
 def _vmap(models: Sequence[nn.Module], n_inputs: int, name: str = "vmap") -> Contender:
@@ -399,7 +412,8 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
                 tuned[name, training] = _tuner_timings(wide, training)
             _reset_buffers(wide, master)
             wides.append(_wide(name, wide, models[0]))
-        makers = {"loop": lambda: _loop(models), "vmap": lambda: _vmap(models, len(xs)),
+        makers = {"loop": lambda: _loop(models), "loop_cl": lambda: _loop_channels_last(models),
+                  "vmap": lambda: _vmap(models, len(xs)),
                   "compile_loop": lambda: engine.compiled(_loop(models), "compile_loop")}
         baselines = [makers[b]() for b in case.baselines]
         with warnings.catch_warnings(record=True) as caught:

@@ -54,10 +54,10 @@ class BasicBlock(nn.Module):
 class ResNetTiny(nn.Module):
     """ResNet-18-style: stem conv/BN/ReLU/max-pool, basic blocks, global pool, linear head."""
 
-    def __init__(self, width: int = 8, classes: int = 5, blocks: int = 2) -> None:
+    def __init__(self, width: int = 8, classes: int = 5, blocks: int = 2, pool: bool = True) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width),
-                                  nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
+                                  nn.ReLU(inplace=True), *([nn.MaxPool2d(3, 2, 1)] if pool else []))
         layers, c = [BasicBlock(width, width, 1)], width
         for _ in range(blocks - 1):
             layers.append(BasicBlock(c, 2 * c, 2))
@@ -172,7 +172,8 @@ class ModelSpec:
     """One model family: ``make(size)`` -> one member; ``inputs(lead, size, g)`` -> its inputs
     (a tuple) with leading dims ``lead``; ``batch[size]`` is the batch of the benchmark.
     ``module(members, strategy)``: a hand-built wide form of the members, timed next to
-    ``wc.compile`` (once per entry of ``module_strategies``); None: none."""
+    ``wc.compile`` (once per entry of ``module_strategies``); None: none. ``channels_last``: the members also run as a
+    channels-last loop (what a user of a conv net would try first)."""
 
     name: str
     make: Callable[[str], nn.Module]
@@ -181,6 +182,7 @@ class ModelSpec:
     description: str = ""
     module: Callable[[list[nn.Module], str], nn.Module] | None = None
     module_strategies: tuple[str, ...] = ("",)
+    channels_last: bool = False  # image input: the channels-last loop is a baseline too
 
 
 def _image(c: int, hw: dict[str, int]):
@@ -271,10 +273,19 @@ MODELS: dict[str, ModelSpec] = {s.name: s for s in (
     _spec("resnet", ResNetTiny,
           {"tiny": {"width": 8, "classes": 5}, "small": {"width": 16, "classes": 10}},
           _image(3, {"tiny": 16, "small": 32}), {"tiny": 2, "small": 8},
-          "ResNet-18-style, 2 basic blocks (width 8 / 16), 16x16 / 32x32 images"),
+          "ResNet-18-style, 2 basic blocks (width 8 / 16), 16x16 / 32x32 images", channels_last=True),
+    _spec("resnet_nopool", ResNetTiny,
+          {"tiny": {"width": 8, "classes": 5, "pool": False}, "small": {"width": 16, "classes": 10, "pool": False}},
+          _image(3, {"tiny": 16, "small": 32}), {"tiny": 2, "small": 8},
+          "the ResNet-style net without its stem max pool (16/32 channels at 32x32 and 16x16)",
+          channels_last=True),
+    _spec("resnet18", ResNet18, {"tiny": {"width": 8, "classes": 10}, "small": {}},
+          _image(3, {"tiny": 64, "small": 64}), {"tiny": 2, "small": 8},
+          "the standard ResNet-18 at its real widths (64-512 channels, 1000 classes), 64x64 images; "
+          "width 8 for tiny", channels_last=True),
     _spec("mobilenet", mobilenet, {"tiny": {"width": 8}, "small": {"width": 16, "classes": 10}},
           _image(3, {"tiny": 16, "small": 32}), {"tiny": 2, "small": 8},
-          "MobileNet-style depthwise-separable blocks (width 8 / 16)"),
+          "MobileNet-style depthwise-separable blocks (width 8 / 16)", channels_last=True),
     _spec("dcgan_g", dcgan_g,
           {"tiny": {"nz": 6, "ngf": 4, "img": 16}, "small": {"nz": 32, "ngf": 16, "img": 32}},
           lambda lead, size, g: (torch.randn(*lead, {"tiny": 6, "small": 32}[size], 1, 1,
@@ -282,7 +293,7 @@ MODELS: dict[str, ModelSpec] = {s.name: s for s in (
           {"tiny": 2, "small": 8}, "DCGAN generator, 16x16 / 32x32 output"),
     _spec("dcgan_d", dcgan_d, {"tiny": {"ndf": 8, "img": 16}, "small": {"ndf": 16, "img": 32}},
           _image(3, {"tiny": 16, "small": 32}), {"tiny": 2, "small": 8},
-          "DCGAN discriminator, 16x16 / 32x32 input"),
+          "DCGAN discriminator, 16x16 / 32x32 input", channels_last=True),
     _spec("audio1d", audio1d, {"tiny": {"channels": 8}, "small": {"channels": 32, "classes": 10}},
           _audio_inputs, {"tiny": 2, "small": 8}, "1-D conv audio classifier, 64 / 1024 samples"),
     _spec("tabular", Tabular, _TAB, _tab_inputs, {"tiny": 4, "small": 64},
