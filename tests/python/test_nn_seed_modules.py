@@ -20,7 +20,7 @@ from wide_compiler.testing import (
 )
 
 N = 3
-LINEAR, CONV, FUSED_LOOP, AUTO = ("auto", "bmm", "bmm_t", "loop"), ("auto", "grouped", "loop"), ("auto", "fused", "loop"), ("auto",)
+LINEAR, CONV, FUSED_LOOP, AUTO = ("auto", "bmm", "bmm_t", "loop"), ("auto", "grouped", "grouped_cl", "loop"), ("auto", "fused", "loop"), ("auto",)
 
 
 def _ints(*shape, high=10):
