@@ -235,3 +235,42 @@ def test_gru_language_model_with_initial_state():
 def test_rnn_classifier():
     models = make_members(RNNClassifier, 4)
     check_compile(models, torch.randn(3, 7, 5), strict=True, config=FAST)
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_loop_results_do_not_depend_on_the_thread_count(cls):
+    """Note [Members in parallel] (csrc/wide/ops/rnn.cpp): the loop strategy runs member chunks
+    on separate threads; outputs, input and parameter gradients are bit-identical with one thread
+    and with two, and equal the members'."""
+    members = make_members(lambda: cls(5, 7, num_layers=2, batch_first=True), 5)
+    wide = wc.nn.WideLSTM if cls is nn.LSTM else wc.nn.WideGRU
+    wide = wide.from_modules(members, strategy="loop")
+    x = torch.randn(5, 3, 4, 5)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for k in (1, 2):
+            torch.set_num_threads(k)
+            xg = x.clone().requires_grad_()
+            out, _ = wide(xg)
+            out.square().sum().backward()
+            results.append((out.detach(), xg.grad, [p.grad.clone() for p in wide.parameters()]))
+            wide.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    (o1, gx1, gp1), (o2, gx2, gp2) = results
+    assert torch.equal(o1, o2) and torch.equal(gx1, gx2) and all(map(torch.equal, gp1, gp2))
+    assert_members_close(o2, [m(x[i])[0] for i, m in enumerate(members)])
+
+
+def test_loop_in_parallel_keeps_the_callers_grad_mode():
+    """Workers run under the caller's thread-local state: no graph under no_grad or
+    inference_mode, a graph otherwise."""
+    members = make_members(lambda: nn.LSTM(3, 4, batch_first=True), 4)
+    wide = wc.nn.WideLSTM.from_modules(members, strategy="loop")
+    x = torch.randn(4, 2, 3, 3)
+    with torch.no_grad():
+        assert wide(x)[0].grad_fn is None
+    with torch.inference_mode():
+        assert wide(x)[0].is_inference()
+    assert wide(x)[0].grad_fn is not None

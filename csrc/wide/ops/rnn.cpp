@@ -1,5 +1,7 @@
 #include "wide/ops/rnn.h"
 
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/addcmul.h>
 #include <ATen/ops/baddbmm.h>
@@ -16,6 +18,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 // Note [wide::rnn]
@@ -153,6 +156,19 @@ at::Tensor opt_sum(const std::optional<at::Tensor>& a, const std::optional<at::T
 
 // Strategy "loop": ATen's own recurrent op per member (oneDNN's fused LSTM kernel on CPU, cuDNN
 // on CUDA), stacked. unbind, not select: its backward stacks the N gradients once.
+//
+// Note [Members in parallel]
+// --------------------------
+// A member's recurrent op runs T small steps ([B, H] x [H, 4H] GEMMs for an LSTM) that two
+// threads barely speed up, so on CPU the members are split into one contiguous chunk per
+// intra-op thread (at::parallel_for), each member's op running single-threaded inside its
+// chunk (ATen and oneDNN do not nest parallelism). A member's computation is the same kernel
+// on the same data whatever the chunking, so results do not depend on the thread count
+// (tests/python/test_rnn.py checks 1 and 2 threads bit for bit). The caller's thread-local
+// state (grad mode, inference mode, autocast, dispatch keys) is carried into the workers, so
+// the autograd graph each member records is the one a sequential loop records. Not taken when
+// the op draws random numbers (dropout in training: the members' draws would depend on the
+// order the threads reach the generator), on other devices, or for a single member.
 std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_loop(
     Mode mode, const at::Tensor& input, at::TensorList hx, at::TensorList params, int64_t num_layers,
     bool bidirectional, bool batch_first, double dropout, bool train, bool has_biases,
@@ -176,22 +192,31 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_loop(
     }
     for (int64_t m = 0; m < members; ++m) states[m].push_back(slices[m]);
   }
-  std::vector<at::Tensor> outs, hs, cs;
-  for (int64_t m = 0; m < members; ++m) {
+  std::vector<at::Tensor> outs(members), hs(members), cs(members);
+  auto run_member = [&](int64_t m) {
     if (mode == Mode::LSTM) {
-      auto [o, h, c] = at::lstm(xs[m], states[m], ps[m], has_biases, num_layers, dropout, train,
-                                bidirectional, batch_first);
-      outs.push_back(o), hs.push_back(h), cs.push_back(c);
+      std::tie(outs[m], hs[m], cs[m]) = at::lstm(xs[m], states[m], ps[m], has_biases, num_layers, dropout, train,
+                                                 bidirectional, batch_first);
     } else {
       using Single = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor&, const at::Tensor&, at::TensorList,
                                                             bool, int64_t, double, bool, bool, bool);
       const Single single = mode == Mode::GRU       ? static_cast<Single>(&at::gru)
                             : mode == Mode::RNNTanh ? static_cast<Single>(&at::rnn_tanh)
                                                     : static_cast<Single>(&at::rnn_relu);
-      auto [o, h] = single(xs[m], states[m][0], ps[m], has_biases, num_layers, dropout, train, bidirectional,
-                           batch_first);
-      outs.push_back(o), hs.push_back(h);
+      std::tie(outs[m], hs[m]) = single(xs[m], states[m][0], ps[m], has_biases, num_layers, dropout, train,
+                                        bidirectional, batch_first);
     }
+  };
+  const bool random = train && dropout > 0 && num_layers > 1;
+  if (input.device().is_cpu() && members > 1 && !random && at::get_num_threads() > 1 && !at::in_parallel_region()) {
+    // Note [Members in parallel]
+    const at::ThreadLocalState caller;
+    at::parallel_for(0, members, 1, [&](int64_t begin, int64_t end) {
+      at::ThreadLocalStateGuard guard(caller);
+      for (int64_t m = begin; m < end; ++m) run_member(m);
+    });
+  } else {
+    for (int64_t m = 0; m < members; ++m) run_member(m);
   }
   std::vector<at::Tensor> final_states{at::stack(hs)};
   if (mode == Mode::LSTM) final_states.push_back(at::stack(cs));
