@@ -213,3 +213,15 @@ def test_the_cache_dies_with_the_model():
     del wide, weight
     gc.collect()
     assert len(fold._FOLD_CACHE) == 0
+
+
+def test_a_replaced_buffer_is_seen_even_at_the_same_address():
+    """A new running_var tensor put in place of the old one (same shape, version 0, possibly the
+    same memory once the old is freed) is a different input."""
+    wide = wc.compile(_members(), torch.randn(2, 3, 8, 8), config=FAST).eval()
+    x = torch.randn(3, 2, 3, 8, 8)
+    with torch.no_grad():
+        wide(x)
+    holder = wide.get_submodule("bn1")
+    holder.running_var = holder.running_var * 4  # a new tensor object
+    _check(wide, x)

@@ -27,6 +27,7 @@ import itertools
 import math
 import operator
 import threading
+import weakref
 
 import torch
 from torch import fx
@@ -57,7 +58,8 @@ def folded_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, bn_weigh
 # Note [The fold cache]
 #     A folded weight is a function of the conv's weight and bias and the BatchNorm's affine
 #     parameters and running statistics. It is cached per conv weight tensor (a weak key: the entry
-#     dies with the model) and per fold site, under a signature of every input: identity, version
+#     dies with the model) and per fold site, under a signature of every input: identity (a weak
+#     reference: an id or address alone can be reused by a new tensor), version
 #     counter (bumped by every in-place write through autograd's view of the tensor: optimizer
 #     steps, ``load_state_dict``, ``copy_``, ``fill_`` under ``no_grad``), storage pointer, dtype,
 #     device and shape (``.to()``, ``.data = ...`` and ``share_memory_`` change these), plus eps
@@ -82,8 +84,14 @@ def _signature(tensors: tuple, eps: float) -> tuple | None:
     if torch.is_grad_enabled() and any(t.requires_grad for t in live):
         return None
     return (eps, torch.is_inference_mode_enabled(), *(
-        None if t is None else (id(t), t._version, t.data_ptr(), t.dtype, t.device, tuple(t.shape))
+        None if t is None else (t._version, t.data_ptr(), t.dtype, t.device, tuple(t.shape))
         for t in tensors))
+
+
+def _same_tensors(refs: tuple, tensors: tuple) -> bool:
+    """Whether ``tensors`` are the very objects ``refs`` (weak references, None for None) name:
+    an id or an address alone may be reused by a new tensor once the old one is freed."""
+    return all((r is None and t is None) or (r is not None and r() is t) for r, t in zip(refs, tensors))
 
 
 def cached_folded_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, bn_weight: torch.Tensor | None,
@@ -91,17 +99,19 @@ def cached_folded_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, b
                               eps: float, site: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`folded_conv_params`, computed once and reused while its inputs are unchanged and no
     gradient is wanted (Note [The fold cache]); ``site`` names the fold in its graph."""
-    sig = _signature((weight, bias, bn_weight, bn_bias, mean, var), eps)
+    tensors = (weight, bias, bn_weight, bn_bias, mean, var)
+    sig = _signature(tensors, eps)
     if sig is None:
-        return folded_conv_params(weight, bias, bn_weight, bn_bias, mean, var, eps)
+        return folded_conv_params(*tensors, eps)
     with _FOLD_LOCK:
         sites = _FOLD_CACHE.get(weight)
         hit = sites.get(site) if sites is not None else None
-    if hit is not None and hit[0] == sig:
-        return hit[1]
-    result = folded_conv_params(weight, bias, bn_weight, bn_bias, mean, var, eps)
+    if hit is not None and hit[0] == sig and _same_tensors(hit[1], tensors):
+        return hit[2]
+    result = folded_conv_params(*tensors, eps)
+    refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
     with _FOLD_LOCK:
-        _FOLD_CACHE.setdefault(weight, {})[site] = (sig, result)
+        _FOLD_CACHE.setdefault(weight, {})[site] = (sig, refs, result)
     return result
 
 
