@@ -426,7 +426,13 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
     records = []
     for name in targets:
         with bench.engine.compile_all() if args.compile else contextlib.nullcontext():
-            recs = bench.run(name, args.preset, progress=not args.quiet)
+            try:
+                recs = bench.run(name, args.preset, progress=not args.quiet, cases=args.case)
+            except ValueError as e:
+                if not str(e).startswith(f"benchmark {name}/"):
+                    raise
+                print(f"error: {e}", file=sys.stderr)
+                return 2
         records += recs
         if not args.quiet:
             print(bench.format_records(name, top_records(recs, args.top) if args.top else recs))
@@ -618,6 +624,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print only the K records with the largest speedup over their best baseline")
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw speedup vs N per baseline to FILE.png (needs matplotlib)")
+    p.add_argument("--case", action="append", metavar="NAME",
+                   help="run only this case of the target (repeatable; 'resnet18' or 'resnet18 N=4'): "
+                        "one process per case bounds memory when the models are large")
     p.add_argument("--tuned-allocator", action="store_true",
                    help="call wc.tune_cpu_allocator() first (raises glibc's malloc thresholds for "
                         "the whole process, every contender alike; by default nothing process-wide "

@@ -132,13 +132,20 @@ def get(name: str) -> Target:
     return _REGISTRY[name]
 
 
-def run(name: str, preset: str | Preset = "quick", *, progress: bool = False) -> list[Record]:
+def run(name: str, preset: str | Preset = "quick", *, progress: bool = False,
+        cases: Sequence[str] | None = None) -> list[Record]:
     """Run target ``name`` with ``preset`` (a preset name, or a :class:`Preset` of your own grid,
-    stamped ``"custom"``); returns its records (:mod:`.engine`)."""
+    stamped ``"custom"``); returns its records (:mod:`.engine`). ``cases``: run only the jobs
+    whose label starts with one of these names (``"resnet18"``, ``"resnet18 N=4"``)."""
     spec = get(name)
     p, label = (preset, "custom") if isinstance(preset, Preset) else (spec.preset(preset), preset)
     machine = engine.machine_info()
     jobs = list(spec.jobs(p))
+    if cases:
+        known = sorted({j.label for j in jobs})
+        jobs = [j for j in jobs if any(j.label == c or j.label.startswith(c + " ") for c in cases)]
+        if not jobs:
+            raise ValueError(f"benchmark {name}/{label}: no case matches {list(cases)}; the cases are {known}")
     bar = None
     if progress:
         from tqdm.auto import tqdm
