@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "wide/ops/conv.h"
+#include "wide/ops/layout.h"
 #include "wide_test_utils.h"
 
 namespace {
@@ -117,7 +118,7 @@ INSTANTIATE_TEST_SUITE_P(
     Grid, WideConvTest,
     ::testing::Combine(::testing::Bool(), ::testing::Values(1, 2, 3),
                        ::testing::Values(Layout::NFirst, Layout::Packed, Layout::Shared),
-                       ::testing::Values("grouped", "loop")),
+                       ::testing::Values("grouped", "grouped_cl", "loop")),
     conv_case_name);
 
 // Explicit (left, right) padding in F.pad order (last dim first), as padding='same' with an even
@@ -211,7 +212,7 @@ TEST(WideConv, Errors) {
     return [=] { wide::conv(xx, ww, b, syms(stride), syms(padding), syms(one), groups, packed, s); };
   };
   expect_error(conv(x, w, std::nullopt, one, one, 1, false, "fast"),
-               "wide::conv: expected strategy 'auto', 'grouped' or 'loop', got 'fast'");
+               "wide::conv: expected strategy 'auto', 'grouped', 'grouped_cl' or 'loop', got 'fast'");
   expect_error(conv(x, at::randn({6, 4, 3}), std::nullopt, one, one, 1, false, "auto"),
                "wide::conv: expected weight [N, C_out, C_in/groups, *kernel] with 1 to 3 spatial dims");
   expect_error(conv(x, w, std::nullopt, one, one, 0, false, "auto"), "expected groups >= 1, got 0");
@@ -243,7 +244,29 @@ TEST(WideConv, Errors) {
   expect_error(conv_t({0, 0}, {0}, "auto"), "wide::conv_transpose: expected 1 padding values, got 2");
   expect_error(conv_t(one, {0, 0}, "auto"), "wide::conv_transpose: expected 1 output_padding values, got 2");
   expect_error(conv_t(one, {0}, "loops"),
-               "wide::conv_transpose: expected strategy 'auto', 'grouped' or 'loop', got 'loops'");
+               "wide::conv_transpose: expected strategy 'auto', 'grouped', 'grouped_cl' or 'loop', got 'loops'");
+}
+
+// Note [wide::conv strategies]: grouped_cl runs channels-last and returns a channels-last
+// packed result; grouped and loop return channels-first whatever their input's layout.
+TEST(WideConv, StrategiesNameTheirMemoryLayout) {
+  const at::Tensor x = at::randn({3, 2, 4, 6, 6});
+  const at::Tensor w = at::randn({3, 5, 4, 3, 3});
+  const Ints one = {1, 1};
+  auto run = [&](const at::Tensor& input, bool packed, const char* s) {
+    return wide::conv(input, w, std::nullopt, syms(one), syms(one), syms(one), 1, packed, s);
+  };
+  const at::Tensor want = run(x, false, "loop");
+  const at::Tensor packed_cl = wide::to_packed(x).contiguous(at::MemoryFormat::ChannelsLast);
+  for (const at::Tensor& out : {run(x, false, "grouped_cl"), run(packed_cl, true, "grouped_cl")}) {
+    EXPECT_TRUE(out.is_contiguous(at::MemoryFormat::ChannelsLast));
+    EXPECT_TRUE(at::allclose(out, want, 1e-5, 1e-5));
+  }
+  for (const char* s : {"grouped", "loop"}) {
+    const at::Tensor out = run(packed_cl, true, s);
+    EXPECT_TRUE(out.is_contiguous()) << s;
+    EXPECT_TRUE(at::allclose(out, want, 1e-5, 1e-5)) << s;
+  }
 }
 
 // The public C++ API (a typed dispatcher call) agrees with the boxed call Python makes.
@@ -254,6 +277,7 @@ TEST(WideConv, CppApiMatchesDispatcher) {
   const at::Tensor boxed = call_boxed("wide::conv", x, w, std::nullopt, one, one, one, 2, false, "loop").toTensor();
   EXPECT_TRUE(at::allclose(wide::conv(x, w, std::nullopt, syms(one), syms(one), syms(one), 2, false, "loop"), boxed));
   EXPECT_EQ(wide::parse_conv_strategy("grouped", "conv"), wide::ConvStrategy::Grouped);
+  EXPECT_EQ(wide::parse_conv_strategy("grouped_cl", "conv"), wide::ConvStrategy::GroupedChannelsLast);
   EXPECT_EQ(wide::parse_conv_strategy("auto", "conv"), wide::ConvStrategy::Auto);
 }
 

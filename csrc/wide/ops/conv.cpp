@@ -41,6 +41,14 @@
 // channels many, and oneDNN's grouped kernel falls far behind N ordinary convs at 512 channels
 // per group. So `auto` is only a heuristic default (fx/rules/conv.py); the compile-time tuner
 // measures each conv, and the model-level check (model.py) the graph as a whole.
+//
+// Accuracy: with 3 input channels per group (an RGB stem), oneDNN's channels-first grouped
+// weight gradient sums in a way that loses far more precision than the per-member kernel when
+// the gradient is a small difference of large terms, as it is behind a training BatchNorm: a
+// ResNet-style stem, 16 members, 8x3x32x32, weight gradient 1.1e-2 from float64 (of 1.5) against
+// 2.5e-6 for the members and 1.4e-6 for grouped_cl. So 2-d convs with fewer than kFewChannels
+// input channels per group never run channels-first grouped by default: `auto` is grouped_cl
+// there, and the compiler does not offer grouped for them (fx/rules/conv.py).
 // Built from ATen ops with SymInt sizes: CompositeImplicitAutograd, traces with a dynamic batch.
 //
 // Padding: `padding` has one value per spatial dim (symmetric, passed to the conv) or two per
@@ -63,6 +71,9 @@ ConvStrategy parse_conv_strategy(std::string_view name, std::string_view op) {
 
 namespace {
 
+// Input channels per group below which `auto` runs grouped_cl (Note [wide::conv strategies]).
+constexpr int64_t kFewChannels = 8;
+
 // One convolution (transposed or not) of all members; weight is [N, A, B', *k] where
 // (A, B') = (C_out, C_in/g) for conv and (C_in, C_out/g) for conv_transpose.
 at::Tensor wide_convolution(const char* op, const at::Tensor& input, const at::Tensor& weight,
@@ -70,7 +81,7 @@ at::Tensor wide_convolution(const char* op, const at::Tensor& input, const at::T
                             c10::SymIntArrayRef padding_in, c10::SymIntArrayRef dilation,
                             bool transposed, c10::SymIntArrayRef output_padding,
                             const c10::SymInt& groups, bool packed_input, std::string_view strategy) {
-  const ConvStrategy kind = parse_conv_strategy(strategy, op);
+  ConvStrategy kind = parse_conv_strategy(strategy, op);
   TORCH_CHECK(weight.dim() >= 4 && weight.dim() <= 6, "wide::", op, ": expected weight [N, ",
               transposed ? "C_in, C_out/groups" : "C_out, C_in/groups", ", *kernel] with 1 to 3 "
               "spatial dims, got ", weight.sym_sizes());
@@ -139,6 +150,11 @@ at::Tensor wide_convolution(const char* op, const at::Tensor& input, const at::T
                                   false, output_padding, 1);
   }
 
+  if (kind == ConvStrategy::Auto) {
+    // Few input channels per group: channels-first grouped loses accuracy (see the note).
+    kind = d == 2 && !transposed && weight.sym_size(2) < kFewChannels ? ConvStrategy::GroupedChannelsLast
+                                                                     : ConvStrategy::Grouped;
+  }
   if (kind == ConvStrategy::Loop) {
     // unbind/split, not select/narrow: their backward stacks/concatenates the N gradients once,
     // where N selects would each scatter into a zero tensor of the full size (O(N^2) traffic).

@@ -26,13 +26,19 @@ _PACKED = {"layout": "packed", "strategies": _STRATEGIES}
 # A member weight of this many elements or more defaults to the loop (Note [wide::conv strategies]
 # in csrc/wide/ops/conv.cpp: oneDNN's grouped kernel falls far behind N ordinary convs there).
 _LOOP_WEIGHT_ELEMENTS = 1 << 19
+_FEW_CHANNELS = 8  # kFewChannels in conv.cpp
 
 __all__ = ["conv_candidates", "conv_strategies", "default_conv_strategy"]
 
 
 def conv_strategies(shapes: dict) -> tuple[str, ...]:
-    """The strategies of one conv: grouped_cl for 2-d convs only."""
-    return _STRATEGIES if len(shapes["weight"]) == 4 else ("grouped", "loop")
+    """The strategies of one conv: grouped_cl for 2-d convs only, and not channels-first grouped
+    for 2-d convs with fewer than 8 input channels per group (inaccurate weight gradients: Note
+    [wide::conv strategies] in csrc/wide/ops/conv.cpp)."""
+    weight = shapes["weight"]
+    if len(weight) != 4:
+        return ("grouped", "loop")
+    return ("grouped_cl", "loop") if weight[1] < _FEW_CHANNELS and not shapes.get("transposed") else _STRATEGIES
 
 
 def default_conv_strategy(shapes: dict, *, channels_last: bool = False) -> str:
@@ -40,7 +46,8 @@ def default_conv_strategy(shapes: dict, *, channels_last: bool = False) -> str:
     else grouped, channels-last when ``channels_last`` is asked for and the conv is 2-d."""
     if math.prod(shapes["weight"]) >= _LOOP_WEIGHT_ELEMENTS:
         return "loop"
-    return "grouped_cl" if channels_last and "grouped_cl" in conv_strategies(shapes) else "grouped"
+    names = conv_strategies(shapes)
+    return "grouped_cl" if "grouped_cl" in names and (channels_last or "grouped" not in names) else "grouped"
 
 
 def conv_candidates(op, n: int, shapes: dict, opts: dict) -> dict:
@@ -95,7 +102,8 @@ def _conv(ctx: WidenContext, node: fx.Node, transposed: bool) -> Wide:
     packed.meta["wide_shapes"] = {
         "input": [1, *in_shape] if unbatched else in_shape, "weight": concrete_shape(w_old),
         "bias_features": concrete_shape(node.args[2])[0] if a["bias"] is not None else 0,
-        "args": [list(v) if isinstance(v, (list, tuple)) else v for v in args], "packed_input": False}
+        "args": [list(v) if isinstance(v, (list, tuple)) else v for v in args], "packed_input": False,
+        "transposed": transposed}
     shapes = packed.meta["wide_shapes"]
     packed.meta["wide_tune"] = TuneSpec(
         default=default_conv_strategy(shapes), strategies=conv_strategies(shapes),
