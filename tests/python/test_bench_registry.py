@@ -193,3 +193,15 @@ def test_optimizer_check_detects_a_wrong_member():
         ref.step()
     errs = [engine.params_max_abs_err([refs[i][0]], [w[i:i + 1]]) for i in range(3)]
     assert errs[0] < 1e-6 and errs[2] < 1e-6 and errs[1] > 0.1
+
+
+def test_cases_filter_runs_only_the_named_cases_and_names_the_known_ones():
+    """``benchmark TARGET --case NAME``: the real-size target's ResNet-18 at toy width, alone; a
+    name that matches nothing lists the cases."""
+    records = bench.run("real", "ci", cases=["resnet18"])
+    assert {r["case"] for r in records} == {"resnet18"} and {r["mode"] for r in records} == {"inference", "train"}
+    for r in records:
+        assert {"loop", "loop_cl", "vmap"} <= set(r["baseline_ms"]), r["errors"]
+        assert r["max_abs_err"] < 1e-3, r
+    with pytest.raises(ValueError, match="no case matches.*resnet18 N=2"):
+        bench.run("real", "ci", cases=["resnet19"])

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <ATen/ops/addcmul.h>
 #include <ATen/ops/baddbmm.h>
 #include <ATen/ops/bmm.h>
@@ -168,7 +169,8 @@ at::Tensor opt_sum(const std::optional<at::Tensor>& a, const std::optional<at::T
 // state (grad mode, inference mode, autocast, dispatch keys) is carried into the workers, so
 // the autograd graph each member records is the one a sequential loop records. Not taken when
 // the op draws random numbers (dropout in training: the members' draws would depend on the
-// order the threads reach the generator), on other devices, or for a single member.
+// order the threads reach the generator), for Python tensor subclasses and dispatch modes (fake
+// tensors while tracing), on other devices, or for a single member.
 std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_loop(
     Mode mode, const at::Tensor& input, at::TensorList hx, at::TensorList params, int64_t num_layers,
     bool bidirectional, bool batch_first, double dropout, bool train, bool has_biases,
@@ -208,7 +210,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_loop(
     }
   };
   const bool random = train && dropout > 0 && num_layers > 1;
-  if (input.device().is_cpu() && members > 1 && !random && at::get_num_threads() > 1 && !at::in_parallel_region()) {
+  // Python tensor subclasses and modes (fake tensors under torch.compile/export) call back into
+  // Python, which worker threads may not do while the caller waits: sequential then.
+  const bool python = input.key_set().has(c10::DispatchKey::Python) ||
+                      input.key_set().has(c10::DispatchKey::Functionalize) ||
+                      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python);
+  if (input.device().is_cpu() && members > 1 && !random && !python && at::get_num_threads() > 1 &&
+      !at::in_parallel_region()) {
     // Note [Members in parallel]
     const at::ThreadLocalState caller;
     at::parallel_for(0, members, 1, [&](int64_t begin, int64_t end) {
