@@ -125,7 +125,7 @@ def test_benchmark_all_save_and_top(tmp_path, monkeypatch, capsys):
     from wide_compiler import bench
 
     ran = []
-    monkeypatch.setattr(bench, "run", lambda name, preset, progress=False: ran.append(name) or _fake_records(name, preset))
+    monkeypatch.setattr(bench, "run", lambda name, preset, progress=False, cases=None: ran.append(name) or _fake_records(name, preset))
     monkeypatch.setattr(bench, "format_records", lambda name, recs: "\n".join(
         f"{r['target']} {r['case']} N={r['n']} x{r['speedup']['loop']}" for r in recs))
     monkeypatch.chdir(tmp_path)

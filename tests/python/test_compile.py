@@ -1048,10 +1048,12 @@ def test_outputs_are_contiguous_like_the_members():
 
 def test_forced_strategies_apply_per_op_and_unknown_names_are_rejected():
     from wide_compiler.zoo import ConvNet
-    models = members(lambda: ConvNet(channels=4), 2)
+    models = members(lambda: ConvNet(channels=8), 2)
     sample = torch.randn(2, 3, 8, 8)
-    for forced, want in (("batched", {"bmm", "grouped"}), ("loop", {"loop"}), ("bmm", {"bmm", "grouped"}),
-                         ("grouped", {"grouped", "bmm"})):
+    # the RGB stem never runs channels-first grouped (Note [wide::conv strategies]): grouped_cl
+    for forced, want in (("batched", {"bmm", "grouped", "grouped_cl"}), ("loop", {"loop"}),
+                         ("bmm", {"bmm", "grouped", "grouped_cl"}), ("grouped", {"grouped", "grouped_cl", "bmm"}),
+                         ("grouped_cl", {"grouped_cl", "bmm"})):
         wide = wc.compile(models, sample, config=wc.WideConfig(strategy=forced, tune=False))
         assert set(wide.strategies.values()) == want, (forced, wide.strategies)
     with pytest.raises(ValueError, match="no wide op of this model offers that strategy"):
