@@ -274,3 +274,26 @@ def test_loop_in_parallel_keeps_the_callers_grad_mode():
     with torch.inference_mode():
         assert wide(x)[0].is_inference()
     assert wide(x)[0].grad_fn is not None
+
+
+def test_loop_in_parallel_gradients_of_states_and_higher_order_refused():
+    """MembersInParallel (Note [Members in parallel]): gradcheck of input, initial states and
+    parameters in float64 through the parallel backward; create_graph=True is a clear error."""
+    torch.set_num_threads(2)
+    members = [m.double() for m in make_members(lambda: nn.LSTM(3, 2, num_layers=2, batch_first=True), 3)]
+    wide = wc.nn.WideLSTM.from_modules(members, strategy="loop")
+    x = torch.randn(3, 2, 4, 3, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(3, 2, 2, 2, dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(3, 2, 2, 2, dtype=torch.float64, requires_grad=True)
+
+    def f(x, h0, c0):
+        out, (h, c) = wide(x, (h0, c0))
+        return out, h, c
+
+    assert torch.autograd.gradcheck(f, (x, h0, c0))
+    out, (h, c) = wide(x, (h0, c0))
+    for i, m in enumerate(members):
+        mo, (mh, mc) = m(x[i], (h0[i], c0[i]))
+        torch.testing.assert_close(out[i], mo), torch.testing.assert_close(c[:, i] if c.dim() == 3 else c[i], mc)
+    with pytest.raises(RuntimeError, match="not twice differentiable"):
+        torch.autograd.grad(out.sum(), [x], create_graph=True)

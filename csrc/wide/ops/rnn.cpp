@@ -3,7 +3,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <ATen/ops/addcmul.h>
 #include <ATen/ops/baddbmm.h>
 #include <ATen/ops/bmm.h>
@@ -18,6 +21,8 @@
 #include <c10/core/ScalarType.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <functional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -61,6 +66,9 @@
 
 namespace wide {
 namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
 
 enum class Mode { LSTM, GRU, RNNTanh, RNNRelu };
 
@@ -155,6 +163,100 @@ at::Tensor opt_sum(const std::optional<at::Tensor>& a, const std::optional<at::T
   return at::Tensor();
 }
 
+// One member's results ({output, h_n} or {output, h_n, c_n}) from its input, initial states and
+// parameters.
+using MemberFn = std::function<std::vector<at::Tensor>(const at::Tensor&, const std::vector<at::Tensor>&,
+                                                       const std::vector<at::Tensor>&)>;
+
+// Runs fn(m) for every member, one chunk of members per intra-op thread, each under the caller's
+// thread-local state (Note [Members in parallel]).
+void for_members_in_parallel(int64_t members, const std::function<void(int64_t)>& fn) {
+  const at::ThreadLocalState caller;
+  at::parallel_for(0, members, 1, [&](int64_t begin, int64_t end) {
+    at::ThreadLocalStateGuard guard(caller);
+    for (int64_t m = begin; m < end; ++m) fn(m);
+  });
+}
+
+// Note [Members in parallel], training: the autograd engine would run the N members' backward
+// nodes one after another, so the members' graphs are recorded inside this function (on leaves
+// that are slices of the stacked inputs) and its backward runs torch::autograd::grad of each
+// member's graph on the member's thread. Not twice differentiable (neither is oneDNN's RNN).
+class MembersInParallel : public torch::autograd::Function<MembersInParallel> {
+ public:
+  // flat: {input, h0 [, c0], parameters...}, each [N, ...]; `states` of them are initial states.
+  static variable_list forward(AutogradContext* ctx, at::TensorList flat, int64_t states, MemberFn fn) {
+    const int64_t members = flat[0].size(0);
+    const size_t k = flat.size();
+    std::vector<std::vector<at::Tensor>> slices(k);
+    for (size_t i = 0; i < k; ++i) slices[i] = flat[i].detach().unbind(0);
+    std::vector<std::vector<at::Tensor>> leaves(members), results(members);
+    for (int64_t m = 0; m < members; ++m) {
+      for (size_t i = 0; i < k; ++i) leaves[m].push_back(slices[i][m].requires_grad_(flat[i].requires_grad()));
+    }
+    for_members_in_parallel(members, [&](int64_t m) {
+      at::AutoGradMode grad(true);
+      const std::vector<at::Tensor>& l = leaves[m];
+      results[m] = fn(l[0], std::vector<at::Tensor>(l.begin() + 1, l.begin() + 1 + states),
+                      std::vector<at::Tensor>(l.begin() + 1 + states, l.end()));
+    });
+    const size_t r = results[0].size();
+    variable_list stacked, saved;
+    for (size_t j = 0; j < r; ++j) {
+      std::vector<at::Tensor> parts;
+      for (int64_t m = 0; m < members; ++m) parts.push_back(results[m][j].detach());
+      stacked.push_back(at::stack(parts));
+    }
+    // Saved as saved variables, not saved_data: the engine releases them (and with them the
+    // members' graphs) after a backward that does not retain the graph, as for any node.
+    for (int64_t m = 0; m < members; ++m) saved.insert(saved.end(), leaves[m].begin(), leaves[m].end());
+    for (int64_t m = 0; m < members; ++m) saved.insert(saved.end(), results[m].begin(), results[m].end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["k"] = static_cast<int64_t>(k);
+    ctx->saved_data["r"] = static_cast<int64_t>(r);
+    return stacked;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), "wide::rnn: the 'loop' strategy with members in parallel is not "
+                "twice differentiable; compile with WideConfig(strategy='fused') for higher-order gradients");
+    const variable_list saved = ctx->get_saved_variables();
+    const int64_t k = ctx->saved_data["k"].toInt(), r = ctx->saved_data["r"].toInt();
+    const int64_t members = static_cast<int64_t>(saved.size()) / (k + r);
+    const variable_list leaves(saved.begin(), saved.begin() + members * k);
+    const variable_list results(saved.begin() + members * k, saved.end());
+    std::vector<std::vector<at::Tensor>> member_grads(members);
+    for_members_in_parallel(members, [&](int64_t m) {
+      variable_list outs, gouts, wrt;
+      std::vector<int64_t> where;
+      for (int64_t j = 0; j < r; ++j) {
+        const at::Tensor& out = results[m * r + j];
+        if (grads[j].defined() && out.requires_grad()) outs.push_back(out), gouts.push_back(grads[j][m]);
+      }
+      for (int64_t i = 0; i < k; ++i) {
+        if (leaves[m * k + i].requires_grad()) wrt.push_back(leaves[m * k + i]), where.push_back(i);
+      }
+      member_grads[m].assign(k, at::Tensor());
+      if (outs.empty() || wrt.empty()) return;
+      // Retained: the outer backward may be retained; the saved variables bound its life.
+      const variable_list g = torch::autograd::grad(outs, wrt, gouts, /*retain_graph=*/true,
+                                                    /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t w = 0; w < where.size(); ++w) member_grads[m][where[w]] = g[w];
+    });
+    variable_list out(k + 2);
+    for (int64_t i = 0; i < k; ++i) {
+      if (!leaves[i].requires_grad()) continue;
+      std::vector<at::Tensor> parts;
+      for (int64_t m = 0; m < members; ++m) {
+        const at::Tensor& g = member_grads[m][i];
+        parts.push_back(g.defined() ? g : at::zeros_like(leaves[m * k + i]));
+      }
+      out[i] = at::stack(parts);
+    }
+    return out;
+  }
+};
+
 // Strategy "loop": ATen's own recurrent op per member (oneDNN's fused LSTM kernel on CPU, cuDNN
 // on CUDA), stacked. unbind, not select: its backward stacks the N gradients once.
 //
@@ -166,69 +268,81 @@ at::Tensor opt_sum(const std::optional<at::Tensor>& a, const std::optional<at::T
 // chunk (ATen and oneDNN do not nest parallelism). A member's computation is the same kernel
 // on the same data whatever the chunking, so results do not depend on the thread count
 // (tests/python/test_rnn.py checks 1 and 2 threads bit for bit). The caller's thread-local
-// state (grad mode, inference mode, autocast, dispatch keys) is carried into the workers, so
-// the autograd graph each member records is the one a sequential loop records. Not taken when
-// the op draws random numbers (dropout in training: the members' draws would depend on the
-// order the threads reach the generator), for Python tensor subclasses and dispatch modes (fake
-// tensors while tracing), on other devices, or for a single member.
+// state (grad mode, inference mode, autocast, dispatch keys) is carried into the workers. When
+// a gradient is wanted, MembersInParallel records each member's graph and runs the members'
+// backward passes in parallel too. Not taken when the op draws random numbers (dropout in
+// training: the members' draws would depend on the order the threads reach the generator), for
+// Python tensor subclasses and dispatch modes (fake tensors while tracing), on other devices, or
+// for a single member.
 std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_loop(
     Mode mode, const at::Tensor& input, at::TensorList hx, at::TensorList params, int64_t num_layers,
     bool bidirectional, bool batch_first, double dropout, bool train, bool has_biases,
     const c10::SymInt& h_out, const c10::SymInt& hidden, const c10::SymInt& batch) {
   const int64_t members = input.size(0), dirs = bidirectional ? 2 : 1;
-  const std::vector<at::Tensor> xs = input.unbind(0);
-  std::vector<std::vector<at::Tensor>> ps(members), states(members);
-  for (const at::Tensor& p : params) {
-    auto slices = p.unbind(0);
-    for (int64_t m = 0; m < members; ++m) ps[m].push_back(slices[m]);
-  }
   const int64_t k = mode == Mode::LSTM ? 2 : 1;
-  for (int64_t j = 0; j < k; ++j) {
-    std::vector<at::Tensor> slices;
-    if (hx.empty()) {
-      const at::Tensor zero = at::zeros_symint({c10::SymInt(num_layers * dirs), batch, j == 0 ? h_out : hidden},
-                                               input.options());
-      slices.assign(members, zero);
-    } else {
-      slices = hx[j].unbind(0);
+  // One member: its initial states (zeros when none are given) and its parameters.
+  const MemberFn run_member = [=](const at::Tensor& x, const std::vector<at::Tensor>& given,
+                                  const std::vector<at::Tensor>& ps) -> std::vector<at::Tensor> {
+    std::vector<at::Tensor> states = given;
+    if (states.empty()) {
+      for (int64_t j = 0; j < k; ++j) {
+        states.push_back(
+            at::zeros_symint({c10::SymInt(num_layers * dirs), batch, j == 0 ? h_out : hidden}, x.options()));
+      }
     }
-    for (int64_t m = 0; m < members; ++m) states[m].push_back(slices[m]);
-  }
-  std::vector<at::Tensor> outs(members), hs(members), cs(members);
-  auto run_member = [&](int64_t m) {
     if (mode == Mode::LSTM) {
-      std::tie(outs[m], hs[m], cs[m]) = at::lstm(xs[m], states[m], ps[m], has_biases, num_layers, dropout, train,
-                                                 bidirectional, batch_first);
-    } else {
-      using Single = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor&, const at::Tensor&, at::TensorList,
-                                                            bool, int64_t, double, bool, bool, bool);
-      const Single single = mode == Mode::GRU       ? static_cast<Single>(&at::gru)
-                            : mode == Mode::RNNTanh ? static_cast<Single>(&at::rnn_tanh)
-                                                    : static_cast<Single>(&at::rnn_relu);
-      std::tie(outs[m], hs[m]) = single(xs[m], states[m][0], ps[m], has_biases, num_layers, dropout, train,
-                                        bidirectional, batch_first);
+      auto [o, h, c] = at::lstm(x, states, ps, has_biases, num_layers, dropout, train, bidirectional, batch_first);
+      return {o, h, c};
     }
+    using Single = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor&, const at::Tensor&, at::TensorList,
+                                                          bool, int64_t, double, bool, bool, bool);
+    const Single single = mode == Mode::GRU       ? static_cast<Single>(&at::gru)
+                          : mode == Mode::RNNTanh ? static_cast<Single>(&at::rnn_tanh)
+                                                  : static_cast<Single>(&at::rnn_relu);
+    auto [o, h] = single(x, states[0], ps, has_biases, num_layers, dropout, train, bidirectional, batch_first);
+    return {o, h};
   };
+  std::vector<at::Tensor> flat{input};
+  for (const at::Tensor& h : hx) flat.push_back(h);
+  for (const at::Tensor& p : params) flat.push_back(p);
+  const int64_t n_states = static_cast<int64_t>(hx.size());
+
   const bool random = train && dropout > 0 && num_layers > 1;
   // Python tensor subclasses and modes (fake tensors under torch.compile/export) call back into
   // Python, which worker threads may not do while the caller waits: sequential then.
   const bool python = input.key_set().has(c10::DispatchKey::Python) ||
                       input.key_set().has(c10::DispatchKey::Functionalize) ||
                       c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python);
-  if (input.device().is_cpu() && members > 1 && !random && !python && at::get_num_threads() > 1 &&
-      !at::in_parallel_region()) {
-    // Note [Members in parallel]
-    const at::ThreadLocalState caller;
-    at::parallel_for(0, members, 1, [&](int64_t begin, int64_t end) {
-      at::ThreadLocalStateGuard guard(caller);
-      for (int64_t m = begin; m < end; ++m) run_member(m);
-    });
+  const bool parallel = input.device().is_cpu() && members > 1 && !random && !python &&
+                        at::get_num_threads() > 1 && !at::in_parallel_region();
+  const bool wants_grad =
+      at::GradMode::is_enabled() && std::any_of(flat.begin(), flat.end(), [](const at::Tensor& t) { return t.requires_grad(); });
+  std::vector<at::Tensor> stacked;
+  if (parallel && wants_grad) {
+    stacked = MembersInParallel::apply(at::TensorList(flat), n_states, run_member);
   } else {
-    for (int64_t m = 0; m < members; ++m) run_member(m);
+    std::vector<std::vector<at::Tensor>> slices;
+    for (const at::Tensor& t : flat) slices.push_back(t.unbind(0));  // backward: one stack per input
+    std::vector<std::vector<at::Tensor>> results(members);
+    auto one = [&](int64_t m) {
+      std::vector<at::Tensor> states, ps;
+      for (int64_t i = 0; i < n_states; ++i) states.push_back(slices[1 + i][m]);
+      for (size_t i = 1 + n_states; i < flat.size(); ++i) ps.push_back(slices[i][m]);
+      results[m] = run_member(slices[0][m], states, ps);
+    };
+    if (parallel) {
+      for_members_in_parallel(members, one);
+    } else {
+      for (int64_t m = 0; m < members; ++m) one(m);
+    }
+    for (size_t j = 0; j < results[0].size(); ++j) {
+      std::vector<at::Tensor> parts;
+      for (int64_t m = 0; m < members; ++m) parts.push_back(results[m][j]);
+      stacked.push_back(at::stack(parts));
+    }
   }
-  std::vector<at::Tensor> final_states{at::stack(hs)};
-  if (mode == Mode::LSTM) final_states.push_back(at::stack(cs));
-  return {at::stack(outs), std::move(final_states)};
+  std::vector<at::Tensor> final_states(stacked.begin() + 1, stacked.end());
+  return {stacked[0], std::move(final_states)};
 }
 
 std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_impl(
