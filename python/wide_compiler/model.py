@@ -15,7 +15,6 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .allocator import caching_scope
 from .config import WideConfig
 from .fx.capture import module_path
 from .fx.fold import clear_fold_cache
@@ -294,8 +293,11 @@ class WideModel(MemberOpsMixin, nn.Module):
         if torch.compiler.is_compiling():
             outs = wg.graph_module(*feeds)
         else:  # Note [The wide caching allocator] (csrc/wide/memory/caching_allocator.cpp)
-            with caching_scope():
+            _caching_scope(True)  # the op, not allocator.caching_scope(): ~1 us less per call
+            try:
                 outs = wg.graph_module(*feeds)
+            finally:
+                _caching_scope(False)
             _cache_backward(outs)
         k = len(wg.mutated_buffers)
         if k:
@@ -643,11 +645,14 @@ def _get_tensor(root: nn.Module, name: str) -> torch.Tensor:
     return t if t is not None else mod._buffers[attr]
 
 
+_caching_scope = torch.ops.wide._caching_scope.default
+
+
 def _enter_backward_scope(_grad_outputs: Any) -> None:
     """A backward pre-hook of a wide output's node: the rest of this backward pass allocates from
     the wide cache (the engine runs CPU work on the calling thread), until its final callback."""
-    torch.ops.wide._caching_scope(True)
-    torch.autograd.Variable._execution_engine.queue_callback(lambda: torch.ops.wide._caching_scope(False))
+    _caching_scope(True)
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: _caching_scope(False))
 
 
 def _cache_backward(outs: Sequence[Any]) -> None:

@@ -2,7 +2,7 @@
 reused while nothing they derive from changed; every way of changing a parameter or buffer
 between calls is seen, so a cached fold is never stale."""
 
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -182,22 +182,14 @@ def test_threads_calling_one_model_agree():
     with torch.no_grad():
         want = wide(x)
     fold.clear_fold_cache()
-    outs, errors = [], []
 
     def run():
-        try:
-            with torch.no_grad():
-                for _ in range(5):
-                    outs.append(wide(x))
-        except Exception as e:  # noqa: BLE001 -- reported below
-            errors.append(e)
+        with torch.no_grad():
+            return [wide(x) for _ in range(5)]
 
-    threads = [threading.Thread(target=run) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    with ThreadPoolExecutor(4) as pool:  # result() re-raises a thread's error
+        outs = [out for f in [pool.submit(run) for _ in range(4)] for out in f.result()]
+    assert len(outs) == 20
     for out in outs:
         torch.testing.assert_close(out, want, rtol=0, atol=0)
 

@@ -163,19 +163,48 @@ at::Tensor opt_sum(const std::optional<at::Tensor>& a, const std::optional<at::T
   return at::Tensor();
 }
 
-// One member's results ({output, h_n} or {output, h_n, c_n}) from its input, initial states and
-// parameters.
-using MemberFn = std::function<std::vector<at::Tensor>(const at::Tensor&, const std::vector<at::Tensor>&,
-                                                       const std::vector<at::Tensor>&)>;
+// One member's results ({output, h_n} or {output, h_n, c_n}) from its tensors {input, initial
+// states..., parameters...}.
+using MemberFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
-// Runs fn(m) for every member, one chunk of members per intra-op thread, each under the caller's
-// thread-local state (Note [Members in parallel]).
-void for_members_in_parallel(int64_t members, const std::function<void(int64_t)>& fn) {
+// Member m's tensors: slice m of every stacked [N, ...] tensor (unbind, not select: its backward
+// stacks the N gradients once).
+std::vector<std::vector<at::Tensor>> per_member(at::TensorList stacked) {
+  std::vector<std::vector<at::Tensor>> out(stacked[0].size(0));
+  for (const at::Tensor& t : stacked) {
+    std::vector<at::Tensor> slices = t.unbind(0);
+    for (size_t m = 0; m < out.size(); ++m) out[m].push_back(std::move(slices[m]));
+  }
+  return out;
+}
+
+// fn(m) for every member m: in parallel, one chunk of members per intra-op thread, each under
+// the caller's thread-local state (Note [Members in parallel]), or one after another.
+std::vector<std::vector<at::Tensor>> run_members(int64_t members,
+                                                 const std::function<std::vector<at::Tensor>(int64_t)>& fn,
+                                                 bool parallel) {
+  std::vector<std::vector<at::Tensor>> results(members);
+  if (!parallel) {
+    for (int64_t m = 0; m < members; ++m) results[m] = fn(m);
+    return results;
+  }
   const at::ThreadLocalState caller;
   at::parallel_for(0, members, 1, [&](int64_t begin, int64_t end) {
     at::ThreadLocalStateGuard guard(caller);
-    for (int64_t m = begin; m < end; ++m) fn(m);
+    for (int64_t m = begin; m < end; ++m) results[m] = fn(m);
   });
+  return results;
+}
+
+// Result j of every member, stacked [N, ...].
+std::vector<at::Tensor> stack_results(const std::vector<std::vector<at::Tensor>>& results) {
+  std::vector<at::Tensor> stacked;
+  for (size_t j = 0; j < results[0].size(); ++j) {
+    std::vector<at::Tensor> parts;
+    for (const auto& r : results) parts.push_back(r[j]);
+    stacked.push_back(at::stack(parts));
+  }
+  return stacked;
 }
 
 // Note [Members in parallel], training: the autograd engine would run the N members' backward
@@ -184,37 +213,28 @@ void for_members_in_parallel(int64_t members, const std::function<void(int64_t)>
 // member's graph on the member's thread. Not twice differentiable (neither is oneDNN's RNN).
 class MembersInParallel : public torch::autograd::Function<MembersInParallel> {
  public:
-  // flat: {input, h0 [, c0], parameters...}, each [N, ...]; `states` of them are initial states.
-  static variable_list forward(AutogradContext* ctx, at::TensorList flat, int64_t states, MemberFn fn) {
-    const int64_t members = flat[0].size(0);
-    const size_t k = flat.size();
-    std::vector<std::vector<at::Tensor>> slices(k);
-    for (size_t i = 0; i < k; ++i) slices[i] = flat[i].detach().unbind(0);
-    std::vector<std::vector<at::Tensor>> leaves(members), results(members);
-    for (int64_t m = 0; m < members; ++m) {
-      for (size_t i = 0; i < k; ++i) leaves[m].push_back(slices[i][m].requires_grad_(flat[i].requires_grad()));
+  // flat: {input, h0 [, c0], parameters...}, each [N, ...].
+  static variable_list forward(AutogradContext* ctx, at::TensorList flat, MemberFn fn) {
+    std::vector<at::Tensor> detached;
+    for (const at::Tensor& t : flat) detached.push_back(t.detach());
+    std::vector<std::vector<at::Tensor>> leaves = per_member(detached);
+    for (auto& member : leaves) {
+      for (size_t i = 0; i < flat.size(); ++i) member[i].requires_grad_(flat[i].requires_grad());
     }
-    for_members_in_parallel(members, [&](int64_t m) {
+    const int64_t members = static_cast<int64_t>(leaves.size());
+    const auto results = run_members(members, [&](int64_t m) {
       at::AutoGradMode grad(true);
-      const std::vector<at::Tensor>& l = leaves[m];
-      results[m] = fn(l[0], std::vector<at::Tensor>(l.begin() + 1, l.begin() + 1 + states),
-                      std::vector<at::Tensor>(l.begin() + 1 + states, l.end()));
-    });
-    const size_t r = results[0].size();
-    variable_list stacked, saved;
-    for (size_t j = 0; j < r; ++j) {
-      std::vector<at::Tensor> parts;
-      for (int64_t m = 0; m < members; ++m) parts.push_back(results[m][j].detach());
-      stacked.push_back(at::stack(parts));
-    }
+      return fn(leaves[m]);
+    }, /*parallel=*/true);
     // Saved as saved variables, not saved_data: the engine releases them (and with them the
     // members' graphs) after a backward that does not retain the graph, as for any node.
-    for (int64_t m = 0; m < members; ++m) saved.insert(saved.end(), leaves[m].begin(), leaves[m].end());
-    for (int64_t m = 0; m < members; ++m) saved.insert(saved.end(), results[m].begin(), results[m].end());
+    variable_list saved;
+    for (const auto& member : leaves) saved.insert(saved.end(), member.begin(), member.end());
+    for (const auto& member : results) saved.insert(saved.end(), member.begin(), member.end());
     ctx->save_for_backward(saved);
-    ctx->saved_data["k"] = static_cast<int64_t>(k);
-    ctx->saved_data["r"] = static_cast<int64_t>(r);
-    return stacked;
+    ctx->saved_data["k"] = static_cast<int64_t>(flat.size());
+    ctx->saved_data["r"] = static_cast<int64_t>(results[0].size());
+    return stack_results(results);  // grad mode is off in forward: plain stacked tensors
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -225,8 +245,7 @@ class MembersInParallel : public torch::autograd::Function<MembersInParallel> {
     const int64_t members = static_cast<int64_t>(saved.size()) / (k + r);
     const variable_list leaves(saved.begin(), saved.begin() + members * k);
     const variable_list results(saved.begin() + members * k, saved.end());
-    std::vector<std::vector<at::Tensor>> member_grads(members);
-    for_members_in_parallel(members, [&](int64_t m) {
+    const auto member_grads = run_members(members, [&](int64_t m) {
       variable_list outs, gouts, wrt;
       std::vector<int64_t> where;
       for (int64_t j = 0; j < r; ++j) {
@@ -236,14 +255,15 @@ class MembersInParallel : public torch::autograd::Function<MembersInParallel> {
       for (int64_t i = 0; i < k; ++i) {
         if (leaves[m * k + i].requires_grad()) wrt.push_back(leaves[m * k + i]), where.push_back(i);
       }
-      member_grads[m].assign(k, at::Tensor());
-      if (outs.empty() || wrt.empty()) return;
+      std::vector<at::Tensor> g(k);
+      if (outs.empty() || wrt.empty()) return g;
       // Retained: the outer backward may be retained; the saved variables bound its life.
-      const variable_list g = torch::autograd::grad(outs, wrt, gouts, /*retain_graph=*/true,
-                                                    /*create_graph=*/false, /*allow_unused=*/true);
-      for (size_t w = 0; w < where.size(); ++w) member_grads[m][where[w]] = g[w];
-    });
-    variable_list out(k + 2);
+      const variable_list got = torch::autograd::grad(outs, wrt, gouts, /*retain_graph=*/true,
+                                                      /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t w = 0; w < where.size(); ++w) g[where[w]] = got[w];
+      return g;
+    }, /*parallel=*/true);
+    variable_list out(k + 1);
     for (int64_t i = 0; i < k; ++i) {
       if (!leaves[i].requires_grad()) continue;
       std::vector<at::Tensor> parts;
@@ -281,9 +301,11 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_loop(
   const int64_t members = input.size(0), dirs = bidirectional ? 2 : 1;
   const int64_t k = mode == Mode::LSTM ? 2 : 1;
   // One member: its initial states (zeros when none are given) and its parameters.
-  const MemberFn run_member = [=](const at::Tensor& x, const std::vector<at::Tensor>& given,
-                                  const std::vector<at::Tensor>& ps) -> std::vector<at::Tensor> {
-    std::vector<at::Tensor> states = given;
+  const size_t n_states = hx.size();
+  const MemberFn run_member = [=](const std::vector<at::Tensor>& t) -> std::vector<at::Tensor> {
+    const at::Tensor& x = t[0];
+    std::vector<at::Tensor> states(t.begin() + 1, t.begin() + 1 + n_states);
+    const std::vector<at::Tensor> ps(t.begin() + 1 + n_states, t.end());
     if (states.empty()) {
       for (int64_t j = 0; j < k; ++j) {
         states.push_back(
@@ -305,7 +327,6 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_loop(
   std::vector<at::Tensor> flat{input};
   for (const at::Tensor& h : hx) flat.push_back(h);
   for (const at::Tensor& p : params) flat.push_back(p);
-  const int64_t n_states = static_cast<int64_t>(hx.size());
 
   const bool random = train && dropout > 0 && num_layers > 1;
   // Python tensor subclasses and modes (fake tensors under torch.compile/export) call back into
@@ -319,27 +340,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_loop(
       at::GradMode::is_enabled() && std::any_of(flat.begin(), flat.end(), [](const at::Tensor& t) { return t.requires_grad(); });
   std::vector<at::Tensor> stacked;
   if (parallel && wants_grad) {
-    stacked = MembersInParallel::apply(at::TensorList(flat), n_states, run_member);
+    stacked = MembersInParallel::apply(at::TensorList(flat), run_member);
   } else {
-    std::vector<std::vector<at::Tensor>> slices;
-    for (const at::Tensor& t : flat) slices.push_back(t.unbind(0));  // backward: one stack per input
-    std::vector<std::vector<at::Tensor>> results(members);
-    auto one = [&](int64_t m) {
-      std::vector<at::Tensor> states, ps;
-      for (int64_t i = 0; i < n_states; ++i) states.push_back(slices[1 + i][m]);
-      for (size_t i = 1 + n_states; i < flat.size(); ++i) ps.push_back(slices[i][m]);
-      results[m] = run_member(slices[0][m], states, ps);
-    };
-    if (parallel) {
-      for_members_in_parallel(members, one);
-    } else {
-      for (int64_t m = 0; m < members; ++m) one(m);
-    }
-    for (size_t j = 0; j < results[0].size(); ++j) {
-      std::vector<at::Tensor> parts;
-      for (int64_t m = 0; m < members; ++m) parts.push_back(results[m][j]);
-      stacked.push_back(at::stack(parts));
-    }
+    const std::vector<std::vector<at::Tensor>> tensors = per_member(flat);
+    stacked = stack_results(run_members(members, [&](int64_t m) { return run_member(tensors[m]); }, parallel));
   }
   std::vector<at::Tensor> final_states(stacked.begin() + 1, stacked.end());
   return {stacked[0], std::move(final_states)};

@@ -35,8 +35,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .rules.conv import default_conv_strategy
 
-__all__ = ["attention_kernel", "cached_folded_conv_params", "channels_last_max_pool2d",
-           "clear_fold_cache", "fold_batch_norms", "folded_conv_params", "fuse_residual_norms", "pool_before_relu", "relu_in_place",
+__all__ = ["attention_kernel", "cached_folded_conv_params", "channels_last_max_pool2d", "clear_fold_cache",
+           "fold_batch_norms", "folded_conv_params", "fuse_residual_norms", "pool_before_relu", "relu_in_place",
            "rewrite_channels_last"]
 
 wide = torch.ops.wide
@@ -71,7 +71,7 @@ def folded_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, bn_weigh
 _FOLD_CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _FOLD_LOCK = threading.Lock()
 _FOLD_SITES = itertools.count()
-_PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _signature(tensors: tuple, eps: float) -> tuple | None:
