@@ -112,6 +112,7 @@ def _opcheck_samples():
     r = lambda *s, **kw: torch.randn(*s, generator=g, **kw).requires_grad_()
     yield "conv-nfirst", torch.ops.wide.conv.default, (r(2, 3, 4, 6, 6), r(2, 6, 2, 3, 3), r(2, 6), [1, 1], [1, 1], [1, 1], 2), {}
     yield "conv-packed-loop", torch.ops.wide.conv.default, (r(3, 8, 7), r(2, 5, 4, 3), None, [2], [1, 2], [1], 1), {"packed_input": True, "strategy": "loop"}
+    yield "conv-nfirst-loop2d", torch.ops.wide.conv.default, (r(2, 2, 3, 2, 2), r(2, 8, 3, 3, 3), r(2, 8), [1, 1], [1, 1], [1, 1], 1), {"strategy": "loop"}
     yield "conv-nfirst-cl", torch.ops.wide.conv.default, (r(2, 3, 4, 6, 6), r(2, 6, 2, 3, 3), r(2, 6), [1, 1], [1, 1], [1, 1], 2), {"strategy": "grouped_cl"}
     yield "conv-packed-cl", torch.ops.wide.conv.default, (r(3, 8, 6, 5), r(2, 5, 4, 3, 3), r(2, 5), [2, 1], [1, 2, 0, 1], [1, 1], 1), {"packed_input": True, "strategy": "grouped_cl"}
     yield "conv-shared", torch.ops.wide.conv.default, (r(3, 4, 6).expand(2, 3, 4, 6), r(2, 5, 4, 3), r(2, 5), [1], [1], [1], 1), {}
@@ -157,3 +158,75 @@ def test_rgb_stem_weight_gradients_stay_accurate_behind_a_training_batch_norm():
                         for i, m in enumerate(copy.deepcopy(m).double() for m in models)])
     assert (got.double() - want).abs().max() < 1e-4 * want.abs().max()
     assert wide.strategies[next(n for n in wide.strategies if n.startswith("conv"))] != "grouped"
+
+
+# Note [Loop conv gradients]: in training the 2-d 'loop' strategy writes weight gradients into one
+# [N, ...] tensor, by GEMM where a member's columns are no larger than its weight (small planes,
+# many channels) and by convolution_backward otherwise. (c_in, c_out, kernel, stride, padding,
+# dilation, spatial, batch)
+LOOP_GRAD_CASES = [
+    (6, 16, 3, 1, 1, 1, (2, 2), 2),    # GEMM: B*L = 8 <= 16
+    (5, 24, 3, 2, 1, 1, (5, 4), 1),    # GEMM, stride 2, batch of 1
+    (4, 12, (3, 1), 1, (2, 0), 2, (3, 3), 1),  # GEMM, rectangular kernel, dilation
+    (3, 4, 3, 1, 1, 1, (7, 6), 2),     # convolution_backward and a copy: B*L = 84 > 4
+]
+
+
+@pytest.mark.parametrize("case", LOOP_GRAD_CASES, ids=lambda c: f"{c[0]}-{c[1]}-s{c[3]}-{c[6][0]}x{c[6][1]}")
+@pytest.mark.parametrize("layout", ["nfirst", "packed"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_loop_conv_training_gradients_match_members(case, layout, bias):
+    cin, cout, k, s, p, dil, spatial, b = case
+    n = 3
+    models = _members(nn.Conv2d, n, cin, cout, k, stride=s, padding=p, dilation=dil, bias=bias)
+    w = torch.stack([m.weight.detach() for m in models]).requires_grad_()
+    bs = torch.stack([m.bias.detach() for m in models]).requires_grad_() if bias else None
+    x = torch.randn(n, b, cin, *spatial, requires_grad=True)
+    xin = x.permute(1, 0, 2, 3, 4).reshape(b, n * cin, *spatial) if layout == "packed" else x
+    pp = p if isinstance(p, tuple) else (p, p)
+    y = torch.ops.wide.conv(xin, w, bs, [s, s], list(pp), [dil, dil], 1, packed_input=layout == "packed",
+                            strategy="loop")
+    assert y.grad_fn is not None and "LoopConv2d" in y.grad_fn.name()
+    cot = torch.randn_like(y)
+    y.backward(cot)
+    for i, m in enumerate(models):
+        xi = x.detach()[i].clone().requires_grad_()
+        yi = m(xi)
+        torch.testing.assert_close(y[:, i * cout:(i + 1) * cout], yi)
+        yi.backward(cot[:, i * cout:(i + 1) * cout])
+        torch.testing.assert_close(w.grad[i], m.weight.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(x.grad[i], xi.grad, rtol=1e-4, atol=1e-5)
+        if bias:
+            torch.testing.assert_close(bs.grad[i], m.bias.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_loop_conv_training_gradcheck_and_gradgradcheck(packed):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 2, 3, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 8, 3, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def f(x, w, b):
+        xin = x.permute(1, 0, 2, 3, 4).reshape(2, 6, 3, 3) if packed else x
+        return torch.ops.wide.conv(xin, w, b, [1, 1], [1, 1], [1, 1], 1, packed_input=packed, strategy="loop")
+
+    assert "LoopConv2d" in f(x, w, b).grad_fn.name()
+    torch.autograd.gradcheck(f, (x, w, b))
+    torch.autograd.gradgradcheck(f, (x, w, b))
+
+
+def test_loop_conv_input_only_and_weight_only_gradients():
+    models = _members(nn.Conv2d, 2, 4, 16, 3, padding=1)
+    w = torch.stack([m.weight.detach() for m in models])
+    x = torch.randn(2, 1, 4, 2, 2)
+    # weight frozen: the composite loop (no weight gradient to write in place)
+    xg = x.clone().requires_grad_()
+    y = torch.ops.wide.conv(xg, w, None, [1, 1], [1, 1], [1, 1], 1, strategy="loop")
+    assert "LoopConv2d" not in y.grad_fn.name()
+    # input without gradient: weight gradient only
+    wg = w.clone().requires_grad_()
+    (gw,) = torch.autograd.grad(torch.ops.wide.conv(x, wg, None, [1, 1], [1, 1], [1, 1], 1, strategy="loop").sum(), [wg])
+    for i, m in enumerate(models):
+        (want,) = torch.autograd.grad(m(x[i]).sum(), [m.weight])
+        torch.testing.assert_close(gw[i], want, rtol=1e-4, atol=1e-5)

@@ -156,6 +156,12 @@ at::Tensor wide_convolution(const char* op, const at::Tensor& input, const at::T
                                                                      : ConvStrategy::Grouped;
   }
   if (kind == ConvStrategy::Loop) {
+    if (!transposed && !explicit_pad && d == 2) {
+      // Training: weight gradients written in place (Note [Loop conv gradients]).
+      if (auto y = detail::conv_loop_training(input, weight, bias, stride, padding, dilation, groups, packed_input)) {
+        return *y;
+      }
+    }
     // unbind/split, not select/narrow: their backward stacks/concatenates the N gradients once,
     // where N selects would each scatter into a zero tensor of the full size (O(N^2) traffic).
     const std::vector<at::Tensor> xs = packed_input ? input.split_symint(c_in, 1) : input.unbind(0);

@@ -33,4 +33,14 @@ at::Tensor conv_transpose(const at::Tensor& input, const at::Tensor& weight,
                           c10::SymInt groups, c10::SymIntArrayRef dilation,
                           bool packed_input = false, std::string_view strategy = "auto");
 
+namespace detail {
+/// The 'loop' strategy of a 2-d conv (groups 1, symmetric padding) when a weight gradient is
+/// wanted: weight gradients written straight into one [N, ...] tensor (Note [Loop conv gradients]
+/// in conv_autograd.cpp); nullopt where that path does not apply (the composite loop runs then).
+std::optional<at::Tensor> conv_loop_training(const at::Tensor& input, const at::Tensor& weight,
+                                             const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
+                                             c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
+                                             const c10::SymInt& groups, bool packed_input);
+} // namespace detail
+
 } // namespace wide
