@@ -82,6 +82,12 @@ def test_ci_records(ci_records):
             assert isinstance(r["strategies"], dict), what
             assert bool(r["chosen_strategy"]) == bool(r["strategies"]), what
             assert r["compile_s"] > 0
+        # achieved GFLOP/s against the machine's peak (every conv; models whose FLOPs torch's
+        # counter sees: not the fused inference path of nn.TransformerEncoderLayer)
+        if target == "conv" or (target == "models" and r["case"] != "transformer"):
+            assert r["gflop"] > 0 and r["peak_gflops"] > 0, what
+            assert set(r["gflops_per_s"]) == {"wide", *r["baseline_ms"]}, what
+            assert r["gflops_per_s"]["wide"] == pytest.approx(r["gflop"] / r["wide_ms"] * 1e3), what
     if target == "models":  # every model, and what `auto` chose for each of its wide ops
         assert {r["case"] for r in records} == set(MODELS)
         auto = [r for r in records if r["strategy"] == "compile:auto"]
@@ -100,6 +106,7 @@ def test_ci_records(ci_records):
     assert {m for _, m in modes} == set(engine.MODES)
     table = bench.format_records(target, records)
     assert all(r["case"] in table for r in records)
+    assert ("GFLOP/s" in table) == any("gflop" in r for r in records), target
 
 
 def test_vision_models_run_one_member():

@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import logging
 import math
@@ -89,6 +90,7 @@ __all__ = [
     "frame_table",
     "loop_contender",
     "machine_info",
+    "peak_gflops",
     "make_record",
     "make_step",
     "max_abs_err",
@@ -158,6 +160,26 @@ def machine_info() -> dict[str, Any]:
         "load_avg": _load_avg(),
         "allocator": "glibc-tuned" if allocator._applied else "default",  # wc.tune_cpu_allocator()
     }
+
+
+@functools.cache
+def peak_gflops(size: int = 1024, reps: int = 9) -> float:
+    """The machine's practical float32 peak, GFLOP/s: the median rate of one ``size``-cubed
+    ``torch.mm`` (BLAS at its best: large, square, in cache-friendly tiles) with the current
+    threads. Measured once per process; records compare a model's achieved rate against it.
+
+    >>> peak_gflops(size=64, reps=3) > 0
+    True
+    """
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(2):
+        torch.mm(a, b)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t0)
+    return 2 * size**3 / statistics.median(times) / 1e9
 
 
 def _load_avg() -> list[float] | None:

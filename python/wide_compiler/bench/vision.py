@@ -72,7 +72,7 @@ from .engine import Contender
 from .registry import Job, Preset, jobs_per_n, target
 from .vision_models import MODELS
 
-__all__ = ["MODEL_PRESETS", "PRESETS", "Case", "conv_cases", "embedding_cases", "format_records",
+__all__ = ["MODEL_PRESETS", "PRESETS", "Case", "conv_cases", "embedding_cases", "format_rates", "format_records",
            "model_cases", "norm_cases", "pool_cases", "run_case"]
 
 log = logging.getLogger(__name__)
@@ -161,6 +161,7 @@ def format_records(records: Sequence[dict[str, Any]], *, header: bool = True) ->
                    if "performance drop" in w})
     for w in slow:
         out.append(f"warning: {w}")
+    out += format_rates(records)
     return "\n".join(out)
 
 
@@ -368,6 +369,54 @@ def _reset_buffers(wide: nn.Module, members: Sequence[nn.Module]) -> None:
 
 # ---------------------------------------------------------------------------------- running
 
+def _member_gflop(model: nn.Module, xs: Inputs, train: bool) -> float | None:
+    """GFLOP of one member's call on its own input (forward, and backward in ``train``), as
+    ``torch.utils.flop_counter`` counts them (matmuls and convolutions); None if it cannot."""
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        m = copy.deepcopy(model)
+        with FlopCounterMode(display=False) as counter, torch.set_grad_enabled(train):
+            outs = [t for t in tree_leaves(m(*xs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if train and outs:
+                sum(t.float().sum() for t in outs).backward()
+        return counter.get_total_flops() / 1e9
+    except Exception as e:  # noqa: BLE001 (a rate is extra information: the timing goes on)
+        log.warning("%s: FLOPs not counted: %s", type(model).__name__, e)
+        return None
+
+
+def _add_rates(r: dict[str, Any], gflop: float | None) -> None:
+    """``gflop`` (all N members' FLOPs per call), the rate each contender achieved
+    (``gflops_per_s``: ``"wide"`` and each baseline) and the machine's ``peak_gflops``."""
+    if not gflop:
+        return
+    times = {"wide": r.get("wide_ms"), **(r.get("baseline_ms") or {})}
+    r["gflop"] = gflop
+    r["gflops_per_s"] = {k: gflop / (ms / 1e3) for k, ms in times.items() if ms and math.isfinite(ms)}
+    r["peak_gflops"] = engine.peak_gflops()
+
+
+def format_rates(records: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per record that has FLOPs: each contender's GFLOP/s and its share of the peak.
+
+    >>> format_rates([{"case": "m", "n": 4, "mode": "train", "strategy": "compile:auto", "gflop": 2.0,
+    ...                "gflops_per_s": {"wide": 20.0, "loop": 10.0}, "peak_gflops": 100.0}])
+    ['m N=4 train compile:auto: 2 GFLOP per call; wide 20.0 GFLOP/s (20% of peak 100), loop 10.0 (10%)']
+    """
+    out = []
+    for r in records:
+        rates, peak = r.get("gflops_per_s"), r.get("peak_gflops")
+        if not rates or not peak:
+            continue
+        parts = [f"{k} {v:.1f}" + (f" GFLOP/s ({v / peak:.0%} of peak {peak:.0f})" if not i else f" ({v / peak:.0%})")
+                 for i, (k, v) in enumerate(rates.items())]
+        out.append(f"{r['case']} N={r['n']} {r['mode']} {r['strategy']}: {r['gflop']:.3g} GFLOP per call; "
+                   + ", ".join(parts))
+    return out
+
+
 def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
              compile_variants: Sequence[str] | None = None, min_run_time: float = 0.2,
              machine: dict[str, Any] | None = None, seed: int = 0) -> list[dict[str, Any]]:
@@ -420,6 +469,8 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
                 tuned[name, training] = _tuner_timings(wide, training)
             _reset_buffers(wide, master)
             wides.append(_wide(name, wide, models[0]))
+        gflop = _member_gflop(models[0], sample, mode == "train")
+        gflop = gflop * n if gflop is not None else None
         makers = {"loop": lambda: _loop(models), "loop_cl": lambda: _loop_channels_last(models),
                   "vmap": lambda: _vmap(models, len(xs)),
                   "compile_loop": lambda: engine.compiled(_loop(models), "compile_loop")}
@@ -437,6 +488,7 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
                                            machine=machine)]
         notes = sorted({str(w.message).splitlines()[0][:200] for w in caught})
         for r in recs:
+            _add_rates(r, gflop)
             r["errors"] = {**r["errors"], **compile_errors}
             r["warnings"] = notes
             if r["strategy"] in compiled:
