@@ -32,7 +32,7 @@ Example:
     >>> wide = WideDoubleStreamBlock.from_modules(blocks)
     >>> img, txt, vec = torch.randn(3, 2, 5, 16), torch.randn(3, 2, 4, 16), torch.randn(3, 2, 16)
     >>> pe = rope(torch.arange(9.0).expand(2, 9), 8).unsqueeze(1)       # [2, 1, 9, 4, 2, 2], shared
-    >>> img_out, txt_out = wide(img, txt, vec, pe)
+    >>> img_out, txt_out = wide(img=img, txt=txt, vec=vec, pe=pe)   # the streams by keyword
     >>> ref_img, ref_txt = blocks[1](img[1], txt[1], vec[1], pe)
     >>> torch.allclose(img_out[1], ref_img, atol=1e-5) and torch.allclose(txt_out[1], ref_txt, atol=1e-5)
     True
@@ -461,21 +461,49 @@ class WideJointAttention(_WideBlock):
 
 
 class WideDoubleStreamBlock(_WideBlock):
-    """N :class:`DoubleStreamBlock`: ``(img [N, B, Timg, D], txt [N, B, Ttxt, D], vec [N, B, D],
-    pe=None)`` -> ``(img, txt)`` -- Flux's argument order; ``pe`` (shared or N-first) covers
-    Ttxt + Timg, text first.
+    """N :class:`DoubleStreamBlock`: ``(img=[N, B, Timg, D], txt=[N, B, Ttxt, D], vec=[N, B, D],
+    pe=None)`` -> ``(img, txt)`` -- Flux's order; ``pe`` (shared or N-first) covers Ttxt + Timg,
+    text first.
 
     ``WideDoubleStreamBlock(n, hidden_size, num_heads, mlp_ratio=4.0, qkv_bias=False, *, strategy="auto")``.
+
+    The two streams are passed **by keyword** (``img=``, ``txt=``; at most the first, ``img``,
+    positionally): this block follows Flux's ``(img, txt, ...)`` while WideCompiler 0.x's took
+    ``(txt, img, ...)``, and two tensors of one shape cannot tell which is which, so a positional
+    pair would run 0.x code with the streams' roles swapped and no error. A call passing both
+    positionally raises ``TypeError`` (Note [double-stream argument order]). The member
+    :class:`DoubleStreamBlock` is Flux's own and takes them positionally.
 
     >>> wide = WideDoubleStreamBlock(4, hidden_size=16, num_heads=2)
     >>> members = wide.unfuse()
     >>> img, txt, vec = torch.randn(4, 2, 6, 16), torch.randn(4, 2, 3, 16), torch.randn(4, 2, 16)
-    >>> torch.allclose(wide(img, txt, vec)[0][3], members[3](img[3], txt[3], vec[3])[0], atol=1e-5)
+    >>> img_out, txt_out = wide(img=img, txt=txt, vec=vec)
+    >>> torch.allclose(img_out[3], members[3](img[3], txt[3], vec[3])[0], atol=1e-5)
     True
+    >>> wide(img, txt, vec)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: WideDoubleStreamBlock: pass the two streams by keyword, ...
     """
 
     _member = DoubleStreamBlock
     forward = DoubleStreamBlock.forward
+
+    # Note [double-stream argument order]
+    #     0.x's WideDoubleStreamBlock took (txt, img, vec, rope) and returned (txt, img); this one
+    #     is Flux's (img, txt, vec, pe) -> (img, txt). The streams have the same shape but for
+    #     their lengths, so nothing at run time can tell a 0.x call from a Flux one: refusing the
+    #     positional pair is the only way neither group's code runs silently swapped. Keywords
+    #     name the roles, so they mean the same in both conventions.
+    def __call__(self, *args, **kwargs):
+        if len(args) >= 2:
+            raise TypeError(
+                f"{type(self).__name__}: pass the two streams by keyword, e.g. "
+                f"block(img=img, txt=txt, vec=vec, pe=pe) -> (img, txt): given positionally their "
+                f"roles are ambiguous, since this block follows Flux's order (img, txt, ...) while "
+                f"WideCompiler 0.x's took (txt, img, ...) and returned (txt, img); got {len(args)} "
+                f"positional arguments")
+        return super().__call__(*args, **kwargs)
 
 
 class WideSingleStreamBlock(_WideBlock):

@@ -340,16 +340,54 @@ def _test_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def model_and_shape(model: str, shape: str | None) -> tuple[Callable[[], Any], tuple[int, ...] | None]:
+def model_and_shape(model: str, shape: str | Sequence[int] | None) -> tuple[Callable[[], Any], tuple[int, ...] | None]:
     """The CLI's MODEL and ``--shape``: a built-in model (with its own sample shape) or
-    ``path/to/file.py:factory``; ``shape`` like ``32,64`` (or ``32x64``) overrides."""
+    ``path/to/file.py:factory``; ``shape`` (parsed, or a string like ``32,64`` or ``32x64``,
+    see :func:`parse_shape`) overrides."""
     from . import zoo
     from .analyze import load_factory
 
     factory, default = zoo.MODELS[model] if model in zoo.MODELS else (load_factory(model), None)
-    if shape:
-        return factory, tuple(int(s) for s in shape.replace("x", ",").split(",") if s.strip())
-    return factory, default
+    if isinstance(shape, str):
+        shape = parse_shape(shape)
+    return factory, tuple(shape) if shape else default
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``--shape``: one member's input shape as positive sizes separated by ``,`` or ``x``
+    (``32,64``, ``32x64``). Raises ValueError naming the bad part.
+
+    >>> parse_shape("32,64"), parse_shape("4x8x8")
+    ((32, 64), (4, 8, 8))
+    >>> parse_shape("4,abc")
+    Traceback (most recent call last):
+    ...
+    ValueError: '4,abc': 'abc' is not an integer size (expected positive sizes like 32,64)
+    """
+    parts = [p.strip() for p in text.replace("x", ",").split(",")]
+    if not text.strip() or not any(parts):
+        raise ValueError(f"{text!r}: no sizes (expected positive sizes like 32,64)")
+    sizes = []
+    for part in parts:
+        if not part:
+            raise ValueError(f"{text!r}: an empty size (expected positive sizes like 32,64)")
+        try:
+            size = int(part)
+        except ValueError:
+            raise ValueError(f"{text!r}: {part!r} is not an integer size (expected positive sizes "
+                             f"like 32,64)") from None
+        if size < 1:
+            raise ValueError(f"{text!r}: size {size} must be at least 1 (expected positive sizes like 32,64)")
+        sizes.append(size)
+    return tuple(sizes)
+
+
+def _shape_arg(text: str) -> tuple[int, ...]:
+    """argparse ``type`` of ``--shape``: a bad shape is a usage error (exit 2), not a traceback."""
+    try:
+        return parse_shape(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
@@ -587,7 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="path/to/file.py:factory (a zero-argument callable returning one "
                                             "member) or a built-in model: checks N members of it with "
                                             "wide_compiler.testing.check_compile; without: the self-check")
-    p.add_argument("--shape", help="one member's input shape, e.g. 32,64 (built-in models: their own)")
+    p.add_argument("--shape", type=_shape_arg, metavar="SHAPE",
+                   help="one member's input shape, e.g. 32,64 (built-in models: their own)")
     p.add_argument("-n", type=int, default=3, help="members to check (default 3)")
     p.add_argument("--strict", action="store_true", help="refuse per-member fallbacks")
     p.set_defaults(func=cmd_test)
@@ -641,8 +680,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "that fits, recommendations.")
     p.add_argument("model", help="a built-in model (mlp, resblock, convnet, transformer) or "
                                  "path/to/file.py:factory (a zero-argument callable returning one member)")
-    p.add_argument("--shape", help="one member's input shape, e.g. 32,64 (default for built-in models: "
-                                   "their sample shape)")
+    p.add_argument("--shape", type=_shape_arg, metavar="SHAPE",
+                   help="one member's input shape, e.g. 32,64 (default for built-in models: "
+                        "their sample shape)")
     p.add_argument("-n", default="4,16", help="population sizes, comma-separated (default 4,16)")
     p.add_argument("--modes", default="inference,train", help="inference,train (default both)")
     p.add_argument("--memory", help="memory budget for the largest-N search, e.g. 8GB (default: MemAvailable)")

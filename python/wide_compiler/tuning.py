@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -38,13 +39,71 @@ def cache_key(op: str, **fields: Any) -> str:
     return json.dumps(full, sort_keys=True, default=str)
 
 
+def _valid_entry(value: Any) -> str | None:
+    """Why a cache entry is unusable (None when it is fine): ``{"strategy": str, "timings_ms":
+    {name: non-negative finite ms} or null}``, the form :func:`_store` writes."""
+    if not isinstance(value, dict):
+        return f"expected an object, got {type(value).__name__}"
+    if not isinstance(value.get("strategy"), str):
+        return f"'strategy' must be a string, got {value.get('strategy')!r:.60}"
+    timings = value.get("timings_ms")
+    if timings is None:
+        return None
+    if not isinstance(timings, dict):
+        return f"'timings_ms' must be an object of milliseconds per strategy, got {timings!r:.60}"
+    for name, ms in timings.items():
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms < 0:
+            return f"'timings_ms'[{name!r}] must be a non-negative number of milliseconds, got {ms!r:.60}"
+    return None
+
+
+_reported: set[tuple[str, int, int]] = set()  # (path, mtime_ns, size) of caches already warned about
+
+
+def _warn_once(path: os.PathLike, message: str, *args: Any) -> None:
+    """One warning per version of the cache file (it is read at every tuned op of every compile)."""
+    try:
+        st = os.stat(path)
+        version = (os.fspath(path), st.st_mtime_ns, st.st_size)
+    except OSError:
+        version = (os.fspath(path), 0, 0)
+    if version in _reported:
+        return
+    _reported.add(version)
+    log.warning(message, *args)
+
+
 def _load(path: os.PathLike) -> dict[str, Any]:
+    """The valid entries of the cache file; nothing when it is missing or unreadable. A corrupt
+    or odd cache (not JSON, nested too deeply for the parser, not an object, bad entries) is
+    ignored with a log line and never fails compile(): entries are only measurements, and any
+    that is dropped is measured again (and the file rewritten by the next store)."""
     try:
         with open(path) as f:
             data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError, RecursionError, MemoryError) as e:
+        _warn_once(path, "wide_compiler: ignoring the strategy cache %s (%s: %.200s); strategies will "
+                   "be measured again", path, type(e).__name__, e)
+        return {}
+    if not isinstance(data, dict):
+        _warn_once(path, "wide_compiler: ignoring the strategy cache %s: expected a JSON object of "
+                   "entries, got %s; strategies will be measured again", path, type(data).__name__)
+        return {}
+    entries, bad = {}, {}
+    for key, value in data.items():
+        why = _valid_entry(value)
+        if why is None:
+            entries[key] = value
+        else:
+            bad[key] = why
+    if bad:
+        key, why = next(iter(bad.items()))
+        _warn_once(path, "wide_compiler: the strategy cache %s has %d invalid entr%s, ignored and "
+                   "measured again (first: %.200s: %s)", path, len(bad), "y" if len(bad) == 1 else "ies",
+                   key, why)
+    return entries
 
 
 def _store(path, key: str, value: dict[str, Any]) -> None:

@@ -134,6 +134,26 @@ TEST(WideOptim, RejectsWrongLengthHyperparametersBeforeChangingAnything) {
   EXPECT_EQ(step.sum().item<float>(), 0.0f);
 }
 
+TEST(WideOptim, RefusesWrittenTensorsThatShareMemoryBeforeChangingAnything) {
+  const at::Tensor p = at::randn({4, 3}), g = at::randn({4, 3}), before = p.clone();
+  const at::Tensor m = at::zeros({4, 3}), step = at::zeros({4});
+  const at::Tensor ok = at::full({4}, 0.1, at::kDouble);
+  wide_test::expect_error([&] { wide::adam_step(p, g, m, m, std::nullopt, step, ok, ok, ok, ok, ok); },
+                          "wide::adam_step: exp_avg shares memory with exp_avg_sq (the same tensor)");
+  const at::Tensor buf = at::zeros({4, 4});  // columns 0-2 and 1-3: two views sharing two columns
+  wide_test::expect_error(
+      [&] { wide::adam_step(p, g, buf.narrow(1, 0, 3), buf.narrow(1, 1, 3), std::nullopt, step, ok, ok, ok, ok, ok); },
+      "wide::adam_step: exp_avg shares memory with exp_avg_sq;");
+  wide_test::expect_error([&] { wide::sgd_step(p, p, std::nullopt, ok, ok, ok, ok); },
+                          "wide::sgd_step: param shares memory with grad");
+  EXPECT_TRUE(at::equal(p, before));
+  EXPECT_EQ(step.sum().item<float>(), 0.0f);
+  // Views of one buffer that never share an element are separate tensors.
+  const at::Tensor halves = at::zeros({4, 2, 3});
+  wide::adam_step(p, g, halves.select(1, 0), halves.select(1, 1), std::nullopt, step, ok, ok, ok, ok, ok);
+  EXPECT_EQ(step.sum().item<float>(), 4.0f);
+}
+
 TEST(WideOptim, EmptyParameterStillCountsTheStep) {
   const at::Tensor p = at::randn({3, 0}), step = at::zeros({3});
   const at::Tensor one = at::full({1}, 0.1, at::kDouble);

@@ -70,6 +70,28 @@ CASES = {
 }
 HAS_PE = [k for k in CASES if k != "mlp"]
 
+# The wide double-stream block takes its two streams by keyword (a positional pair is refused:
+# blocks.py, Note [double-stream argument order]); its inputs are passed by name, to the members
+# alike.
+KEYWORDS = {"double": ("img", "txt", "vec", "pe")}
+
+
+def call(name: str, block: nn.Module, args: tuple):
+    """``block(*args)``, by keyword where the case's block wants it."""
+    names = KEYWORDS.get(name)
+    return block(**dict(zip(names, args))) if names else block(*args)
+
+
+def equivalence(name: str, wide, ms, xs, *, shared: bool = False):
+    """check_equivalence of per-member inputs ``xs`` (one member's with ``shared``), passed by
+    keyword where the case's block wants it."""
+    names = KEYWORDS.get(name)
+    if names is None:
+        return check_equivalence(wide, ms, xs, shared=shared)
+    if shared:
+        return check_equivalence(wide, ms, (), kwargs=dict(zip(names, xs)), shared=True)
+    return check_equivalence(wide, ms, [()] * len(xs), kwargs=[dict(zip(names, x)) for x in xs])
+
 
 def members(name: str, s: SimpleNamespace, seed: int = 0, dtype=torch.float32) -> list[nn.Module]:
     member, _, kwargs, _ = CASES[name]
@@ -85,11 +107,13 @@ def inputs(name: str, s: SimpleNamespace, seed: int = 0) -> list[tuple]:
 class WithPE(nn.Module):
     """``block(*args, pe)`` with one fixed rope table: a member-shaped table shared by the members."""
 
-    def __init__(self, block: nn.Module, pe: torch.Tensor | None) -> None:
+    def __init__(self, block: nn.Module, pe: torch.Tensor | None, names: tuple[str, ...] | None = None) -> None:
         super().__init__()
-        self.block, self.pe = block, pe
+        self.block, self.pe, self.names = block, pe, names
 
     def forward(self, *args):
+        if self.names:  # by keyword (KEYWORDS)
+            return self.block(**dict(zip(self.names, (*args, self.pe))))
         return self.block(*args, self.pe)
 
 
@@ -102,11 +126,12 @@ def check(name: str, s: SimpleNamespace, mode: str, seed: int = 0, strategy: str
     wide = CASES[name][1].from_modules(ms, strategy=strategy)
     xs = inputs(name, s, seed)
     if mode == "own":         # per-member inputs; the wide block gets an N-first rope table
-        return check_equivalence(wide, ms, xs)
+        return equivalence(name, wide, ms, xs)
     if mode == "shared":      # one input for all: x.expand(N, ...) everywhere, rope table too
-        return check_equivalence(wide, ms, xs[0], shared=True)
+        return equivalence(name, wide, ms, xs[0], shared=True)
     pe = xs[0][-1] if mode == "shared_pe" else None  # per-member inputs, one member-shaped table / none
-    return check_equivalence(WithPE(wide, pe), [WithPE(m, pe) for m in ms], [x[:-1] for x in xs])
+    names = KEYWORDS.get(name)
+    return check_equivalence(WithPE(wide, pe, names), [WithPE(m, pe, names) for m in ms], [x[:-1] for x in xs])
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -158,7 +183,7 @@ def test_unfuse_round_trip(name, dtype):
     assert again.state_dict().keys() == wide.state_dict().keys()
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in wide.state_dict().items())
     x = [t.to(dtype) for t in stack_inputs(inputs(name, s))]
-    torch.testing.assert_close(again(*x), wide(*x), rtol=0, atol=0)
+    torch.testing.assert_close(call(name, again, x), call(name, wide, x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -168,7 +193,7 @@ def test_constructor_makes_independent_members(name):
     assert wide.n == 3 and wide.hidden_size == s.d and wide.strategy == "auto"
     first = next(iter(wide.parameters()))
     assert first.shape[0] == 3 and not torch.equal(first[0], first[1])
-    check_equivalence(wide, wide.unfuse(), inputs(name, s))
+    equivalence(name, wide, wide.unfuse(), inputs(name, s))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -177,7 +202,7 @@ def test_members_not_mutated(name):
     ms = members(name, s)
     before = [copy.deepcopy(m.state_dict()) for m in ms]
     wide = CASES[name][1].from_modules(ms)
-    out = wide(*stack_inputs(inputs(name, s)))
+    out = call(name, wide, stack_inputs(inputs(name, s)))
     sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
     with torch.no_grad():
         for p in wide.parameters():
@@ -250,7 +275,7 @@ def test_compile_matches_hand_built_blocks():
     got = wide(img, txt, vec, pe.expand(s.n, *pe.shape))
     dbl = wb.WideDoubleStreamBlock.from_modules([m.dbl for m in ms])
     single = wb.WideSingleStreamBlock.from_modules([m.single for m in ms])
-    i2, t2 = dbl(img, txt, vec, pe)
+    i2, t2 = dbl(img=img, txt=txt, vec=vec, pe=pe)
     want = single(torch.cat((t2, i2), dim=-2), vec, pe)
     torch.testing.assert_close(got, want)
     assert_trees_members_close(want, [m(img[i], txt[i], vec[i], pe) for i, m in enumerate(ms)])

@@ -227,7 +227,10 @@ def test_a_broadcast_side_input_stays_size_one():
 
 def test_seed_flux_block_quick_start():
     """0.7's block quick start (sizes scaled down), import line changed: head_dim and rope= are
-    accepted; the blocks themselves follow Flux (README: Coming from WideCompiler 0.x)."""
+    accepted; the blocks themselves follow Flux (README: Coming from WideCompiler 0.x). The one
+    line that cannot run as written is the double-stream call: 0.x took (txt, img, ...), Flux
+    (img, txt, ...), so a positional pair is refused rather than run with the streams swapped,
+    and the streams are named instead (which means the same under both conventions)."""
     from wide_compiler.blocks import WideDoubleStreamBlock, WideJointAttention
 
     n = 2
@@ -238,11 +241,15 @@ def test_seed_flux_block_quick_start():
     txt_out, img_out = joint_attn(txt, img, rope=None)
     assert txt_out.shape == txt.shape and img_out.shape == img.shape
     block = WideDoubleStreamBlock(n=n, hidden_size=32, num_heads=4, head_dim=8)
-    first, second = block(txt, img, vec, rope=None)
-    assert first.shape == txt.shape and second.shape == img.shape
+    with pytest.raises(TypeError, match=r"pass the two streams by keyword.*\(img, txt, \.\.\.\) while "
+                                        r"WideCompiler 0\.x's took \(txt, img, \.\.\.\)"):
+        block(txt, img, vec, rope=None)  # 0.7's call, as written
+    img_out, txt_out = block(txt=txt, img=img, vec=vec, rope=None)
+    assert txt_out.shape == txt.shape and img_out.shape == img.shape
     members = block.unfuse()
-    ref = members[1](txt[1], img[1], vec[1])
-    torch.testing.assert_close(first[1], ref[0], rtol=1e-5, atol=1e-5)
+    ref = members[1](img[1], txt[1], vec[1])  # the member block is Flux's: (img, txt, ...) -> (img, txt)
+    torch.testing.assert_close(img_out[1], ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(txt_out[1], ref[1], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="head_dim=16, but hidden_size 32 / num_heads 4 is 8"):
         WideDoubleStreamBlock(n=n, hidden_size=32, num_heads=4, head_dim=16)
 

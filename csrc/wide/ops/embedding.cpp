@@ -1,5 +1,6 @@
 #include "wide/ops/embedding.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
@@ -49,23 +50,33 @@ void check_table(const char* op, const at::Tensor& weight, const at::Tensor& ind
 // Whether real values can be read (a fake, meta or traced tensor has none).
 bool has_values(const at::Tensor& t) { return !at::isTensorSubclassLike(t) && !t.is_meta() && t.numel() > 0; }
 
-// indices [N, *] -> indices + n * V (broadcast; materialises only the integer indices). An index
-// outside [0, V) must not read another member's row: on real tensors it raises an IndexError
-// naming the member and the user's own index; on traced ones it is mapped to row N*V, past the
-// table, so the lookup raises ATen's own "index out of range" error.
+// An index outside [0, V) must not read (or renormalise) another member's row, nor, negative,
+// a row counted from the end of its own table: on real tensors it raises an IndexError naming the
+// member and the user's own index (a fake, meta or traced tensor has no values to check).
+void check_indices(const char* op, const at::Tensor& indices, const c10::SymInt& v) {
+  if (!has_values(indices)) return;
+  const at::Tensor valid = indices.ge(c10::Scalar(0)).logical_and(indices.lt(c10::Scalar(v)));
+  if (valid.all().item<bool>()) return;
+  const int64_t first = valid.logical_not().reshape({-1}).nonzero().select(0, 0).item<int64_t>();
+  const int64_t per_member = indices.numel() / indices.size(0);
+  TORCH_CHECK_INDEX(false, "wide::", op, ": index ", indices.reshape({-1})[first].item<int64_t>(),
+                    " of member ", first / per_member, " is not in the valid range [0, ", v,
+                    ") of its table (index out of range in self)");
+}
+
+// indices [N, *] -> indices + n * V (broadcast; materialises only the integer indices), always
+// int64: with int32 indices, rows n*V + i of a table of N*V >= 2^31 rows do not fit in int32
+// and would wrap to another member's row (or a negative one). Invalid indices raise on real
+// tensors (check_indices); on traced ones they are mapped to row N*V, past the table, so the
+// lookup raises ATen's own "index out of range" error.
 at::Tensor offset_indices(const char* op, const at::Tensor& indices, const c10::SymInt& n, const c10::SymInt& v) {
+  check_indices(op, indices, v);
+  const at::Tensor idx = indices.to(at::kLong);
   std::vector<c10::SymInt> shape(indices.dim(), c10::SymInt(1));
   shape[0] = n;
-  const at::Tensor base = at::arange(c10::Scalar(n), indices.options()).mul(c10::Scalar(v)).view_symint(shape);
-  const at::Tensor valid = indices.ge(c10::Scalar(0)).logical_and(indices.lt(c10::Scalar(v)));
-  if (has_values(indices) && !valid.all().item<bool>()) {
-    const int64_t first = valid.logical_not().reshape({-1}).nonzero().select(0, 0).item<int64_t>();
-    const int64_t per_member = indices.numel() / indices.size(0);
-    TORCH_CHECK_INDEX(false, "wide::", op, ": index ", indices.reshape({-1})[first].item<int64_t>(),
-                      " of member ", first / per_member, " is not in the valid range [0, ", v,
-                      ") of its table (index out of range in self)");
-  }
-  return at::where(valid, indices.add(base), c10::Scalar(n * v));
+  const at::Tensor base = at::arange(c10::Scalar(n), idx.options()).mul(c10::Scalar(v)).view_symint(shape);
+  const at::Tensor valid = idx.ge(c10::Scalar(0)).logical_and(idx.lt(c10::Scalar(v)));
+  return at::where(valid, idx.add(base), c10::Scalar(n * v));
 }
 
 at::Tensor embedding_impl(const at::Tensor& weight, const at::Tensor& indices,
@@ -88,10 +99,21 @@ at::Tensor& embedding_renorm_impl(at::Tensor& weight, const at::Tensor& indices,
                                   double max_norm, double norm_type) {
   check_table("embedding_renorm_", weight, indices);
   const c10::SymInt n = weight.sym_size(0), v = weight.sym_size(1), dim = weight.sym_size(2);
+  // Written in place: a table whose rows share memory (an expanded [N, V, D], stride 0 on the
+  // member dim) would renormalise one row once per member that references it.
+  TORCH_CHECK(weight.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
+                  at::has_internal_overlap(weight) != at::MemOverlap::Yes,
+              "wide::embedding_renorm_: the weight's elements share memory (an expanded or "
+              "stride-0 tensor, strides ", weight.strides(), "), so members' rows cannot be "
+              "renormalised in place independently: pass a table that owns its rows (e.g. "
+              "weight.contiguous())");
   if (weight.is_contiguous()) {
     at::Tensor table = weight.view_symint({n * v, dim});
     at::embedding_renorm_(table, offset_indices("embedding_renorm_", indices, n, v), max_norm, norm_type);
   } else {
+    // A strided table (a transposed or sliced [N, V, D]) is not one [N*V, D] view: one renorm
+    // per member on its own [V, D] table, with the same index checks as the one-call path.
+    check_indices("embedding_renorm_", indices, v);
     const int64_t members = n.guard_int(__FILE__, __LINE__);
     for (int64_t k = 0; k < members; ++k) {
       at::Tensor table = weight.select(0, k);
@@ -137,7 +159,7 @@ at::Tensor embedding_bag_impl(const at::Tensor& weight, const at::Tensor& indice
     return at::cat(outs);
   }
   at::Tensor idx = offset_indices("embedding_bag", indices, n, v);
-  if (padding_idx >= 0) idx = at::where(indices.eq(padding_idx), indices.new_full({}, padding_idx), idx);
+  if (padding_idx >= 0) idx = at::where(indices.eq(padding_idx), idx.new_full({}, padding_idx), idx);
   const at::Tensor table = weight.reshape_symint({n * v, dim});
   std::optional<at::Tensor> psw;
   if (per_sample_weights.has_value()) psw = per_sample_weights->reshape_symint({-1});
@@ -152,11 +174,14 @@ at::Tensor embedding_bag_impl(const at::Tensor& weight, const at::Tensor& indice
     TORCH_CHECK(!include_last_offset, "wide::embedding_bag: include_last_offset needs offsets");
     const c10::SymInt l = indices.sym_size(2);
     bags = n * indices.sym_size(1);
-    flat_offsets = at::arange(c10::Scalar(0), c10::Scalar(bags * l + 1), c10::Scalar(l), indices.options());
+    flat_offsets = at::arange(c10::Scalar(0), c10::Scalar(bags * l + 1), c10::Scalar(l), idx.options());
   } else {
     TORCH_CHECK(indices.dim() == 2, "wide::embedding_bag: with offsets expected indices [N, T], got ",
                 indices.sym_sizes());
-    const at::Tensor& off = *offsets;
+    TORCH_CHECK(offsets->scalar_type() == at::kLong || offsets->scalar_type() == at::kInt,
+                "wide::embedding_bag: expected integer offsets, got ", offsets->scalar_type());
+    // int64, as the offset indices: the shifted offsets run up to N*T.
+    const at::Tensor off = offsets->to(at::kLong);
     TORCH_CHECK(off.dim() == 1 || (off.dim() == 2 && off.sym_size(0) == n), "wide::embedding_bag: "
                 "expected offsets [B] (shared) or [N, B], got ", off.sym_sizes());
     const c10::SymInt t = indices.sym_size(1);

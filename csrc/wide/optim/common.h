@@ -46,6 +46,20 @@ void check_like(const at::Tensor& param, const at::Tensor& t, const char* op, co
 /// A per-member hyperparameter: a real tensor of N elements (one per member) or of 1 (shared).
 void check_hparam(const at::Tensor& t, const c10::SymInt& n, const char* op, const char* name);
 
+/// One argument of a step, by its schema name, for the memory checks.
+struct NamedTensor {
+  const char* name;
+  at::Tensor tensor;
+};
+
+/// Refuses a step whose written tensors (param, the state tensors it uses, step) share memory
+/// with each other or with a tensor it reads (grad, hyperparameters), or that overlap themselves
+/// (an expanded tensor): the step would read values it has already overwritten, or write one
+/// element twice, and give a silently wrong update. Read tensors may share memory among
+/// themselves (an expanded gradient). Note [Optimizer step arguments never alias].
+void check_no_overlap(const char* op, const std::vector<NamedTensor>& written,
+                      const std::vector<NamedTensor>& read);
+
 /// The N per-member values of a checked hyperparameter, in double (a shared value repeated).
 std::vector<double> member_values(const at::Tensor& t, int64_t n);
 
@@ -145,6 +159,13 @@ void check(const typename Opt::Args& a) {
                 "floating-point step tensor, got ", a.step.scalar_type());
   }
   for (size_t i = 0; i < a.hparams.size(); ++i) check_hparam(a.hparams[i], n, op, Opt::kHParams[i]);
+  std::vector<NamedTensor> written{{"param", a.param}}, read{{"grad", a.grad}};
+  for (size_t i = 0; i < a.state.size(); ++i) {
+    if (a.state[i].defined() && uses_state<Opt>(a, i)) written.push_back({Opt::kState[i].name, a.state[i]});
+  }
+  if constexpr (Opt::kStep != StepCounter::None) written.push_back({"step", a.step});
+  for (size_t i = 0; i < a.hparams.size(); ++i) read.push_back({Opt::kHParams[i], a.hparams[i]});
+  check_no_overlap(op, written, read);
 }
 
 /// The per-member coefficients (after the step increment), computed on the host in double.
