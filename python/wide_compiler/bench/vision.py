@@ -57,6 +57,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import gc
 import logging
 import math
 import time
@@ -503,4 +504,8 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
             elif r["strategy"].startswith("module:"):
                 r["chosen_strategy"] = r["strategy"].split(":", 1)[1]
         records += recs
+        # This mode's copies and baselines go before the next mode makes its own: at real sizes
+        # (GPT-2 at N=4: 2 GB per set of members) two modes' worth do not fit in memory.
+        del models, wides, baselines, makers
+        gc.collect()
     return records
