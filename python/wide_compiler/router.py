@@ -15,50 +15,69 @@ are kept aside, untouched, as the *originals*. From then on:
 
 * the wide tensors ARE the towers' parameters: ``router.parameters()`` yields each exactly once,
   optimizers, ``.to()``, ``.train()``/``.eval()`` and ``state_dict`` act on them. Create the
-  optimizer AFTER grouping (a router grouped lazily in training mode warns once);
+  optimizer AFTER grouping: an optimizer that still holds a grouped tower's own parameters raises
+  at its ``step()`` (it would train nothing), and a router grouped lazily in training mode warns;
+* ``router[name]`` is any attached component: a head or an ungrouped tower is the module itself, a
+  fused tower is a live view that runs that tower alone on its rows of the wide parameters;
 * towers that form no group (singletons, and the towers of a group whose compile failed) stay
   ordinary submodules and run as themselves;
+* a tensor a grouped tower shares with anything else in the router (a head, another tower, a
+  parameter registered on the router) would be untied by stacking: such a group is not fused (one
+  warning naming the tensor) and its towers run one by one;
 * the originals go stale while training: :meth:`~WideRouter.write_back` copies the wide values
   into them in place, :meth:`~WideRouter.unfuse` returns fresh modules instead.
 
 Registering or unregistering a tower after grouping writes the groups back into the originals and
 ungroups; the next call groups again (and ``parameters()`` changes again).
 
-Example:
+Example (the router guide's pattern: a named router, named towers, ``self[...]`` for a head):
     >>> import torch, wide_compiler as wc
     >>> from wide_compiler.router import Tower, WideRouter
     >>> class MLP(Tower):
-    ...     def __init__(self, width):
-    ...         super().__init__()
+    ...     def __init__(self, name, width):
+    ...         super().__init__(name)
     ...         self.net = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 2))
     ...     def forward(self, x):
     ...         return self.net(x)
-    >>> router = WideRouter(config=wc.WideConfig.fast())
-    >>> for i in range(3):
-    ...     _ = router.attach(f"small{i}", MLP(8))
-    >>> _ = router.attach("big", MLP(16))
-    >>> router.discover_towers()
+    >>> class Collective(WideRouter):
+    ...     def __init__(self):
+    ...         super().__init__("collective", auto_discover=True, config=wc.WideConfig.fast())
+    ...         for i in range(3):
+    ...             self.attach(f"small{i}", MLP(f"small{i}", 8))   # registered as it comes
+    ...         self.attach("big", MLP("big", 16))
+    ...         self.attach("fusion", torch.nn.Linear(8, 2))       # not a Tower: a head
+    ...     def forward(self, x):
+    ...         opinions = self.wide_forward(x)
+    ...         return self["fusion"](torch.cat(list(opinions.values()), dim=-1))
+    >>> router = Collective()
+    >>> router.tower_names
     ['small0', 'small1', 'small2', 'big']
     >>> x = torch.randn(5, 4)
-    >>> router.prepare_for_compile(x)
-    >>> outs = router.wide_forward(x)
-    >>> sorted(outs), outs["big"].shape
-    (['big', 'small0', 'small1', 'small2'], torch.Size([5, 2]))
+    >>> router.prepare_for_compile(x)          # group + compile now; make the optimizer after
+    >>> router(x).shape
+    torch.Size([5, 2])
     >>> router.group_members()
     {'small0': ['small0', 'small1', 'small2'], 'big': ['big']}
+    >>> torch.allclose(router["small1"](x), router.wide_forward(x)["small1"])  # a live view
+    True
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import logging
+import threading
 import warnings
-from collections.abc import Iterable, Mapping
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from .api import compile as _wide_compile
 from .config import WideConfig
@@ -70,13 +89,236 @@ __all__ = ["Tower", "WideRouter"]
 
 log = logging.getLogger(__name__)
 
+# -- tower names ------------------------------------------------------------------------------
+# Reads of Tower.name while a router groups towers (the forwards the member check and the capture
+# run): a forward that reads its tower's name computes something that depends on the name.
+_name_watch = threading.local()
+
+
+@contextlib.contextmanager
+def _watch_names() -> Iterator[list]:
+    """Record every :attr:`Tower.name` read in this thread inside the block."""
+    outer = getattr(_name_watch, "reads", None)
+    _name_watch.reads = reads = []
+    try:
+        yield reads
+    finally:
+        _name_watch.reads = outer
+        if outer is not None:
+            outer.extend(reads)
+
+
+class _TowerLabel:
+    """A tower's name, held so that the member check (which compares every non-tensor attribute
+    of the members) treats towers of different names as one program: the name labels a tower, it
+    is not part of what the tower computes. A forward that does read ``self.name`` is caught while
+    grouping and never shares a program with towers of other names."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: str | None) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _TowerLabel)
+
+    def __hash__(self) -> int:
+        return hash(_TowerLabel)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __reduce__(self) -> tuple:
+        return (_TowerLabel, (self.value,))
+
+
+def _check_label(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"Tower: name must be a string or None, got {type(value).__name__} {value!r}")
+    return value
+
 
 class Tower(nn.Module):
-    """Marker base class: an attached module of this type is found by
-    :meth:`WideRouter.discover_towers`. It adds nothing else; any module can be made a tower with
-    :meth:`WideRouter.register_tower`."""
+    """Base class of a router tower: an attached module of this type is registered by
+    :meth:`WideRouter.discover_towers`, and by :meth:`WideRouter.attach` itself on a router made
+    with ``auto_discover=True``. Any module can be made a tower with
+    :meth:`WideRouter.register_tower`.
+
+    Args:
+        name: an optional label (the router guide builds towers as ``MyTower('tower_0', dim)``).
+            The router knows a tower by the name it is attached under. Towers that differ only in
+            their labels share one wide program, unless their forward reads ``self.name`` (then
+            each runs alone: one program cannot hold several names).
+
+    Example:
+        >>> import torch
+        >>> from wide_compiler.router import Tower
+        >>> class MyTower(Tower):
+        ...     def __init__(self, name, dim):
+        ...         super().__init__(name)
+        ...         self.fc = torch.nn.Linear(dim, dim)
+        ...     def forward(self, x):
+        ...         return self.fc(x)
+        >>> MyTower("tower_0", 4).name
+        'tower_0'
+        >>> MyTower("tower_0", 4)
+        MyTower(
+          name='tower_0'
+          (fc): Linear(in_features=4, out_features=4, bias=True)
+        )
+    """
+
+    def __init__(self, name: str | None = None) -> None:
+        label = self.__dict__.get("_tower_label")  # a name set before super().__init__() is kept
+        super().__init__()
+        self.__dict__["_tower_label"] = _TowerLabel(_check_label(name)) if name is not None or label is None else label
+
+    @property
+    def name(self) -> str | None:
+        """The tower's label (``None`` when it was built without one)."""
+        reads = getattr(_name_watch, "reads", None)
+        if reads is not None:
+            reads.append(self)
+        label = self.__dict__.get("_tower_label")
+        return None if label is None else label.value
+
+    @name.setter
+    def name(self, value: str | None) -> None:
+        self.__dict__["_tower_label"] = _TowerLabel(_check_label(value))
+
+    def extra_repr(self) -> str:
+        label = self.__dict__.get("_tower_label")
+        return "" if label is None or label.value is None else f"name={label.value!r}"
 
 
+def _labels(mod: nn.Module) -> list[str | None]:
+    """The labels of every Tower inside ``mod`` (itself included), in module order."""
+    return [m.__dict__["_tower_label"].value for m in mod.modules()
+            if isinstance(m, Tower) and "_tower_label" in m.__dict__]
+
+
+# -- optimizers holding parameters that grouping replaced -------------------------------------
+# id(parameter) -> (weak ref to it, weak ref to its router, why it is stale). A global optimizer
+# step pre-hook refuses to step an optimizer that holds one of them while its router is alive:
+# such a parameter no longer takes part in the router's forward, so its step would train nothing.
+_retired: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
+_retired_version = [0]
+_checked_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_retired_lock = threading.Lock()
+_hook_handle: list[Any] = []
+
+
+def _retire(tensors: Iterable[torch.Tensor], router: WideRouter, why: str) -> None:
+    """Mark ``tensors`` as no longer ``router``'s live parameters (see :func:`_check_optimizer`)."""
+    rref = weakref.ref(router)
+    with _retired_lock:
+        for t in tensors:
+            k = id(t)
+
+            def gone(r: weakref.ref, k: int = k) -> None:
+                entry = _retired.get(k)
+                if entry is not None and entry[0] is r:
+                    _retired.pop(k, None)
+
+            _retired[k] = (weakref.ref(t, gone), rref, why)
+        _retired_version[0] += 1
+        if not _hook_handle:
+            _hook_handle.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def _revive(tensors: Iterable[torch.Tensor]) -> None:
+    """Undo :func:`_retire` (a tower ungrouped: its own parameters are live again)."""
+    with _retired_lock:
+        for t in tensors:
+            entry = _retired.get(id(t))
+            if entry is not None and entry[0]() is t:
+                del _retired[id(t)]
+        _retired_version[0] += 1
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook (registered at the first grouping): raise when the optimizer
+    holds a parameter that a live router's grouping (or ungrouping) replaced, whatever mode the
+    grouping ran in. Cached per optimizer: a step costs a few dict lookups unless the optimizer's
+    parameters or the set of replaced parameters changed."""
+    if not _retired:
+        return
+    groups = optimizer.param_groups
+    stamp = (_retired_version[0], len(groups), sum(len(g["params"]) for g in groups))
+    try:
+        if _checked_optimizers.get(optimizer) == stamp:
+            return
+    except TypeError:  # cannot be weakly referenced: checked at every step
+        pass
+    stale: dict[str, int] = {}
+    for g in groups:
+        for p in g["params"]:
+            entry = _retired.get(id(p))
+            if entry is not None and entry[0]() is p and entry[1]() is not None:
+                stale[entry[2]] = stale.get(entry[2], 0) + 1
+    if stale:
+        what = "; ".join(f"{n} {why}" for why, n in stale.items())
+        raise RuntimeError(
+            f"WideRouter: this {type(optimizer).__name__} holds parameters that are no longer the router's "
+            f"live parameters ({what}), so stepping it would train nothing. Create the optimizer after "
+            "grouping: call router.prepare_for_compile(sample_input) (or run one wide_forward) first, then "
+            "build it from router.parameters(). To train a tower module on its own, take a fresh copy "
+            "with router.unfuse()[name]")
+    try:
+        _checked_optimizers[optimizer] = stamp
+    except TypeError:
+        pass
+
+
+# -- tensors a tower shares ------------------------------------------------------------------
+_MODULE_KEYS = frozenset(nn.Module().__dict__) | {"_compiled_call_impl", "_tower_label"}
+
+
+def _tensors(mod: nn.Module) -> dict[int, tuple[torch.Tensor, str, bool]]:
+    """Every tensor ``mod`` reaches: ``id -> (tensor, where, registered)`` for its parameters and
+    buffers and for tensors held as plain attributes (directly, in a list/tuple/dict, or behind a
+    weak reference) of any of its submodules."""
+    out: dict[int, tuple[torch.Tensor, str, bool]] = {}
+
+    def add(t: Any, where: str, registered: bool) -> None:
+        if isinstance(t, weakref.ref):
+            t = t()
+        if isinstance(t, torch.Tensor) and (registered or id(t) not in out):
+            out[id(t)] = (t, where, registered)
+
+    for path, m in mod.named_modules(remove_duplicate=False):
+        pre = f"{path}." if path else ""
+        for k, t in m._parameters.items():
+            add(t, pre + k, True)
+        for k, t in m._buffers.items():
+            add(t, pre + k, True)
+        for k, v in m.__dict__.items():
+            if k in _MODULE_KEYS:
+                continue
+            if isinstance(v, (list, tuple)):
+                for j, t in enumerate(v):
+                    add(t, f"{pre}{k}[{j}]", False)
+            elif isinstance(v, dict):
+                for j, t in v.items():
+                    add(t, f"{pre}{k}[{j!r}]", False)
+            else:
+                add(v, pre + k, False)
+    return out
+
+
+def _tied(t: torch.Tensor, registered: bool) -> bool:
+    """Whether a tensor reached from two places must stay one object: a parameter, anything
+    trained, or anything registered (a buffer can be updated in place); a plain constant tensor
+    read by both is only read."""
+    return registered or isinstance(t, nn.Parameter) or t.requires_grad
+
+
+def _describe_tensor(t: torch.Tensor) -> str:
+    kind = "Parameter" if isinstance(t, nn.Parameter) else "tensor"
+    return f"{kind} {list(t.shape)} {t.dtype}"
+
+
+# -- inputs -----------------------------------------------------------------------------------
 def _check_name(name: Any) -> str:
     if not isinstance(name, str) or not name or "." in name:
         raise ValueError(f"WideRouter: a tower/module name must be a non-empty string without '.', got {name!r}")
@@ -102,18 +344,39 @@ def _expand(tree: Any, n: int) -> Any:
     return tree_map(lambda a: a.expand(n, *a.shape) if isinstance(a, torch.Tensor) else a, tree)
 
 
+def _input_name(path: tuple) -> str:
+    """A leaf of ``(args, kwargs)`` as the user wrote it: ``args[0]``, ``mask=``, ``args[1]['k']``."""
+    if not path:
+        return "the input"
+    head, rest = path[0], keystr(path[1:])
+    if getattr(head, "idx", None) == 1 and rest.startswith("['"):
+        key, _, more = rest[2:].partition("']")
+        return f"keyword {key}{more}"
+    return f"args{rest}"
+
+
 def _stack(trees: list, names: list[str]) -> Any:
-    """Per-member inputs of one structure -> one N-first input (non-tensor values must agree)."""
-    flats = [tree_flatten(t) for t in trees]
+    """Per-member inputs of one structure -> one N-first input (non-tensor values must agree;
+    tensors must have one shape, dtype and device: they are stacked)."""
+    flats = [tree_flatten_with_path(t) for t in trees]
     spec = flats[0][1]
     for (_, s), name in zip(flats, names):
         if s != spec:
             raise ValueError(f"WideRouter: tower {name!r} got inputs structured as {s}, tower "
                              f"{names[0]!r} of its group got {spec}")
     leaves = []
-    for k, first in enumerate(flats[0][0]):
-        column = [f[0][k] for f in flats]
+    for k, (path, first) in enumerate(flats[0][0]):
+        column = [f[0][k][1] for f in flats]
         if isinstance(first, torch.Tensor):
+            kinds = [(tuple(c.shape), c.dtype, c.device) if isinstance(c, torch.Tensor) else None for c in column]
+            if any(kd != kinds[0] for kd in kinds):
+                got = ", ".join(f"{n!r}: " + (f"{list(kd[0])} {kd[1]} {kd[2]}" if kd else type(c).__name__)
+                                for n, kd, c in zip(names, kinds, column))
+                raise ValueError(
+                    f"WideRouter: towers {names} are one group, run as one wide call that stacks their "
+                    f"per-tower inputs, but their {_input_name(path)} differ ({got}). Give the towers of a "
+                    "group inputs of one shape, dtype and device (e.g. pad or crop to one batch size), or "
+                    "run them in separate wide_forward calls with tower_names=[...]")
             leaves.append(torch.stack(column))
         else:
             if any(c != first for c in column):
@@ -123,22 +386,154 @@ def _stack(trees: list, names: list[str]) -> Any:
     return tree_unflatten(leaves, spec)
 
 
+def _device_arg(a: Any) -> torch.device | None:
+    """``a`` as a device when it is one (``prepare_for_compile(device)`` of the guide), else None."""
+    if isinstance(a, torch.device):
+        return a
+    if isinstance(a, str):
+        try:
+            return torch.device(a)
+        except (RuntimeError, ValueError):
+            return None
+    return None
+
+
+def _named_parameter(mod: nn.Module, name: str) -> bool:
+    """Whether ``mod.forward`` has a parameter literally called ``name``."""
+    try:
+        return name in inspect.signature(mod.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+_TORCH_COMPILE_KEYS = ("mode", "backend", "fullgraph", "dynamic", "disable")
+
+
+class _FusedTowerView(nn.Module):
+    """``router[name]`` for a tower fused into a wide group: calling it runs that tower alone on
+    its rows of the group's wide parameters and buffers (reads them live, and gradients reach
+    them, so an optimizer over ``router.parameters()`` trains it). The view follows the tower by
+    name: after the router ungroups, it calls the live tower module.
+
+    It owns no parameters: ``parameters()`` raises (the trainable tensors are the router's), and
+    ``state_dict()``/``load_state_dict()`` read and write the tower's rows. For a standalone copy
+    of the tower use ``router.unfuse()[name]``."""
+
+    def __init__(self, router: WideRouter, name: str) -> None:
+        super().__init__()
+        self.__dict__["_router"] = router  # not a submodule: the router owns the view, not the reverse
+        self.__dict__["_tower_name"] = name
+
+    def _where(self) -> tuple[str | None, int | nn.Module]:
+        """(group key, member index) while fused, else (None, the live tower module)."""
+        router, name = self.__dict__["_router"], self.__dict__["_tower_name"]
+        for key, members in router._members.items():
+            if name in members:
+                return key, members.index(name)
+        if name in router._modules and name in router._tower_names:
+            return None, router._modules[name]
+        raise KeyError(f"router[{name!r}]: {name!r} is no longer a tower of this router; towers: "
+                       f"{router._tower_names}")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        key, where = self._where()
+        if key is None:
+            return where(*args, **kwargs)
+        return self.__dict__["_router"]._run_member(key, where, args, kwargs)
+
+    def _refuse(self, what: str) -> None:
+        name = self.__dict__["_tower_name"]
+        raise RuntimeError(
+            f"router[{name!r}].{what}: tower {name!r} is fused into a wide group, so its parameters are rows "
+            "of the router's wide parameters and have no tensors of their own: train it with an optimizer "
+            f"over router.parameters(); read its values with router[{name!r}].state_dict(); for a standalone "
+            f"module use router.unfuse()[{name!r}] (a copy)")
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        self._refuse("parameters()")
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        self._refuse("named_parameters()")
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """The tower's ``state_dict``: copies of its rows of the wide parameters and buffers."""
+        key, where = self._where()
+        if key is None:
+            return where.state_dict(*args, **kwargs)
+        return self.__dict__["_router"].groups[key].member_state_dict(where)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Write an ordinary tower ``state_dict`` into the tower's rows (strict: the tower's own
+        keys and shapes, all checked before anything is written)."""
+        key, where = self._where()
+        if key is None:
+            return where.load_state_dict(state_dict, strict=strict, assign=assign)
+        if not strict or assign:
+            raise ValueError("router[name].load_state_dict of a fused tower is strict and copies into the wide "
+                             "parameters: strict=False and assign=True are not supported")
+        self.__dict__["_router"].groups[key].load_member_state_dict(where, state_dict)
+        return None
+
+    def __getattr__(self, attr: str) -> Any:
+        try:
+            return super().__getattr__(attr)
+        except AttributeError:
+            name = self.__dict__.get("_tower_name")
+            if name is None:  # half-built (unpickling, copying)
+                raise
+            raise AttributeError(
+                f"router[{name!r}] is a live view of tower {name!r}, fused into a wide group: it can be called "
+                f"and has state_dict()/load_state_dict(), but no attribute {attr!r} (the fused tower has no "
+                f"module of its own). Use router.unfuse()[{name!r}] for a copy of the module, or "
+                "router.write_back() to update the original one") from None
+
+    def extra_repr(self) -> str:
+        try:
+            key, where = self._where()
+        except KeyError:
+            return f"tower={self.__dict__['_tower_name']!r} (detached)"
+        return (f"tower={self.__dict__['_tower_name']!r}, "
+                + ("not fused" if key is None else f"fused: member {where} of router.groups[{key!r}]"))
+
+
 class WideRouter(nn.Module):
     """Named towers of several architectures, grouped by program, each group of two or more run
     as one :class:`~wide_compiler.WideModel`. See the module docstring for the ownership rule.
 
     Args:
+        name: an optional label (``WideRouter('my_collective', auto_discover=True)``, as in the
+            router guide); shown in ``repr``.
+        auto_discover: when true, :meth:`attach` registers every :class:`Tower` it attaches as
+            it comes (turn it off and on through the ``auto_discover`` attribute). Modules that
+            are not towers (heads) are never registered. :meth:`discover_towers` registers the
+            towers attached otherwise (e.g. set as attributes) either way.
         config: the :class:`~wide_compiler.WideConfig` every group is compiled with (default
             ``WideConfig.default()``; ``WideConfig.fast()`` compiles fastest).
         compile_options: further keyword arguments of :func:`wide_compiler.compile`
             (``validate``, ``strict``, ``dynamic_shapes``...).
 
     Subclass it (attach towers and heads in ``__init__``, call :meth:`wide_forward` in
-    ``forward``) or use it as a container.
+    ``forward``, reach any attached component as ``self[name]``) or use it as a container.
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> router = wc.WideRouter("pair", auto_discover=True, config=wc.WideConfig.fast())
+        >>> _ = router.attach("a", torch.nn.Linear(3, 2))            # not a Tower: a head
+        >>> _ = router.attach("b", wc.Tower("b"))                     # a Tower: registered now
+        >>> router.tower_names, router["a"] is router.a
+        (['b'], True)
     """
 
-    def __init__(self, *, config: WideConfig | None = None, compile_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, name: str | None = None, *, auto_discover: bool = False, config: WideConfig | None = None,
+                 compile_options: Mapping[str, Any] | None = None) -> None:
         super().__init__()
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"WideRouter: name must be a string or None, got {type(name).__name__} {name!r} "
+                            "(config and compile_options are keyword arguments)")
+        if config is not None and not isinstance(config, WideConfig):
+            raise TypeError(f"WideRouter: config must be a wide_compiler.WideConfig, got {type(config).__name__}")
+        self.name = name
+        self.auto_discover = bool(auto_discover)
         self._config = config or WideConfig.default()
         self._compile_options = dict(compile_options or {})
         self._tower_names: list[str] = []
@@ -149,13 +544,16 @@ class WideRouter(nn.Module):
         self._fallbacks: dict[tuple[str, ...], str] = {}  # towers of a failed group -> why
         self._structures: dict[str, Any] = {}  # group key -> the input structure it was compiled for
         self._warned_structures: set = set()
+        self._compile_opts: dict[str, Any] | None = None  # torch.compile options of compile()
         self._compiled: dict[str, Any] = {}  # group key -> its torch.compile'd wide model (compile())
+        self._views: dict[str, _FusedTowerView] = {}  # router[name] of fused towers
         self._grouped = False
 
     # -- registration -------------------------------------------------------------------------
     def attach(self, name: str, module: nn.Module) -> nn.Module:
-        """Add ``module`` as submodule ``name`` (a tower, if it is a :class:`Tower`, once
-        :meth:`discover_towers` runs; a head or anything else otherwise). Returns ``module``."""
+        """Add ``module`` as submodule ``name`` and return it. A :class:`Tower` is registered as a
+        tower at once when ``auto_discover`` is on, else when :meth:`discover_towers` runs; any
+        other module is a head (reached as ``self[name]`` or ``self.name``)."""
         _check_name(name)
         if not isinstance(module, nn.Module):
             raise TypeError(f"WideRouter.attach: {name!r} is a {type(module).__name__}, expected an nn.Module")
@@ -163,6 +561,8 @@ class WideRouter(nn.Module):
                 or (name in self.__dict__ and name not in self._modules)):
             raise ValueError(f"WideRouter.attach: the name {name!r} is taken")
         self.add_module(name, module)
+        if self.auto_discover and isinstance(module, Tower):
+            self.register_tower(name)
         return module
 
     def register_tower(self, name: str, module: nn.Module | None = None) -> None:
@@ -201,6 +601,27 @@ class WideRouter(nn.Module):
         """A tower's module: the live submodule, or its (possibly stale) original when grouped."""
         return self._originals[name] if name in self._originals else self._modules[name]
 
+    def __getitem__(self, name: str) -> nn.Module:
+        """Any attached component by name (the guide's ``self['fusion'](opinions)``): a head or an
+        ungrouped tower is the module itself; a tower fused into a wide group is a live view that
+        runs it alone on its rows of the wide parameters (see the module docstring)."""
+        if not isinstance(name, str):
+            raise TypeError(f"WideRouter[...]: components are looked up by name (a string), got "
+                            f"{type(name).__name__} {name!r}")
+        if name in self._originals:
+            view = self._views.get(name)
+            if view is None:
+                view = self._views[name] = _FusedTowerView(self, name)
+            return view
+        if name in self._modules and name != "groups":
+            return self._modules[name]
+        attached = [n for n in [*self._modules, *self._originals] if n != "groups"]
+        raise KeyError(f"WideRouter{'' if self.name is None else ' ' + repr(self.name)}: no attached component "
+                       f"{name!r}; attached: {attached}")
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name != "groups" and (name in self._modules or name in self._originals)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -210,8 +631,9 @@ class WideRouter(nn.Module):
                 key = next(k for k, v in self.__dict__["_members"].items() if name in v)
                 raise AttributeError(
                     f"WideRouter: tower {name!r} is fused into the WideModel router.groups[{key!r}]; its "
-                    "parameters are the wide ones. Use router.write_back() to update the original "
-                    "module, or router.unfuse()[name] for a fresh one") from None
+                    f"parameters are the wide ones. Call it through router[{name!r}] (a live view), use "
+                    "router.write_back() to update the original module, or router.unfuse()[name] for a "
+                    "fresh one") from None
             raise
 
     # -- grouping -----------------------------------------------------------------------------
@@ -223,12 +645,48 @@ class WideRouter(nn.Module):
         try:
             check_members([ta, tb])
             if self._config.run_members:
-                check_run_members([ta, tb], *inputs[a])
+                with _watch_names() as reads:
+                    check_run_members([ta, tb], *inputs[a])
+                if reads and _labels(ta) != _labels(tb):
+                    return self._reads_name_why([a, b])
         except ArchitectureMismatchError as e:
             return str(e)
         except Exception as e:  # noqa: BLE001 -- a tower that cannot even run is a group of its own
             return f"{type(e).__name__}: {e}"
         return None
+
+    def _reads_name_why(self, names: list[str]) -> str:
+        labels = {n: _labels(self._tower(n)) for n in names}
+        return (f"the forward of tower {names[0]!r} reads Tower.name, and the towers' names differ "
+                f"({labels}): one wide program would give every tower the name of the first")
+
+    def _check_not_shared(self, names: list[str]) -> None:
+        """Stacking copies a group's tensors: a parameter or buffer a grouped tower shares with
+        anything else in the router (another tower of the group or outside it, a head, a tensor
+        registered on the router itself), held registered or as a plain attribute, would be
+        silently untied. Raise naming the first one."""
+        inside: dict[int, tuple[str, str, bool]] = {}  # id -> (tower, where, tied on its side)
+        for n in names:
+            for i, (t, where, registered) in _tensors(self._modules[n]).items():
+                if i in inside and inside[i][0] != n and _tied(t, registered):
+                    n0, w0, _ = inside[i]
+                    raise ValueError(f"tower {n!r} ({where!r}) and tower {n0!r} ({w0!r}) of the group share "
+                                     f"one {_describe_tensor(t)}: fusing would give each member its own copy "
+                                     "and untie them")
+                inside.setdefault(i, (n, where, _tied(t, registered)))
+        outside = [(o, m) for o, m in [*self._modules.items(), *self._originals.items()]
+                   if o not in names and o != "groups"]
+        own = {id(t): (t, k, True) for k, t in [*self._parameters.items(), *self._buffers.items()] if t is not None}
+        for k, v in self.__dict__.items():
+            if isinstance(v, torch.Tensor) and id(v) not in own:
+                own[id(v)] = (v, k, False)
+        for other, found in [("the router itself", own), *((repr(o), _tensors(m)) for o, m in outside)]:
+            for i, (t, where, registered) in found.items():
+                if i in inside and (_tied(t, registered) or inside[i][2]):
+                    n, w, _ = inside[i]
+                    raise ValueError(f"tower {n!r} shares its tensor {w!r} ({_describe_tensor(t)}) with {other} "
+                                     f"({where!r}), outside the group: fusing would copy it into the group's "
+                                     "stacked parameters and untie them")
 
     def _group(self, inputs: dict[str, tuple]) -> None:
         """Partition the towers by program and compile every group of 2+ (inputs: name -> (args,
@@ -250,8 +708,11 @@ class WideRouter(nn.Module):
             args, kwargs = inputs[names[0]]
             try:
                 self._check_not_shared(names)
-                wide = _wide_compile(towers, args, sample_kwargs=kwargs, config=self._config,
-                                     **self._compile_options)
+                with _watch_names() as reads:
+                    wide = _wide_compile(towers, args, sample_kwargs=kwargs, config=self._config,
+                                         **self._compile_options)
+                if reads and len({tuple(_labels(t)) for t in towers}) > 1:
+                    raise ValueError(self._reads_name_why(names))
             except Exception as e:  # noqa: BLE001 -- the towers still run, one by one, and we say so
                 why = f"{type(e).__name__}: {e}"
                 self._fallbacks[tuple(names)] = why
@@ -265,33 +726,38 @@ class WideRouter(nn.Module):
             self._structures[key] = _structure(args, kwargs)
             for n in names:
                 self._originals[n] = self._modules.pop(n)
+            _retire([p for t in towers for p in t.parameters()], self,
+                    f"are the own parameters of towers {names}, which grouping replaced by the wide parameters "
+                    f"of router.groups[{key!r}]")
         self._grouped = True
+        if self._compile_opts is not None:
+            self._compile_groups()
         log.info("WideRouter: %s", self.report())
 
-    def _check_not_shared(self, names: list[str]) -> None:
-        """Stacking copies a group's tensors: a parameter or buffer a grouped tower shares with a
-        module outside the group (another tower, a head) would be silently untied."""
-        def ids(mod: nn.Module) -> dict[int, str]:
-            return {id(t): k for k, t in [*mod.named_parameters(remove_duplicate=False),
-                                          *mod.named_buffers(remove_duplicate=False)]}
-        inside = {i: (n, k) for n in names for i, k in ids(self._modules[n]).items()}
-        for other, mod in self._modules.items():
-            if other in names or other == "groups":
-                continue
-            for i, k in ids(mod).items():
-                if i in inside:
-                    n, k0 = inside[i]
-                    raise ValueError(f"tower {n!r} shares its tensor {k0!r} with {other!r} ({k!r}), "
-                                     "outside the group: fusing would untie them")
+    @torch.compiler.disable
+    def _group_lazily(self, args: tuple, kwargs: dict) -> None:
+        """The first :meth:`wide_forward` groups (outside any torch.compile trace: grouping
+        captures and compiles, eagerly)."""
+        if self.training and any(p.requires_grad for n in self._tower_names for p in self._tower(n).parameters()):
+            warnings.warn("WideRouter: grouping the towers on the first wide_forward: parameters() now "
+                          "yields the wide parameters. Create the optimizer after this call (or call "
+                          "prepare_for_compile(sample) first); an optimizer made before raises at its step()",
+                          stacklevel=4)
+        self._group(self._inputs(args, kwargs, None, all_towers=True)[1])  # every tower needs an input
 
     def _ungroup(self) -> None:
         """Write every group back into its originals and make them submodules again."""
         if not self._grouped:
             return
         self.write_back()
+        keys = list(self._members)
+        _retire(list(self.groups.parameters()), self,
+                f"are wide parameters of groups {keys}, which registering or unregistering a tower ungrouped "
+                "(the next call groups again, with new wide parameters)")
         for key, names in self._members.items():
             for n in names:
                 self._modules[n] = self._originals.pop(n).train(self.groups[key].training)
+                _revive(self._modules[n].parameters())
         self.groups = nn.ModuleDict()
         self._members.clear()
         self._templates.clear()
@@ -300,29 +766,97 @@ class WideRouter(nn.Module):
         self._grouped = False
 
     def prepare_for_compile(self, *args: Any, tower_names: Iterable[str] | None = None, **kwargs: Any) -> None:
-        """Group the towers and compile every group now, with these sample inputs (as for
-        :meth:`wide_forward`; ``tower_names`` is ignored: every tower is grouped). Create the
-        optimizer after this call."""
+        """Group the towers and compile every group.
+
+        With sample inputs (as for :meth:`wide_forward`; ``tower_names`` is ignored: every tower
+        is grouped), now: create the optimizer after this call. With none
+        (``prepare_for_compile()``, as in the router guide), grouping happens at the first call,
+        which needs real inputs; ``parameters()`` changes then, so make the optimizer after the
+        first call (an optimizer made before raises at its ``step()`` naming this), or pass a
+        sample here. ``prepare_for_compile(device)`` (a ``torch.device`` or a device string)
+        moves the router there first and groups at the first call too.
+
+        Either way the grouping itself never runs inside a ``torch.compile`` trace, so
+        ``torch.compile(model)`` of a module holding the router works before and after it.
+
+        Example:
+            >>> import torch, wide_compiler as wc
+            >>> router = wc.WideRouter(config=wc.WideConfig.fast())
+            >>> for i in range(2):
+            ...     router.register_tower(f"t{i}", torch.nn.Linear(3, 2))
+            >>> router.prepare_for_compile()           # groups at the first call
+            >>> router.group_members()                 # not grouped yet: one entry per tower
+            {'t0': ['t0'], 't1': ['t1']}
+            >>> router.eval().wide_forward(torch.randn(4, 3))["t1"].shape
+            torch.Size([4, 2])
+            >>> router.group_members()
+            {'t0': ['t0', 't1']}
+        """
         if not self._tower_names:
             raise ValueError("WideRouter: no towers; attach them and call discover_towers() or register_tower()")
+        if len(args) == 1 and not kwargs and _device_arg(args[0]) is not None:
+            self.to(_device_arg(args[0]))
+            args = ()
+        if not args and not kwargs:
+            log.info("WideRouter%s: %s", "" if self.name is None else f" {self.name!r}",
+                     "already grouped" if self._grouped else "no sample: the towers are grouped at the first call")
+            return
         self._ungroup()
         _, inputs = self._inputs(args, kwargs, None, all_towers=True)
         self._group(inputs)
 
     def compile(self, *args: Any, options: Mapping[str, Any] | None = None, **kwargs: Any) -> WideRouter:
-        """:meth:`prepare_for_compile` with these sample inputs, then every group's wide model is
-        wrapped in ``torch.compile(fullgraph=True, **options)`` (no graph breaks; a break is an
-        error), used by :meth:`wide_forward` for whole-group calls. Returns the router.
+        """:meth:`prepare_for_compile` with these sample inputs (or none: grouping at the first
+        call), then every group's wide model is wrapped in ``torch.compile(fullgraph=True,
+        **options)`` (no graph breaks; a break is an error), used by :meth:`wide_forward` for
+        whole-group calls. Returns the router, so ``compiled = router.compile(mode=...)`` of the
+        guide works.
 
-        This replaces ``nn.Module.compile`` (which would compile :meth:`forward`, not the groups)."""
-        self.prepare_for_compile(*args, **kwargs)
-        opts = {"fullgraph": True, **dict(options or {})}
+        Keywords named as ``torch.compile``'s (``mode``, ``backend``, ``fullgraph``, ``dynamic``,
+        ``disable``) are its options, as is the ``options`` dict; every other keyword is a sample
+        input. When a tower's forward takes a parameter of such a name, that keyword is a sample
+        input if ``options`` is given, else the call is ambiguous and refused.
+
+        This replaces ``nn.Module.compile`` (which would compile :meth:`forward`, not the groups).
+
+        Example:
+            >>> import torch, wide_compiler as wc
+            >>> router = wc.WideRouter(config=wc.WideConfig.fast())
+            >>> for i in range(2):
+            ...     router.register_tower(f"t{i}", torch.nn.Linear(3, 2))
+            >>> router.compile(torch.randn(4, 3), backend="eager") is router
+            True
+        """
+        opts = dict(options or {})
+        for k in _TORCH_COMPILE_KEYS:
+            if k not in kwargs:
+                continue
+            takers = [n for n in self._tower_names if _named_parameter(self._tower(n), k)]
+            if takers and options is not None:
+                continue  # options given explicitly: a keyword the towers take is a sample input
+            if takers:
+                raise TypeError(f"WideRouter.compile: {k}= is ambiguous: it is a torch.compile option and a "
+                                f"parameter of the forward of towers {takers}. Pass torch.compile's options "
+                                f"as options={{...}} (then {k}=... is a sample input)")
+            if k in opts:
+                raise TypeError(f"WideRouter.compile: {k} given twice, as {k}= and in options")
+            opts[k] = kwargs.pop(k)
+        if "options" in opts and not isinstance(opts["options"], Mapping):
+            raise TypeError("WideRouter.compile: options must be a dict of torch.compile keyword arguments")
+        self._compile_opts = {"fullgraph": True, **opts}
+        self._compiled = {}
+        self.prepare_for_compile(*args, **kwargs)  # groups (and compiles the groups) when given a sample
+        if self._grouped and not self._compiled:
+            self._compile_groups()
+        return self
+
+    def _compile_groups(self) -> None:
+        """Wrap every group's wide model in ``torch.compile`` with :meth:`compile`'s options."""
         # Every group runs the same code (WideModel.forward) with its own guards: dynamo's
         # per-code-object limit must admit a few entries per group (raised, never lowered).
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = limit + 4 * len(self.groups)  # train/eval, shapes
-        self._compiled = {key: torch.compile(wide, **opts) for key, wide in self.groups.items()}
-        return self
+        self._compiled = {key: torch.compile(wide, **self._compile_opts) for key, wide in self.groups.items()}
 
     # -- running ------------------------------------------------------------------------------
     def _inputs(self, args: tuple, kwargs: dict, tower_names: Iterable[str] | None,
@@ -361,17 +895,14 @@ class WideRouter(nn.Module):
         (further positional arguments and keywords are shared). ``tower_names`` selects a subset
         (default: every tower, or every tower with an entry in the per-tower dict).
 
-        The first call groups the towers (see :meth:`prepare_for_compile`). A group whose towers
+        The first call groups the towers (see :meth:`prepare_for_compile`): create the optimizer
+        after it (one made before raises at its ``step()``). A group whose towers
         are all selected runs as one wide call (shared inputs as stride-0 ``expand`` views,
         per-tower inputs stacked); a selected part of a group runs member by member on the wide
         parameters (unselected members are not touched)."""
         names, inputs = self._inputs(args, kwargs, tower_names)
         if not self._grouped:
-            if self.training and any(p.requires_grad for n in self._tower_names for p in self._tower(n).parameters()):
-                warnings.warn("WideRouter: grouping the towers on the first wide_forward: parameters() now "
-                              "yields the wide parameters. Create the optimizer after this call (or call "
-                              "prepare_for_compile(...) first)", stacklevel=2)
-            self._group(self._inputs(args, kwargs, None, all_towers=True)[1])  # every tower needs an input
+            self._group_lazily(args, kwargs)
         selected = set(names)
         out: dict[str, Any] = {}
         for key, members in self._members.items():
@@ -439,7 +970,12 @@ class WideRouter(nn.Module):
         buffers, in this router's device, dtype and train/eval mode."""
         out: dict[str, nn.Module] = {}
         for key, names in self._members.items():
-            out.update(zip(names, self.groups[key].unfuse()))
+            for n, fresh in zip(names, self.groups[key].unfuse()):
+                # built from one template: each tower gets its own labels (the only attributes
+                # the members may differ in) back
+                for m, label in zip([m for m in fresh.modules() if isinstance(m, Tower)], _labels(self._originals[n])):
+                    m.__dict__["_tower_label"] = _TowerLabel(label)
+                out[n] = fresh
         for n in self._tower_names:
             if n not in out:
                 out[n] = copy.deepcopy(self._modules[n])
@@ -495,4 +1031,5 @@ class WideRouter(nn.Module):
         return "\n".join(lines)
 
     def extra_repr(self) -> str:
-        return f"towers={self._tower_names}"
+        head = "" if self.name is None else f"name={self.name!r}, "
+        return f"{head}towers={self._tower_names}"

@@ -366,3 +366,133 @@ def test_compiled_router_matches_each_tower_with_no_graph_break():
     router.eval()
     [r.eval() for r in refs.values()]
     check_call(router, refs, {n: (x,) for n in refs}, {"mask": mask}, grads=False)
+
+
+# -- the router guide's API (issue 24) ----------------------------------------------------------
+class NamedSignTower(Tower):
+    """Reads its own name in forward: a program that depends on the name."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return -y if self.name.startswith("neg") else y
+
+
+def test_named_router_and_towers_auto_discover_and_repr():
+    router = WideRouter("collective", auto_discover=True, config=FAST)
+    router.attach("head", nn.Linear(3, 1))
+    t = router.attach("t0", MLPTower())
+    assert router.tower_names == ["t0"] and t.name is None
+    router.auto_discover = False
+    router.attach("t1", MLPTower())
+    assert router.tower_names == ["t0"]
+    assert router.discover_towers() == ["t0", "t1"]
+    assert "name='collective'" in repr(router)
+    assert "t0" in router and "groups" not in router and "nope" not in router
+    with pytest.raises(TypeError, match="name must be a string"):
+        WideRouter(FAST)  # config is a keyword argument
+    with pytest.raises(TypeError, match="name must be a string"):
+        Tower(3)
+
+
+def test_tower_names_do_not_split_groups_unless_forward_reads_them():
+    x, _ = sample()
+    for run_members in (True, False):
+        router = WideRouter(auto_discover=True, config=FAST.replace(run_members=run_members))
+        for n in ("pos0", "neg0", "pos1"):
+            router.attach(n, NamedSignTower(n))
+        refs = {n: copy.deepcopy(router[n]) for n in router.tower_names}
+        router.eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # run_members=False: the compile refuses, with a warning
+            outs = router.wide_forward(x)
+        assert not router.groups, f"run_members={run_members}: towers reading their names were fused"
+        for n, ref in refs.items():
+            torch.testing.assert_close(outs[n], ref(x))
+    router = WideRouter(auto_discover=True, config=FAST)  # names not read: one group
+    for n in ("a", "b"):
+        router.attach(n, NormTower())
+        router[n].name = n
+    router.prepare_for_compile(x)
+    assert router.group_members() == {"a": ["a", "b"]} and router.unfuse()["b"].name == "b"
+
+
+def test_getitem_views_follow_the_tower_and_write_its_rows():
+    router, refs = build(mixed_towers())
+    x, mask = sample()
+    router.prepare_for_compile(x, mask=mask)
+    head = router.attach("head", nn.Linear(3, 1))
+    assert router["head"] is head and router["s0"] is router.s0  # singleton: the module itself
+    view = router["a1"]
+    assert router["a1"] is view and "member 1 of router.groups['a0']" in repr(view)
+    torch.testing.assert_close(view(x, mask=mask), refs["a1"](x, mask=mask))
+    new = MLPTower(8).state_dict()
+    view.load_state_dict(new)
+    torch.testing.assert_close(router.unfuse()["a1"].net[0].weight, new["net.0.weight"])
+    with pytest.raises(AttributeError, match=r"router.unfuse\(\)\['a1'\]"):
+        view.net  # noqa: B018
+    with pytest.raises(AttributeError, match=r"router\['a1'\] \(a live view\)"):
+        router.a1  # noqa: B018
+    router.unregister_tower("s0")  # ungroups: the view now calls the live module
+    assert "not fused" in repr(view)
+    torch.testing.assert_close(view(x, mask=mask), router.a1(x, mask=mask))
+
+
+def test_optimizers_made_right_are_never_refused():
+    router, refs = build(mixed_towers())
+    x, mask = sample()
+    router.prepare_for_compile(x, mask=mask)
+    opt = torch.optim.Adam(router.parameters(), lr=1e-3)
+    sum(o.sum() for o in router.wide_forward(x, mask=mask).values()).backward()
+    opt.step()  # made after grouping: fine
+    alone = router.unfuse()["a0"]
+    alone_opt = torch.optim.SGD(alone.parameters(), lr=0.1)
+    alone(x).sum().backward()
+    alone_opt.step()  # a fresh copy trains on its own
+    towers = {n: router._tower(n) for n in router.tower_names}
+    stale = torch.optim.SGD(towers["a0"].parameters(), lr=0.1)
+    towers["a0"](x).sum().backward()
+    with pytest.raises(RuntimeError, match="no longer the router's live parameters"):
+        stale.step()
+    del router, opt
+    import gc
+    gc.collect()
+    stale.step()  # the router is gone: the tower module is the user's own again
+
+
+def test_compile_options_and_sample_keywords():
+    class ModeTower(Tower):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+
+        def forward(self, x, mode: str = "plain"):
+            return self.fc(x) * (2 if mode == "double" else 1)
+
+    torch.compiler.reset()
+    router = WideRouter(config=FAST)
+    for i in range(2):
+        router.register_tower(f"m{i}", ModeTower())
+    x, _ = sample()
+    with pytest.raises(TypeError, match="mode= is ambiguous"):
+        router.compile(x, mode="double")
+    router.compile(x, mode="double", options={"backend": "eager"})  # options given: mode is a sample input
+    assert router._structures["m0"][1][-1] == ("value", "double")
+    ref = copy.deepcopy(router.unfuse()["m1"])
+    torch.testing.assert_close(router.wide_forward(x, mode="double")["m1"], ref(x, mode="double"))
+
+
+def test_prepare_for_compile_with_a_device_groups_at_the_first_call():
+    router, refs = build(mixed_towers())
+    router.prepare_for_compile(torch.device("cpu"))
+    assert not router.groups
+    router.prepare_for_compile("cpu")
+    x, mask = sample()
+    router.eval()
+    outs = router.wide_forward(x, mask=mask)
+    assert sorted(router.groups) == ["a0", "b0", "n0"]
+    for n, ref in refs.items():
+        torch.testing.assert_close(outs[n], ref.eval()(x, mask=mask))
