@@ -103,18 +103,41 @@ class MemberOpsMixin:
     def load_member_state_dict(self, i: int, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load one member's weights and buffers from an ordinary module's ``state_dict`` (e.g.
         a freshly initialised model: the "restart" move of population-based training). Strict:
-        the keys and shapes must be the original module's; checked before anything changes."""
+        the keys and shapes must be the original module's, every value a tensor whose dtype
+        casts safely to the member's (``torch.can_cast``: no float into an integer buffer, no
+        complex into a real one); checked before anything changes.
+
+        Raises ``KeyError`` (missing or unexpected keys), ``TypeError`` (a value that is not a
+        tensor, or a dtype that does not cast safely) or ``ValueError`` (a shape), naming the
+        key and the member."""
         i = self._check_member_index(i)
+        self._load_member_state_dict(i, state_dict, f"member {i}")
+
+    @torch.no_grad()
+    def _load_member_state_dict(self, i: int, state_dict: Any, label: str) -> None:
+        """:meth:`load_member_state_dict` of local member ``i``; errors name it ``label``."""
+        name = "wide_compiler.load_member_state_dict"
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{name}: {label}: expected a state_dict (a mapping of names to "
+                            f"tensors), got a {type(state_dict).__name__}")
         keys = list(self._template.state_dict().keys())
         missing = [k for k in keys if k not in state_dict]
         extra = [k for k in state_dict if k not in keys]
         if missing or extra:
-            raise KeyError(f"wide_compiler.load_member_state_dict: missing keys {missing}, "
-                           f"unexpected keys {extra}")
+            raise KeyError(f"{name}: {label}: missing keys {missing}, unexpected keys {extra}")
         for k in keys:
-            if tuple(state_dict[k].shape) != tuple(self._stacked(k).shape[1:]):
-                raise ValueError(f"wide_compiler.load_member_state_dict: {k!r} has shape "
-                                 f"{list(state_dict[k].shape)}; expected {list(self._stacked(k).shape[1:])}")
+            v, target = state_dict[k], self._stacked(k)
+            expected = list(target.shape[1:])
+            if not isinstance(v, torch.Tensor):
+                text = repr(v)
+                text = text if len(text) <= 60 else text[:57] + "..."
+                raise TypeError(f"{name}: {label}: {k!r} is a {type(v).__name__} ({text}); expected "
+                                f"a tensor of shape {expected} ({target.dtype})")
+            if tuple(v.shape) != tuple(expected):
+                raise ValueError(f"{name}: {label}: {k!r} has shape {list(v.shape)}; expected {expected}")
+            if not torch.can_cast(v.dtype, target.dtype):
+                raise TypeError(f"{name}: {label}: {k!r} is {v.dtype}, which does not cast safely to "
+                                f"the member's {target.dtype}; convert it explicitly if that is meant")
         for k in keys:
             self._stacked(k)[i].copy_(state_dict[k])
 

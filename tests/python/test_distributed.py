@@ -508,8 +508,8 @@ def test_errors_world_size_1(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="JSON-serialisable"):
         wcd.save_members(sharded, tmp_path / "e", metadata={"x": object()})
     # a write that fails leaves no temporary file behind
-    def full_disk(obj, f):
-        open(f, "wb").write(b"partial")
+    def full_disk(obj, f):  # (f: the open temporary file)
+        f.write(b"partial")
         raise OSError("No space left on device")
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(OSError, match="No space left"):

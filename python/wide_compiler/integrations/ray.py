@@ -21,7 +21,12 @@ Inside the trial, a member scheduler acts on the MEMBERS, the way Tune's schedul
 Checkpoints (``ray.tune.Checkpoint``) hold every member's ``state_dict`` (the original module's
 keys, loadable into it), the wide optimizer's state, each member's configuration and record, the
 scheduler's state and the random-number generators: a restored trial continues bit-for-bit
-(:func:`load_checkpoint`, :func:`best_model`).
+(:func:`load_checkpoint`, :func:`best_model`). They are plain data: tensors, and everything else
+(configurations, records, generator states) as JSON text, read back with
+``torch.load(weights_only=True)``, so loading a checkpoint runs no code. Configurations (and a
+custom member scheduler's state) must therefore be plain values: numbers, strings, None, lists,
+tuples, dicts (numpy scalars are saved as Python numbers); anything else is refused when the
+checkpoint is written, naming where it is.
 
 Ray is optional: this module imports without it (its scheduling logic, :class:`Population`,
 runs in a plain Python loop too); :func:`fused_trainable` and the checkpoint helpers raise an
@@ -59,16 +64,24 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
+import logging
 import math
+import numbers
+import operator
 import os
+import pickle
 import random
+import re
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._files import atomic_write
 from ..config import WideConfig
 
 __all__ = [
@@ -87,7 +100,11 @@ __all__ = [
 
 INSTALL_HINT = 'wide_compiler.integrations.ray needs Ray Tune: pip install "ray[tune]"'
 CHECKPOINT_FILE = "wide_population.pt"
-_FORMAT = 1
+_FORMAT = 1                                   # the structure of Population.state_dict()
+_FILE_FORMAT = "wide_compiler.population"     # the checkpoint file: tensors + JSON text
+_FILE_VERSION = 2                             # (version 1: the state_dict pickled as it is)
+
+log = logging.getLogger(__name__)
 
 
 def ray_available() -> bool:
@@ -231,17 +248,156 @@ def _seed_of(*parts: Any) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
 
 
+def _metric_number(name: str, k: int, v: Any, n: int) -> float:
+    """Member ``k``'s value of metric ``name`` as a float; ``TypeError`` for anything but a real
+    number (an int, a float, a bool, a numpy number, a one-element real tensor)."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_complex():
+        return float(v.detach().reshape(()).item())
+    if isinstance(v, numbers.Real) and not isinstance(v, (str, bytes)):
+        return float(v)
+    if type(v).__module__ == "numpy" and getattr(v, "ndim", None) == 0 and v.dtype.kind in "biuf":
+        return float(v)                                       # numpy bools, 0-d arrays
+    text = repr(v)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    raise TypeError(f"wide_compiler.integrations.ray: train_step returned metric {name!r} with a "
+                    f"{type(v).__name__} ({text}) for member {k}; expected one real number per "
+                    f"member ({n}: a tensor [N] or a list of N ints/floats)")
+
+
 def _per_member(name: str, value: Any, n: int) -> list[float]:
+    """Metric ``name`` as ``n`` floats, one per member: from a real tensor with ``n`` elements or
+    a sequence of ``n`` real numbers. ``TypeError`` for other types (strings included, which
+    would otherwise be read character by character), ``ValueError`` for another count."""
+    where = f"wide_compiler.integrations.ray: train_step returned metric {name!r}"
     if isinstance(value, torch.Tensor):
-        value = value.detach().to("cpu", torch.float64).reshape(-1).tolist()
-    elif isinstance(value, (int, float)):
-        raise ValueError(f"wide_compiler.integrations.ray: train_step returned {name!r} = {value!r}; "
-                         f"expected one value per member ({n} values: a tensor [N] or a list)")
-    values = [float(v) for v in value]
+        if value.is_complex():
+            raise TypeError(f"{where} as a complex tensor ({value.dtype}); expected real values, "
+                            f"one per member ({n})")
+        values = value.detach().to("cpu", torch.float64).reshape(-1).tolist()
+    elif isinstance(value, numbers.Number) or getattr(value, "ndim", None) == 0:
+        raise ValueError(f"{where} = {value!r}, one number; expected one value per member ({n} "
+                         f"values: a tensor [N] or a list)")
+    elif isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+        text = repr(value)
+        text = text if len(text) <= 40 else text[:37] + "..."
+        raise TypeError(f"{where} as a {type(value).__name__} ({text}); expected one real number "
+                        f"per member ({n}): a tensor [N] or a list of N ints/floats")
+    else:
+        values = [_metric_number(name, k, v, n) for k, v in enumerate(value)]
     if len(values) != n:
         raise ValueError(f"wide_compiler.integrations.ray: train_step returned {len(values)} values "
                          f"for {name!r}; expected one per member ({n})")
     return values
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoint files: tensors + JSON text, readable with torch.load(weights_only=True)
+# ------------------------------------------------------------------------------------------------
+_TAG = "__wide_compiler__"
+
+
+def _to_plain(obj: Any, tensors: list[torch.Tensor], where: str) -> Any:
+    """``obj`` as JSON-able data: tensors become references into ``tensors``; tuples, dicts with
+    keys other than strings (and the tag key) are tagged so they come back as they were; numpy
+    scalars become Python numbers. Anything else raises ``TypeError`` naming ``where``."""
+    if obj is None or type(obj) in (bool, str, int, float):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach())
+        return {_TAG: "tensor", "index": len(tensors) - 1}
+    if type(obj).__module__ == "numpy" and getattr(obj, "ndim", None) == 0 and hasattr(obj, "item"):
+        value = obj.item()                                   # np.float64(0.1) -> 0.1, np.int64 -> int
+        if type(value) in (bool, int, float, str):
+            return value
+    elif type(obj) is list:
+        return [_to_plain(v, tensors, f"{where}[{k}]") for k, v in enumerate(obj)]
+    elif type(obj) is tuple:
+        return {_TAG: "tuple", "items": [_to_plain(v, tensors, f"{where}[{k}]") for k, v in enumerate(obj)]}
+    elif type(obj) in (dict, OrderedDict):
+        if all(type(k) is str for k in obj) and _TAG not in obj:
+            return {k: _to_plain(v, tensors, f"{where}[{k!r}]") for k, v in obj.items()}
+        return {_TAG: "dict", "items": [[_to_plain(k, tensors, f"{where} (key {k!r})"),
+                                         _to_plain(v, tensors, f"{where}[{k!r}]")] for k, v in obj.items()]}
+    text = repr(obj)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    raise TypeError(f"wide_compiler.integrations.ray: cannot checkpoint {where}: a "
+                    f"{type(obj).__module__}.{type(obj).__qualname__} ({text}). Checkpoints hold "
+                    f"tensors and plain values only (None, bool, int, float, str, list, tuple, dict) "
+                    f"so that loading one runs no code: use a plain value in the configuration "
+                    f"(e.g. a name that build_model maps to the object)")
+
+
+def _from_plain(obj: Any, tensors: list[torch.Tensor], where: str) -> Any:
+    """The inverse of :func:`_to_plain`."""
+    if isinstance(obj, list):
+        return [_from_plain(v, tensors, where) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    tag = obj.get(_TAG)
+    if tag is None:
+        return {k: _from_plain(v, tensors, where) for k, v in obj.items()}
+    if tag == "tensor" and type(obj.get("index")) is int and 0 <= obj["index"] < len(tensors):
+        return tensors[obj["index"]]
+    if tag == "tuple" and isinstance(obj.get("items"), list):
+        return tuple(_from_plain(v, tensors, where) for v in obj["items"])
+    if tag == "dict" and isinstance(obj.get("items"), list) and all(
+            isinstance(kv, list) and len(kv) == 2 for kv in obj["items"]):
+        out = {}
+        for k, v in obj["items"]:
+            k = _from_plain(k, tensors, where)
+            try:
+                out[k] = _from_plain(v, tensors, where)
+            except TypeError as e:  # an unhashable key (a list): not something _to_plain writes
+                raise ValueError(f"wide_compiler.integrations.ray: {where} is corrupt (a dict key "
+                                 f"{k!r}: {e})") from e
+        return out
+    raise ValueError(f"wide_compiler.integrations.ray: {where} is corrupt (an unknown entry "
+                     f"{json.dumps(obj)[:80]})")
+
+
+def _write_checkpoint(state: Mapping[str, Any], path: str) -> None:
+    tensors: list[torch.Tensor] = []
+    text = json.dumps(_to_plain(dict(state), tensors, "the population state"))
+    payload = {"format": _FILE_FORMAT, "version": _FILE_VERSION, "state": text, "tensors": tensors}
+    atomic_write(path, lambda f: torch.save(payload, f), "wide_compiler.integrations.ray: Population.save")
+
+
+def _read_checkpoint(path: str, allow_pickle: bool) -> dict[str, Any]:
+    where = f"wide_compiler.integrations.ray: load_checkpoint: {path}"
+    if allow_pickle:
+        log.warning("%s: loaded with pickle (allow_pickle=True, torch.load(weights_only=False)): "
+                    "this runs any code the file holds; do it only for files you trust", where)
+        obj = torch.load(path, map_location="cpu", weights_only=False)
+    else:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(
+                f"{where} holds Python objects that a safe load (torch.load(weights_only=True)) "
+                f"refuses: a checkpoint written by wide_compiler before checkpoints became plain "
+                f"data (with non-plain configuration values), or a crafted file. Loading it with "
+                f"pickle runs any code it holds: only if you trust the file, pass "
+                f"allow_pickle=True. ({str(e).splitlines()[0]})") from e
+        except (RuntimeError, EOFError, ValueError) as e:   # truncated or not a torch.save file
+            raise ValueError(f"{where} cannot be read as a checkpoint file ({type(e).__name__}: "
+                             f"{e})") from e
+    if isinstance(obj, dict) and obj.get("format") == _FILE_FORMAT:
+        if obj.get("version") != _FILE_VERSION or not isinstance(obj.get("state"), str) \
+                or not isinstance(obj.get("tensors"), list):
+            raise ValueError(f"{where}: unknown checkpoint file version {obj.get('version')!r} (this "
+                             f"wide_compiler reads version {_FILE_VERSION})")
+        try:
+            plain = json.loads(obj["state"])
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"{where}: its state is not valid JSON ({e})") from e
+        state = _from_plain(plain, obj["tensors"], where)
+    elif isinstance(obj, dict) and obj.get("format") == _FORMAT and "members" in obj:
+        state = obj                                   # version 1: the state_dict pickled as it is
+    else:
+        raise ValueError(f"{where} is not a checkpoint of wide_compiler.integrations.ray")
+    if not isinstance(state, dict):
+        raise ValueError(f"{where} is not a checkpoint of wide_compiler.integrations.ray")
+    return state
 
 
 class Population:
@@ -401,15 +557,22 @@ class Population:
                             "wc.optim.Adam(params, lr=hp['lr'])")
         return opt
 
-    def _member_hparams(self, config: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """The optimizer hyperparameters (per param group) that ``config`` gives a member: the
-        optimizer factory called with that config alone (each key a 1-element list) on
+    def _member_hparams(self, i: int, config: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The optimizer hyperparameters (per param group) that ``config`` gives member ``i``:
+        the optimizer factory called with that config alone (each key a 1-element list) on
         throwaway 1-member parameters (meta tensors shaped like the model's), so factories that
         rename or transform keys (``lr=[10 ** x for x in hp["log_lr"]]``) are followed. Raises
-        what the factory raises for invalid values."""
+        the factory's ``ValueError``/``TypeError`` for invalid values, naming member ``i`` (the
+        throwaway optimizer's only member is its member 0)."""
         params = [torch.empty((1, *p.shape[1:]), dtype=p.dtype, device="meta")
                   for p in self.model.parameters()]
-        probe = self.make_optimizer(params, {k: [v] for k, v in config.items()})
+        try:
+            probe = self.make_optimizer(params, {k: [v] for k, v in config.items()})
+        except (ValueError, TypeError) as e:
+            kind = TypeError if isinstance(e, TypeError) else ValueError
+            detail = re.sub(r"\bmember 0\b", f"member {i}", str(e))
+            raise kind(f"wide_compiler.integrations.ray: member {i}'s configuration {dict(config)!r} "
+                       f"is refused by the optimizer factory: {detail}") from e
         if len(probe.param_groups) != len(self.optimizer.param_groups):
             raise ValueError(f"wide_compiler.integrations.ray: the optimizer factory made "
                              f"{len(probe.param_groups)} param groups for one member but "
@@ -430,13 +593,24 @@ class Population:
     def _push_change(self, i: int, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
         """Push into member ``i``'s optimizer the hyperparameters that changing its configuration
         from ``old`` to ``new`` changes (validated before anything changes)."""
-        before, after = self._member_hparams(old), self._member_hparams(new)
+        before, after = self._member_hparams(i, old), self._member_hparams(i, new)
         self._push_hparams(i, [{k: v for k, v in a.items() if b.get(k) != v} for a, b in zip(after, before)])
 
     # -- member operations -------------------------------------------------------------------------
+    def _slot(self, i: Any, what: str) -> int:
+        """``i`` as a member slot in ``[0, N)``; ``IndexError`` naming ``what`` otherwise."""
+        try:
+            k = None if isinstance(i, bool) else operator.index(i)
+        except TypeError:
+            k = None
+        if k is None or not 0 <= k < self.n:
+            raise IndexError(f"wide_compiler.integrations.ray: {what}: member {i!r} out of range for "
+                             f"a population of N={self.n} members (slots 0..{self.n - 1})")
+        return k
+
     def value(self, i: int) -> float | None:
         """Member ``i``'s latest value of the metric (None before its first iteration)."""
-        return self.last[i].get(self.metric)
+        return self.last[self._slot(i, "value")].get(self.metric)
 
     def sort_key(self, v: float | None) -> float:
         """Smaller is better, whatever the mode; NaN and missing values are the worst."""
@@ -447,7 +621,8 @@ class Population:
         (as the optimizer factory derives them from a configuration, however it names or
         transforms the keys) are pushed into the optimizer for that member only, the others (e.g. a learning rate under a schedule) are left as
         they are. The new values are validated (by the factory and the optimizer) before
-        anything changes."""
+        anything changes. ``IndexError`` for a slot outside ``[0, N)``."""
+        i = self._slot(i, f"set_hyperparameters({i!r}, ...)")
         new = {**self.configs[i], **copy.deepcopy(values)}
         self._push_change(i, self.configs[i], new)
         self.configs[i] = new
@@ -455,9 +630,10 @@ class Population:
     def restart(self, i: int, config: Mapping[str, Any] | None = None, seed: int | None = None) -> None:
         """Slot ``i`` starts a new member: ``config`` (default: a fresh sample of the member
         space), weights of ``build_model(config)`` under ``seed``, a zeroed optimizer state."""
+        i = self._slot(i, f"restart({i!r})")
         config = self._new_config() if config is None else self._merge(config)
         seed = self.rng.randrange(2**31) if seed is None else int(seed)
-        hparams = self._member_hparams(config)
+        hparams = self._member_hparams(i, config)
         self.model.load_member_state_dict(i, self._build(config, seed).state_dict())
         self._push_hparams(i, hparams)
         self.optimizer.reset_member_state(i)
@@ -472,7 +648,10 @@ class Population:
     def exploit(self, src: int, dst: int) -> None:
         """Member ``dst`` becomes a copy of member ``src``: weights, buffers, optimizer state,
         hyperparameters, configuration and age (``WideModel.copy_member``). ``dst`` must be
-        training (a done member's frozen slot keeps its weights)."""
+        training (a done member's frozen slot keeps its weights). ``IndexError`` for a slot
+        outside ``[0, N)``."""
+        src = self._slot(src, f"exploit({src!r}, {dst!r}): src")
+        dst = self._slot(dst, f"exploit({src!r}, {dst!r}): dst")
         if not self.active[dst]:
             raise ValueError(f"wide_compiler.integrations.ray: exploit({src}, {dst}): slot {dst} "
                              "is done (frozen, its weights kept); restart it first")
@@ -484,6 +663,7 @@ class Population:
         """Member ``i`` is done (``"stopped"`` by a scheduler, or ``"completed"``): its record goes
         to :attr:`finished`, then the slot restarts with a new sample while the population's
         ``num_member_samples`` allows, or is frozen (weights kept, no longer trained)."""
+        i = self._slot(i, f"stop({i!r})")
         if not self.active[i]:
             return
         record = self._record(i, status)
@@ -667,9 +847,13 @@ class Population:
         return self
 
     def save(self, directory: str | os.PathLike) -> str:
-        """Write :meth:`state_dict` into ``directory`` (the content of a Tune checkpoint)."""
+        """Write :meth:`state_dict` into ``directory`` (the content of a Tune checkpoint), as
+        plain data that :func:`load_checkpoint` reads with ``torch.load(weights_only=True)``:
+        the tensors, and everything else as JSON text. Written atomically (a temporary file of
+        an unpredictable name, then renamed). Raises ``TypeError`` naming the value when a
+        configuration (or a scheduler's state) holds something other than plain values."""
         path = os.path.join(os.fspath(directory), CHECKPOINT_FILE)
-        torch.save(self.state_dict(), path)
+        _write_checkpoint(self.state_dict(), path)
         return path
 
 
@@ -985,25 +1169,34 @@ def fused_trainable(
     return wide_trainable
 
 
-def load_checkpoint(checkpoint: Any) -> dict[str, Any]:
+def load_checkpoint(checkpoint: Any, *, allow_pickle: bool = False) -> dict[str, Any]:
     """The :meth:`Population.state_dict` in a checkpoint of :func:`fused_trainable` (a
     ``ray.tune.Checkpoint``, a ``ray.train.Checkpoint``, or its directory). ``["members"][i]`` is
     member slot ``i``'s ``state_dict`` (loadable into ``build_model(["configs"][i])``),
     ``["finished"]`` the records of the members done, ``["best"]`` the best finished member with
-    its ``state_dict``. The file is read with ``torch.load(weights_only=False)`` (configurations
-    are arbitrary Python values): load only checkpoints you trust."""
+    its ``state_dict``.
+
+    The file is read with ``torch.load(weights_only=True)``: tensors and plain containers only,
+    so a crafted checkpoint cannot run code. Tensors are loaded on the CPU (``from_state`` and
+    ``load_state_dict`` move them to the model's device). Checkpoints of older wide_compiler versions (the
+    state pickled as it was) load the same way when their values are plain; one holding other
+    Python objects is refused with a ``ValueError`` saying so, unless ``allow_pickle=True``
+    (``torch.load(weights_only=False)``, which runs any code the file holds: only for files you
+    trust; logged as a warning)."""
     if callable(getattr(checkpoint, "as_directory", None)):        # a Ray checkpoint
         with checkpoint.as_directory() as d:
-            return torch.load(os.path.join(d, CHECKPOINT_FILE), weights_only=False)
+            return _read_checkpoint(os.path.join(d, CHECKPOINT_FILE), allow_pickle)
     if isinstance(checkpoint, (str, os.PathLike)):
-        return torch.load(os.path.join(os.fspath(checkpoint), CHECKPOINT_FILE), weights_only=False)
+        return _read_checkpoint(os.path.join(os.fspath(checkpoint), CHECKPOINT_FILE), allow_pickle)
     raise TypeError(f"load_checkpoint: expected a ray Checkpoint or a directory, got "
                     f"{type(checkpoint).__name__}")
 
 
 def best_member(checkpoint: Any) -> dict[str, Any]:
     """The best member of a checkpointed fused trial, finished or still training when the
-    checkpoint was written: ``{"config", "value", "metrics", "state_dict", "id", ...}``."""
+    checkpoint was written: ``{"config", "value", "metrics", "state_dict", "id", ...}``.
+    ``checkpoint``: what :func:`load_checkpoint` takes, or the state it returned (e.g.
+    ``load_checkpoint(old, allow_pickle=True)`` for an older pickled checkpoint you trust)."""
     state = checkpoint if isinstance(checkpoint, Mapping) else load_checkpoint(checkpoint)
     best = _best_of(state)
     if best is None:
