@@ -38,8 +38,10 @@ $(VENV)/.stamp-py: $(VENV)/.stamp-apt
 setup: $(VENV)/.stamp-py
 
 # Test-only dependencies: the real-model suite (tests/python/real_models.py) builds tiny models
-# from transformers and diffusers; tests/python/test_ray.py runs Ray Tune (about 20 s to install). Pinned, and installed with torch pinned so pip never swaps torch.
-TEST_SPECS := "transformers==5.23.0" "diffusers==0.42.1" "ray[tune]==2.60.0"
+# from transformers and diffusers; tests/python/test_ray.py runs Ray Tune (about 20 s to install);
+# matplotlib draws the CLI's --plot files (the `plot` extra). Pinned, and installed with torch
+# pinned so pip never swaps torch.
+TEST_SPECS := "transformers==5.23.0" "diffusers==0.42.1" "ray[tune]==2.60.0" "matplotlib==3.11.2"
 $(VENV)/.stamp-test: $(VENV)/.stamp-py Makefile
 	$(PIP) install -q "$(TORCH_SPEC)" $(TEST_SPECS)
 	touch $@

@@ -99,11 +99,7 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"wide_compiler.analyze: {spec!r}: no file {str(file)!r}")
-    mod_spec = importlib.util.spec_from_file_location(f"_wc_analyze_{file.stem}", file)
-    if mod_spec is None or mod_spec.loader is None:
-        raise ImportError(f"wide_compiler.analyze: cannot import {str(file)!r}")
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
+    module = _import_file(file)
     if not hasattr(module, name):
         raise AttributeError(f"wide_compiler.analyze: {str(file)!r} has no {name!r} "
                              f"(found: {sorted(k for k in vars(module) if not k.startswith('_'))})")
@@ -112,6 +108,16 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
         raise TypeError(f"wide_compiler.analyze: {spec!r} is a {type(factory).__name__}, expected "
                         "a zero-argument callable returning an nn.Module")
     return factory
+
+
+def _import_file(file: Path) -> Any:
+    """The Python file ``file`` imported as a fresh module (not added to ``sys.modules``)."""
+    mod_spec = importlib.util.spec_from_file_location(f"_wc_analyze_{file.stem}", file)
+    if mod_spec is None or mod_spec.loader is None:
+        raise ImportError(f"wide_compiler.analyze: cannot import {str(file)!r}")
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return module
 
 
 # ---------------------------------------------------------------------------------- report
@@ -133,6 +139,7 @@ class AnalysisReport:
     memory: dict[str, Any]
     recommendations: list[dict[str, Any]]
     machine: dict[str, Any]
+    inputs: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return _finite(dataclasses.asdict(self))
@@ -157,7 +164,7 @@ class AnalysisReport:
             out.extend(["", f"## {title}", ""] if markdown else ["", f"== {title} =="])
 
         m = self.machine
-        shapes = ", ".join(str(s) for s in self.input_shapes)
+        shapes = ", ".join(self.inputs or [str(s) for s in self.input_shapes])
         title = f"wide_compiler analyze: {self.model}, one member's input {shapes}, N = {', '.join(map(str, self.ns))}"
         out.append(f"# {title}" if markdown else title)
         out.append(f"{'' if not markdown else chr(10)}torch {m.get('torch')}, {m.get('threads')} threads, CPU "
@@ -309,41 +316,52 @@ def _make_members(model_or_factory: nn.Module | Callable[[], nn.Module], n: int)
     return members
 
 
-def _wide_inputs(sample: tuple, n: int, seed: int = 0) -> tuple:
-    """N-first inputs: member i gets its own random copy of a float sample (ints are repeated)."""
+def _wide_inputs(sample: tuple, n: int, seed: int = 0, kwargs: dict[str, Any] | None = None
+                 ) -> tuple[tuple, dict[str, Any]]:
+    """N-first ``(args, kwargs)``: member i gets its own random copy of a float input (integer
+    and bool inputs, indices and masks, are repeated)."""
     g = torch.Generator().manual_seed(seed)
-    out = []
-    for a in sample:
-        if isinstance(a, torch.Tensor):
-            x = a.unsqueeze(0).expand(n, *a.shape).clone()
-            if x.is_floating_point():
-                x = torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device) * a.std().clamp_min(1e-3) + a.mean()
-            out.append(x)
-        else:
-            out.append(a)
-    return tuple(out)
+
+    def widen(a: Any) -> Any:
+        if not isinstance(a, torch.Tensor):
+            return a
+        x = a.unsqueeze(0).expand(n, *a.shape).clone()
+        if x.is_floating_point():
+            std = a.float().std().clamp_min(1e-3) if a.numel() > 1 else torch.tensor(1.0)
+            x = (torch.randn(x.shape, generator=g).to(x.device) * std + a.float().mean()).to(x.dtype)
+        return x
+
+    return tuple(widen(a) for a in sample), {k: widen(v) for k, v in (kwargs or {}).items()}
 
 
 def _contenders(wide: nn.Module, members: Sequence[nn.Module]) -> dict[str, engine.Contender]:
     """wide, loop and vmap (torch.func) over a tuple of N-first inputs."""
     from torch.func import functional_call, stack_module_state, vmap
 
-    def nth(xs: tuple, i: int) -> tuple:
-        return tuple(a[i] if isinstance(a, torch.Tensor) else a for a in xs)
+    def nth(a: Any, i: int) -> Any:
+        return a[i] if isinstance(a, torch.Tensor) else a
 
-    out = {"wide": engine.Contender("wide", lambda xs: wide(*xs),
+    def loop(xs: tuple) -> list:
+        args, kw = xs
+        return [m(*[nth(a, i) for a in args], **{k: nth(v, i) for k, v in kw.items()})
+                for i, m in enumerate(members)]
+
+    out = {"wide": engine.Contender("wide", lambda xs: wide(*xs[0], **xs[1]),
                                     engine.wide_params_in_member_order(wide, members[0]), "wide"),
-           "loop": engine.Contender("loop", lambda xs: [m(*nth(xs, i)) for i, m in enumerate(members)],
-                                    [p for m in members for p in m.parameters()], "members")}
+           "loop": engine.Contender("loop", loop, [p for m in members for p in m.parameters()], "members")}
     params, buffers = stack_module_state(list(members))
     base = copy.deepcopy(members[0]).to("meta")
 
-    def call(p: dict, b: dict, *xs: Any) -> Any:
-        return functional_call(base, (p, b), xs)
-
     def vmapped(xs: tuple) -> Any:
-        dims = (0, 0, *[0 if isinstance(a, torch.Tensor) else None for a in xs])
-        return vmap(call, in_dims=dims, randomness="different")(params, buffers, *xs)
+        args, kw = xs
+        names, flat = list(kw), [*args, *kw.values()]  # vmap maps positional inputs only
+
+        def call(p: dict, b: dict, *values: Any) -> Any:
+            return functional_call(base, (p, b), tuple(values[:len(args)]),
+                                   dict(zip(names, values[len(args):])))
+
+        dims = (0, 0, *[0 if isinstance(a, torch.Tensor) else None for a in flat])
+        return vmap(call, in_dims=dims, randomness="different")(params, buffers, *flat)
 
     out["vmap"] = engine.Contender("vmap", vmapped, list(params.values()), "wide")
     return out
@@ -425,7 +443,7 @@ def _saved_bytes(wide: nn.Module, xs: tuple) -> int:
     saved = {name: b.clone() for name, b in wide.named_buffers()}
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = wide(*xs)
+            out = wide(*xs[0], **xs[1])
         for o in torch.utils._pytree.tree_leaves(out):
             if isinstance(o, torch.Tensor) and (k := _storage_key(o)):
                 seen[k[0]] = max(seen.get(k[0], 0), k[1])
@@ -505,10 +523,11 @@ def _slope(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
 
 
 def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch.Tensor | tuple,
-            n: int | Sequence[int] = (4, 16), *, memory: int | str | None = None,
-            modes: Sequence[str] = ("inference", "train"), repeats: int = 7, block_s: float = 0.02,
-            config: Any = None, profile_top: int = 8, memory_ns: Sequence[int] = (1, 2, 4),
-            seed: int = 0) -> AnalysisReport:
+            n: int | Sequence[int] = (4, 16), *, sample_kwargs: dict[str, Any] | None = None,
+            memory: int | str | None = None, modes: Sequence[str] = ("inference", "train"),
+            repeats: int = 7, block_s: float = 0.02, config: Any = None, profile_top: int = 8,
+            memory_ns: Sequence[int] = (1, 2, 4), seed: int = 0,
+            progress: Callable[[str, int, int], None] | None = None) -> AnalysisReport:
     """Compile, time, profile and size a population of ``model_or_factory`` on this machine.
 
     Args:
@@ -517,6 +536,7 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
             zero-argument callable returning a fresh member.
         sample: ONE member's input (a tensor or a tuple of positional inputs).
         n: the population sizes to measure.
+        sample_kwargs: ONE member's keyword inputs (e.g. ``{"attention_mask": mask}``).
         memory: the budget for the largest-N search: bytes or a string ``"8GB"`` / ``"512MiB"``;
             default: MemAvailable of /proc/meminfo.
         modes: ``"inference"`` (forward under ``no_grad``, ``eval()``) and/or ``"train"``
@@ -527,6 +547,10 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
             heuristic strategies, no tuning at compile time).
         profile_top: rows of the per-op profile.
         memory_ns: the small Ns at which activation memory is measured.
+        progress: called as ``progress(stage, done, total)`` when each stage starts (``done``
+            stages of ``total`` finished; a stage is a compile, one N and mode timed, one profile
+            or one memory measurement) and as ``progress("done", total, total)`` at the end: the
+            CLI draws its progress bar with it.
 
     Example:
         >>> import torch
@@ -549,12 +573,20 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
         raise ValueError(f"wide_compiler.analyze: expected repeats >= 1, got {repeats}")
     config = config or wc.WideConfig.fast()
     sample_t = sample if isinstance(sample, tuple) else (sample,)
-    tensors = [a for a in sample_t if isinstance(a, torch.Tensor)]
+    sample_kw = dict(sample_kwargs or {})
+    tensors = [a for a in [*sample_t, *sample_kw.values()] if isinstance(a, torch.Tensor)]
     batch = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
     machine = engine.machine_info()
 
     torch.manual_seed(seed)
     mem_ns = sorted({int(k) for k in memory_ns if k >= 1} or {1})
+    stages = {"done": 0, "total": 1 + len(ns) * len(modes) + len(modes) + len(mem_ns)}
+
+    def stage(what: str) -> None:
+        if progress is not None:
+            progress(what, stages["done"], stages["total"])
+        stages["done"] += 1
+
     members_all = _make_members(model_or_factory, max(ns + mem_ns))
     initial = [copy.deepcopy(m.state_dict()) for m in members_all]
     model_name = type(members_all[0]).__name__
@@ -567,7 +599,7 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
             for m in reset(k):  # one mode and the initial state for all (earlier runs change both)
                 m.train(start_mode)
             t0 = time.perf_counter()
-            wides[k] = wc.compile(members_all[:k], sample_t, config=config)
+            wides[k] = wc.compile(members_all[:k], sample_t, config=config, sample_kwargs=sample_kw or None)
             compile_s[k] = time.perf_counter() - t0
         return wides[k]
 
@@ -578,6 +610,7 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
         return members
 
     # 1. compile result (largest N)
+    stage(f"compile N={ns[-1]}")
     compile_info = _compile_info(wide_for(ns[-1]), 0.0, modes)
     compile_info["compile_s"] = compile_s[ns[-1]]
 
@@ -587,9 +620,10 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
     speed: list[dict[str, Any]] = []
     steps_at_max: dict[str, dict[str, Callable]] = {}
     for k in ns:
-        wide = wide_for(k)
-        xs = _wide_inputs(sample_t, k, seed)
         for mode in modes:
+            stage(f"time N={k} {mode}")
+            wide = wide_for(k)
+            xs = _wide_inputs(sample_t, k, seed, sample_kw)
             training = mode == "train"
             members = [m.train(training) for m in reset(k)]
             wide.train(training)
@@ -620,6 +654,7 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
     # 3. profile at the largest N
     runs = []
     for mode, steps in steps_at_max.items():
+        stage(f"profile N={ns[-1]} {mode}")
         training = mode == "train"
         wides[ns[-1]].train(training)
         for m in members_all[:ns[-1]]:
@@ -637,15 +672,16 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
     buffer_bytes = sum(b.numel() * b.element_size() for b in member.buffers())
     points = []
     for k in mem_ns:
+        stage(f"activation memory N={k}")
         wide = wide_for(k)
         was = wide.training
-        points.append((k, float(_saved_bytes(wide, _wide_inputs(sample_t, k, seed)))))
+        points.append((k, float(_saved_bytes(wide, _wide_inputs(sample_t, k, seed, sample_kw)))))
         wide.train(was)
     act_fixed, act_per_member = _slope(points)
     check = None  # the fit checked at the largest requested N (compiled already), when small enough
     k = ns[-1]
     if k > mem_ns[-1] and act_fixed + k * act_per_member < 256 * 2**20:
-        measured = float(_saved_bytes(wides[k], _wide_inputs(sample_t, k, seed)))
+        measured = float(_saved_bytes(wides[k], _wide_inputs(sample_t, k, seed, sample_kw)))
         predicted = act_fixed + k * act_per_member
         check = {"n": k, "measured_bytes": measured, "predicted_bytes": predicted,
                  "rel_err": abs(measured - predicted) / max(measured, 1.0)}
@@ -676,10 +712,21 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
     }
 
     recs = _recommendations(compile_info, speed, profile, mem, ns)
+    if progress is not None:
+        progress("done", stages["total"], stages["total"])
+    inputs = [_describe(a) for a in sample_t] + [f"{k}={_describe(v)}" for k, v in sample_kw.items()]
     return AnalysisReport(model=model_name, input_shapes=[list(a.shape) for a in tensors], ns=ns, modes=modes,
                           repeats=repeats, config=_config_name(config, wc), compile=compile_info, speed=speed,
                           profile=profile, memory=mem, recommendations=recs,
-                          machine=dict(machine, load_avg_end=engine.machine_info()["load_avg"]))
+                          machine=dict(machine, load_avg_end=engine.machine_info()["load_avg"]),
+                          inputs=inputs)
+
+
+def _describe(a: Any) -> str:
+    """``float32[8, 16]`` for a tensor, ``repr`` for anything else."""
+    if isinstance(a, torch.Tensor):
+        return f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}"
+    return repr(a)
 
 
 def _config_name(config: Any, wc: Any) -> str:
@@ -752,28 +799,47 @@ def _recommendations(c: dict, speed: list[dict], profile: dict, mem: dict, ns: l
 
 # ---------------------------------------------------------------------------------- CLI
 
-def plot(report: AnalysisReport, path: str) -> None:
-    """Per-member samples/s vs N, one line per contender and mode (needs matplotlib)."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only), or ImportError naming the extra."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError(f"wide_compiler.analyze.plot needs matplotlib ({e})") from None
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in report.modes:
-        rows = [s for s in report.speed if s["mode"] == mode]
-        for c in ("wide", "loop", "vmap"):
-            pts = [(s["n"], s["samples_per_s_per_member"][c]) for s in rows if c in s["samples_per_s_per_member"]]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"{c} ({mode})")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("N (members)")
-    ax.set_ylabel("samples/s per member")
-    ax.set_title(f"{report.model}: throughput per member")
-    ax.legend()
+        raise ImportError(f"wide_compiler: plotting needs matplotlib ({e}); install it with "
+                          "pip install 'wide_compiler[plot]' (or pip install matplotlib)") from None
+    return plt
+
+
+def plot(report: AnalysisReport, path: str) -> None:
+    """Speedup of the wide model over each baseline (loop, vmap) against N: one panel per mode,
+    one line per baseline, a dashed line at 1x (above it, wide is faster); written to ``path``
+    (needs matplotlib: the ``plot`` extra)."""
+    plt = _pyplot()
+    modes = [m for m in report.modes if any(s["mode"] == m for s in report.speed)] or list(report.modes)
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4), squeeze=False, sharey=True)
+    for ax, mode in zip(axes[0], modes):
+        rows = sorted((s for s in report.speed if s["mode"] == mode), key=lambda s: s["n"])
+        for baseline, marker in (("loop", "o"), ("vmap", "s")):
+            pts = [(s["n"], s["speedup"][baseline]) for s in rows
+                   if isinstance(s["speedup"].get(baseline), (int, float)) and math.isfinite(s["speedup"][baseline])]
+            if not pts:
+                continue
+            line, = ax.plot(*zip(*pts), marker=marker, label=f"vs {baseline}")
+            for x, y in pts:
+                ax.annotate(f"{y:.2f}x", (x, y), textcoords="offset points", xytext=(0, 6), ha="center",
+                            fontsize=8, color=line.get_color())
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set_ylim(bottom=0)
+        ax.margins(y=0.12)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(report.ns, [str(k) for k in report.ns])
+        ax.set_xlabel("N (members)")
+        ax.set_title(mode)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("speedup of wide (baseline ms / wide ms)")
+    fig.suptitle(f"{report.model}: speedup against N ({', '.join(report.inputs) or 'sample'})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,25 +1,32 @@
 """Command line: ``python -m wide_compiler {info,test,trace,benchmark,analyze}`` (console script
-``wide_compiler``).
+``wide_compiler``). ``python -m wide_compiler COMMAND --help`` explains each.
 
 Examples::
 
     python -m wide_compiler info
     python -m wide_compiler test
     python -m wide_compiler test path/to/model.py:make_model --shape 32,64
-    python -m wide_compiler analyze convnet -n 4,16 --memory 8GB
+    python -m wide_compiler test lm.py:make --input ids:int64:4,16 --input mask:bool:4,16
+    python -m wide_compiler analyze convnet -n 4,16 --memory 8GB --plot speedup.png
     python -m wide_compiler trace -m transformer
+    python -m wide_compiler trace my_model.py:make --sample my_model.py:make_sample
     python -m wide_compiler benchmark linear --preset quick --json bench-results/linear.json
+
+A user's model is ``path/to/file.py:factory``; its input is ``--shape`` (one float tensor),
+``--input [NAME:]DTYPE:SHAPE[:VALUES]`` (repeatable: positional when unnamed, keyword when
+named) or ``--sample FILE.py:FUNC`` (see :data:`INPUT_HELP`).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
+import dataclasses
 import itertools
 import json
 import logging
 import math
 import platform
+import re
 import sys
 import time
 import traceback
@@ -294,6 +301,11 @@ def cmd_test(args: argparse.Namespace) -> int:
 
     if getattr(args, "model", None):
         return _test_model(args)
+    given = [o for o, v in (("--shape", args.shape), ("--input", args.input), ("--sample", args.sample)) if v]
+    if given:
+        print(f"wide_compiler test: {given[0]} is one member's input of a MODEL; give the model too, "
+              "e.g. test my_model.py:make --shape 32,64 (without MODEL: the self-check)", file=sys.stderr)
+        return 2
 
     print(f"wide_compiler {getattr(wc, '__version__', 'unknown')}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")
@@ -316,19 +328,15 @@ def cmd_test(args: argparse.Namespace) -> int:
 def _test_model(args: argparse.Namespace) -> int:
     """``test MODEL``: compile N members of the user's model and check every member in train and
     eval mode (outputs, input and parameter gradients, buffers) with ``testing.check_compile``."""
-    import torch
-
     import wide_compiler as wc
 
-    factory, shape = model_and_shape(args.model, args.shape)
-    if shape is None:
-        print(f"wide_compiler test: {args.model}: give one member's input shape with --shape, e.g. --shape 32,64")
+    got = _model_and_sample(args, "test", args.n)
+    if got is None:
         return 2
-    torch.manual_seed(0)
-    models = [factory() for _ in range(args.n)]
+    _, models, sample = got
     try:
-        wide, report = wc.testing.check_compile(models, torch.randn(*shape), strict=args.strict,
-                                                config=wc.WideConfig.fast())
+        wide, report = wc.testing.check_compile(models, sample.args, sample_kwargs=sample.kwargs or None,
+                                                strict=args.strict, config=wc.WideConfig.fast())
     except (AssertionError, wc.WideCompileError, ValueError) as e:
         print(f"FAIL  {args.model}: {type(e).__name__}: {e}")
         return 1
@@ -340,17 +348,336 @@ def _test_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def model_and_shape(model: str, shape: str | Sequence[int] | None) -> tuple[Callable[[], Any], tuple[int, ...] | None]:
-    """The CLI's MODEL and ``--shape``: a built-in model (with its own sample shape) or
-    ``path/to/file.py:factory``; ``shape`` (parsed, or a string like ``32,64`` or ``32x64``,
-    see :func:`parse_shape`) overrides."""
-    from . import zoo
-    from .analyze import load_factory
+# ---------------------------------------------------------------------------------- a user's model and its inputs
 
-    factory, default = zoo.MODELS[model] if model in zoo.MODELS else (load_factory(model), None)
-    if isinstance(shape, str):
-        shape = parse_shape(shape)
-    return factory, tuple(shape) if shape else default
+_DTYPES = {  # --input spelling -> torch dtype name
+    "float32": "float32", "float": "float32", "f32": "float32",
+    "float64": "float64", "double": "float64", "f64": "float64",
+    "float16": "float16", "half": "float16", "f16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "int64": "int64", "long": "int64", "int32": "int32", "int": "int32",
+    "int16": "int16", "int8": "int8", "uint8": "uint8", "bool": "bool",
+}
+_INPUT_FORM = "[NAME:]DTYPE:SHAPE[:VALUES], e.g. ids:int64:4,16:0-1000 or float32:8,3,32,32"
+_NUMBER = r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+
+INPUT_HELP = f"""\
+inputs (give one of --shape, --input, --sample; built-in models have their own sample):
+  --shape SHAPE          one float32 input of that shape (the simple form): --shape 32,64
+  --input {_INPUT_FORM.split(', e.g.')[0]}
+                         one input of that dtype and shape, repeatable: unnamed inputs are
+                         positional in the order given, named ones keyword arguments.
+                         DTYPE: float32 (float), float64 (double), float16 (half), bfloat16
+                         (bf16), int64 (long), int32 (int), int16, int8, uint8, bool.
+                         SHAPE: sizes like 4,16 or 4x16; () for a 0-dim tensor.
+                         VALUES: LOW-HIGH draws uniformly from [LOW, HIGH),
+                         one number V fills the tensor with V. Without VALUES: floats are
+                         standard normal, bools random, integers in [0, V) where V is the
+                         num_embeddings of the model's first nn.Embedding (its vocabulary),
+                         else [0, 2). Values are drawn with a fixed seed.
+  --sample FILE.py:FUNC  a zero-argument function returning one member's input: a tensor, a
+                         tuple of positional inputs, a dict of keyword inputs, or a pair
+                         (tuple, dict); FUNC alone looks in the model's file, MODULE:FUNC
+                         imports a module.
+  Each member of the check (test) or of the timing (analyze) gets its own perturbed copy of the
+  float inputs; integer and bool inputs (indices, masks) are the same for every member."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """One member's input given on the command line (``--input [NAME:]DTYPE:SHAPE[:VALUES]``,
+    see :func:`parse_input`): ``name`` is None for a positional input; ``low``/``high`` a
+    half-open range of values, ``fill`` one value for every element (neither: the default)."""
+
+    text: str
+    name: str | None
+    dtype: str
+    shape: tuple[int, ...]
+    low: float | None = None
+    high: float | None = None
+    fill: float | None = None
+
+    def describe(self) -> str:
+        """``ids=int64[4, 16]`` (keyword) or ``float32[8, 3]`` (positional)."""
+        return f"{self.name + '=' if self.name else ''}{self.dtype}{list(self.shape)}"
+
+
+def parse_input(text: str) -> InputSpec:
+    """``--input``: ``[NAME:]DTYPE:SHAPE[:VALUES]``. Raises ValueError naming the bad part.
+
+    >>> parse_input("ids:int64:4,16:0-1000")
+    InputSpec(text='ids:int64:4,16:0-1000', name='ids', dtype='int64', shape=(4, 16), low=0.0, high=1000.0, fill=None)
+    >>> parse_input("float:8x3").describe(), parse_input("mask:bool:4,16:1").fill
+    ('float32[8, 3]', 1.0)
+    >>> parse_input("ids:int65:4,16")
+    Traceback (most recent call last):
+    ...
+    ValueError: 'ids:int65:4,16': unknown dtype 'int65' (expected one of bfloat16, bool, float16, float32, float64, int16, int32, int64, int8, uint8)
+    """
+    parts = text.split(":")
+    known = ", ".join(sorted(set(_DTYPES.values())))
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{text!r}: {why}")
+
+    if len(parts) < 2:
+        raise bad(f"expected {_INPUT_FORM}")
+    name = None
+    if parts[0].strip().lower() not in _DTYPES:
+        head = parts[0].strip()
+        if len(parts) == 2 or not head.isidentifier():  # DTYPE:SHAPE with a bad DTYPE
+            raise bad(f"unknown dtype {head!r} (expected one of {known})")
+        name, parts = head, parts[1:]
+    if len(parts) > 3:
+        raise bad(f"too many ':' parts (expected {_INPUT_FORM})")
+    dtype = parts[0].strip().lower()
+    if dtype not in _DTYPES:
+        raise bad(f"unknown dtype {parts[0].strip()!r} (expected one of {known})")
+    dtype = _DTYPES[dtype]
+    if parts[1].strip() in ("()", "[]"):
+        shape: tuple[int, ...] = ()
+    else:
+        try:
+            shape = parse_shape(parts[1])
+        except ValueError as e:
+            raise bad(f"shape {e}") from None
+    spec = InputSpec(text, name, dtype, shape)
+    if len(parts) < 3:
+        return spec
+    values = parts[2].strip()
+    integral = dtype.startswith(("int", "uint")) or dtype == "bool"
+    if m := re.fullmatch(rf"({_NUMBER})\s*-\s*({_NUMBER})", values):
+        low, high = float(m[1]), float(m[2])
+        if not low < high:
+            raise bad(f"empty range {values!r} (expected LOW-HIGH with LOW < HIGH; values are drawn "
+                      f"from [LOW, HIGH))")
+        if integral and not (low.is_integer() and high.is_integer()):
+            raise bad(f"range {values!r} of a {dtype} input must be integers")
+        if dtype == "bool" and not (0 <= low and high <= 2):
+            raise bad(f"range {values!r} of a bool input must lie in 0-2 (False=0, True=1)")
+        return dataclasses.replace(spec, low=low, high=high)
+    if re.fullmatch(_NUMBER, values):
+        fill = float(values)
+        if integral and not fill.is_integer():
+            raise bad(f"value {values!r} of a {dtype} input must be an integer")
+        if dtype == "bool" and fill not in (0.0, 1.0):
+            raise bad(f"value {values!r} of a bool input must be 0 or 1")
+        return dataclasses.replace(spec, fill=fill)
+    raise bad(f"values {values!r}: expected LOW-HIGH (a range, e.g. 0-1000) or one number (a fill value)")
+
+
+def _input_arg(text: str) -> InputSpec:
+    """argparse ``type`` of ``--input``: a bad spec is a usage error (exit 2) naming the bad part."""
+    try:
+        return parse_input(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _first_embedding(model: Any) -> tuple[str, int] | None:
+    """(module path, num_embeddings) of the model's first ``nn.Embedding``/``nn.EmbeddingBag``."""
+    from torch import nn
+
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            return path or type(model).__name__, m.num_embeddings
+    return None
+
+
+def make_inputs(specs: Sequence[InputSpec], model: Any = None, *, seed: int = 0
+                ) -> tuple[tuple, dict[str, Any], list[str]]:
+    """One member's sample from ``--input`` specs: ``(args, kwargs, notes)``; ``notes`` say which
+    value ranges were chosen by default. Integer inputs without a range are drawn from
+    ``[0, num_embeddings)`` of ``model``'s first embedding (its vocabulary), else ``[0, 2)``.
+
+    >>> args, kwargs, notes = make_inputs([parse_input("float32:2,3"), parse_input("m:bool:2:1")])
+    >>> args[0].shape, kwargs["m"].tolist(), notes
+    (torch.Size([2, 3]), [True, True], [])
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    emb = _first_embedding(model) if model is not None else None
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    notes: list[str] = []
+    for s in specs:
+        dtype = getattr(torch, s.dtype)
+        if s.fill is not None:
+            t = torch.full(s.shape, s.fill, dtype=dtype)
+        elif dtype.is_floating_point:
+            if s.low is None:
+                t = torch.randn(s.shape, generator=gen).to(dtype)
+            else:
+                t = (torch.rand(s.shape, generator=gen) * (s.high - s.low) + s.low).to(dtype)
+        else:
+            low, high = (s.low, s.high) if s.low is not None else (0, 2)
+            if s.low is None and dtype != torch.bool:
+                if emb is not None:
+                    high = emb[1]
+                    why = f"the vocabulary of {emb[0]}, the model's first embedding"
+                else:
+                    why = "the default: " + ("the model has no nn.Embedding" if model is not None else "no model")
+                notes.append(f"{s.describe()}: values in [0, {high}) ({why}; give a range with "
+                             f"{s.name + ':' if s.name else ''}{s.dtype}:{','.join(map(str, s.shape)) or '()'}:LOW-HIGH)")
+            info = torch.iinfo(dtype) if dtype != torch.bool else None
+            if info is not None and (low < info.min or high - 1 > info.max):
+                raise ValueError(f"{s.text!r}: values [{int(low)}, {int(high)}) do not fit {s.dtype} "
+                                 f"([{info.min}, {info.max}])")
+            t = torch.randint(int(low), int(high), s.shape, generator=gen).to(dtype)
+        if s.name is None:
+            args.append(t)
+        else:
+            kwargs[s.name] = t
+    return tuple(args), kwargs, notes
+
+
+@dataclasses.dataclass
+class _Loaded:
+    """A model given on the command line: ``factory`` makes one member; ``sample_shape`` is a
+    built-in model's own input shape; ``module`` the user's file or module (for ``--sample FUNC``)."""
+
+    spec: str
+    factory: Callable[[], Any]
+    sample_shape: tuple[int, ...] | None = None
+    module: Any = None
+
+    @property
+    def label(self) -> str:
+        return self.spec if self.module is None else f"{Path(self.spec.rpartition(':')[0]).name}:{self.spec.rpartition(':')[2]}"
+
+
+@dataclasses.dataclass
+class Sample:
+    """One member's input: positional ``args``, keyword ``kwargs``, and what to tell the user."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def describe(self) -> str:
+        """``float32[8, 16], mask=bool[8, 16]``."""
+        from .analyze import _describe
+
+        return ", ".join([_describe(a) for a in self.args] + [f"{k}={_describe(v)}" for k, v in self.kwargs.items()])
+
+
+def _import(where: str, modules: dict[str, Any]) -> Any:
+    """The module of ``where``: a ``.py`` file (imported fresh, once per command) or an importable
+    module name (the current directory is searched too)."""
+    if where in modules:
+        return modules[where]
+    file = Path(where)
+    if where.endswith(".py") or file.is_file() or "/" in where or "\\" in where:
+        if not file.is_file():
+            raise FileNotFoundError(f"no file {where!r}")
+        from .analyze import _import_file
+
+        module = _import_file(file)
+    else:
+        import importlib
+
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))
+        module = importlib.import_module(where)
+    modules[where] = module
+    return module
+
+
+def _load_callable(spec: str, what: str, modules: dict[str, Any], default: Any = None) -> Callable[..., Any]:
+    """``FILE.py:NAME`` or ``MODULE:NAME`` (or ``NAME`` in module ``default``) -> that callable."""
+    where, sep, name = spec.rpartition(":")
+    if not name or (sep and not where) or (not sep and default is None):
+        raise ValueError(f"{what} {spec!r}: expected path/to/file.py:NAME or module:NAME")
+    module = _import(where, modules) if sep else default
+    if not hasattr(module, name):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise AttributeError(f"{what} {spec!r}: {getattr(module, '__file__', where)} has no {name!r} "
+                             f"(its callables: {', '.join(found) or 'none'})")
+    obj = getattr(module, name)
+    if not callable(obj):
+        raise TypeError(f"{what} {spec!r} is a {type(obj).__name__}, expected a zero-argument callable")
+    return obj
+
+
+def _load_model(spec: str, modules: dict[str, Any] | None = None) -> _Loaded:
+    """MODEL of ``test``/``analyze``/``trace``: a built-in model name or ``path/to/file.py:factory``
+    (``module:factory`` works too): a zero-argument callable (an ``nn.Module`` class works)
+    returning one member."""
+    from . import zoo
+
+    if spec in zoo.MODELS:
+        factory, shape = zoo.MODELS[spec]
+        return _Loaded(spec, factory, tuple(shape))
+    modules = {} if modules is None else modules
+    factory = _load_callable(spec, "model", modules)
+    return _Loaded(spec, factory, None, modules[spec.rpartition(":")[0]])
+
+
+def _normalise_sample(value: Any, spec: str) -> Sample:
+    """What a ``--sample`` function returned -> a :class:`Sample`."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return Sample((value,), {})
+    if isinstance(value, dict):
+        return Sample((), dict(value))
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], (tuple, list)) \
+            and isinstance(value[1], dict):
+        return Sample(tuple(value[0]), dict(value[1]))
+    if isinstance(value, (tuple, list)):
+        return Sample(tuple(value), {})
+    raise TypeError(f"--sample {spec}: returned a {type(value).__name__}; expected a tensor, a tuple of "
+                    "positional inputs, a dict of keyword inputs, or a pair (tuple, dict)")
+
+
+def _sample_for(args: argparse.Namespace, loaded: _Loaded, member: Callable[[], Any], command: str
+                ) -> Sample | None:
+    """One member's input from ``--sample``, ``--input`` or ``--shape`` (or a built-in model's
+    own shape); None after printing what to give, when there is none. Notes are printed.
+    ``member()`` gives a member, asked for only when an integer input needs the vocabulary."""
+    import torch
+
+    if getattr(args, "sample", None):
+        modules = {} if loaded.module is None else {loaded.spec.rpartition(":")[0]: loaded.module}
+        fn = _load_callable(args.sample, "--sample", modules, default=loaded.module)
+        sample = _normalise_sample(fn(), args.sample)
+    elif getattr(args, "input", None):
+        needs_vocab = any(i.dtype.startswith(("int", "uint")) and i.low is None and i.fill is None
+                          for i in args.input)
+        xs, kw, notes = make_inputs(args.input, member() if needs_vocab else None)
+        sample = Sample(xs, kw, notes)
+    else:
+        shape = args.shape or loaded.sample_shape
+        if shape is None:
+            print(f"wide_compiler {command}: {args.model}: give one member's input: --shape 32,64 (one "
+                  f"float input), --input NAME:DTYPE:SHAPE (repeatable, e.g. --input ids:int64:4,16) or "
+                  f"--sample FILE.py:FUNC (see {command} --help)", file=sys.stderr)
+            return None
+        sample = Sample((torch.randn(*shape, generator=torch.Generator().manual_seed(0)),), {})
+    for note in sample.notes:
+        print(f"note  {note}")
+    return sample
+
+
+def _model_and_sample(args: argparse.Namespace, command: str, n: int
+                      ) -> tuple[_Loaded, list[Any], Sample] | None:
+    """MODEL, ``n`` members of it (seeded) and one member's input; None after printing why not
+    (a file or name that is not there, a sample function that fails: exit 2, no traceback
+    unless -v)."""
+    import torch
+
+    try:
+        loaded = _load_model(args.model)
+        torch.manual_seed(0)
+        models = [loaded.factory() for _ in range(n)]
+        sample = _sample_for(args, loaded, (lambda: models[0]) if models else loaded.factory, command)
+    except (OSError, ImportError, AttributeError, TypeError, ValueError, SyntaxError) as e:
+        print(f"wide_compiler {command}: {type(e).__name__}: {e}", file=sys.stderr)
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
+        return None
+    return None if sample is None else (loaded, models, sample)
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -390,32 +717,100 @@ def _shape_arg(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+
+def _interactive(stream: Any = None) -> bool:
+    """Whether to draw progress bars: ``stream`` (stderr) is a terminal and ``CI`` is not set
+    (``CI=true`` on GitHub Actions, GitLab and most others). Elsewhere: one log line a stage."""
+    import os
+
+    stream = sys.stderr if stream is None else stream
+    ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+    try:
+        return bool(stream.isatty()) and not ci
+    except (AttributeError, ValueError):  # a closed or fake stream
+        return False
+
+
+class _Progress:
+    """``analyze``'s ``progress(stage, done, total)`` callback: a tqdm bar on stderr where that is
+    a terminal (:func:`_interactive`), one line per stage with the elapsed time elsewhere (a CI
+    log gets no bar redraws)."""
+
+    def __init__(self, desc: str, *, bar: bool | None = None) -> None:
+        self.desc = desc
+        self.use_bar = _interactive() if bar is None else bar
+        self.bar: Any = None
+        self.start = time.perf_counter()
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        elapsed = time.perf_counter() - self.start
+        if self.use_bar:
+            if self.bar is None:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, desc=self.desc, unit="stage", leave=False, file=sys.stderr)
+            self.bar.update(done - self.bar.n)
+            self.bar.set_postfix_str(stage)
+            if done >= total:
+                self.close()
+        elif done >= total:
+            print(f"{self.desc}: done in {elapsed:.1f} s", file=sys.stderr, flush=True)
+        else:
+            print(f"{self.desc} [{done + 1}/{total}] {stage} ({elapsed:.1f} s)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _need_matplotlib(option: str = "--plot") -> bool:
+    """True when matplotlib imports; else says how to get it on stderr (checked before the work)."""
+    import importlib
+
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        print(f"error: {option} needs matplotlib: pip install 'wide_compiler[plot]' (or pip install "
+              "matplotlib); nothing was run", file=sys.stderr)
+        return False
+    return True
+
+
 def cmd_analyze(args: argparse.Namespace) -> int:
     """``python -m wide_compiler analyze MODEL``: print the report; ``--json``/``--markdown``/``--plot``
     also write it to files."""
-    import torch
-
     import wide_compiler as wc
     from .analyze import analyze, plot
 
-    factory, shape = model_and_shape(args.model, args.shape)
-    if shape is None:
-        print(f"wide_compiler analyze: {args.model}: give one member's input shape with --shape, e.g. --shape 32,64")
+    if args.plot and not _need_matplotlib():  # before minutes of work, not after
         return 2
-    torch.manual_seed(0)
-    report = analyze(factory, torch.randn(*shape), n=[int(k) for k in str(args.n).split(",") if k.strip()],
-                     memory=args.memory, modes=[m.strip() for m in args.modes.split(",") if m.strip()],
-                     repeats=args.repeats, config=getattr(wc.WideConfig, args.config)())
+    try:
+        ns = [int(k) for k in str(args.n).split(",") if k.strip()]
+    except ValueError:
+        print(f"wide_compiler analyze: -n {args.n!r}: expected sizes like 4,16", file=sys.stderr)
+        return 2
+    got = _model_and_sample(args, "analyze", 0)
+    if got is None:
+        return 2
+    loaded, _, sample = got
+    progress = None if args.quiet else _Progress(f"analyze {loaded.label}")
+    try:
+        report = analyze(loaded.factory, sample.args, sample_kwargs=sample.kwargs or None, n=ns,
+                         memory=args.memory, modes=[m.strip() for m in args.modes.split(",") if m.strip()],
+                         repeats=args.repeats, config=getattr(wc.WideConfig, args.config)(),
+                         progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
     print(report)
     if args.json:
         Path(args.json).write_text(report.to_json())
     if args.markdown:
         Path(args.markdown).write_text(report.to_markdown())
     if args.plot:
-        if importlib.util.find_spec("matplotlib") is None:
-            print("error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
-            return 2
         plot(report, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -454,18 +849,20 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
             print(f"error: target {name!r} has no preset {args.preset!r}; "
                   f"expected one of {', '.join(bench.TARGETS[name].presets)}", file=sys.stderr)
             return 2
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        print("error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+    if args.plot and not _need_matplotlib():
         return 2
     if args.tuned_allocator:  # the same process-wide setting for every contender
         from .allocator import tune_cpu_allocator
 
         tune_cpu_allocator()
     records = []
+    bar = not args.quiet and _interactive()  # a CI log gets one line per target instead
     for name in targets:
+        if not args.quiet and not bar:
+            print(f"benchmark {name}/{args.preset} ...", file=sys.stderr, flush=True)
         with bench.engine.compile_all() if args.compile else contextlib.nullcontext():
             try:
-                recs = bench.run(name, args.preset, progress=not args.quiet, cases=args.case)
+                recs = bench.run(name, args.preset, progress=bar, cases=args.case)
             except ValueError as e:
                 if not str(e).startswith(f"benchmark {name}/"):
                     raise
@@ -508,32 +905,95 @@ def top_records(records: Sequence[dict], k: int) -> list[dict]:
     return sorted(records, key=_best_speedup, reverse=True)[:k]
 
 
+_NOT_A_SERIES = frozenset({"target", "mode", "case", "strategy", "n", "preset", "timing", "chosen_strategy",
+                           "path"})
+
+
+def _series_fields(record: dict) -> tuple[tuple[str, Any], ...]:
+    """What tells a record's series apart besides case and strategy: its other settings (string,
+    integer and boolean fields such as batch or in_features; floats are measurements)."""
+    return tuple(sorted((k, v) for k, v in record.items() if k not in _NOT_A_SERIES
+                        and isinstance(v, (str, int, bool)) and not isinstance(v, float)))
+
+
 def plot_speedups(records: Sequence[dict], path: str) -> None:
-    """Speedup of wide over each baseline against N, one line per (target, case, mode, strategy,
-    baseline), log-scaled N, a dashed line at 1x; written to ``path`` (matplotlib, optional)."""
-    import matplotlib
+    """Speedup of wide over each baseline against N (log-scaled), a dashed line at 1x: one panel
+    per target and mode; in a panel one colour per setting (case, strategy, and sizes where the
+    target has several) and one marker and line style per baseline, so no two series look alike.
+    Written to ``path`` (matplotlib: the ``plot`` extra)."""
+    from .analyze import _pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
 
-    series: dict[str, list[tuple[int, float]]] = {}
+    panels: dict[tuple[str, str], dict[tuple, list[tuple[int, float]]]] = {}
     for r in records:
         for baseline, x in (r.get("speedup") or {}).items():
             if isinstance(x, (int, float)) and math.isfinite(x) and r.get("n"):
-                label = f"{r['target']}/{r.get('case') or ''} {r.get('mode') or ''} {r.get('strategy') or ''} vs {baseline}"
-                series.setdefault(label, []).append((r["n"], x))
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for label, points in sorted(series.items()):
-        points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("N (members)")
-    ax.set_ylabel("speedup of wide (baseline ms / wide ms)")
-    ax.legend(fontsize=6, loc="best")
+                key = (str(r.get("target") or "?"), str(r.get("mode") or ""))
+                setting = (str(r.get("case") or ""), str(r.get("strategy") or ""), _series_fields(r))
+                panels.setdefault(key, {}).setdefault((setting, str(baseline)), []).append((int(r["n"]), float(x)))
+    targets = list(dict.fromkeys(t for t, _ in panels))
+    modes = sorted({m for _, m in panels}, key=lambda m: (m not in ("inference", "train"), m))
+    if not panels:
+        targets, modes = ["no records with a speedup"], [""]
+    fig, axes = plt.subplots(len(targets), len(modes), figsize=(8.5 * len(modes), 3.8 * len(targets)),
+                             squeeze=False)
+    styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", (0, (5, 1))), ("P", (0, (1, 1)))]
+    for row, target in enumerate(targets):
+        for col, mode in enumerate(modes):
+            ax = axes[row][col]
+            series = panels.get((target, mode))
+            ax.set_title(f"{target} ({mode})" if mode else target, fontsize=10)
+            if not series:
+                ax.text(0.5, 0.5, "no records", ha="center", va="center", transform=ax.transAxes)
+                ax.set_axis_off()
+                continue
+            settings = list(dict.fromkeys(setting for setting, _ in sorted(series)))
+            baselines = sorted({b for _, b in series})
+            # only the fields that differ between this panel's series go into the labels
+            varying = {k for k in {k for s in settings for k, _ in s[2]}
+                       if len({dict(s[2]).get(k) for s in settings}) > 1}
+            colours = _palette(plt, len(settings))
+            for (setting, baseline), points in sorted(series.items()):
+                points.sort()
+                marker, dash = styles[baselines.index(baseline) % len(styles)]
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, linestyle=dash,
+                        color=colours[settings.index(setting)])
+            ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+            ax.set_xscale("log", base=2)
+            ns = sorted({p[0] for pts in series.values() for p in pts})
+            ax.set_xticks(ns, [str(k) for k in ns])
+            ys = [p[1] for pts in series.values() for p in pts]
+            if min(ys) > 0 and max(ys) / min(ys) > 20:  # 0.5x beside 200x: a log axis keeps both readable
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.set_xlabel("N (members)")
+            ax.set_ylabel("speedup (baseline ms / wide ms)")
+            # one legend entry per colour (the setting) and one per marker (the baseline)
+            handles = [Line2D([], [], color=colours[i], linewidth=2,
+                              label=" ".join(p for p in (case, strategy, *[f"{k}={v}" for k, v in fields
+                                                                           if k in varying]) if p) or target)
+                       for i, (case, strategy, fields) in enumerate(settings)]
+            handles += [Line2D([], [], color="black", marker=styles[i % len(styles)][0],
+                               linestyle=styles[i % len(styles)][1], label=f"vs {b}")
+                        for i, b in enumerate(baselines)]
+            ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                      borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _palette(plt: Any, k: int) -> list[Any]:
+    """``k`` distinct colours: tab10, tab20, then evenly spaced on a continuous map."""
+    if k <= 10:
+        return [plt.get_cmap("tab10")(i) for i in range(k)]
+    if k <= 20:
+        return [plt.get_cmap("tab20")(i) for i in range(k)]
+    cmap = plt.get_cmap("turbo")
+    return [cmap(i / (k - 1)) for i in range(k)]
 
 
 def _finite(o: Any) -> Any:
@@ -578,21 +1038,25 @@ def _graph_lines(graph: Any) -> str:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    import torch
-
+    """``trace MODEL``: the captured member graph beside the wide graph, then the compile report."""
     import wide_compiler as wc
-    from wide_compiler import zoo
     from wide_compiler.fx.capture import capture
 
-    factory, shape = zoo.MODELS[args.model]
-    torch.manual_seed(0)
-    models = [factory() for _ in range(args.n)]
-    sample = torch.randn(*shape)
-    ep = capture(models[0], (sample,))
-    wide = wc.compile(models, sample, config=wc.WideConfig.fast())
+    spec = args.model or args.model_opt
+    if not spec:
+        print("wide_compiler trace: give a model: a built-in one (mlp, resblock, convnet, transformer) "
+              "or path/to/file.py:factory with its input (see trace --help)", file=sys.stderr)
+        return 2
+    args.model = spec
+    got = _model_and_sample(args, "trace", args.n)
+    if got is None:
+        return 2
+    loaded, models, sample = got
+    ep = capture(models[0], sample.args, sample.kwargs)
+    wide = wc.compile(models, sample.args, sample_kwargs=sample.kwargs or None, config=wc.WideConfig.fast())
     wide_graph = wide._graph_for(wide.training).graph_module.graph
     print(_side_by_side(_graph_lines(ep.graph), _graph_lines(wide_graph),
-                        (f"captured member graph ({args.model})", f"wide graph (N={args.n})")))
+                        (f"captured member graph ({loaded.label})", f"wide graph (N={args.n})")))
     print()
     print(wide.report())
     return 0
@@ -600,12 +1064,68 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------- main
 
+_DESCRIPTION = """\
+Fuse N models of one architecture into one wide model, check it member by member, and measure
+what it buys on this machine.
+
+commands:
+  info       versions, threads, CPU ISA, the C++ build and every registered wide:: operator
+  test       the self-check of this install, or N members of YOUR model checked one by one
+  trace      a model's captured graph beside its wide graph, and the compile report
+  benchmark  time wide ops and models against the loop, vmap and torch.compile (JSON records)
+  analyze    compile, time, profile and size N members of YOUR model: what fusing buys
+
+Each command has its own help: python -m wide_compiler COMMAND --help"""
+
+_EPILOG = """\
+examples:
+  python -m wide_compiler info
+  python -m wide_compiler test
+  python -m wide_compiler test my_model.py:make --input ids:int64:4,16 --input mask:bool:4,16
+  python -m wide_compiler trace -m transformer
+  python -m wide_compiler benchmark linear --preset quick --json bench-results/linear.json
+  python -m wide_compiler analyze my_model.py:make --shape 8,3,32,32 -n 4,16 --plot speedup.png"""
+
+
+class _AppendInput(argparse.Action):
+    """``--input``, repeatable; a keyword name given twice is a usage error."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        items = list(getattr(namespace, self.dest, None) or [])
+        if values.name and any(i.name == values.name for i in items):
+            raise argparse.ArgumentError(self, f"{values.text!r}: input {values.name!r} is given twice")
+        setattr(namespace, self.dest, [*items, values])
+
+
+def _inputs_parent() -> argparse.ArgumentParser:
+    """``--shape``/``--input``/``--sample``, shared by test, analyze and trace."""
+    p = argparse.ArgumentParser(add_help=False)
+    x = p.add_mutually_exclusive_group()
+    x.add_argument("--shape", type=_shape_arg, metavar="SHAPE",
+                   help="one float32 input of this shape, e.g. 32,64 (built-in models: their own)")
+    x.add_argument("--input", type=_input_arg, action=_AppendInput, metavar="[NAME:]DTYPE:SHAPE[:VALUES]",
+                   help="one input, repeatable: positional when unnamed, a keyword when named "
+                        "(e.g. ids:int64:4,16:0-1000, mask:bool:4,16)")
+    x.add_argument("--sample", metavar="FILE.py:FUNC",
+                   help="a function of yours returning one member's input (tensor, tuple, dict or "
+                        "(tuple, dict)); FUNC alone: in the model's file")
+    return p
+
+
+def _wrap(text: str, width: int = 88) -> str:
+    """Each line of ``text`` filled to ``width`` columns (help kept raw: examples keep their lines)."""
+    import textwrap
+
+    return "\n".join(textwrap.fill(line, width) if line else "" for line in text.split("\n"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import bench
 
-    parser = argparse.ArgumentParser(
-        prog="wide_compiler",
-        description="Fuse N models of one architecture into one wide model.")
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="wide_compiler", description=_DESCRIPTION, epilog=_EPILOG,
+                                     formatter_class=raw)
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log INFO messages (and tracebacks of failed checks)")
     # -v is accepted before or after the command (SUPPRESS: a subcommand's default must not
@@ -613,29 +1133,54 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                         help="log INFO messages (and tracebacks of failed checks)")
+    inputs = _inputs_parent()
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    model_help = ("a built-in model (mlp, resblock, convnet, transformer) or path/to/file.py:factory "
+                  "(module:factory works too): a zero-argument callable, or an nn.Module class, "
+                  "returning one member")
 
-    p = sub.add_parser("info", parents=[common],
-                       help="versions, threads, CPU ISA, C++ build, registered ops")
+    p = sub.add_parser(
+        "info", parents=[common], formatter_class=raw,
+        help="versions, threads, CPU ISA, C++ build, registered ops",
+        description=_wrap("Print what this install runs on: wide_compiler, torch, Python and platform "
+                    "versions, torch's threads and CPU capability, the C++ core's build info "
+                    "(compiler, ISA, OpenMP) and every registered wide:: operator with its schema "
+                    "and dispatch keys. Attach it to bug reports."),
+        epilog="example:\n  python -m wide_compiler info")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("test", parents=[common],
-                       help="quick self-check on this machine, or check a model of yours member by member "
-                            "(PASS/FAIL, exit 0/1)")
-    p.add_argument("model", nargs="?", help="path/to/file.py:factory (a zero-argument callable returning one "
-                                            "member) or a built-in model: checks N members of it with "
-                                            "wide_compiler.testing.check_compile; without: the self-check")
-    p.add_argument("--shape", type=_shape_arg, metavar="SHAPE",
-                   help="one member's input shape, e.g. 32,64 (built-in models: their own)")
+    p = sub.add_parser(
+        "test", parents=[common, inputs], formatter_class=raw,
+        help="quick self-check on this machine, or check a model of yours member by member "
+             "(PASS/FAIL, exit 0/1)",
+        description=_wrap("Without MODEL: a self-check of this install (the wide ops against PyTorch, "
+                    "opcheck, compile, unfuse), one PASS/FAIL line each.\nWith MODEL: compile N "
+                    "members of your model and check every member in train and eval mode, on its "
+                    "own input and on a shared one (outputs, input and parameter gradients, "
+                    "buffers: wide_compiler.testing.check_compile). Exit 0 when all pass, 1 when "
+                    "one fails, 2 for a usage error."),
+        epilog="examples:\n"
+               "  python -m wide_compiler test\n"
+               "  python -m wide_compiler test my_model.py:make --shape 32,64\n"
+               "  python -m wide_compiler test lm.py:make --input ids:int64:4,16 --input mask:bool:4,16:1\n"
+               "  python -m wide_compiler test lm.py:make --sample lm.py:make_sample -n 4\n\n" + INPUT_HELP)
+    p.add_argument("model", nargs="?", metavar="MODEL", help=model_help + "; without: the self-check")
     p.add_argument("-n", type=int, default=3, help="members to check (default 3)")
     p.add_argument("--strict", action="store_true", help="refuse per-member fallbacks")
     p.set_defaults(func=cmd_test)
 
-    from . import zoo
-
-    p = sub.add_parser("trace", parents=[common],
-                       help="a built-in model's captured graph and wide graph side by side")
-    p.add_argument("-m", "--model", required=True, choices=sorted(zoo.MODELS), help="built-in model")
+    p = sub.add_parser(
+        "trace", parents=[common, inputs], formatter_class=raw,
+        help="a model's captured graph and wide graph side by side",
+        description=_wrap("Capture one member with torch.export, compile N members, and print the "
+                    "captured member graph beside the wide graph (one line per node), then the "
+                    "compile report: each wide op with its strategy, fallbacks, layout conversions."),
+        epilog="examples:\n"
+               "  python -m wide_compiler trace -m transformer\n"
+               "  python -m wide_compiler trace my_model.py:make --shape 8,16 -n 2\n"
+               "  python -m wide_compiler trace lm.py:make --input ids:int64:4,16\n\n" + INPUT_HELP)
+    p.add_argument("model", nargs="?", metavar="MODEL", help=model_help)
+    p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL", help="the same as MODEL")
     p.add_argument("-n", type=int, default=4, help="number of members (default 4)")
     p.set_defaults(func=cmd_trace)
 
@@ -644,8 +1189,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Time the wide model against the baselines; print a table "
                                    "and optionally write JSON records.\nWithout a target: the "
                                    "list of targets.",
-                       epilog=_benchmark_targets(),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=_benchmark_targets() + "\n\nexamples:\n"
+                              "  python -m wide_compiler benchmark linear --preset ci\n"
+                              "  python -m wide_compiler benchmark all --preset quick --save --plot speedup.png",
+                       formatter_class=raw)
     # Checked by cmd_benchmark (not `choices`): no target lists the targets, exit 0.
     p.add_argument("target", nargs="?", metavar="TARGET",
                    help=f"what to benchmark: {', '.join(bench.TARGETS)}, or all")
@@ -662,7 +1209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, metavar="K",
                    help="print only the K records with the largest speedup over their best baseline")
     p.add_argument("--plot", metavar="FILE.png",
-                   help="draw speedup vs N per baseline to FILE.png (needs matplotlib)")
+                   help="draw speedup vs N per baseline to FILE.png, one panel per target and mode "
+                        "(needs matplotlib: pip install 'wide_compiler[plot]')")
     p.add_argument("--case", action="append", metavar="NAME",
                    help="run only this case of the target (repeatable; 'resnet18' or 'resnet18 N=4'): "
                         "one process per case bounds memory when the models are large")
@@ -674,15 +1222,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_benchmark)
 
     p = sub.add_parser(
-        "analyze", parents=[common], help="compile, time, profile and size N members of a model",
-        description="Report what fusing N members of a model buys on this machine: wide ops and "
+        "analyze", parents=[common, inputs], formatter_class=raw,
+        help="compile, time, profile and size N members of a model",
+        description=_wrap("Report what fusing N members of a model buys on this machine: wide ops and "
                     "fallbacks, speed vs loop and vmap, per-op profile, memory and the largest N "
-                    "that fits, recommendations.")
-    p.add_argument("model", help="a built-in model (mlp, resblock, convnet, transformer) or "
-                                 "path/to/file.py:factory (a zero-argument callable returning one member)")
-    p.add_argument("--shape", type=_shape_arg, metavar="SHAPE",
-                   help="one member's input shape, e.g. 32,64 (default for built-in models: "
-                        "their sample shape)")
+                    "that fits, recommendations. Takes about a minute (progress on stderr: a bar "
+                    "in a terminal, one line per stage in CI or a pipe)."),
+        epilog="examples:\n"
+               "  python -m wide_compiler analyze convnet -n 4,16 --memory 8GB\n"
+               "  python -m wide_compiler analyze my_model.py:make --shape 8,3,32,32 --plot speedup.png\n"
+               "  python -m wide_compiler analyze lm.py:make --input ids:int64:8,32 --modes inference\n\n"
+               + INPUT_HELP)
+    p.add_argument("model", metavar="MODEL", help=model_help)
     p.add_argument("-n", default="4,16", help="population sizes, comma-separated (default 4,16)")
     p.add_argument("--modes", default="inference,train", help="inference,train (default both)")
     p.add_argument("--memory", help="memory budget for the largest-N search, e.g. 8GB (default: MemAvailable)")
@@ -692,7 +1243,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: strategies measured at compile time)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
     p.add_argument("--markdown", metavar="FILE", help="also write the report as Markdown to FILE")
-    p.add_argument("--plot", metavar="FILE.png", help="draw per-member throughput vs N (needs matplotlib)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw the speedup over loop and vmap against N, a panel per mode (needs "
+                        "matplotlib, checked first: pip install 'wide_compiler[plot]')")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=cmd_analyze)
     return parser
 
@@ -703,7 +1257,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `... | head`: the reader left; say nothing more
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

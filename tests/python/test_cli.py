@@ -6,6 +6,7 @@ that sleeps 5 ms with one that does nothing, which no noisy machine reverses.)
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -113,7 +114,7 @@ def test_benchmark_without_target_lists_targets(capsys):
     assert "ci" in out and "quick" in out and "full" in out
 
 
-def _fake_records(name, preset, progress=False):
+def _fake_records(name, preset, progress=False, cases=None):
     return [{"target": name, "case": c, "n": n, "mode": "inference", "strategy": "s", "wide_ms": 1.0,
              "baseline_ms": {"loop": x, "vmap": 2 * x}, "speedup": {"loop": x, "vmap": 2 * x}}
             for c, n, x in (("a", 4, 1.5), ("a", 16, 3.0), ("b", 4, 0.5))]
@@ -467,3 +468,295 @@ def test_time_with_baselines_keeps_wide_and_baseline_names_apart():
                                                           min_run_time=0.002)
     assert wide_ms["loop"] > 0 and base_ms["loop"] > 0 and errors == {}
     assert wide.calls > 0 and base.calls > 0
+
+
+# ---------------------------------------------------------------------------------- a user's model and its inputs
+
+_USER_MODELS = '''
+import torch
+from torch import nn
+
+
+class Tagger(nn.Module):
+    """Token ids and a mask in, one label per sequence out."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(30, 8)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids, mask):
+        h = torch.relu(self.proj(self.embed(ids)))
+        m = mask.unsqueeze(-1).to(h.dtype)
+        return self.head((h * m).sum(1) / m.sum(1).clamp_min(1.0))
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 4)
+        self.b = nn.Linear(3, 4)
+
+    def forward(self, x, y, scale=None):
+        out = self.a(x) + self.b(y)
+        return out if scale is None else out * scale
+
+
+def make():
+    return Tagger()
+
+
+def make_sample():
+    return (torch.randint(0, 30, (3, 5)),), {"mask": torch.ones(3, 5, dtype=torch.bool)}
+
+
+def not_a_sample():
+    return 42
+'''
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    f = tmp_path / "my_models.py"
+    f.write_text(_USER_MODELS)
+    return f
+
+
+def test_test_command_embedding_model_with_integer_and_mask_inputs(user_file, capsys):
+    """--input NAME:DTYPE:SHAPE: named inputs are keyword arguments; integer ids without a range
+    are drawn from the vocabulary of the model's first nn.Embedding (said on stdout)."""
+    assert cli.main(["test", f"{user_file}:make", "--input", "ids:int64:4,6", "--input", "mask:bool:4,6",
+                     "-n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "values in [0, 30)" in out and "vocabulary of embed" in out
+    assert "PASS  train/own" in out and "PASS  eval/shared" in out and "all 2 members match" in out
+    # an explicit range and a constant mask
+    assert cli.main(["test", f"{user_file}:make", "--input", "ids:long:2,3:5-10", "--input", "mask:bool:2,3:1",
+                     "-n", "2"]) == 0
+    assert "vocabulary" not in capsys.readouterr().out
+
+
+def test_test_command_multi_input_model(user_file, capsys):
+    """Unnamed inputs are positional in the order given; a named one is a keyword."""
+    assert cli.main(["test", f"{user_file}:TwoInputs", "--input", "float32:5,6", "--input", "float:5,3",
+                     "--input", "scale:float32:4:0.5-2", "-n", "3"]) == 0
+    assert "all 3 members match" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sample", ["make_sample", "{file}:make_sample"])
+def test_test_command_sample_factory(user_file, capsys, sample):
+    """--sample FUNC (in the model's file) or FILE.py:FUNC returning (args, kwargs)."""
+    assert cli.main(["test", f"{user_file}:make", "--sample", sample.format(file=user_file), "-n", "2"]) == 0
+    assert "all 2 members match" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--sample", "not_a_sample"], "returned a int"),
+    (["--sample", "nope"], "has no 'nope'"),
+    ([], "give one member's input"),
+])
+def test_test_command_bad_sample_is_a_clear_error(user_file, capsys, argv, says):
+    assert cli.main(["test", f"{user_file}:make", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_missing_model_file_is_a_clear_error(tmp_path, capsys):
+    assert cli.main(["test", f"{tmp_path}/absent.py:make", "--shape", "2,3"]) == 2
+    assert "absent.py" in capsys.readouterr().err
+    assert cli.main(["test", "--input", "ids:int64:4"]) == 2  # an input without a model
+    assert "give the model too" in capsys.readouterr().err
+
+
+def test_analyze_embedding_model_progress_and_plot(user_file, tmp_path, capsys, monkeypatch):
+    """analyze takes integer and mask inputs; progress is one line per stage off a terminal
+    (CI=true), no bar redraws; --plot draws the speedup against N."""
+    monkeypatch.setenv("CI", "true")
+    png = tmp_path / "speedup.png"
+    plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
+    assert cli.main(["analyze", f"{user_file}:make", "--input", "ids:int64:3,5", "--input", "mask:bool:3,5:1",
+                     "-n", "2", "--modes", "inference", "--repeats", "1", "--memory", "50MB", *plot]) == 0
+    captured = capsys.readouterr()
+    assert "one member's input ids=int64[3, 5], mask=bool[3, 5]" in captured.out
+    assert "Recommendations" in captured.out
+    assert "[1/" in captured.err and "compile N=2" in captured.err and "done in" in captured.err
+    assert "\r" not in captured.err and "%|" not in captured.err
+    if plot:
+        assert png.stat().st_size > 0
+
+
+class _FakeReport:
+    def __str__(self):
+        return "fake report"
+
+
+def _fake_analyze(factory, sample, *, progress=None, **kwargs):
+    if progress is not None:  # None with -q
+        for i, stage in enumerate(["compile N=2", "time N=2 inference"]):
+            progress(stage, i, 2)
+        progress("done", 2, 2)
+    return _FakeReport()
+
+
+@pytest.mark.parametrize("interactive", [True, False])
+def test_analyze_progress_bar_only_on_a_terminal(monkeypatch, capsys, interactive):
+    analyze_mod = sys.modules["wide_compiler.analyze"]
+
+    monkeypatch.setattr(analyze_mod, "analyze", _fake_analyze)
+    monkeypatch.setattr(cli, "_interactive", lambda stream=None: interactive)
+    assert cli.main(["analyze", "mlp", "-n", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "fake report" in captured.out
+    if interactive:  # tqdm's bar, on stderr
+        assert "stage" in captured.err and "[1/" not in captured.err
+    else:
+        assert "analyze mlp [1/2] compile N=2" in captured.err and "[2/2] time N=2 inference" in captured.err
+    assert cli.main(["analyze", "mlp", "-n", "2", "-q"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_interactive_respects_ci(monkeypatch):
+    class Tty:
+        def isatty(self):
+            return True
+
+    monkeypatch.delenv("CI", raising=False)
+    assert cli._interactive(Tty())
+    monkeypatch.setenv("CI", "true")
+    assert not cli._interactive(Tty())
+    monkeypatch.setenv("CI", "false")
+    assert cli._interactive(Tty())
+    assert not cli._interactive(open(os.devnull, "w"))
+
+
+def test_trace_on_a_users_file(user_file, capsys):
+    assert cli.main(["trace", f"{user_file}:make", "--input", "ids:int64:4,6", "--input", "mask:bool:4,6",
+                     "-n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "captured member graph (my_models.py:make)" in out and "wide graph (N=2)" in out
+    assert "aten.embedding.default" in out and "wide.embedding.default" in out
+    assert cli.main(["trace", "-m", f"{user_file}:TwoInputs", "--input", "float32:2,6", "--input", "float32:2,3",
+                     "-n", "2"]) == 0
+    assert "wide.linear.default" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["info", "test", "trace", "benchmark", "analyze"])
+def test_every_command_help_has_a_description_and_an_example(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    usage, _, rest = out.partition("\n\n")
+    description = rest.split("\n\n")[0]
+    assert usage.startswith(f"usage: wide_compiler {command}")
+    assert len(description.split()) >= 8, f"{command} --help has no description: {out[:300]}"
+    assert f"python -m wide_compiler {command}" in out  # an example
+
+
+def test_top_level_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("info", "test", "trace", "benchmark", "analyze"):
+        assert f"  {command} " in out
+    assert "examples:" in out and "--input ids:int64" in out
+
+
+@pytest.mark.parametrize("spec, bad_part", [
+    ("ids:int65:4,16", "int65"),
+    ("int65:4,16", "int65"),
+    ("ids:int64:4,abc", "'abc'"),
+    ("ids:int64:4,0", "size 0"),
+    ("ids:int64:4,16:9-3", "'9-3'"),
+    ("ids:int64:4,16:0.5-3", "'0.5-3'"),
+    ("mask:bool:4:5", "'5'"),
+    ("x:float32:4:lots", "'lots'"),
+    ("float32", "expected [NAME:]DTYPE:SHAPE"),
+    ("a:b:float32:4:1:2", "too many"),
+])
+def test_bad_input_spec_is_a_usage_error_naming_the_bad_part(spec, bad_part, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["test", "mlp", "--input", spec])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: wide_compiler test" in err and "--input" in err and bad_part in err, err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--input", "ids:int64:4", "--input", "ids:int64:4"], "'ids' is given twice"),
+    (["--shape", "4,16", "--input", "float32:4,16"], "not allowed with argument"),
+])
+def test_conflicting_inputs_are_usage_errors(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["analyze", "mlp", *argv])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_parse_input_and_make_inputs():
+    s = cli.parse_input("ids:int64:4,16:0-1000")
+    assert (s.name, s.dtype, s.shape, s.low, s.high, s.fill) == ("ids", "int64", (4, 16), 0, 1000, None)
+    assert cli.parse_input("bf16:2x3").dtype == "bfloat16" and cli.parse_input("t:float32:()").shape == ()
+    assert cli.parse_input("x:float32:2:-1.5--0.5").low == -1.5
+    args, kwargs, notes = cli.make_inputs(
+        [cli.parse_input(t) for t in ("float32:2,3:-1-1", "ids:int32:50", "t:float64:():7", "m:bool:9")],
+        nn.Embedding(7, 2))
+    assert args[0].dtype == torch.float32 and -1 <= args[0].min() and args[0].max() < 1
+    assert kwargs["ids"].dtype == torch.int32 and 0 <= kwargs["ids"].min() and kwargs["ids"].max() < 7
+    assert kwargs["t"].item() == 7.0 and kwargs["t"].dim() == 0 and kwargs["m"].dtype == torch.bool
+    assert len(notes) == 1 and "[0, 7)" in notes[0]
+    _, kwargs, notes = cli.make_inputs([cli.parse_input("ids:int64:50")], nn.Linear(2, 2))
+    assert kwargs["ids"].max() < 2 and "no nn.Embedding" in notes[0]
+    with pytest.raises(ValueError, match="do not fit uint8"):
+        cli.make_inputs([cli.parse_input("uint8:4:0-1000")])
+
+
+@pytest.mark.parametrize("command", [["analyze", "mlp"], ["benchmark", "linear", "--preset", "ci"]])
+def test_plot_without_matplotlib_fails_before_the_work(command, monkeypatch, tmp_path, capsys):
+    """--plot checks for matplotlib first: exit 2 with the install hint, nothing run."""
+    analyze_mod = sys.modules["wide_compiler.analyze"]
+    from wide_compiler import bench
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the work ran before the matplotlib check")
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setattr(analyze_mod, "analyze", must_not_run)
+    monkeypatch.setattr(bench, "run", must_not_run)
+    monkeypatch.setattr(cli, "_load_model", must_not_run)
+    png = tmp_path / "p.png"
+    assert cli.main([*command, "--plot", str(png)]) == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err and "wide_compiler[plot]" in err and not png.exists()
+
+
+def test_benchmark_plot_one_panel_per_target_and_mode(tmp_path):
+    """20 series over 2 targets and 2 modes: drawn (distinct colours per setting, markers per
+    baseline) without error."""
+    pytest.importorskip("matplotlib")
+    records = [{"target": t, "case": c, "n": n, "mode": m, "strategy": s, "batch": b,
+                "speedup": {"loop": n / 4 + b, "vmap": 1.0 + n / 64}}
+               for t in ("linear", "conv") for c in ("separate", "shared") for s in ("auto", "bmm", "loop")
+               for b in (8, 32) for m in ("inference", "train") for n in (4, 16, 64)]
+    png = tmp_path / "bench.png"
+    cli.plot_speedups(records, str(png))
+    assert png.stat().st_size > 0
+    cli.plot_speedups([], str(tmp_path / "empty.png"))  # no records: a note, no crash
+
+
+def test_readme_cli_commands_parse():
+    """Every `python -m wide_compiler ...` line of the README parses with today's parser."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh|console)\n(.*?)```", readme, flags=re.S)
+    lines = [line.split(" #")[0].strip() for b in blocks for line in b.splitlines()]
+    commands = [shlex.split(line)[3:] for line in lines if line.startswith("python -m wide_compiler ")]
+    assert len(commands) >= 6
+    parser = cli.build_parser()
+    for argv in commands:
+        if argv[-1:] == ["--help"]:
+            continue
+        args = parser.parse_args(argv)
+        assert callable(args.func), argv
