@@ -111,6 +111,16 @@ def _dist_ready() -> bool:
 
 def _rank_and_size(group: Any) -> tuple[int, int]:
     if not _dist_ready():
+        launched = os.environ.get("WORLD_SIZE", "1")
+        if launched.isdigit() and int(launched) > 1:
+            # torchrun (or another launcher) started several processes but none joined a group:
+            # each would run as world size 1, train all N members and write the same checkpoints.
+            raise RuntimeError(
+                f"wide_compiler.distributed: this process was launched as rank "
+                f"{os.environ.get('RANK', '?')} of WORLD_SIZE={launched} (torchrun's environment) but "
+                "torch.distributed is not initialised, so every rank would hold all the members; call "
+                "torch.distributed.init_process_group() first (e.g. init_process_group('gloo') on CPU: "
+                "torchrun's environment supplies the rank, world size and address)")
         if group is not None:
             raise RuntimeError("wide_compiler.distributed: a process group was given but "
                                "torch.distributed is not initialised; call "

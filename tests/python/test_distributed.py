@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import os
 import pickle
 
@@ -515,3 +516,43 @@ def test_errors_world_size_1(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         wcd.save_members(sharded, tmp_path / "f")
     assert os.listdir(tmp_path / "f") == []
+
+
+# --- torchrun: the README's snippet (issue 26) -------------------------------------------------
+def _readme_distributed_block() -> str:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "wcd.shard(member" in b]
+    assert len(blocks) == 1, "the README's distributed snippet moved"
+    return blocks[0]
+
+
+def test_readme_snippet_under_torchrun_with_two_processes(tmp_path):
+    """Each rank joins torchrun's group and holds its own half; the checkpoint has all N members."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "snippet.py"
+    script.write_text(_readme_distributed_block()
+                      + "\nprint('RANK_MEMBERS', sharded.rank, sharded.world_size, list(sharded.members))\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    lines = sorted(line for line in run.stdout.splitlines() if line.startswith("RANK_MEMBERS"))
+    assert lines == ["RANK_MEMBERS 0 2 [0, 1, 2, 3]", "RANK_MEMBERS 1 2 [4, 5, 6, 7]"], run.stdout
+    index = json.loads((tmp_path / "pbt_members" / "index.json").read_text())
+    assert index["n"] == 8 and len(index["files"]) == 8
+
+
+def test_shard_refuses_a_torchrun_process_without_a_process_group(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(RuntimeError, match=r"rank 1 of WORLD_SIZE=2 .*init_process_group"):
+        wcd.shard([nn.Linear(3, 2), nn.Linear(3, 2)], torch.randn(1, 3), config=wc.WideConfig.fast())
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a single-process launch runs as world size 1
+    assert wcd.shard([nn.Linear(3, 2), nn.Linear(3, 2)], torch.randn(1, 3), config=wc.WideConfig.fast()).world_size == 1
