@@ -14,6 +14,7 @@ import torch  # noqa: F401  (loads libtorch before our core library)
 
 from . import (
     _C,  # noqa: F401  (loads libwide: registers torch.ops.wide.*)
+    amp,
     blocks,
     distributed,
     functional,
@@ -55,6 +56,7 @@ __all__ = [
     "WideModel",
     "WideRouter",
     "allocator",
+    "amp",
     "analyze",
     "blocks",
     "cmake_prefix_path",

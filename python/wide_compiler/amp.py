@@ -1,0 +1,443 @@
+"""Mixed-precision training of N members: a gradient scaler with one loss scale per member.
+
+``torch.amp.GradScaler`` keeps ONE scale: used on a wide model, one member's overflow would skip
+every member's step and back off everyone's scale. :class:`GradScaler` keeps N scales (and N
+growth trackers): member ``i``'s loss is multiplied by ``scale[i]``, its gradients (its slice
+``[i]`` of every stacked ``[N, ...]`` gradient) are unscaled by ``1 / scale[i]`` and checked for
+inf/NaN on their own, a member whose gradients overflow skips ITS step (its slice of the
+parameters and of the optimizer state is left untouched) and backs off ITS scale, and the others
+step and grow as usual. Member ``i`` follows exactly what a ``torch.amp.GradScaler`` does for
+that member trained alone.
+
+Example:
+    >>> import torch, wide_compiler as wc
+    >>> models = [torch.nn.Linear(4, 1) for _ in range(3)]
+    >>> wide = wc.compile(models, torch.randn(2, 4), config=wc.WideConfig.fast())
+    >>> opt = wc.optim.SGD(wide.parameters(), lr=0.1)
+    >>> scaler = wc.amp.GradScaler(init_scale=2.0 ** 16)
+    >>> x = torch.randn(3, 8, 4)
+    >>> x[2, 0, 0] = float("inf")                    # member 2 overflows this step
+    >>> losses = wide(x).pow(2).mean(dim=(1, 2))     # one loss per member: [3]
+    >>> scaler.scale(losses).sum().backward()        # member i's gradients are scaled by scale[i]
+    >>> before = wide.member_state_dict(2)["weight"].clone()
+    >>> scaler.step(opt)                             # members 0 and 1 step, member 2 skips
+    >>> scaler.update()
+    >>> scaler.get_scale().tolist()
+    [65536.0, 65536.0, 32768.0]
+    >>> torch.equal(wide.member_state_dict(2)["weight"], before)
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from enum import Enum
+from typing import Any
+
+import torch
+
+__all__ = ["GradScaler"]
+
+log = logging.getLogger(__name__)
+
+
+class _Stage(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _fresh_state() -> dict[str, Any]:
+    return {"stage": _Stage.READY, "found_inf": None}
+
+
+class GradScaler:
+    """Per-member loss scaling for N fused members (``torch.amp.GradScaler``, one scale per member).
+
+    Use it as ``torch.amp.GradScaler``, with one difference: :meth:`scale` takes the members'
+    losses as a tensor whose dim 0 is the member dim (``[N]``, or ``[N, ...]``), not their sum,
+    and scales member ``i``'s by ``scale[i]``; sum the result before ``backward()``.
+
+    Args:
+        device: accepted for symmetry with ``torch.amp.GradScaler``; the scales live on the device
+            of the first tensor given to :meth:`scale`.
+        init_scale: the initial scale, one float for all members or N values.
+        growth_factor, backoff_factor, growth_interval: as in ``torch.amp.GradScaler``, applied
+            to each member on its own: a member whose gradients overflow multiplies its scale by
+            ``backoff_factor`` and restarts its count of good steps; a member with
+            ``growth_interval`` good steps in a row multiplies its scale by ``growth_factor``.
+        enabled: ``False`` makes every method a pass-through (``step`` just steps).
+        n: the number of members; default: dim 0 of the first tensor given to :meth:`scale`.
+
+    Optimizers: any ``torch.optim.Optimizer`` over stacked ``[N, ...]`` parameters (a
+    :class:`~wide_compiler.WideModel`'s), :mod:`wide_compiler.optim` ones included. When some
+    members overflow and others do not, the optimizer steps once and the skipped members' slices
+    of the parameters and of every per-member state tensor (dim 0 = N: moments, momentum buffers,
+    the per-member ``step`` counts of :mod:`wide_compiler.optim`) are put back as they were, so a
+    skipped member is exactly where ``torch.amp.GradScaler`` leaves it. State shared by all
+    members cannot be put back per member (``torch.optim.Adam``'s 0-d ``step`` on stacked
+    parameters): a warning is logged; use :mod:`wide_compiler.optim`, whose state is per member.
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> models = [torch.nn.Linear(3, 1) for _ in range(4)]
+        >>> wide = wc.compile(models, torch.randn(2, 3), config=wc.WideConfig.fast())
+        >>> opt = wc.optim.Adam(wide.parameters(), lr=[1e-3, 1e-2, 1e-2, 1e-1])
+        >>> scaler = wc.amp.GradScaler()
+        >>> x, y = torch.randn(4, 16, 3), torch.randn(4, 16, 1)
+        >>> for _ in range(3):
+        ...     losses = wc.optim.member_losses(torch.nn.functional.mse_loss, wide(x), y)  # [4]
+        ...     opt.zero_grad()
+        ...     scaler.scale(losses).sum().backward()
+        ...     scaler.unscale_(opt)                     # optional: e.g. to clip per member
+        ...     _ = wc.optim.clip_grad_norm_(wide.parameters(), max_norm=1.0)
+        ...     scaler.step(opt)
+        ...     scaler.update()
+        >>> scaler.get_scale().shape
+        torch.Size([4])
+    """
+
+    def __init__(self, device: str = "cpu", init_scale: float | Sequence[float] | torch.Tensor = 2.0 ** 16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 enabled: bool = True, *, n: int | None = None) -> None:
+        if growth_factor <= 1.0:
+            raise ValueError(f"wc.amp.GradScaler: growth_factor must be > 1, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"wc.amp.GradScaler: backoff_factor must be in (0, 1), got {backoff_factor}")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"wc.amp.GradScaler: growth_interval must be an int >= 1, got {growth_interval!r}")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"wc.amp.GradScaler: n must be an int >= 1, got {n!r}")
+        self._device = device
+        self._enabled = bool(enabled)
+        self._init_scale = init_scale
+        self._growth_factor = float(growth_factor)
+        self._backoff_factor = float(backoff_factor)
+        self._growth_interval = growth_interval
+        self._n = n
+        self._scale: torch.Tensor | None = None          # float32 [N]
+        self._growth_tracker: torch.Tensor | None = None  # int32 [N]
+        self._per_optimizer_states: dict[int, dict[str, Any]] = {}
+        self._warned_shared: set[int] = set()
+        if self._enabled and n is not None:
+            self._scale = self._initial_scale(n, torch.device("cpu"))
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _initial_scale(self, n: int, device: torch.device) -> torch.Tensor:
+        v = self._init_scale
+        if isinstance(v, torch.Tensor):
+            t = v.detach().to(device=device, dtype=torch.float32).reshape(-1)
+        elif isinstance(v, (int, float)):
+            t = torch.full((n,), float(v), dtype=torch.float32, device=device)
+        else:
+            t = torch.tensor([float(x) for x in v], dtype=torch.float32, device=device)
+        if t.numel() == 1:
+            t = t.expand(n).clone()
+        if t.numel() != n:
+            raise ValueError(f"wc.amp.GradScaler: init_scale has {t.numel()} values; expected one "
+                             f"or N={n} (one per member)")
+        bad = (~torch.isfinite(t) | (t <= 0)).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"wc.amp.GradScaler: init_scale for member {i} is {t[i].item()}; "
+                             "expected a finite positive number")
+        return t.clone()
+
+    def _lazy_init(self, n: int, device: torch.device) -> None:
+        if self._n is None:
+            self._n = n
+        elif n != self._n:
+            raise ValueError(f"wc.amp.GradScaler: got a tensor with {n} members on dim 0, but the "
+                             f"scaler has N={self._n} (one scale per member)")
+        if self._scale is None:
+            self._scale = self._initial_scale(self._n, device)
+        elif self._scale.device != device:
+            self._scale = self._scale.to(device)
+        if self._growth_tracker is None:
+            self._growth_tracker = torch.zeros(self._n, dtype=torch.int32, device=self._scale.device)
+        elif self._growth_tracker.device != self._scale.device:
+            self._growth_tracker = self._growth_tracker.to(self._scale.device)
+
+    @property
+    def n(self) -> int | None:
+        """The number of members (None until known)."""
+        return self._n
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    # -- scaling ----------------------------------------------------------------------------------
+    def scale(self, outputs: Any) -> Any:
+        """Member ``i``'s slice ``[i]`` of ``outputs`` (a tensor ``[N, ...]``, typically the
+        members' losses ``[N]``, or a list/tuple/dict of such tensors) multiplied by ``scale[i]``.
+        Sum the result before ``backward()``: member ``i``'s gradients are then scaled by
+        ``scale[i]`` and by nothing else.
+
+        A 0-d tensor (the members' losses already summed) is refused: its gradient reaches every
+        member with one factor, so it cannot carry one scale per member."""
+        if not self._enabled:
+            return outputs
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() == 0:
+                raise ValueError(
+                    "wc.amp.GradScaler.scale: got a 0-d tensor (one loss for all members?); pass "
+                    "the members' losses as a tensor [N] (e.g. wc.optim.member_losses(...)) and "
+                    "sum the scaled result: each member's loss gets its own scale")
+            self._lazy_init(int(t.shape[0]), t.device)
+            s = self._scale if self._scale.device == t.device else self._scale.to(t.device)
+            return t * s.reshape(-1, *([1] * (t.dim() - 1)))
+
+        def walk(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                return one(v)
+            if isinstance(v, Mapping):
+                return {k: walk(x) for k, x in v.items()}
+            if isinstance(v, (list, tuple)):
+                out = [walk(x) for x in v]
+                return type(v)(out) if type(v) in (list, tuple) else out
+            raise TypeError(f"wc.amp.GradScaler.scale: expected a tensor [N, ...] or a list/tuple/"
+                            f"dict of them, got {type(v).__name__}")
+
+        return walk(outputs)
+
+    def _state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self._per_optimizer_states.setdefault(id(optimizer), _fresh_state())
+
+    def _grads(self, optimizer: torch.optim.Optimizer) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        for gi, group in enumerate(optimizer.param_groups):
+            for k, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                g = p.grad
+                if g.is_sparse:
+                    raise ValueError("wc.amp.GradScaler: sparse gradients are not supported")
+                if g.dim() == 0 or g.shape[0] != self._n:
+                    raise ValueError(
+                        f"wc.amp.GradScaler: parameter {k} of param group {gi} has a gradient of "
+                        f"shape {list(g.shape)}; expected [N, ...] with N={self._n} members on dim 0 "
+                        "(the stacked parameters of a WideModel)")
+                yield p, g
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide member ``i``'s slice of every gradient of ``optimizer`` by ``scale[i]`` (in place)
+        and record which members' gradients hold an inf or NaN. Optional: :meth:`step` calls it
+        when it was not called; call it before clipping gradients. Once per :meth:`update`."""
+        if not self._enabled:
+            return
+        if self._scale is None or self._n is None:
+            raise RuntimeError("wc.amp.GradScaler.unscale_: no scale yet; call scale() on the "
+                               "members' losses first")
+        state = self._state(optimizer)
+        if state["stage"] is _Stage.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        self._lazy_init(self._n, self._scale.device)
+        # as torch: the reciprocal in double, rounded to float32; grad * inv_scale as its kernel does
+        inv = self._scale.double().reciprocal().float()
+        found = torch.zeros(self._n, dtype=torch.float32, device=self._scale.device)
+        with torch.no_grad():
+            for _, g in self._grads(optimizer):
+                if g.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                bad = ~torch.isfinite(g).reshape(self._n, -1).all(dim=1)
+                found = torch.where(bad.to(found.device), torch.ones_like(found), found)
+                g.mul_(inv.to(g.device).reshape(-1, *([1] * (g.dim() - 1))))
+        state["found_inf"] = found
+        state["stage"] = _Stage.UNSCALED
+
+    # -- stepping ---------------------------------------------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless :meth:`unscale_` was called) and step: the members whose gradients
+        are finite step, each member that found an inf or NaN keeps its parameters and optimizer
+        state as they were. Returns what ``optimizer.step`` returns (None when every member
+        skipped)."""
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        if self._scale is None:
+            raise RuntimeError("wc.amp.GradScaler.step: no scale yet; call scale() on the members' "
+                               "losses first")
+        state = self._state(optimizer)
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is _Stage.READY:
+            self.unscale_(optimizer)
+        skip = (state["found_inf"] > 0).cpu()
+        state["stage"] = _Stage.STEPPED
+        if not bool(skip.any()):
+            return optimizer.step(*args, **kwargs)
+        if bool(skip.all()):
+            return None
+        return self._masked_step(optimizer, skip.nonzero().flatten().tolist(), args, kwargs)
+
+    def _masked_step(self, optimizer: torch.optim.Optimizer, members: list[int], args: tuple,
+                     kwargs: dict) -> Any:
+        """Step ``optimizer`` for every member, then put the slices of ``members`` (parameters and
+        per-member optimizer state) back as they were."""
+        idx = torch.tensor(members, dtype=torch.long)
+        saved = []
+        with torch.no_grad():
+            for gi, group in enumerate(optimizer.param_groups):
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    i = idx.to(p.device)
+                    st = optimizer.state.get(p)
+                    slices = None if not st else {
+                        k: v.index_select(0, i.to(v.device)) for k, v in st.items()
+                        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == self._n}
+                    if st and id(optimizer) not in self._warned_shared:
+                        shared = [k for k, v in st.items() if isinstance(v, torch.Tensor)
+                                  and (v.dim() == 0 or v.shape[0] != self._n)]
+                        if shared:
+                            self._warned_shared.add(id(optimizer))
+                            log.warning(
+                                "wc.amp.GradScaler: %s keeps state %s shared by all members; a member "
+                                "whose step is skipped still advances it (use wide_compiler.optim, "
+                                "whose state is per member, to match torch.amp.GradScaler exactly)",
+                                type(optimizer).__name__, shared)
+                    saved.append((p, i, p.detach().index_select(0, i), slices))
+        retval = optimizer.step(*args, **kwargs)
+        with torch.no_grad():
+            for p, i, weights, slices in saved:
+                p.index_copy_(0, i, weights)
+                st = optimizer.state.get(p) or {}
+                for k, v in st.items():
+                    if not (isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == self._n):
+                        continue
+                    if slices is not None and k in slices:
+                        v.index_copy_(0, i.to(v.device), slices[k])
+                    else:             # state created by this step: the member has none yet
+                        v.index_fill_(0, i.to(v.device), 0)
+                        self._check_fresh_state(optimizer, p, k)
+        return retval
+
+    def _check_fresh_state(self, optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str) -> None:
+        """A zeroed momentum buffer is a fresh one unless SGD dampens (torch.optim.SGD starts the
+        buffer at the first gradient, undamped): say so when a skipped member's first step needs it."""
+        if key != "momentum_buffer" or id(optimizer) in self._warned_shared:
+            return
+        for group in optimizer.param_groups:
+            if any(q is p for q in group["params"]) and bool(torch.as_tensor(group.get("dampening", 0)).ne(0).any()):
+                self._warned_shared.add(id(optimizer))
+                log.warning("wc.amp.GradScaler: a member skipped its first SGD step while others "
+                            "took it; with dampening != 0 its momentum buffer starts as zeros, not "
+                            "at its first gradient as torch.optim.SGD alone would")
+
+    def update(self, new_scale: float | Sequence[float] | torch.Tensor | None = None) -> None:
+        """Per member, as ``torch.amp.GradScaler.update``: a member that found an inf or NaN (in
+        any optimizer stepped since the last update) multiplies its scale by ``backoff_factor``
+        and restarts its count; the others count a good step and grow their scale by
+        ``growth_factor`` after ``growth_interval`` good steps in a row (when the grown scale is
+        finite). ``new_scale`` (one float, or N values) sets the scales instead."""
+        if not self._enabled:
+            return
+        if self._scale is None or self._growth_tracker is None:
+            raise RuntimeError("wc.amp.GradScaler.update: no scale yet; call scale() first")
+        if new_scale is not None:
+            if isinstance(new_scale, torch.Tensor) and new_scale.requires_grad:
+                raise ValueError("wc.amp.GradScaler.update: new_scale must not require grad")
+            saved, self._init_scale = self._init_scale, new_scale
+            try:
+                self._scale = self._initial_scale(self._n, self._scale.device)
+            finally:
+                self._init_scale = saved
+        else:
+            found = [s["found_inf"] for s in self._per_optimizer_states.values() if s["found_inf"] is not None]
+            if not found:
+                raise AssertionError("No inf checks were recorded prior to update.")
+            bad = torch.stack([f.to(self._scale.device) for f in found]).sum(0) > 0
+            good = self._growth_tracker + 1
+            grow = ~bad & (good == self._growth_interval)
+            # as torch's kernel: the product in double, rounded to float32
+            backed = (self._scale.double() * self._backoff_factor).float()
+            grown = (self._scale.double() * self._growth_factor).float()
+            grown = torch.where(torch.isfinite(grown), grown, self._scale)
+            self._scale = torch.where(bad, backed, torch.where(grow, grown, self._scale))
+            self._growth_tracker = torch.where(bad | grow, torch.zeros_like(good), good).to(torch.int32)
+        self._per_optimizer_states = {}
+
+    # -- introspection and state ------------------------------------------------------------------
+    def get_scale(self) -> torch.Tensor | float:
+        """The members' current scales, a float32 tensor ``[N]`` (a copy); 1.0 when disabled;
+        ``init_scale`` for each member before the first :meth:`scale` (when N is known)."""
+        if not self._enabled:
+            return 1.0
+        if self._scale is None:
+            if self._n is None:
+                raise RuntimeError("wc.amp.GradScaler.get_scale: N is not known yet (pass n=... or "
+                                   "call scale() first)")
+            return self._initial_scale(self._n, torch.device("cpu"))
+        return self._scale.detach().clone()
+
+    def get_growth_tracker(self) -> torch.Tensor | int:
+        """Each member's count of good steps in a row (int32 ``[N]``)."""
+        if self._growth_tracker is None:
+            return 0 if self._n is None else torch.zeros(self._n, dtype=torch.int32)
+        return self._growth_tracker.clone()
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """Which members' gradients held an inf or NaN at the last unscale of ``optimizer``
+        (a bool ``[N]``; None before it): the members whose step is (or was) skipped."""
+        f = self._per_optimizer_states.get(id(optimizer), {}).get("found_inf")
+        return None if f is None else f > 0
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._growth_factor = float(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._backoff_factor = float(new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._growth_interval = int(new_interval)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"scale": [N], "growth_factor", "backoff_factor", "growth_interval",
+        "_growth_tracker": [N]}`` (tensors on the CPU); empty when disabled."""
+        if not self._enabled:
+            return {}
+        return {"scale": self.get_scale().cpu(), "growth_factor": self._growth_factor,
+                "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
+                "_growth_tracker": torch.as_tensor(self.get_growth_tracker()).cpu()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the number of members must match (when this scaler knows
+        it). A ``torch.amp.GradScaler``'s state (one scale) gives every member that scale."""
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved "
+                               "from a disabled instance of GradScaler.")
+        scale = torch.as_tensor(state_dict["scale"], dtype=torch.float32).reshape(-1)
+        tracker = torch.as_tensor(state_dict["_growth_tracker"], dtype=torch.int32).reshape(-1)
+        if self._n is not None and scale.numel() == 1 and tracker.numel() == 1:
+            # one scale (a torch.amp.GradScaler's state_dict): every member starts from it
+            scale, tracker = scale.expand(self._n), tracker.expand(self._n)
+        n = scale.numel()
+        if self._n is not None and n != self._n:
+            raise ValueError(f"wc.amp.GradScaler.load_state_dict: the saved state has {n} members' "
+                             f"scales; this scaler has N={self._n}")
+        if tracker.numel() != n:
+            raise ValueError(f"wc.amp.GradScaler.load_state_dict: {tracker.numel()} growth trackers "
+                             f"for {n} scales")
+        device = self._scale.device if self._scale is not None else torch.device("cpu")
+        self._n = n
+        self._init_scale = scale
+        self._growth_factor = float(state_dict["growth_factor"])
+        self._backoff_factor = float(state_dict["backoff_factor"])
+        self._growth_interval = int(state_dict["growth_interval"])
+        self._scale = scale.clone().to(device)
+        self._growth_tracker = tracker.clone().to(device)
