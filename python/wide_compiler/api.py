@@ -71,7 +71,8 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
         config: :class:`WideConfig` (default ``WideConfig.default()``).
         sample_kwargs: keyword inputs of one member (tensors are N-first at call time too).
         dynamic_shapes: passed to ``torch.export.export``; default: dim 0 of every input with at
-            least 2 dims is a dynamic batch dimension.
+            least 2 dims is a dynamic batch dimension (for a ``forward(*args)`` or
+            ``forward(x, **kwargs)`` too: each input the sample gives is described by itself).
         compile_model: return ``torch.compile(wide_model, **compile_options)``.
         compile_options: keyword arguments of ``torch.compile`` (``mode``, ``fullgraph``, ...).
 

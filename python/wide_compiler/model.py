@@ -349,12 +349,10 @@ class WideModel(MemberOpsMixin, nn.Module):
             return args  # the common case: positional tensors, no pytree walk
         flat, spec = tree_flatten((args, kwargs))
         if spec != wg.in_spec:
-            want_args, want_kwargs = self._sample
-            raise ValueError(
-                f"wide_compiler: the wide model takes the inputs of one member's sample, each "
-                f"tensor with a leading member dim: {len(want_args)} positional input(s) and "
-                f"keywords {sorted(want_kwargs)}, nested as in the sample; got {len(args)} "
-                f"positional input(s) and keywords {sorted(kwargs)}")
+            # keywords (and dicts inside inputs) given in another order than the sample's
+            flat, spec = tree_flatten(_in_order_of(self._sample, (tuple(args), dict(kwargs))))
+        if spec != wg.in_spec:
+            raise ValueError(_structure_error(self._sample, (tuple(args), dict(kwargs)), self.n))
         return flat
 
     def check_inputs(self, *args: Any, **kwargs: Any) -> None:
@@ -469,7 +467,10 @@ class WideModel(MemberOpsMixin, nn.Module):
     def export(self, path: str | os.PathLike | None = None, *args: Any, **kwargs: Any) -> ExportedProgram:
         """The eval graph of this model as a ``torch.export`` program (written to ``path`` with
         ``torch.export.save`` when given): ATen ops and the ``torch.ops.wide`` ops, the parameters
-        and buffers as they are now, the batch dynamic as at compile time.
+        and buffers as they are now, the batch dynamic as at compile time. The file is written
+        atomically (a temporary file of an unpredictable name beside it, then renamed over
+        ``path``; a symlink at ``path`` is replaced, not followed); a ``path`` that is a directory,
+        or whose directory is missing or cannot be written, raises an ``OSError`` naming it.
 
         ``args``/``kwargs``: N-first example inputs (default: the compile sample, one copy per
         member). Traced under ``no_grad`` in eval mode (this model's mode is restored). Load it
@@ -509,8 +510,10 @@ class WideModel(MemberOpsMixin, nn.Module):
                                          strict=False)
         finally:
             self.train(training)
-        if path is not None:
-            torch.export.save(ep, path)
+        if path is not None:  # atomically, via an unpredictable temporary name beside it
+            from ._files import atomic_write
+
+            atomic_write(path, lambda f: torch.export.save(ep, f), "wide_compiler.WideModel.export")
         return ep
 
     def package(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> str:
@@ -591,6 +594,88 @@ class _PositionalCall(nn.Module):
     def forward(self, *inputs: Any) -> Any:
         k = len(inputs) - len(self.names)
         return self.wide(*inputs[:k], **dict(zip(self.names, inputs[k:])))
+
+
+def _in_order_of(sample: Any, given: Any) -> Any:
+    """``given`` with every dict's keys in the order of the matching dict of ``sample`` (where the
+    key sets agree), so a call's keywords need not come in the sample's order."""
+    if isinstance(sample, dict) and isinstance(given, dict):
+        if set(sample) != set(given):
+            return given
+        return {k: _in_order_of(sample[k], given[k]) for k in sample}
+    if isinstance(sample, (tuple, list)) and type(given) is type(sample) and len(given) == len(sample):
+        return type(given)(_in_order_of(a, b) for a, b in zip(sample, given))
+    return given
+
+
+def _describe_value(v: Any) -> str:
+    """A value as the input-structure messages show it: ``a tensor [2, 3]``, ``a tuple of 2
+    (a tensor [..], a tensor [..])``, ``a dict with keys ['a']``, ``None``, ``the int 3``."""
+    if isinstance(v, torch.Tensor):
+        return f"a tensor {list(v.shape)}"
+    if isinstance(v, (tuple, list)):
+        inner = ", ".join(_describe_value(x) for x in v[:4]) + (", ..." if len(v) > 4 else "")
+        return f"a {type(v).__name__} of {len(v)} ({inner})"
+    if isinstance(v, dict):
+        return f"a dict with keys {list(v)}"
+    if v is None:
+        return "None"
+    return f"the {type(v).__name__} {v!r}"
+
+
+def _structure_difference(want: Any, got: Any, where: str) -> str | None:
+    """The first place where ``got`` is not nested like ``want`` (one member's sample): what is
+    there and what the sample has, or None when they are nested alike."""
+    def differ(why: str = "") -> str:
+        return f"{where} is {_describe_value(got)}, but in the sample it is {_describe_value(want)}{why}"
+
+    if isinstance(want, torch.Tensor):
+        if isinstance(got, torch.Tensor):
+            return None
+        why = ""
+        if isinstance(got, (list, tuple)) and got and all(isinstance(t, torch.Tensor) for t in got):
+            why = (" (a list of per-member tensors? pass one N-first tensor: wide_compiler.stack(xs), "
+                   "or x.expand(N, *x.shape) to share one)")
+        return differ(why)
+    if isinstance(want, (tuple, list)):
+        if not isinstance(got, (tuple, list)) or len(got) != len(want) or (
+                type(got) is not type(want) and not (isinstance(got, tuple) and isinstance(want, tuple))):
+            return differ()
+        for k, (w, g) in enumerate(zip(want, got)):
+            found = _structure_difference(w, g, f"{where}[{k}]")
+            if found:
+                return found
+        return None
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or set(got) != set(want):
+            return differ()
+        for k in want:
+            found = _structure_difference(want[k], got[k], f"{where}[{k!r}]")
+            if found:
+                return found
+        return None
+    if (want is None) != (got is None) or isinstance(got, (torch.Tensor, tuple, list, dict)):
+        return differ()
+    return None  # plain values: compared (against the baked-in value) input by input
+
+
+def _structure_error(sample: tuple[tuple, dict], given: tuple[tuple, dict], n: int) -> str:
+    """The message for a call whose inputs are not nested as the compile sample's."""
+    (want_args, want_kwargs), (args, kwargs) = sample, given
+    found = None
+    if len(args) != len(want_args):
+        found = (f"{len(args)} positional input(s) were given, the sample has {len(want_args)}: "
+                 f"({', '.join(_describe_value(a) for a in want_args)})")
+    elif set(kwargs) != set(want_kwargs):
+        found = f"keywords {sorted(kwargs)} were given, the sample has {sorted(want_kwargs)}"
+    else:
+        for k, (w, g) in enumerate(zip(want_args, args)):
+            found = found or _structure_difference(w, g, f"positional input {k}")
+        for key in want_kwargs:
+            found = found or _structure_difference(want_kwargs[key], kwargs[key], f"keyword input {key!r}")
+    return (f"wide_compiler: the wide model takes the inputs of one member's sample, nested as in the "
+            f"sample, with every tensor N-first (a leading member dim of {n}; the shapes shown for the "
+            f"sample are one member's); here {found or 'the nesting differs from the sample'}")
 
 
 def _any_packed(args: tuple, kwargs: dict) -> bool:

@@ -773,7 +773,8 @@ def check_equivalence(
 def random_ops(wide: Any, training: bool = True) -> list[str]:
     """The random ops (dropout, bernoulli, randn ...) of a wide model's train or eval graph,
     inside no-grad/autocast regions and fallbacks included, that really draw (a dropout with
-    ``p=0`` does not, nor does SDPA with ``dropout_p=0``); [] for anything but a WideModel
+    ``p=0`` does not, nor does SDPA with ``dropout_p=0``, nor an ``nn.LSTM``/``GRU``/``RNN`` with
+    ``dropout=0`` or one layer, so those are compared in train mode); [] for anything but a WideModel
     (or its ``torch.compile``): their members draw their own numbers, so they cannot be compared
     value by value."""
     from .model import WideModel

@@ -322,20 +322,21 @@ def test_a_fallback_never_writes_through_a_shared_tensor():
         fallback(ctx, node)
 
 
-class _ScatterBuffer(nn.Module):  # the index is a buffer: stacked per member, so the fallback runs
+class _ScatterBuffer(nn.Module):  # the index is a buffer: stacked per member
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 4)
         self.register_buffer("dst", torch.tensor([0, 1, 1, 0, 2]))
 
-    def forward(self, x):
-        return x.new_zeros(3, 4).index_add_(0, self.dst, self.fc(x))
+    def forward(self, x):  # index_reduce_ has no wide rule: the fallback writes into the zeros
+        return x.new_zeros(3, 4).index_reduce_(0, self.dst, self.fc(x), "amax", include_self=False)
 
 
 def test_per_member_writes_through_the_fallback_stay_per_member():
     torch.manual_seed(0)
     models = [_ScatterBuffer() for _ in range(3)]
-    with pytest.warns(UserWarning, match="index_add_"):
+    models[1].dst.copy_(torch.tensor([2, 2, 0, 1, 1]))  # each member its own index
+    with pytest.warns(UserWarning, match="index_reduce_"):
         wide = wc.compile(models, torch.randn(5, 4), config=FAST)
     xs = torch.randn(3, 5, 4)
     testing.assert_members_close(wide(xs), [m(x) for m, x in zip(models, xs)])

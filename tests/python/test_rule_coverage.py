@@ -576,6 +576,22 @@ def _index_fill_member_value(m, x):
     return x.index_fill(1, torch.tensor([0, 2]), m.w[0])  # the fill value is a per-member 0-d tensor
 
 
+def _index_per_member(m, x, y):
+    """Indices that differ per member (a GCN's edge_index buffer, positions computed from the
+    member's values): position lists, same-rank indices, index_put and a per-member mask."""
+    h = x * m.w  # [B, 6]
+    cols = m.w.detach().argsort()  # a per-member permutation of 0..5: distinct positions
+    idx = cols[:2].expand(h.shape[0], 2)
+    out = h.clone()
+    out[:, cols[:2]] = y[:, :2]  # index_put_ behind a slice
+    return (
+        h.index_select(1, cols), h.index_add(1, cols[:3], y[:, :3]), h.clone().index_add_(1, cols[:3], y[:, :3]),
+        h.index_copy(1, cols[:2], y[:, :2]), h.index_fill(1, cols[:2], 1.0), h.index_fill(1, cols[:2], m.w[0]),
+        h.gather(1, idx), h.scatter_add(1, idx, y[:, :2]), torch.index_put(h, (cols[:2] % 2,), y[0], True), out,
+        h.clone().index_put_((h > 0,), torch.tensor(0.0)),
+    )
+
+
 # --- recurrent layers and cells ------------------------------------------------------------------
 class _Recurrent(nn.Module):
     def __init__(self, rnn: nn.Module) -> None:
@@ -633,6 +649,9 @@ CASES: list[Case] = [
     Case("reduce-dim", _fn_module(_reduce_dim, 1, w=(8,)), _randn((4, 8)), _REDUCE_DIM_OPS),
     Case("scatter-index", _fn_module(_scatter, 2, w=(6,)), _randn((4, 6), (4, 6)), _SCATTER_OPS),
     Case("inplace-writes", _fn_module(_inplace_writes, 2, w=(6,)), _randn((4, 6), (4, 6)), _INPLACE_WRITE_OPS),
+    Case("index-per-member", _fn_module(_index_per_member, 2, w=(6,)), _randn((4, 6), (4, 6)),
+         ("index_select", "index_add", "index_add_", "index_copy", "index_fill.int_Scalar", "index_fill.int_Tensor",
+          "gather", "scatter_add", "index_put", "index_put_")),
     Case("shape", _fn_module(_shape, 2, w=(6,)), _randn((4, 6), (4, 6)), _SHAPE_OPS),
     Case("creation", _fn_module(_creation, 1, w=(8,)), _randn((4, 8)), _CREATION_OPS),
     Case("random-creation", _fn_module(_random_creation, 1, w=(8,)), _randn((4, 8)), _RANDOM_CREATION_OPS,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import linecache
 import logging
 import os
 import re
@@ -67,20 +68,82 @@ def _batch_spec(a: Any, dims: tuple[int, ...], batched: bool, batches: set[int])
     return {d: Dim.AUTO for d in dims if a.shape[d] > 1 or (d == 0 and not batched)} or None
 
 
-def _default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+def _default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict,
+                            signature: inspect.Signature | None = None) -> Any:
     """``Dim.AUTO`` on the batch dim of every tensor input of 2+ dims: dim 0, and dim 1 too in a
     model with sequence-first modules (see :func:`_sequence_first`), and on a 1-D input as long as
     that batch. Export keeps dynamic what the program lets vary and specialises the rest (a
     size-1 dim broadcast over the batch stays 1). Only the likely batch dims are marked: a free
-    feature dim could tie the batch to it."""
+    feature dim could tie the batch to it. Keyed by the parameters of ``signature`` (default:
+    the forward's) when there are keyword inputs, else one entry per positional input."""
     dims, batched = ((0, 1) if _sequence_first(model) else (0,)), _batched((args, kwargs))
     batches = {int(a.shape[d]) for a in tree_flatten((args, kwargs))[0]
                if isinstance(a, torch.Tensor) and a.dim() >= 2 for d in dims}
     spec = lambda a: _batch_spec(a, dims, batched, batches)  # noqa: E731
-    if not kwargs:
+    if not kwargs and signature is None:
         return tuple(tree_map(spec, a) for a in args)
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    bound = (signature or inspect.signature(model.forward)).bind(*args, **kwargs)
     return {name: tree_map(spec, v) for name, v in bound.arguments.items()}
+
+
+def _flat_signature(model: nn.Module, args: tuple, kwargs: dict) -> inspect.Signature | None:
+    """For a forward that takes ``*args`` or ``**kwargs``: the signature it has for this sample,
+    one named parameter per input (``args_0, args_1, ...`` for what ``*args`` collects, the
+    keywords by name), which is what ``torch.export``'s ``dynamic_shapes`` can describe (it
+    cannot match a spec to a ``**kwargs`` parameter). None for a forward without them.
+
+    Raises :class:`WideCompileError` when the sample does not fit the forward at all."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # no signature to read: inputs as given
+        return None
+    P = inspect.Parameter
+    if not any(p.kind in (P.VAR_POSITIONAL, P.VAR_KEYWORD) for p in sig.parameters.values()):
+        return None
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise WideCompileError(
+            f"wide_compiler: the sample does not fit {type(model).__name__}.forward{sig}: {e} (got "
+            f"{len(args)} positional input(s) and keywords {sorted(kwargs)}).\n"
+            "What to do: pass compile(..., sample_input=<a tuple of the positional inputs>, "
+            "sample_kwargs=<a dict of the keyword inputs>) as the forward takes them.") from None
+    params = []
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is P.VAR_POSITIONAL:
+            for k in range(len(value)):
+                params.append(P(f"{name}_{k}", P.POSITIONAL_ONLY))
+        elif kind is P.VAR_KEYWORD:
+            params.extend(P(k, P.KEYWORD_ONLY) for k in value)
+        else:
+            params.append(P(name, P.POSITIONAL_ONLY if name not in kwargs else P.KEYWORD_ONLY))
+    # positional parameters first, then keyword-only ones (a valid signature's order)
+    params.sort(key=lambda p: p.kind is P.KEYWORD_ONLY)
+    return inspect.Signature(params)
+
+
+class _ForwardSignature:
+    """Within the block, ``model.forward`` shows ``signature`` to ``inspect`` (the instance
+    attribute is removed afterwards; calls go to the real forward)."""
+
+    def __init__(self, model: nn.Module, signature: inspect.Signature | None) -> None:
+        self.model, self.signature = model, signature
+
+    def __enter__(self) -> None:
+        if self.signature is None:
+            return
+        forward = self.model.forward
+
+        def shown(*args: Any, **kwargs: Any) -> Any:
+            return forward(*args, **kwargs)
+
+        shown.__signature__ = self.signature
+        self.model.__dict__["forward"] = shown
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.signature is not None:
+            self.model.__dict__.pop("forward", None)
 
 
 def _batch_of_two(a: Any) -> Any:
@@ -103,13 +166,17 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     with a batch of 2 made by repeating the sample, so the wide model still takes any batch.
     """
     kwargs = dict(kwargs or {})
+    signature = None
     if dynamic_shapes is None:
-        dynamic_shapes = _default_dynamic_shapes(model, args, kwargs)
+        # a forward(*args, **kwargs) is shown to export with one parameter per input
+        signature = _flat_signature(model, tuple(args), kwargs)
+        dynamic_shapes = _default_dynamic_shapes(model, args, kwargs, signature)
         args, kwargs = batch_of_two((args, kwargs))
     registered: set[str] = set()
     while True:
         try:
-            return torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            with _ForwardSignature(model, signature):
+                return torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as e:  # export's own errors are many types; keep its reason whole
             found = _UNKNOWN_OUTPUT.search(str(e))
             if found and found[1] not in registered and register_output_type(found[1]):
@@ -160,12 +227,63 @@ _KNOWN_OUTPUTS = ("transformers.cache_utils.DynamicCache", "transformers.cache_u
 
 
 def _capture_error(model: nn.Module, e: Exception) -> WideCompileError:
+    packed = _packed_sequence_use(model, e)
+    if packed is not None:
+        return packed
+    what = f"wide_compiler: torch.export could not capture {type(model).__name__}: {type(e).__name__}: {e}\n"
+    if "dynamic_shapes" in str(e) or "tree_name" in str(e):
+        return WideCompileError(
+            what + "What to do: the dynamic_shapes given to torch.export do not match the forward's "
+            "inputs. Pass compile(..., dynamic_shapes=...) nested exactly as the forward's parameters "
+            "(one entry per parameter; for a forward(*args) a tuple under the parameter's name), or leave "
+            "it out: compile() then marks dim 0 of every input dynamic itself, for *args and **kwargs "
+            "forwards too.")
     return WideCompileError(
-        f"wide_compiler: torch.export could not capture {type(model).__name__}: {type(e).__name__}: {e}\n"
-        "What to do: make the forward exportable (no data-dependent Python control flow on "
+        what + "What to do: make the forward exportable (no data-dependent Python control flow on "
         "tensor values: use torch.cond, or restructure), register a wide form for the "
         "offending module with @wide_compiler.register(ModuleType) so it is kept whole, or "
         "pass dynamic_shapes= to compile() if the batch is not dim 0 of every input.")
+
+
+def _packed_sequence_use(model: nn.Module, e: BaseException) -> WideCompileError | None:
+    """The error for a forward that made a ``PackedSequence`` (``pack_padded_sequence``,
+    ``pack_sequence``) when capture failed on it (export's own error names neither), or None: the
+    frames of the failure are searched for one holding a PackedSequence."""
+    from torch.nn.utils.rnn import PackedSequence
+
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        frames = list(traceback.walk_tb(e.__traceback__))
+        for k in reversed(range(len(frames))):  # the innermost frame that holds one
+            frame = frames[k][0]
+            if not any(isinstance(v, PackedSequence) for v in frame.f_locals.values()):
+                continue
+            user = [(f, line) for f, line in frames[:k + 1]
+                    if not f.f_code.co_filename.startswith((_TORCH_DIR, _OUR_DIR))]
+            where = "<no source line recorded>"
+            if user:
+                f, line = user[-1]
+                code = linecache.getline(f.f_code.co_filename, line).strip()
+                where = f"{f.f_code.co_filename}:{line} in {f.f_code.co_name}" + (f": {code}" if code else "")
+            owner = frame.f_locals.get("self")
+            path = next((name for name, m in model.named_modules() if m is owner), None) \
+                if isinstance(owner, nn.Module) else None
+            module = f" (module {path or 'the model'!r}, {type(owner).__name__})" if path is not None else ""
+            return WideCompileError(
+                f"wide_compiler: cannot capture {type(model).__name__}: its forward uses a "
+                f"torch.nn.utils.rnn.PackedSequence (from pack_padded_sequence / pack_sequence) at "
+                f"{where}{module}.\n"
+                "Why: a PackedSequence's layout (batch_sizes, sorted indices) is computed from the values "
+                "of the lengths, which torch.export cannot trace (it runs the forward on fake tensors, "
+                "and every member must run the same program whatever its lengths).\n"
+                "What to do: run the recurrent layer on the padded batch and mask the padding instead: "
+                "out, _ = self.rnn(x); take each sequence's last valid step with "
+                "out[torch.arange(x.shape[0]), lengths - 1] (batch_first, one direction), or multiply "
+                "out by a mask (torch.arange(T) < lengths[:, None]); or keep the module whole with "
+                "@wide_compiler.register(ModuleType).")
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def graph_fingerprint(ep: ExportedProgram) -> list[tuple[str, str, str]]:
@@ -412,20 +530,67 @@ def _user_frame() -> str:
 
 
 def _run_recorded(model: nn.Module, args: tuple, kwargs: dict, stop_at: int | None = None) -> _OpRecorder:
-    """Run ``model`` once with no gradients on copies of its buffers (so nothing of the user's
-    changes: running stats, counters), recording its ops."""
-    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    """Run ``model`` once with no gradients, recording its ops, without changing anything of the
+    user's: the forward runs on a deep copy of the member (its parameters, buffers and Python
+    attributes: a forward that clamps its weights in place, updates running stats or counts its
+    calls changes the copy), and the random number generators are restored afterwards. A member
+    that cannot be deep-copied runs through :func:`_run_on_clones` instead."""
     rec = _OpRecorder(stop_at)
-    with torch.no_grad(), rec:
-        torch.func.functional_call(model, buffers, args, kwargs, strict=False)
+    devices = sorted({t.device.index for t in (*model.parameters(), *model.buffers()) if t.is_cuda} - {None})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            member = copy.deepcopy(model)
+        except Exception as e:  # noqa: BLE001 -- objects that refuse to be copied
+            log.debug("wide_compiler: member check: cannot deep-copy %s (%s: %s); running it on clones "
+                      "of its tensors and restoring its attributes", type(model).__name__, type(e).__name__, e)
+            _run_on_clones(model, args, kwargs, rec)
+            return rec
+        with torch.no_grad(), rec:
+            member(*args, **kwargs)
     return rec
+
+
+def _run_on_clones(model: nn.Module, args: tuple, kwargs: dict, rec: _OpRecorder) -> None:
+    """Run ``model`` with clones of its parameters and buffers (``functional_call``) and put back
+    every module's own attributes afterwards: rebound values (a call counter) get their old
+    object back, and lists, dicts and sets changed in place get their old contents back."""
+    tensors = {k: v.detach().clone() for k, v in (*model.named_parameters(remove_duplicate=False),
+                                                   *model.named_buffers(remove_duplicate=False))}
+    saved = []
+    for m in model.modules():
+        attrs = dict(m.__dict__)
+        contents = {}
+        for k, v in attrs.items():
+            if isinstance(v, (list, dict, set)) and not k.startswith(("_parameters", "_buffers", "_modules")):
+                try:
+                    contents[k] = copy.copy(v)
+                except Exception:  # noqa: BLE001 -- kept as it is: a rebinding is still undone
+                    pass
+        saved.append((m, attrs, contents))
+    try:
+        with torch.no_grad(), rec:
+            torch.func.functional_call(model, tensors, args, kwargs, strict=False)
+    finally:
+        for m, attrs, contents in saved:
+            for k in [k for k in m.__dict__ if k not in attrs]:
+                del m.__dict__[k]
+            m.__dict__.update(attrs)
+            for k, old in contents.items():
+                v = attrs[k]
+                if isinstance(v, list):
+                    v[:] = old
+                else:
+                    v.clear()
+                    v.update(old)
 
 
 def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None) -> None:
     """Run every member once on the sample and compare the ops it runs and their non-tensor
     arguments with member 0's (``WideConfig.run_members``): a member whose forward reads a
     different Python constant (a global, a closure, a class attribute) runs a different program.
-    A sample the eager forward cannot run (export succeeded on fake values) skips the check."""
+    A sample the eager forward cannot run (export succeeded on fake values) skips the check.
+    Nothing of the user's changes: each member runs as a copy (see :func:`_run_recorded`), so a
+    forward that clamps its weights in place or counts its calls leaves the member as it was."""
     args, kwargs = batch_of_two((tuple(args), dict(kwargs or {})))
     try:
         want = _run_recorded(models[0], args, kwargs).ops

@@ -141,7 +141,7 @@ def _lint(c: Compilation) -> None:
 
 def _lint_and_check_ranks(c: Compilation) -> None:
     _lint(c)
-    check_ranks(c.wide, c.n)
+    check_ranks(c.wide, c.n, member=c.ep)
 
 
 def _all_chosen(c: Compilation) -> None:

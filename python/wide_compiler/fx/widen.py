@@ -235,11 +235,15 @@ def _is_random(node: fx.Node) -> bool:
 
 def _draws(ctx: WidenContext, node: fx.Node) -> bool:
     """A random op that really draws: not a dropout with ``p == 0`` / ``train=False`` (or SDPA
-    with ``dropout_p == 0``), whose outputs are deterministic and can be compared per member."""
+    with ``dropout_p == 0``), nor a recurrent layer (``aten.lstm``/``gru``/``rnn_*``) whose
+    ``dropout`` is 0 or that has one layer (its dropout applies between layers only, in ATen
+    and in ``wide.rnn`` alike), whose outputs are deterministic and can be compared per member."""
     if not _is_random(node):
         return False
     values = ctx.schema_args(node) if hasattr(node.target, "_schema") else {}
-    if any(isinstance(values.get(p), (int, float)) and values[p] == 0 for p in ("p", "dropout_p")):
+    if any(isinstance(values.get(p), (int, float)) and values[p] == 0 for p in ("p", "dropout_p", "dropout")):
+        return False
+    if isinstance(values.get("num_layers"), int) and values["num_layers"] <= 1 and "dropout" in values:
         return False
     return values.get("train", True) is not False
 
@@ -335,40 +339,125 @@ def _fake_feed(i: GraphInput, n: int) -> Any:
     return torch.empty(shape if i.kind == "constant" else (n, *shape), dtype=v.dtype, device=v.device)
 
 
-def check_ranks(wg: WideGraph, n: int) -> None:
-    """Run the wide graph on fake tensors and check that every value a rule produced has the rank
-    it claims: N-first values one more than the member's, shared ones the member's. A value
-    labelled per member that is really shared (or the reverse) would otherwise broadcast into
-    silently wrong members whenever a size happens to equal N. Raises on a mismatch, naming the
-    member node and its source line; a graph the fake run cannot execute is left to the first
-    call (logged at debug level)."""
+def _cannot_fake(e: BaseException) -> bool:
+    """Whether a failure of the fake run says only that fake tensors cannot run an op (a
+    data-dependent output size or value, an op with no fake kernel), not that the graph is wrong."""
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               UnsupportedFakeTensorException, UnsupportedOperatorException)
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
+
+    return isinstance(e, (DataDependentOutputException, DynamicOutputShapeException, UnsupportedFakeTensorException,
+                          UnsupportedOperatorException, GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound,
+                          NotImplementedError))
+
+
+def _fake_run(gm: fx.GraphModule, feeds_of: Callable[[Any], list], current: list) -> None:
+    """Run ``gm`` on fake tensors (``feeds_of(mode)`` makes its inputs), recording the node being
+    run in ``current``; the nodes' ``meta["val"]`` are left as they were."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    if any(i.kind == "root" for i in wg.inputs):
-        return  # registered modules run the WideModel itself: no fake stand-in for it
-    gm = wg.graph_module
-    before = {node: node.meta.get("val") for node in gm.graph.nodes}
+    class _Prop(FakeTensorProp):
+        def run_node(self, node: fx.Node) -> Any:
+            current[:] = [node]
+            return super().run_node(node)
+
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # concrete sizes: the sample's
+    with mode:
+        feeds = feeds_of(mode)
+    _Prop(gm, mode).propagate_dont_convert_inputs(*feeds)
+
+
+def _member_fails_too(member: ExportedProgram | None) -> bool:
+    """Whether the member's own captured program fails on inputs of the sample's sizes and
+    dtypes: on fake tensors, or (fake kernels check less than real ones, e.g. dtypes) for real on
+    member 0's captured parameters with zeros as inputs (valid indices, too) and no gradients;
+    the lifted program is functional, so nothing is written. Then a failure of the wide graph
+    there is the sample's, not the widening's (members of another dtype than the sample)."""
+    if member is None:
+        return False
+    gm = member.graph_module
+    before = {node: node.meta.get("val") for node in gm.graph.nodes}
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    targets = {s.arg.name: s.target for s in member.graph_signature.input_specs if hasattr(s.arg, "name")}
+
+    def sample_of(v: Any, make) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        shape = [s.node.hint if isinstance(s, torch.SymInt) else int(s) for s in v.shape]
+        return make(shape, dtype=v.dtype, device=v.device)
+
+    def real(node: fx.Node) -> Any:
+        target = targets.get(node.name)
+        state = member.state_dict.get(target, member.constants.get(target)) if target is not None else None
+        return state if state is not None else sample_of(before[node], torch.zeros)
+
     try:
-        with mode:
-            feeds = [_fake_feed(i, n) for i in wg.inputs]
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*feeds)
-        bad = []
-        for node in gm.graph.nodes:
-            expect = node.meta.get("wide_expect")
-            got = node.meta.get("val")
-            if expect is not None and isinstance(got, torch.Tensor) and got.dim() != expect[0]:
-                bad.append((node, expect, got.dim()))
-    except Exception as e:  # noqa: BLE001 -- the check must never be what breaks a compile
-        log.debug("wide_compiler: rank check skipped (the fake run failed: %s: %s)", type(e).__name__, e)
-        return
+        _fake_run(gm, lambda mode: [sample_of(before[p], torch.empty) for p in placeholders], [])
+        with torch.no_grad():
+            gm(*[real(p) for p in placeholders])
+        return False
+    except Exception:  # noqa: BLE001 -- any failure: the member cannot run the sample either
+        return True
     finally:
         for node, v in before.items():
             if v is None:
                 node.meta.pop("val", None)
             else:
                 node.meta["val"] = v
+
+
+def check_ranks(wg: WideGraph, n: int, member: ExportedProgram | None = None) -> None:
+    """Run the wide graph on fake tensors at the sample's sizes and check that every value a rule
+    produced has the rank it claims: N-first values one more than the member's, shared ones the
+    member's. A value labelled per member that is really shared (or the reverse) would otherwise
+    broadcast into silently wrong members whenever a size happens to equal N. Raises on a
+    mismatch, naming the member node and its source line; also raises when an op of the wide
+    graph fails on the sample's sizes (say a per-member index given to an op that takes a list of
+    positions), which the first call with inputs of the sample's structure would hit. A fake run
+    that stops at an op fake tensors cannot run (a data-dependent size, an op with no fake kernel),
+    or where ``member`` (the member's captured program) fails too (the sample itself cannot run,
+    e.g. its dtype is not the members'), leaves the rest to the first call (logged at debug level)."""
+    if any(i.kind == "root" for i in wg.inputs):
+        return  # registered modules run the WideModel itself: no fake stand-in for it
+    gm = wg.graph_module
+    before = {node: node.meta.get("val") for node in gm.graph.nodes}
+    current: list[fx.Node] = []
+    failed: tuple[fx.Node, Exception] | None = None
+    try:
+        _fake_run(gm, lambda mode: [_fake_feed(i, n) for i in wg.inputs], current)
+        bad = []
+        for node in gm.graph.nodes:
+            expect = node.meta.get("wide_expect")
+            got = node.meta.get("val")
+            if expect is not None and isinstance(got, torch.Tensor) and got.dim() != expect[0]:
+                bad.append((node, expect, got.dim()))
+    except Exception as e:  # noqa: BLE001 -- sorted below: a real failure, or one fake cannot run
+        cause = e.__cause__ if e.__cause__ is not None and not _cannot_fake(e) else e
+        if _cannot_fake(cause) or not current or current[0].op != "call_function":
+            log.debug("wide_compiler: rank check stopped early (the fake run cannot go on: %s: %s)",
+                      type(e).__name__, e)
+            return
+        failed = (current[0], cause)
+    finally:
+        for node, v in before.items():
+            if v is None:
+                node.meta.pop("val", None)
+            else:
+                node.meta["val"] = v
+    if failed is not None and _member_fails_too(member):
+        log.debug("wide_compiler: rank check stopped early: the member's own graph cannot run the sample's "
+                  "sizes and dtypes either (%s: %s)", type(failed[1]).__name__, failed[1])
+        return
+    if failed is not None:
+        node, e = failed
+        member = node.meta.get("wide_source", node.name)
+        raise UnsupportedOperationError(
+            f"wide_compiler: internal error: the wide graph fails at node '{node.name}' "
+            f"({getattr(node.target, '__name__', node.target)}, from member node '{member}'), "
+            f"{source_line(node)}, on inputs of the sample's sizes: {type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}\n  Every call would fail there, so "
+            f"compile stops. Please report it; @wide_compiler.register on the module works around it.")
     if bad:
         node, (expect, op, name), got = bad[0]
         raise UnsupportedOperationError(

@@ -44,10 +44,10 @@ def shift_dims(value):
 
 
 def dim_rule(ctx: WidenContext, node: fx.Node):
-    """Generic: shift every dim argument. Other tensor arguments (src, values, same-rank indices)
-    become wide with their own member rank, except a shared ``index`` of lower rank than ``self``
-    (index_select, index_add: a list of positions along ``dim``), which stays shared; a
-    per-member one of that kind goes to the fallback. A reduction over all dims reduces the
+    """Generic: shift every dim argument. Other tensor arguments (src, values, same-rank indices
+    of gather/scatter) become wide with their own member rank (a shared 0-d one stays shared).
+    Ops whose ``index`` is a list of positions (index_select, index_add, ...) are not for this
+    rule: rules/indexing.py widens them. A reduction over all dims reduces the
     member's dims: ``dim=None``/``[]`` with a list-typed ``dim`` becomes the list of member dims;
     with an int-typed ``dim`` the member's dims are flattened into one first (argmax, ...)."""
     values = ctx.schema_args(node)
@@ -79,11 +79,6 @@ def dim_rule(ctx: WidenContext, node: fx.Node):
         arg_rank = _member_rank_of(node, name)
         if arg_rank == 0 and not isinstance(v, Wide):
             continue  # a shared 0-d tensor (index_fill's value) is the same scalar for every member
-        if name == "index" and arg_rank < self_v.rank:
-            if isinstance(v, Wide):
-                from ..fallback import fallback
-                return fallback(ctx, node, reason="a per-member index list")
-            continue  # positions along dim, the same for every member
         values[name] = ctx.as_wide(v, arg_rank, node)
     out = ctx.outputs(node, ctx.emit_schema(node.target, values, like=node, name=node.name))
     if flattened and values.get("keepdim"):  # [N, 1] -> [N, 1, ..., 1] (member rank dims)
@@ -108,14 +103,10 @@ _DIM_OPS = [
     "norm.ScalarOpt_dim", "max.dim", "min.dim", "logsumexp.default", "prod.dim_int", "any.dim",
     "any.dims", "all.dim", "all.dims", "topk.default", "sort.default", "sort.stable", "argsort.default",
     "argsort.stable", "cummax.default", "cummin.default", "median.dim", "mode.default",
-    "kthvalue.default", "nansum.default", "gather.default", "glu.default", "aminmax.default",
+    "kthvalue.default", "nansum.default", "glu.default", "aminmax.default",
     "var_mean.dim", "std_mean.dim", "select_scatter.default", "slice_scatter.default",
-    "diagonal_scatter.default", "scatter.src", "scatter.value", "scatter_add.default",
-    "scatter_reduce.two", "index_add.default", "index_copy.default", "index_fill.int_Scalar",
-    "diag_embed.default",
-    # in place: the target is per member (Note [Per-member writes into shared tensors])
-    "index_add_.default", "index_copy_.default", "index_fill_.int_Scalar",
-    "scatter_.src", "scatter_.value", "scatter_add_.default", "scatter_reduce_.two",
+    "diagonal_scatter.default", "diag_embed.default",
+    # ops taking an index tensor (gather, scatter*, index_*) are rules/indexing.py's
 ]
 
 rows(dim_rule, _DIM_OPS)
@@ -164,26 +155,3 @@ def _flat_stat(ctx: WidenContext, node: fx.Node) -> Wide:
         target = aten.std.correction if node.target is aten.std.default else aten.var.correction
         out = ctx.emit(target, (flat, [1]), {"correction": 1 if unbiased else 0}, like=node, name=node.name)
     return Wide(out, 0)
-
-
-@rule(aten.index_fill.int_Tensor, aten.index_fill_.int_Tensor)
-def _index_fill_tensor(ctx: WidenContext, node: fx.Node):
-    """``index_fill`` with a 0-d tensor value: a shared value is the generic dim rule; a
-    per-member value fills ``where(positions, value, x)`` with the positions marked by an
-    ``index_fill`` of a boolean mask (written back with ``copy_`` in place)."""
-    x, dim, index, value = (ctx.value(a) for a in node.args[:4])
-    if not isinstance(value, Wide):
-        return dim_rule(ctx, node)
-    if isinstance(index, Wide):
-        from ..fallback import fallback
-        return fallback(ctx, node, reason="a per-member index list")
-    rank = member_rank(node.args[0])
-    x = ctx.as_wide(x, rank, node)
-    mask = ctx.emit(aten.zeros_like.default, (x.node,), {"dtype": torch.bool}, like=node)
-    mask = ctx.emit(aten.index_fill.int_Scalar, (mask, shift_dim(dim), index, True), like=node)
-    inplace = node.target is aten.index_fill_.int_Tensor
-    out = ctx.emit(aten.where.self, (mask, ctx.align(value, rank, node), x.node), like=node,
-                   name=None if inplace else node.name)
-    if inplace:
-        out = ctx.emit(aten.copy_.default, (x.node, out), like=node, name=node.name)
-    return Wide(out, rank)

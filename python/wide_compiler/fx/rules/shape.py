@@ -24,7 +24,7 @@ _DIM_SHAPE_OPS = [
     aten.flatten.using_ints, aten.unflatten.int, aten.select.int, aten.slice.Tensor,
     aten.narrow.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
     aten.unbind.int, aten.tensor_split.sections, aten.tensor_split.indices, aten.flip.default,
-    aten.movedim.int, aten.movedim.intlist, aten.diagonal.default, aten.index_select.default,
+    aten.movedim.int, aten.movedim.intlist, aten.diagonal.default,
     aten.repeat_interleave.self_int, aten.unfold.default, aten.swapaxes.default, aten.swapdims.default,
 ]
 rows(dim_rule, _DIM_SHAPE_OPS)
