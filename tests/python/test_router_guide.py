@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 from wide_compiler.router import Tower as BaseTower
-from wide_compiler.router import WideRouter
+from wide_compiler.router import CompileRouter, WideRouter
 from wide_compiler.testing import assert_close
 
 DIM = 16
@@ -356,3 +356,25 @@ def test_compilation_optimizer_made_before_the_first_call_is_refused_at_step():
     collective(data()).sum().backward()
     with pytest.raises(RuntimeError, match=r"Create the optimizer after grouping.*prepare_for_compile"):
         opt.step()
+
+
+def test_compilation_option_3_and_integration_with_compilerouter():
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = Model()
+    ref = copy.deepcopy(model.collective)
+    x = data()
+
+    # Option 3: With CompileRouter (call prepare first)
+    model.collective.prepare_for_compile()  # ← Don't forget this!
+    compiler = CompileRouter.from_module(model)
+    compiler.compile_towers()               # the Integration section's step
+    model = compiler.compile(mode='reduce-overhead')
+
+    model.eval()
+    y = model(x)
+    assert model.collective.group_members() == {"tower_0": ["tower_0", "tower_1", "tower_2", "tower_3"]}
+    assert sorted(model.collective._compiled) == ["tower_0"]  # compile_towers: the group is compiled
+    assert_close(y, ref["fusion"](alone(ref, x)), msg="CompileRouter model")
+    with pytest.raises(ValueError, match="holds no WideRouter"):
+        CompileRouter.from_module(nn.Linear(2, 2)).compile_towers()
