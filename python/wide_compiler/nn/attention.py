@@ -211,7 +211,9 @@ class WideMultiheadAttention(nn.Module):
         weights = None
         if need_weights:
             scores = (q * math.sqrt(1.0 / hd)) @ k.transpose(-2, -1)
-            weights = torch.softmax(scores if mask is None else scores + mask, dim=-1)
+            # The mask in the scores' dtype, as torch's baddbmm(mask, q, k^T) adds it (under autocast
+            # the scores are lower precision and the weights stay so).
+            weights = torch.softmax(scores if mask is None else scores + mask.to(scores.dtype), dim=-1)
             if p > 0.0:
                 weights = F.dropout(weights, p)
             out = weights @ v

@@ -38,6 +38,21 @@ def _wide_list(ctx: WidenContext, node: fx.Node, olds, what: str) -> list[fx.Nod
     return out
 
 
+def _module_zeros(node: fx.Node, hx_old) -> bool:
+    """Whether every state is the zeros the recurrent module makes itself when none is given (an
+    ``aten.zeros`` of the input's dtype inside the module): the wide op is then given no state and
+    makes the zeros itself, in the input's dtype at run time as the module does (the captured
+    node keeps the sample's dtype: under autocast a bfloat16 input would meet float32 zeros)."""
+    def owner(n: fx.Node):
+        stack = n.meta.get("nn_module_stack")
+        return next(reversed(stack)) if stack else None
+
+    dtype = node.args[0].meta["val"].dtype
+    return owner(node) is not None and all(
+        isinstance(h, fx.Node) and h.target is aten.zeros.default and owner(h) == owner(node)
+        and h.meta["val"].dtype == dtype for h in hx_old)
+
+
 def _proj_size(params: list, num_layers: int, directions: int, has_biases: bool) -> int:
     """LSTM projections show up as a fifth (third without biases) weight per layer and direction."""
     per = len(params) // (num_layers * directions)
@@ -64,7 +79,7 @@ def _rnn(ctx: WidenContext, node: fx.Node):
     hx_old = node.args[1] if mode == "LSTM" else [node.args[1]]
     params_old = list(node.args[2])
     x = ctx.as_wide(a["input"], 3, node).node
-    hx = _wide_list(ctx, node, hx_old, "state")
+    hx = [] if _module_zeros(node, hx_old) else _wide_list(ctx, node, hx_old, "state")
     params = _wide_list(ctx, node, params_old, "weight")
     directions = 2 if a["bidirectional"] else 1
     proj = _proj_size(params_old, a["num_layers"], directions, a["has_biases"]) if mode == "LSTM" else 0
@@ -95,7 +110,7 @@ def _cell(ctx: WidenContext, node: fx.Node):
         raise ctx.fail(node, f"expected a batched member input [B, I], got {rank} dims")
     hx_old = node.args[1] if mode == "LSTM" else [node.args[1]]
     x = ctx.as_wide(a["input"], 2, node).node
-    hx = _wide_list(ctx, node, hx_old, "state")
+    hx = [] if _module_zeros(node, hx_old) else _wide_list(ctx, node, hx_old, "state")
     w_ih, w_hh = (ctx.as_wide(a[k], 2, node).node for k in ("w_ih", "w_hh"))
     b_ih, b_hh = (ctx.as_wide(a[k], 1, node).node if a[k] is not None else None for k in ("b_ih", "b_hh"))
     out = ctx.emit(wide.rnn_cell.default, (x, hx, w_ih, w_hh, b_ih, b_hh), {"mode": mode}, like=node)

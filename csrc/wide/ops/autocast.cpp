@@ -1,0 +1,384 @@
+// Autocast kernels of the wide ops: under torch.autocast a wide op casts its arguments as ATen's
+// autocast casts those of the op it replaces, so member i of a wide model run under autocast gets
+// what model i gets alone under the same autocast, dtype included.
+//
+// Note [wide autocast]
+// ~~~~~~~~~~~~~~~~~~~~
+// Autocast is a dispatch key above autograd: its kernel casts the arguments (differentiable
+// casts, recorded by autograd), then calls the op again with the key excluded, so the op's own
+// kernels run on the cast tensors. Without a kernel here a wide op falls through to its composite
+// body with autocast still on, where the ATen ops inside it cast their own arguments: a wide
+// linear's bmm returned bfloat16, and the next wide linear met a bfloat16 input and float32
+// weights. Each kernel below follows the ATen op the wide op replaces, per device (autocast lists
+// of aten/src/ATen/autocast_mode.cpp, and what the CPU composites of the unlisted ops return):
+//
+//   wide op                           replaces                  CPU                  CUDA
+//   linear, conv, conv_transpose,     linear, conv*d,           lower precision      lower precision
+//   prelu, attention, small_attention conv_transpose*d, prelu,
+//                                     scaled_dot_product_attention
+//   batch_norm, instance_norm         batch_norm, instance_norm activation dtype    activation dtype
+//   group_norm, layer_norm, rms_norm, group_norm, layer_norm,   activation dtype    float32
+//   add_layer_norm, fused_norm        rms_norm (of x + r)
+//   rnn                               lstm, rnn_tanh/relu       lower precision      lower precision
+//                                     gru                       state dtype          lower precision
+//   rnn_cell                          rnn_tanh/relu_cell        lower precision      lower precision
+//                                     lstm_cell, gru_cell       state dtype          lower precision
+//
+// "lower precision": every floating argument is cast to the autocast dtype (float64 ones are
+// left alone), as ATen's lower_precision_fp policy. "float32": every floating argument is cast
+// to float32 (ATen's fp32 policy). "activation dtype": ATen does not cast these; its CPU norms
+// take a lower-precision activation with float32 parameters and return the activation's dtype
+// (computing in float32 inside). The wide norms need one dtype, so when the dtypes differ the
+// activation (and residual) are cast to float32, the norm runs in float32 and the result is cast
+// back to the activation's dtype (for add_layer_norm / fused_norm the dtype of input + residual,
+// which type promotion gives in the member: a bfloat16 sublayer output plus a float32 residual
+// is float32 there). Running statistics are never cast: they are updated in place.
+// "state dtype": ATen's CPU GRU and LSTM/GRU cells compute the gates in lower precision but
+// carry the recurrent state in the dtype it came in (a float32 h0, or zeros of the input's
+// dtype), so their outputs are float32 for a float32 state and lower precision for a
+// lower-precision one; the wide op runs all in float32 or all in lower precision accordingly.
+// (ATen's CPU LSTM runs through mkldnn_rnn_layer, on the lower-precision list: all lower; with
+// projections, which oneDNN lacks, the cell state keeps its dtype and the projected h is lower.)
+// Ops with no entry here (embedding, embedding_bag: ATen does not cast them; layout, allocator
+// and optimizer ops) fall through to their kernels, as autocast does for every op by default.
+#include <ATen/autocast_mode.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+#include <initializer_list>
+#include <optional>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "wide/ops/attention.h"
+#include "wide/ops/conv.h"
+#include "wide/ops/linear.h"
+#include "wide/ops/norm.h"
+#include "wide/ops/prelu.h"
+#include "wide/ops/rnn.h"
+
+namespace wide::autocast {
+namespace {
+
+using c10::DeviceType;
+using OptTensor = std::optional<at::Tensor>;
+
+// Autocast off for device D while alive: the op called inside runs its own kernels.
+template <DeviceType D>
+struct NoAutocast {
+  c10::impl::ExcludeDispatchKeyGuard guard{at::autocast::get_autocast_dispatch_key_from_device_type(D)};
+};
+
+template <DeviceType D>
+at::ScalarType lower() {
+  return at::autocast::get_lower_precision_fp_from_device_type(D);
+}
+
+// at::autocast::cached_cast for D: floating, non-float64 tensors of device D to `to`; float32
+// leaf weights cast to lower precision are cached for the autocast region, as ATen's are. An
+// input shared by the members (stride 0 on the member dim, Note [wide::linear strategies]) is
+// cast once and expanded again: the shared-input paths stay, and N copies are never made.
+template <DeviceType D>
+at::Tensor cast(at::ScalarType to, const at::Tensor& t) {
+  if (t.defined() && t.dim() > 0 && t.sym_stride(0) == 0 && t.scalar_type() != to &&
+      at::autocast::is_eligible(t, D)) {
+    return at::autocast::cached_cast(to, t.select(0, 0), D).unsqueeze(0).expand_symint(t.sym_sizes());
+  }
+  return at::autocast::cached_cast(to, t, D);
+}
+
+template <DeviceType D>
+OptTensor cast(at::ScalarType to, const OptTensor& t) {
+  return t.has_value() ? OptTensor(cast<D>(to, *t)) : std::nullopt;
+}
+
+template <DeviceType D>
+std::vector<at::Tensor> cast(at::ScalarType to, at::TensorList ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const at::Tensor& t : ts) out.push_back(cast<D>(to, t));
+  return out;
+}
+
+bool is_float(const at::Tensor& t, DeviceType device) {
+  return t.defined() && at::autocast::is_eligible(t, device);  // floating, not float64, on device
+}
+
+// The dtype a lower-precision-or-float32 value ends up in when it meets a state of dtype `state`
+// (ATen's recurrent cells: state - new_gate etc.): float32 wins, else lower precision.
+template <DeviceType D>
+at::ScalarType state_dtype(const at::Tensor& state) {
+  return is_float(state, D) && state.scalar_type() == at::kFloat ? at::kFloat : lower<D>();
+}
+
+// The activation dtype of a norm under the "activation dtype" policy, or nullopt when every
+// floating argument already has one dtype (the norm runs as it is). `activation` is the input
+// (promoted with the residual where there is one).
+template <DeviceType D>
+std::optional<at::ScalarType> mixed_activation(const at::Tensor& input, const at::Tensor* residual,
+                                               std::initializer_list<const OptTensor*> params) {
+  if (!is_float(input, D)) return std::nullopt;
+  at::ScalarType act = input.scalar_type();
+  bool mixed = false;
+  if (residual != nullptr && is_float(*residual, D) && residual->scalar_type() != act) {
+    act = at::promote_types(act, residual->scalar_type());
+    mixed = true;
+  }
+  for (const OptTensor* p : params) {
+    if (p->has_value() && is_float(**p, D) && (*p)->scalar_type() != input.scalar_type()) mixed = true;
+  }
+  return mixed ? std::optional<at::ScalarType>(act) : std::nullopt;
+}
+
+// The result of `run(cast)` under the "activation dtype" policy (Note [wide autocast]): `run`
+// gets the cast function to apply to the activation and the affine parameters.
+template <DeviceType D, typename Run>
+at::Tensor activation_dtype_norm(const std::optional<at::ScalarType>& act, Run&& run) {
+  NoAutocast<D> guard;
+  if (!act.has_value()) {
+    return run([](const auto& t) { return t; });
+  }
+  const at::Tensor y = run([](const auto& t) { return cast<D>(at::kFloat, t); });
+  return y.scalar_type() == *act ? y : y.to(*act);
+}
+
+// --- lower precision: linear, conv, conv_transpose, prelu, attention ---
+
+template <DeviceType D>
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias,
+                  std::string_view strategy) {
+  NoAutocast<D> guard;
+  const auto to = lower<D>();
+  return wide::linear(cast<D>(to, input), cast<D>(to, weight), cast<D>(to, bias), strategy);
+}
+
+template <DeviceType D>
+at::Tensor conv(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias,
+                c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
+                c10::SymInt groups, bool packed_input, std::string_view strategy) {
+  NoAutocast<D> guard;
+  const auto to = lower<D>();
+  return wide::conv(cast<D>(to, input), cast<D>(to, weight), cast<D>(to, bias), stride, padding, dilation,
+                    std::move(groups), packed_input, strategy);
+}
+
+template <DeviceType D>
+at::Tensor conv_transpose(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias,
+                          c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
+                          c10::SymIntArrayRef output_padding, c10::SymInt groups,
+                          c10::SymIntArrayRef dilation, bool packed_input, std::string_view strategy) {
+  NoAutocast<D> guard;
+  const auto to = lower<D>();
+  return wide::conv_transpose(cast<D>(to, input), cast<D>(to, weight), cast<D>(to, bias), stride, padding,
+                              output_padding, std::move(groups), dilation, packed_input, strategy);
+}
+
+template <DeviceType D>
+at::Tensor prelu(const at::Tensor& input, const at::Tensor& weight, bool packed_input) {
+  NoAutocast<D> guard;
+  const auto to = lower<D>();
+  return wide::prelu(cast<D>(to, input), cast<D>(to, weight), packed_input);
+}
+
+template <DeviceType D>
+at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                     const OptTensor& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
+                     bool enable_gqa) {
+  NoAutocast<D> guard;
+  const auto to = lower<D>();
+  return wide::attention(cast<D>(to, query), cast<D>(to, key), cast<D>(to, value), cast<D>(to, attn_mask),
+                         dropout_p, is_causal, scale, enable_gqa);
+}
+
+// small_attention computes SDPA for float32/float64 only: in lower precision it is SDPA itself.
+template <DeviceType D>
+at::Tensor small_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           bool is_causal, std::optional<double> scale) {
+  NoAutocast<D> guard;
+  const auto to = lower<D>();
+  const at::Tensor q = cast<D>(to, query), k = cast<D>(to, key), v = cast<D>(to, value);
+  const auto dtype = q.scalar_type();
+  if ((dtype == at::kFloat || dtype == at::kDouble) && k.scalar_type() == dtype && v.scalar_type() == dtype) {
+    return wide::small_attention(q, k, v, is_causal, scale);
+  }
+  const int64_t kv_heads = k.dim() == 4 ? k.size(1) : 0;
+  const bool gqa = k.dim() == 4 && q.dim() == 4 && kv_heads != q.size(1);
+  return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, is_causal, scale, gqa);
+}
+
+// --- norms: activation dtype (CPU; CUDA batch/instance norm) or float32 (CUDA) ---
+
+template <DeviceType D>
+at::Tensor batch_norm(const at::Tensor& input, const OptTensor& weight, const OptTensor& bias,
+                      const OptTensor& running_mean, const OptTensor& running_var, bool training,
+                      double momentum, double eps, bool packed_input) {
+  return activation_dtype_norm<D>(mixed_activation<D>(input, nullptr, {&weight, &bias}), [&](auto cast_to) {
+    return wide::batch_norm(cast_to(input), cast_to(weight), cast_to(bias), running_mean, running_var, training,
+                            momentum, eps, packed_input);
+  });
+}
+
+template <DeviceType D>
+at::Tensor instance_norm(const at::Tensor& input, const OptTensor& weight, const OptTensor& bias,
+                         const OptTensor& running_mean, const OptTensor& running_var, bool use_input_stats,
+                         double momentum, double eps, bool packed_input) {
+  return activation_dtype_norm<D>(mixed_activation<D>(input, nullptr, {&weight, &bias}), [&](auto cast_to) {
+    return wide::instance_norm(cast_to(input), cast_to(weight), cast_to(bias), running_mean, running_var,
+                               use_input_stats, momentum, eps, packed_input);
+  });
+}
+
+// ATen's CUDA policy for group/layer/rms norm: everything in float32, a float32 result.
+template <DeviceType D>
+constexpr bool kFloat32Norms = D == DeviceType::CUDA;
+
+template <DeviceType D>
+at::Tensor group_norm(const at::Tensor& input, int64_t n, int64_t num_groups, const OptTensor& weight,
+                      const OptTensor& bias, double eps, bool packed_input) {
+  if constexpr (kFloat32Norms<D>) {
+    NoAutocast<D> guard;
+    return wide::group_norm(cast<D>(at::kFloat, input), n, num_groups, cast<D>(at::kFloat, weight),
+                            cast<D>(at::kFloat, bias), eps, packed_input);
+  }
+  return activation_dtype_norm<D>(mixed_activation<D>(input, nullptr, {&weight, &bias}), [&](auto cast_to) {
+    return wide::group_norm(cast_to(input), n, num_groups, cast_to(weight), cast_to(bias), eps, packed_input);
+  });
+}
+
+template <DeviceType D>
+at::Tensor layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                      const OptTensor& bias, double eps, std::string_view strategy) {
+  if constexpr (kFloat32Norms<D>) {
+    NoAutocast<D> guard;
+    return wide::layer_norm(cast<D>(at::kFloat, input), normalized_shape, cast<D>(at::kFloat, weight),
+                            cast<D>(at::kFloat, bias), eps, strategy);
+  }
+  return activation_dtype_norm<D>(mixed_activation<D>(input, nullptr, {&weight, &bias}), [&](auto cast_to) {
+    return wide::layer_norm(cast_to(input), normalized_shape, cast_to(weight), cast_to(bias), eps, strategy);
+  });
+}
+
+template <DeviceType D>
+at::Tensor rms_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
+                    std::optional<double> eps) {
+  if constexpr (kFloat32Norms<D>) {
+    NoAutocast<D> guard;
+    return wide::rms_norm(cast<D>(at::kFloat, input), normalized_shape, cast<D>(at::kFloat, weight), eps);
+  }
+  return activation_dtype_norm<D>(mixed_activation<D>(input, nullptr, {&weight}), [&](auto cast_to) {
+    return wide::rms_norm(cast_to(input), normalized_shape, cast_to(weight), eps);
+  });
+}
+
+template <DeviceType D>
+at::Tensor add_layer_norm(const at::Tensor& input, const at::Tensor& residual,
+                          c10::SymIntArrayRef normalized_shape, const OptTensor& weight, const OptTensor& bias,
+                          double eps) {
+  if constexpr (kFloat32Norms<D>) {
+    NoAutocast<D> guard;
+    return wide::add_layer_norm(cast<D>(at::kFloat, input), cast<D>(at::kFloat, residual), normalized_shape,
+                                cast<D>(at::kFloat, weight), cast<D>(at::kFloat, bias), eps);
+  }
+  return activation_dtype_norm<D>(mixed_activation<D>(input, &residual, {&weight, &bias}), [&](auto cast_to) {
+    return wide::add_layer_norm(cast_to(input), cast_to(residual), normalized_shape, cast_to(weight),
+                                cast_to(bias), eps);
+  });
+}
+
+template <DeviceType D>
+at::Tensor fused_norm(const at::Tensor& input, const OptTensor& residual, int64_t normalized_numel,
+                      const OptTensor& weight, const OptTensor& bias, double eps, bool rms) {
+  if constexpr (kFloat32Norms<D>) {
+    NoAutocast<D> guard;
+    return wide::fused_norm(cast<D>(at::kFloat, input), cast<D>(at::kFloat, residual), normalized_numel,
+                            cast<D>(at::kFloat, weight), cast<D>(at::kFloat, bias), eps, rms);
+  }
+  const at::Tensor* r = residual.has_value() ? &*residual : nullptr;
+  return activation_dtype_norm<D>(mixed_activation<D>(input, r, {&weight, &bias}), [&](auto cast_to) {
+    return wide::fused_norm(cast_to(input), cast_to(residual), normalized_numel, cast_to(weight), cast_to(bias),
+                            eps, rms);
+  });
+}
+
+// --- recurrent ops ---
+
+// The dtype a recurrent op runs in (Note [wide autocast]): lower precision, except where ATen's
+// CPU kernel carries the state in its own dtype (GRU, LSTM/GRU cells): then the state's (the
+// given h0 / c0, else the input's, of which the zeros are made) promoted with lower precision.
+template <DeviceType D>
+at::ScalarType recurrent_dtype(std::string_view mode, bool cell, const at::Tensor& input, at::TensorList hx) {
+  if constexpr (D != DeviceType::CPU) {
+    return lower<D>();
+  }
+  const bool carries_state = mode == "GRU" || (cell && mode == "LSTM");
+  if (!carries_state) return lower<D>();
+  // The carried state: GRU's h, the LSTM cell's c.
+  const size_t which = mode == "LSTM" ? 1 : 0;
+  return state_dtype<D>(hx.size() > which ? hx[which] : input);
+}
+
+template <DeviceType D>
+std::tuple<at::Tensor, std::vector<at::Tensor>> rnn(const at::Tensor& input, at::TensorList hx,
+                                                    at::TensorList params, std::string_view mode,
+                                                    int64_t num_layers, bool bidirectional, bool batch_first,
+                                                    double dropout, bool train, bool has_biases,
+                                                    int64_t proj_size, std::string_view strategy) {
+  NoAutocast<D> guard;
+  if (D == DeviceType::CPU && mode == "LSTM" && proj_size > 0) {
+    // oneDNN has no projections: ATen's composite LSTM runs, whose cell state keeps its dtype and
+    // whose projected h (the output, h_n) comes out of a lower-precision linear.
+    const auto to = state_dtype<D>(hx.size() > 1 ? hx[1] : input);
+    auto result = wide::rnn(cast<D>(to, input), cast<D>(to, hx), cast<D>(to, params), mode, num_layers,
+                            bidirectional, batch_first, dropout, train, has_biases, proj_size, strategy);
+    if (to != lower<D>()) {
+      std::get<0>(result) = std::get<0>(result).to(lower<D>());
+      std::get<1>(result)[0] = std::get<1>(result)[0].to(lower<D>());
+    }
+    return result;
+  }
+  const auto to = recurrent_dtype<D>(mode, /*cell=*/false, input, hx);
+  return wide::rnn(cast<D>(to, input), cast<D>(to, hx), cast<D>(to, params), mode, num_layers, bidirectional,
+                   batch_first, dropout, train, has_biases, proj_size, strategy);
+}
+
+template <DeviceType D>
+std::vector<at::Tensor> rnn_cell(const at::Tensor& input, at::TensorList hx, const at::Tensor& w_ih,
+                                 const at::Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
+                                 std::string_view mode) {
+  NoAutocast<D> guard;
+  const auto to = recurrent_dtype<D>(mode, /*cell=*/true, input, hx);
+  return wide::rnn_cell(cast<D>(to, input), cast<D>(to, hx), cast<D>(to, w_ih), cast<D>(to, w_hh),
+                        cast<D>(to, b_ih), cast<D>(to, b_hh), mode);
+}
+
+template <DeviceType D>
+void register_kernels(torch::Library& m) {
+  m.impl("linear", &linear<D>);
+  m.impl("conv", &conv<D>);
+  m.impl("conv_transpose", &conv_transpose<D>);
+  m.impl("prelu", &prelu<D>);
+  m.impl("attention", &attention<D>);
+  m.impl("batch_norm", &batch_norm<D>);
+  m.impl("instance_norm", &instance_norm<D>);
+  m.impl("group_norm", &group_norm<D>);
+  m.impl("layer_norm", &layer_norm<D>);
+  m.impl("rms_norm", &rms_norm<D>);
+  m.impl("add_layer_norm", &add_layer_norm<D>);
+  m.impl("fused_norm", &fused_norm<D>);
+  m.impl("rnn", &rnn<D>);
+  m.impl("rnn_cell", &rnn_cell<D>);
+}
+
+}  // namespace
+}  // namespace wide::autocast
+
+TORCH_LIBRARY_IMPL(wide, AutocastCPU, m) {
+  wide::autocast::register_kernels<c10::DeviceType::CPU>(m);
+  m.impl("small_attention", &wide::autocast::small_attention<c10::DeviceType::CPU>);  // a CPU kernel only
+}
+
+TORCH_LIBRARY_IMPL(wide, AutocastCUDA, m) {
+  wide::autocast::register_kernels<c10::DeviceType::CUDA>(m);
+}
