@@ -1,0 +1,498 @@
+"""wide_compiler.integrations.lightning: N members of a LightningModule trained by one unchanged
+lightning.Trainer end where each member ends trained alone by lightning.Trainer (float64, 1e-6
+relative or better): weights, optimizer state, learning rates, per-member early stopping,
+checkpoint restore, the best member's export, DDP over 2 CPU processes (gloo), and the errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+L = pytest.importorskip("lightning", reason="lightning is not installed (pip install 'wide_compiler[lightning]')")
+wcl = pytest.importorskip("wide_compiler.integrations.lightning")
+
+ROOT = Path(__file__).resolve().parents[2]
+N = 4
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*litlogger.*")
+        yield
+
+
+class Regressor(L.LightningModule):
+    """One member: an MLP regressor whose hyperparameters only configure_optimizers reads."""
+
+    def __init__(self, lr=1e-2, weight_decay=0.0, hidden=16, optimizer="AdamW", step_size=3, gamma=0.5,
+                 amsgrad=False):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        if hp.optimizer == "SGD":
+            opt = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=0.9, weight_decay=hp.weight_decay)
+        else:
+            opt = getattr(torch.optim, hp.optimizer)(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,
+                                                     amsgrad=hp.amsgrad)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=hp.step_size, gamma=hp.gamma)
+        return {"optimizer": opt, "lr_scheduler": sched}
+
+
+CONFIGS = [dict(lr=3e-3, weight_decay=0.0), dict(lr=1e-2, weight_decay=1e-2, gamma=0.7),
+           dict(lr=3e-2, weight_decay=0.1, step_size=2), dict(lr=1e-1, weight_decay=0.0, gamma=0.9)]
+
+g = torch.Generator().manual_seed(0)
+X = torch.randn(160, 4, generator=g, dtype=torch.float64)
+Y = torch.sin(X[:, :1]) + 0.1 * torch.randn(160, 1, generator=g, dtype=torch.float64)
+XV, YV = X[:48] + 0.05, Y[:48]
+
+
+def loaders(batch_size=24):
+    train = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=batch_size)
+    val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(XV, YV), batch_size=20)
+    return train, val
+
+
+def member(i, configs=CONFIGS, cls=Regressor):
+    torch.manual_seed(1000 + i)
+    return cls(**configs[i]).double()
+
+
+def trainer(**kw):
+    args = dict(max_epochs=6, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=1)
+    args.update(kw)
+    return L.Trainer(**args)
+
+
+def wide_module(configs=CONFIGS, **kw):
+    train, _ = loaders()
+    return wcl.WideLightningModule([member(i, configs) for i in range(len(configs))], next(iter(train)), **kw)
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def assert_member_matches(wide, wide_trainer, i, single, single_trainer, tol=1e-6):
+    """Member i of the fused run == the member trained alone: weights, optimizer state, lr."""
+    got = wide.member(i).state_dict()
+    for k, v in single.state_dict().items():
+        assert rel(got[k], v) <= tol, (i, k, rel(got[k], v))
+    ref = single_trainer.optimizers[0].state_dict()
+    mine = wide_trainer.optimizers[0].member_state_dict(i)
+    assert mine["state"].keys() == ref["state"].keys()
+    for p, st in ref["state"].items():
+        assert mine["state"][p].keys() == st.keys(), (i, p)
+        for key, v in st.items():
+            assert rel(mine["state"][p][key].to(torch.float64), v.to(torch.float64)) <= tol, (i, p, key)
+    assert mine["param_groups"][0]["lr"] == pytest.approx(ref["param_groups"][0]["lr"], rel=1e-12)
+
+
+def fit_single(i, configs=CONFIGS, callbacks=(), **kw):
+    single = member(i, configs)
+    t = trainer(callbacks=list(callbacks), **kw)
+    t.fit(single, *loaders())
+    return single, t
+
+
+# ------------------------------------------------------------------------------------------------
+def test_members_match_single_lightning_runs():
+    """N=4, AdamW + StepLR per member, per-member gradient clipping: 7 batches x 6 epochs."""
+    wide = wide_module()
+    t = trainer(gradient_clip_val=0.5, log_every_n_steps=1)
+    t.fit(wide, *loaders())
+    assert t.global_step == 42
+    for i in range(N):
+        single, ts = fit_single(i, gradient_clip_val=0.5)
+        assert_member_matches(wide, t, i, single, ts)
+        assert float(wide.member_metrics["val_loss"][i]) == pytest.approx(float(ts.callback_metrics["val_loss"]),
+                                                                          rel=1e-6)
+    metrics = t.callback_metrics
+    for i in range(N):
+        assert f"member_{i}/val_loss" in metrics and f"member_{i}/train_loss" in metrics
+    best = wide.best_member_index
+    assert int(metrics["best_member"]) == best
+    assert float(metrics["val_loss"]) == pytest.approx(float(wide.member_metrics["val_loss"].min()))
+
+
+def test_float32_members_under_precision_64_true():
+    def member32(i):
+        torch.manual_seed(1000 + i)
+        return Regressor(**CONFIGS[i])
+
+    wide = wcl.WideLightningModule([member32(i) for i in range(N)], (X[:24].float(), Y[:24].float()))
+    t = trainer(max_epochs=2, precision="64-true")
+    t.fit(wide, *loaders())
+    single = member32(1)
+    ts = trainer(max_epochs=2, precision="64-true")
+    ts.fit(single, *loaders())
+    assert_member_matches(wide, t, 1, single, ts)
+
+
+def test_sgd_and_shared_flags_per_member():
+    configs = [dict(lr=1e-2 * (i + 1), weight_decay=1e-3 * i, optimizer="SGD") for i in range(N)]
+    wide = wide_module(configs)
+    t = trainer(max_epochs=3)
+    t.fit(wide, *loaders())
+    for i in (0, 3):
+        single, ts = fit_single(i, configs, max_epochs=3)
+        assert_member_matches(wide, t, i, single, ts)
+
+
+def test_member_early_stopping_matches_lightning_early_stopping():
+    configs = [dict(lr=1e-3, step_size=100), dict(lr=2e-2, step_size=100), dict(lr=3e-1, step_size=100),
+               dict(lr=1e-1, step_size=100)]
+    es = dict(monitor="val_loss", patience=1, min_delta=1e-3)
+    wide = wide_module(configs)
+    callback = wcl.MemberEarlyStopping(**es)
+    t = trainer(max_epochs=10, callbacks=[callback])
+    t.fit(wide, *loaders())
+    stopped_at = []
+    for i in range(N):
+        single, ts = fit_single(i, configs, callbacks=[L.pytorch.callbacks.EarlyStopping(**es)], max_epochs=10)
+        assert_member_matches(wide, t, i, single, ts)
+        stopped_at.append(ts.current_epoch if ts.should_stop else None)
+        assert bool(wide.member_stopped[i]) == ts.should_stop
+    # the test is meaningful: some member stopped while others went on
+    assert any(e is not None for e in stopped_at) and len(set(stopped_at)) > 1, stopped_at
+
+
+def test_stopped_member_is_frozen_exactly():
+    """After stop_member(i), member i's weights and AdamW state (moments, step) do not change at
+    all (no moment drift, no weight decay) while the others keep training; member i equals the
+    member trained alone for as many epochs as it trained."""
+    configs = [dict(lr=1e-2, weight_decay=0.1, step_size=100)] * N
+    seen = {}
+
+    class StopAt(L.pytorch.Callback):
+        def on_train_epoch_end(self, trainer, wide):
+            if trainer.current_epoch == 1:
+                wide.stop_member(1)
+                seen["w"] = wide.member(1).state_dict()
+                seen["s"] = trainer.optimizers[0].member_state_dict(1)["state"]
+                seen["other"] = wide.member(2).state_dict()
+
+    wide = wide_module(configs)
+    t = trainer(max_epochs=5, callbacks=[StopAt()])
+    t.fit(wide, *loaders())
+    for k, v in wide.member(1).state_dict().items():
+        assert torch.equal(v, seen["w"][k]), k
+    now = t.optimizers[0].member_state_dict(1)["state"]
+    for p, st in seen["s"].items():
+        for key, v in st.items():
+            assert torch.equal(now[p][key], v), (p, key)
+    assert all(not torch.equal(v, seen["other"][k]) for k, v in wide.member(2).state_dict().items())
+    single, ts = fit_single(1, configs, max_epochs=2)
+    got = wide.member(1).state_dict()
+    for k, v in single.state_dict().items():
+        assert rel(got[k], v) <= 1e-6, k
+    assert not t.should_stop or t.current_epoch == 5
+
+
+def test_run_ends_when_every_member_stopped():
+    wide = wide_module()
+    callback = wcl.MemberEarlyStopping(monitor="val_loss", patience=2, min_delta=100.0)
+    t = trainer(max_epochs=10, callbacks=[callback])
+    t.fit(wide, *loaders())
+    assert bool(wide.member_stopped.all()) and t.current_epoch == 3   # epochs 0, 1, 2 of 10
+    assert callback.stopped_epoch == [2] * N
+
+
+def test_checkpoint_restore_continues_exactly(tmp_path):
+    es = dict(monitor="val_loss", patience=1, min_delta=1e-3)
+    configs = [dict(lr=1e-3, step_size=2), dict(lr=3e-1, step_size=100), dict(lr=3e-2), dict(lr=1e-1, gamma=0.8)]
+    full = wide_module(configs)
+    tf = trainer(max_epochs=6, callbacks=[wcl.MemberEarlyStopping(**es)])
+    tf.fit(full, *loaders())
+
+    first = wide_module(configs)
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    t1 = trainer(max_epochs=3, callbacks=[wcl.MemberEarlyStopping(**es), ckpt], enable_checkpointing=True)
+    t1.fit(first, *loaders())
+    resumed = wide_module(configs)
+    t2 = trainer(max_epochs=6, callbacks=[wcl.MemberEarlyStopping(**es)], enable_checkpointing=False)
+    t2.fit(resumed, *loaders(), ckpt_path=str(tmp_path / "last.ckpt"))
+
+    assert torch.equal(resumed.member_stopped, full.member_stopped)
+    for k, v in full.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            assert torch.allclose(resumed.state_dict()[k], v, rtol=1e-12, atol=0), k
+    a, b = tf.optimizers[0].state_dict(), t2.optimizers[0].state_dict()
+    for p, st in a["state"].items():
+        for key, v in st.items():
+            assert torch.allclose(b["state"][p][key], v, rtol=1e-12, atol=0), (p, key)
+    assert torch.equal(a["param_groups"][0]["lr"], b["param_groups"][0]["lr"])
+    assert torch.equal(resumed.member_metrics["val_loss"], full.member_metrics["val_loss"])
+    # one member straight from the checkpoint file, into an ordinary module (no fused model)
+    plain = wcl.load_member(tmp_path / "last.ckpt", 2, member(2, configs))
+    for k, v in first.member(2).state_dict().items():
+        assert torch.equal(plain.state_dict()[k], v), k
+
+
+def test_best_member_export():
+    wide = wide_module()
+    t = trainer(max_epochs=3)
+    t.fit(wide, *loaders())
+    best = wide.best_member_index
+    assert best == int(wide.member_metrics["val_loss"].argmin())
+    model = wide.best_member()
+    assert type(model) is Regressor and model.hparams.lr == CONFIGS[best]["lr"]
+    with torch.no_grad():
+        expected = wide.wide.member_state_dict(best)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, expected["lm." + k])
+        val = F.mse_loss(model.eval()(XV), YV)
+    assert float(val) == pytest.approx(float(wide.member_metrics["val_loss"][best]), rel=1e-9)
+    # the exported member trains on as an ordinary LightningModule
+    trainer(max_epochs=1).fit(model, *loaders())
+
+
+def test_test_step_runs_per_member():
+    class WithTest(Regressor):
+        def test_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("test_loss", F.mse_loss(self(x), y))
+
+        def predict_step(self, batch, batch_idx):
+            return self(batch[0])
+
+    wide = wcl.WideLightningModule([member(i, cls=WithTest) for i in range(N)], next(iter(loaders()[0])))
+    t = trainer(max_epochs=1)
+    t.fit(wide, *loaders())
+    out = t.test(wide, loaders()[1], verbose=False)[0]
+    with torch.no_grad():
+        for i in range(N):
+            assert out[f"member_{i}/test_loss"] == pytest.approx(float(F.mse_loss(wide.member(i)(XV), YV)), rel=1e-6)
+        preds = t.predict(wide, loaders()[1])
+        assert len(preds) == 3 and len(preds[0]) == N        # per batch: N member predictions
+        assert torch.equal(preds[0][2], wide.member(2).predict_step((XV[:20], YV[:20]), 0))
+
+
+def test_model_with_loss_members():
+    def build(i):
+        torch.manual_seed(i)
+        return wcl.ModelWithLoss(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                                     torch.nn.Linear(8, 1)).double(),
+                                 F.mse_loss, optimizer="Adam", lr=1e-3 * 3 ** i, betas=(0.8, 0.99))
+    wide = wcl.WideLightningModule([build(i) for i in range(N)], next(iter(loaders()[0])))
+    t = trainer(max_epochs=2)
+    t.fit(wide, *loaders())
+    single = build(2)
+    ts = trainer(max_epochs=2)
+    ts.fit(single, *loaders())
+    assert_member_matches(wide, t, 2, single, ts)
+    assert t.optimizers[0].member_hyperparameters(2)["betas"] == (0.8, 0.99)
+
+
+def test_subclass_returning_wc_optim_objects():
+    import wide_compiler as wc
+
+    lrs = [1e-2, 3e-2, 1e-1, 3e-1]
+
+    class MyWide(wcl.WideLightningModule):
+        def configure_optimizers(self):
+            opt = wc.optim.SGD(self.parameters(), lr=lrs, momentum=0.9)
+            return {"optimizer": opt, "lr_scheduler": wc.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=[3, 4, 5, 6])}
+
+    class Cosine(Regressor):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)}
+
+    wide = MyWide([member(i, cls=Regressor) for i in range(N)], next(iter(loaders()[0])))
+    t = trainer(max_epochs=3)
+    t.fit(wide, *loaders())
+    single = member(1, [dict(lr=lr) for lr in lrs], Cosine)
+    ts = trainer(max_epochs=3)
+    ts.fit(single, *loaders())
+    assert_member_matches(wide, t, 1, single, ts)
+
+
+def test_reduce_lr_on_plateau_per_member():
+    class Plateau(Regressor):
+        def configure_optimizers(self):
+            opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=self.hparams.gamma, patience=0)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss"}}
+
+    configs = [dict(lr=3e-1, gamma=0.5), dict(lr=1e-1, gamma=0.2), dict(lr=1e-3, gamma=0.5), dict(lr=5e-1, gamma=0.1)]
+    wide = wcl.WideLightningModule([member(i, configs, Plateau) for i in range(N)], next(iter(loaders()[0])))
+    t = trainer(max_epochs=5)
+    t.fit(wide, *loaders())
+    lrs = []
+    for i in range(N):
+        single = member(i, configs, Plateau)
+        ts = trainer(max_epochs=5)
+        ts.fit(single, *loaders())
+        assert_member_matches(wide, t, i, single, ts)
+        lrs.append(ts.optimizers[0].param_groups[0]["lr"])
+    assert len(set(lrs)) == N  # each member reduced on its own metric
+
+
+# -- bad input ------------------------------------------------------------------------------------
+def test_architecture_change_is_refused_naming_key_and_member():
+    configs = [dict(lr=1e-2), dict(lr=1e-2), dict(lr=1e-2, hidden=32), dict(lr=1e-2)]
+    with pytest.raises(Exception, match=r"member 2.*hidden=32 \(member 0: 16\)"):
+        wide_module(configs)
+
+
+def test_training_step_must_return_a_loss():
+    class Outputs(Regressor):
+        def training_step(self, batch, batch_idx):
+            x, _ = batch
+            return self(x)
+
+    with pytest.raises(TypeError, match=r"Outputs.training_step returned a tensor of shape \[24, 1\].*loss"):
+        wcl.WideLightningModule([member(i, cls=Outputs) for i in range(N)], next(iter(loaders()[0])))
+
+    class Nothing(Regressor):
+        def training_step(self, batch, batch_idx):
+            return None
+
+    with pytest.raises(TypeError, match="NoneType"):
+        wcl.WideLightningModule([member(i, cls=Nothing) for i in range(N)], next(iter(loaders()[0])))
+
+
+def test_step_reading_a_per_member_hyperparameter_is_refused():
+    class Weighted(Regressor):
+        def __init__(self, lr=1e-2, l2=0.0, **kw):
+            super().__init__(lr=lr, **kw)
+            self.save_hyperparameters()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.mse_loss(self(x), y) + self.hparams.l2 * self.net[0].weight.square().sum()
+
+    configs = [dict(l2=0.0), dict(l2=0.0), dict(l2=0.0), dict(l2=1e-3)]
+    with pytest.raises(ValueError, match=r"member 3.*hparams\['l2'\]"):
+        wcl.WideLightningModule([member(i, configs, Weighted) for i in range(N)], next(iter(loaders()[0])))
+    # the same value for every member: fine
+    wcl.WideLightningModule([member(i, [dict(l2=1e-3)] * N, Weighted) for i in range(N)], next(iter(loaders()[0])))
+
+
+def test_step_reading_a_per_member_attribute_is_refused():
+    class Scaled(Regressor):
+        def __init__(self, lr=1e-2, scale=1.0):
+            super().__init__(lr=lr)
+            self.scale = scale
+
+        def training_step(self, batch, batch_idx):
+            return self.scale * super().training_step(batch, batch_idx)
+
+    configs = [dict(), dict(scale=2.0), dict(), dict()]
+    with pytest.raises(ValueError, match=r"member 1: Scaled's training/validation step reads self.scale"):
+        wcl.WideLightningModule([member(i, configs, Scaled) for i in range(N)], next(iter(loaders()[0])))
+
+
+def test_trainer_argument_in_member_hyperparameters_is_refused():
+    class Accumulating(Regressor):
+        def __init__(self, lr=1e-2, accumulate_grad_batches=1):
+            super().__init__(lr=lr)
+            self.save_hyperparameters()
+
+    configs = [dict(), dict(accumulate_grad_batches=4), dict(), dict()]
+    with pytest.raises(ValueError, match=r"member 1: hyperparameter 'accumulate_grad_batches' is 4.*Trainer"):
+        wcl.WideLightningModule([member(i, configs, Accumulating) for i in range(N)], next(iter(loaders()[0])))
+
+
+def test_shared_flag_differing_is_refused():
+    configs = [dict(optimizer="Adam"), dict(optimizer="Adam", amsgrad=True), dict(optimizer="Adam"), dict(optimizer="Adam")]
+    wide = wide_module(configs)
+    with pytest.raises(ValueError, match=r"member 1's Adam has amsgrad=True, member 0 has False"):
+        trainer(max_epochs=1).fit(wide, *loaders())
+
+
+def test_fp16_mixed_precision_is_refused():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    wide = wide_module()
+    fp16 = MixedPrecision(precision="16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"precision='16-mixed'.*ONE GradScaler"):
+        trainer(max_epochs=1, plugins=[fp16]).fit(wide, *loaders())
+
+
+def test_lightning_is_not_imported_by_wide_compiler():
+    code = "import sys, wide_compiler; print(any(m.split('.')[0] in ('lightning', 'pytorch_lightning') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# -- DDP: the data axis over 2 CPU processes (gloo) ------------------------------------------------
+DDP_SCRIPT = r'''
+import json, logging, sys, warnings, torch, torch.nn.functional as F, lightning as L
+warnings.filterwarnings("ignore"); logging.getLogger("lightning").setLevel(logging.ERROR)
+sys.path.insert(0, sys.argv[2])
+from test_lightning import CONFIGS, member, loaders, rel, N
+from wide_compiler.integrations.lightning import WideLightningModule
+
+def trainer():
+    return L.Trainer(max_epochs=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=2,
+                     strategy="ddp", gradient_clip_val=0.5)
+
+wide = WideLightningModule([member(i) for i in range(N)], next(iter(loaders()[0])))
+t = trainer(); t.fit(wide, *loaders())
+errors = []
+for i in range(N):
+    single = member(i); ts = trainer(); ts.fit(single, *loaders())
+    got = wide.member(i).state_dict()
+    w = max(rel(got[k], v) for k, v in single.state_dict().items())
+    ref, mine = ts.optimizers[0].state_dict(), t.optimizers[0].member_state_dict(i)
+    s = max(rel(mine["state"][p][k].double(), v.double()) for p, st in ref["state"].items() for k, v in st.items())
+    errors.append([w, s])
+if t.global_rank == 0:
+    json.dump({"errors": errors, "world": t.world_size, "steps": t.global_step}, open(sys.argv[1], "w"))
+'''
+
+
+def test_ddp_two_cpu_processes(tmp_path):
+    script = tmp_path / "ddp_run.py"
+    script.write_text(DDP_SCRIPT)
+    out = tmp_path / "result.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), str(out), str(Path(__file__).parent)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["world"] == 2 and result["steps"] == 12   # 160 rows / 2 ranks / 24 per batch -> 4 x 3
+    for i, (w, s) in enumerate(result["errors"]):
+        assert w <= 1e-6 and s <= 1e-6, (i, w, s)
+
+
+def test_example_runs(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"))
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "lightning_ensemble.py"), "--epochs", "3"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "best member" in proc.stdout.lower()
