@@ -41,7 +41,7 @@ setup: $(VENV)/.stamp-py
 # from transformers and diffusers; tests/python/test_ray.py runs Ray Tune (about 20 s to install);
 # matplotlib draws the CLI's --plot files (the `plot` extra). Pinned, and installed with torch
 # pinned so pip never swaps torch.
-TEST_SPECS := "transformers==5.23.0" "diffusers==0.42.1" "ray[tune]==2.60.0" "matplotlib==3.11.2" "optuna==5.0.0" "lightning==2.6.6"
+TEST_SPECS := "transformers==5.23.0" "diffusers==0.42.1" "ray[tune]==2.60.0" "matplotlib==3.11.2" "optuna==5.0.0" "lightning==2.6.6" "accelerate==1.15.0"
 $(VENV)/.stamp-test: $(VENV)/.stamp-py Makefile
 	$(PIP) install -q "$(TORCH_SPEC)" $(TEST_SPECS)
 	touch $@

@@ -466,3 +466,16 @@ def test_member_methods_after_a_hand_assigned_hyperparameter():
     assert opt.param_groups[0]["lr"].tolist() == [0.01, 0.125, 0.125]
     opt.param_groups[0]["lr"] = 0.75
     assert opt.member_state_dict(2)["param_groups"][0]["lr"] == 0.75
+
+
+def test_load_state_dict_twice():
+    """torch's load adds 'differentiable' to defaults; a second load (accelerate's resume) must not
+    take that for a group saved by another optimizer."""
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    p.grad = torch.randn(3, 4)
+    opt = wc.optim.Adam([p], lr=[1e-3, 2e-3, 3e-3])
+    opt.step()
+    for _ in range(2):
+        opt.load_state_dict(opt.state_dict())
+    opt.step()
+    assert opt.state[p]["exp_avg"].shape == (3, 4)

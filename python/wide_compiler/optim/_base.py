@@ -401,7 +401,9 @@ class WideOptimizer(torch.optim.Optimizer):
         groups = state_dict.get("param_groups", [])
         checked = []
         for gi, g in enumerate(groups):
-            missing = sorted(set(self.defaults) - set(g) - {"params"})
+            # torch's Optimizer.__setstate__ (run by every load) adds 'differentiable' to
+            # defaults, which the param groups never carry: not a sign of another optimizer.
+            missing = sorted(set(self.defaults) - set(g) - {"params", "differentiable"})
             if missing:
                 raise ValueError(f"{self._name}: saved param group {gi} has no {', '.join(map(repr, missing))}: "
                                  f"it was saved by another optimizer (load it into the same class)")
