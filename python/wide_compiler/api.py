@@ -59,8 +59,10 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
     Args:
         models: the N members, or ONE model with ``n=K`` for K members re-initialised
             independently with ``reset_parameters()`` (the model itself is left untouched).
-        sample_input: ONE member's input: a tensor, or a tuple of positional inputs (tensors,
-            nested lists/tuples/dicts of tensors, or Python values, which are baked in).
+        sample_input: ONE member's input, without the member dim: a tensor, or a tuple of
+            positional inputs (tensors, nested lists/tuples/dicts of tensors, or Python values,
+            which are baked in). Member 0 runs on it first, so a sample it cannot take raises
+            :class:`WideCompileError` with PyTorch's own error (real sizes) and a hint.
         n: number of members when ``models`` is a single module.
         validate: run the sample through the wide model and every member (on copies; nothing is
             modified) and raise :class:`ValidationError` if a member's outputs or buffers differ
@@ -72,7 +74,12 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
         sample_kwargs: keyword inputs of one member (tensors are N-first at call time too).
         dynamic_shapes: passed to ``torch.export.export``; default: dim 0 of every input with at
             least 2 dims is a dynamic batch dimension (for a ``forward(*args)`` or
-            ``forward(x, **kwargs)`` too: each input the sample gives is described by itself).
+            ``forward(x, **kwargs)`` too: each input the sample gives is described by itself),
+            and every other size follows the calls: a call with a new size in another dim (a
+            sequence length, an image size) captures that mode's graph again with the dim
+            dynamic, once (logged at INFO), unless the forward fixes it (a ``Linear`` over it),
+            which raises a ``ValueError`` naming the size and the line. Given explicitly, the
+            sizes are exactly as given (no recapture). ``summary()`` lists the dynamic dims.
         compile_model: return ``torch.compile(wide_model, **compile_options)``.
         compile_options: keyword arguments of ``torch.compile`` (``mode``, ``fullgraph``, ...).
 

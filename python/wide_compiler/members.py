@@ -189,4 +189,5 @@ class MemberOpsMixin:
             if name not in m.state_dict():   # non-persistent buffers
                 path, _, attr = name.rpartition(".")
                 m.get_submodule(path)._buffers[attr] = self._stacked(name)[i].detach().clone()
+        self._set_member_constants(m, i)  # type: ignore[attr-defined]
         return m.train(self.training)  # type: ignore[attr-defined]

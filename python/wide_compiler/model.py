@@ -6,19 +6,19 @@ import copy
 import logging
 import os
 import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.export import ExportedProgram
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .config import WideConfig
 from .fx.capture import module_path
 from .fx.fold import clear_fold_cache
-from .fx.pipeline import COMPILE_LOCK, Compilation, run_pipeline
+from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, run_pipeline
 from .fx.widen import WideGraph
 from .members import MemberOpsMixin
 from .registry import opaque_template, registered_paths, registered_wide_form
@@ -65,7 +65,9 @@ class WideModel(MemberOpsMixin, nn.Module):
     Parameters and buffers keep their original names with a leading member dim: ``fc1.weight``
     of shape ``[N, out, in]``; ``state_dict``, ``load_state_dict``, ``.to()`` and optimizers work as
     for any module. ``train()``/``eval()`` switch between a train graph and an eval graph (export
-    bakes the mode in), each captured and widened on first use.
+    bakes the mode in), each captured and widened on first use. The batch is dynamic; a call with
+    a new size in another dim (a sequence length, an image size) captures the graph again with
+    that dim dynamic, once (Note [Dynamic sizes on demand]); ``summary()`` lists the dynamic dims.
 
     Example:
         >>> import torch, wide_compiler as wc
@@ -93,6 +95,13 @@ class WideModel(MemberOpsMixin, nn.Module):
         object.__setattr__(self, "_sample", tree_map(detach, (tuple(sample_args), dict(sample_kwargs or {}))))
         self._config = config
         self._dynamic_shapes = dynamic_shapes
+        # Note [Dynamic sizes on demand]: flat input index -> dims captured dynamic beyond the
+        # batch, (input, dim) -> the size that made it so, (training, input, dim) -> why the
+        # forward fixes it, id(graph) -> the narrow size ranges export found for its inputs.
+        self._extra_dims: dict[int, frozenset[int]] = {}
+        self._grown: dict[tuple[int, int], int] = {}
+        self._fixed: dict[tuple[bool, int, int], str] = {}
+        self._ranges: dict[int, dict[str, tuple[tuple[int, int, int | None], ...]]] = {}
         self._graphs: dict[bool, WideGraph] = {}
         self._timings: dict[tuple[bool, str], dict[str, float] | None] = {}  # (training, node) -> ms
 
@@ -144,6 +153,7 @@ class WideModel(MemberOpsMixin, nn.Module):
         state = self.__dict__.copy()
         state["_graphs"] = {}  # captured and widened again on first use after unpickling
         state.pop("_holder_plans", None)
+        state["_ranges"] = {}  # keyed by graph: computed again with the graphs
         return state
 
     # -- construction -----------------------------------------------------------------------
@@ -164,6 +174,44 @@ class WideModel(MemberOpsMixin, nn.Module):
         else:
             mod.register_buffer(attr, t, persistent=persistent)
 
+    def _install_per_member(self, name: str, t: torch.Tensor, persistent: bool) -> None:
+        """A ``_per_member.<path>`` buffer, under plain container modules."""
+        mod: nn.Module = self
+        *parts, attr = name.split(".")
+        for part in parts:
+            if part not in mod._modules:
+                mod.add_module(part, nn.Module())
+            mod = mod._modules[part]
+        mod.register_buffer(attr, t, persistent=persistent)
+
+    @property
+    def per_member_constants(self) -> dict[str, list[float]]:
+        """The module attributes that differ between members and are per member in the graph
+        (Note [Per-member constants] in fx/constants.py): ``{attribute path: every member's
+        value}``, read from the ``_per_member.<path>`` buffers (which the graph reads: change one
+        and the members change). Empty when the members agree on every constant.
+
+        >>> import torch, wide_compiler as wc
+        >>> models = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(p)) for p in (0.1, 0.2)]
+        >>> wide = wc.compile(models, torch.randn(3, 4), config=wc.WideConfig.fast())
+        >>> wide.per_member_constants, wide.member(1)[1].p
+        ({'1.p': [0.1, 0.2]}, 0.2)
+        """
+        out = {}
+        for path in self.__dict__.get("_constants") or {}:
+            out[path] = [float(v) for v in _get_tensor(self, f"_per_member.{path}").tolist()]
+        return out
+
+    def _set_member_constants(self, m: nn.Module, i: int) -> nn.Module:
+        """Member ``i``'s own per-member constants on ``m`` (a copy of the template): the original
+        Python value while the buffer still holds it, else the buffer's value as a float."""
+        for path, values in (self.__dict__.get("_constants") or {}).items():
+            value = float(_get_tensor(self, f"_per_member.{path}")[i])
+            original = values[i]
+            mod_path, _, key = path.rpartition(".")
+            setattr(m.get_submodule(mod_path) if mod_path else m, key, original if float(original) == value else value)
+        return m
+
     def _owns(self, name: str) -> bool:
         """Whether this model stacks ``name`` itself (not a registered module's wide form)."""
         return not any(name.startswith(p + ".") for p in self._registered)
@@ -174,16 +222,30 @@ class WideModel(MemberOpsMixin, nn.Module):
         return run_pipeline(Compilation(
             self._capture_template[0].train(training), self._sample, self.n, self._config, members=members,
             dynamic_shapes=self._dynamic_shapes, opaque_paths=self._capture_template[1],
-            dtype=ref.dtype if ref is not None else None, device=ref.device if ref is not None else None))
+            dtype=ref.dtype if ref is not None else None, device=ref.device if ref is not None else None,
+            constants=self.__dict__.get("_constants"), extra_dims=dict(self._extra_dims)))
 
-    def _adopt(self, c: Compilation) -> WideGraph:
+    def _adopt(self, c: Compilation, *, check_tuning: bool = True) -> WideGraph:
         """Keep a compiled graph: its lifted constants become (non-persistent) buffers."""
         for name, value in c.ep.constants.items():
             if not _has_tensor(self, name):
                 device = next((p.device for p in self.parameters()), value.device)
                 self._install(name, value.detach().clone().to(device), persistent=False)
+        if c.constant_plan is not None:  # Note [Per-member constants] (fx/constants.py)
+            self.__dict__["_constants"] = c.constant_plan.constants
+            self.__dict__["_constant_readers"] = c.constant_plan.readers
+            for name, (values, persistent) in c.constant_plan.buffers.items():
+                if not _has_tensor(self, name):
+                    device = next((p.device for p in self.parameters()), torch.device("cpu"))
+                    self._install_per_member(name, torch.tensor(values, dtype=torch.float64, device=device),
+                                             persistent)
         self._timings.update({(c.training, node): t for node, t in c.timings.items()})
-        self._check_tuning(c)
+        if check_tuning:
+            self._check_tuning(c)
+        old = self._graphs.get(c.training)
+        if old is not None:
+            self._ranges.pop(id(old), None)
+        self._ranges[id(c.wide)] = _narrow_ranges(c.ep)
         self._graphs[c.training] = c.wide
         log.debug("wide_compiler: wide graph:\n%s", c.wide.graph_module.code)
         return c.wide
@@ -194,21 +256,64 @@ class WideModel(MemberOpsMixin, nn.Module):
         activations channels-last, Note [Channels-last max pooling]). When tuning changed any
         strategy, the whole graph runs on the sample (N-first copies; forward, plus backward for
         a train graph) with the tuned and with the default strategies, in alternating blocks of
-        calls (the first of each block warms up; medians), and the
-        defaults are kept unless the tuned graph is faster by more than ``tune_margin``. Buffers
-        are restored and no ``.grad`` is written; a sample the graph cannot run keeps the tuned
-        choices (logged at debug level)."""
-        nodes = [node for node in c.wide.graph_module.graph.nodes if "wide_tune" in node.meta]
+        calls (the first of each block warms up; medians), and the defaults are kept unless the
+        tuned graph is faster by more than ``tune_margin``: this check has the final word. Its
+        outcome is cached with the ops' picks (a later compile of the same graph decides the
+        same without running it) and is bounded by what is left of ``tune_budget_s``: with
+        nothing left, or cut short (too few runs to trust), the defaults are kept and nothing is
+        cached, so only a complete check can keep tuned strategies. Buffers are
+        restored and no ``.grad`` is written; a sample the graph cannot run keeps the tuned
+        choices (logged at debug level). Each changed op's ``summary()`` reason says what the
+        check decided."""
+        from . import tuning
+
+        gm = c.wide.graph_module
+        nodes = [node for node in gm.graph.nodes if "wide_tune" in node.meta]
         tuned = {node: node.kwargs.get("strategy") for node in nodes}
         default = {node: node.meta["wide_tune"].default for node in nodes}
+        budget = gm.meta.get("wide_tuning")
         if not self._config.tune or self._config.strategy != "auto" or tuned == default:
+            if budget is not None and nodes:
+                budget.finish("model-level check: not needed (every op kept its default)")
             return
-        gm = c.wide.graph_module
+        margin = self._config.tune_margin
 
         def use(strategies: dict) -> None:
             for node, name in strategies.items():
                 node.update_kwarg("strategy", name)
             gm.recompile()
+
+        def decide(keep: bool, outcome: str) -> None:
+            use(tuned if keep else default)
+            brief = outcome.split(" (")[0].replace(" ms vs defaults ", " vs ")  # the header has it all
+            for node in nodes:
+                if tuned[node] == default[node]:
+                    continue
+                alone = node.meta.get("wide_strategy_reason", "")
+                node.meta["wide_strategy_reason"] = (
+                    f"{alone}; model-level check kept it ({brief})" if keep else
+                    f"model-level check kept the default ({brief}); alone: {alone}")
+            if budget is not None:
+                budget.finish(f"model-level check: {outcome}, kept the {'tuned set' if keep else 'defaults'}")
+            log.info("wide_compiler: %s graph: model-level check: %s: keeping the %s",
+                     "train" if c.training else "eval", outcome, "tuned strategies" if keep else "defaults")
+
+        def compare(t_tuned: float, t_default: float) -> tuple[bool, str]:
+            keep = t_tuned < t_default * (1 - margin)
+            return keep, (f"tuned set {t_tuned:.3f} ms vs defaults {t_default:.3f} ms, "
+                          f"{t_tuned / max(t_default, 1e-12):.0%} of the defaults' time "
+                          f"({'<' if keep else 'not <'} {1 - margin:.0%} needed)")
+
+        key = tuning.cache_key("model_check", train=c.training, n=self.n,
+                               ops=[[node.meta.get("wide_tune_key"), tuned[node]] for node in nodes])
+        hit = tuning.lookup(key, self._config)
+        ms = (hit or {}).get("timings_ms") or {}
+        if hit is not None and hit["strategy"] in ("tuned", "default") and {"tuned", "default"} <= set(ms):
+            decide(hit["strategy"] == "tuned", "cached: " + compare(ms["tuned"], ms["default"])[1])
+            return
+        if budget is not None and budget.exhausted():
+            decide(False, "skipped: tuning budget exhausted")
+            return
 
         wide_sample = tree_map(lambda a: a.unsqueeze(0).expand(self.n, *a.shape).clone()
                                if isinstance(a, torch.Tensor) else a, self._sample)
@@ -227,29 +332,44 @@ class WideModel(MemberOpsMixin, nn.Module):
                 torch.cuda.synchronize()
 
         times: dict[str, list[float]] = {"tuned": [], "default": []}
+        cut_short = False
         try:
             order = [("tuned", tuned), ("default", default)]
             for k in range(3):  # blocks of calls, alternating; the first call of a block warms up
                 for label, strategies in order[::-1] if k % 2 else order:
                     use(strategies)
                     for j in range(1 + max(2, self._config.tune_repeats // 2)):
-                        start = time.perf_counter()
+                        start = tuning.now()
                         run()
                         if j:
-                            times[label].append(time.perf_counter() - start)
+                            times[label].append(tuning.now() - start)
+                        if budget is not None and budget.exhausted():  # overruns by one run at most
+                            cut_short = True
+                            break
+                    if cut_short:
+                        break
+                if cut_short:
+                    break
         except Exception as e:  # noqa: BLE001 -- a check of speed never fails a compile
             log.debug("wide_compiler: model-level tuning check skipped (%s: %s)", type(e).__name__, e)
             use(tuned)
+            if budget is not None:
+                budget.finish(f"model-level check skipped (the sample does not run: {type(e).__name__}), "
+                              "kept the tuned set")
             return
         finally:
             with torch.no_grad():
                 for name, b in self.named_buffers():
                     b.copy_(saved[name])
-        t_tuned, t_default = (statistics.median(v) for v in (times["tuned"], times["default"]))
-        keep = t_tuned < t_default * (1 - self._config.tune_margin)
-        use(tuned if keep else default)
-        log.info("wide_compiler: %s graph: tuned strategies %.3f ms, defaults %.3f ms: keeping the %s",
-                 "train" if c.training else "eval", t_tuned * 1e3, t_default * 1e3, "tuned" if keep else "defaults")
+        if cut_short:  # too few runs to trust on a machine this busy: the defaults, not cached
+            ran = f"{len(times['tuned'])} tuned and {len(times['default'])} default runs"
+            decide(False, f"cut short by the tuning budget after {ran}")
+            return
+        t_tuned, t_default = (1e3 * statistics.median(v) for v in (times["tuned"], times["default"]))
+        keep, outcome = compare(t_tuned, t_default)
+        tuning.remember(key, {"strategy": "tuned" if keep else "default",
+                              "timings_ms": {"tuned": t_tuned, "default": t_default}}, self._config)
+        decide(keep, outcome)
 
     def _graph_for(self, training: bool) -> WideGraph:
         """The wide graph of a train/eval mode, compiled on first use (once, whatever the threads:
@@ -274,10 +394,94 @@ class WideModel(MemberOpsMixin, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling() and _any_packed(args, kwargs):
             return self.packed(*args, **kwargs)  # wide(wc.pack(xs)): WideCompiler 0.x's convention
-        return self._call_graph(self._graph_for(self.training), args, kwargs)
+        try:
+            return self._call_graph(self._graph_for(self.training), args, kwargs)
+        except _NewSize:  # raised before the graph runs: nothing to undo
+            return self._call_graph(self._resized(self.training, args, kwargs), args, kwargs)
+
+    def _resized(self, training: bool, args: tuple, kwargs: dict) -> WideGraph:
+        """Note [Dynamic sizes on demand]: the first capture keeps only the batch dynamic (cheap,
+        and what nearly every model varies). A call whose tensor differs from the captured sizes
+        in another dim (a sequence length, an image size) captures this mode's graph again with
+        those dims ``Dim.AUTO`` (as torch.compile's automatic dynamic does: once per dim, logged),
+        and later sizes reuse it; the other mode's graph takes the dims at its next capture. When
+        export still fixes such a dim, the forward fixes it (a Linear over it, a view with a
+        constant): the error names the size, and where export found it when it can. Strategies
+        are not measured again: ops keep the current graph's choices (by node and op), new ones
+        their defaults. Under the compile lock, so two threads never build a graph twice."""
+        with COMPILE_LOCK:
+            wg = self._graph_for(training)
+            users = [inp for inp in wg.inputs if inp.kind == "user"]
+            new: dict[tuple[int, int], tuple[int, int]] = {}  # (input, dim) -> (call's size, captured)
+            shapes: dict[int, list[int]] = {}
+            for k, (inp, x) in enumerate(zip(users, self._user_inputs(wg, args, kwargs))):
+                member = inp.member_shape
+                shapes[k] = list(x.shape) if isinstance(x, torch.Tensor) else []
+                if isinstance(x, torch.Tensor) and member is not None and x.dim() == len(member) + 1 \
+                        and x.shape[0] == self.n:
+                    new.update({(k, d): (int(x.shape[d + 1]), m) for d, m in enumerate(member)
+                                if m is not None and m != x.shape[d + 1]})
+            if not new:
+                return wg  # another thread captured it already (or another error: the call raises it)
+            for k, d in new:
+                if (training, k, d) in self._fixed:
+                    raise ValueError(_fill(self._fixed[(training, k, d)], shapes[k], new[(k, d)][0]))
+            mode = "train" if training else "eval"
+            for (k, d), (size, was) in new.items():
+                log.info("wide_compiler: input '%s' dim %d is %d in this call, %d when the %s graph was "
+                         "captured: capturing the %s graph again with that dim dynamic (once: later sizes "
+                         "reuse it)", users[k].name, d + 1, size, was, mode, mode)
+            extra = dict(self._extra_dims)
+            for k, d in new:
+                extra[k] = extra.get(k, frozenset()) | {d}
+            ref = next(self.parameters(), None)
+            c = Compilation(self._capture_template[0].train(training), self._sample, self.n,
+                            self._config.replace(tune=False), dynamic_shapes=self._dynamic_shapes,
+                            opaque_paths=self._capture_template[1], extra_dims=extra,
+                            dtype=ref.dtype if ref is not None else None,
+                            device=ref.device if ref is not None else None,
+                            constants=self.__dict__.get("_constants"))
+            run_pipeline(c, [p for p in PASSES if p.name == "capture"])
+            placeholders = _user_placeholders(c.ep)
+            fixed = {}
+            for (k, d), (size, was) in new.items():
+                val = placeholders[k].meta.get("val") if k < len(placeholders) and placeholders[k] is not None \
+                    else None
+                if not isinstance(val, torch.Tensor) or is_concrete_int(val.shape[d]):  # export fixed it
+                    where = c.specialised.where(users[k].name, d, was) if c.specialised else ""
+                    dims = _member_dims(users[k].member_shape)
+                    what = (f"wide_compiler: input '{users[k].name}' has shape <<shape>>; expected N-first "
+                            f"[{self.n}, {dims}]: its dim {d + 1} (dim {d} of one member's input) is "
+                            f"<<size>>, but the {mode} graph of {type(self._template).__name__} has it fixed at "
+                            f"capture to {was}{' (' + where + ')' if where else ''}: ")
+                    if _member_accepts(self._template, training, args, kwargs):
+                        what += (f"each member alone accepts <<size>>, but torch.export fixes that size "
+                                 f"(the shape function of an op there needs a concrete size). Compile with "
+                                 f"a sample of the size you call with, or pad the inputs to {was}.")
+                    else:
+                        what += (f"each member takes only {was} there too (a Linear or a weight over "
+                                 f"that dim, a view with a constant size...). Pass inputs with {was} there, "
+                                 f"as you would to each member.")
+                    what += (f" (Inputs are N-first: stack per-member inputs with wide_compiler.stack(xs), "
+                             f"or share one input x with x.expand({self.n}, *x.shape).)")
+                    self._fixed[(training, k, d)] = what
+                    fixed[(k, d)] = _fill(what, shapes[k], size)
+            if len(fixed) == len(new):
+                raise ValueError(next(iter(fixed.values())))
+            run_pipeline(c, [p for p in PASSES if p.name not in ("check_members", "capture")])
+            _keep_strategies(wg, c.wide)
+            for (k, d), (size, _) in new.items():
+                if (k, d) not in fixed:
+                    self._extra_dims[k] = self._extra_dims.get(k, frozenset()) | {d}
+                    self._grown.setdefault((k, d), size)
+            wg = self._adopt(c, check_tuning=False)
+            if fixed:
+                raise ValueError(next(iter(fixed.values())))
+            return wg
 
     def _call_graph(self, wg: WideGraph, args: tuple, kwargs: dict) -> Any:
         flat = self._user_inputs(wg, args, kwargs)
+        ranges = self._ranges.get(id(wg))
         feeds, user = [], iter(flat)
         for inp, holder in zip(wg.inputs, self._holders(wg)):
             if holder is not None:  # a stacked parameter/buffer/constant: read it live
@@ -288,7 +492,7 @@ class WideModel(MemberOpsMixin, nn.Module):
                 feeds.append(self)
             else:
                 x = next(user)
-                self._check_input(x, inp)
+                self._check_input(x, inp, ranges)
                 feeds.append(x)
         if torch.compiler.is_compiling():
             outs = wg.graph_module(*feeds)
@@ -360,11 +564,18 @@ class WideModel(MemberOpsMixin, nn.Module):
         without running anything (``compile(..., compile_model=True)`` runs it before the compiled
         call, so a wrong input is reported as such and not as a torch.compile failure)."""
         wg = self._graph_for(self.training)
-        users = (inp for inp in wg.inputs if inp.kind not in ("parameter", "buffer", "constant", "root"))
-        for inp, x in zip(users, self._user_inputs(wg, args, kwargs)):
-            self._check_input(x, inp)
+        for attempt in range(2):
+            users = (inp for inp in wg.inputs if inp.kind not in ("parameter", "buffer", "constant", "root"))
+            try:
+                for inp, x in zip(users, self._user_inputs(wg, args, kwargs)):
+                    self._check_input(x, inp, self._ranges.get(id(wg)))
+                return
+            except _NewSize:  # captured again here, in eager Python, before a compiled call
+                if attempt:
+                    raise
+                wg = self._resized(self.training, args, kwargs)
 
-    def _check_input(self, x: Any, inp) -> None:
+    def _check_input(self, x: Any, inp, ranges: dict | None = None) -> None:
         if not isinstance(x, torch.Tensor):
             if x != inp.sample_value:
                 raise ValueError(
@@ -377,14 +588,32 @@ class WideModel(MemberOpsMixin, nn.Module):
             return
         ok = x.dim() == len(member) + 1 and x.shape[0] == self.n and all(
             m is None or m == s for m, s in zip(member, x.shape[1:]))
+        if ok and ranges and inp.name in ranges:
+            for d, lo, hi in ranges[inp.name]:
+                size = x.shape[d + 1]
+                if size < lo or (hi is not None and size > hi):
+                    raise ValueError(
+                        f"wide_compiler: input '{inp.name}' dim {d + 1} is {size}, but the captured "
+                        f"graph holds for sizes {_size_range(lo, hi)} there only (the forward tests "
+                        f"that size: an `if` on x.shape, a table of that many rows such as a position "
+                        f"embedding); each member fails or runs another branch for {size}, so the wide "
+                        f"model refuses it rather than run the wrong one")
         if not ok:
             dims = _member_dims(member)
+            if (self._dynamic_shapes is None and x.dim() == len(member) + 1 and x.shape[0] == self.n
+                    and not torch.compiler.is_compiling()):
+                raise _NewSize(f"wide_compiler: input '{inp.name}' has shape {list(x.shape)}; "
+                               f"captured as [{self.n}, {dims}]")
+            hint = ""
+            if x.dim() == len(member) and member and member[0] is None and x.shape[0] == self.n:
+                hint = (" If the compile sample had the member dim too, compile with ONE member's "
+                        "input (the sample without N).")
             raise ValueError(
                 f"wide_compiler: input '{inp.name}' has shape {list(x.shape)}; expected N-first "
                 f"[{self.n}, {dims}] (one member's input is [{dims}] and there are {self.n} "
                 f"members; sizes given as numbers were fixed at capture by the forward's ops, "
                 f"B and * are free). Stack per-member inputs with wide_compiler.stack(xs), or "
-                f"share one input x with x.expand({self.n}, *x.shape).")
+                f"share one input x with x.expand({self.n}, *x.shape).{hint}")
 
     def clear_caches(self) -> None:
         """Drop what the eval graph derived from this model's parameters and kept (the folded
@@ -414,9 +643,12 @@ class WideModel(MemberOpsMixin, nn.Module):
         return {n.name: n.kwargs["strategy"] for n in wg.graph_module.graph.nodes if "strategy" in n.kwargs}
 
     def summary(self) -> str:
-        """A table of the wide ops of the current graph: node, module, op, strategy, member shapes."""
+        """A table of the wide ops of the current graph: node, module, op, strategy, member shapes,
+        measured times and why each strategy was chosen (heuristic default, measured against the
+        default and the margin, cached, budget exhausted, the model-level check's verdict), under
+        a line on the tuning of this graph (time spent, budget, the check's outcome)."""
         wg = self._graph_for(self.training)
-        rows = [("node", "module", "wide op", "strategy", "member input", "weight", "tuned (ms)")]
+        rows = [("node", "module", "wide op", "strategy", "member input", "weight", "tuned (ms)", "why")]
         for node in wg.graph_module.graph.nodes:
             if "wide_op" not in node.meta:
                 continue
@@ -425,7 +657,9 @@ class WideModel(MemberOpsMixin, nn.Module):
             rows.append((node.name, module_path(node) or "-", node.meta["wide_op"],
                          node.kwargs.get("strategy", "-"), str(shapes.get("input", "-")),
                          str(shapes.get("weight", "-")),
-                         ", ".join(f"{k} {v:.3f}" for k, v in t.items()) if t else "-"))
+                         ", ".join(f"{k} {v:.3f}" for k, v in t.items()) if t else "-",
+                         node.meta.get("wide_strategy_reason")
+                         or ("only strategy" if "strategy" in node.kwargs else "-")))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -439,7 +673,37 @@ class WideModel(MemberOpsMixin, nn.Module):
         inputs = ", ".join(f"{i.name} [{_member_dims(i.member_shape)}]" for i in wg.inputs
                            if i.kind == "user" and i.member_shape is not None)
         head += f"\ninputs (one member's; B and * are dynamic, numbers fixed): {inputs or '-'}"
+        head += f"\n{self._dynamic_dims(wg)}"
+        constants = self.per_member_constants
+        if constants:
+            readers = self.__dict__.get("_constant_readers") or {}
+            head += "\nper-member constants: " + "; ".join(
+                f"{p} {v} ({', '.join(readers.get(p, [])) or 'read by no op'})" for p, v in constants.items())
+        budget = wg.graph_module.meta.get("wide_tuning")
+        if budget is not None:
+            head += f"\n{budget.describe()}"
         return "\n".join([head, *lines])
+
+    def _dynamic_dims(self, wg: WideGraph) -> str:
+        """The summary's line naming every dynamic dim of the graph's inputs and why it is."""
+        from .fx.capture import _sequence_first
+
+        parts, batch = [], (0, 1) if _sequence_first(self._template) else (0,)
+        users = [i for i in wg.inputs if i.kind == "user"]
+        ranges = self._ranges.get(id(wg)) or {}
+        for k, inp in enumerate(users):
+            for d, m in enumerate(inp.member_shape or ()):
+                if m is not None:
+                    continue
+                why = ("since a call with size " + str(self._grown[(k, d)])) if (k, d) in self._grown else \
+                    "batch" if d in batch else "dynamic at capture"
+                lim = next(((lo, hi) for dd, lo, hi in ranges.get(inp.name, ()) if dd == d), None)
+                if lim is not None:
+                    why += f"; sizes {_size_range(*lim)}"
+                parts.append(f"{inp.name} dim {d} ({why})")
+        more = ("; a new size in another dim captures the graph again with that dim dynamic, once"
+                if self._dynamic_shapes is None else "; set by compile(dynamic_shapes=...)")
+        return f"dynamic dims (one member's): {', '.join(parts) or 'none'}{more}"
 
     @property
     def fallbacks(self) -> list[dict[str, str]]:
@@ -562,6 +826,7 @@ class WideModel(MemberOpsMixin, nn.Module):
                                              if kind == "_parameters" else value)
                         path, _, attr = name.rpartition(".")
                         getattr(m.get_submodule(path), kind)[attr] = copies[id(t)]
+                self._set_member_constants(m, i)
                 out.append(m.train(self.training))
         return out
 
@@ -688,6 +953,95 @@ def _member_dims(member: tuple) -> str:
     """One member's input shape as captured: ``B`` for a dynamic dim 0, ``*`` for another
     dynamic dim (a sequence-first batch, a length), numbers for sizes export fixed."""
     return ", ".join(str(m) if m is not None else "B" if k == 0 else "*" for k, m in enumerate(member))
+
+
+class _NewSize(ValueError):
+    """A call's tensor differs from the captured sizes in a fixed dim (rank and N as captured):
+    :meth:`WideModel._resized` captures the graph again (Note [Dynamic sizes on demand])."""
+
+
+def _user_placeholders(ep: ExportedProgram) -> list:
+    """The placeholders of the user inputs of ``ep``, in the flat order of its inputs (None for
+    an input with no placeholder)."""
+    from torch.export.graph_signature import InputKind
+
+    names = [spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT]
+    nodes = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    return [nodes.get(name) for name in names]
+
+
+def _narrow_ranges(ep: ExportedProgram) -> dict[str, tuple[tuple[int, int, int | None], ...]]:
+    """Per user input (placeholder name): ``(dim, low, high)`` of every dynamic dim that export
+    found the program valid for only in part (a branch on the size): a lower bound above 2 or an
+    upper bound (high None: unbounded). Dims of the default range ``[2, inf)`` are not listed
+    (sizes 0 and 1 run the same program; export only avoids them as samples)."""
+    import sympy
+
+    out = {}
+    for node in _user_placeholders(ep):
+        val = node.meta.get("val") if node is not None else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        checks = []
+        for d, size in enumerate(val.shape):
+            expr = getattr(getattr(size, "node", None), "expr", None)
+            if not isinstance(expr, sympy.Symbol) or expr not in ep.range_constraints:
+                continue
+            vr = ep.range_constraints[expr]
+            lo, hi = _bound(vr.lower) or 0, _bound(vr.upper)
+            lo = lo if lo > 2 else 0  # export's own floor (it avoids 0 and 1 as samples only)
+            if lo > 2 or hi is not None:
+                checks.append((d, lo, hi))
+        if checks:
+            out[node.name] = tuple(checks)
+    return out
+
+
+def _size_range(lo: int, hi: int | None) -> str:
+    return f"up to {hi}" if not lo and hi is not None else f"{lo} or more" if hi is None else f"{lo} to {hi}"
+
+
+def _fill(message: str, shape: list[int], size: int) -> str:
+    """A cached fixed-size message for this call's shape and size."""
+    return message.replace("<<shape>>", str(shape)).replace("<<size>>", str(size))
+
+
+def _member_accepts(template: nn.Module, training: bool, args: tuple, kwargs: dict) -> bool:
+    """Whether a copy of member 0's module runs on member 0's slice of a call's inputs."""
+    first = tree_map(lambda a: a[0] if isinstance(a, torch.Tensor) and a.dim() else a, (tuple(args), dict(kwargs)))
+    try:
+        with torch.random.fork_rng(), torch.no_grad():
+            copy.deepcopy(template).train(training)(*first[0], **first[1])
+        return True
+    except Exception:  # noqa: BLE001 -- any failure: the member does not take it
+        return False
+
+
+def _bound(v: Any) -> int | None:
+    """A range bound as an int; None for an infinite one."""
+    try:
+        return int(v) if bool(v.is_finite) else None
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return None
+
+
+def _keep_strategies(old: WideGraph, new: WideGraph) -> None:
+    """Give the ops of ``new`` the strategies of ``old``'s ops of the same node name and wide op
+    (the choices measured and checked at compile time); others keep what the strategy pass chose."""
+    before = {n.name: n for n in old.graph_module.graph.nodes if "wide_tune" in n.meta}
+    changed = False
+    for node in new.graph_module.graph.nodes:
+        prev = before.get(node.name)
+        if prev is None or prev.meta.get("wide_op") != node.meta.get("wide_op") or "wide_tune" not in node.meta:
+            continue
+        name = prev.kwargs.get("strategy")
+        if name in node.meta["wide_tune"].names and name != node.kwargs.get("strategy"):
+            node.update_kwarg("strategy", name)
+            if "wide_strategy_reason" in prev.meta:
+                node.meta["wide_strategy_reason"] = prev.meta["wide_strategy_reason"]
+            changed = True
+    if changed:
+        new.graph_module.recompile()
 
 
 class PackedWideModel(nn.Module):

@@ -1,15 +1,26 @@
 """Measured strategy choice for wide operators, cached on disk.
 
 Each wide op offers several strategies (``torch.ops.wide.linear``: ``bmm`` or ``loop``). At compile
-time :func:`choose_strategy` times each candidate on the sample shapes (a few warm-up calls, then
-the median of ``config.tune_repeats`` timed calls) and keeps the fastest; the default candidate
-wins unless another is faster by ``config.tune_margin``, so timing noise does not flip choices.
-Results are cached in ``<cache_dir>/strategies.json`` keyed by op, shapes, dtype, device, thread
-count and library versions, so a second compile of the same shapes costs nothing.
+time :func:`measure_strategy` times each candidate on the sample shapes: a few warm-up calls, then
+``config.tune_repeats`` rounds in which every candidate runs once (interleaved, so a burst of load
+from other processes hits every candidate of that round alike). A candidate replaces the default
+only when the median over rounds of its per-round speedup over the default exceeds
+``config.tune_margin``: within the margin the default is kept, so picks do not flip between runs
+on a noisy machine. Results are cached in ``<cache_dir>/strategies.json`` keyed by op, shapes,
+dtype, device, thread count and library versions, so a second compile of the same shapes costs
+nothing and chooses the same.
+
+Measuring one graph is bounded by ``config.tune_budget_s`` (a :class:`Budget`): ops are measured
+until 70% of it is spent (an op started is finished or, once the whole budget is spent, abandoned:
+the clock is read after every call, so the budget overruns by one call at most), the rest is left
+to the model-level check (``WideModel._check_tuning``); ops not measured keep their default,
+are not cached (a later compile measures them), and the give-up is logged once per graph and shown
+by ``summary()``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -24,10 +35,84 @@ import torch
 
 from .config import WideConfig
 
-__all__ = ["choose_strategy", "cache_key"]
+__all__ = ["choose_strategy", "measure_strategy", "cache_key", "Budget", "Choice"]
 
 log = logging.getLogger(__name__)
 _CACHE_FILE = "strategies.json"
+_WARMUP = 3  # untimed calls per candidate before the timed rounds (first calls pay one-time setup)
+MEASURE_SHARE = 0.7  # of the budget, for measuring ops; the rest is the model-level check's
+
+_clock: Callable[[], float] = time.perf_counter  # tests replace it with a fake clock
+
+
+def now() -> float:
+    """Seconds of the clock tuning and its budget use (module-level so tests can fake it)."""
+    return _clock()
+
+
+class Budget:
+    """The measuring time allowed to one compiled graph (``WideConfig.tune_budget_s``; None: no
+    limit), and what happened to it: ``gave_up_at`` (the first node left unmeasured), ``skipped``
+    (how many), ``check`` (the model-level check's outcome, for ``summary()``)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.start = now()
+        self.measured = 0
+        self.cached = 0
+        self.skipped = 0
+        self.gave_up_at: str | None = None
+        self.check: str | None = None
+        self.elapsed: float | None = None
+
+    def spent(self) -> float:
+        return now() - self.start
+
+    def exhausted(self, share: float = 1.0) -> bool:
+        return self.seconds is not None and self.spent() >= self.seconds * share
+
+    def give_up(self, where: str, op: str) -> None:
+        """Record an op left at its default; the first one is logged."""
+        self.skipped += 1
+        if self.gave_up_at is None:
+            self.gave_up_at = where
+            hint = ("" if os.environ.get("OMP_WAIT_POLICY") else
+                    " On a busy machine, starting Python with OMP_WAIT_POLICY=PASSIVE makes measuring faster"
+                    " (OpenMP reads it once, when torch loads);")
+            log.warning("wide_compiler: tuning budget of %.1f s (WideConfig.tune_budget_s) exhausted at "
+                        "node '%s' (%s) after %.1f s: it and the ops not yet measured keep their default "
+                        "strategies (measured on a later compile).%s WideConfig.fast() skips measuring.",
+                        self.seconds, where, op, self.spent(), hint)
+
+    def finish(self, check: str | None = None) -> None:
+        """Stop the clock of :meth:`describe` (after the ops, and again after the model-level
+        check, whose outcome ``check`` is kept)."""
+        self.elapsed = self.spent()
+        if check is not None:
+            self.check = check
+
+    def describe(self) -> str:
+        """One line for ``summary()``."""
+        limit = "no limit" if self.seconds is None else f"budget {self.seconds:g} s"
+        elapsed = self.elapsed if self.elapsed is not None else self.spent()
+        text = (f"tuning: {self.measured} measured, {self.cached} cached, {self.skipped} left at default, "
+                f"{elapsed:.2f} s ({limit})")
+        if self.gave_up_at is not None:
+            text += f"; budget exhausted at node '{self.gave_up_at}'"
+        if self.check is not None:
+            text += f"; {self.check}"
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One op's strategy and why: ``source`` is ``"heuristic"`` (not measured: tuning off or
+    forced), ``"measured"``, ``"cached"`` or ``"budget"`` (budget exhausted, default kept)."""
+
+    strategy: str
+    timings_ms: dict[str, float] | None
+    reason: str
+    source: str
 
 
 def cache_key(op: str, **fields: Any) -> str:
@@ -119,19 +204,147 @@ def _store(path, key: str, value: dict[str, Any]) -> None:
         log.warning("wide_compiler: cannot write the strategy cache %s: %s", path, e)
 
 
-def _median_ms(candidates: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median wall time (ms) of each candidate. All are warmed up first (first calls pay one-time
-    library initialisation) and then timed round-robin, so drift hits every candidate alike."""
+def _measure(candidates: Mapping[str, Callable[[], Any]], repeats: int,
+             budget: Budget | None = None) -> dict[str, list[float]] | None:
+    """Wall time (ms) of each candidate per round. All are warmed up first (first calls pay one-time
+    library initialisation) and then timed round-robin, so drift hits every candidate alike. None
+    when ``budget`` ran out before the rounds were done (the measurement is abandoned)."""
+    def out_of_time() -> bool:
+        return budget is not None and budget.exhausted()
+
     for fn in candidates.values():
-        for _ in range(3):
+        for _ in range(_WARMUP):
             fn()
+            if out_of_time():  # checked after every call: a budget overruns by one call at most
+                return None
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(repeats):
         for name, fn in candidates.items():
-            start = time.perf_counter()
+            start = now()
             fn()
-            times[name].append(1e3 * (time.perf_counter() - start))
-    return {name: statistics.median(t) for name, t in times.items()}
+            times[name].append(1e3 * (now() - start))
+            if out_of_time():
+                return None
+    return times
+
+
+def _ratio(times: Mapping[str, list[float]], default: str, name: str) -> float:
+    """Median over rounds of default's time / ``name``'s time: > 1 when ``name`` is faster. Paired
+    by round, so load that comes and goes cancels out."""
+    return statistics.median(d / max(t, 1e-9) for d, t in zip(times[default], times[name]))
+
+
+def _fmt(timings: Mapping[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f} ms" for k, v in timings.items())
+
+
+def _decide(times: Mapping[str, list[float]], default: str, margin: float) -> tuple[str, str]:
+    """The strategy to use and why: the candidate of the largest median speedup over the default
+    if that speedup exceeds ``margin``, else the default."""
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    others = {k: _ratio(times, default, k) for k in times if k != default}
+    if default not in times or not others:
+        best = min(medians, key=medians.get)
+        return best, f"measured: {_fmt(medians)}"
+    best = max(others, key=others.get)
+    speedup, need = others[best], 1.0 + margin
+    if speedup > need:
+        return best, (f"measured: {best} {medians[best]:.3f} ms vs default {default} {medians[default]:.3f} ms, "
+                      f"{speedup:.2f}x speedup > {need:.2f}x needed (margin)")
+    quickest = min(medians, key=medians.get)
+    if quickest == default and speedup <= 1.0:
+        return default, f"measured: default best ({_fmt(medians)})"
+    if quickest != default:
+        best = quickest  # the paired speedup can disagree with the medians: name the one they favour
+        speedup = others[best]
+    return default, (f"kept default: within margin ({best} {medians[best]:.3f} ms vs {default} "
+                     f"{medians[default]:.3f} ms, {speedup:.2f}x paired speedup <= {need:.2f}x needed)")
+
+
+def _describe_cached(strategy: str, default: str, timings: Mapping[str, float] | None) -> str:
+    if not timings:
+        return f"cached: {strategy}"
+    if strategy == default:
+        return f"cached: default kept ({_fmt(timings)})"
+    return f"cached: {strategy} {timings.get(strategy, float('nan')):.3f} ms vs default {default} " \
+           f"{timings.get(default, float('nan')):.3f} ms"
+
+
+def lookup(key: str, config: WideConfig) -> dict[str, Any] | None:
+    """The valid cache entry of ``key`` (None: none, or caching off)."""
+    if not config.cache:
+        return None
+    return _load(os.path.join(config.resolved_cache_dir(), _CACHE_FILE)).get(key)
+
+
+def remember(key: str, value: dict[str, Any], config: WideConfig) -> None:
+    """Store ``{"strategy": str, "timings_ms": {...}}`` under ``key`` (nothing when caching is off)."""
+    if config.cache:
+        _store(os.path.join(config.resolved_cache_dir(), _CACHE_FILE), key, value)
+
+
+def measure_strategy(
+    op: str,
+    key_fields: Mapping[str, Any],
+    make_candidates: Callable[[], Mapping[str, Callable[[], Any]]],
+    default: str,
+    config: WideConfig,
+    names: Sequence[str] | None = None,
+    *,
+    budget: Budget | None = None,
+    where: str = "",
+    heuristic: str = "",
+) -> Choice:
+    """Choose one op's strategy and say why (a :class:`Choice`). ``make_candidates()`` returns
+    ``{name: zero-argument callable running the op with that strategy}`` (forward only, or forward
+    and backward: the caller decides); it is called only when something must be measured.
+
+    ``names``: the op's strategies; a cache entry naming another (a stale cache) is measured again.
+    ``budget``: shared by the ops of one graph; once :data:`MEASURE_SHARE` of it is spent, ops keep
+    their default (``source="budget"``, not cached). ``where``: the node, for the give-up log.
+    ``heuristic``: why the default is the default, for the reasons. Example:
+
+        >>> import torch, wide_compiler as wc
+        >>> from wide_compiler.tuning import Budget, measure_strategy
+        >>> x, w = torch.randn(4, 8, 16), torch.randn(4, 32, 16)
+        >>> make = lambda: {s: (lambda s=s: torch.ops.wide.linear(x, w, strategy=s)) for s in ("bmm", "loop")}
+        >>> measure_strategy("linear", {"x": [4, 8, 16]}, make, "bmm", wc.WideConfig(tune=False),
+        ...                  heuristic="one batched GEMM").reason
+        'default (heuristic: one batched GEMM); tuning off'
+        >>> choice = measure_strategy("linear", {"x": [4, 8, 16]}, make, "bmm", wc.WideConfig(cache=False),
+        ...                           budget=Budget(5.0))
+        >>> choice.source, choice.reason.split(":")[0] in ("measured", "kept default")
+        ('measured', True)
+    """
+    because = f"default (heuristic: {heuristic or default})"
+    if not config.tune:
+        return Choice(default, None, because + "; tuning off", "heuristic")
+    key = cache_key(op, **key_fields, **({"strategies": sorted(names)} if names is not None else {}))
+    hit = lookup(key, config)
+    if hit is not None:
+        if names is None or hit["strategy"] in names:
+            log.debug("wide_compiler: strategy cache hit for %s: %s", op, hit["strategy"])
+            if budget is not None:
+                budget.cached += 1
+            return Choice(hit["strategy"], hit.get("timings_ms"),
+                          _describe_cached(hit["strategy"], default, hit.get("timings_ms")), "cached")
+        log.warning("wide_compiler: the strategy cache %s names %r for %s, which offers %s; measuring "
+                    "again", os.path.join(config.resolved_cache_dir(), _CACHE_FILE), hit["strategy"], op,
+                    list(names))
+    if budget is not None and budget.exhausted(MEASURE_SHARE):
+        budget.give_up(where or op, op)
+        return Choice(default, None, because + "; budget exhausted, not measured", "budget")
+    times = _measure(make_candidates(), config.tune_repeats, budget)
+    if times is None:
+        budget.give_up(where or op, op)
+        return Choice(default, None, because + "; budget exhausted while measuring", "budget")
+    best, reason = _decide(times, default, config.tune_margin)
+    timings = {k: statistics.median(v) for k, v in times.items()}
+    if budget is not None:
+        budget.measured += 1
+    log.info("wide_compiler: %s strategy %s (%s)", op, best, reason)
+    remember(key, {"strategy": best, "timings_ms": timings}, config)
+    return Choice(best, timings, reason, "measured")
 
 
 def choose_strategy(
@@ -142,11 +355,7 @@ def choose_strategy(
     config: WideConfig,
     names: Sequence[str] | None = None,
 ) -> tuple[str, dict[str, float] | None]:
-    """Pick the fastest strategy. ``make_candidates()`` returns ``{name: zero-argument callable
-    running the op with that strategy}`` (forward only, or forward and backward: the caller
-    decides); it is called only when something must be measured.
-
-    ``names``: the op's strategies; a cache entry naming another (a stale cache) is measured again.
+    """Pick the fastest strategy (:func:`measure_strategy` without a budget or reasons).
 
     Returns ``(strategy, timings_ms)``; ``timings_ms`` is ``None`` when nothing was measured
     (tuning off, forced strategy). Example:
@@ -160,24 +369,5 @@ def choose_strategy(
         >>> choose_strategy("linear", {"x": [4, 8, 16]}, make, "bmm", wc.WideConfig(cache=False))[0] in ("bmm", "loop")
         True
     """
-    if not config.tune:
-        return default, None
-    key = cache_key(op, **key_fields, **({"strategies": sorted(names)} if names is not None else {}))
-    path = os.path.join(config.resolved_cache_dir(), _CACHE_FILE)
-    if config.cache:
-        hit = _load(path).get(key)
-        if isinstance(hit, dict) and isinstance(hit.get("strategy"), str):
-            if names is None or hit["strategy"] in names:
-                log.debug("wide_compiler: strategy cache hit for %s: %s", op, hit["strategy"])
-                return hit["strategy"], hit.get("timings_ms")
-            log.warning("wide_compiler: the strategy cache %s names %r for %s, which offers %s; measuring "
-                        "again", path, hit["strategy"], op, list(names))
-    timings = _median_ms(make_candidates(), config.tune_repeats)
-    best = min(timings, key=timings.get)
-    if best != default and timings[default] <= timings[best] * (1.0 + config.tune_margin):
-        best = default
-    log.info("wide_compiler: %s strategy %s (%s)", op, best,
-             ", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()))
-    if config.cache:
-        _store(path, key, {"strategy": best, "timings_ms": timings})
-    return best, timings
+    choice = measure_strategy(op, key_fields, make_candidates, default, config, names)
+    return choice.strategy, choice.timings_ms

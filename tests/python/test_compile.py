@@ -672,16 +672,13 @@ def test_sgd_steps_match_members_trained_alone(factory):
 @pytest.mark.parametrize("odd, pattern", [
     (lambda: MLP(2, hidden=9), r"member 2: net\.0\.out_features is 9, member 0 has 8"),
     (lambda: MLP(2, act=nn.GELU), r"member 2: type of net\.1 is '?GELU'?, member 0 has '?ReLU'?"),
-    (lambda: MLP(2, act=lambda: nn.LeakyReLU(0.2)), None),
     (lambda: MLP(2).double(), r"member 2: net\.0\.weight\.dtype is torch\.float64, member 0 has "
                               r"torch\.float32"),
-], ids=["hidden-size", "activation-type", "negative-slope", "dtype"])
+], ids=["hidden-size", "activation-type", "dtype"])
 def test_architecture_mismatch(odd, pattern):
+    # (members that differ only in a float such as a LeakyReLU slope fuse: test_scalar_sweeps.py)
     torch.manual_seed(0)
-    base = MLP if pattern is not None else (lambda: MLP(2, act=lambda: nn.LeakyReLU(0.1)))
-    models = [base(), base(), odd()]
-    if pattern is None:
-        pattern = r"member 2: net\.1\.negative_slope is 0\.2, member 0 has 0\.1"
+    models = [MLP(2), MLP(2), odd()]
     with pytest.raises(wc.ArchitectureMismatchError, match=pattern):
         compile_fast(models, torch.randn(4, 5))
     assert issubclass(wc.ArchitectureMismatchError, ValueError)

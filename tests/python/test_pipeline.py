@@ -379,12 +379,13 @@ def test_model_level_tuning_check_keeps_one_of_the_two_and_leaves_no_trace(monke
 
     from wide_compiler import tuning
 
-    monkeypatch.setattr(tuning, "choose_strategy", lambda op, key, make, default, config, names: ("loop", None))
+    monkeypatch.setattr(tuning, "measure_strategy", lambda op, key, make, default, config, names, **kw:
+                        tuning.Choice("loop", None, "measured: forced by the test", "measured"))
     models = _trained_members(2)  # train mode: BatchNorm updates its running stats when run
     before = [{k: v.clone() for k, v in m.named_buffers()} for m in models]
     with caplog.at_level(logging.INFO, logger="wide_compiler.model"):
         wide = wc.compile(models, torch.randn(4, 3, 8, 8), config=wc.WideConfig(cache=False))
-    assert "tuned strategies" in caplog.text and "keeping the" in caplog.text
+    assert "model-level check: tuned set" in caplog.text and "keeping the" in caplog.text
     chosen = set(wide.strategies.values())
     assert chosen in ({"loop"}, {"grouped", "grouped_cl"}), chosen  # defaults: grouped_cl for the RGB conv
     for i, m in enumerate(models):  # the wide buffers are the members' initial ones

@@ -213,6 +213,8 @@ def test_whole_model_matches_members(name, training):
 
 
 def test_resnet_shared_input_float64_and_b1():
-    _compile_and_check(ResNetTiny, torch.randn(2, 3, 16, 16), x=torch.randn(1, 3, 16, 16, dtype=torch.float64),
-                       shared=True, dtype=torch.float64, training=False)
+    # the sample is what member 0 takes: float64 like its weights (check_sample runs it first)
+    _compile_and_check(ResNetTiny, torch.randn(2, 3, 16, 16, dtype=torch.float64),
+                       x=torch.randn(1, 3, 16, 16, dtype=torch.float64), shared=True, dtype=torch.float64,
+                       training=False)
     _compile_and_check(ResNetTiny, torch.randn(2, 3, 16, 16), x=torch.randn(3, 1, 3, 16, 16), training=False)

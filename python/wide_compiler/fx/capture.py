@@ -7,6 +7,7 @@ serves any batch size.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import linecache
@@ -22,18 +23,19 @@ import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..errors import ArchitectureMismatchError, WideCompileError
 from .forms import apply_capture_forms
 
 __all__ = ["capture", "check_members", "check_run_members", "check_traced_members", "graph_fingerprint",
-           "source_line"]
+           "source_line", "with_constants"]
 
 log = logging.getLogger(__name__)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OUR_DIR = os.path.dirname(os.path.dirname(__file__))
+_STDLIB_DIR = os.path.dirname(os.__file__)
 # nn.Module internals every module has; they are not hyperparameters.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
@@ -69,17 +71,29 @@ def _batch_spec(a: Any, dims: tuple[int, ...], batched: bool, batches: set[int])
 
 
 def _default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict,
-                            signature: inspect.Signature | None = None) -> Any:
+                            signature: inspect.Signature | None = None,
+                            extra_dims: dict[int, frozenset[int]] | None = None) -> Any:
     """``Dim.AUTO`` on the batch dim of every tensor input of 2+ dims: dim 0, and dim 1 too in a
     model with sequence-first modules (see :func:`_sequence_first`), and on a 1-D input as long as
     that batch. Export keeps dynamic what the program lets vary and specialises the rest (a
     size-1 dim broadcast over the batch stays 1). Only the likely batch dims are marked: a free
     feature dim could tie the batch to it. Keyed by the parameters of ``signature`` (default:
-    the forward's) when there are keyword inputs, else one entry per positional input."""
+    the forward's) when there are keyword inputs, else one entry per positional input.
+
+    ``extra_dims``: flat input index (as ``tree_flatten((args, kwargs))`` orders the sample's
+    leaves) -> more dims to mark ``Dim.AUTO`` (Note [Dynamic sizes on demand] in model.py)."""
     dims, batched = ((0, 1) if _sequence_first(model) else (0,)), _batched((args, kwargs))
-    batches = {int(a.shape[d]) for a in tree_flatten((args, kwargs))[0]
+    leaves = tree_flatten((args, kwargs))[0]
+    batches = {int(a.shape[d]) for a in leaves
                if isinstance(a, torch.Tensor) and a.dim() >= 2 for d in dims}
-    spec = lambda a: _batch_spec(a, dims, batched, batches)  # noqa: E731
+    extra = {id(leaves[k]): ds for k, ds in (extra_dims or {}).items() if k < len(leaves)}
+
+    def spec(a: Any) -> Any:
+        base = _batch_spec(a, dims, batched, batches)
+        more = extra.get(id(a))
+        if not more or not isinstance(a, torch.Tensor):
+            return base
+        return {**(base or {}), **{d: Dim.AUTO for d in sorted(more) if d < a.dim()}}
     if not kwargs and signature is None:
         return tuple(tree_map(spec, a) for a in args)
     bound = (signature or inspect.signature(model.forward)).bind(*args, **kwargs)
@@ -159,23 +173,28 @@ def batch_of_two(args: Any) -> Any:
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
-            dynamic_shapes: Any = None) -> ExportedProgram:
+            dynamic_shapes: Any = None, extra_dims: dict[int, frozenset[int]] | None = None) -> ExportedProgram:
     """``torch.export`` of one member (non-strict) with a dynamic batch dimension.
 
     A batch of 1 would be specialised by export (0/1 specialisation); such inputs are captured
     with a batch of 2 made by repeating the sample, so the wide model still takes any batch.
+    ``extra_dims`` (flat input index -> dims) marks more dims ``Dim.AUTO`` with the default
+    ``dynamic_shapes``: export keeps them dynamic unless the forward fixes them; a size-1 dim
+    among them is captured as 2 (repeated), as a batch of 1 is.
     """
     kwargs = dict(kwargs or {})
     signature = None
     if dynamic_shapes is None:
         # a forward(*args, **kwargs) is shown to export with one parameter per input
         signature = _flat_signature(model, tuple(args), kwargs)
-        dynamic_shapes = _default_dynamic_shapes(model, args, kwargs, signature)
+        dynamic_shapes = _default_dynamic_shapes(model, args, kwargs, signature, extra_dims)
+        if extra_dims:
+            args, kwargs = _repeat_size_one((tuple(args), kwargs), extra_dims)
         args, kwargs = batch_of_two((args, kwargs))
     registered: set[str] = set()
     while True:
         try:
-            with _ForwardSignature(model, signature):
+            with _ForwardSignature(model, signature), (_RecurrentShapes() if extra_dims else contextlib.nullcontext()):
                 return torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as e:  # export's own errors are many types; keep its reason whole
             found = _UNKNOWN_OUTPUT.search(str(e))
@@ -191,6 +210,189 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                     "the type with torch.utils._pytree.register_pytree_node so its tensors come out "
                     "N-first like any output.") from e
             raise _capture_error(model, e) from e
+
+
+class _RecurrentShapes:
+    """Note [Recurrent layers with a dynamic length]: export computes the output of
+    ``aten.gru``/``lstm``/``rnn_tanh``/``rnn_relu`` (kept whole in its graph) by running torch's
+    Python decomposition on fake tensors, which loops over the time steps (``input.unbind``)
+    and so fixes the sequence length. Within the block those ops' Python kernels give the outputs
+    by shape instead (the same shapes, made from every input so gradients flow as through the
+    op); the graph still holds the one whole op, which the wide form runs on real tensors for
+    whatever length it gets. Restored afterwards (the kernels are process-wide)."""
+
+    _KEYS = (torch._C.DispatchKey.CompositeImplicitAutograd, torch._C.DispatchKey.Autograd)
+
+    def __enter__(self) -> None:
+        aten = torch.ops.aten
+        self._saved = []
+        for op, fn in ((aten.gru.input, _rnn_shape), (aten.rnn_tanh.input, _rnn_shape),
+                       (aten.rnn_relu.input, _rnn_shape), (aten.lstm.input, _lstm_shape)):
+            for key in self._KEYS:
+                if key in op.py_kernels:
+                    self._saved.append((op, key, op.py_kernels[key]))
+                    op.py_kernels[key] = fn
+            op._dispatch_cache.clear()
+
+    def __exit__(self, *exc: Any) -> None:
+        for op, key, fn in self._saved:
+            op.py_kernels[key] = fn
+            op._dispatch_cache.clear()
+
+
+def _recurrent_out(input: torch.Tensor, hidden: int, bidirectional: bool, batch_first: bool,
+                   tensors: list) -> torch.Tensor:
+    # [B, T, D*H] / [T, B, D*H] keep dims 0 and 1 of the input whatever batch_first; unbatched [T, D*H]
+    shape = [*input.shape[:-1], (2 if bidirectional else 1) * hidden]
+    tie = sum(x.sum() for x in tensors) * 0  # every input feeds the result (autograd, as the op's)
+    return input.new_zeros(shape) + tie
+
+
+def _rnn_shape(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    out = _recurrent_out(input, hx.shape[-1], bidirectional, batch_first, [input, hx, *params])
+    return out, hx.new_zeros(hx.shape) + out.sum() * 0
+
+
+def _lstm_shape(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    h, c = hx
+    out = _recurrent_out(input, h.shape[-1], bidirectional, batch_first, [input, h, c, *params])
+    tie = out.sum() * 0
+    return out, h.new_zeros(h.shape) + tie, c.new_zeros(c.shape) + tie
+
+
+def _repeat_size_one(sample: tuple[tuple, dict], extra_dims: dict[int, frozenset[int]]) -> tuple[tuple, dict]:
+    """The sample with every size-1 dim of ``extra_dims`` repeated to 2 (export would fix a 1)."""
+    leaves, spec = tree_flatten(sample)
+    for k, dims in extra_dims.items():
+        a = leaves[k] if k < len(leaves) else None
+        if isinstance(a, torch.Tensor):
+            for d in dims:
+                if d < a.dim() and a.shape[d] == 1:
+                    a = a.repeat(*[2 if j == d else 1 for j in range(a.dim())])
+            leaves[k] = a
+    return tree_unflatten(leaves, spec)
+
+
+class SpecialisationLog:
+    """Within the block, where export fixed a dynamic size: ``fixed[(source, value)]`` is the
+    user's source line (and the innermost module) of the guard that made a symbol a constant,
+    read from the symbolic-shapes log (``create_symbol``/``guard added``/``set_replacement``)
+    while it runs; ``source`` is export's name of the size (``L['x'].size()[1]``). Best effort:
+    a torch whose log says it otherwise yields nothing, never an error."""
+
+    _LOGGER = "torch.fx.experimental.symbolic_shapes"
+    _CREATE = re.compile(r"create_symbol (\w+) = (-?\d+) for (\S+)")
+    _GUARD = re.compile(r"eval (.+?) \[guard added\]")
+    _REPLACE = re.compile(r"set_replacement (\w+) = (-?\d+)")
+
+    def __init__(self) -> None:
+        self.fixed: dict[tuple[str, int], str] = {}
+        self._symbols: dict[str, str] = {}
+        self._last_guard: dict[str, str] = {}
+
+    def __enter__(self) -> SpecialisationLog:
+        self._log = logging.getLogger(self._LOGGER)
+        self._saved = (self._log.level, self._log.handlers[:], self._log.propagate)
+        handler = logging.Handler()
+        handler.emit = self._emit  # type: ignore[method-assign]
+        if not self._log.isEnabledFor(logging.INFO):  # quiet unless the user asked for these logs
+            self._log.handlers, self._log.propagate = [], False
+            self._log.setLevel(logging.INFO)
+        self._log.addHandler(handler)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        level, handlers, propagate = self._saved
+        self._log.handlers, self._log.propagate = handlers, propagate
+        self._log.setLevel(level)
+
+    def _emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+            if (m := self._CREATE.match(msg)) is not None:
+                self._symbols[m[1]] = m[3]
+            elif (m := self._GUARD.match(msg)) is not None:
+                where = _user_frame_and_module()
+                for sym in re.findall(r"\b(s\d+)\b", m[1]):
+                    self._last_guard[sym] = where
+            elif (m := self._REPLACE.match(msg)) is not None and m[1] in self._symbols:
+                self.fixed[(self._symbols[m[1]], int(m[2]))] = self._last_guard.get(m[1], "")
+        except Exception:  # noqa: BLE001 -- a diagnostic never breaks a capture
+            pass
+
+    def where(self, input_name: str, dim: int, value: int) -> str:
+        """Where ``input_name`` (a graph placeholder name: ``x``, ``pair_0``, ``args_1``) dim
+        ``dim`` was fixed to ``value``, or ''."""
+        for (source, v), where in self.fixed.items():
+            head, _, tail = source.partition(".size()")
+            if v == value and tail == f"[{dim}]" and _placeholder_name(head) == input_name:
+                return where
+        return ""
+
+
+def _placeholder_name(source: str) -> str:
+    """``L['pair'][0]`` -> ``pair_0`` (export's placeholder name of an input)."""
+    source = source[1:] if source.startswith("L") else source
+    return "_".join(re.findall(r"\[['\"]?([^\]'\"]+)['\"]?\]", source))
+
+
+def _user_frame_and_module() -> str:
+    """The user's source line running now and the innermost module's class (for messages)."""
+    import sys
+
+    frame, module, user = sys._getframe(1), None, None
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if module is None and isinstance(owner, nn.Module):
+            module = type(owner).__name__
+        filename = frame.f_code.co_filename
+        if user is None and not filename.startswith((_TORCH_DIR, _OUR_DIR, _STDLIB_DIR)):
+            code = linecache.getline(filename, frame.f_lineno).strip()
+            user = f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}" + (f": {code}" if code else "")
+        if module is not None and user is not None:
+            break
+        frame = frame.f_back
+    parts = ([f"at {user}"] if user else []) + ([f"in a {module}"] if module else [])
+    return ", ".join(parts)
+
+
+def check_sample(model: nn.Module, args: tuple, kwargs: dict, n: int) -> None:
+    """Run member 0 eagerly on the sample before capture, so a sample it cannot take gets
+    PyTorch's own error with real sizes (export's would come with its log and symbolic sizes
+    such as ``s77``) and a hint about what the sample is. Nothing of the user's changes: the
+    member runs as a deep copy (or on clones of its tensors), with the random number generators
+    restored, in the caller's grad mode (a forward may take gradients inside)."""
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError:
+        return  # the capture names how the sample does not fit the forward's parameters
+    except ValueError:
+        pass  # no signature to read
+    devices = sorted({t.device.index for t in (*model.parameters(), *model.buffers()) if t.is_cuda} - {None})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            try:
+                member = copy.deepcopy(model)
+            except Exception:  # noqa: BLE001 -- objects that refuse to be copied
+                _run_on_clones(model, args, kwargs, contextlib.nullcontext())
+            else:
+                member(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 -- the member's own error, whatever its type
+        shapes = ", ".join(_describe_input(a) for a in tree_flatten((args, kwargs))[0]) or "no tensors"
+        leading = {a.shape[0] for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and a.dim()}
+        hint = (f" Its dim 0 is {n}, the number of members: if that is the member dim, pass one member's "
+                "input (sample[0]) instead." if leading == {n} else "")
+        raise WideCompileError(
+            f"wide_compiler: member 0 ({type(model).__name__}) fails on the sample ({shapes}): "
+            f"{type(e).__name__}: {e}\n"
+            "The sample is ONE member's input, without the member dim N: what you would pass to "
+            f"members[0](...), e.g. a batch [B, features] for an MLP.{hint}") from e
+
+
+def _describe_input(a: Any) -> str:
+    if isinstance(a, torch.Tensor):
+        return f"a {a.dtype} tensor {list(a.shape)}".replace("torch.", "")
+    return repr(a)
 
 
 # export's message for an output type it cannot flatten
@@ -413,10 +615,18 @@ def _module_class(m: nn.Module) -> type:
     return type(m)
 
 
-def check_members(models: Sequence[nn.Module]) -> None:
+def check_members(models: Sequence[nn.Module]) -> dict[str, tuple]:
     """Raise :class:`ArchitectureMismatchError` unless every member is the same program as
     member 0: class, module tree and types, training mode, hyperparameters and other non-tensor
     attributes, hooks, and parameter/buffer names, shapes, dtypes, devices and requires_grad.
+
+    Returns the *per-member constants*: module attributes that are Python numbers, at least one
+    of them a float, and differ between members (``nn.Dropout.p``, ``nn.LeakyReLU.negative_slope``,
+    ``LayerNorm.eps``, a user's ``self.temperature``), as ``{attribute path: (value of member 0,
+    ..., value of member N-1)}``. They are not refused here: the compiler traces the program with
+    them changed and makes the ops that read them per member, or refuses naming them (Note
+    [Per-member constants] in fx/constants.py). Integers (possibly sizes), booleans (flags) and
+    anything else that differs are refused.
 
     What is not compared by value, and why: ``nn.Module``'s own bookkeeping (``_parameters``,
     ``_modules``, hook dicts, ...: checked structurally instead); parameters held as plain
@@ -426,6 +636,7 @@ def check_members(models: Sequence[nn.Module]) -> None:
     _check_no_sharing(models)
     ref = models[0]
     ref_modules = list(ref.named_modules(remove_duplicate=False))
+    floats: dict[str, tuple[str, str]] = {}  # attribute path -> (module path, attribute)
     for i, model in enumerate(models[1:], start=1):
         def fail(what: str, got: Any, want: Any) -> None:
             raise ArchitectureMismatchError(
@@ -447,6 +658,9 @@ def check_members(models: Sequence[nn.Module]) -> None:
                     fail(f"attribute {prefix}", "present" if key in m.__dict__ else "absent",
                          "present" if key in m0.__dict__ else "absent")
                 if not _same(m.__dict__[key], m0.__dict__[key]):
+                    if _is_float_constant(m.__dict__[key], m0.__dict__[key]):
+                        floats[prefix] = (name, key)
+                        continue
                     fail(prefix, m.__dict__[key], m0.__dict__[key])
             for hooks in _HOOK_DICTS:
                 n_got, n_want = len(getattr(m, hooks, {})), len(getattr(m0, hooks, {}))
@@ -464,6 +678,33 @@ def check_members(models: Sequence[nn.Module]) -> None:
                 for attr in ("shape", "dtype", "device", "requires_grad"):
                     if getattr(t, attr) != getattr(t0, attr):
                         fail(f"{name}.{attr}", getattr(t, attr), getattr(t0, attr))
+    constants = {}
+    for prefix, (path, key) in floats.items():
+        values = tuple(m.get_submodule(path).__dict__[key] for m in models)
+        bad = next((j for j, v in enumerate(values) if not _is_float_constant(v, values[0])
+                    and not _same(v, values[0])), None)
+        if bad is not None:  # say 0.5 for member 1 but 2 (an int) for member 2 and 3 for member 0
+            raise ArchitectureMismatchError(
+                f"member {bad}: {prefix} is {_describe(values[bad])}, member 0 has {_describe(values[0])}")
+        constants[prefix] = values
+    return constants
+
+
+def _is_float_constant(a: Any, b: Any) -> bool:
+    """Whether two differing attribute values can be a per-member constant: numbers, not
+    booleans, at least one a float (two differing ints may be sizes and are refused)."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    return number(a) and number(b) and (isinstance(a, float) or isinstance(b, float))
+
+
+def with_constants(model: nn.Module, constants: dict[str, tuple], i: int, *, copy_model: bool = True) -> nn.Module:
+    """``model`` (a deep copy unless ``copy_model=False``) with every per-member constant set to
+    member ``i``'s value (``constants`` as :func:`check_members` returns them)."""
+    out = copy.deepcopy(model) if copy_model else model
+    for prefix, values in constants.items():
+        path, _, key = prefix.rpartition(".")
+        setattr(out.get_submodule(path) if path else out, key, values[i])
+    return out
 
 
 def _check_no_sharing(models: Sequence[nn.Module]) -> None:
@@ -584,14 +825,19 @@ def _run_on_clones(model: nn.Module, args: tuple, kwargs: dict, rec: _OpRecorder
                     v.update(old)
 
 
-def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None) -> None:
+def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None,
+                      constants: dict[str, tuple] | None = None) -> None:
     """Run every member once on the sample and compare the ops it runs and their non-tensor
     arguments with member 0's (``WideConfig.run_members``): a member whose forward reads a
     different Python constant (a global, a closure, a class attribute) runs a different program.
     A sample the eager forward cannot run (export succeeded on fake values) skips the check.
     Nothing of the user's changes: each member runs as a copy (see :func:`_run_recorded`), so a
-    forward that clamps its weights in place or counts its calls leaves the member as it was."""
+    forward that clamps its weights in place or counts its calls leaves the member as it was.
+    Per-member ``constants`` are set to member 0's values for the comparison (what they change is
+    checked by tracing, Note [Per-member constants] in fx/constants.py)."""
     args, kwargs = batch_of_two((tuple(args), dict(kwargs or {})))
+    if constants:
+        models = [models[0], *(with_constants(m, constants, 0) for m in models[1:])]
     try:
         want = _run_recorded(models[0], args, kwargs).ops
     except Exception as e:  # the check is a safety net; export already accepted the program
@@ -620,13 +866,15 @@ def _brief(sig: Any) -> str:
 
 
 def check_traced_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None,
-                         dynamic_shapes: Any, ref: ExportedProgram) -> None:
+                         dynamic_shapes: Any, ref: ExportedProgram, constants: dict[str, tuple] | None = None) -> None:
     """Trace every member and compare its program with member 0's (``ref``): catches members
     whose forward reads different Python constants (globals, closures, class attributes set per
     instance in ways the attribute check cannot see)."""
     want = graph_fingerprint(ref)
     for i, model in enumerate(models[1:], start=1):
         member = apply_capture_forms(copy.deepcopy(model))  # as member 0's template was
+        if constants:  # per-member constants are traced by the constants pass
+            with_constants(member, constants, 0, copy_model=False)
         got = graph_fingerprint(capture(member, args, kwargs, dynamic_shapes=dynamic_shapes))
         for g, w in zip(got, want):
             if g != w:

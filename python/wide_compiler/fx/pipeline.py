@@ -36,7 +36,9 @@ from torch import nn
 from torch.export import ExportedProgram
 
 from ..config import WideConfig
-from .capture import capture, check_members, check_run_members, check_traced_members
+from .capture import (SpecialisationLog, capture, check_members, check_run_members, check_sample,
+                      check_traced_members)
+from .constants import ConstantPlan, plan_constants
 from .fold import (attention_kernel, fold_batch_norms, fuse_residual_norms, pool_before_relu, relu_in_place,
                    rewrite_channels_last)
 from .layout import plan_layout
@@ -59,7 +61,13 @@ class Compilation:
     config: WideConfig
     members: Sequence[nn.Module] | None = None  # all members, for the member checks (None: skip)
     dynamic_shapes: Any = None
+    # flat input index -> more dims captured dynamic (Note [Dynamic sizes on demand] in model.py)
+    extra_dims: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     opaque_paths: dict[str, str] = dataclasses.field(default_factory=dict)  # opaque key -> path
+    # per-member constants {attribute path: N values} (check_members finds them; Note [Per-member
+    # constants] in fx/constants.py) and where the graph reads them (check_programs)
+    constants: dict[str, tuple] | None = None
+    constant_plan: ConstantPlan | None = None
     # where the wide parameters live (strategies are measured there); default: the model's
     dtype: torch.dtype | None = None
     device: torch.device | None = None
@@ -68,6 +76,7 @@ class Compilation:
     wide: WideGraph | None = None
     layout: dict[str, int] | None = None  # {"conversions": k, "packed_ops": m}
     folded: int = 0  # eval BatchNorms folded into their conv
+    specialised: SpecialisationLog | None = None  # where export fixed sizes (with extra_dims)
     timings: dict[str, dict[str, float] | None] = dataclasses.field(default_factory=dict)
     log: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # (pass, seconds) run
 
@@ -89,28 +98,47 @@ class Pass:
 
 def _check_members(c: Compilation) -> None:
     if c.members is not None:
-        check_members(c.members)
+        c.constants = check_members(c.members) or c.constants
 
 
 def _capture(c: Compilation) -> None:
+    """Member 0 runs eagerly on the sample first (at the first compile, when the members are
+    there), so a wrong sample gets PyTorch's own error; then export. With ``extra_dims`` the
+    capture records where export fixed a size (``c.specialised``) for the error that names it."""
     args, kwargs = c.sample
-    c.ep = capture(c.model, args, kwargs, dynamic_shapes=c.dynamic_shapes)
+    if c.members is not None:
+        check_sample(c.members[0], args, kwargs, c.n)
+    if not c.extra_dims or c.dynamic_shapes is not None:
+        c.ep = capture(c.model, args, kwargs, dynamic_shapes=c.dynamic_shapes)
+        return
+    with SpecialisationLog() as c.specialised:
+        c.ep = capture(c.model, args, kwargs, extra_dims=c.extra_dims)
 
 
 def _check_programs(c: Compilation) -> None:
     """After a successful capture (so the forward has no data-dependent branches): run every
     member (``run_members``; registered modules run their own per-member Python, which may
-    branch, so not then) and/or export every member (``trace_members``) and compare programs."""
+    branch, so not then) and/or export every member (``trace_members``) and compare programs.
+    Per-member constants are traced with each member's values (fx/constants.py)."""
+    if c.constants:
+        def trace(model: nn.Module) -> ExportedProgram:
+            args, kwargs = c.sample
+            if not c.extra_dims or c.dynamic_shapes is not None:
+                return capture(model, args, kwargs, dynamic_shapes=c.dynamic_shapes)
+            return capture(model, args, kwargs, extra_dims=c.extra_dims)
+
+        c.constant_plan = plan_constants(c.model, c.ep, trace, c.constants, c.opaque_paths)
     if c.members is None or len(c.members) < 2:
         return
     if c.config.run_members and not c.opaque_paths:
-        check_run_members(c.members, *c.sample)
+        check_run_members(c.members, *c.sample, constants=c.constants)
     if c.config.trace_members:
-        check_traced_members(c.members, *c.sample, c.dynamic_shapes, ref=c.ep)
+        check_traced_members(c.members, *c.sample, c.dynamic_shapes, ref=c.ep, constants=c.constants)
 
 
 def _widen(c: Compilation) -> None:
-    c.wide = widen(c.ep, c.n, strict=c.config.strict, opaque_paths=c.opaque_paths)
+    c.wide = widen(c.ep, c.n, strict=c.config.strict, opaque_paths=c.opaque_paths,
+                   per_member_args=c.constant_plan.args if c.constant_plan is not None else None)
 
 
 def _layout(c: Compilation) -> None:

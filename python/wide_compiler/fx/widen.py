@@ -101,8 +101,13 @@ class TuneSpec:
 class WidenContext:
     """State of one widen pass: the new graph and the mapping old node -> new value."""
 
-    def __init__(self, n: int, strict: bool = False, opaque_paths: dict[str, str] | None = None) -> None:
+    def __init__(self, n: int, strict: bool = False, opaque_paths: dict[str, str] | None = None,
+                 per_member_args: dict[str, dict[str, str]] | None = None) -> None:
         self.n = n
+        # Note [Per-member constants] (fx/constants.py): node name -> {argument: buffer name}, and
+        # the buffer name -> its placeholder (a Wide of member rank 0)
+        self.per_member_args = per_member_args or {}
+        self.per_member_inputs: dict[str, Wide] = {}
         self.strict = strict
         self.opaque_paths = opaque_paths or {}  # registered modules: opaque key -> module path
         self.root: fx.Node | None = None  # placeholder fed with the WideModel (registered modules)
@@ -241,6 +246,8 @@ def _draws(ctx: WidenContext, node: fx.Node) -> bool:
     if not _is_random(node):
         return False
     values = ctx.schema_args(node) if hasattr(node.target, "_schema") else {}
+    if node.name in ctx.per_member_args:  # a per-member p: some member may draw
+        return values.get("train", True) is not False
     if any(isinstance(values.get(p), (int, float)) and values[p] == 0 for p in ("p", "dropout_p", "dropout")):
         return False
     if isinstance(values.get("num_layers"), int) and values["num_layers"] <= 1 and "dropout" in values:
@@ -249,14 +256,18 @@ def _draws(ctx: WidenContext, node: fx.Node) -> bool:
 
 
 def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
-          opaque_paths: dict[str, str] | None = None) -> WideGraph:
+          opaque_paths: dict[str, str] | None = None,
+          per_member_args: dict[str, dict[str, str]] | None = None) -> WideGraph:
     """Turn the graph of one member into the graph of ``n`` members.
 
     Parameters and buffers become placeholders fed with stacked ``[n, ...]`` tensors; user inputs
     become N-first placeholders; every call node is rewritten by :data:`RULES`.
+    ``per_member_args`` (node name -> {argument: buffer name}, from fx/constants.py) names the
+    scalar arguments that are per-member constants: each buffer becomes a placeholder fed with
+    its ``[n]`` tensor, and those nodes are widened by their per-member form.
     """
     sig = ep.graph_signature
-    ctx = WidenContext(n, strict, opaque_paths)
+    ctx = WidenContext(n, strict, opaque_paths, per_member_args)
     inputs: list[GraphInput] = []
     if any((e := find_rule(node.target)) is not None and e.always for node in ep.graph.nodes):
         ctx.root = ctx.graph.placeholder("wide_model")
@@ -284,6 +295,8 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
             else:  # lifted constants and non-tensor user inputs are shared by all members
                 ctx.env[node] = new
         elif node.op == "call_function":
+            if ctx.per_member_args and not ctx.per_member_inputs:
+                _per_member_placeholders(ctx, inputs)
             ctx.env[node] = _widen_node(ctx, node)
             _expect_ranks(ctx.env[node], node)
         elif node.op == "get_attr":  # the body of a higher-order region (rules/regions.py)
@@ -313,6 +326,16 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
         tree_flatten((tuple(range(len(users))), {}))[1] == ep.call_spec.in_spec else None
     return WideGraph(gm, inputs, mutated, ep.call_spec.in_spec, ep.call_spec.out_spec, ctx.fallbacks, arity,
                      ctx.rules_used, ctx.random_ops)
+
+
+def _per_member_placeholders(ctx: WidenContext, inputs: list[GraphInput]) -> None:
+    """One placeholder per per-member constant buffer read by the graph (after the member's own
+    placeholders), fed with the WideModel's ``[n]`` buffer of that name."""
+    for name in sorted({b for names in ctx.per_member_args.values() for b in names.values()}):
+        new = ctx.graph.placeholder("per_member_" + "".join(c if c.isalnum() else "_" for c in name))
+        new.meta["val"] = torch.empty((), dtype=torch.float64)
+        inputs.append(GraphInput("buffer", name, new, ()))
+        ctx.per_member_inputs[name] = Wide(new, 0)
 
 
 def _expect_ranks(value: Any, node: fx.Node) -> None:
@@ -473,8 +496,12 @@ def _widen_node(ctx: WidenContext, node: fx.Node) -> Any:
     args = [ctx.value(a) for a in node.args] + [ctx.value(a) for a in node.kwargs.values()]
     if _draws(ctx, node):
         ctx.random_ops.add(op_name(node))
-    if ctx.is_wide(args) or (entry is not None and _is_random(node)):  # per-member data is written
-        _own_written_tensors(ctx, node)
+    if ctx.is_wide(args) or (entry is not None and _is_random(node)) or node.name in ctx.per_member_args:
+        _own_written_tensors(ctx, node)  # per-member data is written
+    if node.name in ctx.per_member_args:  # Note [Per-member constants] (fx/constants.py)
+        from .rules._constants import widen_per_member
+
+        return widen_per_member(ctx, node)
     if not ctx.is_wide(args) and not (entry is not None and (entry.always or _is_random(node))):
         if _is_random(node):  # members must draw independently: N draws, stacked
             return fallback(ctx, node, reason="a random op with no wide rule")

@@ -199,9 +199,11 @@ def _same_architecture(a: nn.Module, b: nn.Module) -> str | None:
     from ..fx.capture import check_members
 
     try:
-        check_members([a, b])
+        constants = check_members([a, b])
     except ArchitectureMismatchError as e:
         return str(e).replace("member 1:", "").strip()
+    if constants:  # per-member constants would fuse, but runs stay grouped by every attribute
+        return "; ".join(f"{k} is {v[1]!r}, not {v[0]!r}" for k, v in constants.items())
     return None
 
 

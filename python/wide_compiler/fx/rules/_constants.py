@@ -1,0 +1,280 @@
+"""Per-member forms: ops whose scalar arguments are per-member constants (Note [Per-member
+constants] in fx/constants.py).
+
+A node whose float argument differs between members gets that argument as a ``[N]`` float64
+buffer; its form here broadcasts it per member (``[N, 1, ..., 1]``, cast to the op's dtype):
+
+- ``dropout`` / ``dropout_`` / ``native_dropout`` with per-member ``p``: keep mask ``rand < 1 - p_i``,
+  kept values scaled by ``1 / (1 - p_i)`` (0 where ``p_i = 1``), as ATen's dropout on CPU;
+- ``leaky_relu``: ``where(x > 0, x, x * slope)``; ``elu``/``celu``: ATen's formula with
+  ``expm1``; ``softplus``: ``where(x * beta > threshold, x, log1p(exp(x * beta)) / beta)``;
+  ``hardtanh``/``clamp`` with per-member bounds: ``where`` per side;
+- ``mul``/``div``/``add``/``sub``/``rsub``/``pow`` by a scalar: by the broadcast tensor;
+- ``layer_norm``/``rms_norm`` with per-member ``eps``: the composite (``var_mean`` + eps).
+
+Not rule-table rows (the table widens ops by their tensors; hence the leading ``_``):
+:func:`widen_per_member` is called by the widen pass for the nodes the constants plan names. An
+op without a form here refuses, naming the op and the constant.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+
+from ..widen import Wide, WidenContext, member_rank
+
+aten = torch.ops.aten
+
+FORMS: dict[Any, Callable] = {}
+
+
+def form(*ops: Any) -> Callable:
+    def deco(fn: Callable) -> Callable:
+        for op in ops:
+            FORMS[op] = fn
+        return fn
+
+    return deco
+
+
+def widen_per_member(ctx: WidenContext, node: fx.Node) -> Any:
+    """The wide value of ``node`` whose arguments ``ctx.per_member_args[node.name]`` are per member."""
+    names = ctx.per_member_args[node.name]
+    fn = FORMS.get(node.target)
+    if fn is None:
+        consts = ", ".join(f"{a} ({b.removeprefix('_per_member.')})" for a, b in names.items())
+        raise ctx.fail(node, f"its argument(s) {consts} differ between members (per-member constants), and this "
+                             "op has no per-member form; make that constant the same for every member, or read it "
+                             "from a buffer (a tensor) instead of a Python float")
+    a = ctx.schema_args(node)
+    for name, buf in names.items():
+        a[name] = ctx.per_member_inputs[buf]
+    return fn(ctx, node, a)
+
+
+def _dtype(node: fx.Node) -> torch.dtype:
+    val = node.meta.get("val")
+    val = val[0] if isinstance(val, (tuple, list)) else val
+    return val.dtype if isinstance(val, torch.Tensor) else torch.get_default_dtype()
+
+
+def scalar(ctx: WidenContext, node: fx.Node, v: Any, rank: int, like: Any = None) -> Any:
+    """A per-member value ``[N, 1, ..., 1]`` (member rank ``rank``) in the dtype of the tensor
+    ``like`` at run time (the model may be moved to another dtype after compiling), else in the
+    op's traced dtype; a shared Python scalar as it is."""
+    if not isinstance(v, Wide):
+        return v
+    if isinstance(like, fx.Node):
+        t = ctx.emit(aten.type_as.default, (v.node, like), like=node)
+    else:
+        t = ctx.emit(aten._to_copy.default, (v.node,), {"dtype": _dtype(node)}, like=node)
+    return ctx.align(Wide(t, 0), rank, node)
+
+
+def _floating(arg: Any) -> bool:
+    val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _input(ctx: WidenContext, node: fx.Node, x: Any) -> Wide:
+    return ctx.as_wide(x, member_rank(node.args[0]), node)
+
+
+def _op(ctx: WidenContext, node: fx.Node, target, *args: Any, **kwargs: Any) -> fx.Node:
+    return ctx.emit(target, tuple(ctx.unwrap(a) for a in args), kwargs, like=node)
+
+
+def _mul(ctx: WidenContext, node: fx.Node, a: Any, b: Any) -> Any:
+    """a * b where either may be a Python scalar (multiplied here) or a node."""
+    if not isinstance(a, fx.Node) and not isinstance(b, fx.Node):
+        return a * b
+    if not isinstance(a, fx.Node):
+        a, b = b, a
+    return _op(ctx, node, aten.mul.Tensor, a, b)
+
+
+def _result(ctx: WidenContext, node: fx.Node, x: Wide, out: fx.Node, inplace: bool) -> Wide:
+    if inplace:
+        out = _op(ctx, node, aten.copy_.default, x.node, out)
+    return Wide(out, x.rank)
+
+
+# --- dropout ---------------------------------------------------------------------------------
+def _keep_and_scale(ctx: WidenContext, node: fx.Node, x: Wide, p: Any) -> tuple[fx.Node, fx.Node]:
+    q = _op(ctx, node, aten.rsub.Scalar, ctx.unwrap(p), 1.0)  # [N] keep probability, float64
+    q = scalar(ctx, node, Wide(q, 0), x.rank, like=x.node)
+    noise = _op(ctx, node, aten.rand_like.default, x.node)
+    keep = _op(ctx, node, aten.lt.Tensor, noise, q)
+    inv = _op(ctx, node, aten.reciprocal.default, q)
+    scale = _op(ctx, node, aten.where.ScalarOther, _op(ctx, node, aten.gt.Scalar, q, 0), inv, 0.0)
+    return keep, scale
+
+
+@form(aten.dropout.default, aten.dropout_.default)
+def _dropout(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
+    x = _input(ctx, node, a["input"])
+    if isinstance(a["train"], Wide):
+        raise ctx.fail(node, "a per-member train flag")
+    if a["train"] is False:
+        return x
+    keep, scale = _keep_and_scale(ctx, node, x, a["p"])
+    out = _op(ctx, node, aten.mul.Tensor, _op(ctx, node, aten.mul.Tensor, x.node, keep), scale)
+    return _result(ctx, node, x, out, node.target is aten.dropout_.default)
+
+
+@form(aten.native_dropout.default)
+def _native_dropout(ctx: WidenContext, node: fx.Node, a: dict) -> tuple:
+    x = _input(ctx, node, a["input"])
+    if isinstance(a["train"], Wide):
+        raise ctx.fail(node, "a per-member train flag")
+    if a["train"] is False:
+        mask = _op(ctx, node, aten.ones_like.default, x.node, dtype=torch.bool)
+        return Wide(_op(ctx, node, aten.clone.default, x.node), x.rank), Wide(mask, x.rank)
+    keep, scale = _keep_and_scale(ctx, node, x, a["p"])
+    out = _op(ctx, node, aten.mul.Tensor, _op(ctx, node, aten.mul.Tensor, x.node, keep), scale)
+    return Wide(out, x.rank), Wide(keep, x.rank)
+
+
+# --- activations -----------------------------------------------------------------------------
+@form(aten.leaky_relu.default, aten.leaky_relu_.default)
+def _leaky_relu(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
+    x = _input(ctx, node, a["self"])
+    slope = scalar(ctx, node, a["negative_slope"], x.rank, like=x.node)
+    pos = _op(ctx, node, aten.gt.Scalar, x.node, 0)
+    out = _op(ctx, node, aten.where.self, pos, x.node, _mul(ctx, node, x.node, slope))
+    return _result(ctx, node, x, out, node.target is aten.leaky_relu_.default)
+
+
+def _elu_form(ctx: WidenContext, node: fx.Node, x: Wide, alpha: Any, scale: Any, input_scale: Any,
+              inplace: bool) -> Wide:
+    neg = _mul(ctx, node, _op(ctx, node, aten.expm1.default, _mul(ctx, node, x.node, input_scale)),
+               _mul(ctx, node, alpha, scale))
+    out = _op(ctx, node, aten.where.self, _op(ctx, node, aten.le.Scalar, x.node, 0), neg,
+              _mul(ctx, node, x.node, scale))
+    return _result(ctx, node, x, out, inplace)
+
+
+@form(aten.elu.default, aten.elu_.default)
+def _elu(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
+    x = _input(ctx, node, a["self"])
+    s = {k: scalar(ctx, node, a[k], x.rank, like=x.node) for k in ("alpha", "scale", "input_scale")}
+    return _elu_form(ctx, node, x, s["alpha"], s["scale"], s["input_scale"], node.target is aten.elu_.default)
+
+
+@form(aten.celu.default, aten.celu_.default)
+def _celu(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
+    x = _input(ctx, node, a["self"])
+    alpha = scalar(ctx, node, a["alpha"], x.rank, like=x.node)
+    inv = _op(ctx, node, aten.reciprocal.default, alpha) if isinstance(alpha, fx.Node) else 1.0 / alpha
+    return _elu_form(ctx, node, x, alpha, 1.0, inv, node.target is aten.celu_.default)
+
+
+@form(aten.softplus.default)
+def _softplus(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
+    x = _input(ctx, node, a["self"])
+    beta, threshold = (scalar(ctx, node, a[k], x.rank, like=x.node) for k in ("beta", "threshold"))
+    xb = _mul(ctx, node, x.node, beta)
+    soft = _op(ctx, node, aten.div.Tensor, _op(ctx, node, aten.log1p.default, _op(ctx, node, aten.exp.default, xb)),
+               beta)
+    above = _op(ctx, node, aten.gt.Tensor if isinstance(threshold, fx.Node) else aten.gt.Scalar, xb, threshold)
+    return Wide(_op(ctx, node, aten.where.self, above, x.node, soft), x.rank)
+
+
+@form(aten.hardtanh.default, aten.hardtanh_.default, aten.clamp.default, aten.clamp_.default)
+def _clamp(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
+    """Per-member bounds: ``where`` on each side, so a value at a bound gets the gradient ATen
+    gives it (hardtanh: none, strict bounds; clamp: all of it)."""
+    x = _input(ctx, node, a["self"])
+    hard = node.target in (aten.hardtanh.default, aten.hardtanh_.default)
+    out = x.node
+    for key, cmp in (("min_val" if hard else "min", aten.lt), ("max_val" if hard else "max", aten.gt)):
+        bound = a[key]
+        if bound is None:
+            continue
+        bound = scalar(ctx, node, bound, x.rank, like=x.node)
+        op = (cmp.Tensor if isinstance(bound, fx.Node) else cmp.Scalar)
+        if hard:  # strict: the bound itself is outside (no gradient there)
+            op = {aten.lt: aten.le, aten.gt: aten.ge}[cmp].Tensor if isinstance(bound, fx.Node) else \
+                {aten.lt: aten.le, aten.gt: aten.ge}[cmp].Scalar
+        outside = _op(ctx, node, op, x.node, bound)
+        fill = (aten.where.ScalarSelf if not isinstance(bound, fx.Node) else aten.where.self)
+        out = _op(ctx, node, fill, outside, bound, out)
+    return _result(ctx, node, x, out, node.target in (aten.hardtanh_.default, aten.clamp_.default))
+
+
+# --- arithmetic by a scalar ------------------------------------------------------------------
+_TENSOR_FORM = {
+    aten.mul.Tensor: aten.mul.Tensor, aten.mul.Scalar: aten.mul.Tensor, aten.mul_.Tensor: aten.mul_.Tensor,
+    aten.div.Tensor: aten.div.Tensor, aten.div.Scalar: aten.div.Tensor, aten.div_.Tensor: aten.div_.Tensor,
+    aten.add.Tensor: aten.add.Tensor, aten.add.Scalar: aten.add.Tensor, aten.add_.Tensor: aten.add_.Tensor,
+    aten.sub.Tensor: aten.sub.Tensor, aten.sub.Scalar: aten.sub.Tensor, aten.sub_.Tensor: aten.sub_.Tensor,
+    aten.rsub.Scalar: aten.rsub.Tensor, aten.rsub.Tensor: aten.rsub.Tensor,
+    aten.pow.Tensor_Scalar: aten.pow.Tensor_Tensor,
+}
+
+
+@form(*_TENSOR_FORM)
+def _arithmetic(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
+    """``x op c`` with a per-member ``c`` (and/or ``alpha``): the same op with ``c`` a tensor
+    ``[N, 1, ..., 1]``; an ``alpha`` multiplies it first."""
+    rank = member_rank(node)
+    target = _TENSOR_FORM[node.target]
+    x = ctx.value(node.args[0])
+    like = ctx.unwrap(x) if _floating(node.args[0]) else None
+    x = ctx.align(x, rank, node) if isinstance(x, Wide) else x
+    other_name = "exponent" if "exponent" in a else "other"
+    other = a[other_name]
+    alpha = a.get("alpha", 1)
+    if other_name in ctx.per_member_args[node.name]:
+        other = scalar(ctx, node, other, rank, like=like)
+    elif isinstance(other, Wide):
+        other = ctx.align(other, rank, node)
+    if isinstance(alpha, Wide):
+        other = _mul(ctx, node, other, scalar(ctx, node, alpha, rank, like=like))
+        alpha = 1
+    kwargs = {"alpha": alpha} if "alpha" in a and alpha != 1 else {}
+    if "rounding_mode" in a and a["rounding_mode"] is not None:
+        kwargs["rounding_mode"] = a["rounding_mode"]
+    out = ctx.emit(target, (x, other), kwargs, like=node, name=node.name)
+    return Wide(out, rank)
+
+
+# --- norms -----------------------------------------------------------------------------------
+@form(aten.layer_norm.default, aten.rms_norm.default)
+def _norm_eps(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
+    """``layer_norm``/``rms_norm`` with a per-member eps: the composite (what the fused op
+    computes, up to rounding): ``(x - mean) * rsqrt(var + eps) * w + b`` over the normalised dims
+    (``x * rsqrt(mean(x^2) + eps) * w`` for RMS), in float32 at least."""
+    x = _input(ctx, node, a["input"])
+    dims = list(range(-len(a["normalized_shape"]), 0))
+    dtype = _dtype(node)
+    compute = torch.promote_types(dtype, torch.float32)
+    xc = _op(ctx, node, aten._to_copy.default, x.node, dtype=compute) if compute != dtype else x.node
+    eps = a["eps"]
+    if eps is None:  # rms_norm's default: the dtype's machine epsilon
+        eps = torch.finfo(dtype).eps
+    if node.target is aten.layer_norm.default:
+        vm = _op(ctx, node, aten.var_mean.correction, xc, dims, correction=0, keepdim=True)
+        var, mean = (_op(ctx, node, operator.getitem, vm, k) for k in (0, 1))
+        centred = _op(ctx, node, aten.sub.Tensor, xc, mean)
+    else:
+        var = _op(ctx, node, aten.mean.dim, _op(ctx, node, aten.mul.Tensor, xc, xc), dims, True)
+        centred = xc
+    eps = scalar(ctx, node, eps, x.rank, like=var)
+    add = aten.add.Tensor
+    y = _op(ctx, node, aten.mul.Tensor, centred, _op(ctx, node, aten.rsqrt.default, _op(ctx, node, add, var, eps)))
+    if compute != dtype:
+        y = _op(ctx, node, aten._to_copy.default, y, dtype=dtype)
+    for key, op in (("weight", aten.mul.Tensor), ("bias", aten.add.Tensor)):
+        v = a.get(key)
+        if v is None:
+            continue
+        if isinstance(v, Wide):
+            v = ctx.align(v, x.rank, node)
+        y = _op(ctx, node, op, y, v)
+    return Wide(y, x.rank)

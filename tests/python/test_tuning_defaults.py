@@ -1,0 +1,331 @@
+"""Honest defaults of the measuring config (issue 26): a bounded tuning time
+(``WideConfig.tune_budget_s``), stable picks (within ``tune_margin`` the default stays; the
+model-level check has the final word, cached), and ``summary()`` saying why each strategy was
+chosen. Every timing here runs on a fake clock (``tuning._clock``): no assertion depends on the
+speed of the machine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import wide_compiler as wc
+from wide_compiler import tuning
+from wide_compiler.fx import strategy as strategy_pass
+
+REASONS = ("default (heuristic", "measured:", "kept default: within margin", "cached:", "model-level check",
+           "forced:")
+
+
+class FakeClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.step = 0.0  # added after every reading
+
+    def __call__(self) -> float:
+        t = self.t
+        self.t += self.step
+        return t
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(tuning, "_clock", fake)
+    return fake
+
+
+def slow_candidates(monkeypatch, clock: FakeClock, seconds: float = 1.0) -> None:
+    """Every candidate call the tuner makes takes ``seconds`` on the fake clock."""
+    original = strategy_pass._timed_calls
+
+    def timed_calls(candidates, training):
+        def slow(fn):
+            def run():
+                fn()
+                clock.t += seconds
+            return run
+        return {name: slow(fn) for name, fn in original(candidates, training).items()}
+
+    monkeypatch.setattr(strategy_pass, "_timed_calls", timed_calls)
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def models(make, n=3, seed=0):
+    torch.manual_seed(seed)
+    return [make() for _ in range(n)]
+
+
+def rows(wide) -> dict[str, str]:
+    """node name -> its summary() row, for every node with a strategy."""
+    lines = wide.summary().splitlines()
+    return {node: next(ln for ln in lines if ln.split() and ln.split()[0] == node) for node in wide.strategies}
+
+
+def tuning_line(wide) -> str:
+    """summary()'s line on the tuning of the current graph."""
+    return next(ln for ln in wide.summary().splitlines() if ln.startswith("tuning:"))
+
+
+def defaults(wide) -> dict[str, str]:
+    gm = wide._graph_for(wide.training).graph_module
+    return {n.name: n.meta["wide_tune"].default for n in gm.graph.nodes if "wide_tune" in n.meta}
+
+
+# ---------------------------------------------------------------------------------------------
+# The budget
+# ---------------------------------------------------------------------------------------------
+def test_budget_stops_measuring_and_summary_says_so(monkeypatch, clock, tmp_path, caplog):
+    """Each candidate call takes 1 s: the first two linears (3 candidates x (3 warm-ups + 3
+    rounds) = 18 s each) fit in 70% of a 40 s budget, the third does not and keeps its default,
+    uncached, with one warning naming the node."""
+    slow_candidates(monkeypatch, clock)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # the hint is given only when it is unset
+    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=3, tune_budget_s=40)
+    with caplog.at_level(logging.WARNING, logger="wide_compiler.tuning"):
+        wide = wc.compile(models(mlp), torch.randn(4, 6), config=config)
+    nodes = list(wide.strategies)
+    assert len(nodes) == 3
+    by_node = rows(wide)
+    assert all("budget exhausted" not in by_node[n] for n in nodes[:2]), wide.summary()
+    assert "budget exhausted, not measured" in by_node[nodes[2]], wide.summary()
+    assert wide.strategies[nodes[2]] == defaults(wide)[nodes[2]]
+    head = tuning_line(wide)
+    assert head.startswith("tuning: 2 measured, 0 cached, 1 left at default"), head
+    assert f"budget exhausted at node '{nodes[2]}'" in head and "budget 40 s" in head, head
+    warned = [r.getMessage() for r in caplog.records if "tuning budget" in r.getMessage()]
+    assert len(warned) == 1 and nodes[2] in warned[0] and "OMP_WAIT_POLICY=PASSIVE" in warned[0], warned
+    # The op left unmeasured is not cached: the next compile measures it (the others are hits).
+    again = wc.compile(models(mlp, seed=1), torch.randn(4, 6), config=config)
+    head = tuning_line(again)
+    assert head.startswith("tuning: 1 measured, 2 cached, 0 left at default"), head
+
+
+def test_budget_exhausted_while_measuring_keeps_defaults(monkeypatch, clock, tmp_path):
+    """A 10 s budget is spent during the first op's rounds: that op is abandoned, every op keeps
+    its default, nothing is cached, and the model-level check has nothing to check."""
+    slow_candidates(monkeypatch, clock)
+    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=3, tune_budget_s=10)
+    wide = wc.compile(models(mlp), torch.randn(4, 6), config=config)
+    assert wide.strategies == defaults(wide)
+    by_node = rows(wide)
+    first = next(iter(by_node))
+    assert "budget exhausted while measuring" in by_node[first]
+    assert all("default (heuristic: bmm: one batched GEMM" in r and "budget exhausted" in r for r in by_node.values())
+    assert "model-level check: not needed" in wide.summary()
+    assert not (tmp_path / "strategies.json").exists()
+
+
+def test_budget_none_is_unbounded(monkeypatch, clock, tmp_path):
+    slow_candidates(monkeypatch, clock, seconds=1000.0)
+    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=None)
+    wide = wc.compile(models(mlp), torch.randn(4, 6), config=config)
+    assert "budget exhausted" not in wide.summary()
+    assert "tuning: 3 measured" in wide.summary() and "(no limit)" in wide.summary()
+
+
+# ---------------------------------------------------------------------------------------------
+# Stable picks: the margin
+# ---------------------------------------------------------------------------------------------
+def fake_candidates(clock: FakeClock, seconds: dict[str, list[float] | float]):
+    """Candidates that take the given fake seconds (a list: one per call, cycling)."""
+    def make():
+        calls = {name: 0 for name in seconds}
+
+        def candidate(name):
+            def run():
+                s = seconds[name]
+                clock.t += s[calls[name] % len(s)] if isinstance(s, list) else s
+                calls[name] += 1
+            return run
+        return {name: candidate(name) for name in seconds}
+    return make
+
+
+@pytest.mark.parametrize("other, picked, reason", [
+    (0.95, "bmm", "kept default: within margin"),     # 1.05x: inside the 10% margin
+    (1.00, "bmm", "measured: default best"),          # a tie: the default
+    (1.20, "bmm", "measured: default best"),
+    (0.50, "loop", "measured: loop"),                 # 2x: past the margin
+])
+def test_margin_prefers_the_default(clock, other, picked, reason):
+    config = wc.WideConfig(cache=False, tune_margin=0.1)
+    choice = tuning.measure_strategy("linear", {"x": 1}, fake_candidates(clock, {"bmm": 1.0, "loop": other}),
+                                     "bmm", config, ("bmm", "loop"))
+    assert choice.strategy == picked and choice.source == "measured"
+    assert choice.reason.startswith(reason), choice.reason
+    if picked == "loop":
+        assert "2.00x speedup > 1.10x needed" in choice.reason, choice.reason
+
+
+def test_noisy_timings_within_the_margin_never_flip():
+    """A candidate 3% quicker than the default, under +-5% noise per call (a busy machine): across
+    40 noisy "runs" the default is always kept."""
+    for seed in range(40):
+        rng = random.Random(seed)
+        clock = FakeClock()
+        noisy = lambda base: [base * (1 + rng.uniform(-0.05, 0.05)) for _ in range(20)]  # noqa: E731
+        make = fake_candidates(clock, {"grouped": noisy(1.0), "grouped_cl": noisy(0.97), "loop": noisy(1.5)})
+        original = tuning._clock
+        tuning._clock = clock
+        try:
+            choice = tuning.measure_strategy("conv", {"x": seed}, make, "grouped", wc.WideConfig(cache=False))
+        finally:
+            tuning._clock = original
+        assert choice.strategy == "grouped", (seed, choice.reason)
+
+
+def test_interleaved_rounds_cancel_load_bursts(clock):
+    """Load that comes and goes hits both candidates of a round alike: the paired speedup sees
+    through it (medians alone would call the 1.3x-quicker loop within noise on this pattern)."""
+    burst = [1.0, 6.0, 1.0, 6.0, 6.0, 1.0, 6.0]  # seconds per round for the default
+    quick = [t / 1.3 for t in burst]
+    choice = tuning.measure_strategy("linear", {"x": 2}, fake_candidates(clock, {"bmm": burst, "loop": quick}),
+                                     "bmm", wc.WideConfig(cache=False, tune_repeats=7), ("bmm", "loop"))
+    assert choice.strategy == "loop", choice.reason
+
+
+def test_cached_choice_says_cached(clock, tmp_path):
+    config = wc.WideConfig(cache_dir=str(tmp_path))
+    make = fake_candidates(clock, {"bmm": 1.0, "loop": 0.5})
+    first = tuning.measure_strategy("linear", {"x": 3}, make, "bmm", config, ("bmm", "loop"))
+    second = tuning.measure_strategy("linear", {"x": 3}, make, "bmm", config, ("bmm", "loop"))
+    assert first.source == "measured" and second.source == "cached"
+    assert second.strategy == first.strategy == "loop"
+    assert second.reason.startswith("cached: loop"), second.reason
+    picked = tuning.choose_strategy("linear", {"x": 3}, make, "bmm", config, ("bmm", "loop"))
+    assert picked == ("loop", first.timings_ms)
+
+
+# ---------------------------------------------------------------------------------------------
+# summary(): a reason for every strategy, and the model-level check's verdict
+# ---------------------------------------------------------------------------------------------
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        return self.fc(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("config", [
+    dict(tune_repeats=1), dict(tune=False), dict(strategy="loop"), dict(strategy="batched"),
+], ids=["measured", "fast", "loop", "batched"])
+def test_summary_gives_a_reason_for_every_strategy(tmp_path, config):
+    wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8),
+                      config=wc.WideConfig(cache_dir=str(tmp_path), **config))
+    by_node = rows(wide)
+    assert by_node and all(any(r in row for r in REASONS) for row in by_node.values()), wide.summary()
+    assert any(ln.startswith("node ") and ln.rstrip().endswith("why") for ln in wide.summary().splitlines())
+    if not config.get("tune", True):
+        assert all("tuning off" in row for row in by_node.values())
+    if "strategy" in config:
+        assert "tuning:" not in wide.summary()
+
+
+def pick_loop(monkeypatch):
+    """Every measured op 'finds' loop faster, so the model-level check has a tuned set to judge."""
+    monkeypatch.setattr(tuning, "_decide", lambda times, default, margin: (
+        "loop", f"measured: loop (faked) vs default {default}"))
+
+
+def test_model_level_check_outcome_in_summary_and_cached(monkeypatch, tmp_path):
+    pick_loop(monkeypatch)
+    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=None)
+    wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
+    text = wide.summary()
+    head = tuning_line(wide)
+    assert "model-level check: tuned set" in head and "of the defaults' time" in head, head
+    kept_tuned = "kept the tuned set" in head
+    assert kept_tuned or "kept the defaults" in head, head
+    by_node = rows(wide)
+    for node, row in by_node.items():
+        if kept_tuned:
+            assert wide.strategies[node] == "loop" and "model-level check kept it" in row, row
+        else:
+            assert wide.strategies[node] == defaults(wide)[node], row
+            assert "model-level check kept the default" in row and "alone: measured: loop" in row, row
+    # A second compile reads the check's verdict from the cache: the same picks, said so.
+    again = wc.compile(models(ConvNet, 2, seed=1), torch.randn(2, 3, 8, 8), config=config)
+    assert again.strategies == wide.strategies
+    assert "model-level check: cached: tuned set" in tuning_line(again)
+
+
+def test_model_level_check_skipped_when_the_budget_is_spent(monkeypatch, clock, tmp_path):
+    """Measuring the first op spends the whole budget: the other ops keep their defaults, and the
+    check cannot run, so the first op's pick is not trusted either (defaults kept) and summary()
+    says why."""
+    def decide(times, default, margin):
+        clock.t += 1000.0
+        return "loop", "measured: loop (faked)"
+
+    monkeypatch.setattr(tuning, "_decide", decide)
+    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=900)
+    wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
+    assert wide.strategies == defaults(wide)
+    head = tuning_line(wide)
+    assert head.startswith("tuning: 1 measured, 0 cached, 2 left at default"), head
+    assert "model-level check: skipped: tuning budget exhausted, kept the defaults" in head, head
+    first, *rest = rows(wide).values()
+    assert "model-level check kept the default (skipped: tuning budget exhausted); alone: measured: loop" in first
+    assert all("budget exhausted, not measured" in row for row in rest)
+
+
+def test_model_level_check_cut_short_keeps_defaults(monkeypatch, clock, tmp_path):
+    """The budget runs out while the check is running the tuned set: the defaults are kept (the
+    clock is read after every run, so it overruns by one run) and nothing is cached."""
+    pick_loop(monkeypatch)
+    lookup = tuning.lookup
+
+    def check_starts(key, config):
+        if '"op": "model_check"' in key:
+            clock.t, clock.step = 95.0, 1.0  # 5 s left; every reading of the clock takes 1 s
+        return lookup(key, config)
+
+    monkeypatch.setattr(tuning, "lookup", check_starts)
+    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=100)
+    wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
+    assert wide.strategies == defaults(wide)
+    assert "model-level check: cut short by the tuning budget after 1 tuned and 0 default runs, kept the " \
+        "defaults" in tuning_line(wide), tuning_line(wide)
+    assert all("model-level check kept the default (cut short" in row for row in rows(wide).values())
+    cached = json.loads((tmp_path / "strategies.json").read_text())
+    assert cached and not any('"op": "model_check"' in key for key in cached)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config validation
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value", [
+    ("tune_budget_s", 0), ("tune_budget_s", -1.0), ("tune_budget_s", math.nan), ("tune_budget_s", "5"),
+    ("tune_budget_s", True), ("tune_margin", 1.5), ("tune_margin", -0.1), ("tune_margin", "0.1"),
+    ("tune_margin", math.nan), ("tune_repeats", 0), ("tune_repeats", 2.5), ("tune_repeats", True),
+])
+def test_bad_tuning_options_are_refused(field, value):
+    with pytest.raises(ValueError, match=rf"WideConfig\.{field}: expected"):
+        wc.WideConfig(**{field: value})
+
+
+@pytest.mark.parametrize("value", [None, 0.5, 5, math.inf])
+def test_good_budgets(value):
+    assert wc.WideConfig(tune_budget_s=value).tune_budget_s == value
+
+
+def test_default_budget_is_documented():
+    assert wc.WideConfig().tune_budget_s == 5.0
+    assert "tune_budget_s" in wc.WideConfig.__doc__
