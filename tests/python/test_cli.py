@@ -744,12 +744,13 @@ def test_benchmark_plot_one_panel_per_target_and_mode(tmp_path):
 
 
 def test_readme_cli_commands_parse():
-    """Every `python -m wide_compiler ...` line of the README parses with today's parser."""
+    """Every `python -m wide_compiler ...` line of the README and docs/ parses with today's parser."""
     import re
     import shlex
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    root = Path(__file__).resolve().parents[2]
+    readme = "\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
     blocks = re.findall(r"```(?:bash|sh|console)\n(.*?)```", readme, flags=re.S)
     lines = [line.split(" #")[0].strip() for b in blocks for line in b.splitlines()]
     commands = [shlex.split(line)[3:] for line in lines if line.startswith("python -m wide_compiler ")]

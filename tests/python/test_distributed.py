@@ -518,14 +518,14 @@ def test_errors_world_size_1(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "f") == []
 
 
-# --- torchrun: the README's snippet (issue 26) -------------------------------------------------
+# --- torchrun: the docs' distributed snippet (issue 26) -------------------------------------------------
 def _readme_distributed_block() -> str:
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "wcd.shard(member" in b]
-    assert len(blocks) == 1, "the README's distributed snippet moved"
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", docs, flags=re.S) if "wcd.shard(member" in b]
+    assert len(blocks) == 1, "the docs' distributed snippet moved"
     return blocks[0]
 
 

@@ -39,6 +39,8 @@ def heuristic_reason(node: fx.Node, default: str) -> str:
                 return "grouped_cl: a 2-d conv with < 8 input channels per group"
             return "grouped_cl: the eval graph's conv runs channels-last"
         return f"{default}: one grouped conv for all members"
+    if op == "wide.rnn" and default == "loop":
+        return "loop: ATen's LSTM per member (oneDNN's fused kernel), members in parallel"
     if op == "wide.linear" and default == "bmm":
         return "bmm: one batched GEMM for all members"
     if default == "fused":

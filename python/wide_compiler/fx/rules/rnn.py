@@ -90,7 +90,10 @@ def _rnn(ctx: WidenContext, node: fx.Node):
     shapes = {"input": concrete_shape(x_old), "params": [concrete_shape(p) for p in params_old], "mode": mode,
               "layers": a["num_layers"], "bidirectional": a["bidirectional"], "batch_first": a["batch_first"]}
     out.meta["wide_shapes"] = shapes
-    out.meta["wide_tune"] = TuneSpec(default="fused", strategies=_STRATEGIES,
+    # LSTMs default to ATen's op per member (oneDNN's fused LSTM kernel, members in parallel):
+    # 1.2-1.4x the loop of modules where the fused time loop is 0.4-0.6x (`benchmark rnn`); GRUs
+    # and plain RNNs to the fused time loop (1.5-2.4x). The tuner measures both within its budget.
+    out.meta["wide_tune"] = TuneSpec(default="loop" if mode == "LSTM" else "fused", strategies=_STRATEGIES,
                                      make=lambda n, opts: _rnn_candidates(n, args, shapes, opts))
     output = ctx.emit(operator.getitem, (out, 0), like=node)
     states = ctx.emit(operator.getitem, (out, 1), like=node)
