@@ -535,16 +535,18 @@ def test_readme_snippet_under_torchrun_with_two_processes(tmp_path):
     import sys
 
     script = tmp_path / "snippet.py"
+    # each rank writes its own file (two ranks printing at once can interleave their lines)
     script.write_text(_readme_distributed_block()
-                      + "\nprint('RANK_MEMBERS', sharded.rank, sharded.world_size, list(sharded.members))\n")
+                      + "\nopen(os.path.join(os.environ['TMPDIR'], f'rank{sharded.rank}.txt'), 'w').write("
+                        "f'{sharded.rank} {sharded.world_size} {list(sharded.members)}')\n")
     env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    lines = sorted(line for line in run.stdout.splitlines() if line.startswith("RANK_MEMBERS"))
-    assert lines == ["RANK_MEMBERS 0 2 [0, 1, 2, 3]", "RANK_MEMBERS 1 2 [4, 5, 6, 7]"], run.stdout
+    ranks = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert ranks == ["0 2 [0, 1, 2, 3]", "1 2 [4, 5, 6, 7]"], run.stdout
     index = json.loads((tmp_path / "pbt_members" / "index.json").read_text())
     assert index["n"] == 8 and len(index["files"]) == 8
 

@@ -46,9 +46,13 @@
 // weight gradient sums in a way that loses far more precision than the per-member kernel when
 // the gradient is a small difference of large terms, as it is behind a training BatchNorm: a
 // ResNet-style stem, 16 members, 8x3x32x32, weight gradient 1.1e-2 from float64 (of 1.5) against
-// 2.5e-6 for the members and 1.4e-6 for grouped_cl. So 2-d convs with fewer than kFewChannels
-// input channels per group never run channels-first grouped by default: `auto` is grouped_cl
-// there, and the compiler does not offer grouped for them (fx/rules/conv.py).
+// 2.5e-6 for the members and 1.4e-6 for grouped_cl. So 2-d dense convs (groups 1) with fewer
+// than kFewChannels input channels never run channels-first grouped by default: `auto` is
+// grouped_cl there, and the compiler does not offer grouped for them (fx/rules/conv.py).
+// A depthwise conv is the other way round: behind a training BatchNorm on inputs of mean 3,
+// 8 members of 16 channels at 32x32, grouped_cl's weight gradient is 1.4e-3 from float64 against
+// 5.5e-5 for the members, grouped's 5.7e-5 (and grouped_cl runs a lone depthwise conv 6x slower
+// than grouped). So member convs with groups > 1 and few channels per group stay channels-first.
 // Built from ATen ops with SymInt sizes: CompositeImplicitAutograd, traces with a dynamic batch.
 //
 // Padding: `padding` has one value per spatial dim (symmetric, passed to the conv) or two per
@@ -152,8 +156,9 @@ at::Tensor wide_convolution(const char* op, const at::Tensor& input, const at::T
 
   if (kind == ConvStrategy::Auto) {
     // Few input channels per group: channels-first grouped loses accuracy (see the note).
-    kind = d == 2 && !transposed && weight.sym_size(2) < kFewChannels ? ConvStrategy::GroupedChannelsLast
-                                                                     : ConvStrategy::Grouped;
+    kind = d == 2 && !transposed && groups == 1 && weight.sym_size(2) < kFewChannels
+               ? ConvStrategy::GroupedChannelsLast
+               : ConvStrategy::Grouped;
   }
   if (kind == ConvStrategy::Loop) {
     if (!transposed && !explicit_pad && d == 2) {

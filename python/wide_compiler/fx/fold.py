@@ -33,7 +33,7 @@ import torch
 from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .rules.conv import default_conv_strategy
+from .rules.conv import conv_candidates, conv_strategies, default_conv_strategy
 
 __all__ = ["attention_kernel", "cached_folded_conv_params", "channels_last_max_pool2d", "clear_fold_cache",
            "fold_batch_norms", "folded_conv_params", "fuse_residual_norms", "pool_before_relu", "relu_in_place",
@@ -196,9 +196,14 @@ def rewrite_channels_last(gm: fx.GraphModule) -> int:
         spec, shapes = node.meta.get("wide_tune"), node.meta.get("wide_shapes")
         if spec is None or len(shapes["input"]) != 4 or math.prod(shapes["input"][2:]) < _CL_MIN_PLANE:
             continue
+        # an eval graph computes no weight gradient: every layout is exact (conv_strategies)
+        shapes = node.meta["wide_shapes"] = {**shapes, "inference": True}
         default = default_conv_strategy(shapes, channels_last=True)
-        if default != spec.default:
-            node.meta["wide_tune"] = dataclasses.replace(spec, default=default)
+        names = conv_strategies(shapes)
+        if default != spec.default or names != spec.names:
+            node.meta["wide_tune"] = dataclasses.replace(
+                spec, default=default, strategies=names,
+                make=lambda n, opts, s=shapes, op=node.target: conv_candidates(op, n, s, opts))
             count += 1
     if count:
         gm.recompile()

@@ -36,8 +36,10 @@ def heuristic_reason(node: fx.Node, default: str) -> str:
             return f"loop: member weight of {math.prod(weight):,} elements (>= 512K)"
         if default == "grouped_cl":
             if len(weight) == 4 and weight[1] < 8 and not shapes.get("transposed"):
-                return "grouped_cl: a 2-d conv with < 8 input channels per group"
+                return "grouped_cl: a 2-d dense conv with < 8 input channels (accurate weight gradients)"
             return "grouped_cl: the eval graph's conv runs channels-last"
+        if len(weight) == 4 and weight[1] < 8 and not shapes.get("transposed"):
+            return f"{default}: a grouped/depthwise conv with < 8 channels per group stays channels-first (accuracy)"
         return f"{default}: one grouped conv for all members"
     if op == "wide.rnn" and default == "loop":
         return "loop: ATen's LSTM per member (oneDNN's fused kernel), members in parallel"

@@ -32,13 +32,25 @@ __all__ = ["conv_candidates", "conv_strategies", "default_conv_strategy"]
 
 
 def conv_strategies(shapes: dict) -> tuple[str, ...]:
-    """The strategies of one conv: grouped_cl for 2-d convs only, and not channels-first grouped
-    for 2-d convs with fewer than 8 input channels per group (inaccurate weight gradients: Note
-    [wide::conv strategies] in csrc/wide/ops/conv.cpp)."""
+    """The strategies of one conv: grouped_cl for 2-d convs only; for 2-d convs with fewer than 8
+    input channels per group, only the layout whose weight gradient keeps the members' accuracy
+    (Note [wide::conv strategies] in csrc/wide/ops/conv.cpp): channels-last for a dense member
+    conv (groups 1: an RGB stem), channels-first for a grouped or depthwise one, unless
+    ``shapes["inference"]`` (an eval graph: no weight gradient, so every layout is exact)."""
     weight = shapes["weight"]
     if len(weight) != 4:
         return ("grouped", "loop")
-    return ("grouped_cl", "loop") if weight[1] < _FEW_CHANNELS and not shapes.get("transposed") else _STRATEGIES
+    if weight[1] >= _FEW_CHANNELS or shapes.get("transposed"):
+        return _STRATEGIES
+    if _member_groups(shapes) == 1:
+        return ("grouped_cl", "loop")
+    return _STRATEGIES if shapes.get("inference") else ("grouped", "loop")
+
+
+def _member_groups(shapes: dict) -> int:
+    """The member conv's groups (the last of the op's (stride, padding, dilation, groups) args)."""
+    args = shapes.get("args") or ()
+    return args[3] if len(args) > 3 and isinstance(args[3], int) else 1
 
 
 def default_conv_strategy(shapes: dict, *, channels_last: bool = False) -> str:
