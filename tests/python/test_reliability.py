@@ -123,7 +123,10 @@ def test_a_stale_cache_entry_naming_a_strategy_the_op_lacks_is_measured_again(tm
     path = tmp_path / "strategies.json"
     entries = json.loads(path.read_text())
     assert entries
-    path.write_text(json.dumps({k: {**v, "strategy": "winograd"} for k, v in entries.items()}))
+    # every op's entry names a strategy the op lacks (the model-level check's verdicts are not
+    # op strategies: kept as they are)
+    path.write_text(json.dumps({k: v if "model_check" in k else {**v, "strategy": "winograd"}
+                                for k, v in entries.items()}))
     with caplog.at_level("WARNING", logger="wide_compiler"):
         wide = wc.compile(models, torch.randn(3, 4), config=config)
     assert set(wide.strategies.values()) <= {"bmm", "bmm_t", "loop"}
