@@ -51,11 +51,11 @@ std::vector<at::Tensor> member_inputs(const at::Tensor& input, bool packed_input
   return xs;
 }
 
-// The composite loop (conv.cpp's 'loop' branch for this case), differentiable.
-at::Tensor loop_forward(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                        at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, bool packed_input) {
+// Member k's conv of xs[k], concatenated on the channel dim (differentiable).
+at::Tensor member_convs(const std::vector<at::Tensor>& xs, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias, at::IntArrayRef stride, at::IntArrayRef padding,
+                        at::IntArrayRef dilation) {
   const int64_t members = weight.size(0);
-  const std::vector<at::Tensor> xs = member_inputs(input, packed_input, members);
   const std::vector<at::Tensor> ws = weight.unbind(0);
   const std::vector<at::Tensor> bs = bias.has_value() ? bias->unbind(0) : std::vector<at::Tensor>{};
   std::vector<at::Tensor> outs;
@@ -66,17 +66,28 @@ at::Tensor loop_forward(const at::Tensor& input, const at::Tensor& weight, const
   return at::cat(outs, 1);
 }
 
+// The composite loop (conv.cpp's 'loop' branch for this case), differentiable.
+at::Tensor loop_forward(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, bool packed_input) {
+  return member_convs(member_inputs(input, packed_input, weight.size(0)), weight, bias, stride, padding, dilation);
+}
+
 class LoopConv2d : public torch::autograd::Function<LoopConv2d> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, std::vector<int64_t> stride,
                             std::vector<int64_t> padding, std::vector<int64_t> dilation, bool packed_input) {
-    ctx->save_for_backward({input, weight, bias.value_or(at::Tensor())});
+    // The members' contiguous inputs are saved for the backward (views of an N-first input;
+    // copies of a packed one, which the backward would otherwise make again).
+    const std::vector<at::Tensor> xs = member_inputs(input, packed_input, weight.size(0));
+    variable_list saved{input, weight, bias.value_or(at::Tensor())};
+    saved.insert(saved.end(), xs.begin(), xs.end());
+    ctx->save_for_backward(saved);
     ctx->saved_data["stride"] = stride;
     ctx->saved_data["padding"] = padding;
     ctx->saved_data["dilation"] = dilation;
     ctx->saved_data["packed"] = packed_input;
-    return loop_forward(input, weight, bias, stride, padding, dilation, packed_input);
+    return member_convs(xs, weight, bias, stride, padding, dilation);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -107,7 +118,7 @@ class LoopConv2d : public torch::autograd::Function<LoopConv2d> {
     }
 
     const int64_t members = weight.size(0), c_out = weight.size(1);
-    const std::vector<at::Tensor> xs = member_inputs(input, packed_input, members);
+    const std::vector<at::Tensor> xs(saved.begin() + 3, saved.end());
     const std::vector<at::Tensor> gs = grad.chunk(members, 1);
     at::Tensor gw = need_w ? at::empty_like(weight, at::MemoryFormat::Contiguous) : at::Tensor();
     at::Tensor gb = need_b ? at::empty_like(bias, at::MemoryFormat::Contiguous) : at::Tensor();

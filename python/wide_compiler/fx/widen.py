@@ -423,11 +423,16 @@ def _member_fails_too(member: ExportedProgram | None) -> bool:
     except Exception:  # noqa: BLE001 -- any failure: the member cannot run the sample either
         return True
     finally:
-        for node, v in before.items():
-            if v is None:
-                node.meta.pop("val", None)
-            else:
-                node.meta["val"] = v
+        _restore_vals(before)
+
+
+def _restore_vals(before: dict[fx.Node, Any]) -> None:
+    """Put back each node's ``meta["val"]`` as it was before a fake run (absent stays absent)."""
+    for node, v in before.items():
+        if v is None:
+            node.meta.pop("val", None)
+        else:
+            node.meta["val"] = v
 
 
 def check_ranks(wg: WideGraph, n: int, member: ExportedProgram | None = None) -> None:
@@ -463,11 +468,7 @@ def check_ranks(wg: WideGraph, n: int, member: ExportedProgram | None = None) ->
             return
         failed = (current[0], cause)
     finally:
-        for node, v in before.items():
-            if v is None:
-                node.meta.pop("val", None)
-            else:
-                node.meta["val"] = v
+        _restore_vals(before)
     if failed is not None and _member_fails_too(member):
         log.debug("wide_compiler: rank check stopped early: the member's own graph cannot run the sample's "
                   "sizes and dtypes either (%s: %s)", type(failed[1]).__name__, failed[1])
