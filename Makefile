@@ -16,7 +16,7 @@ APT_PACKAGES := cmake ninja-build g++ libgtest-dev ccache
 TORCH_SPEC := torch==2.13.0
 SOURCES := $(shell find csrc tests/cpp -name '*.cpp' -o -name '*.h' 2>/dev/null) CMakeLists.txt pyproject.toml python/wide_compiler/_C.c
 
-.PHONY: all setup build demo test test-cpp test-python bench clean distclean
+.PHONY: all setup build demo test test-cpp test-python lint bench clean distclean
 
 all: build
 
@@ -39,9 +39,9 @@ setup: $(VENV)/.stamp-py
 
 # Test-only dependencies: the real-model suite (tests/python/real_models.py) builds tiny models
 # from transformers and diffusers; tests/python/test_ray.py runs Ray Tune (about 20 s to install);
-# matplotlib draws the CLI's --plot files (the `plot` extra). Pinned, and installed with torch
-# pinned so pip never swaps torch.
-TEST_SPECS := "transformers==5.23.0" "diffusers==0.42.1" "ray[tune]==2.60.0" "matplotlib==3.11.2" "optuna==5.0.0" "lightning==2.6.6" "accelerate==1.15.0"
+# matplotlib draws the CLI's --plot files (the `plot` extra); import-linter checks the package's
+# layers (`make lint`). Pinned, and installed with torch pinned so pip never swaps torch.
+TEST_SPECS := "transformers==5.23.0" "diffusers==0.42.1" "ray[tune]==2.60.0" "matplotlib==3.11.2" "optuna==5.0.0" "lightning==2.6.6" "accelerate==1.15.0" "import-linter==2.17"
 $(VENV)/.stamp-test: $(VENV)/.stamp-py Makefile
 	$(PIP) install -q "$(TORCH_SPEC)" $(TEST_SPECS)
 	touch $@
@@ -62,7 +62,13 @@ test: test-cpp test-python
 test-cpp: build
 	cd $(BUILD) && ctest --output-on-failure -j2
 
-test-python: build $(VENV)/.stamp-test
+# The Python package's layers, declared as import-linter contracts in .importlinter: no import
+# cycles, the compiler (fx) below the API, config below fx, nn/functional below fx, the
+# benchmarks, integrations and tests above the library.
+lint: build $(VENV)/.stamp-test
+	$(VENV)/bin/lint-imports --no-logo
+
+test-python: build $(VENV)/.stamp-test lint
 	$(PY) -m pytest -q tests/python --doctest-modules python/wide_compiler
 
 # Each target writes JSON records (DESIGN §10) under bench-results/; PRESET=full for the grids.

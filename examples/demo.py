@@ -18,25 +18,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 import wide_compiler as wc
 from torch import nn
-from wide_compiler import testing
+from wide_compiler import measure, testing, zoo
 from wide_compiler.bench import engine
 
 ATOL = testing.tolerance(torch.float32)["atol"]  # the timed results' check (outputs)
 
 
 def make_mlp(seed: int, sizes: tuple[int, ...] = (64, 256, 256, 10)) -> nn.Module:
-    """One member: Linear-ReLU-Linear-GELU-Linear, initialised from ``seed``."""
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(sizes[0], sizes[1]), nn.ReLU(),
-        nn.Linear(sizes[1], sizes[2]), nn.GELU(),
-        nn.Linear(sizes[2], sizes[3]),
-    )
+    """One member: Linear-ReLU-Linear-GELU-Linear, initialised from ``seed`` (the zoo's
+    :func:`wide_compiler.zoo.mlp_stack`)."""
+    return zoo.mlp_stack(sizes, seed=seed)
 
 
 def print_member_grid(errs: list[float], per_line: int = 8) -> None:
@@ -63,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     per_member = sum(p.numel() for p in models[0].parameters())
     print(f"[1] population: {n} MLPs 64 -> 256 -> 256 -> 10 ({per_member:,} parameters each), "
           f"seeds 0..{n - 1}")
-    start = time.perf_counter()
+    clock = measure.Stopwatch()
     wide = wc.compile(models, torch.randn(batch, 64))  # ONE member's sample input
-    print(f"[2] wc.compile: {time.perf_counter() - start:.2f} s (capture, widen, strategy tuning)\n")
+    print(f"[2] wc.compile: {clock.seconds:.2f} s (capture, widen, strategy tuning)\n")
 
     # 3. every member against its own model -----------------------------------------------------
     torch.manual_seed(1234)
@@ -98,23 +93,23 @@ def main(argv: list[str] | None = None) -> int:
               f"max abs err {round_trip:.1e}\n")
 
     # 5. speed ---------------------------------------------------------------------------------
-    print(f"[5] speed: N={n}, batch {batch} per member, float32, median of "
-          f"torch.utils.benchmark (blocked_autorange, {torch.get_num_threads()} threads)")
+    print(f"[5] speed: N={n}, batch {batch} per member, float32, medians of interleaved rounds "
+          f"(wide_compiler.measure.time_interleaved, {torch.get_num_threads()} threads)")
     strategy = ",".join(sorted(set(wide.strategies.values())))
     base = {"target": "mlp", "batch": batch, "in_features": 64, "out_features": 10,
             "shape": "64-256-256-10", "dtype": "float32"}
-    machine = engine.machine_info()
-    wide_c = engine.Contender(strategy, wide, engine.wide_params_in_member_order(wide, models[0]))
+    machine = measure.machine_info()
+    wide_c = measure.wide_contender(strategy, wide, models[0])
     records = []
-    for mode in engine.MODES:
+    for mode in measure.MODES:
         records += engine.run_case(
-            models, x, [wide_c], [engine.loop_contender(models), engine.vmap_contender(models)],
+            models, x, [wide_c], [measure.loop_contender(models), measure.vmap_contender(models)],
             mode=mode, base=dict(base, case="separate"), min_run_time=args.min_run_time,
             machine=machine)
     x_shared = x[0].expand(n, *x[0].shape)  # one batch for all members
     records += engine.run_case(
         models, x_shared, [wide_c],
-        [engine.loop_contender(models), engine.vmap_contender(models, shared=True)],
+        [measure.loop_contender(models), measure.vmap_contender(models, shared=True)],
         mode="inference", base=dict(base, case="shared"), min_run_time=args.min_run_time,
         machine=machine)
     print(engine.format_table(records, header=False))

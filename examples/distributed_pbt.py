@@ -4,7 +4,7 @@ Each rank holds a contiguous slice of the population as ONE wide model
 (wide_compiler.distributed.shard); member ids are global. Every `--interval` steps every rank
 gets all N validation losses (all_gather_metrics), takes the same decisions (the same seeded
 RNG everywhere), and each member of the bottom quarter copies a random member of the top quarter
-wherever it lives (copy_member: weights, optimizer state and hyperparameters, sent between the
+wherever it lives (copy_member_weights: weights, optimizer state and hyperparameters, sent between the
 two ranks that hold them), then perturbs its learning rate and momentum on the rank holding it.
 The data and the mini-batches are the same whatever the number of processes, so 1, 2 or 4
 processes train the same population.
@@ -85,7 +85,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         for dst in bottom:
             src = rng.choice(top)
             lr_factor, mom_factor = rng.choice([0.8, 1.25]), rng.choice([0.9, 1.1])
-            wcd.copy_member(sharded, src, dst, opt)                       # exploit (collective)
+            wcd.copy_member_weights(sharded, src, dst, opt)               # exploit (collective)
             if sharded.is_local(dst):                                      # explore (local)
                 hp = opt.member_hyperparameters(sharded.local(dst))
                 opt.set_member_hyperparameters(sharded.local(dst), lr=hp["lr"] * lr_factor,

@@ -2,7 +2,7 @@
 
 Every `--interval` steps the members are ranked by validation loss; each member of the bottom
 quarter copies a random member of the top quarter (weights, buffers, optimizer state and
-hyperparameters: WideModel.copy_member(src, dst, optimizer)) and then perturbs its learning rate
+hyperparameters: WideModel.copy_member_weights(src, dst, optimizer)) and then perturbs its learning rate
 and momentum (optimizer.set_member_hyperparameters), all in place, without leaving the fused model.
 
     python examples/pbt.py [--steps 400]
@@ -60,7 +60,7 @@ def main() -> None:
             top, bottom = order[:quarter], order[-quarter:]
             for dst in bottom:
                 src = rng.choice(top)
-                wide.copy_member(src, dst, opt)                            # exploit
+                wide.copy_member_weights(src, dst, opt)                    # exploit
                 hp = opt.member_hyperparameters(dst)
                 opt.set_member_hyperparameters(                            # explore
                     dst, lr=hp["lr"] * rng.choice([0.8, 1.25]),

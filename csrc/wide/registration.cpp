@@ -4,7 +4,7 @@
 
 #include "wide/info.h"
 #include "wide/memory/caching_allocator.h"
-#include "wide/optim/cpu/kernels.h"
+#include "wide/cpu/isa.h"
 
 TORCH_LIBRARY(wide, m) {
   // N independent linear layers: input [N, B, *, in], weight [N, out, in], bias [N, out].
@@ -111,9 +111,14 @@ TORCH_LIBRARY(wide, m) {
         "Tensor weight_decay, Tensor momentum, *, bool centered=False, bool maximize=False) -> ()");
   m.def("adagrad_step(Tensor(a!) param, Tensor grad, Tensor(b!) state_sum, Tensor(c!) step, "
         "Tensor lr, Tensor lr_decay, Tensor weight_decay, Tensor eps, *, bool maximize=False) -> ()");
-  // Instruction set of the optimizer kernels: sets it when `capability` is non-empty ("auto",
-  // "default", "avx2", "avx512"); returns the one in use. For tests and benchmarks.
+  // Instruction set of the hand-written CPU kernels (optimizer steps, fused norms, small
+  // attention; wide/cpu/isa.h): sets it when `capability` is non-empty ("auto", "default", "avx2",
+  // "avx512"); returns the one in use. For tests and benchmarks.
+  m.def("_cpu_capability(str capability=\"\") -> str", [](c10::string_view capability) {
+    return wide::cpu::cpu_capability_op(std::string_view(capability.data(), capability.size()));
+  });
+  // The same, under its first name (when only the optimizers had such kernels).
   m.def("_optim_cpu_capability(str capability=\"\") -> str", [](c10::string_view capability) {
-    return wide::optim::optim_cpu_capability(std::string_view(capability.data(), capability.size()));
+    return wide::cpu::cpu_capability_op(std::string_view(capability.data(), capability.size()));
   });
 }

@@ -37,7 +37,7 @@ from .model import WideModel
 from .registry import register
 from .router import Tower, WideRouter
 
-__version__ = "0.1.0"
+from ._version import __version__  # the one source of the version (pyproject.toml reads it too)
 
 #: The CMake prefix of the installed C++ package (headers, libwide, WideCompilerConfig.cmake), for
 #: ``cmake -DCMAKE_PREFIX_PATH=...`` and ``find_package(WideCompiler)``; like

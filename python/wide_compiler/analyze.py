@@ -39,7 +39,6 @@ import logging
 import math
 import re
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .bench import engine
+from . import measure
 
 __all__ = ["AnalysisReport", "analyze", "available_memory", "load_factory", "parse_bytes", "plot"]
 
@@ -170,7 +169,7 @@ class AnalysisReport:
         out.append(f"{'' if not markdown else chr(10)}torch {m.get('torch')}, {m.get('threads')} threads, CPU "
                    f"capability {m.get('cpu_capability')}, config {self.config}, medians of {self.repeats} "
                    f"interleaved repeats")
-        note = engine.contention_note(m)
+        note = measure.contention_note(m)
         if note:
             out.append(note)
 
@@ -197,9 +196,9 @@ class AnalysisReport:
         rows = []
         for s in self.speed:
             ms, sp, tp = s["ms"], s["speedup"], s["samples_per_s_per_member"]
-            rows.append([str(s["n"]), s["mode"], engine.fmt_ms(ms.get("wide")),
-                         _cell(ms, s, "loop", engine.fmt_ms), _cell(ms, s, "vmap", engine.fmt_ms),
-                         engine.fmt_x(sp.get("loop")), engine.fmt_x(sp.get("vmap")),
+            rows.append([str(s["n"]), s["mode"], measure.fmt_ms(ms.get("wide")),
+                         _cell(ms, s, "loop", measure.fmt_ms), _cell(ms, s, "vmap", measure.fmt_ms),
+                         measure.fmt_x(sp.get("loop")), measure.fmt_x(sp.get("vmap")),
                          _num(tp.get("wide")), _num(tp.get("loop")), _num(s["samples_per_s"].get("wide")),
                          _err(s.get("max_abs_err_vs_loop"))])
         out.extend(table(["N", "mode", "wide ms", "loop ms", "vmap ms", "vs loop", "vs vmap",
@@ -221,9 +220,9 @@ class AnalysisReport:
                 for i in range(max(len(w), len(lp))):
                     a = w[i] if i < len(w) else None
                     b = lp[i] if i < len(lp) else None
-                    rows.append([a["op"] if a else "", engine.fmt_ms(a["ms"]) if a else "",
+                    rows.append([a["op"] if a else "", measure.fmt_ms(a["ms"]) if a else "",
                                  f"{a['pct']:.0f}%" if a else "",
-                                 b["op"] if b else "", engine.fmt_ms(b["ms"]) if b else "",
+                                 b["op"] if b else "", measure.fmt_ms(b["ms"]) if b else "",
                                  f"{b['pct']:.0f}%" if b else ""])
                 out.extend(table(["wide op", "ms", "%", "loop op", "ms", "%"], rows))
                 if markdown:
@@ -317,7 +316,7 @@ def _make_members(model_or_factory: nn.Module | Callable[[], nn.Module], n: int)
 
 
 def _wide_inputs(sample: tuple, n: int, seed: int = 0, kwargs: dict[str, Any] | None = None
-                 ) -> tuple[tuple, dict[str, Any]]:
+                 ) -> measure.CallInputs:
     """N-first ``(args, kwargs)``: member i gets its own random copy of a float input (integer
     and bool inputs, indices and masks, are repeated)."""
     g = torch.Generator().manual_seed(seed)
@@ -331,70 +330,26 @@ def _wide_inputs(sample: tuple, n: int, seed: int = 0, kwargs: dict[str, Any] | 
             x = (torch.randn(x.shape, generator=g).to(x.device) * std + a.float().mean()).to(x.dtype)
         return x
 
-    return tuple(widen(a) for a in sample), {k: widen(v) for k, v in (kwargs or {}).items()}
+    return measure.CallInputs(tuple(widen(a) for a in sample), {k: widen(v) for k, v in (kwargs or {}).items()})
 
 
-def _contenders(wide: nn.Module, members: Sequence[nn.Module]) -> dict[str, engine.Contender]:
-    """wide, loop and vmap (torch.func) over a tuple of N-first inputs."""
-    from torch.func import functional_call, stack_module_state, vmap
-
-    def nth(a: Any, i: int) -> Any:
-        return a[i] if isinstance(a, torch.Tensor) else a
-
-    def loop(xs: tuple) -> list:
-        args, kw = xs
-        return [m(*[nth(a, i) for a in args], **{k: nth(v, i) for k, v in kw.items()})
-                for i, m in enumerate(members)]
-
-    out = {"wide": engine.Contender("wide", lambda xs: wide(*xs[0], **xs[1]),
-                                    engine.wide_params_in_member_order(wide, members[0]), "wide"),
-           "loop": engine.Contender("loop", loop, [p for m in members for p in m.parameters()], "members")}
-    params, buffers = stack_module_state(list(members))
-    base = copy.deepcopy(members[0]).to("meta")
-
-    def vmapped(xs: tuple) -> Any:
-        args, kw = xs
-        names, flat = list(kw), [*args, *kw.values()]  # vmap maps positional inputs only
-
-        def call(p: dict, b: dict, *values: Any) -> Any:
-            return functional_call(base, (p, b), tuple(values[:len(args)]),
-                                   dict(zip(names, values[len(args):])))
-
-        dims = (0, 0, *[0 if isinstance(a, torch.Tensor) else None for a in flat])
-        return vmap(call, in_dims=dims, randomness="different")(params, buffers, *flat)
-
-    out["vmap"] = engine.Contender("vmap", vmapped, list(params.values()), "wide")
-    return out
+def _contenders(wide: nn.Module, members: Sequence[nn.Module]) -> dict[str, measure.Contender]:
+    """wide, loop and vmap (torch.func, each member its own randomness) over the N-first
+    :class:`~wide_compiler.measure.CallInputs`."""
+    return {"wide": measure.wide_contender("wide", wide, members[0]),
+            "loop": measure.loop_contender(members),
+            "vmap": measure.vmap_contender(members, randomness="different")}
 
 
 def _interleaved(steps: dict[str, Callable[[], Any]], repeats: int, block_s: float
                  ) -> tuple[dict[str, float], dict[str, str]]:
-    """Median ms per call of each step over ``repeats`` blocks, the steps taking turns (the
-    order rotates each round). A step that raises is left out; its message is returned."""
+    """Median ms per call of each step over ``repeats`` blocks of about ``block_s`` seconds, the
+    steps taking turns (:func:`wide_compiler.measure.time_interleaved`). A step that raises is
+    left out; its message is returned."""
     errors: dict[str, str] = {}
-    calls: dict[str, int] = {}
-    for name, fn in steps.items():
-        try:
-            for _ in range(3):  # warm up (first calls allocate, autograd builds caches)
-                fn()
-            t0 = time.perf_counter()
-            fn()
-            dt = time.perf_counter() - t0
-        except Exception as e:  # noqa: BLE001 -- a baseline that cannot run is a result
-            errors[name] = engine._error_text(e)
-            continue
-        calls[name] = max(1, min(1000, int(block_s / max(dt, 1e-7))))
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    names = list(calls)
-    for r in range(repeats):
-        k = r % max(1, len(names))
-        for name in names[k:] + names[:k]:
-            fn, c = steps[name], calls[name]
-            t0 = time.perf_counter()
-            for _ in range(c):
-                fn()
-            times[name].append((time.perf_counter() - t0) / c * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}, errors
+    ms = measure.time_interleaved(steps, min_run_time=block_s * repeats, rounds=repeats, warmup=3,
+                                  min_rounds=repeats, errors=errors)
+    return ms, errors
 
 
 def _profile(step: Callable[[], Any], calls: int, top: int, rounds: int = 3) -> list[dict[str, Any]]:
@@ -560,23 +515,24 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
         >>> r.speed[0]["ms"]["wide"] > 0 and r.memory["max_n_train"] >= 1
         True
     """
-    import wide_compiler as wc
+    from .api import compile as wide_compile
+    from .config import WideConfig
 
     ns = sorted({int(k) for k in ([n] if isinstance(n, int) else n)})
     if not ns or ns[0] < 1:
         raise ValueError(f"wide_compiler.analyze: expected N >= 1, got n={n!r}")
     modes = list(modes)
-    bad = [m for m in modes if m not in engine.MODES]
+    bad = [m for m in modes if m not in measure.MODES]
     if bad or not modes:
-        raise ValueError(f"wide_compiler.analyze: modes must be among {engine.MODES}, got {modes}")
+        raise ValueError(f"wide_compiler.analyze: modes must be among {measure.MODES}, got {modes}")
     if repeats < 1:
         raise ValueError(f"wide_compiler.analyze: expected repeats >= 1, got {repeats}")
-    config = config or wc.WideConfig.fast()
+    config = config or WideConfig.fast()
     sample_t = sample if isinstance(sample, tuple) else (sample,)
     sample_kw = dict(sample_kwargs or {})
     tensors = [a for a in [*sample_t, *sample_kw.values()] if isinstance(a, torch.Tensor)]
     batch = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
-    machine = engine.machine_info()
+    machine = measure.machine_info()
 
     torch.manual_seed(seed)
     mem_ns = sorted({int(k) for k in memory_ns if k >= 1} or {1})
@@ -598,9 +554,9 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
         if k not in wides:
             for m in reset(k):  # one mode and the initial state for all (earlier runs change both)
                 m.train(start_mode)
-            t0 = time.perf_counter()
-            wides[k] = wc.compile(members_all[:k], sample_t, config=config, sample_kwargs=sample_kw or None)
-            compile_s[k] = time.perf_counter() - t0
+            sw = measure.Stopwatch()
+            wides[k] = wide_compile(members_all[:k], sample_t, config=config, sample_kwargs=sample_kw or None)
+            compile_s[k] = sw.seconds
         return wides[k]
 
     def reset(k: int) -> list[nn.Module]:
@@ -628,11 +584,11 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
             members = [m.train(training) for m in reset(k)]
             wide.train(training)
             contenders = _contenders(wide, members)
-            steps = {name: engine.make_step(c, xs, mode) for name, c in contenders.items()}
+            steps = {name: measure.make_step(c, xs, mode) for name, c in contenders.items()}
             err = math.nan
             if not training:
                 try:
-                    err = engine.max_abs_err(contenders["loop"], steps["loop"](), contenders["wide"],
+                    err = measure.max_abs_err(contenders["loop"], steps["loop"](), contenders["wide"],
                                              steps["wide"](), k, mode)
                 except Exception as e:  # noqa: BLE001 -- reported, never fatal
                     log.warning("wide_compiler.analyze: comparing wide with the loop failed: %s", e)
@@ -716,9 +672,9 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
         progress("done", stages["total"], stages["total"])
     inputs = [_describe(a) for a in sample_t] + [f"{k}={_describe(v)}" for k, v in sample_kw.items()]
     return AnalysisReport(model=model_name, input_shapes=[list(a.shape) for a in tensors], ns=ns, modes=modes,
-                          repeats=repeats, config=_config_name(config, wc), compile=compile_info, speed=speed,
+                          repeats=repeats, config=_config_name(config), compile=compile_info, speed=speed,
                           profile=profile, memory=mem, recommendations=recs,
-                          machine=dict(machine, load_avg_end=engine.machine_info()["load_avg"]),
+                          machine=dict(machine, load_avg_end=measure.machine_info()["load_avg"]),
                           inputs=inputs)
 
 
@@ -729,10 +685,12 @@ def _describe(a: Any) -> str:
     return repr(a)
 
 
-def _config_name(config: Any, wc: Any) -> str:
+def _config_name(config: Any) -> str:
+    from .config import WideConfig
+
     for name in ("fast", "default", "safe", "debug"):
         try:
-            if config == getattr(wc.WideConfig, name)():
+            if config == getattr(WideConfig, name)():
                 return f"WideConfig.{name}()"
         except Exception:  # noqa: BLE001,S110 -- only a label
             pass

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import itertools
 import json
 import logging
 import math
@@ -103,8 +102,10 @@ class _Checks:
         self.count = 0
 
     def run(self, name: str, fn: Callable[[], str | None]) -> Any:
+        from .measure import Stopwatch
+
         self.count += 1
-        start = time.perf_counter()
+        sw = Stopwatch()
         try:
             detail = fn()
         except Exception as e:  # noqa: BLE001 (a failed check is a FAIL line, not a crash)
@@ -113,7 +114,7 @@ class _Checks:
             if self.verbose:
                 traceback.print_exc()
             return None
-        ms = (time.perf_counter() - start) * 1e3
+        ms = sw.ms
         print(f"PASS  {name}{f'  ({detail})' if detail else ''}  [{ms:.0f} ms]", flush=True)
         return detail
 
@@ -193,19 +194,11 @@ def _test_wide_linear() -> str:
     return f"from_modules -> forward (outputs, gradients) -> unfuse, max err {report.max_error():.1e}"
 
 
-class _MLP:  # built lazily so that `import wide_compiler.cli` does not import torch.nn
-    @staticmethod
-    def make(seed: int, sizes: Sequence[int] = (16, 32, 32, 4)) -> Any:
-        import torch
-        from torch import nn
+def _mlp(seed: int) -> Any:
+    """One self-test member, 16 -> 32 -> 32 -> 4 (:func:`wide_compiler.zoo.mlp_stack`)."""
+    from .zoo import mlp_stack  # deferred: the zoo imports torch.nn
 
-        torch.manual_seed(seed)
-        layers: list[nn.Module] = []
-        for k, (a, b) in enumerate(itertools.pairwise(sizes)):
-            layers.append(nn.Linear(a, b))
-            if k < len(sizes) - 2:
-                layers.append(nn.GELU() if k % 2 else nn.ReLU())
-        return nn.Sequential(*layers)
+    return mlp_stack((16, 32, 32, 4), seed=seed)
 
 
 def _compare_population(models: Sequence[Any], wide: Any, x: Any, *, shared: bool = False) -> float:
@@ -223,7 +216,7 @@ def _test_compile() -> str:
     import wide_compiler as wc
 
     n = 8
-    models = [_MLP.make(seed) for seed in range(n)]
+    models = [_mlp(seed) for seed in range(n)]
     x = torch.randn(n, 5, 16)
     wide = wc.compile(models, x[0], config=wc.WideConfig.fast())
     if wide.n != n:
@@ -239,7 +232,7 @@ def _test_compile_strategies() -> str:
     import wide_compiler as wc
 
     n = 4
-    models = [_MLP.make(100 + seed) for seed in range(n)]
+    models = [_mlp(100 + seed) for seed in range(n)]
     x = torch.randn(n, 3, 16)
     worst = 0.0
     for strategy in ("bmm", "loop"):
@@ -272,7 +265,7 @@ def _test_unfuse() -> str:
     import wide_compiler as wc
 
     n = 4
-    models = [_MLP.make(200 + seed) for seed in range(n)]
+    models = [_mlp(200 + seed) for seed in range(n)]
     x = torch.randn(n, 3, 16)
     wide = wc.compile(models, x[0], config=wc.WideConfig.fast())
     back = wide.unfuse()
@@ -740,10 +733,12 @@ class _Progress:
         self.desc = desc
         self.use_bar = _interactive() if bar is None else bar
         self.bar: Any = None
-        self.start = time.perf_counter()
+        from .measure import Stopwatch
+
+        self.clock = Stopwatch()
 
     def __call__(self, stage: str, done: int, total: int) -> None:
-        elapsed = time.perf_counter() - self.start
+        elapsed = self.clock.seconds
         if self.use_bar:
             if self.bar is None:
                 from tqdm.auto import tqdm

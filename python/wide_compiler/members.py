@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._deprecation import warn_renamed
+
 __all__ = ["MemberOpsMixin"]
 
 
@@ -143,10 +145,10 @@ class MemberOpsMixin:
 
     # -- population-based training -------------------------------------------------------------
     @torch.no_grad()
-    def copy_member(self, src: int, dst: int, optimizer: Any = None) -> None:
+    def copy_member_weights(self, src: int, dst: int, optimizer: Any = None) -> None:
         """Member ``dst`` becomes a copy of member ``src``: weights and buffers (BatchNorm
         statistics included), and, when ``optimizer`` is given, its optimizer state and
-        hyperparameters too (``optimizer.copy_member(src, dst)``, a
+        hyperparameters too (``optimizer.copy_member_state(src, dst)``, a
         :class:`wide_compiler.optim.WideOptimizer`). The "exploit" step of population-based
         training.
 
@@ -155,18 +157,18 @@ class MemberOpsMixin:
             >>> models = [torch.nn.Linear(3, 2) for _ in range(4)]
             >>> wide = wc.compile(models, torch.randn(1, 3), config=wc.WideConfig.fast())
             >>> opt = wc.optim.SGD(wide.parameters(), lr=[0.1, 0.2, 0.3, 0.4], momentum=0.9)
-            >>> wide.copy_member(3, 0, opt)
+            >>> wide.copy_member_weights(3, 0, opt)
             >>> torch.equal(wide.weight[0], wide.weight[3]), opt.param_groups[0]["lr"][0].item()
             (True, 0.4)
         """
         src = self._check_member_index(src, "src")
         dst = self._check_member_index(dst, "dst")
         if optimizer is not None:
-            if not hasattr(optimizer, "copy_member"):
-                raise TypeError(f"wide_compiler.copy_member: {type(optimizer).__name__} has no "
-                                f"copy_member(); use a wide_compiler.optim optimizer")
+            if not hasattr(optimizer, "copy_member_state"):
+                raise TypeError(f"wide_compiler.copy_member_weights: {type(optimizer).__name__} has no "
+                                f"copy_member_state(); use a wide_compiler.optim optimizer")
             if getattr(optimizer, "n", self.n) != self.n:
-                raise ValueError(f"wide_compiler.copy_member: the optimizer has N={optimizer.n} "
+                raise ValueError(f"wide_compiler.copy_member_weights: the optimizer has N={optimizer.n} "
                                  f"members, the model {self.n}")
         if src == dst:
             return
@@ -175,7 +177,12 @@ class MemberOpsMixin:
             t = self._stacked(name)
             t[dst].copy_(t[src])
         if optimizer is not None:
-            optimizer.copy_member(src, dst)
+            optimizer.copy_member_state(src, dst)
+
+    def copy_member(self, src: int, dst: int, optimizer: Any = None) -> None:
+        """Deprecated alias of :meth:`copy_member_weights` (warns once)."""
+        warn_renamed("WideModel.copy_member", "WideModel.copy_member_weights")
+        self.copy_member_weights(src, dst, optimizer)
 
     def member(self, i: int) -> nn.Module:
         """Member ``i`` as an ordinary module (the original class, a copy of its weights and

@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .config import WideConfig
 from .fx.capture import module_path
 from .fx.fold import clear_fold_cache
+from .fx.forms import apply_capture_forms
 from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, run_pipeline
 from .fx.widen import WideGraph
 from .members import MemberOpsMixin
@@ -107,7 +108,8 @@ class WideModel(MemberOpsMixin, nn.Module):
 
         # Modules with a user-registered wide form are kept whole: their wide module replaces them.
         self._registered = registered_paths(template)
-        object.__setattr__(self, "_capture_template", opaque_template(template, self._registered))
+        object.__setattr__(self, "_capture_template", opaque_template(template, self._registered,
+                                                                      forms=apply_capture_forms))
         # The compiler pipeline checks the members first: nothing is stacked from mismatched ones.
         compiled = self._compile(template.training, members=models)
 
@@ -216,6 +218,7 @@ class WideModel(MemberOpsMixin, nn.Module):
         """Whether this model stacks ``name`` itself (not a registered module's wide form)."""
         return not any(name.startswith(p + ".") for p in self._registered)
 
+    @torch.enable_grad()  # a training graph's tuning runs backward, whatever the caller's grad mode
     def _compile(self, training: bool, members: Sequence[nn.Module] | None = None) -> Compilation:
         """Run the compiler pipeline (fx/pipeline.py) for one train/eval mode."""
         ref = next(self.parameters(), None)
@@ -225,6 +228,7 @@ class WideModel(MemberOpsMixin, nn.Module):
             dtype=ref.dtype if ref is not None else None, device=ref.device if ref is not None else None,
             constants=self.__dict__.get("_constants"), extra_dims=dict(self._extra_dims)))
 
+    @torch.enable_grad()  # the model-level check of a training graph runs backward
     def _adopt(self, c: Compilation, *, check_tuning: bool = True) -> WideGraph:
         """Keep a compiled graph: its lifted constants become (non-persistent) buffers."""
         for name, value in c.ep.constants.items():
@@ -256,16 +260,18 @@ class WideModel(MemberOpsMixin, nn.Module):
         activations channels-last, Note [Channels-last max pooling]). When tuning changed any
         strategy, the whole graph runs on the sample (N-first copies; forward, plus backward for
         a train graph) with the tuned and with the default strategies, in alternating blocks of
-        calls (the first of each block warms up; medians), and the defaults are kept unless the
-        tuned graph is faster by more than ``tune_margin``: this check has the final word. Its
-        outcome is cached with the ops' picks (a later compile of the same graph decides the
-        same without running it) and is bounded by what is left of ``tune_budget_s``: with
-        nothing left, or cut short (too few runs to trust), the defaults are kept and nothing is
-        cached, so only a complete check can keep tuned strategies. Buffers are
+        calls (the first of each block warms up; medians; up to three rounds of a block per set,
+        fewer once the two sets' runs are clearly apart, ``tuning.clearly_apart``), and the
+        defaults are kept unless the tuned graph is faster by more than ``tune_margin``: this
+        check has the final word. Its outcome is cached with the ops' picks (a later compile of
+        the same graph decides the same without running it) and is bounded by what is left of
+        ``tune_budget_s``: with nothing left, or cut short before the runs made were clearly
+        apart (too few to trust), the defaults are kept and nothing is cached, so only a check
+        that saw a clear difference or ran to the end can keep tuned strategies. Buffers are
         restored and no ``.grad`` is written; a sample the graph cannot run keeps the tuned
         choices (logged at debug level). Each changed op's ``summary()`` reason says what the
         check decided."""
-        from . import tuning
+        from . import measure, tuning
 
         gm = c.wide.graph_module
         nodes = [node for node in gm.graph.nodes if "wide_tune" in node.meta]
@@ -331,26 +337,28 @@ class WideModel(MemberOpsMixin, nn.Module):
             if cuda:
                 torch.cuda.synchronize()
 
-        times: dict[str, list[float]] = {"tuned": [], "default": []}
-        cut_short = False
+        sets = {"tuned": tuned, "default": default}
+        times: dict[str, list[float]] = {label: [] for label in sets}
+        complete = True
         try:
-            order = [("tuned", tuned), ("default", default)]
-            for k in range(3):  # blocks of calls, alternating; the first call of a block warms up
-                for label, strategies in order[::-1] if k % 2 else order:
-                    use(strategies)
-                    for j in range(1 + max(2, self._config.tune_repeats // 2)):
-                        start = tuning.now()
-                        run()
-                        if j:
-                            times[label].append(tuning.now() - start)
-                        if budget is not None and budget.exhausted():  # overruns by one run at most
-                            cut_short = True
-                            break
-                    if cut_short:
-                        break
-                if cut_short:
+            # Up to 3 rounds of one block per set, the order alternating; the first call of a
+            # block warms up (it pays the switch of strategies). After a round the check ends
+            # once the sets are clearly apart (tuning.clearly_apart). The budget is asked after
+            # every run, so it overruns by one run at most.
+            for k in range(3):
+                order = list(sets)[::-1] if k % 2 else list(sets)
+                rounds = measure.interleave({label: run for label in order}, 1, block_warmup=1,
+                                            per_block=max(2, self._config.tune_repeats // 2),
+                                            setup=lambda label: use(sets[label]),
+                                            stop=lambda: budget is not None and budget.exhausted())
+                for label, samples in rounds.samples.items():
+                    times[label] += samples
+                complete = rounds.complete
+                if not complete or tuning.clearly_apart(times, margin) is not None:
                     break
         except Exception as e:  # noqa: BLE001 -- a check of speed never fails a compile
+            if isinstance(e, measure.TimingError):
+                e = e.error
             log.debug("wide_compiler: model-level tuning check skipped (%s: %s)", type(e).__name__, e)
             use(tuned)
             if budget is not None:
@@ -361,11 +369,13 @@ class WideModel(MemberOpsMixin, nn.Module):
             with torch.no_grad():
                 for name, b in self.named_buffers():
                     b.copy_(saved[name])
-        if cut_short:  # too few runs to trust on a machine this busy: the defaults, not cached
+        # Cut short by the budget: too few runs to trust on a machine this busy, unless the runs
+        # made are clearly apart; else the defaults, not cached.
+        if not complete and tuning.clearly_apart(times, margin) is None:
             ran = f"{len(times['tuned'])} tuned and {len(times['default'])} default runs"
             decide(False, f"cut short by the tuning budget after {ran}")
             return
-        t_tuned, t_default = (1e3 * statistics.median(v) for v in (times["tuned"], times["default"]))
+        t_tuned, t_default = (1e3 * statistics.median(times[label]) for label in ("tuned", "default"))
         keep, outcome = compare(t_tuned, t_default)
         tuning.remember(key, {"strategy": "tuned" if keep else "default",
                               "timings_ms": {"tuned": t_tuned, "default": t_default}}, self._config)

@@ -160,12 +160,15 @@ class _OpaqueCall(nn.Module):
         return out[0] if len(out) == 1 else tuple(out)
 
 
-def opaque_template(template: nn.Module, paths: list[str]) -> tuple[nn.Module, dict[str, str]]:
-    """A copy of ``template`` for capture: registered submodules are opaque calls, and modules
-    with a capture form use it (``fx/forms.py``); returns it and the mapping key -> path."""
-    from .fx.forms import apply_capture_forms
-
-    copy_ = apply_capture_forms(copy.deepcopy(template))
+def opaque_template(template: nn.Module, paths: list[str], *,
+                    forms: Callable[[nn.Module], nn.Module] | None = None) -> tuple[nn.Module, dict[str, str]]:
+    """A copy of ``template`` for capture: registered submodules are opaque calls, and ``forms``
+    (the caller's: model.py passes ``fx.forms.apply_capture_forms``; this module sits below fx and
+    imports nothing of it) is applied in place to the copy first, so modules with a capture form
+    use it; returns the copy and the mapping key -> path."""
+    copy_ = copy.deepcopy(template)
+    if forms is not None:
+        copy_ = forms(copy_)
     keys = {}
     for path in paths:
         key = f"m{next(_KEYS)}"

@@ -82,7 +82,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from .api import compile as _wide_compile
 from .config import WideConfig
 from .errors import ArchitectureMismatchError
-from .fx.capture import check_members, check_run_members
+from .fx.member_checks import check_members, check_run_members
 from .model import WideModel
 
 __all__ = ["CompileRouter", "Tower", "WideRouter"]

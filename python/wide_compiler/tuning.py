@@ -11,11 +11,13 @@ dtype, device, thread count and library versions, so a second compile of the sam
 nothing and chooses the same.
 
 Measuring one graph is bounded by ``config.tune_budget_s`` (a :class:`Budget`): ops are measured
-until 70% of it is spent (an op started is finished or, once the whole budget is spent, abandoned:
-the clock is read after every call, so the budget overruns by one call at most), the rest is left
-to the model-level check (``WideModel._check_tuning``); ops not measured keep their default,
-are not cached (a later compile measures them), and the give-up is logged once per graph and shown
-by ``summary()``.
+until 70% of it is spent, the rest is left to the model-level check (``WideModel._check_tuning``).
+An op gets three rounds first (abandoned only when the whole budget is spent: the clock is read
+after every call, so the budget overruns by one call at most); when one candidate is then
+:func:`clearly_apart` from the others the op is decided, else it gets the remaining rounds while
+the ops' 70% lasts (the rounds completed count). Ops not measured keep their default, are not
+cached (a later compile measures them), and the give-up is logged once per graph and shown by
+``summary()``.
 """
 
 from __future__ import annotations
@@ -27,27 +29,27 @@ import math
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from . import measure
 from .config import WideConfig
 
-__all__ = ["choose_strategy", "measure_strategy", "cache_key", "Budget", "Choice"]
+__all__ = ["choose_strategy", "clearly_apart", "measure_strategy", "cache_key", "Budget", "Choice"]
 
 log = logging.getLogger(__name__)
 _CACHE_FILE = "strategies.json"
 _WARMUP = 3  # untimed calls per candidate before the timed rounds (first calls pay one-time setup)
 MEASURE_SHARE = 0.7  # of the budget, for measuring ops; the rest is the model-level check's
-
-_clock: Callable[[], float] = time.perf_counter  # tests replace it with a fake clock
+MIN_ROUNDS = 3  # rounds every measured op gets; more only while no candidate is clearly apart
 
 
 def now() -> float:
-    """Seconds of the clock tuning and its budget use (module-level so tests can fake it)."""
-    return _clock()
+    """Seconds of the clock tuning and its budget use: the measuring clock,
+    :func:`wide_compiler.measure.now` (tests fake it: Note [Fake clock] in measure/timing.py)."""
+    return measure.now()
 
 
 class Budget:
@@ -118,7 +120,7 @@ class Choice:
 def cache_key(op: str, **fields: Any) -> str:
     """The cache key of one tuning problem: op, the caller's fields, and the machine/version facts
     a measurement depends on."""
-    from . import __version__
+    from ._version import __version__
 
     full = dict(fields, op=op, threads=torch.get_num_threads(), torch=torch.__version__, wide=__version__)
     return json.dumps(full, sort_keys=True, default=str)
@@ -204,27 +206,46 @@ def _store(path, key: str, value: dict[str, Any]) -> None:
         log.warning("wide_compiler: cannot write the strategy cache %s: %s", path, e)
 
 
-def _measure(candidates: Mapping[str, Callable[[], Any]], repeats: int,
-             budget: Budget | None = None) -> dict[str, list[float]] | None:
-    """Wall time (ms) of each candidate per round. All are warmed up first (first calls pay one-time
-    library initialisation) and then timed round-robin, so drift hits every candidate alike. None
-    when ``budget`` ran out before the rounds were done (the measurement is abandoned)."""
-    def out_of_time() -> bool:
-        return budget is not None and budget.exhausted()
+def clearly_apart(times: Mapping[Any, Sequence[float]], margin: float) -> Any:
+    """The candidate whose slowest sample, times ``1 + margin``, is quicker than every other
+    candidate's quickest sample (so more rounds cannot change the pick, whichever is the
+    default), or None. Needs two samples of each.
 
-    for fn in candidates.values():
-        for _ in range(_WARMUP):
-            fn()
-            if out_of_time():  # checked after every call: a budget overruns by one call at most
-                return None
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(repeats):
-        for name, fn in candidates.items():
-            start = now()
-            fn()
-            times[name].append(1e3 * (now() - start))
-            if out_of_time():
-                return None
+    >>> clearly_apart({"a": [1.0, 1.1], "b": [1.5, 1.4]}, 0.1), clearly_apart({"a": [1.0, 1.3], "b": [1.4, 1.5]}, 0.1)
+    ('a', None)
+    """
+    if len(times) < 2 or min(len(v) for v in times.values()) < 2:
+        return None
+    best = min(times, key=lambda k: max(times[k]))
+    slowest = max(times[best]) * (1 + margin)
+    return best if all(min(v) > slowest for k, v in times.items() if k != best) else None
+
+
+def _measure(candidates: Mapping[str, Callable[[], Any]], repeats: int,
+             budget: Budget | None = None, margin: float = 0.0) -> dict[str, list[float]] | None:
+    """Wall time (ms) of each candidate per round. All are warmed up first (first calls pay one-time
+    library initialisation) and then timed round-robin, so drift hits every candidate alike:
+    :data:`MIN_ROUNDS` rounds, then, unless one candidate is :func:`clearly_apart` by ``margin``,
+    up to ``repeats`` while :data:`MEASURE_SHARE` of ``budget`` lasts (complete rounds count).
+    None when the whole ``budget`` ran out before the first rounds were done (abandoned)."""
+    def out_of(share: float) -> Callable[[], bool]:
+        return lambda: budget is not None and budget.exhausted(share)
+
+    # The budget is asked after every call: it overruns by one call at most. A fixed order (no
+    # rotation): the rounds are paired by index (_ratio), every candidate once per round.
+    first = min(repeats, MIN_ROUNDS)
+    try:
+        rounds = measure.interleave(candidates, first, warmup=_WARMUP, rotate=False, stop=out_of(1.0))
+        if not rounds.complete:
+            return None
+        times = {name: [1e3 * s for s in samples] for name, samples in rounds.samples.items()}
+        if repeats > first and clearly_apart(times, margin) is None:
+            more = measure.interleave(candidates, repeats - first, rotate=False, stop=out_of(MEASURE_SHARE))
+            done = min(len(samples) for samples in more.samples.values())
+            for name, samples in more.samples.items():
+                times[name] += [1e3 * s for s in samples[:done]]
+    except measure.TimingError as e:
+        raise e.error  # the candidate's own error, with its own traceback
     return times
 
 
@@ -334,7 +355,7 @@ def measure_strategy(
     if budget is not None and budget.exhausted(MEASURE_SHARE):
         budget.give_up(where or op, op)
         return Choice(default, None, because + "; budget exhausted, not measured", "budget")
-    times = _measure(make_candidates(), config.tune_repeats, budget)
+    times = _measure(make_candidates(), config.tune_repeats, budget, config.tune_margin)
     if times is None:
         budget.give_up(where or op, op)
         return Choice(default, None, because + "; budget exhausted while measuring", "budget")

@@ -21,7 +21,7 @@ import torch
 import wide_compiler as wc
 from torch import nn
 from wide_compiler import testing
-from wide_compiler.fx.capture import check_run_members
+from wide_compiler.fx.member_checks import check_run_members
 
 FAST = wc.WideConfig.fast()
 N = 3
@@ -401,3 +401,22 @@ def test_keywords_in_another_order_than_the_samples_are_accepted():
     out = wide(x, b=b, a=a)
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x[i], a=a[i], b=b[i]), rtol=1e-5, atol=1e-5)
+
+
+def test_compile_and_mode_switches_under_no_grad_tune_training_graphs():
+    """A training graph's tuning runs backward: compiling (or switching to train mode) inside
+    ``torch.no_grad()`` must not make it fail, and the result matches the members."""
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)) for _ in range(3)]
+    x = torch.randn(4, 16)
+    config = wc.WideConfig(tune=True, tune_budget_s=0.5, tune_repeats=2)
+    with torch.no_grad():
+        wide = wc.compile(members, x, config=config)  # members in train mode: a training graph
+        wide.eval()
+        wide.train()
+    assert wide.training
+    out = wide(x.expand(3, *x.shape))
+    out.sum().backward()
+    for i, m in enumerate(members):
+        torch.testing.assert_close(out[i], m(x))
+    assert wide.get_parameter("0.weight").grad is not None

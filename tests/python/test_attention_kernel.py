@@ -1,6 +1,6 @@
 """``wide.small_attention`` (the small-sequence CPU kernel) and ``wide.attention`` (SDPA's schema;
 the kernel when no gradient is wanted, SDPA otherwise) against ``F.scaled_dot_product_attention``
-in float64; opcheck; and the eval fold that routes a wide model's attention through them."""
+in float64 (opcheck: test_op_db.py); and the eval fold that routes a wide model's attention through them."""
 from __future__ import annotations
 
 import copy
@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 import wide_compiler as wc
 from torch import nn
-from torch.library import opcheck
-from wide_compiler.fx.fold import attention_kernel
+from wide_compiler.fx.eval_rewrites import attention_kernel
 from wide_compiler.testing import check_compile, make_members
 
 wide = torch.ops.wide
@@ -133,13 +132,7 @@ def test_attention_dispatch():
         wide.attention(q, kg, vg)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_opcheck(causal):
-    q, k, v = _qkv(2, 4, 2, 7, 9, 8, 12)
-    opcheck(wide.small_attention.default, (q, k, v, causal), {"scale": 0.5})
-    opcheck(wide.attention.default, (q, k, v), {"is_causal": causal, "enable_gqa": True})
-    grads = [t.clone().requires_grad_() for t in _qkv(2, 4, 4, 7, 9, 8, 8)]
-    opcheck(wide.attention.default, tuple(grads), {"is_causal": causal})
+# opcheck of wide.attention / wide.small_attention: test_op_db.py
 
 
 class Encoder(nn.Module):

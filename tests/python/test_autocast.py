@@ -537,7 +537,8 @@ def test_outside_autocast_nothing_is_cast():
 
 
 # --------------------------------------------------------------------------------------------
-# opcheck of the ops with autocast kernels (schema, fake tensors, autograd registration)
+# opcheck of the ops with autocast kernels (schema, fake tensors, autograd registration) UNDER
+# autocast; opcheck outside autocast is test_op_db.py's, for every op
 # --------------------------------------------------------------------------------------------
 def _opcheck_samples():
     x4, w = torch.randn(N, 2, 3, 5, 5), torch.randn(N, 4, 3, 3, 3, requires_grad=True)
@@ -561,10 +562,9 @@ def _opcheck_samples():
 _OPCHECK = list(_opcheck_samples())
 
 
-@pytest.mark.parametrize("under_autocast", [False, True], ids=["plain", "autocast"])
 @pytest.mark.parametrize("name,op,args,kwargs", _OPCHECK, ids=[s[0] for s in _OPCHECK])
-def test_opcheck(name, op, args, kwargs, under_autocast):
-    with autocast() if under_autocast else contextlib.nullcontext():
+def test_opcheck_under_autocast(name, op, args, kwargs):
+    with autocast():
         opcheck(op, args, kwargs, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 

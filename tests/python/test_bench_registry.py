@@ -15,6 +15,7 @@ import types
 import pytest
 import torch
 from wide_compiler import bench, cli
+from wide_compiler import measure
 from wide_compiler.bench import engine, optim, registry
 
 MAX_ERR = 1e-3
@@ -28,7 +29,7 @@ def check_design_fields(r: dict, target: str, preset: str) -> None:
     assert isinstance(r["n"], int) and r["n"] >= 1, what
     assert r["batch"] is None or (isinstance(r["batch"], int) and r["batch"] >= 1), what
     assert r["dtype"] == "float32", what
-    assert r["mode"] in engine.MODES and r["execution"] in ("eager", "compiled"), what
+    assert r["mode"] in measure.MODES and r["execution"] in ("eager", "compiled"), what
     assert isinstance(r["strategy"], str) and r["strategy"], what
     assert math.isfinite(r["wide_ms"]) and r["wide_ms"] > 0, what
     assert r["baseline_ms"] and set(r["speedup"]) == set(r["baseline_ms"]), (what, r["errors"])
@@ -96,9 +97,9 @@ def toy_target():
     def run_one(n: int, p: bench.Preset, machine: dict) -> list[dict]:
         torch.manual_seed(0)
         models = [nn.Linear(4, 3) for _ in range(n)]
-        W, b = engine.stacked_params(models)
-        wide = engine.Contender("bmm", lambda x: torch.ops.wide.linear(x, W, b, strategy="bmm"), [W, b])
-        return engine.run_case(models, torch.randn(n, 2, 4), [wide], [engine.loop_contender(models)],
+        W, b = measure.stacked_params(models)
+        wide = measure.Contender("bmm", lambda x: torch.ops.wide.linear(x, W, b, strategy="bmm"), [W, b])
+        return engine.run_case(models, torch.randn(n, 2, 4), [wide], [measure.loop_contender(models)],
                                mode="inference", base={"target": "toy", "batch": 2, "dtype": "float32"},
                                min_run_time=p.min_run_time, machine=machine)
 
@@ -191,7 +192,7 @@ def test_optimizer_check_detects_a_wrong_member():
     opt.step()
     for _, ref in refs:
         ref.step()
-    errs = [engine.params_max_abs_err([refs[i][0]], [w[i:i + 1]]) for i in range(3)]
+    errs = [measure.params_max_abs_err([refs[i][0]], [w[i:i + 1]]) for i in range(3)]
     assert errs[0] < 1e-6 and errs[2] < 1e-6 and errs[1] > 0.1
 
 

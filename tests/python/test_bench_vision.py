@@ -13,6 +13,7 @@ import torch
 from wide_compiler import bench
 from torch import nn
 from torch.utils._pytree import tree_leaves
+from wide_compiler import measure
 from wide_compiler.bench import attention, dropout, engine, vision
 from wide_compiler.bench.vision_models import MODELS
 
@@ -66,7 +67,7 @@ def test_ci_records(ci_records):
     for r in records:
         what = f"{target}/{r['case']}/{r['mode']}/{r['strategy']}"
         assert set(engine.RECORD_KEYS) <= set(r), what
-        assert r["target"] == target and r["mode"] in engine.MODES and r["dtype"] == "float32"
+        assert r["target"] == target and r["mode"] in measure.MODES and r["dtype"] == "float32"
         assert r["n"] == 4 and r["preset"] == "ci"
         assert not any(k.startswith("compile:") for k in r["errors"]), (what, r["errors"])
         assert math.isfinite(r["wide_ms"]) and r["wide_ms"] > 0, what
@@ -96,14 +97,14 @@ def test_ci_records(ci_records):
             assert r["strategies"] and set(r["strategies"].values()) <= {"grouped", "grouped_cl", "loop", "bmm", "bmm_t", "fused"}
             assert not r["fallbacks"], (r["case"], r["fallbacks"])
     for case, wides in STRICT.get(target, {}).items():  # the targets and cases of issue 12
-        for mode in engine.MODES:
+        for mode in measure.MODES:
             recs = [r for r in records if r["case"] == case and r["mode"] == mode]
             assert {r["strategy"] for r in recs} == wides, (case, mode)
             for r in recs:
                 assert not r["errors"], (case, mode, r["strategy"], r["errors"])
                 assert set(r["baseline_ms"]) == set(r["baseline_max_abs_err"]) == {"loop", "vmap"}
     modes = {(r["case"], r["mode"]) for r in records}
-    assert {m for _, m in modes} == set(engine.MODES)
+    assert {m for _, m in modes} == set(measure.MODES)
     table = bench.format_records(target, records)
     assert all(r["case"] in table for r in records)
     assert ("GFLOP/s" in table) == any("gflop" in r for r in records), target
@@ -125,22 +126,22 @@ def test_dropout_check_catches_wrong_masks():
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(16, 16), nn.Dropout(dropout.P)) for _ in range(4)]
     x = torch.randn(4, 8, 4, 16)
-    W, b = engine.stacked_params([m[0] for m in models])
+    W, b = measure.stacked_params([m[0] for m in models])
 
     def masked(draw):
         def forward(xs):
             z = torch.einsum("nbti,noi->nbto", xs[0], W) + b[:, None, None]
             return z * draw(z.shape)
-        return engine.Contender("bad", forward, [W, b])
+        return measure.Contender("bad", forward, [W, b])
 
     p = dropout.P
     bad = {"shared mask": masked(lambda s: (torch.rand(s[1:]) > p) / (1 - p)),
            "wrong p": masked(lambda s: (torch.rand(s) > 0.5) / 0.5),
            "wrong scale": masked(lambda s: (torch.rand(s) > p).float())}
     check = dropout.replay_check(models, (x,), "train")
-    wide = vision._wide("module", dropout._module(models, ""), models[0])
-    assert check(wide, engine.make_step(wide, (x,), "train")()) < 1e-5
-    loop = vision._loop(models)
-    assert check(loop, engine.make_step(loop, (x,), "train")()) < 1e-5
+    wide = measure.wide_contender("module", dropout._module(models, ""), models[0])
+    assert check(wide, measure.make_step(wide, (x,), "train")()) < 1e-5
+    loop = measure.loop_contender(models)
+    assert check(loop, measure.make_step(loop, (x,), "train")()) < 1e-5
     for name, c in bad.items():
-        assert check(c, engine.make_step(c, (x,), "train")()) > 0.1, name
+        assert check(c, measure.make_step(c, (x,), "train")()) > 0.1, name

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 from wide_compiler import cli
+from wide_compiler import measure
 from wide_compiler.bench import engine, linear
 
 
@@ -160,10 +161,10 @@ def test_compile_all_runs_every_contender_compiled():
 
     models = [torch.nn.Linear(3, 2) for _ in range(2)]
     wide = WideLinear.from_modules(models)
-    contender = engine.Contender("wide", wide, list(wide.parameters()), "wide")
+    contender = measure.Contender("wide", wide, list(wide.parameters()), "wide")
     x = torch.randn(2, 4, 3)
     with engine.compile_all(backend="eager"):
-        (rec,) = engine.run_case(models, x, [contender], [engine.loop_contender(models)], mode="inference",
+        (rec,) = engine.run_case(models, x, [contender], [measure.loop_contender(models)], mode="inference",
                                  base={"target": "t", "dtype": "float32"}, min_run_time=0.01, machine={})
     assert rec["execution"] == "compiled" and rec["max_abs_err"] < 1e-6 and rec["baseline_ms"]["loop"] > 0
     assert engine.COMPILE_OPTIONS is None  # restored
@@ -188,12 +189,12 @@ def _population(n=3, i=5, o=4, b=2):
     torch.manual_seed(0)
     models = [nn.Linear(i, o) for _ in range(n)]
     x = torch.randn(n, b, i)
-    W, bias = engine.stacked_params(models)
+    W, bias = measure.stacked_params(models)
     return models, x, W, bias
 
 
 def _wide_op(W, bias, name="bmm", strategy="bmm"):
-    return engine.Contender(
+    return measure.Contender(
         name, lambda x: torch.ops.wide.linear(x, W, bias, strategy=strategy), [W, bias])
 
 
@@ -216,49 +217,49 @@ def test_make_record_fields_and_speedup():
 
 
 def test_machine_info():
-    m = engine.machine_info()
+    m = measure.machine_info()
     assert m["threads"] == torch.get_num_threads()
     assert m["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert m["torch"] == torch.__version__
 
 
-@pytest.mark.parametrize("mode", engine.MODES)
+@pytest.mark.parametrize("mode", measure.MODES)
 def test_max_abs_err_matches_and_detects_a_wrong_member(mode):
     models, x, W, bias = _population()
-    ref = engine.loop_contender(models)
-    ref_result = engine.make_step(ref, x, mode)()
+    ref = measure.loop_contender(models)
+    ref_result = measure.make_step(ref, x, mode)()
     good = _wide_op(W, bias)
-    err = engine.max_abs_err(ref, ref_result, good, engine.make_step(good, x, mode)(), 3, mode)
+    err = measure.max_abs_err(ref, ref_result, good, measure.make_step(good, x, mode)(), 3, mode)
     assert err < 1e-5
 
     W_bad = W.detach().clone()
     W_bad[1, 0, 0] += 1.0  # member 1 is wrong
     W_bad.requires_grad_()
     bad = _wide_op(W_bad, bias)
-    err = engine.max_abs_err(ref, ref_result, bad, engine.make_step(bad, x, mode)(), 3, mode)
+    err = measure.max_abs_err(ref, ref_result, bad, measure.make_step(bad, x, mode)(), 3, mode)
     assert err > 0.1
 
 
 def test_max_abs_err_checks_gradients():
     models, x, W, bias = _population()
-    ref = engine.loop_contender(models)
-    ref_result = engine.make_step(ref, x, "train")()
+    ref = measure.loop_contender(models)
+    ref_result = measure.make_step(ref, x, "train")()
     # Right outputs, wrong gradient: scale the weight gradient through a custom hook.
     W2 = W.detach().clone().requires_grad_()
     W2.register_hook(lambda g: g * 2)
     c = _wide_op(W2, bias)
-    err = engine.max_abs_err(ref, ref_result, c, engine.make_step(c, x, "train")(), 3, "train")
+    err = measure.max_abs_err(ref, ref_result, c, measure.make_step(c, x, "train")(), 3, "train")
     assert err > 0.1
 
 
 def test_vmap_contender_matches_loop():
     models, x, _, _ = _population()
-    ref = engine.loop_contender(models)
+    ref = measure.loop_contender(models)
     for shared, xx in ((False, x), (True, x[0].expand_as(x))):
-        v = engine.vmap_contender(models, shared=shared)
-        for mode in engine.MODES:
-            ref_result = engine.make_step(ref, xx, mode)()
-            err = engine.max_abs_err(ref, ref_result, v, engine.make_step(v, xx, mode)(), 3, mode)
+        v = measure.vmap_contender(models, shared=shared)
+        for mode in measure.MODES:
+            ref_result = measure.make_step(ref, xx, mode)()
+            err = measure.max_abs_err(ref, ref_result, v, measure.make_step(v, xx, mode)(), 3, mode)
             assert err < 1e-5, (shared, mode)
 
 
@@ -270,7 +271,7 @@ def test_run_case_records_and_failing_baseline():
 
     recs = engine.run_case(
         models, x, [_wide_op(W, bias, "bmm", "bmm"), _wide_op(W, bias, "loop", "loop")],
-        [engine.loop_contender(models), engine.Contender("broken", broken, [], "members")],
+        [measure.loop_contender(models), measure.Contender("broken", broken, [], "members")],
         mode="train", base={"target": "linear", "batch": 2, "dtype": "float32"}, min_run_time=0.001,
         machine={"threads": 1})
     assert [r["strategy"] for r in recs] == ["bmm", "loop"]
@@ -339,11 +340,11 @@ def test_verbose_before_or_after_command(argv):
 
 
 def test_contention_note():
-    assert engine.contention_note({"cpu_count": 4, "load_avg": [0.5, 0.4, 0.3]}) is None
-    note = engine.contention_note({"cpu_count": 2, "load_avg": [0.1, 0, 0],
+    assert measure.contention_note({"cpu_count": 4, "load_avg": [0.5, 0.4, 0.3]}) is None
+    note = measure.contention_note({"cpu_count": 2, "load_avg": [0.1, 0, 0],
                                    "load_avg_end": [3.0, 2, 1]})
     assert note and "3.0" in note and "unreliable" in note
-    assert engine.contention_note({}) is None
+    assert measure.contention_note({}) is None
 
 
 @pytest.mark.parametrize("model", ["mlp", "convnet"])
@@ -385,21 +386,21 @@ class _Counted:
 
 def test_time_interleaved_one_positive_time_per_name_and_rounds_honoured():
     fns = {"a": _Counted(), "b": _Counted(), "c": _Counted()}
-    ms = engine.time_interleaved(fns, min_run_time=0.003, rounds=7, warmup=2)
+    ms = measure.time_interleaved(fns, min_run_time=0.003, rounds=7, warmup=2)
     assert list(ms) == ["a", "b", "c"]
     assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in ms.values())
     for name, f in fns.items():
         assert f.calls >= 2 + 1 + 7, (name, f.calls)  # warm-up, calibration, one block a round
-    assert engine.time_interleaved({}, min_run_time=0.01) == {}
+    assert measure.time_interleaved({}, min_run_time=0.01) == {}
     with pytest.raises(ValueError, match="rounds"):
-        engine.time_interleaved(fns, rounds=0)
+        measure.time_interleaved(fns, rounds=0)
 
 
 def test_time_interleaved_orders_by_cost_and_rotates():
     order = []
     fns = {k: (lambda k=k, s=s: (order.append(k), time.sleep(s) if s else None))
            for k, s in (("slow", 0.005), ("fast", 0.0), ("mid", 0.0))}
-    ms = engine.time_interleaved(fns, min_run_time=0.06, rounds=3, warmup=0)
+    ms = measure.time_interleaved(fns, min_run_time=0.06, rounds=3, warmup=0)
     assert ms["slow"] > ms["fast"]  # a sleep of 5 ms against nothing: no machine is that noisy
     assert 1.0 < ms["slow"] < 1000.0  # milliseconds, not seconds or microseconds
     # the rounds: which callable ran first changes every round (runs of one callable = blocks)
@@ -411,8 +412,8 @@ def test_time_interleaved_orders_by_cost_and_rotates():
 
 def test_time_interleaved_names_a_callable_that_raises():
     fns = {"ok": _Counted(), "bad": _Counted(fail_at=4)}
-    with pytest.raises(engine.TimingError, match="bad: RuntimeError: failed at call 4") as e:
-        engine.time_interleaved(fns, min_run_time=0.003, rounds=5)
+    with pytest.raises(measure.TimingError, match="bad: RuntimeError: failed at call 4") as e:
+        measure.time_interleaved(fns, min_run_time=0.003, rounds=5)
     assert e.value.name == "bad" and isinstance(e.value.error, RuntimeError)
     assert e.value.__cause__ is e.value.error
 
@@ -422,7 +423,7 @@ def test_run_case_times_interleaved_and_drops_a_baseline_failing_while_timed():
     ``errors``); the wide contender and the other baselines are still timed."""
     models, x, W, bias = _population()
     calls = {"n": 0}
-    loop = engine.loop_contender(models)
+    loop = measure.loop_contender(models)
 
     def flaky(x):  # right for its first calls (the check, the warm-up), then fails
         calls["n"] += 1
@@ -432,7 +433,7 @@ def test_run_case_times_interleaved_and_drops_a_baseline_failing_while_timed():
 
     recs = engine.run_case(
         models, x, [_wide_op(W, bias, "bmm", "bmm")],
-        [engine.loop_contender(models), engine.Contender("flaky", flaky, loop.params, "members")],
+        [measure.loop_contender(models), measure.Contender("flaky", flaky, loop.params, "members")],
         mode="inference", base={"target": "linear", "batch": 2, "dtype": "float32"},
         min_run_time=0.002, machine={})
     (r,) = recs
@@ -455,8 +456,8 @@ def test_run_case_wide_contender_failing_while_timed_propagates():
         return good.forward(x)
 
     with pytest.raises(RuntimeError, match="wide contender gave up"):
-        engine.run_case(models, x, [engine.Contender("flaky", flaky, [W, bias])],
-                        [engine.loop_contender(models)], mode="inference",
+        engine.run_case(models, x, [measure.Contender("flaky", flaky, [W, bias])],
+                        [measure.loop_contender(models)], mode="inference",
                         base={"target": "linear", "dtype": "float32"}, min_run_time=0.002, machine={})
 
 
@@ -464,7 +465,7 @@ def test_time_with_baselines_keeps_wide_and_baseline_names_apart():
     """A wide callable and a baseline may share a name (e.g. strategy ``loop`` and baseline
     ``loop``): both are timed."""
     wide, base = _Counted(), _Counted()
-    wide_ms, base_ms, errors = engine.time_with_baselines({"loop": wide}, {"loop": base},
+    wide_ms, base_ms, errors = measure.time_with_baselines({"loop": wide}, {"loop": base},
                                                           min_run_time=0.002)
     assert wide_ms["loop"] > 0 and base_ms["loop"] > 0 and errors == {}
     assert wide.calls > 0 and base.calls > 0

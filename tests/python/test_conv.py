@@ -5,7 +5,6 @@ import pytest
 import torch
 import wide_compiler as wc
 from torch import nn
-from torch.library import opcheck
 from wide_compiler.testing import assert_members_close, check_equivalence
 
 FAST = wc.WideConfig.fast()  # no strategy timing: these tests check values, not speed
@@ -107,24 +106,7 @@ def test_unfuse_round_trip_and_errors():
         torch.ops.wide.conv(torch.randn(2, 1, 3, 5, 5), torch.randn(2, 4, 2, 3, 3), None, [1, 1], [0, 0], [1, 1], 1)
 
 
-def _opcheck_samples():
-    g = torch.Generator().manual_seed(0)
-    r = lambda *s, **kw: torch.randn(*s, generator=g, **kw).requires_grad_()
-    yield "conv-nfirst", torch.ops.wide.conv.default, (r(2, 3, 4, 6, 6), r(2, 6, 2, 3, 3), r(2, 6), [1, 1], [1, 1], [1, 1], 2), {}
-    yield "conv-packed-loop", torch.ops.wide.conv.default, (r(3, 8, 7), r(2, 5, 4, 3), None, [2], [1, 2], [1], 1), {"packed_input": True, "strategy": "loop"}
-    yield "conv-nfirst-loop2d", torch.ops.wide.conv.default, (r(2, 2, 3, 2, 2), r(2, 8, 3, 3, 3), r(2, 8), [1, 1], [1, 1], [1, 1], 1), {"strategy": "loop"}
-    yield "conv-nfirst-cl", torch.ops.wide.conv.default, (r(2, 3, 4, 6, 6), r(2, 6, 2, 3, 3), r(2, 6), [1, 1], [1, 1], [1, 1], 2), {"strategy": "grouped_cl"}
-    yield "conv-packed-cl", torch.ops.wide.conv.default, (r(3, 8, 6, 5), r(2, 5, 4, 3, 3), r(2, 5), [2, 1], [1, 2, 0, 1], [1, 1], 1), {"packed_input": True, "strategy": "grouped_cl"}
-    yield "conv-shared", torch.ops.wide.conv.default, (r(3, 4, 6).expand(2, 3, 4, 6), r(2, 5, 4, 3), r(2, 5), [1], [1], [1], 1), {}
-    yield "convt", torch.ops.wide.conv_transpose.default, (r(2, 3, 4, 5, 5), r(2, 4, 3, 3, 3), r(2, 6), [2, 2], [1, 1], [1, 1], 2, [1, 1]), {}
-    yield "convt-shared", torch.ops.wide.conv_transpose.default, (r(3, 4, 5).expand(2, 3, 4, 5), r(2, 4, 3, 3), None, [2], [0], [0], 1, [1]), {}
-    yield "to_nfirst", torch.ops.wide.to_nfirst.default, (r(2, 6, 3), 3), {}
-    yield "to_packed", torch.ops.wide.to_packed.default, (r(3, 2, 4, 5),), {}
-
-
-@pytest.mark.parametrize("name,op,args,kwargs", list(_opcheck_samples()), ids=[s[0] for s in _opcheck_samples()])
-def test_opcheck(name, op, args, kwargs):
-    opcheck(op, args, kwargs)
+# opcheck of wide.conv / conv_transpose / to_packed / to_nfirst: test_op_db.py
 
 
 @pytest.mark.parametrize("padding_mode", ["zeros", "reflect", "replicate", "circular"])

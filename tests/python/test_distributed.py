@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import wide_compiler as wc
 import wide_compiler.distributed as wcd
 from torch import nn
-from wide_compiler.distributed import _owner
+from wide_compiler.distributed.sharding import _as_sharded, _owner
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -153,8 +153,8 @@ def _match_single_process(rank: int, world: int, n: int, form: str, ckpt: str | 
     _sync_full(full, opt_full, sharded, opt)
     pairs = [(0, n - 1), (n - 1, 1), (2, 0), (1, 1), (n - 2, n - 3), (-1, 2)]
     for src, dst in pairs:
-        wcd.copy_member(sharded, src, dst, opt)
-        full.copy_member(src, dst, opt_full)
+        wcd.copy_member_weights(sharded, src, dst, opt)
+        full.copy_member_weights(src, dst, opt_full)
     assert_members_equal(sharded, full, exact=True)
     assert_optim_equal(opt, opt_full, r, exact=True)
     # training goes on alike after the copies
@@ -165,8 +165,8 @@ def _match_single_process(rank: int, world: int, n: int, form: str, ckpt: str | 
     assert_optim_equal(opt, opt_full, r, exact=False)
     # weights only (no optimizer): the optimizer is untouched
     lr_before = opt.param_groups[0]["lr"].clone()
-    wcd.copy_member(sharded, 0, n - 1)
-    full.copy_member(0, n - 1)
+    wcd.copy_member_weights(sharded, 0, n - 1)
+    full.copy_member_weights(0, n - 1)
     assert_members_equal(sharded, full, exact=False)
     assert torch.equal(opt.param_groups[0]["lr"], lr_before)
 
@@ -197,9 +197,9 @@ def _errors(rank: int, world: int, tmp: str) -> None:
     with pytest.raises(ValueError, match="N=1 members cannot be sharded over 2 ranks"):
         wcd.shard(make, SAMPLE, n=1, config=FAST)
     with pytest.raises(IndexError, match="src id 3 out of range"):
-        wcd.copy_member(sharded, 3, 0)
+        wcd.copy_member_weights(sharded, 3, 0)
     with pytest.raises(IndexError, match="dst id 'a' out of range"):
-        wcd.copy_member(sharded, 0, "a")
+        wcd.copy_member_weights(sharded, 0, "a")
     other = 2 if rank == 0 else 0
     with pytest.raises(IndexError, match=f"member {other} is held by rank {1 - rank}"):
         sharded.local(other)
@@ -213,12 +213,12 @@ def _errors(rank: int, world: int, tmp: str) -> None:
     # an optimizer on one rank only: both ranks of the copy raise (no hang)
     opt = wc.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match="differ in structure"):
-        wcd.copy_member(sharded, 0, 2, opt if rank == 0 else None)
+        wcd.copy_member_weights(sharded, 0, 2, opt if rank == 0 else None)
     # an optimizer that fails its checks on ONE of the two ranks: both raise
     wrong_n = wc.optim.SGD([nn.Parameter(torch.zeros(5, 2))], lr=0.1)
     for src, dst in ((0, 2), (2, 0)):
         with pytest.raises((ValueError, RuntimeError), match="the optimizer has N=5|rank 1 failed"):
-            wcd.copy_member(sharded, src, dst, opt if rank == 0 else wrong_n)
+            wcd.copy_member_weights(sharded, src, dst, opt if rank == 0 else wrong_n)
     # save_members failing on ONE rank (a torch.optim optimizer on rank 0, an unwritable
     # directory on rank 1): every rank raises, no index.json is written
     with pytest.raises((TypeError, RuntimeError), match="not a wide_compiler.optim|rank 0 failed"):
@@ -232,7 +232,7 @@ def _errors(rank: int, world: int, tmp: str) -> None:
     # a pickled shard lost its process group: collectives raise until .group is set again
     clone = pickle.loads(pickle.dumps(sharded))
     for call in (lambda: wcd.gather_outputs(clone.wide.get_parameter("0.weight").detach(), clone),
-                 lambda: wcd.copy_member(clone, 0, 2), lambda: wcd.save_members(clone, tmp)):
+                 lambda: wcd.copy_member_weights(clone, 0, 2), lambda: wcd.save_members(clone, tmp)):
         with pytest.raises(RuntimeError, match="process group was lost in pickling; set .group"):
             call()
     clone.group = None
@@ -249,7 +249,7 @@ def _errors(rank: int, world: int, tmp: str) -> None:
     with pytest.raises(ValueError, match="members differ"):
         wcd.shard(lambda i: make(i, bn=(rank == 0)), SAMPLE, n=n, config=FAST)
     # the group still works after all of the above
-    wcd.copy_member(sharded, 0, 2)
+    wcd.copy_member_weights(sharded, 0, 2)
     weights = wcd.gather_outputs(sharded.wide.get_parameter("0.weight").detach(), sharded)
     assert torch.equal(weights[0], weights[2])
 
@@ -269,8 +269,8 @@ def _sgd_partial_momentum(rank: int, world: int) -> None:
     p = next(iter(sharded.wide.parameters()))
     assert ("momentum_buffer" in opt.state[p]) == (rank == 1)
     for src, dst in ((1, 2), (3, 0), (0, 1)):  # from a rank without the buffer, to one, within one
-        wcd.copy_member(sharded, src, dst, opt)
-        full.copy_member(src, dst, opt_full)
+        wcd.copy_member_weights(sharded, src, dst, opt)
+        full.copy_member_weights(src, dst, opt_full)
     assert "momentum_buffer" in opt.state[p]  # created on rank 0 by the copy 3 -> 0
     torch.testing.assert_close(opt.param_groups[0]["momentum"],
                                opt_full.param_groups[0]["momentum"][r.start:r.stop], rtol=0, atol=0)
@@ -333,7 +333,7 @@ def _ddp(rank: int, world: int) -> None:
     dist.all_reduce(metrics, group=data_group)
     metrics /= 2
     order = metrics.argsort().tolist()
-    wcd.copy_member(ddp, order[0], order[-1], opt)
+    wcd.copy_member_weights(ddp, order[0], order[-1], opt)
     # both replicas of every member hold the same weights and optimizer state
     for t in [*sharded.wide.parameters(), *(v for s in opt.state.values() for v in s.values()),
               opt.param_groups[0]["lr"]]:
@@ -399,7 +399,7 @@ def test_checkpoint_resumes_on_1_process(checkpoint_4_ranks):
     wide = wc.compile([make(i, seed=7) for i in range(6)], SAMPLE, config=FAST)
     opt = wc.optim.Adam(wide.parameters())
     wcd.load_members(wide, a, opt)
-    sharded = wcd._as_sharded(wide, "test")
+    sharded = _as_sharded(wide, "test")
     _check_against_checkpoint(sharded, opt, a)
     x3, y3 = data(6, seed=2)
     train_step(wide, opt, x3, y3)
@@ -434,13 +434,25 @@ def test_world_size_1_without_process_group():
     opt, opt_full = wc.optim.Adam(sharded.parameters(), **hyper(3)), wc.optim.Adam(full.parameters(), **hyper(3))
     train_step(sharded, opt, x, y)
     train_step(full, opt_full, x, y)
-    wcd.copy_member(sharded, 2, 0, opt)
-    wcd.copy_member(full, 2, 0, opt_full)  # a plain WideModel is accepted too
+    wcd.copy_member_weights(sharded, 2, 0, opt)
+    wcd.copy_member_weights(full, 2, 0, opt_full)  # a plain WideModel is accepted too
     assert_members_equal(sharded, full, exact=True)
     assert_optim_equal(opt, opt_full, range(3), exact=True)
     opt.param_groups[0]["lr"] = 0.5  # the manual-schedule idiom: one float for every member
-    wcd.copy_member(sharded, 1, 2, opt)
+    wcd.copy_member_weights(sharded, 1, 2, opt)
     assert opt.param_groups[0]["lr"].tolist() == [0.5, 0.5, 0.5]
+
+
+def test_copy_member_is_a_deprecated_alias_of_copy_member_weights(monkeypatch):
+    """The old name still copies (world size 1 here), warning once with the new name."""
+    from wide_compiler import _deprecation
+
+    monkeypatch.setattr(_deprecation, "_warned", set())
+    sharded = wcd.shard(make, SAMPLE, n=3, config=FAST)
+    with pytest.warns(DeprecationWarning, match="distributed.copy_member is deprecated.*copy_member_weights"):
+        wcd.copy_member(sharded, 2, 0)
+    assert torch.equal(sharded.wide.get_parameter("0.weight")[0], sharded.wide.get_parameter("0.weight")[2])
+    assert "copy_member" in wcd.__all__ and "copy_member_weights" in wcd.__all__
 
 
 @pytest.mark.parametrize("n,world", [(1, 1), (5, 2), (6, 4), (7, 3), (10, 4), (32, 4), (9, 9)])
@@ -467,9 +479,9 @@ def test_errors_world_size_1(tmp_path, monkeypatch):
         wcd.shard(make, SAMPLE, group=object(), n=2, config=FAST)
     sharded = wcd.shard(make, SAMPLE, n=2, config=FAST)
     with pytest.raises(IndexError, match="src id 2 out of range for a population of N=2"):
-        wcd.copy_member(sharded, 2, 0)
+        wcd.copy_member_weights(sharded, 2, 0)
     with pytest.raises(TypeError, match="not a wide_compiler.optim optimizer"):
-        wcd.copy_member(sharded, 0, 1, torch.optim.SGD(sharded.parameters(), lr=0.1))
+        wcd.copy_member_weights(sharded, 0, 1, torch.optim.SGD(sharded.parameters(), lr=0.1))
     with pytest.raises(TypeError, match="expected a ShardedWideModel"):
         wcd.gather_outputs(torch.zeros(2), make(0))
     # checkpoints

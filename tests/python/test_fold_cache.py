@@ -103,8 +103,8 @@ def _to_float64(wide):
     wide.to(torch.float64)
 
 
-def _copy_member(wide):
-    wide.copy_member(0, 2)
+def _copy_member_weights(wide):
+    wide.copy_member_weights(0, 2)
 
 
 def _assign_data(wide):
@@ -113,7 +113,7 @@ def _assign_data(wide):
 
 
 @pytest.mark.parametrize("change", [_load_other_state, _sgd_step, _wide_adam_step, _in_place_no_grad,
-                                    _to_float64, _copy_member, _assign_data])
+                                    _to_float64, _copy_member_weights, _assign_data])
 def test_a_change_between_calls_is_seen(change):
     wide = wc.compile(_members(), torch.randn(2, 3, 8, 8), config=FAST).eval()
     x = torch.randn(3, 2, 3, 8, 8)

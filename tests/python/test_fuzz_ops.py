@@ -1,4 +1,6 @@
-"""Seeded fuzz of every ``torch.ops.wide`` operator against its per-member reference.
+"""Seeded fuzz of the layout-heavy ``torch.ops.wide`` operators against their per-member reference
+(every op is fuzzed from its op-database entry in test_op_db.py; this file adds the strided,
+shared and packed input layouts and NaN isolation for the ops where those matter).
 
 For each op a generator draws one random valid configuration per seed from ``random.Random(seed)``
 (N in 1..5, batch 1..4, float32/float64, contiguous and non-contiguous inputs -- sliced, transposed,

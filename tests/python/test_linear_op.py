@@ -1,8 +1,8 @@
 """torch.ops.wide.linear against N separate F.linear calls.
 
 One `sample_inputs` generator (as in torchvision's test_ops.py and extension-cpp's
-test_extension.py) feeds the correctness, gradient and opcheck tests. A sample covers one point of
-strategy x bias x member-input rank x N x B x layout (contiguous / strided / member dim permuted /
+test_extension.py) feeds the correctness and gradient tests (opcheck: test_op_db.py). A sample
+covers one point of strategy x bias x member-input rank x N x B x layout (contiguous / strided / member dim permuted /
 shared, i.e. expanded) x dtype.
 """
 from __future__ import annotations
@@ -258,46 +258,9 @@ def test_loop_strategy_runs_one_gemm_per_member(rank):
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library.opcheck on every case family. The schema / autograd-registration / fake-tensor
-# checks are cheap and run on every family; test_aot_dispatch_dynamic (an AOTAutograd compile per
-# case, ~1 s) runs on one representative per strategy x layout.
+# torch.library.opcheck of wide.linear (every strategy x layout, with and without gradients, and
+# test_aot_dispatch_dynamic per strategy) lives in test_op_db.py, with every other op's.
 # ---------------------------------------------------------------------------------------------
-CHEAP_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
-OPCHECK_SAMPLES = list(sample_inputs(ns=(2,), batches=(2,), ranks=(2,), dtypes=(torch.float64,)))
-OPCHECK_SAMPLES += list(sample_inputs(strategies=("auto",), ns=(1, 2), batches=(2,), ranks=(1, 3),
-                                      layouts=("contiguous", "shared"),
-                                      dtypes=(torch.float32,)))
-AOT_OPCHECK_SAMPLES = list(sample_inputs(biases=(True,), ns=(2,), batches=(2,), ranks=(2,),
-                                         layouts=("contiguous", "shared"),
-                                         dtypes=(torch.float64,)))
-AOT_OPCHECK_SAMPLES += list(sample_inputs(strategies=("auto",), biases=(False,), ns=(3,),
-                                          batches=(2,), ranks=(1, 3), layouts=("strided",),
-                                          dtypes=(torch.float32,)))
-
-
-@pytest.mark.parametrize("sample", OPCHECK_SAMPLES, ids=_ids(OPCHECK_SAMPLES))
-def test_opcheck(sample: Sample):
-    result = torch.library.opcheck(torch.ops.wide.linear.default, sample.args(), sample.kwargs(),
-                                   test_utils=CHEAP_OPCHECKS)
-    assert set(result) == set(CHEAP_OPCHECKS)
-    assert all(v == "SUCCESS" for v in result.values()), result
-
-
-@pytest.mark.parametrize("sample", AOT_OPCHECK_SAMPLES, ids=_ids(AOT_OPCHECK_SAMPLES))
-def test_opcheck_aot_dispatch_dynamic(sample: Sample):
-    result = torch.library.opcheck(torch.ops.wide.linear.default, sample.args(), sample.kwargs(),
-                                   test_utils="test_aot_dispatch_dynamic")
-    assert result == {"test_aot_dispatch_dynamic": "SUCCESS"}, result
-
-
-def test_opcheck_without_grad():
-    torch.manual_seed(7)
-    for sample in sample_inputs(strategies=STRATEGIES, ns=(2,), batches=(3,), ranks=(2,),
-                                layouts=("contiguous",), dtypes=(torch.float32,),
-                                requires_grad=False):
-        result = torch.library.opcheck(torch.ops.wide.linear.default, sample.args(),
-                                       sample.kwargs())
-        assert all(v == "SUCCESS" for v in result.values()), (sample.name, result)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""WideModel member operations: write_back, member_state_dict, copy_member (with optimizer)."""
+"""WideModel member operations: write_back, member_state_dict, copy_member_weights (with optimizer)."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -84,13 +85,13 @@ def test_load_member_state_dict():
         wide.load_member_state_dict(0, {"0.weight": torch.zeros(8, 5)})
 
 
-def test_copy_member_with_optimizer_then_training_matches():
-    """After copy_member(src, dst, opt), dst continues exactly as src does (same weights, same
+def test_copy_member_weights_with_optimizer_then_training_matches():
+    """After copy_member_weights(src, dst, opt), dst continues exactly as src does (same weights, same
     optimizer state, same hyperparameters): the PBT exploit step."""
     models, wide = make()
     opt = wc.optim.AdamW(wide.parameters(), lr=[0.03, 0.01, 0.003, 0.001], weight_decay=[0, 0.1, 0.2, 0.3])
     train(wide, opt)
-    wide.copy_member(1, 3, opt)
+    wide.copy_member_weights(1, 3, opt)
     for name, p in wide.named_parameters():
         assert torch.equal(p[3], p[1]), name
         for key, t in opt.state[p].items():
@@ -110,9 +111,33 @@ def test_copy_member_with_optimizer_then_training_matches():
     assert not torch.equal(wide.get_parameter("0.weight")[0], wide.get_parameter("0.weight")[1])
 
 
-def test_copy_member_rejects_bad_arguments():
+def test_copy_member_weights_rejects_bad_arguments():
     _, wide = make()
     with pytest.raises(IndexError):
-        wide.copy_member(0, N)
-    with pytest.raises(TypeError, match="copy_member"):
-        wide.copy_member(0, 1, torch.optim.SGD(wide.parameters(), lr=0.1))
+        wide.copy_member_weights(0, N)
+    with pytest.raises(TypeError, match="copy_member_weights: SGD has no copy_member_state"):
+        wide.copy_member_weights(0, 1, torch.optim.SGD(wide.parameters(), lr=0.1))
+
+
+def test_old_copy_member_names_are_deprecated_aliases(monkeypatch):
+    """WideModel.copy_member and WideOptimizer.copy_member still work: each warns once
+    (DeprecationWarning naming the new name), then copies as the new method does."""
+    from wide_compiler import _deprecation
+
+    monkeypatch.setattr(_deprecation, "_warned", set())
+    _, wide = make()
+    opt = wc.optim.SGD(wide.parameters(), lr=[0.1, 0.2, 0.3, 0.4], momentum=0.9)
+    train(wide, opt, steps=1)
+    with pytest.warns(DeprecationWarning, match="WideModel.copy_member is deprecated.*copy_member_weights"):
+        wide.copy_member(3, 0, opt)
+    for name, p in wide.named_parameters():
+        assert torch.equal(p[0], p[3]), name
+        assert torch.equal(opt.state[p]["momentum_buffer"][0], opt.state[p]["momentum_buffer"][3]), name
+    assert opt.member_hyperparameters(0) == opt.member_hyperparameters(3)
+    with pytest.warns(DeprecationWarning, match="WideOptimizer.copy_member is deprecated.*copy_member_state"):
+        opt.copy_member(1, 2, hyperparameters=False)
+    assert opt.param_groups[0]["lr"][2].item() == pytest.approx(0.3)   # hyperparameters kept
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # once only
+        wide.copy_member(2, 1)
+        opt.copy_member(2, 1)

@@ -1,5 +1,5 @@
 """Wide norms (BatchNorm, InstanceNorm, GroupNorm, LayerNorm, RMSNorm) and PReLU against N separate
-modules: outputs, input/parameter grads and running stats, train and eval; opcheck on each op."""
+modules: outputs, input/parameter grads and running stats, train and eval (opcheck: test_op_db.py)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,6 @@ import torch
 import wide_compiler as wc
 import torch.nn.functional as F
 from torch import nn
-from torch.library import opcheck
 from wide_compiler.testing import assert_members_close, check_equivalence, make_members
 
 FAST = wc.WideConfig.fast()  # no strategy timing: these tests check values, not speed
@@ -103,36 +102,7 @@ def test_norm_unfuse_round_trip():
         assert torch.equal(m.running_mean, wide.running_mean[i]) and int(m.num_batches_tracked) == 1
 
 
-def _opcheck_samples():
-    g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g).requires_grad_()
-    rm = lambda: torch.zeros(2, 3)
-    rv = lambda: torch.ones(2, 3)
-    w = torch.ops.wide
-    yield "bn-train", w.batch_norm.default, (r(2, 4, 3, 5), r(2, 3), r(2, 3), rm(), rv(), True, 0.1, 1e-5), {}
-    yield "bn-eval-packed", w.batch_norm.default, (r(4, 6, 5), None, None, rm(), rv(), False, 0.1, 1e-5), {"packed_input": True}
-    yield "bn-noncontig-stats", w.batch_norm.default, (r(2, 4, 3), r(2, 3), None, torch.zeros(3, 2).t(), torch.ones(3, 2).t(), True, 0.2, 1e-5), {}
-    yield "in", w.instance_norm.default, (r(2, 4, 3, 5), r(2, 3), r(2, 3), rm(), rv(), True, 0.1, 1e-5), {}
-    yield "gn", w.group_norm.default, (r(2, 4, 6, 5), 2, 3, r(2, 6), r(2, 6), 1e-5), {}
-    yield "ln", w.layer_norm.default, (r(2, 4, 3, 5), [3, 5], r(2, 3, 5), r(2, 3, 5), 1e-5), {}
-    yield "rms", w.rms_norm.default, (r(2, 4, 5), [5], r(2, 5), None), {}
-    yield "prelu", w.prelu.default, (r(2, 4, 3, 5), r(2, 1)), {}
-    yield "add-ln", w.add_layer_norm.default, (r(2, 4, 5), r(2, 4, 5), [5], r(2, 5), r(2, 5), 1e-5), {}
-    yield "add-ln-broadcast", w.add_layer_norm.default, (r(2, 4, 5), r(2, 1, 5), [5], None, r(2, 5), 1e-5), {}
-    c = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    yield "fused-ln", w.fused_norm.default, (r(2, 4, 3, 5), r(2, 4, 3, 5), 15, r(2, 3, 5), r(2, 3, 5), 1e-5, False), {}
-    yield "fused-rms", w.fused_norm.default, (r(3, 4, 6), None, 6, r(3, 6), None, 1e-6, True), {}
-    yield "fused-ln-no-grad", w.fused_norm.default, (c(2, 4, 5), None, 5, c(2, 5), c(2, 5), 1e-5, False), {}
-    yield "fused-ln-bias-only", w.fused_norm.default, (r(2, 4, 5), None, 5, None, r(2, 5), 1e-5, False), {}
-    yield "fused-bwd", w.fused_norm_backward.default, (c(2, 4, 5), c(2, 4, 5), c(2, 4, 5), 5, c(2, 5), 1e-5, False,
-                                                       [True, True, True]), {}
-    yield "fused-bwd-rms-dx", w.fused_norm_backward.default, (c(3, 2, 6), c(3, 2, 6), None, 6, None, 1e-6, True,
-                                                              [True, False, False]), {}
-
-
-@pytest.mark.parametrize("name,op,args,kwargs", list(_opcheck_samples()), ids=[s[0] for s in _opcheck_samples()])
-def test_opcheck(name, op, args, kwargs):
-    opcheck(op, args, kwargs)
+# opcheck of the norm ops, prelu, add_layer_norm and fused_norm(_backward): test_op_db.py
 
 
 def test_batch_norm_noncontiguous_running_stats_written_back():

@@ -80,11 +80,21 @@ def _mlp() -> nn.Module:
 def test_pipeline_runs_the_named_passes_in_order():
     models = [_mlp() for _ in range(3)]
     c = run_pipeline(Compilation(models[0], ((torch.randn(5, 4),), {}), 3, FAST, members=models))
-    assert [name for name, _ in c.log] == [p.name for p in PASSES] == [
-        "check_members", "capture", "check_programs", "widen", "layout", "fold", "strategies"]
+    eval_rewrites = ["fold_batch_norms", "channels_last", "pool_before_relu", "fuse_residual_norms",
+                     "relu_in_place", "attention_kernel"]
+    assert [p.name for p in PASSES] == [
+        "check_members", "capture", "check_programs", "widen", "layout", *eval_rewrites, "strategies"]
+    # a training graph skips the eval rewrites (their `when`), an eval graph runs them all
+    assert [name for name, _ in c.log] == [p.name for p in PASSES if p.name not in eval_rewrites]
     linears = c.wide.graph_module.graph.find_nodes(op="call_function", target=wide.linear.default)
     assert [n.kwargs["strategy"] for n in linears] == ["bmm", "bmm"]
     assert c.layout == {"conversions": 0, "packed_ops": 0}
+    for m in models:
+        m.eval()
+    c = run_pipeline(Compilation(models[0], ((torch.randn(5, 4),), {}), 3, FAST, members=models))
+    assert [name for name, _ in c.log] == [p.name for p in PASSES]
+    relus = c.wide.graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.relu_.default)
+    assert len(relus) == 1  # relu_in_place ran on the eval graph
 
 
 def test_a_pass_whose_input_is_missing_is_refused():
@@ -285,7 +295,7 @@ def _trained_members(n):
 
 
 def test_a_lone_conv_stays_channels_first_in_eval():
-    """rewrite_channels_last (fx/fold.py) leaves a graph with a single conv alone: nothing
+    """rewrite_channels_last (fx/eval_rewrites.py) leaves a graph with a single conv alone: nothing
     downstream gains from channels-last, and the N-first output would cost a transposing copy."""
     models = testing.make_members(lambda: nn.Conv2d(8, 4, 3, padding=1), 3)
     wide, _ = testing.check_compile(models, torch.randn(2, 8, 16, 16), modes=("eval",), config=FAST)
@@ -294,11 +304,11 @@ def test_a_lone_conv_stays_channels_first_in_eval():
 
 
 def test_eval_graph_folds_batch_norm_into_its_conv_and_pools_channels_last():
-    """Note [Folding BatchNorm into the conv] and [Channels-last max pooling] (fx/fold.py): only
+    """Note [Folding BatchNorm into the conv] and [Channels-last max pooling] (fx/fold.py, fx/eval_rewrites.py): only
     bn1 is folded (conv2 is read twice, bn3 has no running statistics); outputs, input and
     parameter gradients match the members in eval mode, under no_grad too, and the outputs are
     contiguous."""
-    from wide_compiler.fx.fold import channels_last_max_pool2d
+    from wide_compiler.fx.eval_rewrites import channels_last_max_pool2d
 
     models = [m.eval() for m in _trained_members(3)]
     wide, _ = testing.check_compile(models, torch.randn(4, 3, 16, 16), modes=("eval",), config=FAST, strict=True)
@@ -353,7 +363,7 @@ class _ReluPool(nn.Module):
 
 
 def test_eval_graph_pools_before_relu():
-    """Note [Max pool before ReLU] (fx/fold.py): relu(max_pool(x)) replaces max_pool(relu(x)) when
+    """Note [Max pool before ReLU] (fx/eval_rewrites.py): relu(max_pool(x)) replaces max_pool(relu(x)) when
     the pool is the ReLU's only reader; members agree in eval (grads included), eager, under
     no_grad with negative, tied and NaN inputs, and under torch.compile."""
     models = [m.eval() for m in testing.make_members(_ReluPool, 3)]

@@ -51,7 +51,7 @@ def test_a_weight_tied_inside_one_member_is_not_a_sharing_error():
         def forward(self, x):
             return self.b(self.a(x))
 
-    from wide_compiler.fx.capture import check_members
+    from wide_compiler.fx.member_checks import check_members
     check_members([Tied(), Tied()])  # no sharing error (tied parameters are the real-model issue's)
 
 
@@ -486,7 +486,7 @@ def test_nan_in_one_member_stays_in_that_member():
 def test_module_caches_are_not_compared_by_value():
     """nn.RNN keeps its weights in _flat_weights (the Parameters) and _flat_weight_refs (weakrefs
     to them): per-member state, not configuration."""
-    from wide_compiler.fx.capture import check_members
+    from wide_compiler.fx.member_checks import check_members
 
     check_members([nn.LSTM(4, 6, num_layers=2, bidirectional=True) for _ in range(3)])
     with pytest.raises(wc.ArchitectureMismatchError, match=r"member 1: hidden_size is 7, member 0 has 6"):

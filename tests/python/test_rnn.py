@@ -297,3 +297,15 @@ def test_loop_in_parallel_gradients_of_states_and_higher_order_refused():
         torch.testing.assert_close(out[i], mo), torch.testing.assert_close(c[:, i] if c.dim() == 3 else c[i], mc)
     with pytest.raises(RuntimeError, match="not twice differentiable"):
         torch.autograd.grad(out.sum(), [x], create_graph=True)
+
+
+@pytest.mark.parametrize("strategy", ["fused", "loop"])
+def test_proj_size_not_below_hidden_size_is_refused_by_both_strategies(strategy):
+    """nn.LSTM requires proj_size < hidden_size; the wide op says so for every strategy (the loop
+    used to fail inside ATen with an unrelated message, the fused one to accept it)."""
+    n, h, p = 2, 2, 2
+    params = [torch.randn(n, 4 * h, 2), torch.randn(n, 4 * h, p), torch.randn(n, 4 * h), torch.randn(n, 4 * h),
+              torch.randn(n, p, h)]
+    with pytest.raises(RuntimeError, match="expected proj_size < hidden_size"):
+        torch.ops.wide.rnn(torch.randn(n, 3, 1, 2), [], params, "LSTM", 1, False, False, 0.0, False, True, p,
+                           strategy=strategy)

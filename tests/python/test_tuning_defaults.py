@@ -1,7 +1,7 @@
 """Honest defaults of the measuring config (issue 26): a bounded tuning time
 (``WideConfig.tune_budget_s``), stable picks (within ``tune_margin`` the default stays; the
 model-level check has the final word, cached), and ``summary()`` saying why each strategy was
-chosen. Every timing here runs on a fake clock (``tuning._clock``): no assertion depends on the
+chosen. Every timing here runs on a fake clock (``measure.timing._clock``): no assertion depends on the
 speed of the machine."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch import nn
 
 import wide_compiler as wc
 from wide_compiler import tuning
+from wide_compiler.measure import timing
 from wide_compiler.fx import strategy as strategy_pass
 
 REASONS = ("default (heuristic", "measured:", "kept default: within margin", "cached:", "model-level check",
@@ -39,7 +40,7 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(tuning, "_clock", fake)
+    monkeypatch.setattr(timing, "_clock", fake)
     return fake
 
 
@@ -177,12 +178,12 @@ def test_noisy_timings_within_the_margin_never_flip():
         clock = FakeClock()
         noisy = lambda base: [base * (1 + rng.uniform(-0.05, 0.05)) for _ in range(20)]  # noqa: E731
         make = fake_candidates(clock, {"grouped": noisy(1.0), "grouped_cl": noisy(0.97), "loop": noisy(1.5)})
-        original = tuning._clock
-        tuning._clock = clock
+        original = timing._clock
+        timing._clock = clock
         try:
             choice = tuning.measure_strategy("conv", {"x": seed}, make, "grouped", wc.WideConfig(cache=False))
         finally:
-            tuning._clock = original
+            timing._clock = original
         assert choice.strategy == "grouped", (seed, choice.reason)
 
 
@@ -306,6 +307,102 @@ def test_model_level_check_cut_short_keeps_defaults(monkeypatch, clock, tmp_path
     assert all("model-level check kept the default (cut short" in row for row in rows(wide).values())
     cached = json.loads((tmp_path / "strategies.json").read_text())
     assert cached and not any('"op": "model_check"' in key for key in cached)
+
+
+def timed_check(monkeypatch, clock, tuned_s: float, default_s: float) -> list[str]:
+    """The model-level check's runs take fake seconds: ``tuned_s`` while an op runs the tuned
+    'loop' (pick_loop), else ``default_s``; returns the log of runs ("tuned"/"default")."""
+    from wide_compiler.model import WideModel
+
+    runs: list[str] = []
+    original = WideModel._call_graph
+
+    def call(self, wg, args, kwargs):
+        tuned = any(n.kwargs.get("strategy") == "loop" for n in wg.graph_module.graph.nodes if "wide_tune" in n.meta)
+        runs.append("tuned" if tuned else "default")
+        clock.t += tuned_s if tuned else default_s
+        return original(self, wg, args, kwargs)
+
+    monkeypatch.setattr(WideModel, "_call_graph", call)
+    return runs
+
+
+def test_model_level_check_ends_after_one_round_when_the_sets_are_clearly_apart(monkeypatch, clock, tmp_path):
+    """The tuned set runs in half the defaults' time in every run: one round (a warm-up and two
+    samples per set) decides, not three, and the tuned set is kept."""
+    pick_loop(monkeypatch)
+    runs = timed_check(monkeypatch, clock, 1.0, 2.0)
+    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=None)
+    wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
+    assert runs == ["tuned"] * 3 + ["default"] * 3, runs
+    assert "model-level check: tuned set 1000.000 ms vs defaults 2000.000 ms" in tuning_line(wide), tuning_line(wide)
+    assert set(wide.strategies.values()) == {"loop"}
+
+
+def test_model_level_check_runs_three_rounds_when_the_sets_are_level(monkeypatch, clock, tmp_path):
+    pick_loop(monkeypatch)
+    runs = timed_check(monkeypatch, clock, 1.0, 1.0)
+    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=None)
+    wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
+    assert runs == (["tuned"] * 3 + ["default"] * 3) + (["default"] * 3 + ["tuned"] * 3) + (["tuned"] * 3 + ["default"] * 3)
+    assert wide.strategies == defaults(wide) and "kept the defaults" in tuning_line(wide)
+
+
+def test_model_level_check_cut_short_but_clearly_apart_decides(monkeypatch, clock, tmp_path):
+    """The budget runs out after two samples of each set (10 fake seconds left: a tuned block of
+    a warm-up and three 1-s samples, then the defaults' warm-up and two 2-s samples): those runs
+    are clearly apart, so the tuned set is kept and the verdict cached."""
+    pick_loop(monkeypatch)
+    runs = timed_check(monkeypatch, clock, 1.0, 2.0)
+    lookup = tuning.lookup
+
+    def check_starts(key, config):
+        if '"op": "model_check"' in key:
+            clock.t = 90.0
+        return lookup(key, config)
+
+    monkeypatch.setattr(tuning, "lookup", check_starts)
+    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=6, tune_budget_s=100)
+    wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
+    assert runs == ["tuned"] * 4 + ["default"] * 3, runs
+    assert set(wide.strategies.values()) == {"loop"}, wide.summary()
+    assert "kept the tuned set" in tuning_line(wide), tuning_line(wide)
+    cached = json.loads((tmp_path / "strategies.json").read_text())
+    assert any('"op": "model_check"' in key for key in cached)
+
+
+@pytest.mark.parametrize("loop_s, rounds", [(0.5, 3), (0.95, 7)], ids=["clear", "close"])
+def test_an_op_clearly_apart_after_three_rounds_is_decided_then(clock, loop_s, rounds):
+    """Three rounds decide an op whose candidates are clearly apart; close ones get every round."""
+    calls = {"bmm": 0, "loop": 0}
+    make = fake_candidates(clock, {"bmm": 1.0, "loop": loop_s})
+
+    def counted():
+        fns = make()
+        return {k: (lambda k=k, f=f: (calls.__setitem__(k, calls[k] + 1), f())) for k, f in fns.items()}
+
+    choice = tuning.measure_strategy("linear", {"x": 4}, counted, "bmm", wc.WideConfig(cache=False, tune_repeats=7),
+                                     ("bmm", "loop"))
+    assert calls == {"bmm": 3 + rounds, "loop": 3 + rounds}  # 3 warm-ups each
+    assert choice.strategy == ("loop" if loop_s == 0.5 else "bmm")
+
+
+def test_rounds_past_the_measuring_share_are_not_taken_but_the_op_is_decided(clock):
+    """Level candidates of 1 s with 50 rounds asked and a 100 s budget: after the warm-ups and
+    three rounds (12 s) more rounds run until 70 s are spent; the complete rounds count."""
+    budget = tuning.Budget(100.0)
+    make = fake_candidates(clock, {"bmm": 1.0, "loop": 1.0})
+    choice = tuning.measure_strategy("linear", {"x": 5}, make, "bmm", wc.WideConfig(cache=False, tune_repeats=50),
+                                     ("bmm", "loop"), budget=budget)
+    assert choice.source == "measured" and choice.strategy == "bmm"
+    assert 69.0 <= budget.spent() <= 71.0, budget.spent()
+
+
+def test_clearly_apart_needs_two_samples_and_the_margin():
+    assert tuning.clearly_apart({"a": [1.0], "b": [5.0]}, 0.1) is None
+    assert tuning.clearly_apart({"a": [1.0, 1.0], "b": [1.05, 1.05]}, 0.1) is None
+    assert tuning.clearly_apart({"a": [1.0, 1.0], "b": [1.2, 1.3], "c": [3.0, 3.0]}, 0.1) == "a"
+    assert tuning.clearly_apart({"a": [1.0, 1.0], "b": [1.2, 1.3], "c": [1.05, 3.0]}, 0.1) is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 import wide_compiler as wc
 from torch import nn
-from torch.library import opcheck
 from wide_compiler.bench import vision_models
 from wide_compiler.testing import assert_members_close, check_equivalence
 
@@ -176,17 +175,13 @@ def test_embedding_bag_module(mode, form):
     assert_members_close(wide.weight.grad, [b.weight.grad for b in bags], kind="grad")
 
 
-def test_embedding_module_shared_indices_and_opcheck():
+def test_embedding_module_shared_indices():
+    # opcheck of wide.embedding / embedding_bag / embedding_renorm_: test_op_db.py
     torch.manual_seed(0)
     embs = [nn.Embedding(8, 3, padding_idx=2, scale_grad_by_freq=True) for _ in range(3)]
     wide = wc.nn.WideEmbedding.from_modules(embs)
     idx = torch.tensor([[2, 3, 3], [1, 2, 7]])
     check_equivalence(wide, embs, idx, shared=True)
-    w = torch.randn(3, 8, 3, requires_grad=True)
-    opcheck(torch.ops.wide.embedding.default, (w, torch.randint(0, 8, (3, 2, 4)), 2, True, False))
-    opcheck(torch.ops.wide.embedding_bag.default, (w, torch.randint(0, 8, (3, 6)), torch.tensor([0, 2, 5]),
-                                                   False, 1, False, None, False, 3))
-    opcheck(torch.ops.wide.embedding_renorm_.default, (torch.randn(3, 8, 3) * 3, torch.randint(0, 8, (3, 5)), 1.0, 2.0))
 
 
 # --- whole models -----------------------------------------------------------------------------

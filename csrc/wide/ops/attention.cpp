@@ -4,7 +4,7 @@
 // Note [wide::attention]
 // ~~~~~~~~~~~~~~~~~~~~~~
 // The widen pass folds the members into SDPA's batch (rules/matmul.py), so a wide encoder's
-// attention is ATen's SDPA over N*B*H tiny heads. In the eval graph the fold pass (fx/fold.py)
+// attention is ATen's SDPA over N*B*H tiny heads. In the eval graph a pass (fx/eval_rewrites.py)
 // turns SDPA calls without mask or dropout into wide::attention, which has SDPA's schema and
 // decides per call: small_attention (Note [Small-sequence attention kernel]) when nothing needs a
 // gradient, the tensors are 4-d float/double on the CPU with concrete sizes, and the keys are few
@@ -25,7 +25,7 @@
 #include <cmath>
 
 #include "wide/ops/cpu/attention_kernels.h"
-#include "wide/optim/cpu/kernels.h"  // the run-time instruction-set choice
+#include "wide/cpu/isa.h"  // the run-time instruction-set choice
 
 namespace wide {
 namespace {

@@ -32,7 +32,7 @@
 
 #include "wide/ops/cpu/norm_kernels.h"
 #include "wide/ops/norm.h"
-#include "wide/optim/cpu/kernels.h"  // the run-time instruction-set choice, shared with the optimizers
+#include "wide/cpu/isa.h"  // the run-time instruction-set choice, shared with the optimizers
 
 namespace wide {
 namespace {

@@ -382,6 +382,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_impl(
               ": expected layer 0 w_ih of shape [N, G*H, I] with G = ", gates, " for ",
               mode_name(mode), ", got ", params[0].sym_sizes());
   const c10::SymInt hidden = params[0].sym_size(1) / gates;
+  TORCH_CHECK(proj_size == 0 || hidden > proj_size, op, ": expected proj_size < hidden_size (as nn.LSTM "
+              "requires), got proj_size=", proj_size, " and hidden_size=", hidden);
   const c10::SymInt h_out = proj_size > 0 ? c10::SymInt(proj_size) : hidden;
   const c10::SymInt gh = hidden * gates;
 

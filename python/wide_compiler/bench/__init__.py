@@ -1,5 +1,8 @@
 """Benchmarks: the wide model against the baselines a user would otherwise pick (DESIGN §10).
 
+Built on :mod:`wide_compiler.measure` (the contenders, the interleaved timing and the machine
+facts live there); this package adds the targets, their presets, the records and the tables.
+
 Every ``python -m wide_compiler benchmark <target>`` is one function decorated with
 :func:`.registry.target` in a module of this package (:mod:`.linear`: ``linear``;
 :mod:`.vision`: ``conv``, ``norm``, ``pool``, ``embedding``, ``models``; :mod:`.optim`: ``optim``,

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import engine
-from .engine import Contender
+from .. import measure
+from ..measure import Contender
 from .vision import Case, Inputs, _randn, _vision_target
 
 __all__ = ["P", "dropout_cases", "replay_check"]
@@ -62,8 +62,8 @@ def replay_check(models: list[nn.Module], xs: Inputs, mode: str
 
     def check(contender: Contender, result: Any) -> float:
         out, grads = result if mode == "train" else (result, ())
-        ys = [leaves[0].detach() for leaves in engine._member_outputs(contender, out, n)]
-        member_grads = engine._stacked_grads(contender, grads, n) if mode == "train" else []
+        ys = [leaves[0].detach() for leaves in measure.contenders.member_outputs(contender, out, n)]
+        member_grads = measure.contenders.stacked_grads(contender, grads, n) if mode == "train" else []
         err, kept, total, masks = 0.0, 0, 0, []
         for i, m in enumerate(models):
             linear, drop = m[0], m[1]
@@ -74,11 +74,11 @@ def replay_check(models: list[nn.Module], xs: Inputs, mode: str
                     masks.append(keep)
                     kept, total = kept + int(keep.sum()), total + keep.numel()
                     ref = ref * keep / (1 - drop.p)
-                err = max(err, engine._diff(ref.detach(), ys[i], f"member {i} of {contender.name}"))
+                err = max(err, measure.contenders.diff(ref.detach(), ys[i], f"member {i} of {contender.name}"))
                 if mode == "train":
                     ref_grads = torch.autograd.grad(ref.sum(), list(linear.parameters()))
                     for j, g in enumerate(ref_grads):
-                        err = max(err, engine._diff(g, member_grads[j][i],
+                        err = max(err, measure.contenders.diff(g, member_grads[j][i],
                                                     f"gradient {j} of member {i} of {contender.name}"))
         if total:
             p = models[0][1].p

@@ -1,4 +1,6 @@
-"""Benchmark engine: contenders, timing, records and the table printer.
+"""Benchmark engine: records, running one case, and the table printer, on top of
+:mod:`wide_compiler.measure` (the contenders, the timing loop and the machine facts live there;
+their names are re-exported here for old imports).
 
 A benchmark compares, in one run on one machine, a *wide* contender (one op or one model for all
 N members) against the *baselines* a user would otherwise write: N separate modules in a Python
@@ -7,7 +9,7 @@ loop, ``torch.func`` ensembling (``stack_module_state`` + ``functional_call`` + 
 Every member has its own weights and its own input: ``x`` is ``[N, B, ...]`` and member ``i``
 gets ``x[i]``.
 
-Timing is interleaved (:func:`time_interleaved`): the wide contenders and the baselines of one
+Timing is interleaved (:func:`wide_compiler.measure.time_interleaved`): the wide contenders and the baselines of one
 case are timed together, in rounds of one block of calls each (rotating which goes first), and
 each one's median over the rounds is reported; a machine whose speed drifts over seconds (other
 processes, frequency scaling) then slows every contender alike, so the ratios hold even when the
@@ -30,7 +32,7 @@ all outputs, gradients of the parameters with ``torch.autograd.grad``); ``execut
 largest absolute difference of any member's output (and, in train mode, parameter gradient)
 against that member run on its own; ``errors`` maps a baseline that failed (e.g. a
 ``torch.compile`` that raised) to its error message; ``timing`` says how the times were taken
-(``"interleaved"``: :func:`time_interleaved`). Every benchmark builds its records with
+(``"interleaved"``: :func:`wide_compiler.measure.time_interleaved`). Every benchmark builds its records with
 :func:`make_record` and compares with :func:`max_abs_err` (the one comparison:
 :func:`params_max_abs_err` goes through it too); targets are registered in :mod:`.registry`.
 
@@ -54,24 +56,39 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
-import functools
-import gc
 import logging
 import math
-import os
-import platform
-import statistics
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
-from .. import allocator, testing
+from .. import measure
+
+# Moved to wide_compiler.measure (the package's one measurement library); re-exported here so
+# that ``wide_compiler.bench.engine.<name>`` keeps working.
+from ..measure import (  # noqa: F401
+    MODES,
+    Contender,
+    TimingError,
+    compiled,
+    compiled_loop_contender,
+    contention_note,
+    fmt_ms,
+    fmt_x,
+    loop_contender,
+    machine_info,
+    make_step,
+    max_abs_err,
+    params_max_abs_err,
+    peak_gflops,
+    stacked_params,
+    time_interleaved,
+    time_with_baselines,
+    vmap_contender,
+    wide_params_in_member_order,
+)
 
 __all__ = [
     "MODES",
@@ -111,412 +128,7 @@ RECORD_KEYS = (
     "strategy", "wide_ms", "baseline_ms", "speedup", "max_abs_err", "baseline_max_abs_err",
     "errors", "timing", "machine",
 )
-MODES = ("inference", "train")
 _REQUIRED = ("target", "n", "dtype")
-
-
-@dataclasses.dataclass
-class Contender:
-    """One way to run all N members.
-
-    ``forward(x)`` takes the N-first input ``[N, B, ...]``. ``layout`` says what it returns:
-    ``"wide"``: one N-first output (any pytree of ``[N, ...]`` tensors); ``"members"``: a list of
-    N per-member outputs; ``"opaque"``: not comparable per member (a roofline), never checked.
-    ``params`` are the tensors whose gradients a train step computes: for ``"wide"``, one stacked
-    ``[N, *shape]`` tensor per member parameter in ``member.parameters()`` order; for
-    ``"members"``, member-major (all of member 0's parameters, then member 1's, ...).
-    """
-
-    name: str
-    forward: Callable[[torch.Tensor], Any]
-    params: Sequence[torch.Tensor]
-    layout: str = "wide"
-
-    def __post_init__(self) -> None:
-        if self.layout not in ("wide", "members", "opaque"):
-            raise ValueError(
-                f"Contender {self.name!r}: layout must be 'wide', 'members' or 'opaque', "
-                f"got {self.layout!r}")
-
-
-def machine_info() -> dict[str, Any]:
-    """What the numbers depend on: versions, threads and the CPU ISA torch's kernels use.
-
-    >>> info = machine_info()
-    >>> info["threads"] == torch.get_num_threads(), "cpu_capability" in info
-    (True, True)
-    """
-    return {
-        "wide_compiler": _wc_version(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "threads": torch.get_num_threads(),
-        "num_interop_threads": torch.get_num_interop_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "machine": platform.machine(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "load_avg": _load_avg(),
-        "allocator": "glibc-tuned" if allocator._applied else "default",  # wc.tune_cpu_allocator()
-    }
-
-
-@functools.cache
-def peak_gflops(size: int = 1024, reps: int = 9) -> float:
-    """The machine's practical float32 peak, GFLOP/s: the median rate of one ``size``-cubed
-    ``torch.mm`` (BLAS at its best: large, square, in cache-friendly tiles) with the current
-    threads. Measured once per process; records compare a model's achieved rate against it.
-
-    >>> peak_gflops(size=64, reps=3) > 0
-    True
-    """
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    for _ in range(2):
-        torch.mm(a, b)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - t0)
-    return 2 * size**3 / statistics.median(times) / 1e9
-
-
-def _load_avg() -> list[float] | None:
-    """1/5/15-minute load averages: other processes competing for the cores spoil timings."""
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except (AttributeError, OSError):  # not on every platform
-        return None
-
-
-def contention_note(machine: Mapping[str, Any]) -> str | None:
-    """A warning when the machine was busy (1-minute load average, at the start or the end of
-    the run, at least 75% of the CPU count), else None."""
-    cpus = machine.get("cpu_count") or 0
-    loads = [la[0] for la in (machine.get("load_avg"), machine.get("load_avg_end")) if la]
-    if not cpus or not loads or max(loads) < 0.75 * cpus:
-        return None
-    return (f"note: load average {max(loads):.1f} on {cpus} CPUs during the run: other "
-            f"processes competed for the cores, so these timings are unreliable")
-
-
-def _wc_version() -> str:
-    import wide_compiler
-
-    if getattr(wide_compiler, "__version__", None):
-        return wide_compiler.__version__
-    try:
-        from importlib.metadata import version
-
-        return version("wide_compiler")
-    except Exception:  # noqa: BLE001 (not installed: source tree on sys.path)
-        return "unknown"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-class TimingError(RuntimeError):
-    """A callable timed by :func:`time_interleaved` raised: ``name`` is its key, ``error`` (also
-    ``__cause__``) what it raised."""
-
-    def __init__(self, name: Any, error: BaseException) -> None:
-        super().__init__(f"{name}: {_error_text(error)}")
-        self.name = name
-        self.error = error
-
-
-def _timed_calls(fn: Callable[[], Any], calls: int) -> float:
-    """Seconds that ``calls`` calls of ``fn`` take, garbage collection off (as ``timeit``)."""
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return time.perf_counter() - start
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-
-
-def time_interleaved(fns: Mapping[Any, Callable[[], Any]], *, min_run_time: float = 0.2,
-                     rounds: int = 10, warmup: int = 2, min_rounds: int = 3) -> dict[Any, float]:
-    """Median wall time of one call of each of ``fns``, in milliseconds, timed interleaved.
-
-    Every callable is called ``warmup`` times, then calibrated: ``k`` calls per block so that one
-    block takes about ``min_run_time / rounds`` seconds (at least one call). Then, ``rounds``
-    times, one block of each callable is timed, the order rotating by one every round (so none
-    always follows the same one); the result is each one's median over the rounds of block time
-    / ``k``. Machine speed drifting over the run thus affects every callable alike, and ratios of
-    the results hold far better than those of callables timed one after another. Each callable
-    runs about ``min_run_time`` seconds in all; when one call of the slowest takes longer than
-    ``min_run_time / rounds``, fewer rounds are run (``min_run_time`` over that call, at least
-    ``min(min_rounds, rounds)``). A callable that raises raises :class:`TimingError` naming it.
-
-    >>> ms = time_interleaved({"sum": lambda: torch.ones(4).sum(),
-    ...                        "mm": lambda: torch.ones(64, 64) @ torch.ones(64, 64)},
-    ...                       min_run_time=0.01)
-    >>> sorted(ms), all(v > 0 for v in ms.values())
-    (['mm', 'sum'], True)
-    """
-    if rounds < 1:
-        raise ValueError(f"rounds must be at least 1, got {rounds}")
-    names = list(fns)
-    if not names:
-        return {}
-
-    def timed(name: Any, calls: int) -> float:
-        try:
-            return _timed_calls(fns[name], calls)
-        except Exception as e:  # re-raised, naming the callable
-            raise TimingError(name, e) from e
-
-    block_s = min_run_time / rounds
-    per_call: dict[Any, float] = {}
-    for name in names:
-        if warmup > 0:
-            timed(name, warmup)
-        calls, elapsed = 1, timed(name, 1)
-        while elapsed < block_s / 4 and calls < 1 << 20:  # a few calls: enough to calibrate
-            calls *= 2
-            elapsed = timed(name, calls)
-        per_call[name] = max(elapsed / calls, 1e-9)
-    k = {name: max(1, round(block_s / per_call[name])) for name in names}
-    slowest = max(per_call.values())
-    n_rounds = min(rounds, max(min(min_rounds, rounds), int(min_run_time / slowest)))
-
-    samples: dict[Any, list[float]] = {name: [] for name in names}
-    for r in range(n_rounds):
-        start = r % len(names)
-        for name in names[start:] + names[:start]:
-            samples[name].append(timed(name, k[name]) / k[name])
-    return {name: statistics.median(samples[name]) * 1e3 for name in names}
-
-
-def time_with_baselines(wides: Mapping[Any, Callable[[], Any]],
-                        baselines: Mapping[str, Callable[[], Any]], *, min_run_time: float = 0.2,
-                        errors: dict[str, str] | None = None
-                        ) -> tuple[dict[Any, float], dict[str, float], dict[str, str]]:
-    """:func:`time_interleaved` of the wide callables and the baselines together; returns
-    ``(wide_ms, baseline_ms, errors)``. A baseline that raises is left out (its message in
-    ``errors``, which is updated in place when given, and a log warning) and the rest are timed
-    again; a wide callable that raises propagates what it raised.
-
-    >>> def broken():
-    ...     raise RuntimeError("no")
-    >>> wide_ms, base_ms, errors = time_with_baselines(
-    ...     {"wide": lambda: torch.ones(4).sum()}, {"loop": lambda: torch.ones(4).sum(),
-    ...                                             "broken": broken}, min_run_time=0.01)
-    >>> sorted(wide_ms), sorted(base_ms), errors
-    (['wide'], ['loop'], {'broken': 'RuntimeError: no'})
-    """
-    errors = errors if errors is not None else {}
-    fns: dict[Any, Callable[[], Any]] = {("wide", k): f for k, f in wides.items()}
-    fns.update({("baseline", k): f for k, f in baselines.items()})
-    while True:
-        try:
-            ms = time_interleaved(fns, min_run_time=min_run_time)
-            break
-        except TimingError as e:
-            kind, name = e.name
-            if kind == "wide":
-                raise e.error  # the wide callable's own error, with its own traceback
-            log.warning("baseline %s failed: %s", name, _error_text(e.error))
-            errors[name] = _error_text(e.error)
-            del fns[e.name]
-    wide_ms = {k: ms["wide", k] for k in wides}
-    baseline_ms = {k: ms["baseline", k] for k in baselines if ("baseline", k) in ms}
-    return wide_ms, baseline_ms, errors
-
-
-# ---------------------------------------------------------------------------------- baselines
-
-def loop_contender(models: Sequence[nn.Module], name: str = "loop") -> Contender:
-    """N separate modules in a Python loop; member ``i`` gets ``x[i]``."""
-    models = list(models)
-
-    def forward(x: torch.Tensor) -> list[Any]:
-        return [m(x[i]) for i, m in enumerate(models)]
-
-    return Contender(name, forward, [p for m in models for p in m.parameters()], "members")
-
-
-def vmap_contender(models: Sequence[nn.Module], *, shared: bool = False,
-                   name: str = "vmap") -> Contender:
-    """``torch.func`` ensembling: ``stack_module_state`` + ``functional_call`` + ``vmap``.
-
-    With ``shared=True`` the input is not mapped (``in_dims=None``): every member reads ``x[0]``,
-    as a user with one batch for all members would write it.
-    """
-    from torch.func import functional_call, stack_module_state, vmap
-
-    params, buffers = stack_module_state(list(models))
-    base = copy.deepcopy(models[0]).to("meta")
-
-    def call(p: dict, b: dict, x: torch.Tensor) -> Any:
-        return functional_call(base, (p, b), (x,))
-
-    mapped = vmap(call, in_dims=(0, 0, None if shared else 0))
-
-    def forward(x: torch.Tensor) -> Any:
-        return mapped(params, buffers, x[0] if shared else x)
-
-    return Contender(name, forward, list(params.values()), "wide")
-
-
-def compiled_loop_contender(models: Sequence[nn.Module], name: str = "compile_loop",
-                            **compile_kwargs: Any) -> Contender:
-    """``torch.compile`` of the Python loop (:func:`compiled`)."""
-    return compiled(loop_contender(models), name, **compile_kwargs)
-
-
-def compiled(contender: Contender, name: str, **compile_kwargs: Any) -> Contender:
-    """``torch.compile`` of a contender's forward. Compiles lazily: failures surface on first call.
-
-    Resets dynamo first, so that compiling many populations in one process never hits the
-    recompile limit (which would silently fall back to eager).
-    """
-    torch.compiler.reset()
-    return Contender(name, torch.compile(contender.forward, **compile_kwargs), contender.params, contender.layout)
-
-
-def stacked_params(models: Sequence[nn.Module]) -> list[torch.Tensor]:
-    """One ``[N, *shape]`` leaf per member parameter (``parameters()`` order), requiring grad."""
-    per_member = [list(m.parameters()) for m in models]
-    return [torch.stack([ps[j].detach() for ps in per_member]).requires_grad_()
-            for j in range(len(per_member[0]))]
-
-
-def wide_params_in_member_order(wide: nn.Module, member: nn.Module) -> list[torch.Tensor]:
-    """The wide model's stacked parameters, in ``member.named_parameters()`` order.
-
-    Relies on the wide model's ``state_dict(keep_vars=True)`` being keyed by the member's
-    parameter names with the stacked ``[N, *shape]`` parameters as values.
-    """
-    sd = wide.state_dict(keep_vars=True)
-    out = []
-    for name, p in member.named_parameters():
-        t = sd.get(name)
-        if not isinstance(t, torch.Tensor) or not t.requires_grad or t.shape[1:] != p.shape:
-            raise RuntimeError(
-                f"wide model's state_dict(keep_vars=True)[{name!r}] is not a stacked parameter "
-                f"[N, {', '.join(map(str, p.shape))}] (got "
-                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}); "
-                f"cannot compare gradients per member")
-        out.append(t)
-    return out
-
-
-# ---------------------------------------------------------------------------------- running
-
-def _loss(out: Any) -> torch.Tensor:
-    leaves = tree_leaves(out)
-    if len(leaves) == 1:
-        return leaves[0].sum()
-    return torch.stack([t.sum() for t in leaves]).sum()
-
-
-def make_step(contender: Contender, x: torch.Tensor, mode: str) -> Callable[[], Any]:
-    """The timed callable: ``"inference"`` is a forward under ``torch.no_grad``; ``"train"`` is
-    forward, sum of every output, and ``torch.autograd.grad`` of the contender's params."""
-    if mode == "inference":
-        def step() -> Any:
-            with torch.no_grad():
-                return contender.forward(x)
-    elif mode == "train":
-        params = list(contender.params)
-
-        def step() -> Any:
-            out = contender.forward(x)
-            return out, torch.autograd.grad(_loss(out), params)
-    else:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return step
-
-
-def _member_outputs(contender: Contender, out: Any, n: int) -> list[list[torch.Tensor]]:
-    if contender.layout == "members":
-        return [tree_leaves(o) for o in out]
-    leaves = tree_leaves(out)
-    return [[t[i] for t in leaves] for i in range(n)]
-
-
-def _stacked_grads(contender: Contender, grads: Sequence[torch.Tensor], n: int
-                   ) -> list[torch.Tensor]:
-    if contender.layout == "members":
-        per = len(grads) // n
-        return [torch.stack([grads[i * per + j] for i in range(n)]) for j in range(per)]
-    return list(grads)
-
-
-def max_abs_err(reference: Contender, ref_result: Any, other: Contender, result: Any,
-                n: int, mode: str) -> float:
-    """Largest |difference| of any member's outputs (and, for train, parameter gradients)."""
-    if mode == "train":
-        ref_out, ref_grads = ref_result
-        out, grads = result
-    else:
-        ref_out, ref_grads, out, grads = ref_result, (), result, ()
-    err = 0.0
-    ref_members = _member_outputs(reference, ref_out, n)
-    members = _member_outputs(other, out, n)
-    for i, (r, o) in enumerate(zip(ref_members, members, strict=True)):
-        if len(r) != len(o):
-            raise ValueError(f"member {i}: {other.name} returned {len(o)} outputs, "
-                             f"{reference.name} returned {len(r)}")
-        for a, b in zip(r, o):
-            err = max(err, _diff(a, b, f"member {i} output of {other.name}"))
-    if mode == "train":
-        rg = _stacked_grads(reference, ref_grads, n)
-        og = _stacked_grads(other, grads, n)
-        if len(rg) != len(og):
-            raise ValueError(f"{other.name} has {len(og)} stacked parameters, "
-                             f"{reference.name} has {len(rg)}")
-        for j, (a, b) in enumerate(zip(rg, og)):
-            err = max(err, _diff(a, b, f"gradient of parameter {j} of {other.name}"))
-    return err
-
-
-def params_max_abs_err(reference: Sequence[Sequence[torch.Tensor]],
-                       stacked: Sequence[torch.Tensor]) -> float:
-    """Largest |difference| of member ``i``'s tensors ``reference[i]`` against the stacked
-    ``[t[i] for t in stacked]`` (e.g. parameters after an optimizer step): :func:`max_abs_err`
-    of a ``"members"`` and a ``"wide"`` result.
-
-    >>> a, b = torch.zeros(2, 3), torch.ones(2)
-    >>> params_max_abs_err([[a[0], b[0]], [a[1], b[1] + 0.5]], [a, b])
-    0.5
-    """
-    def unused(x: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    ref = Contender("reference", unused, [], "members")
-    wide = Contender("wide", unused, [], "wide")
-    return max_abs_err(ref, [list(r) for r in reference], wide, list(stacked), len(reference),
-                       "inference")
-
-
-def _diff(a: torch.Tensor, b: torch.Tensor, what: str) -> float:
-    """|a - b| at most, as wide_compiler.testing measures it (float64, NaN == NaN)."""
-    if a.shape != b.shape:
-        raise ValueError(f"{what}: expected shape {tuple(a.shape)}, got {tuple(b.shape)}")
-    return testing.max_member_error(b.unsqueeze(0), [a])
-
-
-def _error_text(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip()
-    first = text.splitlines()[0] if text else type(e).__name__
-    return first[:300]
 
 
 def make_record(*, base: Mapping[str, Any], mode: str, strategy: str, wide_ms: float,
@@ -619,8 +231,8 @@ def run_case(models: Sequence[nn.Module], x: torch.Tensor, wides: Iterable[Conte
                 baseline_err[b.name] = check(b, step())
             baseline_steps[b.name] = step
         except Exception as e:  # noqa: BLE001 (a baseline failing is a result, not a crash)
-            log.warning("baseline %s failed: %s", b.name, _error_text(e))
-            errors[b.name] = _error_text(e)
+            log.warning("baseline %s failed: %s", b.name, measure.error_text(e))
+            errors[b.name] = measure.error_text(e)
 
     wides = list(wides)
     wide_steps: dict[int, Callable[[], Any]] = {}
@@ -640,18 +252,6 @@ def run_case(models: Sequence[nn.Module], x: torch.Tensor, wides: Iterable[Conte
 
 
 # ---------------------------------------------------------------------------------- table
-
-def fmt_ms(v: float | None) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return f"{v:.3f}" if v < 10 else f"{v:.1f}" if v < 1000 else f"{v:.0f}"
-
-
-def fmt_x(v: float | None) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return f"{v:.2f}x" if v < 10 else f"{v:.1f}x"
-
 
 def format_table(records: Sequence[Mapping[str, Any]], *, header: bool = True) -> str:
     """Plain-text table with aligned columns: one row per record, one ``ms`` and one speedup

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import measure
+from ..measure import Contender
 from . import engine
-from .engine import Contender
 from .registry import Job, Preset, target
 
 __all__ = ["PRESETS", "STRATEGIES", "LinearCase", "build_case", "jobs", "run_case"]
@@ -100,7 +101,7 @@ def build_case(case: LinearCase, *, seed: int = 0
         x = x0.expand(case.n, *x0.shape)
     else:
         x = torch.randn(case.n, case.batch, case.in_features, generator=g, dtype=case.dtype)
-    return models, x, engine.stacked_params(models)
+    return models, x, measure.stacked_params(models)
 
 
 def _op_contender(strategy: str, W: torch.Tensor, b: torch.Tensor) -> Contender:
@@ -138,25 +139,25 @@ def _tuned_contenders(models: Sequence[nn.Linear], x: torch.Tensor, W: torch.Ten
         raise RuntimeError(f"expected one wide op with one strategy, got {wide.strategies}")
     tuned = _op_contender(chosen[0], W, b)
     tuned.name = "tuned"
-    model = Contender("wc.compile", wide, engine.wide_params_in_member_order(wide, models[0]))
+    model = Contender("wc.compile", wide, measure.wide_params_in_member_order(wide, models[0]))
     return [tuned, model], chosen[0]
 
 
-def run_case(case: LinearCase, *, modes: Sequence[str] = engine.MODES,
+def run_case(case: LinearCase, *, modes: Sequence[str] = measure.MODES,
              strategies: Sequence[str] = STRATEGIES, tuned: bool = False,
              compile_loop: bool = False, min_run_time: float = 0.2,
              machine: dict[str, Any] | None = None, seed: int = 0) -> list[dict[str, Any]]:
     """Records of one case, for every mode (one record per wide contender and mode)."""
     models, x, (W, b) = build_case(case, seed=seed)
-    machine = machine or engine.machine_info()
+    machine = machine or measure.machine_info()
     if case.shared:
         # A stride-0 input always takes the shared path, whatever the strategy: time it once.
         wides = [_op_contender("auto", W, b)]
-        baselines = [engine.loop_contender(models), engine.vmap_contender(models, shared=True),
+        baselines = [measure.loop_contender(models), measure.vmap_contender(models, shared=True),
                      _gemm_roofline(models)]
     else:
         wides = [_op_contender(s, W, b) for s in strategies]
-        baselines = [engine.loop_contender(models), engine.vmap_contender(models)]
+        baselines = [measure.loop_contender(models), measure.vmap_contender(models)]
     extra_errors: dict[str, str] = {}
     chosen = None
     if tuned:
@@ -166,13 +167,13 @@ def run_case(case: LinearCase, *, modes: Sequence[str] = engine.MODES,
             wides += [c for c in more if not (case.shared and c.name == "tuned")]
         except Exception as e:  # noqa: BLE001 (reported in the records, the run goes on)
             log.warning("tuned (wc.compile) failed: %s", e)
-            extra_errors["wc.compile"] = engine._error_text(e)
+            extra_errors["wc.compile"] = measure.error_text(e)
 
     records = []
     for mode in modes:
         bl = list(baselines)
         if compile_loop and not case.shared:
-            bl.append(engine.compiled_loop_contender(models))
+            bl.append(measure.compiled_loop_contender(models))
         recs = engine.run_case(models, x, wides, bl, mode=mode, base=case.base(),
                                min_run_time=min_run_time, machine=machine)
         for r in recs:

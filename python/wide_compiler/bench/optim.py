@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, stack_module_state
 
+from .. import measure
 from .. import optim as wopt
 from . import engine
 from .registry import Job, Preset, jobs_per_n, target
@@ -112,10 +113,10 @@ def _record(target_name: str, case: str, n: int, wide_fn: Callable[[], Any],
             baselines: dict[str, Callable[[], Any]], check: Callable[[], float], p: Preset,
             machine: dict[str, Any], *, batch: int | None, shape: str,
             errors: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
-    """Time ``wide_fn`` and every baseline, interleaved (:func:`.engine.time_with_baselines`: a
+    """Time ``wide_fn`` and every baseline, interleaved (:func:`wide_compiler.measure.time_with_baselines`: a
     failing baseline goes to ``errors``), then ``check()`` (the max abs error after the timed
     steps); one :func:`.engine.make_record`."""
-    wide_ms, base_ms, errors = engine.time_with_baselines(
+    wide_ms, base_ms, errors = measure.time_with_baselines(
         {"wide": wide_fn}, baselines, min_run_time=p.min_run_time, errors=dict(errors or {}))
     return engine.make_record(
         base={"target": target_name, "case": case, "n": n, "batch": batch, "shape": shape,
@@ -131,11 +132,11 @@ def format_records(records: Sequence[dict[str, Any]], *, header: bool = True) ->
     cols = ("target", "case", "N", "strategy", "wide ms", "max err")
     rows = []
     for r in records:
-        base = "  ".join(f"{k} {engine.fmt_ms(v)} ({engine.fmt_x(r['speedup'][k])})"
+        base = "  ".join(f"{k} {measure.fmt_ms(v)} ({measure.fmt_x(r['speedup'][k])})"
                          for k, v in r["baseline_ms"].items())
         err = r.get("max_abs_err")
         rows.append((str(r["target"]), str(r["case"]), str(r["n"]), str(r["strategy"]),
-                     engine.fmt_ms(r["wide_ms"]), "-" if err is None else f"{err:.1e}", base))
+                     measure.fmt_ms(r["wide_ms"]), "-" if err is None else f"{err:.1e}", base))
     widths = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(cols)]
     right = {"N", "wide ms", "max err"}
 
@@ -201,7 +202,7 @@ def _optim_job(kind: str, n: int, p: Preset, machine: dict[str, Any]) -> list[di
     try:
         baselines["groups_fused"] = make(groups, fused=True).step
     except (RuntimeError, TypeError) as e:   # pragma: no cover (torch without a fused CPU kernel)
-        errors["groups_fused"] = engine._error_text(e)
+        errors["groups_fused"] = measure.error_text(e)
     separate = [make(list(m.parameters()), lr=lr) for m, lr in zip(models, lrs)]
     baselines["loop"] = lambda: [o.step() for o in separate]
     if kind == "adam":
@@ -218,7 +219,7 @@ def _optim_job(kind: str, n: int, p: Preset, machine: dict[str, Any]) -> list[di
         wide.step()
         for _, opt in refs:
             opt.step()
-        return engine.params_max_abs_err([ps for ps, _ in refs], stacked)
+        return measure.params_max_abs_err([ps for ps, _ in refs], stacked)
 
     return [_record("optim", f"mlp/{kind}", n, wide.step, baselines, check, p, machine,
                     batch=None, shape=_MODELS["mlp"][3], errors=errors)]
@@ -249,7 +250,7 @@ def _train_job(name: str, n: int, p: Preset, machine: dict[str, Any]) -> list[di
         wide = None
     if wide is not None:
         case, forward = f"{name}/compile", wide
-        params = engine.wide_params_in_member_order(wide, models[0])  # in `names` order
+        params = measure.wide_params_in_member_order(wide, models[0])  # in `names` order
         extra: dict[str, Any] = {
             "strategies": dict(wide.strategies),
             "chosen_strategy": ", ".join(sorted(set(wide.strategies.values())))}
@@ -298,7 +299,7 @@ def _train_job(name: str, n: int, p: Preset, machine: dict[str, Any]) -> list[di
             out = functional_call(models[i], dict(zip(names, ps)), (x[i],))
             F.cross_entropy(out, y[i]).backward()
             ref_opt.step()
-        return engine.params_max_abs_err([ps for ps, _ in refs], params)
+        return measure.params_max_abs_err([ps for ps, _ in refs], params)
 
     return [_record("train", case, n, wide_step, {"loop": loop_step, "vmap_one_lr": vmap_step},
                     check, p, machine, batch=batch, shape=arch, **extra)]

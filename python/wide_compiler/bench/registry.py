@@ -34,6 +34,7 @@ import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from .. import measure
 from . import engine
 
 __all__ = ["PRESET_NAMES", "TARGETS", "Job", "Preset", "Target", "format_records", "get",
@@ -48,7 +49,7 @@ Record = dict[str, Any]
 @dataclasses.dataclass(frozen=True)
 class Preset:
     """One ``--preset`` of a target: what it is for, the ``min_run_time`` of every timing
-    (seconds per contender, see :func:`.engine.time_interleaved`) and the target's own grid parameters (Ns, shapes,
+    (seconds per contender, see :func:`wide_compiler.measure.time_interleaved`) and the target's own grid parameters (Ns, shapes,
     which contenders, ...)."""
 
     description: str
@@ -139,7 +140,7 @@ def run(name: str, preset: str | Preset = "quick", *, progress: bool = False,
     whose label starts with one of these names (``"resnet18"``, ``"resnet18 N=4"``)."""
     spec = get(name)
     p, label = (preset, "custom") if isinstance(preset, Preset) else (spec.preset(preset), preset)
-    machine = engine.machine_info()
+    machine = measure.machine_info()
     jobs = list(spec.jobs(p))
     if cases:
         known = sorted({j.label for j in jobs})

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import measure
 from ..config import WideConfig
 from ..router import Tower, WideRouter
 from . import engine
@@ -59,16 +60,10 @@ def router_jobs(p: Preset) -> list[Job]:
 
 def _vmap_groups(groups: list[list[nn.Module]]
                  ) -> tuple[Callable[[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]:
-    """One ``torch.func`` vmap per architecture group; returns ``(call(x), stacked params)``."""
-    from torch.func import functional_call, stack_module_state, vmap
-
-    calls = []
-    for towers in groups:
-        params, buffers = stack_module_state(towers)
-        base = copy.deepcopy(towers[0]).to("meta")
-        mapped = vmap(lambda p, b, x, base=base: functional_call(base, (p, b), (x,)), in_dims=(0, 0, None))
-        calls.append((mapped, params, buffers))
-    return lambda x: [m(p, b, x) for m, p, b in calls], [t for _, p, _ in calls for t in p.values()]
+    """One ``torch.func`` vmap per architecture group (:func:`wide_compiler.measure.vmap_contender`
+    with one input shared by the towers); returns ``(call(x), stacked params)``."""
+    vmaps = [measure.vmap_contender(towers, shared=True) for towers in groups]
+    return (lambda x: [v.forward(x.unsqueeze(0)) for v in vmaps]), [t for v in vmaps for t in v.params]
 
 
 def _run(towers: int, archs: int, p: Preset, machine: dict[str, Any]) -> list[dict[str, Any]]:
@@ -100,10 +95,10 @@ def _run(towers: int, archs: int, p: Preset, machine: dict[str, Any]) -> list[di
                 for k, f in fns.items()}
 
     records = []
-    for mode in engine.MODES:
+    for mode in measure.MODES:
         fns = steps(mode)
         wide = {"wide": fns.pop("wide")}  # timed with the baselines, interleaved
-        wide_ms, base_ms, errors = engine.time_with_baselines(wide, fns, min_run_time=p.min_run_time)
+        wide_ms, base_ms, errors = measure.time_with_baselines(wide, fns, min_run_time=p.min_run_time)
         records.append(engine.make_record(
             base={"target": "router", "case": f"{towers} towers/{archs} archs", "n": towers, "batch": _BATCH,
                   "dtype": "float32", "shape": f"MLP {_IN}-{'/'.join(map(str, _WIDTHS[:archs]))}-{_OUT}"},

@@ -60,7 +60,6 @@ import functools
 import gc
 import logging
 import math
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,8 +67,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import measure
+from ..measure import Contender
 from . import engine
-from .engine import Contender
 from .registry import Job, Preset, jobs_per_n, target
 from .vision_models import MODELS
 
@@ -302,50 +302,6 @@ def model_cases(size: str) -> list[Case]:
 
 # ------------------------------------------------------------------------------- contenders
 
-def _loop(models: Sequence[nn.Module], name: str = "loop") -> Contender:
-    """N separate modules in a Python loop; member ``i`` gets ``(x[i] for x in inputs)``."""
-    models = list(models)
-
-    def forward(xs: Inputs) -> list[Any]:
-        return [m(*(t[i] for t in xs)) for i, m in enumerate(models)]
-
-    return Contender(name, forward, [p for m in models for p in m.parameters()], "members")
-
-
-def _loop_channels_last(models: Sequence[nn.Module]) -> Contender:
-    """The loop with every member and 4-d input in channels-last memory format (the input is
-    converted on every call, as from a contiguous data loader)."""
-    models = [copy.deepcopy(m).to(memory_format=torch.channels_last) for m in models]
-    cl = lambda t: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t  # noqa: E731
-
-    def forward(xs: Inputs) -> list[Any]:
-        return [m(*(cl(t[i]) for t in xs)) for i, m in enumerate(models)]
-
-    return Contender("loop_cl", forward, [p for m in models for p in m.parameters()], "members")
-
-
-def _vmap(models: Sequence[nn.Module], n_inputs: int, name: str = "vmap") -> Contender:
-    """``torch.func`` ensembling over stacked parameters and buffers (all inputs mapped)."""
-    from torch.func import functional_call, stack_module_state, vmap
-
-    params, buffers = stack_module_state(list(models))
-    base = copy.deepcopy(models[0]).to("meta")
-
-    def call(p: dict, b: dict, *xs: torch.Tensor) -> Any:
-        return functional_call(base, (p, b), xs)
-
-    mapped = vmap(call, in_dims=(0, 0, *([0] * n_inputs)), randomness="different")
-
-    def forward(xs: Inputs) -> Any:
-        return mapped(params, buffers, *xs)
-
-    return Contender(name, forward, list(params.values()), "wide")
-
-
-def _wide(name: str, module: nn.Module, member: nn.Module) -> Contender:
-    return Contender(name, lambda xs: module(*xs), engine.wide_params_in_member_order(module, member))
-
-
 def _strategy_summary(strategies: dict[str, str]) -> str:
     counts = collections.Counter(strategies.values())
     return ", ".join(f"{k} x{v}" if len(strategies) > 1 else k for k, v in counts.most_common())
@@ -356,7 +312,7 @@ def _reference(models: Sequence[nn.Module]) -> Contender:
     buffers (BatchNorm's running statistics move in training), the members themselves otherwise
     (a copy of a real-size model costs its size again: ResNet-50 to GPT-2, N=4, 0.4-2 GB)."""
     mutable = any(b.is_floating_point() for b in models[0].buffers())
-    return _loop([copy.deepcopy(m) for m in models] if mutable else models, "reference")
+    return measure.loop_contender([copy.deepcopy(m) for m in models] if mutable else models, "reference")
 
 
 def _reset_buffers(wide: nn.Module, members: Sequence[nn.Module]) -> None:
@@ -396,7 +352,7 @@ def _add_rates(r: dict[str, Any], gflop: float | None) -> None:
     times = {"wide": r.get("wide_ms"), **(r.get("baseline_ms") or {})}
     r["gflop"] = gflop
     r["gflops_per_s"] = {k: gflop / (ms / 1e3) for k, ms in times.items() if ms and math.isfinite(ms)}
-    r["peak_gflops"] = engine.peak_gflops()
+    r["peak_gflops"] = measure.peak_gflops()
 
 
 def format_rates(records: Sequence[dict[str, Any]]) -> list[str]:
@@ -418,13 +374,13 @@ def format_rates(records: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
-def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
+def run_case(case: Case, n: int, *, modes: Sequence[str] = measure.MODES,
              compile_variants: Sequence[str] | None = None, min_run_time: float = 0.2,
              machine: dict[str, Any] | None = None, seed: int = 0) -> list[dict[str, Any]]:
     """Records of one case at ``n`` members, every mode (one record per wide contender)."""
     import wide_compiler as wc
 
-    machine = machine if machine is not None else engine.machine_info()
+    machine = machine if machine is not None else measure.machine_info()
     torch.manual_seed(seed)
     master = [case.make() for _ in range(n)]
     g = torch.Generator().manual_seed(seed)
@@ -442,13 +398,13 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
     for variant in compile_variants if compile_variants is not None else case.compile:
         name = f"compile:{variant}"
         try:
-            t0 = time.perf_counter()
+            sw = measure.Stopwatch()
             wide = wc.compile([copy.deepcopy(m) for m in master], sample, config=_CONFIGS[variant](wc))
-            compiled[name] = (wide, time.perf_counter() - t0)
+            compiled[name] = (wide, sw.seconds)
             tuned[name, wide.training] = _tuner_timings(wide, wide.training)  # compile built this graph
         except Exception as e:  # noqa: BLE001 (a failed compile is a result: recorded)
             log.warning("%s/%s: wc.compile (%s) failed: %s", case.target, case.name, variant, e)
-            compile_errors[name] = engine._error_text(e)
+            compile_errors[name] = measure.error_text(e)
 
     records = []
     build_s: dict[tuple[str, str], float] = {}
@@ -459,23 +415,24 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = engine.MODES,
         wides = []
         for s in case.module_strategies if case.module is not None else ():
             module = case.module([copy.deepcopy(m) for m in models], s).train(training)
-            wides.append(_wide(f"module:{s}" if s else "module", module, models[0]))
+            wides.append(measure.wide_contender(f"module:{s}" if s else "module", module, models[0]))
         for name, (wide, seconds) in compiled.items():
             # The graph of a train/eval mode is captured, widened and tuned on its first call.
             wide.train(training)
-            t0 = time.perf_counter()
+            sw = measure.Stopwatch()
             with torch.set_grad_enabled(mode == "train"):
                 wide(*xs)
-            build_s[name, mode] = seconds + time.perf_counter() - t0
+            build_s[name, mode] = seconds + sw.seconds
             if (name, training) not in tuned:  # this call captured, widened and tuned the graph
                 tuned[name, training] = _tuner_timings(wide, training)
             _reset_buffers(wide, master)
-            wides.append(_wide(name, wide, models[0]))
+            wides.append(measure.wide_contender(name, wide, models[0]))
         gflop = _member_gflop(models[0], sample, mode == "train")
         gflop = gflop * n if gflop is not None else None
-        makers = {"loop": lambda: _loop(models), "loop_cl": lambda: _loop_channels_last(models),
-                  "vmap": lambda: _vmap(models, len(xs)),
-                  "compile_loop": lambda: engine.compiled(_loop(models), "compile_loop")}
+        makers = {"loop": lambda: measure.loop_contender(models),
+                  "loop_cl": lambda: measure.loop_contender(models, channels_last=True),
+                  "vmap": lambda: measure.vmap_contender(models, randomness="different"),
+                  "compile_loop": lambda: measure.compiled_loop_contender(models)}
         baselines = [makers[b]() for b in case.baselines]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -3,7 +3,7 @@
 Note [Per-member constants]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A sweep varies ``nn.Dropout(p)``, a LeakyReLU slope, a norm's eps or a user's ``self.temperature``
-between members whose program is otherwise the same. The member check (fx/capture.py
+between members whose program is otherwise the same. The member check (fx/member_checks.py
 ``check_members``) lets through module attributes that are Python numbers, at least one a float,
 and returns them as ``{attribute path: (member 0's value, ..., member N-1's)}``; integers (sizes),
 booleans (flags) and everything else still refuse.
@@ -41,7 +41,8 @@ from torch import fx
 from torch.export import ExportedProgram
 
 from ..errors import ArchitectureMismatchError
-from .capture import _describe, source_line, with_constants
+from .member_checks import _describe, with_constants
+from .source import source_line
 
 __all__ = ["MAX_PROBES", "ConstantPlan", "plan_constants"]
 

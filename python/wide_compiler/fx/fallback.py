@@ -18,8 +18,8 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .capture import source_line
-from .widen import Wide, WidenContext, op_name, written_args
+from .source import source_line
+from .context import Wide, WidenContext, op_name, written_args
 
 __all__ = ["fallback", "MemberFallback"]
 

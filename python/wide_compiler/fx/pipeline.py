@@ -1,12 +1,15 @@
 """The compiler pipeline: N members -> one wide graph, as named passes run from an explicit list.
 
-    check_members -> capture -> check_programs -> widen -> layout -> fold (eval) -> strategies
+    check_members -> capture -> check_programs -> widen -> layout
+        -> [eval graphs: fold_batch_norms -> channels_last -> pool_before_relu
+            -> fuse_residual_norms -> relu_in_place -> attention_kernel] -> strategies
 
 Each pass is an ordinary function of a :class:`Compilation` (what the passes read and write) with
 a check before (what it needs is there) and after (its result is well formed), in the style of
-torch.fx's pass infrastructure. :class:`~wide_compiler.WideModel` runs the pipeline for its first
-train/eval mode and again, lazily, for the other; it only holds parameters, runs the graph and
-answers inspection. Runs are serialised by one lock: export is not thread-safe, and a failed run
+torch.fx's pass infrastructure; a pass with a ``when`` predicate runs only where it holds (the
+eval rewrites: fx/fold.py and fx/eval_rewrites.py). :class:`~wide_compiler.WideModel` runs the
+pipeline for its first train/eval mode and again, lazily, for the other; it only holds
+parameters, runs the graph and answers inspection. Runs are serialised by one lock: export is not thread-safe, and a failed run
 leaves nothing behind (the model builds a new :class:`Compilation` per run).
 
 Example:
@@ -16,8 +19,8 @@ Example:
     >>> models = [torch.nn.Linear(4, 2) for _ in range(3)]
     >>> c = run_pipeline(Compilation(models[0], ((torch.randn(5, 4),), {}), n=3,
     ...                              config=WideConfig.fast(), members=models))
-    >>> [name for name, _ in c.log]
-    ['check_members', 'capture', 'check_programs', 'widen', 'layout', 'fold', 'strategies']
+    >>> [name for name, _ in c.log]  # a training graph: the eval rewrites do not run
+    ['check_members', 'capture', 'check_programs', 'widen', 'layout', 'strategies']
     >>> c.wide.graph_module.graph.find_nodes(op="call_function", target=torch.ops.wide.linear.default)[0].kwargs
     {'strategy': 'bmm'}
 """
@@ -36,12 +39,13 @@ from torch import nn
 from torch.export import ExportedProgram
 
 from ..config import WideConfig
-from .capture import (SpecialisationLog, capture, check_members, check_run_members, check_sample,
-                      check_traced_members)
+from .capture import SpecialisationLog, capture, check_sample
 from .constants import ConstantPlan, plan_constants
-from .fold import (attention_kernel, fold_batch_norms, fuse_residual_norms, pool_before_relu, relu_in_place,
-                   rewrite_channels_last)
+from .eval_rewrites import (attention_kernel, fuse_residual_norms, pool_before_relu, relu_in_place,
+                            rewrite_channels_last)
+from .fold import fold_batch_norms
 from .layout import plan_layout
+from .member_checks import check_members, check_run_members, check_traced_members
 from .strategy import choose_strategies
 from .widen import WideGraph, check_ranks, widen
 
@@ -88,12 +92,14 @@ class Compilation:
 @dataclasses.dataclass(frozen=True)
 class Pass:
     """A named pass: ``run`` mutates the :class:`Compilation`; ``requires`` names the fields it
-    reads (checked before), ``check`` validates its result (after)."""
+    reads (checked before), ``check`` validates its result (after); ``when`` (if given) says
+    whether it applies to this compilation (skipped, and not logged, where it does not)."""
 
     name: str
     run: Callable[[Compilation], None]
     requires: tuple[str, ...] = ()
     check: Callable[[Compilation], None] | None = None
+    when: Callable[[Compilation], bool] | None = None
 
 
 def _check_members(c: Compilation) -> None:
@@ -145,14 +151,18 @@ def _layout(c: Compilation) -> None:
     c.layout = plan_layout(c.wide.graph_module.graph, c.n, c.ep.graph)
 
 
-def _fold(c: Compilation) -> None:
-    if not c.training:  # Notes [Folding BatchNorm into the conv], [Channels-last max pooling]
-        c.folded = fold_batch_norms(c.wide.graph_module)
-        rewrite_channels_last(c.wide.graph_module)
-        pool_before_relu(c.wide.graph_module)
-        fuse_residual_norms(c.wide.graph_module)
-        relu_in_place(c.wide.graph_module)
-        attention_kernel(c.wide.graph_module)
+def _fold_batch_norms(c: Compilation) -> None:  # Note [Folding BatchNorm into the conv]
+    c.folded = fold_batch_norms(c.wide.graph_module)
+
+
+def _eval_only(c: Compilation) -> bool:
+    """The eval rewrites hold without gradients, or for eval-mode operators only."""
+    return not c.training
+
+
+def _eval_rewrite(name: str, rewrite: Callable[[torch.fx.GraphModule], int]) -> Pass:
+    """An eval-graph rewrite of fx/eval_rewrites.py as a pass."""
+    return Pass(name, lambda c: rewrite(c.wide.graph_module), ("wide",), check=_lint, when=_eval_only)
 
 
 def _strategies(c: Compilation) -> None:
@@ -186,7 +196,12 @@ PASSES: tuple[Pass, ...] = (
     Pass("check_programs", _check_programs, ("ep",)),
     Pass("widen", _widen, ("ep",), check=_lint_and_check_ranks),
     Pass("layout", _layout, ("ep", "wide"), check=_lint),
-    Pass("fold", _fold, ("wide",), check=_lint),
+    Pass("fold_batch_norms", _fold_batch_norms, ("wide",), check=_lint, when=_eval_only),
+    _eval_rewrite("channels_last", rewrite_channels_last),  # Note [Channels-last max pooling]
+    _eval_rewrite("pool_before_relu", pool_before_relu),  # Note [Max pool before ReLU]
+    _eval_rewrite("fuse_residual_norms", fuse_residual_norms),
+    _eval_rewrite("relu_in_place", relu_in_place),
+    _eval_rewrite("attention_kernel", attention_kernel),
     Pass("strategies", _strategies, ("wide",), check=_all_chosen),
 )
 
@@ -199,6 +214,8 @@ def run_pipeline(c: Compilation, passes: Sequence[Pass] = PASSES) -> Compilation
     """Run ``passes`` in order on ``c`` (under the compile lock); returns ``c``."""
     with COMPILE_LOCK:
         for p in passes:
+            if p.when is not None and not p.when(c):
+                continue
             missing = [f for f in p.requires if getattr(c, f) is None]
             if missing:
                 _bad(p.name, f"needs {', '.join(missing)}, which no earlier pass produced")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -29,22 +28,18 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import tree_flatten
 
+from ..config import register_strategy_names
 from ..errors import UnsupportedOperationError
-from .capture import module_path, source_line
-from .table import RuleEntry, find_rule
+# The pass's vocabulary lives in fx/context.py (shared with the rules and the fallback, which this
+# module imports); its names are re-exported here, their home before.
+from .context import TuneSpec, Wide, WidenContext, concrete_shape, member_rank, op_name, written_args  # noqa: F401
+from .source import source_line
+from .table import RuleEntry, find_rule, strategy_names
 
 __all__ = ["TuneSpec", "Wide", "WideGraph", "WidenContext", "widen"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
-
-
-@dataclasses.dataclass(frozen=True)
-class Wide:
-    """A wide value of the new graph: ``node`` is N-first, each member's value has ``rank`` dims."""
-
-    node: fx.Node
-    rank: int
 
 
 @dataclasses.dataclass
@@ -78,156 +73,6 @@ class WideGraph:
     random_ops: set = dataclasses.field(default_factory=set)
 
 
-@dataclasses.dataclass(frozen=True)
-class TuneSpec:
-    """How to measure a wide op's strategies (attached by its rule as ``node.meta["wide_tune"]``).
-
-    ``make(n, {"dtype": ..., "device": ..., "requires_grad": ...})`` returns ``{strategy:
-    zero-argument callable}`` that runs the op on random tensors of the sample shapes (made with
-    those options) and returns its output; the tuner times the forward for an eval graph and
-    forward + backward for a train graph. ``default`` is used when nothing is measured. The chosen strategy is written into the node's ``strategy`` kwarg. The cache key is
-    the op, ``node.meta["wide_shapes"]``, N, dtype and device (see tuning.py).
-    """
-
-    default: str
-    make: Callable[[int, dict], dict[str, Callable[[], Any]]]
-    strategies: tuple[str, ...] = ()  # the candidates' names (default: the default and "loop")
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.strategies or (self.default, "loop")
-
-
-class WidenContext:
-    """State of one widen pass: the new graph and the mapping old node -> new value."""
-
-    def __init__(self, n: int, strict: bool = False, opaque_paths: dict[str, str] | None = None,
-                 per_member_args: dict[str, dict[str, str]] | None = None) -> None:
-        self.n = n
-        # Note [Per-member constants] (fx/constants.py): node name -> {argument: buffer name}, and
-        # the buffer name -> its placeholder (a Wide of member rank 0)
-        self.per_member_args = per_member_args or {}
-        self.per_member_inputs: dict[str, Wide] = {}
-        self.strict = strict
-        self.opaque_paths = opaque_paths or {}  # registered modules: opaque key -> module path
-        self.root: fx.Node | None = None  # placeholder fed with the WideModel (registered modules)
-        self.graph = fx.Graph()
-        self.env: dict[fx.Node, Any] = {}
-        self.fallbacks: list[dict[str, str]] = []  # one entry per node run through a fallback
-        self.rules_used: set = set()  # ops whose table row ran
-        self.random_ops: set = set()  # random ops met (op names)
-
-    # -- values -------------------------------------------------------------------------------
-    def value(self, arg: Any) -> Any:
-        """The new-graph value of an argument of an old node (Wide, or a shared node/constant)."""
-        return fx.node.map_arg(arg, lambda n: self.env[n])
-
-    @staticmethod
-    def is_wide(v: Any) -> bool:
-        if isinstance(v, Wide):
-            return True
-        if isinstance(v, (list, tuple)):
-            return any(WidenContext.is_wide(x) for x in v)
-        return False
-
-    def emit(self, target, args: tuple, kwargs: dict | None = None, like: fx.Node | None = None,
-             name: str | None = None) -> fx.Node:
-        """A new call node; ``like`` (an old node) lends its stack trace and module path."""
-        node = self.graph.create_node("call_function", target, args, kwargs or {}, name=name)
-        if like is not None:
-            for key in ("stack_trace", "nn_module_stack"):
-                if key in like.meta:
-                    node.meta[key] = like.meta[key]
-            node.meta["wide_source"] = like.name
-        return node
-
-    def unwrap(self, v: Any) -> Any:
-        """A new-graph argument from a value (Wide -> its node)."""
-        if isinstance(v, Wide):
-            return v.node
-        if isinstance(v, (list, tuple)):
-            return type(v)(self.unwrap(x) for x in v)
-        return v
-
-    def as_wide(self, v: Any, rank: int, like: fx.Node) -> Wide:
-        """A wide version of a value: shared tensors are expanded with stride 0 on dim 0 (no copy),
-        which is exactly the shared-input fast path of the wide ops."""
-        if isinstance(v, Wide):
-            return v
-        node = self.emit(aten.expand.default, (v, [self.n] + [-1] * rank), like=like)
-        return Wide(node, rank)
-
-    def align(self, v: Wide, rank: int, like: fx.Node) -> fx.Node:
-        """Member rank ``v.rank`` -> ``rank`` by inserting size-1 dims right after the member dim,
-        which is what right-aligned broadcasting does inside each member."""
-        node = v.node
-        for _ in range(rank - v.rank):
-            node = self.emit(aten.unsqueeze.default, (node, 1), like=like)
-        return node
-
-    def schema_args(self, node: fx.Node) -> dict[str, Any]:
-        """The node's arguments by schema name (defaults filled in), mapped to new-graph values."""
-        schema = node.target._schema
-        out = {}
-        for i, a in enumerate(schema.arguments):
-            if i < len(node.args) and not a.kwarg_only:
-                raw = node.args[i]
-            elif a.name in node.kwargs:
-                raw = node.kwargs[a.name]
-            elif a.has_default_value():
-                raw = a.default_value
-            else:
-                raise self.fail(node, f"missing argument {a.name!r}")
-            out[a.name] = self.value(raw)
-        return out
-
-    def emit_schema(self, target, values: dict[str, Any], like: fx.Node, name: str | None = None) -> fx.Node:
-        """Emit ``target`` with arguments given by schema name (Wide values unwrapped)."""
-        schema = target._schema
-        args, kwargs = [], {}
-        for a in schema.arguments:
-            v = self.unwrap(values[a.name])
-            if a.kwarg_only:
-                kwargs[a.name] = v
-            else:
-                args.append(v)
-        return self.emit(target, tuple(args), kwargs, like=like, name=name)
-
-    def outputs(self, node: fx.Node, out: fx.Node, ranks: Any = None) -> Any:
-        """Wrap the new node ``out`` standing for old ``node``: a Wide, or for multi-output ops a
-        tuple/list of Wides (one getitem node each). ``ranks`` defaults to the old node's."""
-        val = node.meta.get("val")
-        if isinstance(val, (tuple, list)):
-            items = []
-            for i, v in enumerate(val):
-                item = self.emit(operator.getitem, (out, i), like=node)
-                items.append(Wide(item, v.dim()) if isinstance(v, torch.Tensor) else item)
-            return type(val)(items) if isinstance(val, tuple) else items
-        return Wide(out, member_rank(node) if ranks is None else ranks)
-
-    def fail(self, node: fx.Node, why: str) -> UnsupportedOperationError:
-        where = module_path(node)
-        return UnsupportedOperationError(
-            f"wide_compiler: cannot widen {op_name(node)} at node '{node.name}'"
-            f"{f' (module {where!r})' if where else ''}, {source_line(node)}\n  {why}")
-
-
-def op_name(node: fx.Node) -> str:
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return f"aten.{t.__name__}" if t.namespace == "aten" else f"{t.namespace}.{t.__name__}"
-    return getattr(t, "__name__", str(t))
-
-
-def concrete_shape(arg: fx.Node) -> list[int]:
-    """One member's shape of an old-graph node, symbolic sizes replaced by their traced sizes."""
-    return [int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in arg.meta["val"].shape]
-
-
-def member_rank(arg: Any) -> int:
-    """Member-level rank of an old-graph argument (0 for Python scalars)."""
-    val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
-    return val.dim() if isinstance(val, torch.Tensor) else 0
 
 
 # --- the pass --------------------------------------------------------------------------------
@@ -514,16 +359,6 @@ def _widen_node(ctx: WidenContext, node: fx.Node) -> Any:
     return entry.fn(ctx, node)
 
 
-def written_args(node: fx.Node) -> list[Any]:
-    """The arguments an op writes in place (``Tensor(a!)`` in its schema)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    out = []
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            out.append(node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name))
-    return out
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -562,6 +397,13 @@ def _own_written_tensors(ctx: WidenContext, node: fx.Node) -> None:
                 ctx.env[old] = _widen_node(ctx, old)
 
 
-# Rule families register themselves in the table on import (one family per file, DESIGN §8).
+# Rule families register themselves in the table on import (one family per file, DESIGN §8); they
+# and the fallback import fx/context.py, never this module, so these imports close no cycle.
 from . import rules  # noqa: E402,F401
 from .fallback import fallback  # noqa: E402
+
+# Rules that widen a nested graph reach the per-node step through the context (Note [Widening
+# nested graphs] in fx/context.py); WideConfig.strategy accepts the table's strategy names (Note
+# [Strategy names] in config.py).
+WidenContext._node_widener = _widen_node
+register_strategy_names(strategy_names)

@@ -196,7 +196,7 @@ def _values(raw: Any, n: int) -> list[float]:
 def _same_architecture(a: nn.Module, b: nn.Module) -> str | None:
     """None when ``a`` and ``b`` can be members of one wide model, else why not."""
     from ..errors import ArchitectureMismatchError
-    from ..fx.capture import check_members
+    from ..fx.member_checks import check_members
 
     try:
         constants = check_members([a, b])

@@ -65,9 +65,11 @@ def stack_buffer(modules: Sequence[nn.Module], name: str) -> torch.Tensor | None
     return torch.stack([b.detach() for b in bs]).clone()
 
 
-def copy_member(dst: nn.Module, src: nn.Module, i: int, names: Sequence[str]) -> None:
-    """dst.<name> = src.<name>[i] (copies) for each parameter/buffer name present (dotted names
-    such as ``out_proj.weight`` reach into submodules)."""
+def unstack_member(dst: nn.Module, src: nn.Module, i: int, names: Sequence[str]) -> None:
+    """Member ``i`` of the wide module ``src`` into the ordinary module ``dst`` (the inverse of
+    :func:`stack_param` for one member, used by ``unfuse``): ``dst.<name> = src.<name>[i]``
+    (copies) for each parameter/buffer name present (dotted names such as ``out_proj.weight``
+    reach into submodules)."""
     with torch.no_grad():
         for name in names:
             s = get_path(src, name)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import functional as WF
-from ._common import check_members, check_strategy, copy_member, stack_param
+from ._common import check_members, check_strategy, stack_param, unstack_member
 from .linear import WideLinear
 
 __all__ = ["WideMultiheadAttention"]
@@ -109,7 +109,7 @@ class WideMultiheadAttention(nn.Module):
         out = []
         for i in range(self.n):
             m = copy.deepcopy(self._template).to_empty(device=ref.device).to(ref.dtype)
-            copy_member(m, self, i, names)
+            unstack_member(m, self, i, names)
             out.append(m.train(self.training))
         return out
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .. import functional as WF
-from ._common import check_members, check_strategy, copy_member, stack_param
+from ._common import check_members, check_strategy, stack_param, unstack_member
 
 __all__ = ["WideConv1d", "WideConv2d", "WideConv3d", "WideConvTranspose1d", "WideConvTranspose2d",
            "WideConvTranspose3d"]
@@ -48,7 +48,7 @@ class _WideConvNd(nn.Module):
         out = []
         for i in range(self.n):
             m = copy.deepcopy(self._template).to_empty(device=self.weight.device).to(self.weight.dtype)
-            copy_member(m, self, i, ("weight", "bias"))
+            unstack_member(m, self, i, ("weight", "bias"))
             out.append(m)
         return out
 

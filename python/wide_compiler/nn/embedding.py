@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .. import functional as WF
-from ._common import check_members, check_strategy, copy_member, stack_param
+from ._common import check_members, check_strategy, stack_param, unstack_member
 
 __all__ = ["WideEmbedding", "WideEmbeddingBag"]
 
@@ -37,7 +37,7 @@ class _WideTable(nn.Module):
         out = []
         for i in range(self.n):
             m = copy.deepcopy(self._template).to_empty(device=self.weight.device).to(self.weight.dtype)
-            copy_member(m, self, i, ("weight",))
+            unstack_member(m, self, i, ("weight",))
             out.append(m)
         return out
 

@@ -12,9 +12,9 @@ from .. import functional as WF
 from ._common import (
     check_members,
     check_strategy,
-    copy_member,
     stack_buffer,
     stack_param,
+    unstack_member,
 )
 
 __all__ = [
@@ -69,7 +69,7 @@ class _WideNorm(nn.Module):
             if ref is not None:
                 m = m.to_empty(device=ref.device)
                 m = m.to(ref.dtype) if ref.is_floating_point() else m
-            copy_member(m, self, i, _STATE)
+            unstack_member(m, self, i, _STATE)
             out.append(m.train(self.training))
         return out
 

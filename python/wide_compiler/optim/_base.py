@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .._deprecation import warn_renamed
+
 __all__ = ["WideOptimizer", "per_member"]
 
 # A per-member hyperparameter as given by the user: one float for all members, or N values.
@@ -311,17 +313,17 @@ class WideOptimizer(torch.optim.Optimizer):
                         yield key, v
 
     @torch.no_grad()
-    def copy_member(self, src: int, dst: int, *, hyperparameters: bool = True) -> None:
+    def copy_member_state(self, src: int, dst: int, *, hyperparameters: bool = True) -> None:
         """Member ``dst`` takes member ``src``'s optimizer state (moments, buffers, step counts)
         and, with ``hyperparameters=True``, its hyperparameters: the "exploit" step of
-        population-based training (copy the weights with :meth:`WideModel.copy_member`).
+        population-based training (copy the weights with :meth:`WideModel.copy_member_weights`).
 
         Example:
             >>> import torch, wide_compiler as wc
             >>> w = torch.nn.Parameter(torch.randn(3, 4))
             >>> opt = wc.optim.Adam([w], lr=[0.1, 0.2, 0.3])
             >>> w.grad = torch.randn(3, 4); opt.step()
-            >>> opt.copy_member(0, 2)
+            >>> opt.copy_member_state(0, 2)
             >>> torch.equal(opt.state[w]["exp_avg"][2], opt.state[w]["exp_avg"][0])
             True
             >>> opt.param_groups[0]["lr"].tolist()
@@ -336,6 +338,11 @@ class WideOptimizer(torch.optim.Optimizer):
             t[dst].copy_(t[src])
         if hyperparameters:
             self._set_member_values(dst, self._member_values(src))
+
+    def copy_member(self, src: int, dst: int, *, hyperparameters: bool = True) -> None:
+        """Deprecated alias of :meth:`copy_member_state` (warns once)."""
+        warn_renamed("WideOptimizer.copy_member", "WideOptimizer.copy_member_state")
+        self.copy_member_state(src, dst, hyperparameters=hyperparameters)
 
     @torch.no_grad()
     def reset_member_state(self, member: int) -> None:

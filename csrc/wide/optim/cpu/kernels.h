@@ -1,11 +1,11 @@
 // Hand-written CPU kernels of the fused per-member optimizer steps (wide::*_step), compiled once
 // per instruction set (kernels_default.cpp, kernels_avx2.cpp, kernels_avx512.cpp) and chosen at
-// run time. See Note [Fused per-member optimizer kernels] in kernels_impl.h.
+// run time (wide/cpu/isa.h). See Note [Fused per-member optimizer kernels] in kernels_impl.h.
 #pragma once
 
 #include <cstdint>
-#include <string>
-#include <string_view>
+
+#include "wide/cpu/isa.h"  // the run-time instruction-set choice (WIDE_ISA_CALL)
 
 namespace wide::optim::cpu {
 
@@ -66,44 +66,11 @@ WIDE_OPTIM_DECLARE_KERNELS(AVX512, double)
 #undef WIDE_OPTIM_DECLARE_KERNELS
 #undef WIDE_OPTIM_DECLARE_STEP
 
-/// Instruction set the kernels run with.
-enum class Isa { Default, Avx2, Avx512 };
-
-/// The instruction set in use: the best the CPU supports, or $WIDE_CPU_CAPABILITY
-/// ("default" | "avx2" | "avx512"), or the last set_cpu_capability().
-Isa cpu_capability();
-
-/// Forces an instruction set ("default" | "avx2" | "avx512" | "auto"), for tests and benchmarks;
-/// throws if the CPU lacks it.
-void set_cpu_capability(std::string_view name);
-
-/// "default" | "avx2" | "avx512".
-std::string cpu_capability_name();
+// The instruction-set choice lives in wide/cpu/isa.h (shared with ops/cpu/); its names stay
+// reachable here, where they were first declared.
+using ::wide::cpu::cpu_capability;
+using ::wide::cpu::cpu_capability_name;
+using ::wide::cpu::Isa;
+using ::wide::cpu::set_cpu_capability;
 
 }  // namespace wide::optim::cpu
-
-// Calls NS::<ISA>::fn(args...) for the instruction set chosen at run time (NS: a namespace with
-// DEFAULT, AVX2 and AVX512 kernel copies, as wide::optim::cpu and wide::ops::cpu have).
-#if defined(__x86_64__) && !defined(WIDE_NO_AVX_KERNELS)
-#define WIDE_ISA_CALL(NS, fn, ...)                            \
-  do {                                                        \
-    switch (::wide::optim::cpu::cpu_capability()) {           \
-      case ::wide::optim::cpu::Isa::Avx512:                   \
-        NS::AVX512::fn(__VA_ARGS__);                          \
-        break;                                                \
-      case ::wide::optim::cpu::Isa::Avx2:                     \
-        NS::AVX2::fn(__VA_ARGS__);                            \
-        break;                                                \
-      default:                                                \
-        NS::DEFAULT::fn(__VA_ARGS__);                         \
-    }                                                         \
-  } while (0)
-#else
-#define WIDE_ISA_CALL(NS, fn, ...) NS::DEFAULT::fn(__VA_ARGS__)
-#endif
-
-namespace wide::optim {
-/// torch.ops.wide._optim_cpu_capability(capability=""): sets the kernels' instruction set when
-/// `capability` is non-empty ("auto" | "default" | "avx2" | "avx512"); returns the one in use.
-std::string optim_cpu_capability(std::string_view capability);
-}  // namespace wide::optim

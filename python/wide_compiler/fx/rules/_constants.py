@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..widen import Wide, WidenContext, member_rank
+from ..context import Wide, WidenContext, member_rank
 
 aten = torch.ops.aten
 

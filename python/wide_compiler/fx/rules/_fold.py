@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..widen import Wide, WidenContext
+from ..context import Wide, WidenContext
 
 aten = torch.ops.aten
 

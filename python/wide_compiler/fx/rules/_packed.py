@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..widen import Wide, WidenContext, member_rank
+from ..context import Wide, WidenContext, member_rank
 
 aten = torch.ops.aten
 wide = torch.ops.wide

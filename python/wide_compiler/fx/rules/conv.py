@@ -16,7 +16,7 @@ from torch import fx
 
 from ...functional import conv_padding, spatial_list
 from ..table import rule
-from ..widen import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
+from ..context import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
 from ._packed import packed_result
 
 aten = torch.ops.aten

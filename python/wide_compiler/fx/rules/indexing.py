@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from ..table import rule
-from ..widen import Wide, WidenContext, member_rank
+from ..context import Wide, WidenContext, member_rank
 from .reduction import dim_rule
 from .shape import member_index
 

@@ -6,7 +6,7 @@ import torch
 from torch import fx
 
 from ..table import rule
-from ..widen import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
+from ..context import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
 
 aten = torch.ops.aten
 _STRATEGIES = ("bmm", "bmm_t", "loop")

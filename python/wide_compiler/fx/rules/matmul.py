@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 from ..table import rule
-from ..widen import Wide, WidenContext, member_rank
+from ..context import Wide, WidenContext, member_rank
 
 aten = torch.ops.aten
 

@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from ..table import rule
-from ..widen import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
+from ..context import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
 from ._packed import packed_result
 
 aten = torch.ops.aten

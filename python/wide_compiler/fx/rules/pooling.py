@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from ..table import rule
-from ..widen import WidenContext, member_rank
+from ..context import WidenContext, member_rank
 from ._fold import fold_batch
 
 aten = torch.ops.aten

@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 from ..table import rule
-from ..widen import Wide, WidenContext, _widen_node
+from ..context import Wide, WidenContext
 
 _HOP = torch.ops.higher_order
 _GRAD, _AUTOCAST = _HOP.wrap_with_set_grad_enabled, _HOP.wrap_with_autocast
@@ -60,7 +60,7 @@ def widen_body(ctx: WidenContext, body: fx.GraphModule, inputs: list[Any]) -> tu
     outs: list[Any] = []
     for bn in body.graph.nodes:
         if bn.op == "call_function":
-            sub.env[bn] = _widen_node(sub, bn)
+            sub.env[bn] = sub.widen_node(bn)
         elif bn.op == "get_attr":  # a nested region
             sub.env[bn] = getattr(body, bn.target)
         elif bn.op == "output":

@@ -8,7 +8,7 @@ from torch import fx
 
 from ...registry import call_registered
 from ..table import rule
-from ..widen import WidenContext, member_rank
+from ..context import WidenContext, member_rank
 
 _OPAQUE = torch.ops.wide_compiler.opaque_module.default
 

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from ..table import rule
-from ..widen import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
+from ..context import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
 
 aten = torch.ops.aten
 wide = torch.ops.wide

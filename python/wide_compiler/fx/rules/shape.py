@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from ..table import rows, rule
-from ..widen import Wide, WidenContext, member_rank
+from ..context import Wide, WidenContext, member_rank
 from .reduction import dim_rule
 
 aten = torch.ops.aten

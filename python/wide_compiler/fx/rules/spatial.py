@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 from ..table import rows, rule
-from ..widen import Wide, WidenContext, member_rank
+from ..context import Wide, WidenContext, member_rank
 from ._fold import fold_batch
 
 aten = torch.ops.aten

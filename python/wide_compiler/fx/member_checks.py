@@ -1,0 +1,379 @@
+"""The member checks: are N members the same program, so that one wide model can run them all?
+
+Three checks, from cheap to thorough (the pipeline, fx/pipeline.py, runs the first before the
+capture and the others after it, as ``WideConfig.run_members`` / ``trace_members`` ask):
+
+- :func:`check_members` compares the modules themselves (class, module tree, training mode,
+  hyperparameters and other attributes, hooks, parameter and buffer names, shapes, dtypes,
+  devices) and returns the *per-member constants*: float attributes that may differ (Note
+  [Per-member constants] in fx/constants.py).
+- :func:`check_run_members` runs every member once on the sample and compares the ATen ops each
+  runs.
+- :func:`check_traced_members` captures every member with ``torch.export`` and compares its
+  program with member 0's (:func:`graph_fingerprint`).
+
+Errors are :class:`~wide_compiler.errors.ArchitectureMismatchError` naming the member, what
+differs and, where known, the user's source line. Nothing of the user's changes: members run as
+copies (:func:`_run_recorded`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import ExportedProgram
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from ..errors import ArchitectureMismatchError
+from .capture import _run_on_clones, batch_of_two, capture
+from .forms import apply_capture_forms
+from .source import source_line, user_frame
+
+__all__ = ["check_members", "check_run_members", "check_traced_members", "graph_fingerprint", "with_constants"]
+
+log = logging.getLogger(__name__)
+
+# nn.Module internals every module has; they are not hyperparameters.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_state_dict_hooks", "_load_state_dict_pre_hooks")
+
+
+def _same(a: Any, b: Any, depth: int = 0) -> bool:
+    """Whether two attribute values of members are interchangeable (recursing into containers,
+    function closures and plain objects without ``__eq__``)."""
+    if depth > 8:
+        return True
+    if isinstance(a, weakref.ref) and isinstance(b, weakref.ref):  # e.g. nn.RNN's _flat_weight_refs
+        return _same(a(), b(), depth + 1)
+    if isinstance(a, nn.Parameter) and isinstance(b, nn.Parameter):
+        # A parameter held as a plain attribute (nn.RNN's _flat_weights) is per-member state,
+        # stacked like any parameter: compare what stacking needs, never the values.
+        return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                and a.requires_grad == b.requires_grad)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
+    if isinstance(a, nn.Module) or isinstance(b, nn.Module):
+        return type(a) is type(b)  # each member's own submodule: its structure is checked elsewhere
+    if hasattr(a, "__func__") and hasattr(a, "__self__"):  # bound methods
+        return getattr(b, "__func__", None) is a.__func__ and _same(a.__self__, getattr(b, "__self__", None), depth + 1)
+    if callable(a) and hasattr(a, "__code__"):  # functions and lambdas: code, closure, defaults
+        if getattr(b, "__code__", None) != a.__code__:
+            return False
+
+        def cells(f):
+            out = []
+            for c in f.__closure__ or ():
+                try:
+                    out.append(c.cell_contents)
+                except ValueError:  # an empty cell
+                    out.append(None)
+            return out
+
+        return (_same(cells(a), cells(b), depth + 1) and _same(a.__defaults__, b.__defaults__, depth + 1)
+                and _same(a.__kwdefaults__, b.__kwdefaults__, depth + 1))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y, depth + 1) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k], depth + 1) for k in a)
+    if type(a) is type(b) and type(a).__eq__ is object.__eq__:
+        # Plain objects: compare their state as pickling sees it, which includes state kept
+        # outside __dict__ (functools.partial's func/args/keywords, __slots__).
+        sa, sb = _state(a), _state(b)
+        if sa is not None and sb is not None:
+            return _same(sa, sb, depth + 1)
+    try:
+        return bool(a == b)
+    except Exception:
+        return repr(a) == repr(b)
+
+
+def _state(v: Any) -> Any:
+    """An object's state for comparison: its ``__reduce_ex__`` arguments and state (the callable
+    itself, a class, is compared by the type check), else ``vars(v)``, else None."""
+    try:
+        reduced = v.__reduce_ex__(4)
+    except Exception:  # objects that refuse to pickle
+        reduced = None
+    if isinstance(reduced, tuple) and len(reduced) >= 2:
+        return list(reduced[1:3])
+    return vars(v) if hasattr(v, "__dict__") else None
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, weakref.ref):
+        return f"a weak reference to {_describe(v())}"
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, (weakref.ref, nn.Parameter)) for x in v):
+        return "[" + ", ".join(_describe(x) for x in v) + "]"
+    if isinstance(v, nn.Parameter):
+        return f"a parameter {list(v.shape)} {v.dtype}{'' if v.requires_grad else ' (requires_grad=False)'}"
+    if callable(v) and hasattr(v, "__code__"):
+        return f"function {v.__qualname__} (code, closure constants or defaults differ)"
+    if (type(v).__eq__ is object.__eq__ and type(v).__repr__ is object.__repr__ and hasattr(v, "__dict__")
+            and not isinstance(v, type)):
+        return f"{type(v).__name__}({', '.join(f'{k}={_describe(x)}' for k, x in vars(v).items())})"
+    if isinstance(v, torch.Tensor):
+        values = v.detach().flatten()[:6].tolist() if v.device.type != "meta" else "?"
+        return f"a tensor {list(v.shape)} {v.dtype} starting {values}"
+    if isinstance(v, torch.Size):
+        return str(list(v))
+    return repr(v) if not callable(v) else getattr(v, "__qualname__", repr(v))
+
+
+def _module_class(m: nn.Module) -> type:
+    """A module's class; for a parametrized module (``weight_norm``, ``spectral_norm``, which
+    create a class per instance) the original class: its parametrizations are submodules, checked
+    like any other."""
+    if torch.nn.utils.parametrize.is_parametrized(m):
+        return type(m).__bases__[0]
+    return type(m)
+
+
+def check_members(models: Sequence[nn.Module]) -> dict[str, tuple]:
+    """Raise :class:`ArchitectureMismatchError` unless every member is the same program as
+    member 0: class, module tree and types, training mode, hyperparameters and other non-tensor
+    attributes, hooks, and parameter/buffer names, shapes, dtypes, devices and requires_grad.
+
+    Returns the *per-member constants*: module attributes that are Python numbers, at least one
+    of them a float, and differ between members (``nn.Dropout.p``, ``nn.LeakyReLU.negative_slope``,
+    ``LayerNorm.eps``, a user's ``self.temperature``), as ``{attribute path: (value of member 0,
+    ..., value of member N-1)}``. They are not refused here: the compiler traces the program with
+    them changed and makes the ops that read them per member, or refuses naming them (Note
+    [Per-member constants] in fx/constants.py). Integers (possibly sizes), booleans (flags) and
+    anything else that differs are refused.
+
+    What is not compared by value, and why: ``nn.Module``'s own bookkeeping (``_parameters``,
+    ``_modules``, hook dicts, ...: checked structurally instead); parameters held as plain
+    attributes (``nn.RNN._flat_weights``) and weak references to them (``_flat_weight_refs``),
+    which are each member's own weights (compared by shape, dtype, device, requires_grad);
+    submodules held as attributes (compared by type; their contents are checked as modules)."""
+    _check_no_sharing(models)
+    ref = models[0]
+    ref_modules = list(ref.named_modules(remove_duplicate=False))
+    floats: dict[str, tuple[str, str]] = {}  # attribute path -> (module path, attribute)
+    for i, model in enumerate(models[1:], start=1):
+        def fail(what: str, got: Any, want: Any) -> None:
+            raise ArchitectureMismatchError(
+                f"member {i}: {what} is {_describe(got)}, member 0 has {_describe(want)}")
+
+        mods = list(model.named_modules(remove_duplicate=False))
+        for (name0, m0), (name, m) in zip(ref_modules, mods):
+            where = name or f"the model ({type(m0).__name__})"
+            if name != name0:
+                fail("the module tree", f"'{name}'", f"'{name0}' at that position")
+            if _module_class(m) is not _module_class(m0):
+                fail(f"type of {where}", type(m).__name__, type(m0).__name__)
+            if m.training != m0.training:
+                fail(f"{name}.training" if name else "training", m.training, m0.training)
+            keys = (set(m.__dict__) | set(m0.__dict__)) - _MODULE_INTERNALS
+            for key in sorted(keys, key=lambda k: (k.startswith("_"), k)):  # configuration first
+                prefix = f"{name}.{key}" if name else key
+                if key not in m.__dict__ or key not in m0.__dict__:
+                    fail(f"attribute {prefix}", "present" if key in m.__dict__ else "absent",
+                         "present" if key in m0.__dict__ else "absent")
+                if not _same(m.__dict__[key], m0.__dict__[key]):
+                    if _is_float_constant(m.__dict__[key], m0.__dict__[key]):
+                        floats[prefix] = (name, key)
+                        continue
+                    fail(prefix, m.__dict__[key], m0.__dict__[key])
+            for hooks in _HOOK_DICTS:
+                n_got, n_want = len(getattr(m, hooks, {})), len(getattr(m0, hooks, {}))
+                if n_got != n_want:
+                    fail(f"number of {hooks} on {where}", n_got, n_want)
+        if len(mods) != len(ref_modules):
+            fail("the number of submodules", len(mods), len(ref_modules))
+        for kind, named in (("parameter", "named_parameters"), ("buffer", "named_buffers")):
+            got = dict(getattr(model, named)())
+            want = dict(getattr(ref, named)())
+            if got.keys() != want.keys():
+                fail(f"the set of {kind}s", sorted(got), sorted(want))
+            for name, t0 in want.items():
+                t = got[name]
+                for attr in ("shape", "dtype", "device", "requires_grad"):
+                    if getattr(t, attr) != getattr(t0, attr):
+                        fail(f"{name}.{attr}", getattr(t, attr), getattr(t0, attr))
+    constants = {}
+    for prefix, (path, key) in floats.items():
+        values = tuple(m.get_submodule(path).__dict__[key] for m in models)
+        bad = next((j for j, v in enumerate(values) if not _is_float_constant(v, values[0])
+                    and not _same(v, values[0])), None)
+        if bad is not None:  # say 0.5 for member 1 but 2 (an int) for member 2 and 3 for member 0
+            raise ArchitectureMismatchError(
+                f"member {bad}: {prefix} is {_describe(values[bad])}, member 0 has {_describe(values[0])}")
+        constants[prefix] = values
+    return constants
+
+
+def _is_float_constant(a: Any, b: Any) -> bool:
+    """Whether two differing attribute values can be a per-member constant: numbers, not
+    booleans, at least one a float (two differing ints may be sizes and are refused)."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    return number(a) and number(b) and (isinstance(a, float) or isinstance(b, float))
+
+
+def with_constants(model: nn.Module, constants: dict[str, tuple], i: int, *, copy_model: bool = True) -> nn.Module:
+    """``model`` (a deep copy unless ``copy_model=False``) with every per-member constant set to
+    member ``i``'s value (``constants`` as :func:`check_members` returns them)."""
+    out = copy.deepcopy(model) if copy_model else model
+    for prefix, values in constants.items():
+        path, _, key = prefix.rpartition(".")
+        setattr(out.get_submodule(path) if path else out, key, values[i])
+    return out
+
+
+def _check_no_sharing(models: Sequence[nn.Module]) -> None:
+    """Members own their modules and tensors: one object reachable from two members (the same
+    model passed twice, a submodule or parameter shared between members) would be untied by
+    stacking and written back from one member only, so it is refused."""
+    owner: dict[int, tuple[int, str]] = {}
+    for i, model in enumerate(models):
+        named = [*model.named_modules(remove_duplicate=False),
+                 *model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        seen_here: set[int] = set()
+        for name, obj in named:
+            key = id(obj)
+            if key in seen_here:
+                continue  # tied inside one member: that member's own business
+            seen_here.add(key)
+            if key in owner:
+                j, name_j = owner[key]
+                what = "the same model object" if not name and not name_j else (
+                    f"one {type(obj).__name__} object ('{name_j or 'the model'}' of member {j}, "
+                    f"'{name or 'the model'}' of member {i})")
+                raise ArchitectureMismatchError(
+                    f"member {i} and member {j} share {what}: members must be independent copies "
+                    "(stacking would untie them and write_back would keep one member's values); "
+                    "pass copy.deepcopy(model) for each member")
+            owner[key] = (i, name)
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records the ATen ops a forward runs: op name, non-tensor arguments, tensor shapes/dtypes,
+    and the values of constants the forward makes (``torch.tensor(...)``). With ``stop_at`` it
+    keeps the user's source line of that op instead."""
+
+    _CONSTANT_OPS = ("aten.lift_fresh.default", "aten.lift_fresh_copy.default")
+
+    def __init__(self, stop_at: int | None = None) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, Any]] = []
+        self.stop_at, self.where = stop_at, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+
+        def sig(a: Any) -> Any:
+            if isinstance(a, torch.Tensor):
+                if name in self._CONSTANT_OPS:
+                    return ("constant", a.tolist() if a.numel() <= 256 else a.sum().item())
+                return ("tensor", tuple(a.shape), a.dtype)
+            return a
+
+        if self.stop_at is not None and len(self.ops) == self.stop_at:
+            self.where = user_frame()
+        self.ops.append((name, tree_map(sig, (args, kwargs))))
+        return func(*args, **kwargs)
+
+
+def _run_recorded(model: nn.Module, args: tuple, kwargs: dict, stop_at: int | None = None) -> _OpRecorder:
+    """Run ``model`` once with no gradients, recording its ops, without changing anything of the
+    user's: the forward runs on a deep copy of the member (its parameters, buffers and Python
+    attributes: a forward that clamps its weights in place, updates running stats or counts its
+    calls changes the copy), and the random number generators are restored afterwards. A member
+    that cannot be deep-copied runs through :func:`_run_on_clones` (fx/capture.py) instead."""
+    rec = _OpRecorder(stop_at)
+    devices = sorted({t.device.index for t in (*model.parameters(), *model.buffers()) if t.is_cuda} - {None})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            member = copy.deepcopy(model)
+        except Exception as e:  # noqa: BLE001 -- objects that refuse to be copied
+            log.debug("wide_compiler: member check: cannot deep-copy %s (%s: %s); running it on clones "
+                      "of its tensors and restoring its attributes", type(model).__name__, type(e).__name__, e)
+            _run_on_clones(model, args, kwargs, rec)
+            return rec
+        with torch.no_grad(), rec:
+            member(*args, **kwargs)
+    return rec
+
+
+def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None,
+                      constants: dict[str, tuple] | None = None) -> None:
+    """Run every member once on the sample and compare the ops it runs and their non-tensor
+    arguments with member 0's (``WideConfig.run_members``): a member whose forward reads a
+    different Python constant (a global, a closure, a class attribute) runs a different program.
+    A sample the eager forward cannot run (export succeeded on fake values) skips the check.
+    Nothing of the user's changes: each member runs as a copy (see :func:`_run_recorded`), so a
+    forward that clamps its weights in place or counts its calls leaves the member as it was.
+    Per-member ``constants`` are set to member 0's values for the comparison (what they change is
+    checked by tracing, Note [Per-member constants] in fx/constants.py)."""
+    args, kwargs = batch_of_two((tuple(args), dict(kwargs or {})))
+    if constants:
+        models = [models[0], *(with_constants(m, constants, 0) for m in models[1:])]
+    try:
+        want = _run_recorded(models[0], args, kwargs).ops
+    except Exception as e:  # the check is a safety net; export already accepted the program
+        log.debug("wide_compiler: cannot run member 0 on the sample (%s); run_members check skipped", e)
+        return
+    for i, model in enumerate(models[1:], start=1):
+        got = _run_recorded(model, args, kwargs).ops
+        k = next((k for k, (g, w) in enumerate(zip(got, want)) if g != w), None)
+        if k is None and len(got) == len(want):
+            continue
+        if k is None:
+            raise ArchitectureMismatchError(
+                f"member {i}: its forward runs {len(got)} ops, member 0's runs {len(want)}")
+        where = _run_recorded(model, args, kwargs, stop_at=k).where
+        raise ArchitectureMismatchError(
+            f"member {i}: its forward runs a different program from member 0's at {where}: "
+            f"{got[k][0]} with {_brief(got[k][1])}, member 0 runs {want[k][0]} with {_brief(want[k][1])} "
+            "(a Python constant the forward reads differs between members)")
+
+
+def _brief(sig: Any) -> str:
+    args, kwargs = sig
+    parts = [f"tensor{list(a[1])}" if isinstance(a, tuple) and a and a[0] == "tensor" else repr(a) for a in args]
+    parts += [f"{k}={v!r}" for k, v in kwargs.items()]
+    return "(" + ", ".join(parts) + ")"
+
+
+def check_traced_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None,
+                         dynamic_shapes: Any, ref: ExportedProgram, constants: dict[str, tuple] | None = None) -> None:
+    """Trace every member and compare its program with member 0's (``ref``): catches members
+    whose forward reads different Python constants (globals, closures, class attributes set per
+    instance in ways the attribute check cannot see)."""
+    want = graph_fingerprint(ref)
+    for i, model in enumerate(models[1:], start=1):
+        member = apply_capture_forms(copy.deepcopy(model))  # as member 0's template was
+        if constants:  # per-member constants are traced by the constants pass
+            with_constants(member, constants, 0, copy_model=False)
+        got = graph_fingerprint(capture(member, args, kwargs, dynamic_shapes=dynamic_shapes))
+        for g, w in zip(got, want):
+            if g != w:
+                node = next((n for n in ref.graph.nodes if n.name == w[0]), None)
+                where = f" ({source_line(node)})" if node is not None else ""
+                raise ArchitectureMismatchError(
+                    f"member {i}: the traced program differs at node '{w[0]}'{where}: "
+                    f"{g[1]}{g[2]}, member 0 has {w[1]}{w[2]}")
+        if len(got) != len(want):
+            raise ArchitectureMismatchError(
+                f"member {i}: the traced program has {len(got)} nodes, member 0 has {len(want)}")
+
+
+def graph_fingerprint(ep: ExportedProgram) -> list[tuple[str, str, str]]:
+    """The traced program without tensor values: per node its op, target and non-tensor
+    arguments. Two members with equal fingerprints run the same program."""
+    out = []
+    for node in ep.graph.nodes:
+        if node.op in ("call_function", "output"):
+            args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{n.name}")
+            out.append((node.name, str(node.target), repr(args)))
+    return out

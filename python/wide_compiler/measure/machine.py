@@ -1,0 +1,96 @@
+"""The machine facts a measurement depends on: versions, threads, CPU, allocator, load, peak."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .. import allocator
+from .timing import interleave
+
+__all__ = ["contention_note", "machine_info", "peak_gflops"]
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers depend on: versions, threads, the CPU ISA torch's kernels use, the
+    allocator setting (``wc.tune_cpu_allocator()``) and the load average.
+
+    >>> info = machine_info()
+    >>> info["threads"] == torch.get_num_threads(), "cpu_capability" in info
+    (True, True)
+    """
+    return {
+        "wide_compiler": _wc_version(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "num_interop_threads": torch.get_num_interop_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "load_avg": load_avg(),
+        "allocator": "glibc-tuned" if allocator._applied else "default",  # wc.tune_cpu_allocator()
+    }
+
+
+@functools.cache
+def peak_gflops(size: int = 1024, reps: int = 9) -> float:
+    """The machine's practical float32 peak, GFLOP/s: the median rate of one ``size``-cubed
+    ``torch.mm`` (BLAS at its best: large, square, in cache-friendly tiles) with the current
+    threads. Measured once per process; records compare a model's achieved rate against it.
+
+    >>> peak_gflops(size=64, reps=3) > 0
+    True
+    """
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    seconds = interleave({"mm": lambda: torch.mm(a, b)}, reps, warmup=2).samples["mm"]
+    return 2 * size**3 / max(statistics.median(seconds), 1e-12) / 1e9
+
+
+def load_avg() -> list[float] | None:
+    """1/5/15-minute load averages (None where the platform has none): other processes
+    competing for the cores spoil timings."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):  # not on every platform
+        return None
+
+
+def contention_note(machine: Mapping[str, Any]) -> str | None:
+    """A warning when the machine was busy (1-minute load average, at the start or the end of
+    the run, at least 75% of the CPU count), else None.
+
+    >>> contention_note({"cpu_count": 4, "load_avg": [0.5, 0.4, 0.3]}) is None
+    True
+    """
+    cpus = machine.get("cpu_count") or 0
+    loads = [la[0] for la in (machine.get("load_avg"), machine.get("load_avg_end")) if la]
+    if not cpus or not loads or max(loads) < 0.75 * cpus:
+        return None
+    return (f"note: load average {max(loads):.1f} on {cpus} CPUs during the run: other "
+            f"processes competed for the cores, so these timings are unreliable")
+
+
+def _wc_version() -> str:
+    from .._version import __version__
+
+    return __version__
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""

@@ -1,0 +1,169 @@
+"""wide_compiler.measure, the package's one measurement library: the timing loop on a fake clock
+(medians, interleaving order, warm-up counts, the stop predicate), the contenders, and that
+``import wide_compiler`` leaves the benchmarks unloaded."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from wide_compiler import measure
+from wide_compiler.measure import timing
+
+
+class FakeClock:
+    """A clock that moves only when a faked callable says so."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(timing, "_clock", fake)
+    return fake
+
+
+def recorder(clock: FakeClock, seconds: dict[str, list[float] | float], log: list[str]):
+    """Callables that log their name and advance the clock (a list: one duration per call)."""
+    calls = dict.fromkeys(seconds, 0)
+
+    def make(name: str):
+        def run() -> None:
+            s = seconds[name]
+            clock.t += s[calls[name] % len(s)] if isinstance(s, list) else s
+            calls[name] += 1
+            log.append(name)
+        return run
+    return {name: make(name) for name in seconds}
+
+
+def test_import_wide_compiler_loads_no_benchmark_code():
+    code = ("import sys, wide_compiler; "
+            "print(sorted(m for m in sys.modules if m.startswith('wide_compiler.bench')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_measure_imports_nothing_above_it():
+    code = ("import sys, wide_compiler.measure; "
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['wide_compiler', 'bench'], "
+            "['wide_compiler', 'cli'], ['wide_compiler', 'integrations'])))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_interleave_warmup_count_and_rotating_order(clock):
+    log: list[str] = []
+    fns = recorder(clock, {"a": 1.0, "b": 1.0, "c": 1.0}, log)
+    r = measure.interleave(fns, 3, warmup=2)
+    assert log[:6] == ["a", "a", "b", "b", "c", "c"]  # warm-up: each callable in turn
+    assert log[6:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # rotating by one per round
+    assert r.complete and {k: len(v) for k, v in r.samples.items()} == {"a": 3, "b": 3, "c": 3}
+
+
+def test_interleave_fixed_order_blocks_setup_and_block_warmup(clock):
+    log: list[str] = []
+    fns = recorder(clock, {"a": 1.0, "b": 2.0}, log)
+    r = measure.interleave(fns, 2, rotate=False, per_block=2, block_warmup=1,
+                           setup=lambda name: log.append(f"setup {name}"))
+    assert log == ["setup a", "a", "a", "a", "setup b", "b", "b", "b"] * 2
+    assert r.samples == {"a": [1.0] * 4, "b": [2.0] * 4}  # block warm-ups not recorded
+
+
+def test_interleave_samples_are_seconds_per_call_and_medians_in_ms(clock):
+    log: list[str] = []
+    fns = recorder(clock, {"a": [1.0, 5.0, 2.0, 9.0, 3.0, 4.0], "b": 0.5}, log)
+    r = measure.interleave(fns, 3, calls={"a": 2, "b": 4})
+    assert r.samples["a"] == [3.0, 5.5, 3.5]  # (1 + 5) / 2, (2 + 9) / 2, (3 + 4) / 2
+    assert r.medians_ms() == {"a": 3500.0, "b": 500.0}
+
+
+def test_interleave_stop_is_asked_after_every_call(clock):
+    log: list[str] = []
+    fns = recorder(clock, {"a": 1.0, "b": 1.0}, log)
+    r = measure.interleave(fns, 5, warmup=1, stop=lambda: clock.t >= 4)
+    assert not r.complete
+    assert len(log) == 4 and r.samples == {"a": [1.0], "b": [1.0]}  # 2 warm-ups, then one call each
+
+
+def test_interleave_names_a_callable_that_raises(clock):
+    def bad() -> None:
+        raise ValueError("no")
+
+    with pytest.raises(measure.TimingError, match="bad: ValueError: no") as e:
+        measure.interleave({"ok": lambda: None, "bad": bad}, 2)
+    assert e.value.name == "bad" and isinstance(e.value.error, ValueError)
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        measure.interleave({"ok": lambda: None}, 0)
+
+
+def test_time_interleaved_is_the_median_and_drops_failing_callables_when_asked(clock):
+    log: list[str] = []
+    fns = recorder(clock, {"slow": [1.0, 1.0, 1.0, 1.0, 1.0, 9.0, 1.0], "quick": 0.25}, log)
+    ms = measure.time_interleaved(fns, min_run_time=3.0, rounds=3, warmup=1, min_rounds=3)
+    assert ms == {"slow": 1000.0, "quick": 250.0}  # the 9 s outlier is not the median
+
+    def broken() -> None:
+        raise RuntimeError("broken")
+
+    errors: dict = {}
+    ms = measure.time_interleaved({"quick": fns["quick"], "broken": broken}, min_run_time=1.0,
+                                  rounds=2, errors=errors)
+    assert list(ms) == ["quick"] and errors == {"broken": "RuntimeError: broken"}
+
+
+def test_stopwatch_reads_the_measuring_clock(clock):
+    sw = measure.Stopwatch()
+    clock.t += 2.5
+    assert sw.seconds == 2.5 and sw.ms == 2500.0
+
+
+def test_contenders_agree_with_the_loop():
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()) for _ in range(3)]
+    x = torch.randn(3, 2, 3, 8, 8)
+    ref = measure.loop_contender(models)
+    for mode in measure.MODES:
+        want = measure.make_step(ref, x, mode)()
+        for c in (measure.loop_contender(models, channels_last=True),
+                  measure.vmap_contender(models, randomness="different")):
+            got = measure.make_step(c, x, mode)()
+            assert measure.max_abs_err(ref, want, c, got, 3, mode) < 1e-5, (c.name, mode)
+    assert measure.loop_contender(models, channels_last=True).name == "loop_cl"
+
+
+def test_contenders_take_keyword_inputs():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x, *, scale):
+            return self.fc(x) * scale
+
+    models = [Scaled() for _ in range(2)]
+    xs = measure.CallInputs((torch.randn(2, 5, 4),), {"scale": torch.rand(2, 1)})
+    ref = measure.loop_contender(models)
+    want = measure.make_step(ref, xs, "inference")()
+    v = measure.vmap_contender(models)
+    assert measure.max_abs_err(ref, want, v, measure.make_step(v, xs, "inference")(), 2, "inference") < 1e-6
+
+
+def test_old_engine_names_are_the_measure_ones():
+    from wide_compiler.bench import engine
+
+    for name in ("Contender", "MODES", "TimingError", "compiled", "compiled_loop_contender",
+                 "contention_note", "fmt_ms", "fmt_x", "loop_contender", "machine_info", "make_step",
+                 "max_abs_err", "params_max_abs_err", "peak_gflops", "stacked_params",
+                 "time_interleaved", "time_with_baselines", "vmap_contender",
+                 "wide_params_in_member_order"):
+        assert getattr(engine, name) is getattr(measure, name), name
