@@ -15,11 +15,13 @@ measuring code below model.py included).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import logging
 import math
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -429,10 +431,229 @@ def _float_leaf(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
+# --- check_equivalence, in phases ----------------------------------------------------------------
+#
+# Note [check_equivalence in phases]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# check_equivalence runs four phases, one function each, in this order; it is also the order of
+# the errors a caller can meet (a malformed input fails before any member runs, a member that
+# cannot be copied before the wide model is looked at):
+#
+# 1. _prepare_inputs: the per-member inputs, checked, and the wide inputs made from them (their
+#    N-first stack, the caller's own N-first tensor, or a shared input's expand);
+# 2. _run_members: every member alone on a deep copy, under a random cotangent per output leaf:
+#    the references (outputs, input and parameter gradients, buffers after the call);
+# 3. _wide_tensors: which wide parameters and buffers stand for which member names;
+# 4. _run_wide: the wide model once, its buffers and train/eval mode restored afterwards
+#    (_wide_state_kept), and its outputs, buffers and gradients compared with the references
+#    (_compare_outputs, _compare_buffers, _compare_grads_of_wide).
+
+
+@dataclasses.dataclass
+class _Inputs:
+    """One check's inputs: each member's flattened ``(args, kwargs)`` leaves and their structure,
+    the wide call's ``args``/``kwargs``, and per leaf the wide tensor whose gradient is the wide
+    input gradient (None where none is taken)."""
+
+    member_leaves: list[list[Any]]
+    spec: Any
+    wide_args: tuple
+    wide_kwargs: dict[str, Any]
+    bases: list[torch.Tensor | None]
+
+
+@dataclasses.dataclass
+class _References:
+    """What the members computed alone, one entry per member: the output (detached), the input
+    gradients (per input leaf, None where none), the parameter gradients by name, the buffers
+    after the call, and the cotangent drawn for each output leaf (None where a leaf takes none)."""
+
+    outputs: list[Any] = dataclasses.field(default_factory=list)
+    input_grads: list[list[torch.Tensor | None]] = dataclasses.field(default_factory=list)
+    param_grads: list[dict[str, torch.Tensor | None]] = dataclasses.field(default_factory=list)
+    buffers: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
+    cotangents: list[list[torch.Tensor | None]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tolerance:
+    """How one check compares: the compute dtype for :func:`tolerance`, the caller's overrides."""
+
+    dtype: torch.dtype | None
+    rtol: float | None
+    atol: float | None
+    equal_nan: bool
+
+    def members(self, wide: torch.Tensor, refs: Sequence[torch.Tensor], *, kind: str, what: str) -> None:
+        assert_members_close(wide, refs, self.dtype, kind=kind, what=what, rtol=self.rtol,
+                             atol=self.atol, equal_nan=self.equal_nan)
+
+
+def _prepare_inputs(n: int, inputs: Any, kwargs: Any, *, shared: bool, grads: bool) -> _Inputs:
+    """Phase 1 (Note [check_equivalence in phases]): check the per-member inputs and make the
+    wide inputs from them."""
+    given_wide = None
+    if shared:
+        per_member = [(_as_args(inputs), dict(kwargs or {}))] * n
+    else:
+        if isinstance(inputs, torch.Tensor):
+            if inputs.dim() < 1 or inputs.shape[0] != n:
+                raise ValueError(f"check_equivalence: an N-first input tensor with N={n} expected, got "
+                                 f"shape {tuple(inputs.shape)}")
+            given_wide = inputs
+            inputs = list(inputs.unbind(0))
+        inputs = list(inputs)
+        if len(inputs) != n:
+            raise ValueError(f"check_equivalence: {n} models but {len(inputs)} per-member inputs")
+        kws = [{}] * n if kwargs is None else list(kwargs)
+        if len(kws) != n or not all(isinstance(k, Mapping) for k in kws):
+            raise ValueError("check_equivalence: kwargs must be a list of N dicts (one dict with shared=True)")
+        per_member = [(_as_args(a), dict(k)) for a, k in zip(inputs, kws)]
+    flats = [tree_flatten(p) for p in per_member]
+    spec = flats[0][1]
+    for i, (_, s) in enumerate(flats):
+        if s != spec:
+            raise ValueError(f"check_equivalence: member {i}'s input structure {s} differs from member 0's {spec}")
+
+    wide_leaves, bases = [], []  # bases: the tensors whose gradient is the wide input gradient
+    for j, leaf in enumerate(flats[0][0]):
+        if not isinstance(leaf, torch.Tensor):
+            for i, f in enumerate(flats):
+                if f[0][j] != leaf:
+                    raise ValueError(f"check_equivalence: non-tensor input {j} is {f[0][j]!r} for member "
+                                     f"{i} but {leaf!r} for member 0 (Python values are baked in)")
+            wide_leaves.append(leaf)
+            bases.append(None)
+            continue
+        if shared:
+            base = leaf.detach().clone()
+        elif given_wide is not None:
+            base = given_wide.detach()  # the caller's layout (non-contiguous, permuted ...) kept
+        else:
+            base = torch.stack([f[0][j].detach() for f in flats])
+        base.requires_grad_(grads and _float_leaf(base))
+        wide_leaves.append(base.expand(n, *base.shape) if shared else base)
+        bases.append(base if base.requires_grad else None)
+    wide_args, wide_kwargs = tree_unflatten(wide_leaves, spec)
+    return _Inputs([leaves for leaves, _ in flats], spec, wide_args, wide_kwargs, bases)
+
+
+def _run_members(models: Sequence[nn.Module], inp: _Inputs, *, grads: bool, training: bool | None,
+                 seed: int) -> _References:
+    """Phase 2: every member alone, on a deep copy (the caller's models are never modified), its
+    gradients taken under a random cotangent per output leaf (seeded by ``seed``)."""
+    gen = torch.Generator().manual_seed(seed)
+    refs = _References()
+    for i, original in enumerate(models):
+        try:
+            m = copy.deepcopy(original)
+        except Exception as e:
+            raise TypeError(f"check_equivalence runs every member on a deep copy (your models are never "
+                            f"modified), but copy.deepcopy(member {i}) failed: {type(e).__name__}: {e}") from e
+        if training is not None:
+            m.train(training)
+        leaves = [a.detach().clone().requires_grad_(grads and _float_leaf(a)) if isinstance(a, torch.Tensor)
+                  else a for a in inp.member_leaves[i]]
+        args, kw = tree_unflatten(leaves, inp.spec)
+        with torch.set_grad_enabled(grads):
+            out = m(*args, **kw)
+        out_leaves = tree_flatten(out)[0]
+        cot = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype).to(t.device)
+               if _float_leaf(t) and t.requires_grad else None for t in out_leaves]
+        in_grads: list = [None] * len(leaves)
+        pgrads: dict[str, torch.Tensor | None] = {}
+        if grads:
+            params = [(name, p) for name, p in m.named_parameters() if p.requires_grad]
+            targets = [(k, a) for k, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.requires_grad]
+            outs_g = [(t, g) for t, g in zip(out_leaves, cot) if g is not None]
+            wrt = [a for _, a in targets] + [p for _, p in params]
+            if outs_g and wrt:
+                got = torch.autograd.grad([t for t, _ in outs_g], wrt, [g for _, g in outs_g],
+                                          allow_unused=True)
+                for (k, _), g in zip(targets, got[:len(targets)]):
+                    in_grads[k] = g
+                pgrads = {name: g for (name, _), g in zip(params, got[len(targets):])}
+        refs.cotangents.append(cot)
+        refs.outputs.append(tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out))
+        refs.input_grads.append(in_grads)
+        refs.param_grads.append(pgrads)
+        refs.buffers.append({name: b.detach() for name, b in m.named_buffers()})
+        del m
+    return refs
+
+
+def _wide_tensors(wide: Any, member: nn.Module, wide_params: Mapping[str, torch.Tensor | None] | None,
+                  wide_buffers: Mapping[str, torch.Tensor | None] | None, *,
+                  buffers: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Phase 3: the wide parameters and (with ``buffers``) buffers compared with the members',
+    by the member's names: the caller's mappings, else ``wide``'s own tensors."""
+    member_params = [name for name, _ in member.named_parameters()]
+    member_buffers = [name for name, _ in member.named_buffers()]
+    params_map = dict(wide_params) if wide_params is not None else _default_wide_tensors(wide, True)
+    if wide_params is None and list(params_map) != member_params:
+        raise AssertionError(f"the wide model's parameters {list(params_map)} are not the member's "
+                             f"{member_params} (same names, same order)")
+    params_map = {k: v for k, v in params_map.items() if v is not None}
+    for name in params_map:
+        if name not in member_params:
+            raise AssertionError(f"wide parameter {name!r}: the members have no parameter of that name")
+    if not buffers:
+        return params_map, {}
+    if wide_buffers is not None:
+        buffers_map = {k: v for k, v in wide_buffers.items() if v is not None}
+        for name in buffers_map:
+            if name not in member_buffers:
+                raise AssertionError(f"wide buffer {name!r}: the members have no buffer of that name")
+        return params_map, buffers_map
+    all_buffers = _default_wide_tensors(wide, False)
+    missing = [name for name in member_buffers if name not in all_buffers]
+    if missing:
+        raise AssertionError(f"the wide model has no buffers {missing} (the member's names)")
+    return params_map, {name: all_buffers[name] for name in member_buffers}
+
+
+@contextlib.contextmanager
+def _wide_state_kept(wide: Any, buffers_map: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Restore, on the way out, the buffers of ``wide`` (an ``nn.Module``), the tensors of
+    ``buffers_map`` and the module's train/eval mode: the check leaves the wide model as it was."""
+    saved = ({name: b.detach().clone() for name, b in wide.named_buffers()}
+             if isinstance(wide, nn.Module) else {})
+    saved.update({f"\0{name}": b.detach().clone() for name, b in buffers_map.items()})
+    was_training = wide.training if isinstance(wide, nn.Module) else None
+    try:
+        yield
+    finally:
+        if isinstance(wide, nn.Module):
+            with torch.no_grad():
+                for name, b in wide.named_buffers():
+                    if name in saved:
+                        b.copy_(saved[name])
+                for name, b in buffers_map.items():
+                    b.copy_(saved[f"\0{name}"])
+            if was_training is not None and wide.training != was_training:
+                wide.train(was_training)
+
+
+def _compare_outputs(report: EquivalenceReport, wide_out: Any, refs: _References, tol: _Tolerance,
+                     what: str) -> None:
+    """The wide output vs the members' (any pytree; noted in ``report``)."""
+    assert_trees_members_close(wide_out, refs.outputs, tol.dtype, what=what, rtol=tol.rtol, atol=tol.atol,
+                               equal_nan=tol.equal_nan)
+    report._note("output", _member_errors(wide_out, refs.outputs))
+
+
+def _compare_buffers(report: EquivalenceReport, buffers_map: Mapping[str, torch.Tensor], refs: _References,
+                     tol: _Tolerance) -> None:
+    """The wide buffers after the call vs the members' (noted in ``report``)."""
+    for name, b in buffers_map.items():  # after the call
+        ref = [rb[name] for rb in refs.buffers]
+        tol.members(b.detach(), ref, kind="buffer", what=f"buffer {name}")
+        report._note("buffer", _member_errors(b, ref))
+
+
 def _compare_grads(report: EquivalenceReport, wide_grads: Mapping[str, torch.Tensor | None],
                    refs: Sequence[Mapping[str, Any]], like: Mapping[str, torch.Tensor],
-                   dtype: torch.dtype | None, label: str, rtol: float | None, atol: float | None,
-                   equal_nan: bool) -> None:
+                   tol: _Tolerance, label: str) -> None:
     """Gradients of N-first wide tensors vs each member's, by name (noted in ``report``)."""
     for name, g in wide_grads.items():
         ref = [r.get(name) for r in refs]
@@ -445,9 +666,80 @@ def _compare_grads(report: EquivalenceReport, wide_grads: Mapping[str, torch.Ten
             raise AssertionError(f"{label} {name}: no gradient reached the wide tensor, the members "
                                  "get one")
         ref = [torch.zeros_like(like[name][0]) if r is None else r for r in ref]
-        assert_members_close(g, ref, dtype, kind="grad", what=f"{label} {name}", rtol=rtol,
-                             atol=atol, equal_nan=equal_nan)
+        tol.members(g, ref, kind="grad", what=f"{label} {name}")
         report._note("param_grad", _member_errors(g, ref))
+
+
+def _compare_input_grad(report: EquivalenceReport, j: int, base: torch.Tensor, g: torch.Tensor | None,
+                        refs: _References, tol: _Tolerance, *, shared: bool) -> None:
+    """The gradient of wide input leaf ``j`` vs the members' (for a shared input: their sum)."""
+    ref = [r[j] for r in refs.input_grads]
+    label = f"grad of input {j}"
+    if all(r is None for r in ref):
+        if g is not None and g.any():
+            raise AssertionError(f"{label}: the members get no gradient, the wide model "
+                                 "gets a nonzero one")
+        return
+    if g is None:
+        raise AssertionError(f"{label}: no gradient reached the wide model's input")
+    like = base if shared else base[0]
+    ref = [torch.zeros_like(like) if r is None else r for r in ref]
+    if shared:
+        want = torch.stack(ref).sum(0)
+        assert_close(g, want, tol.dtype, kind="grad", rtol=tol.rtol, atol=tol.atol,
+                     equal_nan=tol.equal_nan, msg=f"{label} (shared input: the sum over members)")
+        e = _abs_err(g, want)
+        report["input_grad"] = e if report["input_grad"] is None else max(report["input_grad"], e)
+    else:
+        tol.members(g, ref, kind="grad", what=label)
+        report._note("input_grad", _member_errors(g, ref))
+
+
+def _compare_grads_of_wide(report: EquivalenceReport, wide_out: Any, inp: _Inputs, refs: _References,
+                           params_map: Mapping[str, torch.Tensor], tol: _Tolerance, *, shared: bool,
+                           what: str) -> None:
+    """The wide model's input and parameter gradients under the members' cotangents, stacked."""
+    out_leaves = tree_flatten(wide_out)[0]
+    terms = []
+    for k, t in enumerate(out_leaves):
+        if refs.cotangents[0][k] is None:
+            continue
+        if not (isinstance(t, torch.Tensor) and t.requires_grad):
+            raise AssertionError(f"{what} leaf {k}: the wide output lost its autograd graph "
+                                 "(the members' output requires grad)")
+        terms.append((t, torch.stack([c[k] for c in refs.cotangents])))
+    in_targets = [(j, b) for j, b in enumerate(inp.bases) if b is not None]
+    p_targets = [(name, p) for name, p in params_map.items() if p.requires_grad]
+    wrt = [b for _, b in in_targets] + [p for _, p in p_targets]
+    got: Sequence[torch.Tensor | None] = [None] * len(wrt)
+    if terms and wrt:
+        got = torch.autograd.grad([t for t, _ in terms], wrt, [g for _, g in terms], allow_unused=True)
+    for (j, base), g in zip(in_targets, got[:len(in_targets)]):
+        _compare_input_grad(report, j, base, g, refs, tol, shared=shared)
+    pg = dict(zip([name for name, _ in p_targets], got[len(in_targets):]))
+    _compare_grads(report, pg, refs.param_grads, params_map, tol, "grad of")
+    for name, p in params_map.items():
+        if not p.requires_grad and any(r.get(name) is not None for r in refs.param_grads):
+            raise AssertionError(f"grad of {name}: the wide parameter does not require grad, "
+                                 "the members' does")
+
+
+def _run_wide(wide: Any, inp: _Inputs, refs: _References, params_map: Mapping[str, torch.Tensor],
+              buffers_map: Mapping[str, torch.Tensor], tol: _Tolerance, *, n: int, shared: bool,
+              grads: bool, training: bool | None, what: str) -> EquivalenceReport:
+    """Phase 4: the wide model once, then its outputs, buffers and gradients vs the references."""
+    report = EquivalenceReport(output=None, input_grad=None, param_grad=None, buffer=None, members=n)
+    with _wide_state_kept(wide, buffers_map):
+        if training is not None and isinstance(wide, nn.Module):
+            wide.train(training)
+        with torch.set_grad_enabled(grads):
+            wide_out = wide(*inp.wide_args, **inp.wide_kwargs)
+        report.wide_output = wide_out
+        _compare_outputs(report, wide_out, refs, tol, what)
+        _compare_buffers(report, buffers_map, refs, tol)
+        if grads:
+            _compare_grads_of_wide(report, wide_out, inp, refs, params_map, tol, shared=shared, what=what)
+    return report
 
 
 def check_equivalence(
@@ -531,198 +823,15 @@ def check_equivalence(
     n = len(models)
     if n == 0:
         raise ValueError("wide_compiler.testing.check_equivalence: expected at least one model")
-
-    # -- the per-member inputs and the wide inputs ----------------------------------------------
-    given_wide = None
-    if shared:
-        per_member = [(_as_args(inputs), dict(kwargs or {}))] * n
-    else:
-        if isinstance(inputs, torch.Tensor):
-            if inputs.dim() < 1 or inputs.shape[0] != n:
-                raise ValueError(f"check_equivalence: an N-first input tensor with N={n} expected, got "
-                                 f"shape {tuple(inputs.shape)}")
-            given_wide = inputs
-            inputs = list(inputs.unbind(0))
-        inputs = list(inputs)
-        if len(inputs) != n:
-            raise ValueError(f"check_equivalence: {n} models but {len(inputs)} per-member inputs")
-        kws = [{}] * n if kwargs is None else list(kwargs)
-        if len(kws) != n or not all(isinstance(k, Mapping) for k in kws):
-            raise ValueError("check_equivalence: kwargs must be a list of N dicts (one dict with shared=True)")
-        per_member = [(_as_args(a), dict(k)) for a, k in zip(inputs, kws)]
-    flats = [tree_flatten(p) for p in per_member]
-    spec = flats[0][1]
-    for i, (_, s) in enumerate(flats):
-        if s != spec:
-            raise ValueError(f"check_equivalence: member {i}'s input structure {s} differs from member 0's {spec}")
-
-    def wants_grad(t: Any) -> bool:
-        return grads and _float_leaf(t)
-
-    wide_leaves, bases = [], []  # bases: the tensors whose gradient is the wide input gradient
-    for j, leaf in enumerate(flats[0][0]):
-        if not isinstance(leaf, torch.Tensor):
-            for i, f in enumerate(flats):
-                if f[0][j] != leaf:
-                    raise ValueError(f"check_equivalence: non-tensor input {j} is {f[0][j]!r} for member "
-                                     f"{i} but {leaf!r} for member 0 (Python values are baked in)")
-            wide_leaves.append(leaf)
-            bases.append(None)
-            continue
-        if shared:
-            base = leaf.detach().clone()
-        elif given_wide is not None:
-            base = given_wide.detach()  # the caller's layout (non-contiguous, permuted ...) kept
-        else:
-            base = torch.stack([f[0][j].detach() for f in flats])
-        base.requires_grad_(wants_grad(base))
-        wide_leaves.append(base.expand(n, *base.shape) if shared else base)
-        bases.append(base if base.requires_grad else None)
-    wide_args, wide_kwargs = tree_unflatten(wide_leaves, spec)
-
+    # The four phases: Note [check_equivalence in phases].
+    inp = _prepare_inputs(n, inputs, kwargs, shared=shared, grads=grads)
     if dtype is None:
         dtype = next((p.dtype for p in models[0].parameters() if p.is_floating_point()), None)
-    gen = torch.Generator().manual_seed(seed)
-
-    # -- every member alone, on a deep copy -----------------------------------------------------
-    ref_outs, ref_in_grads, ref_param_grads, ref_buffers, cotangents = [], [], [], [], []
-    member_params = [name for name, _ in models[0].named_parameters()]
-    member_buffers = [name for name, _ in models[0].named_buffers()]
-    for i, original in enumerate(models):
-        try:
-            m = copy.deepcopy(original)
-        except Exception as e:
-            raise TypeError(f"check_equivalence runs every member on a deep copy (your models are never "
-                            f"modified), but copy.deepcopy(member {i}) failed: {type(e).__name__}: {e}") from e
-        if training is not None:
-            m.train(training)
-        leaves = [a.detach().clone().requires_grad_(wants_grad(a)) if isinstance(a, torch.Tensor) else a
-                  for a in flats[i][0]]
-        args, kw = tree_unflatten(leaves, spec)
-        with torch.set_grad_enabled(grads):
-            out = m(*args, **kw)
-        out_leaves = tree_flatten(out)[0]
-        cot = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype).to(t.device)
-               if _float_leaf(t) and t.requires_grad else None for t in out_leaves]
-        cotangents.append(cot)
-        in_grads: list = [None] * len(leaves)
-        pgrads: dict[str, torch.Tensor | None] = {}
-        if grads:
-            params = [(name, p) for name, p in m.named_parameters() if p.requires_grad]
-            targets = [(k, a) for k, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.requires_grad]
-            outs_g = [(t, g) for t, g in zip(out_leaves, cot) if g is not None]
-            wrt = [a for _, a in targets] + [p for _, p in params]
-            if outs_g and wrt:
-                got = torch.autograd.grad([t for t, _ in outs_g], wrt, [g for _, g in outs_g],
-                                          allow_unused=True)
-                for (k, _), g in zip(targets, got[:len(targets)]):
-                    in_grads[k] = g
-                pgrads = {name: g for (name, _), g in zip(params, got[len(targets):])}
-        ref_outs.append(tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out))
-        ref_in_grads.append(in_grads)
-        ref_param_grads.append(pgrads)
-        ref_buffers.append({name: b.detach() for name, b in m.named_buffers()})
-        del m
-
-    # -- the wide model, once -------------------------------------------------------------------
-    params_map = dict(wide_params) if wide_params is not None else _default_wide_tensors(wide, True)
-    if wide_params is None and list(params_map) != member_params:
-        raise AssertionError(f"the wide model's parameters {list(params_map)} are not the member's "
-                             f"{member_params} (same names, same order)")
-    params_map = {k: v for k, v in params_map.items() if v is not None}
-    for name in params_map:
-        if name not in member_params:
-            raise AssertionError(f"wide parameter {name!r}: the members have no parameter of that name")
-    if buffers:
-        if wide_buffers is not None:
-            buffers_map = {k: v for k, v in wide_buffers.items() if v is not None}
-            for name in buffers_map:
-                if name not in member_buffers:
-                    raise AssertionError(f"wide buffer {name!r}: the members have no buffer of that name")
-        else:
-            all_buffers = _default_wide_tensors(wide, False)
-            missing = [name for name in member_buffers if name not in all_buffers]
-            if missing:
-                raise AssertionError(f"the wide model has no buffers {missing} (the member's names)")
-            buffers_map = {name: all_buffers[name] for name in member_buffers}
-    else:
-        buffers_map = {}
-    saved = ({name: b.detach().clone() for name, b in wide.named_buffers()}
-             if isinstance(wide, nn.Module) else {})
-    saved.update({f"\0{name}": b.detach().clone() for name, b in buffers_map.items()})
-    was_training = wide.training if isinstance(wide, nn.Module) else None
-    report = EquivalenceReport(output=None, input_grad=None, param_grad=None, buffer=None, members=n)
-    try:
-        if training is not None and isinstance(wide, nn.Module):
-            wide.train(training)
-        with torch.set_grad_enabled(grads):
-            wide_out = wide(*wide_args, **wide_kwargs)
-        report.wide_output = wide_out
-        assert_trees_members_close(wide_out, ref_outs, dtype, what=what, rtol=rtol, atol=atol,
-                                   equal_nan=equal_nan)
-        report._note("output", _member_errors(wide_out, ref_outs))
-        for name, b in buffers_map.items():  # after the call
-            refs = [rb[name] for rb in ref_buffers]
-            assert_members_close(b.detach(), refs, dtype, kind="buffer", what=f"buffer {name}",
-                                 rtol=rtol, atol=atol, equal_nan=equal_nan)
-            report._note("buffer", _member_errors(b, refs))
-
-        if grads:
-            out_leaves = tree_flatten(wide_out)[0]
-            terms = []
-            for k, t in enumerate(out_leaves):
-                if cotangents[0][k] is None:
-                    continue
-                if not (isinstance(t, torch.Tensor) and t.requires_grad):
-                    raise AssertionError(f"{what} leaf {k}: the wide output lost its autograd graph "
-                                         "(the members' output requires grad)")
-                terms.append((t, torch.stack([c[k] for c in cotangents])))
-            in_targets = [(j, b) for j, b in enumerate(bases) if b is not None]
-            p_targets = [(name, p) for name, p in params_map.items() if p.requires_grad]
-            wrt = [b for _, b in in_targets] + [p for _, p in p_targets]
-            got: Sequence[torch.Tensor | None] = [None] * len(wrt)
-            if terms and wrt:
-                got = torch.autograd.grad([t for t, _ in terms], wrt, [g for _, g in terms],
-                                          allow_unused=True)
-            for (j, base), g in zip(in_targets, got[:len(in_targets)]):
-                refs = [r[j] for r in ref_in_grads]
-                label = f"grad of input {j}"
-                if all(r is None for r in refs):
-                    if g is not None and g.any():
-                        raise AssertionError(f"{label}: the members get no gradient, the wide model "
-                                             "gets a nonzero one")
-                    continue
-                if g is None:
-                    raise AssertionError(f"{label}: no gradient reached the wide model's input")
-                like = base if shared else base[0]
-                refs = [torch.zeros_like(like) if r is None else r for r in refs]
-                if shared:
-                    want = torch.stack(refs).sum(0)
-                    assert_close(g, want, dtype, kind="grad", rtol=rtol, atol=atol,
-                                 equal_nan=equal_nan, msg=f"{label} (shared input: the sum over members)")
-                    e = _abs_err(g, want)
-                    report["input_grad"] = e if report["input_grad"] is None else max(report["input_grad"], e)
-                else:
-                    assert_members_close(g, refs, dtype, kind="grad", what=label, rtol=rtol,
-                                         atol=atol, equal_nan=equal_nan)
-                    report._note("input_grad", _member_errors(g, refs))
-            pg = dict(zip([name for name, _ in p_targets], got[len(in_targets):]))
-            _compare_grads(report, pg, ref_param_grads, params_map, dtype, "grad of", rtol, atol,
-                           equal_nan)
-            for name, p in params_map.items():
-                if not p.requires_grad and any(r.get(name) is not None for r in ref_param_grads):
-                    raise AssertionError(f"grad of {name}: the wide parameter does not require grad, "
-                                         "the members' does")
-    finally:
-        if isinstance(wide, nn.Module):
-            with torch.no_grad():
-                for name, b in wide.named_buffers():
-                    if name in saved:
-                        b.copy_(saved[name])
-                for name, b in buffers_map.items():
-                    b.copy_(saved[f"\0{name}"])
-            if was_training is not None and wide.training != was_training:
-                wide.train(was_training)
+    tol = _Tolerance(dtype, rtol, atol, equal_nan)
+    refs = _run_members(models, inp, grads=grads, training=training, seed=seed)
+    params_map, buffers_map = _wide_tensors(wide, models[0], wide_params, wide_buffers, buffers=buffers)
+    report = _run_wide(wide, inp, refs, params_map, buffers_map, tol, n=n, shared=shared, grads=grads,
+                       training=training, what=what)
     log.debug("wide_compiler.testing: %s", report)
     return report
 

@@ -15,7 +15,10 @@ Note [Page faults on wide activations]
     (``LD_PRELOAD``) avoid it too. A WideModel avoids it by default without changing anything
     for the rest of the process: its calls (and a train graph's backward pass) run in a caching
     scope of its own allocator (Note [The wide caching allocator] in
-    csrc/wide/memory/caching_allocator.cpp).
+    csrc/wide/memory/caching_allocator.cpp). The functions of :mod:`wide_compiler.functional`,
+    which the hand-built modules of :mod:`wide_compiler.nn` call, do the same per call
+    (:func:`cached`): measured on a 512->1024 Linear's training step at N=16, the op alone took
+    18.6 ms against the loop's 12.1 ms with glibc's defaults, 10.1 ms with the thresholds raised.
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-__all__ = ["CacheInfo", "cache_info", "caching_scope", "empty_cache", "set_cache_limit", "tune_cpu_allocator"]
+__all__ = ["CacheInfo", "cache_backward", "cache_info", "cached", "caching_scope", "empty_cache", "set_cache_limit",
+           "tune_cpu_allocator"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +105,55 @@ def caching_scope() -> Iterator[None]:
         yield
     finally:
         torch.ops.wide._caching_scope(False)
+
+
+_scope = torch.ops.wide._caching_scope.default  # the op, not caching_scope(): ~1 us less per call
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _enter_backward_scope(_grad_outputs: Any) -> None:
+    """A backward pre-hook of a wide output's node: the rest of this backward pass allocates from
+    the wide cache (the engine runs CPU work on the calling thread), until its final callback."""
+    _scope(True)
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: _scope(False))
+
+
+def cache_backward(outs: Sequence[Any]) -> None:
+    """Run the backward pass of the CPU tensors ``outs`` (those that need one) in a caching scope:
+    one pre-hook per autograd node. Nothing when grad mode is off."""
+    if not torch.is_grad_enabled():
+        return
+    seen = set()
+    for o in outs:
+        fn = o.grad_fn if isinstance(o, torch.Tensor) and o.device.type == "cpu" else None
+        if fn is not None and id(fn) not in seen:
+            seen.add(id(fn))
+            fn.register_prehook(_enter_backward_scope)
+
+
+def cached(fn: F) -> F:
+    """Decorate a function of wide ops: each call runs in a caching scope, and so does the
+    backward pass of the tensors it returns (a tensor or a tuple/list of them). Under
+    ``torch.compile`` the function runs as it is (the compiled code allocates for itself).
+
+    >>> import torch, wide_compiler as wc
+    >>> double = wc.allocator.cached(lambda x: x * 2)
+    >>> double(torch.ones(3)).tolist()
+    [2.0, 2.0, 2.0]
+    """
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        _scope(True)
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            _scope(False)
+        cache_backward(out if isinstance(out, (tuple, list)) else (out,))
+        return out
+
+    return call  # type: ignore[return-value]
 
 
 def cache_info() -> CacheInfo:

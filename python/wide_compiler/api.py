@@ -14,7 +14,9 @@ from torch import nn
 from . import _equivalence as testing
 from .config import WideConfig
 from .errors import ValidationError
-from .model import WideModel, layout_of, tag_layout
+from .fx.pipeline import compile_members
+from .layouts import layout_of, tag_layout
+from .model import WideModel
 
 __all__ = ["WideBuilder", "compile", "pack", "stack", "unpack", "unstack"]
 
@@ -122,7 +124,10 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
         if n is not None and n != len(members):
             raise ValueError(f"wide_compiler.compile: n={n} but {len(members)} models were given")
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
-    wide = WideModel(members, args, sample_kwargs, config=config, dynamic_shapes=dynamic_shapes)
+    # Compile (the pipeline of fx/pipeline.py: checks, capture, widen, strategies, the stacked
+    # state), then hold the result in the model.
+    wide = WideModel._from_compilation(compile_members(members, args, sample_kwargs, config=config,
+                                                       dynamic_shapes=dynamic_shapes))
     if config.validate:
         _validate(wide, members, args, sample_kwargs or {}, config)
     if not compile_model:

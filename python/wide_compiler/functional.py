@@ -4,8 +4,10 @@ Every function takes N-first activations ``[N, B, ...]`` (a shared input is ``x.
 and stacked per-member parameters ``[N, ...]``, returns N-first results, and calls
 ``torch.ops.wide.*``. This is the one place where each op's arguments are normalised
 (``padding='same'``, padding modes, unbatched members, BatchNorm's ``momentum=None``, embedding
-bag modes): the hand-built modules of :mod:`wide_compiler.nn` call these functions, and the widen
-rules (fx/rules/) use the same argument helpers when they rewrite a captured graph.
+bag modes): the hand-built modules of :mod:`wide_compiler.nn` call these functions (each call,
+and its backward pass, in the wide caching allocator: :func:`wide_compiler.allocator.cached`), and the widen
+rules (fx/rules/) use the same argument helpers when they rewrite a captured graph. What each
+op's ``strategy`` accepts (and its layouts) is described once in :mod:`wide_compiler.ops`.
 
 Example:
     >>> import torch
@@ -24,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 from torch.nn import functional as F
+
+from .allocator import cached
 
 __all__ = ["EMBEDDING_BAG_MODES", "batch_norm", "batch_norm_factor", "conv", "conv_padding", "conv_transpose",
            "embedding", "embedding_bag", "group_norm", "instance_norm", "layer_norm", "linear", "prelu",
@@ -99,12 +103,14 @@ def _nfirst(y: torch.Tensor, n: int, unbatched: bool = False) -> torch.Tensor:
 
 
 # --- ops -------------------------------------------------------------------------------------
+@cached
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            strategy: str = "auto") -> torch.Tensor:
     """N ``F.linear``: ``x [N, B, *, in]``, ``weight [N, out, in]``, ``bias [N, out]``."""
     return wide.linear(x, weight, bias, strategy=strategy)
 
 
+@cached
 def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          stride: int | Sequence[int] = 1, padding: str | int | Sequence[int] = 0,
          dilation: int | Sequence[int] = 1, groups: int = 1, *, padding_mode: str = "zeros",
@@ -123,6 +129,7 @@ def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return _nfirst(y, n, unbatched)
 
 
+@cached
 def conv_transpose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                    stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
                    output_padding: int | Sequence[int] = 0, groups: int = 1,
@@ -135,6 +142,7 @@ def conv_transpose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return _nfirst(y, n, unbatched)
 
 
+@cached
 def batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
                weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, training: bool = False,
                momentum: float = 0.1, eps: float = 1e-5) -> torch.Tensor:
@@ -143,6 +151,7 @@ def batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None, running_var: 
     return _nfirst(y, x.shape[0])
 
 
+@cached
 def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
                   running_var: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                   bias: torch.Tensor | None = None, use_input_stats: bool = True, momentum: float = 0.1,
@@ -154,6 +163,7 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
     return _nfirst(y, n, unbatched)
 
 
+@cached
 def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
     """N ``F.group_norm`` (num_groups per member) over ``[N, B, C, *]``."""
@@ -161,18 +171,21 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = N
     return _nfirst(wide.group_norm(x, n, num_groups, weight, bias, eps), n)
 
 
+@cached
 def layer_norm(x: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, eps: float = 1e-5, *, strategy: str = "auto") -> torch.Tensor:
     """N ``F.layer_norm``; ``weight``/``bias`` ``[N, *normalized_shape]``."""
     return wide.layer_norm(x, list(normalized_shape), weight, bias, eps, strategy=strategy)
 
 
+@cached
 def rms_norm(x: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None = None,
              eps: float | None = None) -> torch.Tensor:
     """N ``F.rms_norm``."""
     return wide.rms_norm(x, list(normalized_shape), weight, eps)
 
 
+@cached
 def prelu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """N ``F.prelu``: ``weight [N, 1]`` or ``[N, C]``; a 1-d member input has one channel."""
     unbatched = x.dim() == 2
@@ -196,6 +209,7 @@ def _padding_idx(padding_idx: int | None, weight: torch.Tensor) -> int:
     return padding_idx + v if padding_idx < 0 else padding_idx
 
 
+@cached
 def embedding(indices: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None,
               max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
               sparse: bool = False) -> torch.Tensor:
@@ -208,6 +222,7 @@ def embedding(indices: torch.Tensor, weight: torch.Tensor, padding_idx: int | No
     return wide.embedding(weight, indices, _padding_idx(padding_idx, weight), scale_grad_by_freq, False)
 
 
+@cached
 def embedding_bag(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None = None,
                   max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                   mode: str = "mean", sparse: bool = False, per_sample_weights: torch.Tensor | None = None,
@@ -224,6 +239,7 @@ def embedding_bag(input: torch.Tensor, weight: torch.Tensor, offsets: torch.Tens
                               per_sample_weights, include_last_offset, _padding_idx(padding_idx, weight))
 
 
+@cached
 def rnn(input: torch.Tensor, hx: Sequence[torch.Tensor], params: Sequence[torch.Tensor], mode: str,
         num_layers: int = 1, bidirectional: bool = False, batch_first: bool = False, dropout: float = 0.0,
         train: bool = False, has_biases: bool = True, proj_size: int = 0, *,
@@ -245,6 +261,7 @@ def rnn(input: torch.Tensor, hx: Sequence[torch.Tensor], params: Sequence[torch.
     return out, list(states)
 
 
+@cached
 def rnn_cell(input: torch.Tensor, hx: Sequence[torch.Tensor], w_ih: torch.Tensor, w_hh: torch.Tensor,
              b_ih: torch.Tensor | None = None, b_hh: torch.Tensor | None = None, *, mode: str) -> list[torch.Tensor]:
     """One step of N ``nn.LSTMCell``/``GRUCell``/``RNNCell``: ``input`` ``[N, B, I]`` (``[N, I]``

@@ -1,11 +1,17 @@
-"""WideModel: N members of one architecture as one ``nn.Module``."""
+"""WideModel: N members of one architecture as one ``nn.Module``.
+
+The compiler (fx/pipeline.py) makes the graphs and the wide state; the model holds that state as
+its parameters and buffers, runs the graph of its train/eval mode on it, answers inspection
+(``summary``, ``report``, ``strategies``), exports, and gives the members back. It compiles its
+other train/eval mode, or a graph for new input sizes, through one hook: :meth:`WideModel._graph_for`
+(the pipeline, then :meth:`WideModel._adopt`).
+"""
 
 from __future__ import annotations
 
 import copy
 import logging
 import os
-import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,16 +19,30 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .config import WideConfig
 from .fx.capture import module_path
 from .fx.fold import clear_fold_cache
-from .fx.forms import apply_capture_forms
-from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, run_pipeline
+from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, compile_members, run_pipeline
+from .fx.state import WideState, call_graph, holders, missing_constants, persistent_buffer_names, put_tensor
+from .fx.state import get_tensor as _get_tensor
 from .fx.widen import WideGraph
+from .layouts import _LAYOUT_ATTR, PackedWideModel, _any_packed, layout_of, tag_layout  # noqa: F401 (old paths)
 from .members import MemberOpsMixin
-from .registry import opaque_template, registered_paths, registered_wide_form
+from .model_inputs import (  # noqa: F401 (the old import paths of the input checks)
+    _describe_value,
+    _fill,
+    _in_order_of,
+    _member_accepts,
+    _member_dims,
+    _narrow_ranges,
+    _NewSize,
+    _size_range,
+    _structure_difference,
+    _structure_error,
+    _user_placeholders,
+)
 
 __all__ = ["WideModel"]
 
@@ -38,24 +58,6 @@ class _Stacked(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stacked {self._original_type}"
-
-
-# Tensors made here or returned by a WideModel carry their layout, so the helpers can refuse the
-# wrong one instead of splitting the wrong dim (a Python attribute: ops on the tensor drop it).
-_LAYOUT_ATTR = "_wide_layout"
-
-
-def tag_layout(t: Any, layout: str) -> Any:
-    """Mark tensor ``t`` as ``"nfirst"`` or ``"packed"`` (no-op for other values and under
-    ``torch.compile``, where tensors take no Python attributes); returns ``t``."""
-    if isinstance(t, torch.Tensor) and not torch.compiler.is_compiling():
-        setattr(t, _LAYOUT_ATTR, layout)
-    return t
-
-
-def layout_of(t: torch.Tensor) -> str | None:
-    """``"nfirst"``/``"packed"`` for a tensor tagged by :func:`tag_layout`, else None."""
-    return getattr(t, _LAYOUT_ATTR, None)
 
 
 class WideModel(MemberOpsMixin, nn.Module):
@@ -86,16 +88,30 @@ class WideModel(MemberOpsMixin, nn.Module):
 
     def __init__(self, models: Sequence[nn.Module], sample_args: tuple, sample_kwargs: dict | None = None,
                  *, config: WideConfig, dynamic_shapes: Any = None) -> None:
+        """Compile ``models`` (:func:`~wide_compiler.fx.pipeline.compile_members`) and hold the
+        result, as :func:`wide_compiler.compile` does after checking its arguments."""
         super().__init__()
-        template = models[0]
-        self.n = len(models)
+        self._hold(compile_members(models, sample_args, sample_kwargs, config=config, dynamic_shapes=dynamic_shapes))
+
+    @classmethod
+    def _from_compilation(cls, c: Compilation) -> WideModel:
+        """The wide model of a first compilation (:func:`~wide_compiler.fx.pipeline.compile_members`,
+        run with the members: ``c.state`` holds their stacked tensors)."""
+        wide = cls.__new__(cls)
+        super(WideModel, wide).__init__()
+        wide._hold(c)
+        return wide
+
+    def _hold(self, c: Compilation) -> None:
+        """Take the wide state (installed under the members' names) and the graph of ``c``."""
+        template = c.members[0]
+        self.n = c.n
         # Hidden from nn.Module registration: a structural copy of member 0 (for unfuse and for
         # capturing the graph of the other train/eval mode), the capture sample, the graphs.
         object.__setattr__(self, "_template", copy.deepcopy(template))
-        detach = lambda a: a.detach() if isinstance(a, torch.Tensor) else a  # noqa: E731
-        object.__setattr__(self, "_sample", tree_map(detach, (tuple(sample_args), dict(sample_kwargs or {}))))
-        self._config = config
-        self._dynamic_shapes = dynamic_shapes
+        object.__setattr__(self, "_sample", c.sample)
+        self._config = c.config
+        self._dynamic_shapes = c.dynamic_shapes
         # Note [Dynamic sizes on demand]: flat input index -> dims captured dynamic beyond the
         # batch, (input, dim) -> the size that made it so, (training, input, dim) -> why the
         # forward fixes it, id(graph) -> the narrow size ranges export found for its inputs.
@@ -107,38 +123,22 @@ class WideModel(MemberOpsMixin, nn.Module):
         self._timings: dict[tuple[bool, str], dict[str, float] | None] = {}  # (training, node) -> ms
 
         # Modules with a user-registered wide form are kept whole: their wide module replaces them.
-        self._registered = registered_paths(template)
-        object.__setattr__(self, "_capture_template", opaque_template(template, self._registered,
-                                                                      forms=apply_capture_forms))
-        # The compiler pipeline checks the members first: nothing is stacked from mismatched ones.
-        compiled = self._compile(template.training, members=models)
-
+        # The capture template (registered modules opaque) captures the other mode later.
+        self._registered = list(c.opaque_paths.values())
+        object.__setattr__(self, "_capture_template", (c.model, c.opaque_paths))
         # Submodules in the member's order, so parameters()/state_dict() list them in its order.
         for path, mod in template.named_modules():
-            if path in self._registered:
+            if path in c.state.modules:
                 parent, _, attr = path.rpartition(".")
-                wide_cls = registered_wide_form(template.get_submodule(path))
-                self._container(parent).add_module(attr, wide_cls.from_modules([m.get_submodule(path) for m in models]))
+                self._container(parent).add_module(attr, c.state.modules[path])
             elif path and self._owns(path) and (mod._parameters or mod._buffers):
                 self._container(path)
-        # A tensor tied inside a member (an LM head sharing the embedding) is ONE stacked tensor
-        # under every name it has: the graph reads it once per alias and autograd sums the
-        # gradients, as in the member; state_dict lists every alias, as the member's does.
-        with torch.no_grad():
-            stacked_by_id: dict[int, torch.Tensor] = {}
-            for name, p in template.named_parameters(remove_duplicate=False):
-                if self._owns(name):
-                    if id(p) not in stacked_by_id:
-                        stacked = torch.stack([m.get_parameter(name).detach() for m in models])
-                        stacked_by_id[id(p)] = nn.Parameter(stacked, requires_grad=p.requires_grad)
-                    self._install(name, stacked_by_id[id(p)])
-            persistent = {n for n, _ in _persistent_buffers(template)}
-            for name, b in template.named_buffers(remove_duplicate=False):
-                if self._owns(name):
-                    if id(b) not in stacked_by_id:
-                        stacked_by_id[id(b)] = torch.stack([m.get_buffer(name).detach() for m in models])
-                    self._install(name, stacked_by_id[id(b)], persistent=name in persistent)
-        self._adopt(compiled)
+        # A tensor tied inside a member is ONE stacked tensor under every name it has (WideState).
+        for name, p in c.state.parameters.items():
+            self._install(name, p)
+        for name, b in c.state.buffers.items():
+            self._install(name, b, persistent=name not in c.state.non_persistent)
+        self._adopt(c)
         self.train(template.training)
 
     # -- copying and pickling: the graphs hold no parameters (those are graph inputs) ----------
@@ -176,16 +176,6 @@ class WideModel(MemberOpsMixin, nn.Module):
         else:
             mod.register_buffer(attr, t, persistent=persistent)
 
-    def _install_per_member(self, name: str, t: torch.Tensor, persistent: bool) -> None:
-        """A ``_per_member.<path>`` buffer, under plain container modules."""
-        mod: nn.Module = self
-        *parts, attr = name.split(".")
-        for part in parts:
-            if part not in mod._modules:
-                mod.add_module(part, nn.Module())
-            mod = mod._modules[part]
-        mod.register_buffer(attr, t, persistent=persistent)
-
     @property
     def per_member_constants(self) -> dict[str, list[float]]:
         """The module attributes that differ between members and are per member in the graph
@@ -218,34 +208,38 @@ class WideModel(MemberOpsMixin, nn.Module):
         """Whether this model stacks ``name`` itself (not a registered module's wide form)."""
         return not any(name.startswith(p + ".") for p in self._registered)
 
+    def _live_state(self) -> WideState:
+        """This model's stacked tensors and registered wide forms (the same objects): the state a
+        compilation of its other train/eval mode runs its model-level tuning check on."""
+        persistent = persistent_buffer_names(self)
+        buffers = {name: b for name, b in self.named_buffers(remove_duplicate=False) if self._owns(name)}
+        return WideState({name: p for name, p in self.named_parameters(remove_duplicate=False) if self._owns(name)},
+                         buffers, frozenset(name for name in buffers if name not in persistent),
+                         {path: self.get_submodule(path) for path in self._registered})
+
     @torch.enable_grad()  # a training graph's tuning runs backward, whatever the caller's grad mode
-    def _compile(self, training: bool, members: Sequence[nn.Module] | None = None) -> Compilation:
-        """Run the compiler pipeline (fx/pipeline.py) for one train/eval mode."""
+    def _compile(self, training: bool) -> Compilation:
+        """Run the compiler pipeline (fx/pipeline.py) for one train/eval mode, on this model's state."""
         ref = next(self.parameters(), None)
         return run_pipeline(Compilation(
-            self._capture_template[0].train(training), self._sample, self.n, self._config, members=members,
+            self._capture_template[0].train(training), self._sample, self.n, self._config,
             dynamic_shapes=self._dynamic_shapes, opaque_paths=self._capture_template[1],
             dtype=ref.dtype if ref is not None else None, device=ref.device if ref is not None else None,
-            constants=self.__dict__.get("_constants"), extra_dims=dict(self._extra_dims)))
+            constants=self.__dict__.get("_constants"), extra_dims=dict(self._extra_dims), state=self._live_state()))
 
-    @torch.enable_grad()  # the model-level check of a training graph runs backward
-    def _adopt(self, c: Compilation, *, check_tuning: bool = True) -> WideGraph:
-        """Keep a compiled graph: its lifted constants become (non-persistent) buffers."""
-        for name, value in c.ep.constants.items():
-            if not _has_tensor(self, name):
-                device = next((p.device for p in self.parameters()), value.device)
-                self._install(name, value.detach().clone().to(device), persistent=False)
-        if c.constant_plan is not None:  # Note [Per-member constants] (fx/constants.py)
+    def _adopt(self, c: Compilation) -> WideGraph:
+        """Keep a compiled graph: its lifted constants become (non-persistent) buffers, and the
+        ``_per_member.<path>`` buffers of Note [Per-member constants] (fx/constants.py) go under
+        plain container modules."""
+        for name, t, persistent, per_member in missing_constants(c.ep, c.constant_plan, self):
+            if per_member:
+                put_tensor(self, name, t, persistent)
+            else:
+                self._install(name, t, persistent=False)
+        if c.constant_plan is not None:
             self.__dict__["_constants"] = c.constant_plan.constants
             self.__dict__["_constant_readers"] = c.constant_plan.readers
-            for name, (values, persistent) in c.constant_plan.buffers.items():
-                if not _has_tensor(self, name):
-                    device = next((p.device for p in self.parameters()), torch.device("cpu"))
-                    self._install_per_member(name, torch.tensor(values, dtype=torch.float64, device=device),
-                                             persistent)
         self._timings.update({(c.training, node): t for node, t in c.timings.items()})
-        if check_tuning:
-            self._check_tuning(c)
         old = self._graphs.get(c.training)
         if old is not None:
             self._ranges.pop(id(old), None)
@@ -253,133 +247,6 @@ class WideModel(MemberOpsMixin, nn.Module):
         self._graphs[c.training] = c.wide
         log.debug("wide_compiler: wide graph:\n%s", c.wide.graph_module.code)
         return c.wide
-
-    def _check_tuning(self, c: Compilation) -> None:
-        """Note [Model-level tuning check]: each op's strategy is measured alone, on contiguous
-        random inputs; in the model an op meets other layouts and caches (an eval graph keeps its
-        activations channels-last, Note [Channels-last max pooling]). When tuning changed any
-        strategy, the whole graph runs on the sample (N-first copies; forward, plus backward for
-        a train graph) with the tuned and with the default strategies, in alternating blocks of
-        calls (the first of each block warms up; medians; up to three rounds of a block per set,
-        fewer once the two sets' runs are clearly apart, ``tuning.clearly_apart``), and the
-        defaults are kept unless the tuned graph is faster by more than ``tune_margin``: this
-        check has the final word. Its outcome is cached with the ops' picks (a later compile of
-        the same graph decides the same without running it) and is bounded by what is left of
-        ``tune_budget_s``: with nothing left, or cut short before the runs made were clearly
-        apart (too few to trust), the defaults are kept and nothing is cached, so only a check
-        that saw a clear difference or ran to the end can keep tuned strategies. Buffers are
-        restored and no ``.grad`` is written; a sample the graph cannot run keeps the tuned
-        choices (logged at debug level). Each changed op's ``summary()`` reason says what the
-        check decided."""
-        from . import measure, tuning
-
-        gm = c.wide.graph_module
-        nodes = [node for node in gm.graph.nodes if "wide_tune" in node.meta]
-        tuned = {node: node.kwargs.get("strategy") for node in nodes}
-        default = {node: node.meta["wide_tune"].default for node in nodes}
-        budget = gm.meta.get("wide_tuning")
-        if not self._config.tune or self._config.strategy != "auto" or tuned == default:
-            if budget is not None and nodes:
-                budget.finish("model-level check: not needed (every op kept its default)")
-            return
-        margin = self._config.tune_margin
-
-        def use(strategies: dict) -> None:
-            for node, name in strategies.items():
-                node.update_kwarg("strategy", name)
-            gm.recompile()
-
-        def decide(keep: bool, outcome: str) -> None:
-            use(tuned if keep else default)
-            brief = outcome.split(" (")[0].replace(" ms vs defaults ", " vs ")  # the header has it all
-            for node in nodes:
-                if tuned[node] == default[node]:
-                    continue
-                alone = node.meta.get("wide_strategy_reason", "")
-                node.meta["wide_strategy_reason"] = (
-                    f"{alone}; model-level check kept it ({brief})" if keep else
-                    f"model-level check kept the default ({brief}); alone: {alone}")
-            if budget is not None:
-                budget.finish(f"model-level check: {outcome}, kept the {'tuned set' if keep else 'defaults'}")
-            log.info("wide_compiler: %s graph: model-level check: %s: keeping the %s",
-                     "train" if c.training else "eval", outcome, "tuned strategies" if keep else "defaults")
-
-        def compare(t_tuned: float, t_default: float) -> tuple[bool, str]:
-            keep = t_tuned < t_default * (1 - margin)
-            return keep, (f"tuned set {t_tuned:.3f} ms vs defaults {t_default:.3f} ms, "
-                          f"{t_tuned / max(t_default, 1e-12):.0%} of the defaults' time "
-                          f"({'<' if keep else 'not <'} {1 - margin:.0%} needed)")
-
-        key = tuning.cache_key("model_check", train=c.training, n=self.n,
-                               ops=[[node.meta.get("wide_tune_key"), tuned[node]] for node in nodes])
-        hit = tuning.lookup(key, self._config)
-        ms = (hit or {}).get("timings_ms") or {}
-        if hit is not None and hit["strategy"] in ("tuned", "default") and {"tuned", "default"} <= set(ms):
-            decide(hit["strategy"] == "tuned", "cached: " + compare(ms["tuned"], ms["default"])[1])
-            return
-        if budget is not None and budget.exhausted():
-            decide(False, "skipped: tuning budget exhausted")
-            return
-
-        wide_sample = tree_map(lambda a: a.unsqueeze(0).expand(self.n, *a.shape).clone()
-                               if isinstance(a, torch.Tensor) else a, self._sample)
-        params = [p for p in self.parameters() if p.requires_grad]
-        saved = {name: b.clone() for name, b in self.named_buffers()}
-
-        cuda = any(p.is_cuda for p in self.parameters())
-
-        def run() -> None:
-            with torch.set_grad_enabled(c.training):
-                out = self._call_graph(c.wide, *wide_sample)
-                loss = [o.float().sum() for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
-                if loss and params:
-                    torch.autograd.grad(sum(loss), params, allow_unused=True)
-            if cuda:
-                torch.cuda.synchronize()
-
-        sets = {"tuned": tuned, "default": default}
-        times: dict[str, list[float]] = {label: [] for label in sets}
-        complete = True
-        try:
-            # Up to 3 rounds of one block per set, the order alternating; the first call of a
-            # block warms up (it pays the switch of strategies). After a round the check ends
-            # once the sets are clearly apart (tuning.clearly_apart). The budget is asked after
-            # every run, so it overruns by one run at most.
-            for k in range(3):
-                order = list(sets)[::-1] if k % 2 else list(sets)
-                rounds = measure.interleave({label: run for label in order}, 1, block_warmup=1,
-                                            per_block=max(2, self._config.tune_repeats // 2),
-                                            setup=lambda label: use(sets[label]),
-                                            stop=lambda: budget is not None and budget.exhausted())
-                for label, samples in rounds.samples.items():
-                    times[label] += samples
-                complete = rounds.complete
-                if not complete or tuning.clearly_apart(times, margin) is not None:
-                    break
-        except Exception as e:  # noqa: BLE001 -- a check of speed never fails a compile
-            if isinstance(e, measure.TimingError):
-                e = e.error
-            log.debug("wide_compiler: model-level tuning check skipped (%s: %s)", type(e).__name__, e)
-            use(tuned)
-            if budget is not None:
-                budget.finish(f"model-level check skipped (the sample does not run: {type(e).__name__}), "
-                              "kept the tuned set")
-            return
-        finally:
-            with torch.no_grad():
-                for name, b in self.named_buffers():
-                    b.copy_(saved[name])
-        # Cut short by the budget: too few runs to trust on a machine this busy, unless the runs
-        # made are clearly apart; else the defaults, not cached.
-        if not complete and tuning.clearly_apart(times, margin) is None:
-            ran = f"{len(times['tuned'])} tuned and {len(times['default'])} default runs"
-            decide(False, f"cut short by the tuning budget after {ran}")
-            return
-        t_tuned, t_default = (1e3 * statistics.median(times[label]) for label in ("tuned", "default"))
-        keep, outcome = compare(t_tuned, t_default)
-        tuning.remember(key, {"strategy": "tuned" if keep else "default",
-                              "timings_ms": {"tuned": t_tuned, "default": t_default}}, self._config)
-        decide(keep, outcome)
 
     def _graph_for(self, training: bool) -> WideGraph:
         """The wide graph of a train/eval mode, compiled on first use (once, whatever the threads:
@@ -484,43 +351,14 @@ class WideModel(MemberOpsMixin, nn.Module):
                 if (k, d) not in fixed:
                     self._extra_dims[k] = self._extra_dims.get(k, frozenset()) | {d}
                     self._grown.setdefault((k, d), size)
-            wg = self._adopt(c, check_tuning=False)
+            wg = self._adopt(c)
             if fixed:
                 raise ValueError(next(iter(fixed.values())))
             return wg
 
     def _call_graph(self, wg: WideGraph, args: tuple, kwargs: dict) -> Any:
         flat = self._user_inputs(wg, args, kwargs)
-        ranges = self._ranges.get(id(wg))
-        feeds, user = [], iter(flat)
-        for inp, holder in zip(wg.inputs, self._holders(wg)):
-            if holder is not None:  # a stacked parameter/buffer/constant: read it live
-                mod, attr = holder
-                t = mod._parameters.get(attr)
-                feeds.append(t if t is not None else mod._buffers[attr])
-            elif inp.kind == "root":
-                feeds.append(self)
-            else:
-                x = next(user)
-                self._check_input(x, inp, ranges)
-                feeds.append(x)
-        if torch.compiler.is_compiling():
-            outs = wg.graph_module(*feeds)
-        else:  # Note [The wide caching allocator] (csrc/wide/memory/caching_allocator.cpp)
-            _caching_scope(True)  # the op, not allocator.caching_scope(): ~1 us less per call
-            try:
-                outs = wg.graph_module(*feeds)
-            finally:
-                _caching_scope(False)
-            _cache_backward(outs)
-        k = len(wg.mutated_buffers)
-        if k:
-            with torch.no_grad():
-                for name, new in zip(wg.mutated_buffers, outs[:k]):
-                    _get_tensor(self, name).copy_(new)
-        # Outputs are contiguous, as the members' would be (wide ops may return strided views).
-        outs = [tag_layout(o.contiguous(), "nfirst") if isinstance(o, torch.Tensor) else o for o in outs[k:]]
-        return tree_unflatten(outs, wg.out_spec)
+        return call_graph(wg, self, self._holders(wg), flat, self._check_input, self._ranges.get(id(wg)))
 
     @property
     def packed(self) -> PackedWideModel:
@@ -543,18 +381,12 @@ class WideModel(MemberOpsMixin, nn.Module):
 
     def _holders(self, wg: WideGraph) -> list:
         """Per graph input: the (module, attribute) holding its stacked tensor, or None for user
-        inputs. Cached per model instance (copies get their own)."""
+        inputs (fx/state.py's :func:`~wide_compiler.fx.state.holders`). Cached per model
+        instance (copies get their own)."""
         plans = self.__dict__.setdefault("_holder_plans", {})
         plan = plans.get(id(wg))
         if plan is None:
-            plan = []
-            for inp in wg.inputs:
-                if inp.kind in ("parameter", "buffer", "constant"):
-                    path, _, attr = inp.name.rpartition(".")
-                    plan.append((self.get_submodule(path) if path else self, attr))
-                else:
-                    plan.append(None)
-            plans[id(wg)] = plan
+            plan = plans[id(wg)] = holders(self, wg)
         return plan
 
     def _user_inputs(self, wg: WideGraph, args: tuple, kwargs: dict) -> Any:
@@ -852,13 +684,6 @@ def _path_of(mod: nn.Module, root: nn.Module) -> str:
     raise KeyError("module not under root")
 
 
-def _persistent_buffers(model: nn.Module):
-    for mod_name, mod in model.named_modules():
-        for name, b in mod._buffers.items():
-            if b is not None and name not in mod._non_persistent_buffers_set:
-                yield _join(mod_name, name), b
-
-
 class _PositionalCall(nn.Module):
     """``wide(*args, **dict(zip(names, trailing)))`` with every input positional (for export)."""
 
@@ -869,170 +694,6 @@ class _PositionalCall(nn.Module):
     def forward(self, *inputs: Any) -> Any:
         k = len(inputs) - len(self.names)
         return self.wide(*inputs[:k], **dict(zip(self.names, inputs[k:])))
-
-
-def _in_order_of(sample: Any, given: Any) -> Any:
-    """``given`` with every dict's keys in the order of the matching dict of ``sample`` (where the
-    key sets agree), so a call's keywords need not come in the sample's order."""
-    if isinstance(sample, dict) and isinstance(given, dict):
-        if set(sample) != set(given):
-            return given
-        return {k: _in_order_of(sample[k], given[k]) for k in sample}
-    if isinstance(sample, (tuple, list)) and type(given) is type(sample) and len(given) == len(sample):
-        return type(given)(_in_order_of(a, b) for a, b in zip(sample, given))
-    return given
-
-
-def _describe_value(v: Any) -> str:
-    """A value as the input-structure messages show it: ``a tensor [2, 3]``, ``a tuple of 2
-    (a tensor [..], a tensor [..])``, ``a dict with keys ['a']``, ``None``, ``the int 3``."""
-    if isinstance(v, torch.Tensor):
-        return f"a tensor {list(v.shape)}"
-    if isinstance(v, (tuple, list)):
-        inner = ", ".join(_describe_value(x) for x in v[:4]) + (", ..." if len(v) > 4 else "")
-        return f"a {type(v).__name__} of {len(v)} ({inner})"
-    if isinstance(v, dict):
-        return f"a dict with keys {list(v)}"
-    if v is None:
-        return "None"
-    return f"the {type(v).__name__} {v!r}"
-
-
-def _structure_difference(want: Any, got: Any, where: str) -> str | None:
-    """The first place where ``got`` is not nested like ``want`` (one member's sample): what is
-    there and what the sample has, or None when they are nested alike."""
-    def differ(why: str = "") -> str:
-        return f"{where} is {_describe_value(got)}, but in the sample it is {_describe_value(want)}{why}"
-
-    if isinstance(want, torch.Tensor):
-        if isinstance(got, torch.Tensor):
-            return None
-        why = ""
-        if isinstance(got, (list, tuple)) and got and all(isinstance(t, torch.Tensor) for t in got):
-            why = (" (a list of per-member tensors? pass one N-first tensor: wide_compiler.stack(xs), "
-                   "or x.expand(N, *x.shape) to share one)")
-        return differ(why)
-    if isinstance(want, (tuple, list)):
-        if not isinstance(got, (tuple, list)) or len(got) != len(want) or (
-                type(got) is not type(want) and not (isinstance(got, tuple) and isinstance(want, tuple))):
-            return differ()
-        for k, (w, g) in enumerate(zip(want, got)):
-            found = _structure_difference(w, g, f"{where}[{k}]")
-            if found:
-                return found
-        return None
-    if isinstance(want, dict):
-        if not isinstance(got, dict) or set(got) != set(want):
-            return differ()
-        for k in want:
-            found = _structure_difference(want[k], got[k], f"{where}[{k!r}]")
-            if found:
-                return found
-        return None
-    if (want is None) != (got is None) or isinstance(got, (torch.Tensor, tuple, list, dict)):
-        return differ()
-    return None  # plain values: compared (against the baked-in value) input by input
-
-
-def _structure_error(sample: tuple[tuple, dict], given: tuple[tuple, dict], n: int) -> str:
-    """The message for a call whose inputs are not nested as the compile sample's."""
-    (want_args, want_kwargs), (args, kwargs) = sample, given
-    found = None
-    if len(args) != len(want_args):
-        found = (f"{len(args)} positional input(s) were given, the sample has {len(want_args)}: "
-                 f"({', '.join(_describe_value(a) for a in want_args)})")
-    elif set(kwargs) != set(want_kwargs):
-        found = f"keywords {sorted(kwargs)} were given, the sample has {sorted(want_kwargs)}"
-    else:
-        for k, (w, g) in enumerate(zip(want_args, args)):
-            found = found or _structure_difference(w, g, f"positional input {k}")
-        for key in want_kwargs:
-            found = found or _structure_difference(want_kwargs[key], kwargs[key], f"keyword input {key!r}")
-    return (f"wide_compiler: the wide model takes the inputs of one member's sample, nested as in the "
-            f"sample, with every tensor N-first (a leading member dim of {n}; the shapes shown for the "
-            f"sample are one member's); here {found or 'the nesting differs from the sample'}")
-
-
-def _any_packed(args: tuple, kwargs: dict) -> bool:
-    """Whether an input was made by :func:`~wide_compiler.pack` (positional tensors: no pytree walk)."""
-    leaves = args if not kwargs and all(isinstance(a, torch.Tensor) for a in args) else tree_flatten((args, kwargs))[0]
-    return any(isinstance(t, torch.Tensor) and layout_of(t) == "packed" for t in leaves)
-
-
-def _member_dims(member: tuple) -> str:
-    """One member's input shape as captured: ``B`` for a dynamic dim 0, ``*`` for another
-    dynamic dim (a sequence-first batch, a length), numbers for sizes export fixed."""
-    return ", ".join(str(m) if m is not None else "B" if k == 0 else "*" for k, m in enumerate(member))
-
-
-class _NewSize(ValueError):
-    """A call's tensor differs from the captured sizes in a fixed dim (rank and N as captured):
-    :meth:`WideModel._resized` captures the graph again (Note [Dynamic sizes on demand])."""
-
-
-def _user_placeholders(ep: ExportedProgram) -> list:
-    """The placeholders of the user inputs of ``ep``, in the flat order of its inputs (None for
-    an input with no placeholder)."""
-    from torch.export.graph_signature import InputKind
-
-    names = [spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT]
-    nodes = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
-    return [nodes.get(name) for name in names]
-
-
-def _narrow_ranges(ep: ExportedProgram) -> dict[str, tuple[tuple[int, int, int | None], ...]]:
-    """Per user input (placeholder name): ``(dim, low, high)`` of every dynamic dim that export
-    found the program valid for only in part (a branch on the size): a lower bound above 2 or an
-    upper bound (high None: unbounded). Dims of the default range ``[2, inf)`` are not listed
-    (sizes 0 and 1 run the same program; export only avoids them as samples)."""
-    import sympy
-
-    out = {}
-    for node in _user_placeholders(ep):
-        val = node.meta.get("val") if node is not None else None
-        if not isinstance(val, torch.Tensor):
-            continue
-        checks = []
-        for d, size in enumerate(val.shape):
-            expr = getattr(getattr(size, "node", None), "expr", None)
-            if not isinstance(expr, sympy.Symbol) or expr not in ep.range_constraints:
-                continue
-            vr = ep.range_constraints[expr]
-            lo, hi = _bound(vr.lower) or 0, _bound(vr.upper)
-            lo = lo if lo > 2 else 0  # export's own floor (it avoids 0 and 1 as samples only)
-            if lo > 2 or hi is not None:
-                checks.append((d, lo, hi))
-        if checks:
-            out[node.name] = tuple(checks)
-    return out
-
-
-def _size_range(lo: int, hi: int | None) -> str:
-    return f"up to {hi}" if not lo and hi is not None else f"{lo} or more" if hi is None else f"{lo} to {hi}"
-
-
-def _fill(message: str, shape: list[int], size: int) -> str:
-    """A cached fixed-size message for this call's shape and size."""
-    return message.replace("<<shape>>", str(shape)).replace("<<size>>", str(size))
-
-
-def _member_accepts(template: nn.Module, training: bool, args: tuple, kwargs: dict) -> bool:
-    """Whether a copy of member 0's module runs on member 0's slice of a call's inputs."""
-    first = tree_map(lambda a: a[0] if isinstance(a, torch.Tensor) and a.dim() else a, (tuple(args), dict(kwargs)))
-    try:
-        with torch.random.fork_rng(), torch.no_grad():
-            copy.deepcopy(template).train(training)(*first[0], **first[1])
-        return True
-    except Exception:  # noqa: BLE001 -- any failure: the member does not take it
-        return False
-
-
-def _bound(v: Any) -> int | None:
-    """A range bound as an int; None for an infinite one."""
-    try:
-        return int(v) if bool(v.is_finite) else None
-    except (TypeError, ValueError, OverflowError, AttributeError):
-        return None
 
 
 def _keep_strategies(old: WideGraph, new: WideGraph) -> None:
@@ -1052,73 +713,3 @@ def _keep_strategies(old: WideGraph, new: WideGraph) -> None:
             changed = True
     if changed:
         new.graph_module.recompile()
-
-
-class PackedWideModel(nn.Module):
-    """A :class:`WideModel` called with channel-packed tensors (see :attr:`WideModel.packed`)."""
-
-    def __init__(self, wide: WideModel) -> None:
-        super().__init__()
-        self.wide = wide
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        n = self.wide.n
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if any(layout_of(t) == "nfirst" for t in tensors):
-            raise ValueError("wide_compiler: packed call given an N-first tensor (a WideModel output): call "
-                             "the WideModel itself with N-first inputs, or pack per-member tensors with "
-                             "wide_compiler.pack")
-
-        def to_nfirst(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            if t.dim() < 2 or t.shape[1] % n:
-                raise ValueError(f"wide_compiler: packed input: expected [B, N*C, ...] with dim 1 divisible "
-                                 f"by N={n}, got {list(t.shape)}")
-            return t.unflatten(1, (n, -1)).movedim(1, 0)
-
-        def to_packed(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            out = t.movedim(0, 1).flatten(1, 2) if t.dim() >= 3 else t.flatten()
-            return tag_layout(out.contiguous(), "packed")
-
-        args, kwargs = tree_map(to_nfirst, (args, kwargs))
-        return tree_map(to_packed, self.wide(*args, **kwargs))
-
-
-def _get_tensor(root: nn.Module, name: str) -> torch.Tensor:
-    path, _, attr = name.rpartition(".")
-    mod = root.get_submodule(path) if path else root
-    t = mod._parameters.get(attr)
-    return t if t is not None else mod._buffers[attr]
-
-
-_caching_scope = torch.ops.wide._caching_scope.default
-
-
-def _enter_backward_scope(_grad_outputs: Any) -> None:
-    """A backward pre-hook of a wide output's node: the rest of this backward pass allocates from
-    the wide cache (the engine runs CPU work on the calling thread), until its final callback."""
-    _caching_scope(True)
-    torch.autograd.Variable._execution_engine.queue_callback(lambda: _caching_scope(False))
-
-
-def _cache_backward(outs: Sequence[Any]) -> None:
-    """Run the backward pass of CPU outputs that need one in a caching scope (one hook per node)."""
-    if not torch.is_grad_enabled():
-        return
-    seen = set()
-    for o in outs:
-        fn = o.grad_fn if isinstance(o, torch.Tensor) and o.device.type == "cpu" else None
-        if fn is not None and id(fn) not in seen:
-            seen.add(id(fn))
-            fn.register_prehook(_enter_backward_scope)
-
-
-def _has_tensor(root: nn.Module, name: str) -> bool:
-    try:
-        _get_tensor(root, name)
-        return True
-    except (AttributeError, KeyError):
-        return False

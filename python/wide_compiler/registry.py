@@ -4,6 +4,7 @@ A registered module is kept whole through capture: export sees one opaque custom
 (``wide_compiler::opaque_module``) where the module is called, so its forward may be anything
 (data-dependent control flow included), and the widen pass replaces that op by a call of the
 user's wide module, built with ``WideCls.from_modules([member_0_module, ...])``.
+When to register a wide form, and what it costs: Note [Capture special cases] in fx/capture.py.
 """
 
 from __future__ import annotations

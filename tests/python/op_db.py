@@ -50,6 +50,7 @@ import torch.optim.adam as optim_adam
 import torch.optim.rmsprop as optim_rmsprop
 import torch.optim.sgd as optim_sgd
 import wide_compiler  # noqa: F401  (registers torch.ops.wide)
+from wide_compiler.ops import WIDE_OPS
 from wide_compiler.testing import tolerance
 
 W = torch.ops.wide
@@ -272,7 +273,7 @@ def _spatial(rng: random.Random, lo: int, hi: int, most: int = 3) -> list[int]:
 
 
 # ---- linear ---------------------------------------------------------------------------------
-LINEAR_STRATEGIES = ("auto", "bmm", "bmm_t", "loop")
+LINEAR_STRATEGIES = WIDE_OPS["linear"].choices
 NFIRST_LAYOUTS = ("contiguous", "sliced", "transposed", "member_inner", "shared")
 
 
@@ -339,7 +340,7 @@ def to_nfirst_fuzz(rng, dtype):
 # ---- conv / conv_transpose ------------------------------------------------------------------
 CONV_F = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 CONVT_F = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
-CONV_STRATEGIES = ("auto", "grouped", "grouped_cl", "loop")
+CONV_STRATEGIES = WIDE_OPS["conv"].choices
 
 
 def _conv_input(m: Maker, n, b, c, spatial, packed, layout):
@@ -564,7 +565,7 @@ def layer_norm_fuzz(rng, dtype):
     return SampleInput("fuzz", n, (m.randn(n, *lead, *ns, layout=rng.choice(NFIRST_LAYOUTS), scale=2.0, shift=0.5),
                                    ns, m.maybe(rng.random() < 0.5, n, *ns, shift=1.0),
                                    m.maybe(rng.random() < 0.5, n, *ns),
-                                   rng.choice((1e-5, 1e-3))), {"strategy": rng.choice(("auto", "fused", "loop"))})
+                                   rng.choice((1e-5, 1e-3))), {"strategy": rng.choice(WIDE_OPS["layer_norm"].choices)})
 
 
 def layer_norm_ref(x, ns, w=None, b=None, eps=1e-5, *, strategy="auto"):
@@ -909,7 +910,7 @@ def rnn_fuzz(rng, dtype):
                 batch_first=rng.random() < 0.5, has_biases=rng.random() < 0.7,
                 # nn.LSTM requires proj_size < hidden_size (so does ATen's lstm, by the states' shapes)
                 proj=rng.choice((0, 0, 1)) if mode == "LSTM" and h > 1 else 0, states=rng.random() < 0.6,
-                strategy=rng.choice(("auto", "fused", "loop")), train=rng.random() < 0.5)
+                strategy=rng.choice(WIDE_OPS["rnn"].choices), train=rng.random() < 0.5)
 
 
 _RNN_OPS = {"LSTM": torch.lstm, "GRU": torch.gru, "RNN_TANH": torch.rnn_tanh, "RNN_RELU": torch.rnn_relu}

@@ -478,8 +478,9 @@ def test_op_autocast_kernel_matches_aten(name, act):
 
 
 def test_shared_input_is_cast_once_and_keeps_the_one_gemm_path():
-    """A stride-0 (expanded) input is cast once and expanded again: wide::linear still runs its
-    shared-input GEMM (addmm), not a batched GEMM over N materialised copies."""
+    """A stride-0 (expanded) input is cast once and expanded again: in a training step
+    wide::linear still runs its shared-input GEMM (addmm); without a gradient its batched GEMM
+    reads the cast input expanded (Note [wide::linear strategies]), never N materialised copies."""
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -490,11 +491,14 @@ def test_shared_input_is_cast_once_and_keeps_the_one_gemm_path():
             self.seen.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
-    x, w, b = torch.randn(2, 6), torch.randn(N, 5, 6), torch.randn(N, 5)
+    x, w, b = torch.randn(2, 6), torch.randn(N, 5, 6, requires_grad=True), torch.randn(N, 5)
     with autocast(), Ops() as ops:
         y = wide.linear(x.expand(N, 2, 6), w, b)
     assert "addmm" in ops.seen and "baddbmm" not in ops.seen, ops.seen
     assert y.dtype == BF16
+    with torch.no_grad(), autocast(), Ops() as ops:
+        wide.linear(x.expand(N, 2, 6), w, b)
+    assert ops.seen.count("baddbmm") == 1 and not {"clone", "contiguous"} & set(ops.seen), ops.seen
     with autocast():
         refs = [F.linear(x, w[i], b[i]) for i in range(N)]
     assert_members_close(y, refs, BF16)

@@ -305,8 +305,10 @@ def test_forced_strategy(strategy):
 
 
 def test_expanded_input_takes_the_shared_gemm_path():
-    """DESIGN §3: the first layer detects a stride-0 input and runs ONE GEMM, whatever the strategy
-    chosen for per-member inputs."""
+    """DESIGN §3: the first layer detects a stride-0 input; in a training step of a small layer it
+    runs ONE GEMM, whatever the strategy chosen for per-member inputs (Note [wide::linear
+    strategies]); without a gradient the strategy's batched GEMM reads the expanded input in place
+    (no copy of it)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Recorder(TorchDispatchMode):
@@ -323,10 +325,13 @@ def test_expanded_input_takes_the_shared_gemm_path():
     for config in (FAST, wc.WideConfig(strategy="bmm"), wc.WideConfig(strategy="loop")):
         wide = wc.compile(models, torch.randn(4, 5), config=config)
         x = torch.randn(6, 5)
-        with torch.no_grad(), Recorder() as rec:
+        with Recorder() as rec:
             wide(x.expand(n, *x.shape))
         assert not {"bmm", "baddbmm"} & set(rec.ops), (config.strategy, rec.ops)
         assert sum(op in {"mm", "addmm"} for op in rec.ops) == 1, (config.strategy, rec.ops)
+        with torch.no_grad(), Recorder() as rec:
+            wide(x.expand(n, *x.shape))
+        assert "clone" not in rec.ops and "contiguous" not in rec.ops, (config.strategy, rec.ops)
 
 
 # ---------------------------------------------------------------------------------------------

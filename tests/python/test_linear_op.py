@@ -223,15 +223,41 @@ BATCHED = {"bmm", "baddbmm"}
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_auto_on_expanded_input_runs_one_gemm_and_never_materialises_copies(bias):
+def test_auto_on_expanded_input_never_materialises_copies(bias):
+    """Note [wide::linear strategies]: a shared (expanded) input runs as ONE GEMM against the
+    concatenated weights when a gradient is wanted, and as one batched GEMM over the expanded
+    input as it is without one; neither copies the input."""
     torch.manual_seed(4)
     n, b, i, o = 5, 3, 4, 6
     x = torch.randn(b, i)
     w, bb = torch.randn(n, o, i), (torch.randn(n, o) if bias else None)
-    ops = _record(x.expand(n, b, i), w, bb, strategy="auto")
+    ops = _record(x.expand(n, b, i), w.requires_grad_(), bb, strategy="auto")
     assert sum(op in GEMMS for op in ops) == 1, ops
     assert not BATCHED & set(ops), ops
     assert "clone" not in ops and "contiguous" not in ops, ops
+    with torch.no_grad():
+        ops = _record(x.expand(n, b, i), w, bb, strategy="auto")
+    assert sum(op in BATCHED for op in ops) == 1, ops
+    assert not GEMMS & set(ops), ops
+    assert "clone" not in ops and "contiguous" not in ops, ops
+
+
+def test_a_large_shared_layer_runs_batched_in_training_and_matches():
+    """A member weight of 32K elements or more: the shared input runs through the batched GEMM in
+    training too (Note [wide::linear strategies]); values and gradients match the members."""
+    torch.manual_seed(6)
+    n, b, i, o = 3, 4, 128, 256
+    x = torch.randn(b, i, requires_grad=True)
+    w, bb = torch.randn(n, o, i, requires_grad=True), torch.randn(n, o, requires_grad=True)
+    ops = _record(x.expand(n, b, i), w, bb, strategy="auto")
+    assert sum(op in BATCHED for op in ops) == 1 and not GEMMS & set(ops), ops
+    y = wide_linear(x.expand(n, b, i), w, bb)
+    y.square().sum().backward()
+    ref = torch.stack([torch.nn.functional.linear(x, w[k], bb[k]) for k in range(n)])
+    torch.testing.assert_close(y, ref)
+    gx, gw = torch.autograd.grad(ref.square().sum(), (x, w))
+    torch.testing.assert_close(x.grad, gx, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(w.grad, gw, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("bias", [True, False])

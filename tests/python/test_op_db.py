@@ -14,6 +14,10 @@ For each op of the database:
   ``random.Random`` (shapes and hyperparameters), a few per op and dtype;
 * ``test_every_schema_has_an_entry`` -- the schemas of csrc/wide/registration.cpp and the database
   name the same ops;
+* ``test_the_library_table_*`` -- the library's table of the ops (wide_compiler/ops.py, Note [The
+  wide op table]) names the same ops as the database, agrees with each schema (a ``strategy`` /
+  ``packed_input`` argument exactly where it says), and every strategy it lists is accepted by
+  the op;
 * ``test_harness_catches_a_wrong_member`` -- each comparison above can fail.
 
 A real bug gets a strict xfail in its op's ``OpInfo.xfail`` (test name -> reason) until it is fixed.
@@ -31,6 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 from op_db import F32, F64, OP_DB, UTILITY_OPS, OpInfo, SampleInput
+from wide_compiler.ops import WIDE_OPS
 from wide_compiler.testing import tolerance
 
 # The references' own torch.lstm with projections says it leaves oneDNN: not ours to fix.
@@ -260,3 +265,39 @@ def test_utility_ops_answer():
     stats = torch.ops.wide._cache_stats()
     assert len(stats) == 5 and all(isinstance(v, int) for v in stats)
     assert torch.ops.wide._optim_cpu_capability() in ("default", "avx2", "avx512")
+
+
+# --------------------------------------------------------------------------------------------
+# The library's op table (wide_compiler/ops.py) agrees with the database and the schemas
+# --------------------------------------------------------------------------------------------
+def test_the_library_table_and_the_database_name_the_same_ops():
+    assert sorted(WIDE_OPS) == sorted(OP_DB), (
+        f"only in wide_compiler/ops.py: {sorted(set(WIDE_OPS) - set(OP_DB))}; "
+        f"only in tests/python/op_db.py: {sorted(set(OP_DB) - set(WIDE_OPS))}")
+
+
+@pytest.mark.parametrize("name", sorted(WIDE_OPS))
+def test_the_library_table_matches_the_schema(name):
+    info = WIDE_OPS[name]
+    assert info.overload is OP_DB[name].op
+    args = {a.name: a for a in info.overload._schema.arguments}
+    assert ("strategy" in args) == bool(info.strategies), \
+        f"{name}: the schema {'has' if 'strategy' in args else 'has no'} strategy argument, the table lists {info.strategies}"
+    if info.strategies:
+        assert args["strategy"].kwarg_only and args["strategy"].default_value == "auto"
+    assert ("packed_input" in args) == info.packed_input, f"{name}: packed_input in the schema and the table differ"
+    writes = any(a.alias_info is not None and a.alias_info.is_write for a in args.values())
+    assert (info.result == "none") == (writes and not info.overload._schema.returns), name
+
+
+@pytest.mark.parametrize("name", sorted(n for n, info in WIDE_OPS.items() if info.strategies))
+def test_the_library_table_lists_only_strategies_the_op_accepts(name):
+    op, info = OP_DB[name], WIDE_OPS[name]
+    s = next(iter(op.sample_inputs(F32, False)))
+    with torch.no_grad():
+        for strategy in info.choices:
+            out = op.op(*s.args, **{**s.kwargs, "strategy": strategy})
+            assert all(torch.isfinite(t).all() for t in _flat(out) if isinstance(t, torch.Tensor)), strategy
+        # the check can fail: an unknown name is refused, naming the valid ones
+        with pytest.raises(RuntimeError, match="expected strategy .*" + ".*".join(map(re.escape, info.strategies))):
+            op.op(*s.args, **{**s.kwargs, "strategy": "no_such_strategy"})

@@ -83,9 +83,15 @@ def test_pipeline_runs_the_named_passes_in_order():
     eval_rewrites = ["fold_batch_norms", "channels_last", "pool_before_relu", "fuse_residual_norms",
                      "relu_in_place", "attention_kernel"]
     assert [p.name for p in PASSES] == [
-        "check_members", "capture", "check_programs", "widen", "layout", *eval_rewrites, "strategies"]
+        "check_members", "capture", "check_programs", "widen", "layout", *eval_rewrites, "strategies",
+        "stack_state", "check_tuning"]
     # a training graph skips the eval rewrites (their `when`), an eval graph runs them all
     assert [name for name, _ in c.log] == [p.name for p in PASSES if p.name not in eval_rewrites]
+    # with the members given, the state is stacked: ONE [N, ...] tensor per member tensor
+    assert sorted(c.state.parameters) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    torch.testing.assert_close(c.state.parameters["2.weight"][1], models[1][2].weight)
+    wide_model = wc.WideModel._from_compilation(c)
+    assert wide_model.get_parameter("0.weight") is c.state.parameters["0.weight"]
     linears = c.wide.graph_module.graph.find_nodes(op="call_function", target=wide.linear.default)
     assert [n.kwargs["strategy"] for n in linears] == ["bmm", "bmm"]
     assert c.layout == {"conversions": 0, "packed_ops": 0}
@@ -382,7 +388,7 @@ def test_eval_graph_pools_before_relu():
 
 
 def test_model_level_tuning_check_keeps_one_of_the_two_and_leaves_no_trace(monkeypatch, caplog):
-    """Note [Model-level tuning check] (model.py): when the per-op tuner changes a strategy, the
+    """Note [Model-level tuning check] (fx/model_check.py): when the per-op tuner changes a strategy, the
     whole graph is timed both ways and one of the two sets is kept (which one is the machine's
     call: not asserted); buffers come back as they were and no ``.grad`` is written."""
     import logging

@@ -18,7 +18,6 @@ from torch import nn
 import wide_compiler as wc
 from wide_compiler import tuning
 from wide_compiler.measure import timing
-from wide_compiler.fx import strategy as strategy_pass
 
 REASONS = ("default (heuristic", "measured:", "kept default: within margin", "cached:", "model-level check",
            "forced:")
@@ -46,7 +45,7 @@ def clock(monkeypatch) -> FakeClock:
 
 def slow_candidates(monkeypatch, clock: FakeClock, seconds: float = 1.0) -> None:
     """Every candidate call the tuner makes takes ``seconds`` on the fake clock."""
-    original = strategy_pass._timed_calls
+    original = tuning._timed_calls
 
     def timed_calls(candidates, training):
         def slow(fn):
@@ -56,7 +55,7 @@ def slow_candidates(monkeypatch, clock: FakeClock, seconds: float = 1.0) -> None
             return run
         return {name: slow(fn) for name, fn in original(candidates, training).items()}
 
-    monkeypatch.setattr(strategy_pass, "_timed_calls", timed_calls)
+    monkeypatch.setattr(tuning, "_timed_calls", timed_calls)
 
 
 def mlp() -> nn.Module:
@@ -312,18 +311,18 @@ def test_model_level_check_cut_short_keeps_defaults(monkeypatch, clock, tmp_path
 def timed_check(monkeypatch, clock, tuned_s: float, default_s: float) -> list[str]:
     """The model-level check's runs take fake seconds: ``tuned_s`` while an op runs the tuned
     'loop' (pick_loop), else ``default_s``; returns the log of runs ("tuned"/"default")."""
-    from wide_compiler.model import WideModel
+    from wide_compiler.fx import model_check  # the check pass (it runs the graph through fx/state.py's call_graph)
 
     runs: list[str] = []
-    original = WideModel._call_graph
+    original = model_check.call_graph
 
-    def call(self, wg, args, kwargs):
+    def call(wg, *args, **kwargs):
         tuned = any(n.kwargs.get("strategy") == "loop" for n in wg.graph_module.graph.nodes if "wide_tune" in n.meta)
         runs.append("tuned" if tuned else "default")
         clock.t += tuned_s if tuned else default_s
-        return original(self, wg, args, kwargs)
+        return original(wg, *args, **kwargs)
 
-    monkeypatch.setattr(WideModel, "_call_graph", call)
+    monkeypatch.setattr(model_check, "call_graph", call)
     return runs
 
 

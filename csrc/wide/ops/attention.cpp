@@ -1,5 +1,5 @@
 // wide::attention and wide::small_attention (schemas in registration.cpp, the kernel in
-// cpu/attention_kernels_impl.h).
+// cpu/small_attention_kernels_impl.h).
 //
 // Note [wide::attention]
 // ~~~~~~~~~~~~~~~~~~~~~~
@@ -24,7 +24,7 @@
 
 #include <cmath>
 
-#include "wide/ops/cpu/attention_kernels.h"
+#include "wide/ops/cpu/small_attention_kernels.h"
 #include "wide/cpu/isa.h"  // the run-time instruction-set choice
 
 namespace wide {

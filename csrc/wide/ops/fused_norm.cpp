@@ -1,5 +1,5 @@
 // wide::fused_norm and wide::add_layer_norm: the one-pass inference path of the wide LayerNorm /
-// RMSNorm (schemas in registration.cpp, the kernel in cpu/norm_kernels_impl.h).
+// RMSNorm (schemas in registration.cpp, the kernel in cpu/fused_norm_kernels_impl.h).
 //
 // Note [wide::fused_norm]
 // ~~~~~~~~~~~~~~~~~~~~~~~
@@ -30,7 +30,7 @@
 #include <limits>
 #include <tuple>
 
-#include "wide/ops/cpu/norm_kernels.h"
+#include "wide/ops/cpu/fused_norm_kernels.h"
 #include "wide/ops/norm.h"
 #include "wide/cpu/isa.h"  // the run-time instruction-set choice, shared with the optimizers
 

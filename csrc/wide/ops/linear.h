@@ -10,7 +10,8 @@
 
 namespace wide {
 
-/// Algorithm for per-member inputs (a shared input always runs as one GEMM); Auto = Bmm.
+/// Algorithm for per-member inputs and most shared ones (a shared input of a small layer that
+/// needs a gradient runs as one GEMM); Auto = Bmm.
 /// See Note [wide::linear strategies].
 enum class LinearStrategy { Auto, Bmm, BmmT, Loop };
 
@@ -18,7 +19,8 @@ enum class LinearStrategy { Auto, Bmm, BmmT, Loop };
 LinearStrategy parse_linear_strategy(std::string_view name);
 
 /// out[n] = input[n] @ weight[n].T + bias[n]; input [N, B, *, I] (or [N, I]), weight [N, O, I],
-/// bias [N, O] or none; out [N, B, *, O]. A stride-0 (expanded) dim 0 takes the shared-input path.
+/// bias [N, O] or none; out [N, B, *, O]. A stride-0 (expanded) dim 0 takes the shared-input path
+/// for small layers when a gradient is wanted (Note [wide::linear strategies]).
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias = std::nullopt,
                   std::string_view strategy = "auto");

@@ -2,7 +2,9 @@
 
 Cases (each member has its own weights; ``case="separate"``: its own input ``x[i]``):
 
-- wide: ``torch.ops.wide.linear`` with ``strategy`` ``"auto"``, ``"bmm"`` and ``"loop"``; in
+- wide: ``torch.ops.wide.linear`` with ``strategy`` ``"auto"``, ``"bmm"`` and ``"loop"``, called as
+  ``wc.nn.WideLinear`` calls it (``wide_compiler.functional.linear``: the call and its backward
+  in the wide caching allocator, Note [Page faults on wide activations]); in
   presets quick/full also ``"tuned"`` (the op with the strategy the tuner of ``wc.compile``
   picks, fresh, no disk cache; ``chosen_strategy`` in the record) and ``"wc.compile"`` (the
   compiled ``WideModel`` itself: the same op plus the model's per-call overhead);
@@ -30,8 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import functional as WF
 from .. import measure
 from ..measure import Contender
+from ..ops import WIDE_OPS
 from . import engine
 from .registry import Job, Preset, target
 
@@ -39,7 +43,7 @@ __all__ = ["PRESETS", "STRATEGIES", "LinearCase", "build_case", "jobs", "run_cas
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("auto", "bmm", "bmm_t", "loop")
+STRATEGIES = WIDE_OPS["linear"].choices  # ("auto", "bmm", "bmm_t", "loop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +110,7 @@ def build_case(case: LinearCase, *, seed: int = 0
 
 def _op_contender(strategy: str, W: torch.Tensor, b: torch.Tensor) -> Contender:
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.wide.linear(x, W, b, strategy=strategy)
+        return WF.linear(x, W, b, strategy=strategy)
 
     return Contender(strategy, forward, [W, b])
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..ops import WIDE_OPS
 from .registry import Preset
 from .vision import Case, _randn, _vision_target
 
@@ -56,7 +57,7 @@ def _case(kind: str, layers: int, hidden: int, t: int, batch: int, features: int
     cls: Callable[..., nn.Module] = nn.LSTM if kind == "lstm" else nn.GRU
     return Case("rnn", f"{kind}{layers}_h{hidden}_t{t}", f"{layers}x{kind.upper()} {features}->{hidden} T={t} B={batch}",
                 lambda: _Output(cls(features, hidden, num_layers=layers, batch_first=True)),
-                _randn(t, features), batch, _module, module_strategies=("fused", "loop"),
+                _randn(t, features), batch, _module, module_strategies=WIDE_OPS["rnn"].strategies,
                 baselines=("loop", "compile_loop", "vmap"))
 
 

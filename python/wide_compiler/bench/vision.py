@@ -69,6 +69,7 @@ from torch import nn
 
 from .. import measure
 from ..measure import Contender
+from ..ops import LOOP, WIDE_OPS
 from . import engine
 from .registry import Job, Preset, jobs_per_n, target
 from .vision_models import MODELS
@@ -225,8 +226,9 @@ def conv_cases(size: str) -> list[Case]:
         m = make()
         shape = (f"{cin}->{m.out_channels} k{m.kernel_size[0]}"
                  f"{' g' + str(m.groups) if m.groups > 1 else ''} {s}x{s}")
+        # the hand-built module with the op's default (grouped) and its loop; compile:auto measures all
         out.append(Case("conv", name, shape, make, _randn(cin, s, s), b, _conv_module,
-                        ("grouped", "loop")))
+                        (WIDE_OPS["conv"].default, LOOP)))
     return out
 
 

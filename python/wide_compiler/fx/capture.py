@@ -7,6 +7,39 @@ cannot take fails with PyTorch's own error.
 
 Whether all members are the same program is checked in fx/member_checks.py; where a node comes
 from in the user's code is read in fx/source.py.
+
+Note [Capture special cases]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Most of a model reaches the widen pass as plain ATen ops, one rule each. Three kinds of code do
+not; which mechanism applies depends on what the module's forward does:
+
+* Its forward cannot be exported (data-dependent Python such as ``if self.s > 0.5``, a value read
+  with ``float(tensor)``, a call into a C extension), or a hand-written wide form beats what the
+  rules make of it: a **registered wide form**, ``@wc.register(ModuleType)`` (registry.py; the
+  only one of the three a user writes). The capture copy holds an ``_OpaqueCall`` in its place:
+  export sees one custom op, ``wide_compiler::opaque_module``, whose fake kernel runs member 0's
+  module on zeros of the traced sizes to learn the output shapes; the widen rule
+  fx/rules/registered.py turns that op into a call of ``WideCls.from_modules(members)``, which the
+  wide model holds (``unfuse()`` gives the members back). Costs: the user writes and maintains
+  ``from_modules``/``forward``/``unfuse``; the compiler sees nothing inside (no strategy tuning,
+  no layout plan, its inputs and outputs are N-first); positional tensor inputs only; no
+  per-member constants inside (fx/constants.py); the ``run_members`` check is skipped for the
+  model (the module's Python may branch per member). The library uses it too, for BatchNorm with
+  ``momentum=None`` (``registry._builtin_wide_form``).
+* Its forward exports, but into ops that widen badly (layout steps that each become a copy of the
+  wide activation: ``nn.MultiheadAttention``'s sequence-first reshapes): a **capture form**
+  (fx/forms.py), a subclass computing the same math in ops that widen well, swapped in by
+  ``__class__`` on the capture copy only (``apply_capture_forms``; fx/member_checks.py applies it
+  to the members it traces too) and falling through to the original forward for every call it
+  does not cover. Costs: nothing at run time; it must be exact (from then on it IS the member's
+  program, checked like any capture by ``validate``); one class per module type, in the library.
+* Its forward opens ``torch.no_grad()``/``set_grad_enabled``/``torch.autocast`` blocks: export
+  makes them **higher-order regions** (``wrap_with_set_grad_enabled``, ``wrap_with_autocast``)
+  with a body graph, and the widen rule fx/rules/regions.py widens the body like any graph and
+  calls it under the same grad mode or autocast state (``Region``). Nothing to choose: it is
+  automatic. Costs: one more Python call per region; the passes after widen (layout plan, eval
+  rewrites, strategy choice) walk the outer graph only, so the ops inside a region run N-first
+  and keep ``strategy="auto"`` (the C++ op's own choice per call; nothing is measured).
 """
 
 from __future__ import annotations

@@ -14,6 +14,56 @@ step lives in fx/widen.py, above the rules; a rule reaches it through
 :meth:`WidenContext.widen_node`, which calls what fx/widen.py installs as
 ``WidenContext._node_widener`` when it loads (always before any pass runs: the pass is in that
 module).
+
+Note [Node metadata]
+~~~~~~~~~~~~~~~~~~~~
+The passes hand facts about the nodes of a wide graph to each other in ``node.meta``, under keys
+starting with ``wide_``. This is every such key: who writes it, who reads it, what it holds. A
+rule writes the first three only through :meth:`WidenContext.emit_wide`, which checks them.
+
+- ``wide_op`` (str): which wide op stands for a member op, as ``WideModel.summary()`` names it:
+  ``"wide.<op>"`` (``WideOp.qualname`` of wide_compiler/ops.py, derived from the emitted
+  target), ``"registered:<module path>"`` (rules/registered.py) or ``"region:<region>"``
+  (rules/regions.py). Written by ``emit_wide``; fx/eval_rewrites.py ``fuse_residual_norms``
+  copies the norm's onto the ``add_layer_norm`` it puts in its place. Read by the model's
+  ``summary()`` (one row per node that has it) and its carrying of strategies to a recaptured
+  graph, by analyze.py, and by tuning.py (the op of the cache key; the heuristic reasons).
+- ``wide_shapes`` (dict of JSON values): one member's sample shapes and the hyperparameters that
+  decide the op's speed (``"input"`` always, ``"weight"`` where there is one, ...). Written by
+  ``emit_wide``; the layout plan (fx/layout.py ``_feed_packed``) sets ``"packed_input"`` in place
+  on the same dict, and fx/eval_rewrites.py ``rewrite_channels_last`` replaces it (adding
+  ``"inference"``). Read by tuning.py (part of the cache key), by the :class:`TuneSpec`'s ``make``,
+  which closes over the same dict object, so the plan's change reaches the candidates, and by the
+  summary's member input and weight columns and analyze.py.
+- ``wide_tune`` (:class:`TuneSpec`): how to measure the op's strategies; only on ops with
+  strategies (``WideOp.strategies``). Written by ``emit_wide``; replaced with the eval graphs'
+  conv defaults by fx/eval_rewrites.py ``rewrite_channels_last``. Read by the strategy pass
+  (tuning.py ``choose_strategies``), fx/pipeline.py, the model-level tuning check
+  (fx/model_check.py) and the carrying of strategies to a recaptured graph.
+- ``wide_strategy_reason`` (str) and ``wide_tune_key`` (str): why the op runs its strategy, and
+  its tuning cache key. Written by the strategy pass (tuning.py); the reason is amended by the
+  model-level check and carried with the strategy to a recaptured graph. Read by ``summary()``
+  (the reason) and the model-level check (the key, to cache its verdict).
+- ``wide_source`` (str): the name of the member-graph node a new node was emitted for. Written by
+  :meth:`WidenContext.emit` (every node given ``like=``), copied by fx/layout.py onto the
+  ``to_nfirst`` it moves and set by fx/fold.py on the folded conv parameters. Read by
+  fx/layout.py (the member shape of that node) and fx/widen.py ``check_ranks`` (error messages).
+- ``wide_member_shape`` (tuple of str; symbolic sizes by name): one member's shape of a
+  ``to_nfirst`` value. Written by rules/_packed.py ``packed_result`` and fx/layout.py. Read by
+  the layout plan (elementwise ops of equal member shapes, constant padding) only.
+- ``wide_member_shape_hint`` (tuple of str): one member's shape of each fold-into-batch result
+  (rules/_fold.py: the member node's own value may be a tuple of several outputs). Read by
+  fx/layout.py, before the member node's value.
+- ``wide_expect`` ((rank, op name, member node name)): the rank a value must have, the member's
+  + 1 when per member. Written by fx/widen.py ``_expect_ranks``; read by its ``check_ranks``.
+- ``wide_layout_conversion`` (str): what a layout conversion kept by the plan copies. Written by
+  fx/layout.py ``count_conversions``; read by ``summary()``/``report()`` and analyze.py.
+- ``wide_folded`` (str): the BatchNorm node folded into a conv (fx/fold.py); for people reading
+  the graph, no code reads it.
+
+On the graph module, ``gm.meta["wide_tuning"]`` holds the strategy pass's ``Budget`` (tuning.py),
+read by ``summary()`` and the model-level check. Other keys a new node carries are torch's:
+``stack_trace`` and ``nn_module_stack`` (copied by ``emit`` from ``like``) and ``val``.
 """
 
 from __future__ import annotations
@@ -27,6 +77,7 @@ import torch
 from torch import fx
 
 from ..errors import UnsupportedOperationError
+from ..ops import WideOp, of_target
 from .source import module_path, source_line
 
 __all__ = ["TuneSpec", "Wide", "WidenContext", "concrete_shape", "member_rank", "op_name", "written_args"]
@@ -115,6 +166,60 @@ class WidenContext:
                     node.meta[key] = like.meta[key]
             node.meta["wide_source"] = like.name
         return node
+
+    def emit_wide(self, target, args: tuple, kwargs: dict | None = None, *, like: fx.Node,
+                  name: str | None = None, shapes: dict | None = None, tune: TuneSpec | None = None,
+                  op: str | None = None) -> fx.Node:
+        """Emit the wide op that stands for the member node ``like``, with its metadata (Note
+        [Node metadata]): ``wide_op`` derived from ``target`` (a ``torch.ops.wide`` overload of
+        kind ``"layer"`` in wide_compiler/ops.py; other targets, a registered module's call or a
+        region, pass their label as ``op``), ``wide_shapes`` (``shapes``: required for an op with
+        strategies, and then with an ``"input"`` entry) and ``wide_tune`` (``tune``: given exactly
+        when the op has strategies, naming only the op's). An op with strategies gets
+        ``strategy="auto"`` and a packed-family op ``packed_input=False`` unless ``kwargs`` say
+        otherwise. A violation is a rule's bug: ``ValueError``."""
+        kwargs = dict(kwargs or {})
+        info = of_target(target)
+        if info is not None:
+            op = self._check_wide_call(info, kwargs, op, shapes, tune)
+        elif op is None or tune is not None:
+            raise ValueError(f"wide_compiler: internal error: emit_wide({getattr(target, '__name__', target)!r}) "
+                             "of a target that is no torch.ops.wide op needs op=, and takes no tune=")
+        node = self.emit(target, args, kwargs, like=like, name=name)
+        node.meta["wide_op"] = op
+        if shapes is not None:
+            node.meta["wide_shapes"] = shapes  # the very dict a tune's make closes over
+        if tune is not None:
+            node.meta["wide_tune"] = tune
+        return node
+
+    @staticmethod
+    def _check_wide_call(info: WideOp, kwargs: dict, op: str | None, shapes: dict | None,
+                         tune: TuneSpec | None) -> str:
+        """The checks of :meth:`emit_wide` for a ``torch.ops.wide`` target; fills the default
+        ``strategy``/``packed_input`` kwargs in place and returns the ``wide_op`` label."""
+        def bad(why: str) -> ValueError:
+            return ValueError(f"wide_compiler: internal error: emit_wide of {info.qualname}: {why}")
+
+        if info.kind != "layer":
+            raise bad(f"a {info.kind!r} op is not emitted for a member op (wide_compiler/ops.py)")
+        if op is not None and op != info.qualname:
+            raise bad(f"op={op!r}, but the target names {info.qualname!r}")
+        if shapes is not None and not isinstance(shapes, dict):
+            raise bad(f"shapes must be a dict, got {type(shapes).__name__}")
+        if info.strategies:
+            kwargs.setdefault("strategy", "auto")
+            if kwargs["strategy"] not in info.choices:
+                raise bad(f"strategy {kwargs['strategy']!r} not in {info.choices}")
+            if tune is None or shapes is None or "input" not in shapes:
+                raise bad("an op with strategies needs tune= and shapes= with an 'input' entry (the tuning key)")
+            if tune.default not in tune.names or not set(tune.names) <= set(info.strategies):
+                raise bad(f"tune names {tune.names} (default {tune.default!r}); the op offers {info.strategies}")
+        elif tune is not None:
+            raise bad("tune= for an op with one implementation")
+        if info.packed_input:
+            kwargs.setdefault("packed_input", False)
+        return info.qualname
 
     def unwrap(self, v: Any) -> Any:
         """A new-graph argument from a value (Wide -> its node)."""

@@ -1,6 +1,6 @@
 """Capture forms: equivalent forwards of PyTorch modules whose own forward captures into a graph
 that widens badly. Applied to the capture template only (a copy; the user's modules are never
-touched), before ``torch.export``.
+touched), before ``torch.export``. When to write one: Note [Capture special cases] in capture.py.
 
 Note [Batch-first self-attention capture form]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

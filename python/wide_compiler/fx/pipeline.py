@@ -3,14 +3,19 @@
     check_members -> capture -> check_programs -> widen -> layout
         -> [eval graphs: fold_batch_norms -> channels_last -> pool_before_relu
             -> fuse_residual_norms -> relu_in_place -> attention_kernel] -> strategies
+        -> [with the members: stack_state] -> [with a state: check_tuning]
 
 Each pass is an ordinary function of a :class:`Compilation` (what the passes read and write) with
 a check before (what it needs is there) and after (its result is well formed), in the style of
 torch.fx's pass infrastructure; a pass with a ``when`` predicate runs only where it holds (the
-eval rewrites: fx/fold.py and fx/eval_rewrites.py). :class:`~wide_compiler.WideModel` runs the
-pipeline for its first train/eval mode and again, lazily, for the other; it only holds
-parameters, runs the graph and answers inspection. Runs are serialised by one lock: export is not thread-safe, and a failed run
-leaves nothing behind (the model builds a new :class:`Compilation` per run).
+eval rewrites: fx/fold.py and fx/eval_rewrites.py; the wide state: fx/state.py, stacked from
+the members; the model-level tuning check: fx/model_check.py, which runs the graph on that
+state). :func:`wide_compiler.compile` runs the pipeline on the members
+(:func:`compile_members`) and builds the :class:`~wide_compiler.WideModel` from the result; the
+model runs the pipeline again, lazily, for its other train/eval mode (giving its live tensors as
+the state). The model only holds the state, runs the graph and answers inspection. Runs are
+serialised by one lock: export is not thread-safe, and a failed run leaves nothing behind (the
+model builds a new :class:`Compilation` per run).
 
 Example:
     >>> import torch
@@ -20,9 +25,11 @@ Example:
     >>> c = run_pipeline(Compilation(models[0], ((torch.randn(5, 4),), {}), n=3,
     ...                              config=WideConfig.fast(), members=models))
     >>> [name for name, _ in c.log]  # a training graph: the eval rewrites do not run
-    ['check_members', 'capture', 'check_programs', 'widen', 'layout', 'strategies']
+    ['check_members', 'capture', 'check_programs', 'widen', 'layout', 'strategies', 'stack_state', 'check_tuning']
     >>> c.wide.graph_module.graph.find_nodes(op="call_function", target=torch.ops.wide.linear.default)[0].kwargs
     {'strategy': 'bmm'}
+    >>> c.state.parameters["weight"].shape  # the members' weights, stacked
+    torch.Size([3, 2, 4])
 """
 
 from __future__ import annotations
@@ -37,19 +44,24 @@ from typing import Any
 import torch
 from torch import nn
 from torch.export import ExportedProgram
+from torch.utils._pytree import tree_map
 
 from ..config import WideConfig
+from ..registry import opaque_template, registered_paths
 from .capture import SpecialisationLog, capture, check_sample
 from .constants import ConstantPlan, plan_constants
 from .eval_rewrites import (attention_kernel, fuse_residual_norms, pool_before_relu, relu_in_place,
                             rewrite_channels_last)
 from .fold import fold_batch_norms
+from .forms import apply_capture_forms
 from .layout import plan_layout
 from .member_checks import check_members, check_run_members, check_traced_members
-from .strategy import choose_strategies
+from .model_check import check_tuning
+from .state import WideState, check_state, stack_state
+from ..tuning import choose_strategies
 from .widen import WideGraph, check_ranks, widen
 
-__all__ = ["COMPILE_LOCK", "PASSES", "Compilation", "Pass", "run_pipeline"]
+__all__ = ["COMPILE_LOCK", "PASSES", "Compilation", "Pass", "compile_members", "run_pipeline"]
 
 log = logging.getLogger(__name__)
 COMPILE_LOCK = threading.RLock()  # export is not thread-safe: one compile at a time
@@ -75,6 +87,9 @@ class Compilation:
     # where the wide parameters live (strategies are measured there); default: the model's
     dtype: torch.dtype | None = None
     device: torch.device | None = None
+    # the wide state the graph runs on (fx/state.py): stacked from the members by stack_state at
+    # the first compile; the model's live tensors when it compiles its other train/eval mode
+    state: WideState | None = None
     # produced by the passes
     ep: ExportedProgram | None = None
     wide: WideGraph | None = None
@@ -87,6 +102,20 @@ class Compilation:
     @property
     def training(self) -> bool:
         return self.model.training
+
+    @classmethod
+    def of_members(cls, members: Sequence[nn.Module], sample_args: tuple, sample_kwargs: dict | None = None,
+                   *, config: WideConfig, dynamic_shapes: Any = None) -> Compilation:
+        """The first compilation of ``members``, in member 0's train/eval mode: what is captured
+        is a copy of member 0 whose modules with a registered wide form are opaque calls (and
+        whose modules with a capture form use it, fx/forms.py); the sample is detached."""
+        template = members[0]
+        detach = lambda a: a.detach() if isinstance(a, torch.Tensor) else a  # noqa: E731
+        sample = tree_map(detach, (tuple(sample_args), dict(sample_kwargs or {})))
+        capture_model, opaque_paths = opaque_template(template, registered_paths(template),
+                                                      forms=apply_capture_forms)
+        return cls(capture_model.train(template.training), sample, len(members), config, members=members,
+                   dynamic_shapes=dynamic_shapes, opaque_paths=opaque_paths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +232,9 @@ PASSES: tuple[Pass, ...] = (
     _eval_rewrite("relu_in_place", relu_in_place),
     _eval_rewrite("attention_kernel", attention_kernel),
     Pass("strategies", _strategies, ("wide",), check=_all_chosen),
+    Pass("stack_state", stack_state, ("wide",), check=check_state,
+         when=lambda c: c.members is not None and c.state is None),
+    Pass("check_tuning", check_tuning, ("ep", "wide", "state"), when=lambda c: c.state is not None),
 )
 
 
@@ -226,3 +258,14 @@ def run_pipeline(c: Compilation, passes: Sequence[Pass] = PASSES) -> Compilation
             c.log.append((p.name, time.perf_counter() - start))
             log.debug("wide_compiler: pass %s took %.3f s", p.name, c.log[-1][1])
     return c
+
+
+@torch.enable_grad()  # a training graph's tuning runs backward, whatever the caller's grad mode
+def compile_members(members: Sequence[nn.Module], sample_args: tuple, sample_kwargs: dict | None = None,
+                    *, config: WideConfig, dynamic_shapes: Any = None) -> Compilation:
+    """The whole pipeline on N members (:meth:`Compilation.of_members`): the members checked,
+    member 0 captured and widened, its strategies chosen, the members' state stacked and the
+    strategies checked on it (the model-level tuning check).
+    :meth:`wide_compiler.WideModel._from_compilation` builds the model from the result."""
+    return run_pipeline(Compilation.of_members(members, sample_args, sample_kwargs, config=config,
+                                               dynamic_shapes=dynamic_shapes))

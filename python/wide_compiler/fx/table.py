@@ -18,10 +18,11 @@ is per member. There are three ways to add an op, cheapest first:
    ``@rule(aten.my_op.default, ...)`` on a function ``(ctx, node) -> value`` in the family's
    file (or a new file in fx/rules/: files are discovered, no import list to edit). An op that
    reads per-member parameters emits its ``torch.ops.wide.*`` op (declared in
-   csrc/wide/registration.cpp) and, if that op has strategies, attaches a :class:`TuneSpec` as
-   ``node.meta["wide_tune"]`` and declares ``strategies=`` on the row. A channel-packed op
-   declares ``layout="packed", packed=torch.ops.wide.my_op.default``: the layout plan reads it
-   from the table.
+   csrc/wide/registration.cpp, described in wide_compiler/ops.py) with
+   ``WidenContext.emit_wide`` (Note [Node metadata] in fx/context.py), passing a
+   :class:`TuneSpec` if that op has strategies, and declares ``strategies=`` on the row (the
+   op's ``WIDE_OPS[...].strategies``). A channel-packed op declares ``layout="packed",
+   packed=torch.ops.wide.my_op.default``: the layout plan reads it from the table.
 
 Registering an op twice raises, so two families can never silently disagree. Every row must be
 reached by a case of tests/python/test_rule_coverage.py, which fails when a row has none.
@@ -35,6 +36,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from ..ops import WIDE_OPS, of_target
 
 __all__ = ["LAYOUTS", "RULES", "RuleEntry", "aten_op", "find_rule", "packed_ops", "rule", "rows",
            "strategy_names"]
@@ -94,11 +97,21 @@ def rule(*ops: Any, layout: str = "nfirst", packed: Any = None, strategies: Iter
     :func:`aten_op`). ``tagged_pointwise=True`` also makes it the rule of every op tagged
     ``torch.Tag.pointwise`` that has no row. ``family`` defaults to the calling rules file."""
     family = family or _caller_family(1)
+    strategies = tuple(strategies)
     if layout not in LAYOUTS:
         raise ValueError(f"wide_compiler: unknown rule layout {layout!r}; expected one of {LAYOUTS}")
     packed = tuple(packed) if isinstance(packed, (tuple, list)) else (() if packed is None else (packed,))
     if (layout == "packed") != bool(packed):
         raise ValueError("wide_compiler: a 'packed' rule names its wide ops with packed=, and only it")
+    for op in packed:
+        info = of_target(op)
+        if info is None or not info.packed_input:
+            raise ValueError(f"wide_compiler: packed={op} is not an op of the packed family "
+                             "(wide_compiler/ops.py: packed_input)")
+    offered = {name for info in WIDE_OPS.values() for name in info.strategies}
+    if not set(strategies) <= offered:
+        raise ValueError(f"wide_compiler: strategies {tuple(strategies)} name some no wide op offers "
+                         f"(wide_compiler/ops.py: {sorted(offered)})")
 
     def deco(fn: Callable) -> Callable:
         make = lambda op: RuleEntry(op, fn, family, layout, packed, tuple(strategies), always)  # noqa: E731

@@ -1,7 +1,7 @@
 """``wide_compiler.measure``: the one measurement library of the package.
 
 Everything that times something goes through here: the strategy tuner
-(:mod:`wide_compiler.tuning`), the model-level tuning check (``WideModel._check_tuning``),
+(:mod:`wide_compiler.tuning`), the model-level tuning check (fx/model_check.py),
 :func:`wide_compiler.analyze`, the benchmarks (:mod:`wide_compiler.bench`, built on top of
 this) and the CLI. Three parts:
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .. import functional as WF
+from ..ops import WIDE_OPS
 from ._common import check_members, check_strategy, stack_param
 
 __all__ = ["WidePReLU"]
@@ -26,7 +27,7 @@ class WidePReLU(nn.Module):
         True
     """
 
-    STRATEGIES = ("auto",)  # wide::prelu has one implementation
+    STRATEGIES = WIDE_OPS["prelu"].choices  # one implementation: ("auto",)
 
     def __init__(self, weight: nn.Parameter, *, strategy: str = "auto") -> None:
         super().__init__()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .. import functional as WF
+from ..ops import WIDE_OPS
 from ._common import check_members, check_strategy, stack_param, unstack_member
 
 __all__ = ["WideConv1d", "WideConv2d", "WideConv3d", "WideConvTranspose1d", "WideConvTranspose2d",
@@ -24,7 +25,7 @@ class _WideConvNd(nn.Module):
 
     _base: type[nn.Module]
     _d: int
-    STRATEGIES = ("auto", "grouped", "grouped_cl", "loop")  # wide::conv / wide::conv_transpose
+    STRATEGIES = WIDE_OPS["conv"].choices  # wide::conv and wide::conv_transpose offer the same
 
     def __init__(self, template: nn.Module, weight: nn.Parameter, bias: nn.Parameter | None, *,
                  strategy: str = "auto") -> None:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .. import functional as WF
+from ..ops import WIDE_OPS
 from ._common import check_members, check_strategy, stack_param, unstack_member
 
 __all__ = ["WideEmbedding", "WideEmbeddingBag"]
@@ -17,7 +18,7 @@ __all__ = ["WideEmbedding", "WideEmbeddingBag"]
 class _WideTable(nn.Module):
     _base: type[nn.Module]
     _attrs: tuple[str, ...]
-    STRATEGIES = ("auto",)  # wide::embedding / wide::embedding_bag have one implementation
+    STRATEGIES = WIDE_OPS["embedding"].choices  # one implementation (embedding_bag too): ("auto",)
 
     def __init__(self, modules: Sequence[nn.Module], *, strategy: str = "auto") -> None:
         super().__init__()

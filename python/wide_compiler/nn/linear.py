@@ -10,6 +10,7 @@ from torch import nn
 
 from .. import functional as WF
 from ..errors import ArchitectureMismatchError
+from ..ops import WIDE_OPS
 from ._common import check_strategy
 
 __all__ = ["WideLinear"]
@@ -38,7 +39,7 @@ class WideLinear(nn.Module):
         True
     """
 
-    STRATEGIES = ("auto", "bmm", "bmm_t", "loop")
+    STRATEGIES = WIDE_OPS["linear"].choices  # ("auto", "bmm", "bmm_t", "loop")
 
     def __init__(self, n: int, in_features: int, out_features: int, bias: bool = True, *,
                  strategy: str = "auto", device=None, dtype=None) -> None:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .. import functional as WF
+from ..ops import WIDE_OPS
 from ._common import (
     check_members,
     check_strategy,
@@ -197,7 +198,7 @@ class WideLayerNorm(_WideNorm):
 
     _base = nn.LayerNorm
     _attrs = ("normalized_shape", "eps", "elementwise_affine", "bias")
-    STRATEGIES = ("auto", "fused", "loop")  # wide::layer_norm
+    STRATEGIES = WIDE_OPS["layer_norm"].choices
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self._template

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .. import functional as WF
+from ..ops import WIDE_OPS
 from ._common import check_members, check_strategy, stack_param
 
 __all__ = ["WideGRU", "WideGRUCell", "WideLSTM", "WideLSTMCell", "WideRNN", "WideRNNCell"]
@@ -28,7 +29,7 @@ class _WideRecurrent(nn.Module):
 
     _base: type[nn.Module]
     _attrs: tuple[str, ...]
-    STRATEGIES: tuple[str, ...] = ("auto",)  # wide::rnn_cell has one implementation
+    STRATEGIES: tuple[str, ...] = WIDE_OPS["rnn_cell"].choices  # one implementation: ("auto",)
 
     def __init__(self, modules: Sequence[nn.Module], *, strategy: str = "auto") -> None:
         super().__init__()
@@ -70,7 +71,7 @@ class _WideRecurrent(nn.Module):
 class _WideRNNBase(_WideRecurrent):
     _attrs = ("mode", "input_size", "hidden_size", "num_layers", "bias", "batch_first", "dropout",
               "bidirectional", "proj_size")
-    STRATEGIES = ("auto", "fused", "loop")  # wide::rnn
+    STRATEGIES = WIDE_OPS["rnn"].choices
 
     def forward(self, input, hx=None):
         """As the member's forward with a leading member dim on the input and the states

@@ -1,7 +1,8 @@
 // Hand-written CPU kernel of wide::fused_norm (LayerNorm / RMSNorm of N members with per-member
 // affine, optionally of input + residual), compiled once per instruction set
-// (norm_kernels_{default,avx2,avx512}.cpp) and chosen at run time like the optimizer kernels.
-// See Note [Fused per-member norm kernel] in norm_kernels_impl.h.
+// (fused_norm_kernels_{default,avx2,avx512}.cpp) and chosen at run time like the optimizer
+// kernels.
+// See Note [Fused per-member norm kernel] in fused_norm_kernels_impl.h.
 #pragma once
 
 #include <cstdint>

@@ -1,10 +1,11 @@
-// Body of the fused per-member norm kernel. Included ONLY by norm_kernels_{default,avx2,avx512}.cpp,
-// each compiled with CPU_CAPABILITY=<ISA> and that ISA's -m flags (see CMakeLists.txt), so that
-// at::vec::Vectorized is the real SIMD type and the definitions land in wide::ops::cpu::<ISA>.
+// Body of the kernel of wide::fused_norm. Included ONLY by
+// fused_norm_kernels_{default,avx2,avx512}.cpp, each compiled with CPU_CAPABILITY=<ISA> and that
+// ISA's -m flags (see CMakeLists.txt), so that at::vec::Vectorized is the real SIMD type and the
+// definitions land in wide::ops::cpu::<ISA>.
 #pragma once
 
 #ifndef CPU_CAPABILITY
-#error "norm_kernels_impl.h must be compiled with CPU_CAPABILITY defined (see CMakeLists.txt)"
+#error "fused_norm_kernels_impl.h must be compiled with CPU_CAPABILITY defined (see CMakeLists.txt)"
 #endif
 
 #include <ATen/Parallel.h>
@@ -16,7 +17,7 @@
 #include <vector>
 
 #include "wide/ops/cpu/isa_kernel.h"
-#include "wide/ops/cpu/norm_kernels.h"
+#include "wide/ops/cpu/fused_norm_kernels.h"
 
 // Note [Fused per-member norm kernel]
 // -----------------------------------

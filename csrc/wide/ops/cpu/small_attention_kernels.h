@@ -1,7 +1,8 @@
 // Hand-written CPU kernel of wide::small_attention (softmax(q k^T * scale) v for short sequences,
 // no mask but an optional causal one, no dropout), compiled once per instruction set
-// (attention_kernels_{default,avx2,avx512}.cpp) and chosen at run time like the optimizer kernels.
-// See Note [Small-sequence attention kernel] in attention_kernels_impl.h.
+// (small_attention_kernels_{default,avx2,avx512}.cpp) and chosen at run time like the optimizer
+// kernels.
+// See Note [Small-sequence attention kernel] in small_attention_kernels_impl.h.
 #pragma once
 
 #include <cstdint>

@@ -1,11 +1,11 @@
-// Body of the small-sequence attention kernel. Included ONLY by
-// attention_kernels_{default,avx2,avx512}.cpp, each compiled with CPU_CAPABILITY=<ISA> and that
-// ISA's -m flags (see CMakeLists.txt), so that at::vec::Vectorized is the real SIMD type and the
-// definitions land in wide::ops::cpu::<ISA>.
+// Body of the small-sequence attention kernel (wide::small_attention). Included ONLY by
+// small_attention_kernels_{default,avx2,avx512}.cpp, each compiled with CPU_CAPABILITY=<ISA> and
+// that ISA's -m flags (see CMakeLists.txt), so that at::vec::Vectorized is the real SIMD type and
+// the definitions land in wide::ops::cpu::<ISA>.
 #pragma once
 
 #ifndef CPU_CAPABILITY
-#error "attention_kernels_impl.h must be compiled with CPU_CAPABILITY defined (see CMakeLists.txt)"
+#error "small_attention_kernels_impl.h must be compiled with CPU_CAPABILITY defined (see CMakeLists.txt)"
 #endif
 
 #include <ATen/Parallel.h>
@@ -16,7 +16,7 @@
 #include <limits>
 #include <vector>
 
-#include "wide/ops/cpu/attention_kernels.h"
+#include "wide/ops/cpu/small_attention_kernels.h"
 #include "wide/ops/cpu/isa_kernel.h"
 
 // Note [Small-sequence attention kernel]

@@ -15,13 +15,14 @@ import torch
 from torch import fx
 
 from ...functional import conv_padding, spatial_list
+from ...ops import WIDE_OPS
 from ..table import rule
 from ..context import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
 from ._packed import packed_result
 
 aten = torch.ops.aten
 wide = torch.ops.wide
-_STRATEGIES = ("grouped", "grouped_cl", "loop")  # grouped_cl: 2-d only
+_STRATEGIES = WIDE_OPS["conv"].strategies  # grouped_cl: 2-d only (wide::conv_transpose offers the same)
 _PACKED = {"layout": "packed", "strategies": _STRATEGIES}
 # A member weight of this many elements or more defaults to the loop (Note [wide::conv strategies]
 # in csrc/wide/ops/conv.cpp: oneDNN's grouped kernel falls far behind N ordinary convs there).
@@ -107,19 +108,16 @@ def _conv(ctx: WidenContext, node: fx.Node, transposed: bool) -> Wide:
             raise ctx.fail(node, str(e)) from None
         args = (stride, padding, dilation, a["groups"])
         op = wide.conv.default
-    packed = ctx.emit(op, (xn, a["weight"].node, bias, *args), {"packed_input": False, "strategy": "auto"},
-                      like=node)
     in_shape = concrete_shape(x_old)
-    packed.meta["wide_op"] = f"wide.{op._schema.name.split('::')[1]}"
-    packed.meta["wide_shapes"] = {
+    shapes = {
         "input": [1, *in_shape] if unbatched else in_shape, "weight": concrete_shape(w_old),
         "bias_features": concrete_shape(node.args[2])[0] if a["bias"] is not None else 0,
         "args": [list(v) if isinstance(v, (list, tuple)) else v for v in args], "packed_input": False,
         "transposed": transposed}
-    shapes = packed.meta["wide_shapes"]
-    packed.meta["wide_tune"] = TuneSpec(
-        default=default_conv_strategy(shapes), strategies=conv_strategies(shapes),
-        make=lambda n, opts, s=shapes, op=op: conv_candidates(op, n, s, opts))
+    tune = TuneSpec(default=default_conv_strategy(shapes), strategies=conv_strategies(shapes),
+                    make=lambda n, opts, s=shapes, op=op: conv_candidates(op, n, s, opts))
+    packed = ctx.emit_wide(op, (xn, a["weight"].node, bias, *args), {"packed_input": False, "strategy": "auto"},
+                           like=node, shapes=shapes, tune=tune)
     return packed_result(ctx, node, packed, unbatched)
 
 

@@ -30,10 +30,9 @@ def _embedding(ctx: WidenContext, node: fx.Node) -> Wide:
     if a["sparse"]:
         raise ctx.fail(node, "sparse=True embedding gradients are not supported by the wide form")
     idx = ctx.as_wide(a["indices"], member_rank(node.args[1]), node).node
-    out = ctx.emit(wide.embedding.default, (_table(ctx, node, a["weight"]), idx, a["padding_idx"],
-                                            a["scale_grad_by_freq"], False), like=node, name=node.name)
-    out.meta["wide_op"] = "wide.embedding"
-    out.meta["wide_shapes"] = {"input": concrete_shape(node.args[1]), "weight": concrete_shape(node.args[0])}
+    out = ctx.emit_wide(wide.embedding.default, (_table(ctx, node, a["weight"]), idx, a["padding_idx"],
+                                                 a["scale_grad_by_freq"], False), like=node, name=node.name,
+                        shapes={"input": concrete_shape(node.args[1]), "weight": concrete_shape(node.args[0])})
     return Wide(out, member_rank(node))
 
 
@@ -58,11 +57,10 @@ def _embedding_bag(ctx: WidenContext, node: fx.Node):
     psw = a["per_sample_weights"]
     psw = ctx.as_wide(psw, 1, node).node if psw is not None else None
     pad = a.get("padding_idx")
-    out = ctx.emit(wide.embedding_bag.default,
-                   (_table(ctx, node, a["weight"]), idx, offsets, a["scale_grad_by_freq"], a["mode"], False,
-                    psw, a["include_last_offset"], -1 if pad is None else pad), like=node, name=node.name)
-    out.meta["wide_op"] = "wide.embedding_bag"
-    out.meta["wide_shapes"] = {"input": concrete_shape(node.args[1]), "weight": concrete_shape(node.args[0])}
+    out = ctx.emit_wide(wide.embedding_bag.default,
+                        (_table(ctx, node, a["weight"]), idx, offsets, a["scale_grad_by_freq"], a["mode"], False,
+                         psw, a["include_last_offset"], -1 if pad is None else pad), like=node, name=node.name,
+                        shapes={"input": concrete_shape(node.args[1]), "weight": concrete_shape(node.args[0])})
 
     def unused(k: int):
         return None  # offset2bag / bag_size / max_indices: internal outputs nobody reads

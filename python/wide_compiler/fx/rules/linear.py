@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from ...ops import WIDE_OPS
 from ..table import rule
 from ..context import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
 
 aten = torch.ops.aten
-_STRATEGIES = ("bmm", "bmm_t", "loop")
+_OP = WIDE_OPS["linear"]
+_STRATEGIES = _OP.strategies
 
 
 def _linear_candidates(n: int, shapes: dict, has_bias: bool, opts: dict) -> dict:
@@ -33,9 +35,9 @@ def _linear(ctx: WidenContext, node: fx.Node) -> Wide:
         raise ctx.fail(node, "linear of a 0-dim input")
     args = [ctx.as_wide(xv, rank, node).node, ctx.as_wide(wv, 2, node).node]
     args.append(ctx.as_wide(bv, 1, node).node if b is not None else None)
-    out = ctx.emit(torch.ops.wide.linear.default, tuple(args), {"strategy": "auto"}, like=node, name=node.name)
-    out.meta["wide_op"] = "wide.linear"
-    out.meta["wide_shapes"] = {"input": concrete_shape(x), "weight": concrete_shape(w), "bias": b is not None}
-    out.meta["wide_tune"] = TuneSpec(
-        default="bmm", strategies=_STRATEGIES, make=lambda n, opts, s=out.meta["wide_shapes"]: _linear_candidates(n, s, s["bias"], opts))
+    shapes = {"input": concrete_shape(x), "weight": concrete_shape(w), "bias": b is not None}
+    tune = TuneSpec(default=_OP.default, strategies=_STRATEGIES,
+                    make=lambda n, opts, s=shapes: _linear_candidates(n, s, s["bias"], opts))
+    out = ctx.emit_wide(torch.ops.wide.linear.default, tuple(args), {"strategy": "auto"}, like=node, name=node.name,
+                        shapes=shapes, tune=tune)
     return Wide(out, member_rank(node))

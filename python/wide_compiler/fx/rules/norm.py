@@ -13,13 +13,15 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from ...ops import WIDE_OPS
 from ..table import rule
 from ..context import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
 from ._packed import packed_result
 
 aten = torch.ops.aten
 wide = torch.ops.wide
-_LAYER_NORM_STRATEGIES = ("fused", "loop")
+_LAYER_NORM = WIDE_OPS["layer_norm"]
+_LAYER_NORM_STRATEGIES = _LAYER_NORM.strategies
 
 
 def _param(ctx: WidenContext, node: fx.Node, v, rank: int):
@@ -36,9 +38,10 @@ def _activation(ctx: WidenContext, node: fx.Node, v, min_rank: int) -> fx.Node:
     return ctx.as_wide(v, rank, node).node
 
 
-def _mark(node: fx.Node, packed: fx.Node, op: str) -> None:
-    packed.meta["wide_op"] = op
-    packed.meta["wide_shapes"] = {"input": concrete_shape(node.args[0]), "packed_input": False}
+def _emit_packed(ctx: WidenContext, node: fx.Node, target, args: tuple) -> fx.Node:
+    """The packed-family op ``target`` for ``node``, fed N-first (the layout plan may chain it)."""
+    return ctx.emit_wide(target, args, {"packed_input": False}, like=node,
+                         shapes={"input": concrete_shape(node.args[0]), "packed_input": False})
 
 
 def _running_stats_norm(ctx: WidenContext, node: fx.Node, target, min_rank: int, use_stats: str) -> Wide:
@@ -50,9 +53,7 @@ def _running_stats_norm(ctx: WidenContext, node: fx.Node, target, min_rank: int,
     args = (x, _param(ctx, node, a["weight"], 1), _param(ctx, node, a["bias"], 1),
             _param(ctx, node, a["running_mean"], 1), _param(ctx, node, a["running_var"], 1),
             a[use_stats], a["momentum"], a["eps"])
-    packed = ctx.emit(target, args, {"packed_input": False}, like=node)
-    _mark(node, packed, f"wide.{target._schema.name.split('::')[-1]}")
-    return packed_result(ctx, node, packed)
+    return packed_result(ctx, node, _emit_packed(ctx, node, target, args))
 
 
 @rule(aten.batch_norm.default, layout="packed", packed=wide.batch_norm.default)
@@ -71,9 +72,7 @@ def _group_norm(ctx: WidenContext, node: fx.Node) -> Wide:
     x = _activation(ctx, node, a["input"], 2)
     args = (x, ctx.n, a["num_groups"], _param(ctx, node, a["weight"], 1),
             _param(ctx, node, a["bias"], 1), a["eps"])
-    packed = ctx.emit(wide.group_norm.default, args, {"packed_input": False}, like=node)
-    _mark(node, packed, "wide.group_norm")
-    return packed_result(ctx, node, packed)
+    return packed_result(ctx, node, _emit_packed(ctx, node, wide.group_norm.default, args))
 
 
 @rule(aten.prelu.default, layout="packed", packed=wide.prelu.default)
@@ -90,9 +89,7 @@ def _prelu(ctx: WidenContext, node: fx.Node) -> Wide:
         raise ctx.fail(node, "PReLU with several slopes on a 1-d input")
     if unbatched:
         x = ctx.emit(aten.unsqueeze.default, (x, 1), like=node)
-    packed = ctx.emit(wide.prelu.default, (x, _param(ctx, node, a["weight"], 1)), {"packed_input": False},
-                      like=node)
-    _mark(node, packed, "wide.prelu")
+    packed = _emit_packed(ctx, node, wide.prelu.default, (x, _param(ctx, node, a["weight"], 1)))
     return packed_result(ctx, node, packed, unbatched)
 
 
@@ -102,14 +99,13 @@ def _layer_norm(ctx: WidenContext, node: fx.Node) -> Wide:
     rank = member_rank(node.args[0])
     x = ctx.as_wide(a["input"], rank, node).node
     k = len(a["normalized_shape"])
-    out = ctx.emit(wide.layer_norm.default, (x, a["normalized_shape"], _param(ctx, node, a["weight"], k),
-                                             _param(ctx, node, a["bias"], k), a["eps"]),
-                   {"strategy": "auto"}, like=node, name=node.name)
-    out.meta["wide_op"] = "wide.layer_norm"
     shapes = {"input": concrete_shape(node.args[0]), "normalized_shape": [int(d) for d in a["normalized_shape"]],
               "weight": a["weight"] is not None, "bias": a["bias"] is not None}
-    out.meta["wide_shapes"] = shapes
-    out.meta["wide_tune"] = TuneSpec(default="fused", make=lambda n, opts, s=shapes, eps=a["eps"]: _layer_norm_candidates(n, s, eps, opts))
+    tune = TuneSpec(default=_LAYER_NORM.default,
+                    make=lambda n, opts, s=shapes, eps=a["eps"]: _layer_norm_candidates(n, s, eps, opts))
+    out = ctx.emit_wide(wide.layer_norm.default, (x, a["normalized_shape"], _param(ctx, node, a["weight"], k),
+                                                  _param(ctx, node, a["bias"], k), a["eps"]),
+                        {"strategy": "auto"}, like=node, name=node.name, shapes=shapes, tune=tune)
     return Wide(out, rank)
 
 
@@ -127,10 +123,8 @@ def _rms_norm(ctx: WidenContext, node: fx.Node) -> Wide:
     rank = member_rank(node.args[0])
     x = ctx.as_wide(a["input"], rank, node).node
     k = len(a["normalized_shape"])
-    out = ctx.emit(wide.rms_norm.default, (x, a["normalized_shape"], _param(ctx, node, a["weight"], k), a["eps"]),
-                   like=node, name=node.name)
-    out.meta["wide_op"] = "wide.rms_norm"
-    out.meta["wide_shapes"] = {"input": concrete_shape(node.args[0])}
+    out = ctx.emit_wide(wide.rms_norm.default, (x, a["normalized_shape"], _param(ctx, node, a["weight"], k), a["eps"]),
+                        like=node, name=node.name, shapes={"input": concrete_shape(node.args[0])})
     return Wide(out, rank)
 
 

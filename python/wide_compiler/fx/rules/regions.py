@@ -8,6 +8,7 @@ graph module. The body is widened like any graph (every rule applies inside it) 
 graph module, and the region becomes a call of :class:`Region`, which runs it under the same
 grad mode or autocast state: no gradient flows through a no-grad region, and autocast picks the
 same dtypes as in the member.
+Regions next to the other capture special cases: Note [Capture special cases] in fx/capture.py.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def _region(ctx: WidenContext, node: fx.Node):
     values = [ctx.value(a) for a in inputs]
     gm, outs = widen_body(ctx, ctx.value(body), values)
     region = Region(gm, node.name, **options)
-    out = ctx.emit(region, tuple(ctx.unwrap(v) for v in values), like=node, name=node.name)
-    out.meta["wide_op"] = f"region:{region}"
+    out = ctx.emit_wide(region, tuple(ctx.unwrap(v) for v in values), like=node, name=node.name,
+                        op=f"region:{region}")
     items = []
     for k, o in enumerate(outs):
         item = ctx.emit(operator.getitem, (out, k), like=node)

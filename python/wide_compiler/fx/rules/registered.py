@@ -18,6 +18,6 @@ def _registered(ctx: WidenContext, node: fx.Node):
     if path is None or ctx.root is None:
         raise ctx.fail(node, "an opaque module call that this wide model did not register")
     inputs = [ctx.as_wide(ctx.value(a), member_rank(a), node).node for a in node.args[1]]
-    out = ctx.emit(call_registered, (ctx.root, path, *inputs), like=node, name=node.name)
-    out.meta["wide_op"] = f"registered:{path}"
+    out = ctx.emit_wide(call_registered, (ctx.root, path, *inputs), like=node, name=node.name,
+                        op=f"registered:{path}")
     return ctx.outputs(node, out)

@@ -17,6 +17,7 @@ import operator
 import torch
 from torch import fx
 
+from ...ops import LOOP, WIDE_OPS
 from ..table import rule
 from ..context import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
 
@@ -59,7 +60,8 @@ def _proj_size(params: list, num_layers: int, directions: int, has_biases: bool)
     return int(params[per - 1].meta["val"].shape[0]) if per == (5 if has_biases else 3) else 0
 
 
-_STRATEGIES = ("fused", "loop")
+_RNN = WIDE_OPS["rnn"]
+_STRATEGIES = _RNN.strategies
 
 
 def _rnn_candidates(n: int, args: tuple, shapes: dict, opts: dict) -> dict:
@@ -85,16 +87,15 @@ def _rnn(ctx: WidenContext, node: fx.Node):
     proj = _proj_size(params_old, a["num_layers"], directions, a["has_biases"]) if mode == "LSTM" else 0
     args = (mode, a["num_layers"], a["bidirectional"], a["batch_first"], a["dropout"], a["train"], a["has_biases"],
             proj)
-    out = ctx.emit(wide.rnn.default, (x, hx, params, *args), {"strategy": "auto"}, like=node)
-    out.meta["wide_op"] = "wide.rnn"
     shapes = {"input": concrete_shape(x_old), "params": [concrete_shape(p) for p in params_old], "mode": mode,
               "layers": a["num_layers"], "bidirectional": a["bidirectional"], "batch_first": a["batch_first"]}
-    out.meta["wide_shapes"] = shapes
     # LSTMs default to ATen's op per member (oneDNN's fused LSTM kernel, members in parallel):
     # 1.2-1.4x the loop of modules where the fused time loop is 0.4-0.6x (`benchmark rnn`); GRUs
     # and plain RNNs to the fused time loop (1.5-2.4x). The tuner measures both within its budget.
-    out.meta["wide_tune"] = TuneSpec(default="loop" if mode == "LSTM" else "fused", strategies=_STRATEGIES,
-                                     make=lambda n, opts: _rnn_candidates(n, args, shapes, opts))
+    tune = TuneSpec(default=LOOP if mode == "LSTM" else _RNN.default, strategies=_STRATEGIES,
+                    make=lambda n, opts: _rnn_candidates(n, args, shapes, opts))
+    out = ctx.emit_wide(wide.rnn.default, (x, hx, params, *args), {"strategy": "auto"}, like=node,
+                        shapes=shapes, tune=tune)
     output = ctx.emit(operator.getitem, (out, 0), like=node)
     states = ctx.emit(operator.getitem, (out, 1), like=node)
     ranks = [v.dim() for v in node.meta["val"]]
@@ -116,9 +117,8 @@ def _cell(ctx: WidenContext, node: fx.Node):
     hx = [] if _module_zeros(node, hx_old) else _wide_list(ctx, node, hx_old, "state")
     w_ih, w_hh = (ctx.as_wide(a[k], 2, node).node for k in ("w_ih", "w_hh"))
     b_ih, b_hh = (ctx.as_wide(a[k], 1, node).node if a[k] is not None else None for k in ("b_ih", "b_hh"))
-    out = ctx.emit(wide.rnn_cell.default, (x, hx, w_ih, w_hh, b_ih, b_hh), {"mode": mode}, like=node)
-    out.meta["wide_op"] = "wide.rnn_cell"
-    out.meta["wide_shapes"] = {"input": [str(s) for s in node.args[0].meta["val"].shape], "mode": mode}
+    out = ctx.emit_wide(wide.rnn_cell.default, (x, hx, w_ih, w_hh, b_ih, b_hh), {"mode": mode}, like=node,
+                        shapes={"input": [str(s) for s in node.args[0].meta["val"].shape], "mode": mode})
     if mode == "LSTM":
         return tuple(Wide(ctx.emit(operator.getitem, (out, k), like=node, name=None), 2) for k in range(2))
     return Wide(ctx.emit(operator.getitem, (out, 0), like=node, name=node.name), 2)

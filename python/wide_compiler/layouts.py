@@ -1,0 +1,83 @@
+"""Layout tags, and the channel-packed calling convention of a wide model.
+
+Tensors made by :func:`~wide_compiler.pack` or returned by a :class:`~wide_compiler.WideModel`
+carry their layout (DESIGN.md §3: N-first ``[N, B, ...]`` or channel-packed ``[B, N*C, ...]``),
+so the helpers can refuse the wrong one instead of splitting the wrong dim. The tag is a Python
+attribute: ops on the tensor drop it. :class:`PackedWideModel` calls a wide model with packed
+tensors (``WideModel.packed``, WideCompiler 0.x's convention).
+
+>>> import torch
+>>> from wide_compiler.layouts import layout_of, tag_layout
+>>> t = tag_layout(torch.zeros(2, 3), "packed")
+>>> layout_of(t), layout_of(t + 1)
+('packed', None)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+if TYPE_CHECKING:
+    from .model import WideModel
+
+__all__ = ["PackedWideModel", "layout_of", "tag_layout"]
+
+_LAYOUT_ATTR = "_wide_layout"
+
+
+def tag_layout(t: Any, layout: str) -> Any:
+    """Mark tensor ``t`` as ``"nfirst"`` or ``"packed"`` (no-op for other values and under
+    ``torch.compile``, where tensors take no Python attributes); returns ``t``."""
+    if isinstance(t, torch.Tensor) and not torch.compiler.is_compiling():
+        setattr(t, _LAYOUT_ATTR, layout)
+    return t
+
+
+def layout_of(t: torch.Tensor) -> str | None:
+    """``"nfirst"``/``"packed"`` for a tensor tagged by :func:`tag_layout`, else None."""
+    return getattr(t, _LAYOUT_ATTR, None)
+
+
+def _any_packed(args: tuple, kwargs: dict) -> bool:
+    """Whether an input was made by :func:`~wide_compiler.pack` (positional tensors: no pytree walk)."""
+    leaves = args if not kwargs and all(isinstance(a, torch.Tensor) for a in args) else tree_flatten((args, kwargs))[0]
+    return any(isinstance(t, torch.Tensor) and layout_of(t) == "packed" for t in leaves)
+
+
+
+class PackedWideModel(nn.Module):
+    """A :class:`WideModel` called with channel-packed tensors (see :attr:`WideModel.packed`)."""
+
+    def __init__(self, wide: WideModel) -> None:
+        super().__init__()
+        self.wide = wide
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        n = self.wide.n
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if any(layout_of(t) == "nfirst" for t in tensors):
+            raise ValueError("wide_compiler: packed call given an N-first tensor (a WideModel output): call "
+                             "the WideModel itself with N-first inputs, or pack per-member tensors with "
+                             "wide_compiler.pack")
+
+        def to_nfirst(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.dim() < 2 or t.shape[1] % n:
+                raise ValueError(f"wide_compiler: packed input: expected [B, N*C, ...] with dim 1 divisible "
+                                 f"by N={n}, got {list(t.shape)}")
+            return t.unflatten(1, (n, -1)).movedim(1, 0)
+
+        def to_packed(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            out = t.movedim(0, 1).flatten(1, 2) if t.dim() >= 3 else t.flatten()
+            return tag_layout(out.contiguous(), "packed")
+
+        args, kwargs = tree_map(to_nfirst, (args, kwargs))
+        return tree_map(to_packed, self.wide(*args, **kwargs))
+
