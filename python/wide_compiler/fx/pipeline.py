@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,7 +46,9 @@ from torch.export import ExportedProgram
 from torch.utils._pytree import tree_map
 
 from ..config import WideConfig
+from ..measure import Stopwatch
 from ..registry import opaque_template, registered_paths
+from ..tuning import choose_strategies
 from .capture import SpecialisationLog, capture, check_sample
 from .constants import ConstantPlan, plan_constants
 from .eval_rewrites import (attention_kernel, fuse_residual_norms, pool_before_relu, relu_in_place,
@@ -58,7 +59,6 @@ from .layout import plan_layout
 from .member_checks import check_members, check_run_members, check_traced_members
 from .model_check import check_tuning
 from .state import WideState, check_state, stack_state
-from ..tuning import choose_strategies
 from .widen import WideGraph, check_ranks, widen
 
 __all__ = ["COMPILE_LOCK", "PASSES", "Compilation", "Pass", "compile_members", "run_pipeline"]
@@ -251,11 +251,11 @@ def run_pipeline(c: Compilation, passes: Sequence[Pass] = PASSES) -> Compilation
             missing = [f for f in p.requires if getattr(c, f) is None]
             if missing:
                 _bad(p.name, f"needs {', '.join(missing)}, which no earlier pass produced")
-            start = time.perf_counter()
+            watch = Stopwatch()
             p.run(c)
             if p.check is not None:
                 p.check(c)
-            c.log.append((p.name, time.perf_counter() - start))
+            c.log.append((p.name, watch.seconds))
             log.debug("wide_compiler: pass %s took %.3f s", p.name, c.log[-1][1])
     return c
 
