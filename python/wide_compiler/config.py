@@ -6,42 +6,23 @@ import dataclasses
 import functools
 import math
 import os
-from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["WideConfig", "known_strategies", "register_strategy_names"]
+from .ops import LOOP, WIDE_OPS
 
-# Note [Strategy names]
-# ~~~~~~~~~~~~~~~~~~~~~
-# ``WideConfig.strategy`` is checked when the config is made, against "auto", "batched" and every
-# strategy some wide op offers. Those names live in the rule table (fx/table.py), but the config
-# sits below the compiler: the fx passes read a WideConfig, and this module imports nothing of fx
-# (a contract of .importlinter). So the dependency is inverted: the fx layer registers where the
-# names come from (fx/widen.py registers ``fx.table.strategy_names`` once the rule families are
-# loaded), and the check reads the registered sources each time, so rows added later count too.
-# Importing ``wide_compiler`` loads the fx layer before any user code runs, so every config a user
-# makes is checked against the whole table, as before.
-_BUILTIN_STRATEGIES = frozenset({"auto", "batched"})
-_STRATEGY_SOURCES: list[Callable[[], Iterable[str]]] = []
-
-
-def register_strategy_names(source: Callable[[], Iterable[str]]) -> None:
-    """Add a source of strategy names that ``WideConfig.strategy`` accepts: a callable returning
-    the names, read at every check (Note [Strategy names]). Registering the same source twice is a
-    no-op."""
-    if source not in _STRATEGY_SOURCES:
-        _STRATEGY_SOURCES.append(source)
+__all__ = ["WideConfig", "known_strategies"]
 
 
 def known_strategies() -> frozenset[str]:
-    """Every value ``WideConfig.strategy`` accepts: ``"auto"``, ``"batched"`` and the names of the
-    registered sources (the rule table's strategies, ``"loop"`` among them).
+    """Every value ``WideConfig.strategy`` accepts: ``"auto"``, ``"batched"``, ``"loop"`` and
+    every strategy a wide op offers (the op table, :mod:`wide_compiler.ops`, which the rules read
+    too; config sits below the compiler and imports nothing of fx).
 
     >>> import wide_compiler as wc
     >>> {"auto", "batched", "loop", "bmm"} <= wc.config.known_strategies()
     True
     """
-    return _BUILTIN_STRATEGIES.union(*(source() for source in _STRATEGY_SOURCES))
+    return frozenset({"auto", "batched", LOOP}).union(*(op.strategies for op in WIDE_OPS.values()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -217,7 +217,6 @@ class WideModel(MemberOpsMixin, nn.Module):
                          buffers, frozenset(name for name in buffers if name not in persistent),
                          {path: self.get_submodule(path) for path in self._registered})
 
-    @torch.enable_grad()  # a training graph's tuning runs backward, whatever the caller's grad mode
     def _compile(self, training: bool) -> Compilation:
         """Run the compiler pipeline (fx/pipeline.py) for one train/eval mode, on this model's state."""
         ref = next(self.parameters(), None)

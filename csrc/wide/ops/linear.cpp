@@ -90,10 +90,12 @@ at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight,
   c10::SymInt m = 1;
   for (size_t d = 1; d + 1 < out_sizes.size(); ++d) m *= out_sizes[d];
 
-  const bool wants_grad = at::GradMode::is_enabled() &&
-                          (input.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
   constexpr int64_t kSharedGemmMaxWeight = 1 << 15;  // member weight elements (see the note)
-  if (input.sym_stride(0) == 0 && wants_grad && out_features * in_features < kSharedGemmMaxWeight) {
+  const auto wants_grad = [&] {
+    return at::GradMode::is_enabled() &&
+           (input.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
+  };
+  if (input.sym_stride(0) == 0 && out_features * in_features < kSharedGemmMaxWeight && wants_grad()) {
     // Shared input in training, small layers: one GEMM against the concatenated weights.
     const at::Tensor x = input.select(0, 0).reshape_symint({m, in_features});
     const at::Tensor w = weight.reshape_symint({n * out_features, in_features});

@@ -42,12 +42,8 @@ def check_tuning(c: Any) -> None:
     restored and no ``.grad`` is written; a sample the graph cannot run keeps the tuned
     choices (logged at debug level). Each changed op's ``summary()`` reason says what the
     check decided. The graph runs on ``c.state`` (and the constants it reads), under a
-    stand-in module (:func:`~wide_compiler.fx.state.state_module`)."""
-    with torch.enable_grad():  # a training graph's check runs backward, whatever the caller's grad mode
-        _check(c)
-
-
-def _check(c: Any) -> None:
+    stand-in module (:func:`~wide_compiler.fx.state.state_module`); run_pipeline has grad mode
+    on, so a train graph's runs have their backward whatever the caller's mode."""
     gm = c.wide.graph_module
     nodes = [node for node in gm.graph.nodes if "wide_tune" in node.meta]
     tuned = {node: node.kwargs.get("strategy") for node in nodes}

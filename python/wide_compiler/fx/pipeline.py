@@ -243,8 +243,10 @@ def _bad(name: str, why: str) -> None:
 
 
 def run_pipeline(c: Compilation, passes: Sequence[Pass] = PASSES) -> Compilation:
-    """Run ``passes`` in order on ``c`` (under the compile lock); returns ``c``."""
-    with COMPILE_LOCK:
+    """Run ``passes`` in order on ``c`` (under the compile lock, with grad mode on: a training
+    graph's tuning and model-level check run backward, whatever the caller's grad mode); returns
+    ``c``."""
+    with COMPILE_LOCK, torch.enable_grad():
         for p in passes:
             if p.when is not None and not p.when(c):
                 continue
@@ -260,7 +262,6 @@ def run_pipeline(c: Compilation, passes: Sequence[Pass] = PASSES) -> Compilation
     return c
 
 
-@torch.enable_grad()  # a training graph's tuning runs backward, whatever the caller's grad mode
 def compile_members(members: Sequence[nn.Module], sample_args: tuple, sample_kwargs: dict | None = None,
                     *, config: WideConfig, dynamic_shapes: Any = None) -> Compilation:
     """The whole pipeline on N members (:meth:`Compilation.of_members`): the members checked,

@@ -28,13 +28,12 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import tree_flatten
 
-from ..config import register_strategy_names
 from ..errors import UnsupportedOperationError
 # The pass's vocabulary lives in fx/context.py (shared with the rules and the fallback, which this
 # module imports); its names are re-exported here, their home before.
 from .context import TuneSpec, Wide, WidenContext, concrete_shape, member_rank, op_name, written_args  # noqa: F401
 from .source import source_line
-from .table import RuleEntry, find_rule, strategy_names
+from .table import RuleEntry, find_rule
 
 __all__ = ["TuneSpec", "Wide", "WideGraph", "WidenContext", "widen"]
 
@@ -403,7 +402,5 @@ from . import rules  # noqa: E402,F401
 from .fallback import fallback  # noqa: E402
 
 # Rules that widen a nested graph reach the per-node step through the context (Note [Widening
-# nested graphs] in fx/context.py); WideConfig.strategy accepts the table's strategy names (Note
-# [Strategy names] in config.py).
+# nested graphs] in fx/context.py).
 WidenContext._node_widener = _widen_node
-register_strategy_names(strategy_names)
