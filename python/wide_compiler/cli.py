@@ -824,6 +824,8 @@ def _benchmark_targets() -> str:
 
 
 def cmd_benchmark(args: argparse.Namespace) -> int:
+    import torch
+
     from . import bench
 
     if args.list:  # machine-readable: one target name a line (the Makefile's `make bench`)
@@ -844,6 +846,19 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
             print(f"error: target {name!r} has no preset {args.preset!r}; "
                   f"expected one of {', '.join(bench.TARGETS[name].presets)}", file=sys.stderr)
             return 2
+    if args.device != "cpu":
+        if not torch.cuda.is_available():
+            print(f"error: --device {args.device}, but this torch sees no CUDA device "
+                  f"(torch {torch.__version__}, cuda={torch.version.cuda or 'none'})", file=sys.stderr)
+            return 2
+        unable = [n for n in targets if args.device not in bench.TARGETS[n].devices]
+        if unable and args.target != "all":
+            print(f"error: target {args.target!r} runs on {', '.join(bench.TARGETS[args.target].devices)} only",
+                  file=sys.stderr)
+            return 2
+        if unable:
+            print(f"note: on {args.device}, skipping the CPU-only targets {', '.join(unable)}", file=sys.stderr)
+            targets = [n for n in targets if n not in unable]
     if args.plot and not _need_matplotlib():
         return 2
     if args.tuned_allocator:  # the same process-wide setting for every contender
@@ -855,7 +870,8 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
     for name in targets:
         if not args.quiet and not bar:
             print(f"benchmark {name}/{args.preset} ...", file=sys.stderr, flush=True)
-        with bench.engine.compile_all() if args.compile else contextlib.nullcontext():
+        with (bench.engine.compile_all() if args.compile else contextlib.nullcontext(),
+              bench.engine.on_device(args.device)):
             try:
                 recs = bench.run(name, args.preset, progress=bar, cases=args.case)
             except ValueError as e:
@@ -1213,6 +1229,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="call wc.tune_cpu_allocator() first (raises glibc's malloc thresholds for "
                         "the whole process, every contender alike; by default nothing process-wide "
                         "changes); records say which in 'allocator'")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the members, their inputs and every contender run (the targets "
+                        "built on whole models and linear; records say the device)")
     p.add_argument("-q", "--quiet", action="store_true", help="no table, no progress bar")
     p.set_defaults(func=cmd_benchmark)
 

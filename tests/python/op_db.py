@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import random
 import zlib
 from collections.abc import Callable, Iterator
@@ -55,6 +56,19 @@ from wide_compiler.testing import tolerance
 
 W = torch.ops.wide
 F32, F64 = torch.float32, torch.float64
+#: Where the samples live: ``WIDE_TEST_DEVICE=cuda`` runs the whole database on a GPU (values are
+#: drawn on the CPU from the same seeds, then moved, so a GPU run checks the same calls).
+DEVICE = torch.device(os.environ.get("WIDE_TEST_DEVICE", "cpu"))
+
+
+def _on_device(v):
+    """``v`` (a tensor, or a list/tuple of them) on :data:`DEVICE`; tensors already there (the
+    :class:`Maker`'s, with their layouts and autograd leaves) and everything else unchanged."""
+    if isinstance(v, torch.Tensor):
+        return v if v.device == DEVICE else v.to(DEVICE)
+    if isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v):
+        return type(v)(_on_device(t) for t in v)
+    return v
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,6 +93,11 @@ class SampleInput:
     same: frozenset = frozenset()
     gradcheck: bool = True
     aot: bool = False
+
+    def __post_init__(self) -> None:
+        # the few plain tensors a sample builds itself (offsets, steps, masks) follow the Maker's
+        self.args = tuple(_on_device(v) for v in self.args)
+        self.kwargs = {k: _on_device(v) for k, v in self.kwargs.items()}
 
     def member_args(self, i: int, mutable: frozenset = frozenset()) -> tuple[tuple, dict]:
         """Member ``i``'s arguments: per-member tensors sliced, ``mutable`` ones (positions or
@@ -166,6 +185,7 @@ class Maker:
 
     def _layout(self, fill: Callable[[tuple], torch.Tensor], shape: tuple, layout: str, grad: bool):
         shape = tuple(shape)
+        fill = lambda s, fill=fill: fill(s).to(DEVICE)  # noqa: E731 (drawn on the CPU: same values anywhere)
         if layout == "shared":
             leaf = fill(shape[1:]).requires_grad_(grad)
             return leaf.expand(shape)

@@ -117,7 +117,7 @@ def check_against_reference(op: OpInfo, s: SampleInput, seed: int = 0) -> None:
         if isinstance(tree, (list, tuple)):
             return type(tree)(cot_tree(t) for t in tree)
         if isinstance(tree, torch.Tensor) and tree.requires_grad:
-            return torch.randn(tree.shape, generator=g, dtype=tree.dtype)
+            return torch.randn(tree.shape, generator=g, dtype=tree.dtype).to(tree.device)
         return None
     cots = cot_tree(out)
     wide_grads = torch.autograd.grad(outs, leaves, [c for c in _flat(cots) if c is not None], allow_unused=True)

@@ -94,12 +94,14 @@ __all__ = [
     "MODES",
     "RECORD_KEYS",
     "COMPILE_OPTIONS",
+    "DEVICE",
     "Contender",
     "TimingError",
     "compile_all",
     "compiled",
     "compiled_loop_contender",
     "contention_note",
+    "device_name",
     "finish_records",
     "fmt_ms",
     "fmt_x",
@@ -111,11 +113,13 @@ __all__ = [
     "make_record",
     "make_step",
     "max_abs_err",
+    "on_device",
     "params_max_abs_err",
     "run_case",
     "stacked_params",
     "time_interleaved",
     "time_with_baselines",
+    "to_device",
     "vmap_contender",
     "wide_params_in_member_order",
 ]
@@ -126,7 +130,7 @@ log = logging.getLogger(__name__)
 RECORD_KEYS = (
     "target", "case", "n", "batch", "in_features", "out_features", "dtype", "mode", "execution",
     "strategy", "wide_ms", "baseline_ms", "speedup", "max_abs_err", "baseline_max_abs_err",
-    "errors", "timing", "machine",
+    "errors", "timing", "machine", "device",
 )
 _REQUIRED = ("target", "n", "dtype")
 
@@ -166,9 +170,47 @@ def make_record(*, base: Mapping[str, Any], mode: str, strategy: str, wide_ms: f
         errors=dict(errors or {}),
         timing=timing,
         machine=dict(machine if machine is not None else machine_info()),
+        device=device_name(),
     )
     record.update(extra)
     return record
+
+
+#: Where the targets that support it (:attr:`.registry.Target.devices`) put the members and their
+#: inputs: the CLI's ``--device``. Set with :func:`on_device`; read with :func:`to_device`.
+DEVICE = torch.device("cpu")
+
+
+@contextlib.contextmanager
+def on_device(device: str | torch.device) -> Iterator[None]:
+    """Within the block, targets build their members and inputs on ``device`` (every contender
+    alike; timings synchronize CUDA, see :func:`wide_compiler.measure.interleave`)."""
+    global DEVICE
+    before, DEVICE = DEVICE, torch.device(device)
+    try:
+        yield
+    finally:
+        DEVICE = before
+
+
+def to_device(obj: Any) -> Any:
+    """``obj`` (a module, a tensor, or a tuple/list of them) on :data:`DEVICE`.
+
+    >>> to_device((torch.ones(2), nn.Linear(2, 1)))[0].device
+    device(type='cpu')
+    """
+    if isinstance(obj, (torch.Tensor, nn.Module)):
+        return obj.to(DEVICE)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(o) for o in obj)
+    return obj
+
+
+def device_name() -> str:
+    """``"cpu"``, or ``"cuda: <the GPU's name>"``: what a record's timings ran on."""
+    if DEVICE.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(DEVICE)}"
+    return DEVICE.type
 
 
 #: ``torch.compile`` options applied to every contender of :func:`run_case` (the CLI's

@@ -98,13 +98,13 @@ def build_case(case: LinearCase, *, seed: int = 0
     """
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    models = [nn.Linear(case.in_features, case.out_features, dtype=case.dtype)
+    models = [engine.to_device(nn.Linear(case.in_features, case.out_features, dtype=case.dtype))
               for _ in range(case.n)]
     if case.shared:
-        x0 = torch.randn(case.batch, case.in_features, generator=g, dtype=case.dtype)
+        x0 = engine.to_device(torch.randn(case.batch, case.in_features, generator=g, dtype=case.dtype))
         x = x0.expand(case.n, *x0.shape)
     else:
-        x = torch.randn(case.n, case.batch, case.in_features, generator=g, dtype=case.dtype)
+        x = engine.to_device(torch.randn(case.n, case.batch, case.in_features, generator=g, dtype=case.dtype))
     return models, x, measure.stacked_params(models)
 
 
@@ -190,7 +190,7 @@ def run_case(case: LinearCase, *, modes: Sequence[str] = measure.MODES,
     return records
 
 
-@target("linear", presets=PRESETS,
+@target("linear", presets=PRESETS, devices=("cpu", "cuda"),
         description="torch.ops.wide.linear per strategy vs loop / vmap / GEMM roofline")
 def jobs(p: Preset) -> list[Job]:
     """One job per case of ``p.grid["cases"]`` (``tuned``, ``compile_loop``: see :func:`run_case`).

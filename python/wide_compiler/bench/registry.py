@@ -74,6 +74,8 @@ class Target:
     presets: Mapping[str, Preset]
     formatter: Callable[[Sequence[Record]], str]
     description: str
+    #: the device types it can run on (:func:`.engine.on_device`); CPU only unless it says so
+    devices: tuple[str, ...] = ("cpu",)
 
     def preset(self, name: str) -> Preset:
         if name not in self.presets:
@@ -101,13 +103,15 @@ TARGETS: Mapping[str, Target] = types.MappingProxyType(_REGISTRY)
 
 
 def target(name: str, *, presets: Mapping[str, Preset], description: str,
-           formatter: Callable[[Sequence[Record]], str] | None = None
+           formatter: Callable[[Sequence[Record]], str] | None = None,
+           devices: Sequence[str] = ("cpu",),
            ) -> Callable[[Callable[[Preset], Sequence[Job]]], Callable[[Preset], Sequence[Job]]]:
     """Register the decorated ``jobs(preset) -> list[Job]`` as benchmark target ``name``.
 
     ``presets`` must hold ``ci``, ``quick`` and ``full`` (:data:`PRESET_NAMES`; more are
-    allowed); ``formatter`` prints the records (default :func:`.engine.format_table`). Returns
-    the function unchanged.
+    allowed); ``formatter`` prints the records (default :func:`.engine.format_table`);
+    ``devices``: the device types whose :func:`.engine.on_device` it honours (its members and
+    inputs go through :func:`.engine.to_device`). Returns the function unchanged.
     """
     missing = [p for p in PRESET_NAMES if p not in presets]
     if missing:
@@ -120,7 +124,7 @@ def target(name: str, *, presets: Mapping[str, Preset], description: str,
         if name in _REGISTRY:
             raise ValueError(f"benchmark target {name!r} is registered twice")
         _REGISTRY[name] = Target(name, jobs, types.MappingProxyType(dict(presets)),
-                                 formatter or engine.format_table, description)
+                                 formatter or engine.format_table, description, tuple(devices))
         return jobs
 
     return register
@@ -140,6 +144,9 @@ def run(name: str, preset: str | Preset = "quick", *, progress: bool = False,
     whose label starts with one of these names (``"resnet18"``, ``"resnet18 N=4"``)."""
     spec = get(name)
     p, label = (preset, "custom") if isinstance(preset, Preset) else (spec.preset(preset), preset)
+    if engine.DEVICE.type not in spec.devices:
+        raise ValueError(f"benchmark {name}/{label}: runs on {', '.join(spec.devices)} only, "
+                         f"not {engine.DEVICE.type}")
     machine = measure.machine_info()
     jobs = list(spec.jobs(p))
     if cases:

@@ -172,8 +172,8 @@ def _vision_target(name: str, description: str, presets: dict[str, Preset] = PRE
     """Register the decorated case builder ``cases(size)`` as benchmark target ``name``: one job
     per case and N (:func:`.registry.target`); returns the builder unchanged."""
     def register(cases: Callable[[str], list[Case]]) -> Callable[[str], list[Case]]:
-        target(name, presets=presets, formatter=format_records,
-               description=description)(functools.partial(_jobs, cases))
+        target(name, presets=presets, formatter=format_records, description=description,
+               devices=("cpu", "cuda"))(functools.partial(_jobs, cases))
         return cases
     return register
 
@@ -384,9 +384,9 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = measure.MODES,
 
     machine = machine if machine is not None else measure.machine_info()
     torch.manual_seed(seed)
-    master = [case.make() for _ in range(n)]
+    master = [engine.to_device(case.make()) for _ in range(n)]
     g = torch.Generator().manual_seed(seed)
-    xs = case.inputs((n, case.batch), g)
+    xs = engine.to_device(case.inputs((n, case.batch), g))
     sample = tuple(t[0] for t in xs)
     base = {"target": case.target, "case": case.name, "batch": case.batch, "shape": case.shape,
             "dtype": "float32"}

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
+import torch
+
 __all__ = ["Rounds", "Stopwatch", "TimingError", "error_text", "fmt_ms", "fmt_x", "interleave",
            "now", "time_interleaved", "time_with_baselines"]
 
@@ -107,14 +109,23 @@ class Rounds:
         return {k: 1e3 * statistics.median(v) for k, v in self.samples.items() if v}
 
 
+def _synchronize() -> None:
+    """Wait for queued CUDA work (once CUDA is in use): a sample times what its calls computed,
+    not what they queued."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _timed_calls(fn: Callable[[], Any], calls: int) -> float:
     """Seconds that ``calls`` calls of ``fn`` take, garbage collection off (as ``timeit``)."""
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
+        _synchronize()
         start = now()
         for _ in range(calls):
             fn()
+        _synchronize()
         return now() - start
     finally:
         if gc_was_enabled:
