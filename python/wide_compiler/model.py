@@ -121,6 +121,7 @@ class WideModel(MemberOpsMixin, nn.Module):
         self._ranges: dict[int, dict[str, tuple[tuple[int, int, int | None], ...]]] = {}
         self._graphs: dict[bool, WideGraph] = {}
         self._timings: dict[tuple[bool, str], dict[str, float] | None] = {}  # (training, node) -> ms
+        self._holder_plans: dict[int, list] = {}  # id(graph) -> _holders(graph)
 
         # Modules with a user-registered wide form are kept whole: their wide module replaces them.
         # The capture template (registered modules opaque) captures the other mode later.
@@ -146,15 +147,16 @@ class WideModel(MemberOpsMixin, nn.Module):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
-            if key == "_holder_plans":
-                continue  # refers to this instance's modules; the copy builds its own
+            if key == "_holder_plans":  # refers to this instance's modules; the copy builds its own
+                new.__dict__[key] = {}
+                continue
             new.__dict__[key] = dict(value) if key == "_graphs" else copy.deepcopy(value, memo)
         return new
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_graphs"] = {}  # captured and widened again on first use after unpickling
-        state.pop("_holder_plans", None)
+        state["_holder_plans"] = {}
         state["_ranges"] = {}  # keyed by graph: computed again with the graphs
         return state
 
@@ -382,10 +384,9 @@ class WideModel(MemberOpsMixin, nn.Module):
         """Per graph input: the (module, attribute) holding its stacked tensor, or None for user
         inputs (fx/state.py's :func:`~wide_compiler.fx.state.holders`). Cached per model
         instance (copies get their own)."""
-        plans = self.__dict__.setdefault("_holder_plans", {})
-        plan = plans.get(id(wg))
+        plan = self._holder_plans.get(id(wg))
         if plan is None:
-            plan = plans[id(wg)] = holders(self, wg)
+            plan = self._holder_plans[id(wg)] = holders(self, wg)
         return plan
 
     def _user_inputs(self, wg: WideGraph, args: tuple, kwargs: dict) -> Any:

@@ -989,6 +989,11 @@ def rnn_cell_ref(x, hx, w_ih, w_hh, b_ih=None, b_hh=None, *, mode):
         x, hx = x.unsqueeze(0), [s.unsqueeze(0) for s in hx]
     if not hx:
         hx = [x.new_zeros(x.shape[0], w_hh.shape[1])] * (2 if mode == "LSTM" else 1)
+    if (b_ih is None) != (b_hh is None):
+        # the same cell with a zero bias for the missing one: ATen's fused CUDA cells take both
+        # biases or neither (one alone is dropped, or fails with "sym_strides() called on an
+        # undefined Tensor")
+        b_ih, b_hh = [b if b is not None else torch.zeros_like(b_ih if b_hh is None else b_hh) for b in (b_ih, b_hh)]
     if mode == "LSTM":
         out = list(torch.lstm_cell(x, hx, w_ih, w_hh, b_ih, b_hh))
     else:

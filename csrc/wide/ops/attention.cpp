@@ -12,7 +12,8 @@
 // with `python -m wide_compiler benchmark attention`); at::scaled_dot_product_attention otherwise.
 // It is CompositeImplicitAutograd, so whenever a gradient is wanted autograd sees SDPA's own
 // backward, and under torch.compile / export the decision is taken at trace time like any
-// decomposition. small_attention itself has CPU and Meta kernels and no autograd formula.
+// decomposition. small_attention itself has CPU and Meta kernels, ATen's SDPA on other devices, and
+// no autograd formula.
 #include "wide/ops/attention.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -101,6 +102,16 @@ at::Tensor small_attention_cpu(const at::Tensor& query, const at::Tensor& key, c
   return out;
 }
 
+// Devices without a kernel of their own (CUDA): ATen's SDPA computes the same attention, returned in
+// small_attention's output layout (the Meta kernel's strides hold on every device).
+at::Tensor small_attention_any(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                               bool is_causal, std::optional<double> scale) {
+  check_small(query, key, value, query.sizes(), key.sizes(), value.sizes());
+  const bool gqa = query.size(1) != key.size(1);
+  return empty_output(query, value)
+      .copy_(at::scaled_dot_product_attention(query, key, value, {}, 0.0, is_causal, scale, gqa));
+}
+
 at::Tensor attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                           const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
                           std::optional<double> scale, bool enable_gqa) {
@@ -166,6 +177,10 @@ TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
 
 TORCH_LIBRARY_IMPL(wide, CPU, m) {
   m.impl("small_attention", &wide::small_attention_cpu);
+}
+
+TORCH_LIBRARY_IMPL(wide, CompositeExplicitAutograd, m) {
+  m.impl("small_attention", &wide::small_attention_any);
 }
 
 TORCH_LIBRARY_IMPL(wide, Meta, m) {

@@ -189,6 +189,14 @@ def _batch_of_two(a: Any) -> Any:
     return a
 
 
+def without_cudnn() -> contextlib.AbstractContextManager:
+    """cuDNN off while tracing or recording a member (its other settings kept): an RNN member on
+    CUDA then skips ``flatten_parameters``, whose storage swap (``aten.set_``) is cuDNN's memory
+    layout, not part of the member's program; the wide model runs with the user's settings."""
+    c = torch.backends.cudnn
+    return c.flags(enabled=False, benchmark=c.benchmark, deterministic=c.deterministic, allow_tf32=c.allow_tf32)
+
+
 def batch_of_two(args: Any) -> Any:
     """A batch-of-1 sample repeated to a batch of 2 (export would specialise a size of 1); a
     sample with a real batch is returned as it is (its size-1 inputs are broadcast ones)."""
@@ -217,7 +225,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     registered: set[str] = set()
     while True:
         try:
-            with _ForwardSignature(model, signature), (_RecurrentShapes() if extra_dims else contextlib.nullcontext()):
+            with (_ForwardSignature(model, signature), without_cudnn(),
+                  _RecurrentShapes() if extra_dims else contextlib.nullcontext()):
                 return torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as e:  # export's own errors are many types; keep its reason whole
             found = _UNKNOWN_OUTPUT.search(str(e))

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from ..errors import ArchitectureMismatchError
-from .capture import _run_on_clones, batch_of_two, capture
+from .capture import _run_on_clones, batch_of_two, capture, without_cudnn
 from .forms import apply_capture_forms
 from .source import source_line, user_frame
 
@@ -292,7 +292,8 @@ def _run_recorded(model: nn.Module, args: tuple, kwargs: dict, stop_at: int | No
     that cannot be deep-copied runs through :func:`_run_on_clones` (fx/capture.py) instead."""
     rec = _OpRecorder(stop_at)
     devices = sorted({t.device.index for t in (*model.parameters(), *model.buffers()) if t.is_cuda} - {None})
-    with torch.random.fork_rng(devices=devices):
+    # without cuDNN, as captured: an RNN's cuDNN weight flattening (aten.set_) is no part of the program
+    with torch.random.fork_rng(devices=devices), without_cudnn():
         try:
             member = copy.deepcopy(model)
         except Exception as e:  # noqa: BLE001 -- objects that refuse to be copied
