@@ -54,20 +54,21 @@ log = logging.getLogger("wide_compiler.testing")  # the public harness's logger,
 
 KINDS = ("output", "grad", "buffer")
 
+
+def _by_kind(output: float, grad_rtol: float, grad_atol: float) -> dict[str, dict[str, float]]:
+    """One dtype's row of TOLERANCES: outputs and buffers within rtol = atol = ``output``,
+    gradients within their own rtol/atol."""
+    return {"output": {"rtol": output, "atol": output},
+            "grad": {"rtol": grad_rtol, "atol": grad_atol},
+            "buffer": {"rtol": output, "atol": output}}
+
+
 # dtype -> kind -> rtol/atol. The justification is wide_compiler.testing's docstring ("Tolerances").
 TOLERANCES: dict[torch.dtype, dict[str, dict[str, float]]] = {
-    torch.float32: {"output": {"rtol": 1e-5, "atol": 1e-5},
-                    "grad": {"rtol": 1e-5, "atol": 1e-4},
-                    "buffer": {"rtol": 1e-5, "atol": 1e-5}},
-    torch.float64: {"output": {"rtol": 1e-10, "atol": 1e-10},
-                    "grad": {"rtol": 1e-10, "atol": 1e-10},
-                    "buffer": {"rtol": 1e-10, "atol": 1e-10}},
-    torch.bfloat16: {"output": {"rtol": 1.6e-2, "atol": 1.6e-2},
-                     "grad": {"rtol": 3.2e-2, "atol": 3.2e-2},
-                     "buffer": {"rtol": 1.6e-2, "atol": 1.6e-2}},
-    torch.float16: {"output": {"rtol": 2e-3, "atol": 2e-3},
-                    "grad": {"rtol": 4e-3, "atol": 4e-3},
-                    "buffer": {"rtol": 2e-3, "atol": 2e-3}},
+    torch.float32: _by_kind(1e-5, grad_rtol=1e-5, grad_atol=1e-4),
+    torch.float64: _by_kind(1e-10, grad_rtol=1e-10, grad_atol=1e-10),
+    torch.bfloat16: _by_kind(1.6e-2, grad_rtol=3.2e-2, grad_atol=3.2e-2),
+    torch.float16: _by_kind(2e-3, grad_rtol=4e-3, grad_atol=4e-3),
 }
 _EXACT = {"rtol": 0.0, "atol": 0.0}
 _REAL_OF_COMPLEX = {torch.complex64: torch.float32, torch.complex128: torch.float64,

@@ -205,6 +205,13 @@ class GradScaler:
     def _state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return self._per_optimizer_states.setdefault(id(optimizer), _fresh_state())
 
+    def _scaled_state(self, optimizer: torch.optim.Optimizer, method: str) -> dict[str, Any]:
+        """``optimizer``'s state once :meth:`scale` has run; before, a RuntimeError naming ``method``."""
+        if self._scale is None or self._n is None:
+            raise RuntimeError(f"wc.amp.GradScaler.{method}: no scale yet; call scale() on the "
+                               "members' losses first")
+        return self._state(optimizer)
+
     def _grads(self, optimizer: torch.optim.Optimizer) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         for gi, group in enumerate(optimizer.param_groups):
             for k, p in enumerate(group["params"]):
@@ -226,10 +233,7 @@ class GradScaler:
         when it was not called; call it before clipping gradients. Once per :meth:`update`."""
         if not self._enabled:
             return
-        if self._scale is None or self._n is None:
-            raise RuntimeError("wc.amp.GradScaler.unscale_: no scale yet; call scale() on the "
-                               "members' losses first")
-        state = self._state(optimizer)
+        state = self._scaled_state(optimizer, "unscale_")
         if state["stage"] is _Stage.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] is _Stage.STEPPED:
@@ -258,10 +262,7 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        if self._scale is None:
-            raise RuntimeError("wc.amp.GradScaler.step: no scale yet; call scale() on the members' "
-                               "losses first")
-        state = self._state(optimizer)
+        state = self._scaled_state(optimizer, "step")
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         if state["stage"] is _Stage.READY:

@@ -15,12 +15,12 @@
 
 #include "wide/ops/attention.h"
 #include "wide/optim/cpu/kernels.h"
+#include "isa_dtype_grid.h"
 #include "wide_test_utils.h"
 
 namespace {
 
-// instruction set, dtype
-using AttentionCase = std::tuple<std::string, at::ScalarType>;
+using AttentionCase = wide_test::IsaDtype;
 
 class WideSmallAttentionTest : public wide_test::IsaTest<AttentionCase> {};
 
@@ -71,14 +71,7 @@ TEST_P(WideSmallAttentionTest, StridedInputsAndOutputLayout) {
   EXPECT_TRUE(at::allclose(wide::small_attention(q, kt, v), wide::small_attention(q, kt.contiguous(), v)));
 }
 
-std::string attention_case_name(const ::testing::TestParamInfo<AttentionCase>& info) {
-  return std::get<0>(info.param) + (std::get<1>(info.param) == at::kFloat ? "_float" : "_double");
-}
-
-INSTANTIATE_TEST_SUITE_P(Isa, WideSmallAttentionTest,
-                         ::testing::Combine(::testing::Values("default", "avx2", "avx512"),
-                                            ::testing::Values(at::kFloat, at::kDouble)),
-                         attention_case_name);
+INSTANTIATE_TEST_SUITE_P(Isa, WideSmallAttentionTest, wide_test::isa_dtype_grid(), wide_test::isa_dtype_name);
 
 TEST(WideSmallAttention, NanStaysInItsHead) {
   at::Tensor q = at::randn({3, 2, 6, 8}), k = at::randn({3, 2, 6, 8}), v = at::randn({3, 2, 6, 8});

@@ -28,6 +28,7 @@
 #include "wide/ops/norm.h"
 #include "wide/ops/prelu.h"
 #include "wide/optim/cpu/kernels.h"
+#include "isa_dtype_grid.h"
 #include "wide_test_utils.h"
 
 namespace {
@@ -235,8 +236,7 @@ INSTANTIATE_TEST_SUITE_P(Grid, WideLayerNormTest,
 
 // --- fused_norm: the one-pass no-gradient kernel, every instruction set ------------------------------
 
-// instruction set, dtype
-using FusedCase = std::tuple<std::string, at::ScalarType>;
+using FusedCase = wide_test::IsaDtype;
 
 class WideFusedNormTest : public wide_test::IsaTest<FusedCase> {};
 
@@ -332,14 +332,7 @@ TEST_P(WideFusedNormTest, BackwardMatchesFormula) {
   }
 }
 
-std::string fused_case_name(const ::testing::TestParamInfo<FusedCase>& info) {
-  return std::get<0>(info.param) + (std::get<1>(info.param) == at::kFloat ? "_float" : "_double");
-}
-
-INSTANTIATE_TEST_SUITE_P(Isa, WideFusedNormTest,
-                         ::testing::Combine(::testing::Values("default", "avx2", "avx512"),
-                                            ::testing::Values(at::kFloat, at::kDouble)),
-                         fused_case_name);
+INSTANTIATE_TEST_SUITE_P(Isa, WideFusedNormTest, wide_test::isa_dtype_grid(), wide_test::isa_dtype_name);
 
 TEST(WideFusedNorm, RefusesBadShapes) {
   const at::Tensor x = at::randn({2, 3, 4});

@@ -86,6 +86,20 @@ std::vector<at::Tensor> make_hx(const Config& c, int64_t n = kN, int64_t b = kB)
   return hx;
 }
 
+// A config's input, initial states and parameters, detached from autograd: for the tests that
+// call the op itself rather than compare gradients.
+struct Detached {
+  at::Tensor x;
+  std::vector<at::Tensor> hx, params;
+};
+
+Detached make_detached(const Config& c) {
+  Detached d{make_input(c).detach(), {}, {}};
+  for (const auto& p : make_params(c)) d.params.push_back(p.detach());
+  for (const auto& h : make_hx(c)) d.hx.push_back(h.detach());
+  return d;
+}
+
 // Member by member with torch's own ops; hx must be given (zeros stand for an empty list).
 std::tuple<at::Tensor, std::vector<at::Tensor>> reference(const Config& c, const at::Tensor& x,
                                                           const std::vector<at::Tensor>& hx,
@@ -271,10 +285,7 @@ TEST(WideRnn, SingleMemberAndFloat32) {
 // The public C++ API (a typed dispatcher call) agrees with the boxed call Python makes.
 TEST(WideRnn, CppApiMatchesDispatcher) {
   const Config c{"GRU", 2, true, false, true, true, 0};
-  const at::Tensor x = make_input(c).detach();
-  std::vector<at::Tensor> params, hx;
-  for (const auto& p : make_params(c)) params.push_back(p.detach());
-  for (const auto& h : make_hx(c)) hx.push_back(h.detach());
+  const auto [x, hx, params] = make_detached(c);
   const at::Tensor boxed = call_boxed("wide::rnn", x, hx, params, std::string("GRU"), int64_t{2}, true, false,
                                       0.0, false, true, int64_t{0}, std::string("auto"))
                                .toTensor();
@@ -288,10 +299,7 @@ void expect_rnn_error(const Config& c, const at::Tensor& x, const std::vector<at
 
 TEST(WideRnn, Errors) {
   const Config c{"LSTM", 2, true, false, true, true, 0};
-  const at::Tensor x = make_input(c).detach();
-  std::vector<at::Tensor> params, hx;
-  for (const auto& p : make_params(c)) params.push_back(p.detach());
-  for (const auto& h : make_hx(c)) hx.push_back(h.detach());
+  const auto [x, hx, params] = make_detached(c);
 
   expect_error([&] { wide::rnn(x, hx, params, "LSTM", 2, true, false, 0, false, true, 0, "winograd"); },
                "wide::rnn: expected strategy \"auto\", \"fused\" or \"loop\", got \"winograd\"");

@@ -1027,6 +1027,20 @@ def _opt_sample(op, desc, n, args, kwargs, aot=False):
     return SampleInput(desc, n, args, kwargs, same=same, aot=aot)
 
 
+def _opt_samples(op, dtype):
+    """A step op's sample maker and the makers of :func:`_opt` for its hand-written samples (N=3)."""
+    return functools.partial(_opt_sample, op), _opt(Maker(op, dtype, False), 3)
+
+
+def _opt_fuzz(op, rng, dtype):
+    """What a step op's fuzz case starts from: its sample maker, N (1-3), one parameter shape (0-1
+    dims of 1-3) and the makers of :func:`_opt`, all drawn from ``rng``."""
+    m = Maker(rng.random(), dtype, False)
+    n = rng.randint(1, 4)
+    shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(0, 2)))
+    return functools.partial(_opt_sample, op), n, shape, _opt(m, n)
+
+
 def sgd_step_samples(dtype, rg):
     sample = functools.partial(_opt_sample, "sgd_step")
     m = Maker("sgd_step", dtype, False)
@@ -1043,11 +1057,7 @@ def sgd_step_samples(dtype, rg):
 
 
 def sgd_step_fuzz(rng, dtype):
-    sample = functools.partial(_opt_sample, "sgd_step")
-    m = Maker(rng.random(), dtype, False)
-    n = rng.randint(1, 4)
-    t, _, hp, one = _opt(m, n)
-    shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(0, 2)))
+    sample, n, shape, (t, _, hp, one) = _opt_fuzz("sgd_step", rng, dtype)
     if rng.random() < 0.2:  # wc.optim.SGD passes no buffer only when no member has momentum
         nesterov, momentum, damp, buf = False, one(0.0), hp(0.0, 0.3), None
     else:
@@ -1070,9 +1080,7 @@ def sgd_step_ref(p, g, buf, lr, wd, momentum, dampening, *, nesterov=False, maxi
 
 
 def adam_step_samples(dtype, rg):
-    sample = functools.partial(_opt_sample, "adam_step")
-    m = Maker("adam_step", dtype, False)
-    t, sq, hp, one = _opt(m, 3)
+    sample, (t, sq, hp, one) = _opt_samples("adam_step", dtype)
     step = lambda: torch.zeros(3)  # noqa: E731
     yield sample("amsgrad-adamw-per-member", 3,
                  (t(), t(), t(), sq(), sq(), step(), hp(1e-3, 1e-2), one(0.9), hp(0.99, 0.999), one(1e-8),
@@ -1086,11 +1094,7 @@ def adam_step_samples(dtype, rg):
 
 
 def adam_step_fuzz(rng, dtype):
-    sample = functools.partial(_opt_sample, "adam_step")
-    m = Maker(rng.random(), dtype, False)
-    n = rng.randint(1, 4)
-    t, sq, hp, one = _opt(m, n)
-    shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(0, 2)))
+    sample, n, shape, (t, sq, hp, one) = _opt_fuzz("adam_step", rng, dtype)
     amsgrad = rng.random() < 0.5
     steps = torch.tensor([float(rng.randint(0, 5)) for _ in range(n)])
     return sample("fuzz", n,
@@ -1108,9 +1112,7 @@ def adam_step_ref(p, g, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, be
 
 
 def rmsprop_step_samples(dtype, rg):
-    sample = functools.partial(_opt_sample, "rmsprop_step")
-    m = Maker("rmsprop_step", dtype, False)
-    t, sq, hp, one = _opt(m, 3)
+    sample, (t, sq, hp, one) = _opt_samples("rmsprop_step", dtype)
     step = lambda: torch.zeros(3)  # noqa: E731
     yield sample("centered-per-member-momentum", 3,
                  (t(), t(), sq() + 1, t() * 0.1, t(), step(), hp(1e-3, 1e-2), one(0.99), one(1e-8), one(0.0),
@@ -1121,11 +1123,7 @@ def rmsprop_step_samples(dtype, rg):
 
 
 def rmsprop_step_fuzz(rng, dtype):
-    sample = functools.partial(_opt_sample, "rmsprop_step")
-    m = Maker(rng.random(), dtype, False)
-    n = rng.randint(1, 4)
-    t, sq, hp, one = _opt(m, n)
-    shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(0, 2)))
+    sample, n, shape, (t, sq, hp, one) = _opt_fuzz("rmsprop_step", rng, dtype)
     centered, momentum = rng.random() < 0.5, rng.random() < 0.5
     return sample("fuzz", n,
                   (t(shape), t(shape), sq(shape) + 1, t(shape) * 0.1 if centered else None,
@@ -1144,9 +1142,7 @@ def rmsprop_step_ref(p, g, square_avg, grad_avg, momentum_buffer, step, lr, alph
 
 
 def adagrad_step_samples(dtype, rg):
-    sample = functools.partial(_opt_sample, "adagrad_step")
-    m = Maker("adagrad_step", dtype, False)
-    t, sq, hp, one = _opt(m, 3)
+    sample, (t, sq, hp, one) = _opt_samples("adagrad_step", dtype)
     yield sample("maximize-per-member", 3,
                  (t(), t(), sq(), torch.zeros(3), hp(0.01, 0.1), hp(0, 0.1), one(0.0), one(1e-10)),
                  {"maximize": True}, aot=True)
@@ -1155,11 +1151,7 @@ def adagrad_step_samples(dtype, rg):
 
 
 def adagrad_step_fuzz(rng, dtype):
-    sample = functools.partial(_opt_sample, "adagrad_step")
-    m = Maker(rng.random(), dtype, False)
-    n = rng.randint(1, 4)
-    t, sq, hp, one = _opt(m, n)
-    shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(0, 2)))
+    sample, n, shape, (t, sq, hp, one) = _opt_fuzz("adagrad_step", rng, dtype)
     steps = torch.tensor([float(rng.randint(0, 4)) for _ in range(n)])
     return sample("fuzz", n,
                   (t(shape), t(shape), sq(shape), steps, hp(0.01, 0.1), hp(0.0, 0.1), hp(0.0, 0.1), one(1e-10)),

@@ -6,6 +6,7 @@ integration's member operations. Each case: the error names what, where and why,
 was changed (or, for a crafted file, no code ran)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -40,6 +41,24 @@ def assert_unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
     after = model.state_dict()
     for k, v in before.items():
         assert torch.equal(after[k], v), f"{k} changed"
+
+
+@contextlib.contextmanager
+def refused_unchanged(model: nn.Module, match: str):
+    """The block must raise a ValueError matching ``match`` and leave ``model``'s state as it was."""
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=match):
+        yield
+    assert_unchanged(model, before)
+
+
+def assert_loads_of_member_1_refused(directory: Path, model: nn.Module, members_match: str, member_match: str) -> None:
+    """Member 1's file in ``directory`` is refused by load_members (which leaves ``model`` as it
+    was) with ``members_match``, and by load_member with ``member_match``."""
+    with refused_unchanged(model, members_match):
+        wcd.load_members(model, directory)
+    with pytest.raises(ValueError, match=member_match):
+        wcd.load_member(directory, 1)
 
 
 def edit_index(directory: Path, **changes) -> None:
@@ -80,26 +99,16 @@ def test_load_members_refuses_index_entries_naming_other_files(two_checkpoints, 
     files = list(index["files"])
     files[1] = str(other / "member_000001.pt") if entry == "ABSOLUTE" else entry
     edit_index(a, files=files)
-    before = snapshot(model)
-    with pytest.raises(ValueError, match=r"member 1's file is listed as .*save_members names it "
-                                         r"'member_000001.pt'"):
-        wcd.load_members(model, a)
-    with pytest.raises(ValueError, match="member 1's file is listed as"):
-        wcd.load_member(a, 1)
-    assert_unchanged(model, before)
+    assert_loads_of_member_1_refused(a, model, r"member 1's file is listed as .*save_members names it "
+                                               r"'member_000001.pt'", "member 1's file is listed as")
 
 
 def test_load_members_refuses_a_member_file_symlinked_outside_the_directory(two_checkpoints):
     a, other, model = two_checkpoints
     (a / "member_000001.pt").unlink()
     (a / "member_000001.pt").symlink_to(other / "member_000001.pt")
-    before = snapshot(model)
-    with pytest.raises(ValueError, match=r"member_000001.pt \(member 1\) is a symlink to .*outside "
-                                         r"the checkpoint directory"):
-        wcd.load_members(model, a)
-    with pytest.raises(ValueError, match="outside the checkpoint directory"):
-        wcd.load_member(a, 1)
-    assert_unchanged(model, before)
+    assert_loads_of_member_1_refused(a, model, r"member_000001.pt \(member 1\) is a symlink to .*outside the "
+                                               r"checkpoint directory", "outside the checkpoint directory")
 
 
 def test_load_members_index_n_must_be_an_int(two_checkpoints):
@@ -131,22 +140,19 @@ def test_load_members_checks_every_member_file_before_changing_anything(two_chec
     a, _, model = two_checkpoints
     narrow = wide(seed=7, width=5).member_state_dict(2)        # member 2's shapes disagree with index.json
     _replace_member_file(a, 2, narrow)
-    before = snapshot(model)
-    with pytest.raises(ValueError, match=r"member_000002.pt \(member 2\): '0.weight' is \[5, 3\] "
-                                         r"torch.float32, but index.json records \[8, 3\]"):
+    # unchanged: members 0 and 1 were not written before member 2's file was refused
+    with refused_unchanged(model, r"member_000002.pt \(member 2\): '0.weight' is \[5, 3\] "
+                                  r"torch.float32, but index.json records \[8, 3\]"):
         wcd.load_members(model, a)
-    assert_unchanged(model, before)                            # members 0 and 1 were not written
 
 
 def test_load_members_refuses_a_member_file_of_another_dtype(two_checkpoints):
     a, _, model = two_checkpoints
     sd = {k: (v.double() if v.is_floating_point() else v) for k, v in wide(seed=3).member_state_dict(3).items()}
     _replace_member_file(a, 3, sd)                             # today: silently cast on copy
-    before = snapshot(model)
-    with pytest.raises(ValueError, match=r"\(member 3\): '0.weight' is \[8, 3\] torch.float64, but "
-                                         r"index.json records \[8, 3\] torch.float32"):
+    with refused_unchanged(model, r"\(member 3\): '0.weight' is \[8, 3\] torch.float64, but "
+                                  r"index.json records \[8, 3\] torch.float32"):
         wcd.load_members(model, a)
-    assert_unchanged(model, before)
 
 
 def test_load_members_checks_every_members_optimizer_state_before_changing_anything(tmp_path):

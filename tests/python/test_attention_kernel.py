@@ -4,12 +4,12 @@ in float64 (opcheck: test_op_db.py); and the eval fold that routes a wide model'
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
+from support import run_in_threads
 from torch import nn
 from wide_compiler.fx.eval_rewrites import attention_kernel
 from wide_compiler.testing import check_compile, make_members
@@ -79,11 +79,8 @@ def test_small_attention_threads_agree():
 
     def run(i):
         results[i] = wide.small_attention(q, k, v)
-    workers = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    errors = run_in_threads(run, 4)
+    assert not errors, errors
     assert all(torch.equal(r, want) for r in results)
 
 

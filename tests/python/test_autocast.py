@@ -10,10 +10,10 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from support import OpRecorder
 from torch import nn
 from torch.library import opcheck
 from torch.utils._pytree import tree_flatten
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import wide_compiler as wc
 from wide_compiler.testing import assert_members_close, assert_trees_members_close, make_members
@@ -482,23 +482,14 @@ def test_shared_input_is_cast_once_and_keeps_the_one_gemm_path():
     wide::linear still runs its shared-input GEMM (addmm); without a gradient its batched GEMM
     reads the cast input expanded (Note [wide::linear strategies]), never N materialised copies."""
 
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     x, w, b = torch.randn(2, 6), torch.randn(N, 5, 6, requires_grad=True), torch.randn(N, 5)
-    with autocast(), Ops() as ops:
+    with autocast(), OpRecorder() as rec:
         y = wide.linear(x.expand(N, 2, 6), w, b)
-    assert "addmm" in ops.seen and "baddbmm" not in ops.seen, ops.seen
+    assert "addmm" in rec.ops and "baddbmm" not in rec.ops, rec.ops
     assert y.dtype == BF16
-    with torch.no_grad(), autocast(), Ops() as ops:
+    with torch.no_grad(), autocast(), OpRecorder() as rec:
         wide.linear(x.expand(N, 2, 6), w, b)
-    assert ops.seen.count("baddbmm") == 1 and not {"clone", "contiguous"} & set(ops.seen), ops.seen
+    assert rec.ops.count("baddbmm") == 1 and not {"clone", "contiguous"} & set(rec.ops), rec.ops
     with autocast():
         refs = [F.linear(x, w[i], b[i]) for i in range(N)]
     assert_members_close(y, refs, BF16)

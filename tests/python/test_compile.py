@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
+from support import LinearModel, OpRecorder, assert_members_trained_alike
 from torch import nn
 from wide_compiler.testing import assert_close, assert_members_close, check_equivalence
 
@@ -86,12 +87,8 @@ class Residual(nn.Module):
         return self.fc_out(h)
 
 
-class InplaceResidual(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc_in = nn.Linear(5, 8)
-        self.fc = nn.Linear(8, 8)
-        self.fc_out = nn.Linear(8, 3)
+class InplaceResidual(LinearModel):
+    linears = {"fc_in": (5, 8), "fc": (8, 8), "fc_out": (8, 3)}
 
     def forward(self, x):
         h = torch.tanh(self.fc_in(x))
@@ -100,14 +97,10 @@ class InplaceResidual(nn.Module):
         return self.fc_out(y)
 
 
-class Branches(nn.Module):
+class Branches(LinearModel):
     """Products and differences of two branches."""
 
-    def __init__(self):
-        super().__init__()
-        self.fc_a = nn.Linear(5, 8)
-        self.fc_b = nn.Linear(5, 8)
-        self.fc_out = nn.Linear(8, 3)
+    linears = {"fc_a": (5, 8), "fc_b": (5, 8), "fc_out": (8, 3)}
 
     def forward(self, x):
         a, b = self.fc_a(x), self.fc_b(x)
@@ -115,11 +108,8 @@ class Branches(nn.Module):
         return self.fc_out(h)
 
 
-class ScalarOps(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(5, 8)
-        self.fc_out = nn.Linear(8, 3)
+class ScalarOps(LinearModel):
+    linears = {"fc": (5, 8), "fc_out": (8, 3)}
 
     def forward(self, x):
         h = self.fc(x)
@@ -144,22 +134,15 @@ class PerMemberScale(nn.Module):
         return self.fc2(h) * self.gain
 
 
-class TwoInputs(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc_a = nn.Linear(4, 8)
-        self.fc_b = nn.Linear(6, 8)
-        self.fc_out = nn.Linear(8, 2)
+class TwoInputs(LinearModel):
+    linears = {"fc_a": (4, 8), "fc_b": (6, 8), "fc_out": (8, 2)}
 
     def forward(self, a, b):
         return self.fc_out(torch.relu(self.fc_a(a)) * torch.sigmoid(self.fc_b(b)))
 
 
-class TwoOutputs(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(5, 8)
-        self.fc2 = nn.Linear(8, 3)
+class TwoOutputs(LinearModel):
+    linears = {"fc1": (5, 8), "fc2": (8, 3)}
 
     def forward(self, x):
         h = F.silu(self.fc1(x))
@@ -309,27 +292,16 @@ def test_expanded_input_takes_the_shared_gemm_path():
     runs ONE GEMM, whatever the strategy chosen for per-member inputs (Note [wide::linear
     strategies]); without a gradient the strategy's batched GEMM reads the expanded input in place
     (no copy of it)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Recorder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
     n = 4
     models = members(lambda: MLP(1), n)  # one Linear: only the shared layer
     for config in (FAST, wc.WideConfig(strategy="bmm"), wc.WideConfig(strategy="loop")):
         wide = wc.compile(models, torch.randn(4, 5), config=config)
         x = torch.randn(6, 5)
-        with Recorder() as rec:
+        with OpRecorder() as rec:
             wide(x.expand(n, *x.shape))
         assert not {"bmm", "baddbmm"} & set(rec.ops), (config.strategy, rec.ops)
         assert sum(op in {"mm", "addmm"} for op in rec.ops) == 1, (config.strategy, rec.ops)
-        with torch.no_grad(), Recorder() as rec:
+        with torch.no_grad(), OpRecorder() as rec:
             wide(x.expand(n, *x.shape))
         assert "clone" not in rec.ops and "contiguous" not in rec.ops, (config.strategy, rec.ops)
 
@@ -657,15 +629,7 @@ def test_sgd_steps_match_members_trained_alone(factory):
         for name, value in m.state_dict().items():
             assert torch.equal(value, originals[i][name]), f"training the wide model changed {name}"
 
-    for i, m in enumerate(models):
-        opt_i = torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9, weight_decay=0.01)
-        for x, t in zip(xs, targets):
-            opt_i.zero_grad()
-            F.mse_loss(m(x[i]), t[i]).backward()
-            opt_i.step()
-    for name, p in wide.named_parameters():
-        assert_members_close(p.detach(), [m.get_parameter(name).detach() for m in models],
-                             what=f"{name} after {steps} SGD steps")
+    assert_members_trained_alike(wide, models, xs, targets, lr=lr, momentum=0.9, weight_decay=0.01)
     for i, m in enumerate(wide.unfuse()):
         for name, p in m.named_parameters():
             assert_close(p, models[i].get_parameter(name), msg=f"unfused trained member {i} {name}")
@@ -703,11 +667,8 @@ def test_architecture_mismatch_bias_presence():
     assert "fc.bias" in str(info.value)
 
 
-class Signed(nn.Module):
-    def __init__(self, sign):
-        super().__init__()
-        self.fc = nn.Linear(5, 3)
-        self.sign = sign
+class Signed(LinearModel):
+    linears, fields = {"fc": (5, 3)}, ("sign",)
 
     def forward(self, x):
         return self.fc(x) * self.sign
@@ -909,10 +870,8 @@ def test_glue_ops_are_per_member(name):
     check_equivalence(wide, models, (torch.randn(*shape),), shared=True)
 
 
-class Cdist(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(5, 8)
+class Cdist(LinearModel):
+    linears = {"fc": (5, 8)}
 
     def forward(self, x):
         h = self.fc(x)

@@ -6,11 +6,11 @@ forward fixes gets an error naming it. And a wrong sample gets member 0's own Py
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 import torch
 import wide_compiler as wc
+from support import run_in_threads
 from torch import nn
 from wide_compiler import testing
 
@@ -68,13 +68,18 @@ def test_transformer_encoder_takes_every_sequence_length(caplog):
     assert "ids dim 0 (batch)" in summary, summary
 
 
-def test_bert_encoder_takes_every_sequence_length(caplog):
+def _tiny_berts(layers: int) -> list:
+    """N small BertModels (vocabulary 64, width 32, no dropout), seeded; skips without transformers."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                      num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
                                      attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
-    models = [transformers.BertModel(config) for _ in range(N)]
+    return [transformers.BertModel(config) for _ in range(N)]
+
+
+def test_bert_encoder_takes_every_sequence_length(caplog):
+    models = _tiny_berts(layers=2)
     ids = lambda t, seed=0: torch.randint(3, 64, (2, t), generator=torch.Generator().manual_seed(seed))  # noqa: E731
     wide = wc.compile(models, ids(8), config=FAST)
     with caplog.at_level(logging.INFO, logger="wide_compiler"):
@@ -180,21 +185,14 @@ def test_recapture_from_two_threads_builds_one_graph(caplog):
     models = [TokenEncoder().eval() for _ in range(N)]
     wide = wc.compile(models, _ids(8), config=FAST)
     ids = torch.stack([_ids(11, seed=i) for i in range(N)])
-    outs, errors = [None, None], []
+    outs = [None, None]
 
     def call(k):
-        try:
-            with torch.no_grad():
-                outs[k] = wide(ids)
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
+        with torch.no_grad():
+            outs[k] = wide(ids)
 
     with caplog.at_level(logging.INFO, logger="wide_compiler"):
-        threads = [threading.Thread(target=call, args=(k,)) for k in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        errors = run_in_threads(call, 2)
     assert not errors, errors
     assert len(_recaptures(caplog)) == 1, _recaptures(caplog)
     with torch.no_grad():
@@ -286,12 +284,7 @@ def test_a_branch_on_the_length_is_never_run_for_the_other_branch():
 
 
 def test_keyword_inputs_of_one_length_are_captured_together(caplog):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                     attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    models = [transformers.BertModel(config).eval() for _ in range(N)]
+    models = [m.eval() for m in _tiny_berts(layers=1)]
     ids = torch.randint(3, 64, (2, 8))
     wide = wc.compile(models, ids, sample_kwargs={"attention_mask": torch.ones(2, 8, dtype=torch.long)},
                       config=FAST)

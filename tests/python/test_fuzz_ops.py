@@ -383,43 +383,54 @@ def _spatial(g: Gen, lo: int, hi: int) -> list[int]:
     return sp
 
 
-def gen_batch_norm(seed: int) -> Case:
-    g = Gen("batch_norm", seed)
+@dataclass
+class _StatsNorm:
+    """The draws batch norm and instance norm share."""
+    n: int
+    dtype: torch.dtype
+    b: int
+    spatial: list[int]
+    batch_stats: bool  # batch norm's training, instance norm's use_input_stats
+    momentum: float
+    eps: float
+    packed: bool
+    args: dict
+
+
+def _stats_norm(g: Gen, batch_stats_name: str, min_spatial_dims: int, *, broadcast: bool = True) -> _StatsNorm:
     n, dtype = g.int("N", 1, 5), g.dtype()
     b, c = g.int("B", 1, 4), g.int("C", 1, 4)
-    spatial = _spatial(g, 0, 3)
-    training = g.pick("training", (True, False))
-    track = True if not training else g.pick("running_stats", (True, False))
+    spatial = _spatial(g, min_spatial_dims, 3)
+    batch_stats = g.pick(batch_stats_name, (True, False))
+    track = True if not batch_stats else g.pick("running_stats", (True, False))
     momentum, eps = g.pick("momentum", (0.0, 0.1, 0.5, 1.0)), g.pick("eps", (1e-5, 1e-3))
+    x, packed = _packed_family_input(g, n, b, c, spatial, dtype, broadcast=broadcast)
+    rm, rv = _running_stats(g, n, c, dtype) if track else (None, None)
+    args = {"x": x, **_affine(g, n, c, dtype), "rm": rm, "rv": rv}
+    return _StatsNorm(n, dtype, b, spatial, batch_stats, momentum, eps, packed, args)
+
+
+def gen_batch_norm(seed: int) -> Case:
+    g = Gen("batch_norm", seed)
     # No batch_broadcast input: a batch of identical samples has zero variance, and x - mean (pure
     # rounding noise) divided by sqrt(eps) is ill-conditioned in float32.
-    x, packed = _packed_family_input(g, n, b, c, spatial, dtype, broadcast=False)
-    rm, rv = _running_stats(g, n, c, dtype) if track else (None, None)
-    args = {"x": x, **_affine(g, n, c, dtype),
-            "rm": rm, "rv": rv}
-    return Case(g, n, dtype, args,
-                lambda a: W.to_nfirst(W.batch_norm(a["x"], a["w"], a["b"], a["rm"], a["rv"], training, momentum, eps,
-                                                   packed_input=packed), n),
-                lambda i, a: F.batch_norm(a["x"], a["rm"], a["rv"], a["w"], a["b"], training, momentum, eps),
-                raises=training and b * math.prod(spatial) == 1)
+    s = _stats_norm(g, "training", 0, broadcast=False)
+    return Case(g, s.n, s.dtype, s.args,
+                lambda a: W.to_nfirst(W.batch_norm(a["x"], a["w"], a["b"], a["rm"], a["rv"], s.batch_stats,
+                                                   s.momentum, s.eps, packed_input=s.packed), s.n),
+                lambda i, a: F.batch_norm(a["x"], a["rm"], a["rv"], a["w"], a["b"], s.batch_stats, s.momentum, s.eps),
+                raises=s.batch_stats and s.b * math.prod(s.spatial) == 1)
 
 
 def gen_instance_norm(seed: int) -> Case:
     g = Gen("instance_norm", seed)
-    n, dtype = g.int("N", 1, 5), g.dtype()
-    b, c = g.int("B", 1, 4), g.int("C", 1, 4)
-    spatial = _spatial(g, 1, 3)
-    use_input_stats = g.pick("use_input_stats", (True, False))
-    track = True if not use_input_stats else g.pick("running_stats", (True, False))
-    momentum, eps = g.pick("momentum", (0.0, 0.1, 0.5, 1.0)), g.pick("eps", (1e-5, 1e-3))
-    x, packed = _packed_family_input(g, n, b, c, spatial, dtype)
-    rm, rv = _running_stats(g, n, c, dtype) if track else (None, None)
-    args = {"x": x, **_affine(g, n, c, dtype), "rm": rm, "rv": rv}
-    return Case(g, n, dtype, args,
-                lambda a: W.to_nfirst(W.instance_norm(a["x"], a["w"], a["b"], a["rm"], a["rv"], use_input_stats,
-                                                      momentum, eps, packed_input=packed), n),
-                lambda i, a: F.instance_norm(a["x"], a["rm"], a["rv"], a["w"], a["b"], use_input_stats, momentum, eps),
-                raises=use_input_stats and math.prod(spatial) == 1)
+    s = _stats_norm(g, "use_input_stats", 1)
+    return Case(g, s.n, s.dtype, s.args,
+                lambda a: W.to_nfirst(W.instance_norm(a["x"], a["w"], a["b"], a["rm"], a["rv"], s.batch_stats,
+                                                      s.momentum, s.eps, packed_input=s.packed), s.n),
+                lambda i, a: F.instance_norm(a["x"], a["rm"], a["rv"], a["w"], a["b"], s.batch_stats, s.momentum,
+                                             s.eps),
+                raises=s.batch_stats and math.prod(s.spatial) == 1)
 
 
 def gen_group_norm(seed: int) -> Case:
@@ -491,12 +502,17 @@ def gen_prelu(seed: int) -> Case:
 INDEX_LAYOUTS = ("contiguous", "sliced", "transposed", "member_inner", "batch_broadcast", "shared")
 
 
+def _index_shape(g: Gen, min_dims: int) -> list[int]:
+    shape = [g.rng.randint(1, 4) for _ in range(g.int("index_dims", min_dims, 2))]
+    g.cfg["index_shape"] = shape
+    return shape
+
+
 def gen_embedding(seed: int) -> Case:
     g = Gen("embedding", seed)
     n, dtype = g.int("N", 1, 5), g.dtype()
     v, dim = g.int("V", 1, 8), g.int("D", 1, 4)
-    shape = [g.rng.randint(1, 4) for _ in range(g.int("index_dims", 0, 2))]
-    g.cfg["index_shape"] = shape
+    shape = _index_shape(g, 0)
     idx_dtype = g.pick("index_dtype", (torch.int64, torch.int32))
     pad = g.pick("padding_idx", (None, None, *range(v)))
     sgbf = g.pick("scale_grad_by_freq", (False, True))
@@ -555,8 +571,7 @@ def gen_embedding_renorm_(seed: int) -> Case:
     g = Gen("embedding_renorm_", seed)
     n, dtype = g.int("N", 1, 5), g.dtype()
     v, dim = g.int("V", 1, 8), g.int("D", 1, 4)
-    shape = [g.rng.randint(1, 4) for _ in range(g.int("index_dims", 1, 2))]
-    g.cfg["index_shape"] = shape
+    shape = _index_shape(g, 1)
     max_norm, norm_type = g.pick("max_norm", (0.5, 1.0, 2.0)), g.pick("norm_type", (1.0, 2.0, 3.0, math.inf))
     args = {"w": g.floats("weight", (n, v, dim), dtype, PARAM, scale=1.5, kind="buffer"),
             "idx": g.ints("indices", (n, *shape), v, INDEX_LAYOUTS, g.pick("index_dtype", (torch.int64, torch.int32)))}

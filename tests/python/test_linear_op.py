@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import wide_compiler  # noqa: F401  (registers torch.ops.wide)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
+from support import OpRecorder
 from wide_compiler.testing import assert_close, assert_members_close, tolerance
 
 wide_linear = torch.ops.wide.linear
@@ -202,18 +202,8 @@ def test_members_are_independent():
 # ---------------------------------------------------------------------------------------------
 # Which kernels each strategy runs (observed below autograd with a dispatch mode).
 # ---------------------------------------------------------------------------------------------
-class _OpRecorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def _record(*args, **kwargs):
-    with _OpRecorder() as rec:
+    with OpRecorder() as rec:
         wide_linear(*args, **kwargs)
     return rec.ops
 

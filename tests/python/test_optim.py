@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
+from support import OpRecorder
 from torch import nn
 from torch.func import functional_call
 from wide_compiler.testing import assert_members_close
@@ -424,24 +425,12 @@ def test_empty_and_single_member():
 
 
 def test_step_is_one_fused_op_per_parameter():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not str(func).startswith("profiler."):
-                self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     ps = [nn.Parameter(torch.randn(4, 3, 2)), nn.Parameter(torch.randn(4, 5))]
     opt = wc.optim.AdamW(ps, lr=[0.1, 0.2, 0.3, 0.4])
     for p in ps:
         p.grad = torch.randn_like(p)
     opt.step()                       # state created here
-    with Count() as c:
+    with OpRecorder(full_names=True) as c:
         opt.step()
     assert c.ops == ["wide.adam_step.default"] * 2, c.ops
 

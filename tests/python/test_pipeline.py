@@ -5,12 +5,12 @@ from __future__ import annotations
 import gc
 import pickle
 import pkgutil
-import threading
 
 import pytest
 import torch
 import wide_compiler as wc
 import wide_compiler.functional as WF
+from support import run_in_threads
 from torch import nn
 from wide_compiler import registry, testing
 from wide_compiler.fx import rules, table
@@ -126,19 +126,12 @@ def test_the_member_check_runs_before_anything_is_stacked():
 
 def test_compiles_from_several_threads_all_succeed():
     sets = [[_mlp() for _ in range(3)] for _ in range(3)]
-    results, errors = [None] * 3, []
+    results = [None] * 3
 
     def work(k):
-        try:
-            results[k] = wc.compile(sets[k], torch.randn(4, 4), config=FAST)
-        except Exception as e:  # noqa: BLE001 (reported below)
-            errors.append(e)
+        results[k] = wc.compile(sets[k], torch.randn(4, 4), config=FAST)
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_in_threads(work, 3)
     assert not errors, errors
     for k, wide_model in enumerate(results):
         xs = torch.randn(3, 4, 4)
@@ -153,19 +146,8 @@ def test_threads_calling_the_first_forward_at_once_compile_the_graph_once():
     for m in models:
         m.eval()
     xs = torch.randn(3, 4, 4)
-    outs, errors = [], []
-
-    def work():
-        try:
-            outs.append(wide_model(xs))
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    outs = []
+    errors = run_in_threads(lambda _: outs.append(wide_model(xs)), 4)
     assert not errors, errors
     for out in outs:
         testing.assert_members_close(out, [m(x) for m, x in zip(models, xs)])

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import wide_compiler as wc
+from support import LinearModel
 from torch import nn
 from torch.nn import functional as F
 from wide_compiler import testing
@@ -83,11 +84,8 @@ class _Slots:
         self.sign = sign
 
 
-class _SlotsModel(nn.Module):
-    def __init__(self, sign):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.cfg = _Slots(sign)
+class _SlotsModel(LinearModel):
+    fields = ("cfg",)
 
     def forward(self, x):
         return self.fc(x) * self.cfg.sign
@@ -95,7 +93,7 @@ class _SlotsModel(nn.Module):
 
 def test_state_kept_in_slots_is_compared():
     with pytest.raises(wc.ArchitectureMismatchError, match=r"member 1: cfg is"):
-        wc.compile([_SlotsModel(1.0), _SlotsModel(-1.0)], torch.randn(3, 4), config=FAST)
+        wc.compile([_SlotsModel(_Slots(1.0)), _SlotsModel(_Slots(-1.0))], torch.randn(3, 4), config=FAST)
 
 
 class _TensorAttr(nn.Module):
@@ -390,11 +388,7 @@ def test_one_members_bad_offsets_never_change_another_members_bags():
         wc.nn.WideEmbeddingBag.from_modules(bags)(idx, offsets)
 
 
-class _EvalOnlyBranch(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
+class _EvalOnlyBranch(LinearModel):
     def forward(self, x):
         h = self.fc(x)
         if not self.training and h.sum() > 0:  # data-dependent, in eval mode only

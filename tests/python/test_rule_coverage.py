@@ -32,6 +32,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
+from support import StackedScalar
 from torch import nn
 from torch.utils._pytree import tree_flatten
 from wide_compiler.fx.table import RULES, aten_op
@@ -509,17 +510,9 @@ class _Gate(nn.Module):
 
 
 @wc.register(_Gate)
-class _WideGate(nn.Module):
-    def __init__(self, s: torch.Tensor) -> None:
-        super().__init__()
-        self.s = nn.Parameter(s)
-
-    @classmethod
-    def from_modules(cls, modules):
-        return cls(torch.stack([m.s.detach() for m in modules]))
-
+class _WideGate(StackedScalar):
     def forward(self, x):
-        s = self.s.view(-1, *([1] * (x.dim() - 1)))
+        s = self.per_member(x)
         return torch.where(s > 0.5, x * s, x - s)
 
     def unfuse(self):
@@ -574,6 +567,11 @@ def _index_fill_inplace_tensor_value(m, x):
 
 def _index_fill_member_value(m, x):
     return x.index_fill(1, torch.tensor([0, 2]), m.w[0])  # the fill value is a per-member 0-d tensor
+
+
+def _fill_value_case(name: str, fn: Callable, op: str) -> Case:
+    """A 0-d fill value regression: ``fn`` on one [4, 6] input with a parameter ``w`` [6] covers ``op``."""
+    return Case(f"fill-value-{name}", _fn_module(fn, 1, w=(6,)), _randn((4, 6)), (op,))
 
 
 def _index_per_member(m, x, y):
@@ -689,18 +687,12 @@ CASES: list[Case] = [
     Case("registered", _WithGate, _randn((4, 6)), ("opaque_module", "linear", "relu"),
          harness=lambda wide: {"wide_params": dict(wide.named_parameters())}),
     Case("direct-aten", _fn_module(_direct_aten, 1, w=(6,)), _randn((4, 6)), _DIRECT_ATEN_OPS),
-    Case("fill-value-masked-fill-member-value", _fn_module(_masked_fill_member_value, 1, w=(6,)), _randn((4, 6)),
-         ("masked_fill.Tensor",)),
-    Case("fill-value-masked-fill-inplace-member-value", _fn_module(_masked_fill_inplace_member_value, 1, w=(6,)),
-         _randn((4, 6)), ("masked_fill_.Tensor",)),
-    Case("fill-value-fill-member-value", _fn_module(_fill_member_value, 1, w=(6,)), _randn((4, 6)),
-         ("fill_.Tensor",)),
-    Case("fill-value-index-fill-tensor-value", _fn_module(_index_fill_tensor_value, 1, w=(6,)), _randn((4, 6)),
-         ("index_fill.int_Tensor",)),
-    Case("fill-value-index-fill-inplace-tensor-value", _fn_module(_index_fill_inplace_tensor_value, 1, w=(6,)),
-         _randn((4, 6)), ("index_fill_.int_Tensor",)),
-    Case("fill-value-index-fill-member-value", _fn_module(_index_fill_member_value, 1, w=(6,)), _randn((4, 6)),
-         ("index_fill.int_Tensor",)),
+    _fill_value_case("masked-fill-member-value", _masked_fill_member_value, "masked_fill.Tensor"),
+    _fill_value_case("masked-fill-inplace-member-value", _masked_fill_inplace_member_value, "masked_fill_.Tensor"),
+    _fill_value_case("fill-member-value", _fill_member_value, "fill_.Tensor"),
+    _fill_value_case("index-fill-tensor-value", _index_fill_tensor_value, "index_fill.int_Tensor"),
+    _fill_value_case("index-fill-inplace-tensor-value", _index_fill_inplace_tensor_value, "index_fill_.int_Tensor"),
+    _fill_value_case("index-fill-member-value", _index_fill_member_value, "index_fill.int_Tensor"),
 ]
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
+from support import LinearModel
 from torch import nn
 from wide_compiler import testing
 
@@ -71,11 +72,8 @@ def test_dropout_p_sweep_trains_with_gradients_through_kept_elements():
 
 
 def test_native_dropout_and_functional_dropout_with_a_per_member_p():
-    class F_Drop(nn.Module):
-        def __init__(self, p):
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-            self.p = p
+    class F_Drop(LinearModel):
+        linears, fields = {"fc": (8, 8)}, ("p",)
 
         def forward(self, x):
             return F.dropout(self.fc(x), self.p, self.training)
@@ -122,11 +120,8 @@ def test_other_activation_constants_are_per_member(make, attr):
 
 
 # --- user attributes: temperature, residual scale, offset ----------------------------------------
-class Scaled(nn.Module):
-    def __init__(self, temperature: float, scale: float, offset: float):
-        super().__init__()
-        self.fc = nn.Linear(6, 6)
-        self.temperature, self.scale, self.offset = temperature, scale, offset
+class Scaled(LinearModel):
+    linears, fields = {"fc": (6, 6)}, ("temperature", "scale", "offset")
 
     def forward(self, x):
         h = x + self.fc(x) * self.scale  # a residual scale
@@ -185,11 +180,8 @@ def test_batch_norm_eps_that_differs_is_refused_naming_it():
 
 
 # --- what still changes the program is refused ---------------------------------------------------
-class Sized(nn.Module):
-    def __init__(self, k):
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.k = k
+class Sized(LinearModel):
+    linears, fields = {"fc": (8, 8)}, ("k",)
 
     def forward(self, x):
         return self.fc(x)[..., : self.k]
@@ -206,22 +198,16 @@ class Branchy(nn.Module):
         return torch.tanh(h) if self.use_tanh else h * self.scale
 
 
-class FloatBranch(nn.Module):
-    def __init__(self, scale):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.scale = scale
+class FloatBranch(LinearModel):
+    fields = ("scale",)
 
     def forward(self, x):
         h = self.fc(x)
         return h if self.scale == 1.0 else h * self.scale
 
 
-class FloatSize(nn.Module):
-    def __init__(self, frac):
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.frac = frac
+class FloatSize(LinearModel):
+    linears, fields = {"fc": (8, 8)}, ("frac",)
 
     def forward(self, x):
         return self.fc(x)[..., : int(8 * self.frac)]
@@ -318,11 +304,8 @@ class _Clamp(nn.Module):
         return x.clamp(-self.v, self.v)
 
 
-class Threshold(nn.Module):
-    def __init__(self, p):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.p = p
+class Threshold(LinearModel):
+    fields = ("p",)
 
     def forward(self, x):
         h = self.fc(x)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import wide_compiler as wc
+from support import StackedScalar
 from torch import nn
 
 FAST = wc.WideConfig.fast()
@@ -118,18 +119,10 @@ def test_register_by_class_name_as_in_0x():
     from wide_compiler import registry
 
     @wc.register("Gate")
-    class WideGate(nn.Module):
-        def __init__(self, s):
-            super().__init__()
-            self.s = nn.Parameter(s)
-
-        @classmethod
-        def from_modules(cls, modules):
-            return cls(torch.stack([m.s.detach() for m in modules]))
-
+    class WideGate(StackedScalar):
         def forward(self, x):
-            s = torch.where(self.s > 0.5, self.s, torch.ones_like(self.s))
-            return x * s.view(-1, *([1] * (x.dim() - 1)))
+            s = self.per_member(x)
+            return torch.where(s > 0.5, x * s, x)
 
         def unfuse(self):
             return []

@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 import wide_compiler as wc
+from support import LinearModel
 from torch import nn
 from wide_compiler.testing import check_equivalence, make_members
 
@@ -36,11 +37,8 @@ def marked_line(fn, marker: str) -> int:
 # ---------------------------------------------------------------------------------------------
 # Members that differ
 # ---------------------------------------------------------------------------------------------
-class Signed(nn.Module):
-    def __init__(self, sign):
-        super().__init__()
-        self.fc = nn.Linear(5, 3)
-        self.sign = sign
+class Signed(LinearModel):
+    linears, fields = {"fc": (5, 3)}, ("sign",)
 
     def forward(self, x):
         return self.fc(x).softmax(dim=1) * self.sign
@@ -109,10 +107,8 @@ def test_trace_members_passes_on_identical_programs():
 # ---------------------------------------------------------------------------------------------
 # Ops with no rule: per-member fallback, reported; strict=True raises
 # ---------------------------------------------------------------------------------------------
-class NoRule(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(5, 4)
+class NoRule(LinearModel):
+    linears = {"fc": (5, 4)}
 
     def forward(self, x):
         h = self.fc(x)
@@ -200,10 +196,8 @@ def test_not_strict_is_the_default():
     check_equivalence(wide, models, [torch.randn(6, 5) for _ in range(2)])
 
 
-class RandPerm(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(5, 8)
+class RandPerm(LinearModel):
+    linears = {"fc": (5, 8)}
 
     def forward(self, x):
         h = self.fc(x)
@@ -233,10 +227,8 @@ def test_a_random_op_without_a_rule_draws_per_member():
 # ---------------------------------------------------------------------------------------------
 # An unexportable forward
 # ---------------------------------------------------------------------------------------------
-class DataDependent(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(5, 3)
+class DataDependent(LinearModel):
+    linears = {"fc": (5, 3)}
 
     def forward(self, x):
         h = self.fc(x)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
+from support import LinearModel, assert_members_trained_alike
 from torch import nn
 from wide_compiler.testing import (
     assert_close,
@@ -45,13 +46,13 @@ def check_wide(factory, sample, make_input, *, n: int = 3, sample_kwargs=None):
 # ---------------------------------------------------------------------------------------------
 # Several inputs, non-tensor arguments, structured outputs
 # ---------------------------------------------------------------------------------------------
-class MultiIO(nn.Module):
+class MultiIO(LinearModel):
     """Two positional tensors, an optional tensor, Python values; a dict/tuple/list output."""
+
+    linears = {"fa": (4, 6), "fb": (3, 6)}
 
     def __init__(self):
         super().__init__()
-        self.fa = nn.Linear(4, 6)
-        self.fb = nn.Linear(3, 6)
         self.gain = nn.Parameter(torch.rand(6) + 0.5)
 
     def forward(self, a, b, mask=None, scale=2.0, mode="dict"):
@@ -116,10 +117,8 @@ def test_nested_tuple_and_dict_inputs():
     check_wide(NestedInputs, sample, make)
 
 
-class TupleOut(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(6, 6)
+class TupleOut(LinearModel):
+    linears = {"fc": (6, 6)}
 
     def forward(self, x):
         h = self.fc(x)
@@ -137,13 +136,11 @@ def test_tuple_output_with_indices_and_nested_tuple():
 # ---------------------------------------------------------------------------------------------
 # Graph shapes: residual, branching, reuse
 # ---------------------------------------------------------------------------------------------
-class ResidualBranches(nn.Module):
+class ResidualBranches(LinearModel):
+    linears = {"inp": (5, 8), "left": (8, 8), "right": (8, 8), "out": (16, 3)}
+
     def __init__(self):
         super().__init__()
-        self.inp = nn.Linear(5, 8)
-        self.left = nn.Linear(8, 8)
-        self.right = nn.Linear(8, 8)
-        self.out = nn.Linear(16, 3)
         self.alpha = nn.Parameter(torch.rand(()))
 
     def forward(self, x):
@@ -154,13 +151,13 @@ class ResidualBranches(nn.Module):
         return self.out(merged) + h.mean(dim=1, keepdim=True)
 
 
-class ReusedBlock(nn.Module):
+class ReusedBlock(LinearModel):
     """One Linear applied three times: its gradient is the sum over the uses, per member."""
+
+    linears = {"inp": (5, 6), "block": (6, 6)}
 
     def __init__(self):
         super().__init__()
-        self.inp = nn.Linear(5, 6)
-        self.block = nn.Linear(6, 6)
         self.norm_scale = nn.Parameter(torch.rand(6) + 0.5)
 
     def forward(self, x):
@@ -192,10 +189,8 @@ def test_graph_shapes(factory, shared):
 # ---------------------------------------------------------------------------------------------
 # train() / eval(): two graphs
 # ---------------------------------------------------------------------------------------------
-class ModeBranch(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(5, 6)
+class ModeBranch(LinearModel):
+    linears = {"fc": (5, 6)}
 
     def forward(self, x):
         h = self.fc(x)
@@ -345,11 +340,4 @@ def test_members_stay_independent_after_a_training_step():
     opt.zero_grad()
     ((wide(xs) - ts) ** 2).mean(dim=(1, 2)).sum().backward()
     opt.step()
-    for i, m in enumerate(models):
-        opt_i = torch.optim.SGD(m.parameters(), lr=lr)
-        opt_i.zero_grad()
-        F.mse_loss(m(xs[i]), ts[i]).backward()
-        opt_i.step()
-    for name, p in wide.named_parameters():
-        assert_members_close(p.detach(), [m.get_parameter(name).detach() for m in models],
-                             what=f"{name} after one SGD step")
+    assert_members_trained_alike(wide, models, [xs], [ts], lr=lr)

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
+from support import LinearModel
 from torch import nn
 from wide_compiler.testing import check_compile, check_equivalence, make_members
 
@@ -412,11 +413,8 @@ def test_creation_in_forward(name):
     run_case(fn, shape)
 
 
-class RandomCreation(nn.Module):
-    def __init__(self, which):
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.which = which
+class RandomCreation(LinearModel):
+    linears, fields = {"fc": (8, 8)}, ("which",)
 
     def forward(self, x):
         h = self.fc(x)

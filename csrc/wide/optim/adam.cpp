@@ -93,8 +93,4 @@ void optim::adam_step_composite(const at::Tensor& param, const at::Tensor& grad,
 
 }  // namespace wide
 
-TORCH_LIBRARY_IMPL(wide, CPU, m) { m.impl("adam_step", &wide::Kernels::cpu); }
-TORCH_LIBRARY_IMPL(wide, Meta, m) { m.impl("adam_step", &wide::Kernels::meta); }
-TORCH_LIBRARY_IMPL(wide, CompositeExplicitAutograd, m) {
-  m.impl("adam_step", &wide::Kernels::composite);
-}
+WIDE_OPTIM_REGISTER_STEP("adam_step", wide::Kernels)

@@ -8,6 +8,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/SymInt.h>
+#include <torch/library.h>
 
 #include <array>
 #include <cstddef>
@@ -21,6 +22,13 @@
 // Calls cpu::<ISA>::fn(args...) for the instruction set chosen at run time.
 #define WIDE_OPTIM_ISA_CALL(fn, ...) WIDE_ISA_CALL(::wide::optim::cpu, fn, __VA_ARGS__)
 
+// Registers the kernels of StepKernels<Opt> (`kernels`) for the schema wide::<op> ("adam_step"):
+// its CPU, Meta and CompositeExplicitAutograd kernels. Once per optimizer file, at global scope.
+#define WIDE_OPTIM_REGISTER_STEP(op, kernels)                                                   \
+  TORCH_LIBRARY_IMPL(wide, CPU, m) { m.impl(op, &kernels::cpu); }                                \
+  TORCH_LIBRARY_IMPL(wide, Meta, m) { m.impl(op, &kernels::meta); }                              \
+  TORCH_LIBRARY_IMPL(wide, CompositeExplicitAutograd, m) { m.impl(op, &kernels::composite); }
+
 // Note [Fused per-member optimizer steps]
 // ---------------------------------------
 // An optimizer is described by a struct Opt (in its own file) deriving from Optimizer<Coef,
@@ -33,7 +41,7 @@
 //  * composite(args, coefficients): the step built from ATen ops (any device and dtype).
 // StepKernels<Opt> then makes the CPU kernel (hand-written for float and double through
 // cpu::<ISA>::step, the composite otherwise), the composite and the meta kernel, each with the
-// schema's signature, to register with TORCH_LIBRARY_IMPL.
+// schema's signature, registered by WIDE_OPTIM_REGISTER_STEP.
 
 namespace wide::optim::detail {
 

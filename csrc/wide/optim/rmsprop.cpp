@@ -96,8 +96,4 @@ void optim::rmsprop_step_composite(const at::Tensor& param, const at::Tensor& gr
 
 }  // namespace wide
 
-TORCH_LIBRARY_IMPL(wide, CPU, m) { m.impl("rmsprop_step", &wide::Kernels::cpu); }
-TORCH_LIBRARY_IMPL(wide, Meta, m) { m.impl("rmsprop_step", &wide::Kernels::meta); }
-TORCH_LIBRARY_IMPL(wide, CompositeExplicitAutograd, m) {
-  m.impl("rmsprop_step", &wide::Kernels::composite);
-}
+WIDE_OPTIM_REGISTER_STEP("rmsprop_step", wide::Kernels)

@@ -21,6 +21,7 @@ import math
 import torch
 from torch import fx
 
+from .fold import finish_rewrite
 from .rules.conv import conv_candidates, conv_strategies, default_conv_strategy
 
 __all__ = ["attention_kernel", "channels_last_max_pool2d", "fuse_residual_norms", "pool_before_relu",
@@ -81,9 +82,7 @@ def rewrite_channels_last(gm: fx.GraphModule) -> int:
                 spec, default=default, strategies=names,
                 make=lambda n, opts, s=shapes, op=node.target: conv_candidates(op, n, s, opts))
             count += 1
-    if count:
-        gm.recompile()
-    return count
+    return finish_rewrite(gm, count)
 
 
 def fuse_residual_norms(gm: fx.GraphModule) -> int:
@@ -108,10 +107,7 @@ def fuse_residual_norms(gm: fx.GraphModule) -> int:
         graph.erase_node(ln)
         graph.erase_node(add)
         fused += 1
-    if fused:
-        graph.lint()
-        gm.recompile()
-    return fused
+    return finish_rewrite(gm, fused, erased=True)
 
 
 def relu_in_place(gm: fx.GraphModule) -> int:
@@ -125,9 +121,7 @@ def relu_in_place(gm: fx.GraphModule) -> int:
                 and src.target is wide.linear.default and len(src.users) == 1):
             node.target = aten.relu_.default
             count += 1
-    if count:
-        gm.recompile()
-    return count
+    return finish_rewrite(gm, count)
 
 
 def attention_kernel(gm: fx.GraphModule) -> int:
@@ -143,9 +137,7 @@ def attention_kernel(gm: fx.GraphModule) -> int:
         if mask is None and dropout_p == 0:
             node.target = wide.attention.default
             count += 1
-    if count:
-        gm.recompile()
-    return count
+    return finish_rewrite(gm, count)
 
 
 _MAX_POOLS = (aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default, channels_last_max_pool2d)
@@ -176,7 +168,4 @@ def pool_before_relu(gm: fx.GraphModule) -> int:
         pool.replace_all_uses_with(after, delete_user_cb=lambda user: user is not after)
         graph.erase_node(relu)
         count += 1
-    if count:
-        graph.lint()
-        gm.recompile()
-    return count
+    return finish_rewrite(gm, count, erased=True)

@@ -28,7 +28,7 @@ import torch
 from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["cached_folded_conv_params", "clear_fold_cache", "fold_batch_norms", "folded_conv_params"]
+__all__ = ["cached_folded_conv_params", "clear_fold_cache", "finish_rewrite", "fold_batch_norms", "folded_conv_params"]
 
 wide = torch.ops.wide
 aten = torch.ops.aten
@@ -116,6 +116,17 @@ def clear_fold_cache(weights=None) -> None:
             _FOLD_CACHE.pop(w, None)
 
 
+def finish_rewrite(gm: fx.GraphModule, changed: int, *, erased: bool = False) -> int:
+    """The end of an eval-graph rewrite pass (this fold and fx/eval_rewrites.py): where the pass
+    changed ``changed`` nodes, lint the graph (when it erased nodes) and recompile ``gm``.
+    Returns ``changed``."""
+    if changed:
+        if erased:
+            gm.graph.lint()
+        gm.recompile()
+    return changed
+
+
 def fold_batch_norms(gm: fx.GraphModule) -> int:
     """Fold every eligible ``wide.batch_norm`` into the ``wide.conv`` before it (see the note);
     returns how many were folded."""
@@ -139,7 +150,4 @@ def fold_batch_norms(gm: fx.GraphModule) -> int:
         bn.replace_all_uses_with(conv)
         graph.erase_node(bn)
         folded += 1
-    if folded:
-        graph.lint()
-        gm.recompile()
-    return folded
+    return finish_rewrite(gm, folded, erased=True)

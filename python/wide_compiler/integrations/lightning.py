@@ -101,6 +101,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning
 from .. import optim as wc_optim
 from ..config import WideConfig
 from ..errors import ArchitectureMismatchError
+from ._common import check_one_class
 
 __all__ = ["MemberEarlyStopping", "ModelWithLoss", "WideLightningModule", "load_member"]
 
@@ -782,15 +783,9 @@ def _member_of(e: Exception) -> int:
 
 
 def _check_members(members: list) -> None:
-    if not members:
-        raise ValueError("WideLightningModule: got no members")
+    check_one_class(members, pl.LightningModule, "WideLightningModule", "a lightning.pytorch.LightningModule "
+                    "(or wrap a model and a loss in ModelWithLoss)", mismatch=ArchitectureMismatchError)
     for i, m in enumerate(members):
-        if not isinstance(m, pl.LightningModule):
-            raise TypeError(f"WideLightningModule: member {i} is a {type(m).__name__}; expected a "
-                            "lightning.pytorch.LightningModule (or wrap a model and a loss in ModelWithLoss)")
-        if type(m) is not type(members[0]):
-            raise ArchitectureMismatchError(f"WideLightningModule: member {i} is a {type(m).__name__}, "
-                                            f"member 0 a {type(members[0]).__name__}; fuse one class")
         if not m.automatic_optimization:
             raise ValueError(f"WideLightningModule: member {i} ({type(m).__name__}) sets "
                              "automatic_optimization=False; the fused run uses Lightning's automatic "

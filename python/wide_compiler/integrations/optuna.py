@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from ..config import WideConfig
+from ._common import installed, require
 
 __all__ = ["FusedRun", "optimize", "optuna_available"]
 
@@ -65,17 +66,11 @@ log = logging.getLogger(__name__)
 
 def optuna_available() -> bool:
     """Whether the ``optuna`` package is installed, checked without importing it."""
-    import importlib.util
-
-    return importlib.util.find_spec("optuna") is not None
+    return installed("optuna")
 
 
 def _require_optuna() -> Any:
-    try:
-        import optuna
-    except ImportError as e:
-        raise ImportError(INSTALL_HINT) from e
-    return optuna
+    return require("optuna", INSTALL_HINT)
 
 
 class _Columns(Mapping):

@@ -74,6 +74,7 @@ from typing import Any
 
 from torch import nn
 
+from .. import population
 from ..config import WideConfig
 from ..population import (
     CHECKPOINT_FILE,
@@ -86,20 +87,11 @@ from ..population import (
     _seed_of,
     sample_member_config,
 )
+from ._common import installed, require
 
-__all__ = [
-    "CHECKPOINT_FILE",
-    "MemberASHA",
-    "MemberPBT",
-    "MemberScheduler",
-    "Population",
-    "best_member",
-    "best_model",
-    "fused_trainable",
-    "load_checkpoint",
-    "ray_available",
-    "sample_member_config",
-]
+# Ray's own entry points, and the whole population API (re-exported: importable from here too).
+__all__ = ["best_member", "best_model", "fused_trainable", "load_checkpoint", "ray_available"]
+__all__ += population.__all__
 
 INSTALL_HINT = 'wide_compiler.integrations.ray needs Ray Tune: pip install "ray[tune]"'
 
@@ -107,17 +99,11 @@ INSTALL_HINT = 'wide_compiler.integrations.ray needs Ray Tune: pip install "ray[
 def ray_available() -> bool:
     """Whether the ``ray`` package is installed, checked without importing it (``ray.tune`` also
     needs the ``ray[tune]`` extras; :func:`fused_trainable` raises an ``ImportError`` naming them)."""
-    import importlib.util
-
-    return importlib.util.find_spec("ray") is not None
+    return installed("ray")
 
 
 def _require_tune() -> Any:
-    try:
-        from ray import tune
-    except ImportError as e:
-        raise ImportError(INSTALL_HINT) from e
-    return tune
+    return require("ray.tune", INSTALL_HINT)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -86,6 +86,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..config import WideConfig
+from ._common import check_one_class, installed, require
 
 __all__ = ["WideTrainer", "WideTransformersModel", "member_arguments", "transformers_available"]
 
@@ -116,18 +117,11 @@ _IMPLEMENTATION_KWARGS = ("fused", "foreach", "capturable", "differentiable")
 def transformers_available() -> bool:
     """Whether ``transformers`` and ``accelerate`` (which its ``Trainer`` needs) are installed,
     checked without importing them."""
-    import importlib.util
-
-    return all(importlib.util.find_spec(m) is not None for m in ("transformers", "accelerate"))
+    return installed("transformers", "accelerate")
 
 
 def _require_transformers() -> Any:
-    try:
-        import accelerate  # noqa: F401  (the Trainer needs it)
-        import transformers
-    except ImportError as e:
-        raise ImportError(INSTALL_HINT) from e
-    return transformers
+    return require("transformers", INSTALL_HINT, "accelerate")  # the Trainer needs accelerate
 
 
 _transformers = _require_transformers()
@@ -138,18 +132,25 @@ def _config_differences(configs: Sequence[Any]) -> None:
     """Raise naming the first config key (and member) whose value differs from member 0's."""
     from ..errors import ArchitectureMismatchError
 
-    ref = configs[0].to_dict()
-    for i, cfg in enumerate(configs[1:], start=1):
-        d = cfg.to_dict()
+    _refuse_differences(configs, _CONFIG_FREE_KEYS, lambda i, key, a, b: ArchitectureMismatchError(
+        f"{_NAME}: member {i}'s config has {key}={b!r} but member 0's has {key}={a!r}; the members "
+        f"of one fused run must share every config key that shapes the model or its forward (only "
+        f"{sorted(_CONFIG_FREE_KEYS)} may differ). Train members with other {key!r} in another run."),
+        absent="<absent>")
+
+
+def _refuse_differences(objects: Sequence[Any], free: Collection[str],
+                        error: Callable[[int, str, Any, Any], Exception], absent: Any = None) -> None:
+    """Compare the ``to_dict()`` of every member's object (its config, its TrainingArguments) with
+    member 0's, key by key in sorted order, the keys in ``free`` aside (a missing key reads as
+    ``absent``); at the first difference raise ``error(member, key, member 0's value, its value)``."""
+    ref = objects[0].to_dict()
+    for i, obj in enumerate(objects[1:], start=1):
+        d = obj.to_dict()
         for key in sorted(set(ref) | set(d)):
-            if key in _CONFIG_FREE_KEYS:
-                continue
-            a, b = ref.get(key, "<absent>"), d.get(key, "<absent>")
-            if a != b:
-                raise ArchitectureMismatchError(
-                    f"{_NAME}: member {i}'s config has {key}={b!r} but member 0's has {key}={a!r}; the members "
-                    f"of one fused run must share every config key that shapes the model or its forward (only "
-                    f"{sorted(_CONFIG_FREE_KEYS)} may differ). Train members with other {key!r} in another run.")
+            a, b = ref.get(key, absent), d.get(key, absent)
+            if key not in free and a != b:
+                raise error(i, key, a, b)
 
 
 def _dynamic_shapes(kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -227,15 +228,7 @@ class WideTransformersModel(nn.Module):
     def __init__(self, members: Sequence[nn.Module], *, wide_config: WideConfig | None = None) -> None:
         super().__init__()
         members = list(members)
-        if not members:
-            raise ValueError(f"{_NAME}: expected at least one member, got an empty list")
-        for i, m in enumerate(members):
-            if not isinstance(m, _transformers.PreTrainedModel):
-                raise TypeError(f"{_NAME}: member {i} is a {type(m).__name__}; expected a transformers "
-                                "PreTrainedModel")
-            if type(m) is not type(members[0]):
-                raise TypeError(f"{_NAME}: member {i} is a {type(m).__name__} but member 0 is a "
-                                f"{type(members[0]).__name__}; one fused run holds one model class")
+        check_one_class(members, _transformers.PreTrainedModel, _NAME, "a transformers PreTrainedModel")
         _config_differences([m.config for m in members])
         self.n = len(members)
         object.__setattr__(self, "_members", members)       # not submodules: their weights are stale
@@ -398,17 +391,10 @@ def _value(v: Any) -> Any:
 def _check_arguments(all_args: Sequence[Any]) -> None:
     """Every argument outside PER_MEMBER_ARGUMENTS must be the same for every member, and the
     shared ones must be ones a fused run can honour."""
-    ref = all_args[0].to_dict()
-    for i, a in enumerate(all_args[1:], start=1):
-        d = a.to_dict()
-        for key in sorted(set(ref) | set(d)):
-            if key in PER_MEMBER_ARGUMENTS:
-                continue
-            if ref.get(key) != d.get(key):
-                raise ValueError(
-                    f"{_NAME}: TrainingArguments.{key} is {d.get(key)!r} for member {i} but {ref.get(key)!r} for "
-                    f"member 0; it cannot be per member in one fused run (one Trainer loop drives all members; "
-                    f"per-member arguments are {list(PER_MEMBER_ARGUMENTS)})")
+    _refuse_differences(all_args, PER_MEMBER_ARGUMENTS, lambda i, key, ref, value: ValueError(
+        f"{_NAME}: TrainingArguments.{key} is {value!r} for member {i} but {ref!r} for member 0; it cannot "
+        f"be per member in one fused run (one Trainer loop drives all members; per-member arguments are "
+        f"{list(PER_MEMBER_ARGUMENTS)})"))
     a = all_args[0]
     refuse = [
         ("fp16", a.fp16, "one GradScaler would be shared by all members (one member's overflow would skip "

@@ -11,7 +11,15 @@ import torch
 
 from .._deprecation import warn_renamed
 
-__all__ = ["WideOptimizer", "per_member"]
+__all__ = ["WideOptimizer", "first_member", "per_member"]
+
+
+def first_member(mask: torch.Tensor) -> int | None:
+    """The first member whose entry of a boolean ``[N]`` mask is set (the first member to name in
+    an error), or None where none is."""
+    hits = mask.nonzero()
+    return int(hits[0]) if len(hits) else None
+
 
 # A per-member hyperparameter as given by the user: one float for all members, or N values.
 HParam = float | Sequence[float] | torch.Tensor
@@ -61,9 +69,8 @@ def per_member(value: Any, n: int, *, what: str) -> torch.Tensor:
         t = torch.tensor([float(v) for v in values], dtype=torch.float64)
     else:
         raise TypeError(f"{what}: expected a float or {n} floats (one per member), got {value!r}")
-    bad = (~torch.isfinite(t)).nonzero()
-    if len(bad):
-        i = int(bad[0])
+    i = first_member(~torch.isfinite(t))
+    if i is not None:
         raise ValueError(f"{what}: value for member {i} is {t[i].item()}; expected a finite number")
     return t
 
@@ -180,9 +187,8 @@ class WideOptimizer(torch.optim.Optimizer):
         rule = self._rules.get(name)
         if rule is not None:
             ok, text = rule
-            bad = (~ok(t)).nonzero()
-            if len(bad):
-                i = int(bad[0])
+            i = first_member(~ok(t))
+            if i is not None:
                 raise ValueError(f"{self._name}: invalid {name} {t[i].item()} for member {i}; "
                                  f"expected {text}")
         return t

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ._base import HParam, per_member
+from ._base import HParam, first_member, per_member
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "member_grad_norms"]
 
@@ -73,9 +73,8 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         return torch.zeros(n)
     total = _total_norm(grads, n, norm_type)
     if error_if_nonfinite:
-        bad = (~torch.isfinite(total)).nonzero()
-        if len(bad):
-            i = int(bad[0])
+        i = first_member(~torch.isfinite(total))
+        if i is not None:
             raise RuntimeError(
                 f"wide_compiler.optim.clip_grad_norm_: the total norm of order {norm_type} of "
                 f"member {i}'s gradients is non-finite ({total[i].item()}), so it cannot be "

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ._base import WideOptimizer, per_member
+from ._base import WideOptimizer, first_member, per_member
 
 __all__ = [
     "CosineAnnealingLR",
@@ -51,9 +51,8 @@ def _hp(sched, value, name, *, integer=False, positive=False, nonneg=False) -> t
     t = per_member(value, sched.n, what=f"wide_compiler.optim.lr_scheduler.{type(sched).__name__}: {name}")
     if integer and not torch.equal(t, t.round()):
         raise ValueError(f"{type(sched).__name__}: {name} must be integers, got {t.tolist()}")
-    bad = ((t <= 0) if positive else (t < 0) if nonneg else torch.zeros_like(t, dtype=torch.bool)).nonzero()
-    if len(bad):
-        i = int(bad[0])
+    i = first_member((t <= 0) if positive else (t < 0) if nonneg else torch.zeros_like(t, dtype=torch.bool))
+    if i is not None:
         raise ValueError(f"{type(sched).__name__}: invalid {name} {t[i].item()} for member {i}; "
                          f"expected {'> 0' if positive else '>= 0'}")
     return t

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ._base import HParam, WideOptimizer, nonneg, zeros_state
+from ._base import HParam, WideOptimizer, first_member, nonneg, zeros_state
 
 __all__ = ["SGD"]
 
@@ -50,9 +50,8 @@ class SGD(WideOptimizer):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         if group.get("nesterov"):
-            bad = ((group["momentum"] <= 0) | (group["dampening"] != 0)).nonzero()
-            if len(bad):
-                i = int(bad[0])
+            i = first_member((group["momentum"] <= 0) | (group["dampening"] != 0))
+            if i is not None:
                 raise ValueError(
                     f"{self._name}: nesterov momentum requires momentum > 0 and dampening == 0 for "
                     f"every member; member {i} has momentum {group['momentum'][i].item()} and "

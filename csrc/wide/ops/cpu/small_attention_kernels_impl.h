@@ -4,10 +4,6 @@
 // the definitions land in wide::ops::cpu::<ISA>.
 #pragma once
 
-#ifndef CPU_CAPABILITY
-#error "small_attention_kernels_impl.h must be compiled with CPU_CAPABILITY defined (see CMakeLists.txt)"
-#endif
-
 #include <ATen/Parallel.h>
 
 #include <algorithm>

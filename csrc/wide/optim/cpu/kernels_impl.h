@@ -4,10 +4,6 @@
 // the namespace wide::optim::cpu::<ISA> (no ODR clash between the three copies).
 #pragma once
 
-#ifndef CPU_CAPABILITY
-#error "kernels_impl.h must be compiled with CPU_CAPABILITY defined (see CMakeLists.txt)"
-#endif
-
 #include <ATen/Parallel.h>
 
 #include <algorithm>

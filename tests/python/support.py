@@ -1,0 +1,101 @@
+"""Helpers shared by several test files (imported as ``from support import ...``, as op_db is):
+an op recorder below autograd, running a function on several threads at once, the base of the
+small models of Linear layers that most tests define, and the base of hand-written wide forms
+(``wc.register``) of a module with one scalar parameter."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from wide_compiler.testing import assert_members_close
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records the aten/wide ops that run below autograd while it is active, in ``ops``: their
+    packet names (``"addmm"``), or with ``full_names`` the whole overload (``"wide.adam_step.default"``).
+    Profiler bookkeeping ops are left out."""
+
+    def __init__(self, full_names: bool = False):
+        super().__init__()
+        self.full_names = full_names
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not str(func).startswith("profiler."):
+            self.ops.append(str(func) if self.full_names else func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class LinearModel(nn.Module):
+    """The shape of most small test models: Linear layers, declared in ``linears`` as
+    name -> (in features, out features) (by default one, ``fc``), which the subclass's
+    ``forward``, the code under test, uses. The constructor's arguments become the attributes
+    named in ``fields`` (the per-member constants a test varies). ``forward`` stays in the
+    subclass: errors name the line of the user's forward that holds an op."""
+
+    linears: dict[str, tuple[int, int]] = {"fc": (4, 4)}
+    fields: tuple[str, ...] = ()
+
+    def __init__(self, *values) -> None:
+        super().__init__()
+        for name, (in_features, out_features) in self.linears.items():
+            setattr(self, name, nn.Linear(in_features, out_features))
+        if len(values) != len(self.fields):
+            raise TypeError(f"{type(self).__name__} takes {self.fields}, got {len(values)} values")
+        for name, value in zip(self.fields, values):
+            setattr(self, name, value)
+
+
+class StackedScalar(nn.Module):
+    """The wide form of N modules whose one parameter is a scalar ``s``: here ``s`` is theirs
+    stacked, ``[N]``. Subclasses write ``forward`` (:meth:`per_member` views ``s`` to broadcast
+    against an N-first input) and ``unfuse``."""
+
+    def __init__(self, s: torch.Tensor) -> None:
+        super().__init__()
+        self.s = nn.Parameter(s)
+
+    @classmethod
+    def from_modules(cls, modules):
+        return cls(torch.stack([m.s.detach() for m in modules]))
+
+    def per_member(self, x: torch.Tensor) -> torch.Tensor:
+        return self.s.view(-1, *([1] * (x.dim() - 1)))
+
+
+def assert_members_trained_alike(wide: nn.Module, models: list[nn.Module], xs, targets, **sgd) -> None:
+    """Train each member alone, ``torch.optim.SGD(**sgd)`` on ``F.mse_loss``, one step per N-first
+    batch of ``xs``/``targets`` (its own slice): its parameters must then equal its slice of
+    ``wide``'s, which the caller trained on the same batches."""
+    for i, m in enumerate(models):
+        opt = torch.optim.SGD(m.parameters(), **sgd)
+        for x, t in zip(xs, targets):
+            opt.zero_grad()
+            F.mse_loss(m(x[i]), t[i]).backward()
+            opt.step()
+    for name, p in wide.named_parameters():
+        assert_members_close(p.detach(), [m.get_parameter(name).detach() for m in models],
+                             what=f"{name} after {len(xs)} SGD steps")
+
+
+def run_in_threads(fn: Callable[[int], object], n: int) -> list[Exception]:
+    """Call ``fn(k)`` for k in range(n), each on its own thread, all started before any is joined;
+    returns the exceptions they raised (empty when every call succeeded)."""
+    errors: list[Exception] = []
+
+    def call(k: int) -> None:
+        try:
+            fn(k)
+        except Exception as e:  # noqa: BLE001 (returned to the test, which asserts on it)
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
