@@ -34,6 +34,7 @@ from .errors import (
     WideCompileError,
 )
 from .model import WideModel
+from .padded import PaddedWideModel
 from .registry import register
 from .router import Tower, WideRouter
 
@@ -54,6 +55,7 @@ __all__ = [
     "WideCompileError",
     "WideConfig",
     "WideModel",
+    "PaddedWideModel",
     "WideRouter",
     "allocator",
     "amp",

@@ -14,9 +14,11 @@ from torch import nn
 from . import _equivalence as testing
 from .config import WideConfig
 from .errors import ValidationError
+from .fx.padding import pad_members
 from .fx.pipeline import compile_members
 from .layouts import layout_of, tag_layout
 from .model import WideModel
+from .padded import PaddedWideModel
 
 __all__ = ["WideBuilder", "compile", "pack", "stack", "unpack", "unstack"]
 
@@ -51,6 +53,7 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
     dynamic_shapes: Any = None,
     compile_model: bool = False,
     compile_options: dict[str, Any] | None = None,
+    pad: bool = False,
 ) -> WideModel:
     """Fuse N models of one architecture into one :class:`WideModel`.
 
@@ -85,6 +88,12 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
             sizes are exactly as given (no recapture). ``summary()`` lists the dynamic dims.
         compile_model: return ``torch.compile(wide_model, **compile_options)``.
         compile_options: keyword arguments of ``torch.compile`` (``mode``, ``fullgraph``, ...).
+        pad: fuse members that differ only in sizes (hidden widths, channels, embedding dims,
+            feed-forward sizes, heads) by padding every tensor to the largest member's size,
+            exactly: the padding stays zero in the forward, the backward and the optimizer
+            steps, and an op where padding could change a result is refused (Note [Padded
+            members] in fx/padding.py). Returns a :class:`PaddedWideModel`; members of one
+            size compile as without it.
 
     Raises:
         ArchitectureMismatchError: members differ (the message names the member and the first
@@ -124,10 +133,15 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
         if n is not None and n != len(members):
             raise ValueError(f"wide_compiler.compile: n={n} but {len(members)} models were given")
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
+    padded = pad_members(members, args, sample_kwargs) if pad else None
+    if padded is not None:
+        originals, (members, info) = members, padded
     # Compile (the pipeline of fx/pipeline.py: checks, capture, widen, strategies, the stacked
     # state), then hold the result in the model.
     wide = WideModel._from_compilation(compile_members(members, args, sample_kwargs, config=config,
                                                        dynamic_shapes=dynamic_shapes))
+    if padded is not None:
+        wide = PaddedWideModel._padded(wide, info, originals)
     if config.validate:
         _validate(wide, members, args, sample_kwargs or {}, config)
     if not compile_model:

@@ -81,9 +81,12 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from .api import compile as _wide_compile
 from .config import WideConfig
-from .errors import ArchitectureMismatchError
+from .errors import ArchitectureMismatchError, UnsupportedOperationError
 from .fx.member_checks import check_members, check_run_members
+from .fx.padding import pad_members
+from .measure import time_interleaved
 from .model import WideModel
+from .padded import PaddedWideModel
 
 __all__ = ["CompileRouter", "Tower", "WideRouter"]
 
@@ -511,6 +514,10 @@ class WideRouter(nn.Module):
             ``WideConfig.default()``; ``WideConfig.fast()`` compiles fastest).
         compile_options: further keyword arguments of :func:`wide_compiler.compile`
             (``validate``, ``strict``, ``dynamic_shapes``...).
+        pad: towers of one program up to sizes (a width sweep) may run as ONE padded wide model
+            (``compile(pad=True)``) instead of one wide model per size: grouping compiles both,
+            times them on the sample inputs, keeps the faster and says which in :meth:`report`
+            (and ``pad_decisions``).
 
     Subclass it (attach towers and heads in ``__init__``, call :meth:`wide_forward` in
     ``forward``, reach any attached component as ``self[name]``) or use it as a container.
@@ -525,7 +532,7 @@ class WideRouter(nn.Module):
     """
 
     def __init__(self, name: str | None = None, *, auto_discover: bool = False, config: WideConfig | None = None,
-                 compile_options: Mapping[str, Any] | None = None) -> None:
+                 compile_options: Mapping[str, Any] | None = None, pad: bool = False) -> None:
         super().__init__()
         if name is not None and not isinstance(name, str):
             raise TypeError(f"WideRouter: name must be a string or None, got {type(name).__name__} {name!r} "
@@ -547,6 +554,8 @@ class WideRouter(nn.Module):
         self._compile_opts: dict[str, Any] | None = None  # torch.compile options of compile()
         self._compiled: dict[str, Any] = {}  # group key -> its torch.compile'd wide model (compile())
         self._views: dict[str, _FusedTowerView] = {}  # router[name] of fused towers
+        self._pad_sizes = bool(pad)
+        self.pad_decisions: dict[tuple[str, ...], str] = {}  # towers of one program up to sizes -> verdict
         self._grouped = False
 
     # -- registration -------------------------------------------------------------------------
@@ -701,6 +710,9 @@ class WideRouter(nn.Module):
                 log.debug("WideRouter: tower %r is not in group %r: %s", name, group[0], why)
             else:
                 partition.append([name])
+        built: dict[tuple[str, ...], WideModel] = {}
+        if self._pad_sizes:
+            partition = self._pad_partition(partition, inputs, built)
         for names in partition:
             if len(names) < 2 or tuple(names) in self._fallbacks:
                 continue
@@ -709,8 +721,8 @@ class WideRouter(nn.Module):
             try:
                 self._check_not_shared(names)
                 with _watch_names() as reads:
-                    wide = _wide_compile(towers, args, sample_kwargs=kwargs, config=self._config,
-                                         **self._compile_options)
+                    wide = built.get(tuple(names)) or _wide_compile(
+                        towers, args, sample_kwargs=kwargs, config=self._config, **self._compile_options)
                 if reads and len({tuple(_labels(t)) for t in towers}) > 1:
                     raise ValueError(self._reads_name_why(names))
             except Exception as e:  # noqa: BLE001 -- the towers still run, one by one, and we say so
@@ -733,6 +745,74 @@ class WideRouter(nn.Module):
         if self._compile_opts is not None:
             self._compile_groups()
         log.info("WideRouter: %s", self.report())
+
+    def _pad_partition(self, partition: list[list[str]], inputs: dict[str, tuple],
+                       built: dict[tuple[str, ...], WideModel]) -> list[list[str]]:
+        """With ``pad``: the groups of one program up to sizes become one padded group where that
+        measures faster than a wide model per size (both compiled here, into ``built``; the
+        verdict goes to ``pad_decisions``)."""
+        clusters: list[list[list[str]]] = []
+        refused: dict[int, str] = {}  # id(cluster) -> why padding it is refused
+        for names in partition:
+            for cluster in clusters:
+                a, b = cluster[0][0], names[0]
+                if inputs[a] is not inputs[b] and _signature(*inputs[a]) != _signature(*inputs[b]):
+                    continue
+                try:
+                    pad_members([self._tower(a), self._tower(b)], *inputs[a])
+                except ArchitectureMismatchError as e:  # not one program up to sizes: its own group
+                    log.debug("WideRouter: %r and %r are not one program up to sizes: %s", a, b, e)
+                    continue
+                except Exception as e:  # noqa: BLE001 -- one program, but padding it is refused
+                    refused.setdefault(id(cluster), str(e).splitlines()[0])
+                cluster.append(names)
+                break
+            else:
+                clusters.append([names])
+        out: list[list[str]] = []
+        for cluster in clusters:
+            if len(cluster) < 2:
+                out += cluster
+                continue
+            names = [n for group in cluster for n in group]
+            args, kwargs = inputs[names[0]]
+            try:
+                if id(cluster) in refused:
+                    raise UnsupportedOperationError(refused[id(cluster)])
+                self._check_not_shared(names)
+                padded = _wide_compile([self._tower(n) for n in names], args, sample_kwargs=kwargs,
+                                       config=self._config, pad=True, **self._compile_options)
+            except Exception as e:  # noqa: BLE001 -- padding refused: groups by size, and we say why
+                self.pad_decisions[tuple(names)] = f"by size (padding refused: {str(e).splitlines()[0]})"
+                out += cluster
+                continue
+            for group in cluster:
+                if len(group) > 1:
+                    built[tuple(group)] = _wide_compile([self._tower(n) for n in group], args, sample_kwargs=kwargs,
+                                                        config=self._config, **self._compile_options)
+
+            def run(groups: list[tuple[list[str], Any]]) -> None:
+                with torch.no_grad():
+                    for members, wide in groups:
+                        if isinstance(wide, nn.Module) and len(members) > 1:
+                            a, k = _stack([inputs[n] for n in members], members)
+                            wide(*a, **k)
+                        else:
+                            self._tower(members[0])(*inputs[members[0]][0], **inputs[members[0]][1])
+
+            by_size = [(g, built.get(tuple(g))) for g in cluster]
+            ms = time_interleaved({"padded": lambda: run([(names, padded)]), "by_size": lambda: run(by_size)},
+                                  min_run_time=0.1)
+            chosen = "padded" if ms["padded"] <= ms["by_size"] else "by size"
+            self.pad_decisions[tuple(names)] = (f"{chosen}: one padded model {ms['padded']:.3f} ms, a model per "
+                                                f"size {ms['by_size']:.3f} ms per call (measured at grouping)")
+            log.info("WideRouter: towers %s of one program up to sizes: %s", names, self.pad_decisions[tuple(names)])
+            if chosen == "padded":
+                built[tuple(names)] = padded
+                out.append(names)
+            else:
+                out += cluster
+        return out
 
     @torch.compiler.disable
     def _group_lazily(self, args: tuple, kwargs: dict) -> None:
@@ -940,6 +1020,8 @@ class WideRouter(nn.Module):
             raise ValueError(f"WideRouter: group {members} runs as one wide model (its towers have registered "
                              f"wide forms), so every tower of it needs an input; got inputs for {chosen}")
         y = self._compiled.get(members[0], wide)(*args, **kwargs)
+        if isinstance(wide, PaddedWideModel):  # each tower's own sizes
+            return {n: o for n, o in zip(members, wide.member_outputs(y)) if n in chosen}
         if isinstance(y, torch.Tensor):  # the common case: one unbind, no pytree walk per tower
             return {n: t for n, t in zip(members, y.unbind(0)) if n in chosen}
 
@@ -952,10 +1034,14 @@ class WideRouter(nn.Module):
         """Member i of a group alone, on row i of the wide parameters and buffers (gradients reach
         the wide parameters; running statistics are updated in place in the wide buffers)."""
         wide = self.groups[key]
-        template = self._templates[key].train(wide.training)
-        params, buffers = wide._member_names()
-        tensors = {name: wide._stacked(name)[i] for name in (*params, *buffers)}
-        return torch.func.functional_call(template, tensors, args, kwargs, strict=False)
+        if isinstance(wide, PaddedWideModel):  # the tower's own module, on views of its own sizes
+            template = self._templates.setdefault(f"{key}/{i}", copy.deepcopy(wide._originals[i]))
+            tensors = wide.member_tensors(i)
+        else:
+            template = self._templates[key]
+            params, buffers = wide._member_names()
+            tensors = {name: wide._stacked(name)[i] for name in (*params, *buffers)}
+        return torch.func.functional_call(template.train(wide.training), tensors, args, kwargs, strict=False)
 
     # -- back to the towers -------------------------------------------------------------------
     @torch.no_grad()
@@ -1028,6 +1114,8 @@ class WideRouter(nn.Module):
                 lines.append(f"  {how} {key!r}: {type(self._modules[key]).__name__}")
         for names, why in self._fallbacks.items():
             lines.append(f"  compile failed for {list(names)}: {why.splitlines()[0]}")
+        for names, verdict in self.pad_decisions.items():
+            lines.append(f"  sizes of {list(names)}: {verdict}")
         return "\n".join(lines)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,516 @@
+"""Members that differ in size: one padded program for all of them, exactly (``compile(pad=True)``).
+
+Note [Padded members]
+~~~~~~~~~~~~~~~~~~~~~
+A size sweep (hidden widths, channel counts, embedding dims, feed-forward sizes) gives members
+whose programs are the same up to the sizes of their tensors. :func:`pad_members` captures every
+member, checks that the programs agree node by node except for sizes, and builds ONE padded
+program, run by N :class:`PaddedMember` modules that hold each member's own tensors at the
+largest sizes; the ordinary compiler then fuses those like any same-shape members.
+
+Layouts. Every tensor dimension whose size differs between members has a *layout*: a bool
+``[N, max]`` tensor saying which positions of the padded dimension hold member ``i``'s values
+(``None``: the dimension is the same for all). Parameters lay their own sizes out as a prefix
+(``[0, size)``), unless a consumer fixes another layout (a Linear after a ``cat`` of two padded
+embeddings reads columns ``[0, d1) + [d1max, d1max + d2)``); ops map layouts through (``cat``
+concatenates them, a reshape that merges a padded dim with unpadded inner dims repeats it).
+
+Exactness. The invariant is that every value is zero outside its layout (*clean*), in the
+forward and the backward:
+
+* parameters and buffers are zero there, and their gradient is masked: the program multiplies
+  each padded parameter by its mask (forward unchanged, gradient zero outside the layout), so
+  every optimizer leaves the padding, and its state, at zero (weight decay included);
+* contractions (linear, matmul, conv, embedding) of clean values are clean;
+* pointwise ops with f(0) = 0 keep it; any other op whose result has a padded dim (sigmoid, a
+  bias added by broadcast, a norm's bias over padded rows, ...) is multiplied by its mask after;
+* ops that reduce over a padded dim use each member's true count: a norm over it becomes its
+  decomposition with a per-member mask and count (layer_norm, rms_norm, group_norm), ``mean``
+  is rescaled by max / true count, softmax and max set the padding to -inf first.
+
+Anything else with a padded input or output (a reshape that splits a padded dim into two that
+both vary, a division by a padded value, a slice or a cat whose layout cannot be tracked, an op
+with no padding rule) is refused with the op, the sizes and the source line, never padded
+silently. The masks, counts and group matrices are per-member non-persistent buffers
+(``_wc_pad_<k>``), so the compiler stacks them like any buffer. The rule of each op is in
+fx/padding_rules.py; this module aligns the members' programs, runs the rules and builds the
+padded members.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..errors import ArchitectureMismatchError, UnsupportedOperationError
+from .capture import capture
+from .padding_rules import (FREE, INT_ARGS_OK, MASK_UNARY, RULES, ZERO_UNARY, Prefer, flat_layout, mask_unary,
+                            prefix, same_layout, scatter, zero_unary)
+from .source import source_line
+
+__all__ = ["PadInfo", "PaddedMember", "pad_members"]
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass
+class PadInfo:
+    """What padding did (Note [Padded members]): for every state tensor and every flat output, the
+    layout of each padded dim (``{dim: bool [N, max]}``); the members' true and padded shapes."""
+
+    n: int
+    state_layouts: dict[str, dict[int, torch.Tensor]]
+    true_shapes: dict[str, list[tuple[int, ...]]]
+    padded_shapes: dict[str, tuple[int, ...]]
+    output_layouts: dict[bool, list[dict[int, torch.Tensor]]]  # training -> per flat output
+
+    def member_slice(self, t: torch.Tensor, layouts: dict[int, torch.Tensor], i: int) -> torch.Tensor:
+        """Member ``i``'s own values of ``t`` (one member's padded tensor, no member dim)."""
+        for d, lay in sorted(layouts.items()):
+            t = t.index_select(d, lay[i].nonzero().flatten().to(t.device))
+        return t
+
+    def member_padded(self, t: torch.Tensor, name: str, i: int) -> torch.Tensor:
+        """Member ``i``'s own tensor ``t`` of state ``name`` placed in its padded shape (zeros
+        outside its layout)."""
+        lay = self.state_layouts.get(name, {})
+        return scatter(t, lay, i, self.padded_shapes[name]) if lay else t
+
+    def overhead(self) -> dict[str, float]:
+        """Parameter elements: the members' own, the padded program's, and the extra fraction."""
+        own = sum(math.prod(s) for name, shapes in self.true_shapes.items() for s in shapes)
+        padded = self.n * sum(math.prod(s) for s in self.padded_shapes.values())
+        return {"own": own, "padded": padded, "extra": padded / own - 1 if own else 0.0}
+
+
+class PaddedMember(nn.Module):
+    """Member ``i`` at the population's largest sizes: its own tensors, zero-padded, run through
+    the padded program of its train/eval mode, shared by all members (Note [Padded members])."""
+
+    def __init__(self, programs: dict[bool, fx.GraphModule], tensors: dict[str, torch.Tensor],
+                 parameters: set[str], persistent: set[str]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_programs", programs)  # shared, not submodules
+        for name, t in tensors.items():
+            *path, leaf = name.split(".")
+            owner: nn.Module = self
+            for part in path:
+                if part not in owner._modules:
+                    owner.add_module(part, nn.Module())
+                owner = owner._modules[part]
+            if name in parameters:
+                owner.register_parameter(leaf, nn.Parameter(t, requires_grad=t.requires_grad))
+            else:
+                owner.register_buffer(leaf, t, persistent=name in persistent)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        state = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        return torch.func.functional_call(self._programs[self.training], state, args, kwargs)
+
+
+def _hint(d: Any) -> int:
+    if isinstance(d, int):
+        return d
+    hint = getattr(getattr(d, "node", None), "hint", None)
+    if hint is None:
+        raise UnsupportedOperationError(f"wide_compiler: pad=True: a size ({d}) has no value to compare")
+    return int(hint)
+
+
+def _shape(v: Any) -> tuple[int, ...] | None:
+    return tuple(_hint(d) for d in v.shape) if isinstance(v, torch.Tensor) else None
+
+
+class _Padder:
+    """One pass over member 0's captured graph, aligned node by node with the others'."""
+
+    def __init__(self, eps: Sequence[Any], persistent: set[str], tag: str,
+                 prefs: dict[tuple[str, int], torch.Tensor]) -> None:
+        self.n, self.tag, self.prefs = len(eps), tag, prefs
+        # id(layout) -> (parameter, dim, f): the layout comes from that parameter dim's default
+        # (a prefix), and f maps a layout wanted here to the one the parameter dim needs for it
+        self.origin: dict[int, tuple[str, int, Callable[[torch.Tensor], torch.Tensor]]] = {}
+        self.gms = [ep.module() for ep in eps]
+        self.gm = self.gms[0]
+        self.g = self.gm.graph
+        self.nodes = [list(gm.graph.nodes) for gm in self.gms]
+        self.pos = {node: k for k, node in enumerate(self.nodes[0])}
+        self.member_pos = [{node: k for k, node in enumerate(nodes)} for nodes in self.nodes]
+        self.state = [{**dict(gm.named_parameters()), **dict(gm.named_buffers())} for gm in self.gms]
+        self.device = next(iter(self.state[0].values())).device if self.state[0] else torch.device("cpu")
+        self.parameters = {name for name, _ in self.gm.named_parameters()}
+        self.persistent = persistent
+        self.lay: dict[fx.Node, Any] = {}
+        self.state_lay: dict[str, list[Any]] = {}
+        self.buffers: dict[str, torch.Tensor] = {}  # new per-member buffers: name -> [N, ...]
+        self.int_diffs: dict[fx.Node, set[int]] = {}
+        self._check_programs()
+
+    # ---------------------------------------------------------------- the programs agree
+    def _check_programs(self) -> None:
+        n0 = self.nodes[0]
+        for i, nodes in enumerate(self.nodes[1:], start=1):
+            if len(nodes) != len(n0):
+                raise ArchitectureMismatchError(
+                    f"pad=True: member {i} runs {len(nodes)} graph nodes, member 0 runs {len(n0)}: "
+                    "its program differs in more than sizes")
+            for a, b in zip(n0, nodes):
+                if a.op != b.op or a.target != b.target:
+                    raise ArchitectureMismatchError(
+                        f"pad=True: member {i} runs {b.op} {b.target} where member 0 runs {a.op} {a.target} "
+                        f"at {source_line(a)}: its program differs in more than sizes")
+                diffs: set[int] = set()
+                self._compare(a, (a.args, a.kwargs), (b.args, b.kwargs), i, diffs, [0])
+                if diffs:
+                    self.int_diffs.setdefault(a, set()).update(diffs)
+
+    def _compare(self, node: fx.Node, x: Any, y: Any, i: int, diffs: set[int], counter: list[int]) -> None:
+        if isinstance(x, fx.Node) or isinstance(y, fx.Node):
+            if not (isinstance(x, fx.Node) and isinstance(y, fx.Node)) or self.pos[x] != self.member_pos[i].get(y):
+                raise ArchitectureMismatchError(
+                    f"pad=True: member {i}: {node.target} at {source_line(node)} reads other values than member 0's")
+            return
+        if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)) and len(x) == len(y):
+            for u, v in zip(x, y):
+                self._compare(node, u, v, i, diffs, counter)
+            return
+        if isinstance(x, dict) and isinstance(y, dict) and x.keys() == y.keys():
+            for k in x:
+                self._compare(node, x[k], y[k], i, diffs, counter)
+            return
+        k = counter[0]
+        counter[0] += 1
+        if type(x) is int and type(y) is int:
+            if x != y:
+                diffs.add(k)
+            return
+        if type(x) is not type(y) or x != y:
+            raise ArchitectureMismatchError(
+                f"pad=True: member {i}: {node.target} at {source_line(node)} is called with {y!r} where "
+                f"member 0 has {x!r}: only sizes may differ between padded members")
+
+    # ---------------------------------------------------------------- shapes and layouts
+    def shapes(self, node: fx.Node) -> list[tuple[int, ...]]:
+        k = self.pos[node]
+        return [_shape(nodes[k].meta.get("val")) for nodes in self.nodes]
+
+    def max_shape(self, node: fx.Node) -> tuple[int, ...]:
+        shapes = self.shapes(node)
+        return tuple(max(s[d] for s in shapes) for d in range(len(shapes[0])))
+
+    def refuse(self, node: fx.Node, why: str) -> None:
+        shapes = self.shapes(node) if isinstance(node.meta.get("val"), torch.Tensor) else None
+        sizes = f" (member shapes {', '.join(str(list(s)) for s in shapes)})" if shapes else ""
+        raise UnsupportedOperationError(
+            f"wide_compiler: pad=True: {node.target} at {source_line(node)}{sizes}: {why}. Members that "
+            "differ in size are fused only where padding is exact; compile them in groups of one size "
+            "(the router does), or make this size the same for all members")
+
+    def layout(self, node: Any) -> list[Any]:
+        """The node's layout, free parameter dims as their prefix (fixed from now on)."""
+        if not isinstance(node, fx.Node):
+            return []
+        lay = self.lay.get(node)
+        if lay is None:
+            return [None] * len(self.max_shape(node)) if isinstance(node.meta.get("val"), torch.Tensor) else []
+        if node.op == "get_attr":
+            for d, v in enumerate(lay):
+                if isinstance(v, str):
+                    default = self.prefs.get((node.target, d))
+                    if default is None:
+                        default = prefix([s[d] for s in self.shapes(node)], self.max_shape(node)[d])
+                    self.origin[id(default)] = (node.target, d, lambda want: want)
+                    self.bind(node, d, default)
+            lay = self.lay[node]
+        return list(lay)
+
+    def bind(self, node: Any, d: int, layout: torch.Tensor | None) -> None:
+        """Give a parameter's free dim ``d`` the layout a consumer needs; check it otherwise."""
+        if not isinstance(node, fx.Node) or node not in self.lay:
+            if layout is not None:
+                self.refuse(node, "a value that is the same in every member is read where a padded one is")
+            return
+        cur = self.lay[node][d]
+        if isinstance(cur, str):
+            if layout is None or layout.shape[1] != self.max_shape(node)[d] or \
+                    layout.sum(1).tolist() != [s[d] for s in self.shapes(node)]:
+                self.refuse(node, f"its dim {d} is read with a padding that does not fit its sizes")
+            self.lay[node][d] = layout
+            self.state_lay[node.target][d] = layout
+        elif not same_layout(cur, layout):
+            self.refuse(node, f"dim {d} is read with two different paddings")
+
+    # ---------------------------------------------------------------- graph edits
+    def buffer(self, values: torch.Tensor, near: fx.Node, *, after: bool = False) -> fx.Node:
+        """A new per-member buffer (``values`` [N, ...]) read just before (or after) ``near``."""
+        name = f"_wc_pad_{self.tag}{len(self.buffers)}"
+        values = values.to(self.device)
+        self.buffers[name] = values
+        self.gm.register_buffer(name, values[0].clone(), persistent=False)
+        with self.g.inserting_after(near) if after else self.g.inserting_before(near):
+            return self.g.get_attr(name)
+
+    def mask_of(self, lay: list[Any], dtype: torch.dtype) -> torch.Tensor | None:
+        """[N, *shape] 0/1 values of a layout, broadcasting over unpadded dims (None: unpadded)."""
+        if all(v is None for v in lay):
+            return None
+        m = torch.ones((self.n,) + (1,) * len(lay), dtype=dtype)
+        for d, v in enumerate(lay):
+            if v is not None:
+                shape = [self.n] + [1] * len(lay)
+                shape[d + 1] = v.shape[1]
+                m = m * v.to(dtype).view(shape)
+        return m
+
+    def call(self, target: Any, *args: Any, after: fx.Node | None = None, before: fx.Node | None = None) -> fx.Node:
+        ctx = self.g.inserting_after(after) if after is not None else self.g.inserting_before(before)
+        with ctx:
+            return self.g.call_function(target, args)
+
+    def mask_after(self, node: fx.Node, lay: list[Any]) -> None:
+        """Multiply ``node``'s result by its layout's mask (every later use reads the product)."""
+        val = node.meta.get("val")
+        mask = self.mask_of(lay, val.dtype if isinstance(val, torch.Tensor) else torch.float32)
+        if mask is None:
+            return
+        users = list(node.users)
+        m = self.buffer(mask, node, after=True)
+        out = self.call(aten.mul.Tensor, node, m, after=m)
+        for u in users:
+            u.replace_input_with(node, out)
+        self.lay[out], self.pos[out] = lay, self.pos[node]
+
+    # ---------------------------------------------------------------- the pass
+    def run(self) -> tuple[PadInfo, list[dict[int, torch.Tensor]]]:
+        """Rewrite the program (Note [Padded members]); returns what padding did and the
+        layouts of the flat outputs."""
+        for node in [n for n in self.g.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
+            self.g.erase_node(node)  # export's input guards of member 0's sizes (and not picklable)
+            self.gm.delete_submodule("_guards_fn")
+        for node in list(self.g.nodes):
+            if node.op == "get_attr":
+                self._get_attr(node)
+            elif node.op == "placeholder":
+                if any(v is not None for v in self._dims_that_differ(node)):
+                    self.refuse(node, "the members' inputs differ in size")
+                self.lay[node] = self._dims_that_differ(node)
+            elif node.op == "call_function":
+                self._call(node)
+            elif node.op == "output":
+                outs = []
+                for leaf in torch.utils._pytree.tree_leaves(node.args[0]):
+                    lay = self.layout(leaf) if isinstance(leaf, fx.Node) else []
+                    outs.append({d: v for d, v in enumerate(lay) if v is not None})
+                self.outputs = outs
+            elif node.op == "call_module":
+                self.refuse(node, "a submodule call inside the captured program")
+        self._mask_gradients()
+        self.g.lint()
+        self.gm.recompile()
+        # pickled GraphModules are traced again on load: with the plain tracer (export's needs
+        # arguments a pickle does not carry)
+        self.gm._tracer_cls = self.g._tracer_cls = None
+        return self._info(), self.outputs
+
+    def _dims_that_differ(self, node: fx.Node) -> list[Any]:
+        shapes = self.shapes(node)
+        if shapes[0] is None:
+            return []
+        return [None if len({s[d] for s in shapes}) == 1 else FREE for d in range(len(shapes[0]))]
+
+    def _get_attr(self, node: fx.Node) -> None:
+        name = node.target
+        shapes = [tuple(st[name].shape) for st in self.state]
+        if len({len(s) for s in shapes}) != 1:
+            self.refuse(node, "the members' tensors have different numbers of dims")
+        lay = [None if len({s[d] for s in shapes}) == 1 else FREE for d in range(len(shapes[0]))]
+        self.lay[node] = lay
+        self.state_lay[name] = lay
+
+    def _mask_gradients(self) -> None:
+        """Multiply each padded parameter by its mask where the program reads it."""
+        for node in [n for n in self.g.nodes if n.op == "get_attr" and n.target in self.parameters]:
+            lay = self.layout(node)
+            if all(v is None for v in lay):
+                continue
+            users = list(node.users)
+            mask = self.mask_of(lay, self.state[0][node.target].dtype).expand(self.n, *self.max_shape(node))
+            m = self.buffer(mask.contiguous(), node, after=True)
+            out = self.call(aten.mul.Tensor, node, m, after=m)
+            for u in users:
+                u.replace_input_with(node, out)
+
+    def _info(self) -> PadInfo:
+        state_layouts = {}
+        for name in self.state[0]:
+            lay = self.state_lay.get(name)
+            if lay is None:  # not read by the program: prefix
+                shapes = [tuple(st[name].shape) for st in self.state]
+                lay = [None if len({s[d] for s in shapes}) == 1 else prefix([s[d] for s in shapes],
+                       max(s[d] for s in shapes)) for d in range(len(shapes[0]))]
+            for d, v in enumerate(lay):
+                if isinstance(v, str):
+                    shapes = [tuple(st[name].shape) for st in self.state]
+                    lay[d] = prefix([s[d] for s in shapes], max(s[d] for s in shapes))
+            state_layouts[name] = {d: v for d, v in enumerate(lay) if v is not None}
+        true_shapes = {name: [tuple(st[name].shape) for st in self.state] for name in self.state[0]}
+        padded = {name: tuple(max(s[d] for s in shapes) for d in range(len(shapes[0])))
+                  for name, shapes in true_shapes.items()}
+        return PadInfo(self.n, state_layouts, true_shapes, padded, {})
+
+    # ---------------------------------------------------------------- op rules
+    def _call(self, node: fx.Node) -> None:
+        target = node.target
+        name = target.overloadpacket.__name__ if isinstance(target, torch._ops.OpOverload) else getattr(
+            target, "__name__", str(target))
+        # padded inputs, without fixing a parameter's free dims (the op's rule binds them)
+        in_padded = any(v is not None for a in node.all_input_nodes for v in flat_layout(self.lay.get(a)))
+        out_shapes = self.shapes(node) if isinstance(node.meta.get("val"), torch.Tensor) else None
+        out_padded = out_shapes is not None and len({s for s in out_shapes}) > 1
+        if target is operator.getitem:
+            src, k = node.args
+            lay = self.lay.get(src)
+            self.lay[node] = list(lay[k]) if isinstance(lay, list) and lay and isinstance(lay[0], list) \
+                else self._dims_that_differ_none(node)
+            return
+        if not in_padded and not out_padded and node not in self.int_diffs:
+            self.lay[node] = self._unpadded(node)
+            return
+        rule = RULES.get(name)
+        if not isinstance(target, torch._ops.OpOverload) and node in self.int_diffs:
+            self.refuse(node, "the program computes a size in Python from a number that differs between "
+                              "members (attention folds num_heads into the batch this way: swept heads "
+                              "are not padded yet; sweep the feed-forward size or the head count with "
+                              "groups of one size)")
+        if rule is None:
+            if name in ZERO_UNARY:
+                rule = zero_unary
+            elif name in MASK_UNARY:
+                rule = mask_unary
+            else:
+                self.refuse(node, "no padding rule for this op (its result on zero padding is not known to be exact)")
+        if node in self.int_diffs and rule not in INT_ARGS_OK:
+            self.refuse(node, "its size arguments differ between members in a way this op's rule cannot pad")
+        rule(self, node)
+        self._check_layout(node)
+
+    def _unpadded(self, node: fx.Node) -> Any:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return [None] * val.dim()
+        if isinstance(val, (tuple, list)):
+            return [[None] * v.dim() if isinstance(v, torch.Tensor) else [] for v in val]
+        return []
+
+    def _dims_that_differ_none(self, node: fx.Node) -> list[Any]:
+        val = node.meta.get("val")
+        return [None] * val.dim() if isinstance(val, torch.Tensor) else []
+
+    def _check_layout(self, node: fx.Node) -> None:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return
+        lay = self.lay[node]
+        shapes = self.shapes(node)
+        for d in range(len(shapes[0])):
+            sizes = [s[d] for s in shapes]
+            v = lay[d] if d < len(lay) else None
+            if v is None:
+                if len(set(sizes)) != 1:
+                    self.refuse(node, f"internal: dim {d} differs between members but has no padding")
+            elif v.sum(1).tolist() != sizes or v.shape[1] != max(sizes):
+                self.refuse(node, f"internal: the padding of dim {d} does not match the sizes {sizes}")
+
+    def operand_layouts(self, node: fx.Node, operands: Sequence[Any]) -> list[Any]:
+        """Broadcast layouts of elementwise operands (parameters bound to the others'); None dims
+        of operands that are padded elsewhere make the result dirty there (see _binary)."""
+        out_rank = len(self.max_shape(node))
+        result: list[Any] = [None] * out_rank
+        for a in operands:  # activations first: they fix the parameters' free dims
+            if not isinstance(a, fx.Node) or a.op == "get_attr":
+                continue
+            lay = self.layout(a)
+            for d, v in enumerate(lay):
+                od = out_rank - len(lay) + d
+                if v is not None:
+                    result[od] = v
+        for a in operands:
+            if isinstance(a, fx.Node) and a.op == "get_attr":
+                lay = self.lay[a]
+                for d, v in enumerate(lay):
+                    od = out_rank - len(lay) + d
+                    if isinstance(v, str):
+                        if result[od] is not None:
+                            self.bind(a, d, result[od])
+                        else:
+                            self.layout(a)
+                for d, v in enumerate(self.layout(a)):
+                    od = out_rank - len(self.layout(a)) + d
+                    if v is not None and result[od] is None:
+                        result[od] = v
+        return result
+
+
+def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = None
+                ) -> tuple[list[PaddedMember], PadInfo] | None:
+    """The padded members of a population whose sizes differ (Note [Padded members]), and what
+    padding did; None when every member already has the same sizes (nothing to pad). The
+    members are not modified: each mode's program is captured from copies."""
+    kwargs = dict(kwargs or {})
+    shapes = [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in models]
+    if all(s == shapes[0] for s in shapes):
+        return None
+    if any(s.keys() != shapes[0].keys() for s in shapes):
+        bad = next(i for i, s in enumerate(shapes) if s.keys() != shapes[0].keys())
+        raise ArchitectureMismatchError(
+            f"pad=True: member {bad}'s parameters and buffers are not member 0's "
+            f"(only in member {bad}: {sorted(set(shapes[bad]) - set(shapes[0]))}; only in member 0: "
+            f"{sorted(set(shapes[0]) - set(shapes[bad]))})")
+    persistent = set(models[0].state_dict())
+    padders, infos = {}, {}
+    prefs: dict[tuple[str, int], torch.Tensor] = {}  # parameter dims laid out other than as a prefix
+    tried: dict[tuple[str, int], list[torch.Tensor]] = {}
+    for training in (True, False):
+        eps = [capture(copy.deepcopy(m).train(training), args, kwargs) for m in models]
+        while True:
+            padders[training] = _Padder(eps, persistent, "train" if training else "eval", prefs)
+            try:
+                infos[training] = padders[training].run()
+                break
+            except Prefer as want:
+                seen = tried.setdefault(want.where, [])
+                if any(torch.equal(want.layout, t) for t in seen) or len(seen) > 8:
+                    raise UnsupportedOperationError(
+                        f"wide_compiler: pad=True: no padding of {want.where[0]} dim {want.where[1]} suits "
+                        "every op that reads it") from None
+                seen.append(want.layout)
+                prefs[want.where] = want.layout
+    info = infos[models[0].training][0]
+    for name, lay in infos[not models[0].training][0].state_layouts.items():
+        other = info.state_layouts[name]
+        if lay.keys() != other.keys() or not all(torch.equal(lay[d], other[d]) for d in lay):
+            raise UnsupportedOperationError(
+                f"wide_compiler: pad=True: {name} is padded differently in the train and eval programs")
+    info.output_layouts = {t: outs for t, (_, outs) in infos.items()}
+    members = []
+    p0 = padders[True]
+    for i in range(len(models)):
+        tensors = {}
+        for name, t in p0.state[i].items():
+            tensors[name] = info.member_padded(t.detach(), name, i).clone().requires_grad_(t.requires_grad)
+        for padder in padders.values():
+            for name, values in padder.buffers.items():
+                tensors[name] = values[i].clone()
+        members.append(PaddedMember({t: pd.gm for t, pd in padders.items()}, tensors, p0.parameters,
+                                    p0.persistent).train(models[i].training))
+    log.info("wide_compiler: pad=True: %d members padded to one program (%.0f%% more parameter elements)",
+             len(models), 100 * info.overhead()["extra"])
+    return members, info

@@ -1,0 +1,629 @@
+"""The padding rule of each op (Note [Padded members] in fx/padding.py): how a padded input maps
+to the layout of the result, what a rule rewrites to stay exact (a mask after, a decomposition
+with each member's count, -inf before a max), and what it refuses. A rule is ``rule(padder, node)``
+and sets ``padder.lay[node]``; :data:`RULES` maps an ATen op's name to its rule, ops in
+:data:`ZERO_UNARY` keep zero padding as it is, ops in :data:`MASK_UNARY` are masked after.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx
+
+if TYPE_CHECKING:
+    from .padding import _Padder
+
+__all__ = ["FREE", "INT_ARGS_OK", "MASK_UNARY", "RULES", "ZERO_UNARY", "Prefer", "flat_layout",
+           "mask_unary", "prefix", "same_layout", "scatter", "zero_unary"]
+
+aten = torch.ops.aten
+
+FREE = "free"  # a parameter dim whose layout no consumer has fixed yet (prefix unless one does)
+
+# f(0) = 0 and f'(0) finite: a clean input gives a clean output
+ZERO_UNARY = {
+    "relu", "gelu", "silu", "tanh", "neg", "leaky_relu", "hardtanh", "elu", "celu", "selu", "mish",
+    "hardswish", "abs", "sin", "sinh", "asinh", "atan", "erf", "sign", "softsign", "tanhshrink",
+    "hardshrink", "softshrink", "relu6", "clone", "alias", "detach", "contiguous", "_to_copy", "to",
+    "dropout", "native_dropout", "lift_fresh_copy", "square", "expm1", "log1p", "type_as", "rrelu",
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "avg_pool1d",
+    "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices",
+    "adaptive_max_pool2d", "upsample_nearest2d", "upsample_bilinear2d",
+}
+# finite with a finite derivative at 0, but f(0) != 0: masked after (anything else is refused:
+# log, rsqrt, reciprocal, pow with a negative exponent would put inf or NaN into the padding)
+MASK_UNARY = {"sigmoid", "exp", "cos", "cosh", "hardsigmoid", "softplus", "logsigmoid", "clamp",
+              "clamp_min", "clamp_max", "fill", "ones_like", "full_like"}
+
+
+def prefix(sizes: Sequence[int], most: int) -> torch.Tensor:
+    return torch.arange(most)[None, :] < torch.tensor(list(sizes))[:, None]
+
+
+def same_layout(a: Any, b: Any) -> bool:
+    if a is None or b is None or isinstance(a, str) or isinstance(b, str):
+        return a is b or (isinstance(a, str) and isinstance(b, str))
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def flat_layout(lay: Any) -> list[Any]:
+    """Every dim's entry of a layout (a tuple result's per-output layouts flattened)."""
+    if not lay:
+        return []
+    return [v for sub in lay for v in sub] if isinstance(lay[0], list) else list(lay)
+
+
+class Prefer(Exception):  # noqa: N818 (a request, not an error)
+    """Run the pass again with this parameter dim laid out so (a later split needs it)."""
+
+    def __init__(self, where: tuple[str, int], layout: torch.Tensor) -> None:
+        super().__init__(where)
+        self.where, self.layout = where, layout
+
+
+def scatter(t: torch.Tensor, lay: dict[int, torch.Tensor], i: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Member ``i``'s tensor ``t`` placed at its layout's positions of a zero tensor of ``shape``."""
+    out = t
+    for d, v in sorted(lay.items()):
+        idx = v[i].nonzero().flatten().to(t.device)
+        grown = list(out.shape)
+        grown[d] = shape[d]
+        z = out.new_zeros(grown)
+        z.index_copy_(d, idx, out)
+        out = z
+    return out.contiguous()
+
+
+# ------------------------------------------------------------------------------------ the rules
+def zero_unary(p: _Padder, node: fx.Node) -> None:
+    src = node.args[0]
+    lay = p.layout(src)
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):  # (result, mask/indices): both shaped like the input
+        p.lay[node] = [list(lay) for _ in val]
+        return
+    if len(lay) != val.dim():
+        p.refuse(node, "the result's dims do not follow its input's")
+    p.lay[node] = lay
+
+
+def mask_unary(p: _Padder, node: fx.Node) -> None:
+    operands = [a for a in node.args if isinstance(a, fx.Node)]
+    lay = p.operand_layouts(node, operands)
+    p.lay[node] = lay
+    p.mask_after(node, lay)
+
+
+def _binary(p: _Padder, node: fx.Node) -> None:
+    name = node.target.overloadpacket.__name__
+    operands = [a for a in node.args[:2]]
+    lay = p.operand_layouts(node, operands)
+    p.lay[node] = lay
+    rank = len(lay)
+
+    def covers(a: Any) -> bool:  # operand zero wherever the result is padded
+        if not isinstance(a, fx.Node):
+            return False
+        la = p.layout(a)
+        for d, v in enumerate(lay):
+            if v is None:
+                continue
+            k = d - (rank - len(la))
+            if k < 0 or la[k] is None or not same_layout(la[k], v):
+                return False
+        return True
+
+    nodes = [a for a in operands if isinstance(a, fx.Node)]
+    if name in ("div", "true_divide") and len(nodes) == 2 and any(v is not None for v in p.layout(operands[1])):
+        p.refuse(node, "division by a padded value (0/0 in the padding)")
+    clean = all(covers(a) for a in operands) if name in ("add", "sub", "rsub", "maximum", "minimum", "max", "min") \
+        else any(covers(a) for a in operands)
+    if name in ("div", "true_divide"):
+        clean = covers(operands[0])
+    if not clean:
+        p.mask_after(node, lay)
+
+
+def _linear(p: _Padder, node: fx.Node) -> None:
+    x, w = node.args[0], node.args[1]
+    b = node.args[2] if len(node.args) > 2 else None
+    xl = p.layout(x)
+    if isinstance(w, fx.Node) and w.op == "get_attr":
+        p.bind(w, 1, xl[-1])
+    wl = p.layout(w)
+    if not same_layout(wl[1], xl[-1]):
+        p.refuse(node, "the input's features and the weight's columns are padded differently")
+    if isinstance(b, fx.Node):
+        if b.op == "get_attr":
+            p.bind(b, 0, wl[0])
+        if not same_layout(p.layout(b)[0], wl[0]):
+            p.refuse(node, "the bias and the weight's rows are padded differently")
+    p.lay[node] = xl[:-1] + [wl[0]]
+    if b is not None and any(v is not None for v in xl[:-1]):
+        p.mask_after(node, p.lay[node])  # padded rows get the bias
+
+
+def _matmul(p: _Padder, node: fx.Node) -> None:
+    a, b = node.args[0], node.args[1]
+    al, bl = p.layout(a), p.layout(b)
+    if len(al) < 2 or len(bl) < 2:
+        p.refuse(node, "a matrix product with a 1-d operand")
+    if isinstance(b, fx.Node) and b.op == "get_attr":
+        p.bind(b, len(bl) - 2, al[-1])
+        bl = p.layout(b)
+    if not same_layout(al[-1], bl[-2]):
+        p.refuse(node, "the contracted dim is padded differently in the two operands")
+    batch = p.operand_layouts(node, [])[: len(p.max_shape(node)) - 2]
+    lead_a, lead_b = al[:-2], bl[:-2]
+    for d in range(len(batch)):
+        ka, kb = d - (len(batch) - len(lead_a)), d - (len(batch) - len(lead_b))
+        va = lead_a[ka] if ka >= 0 else None
+        vb = lead_b[kb] if kb >= 0 else None
+        if va is not None and vb is not None and not same_layout(va, vb):
+            p.refuse(node, "the batch dims of the operands are padded differently")
+        batch[d] = va if va is not None else vb
+    p.lay[node] = batch + [al[-2], bl[-1]]
+
+
+def _conv(p: _Padder, node: fx.Node) -> None:
+    x, w = node.args[0], node.args[1]
+    b = node.args[2] if len(node.args) > 2 else None
+    name = node.target.overloadpacket.__name__
+    transposed = "transpose" in name or (name == "convolution" and node.args[6])
+    groups_pos = {"conv1d": 6, "conv2d": 6, "conv3d": 6, "convolution": 8, "conv_transpose1d": 6,
+                  "conv_transpose2d": 6, "conv_transpose3d": 6}[name]
+    groups = [nodes[p.pos[node]].args[groups_pos] if len(nodes[p.pos[node]].args) > groups_pos else 1
+              for nodes in p.nodes]
+    xl = p.layout(x)
+    if any(v is not None for v in xl[2:]):
+        p.refuse(node, "a convolution over padded spatial dims")
+    wshapes = p.shapes(w) if isinstance(w, fx.Node) else None
+    depthwise = len(set(groups)) > 1
+    if depthwise:
+        if any(g != ws[0] or ws[1] != 1 for g, ws in zip(groups, wshapes)) or transposed:
+            p.refuse(node, "the groups differ between members, and the convolution is not depthwise "
+                           "(groups == channels in every member)")
+        p.bind(w, 0, xl[1])
+        mx = max(groups)
+        a = list(node.args) + [1] * (groups_pos + 1 - len(node.args))
+        a[groups_pos] = mx
+        node.args = tuple(a)
+    elif groups[0] != 1 and xl[1] is not None:
+        p.refuse(node, "a grouped convolution (groups > 1) over padded channels")
+    else:
+        p.bind(w, 0 if transposed else 1, xl[1])
+    wl = p.layout(w)
+    out_ch = wl[1] if transposed else wl[0]
+    if depthwise:
+        out_ch = wl[0]
+    if isinstance(b, fx.Node):
+        if b.op == "get_attr":
+            p.bind(b, 0, out_ch)
+        if not same_layout(p.layout(b)[0], out_ch):
+            p.refuse(node, "the bias and the output channels are padded differently")
+    p.lay[node] = [xl[0], out_ch] + [None] * (len(xl) - 2)
+    if xl[0] is not None:
+        p.refuse(node, "a convolution over a padded batch dim")
+
+
+def _embedding(p: _Padder, node: fx.Node) -> None:
+    w, idx = node.args[0], node.args[1]
+    wl = p.layout(w)  # rows (the vocabulary) may be padded: a member's indices stay below its own size
+    il = p.layout(idx)
+    if any(v is not None for v in il):
+        p.refuse(node, "padded indices")
+    p.lay[node] = [None] * len(il) + [wl[1]]
+
+
+def _norm_affine(p: _Padder, node: fx.Node, params: Sequence[Any], lays: list[Any]) -> None:
+    """Bind the affine parameters (weight, bias over the normalized dims) to the input's layout."""
+    for prm in params:
+        if isinstance(prm, fx.Node) and prm.op == "get_attr":
+            for d in range(len(lays)):
+                p.bind(prm, d, lays[d])
+        if isinstance(prm, fx.Node):
+            for d, v in enumerate(p.layout(prm)):
+                if not same_layout(v, lays[d]):
+                    p.refuse(node, "the affine parameters are padded differently from the normalized dims")
+
+
+def _layer_norm(p: _Padder, node: fx.Node, rms: bool = False) -> None:
+    x = node.args[0]
+    xl = p.layout(x)
+    k = len(node.args[1])
+    norm_dims = list(range(len(xl) - k, len(xl)))
+    w = node.args[2] if len(node.args) > 2 else None
+    b = None if rms else (node.args[3] if len(node.args) > 3 else None)
+    eps = node.args[3 if rms else 4] if len(node.args) > (3 if rms else 4) else (None if rms else 1e-5)
+    _norm_affine(p, node, [w, b], xl[len(xl) - k:])
+    p.lay[node] = xl
+    if all(xl[d] is None for d in norm_dims):
+        if b is not None and any(v is not None for v in xl):
+            p.mask_after(node, xl)
+        return
+    # the decomposition with each member's count (Note [Padded members])
+    val = x.meta["val"]
+    inner = [None] * (len(xl) - k) + [xl[d] for d in norm_dims]
+    mask = p.mask_of(inner, val.dtype)
+    count = mask.flatten(1).sum(1) * math.prod(1 if xl[d] is not None else p.max_shape(x)[d] for d in norm_dims)
+    m = p.buffer(mask, node)
+    cnt = p.buffer(count.view(p.n, *([1] * len(xl))).to(val.dtype), node)
+    if eps is None:
+        eps = torch.finfo(val.dtype).eps
+    with p.g.inserting_before(node):
+        c = p.g.call_function
+        if rms:
+            ms = c(aten.div.Tensor, (c(aten.sum.dim_IntList, (c(aten.mul.Tensor, (x, x)), norm_dims, True)), cnt))
+            y = c(aten.mul.Tensor, (x, c(aten.rsqrt.default, (c(aten.add.Tensor, (ms, eps)),))))
+        else:
+            mean = c(aten.div.Tensor, (c(aten.sum.dim_IntList, (x, norm_dims, True)), cnt))
+            xc = c(aten.mul.Tensor, (c(aten.sub.Tensor, (x, mean)), m))
+            var = c(aten.div.Tensor, (c(aten.sum.dim_IntList, (c(aten.mul.Tensor, (xc, xc)), norm_dims, True)), cnt))
+            y = c(aten.mul.Tensor, (xc, c(aten.rsqrt.default, (c(aten.add.Tensor, (var, eps)),))))
+        if w is not None:
+            y = c(aten.mul.Tensor, (y, w))
+        if b is not None:
+            y = c(aten.add.Tensor, (y, b))
+    node.replace_all_uses_with(y)
+    p.g.erase_node(node)
+    p.lay[y], p.pos[y] = xl, p.pos[node]
+    if any(xl[d] is not None for d in range(len(xl) - k)):
+        p.mask_after(y, xl)
+
+
+def _group_norm(p: _Padder, node: fx.Node) -> None:
+    x, groups = node.args[0], node.args[1]
+    w = node.args[2] if len(node.args) > 2 else None
+    b = node.args[3] if len(node.args) > 3 else None
+    eps = node.args[4] if len(node.args) > 4 else 1e-5
+    xl = p.layout(x)
+    _norm_affine(p, node, [w, b], [xl[1]])
+    p.lay[node] = xl
+    if any(v is not None for i, v in enumerate(xl) if i != 1):
+        p.refuse(node, "a group norm over padded dims other than the channels")
+    if xl[1] is None:
+        return
+    gs = {nodes[p.pos[node]].args[1] for nodes in p.nodes}
+    if len(gs) != 1:
+        p.refuse(node, "the number of groups differs between members")
+    val = x.meta["val"]
+    cmax = xl[1].shape[1]
+    onehot = torch.zeros(p.n, cmax, groups, dtype=val.dtype)
+    for i in range(p.n):
+        idx = xl[1][i].nonzero().flatten()
+        per = len(idx) // groups
+        if per * groups != len(idx):
+            p.refuse(node, f"member {i}'s {len(idx)} channels are not divisible by {groups} groups")
+        onehot[i, idx, torch.arange(len(idx)) // per] = 1
+    per_group = onehot.sum(1)  # [N, G]
+    a = p.buffer(onehot, node)
+    at = p.buffer(onehot.transpose(1, 2).contiguous(), node)
+    cnt = p.buffer(per_group, node)
+    with p.g.inserting_before(node):
+        c = p.g.call_function
+        x3 = c(aten.flatten.using_ints, (x, 2))
+        mean_c = c(aten.mean.dim, (x3, [-1]))                                   # [B, C]
+        mean_g = c(aten.div.Tensor, (c(aten.matmul.default, (mean_c, a)), cnt))    # [B, G]
+        xc = c(aten.sub.Tensor, (x3, c(aten.unsqueeze.default, (c(aten.matmul.default, (mean_g, at)), -1))))
+        var_c = c(aten.mean.dim, (c(aten.mul.Tensor, (xc, xc)), [-1]))
+        var_g = c(aten.div.Tensor, (c(aten.matmul.default, (var_c, a)), cnt))
+        rstd_c = c(aten.matmul.default, (c(aten.rsqrt.default, (c(aten.add.Tensor, (var_g, eps)),)), at))
+        y = c(aten.view_as.default, (c(aten.mul.Tensor, (xc, c(aten.unsqueeze.default, (rstd_c, -1)))), x))
+        shape = [1, -1] + [1] * (len(xl) - 2)
+        if w is not None:
+            y = c(aten.mul.Tensor, (y, c(aten.view.default, (w, shape))))
+        if b is not None:
+            y = c(aten.add.Tensor, (y, c(aten.view.default, (b, shape))))
+    node.replace_all_uses_with(y)
+    p.g.erase_node(node)
+    p.lay[y], p.pos[y] = xl, p.pos[node]
+
+
+def _batch_norm(p: _Padder, node: fx.Node) -> None:
+    x = node.args[0]
+    xl = p.layout(x)
+    if any(v is not None for i, v in enumerate(xl) if i != 1):
+        p.refuse(node, "a batch norm over padded dims other than the channels")
+    _norm_affine(p, node, [a for a in node.args[1:5]], [xl[1]])
+    p.lay[node] = xl  # per channel: zero channels (zero weight and bias) stay zero, stats too
+
+
+def _mean(p: _Padder, node: fx.Node) -> None:
+    x = node.args[0]
+    xl = p.layout(x)
+    rank = len(xl)
+    dims = list(range(rank)) if len(node.args) < 2 or node.args[1] is None else \
+        [d % rank for d in node.args[1]]
+    keep = len(node.args) > 2 and node.args[2]
+    p.lay[node] = [v for d, v in enumerate(xl) if d not in dims or keep] if not keep else \
+        [None if d in dims else v for d, v in enumerate(xl)]
+    padded = [d for d in dims if xl[d] is not None]
+    if not padded:
+        return
+    val = x.meta["val"]
+    ratio = torch.ones(p.n, dtype=val.dtype)
+    for d in padded:
+        ratio = ratio * (xl[d].shape[1] / xl[d].sum(1).to(val.dtype))
+    r = p.buffer(ratio.view(p.n, *([1] * len(p.lay[node]))), node)
+    out = p.call(aten.mul.Tensor, node, r, after=node)
+    for u in [u for u in node.users if u is not out]:
+        u.replace_input_with(node, out)
+    p.lay[out], p.pos[out] = p.lay[node], p.pos[node]
+
+
+def _sum(p: _Padder, node: fx.Node) -> None:
+    x = node.args[0]
+    xl = p.layout(x)
+    rank = len(xl)
+    dims = list(range(rank)) if len(node.args) < 2 or node.args[1] is None else [d % rank for d in node.args[1]]
+    keep = len(node.args) > 2 and node.args[2]
+    p.lay[node] = [None if d in dims else v for d, v in enumerate(xl)] if keep else \
+        [v for d, v in enumerate(xl) if d not in dims]
+
+
+def _softmax(p: _Padder, node: fx.Node) -> None:
+    x, dim = node.args[0], node.args[1]
+    xl = p.layout(x)
+    d = dim % len(xl)
+    p.lay[node] = xl
+    if xl[d] is None:
+        return
+    inner = [v if k == d else None for k, v in enumerate(xl)]
+    mask = p.mask_of(inner, x.meta["val"].dtype)
+    fill = p.buffer(torch.where(mask > 0, torch.zeros_like(mask), torch.full_like(mask, -math.inf)), node)
+    with p.g.inserting_before(node):
+        masked = p.g.call_function(aten.add.Tensor, (x, fill))
+    node.replace_input_with(x, masked)
+    if "log" in node.target.overloadpacket.__name__ or any(v is not None for k, v in enumerate(xl) if k != d):
+        p.mask_after(node, xl)
+
+
+def _amax(p: _Padder, node: fx.Node) -> None:
+    """max / amax over dims: the padding set to -inf first where a reduced dim is padded."""
+    if len(node.args) > 1 and isinstance(node.args[1], fx.Node):  # torch.max(a, b)
+        _binary(p, node)
+        return
+    x = node.args[0]
+    xl = p.layout(x)
+    rank = len(xl)
+    dims = node.args[1] if len(node.args) > 1 else list(range(rank))
+    dims = [dims] if isinstance(dims, int) else list(dims) or list(range(rank))
+    dims = [d % rank for d in dims]
+    keep = len(node.args) > 2 and node.args[2]
+    out = [None if d in dims else v for d, v in enumerate(xl)] if keep else [v for d, v in enumerate(xl) if d not in dims]
+    p.lay[node] = [out, out] if isinstance(node.meta.get("val"), (tuple, list)) else out
+    inner = [v if d in dims else None for d, v in enumerate(xl)]
+    if all(v is None for v in inner):
+        return
+    mask = p.mask_of(inner, x.meta["val"].dtype)
+    fill = p.buffer(torch.where(mask > 0, torch.zeros_like(mask), torch.full_like(mask, -math.inf)), node)
+    with p.g.inserting_before(node):
+        masked = p.g.call_function(aten.add.Tensor, (x, fill))
+    node.replace_input_with(x, masked)
+
+
+def _view(p: _Padder, node: fx.Node) -> None:
+    x = node.args[0]
+    xl = p.layout(x)
+    ins, outs = p.max_shape(x), p.max_shape(node)
+    # groups of dims whose products match (a merge or a split)
+    lay: list[Any] = [None] * len(outs)
+    i = j = 0
+    while i < len(ins) or j < len(outs):
+        gi, gj = [i], [j]
+        pi = ins[i] if i < len(ins) else 1
+        pj = outs[j] if j < len(outs) else 1
+        while pi != pj:
+            if pi < pj:
+                i += 1
+                gi.append(i)
+                pi *= ins[i]
+            else:
+                j += 1
+                gj.append(j)
+                pj *= outs[j]
+        gi = [k for k in gi if k < len(ins)]
+        gj = [k for k in gj if k < len(outs)]
+        padded_in = [k for k in gi if xl[k] is not None]
+        if padded_in:
+            # the group's valid positions, flattened, must factor over the output dims
+            flat = None
+            for k in gi:
+                v = xl[k] if xl[k] is not None else torch.ones(p.n, ins[k], dtype=torch.bool)
+                flat = v if flat is None else (flat[:, :, None] & v[:, None, :]).flatten(1)
+            sizes = [outs[k] for k in gj]
+            grid = flat.view(p.n, *sizes)
+            for t, k in enumerate(gj):
+                other = [s for s in range(len(gj)) if s != t]
+                proj = grid.any(dim=[o + 1 for o in other]) if other else grid
+                lay[k] = None if bool(proj.all()) else proj
+            rebuilt = None
+            for t, k in enumerate(gj):
+                v = lay[k] if lay[k] is not None else torch.ones(p.n, outs[k], dtype=torch.bool)
+                rebuilt = v if rebuilt is None else (rebuilt[:, :, None] & v[:, None, :]).flatten(1)
+            padded_out = [k for k in gj if lay[k] is not None]
+            if torch.equal(rebuilt, flat) and len(gi) == 1 and len(padded_out) == 1 and id(xl[gi[0]]) in p.origin:
+                target, dim, back = p.origin[id(xl[gi[0]])]
+                j_out = padded_out[0]
+
+                def through(want: torch.Tensor, back=back, gj=gj, j_out=j_out) -> torch.Tensor:
+                    flat_want = None
+                    for k in gj:
+                        v = want if k == j_out else torch.ones(p.n, outs[k], dtype=torch.bool)
+                        flat_want = v if flat_want is None else (flat_want[:, :, None] & v[:, None, :]).flatten(1)
+                    return back(flat_want)
+                p.origin[id(lay[j_out])] = (target, dim, through)
+            if not torch.equal(rebuilt, flat):
+                if len(padded_in) == 1 and id(xl[padded_in[0]]) in p.origin:
+                    # a parameter's dim laid out as a prefix by default: lay it out so that each
+                    # member's values are a box of the new dims, if one layout of it does that
+                    k = padded_in[0]
+                    true = [[s[j] for j in gj] for s in p.shapes(node)]
+                    box = None
+                    for t, j in enumerate(gj):
+                        v = prefix([tr[t] for tr in true], outs[j])
+                        box = v if box is None else (box[:, :, None] & v[:, None, :]).flatten(1)
+                    grid = box.view(p.n, *[ins[g] for g in gi])
+                    others = [t + 1 for t, g in enumerate(gi) if g != k]
+                    want = grid.any(dim=others) if others else grid
+                    again = None
+                    for g in gi:
+                        v = want if g == k else torch.ones(p.n, ins[g], dtype=torch.bool)
+                        again = v if again is None else (again[:, :, None] & v[:, None, :]).flatten(1)
+                    if torch.equal(again, box):
+                        target, dim, back = p.origin[id(xl[k])]
+                        raise Prefer((target, dim), back(want))
+                p.refuse(node, "a reshape that splits or merges a padded dim so that each member's "
+                               "values are not a box of the new dims (e.g. both factors of a split vary)")
+        i, j = i + 1, j + 1
+    # the shape argument: the padded sizes where the members' differ
+    shape_arg = list(node.args[1])
+    max_out = p.max_shape(node)
+    for d, s in enumerate(shape_arg):
+        if isinstance(s, int) and s != -1:
+            shape_arg[d] = max_out[d]
+    node.args = (x, shape_arg, *node.args[2:])
+    p.lay[node] = lay
+
+
+def _permute(p: _Padder, node: fx.Node) -> None:
+    xl = p.layout(node.args[0])
+    name = node.target.overloadpacket.__name__
+    rank = len(xl)
+    if name == "permute":
+        p.lay[node] = [xl[d % rank] for d in node.args[1]]
+    elif name in ("transpose", "swapaxes"):
+        a, b = node.args[1] % rank, node.args[2] % rank
+        out = list(xl)
+        out[a], out[b] = out[b], out[a]
+        p.lay[node] = out
+    elif name == "t":
+        p.lay[node] = xl[::-1]
+    elif name == "unsqueeze":
+        d = node.args[1] % (rank + 1)
+        p.lay[node] = xl[:d] + [None] + xl[d:]
+    elif name == "squeeze":
+        dims = node.args[1] if len(node.args) > 1 else [d for d, s in enumerate(p.max_shape(node.args[0])) if s == 1]
+        dims = [dims] if isinstance(dims, int) else dims
+        dims = {d % rank for d in dims if p.max_shape(node.args[0])[d % rank] == 1}
+        p.lay[node] = [v for d, v in enumerate(xl) if d not in dims]
+    elif name == "flatten":
+        _view_like(p, node)
+
+
+def _view_like(p: _Padder, node: fx.Node) -> None:
+    """flatten / unflatten through the view rule (their sizes come from the shapes)."""
+    x = node.args[0]
+    saved = node.args
+    node.args = (x, list(p.max_shape(node)))
+    _view(p, node)
+    node.args = saved
+    if node.target.overloadpacket.__name__ == "unflatten":  # its sizes: the padded ones
+        dim = saved[1] % len(p.max_shape(x))
+        node.args = (x, saved[1], list(p.max_shape(node)[dim: dim + len(saved[2])]), *saved[3:])
+
+
+def _cat(p: _Padder, node: fx.Node) -> None:
+    parts = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else 0
+    lays = [p.layout(a) for a in parts]
+    rank = len(lays[0])
+    dim %= rank
+    out: list[Any] = []
+    for d in range(rank):
+        if d == dim:
+            if all(lay[d] is None for lay in lays):
+                out.append(None)
+            else:
+                out.append(torch.cat([lay[d] if lay[d] is not None else torch.ones(p.n, p.max_shape(a)[d], dtype=torch.bool)
+                                      for lay, a in zip(lays, parts)], dim=1))
+        else:
+            vals = [lay[d] for lay in lays]
+            if any(v is not None for v in vals) and not all(same_layout(v, vals[0]) for v in vals):
+                p.refuse(node, f"a concatenation whose parts are padded differently in dim {d}")
+            out.append(vals[0])
+    p.lay[node] = out
+
+
+def _expand(p: _Padder, node: fx.Node) -> None:
+    x = node.args[0]
+    xl = p.layout(x)
+    outs = p.max_shape(node)
+    lay = [None] * (len(outs) - len(xl)) + list(xl)
+    p.lay[node] = lay
+    shape_arg = list(node.args[1])
+    for d, s in enumerate(shape_arg):
+        if isinstance(s, int) and s != -1:
+            shape_arg[d] = outs[d]
+    node.args = (x, shape_arg, *node.args[2:])
+    if any(p.shapes(node)[0][d] != p.max_shape(node)[d] and lay[d] is None for d in range(len(lay))):
+        p.refuse(node, "an expand to a size that differs between members")
+
+
+def _sdpa(p: _Padder, node: fx.Node) -> None:
+    q, k, v = node.args[:3]
+    ql, kl, vl = p.layout(q), p.layout(k), p.layout(v)
+    if any(lay[-2] is not None for lay in (ql, kl, vl)):
+        p.refuse(node, "attention over a padded sequence length")
+    if not (same_layout(ql[-1], kl[-1]) and all(same_layout(a, b) for a, b in zip(ql[:-2], kl[:-2]))):
+        p.refuse(node, "query and key padded differently")
+    if ql[-1] is not None:
+        scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
+        if scale is None:  # SDPA's default 1 / sqrt(E) with each member's own head dim
+            dtype = q.meta["val"].dtype
+            r = (ql[-1].shape[1] / ql[-1].sum(1).to(dtype)).sqrt()
+            rb = p.buffer(r.view(p.n, *([1] * len(ql))), node)
+            with p.g.inserting_before(node):
+                q2 = p.g.call_function(aten.mul.Tensor, (q, rb))
+            node.replace_input_with(q, q2)
+    p.lay[node] = ql[:-1] + [vl[-1]]
+
+
+def _sym_size(p: _Padder, node: fx.Node) -> None:
+    xl = p.layout(node.args[0])
+    if xl[node.args[1] % len(xl)] is not None:
+        p.refuse(node, "the program reads the size of a padded dim")
+    p.lay[node] = []
+
+
+def _copy(p: _Padder, node: fx.Node) -> None:
+    dst, src = node.args[0], node.args[1]
+    sl = p.layout(src)
+    if isinstance(dst, fx.Node) and dst.op == "get_attr":
+        for d, v in enumerate(sl):
+            p.bind(dst, d, v)
+    p.lay[node] = p.layout(dst)
+
+
+def _select_slice(p: _Padder, node: fx.Node) -> None:
+    x = node.args[0]
+    xl = p.layout(x)
+    dim = (node.args[1] if len(node.args) > 1 else 0) % len(xl)
+    if xl[dim] is not None:
+        p.refuse(node, "indexing or slicing a padded dim")
+    name = node.target.overloadpacket.__name__
+    p.lay[node] = [v for d, v in enumerate(xl) if d != dim] if name == "select" else xl
+
+
+RULES: dict[str, Callable[[_Padder, fx.Node], None]] = {
+    "add": _binary, "sub": _binary, "mul": _binary, "div": _binary, "maximum": _binary,
+    "minimum": _binary, "rsub": _binary,
+    "linear": _linear, "matmul": _matmul, "mm": _matmul, "bmm": _matmul,
+    "conv1d": _conv, "conv2d": _conv, "conv3d": _conv, "convolution": _conv,
+    "conv_transpose1d": _conv, "conv_transpose2d": _conv, "conv_transpose3d": _conv,
+    "embedding": _embedding,
+    "layer_norm": _layer_norm, "rms_norm": lambda p, n: _layer_norm(p, n, rms=True),
+    "group_norm": _group_norm, "batch_norm": _batch_norm, "instance_norm": _batch_norm,
+    "mean": _mean, "sum": _sum, "amax": _amax, "max": _amax, "softmax": _softmax, "log_softmax": _softmax, "_softmax": _softmax,
+    "view": _view, "reshape": _view, "_unsafe_view": _view, "flatten": _permute,
+    "unflatten": _view_like, "view_as": lambda p, n: _view_like(p, n),
+    "permute": _permute, "transpose": _permute, "swapaxes": _permute, "t": _permute,
+    "unsqueeze": _permute, "squeeze": _permute,
+    "cat": _cat, "expand": _expand, "scaled_dot_product_attention": _sdpa, "sym_size": _sym_size,
+    "copy_": _copy, "select": _select_slice, "slice": _select_slice,
+}
+INT_ARGS_OK = {_view, _expand, _layer_norm, RULES["rms_norm"], _conv, _group_norm, _view_like,
+                _permute, _mean, _sum, _amax}

@@ -1,0 +1,179 @@
+"""The wide model of members that differ in size: ``wc.compile(models, sample, pad=True)``.
+
+Padding itself is a compiler step (fx/padding.py, Note [Padded members]); this module gives the
+result its members back at their own sizes.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .fx.padding import PadInfo
+from .model import WideModel
+
+__all__ = ["PaddedWideModel"]
+
+
+class PaddedWideModel(WideModel):
+    """A :class:`WideModel` whose members differ in size, run as one program padded to the
+    largest sizes (Note [Padded members] in fx/padding.py). Member ``i`` computes exactly what
+    model ``i`` computes alone; the padding stays zero in the forward, the backward and every
+    optimizer step.
+
+    Outputs whose sizes differ between members come out padded with zeros (``[N, ..., max]``):
+    :meth:`member_outputs` cuts each member's own part out. :meth:`unfuse` and
+    :meth:`member_state_dict` give each member at its own sizes.
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> from torch import nn
+        >>> sizes = [8, 16, 32]
+        >>> models = [nn.Sequential(nn.Linear(4, h), nn.ReLU(), nn.Linear(h, 2)) for h in sizes]
+        >>> wide = wc.compile(models, torch.randn(5, 4), pad=True)
+        >>> x = torch.randn(3, 5, 4)
+        >>> all(torch.allclose(wide(x)[i], m(x[i]), atol=1e-6) for i, m in enumerate(models))
+        True
+        >>> [m[0].out_features for m in wide.unfuse()]
+        [8, 16, 32]
+    """
+
+    _pad: PadInfo
+
+    @classmethod
+    def _padded(cls, wide: WideModel, info: PadInfo, originals: Sequence[nn.Module]) -> PaddedWideModel:
+        wide.__class__ = cls
+        wide._pad = info
+        object.__setattr__(wide, "_originals", [copy.deepcopy(m) for m in originals])
+        return wide
+
+    def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
+        """Member ``i``'s ``state_dict`` at its own sizes (copies), loadable into model ``i``."""
+        i = self._check_member_index(i)
+        with torch.no_grad():
+            return {name: self._pad.member_slice(self._stacked(name)[i], self._pad.state_layouts.get(name, {}), i).clone()
+                    for name in self._originals[i].state_dict()}
+
+    @torch.no_grad()
+    def load_member_state_dict(self, i: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load member ``i`` from a ``state_dict`` of its own model (its own sizes); strict, and
+        checked before anything changes. The padding stays zero."""
+        i = self._check_member_index(i)
+        want = self._originals[i].state_dict()
+        missing, extra = sorted(set(want) - set(state_dict)), sorted(set(state_dict) - set(want))
+        if missing or extra:
+            raise KeyError(f"wide_compiler.load_member_state_dict: member {i}: missing keys {missing}, "
+                           f"unexpected keys {extra}")
+        for k, v in state_dict.items():
+            if not isinstance(v, torch.Tensor) or v.shape != want[k].shape:
+                raise ValueError(f"wide_compiler.load_member_state_dict: member {i}: {k!r} must be a tensor "
+                                 f"of shape {list(want[k].shape)} (the member's own size)")
+            if not torch.can_cast(v.dtype, self._stacked(k).dtype):
+                raise TypeError(f"wide_compiler.load_member_state_dict: member {i}: {k!r} is {v.dtype}, which "
+                                f"does not cast safely to {self._stacked(k).dtype}")
+        for k, v in state_dict.items():
+            target = self._stacked(k)
+            target[i].copy_(self._pad.member_padded(v.to(target.device, target.dtype), k, i))
+
+    @torch.no_grad()
+    def write_back(self, models: Sequence[nn.Module]) -> None:
+        """Copy every member's weights and buffers, at its own sizes, into ``models[i]`` IN
+        PLACE (the modules keep their identity); everything is checked before anything is written."""
+        models = list(models)
+        if len(models) != self.n:
+            raise ValueError(f"wide_compiler.write_back: expected {self.n} modules (one per member), got {len(models)}")
+        states = [self.member_state_dict(i) for i in range(self.n)]
+        for i, (m, sd) in enumerate(zip(models, states)):
+            own = m.state_dict(keep_vars=True)
+            for k, v in sd.items():
+                if k not in own or own[k].shape != v.shape:
+                    raise ValueError(f"wide_compiler.write_back: member {i} ({type(m).__name__}) has no {k!r} of "
+                                     f"shape {list(v.shape)} (its own size)")
+        for m, sd in zip(models, states):
+            own = m.state_dict(keep_vars=True)
+            for k, v in sd.items():
+                own[k].copy_(v)
+
+    def member(self, i: int) -> nn.Module:
+        """Member ``i`` as an ordinary module of its own class and sizes (a copy)."""
+        return self._member_module(self._check_member_index(i))
+
+    def copy_member_weights(self, src: int, dst: int, optimizer: Any = None) -> None:
+        """As :meth:`WideModel.copy_member_weights`, for two members of the same sizes (a member
+        of another size has other shapes: refused)."""
+        s, d = self._check_member_index(src), self._check_member_index(dst)
+        for name, shapes in self._pad.true_shapes.items():
+            lay = self._pad.state_layouts.get(name, {})
+            if shapes[s] != shapes[d] or any(not torch.equal(v[s], v[d]) for v in lay.values()):
+                raise ValueError(f"wide_compiler.copy_member_weights: members {s} and {d} differ in size "
+                                 f"({name}: {list(shapes[s])} vs {list(shapes[d])})")
+        super().copy_member_weights(s, d, optimizer)
+
+    def member_tensors(self, i: int) -> dict[str, torch.Tensor]:
+        """Member ``i``'s parameters and buffers at its own sizes as VIEWS of the wide tensors
+        (gradients and in-place updates reach the wide model), for running the member alone with
+        ``torch.func.functional_call`` on its own module. A tensor whose padding is not a prefix
+        of each dim (a concatenation of padded parts) comes as a copy; a buffer of that kind in
+        training mode is refused, since its in-place updates would be lost."""
+        i = self._check_member_index(i)
+        out = {}
+        for name in (*dict(self._originals[i].named_parameters()), *dict(self._originals[i].named_buffers())):
+            t = self._stacked(name)[i]
+            lay = self._pad.state_layouts.get(name, {})
+            sizes = {d: int(v[i].sum()) for d, v in lay.items()}
+            if all(bool(v[i][: sizes[d]].all()) for d, v in lay.items()):
+                for d, k in sizes.items():
+                    t = t.narrow(d, 0, k)
+            elif self.training and name not in dict(self.named_parameters()):
+                raise ValueError(f"wide_compiler: member {i} alone: buffer {name!r} is padded in pieces, so it "
+                                 "cannot be updated in place from a member-only call; run the whole group")
+            else:
+                t = self._pad.member_slice(t, lay, i)
+            out[name] = t
+        return out
+
+    def member_outputs(self, output: Any) -> list[Any]:
+        """Each member's own output, at its own sizes, from a wide output (``wide(x)``)."""
+        leaves, spec = tree_flatten(output)
+        layouts = self._pad.output_layouts[self.training]
+        if len(layouts) != len(leaves):
+            raise ValueError(f"member_outputs: expected the {len(layouts)} outputs of this model's "
+                             f"{'train' if self.training else 'eval'} graph, got {len(leaves)}")
+        return [tree_unflatten([self._pad.member_slice(t[i], lay, i) if isinstance(t, torch.Tensor) else t
+                                for t, lay in zip(leaves, layouts)], spec) for i in range(self.n)]
+
+    def unfuse(self) -> list[nn.Module]:
+        """N ordinary modules, each of its own model's class and sizes, holding copies of the
+        member's weights and buffers, in this model's train/eval mode, dtype and device."""
+        return [self._member_module(i) for i in range(self.n)]
+
+    def _member_module(self, i: int) -> nn.Module:
+        m = copy.deepcopy(self._originals[i])
+        sd = self.member_state_dict(i)
+        ref = next((t for t in sd.values() if t.is_floating_point()), None)
+        if ref is not None:
+            m.to(device=ref.device, dtype=ref.dtype)
+        m.load_state_dict(sd)
+        return m.train(self.training)
+
+    def summary(self) -> str:
+        """:meth:`WideModel.summary`, then the padding overhead: in all and per padded tensor
+        (the extra elements of a weight are the extra multiply-adds of the op that reads it)."""
+        info = self._pad
+        o = info.overhead()
+        lines = [f"padded members: {o['own']:,} parameter and buffer elements of their own, {o['padded']:,} "
+                 f"padded (+{100 * o['extra']:.0f}%)"]
+        for name, lay in info.state_layouts.items():
+            if not lay:
+                continue
+            own = sum(math.prod(s) for s in info.true_shapes[name])
+            padded = self.n * math.prod(info.padded_shapes[name])
+            sizes = sorted({tuple(s) for s in info.true_shapes[name]})
+            lines.append(f"  {name} {list(info.padded_shapes[name])} (members {', '.join(map(str, map(list, sizes)))}): "
+                         f"+{100 * (padded / own - 1):.0f}% elements and work")
+        return "\n".join([super().summary(), *lines])

@@ -1,0 +1,389 @@
+"""Size sweeps fused by padding (``wc.compile(..., pad=True)``, Note [Padded members]).
+
+Every sweep is compared with training each member alone: float64, 20 steps of Adam with a
+learning rate and a weight decay per member; outputs (each member's own part), parameters,
+optimizer state and buffers after the run, and the padding itself (zero in the parameters and in
+the optimizer state). Refusals name the op and the line.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import wide_compiler as wc
+from torch import nn
+from wide_compiler.errors import ArchitectureMismatchError, UnsupportedOperationError
+
+FAST = wc.WideConfig.fast()
+DT = torch.float64
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(12, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, hidden // 2)
+        self.head = nn.Linear(hidden // 2, 3)
+
+    def forward(self, x):
+        h = F.gelu(self.norm(self.fc1(x)))
+        return self.head(torch.sigmoid(self.fc2(h)) * h.mean(-1, keepdim=True))
+
+
+class CNN(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, c, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c)
+        self.c2 = nn.Conv2d(c, 2 * c, 3, padding=1)
+        self.gn = nn.GroupNorm(4, 2 * c)
+        self.fc = nn.Linear(2 * c, 5)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn(self.c1(x))), 2)
+        x = F.relu(self.gn(self.c2(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+class Tabular(nn.Module):
+    """One embedding per categorical column, concatenated with the numeric features."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.e1, self.e2 = nn.Embedding(10, dim), nn.Embedding(7, dim)
+        self.mlp = nn.Sequential(nn.Linear(2 * dim + 3, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def forward(self, idx, num):
+        return self.mlp(torch.cat([self.e1(idx[:, 0]), self.e2(idx[:, 1]), num], 1))
+
+
+class Encoder(nn.Module):
+    """A transformer encoder layer whose width (so its head dim, at 2 heads) and feed-forward size
+    are swept. No biases: the key bias of attention has a gradient of exactly zero in theory,
+    rounding noise in practice, which Adam normalises into steps of size lr in any direction,
+    different for any two summation orders."""
+
+    def __init__(self, d: int, ffn: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, d)
+        self.enc = nn.TransformerEncoderLayer(d, 2, ffn, dropout=0.0, batch_first=True, bias=False)
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, x):
+        return self.out(self.enc(self.inp(x)).mean(1))
+
+
+def _mlp_members():  # hidden 32 to 256: 8 sizes x 2 seeds
+    torch.manual_seed(0)
+    return [MLP(h).to(DT) for h in (32, 64, 96, 128, 160, 192, 224, 256) for _ in range(2)]
+
+
+SWEEPS = {
+    "mlp": (_mlp_members, lambda g, n: (torch.randn(n, 6, 12, generator=g, dtype=DT),)),
+    "cnn": (lambda: [CNN(c).to(DT) for c in (4, 8, 12, 8)],
+            lambda g, n: (torch.randn(n, 3, 3, 8, 8, generator=g, dtype=DT),)),
+    "tabular": (lambda: [Tabular(d).to(DT) for d in (2, 4, 6, 3)],
+                lambda g, n: (torch.randint(0, 7, (n, 5, 2), generator=g),
+                              torch.randn(n, 5, 3, generator=g, dtype=DT))),
+    "encoder": (lambda: [Encoder(d, f).to(DT) for d, f in ((8, 16), (16, 32), (12, 48), (16, 16))],
+                lambda g, n: (torch.randn(n, 3, 5, 6, generator=g, dtype=DT),)),
+}
+
+
+def _outside(t, lay, i):
+    """The entries of member ``i``'s padded tensor ``t`` outside its layout (all must be zero)."""
+    own = torch.ones((), dtype=torch.bool)
+    for d, v in lay.items():
+        own = own & v[i].view([-1 if k == d else 1 for k in range(t.dim())])
+    return t.masked_fill(own.expand_as(t), 0)
+
+
+def _opt_state_close(wide, opt, refs, ref_opts):
+    names = [name for name, _ in wide.named_parameters()]
+    info = wide._pad
+    for i, ro in enumerate(ref_opts):
+        got, want = opt.member_state_dict(i)["state"], ro.state_dict()["state"]
+        assert got.keys() == want.keys()
+        for pid, st in want.items():
+            lay = info.state_layouts[names[pid]]
+            for key, value in st.items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    continue
+                mine, own = got[pid][key], info.member_slice(got[pid][key], lay, i)
+                torch.testing.assert_close(own, value, rtol=1e-9, atol=1e-11, msg=f"member {i} {names[pid]} state {key}")
+                # outside the member's layout: zero
+                assert not _outside(mine, lay, i).any(), f"member {i} {names[pid]} {key}: padding"
+
+
+@pytest.mark.parametrize("sweep", list(SWEEPS))
+def test_a_size_sweep_trains_like_each_member_alone(sweep):
+    make, inputs = SWEEPS[sweep]
+    models = make()
+    n = len(models)
+    before = [copy.deepcopy(m.state_dict()) for m in models]
+    refs = [copy.deepcopy(m).train() for m in models]
+    g = torch.Generator().manual_seed(0)
+    sample = tuple(t[0] for t in inputs(g, n))
+    wide = wc.compile(models, sample, pad=True, config=FAST)
+    assert isinstance(wide, wc.PaddedWideModel)
+    lrs = [1e-3 * (1 + i % 3) for i in range(n)]
+    wds = [0.01 * (i % 2) for i in range(n)]
+    opt = wc.optim.Adam(wide.parameters(), lr=lrs, weight_decay=wds)
+    ref_opts = [torch.optim.Adam(r.parameters(), lr=lr, weight_decay=wd) for r, lr, wd in zip(refs, lrs, wds)]
+    for step in range(20):
+        xs = inputs(g, n)
+        outs = wide.member_outputs(wide(*xs))
+        opt.zero_grad()
+        sum(o.square().mean() for o in outs).backward()
+        opt.step()
+        for i, (r, o) in enumerate(zip(refs, ref_opts)):
+            want = r(*(x[i] for x in xs))
+            torch.testing.assert_close(outs[i], want, rtol=1e-9, atol=1e-10, msg=f"step {step} member {i} output")
+            o.zero_grad()
+            want.square().mean().backward()
+            o.step()
+    for i, r in enumerate(refs):
+        got = wide.member_state_dict(i)
+        for name, t in r.state_dict().items():
+            torch.testing.assert_close(got[name], t, rtol=1e-9, atol=1e-10, msg=f"member {i} {name}")
+    _opt_state_close(wide, opt, refs, ref_opts)
+    # the padding of every padded parameter is still zero
+    for name, p in wide.named_parameters():
+        lay = wide._pad.state_layouts[name]
+        for i in range(n):
+            assert not _outside(p[i].detach(), lay, i).any(), f"{name}: padding of member {i} moved"
+    # eval mode, and members back at their own sizes
+    wide.eval()
+    xs = inputs(g, n)
+    outs = wide.member_outputs(wide(*xs))
+    for i, (m, r) in enumerate(zip(wide.unfuse(), refs)):
+        assert type(m) is type(r)
+        r.eval()
+        torch.testing.assert_close(m(*(x[i] for x in xs)), r(*(x[i] for x in xs)), rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(outs[i], r(*(x[i] for x in xs)), rtol=1e-9, atol=1e-10)
+    # the user's models were not touched
+    for m, sd in zip(models, before):
+        for name, t in m.state_dict().items():
+            assert torch.equal(t, sd[name])
+
+
+def test_members_of_one_size_compile_as_without_padding():
+    models = [nn.Linear(4, 3) for _ in range(3)]
+    wide = wc.compile(models, torch.randn(2, 4), pad=True, config=FAST)
+    assert type(wide) is wc.WideModel
+
+
+def test_summary_reports_the_padding_overhead():
+    models = [nn.Sequential(nn.Linear(4, h), nn.ReLU(), nn.Linear(h, 2)) for h in (4, 12)]
+    wide = wc.compile(models, torch.randn(2, 4), pad=True, config=FAST)
+    lines = wide.summary().splitlines()
+    head = next(k for k, line in enumerate(lines) if line.startswith("padded members:"))
+    assert "+" in lines[head]
+    per = {line.split()[0]: line for line in lines[head + 1:]}
+    assert set(per) == {"0.weight", "0.bias", "2.weight"}
+    assert "(members [4, 4], [12, 4])" in per["0.weight"] and "+50% elements" in per["0.weight"]
+    o = wide._pad.overhead()
+    assert o["padded"] > o["own"]
+
+
+def test_an_output_whose_width_differs_is_padded_and_cut_per_member():
+    torch.manual_seed(0)
+    models = [nn.Linear(4, k) for k in (2, 5)]
+    wide = wc.compile(models, torch.randn(3, 4), pad=True, config=FAST)
+    x = torch.randn(2, 3, 4)
+    out = wide(x)
+    assert out.shape == (2, 3, 5)
+    assert torch.equal(out[0, :, 2:], torch.zeros(3, 3))
+    for i, (o, m) in enumerate(zip(wide.member_outputs(out), models)):
+        torch.testing.assert_close(o, m(x[i]))
+
+
+def test_members_that_differ_in_more_than_sizes_are_refused():
+    models = [nn.Sequential(nn.Linear(4, 8), nn.ReLU()), nn.Sequential(nn.Linear(4, 16), nn.Tanh())]
+    with pytest.raises(ArchitectureMismatchError, match=r"pad=True: member 1 runs .*tanh"):
+        wc.compile(models, torch.randn(2, 4), pad=True, config=FAST)
+
+
+def test_swept_attention_heads_are_refused_naming_the_line():
+    class Heads(nn.Module):
+        def __init__(self, h):
+            super().__init__()
+            self.inp = nn.Linear(6, 4 * h)
+            self.att = nn.MultiheadAttention(4 * h, h, batch_first=True)
+
+        def forward(self, x):
+            y = self.inp(x)
+            return self.att(y, y, y, need_weights=False)[0].sum(-1)
+
+    with pytest.raises(UnsupportedOperationError, match=r"pad=True: .*(num_heads|size)"):
+        wc.compile([Heads(2), Heads(4)], torch.randn(2, 5, 6), pad=True, config=FAST)
+
+
+def test_division_by_a_padded_value_is_refused():
+    class Div(nn.Module):
+        def __init__(self, h):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, h), nn.Linear(4, h)
+
+        def forward(self, x):
+            return self.a(x) / self.b(x)
+
+    with pytest.raises(UnsupportedOperationError, match=r"division by a padded value"):
+        wc.compile([Div(3), Div(5)], torch.randn(2, 4), pad=True, config=FAST)
+
+
+class Head(wc.Tower):
+    """``Linear(4, h)`` then ``fn`` of its output (a module-level function: every member's)."""
+
+    def __init__(self, h, fn):
+        super().__init__()
+        self.a, self.fn = nn.Linear(4, h), fn
+
+    def forward(self, x):
+        return self.fn(self.a(x))
+
+
+def _exp_sum_and_softmax_max(y):
+    return torch.exp(y).sum(-1) + torch.softmax(y, -1).amax(-1)
+
+
+def _rsqrt(y):  # rsqrt(0) = inf in the padding, and no padding rule: refused
+    return torch.rsqrt(y.abs() + 1)
+
+
+def test_a_nonzero_function_of_the_padding_is_masked():
+    """exp(0) = 1 in the padding: masked, so the next layer's sum over it is exact."""
+    torch.manual_seed(0)
+    models = [Head(3, _exp_sum_and_softmax_max), Head(7, _exp_sum_and_softmax_max)]
+    wide = wc.compile(models, torch.randn(2, 4), pad=True, config=FAST)
+    x = torch.randn(2, 5, 4)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(wide(x)[i], m(x[i]))
+
+
+def _small_sweep():
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(4, h), nn.LayerNorm(h), nn.ReLU(), nn.Linear(h, 2)) for h in (3, 6, 6)]
+
+
+def test_member_operations_work_at_each_members_own_size():
+    models = _small_sweep()
+    wide = wc.compile(models, torch.randn(2, 4), pad=True, config=FAST)
+    x = torch.randn(3, 5, 4)
+    # member(i) and write_back: own class, own sizes, identity kept
+    assert wide.member(0)[0].weight.shape == (3, 4)
+    with torch.no_grad():
+        wide.get_parameter("0.weight").mul_(2)
+    w0 = models[0][0].weight
+    wide.write_back(models)
+    assert models[0][0].weight is w0 and models[0][0].weight.shape == (3, 4)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(wide(x)[i], m(x[i]))
+    # load_member_state_dict: a fresh model of member 1's size; the padding stays zero
+    fresh = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.ReLU(), nn.Linear(6, 2))
+    wide.load_member_state_dict(1, fresh.state_dict())
+    torch.testing.assert_close(wide(x)[1], fresh(x[1]))
+    with pytest.raises(ValueError, match="own size"):
+        wide.load_member_state_dict(0, fresh.state_dict())  # member 0 is 3 wide
+    # copying weights between members: same size only
+    wide.copy_member_weights(1, 2)
+    torch.testing.assert_close(wide(x)[2], fresh(x[2]))
+    with pytest.raises(ValueError, match="differ in size"):
+        wide.copy_member_weights(1, 0)
+
+
+def test_copies_pickles_and_state_dicts_keep_the_padding():
+    import pickle
+
+    models = _small_sweep()
+    wide = wc.compile(models, torch.randn(2, 4), pad=True, config=FAST)
+    x = torch.randn(3, 5, 4)
+    want = wide(x)
+    for other in (copy.deepcopy(wide), pickle.loads(pickle.dumps(wide))):
+        assert isinstance(other, wc.PaddedWideModel)
+        torch.testing.assert_close(other(x), want)
+        assert [m[0].out_features for m in other.unfuse()] == [3, 6, 6]
+    # the masks are not state: a state_dict holds the padded parameters and buffers only
+    sd = wide.state_dict()
+    assert not any("_wc_pad" in k for k in sd)
+    again = wc.compile(_small_sweep(), torch.randn(2, 4), pad=True, config=FAST)
+    again.load_state_dict(sd)
+    torch.testing.assert_close(again(x), want)
+
+
+def test_torch_compile_fullgraph_of_a_padded_model():
+    models = _small_sweep()
+    wide = wc.compile(models, torch.randn(2, 4), pad=True, config=FAST).eval()
+    x = torch.randn(3, 5, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(wide, fullgraph=True, backend="eager")(x), wide(x))
+
+
+def test_a_second_compile_after_a_refused_one_works_and_models_are_untouched():
+    good = _small_sweep()
+    before = copy.deepcopy(good[0].state_dict())
+
+    with pytest.raises(UnsupportedOperationError):
+        wc.compile([Head(2, _rsqrt), Head(3, _rsqrt)], torch.randn(2, 4), pad=True, config=FAST)
+    wide = wc.compile(good, torch.randn(2, 4), pad=True, config=FAST)
+    x = torch.randn(3, 5, 4)
+    torch.testing.assert_close(wide(x)[0], good[0](x[0]))
+    for k, v in good[0].state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_a_nan_in_one_member_stays_in_that_member():
+    models = _small_sweep()
+    wide = wc.compile(models, torch.randn(2, 4), pad=True, config=FAST)
+    x = torch.randn(3, 5, 4)
+    x[1, 0, 0] = float("nan")
+    out = wide(x)
+    assert torch.isnan(out[1, 0]).all() and not torch.isnan(out[0]).any() and not torch.isnan(out[2]).any()
+
+
+class _Width(wc.Tower):
+    def __init__(self, h):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, h), nn.LayerNorm(h), nn.ReLU(), nn.Linear(h, 2))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_the_router_measures_one_padded_group_against_groups_by_size_and_says_which():
+    torch.manual_seed(0)
+    router = wc.WideRouter(config=FAST, pad=True)
+    towers = {f"t{i}": _Width(h) for i, h in enumerate((8, 8, 16, 16, 24))}
+    for name, t in towers.items():
+        router.register_tower(name, copy.deepcopy(t))
+    x = torch.randn(5, 4)
+    router.prepare_for_compile(x)
+    (names, verdict), = router.pad_decisions.items()
+    assert list(names) == list(towers) and verdict.split(":")[0] in ("padded", "by size")
+    assert "sizes of" in router.report() and "measured" in router.report()
+    out = router.wide_forward(x)
+    for name, t in towers.items():
+        torch.testing.assert_close(out[name], t(x))
+        torch.testing.assert_close(router[name](x), t(x))  # a tower alone, on the wide tensors
+    # training through the router, then back to the towers at their own sizes
+    opt = torch.optim.SGD(router.parameters(), lr=0.1)
+    sum(o.sum() for o in router.wide_forward(x).values()).backward()
+    opt.step()
+    fresh = router.unfuse()
+    assert [fresh[n].net[0].out_features for n in towers] == [8, 8, 16, 16, 24]
+    router.write_back()
+    for n in towers:
+        torch.testing.assert_close(router.wide_forward(x)[n], fresh[n](x))
+
+
+def test_a_padded_router_group_where_padding_is_refused_stays_grouped_by_size():
+    router = wc.WideRouter(config=FAST, pad=True)
+    for i, h in enumerate((3, 3, 5, 5)):
+        router.register_tower(f"t{i}", Head(h, _rsqrt))
+    router.prepare_for_compile(torch.randn(2, 4))
+    assert router.group_members() == {"t0": ["t0", "t1"], "t2": ["t2", "t3"]}
+    (verdict,) = router.pad_decisions.values()
+    assert verdict.startswith("by size (padding refused")
