@@ -61,15 +61,16 @@ class Tabular(nn.Module):
 
 
 class Encoder(nn.Module):
-    """A transformer encoder layer whose width (so its head dim, at 2 heads) and feed-forward size
-    are swept. No biases: the key bias of attention has a gradient of exactly zero in theory,
+    """A transformer encoder layer whose number of heads, head dim (so its width) and feed-forward
+    size are swept. No biases: the key bias of attention has a gradient of exactly zero in theory,
     rounding noise in practice, which Adam normalises into steps of size lr in any direction,
     different for any two summation orders."""
 
-    def __init__(self, d: int, ffn: int) -> None:
+    def __init__(self, heads: int, head_dim: int, ffn: int) -> None:
         super().__init__()
+        d = heads * head_dim
         self.inp = nn.Linear(6, d)
-        self.enc = nn.TransformerEncoderLayer(d, 2, ffn, dropout=0.0, batch_first=True, bias=False)
+        self.enc = nn.TransformerEncoderLayer(d, heads, ffn, dropout=0.0, batch_first=True, bias=False)
         self.out = nn.Linear(d, 2)
 
     def forward(self, x):
@@ -88,7 +89,9 @@ SWEEPS = {
     "tabular": (lambda: [Tabular(d).to(DT) for d in (2, 4, 6, 3)],
                 lambda g, n: (torch.randint(0, 7, (n, 5, 2), generator=g),
                               torch.randn(n, 5, 3, generator=g, dtype=DT))),
-    "encoder": (lambda: [Encoder(d, f).to(DT) for d, f in ((8, 16), (16, 32), (12, 48), (16, 16))],
+    "encoder_heads": (lambda: [Encoder(h, 4, f).to(DT) for h, f in ((2, 16), (4, 32), (3, 48), (2, 32))],
+                      lambda g, n: (torch.randn(n, 3, 5, 6, generator=g, dtype=DT),)),
+    "encoder_head_dim": (lambda: [Encoder(2, e, f).to(DT) for e, f in ((4, 16), (8, 32), (6, 16))],
                 lambda g, n: (torch.randn(n, 3, 5, 6, generator=g, dtype=DT),)),
 }
 
@@ -207,7 +210,9 @@ def test_members_that_differ_in_more_than_sizes_are_refused():
         wc.compile(models, torch.randn(2, 4), pad=True, config=FAST)
 
 
-def test_swept_attention_heads_are_refused_naming_the_line():
+def test_attention_weights_over_padded_heads_are_refused_naming_the_line():
+    """need_weights=True averages the attention weights over heads: a mean over padded heads
+    folded into the batch, which no static mask can cover (the batch size varies)."""
     class Heads(nn.Module):
         def __init__(self, h):
             super().__init__()
@@ -216,9 +221,10 @@ def test_swept_attention_heads_are_refused_naming_the_line():
 
         def forward(self, x):
             y = self.inp(x)
-            return self.att(y, y, y, need_weights=False)[0].sum(-1)
+            out, weights = self.att(y, y, y, need_weights=True)
+            return out.sum(-1) + weights.sum(-1)
 
-    with pytest.raises(UnsupportedOperationError, match=r"pad=True: .*(num_heads|size)"):
+    with pytest.raises(UnsupportedOperationError, match=r"pad=True: .*test_padding.py"):
         wc.compile([Heads(2), Heads(4)], torch.randn(2, 5, 6), pad=True, config=FAST)
 
 
@@ -387,3 +393,48 @@ def test_a_padded_router_group_where_padding_is_refused_stays_grouped_by_size():
     assert router.group_members() == {"t0": ["t0", "t1"], "t2": ["t2", "t3"]}
     (verdict,) = router.pad_decisions.values()
     assert verdict.startswith("by size (padding refused")
+
+
+# Probes: every op a padded value may meet. Each either compiles and matches every member, or is
+# refused naming the op -- never silently wrong.
+PROBES = {
+    "softmax_padded_dim": lambda y: torch.softmax(y, -1) * 3,
+    "log_softmax_padded_dim": lambda y: torch.log_softmax(y, -1),
+    "softmax_over_batch": lambda y: torch.softmax(y, 0),
+    "log_softmax_over_batch": lambda y: torch.log_softmax(y, 0),
+    "amax": lambda y: y.amax(-1),
+    "max_dim": lambda y: y.max(-1).values,
+    "min_over_padded": lambda y: y.amin(-1),
+    "sigmoid": torch.sigmoid,
+    "add_one": lambda y: y + 1,
+    "mean_times": lambda y: y.mean(-1, keepdim=True) * y,
+    "layer_norm": lambda y: F.layer_norm(y, y.shape[-1:]),
+    "cat": lambda y: torch.cat([y, torch.tanh(y)], -1),
+    "expand_sum": lambda y: y.unsqueeze(1).expand(-1, 3, -1).sum(1),
+    "gram": lambda y: y.t() @ y,
+    "cumsum": lambda y: torch.cumsum(y, -1),
+    "normalize": lambda y: F.normalize(y, dim=-1),
+    "var": lambda y: y.var(-1),
+    "where_positive": lambda y: torch.where(y > 0, y, torch.zeros_like(y)),
+    "exp_sum": lambda y: torch.exp(y).sum(-1),
+    "clamp": lambda y: y.clamp(min=0.1),
+}
+
+
+@pytest.mark.parametrize("probe", list(PROBES))
+def test_an_op_on_padded_values_is_exact_or_refused(probe):
+    torch.manual_seed(0)
+    models = [Head(h, PROBES[probe]) for h in (3, 5, 4)]
+    try:
+        wide = wc.compile(models, torch.randn(6, 4), pad=True, config=FAST)
+    except UnsupportedOperationError as e:
+        assert "pad=True" in str(e) and "test_padding.py" in str(e), str(e)
+        return
+    x = torch.randn(3, 6, 4, requires_grad=True)
+    outs = wide.member_outputs(wide(x))
+    for i, m in enumerate(models):
+        xi = x[i].detach().clone().requires_grad_()
+        want = m(xi)
+        torch.testing.assert_close(outs[i], want, msg=f"{probe}: member {i} output")
+        g = torch.autograd.grad(outs[i].sum(), x, retain_graph=True)[0][i]
+        torch.testing.assert_close(g, torch.autograd.grad(want.sum(), xi)[0], msg=f"{probe}: member {i} input grad")

@@ -52,7 +52,7 @@ from torch import fx, nn
 from ..errors import ArchitectureMismatchError, UnsupportedOperationError
 from .capture import capture
 from .padding_rules import (FREE, INT_ARGS_OK, MASK_UNARY, RULES, ZERO_UNARY, Prefer, flat_layout, mask_unary,
-                            prefix, same_layout, scatter, zero_unary)
+                            prefix, same_layout, scatter, size_arith, zero_unary)
 from .source import source_line
 
 __all__ = ["PadInfo", "PaddedMember", "pad_members"]
@@ -129,6 +129,10 @@ def _shape(v: Any) -> tuple[int, ...] | None:
     return tuple(_hint(d) for d in v.shape) if isinstance(v, torch.Tensor) else None
 
 
+class _SymbolicMask(Exception):  # noqa: N818 -- raised by mask_of, turned into a refusal naming the node
+    pass
+
+
 class _Padder:
     """One pass over member 0's captured graph, aligned node by node with the others'."""
 
@@ -152,6 +156,7 @@ class _Padder:
         self.state_lay: dict[str, list[Any]] = {}
         self.buffers: dict[str, torch.Tensor] = {}  # new per-member buffers: name -> [N, ...]
         self.int_diffs: dict[fx.Node, set[int]] = {}
+        self.symbolic: set[int] = set()  # id(layout) of dims merged with a dynamic size
         self._check_programs()
 
     # ---------------------------------------------------------------- the programs agree
@@ -262,6 +267,8 @@ class _Padder:
         """[N, *shape] 0/1 values of a layout, broadcasting over unpadded dims (None: unpadded)."""
         if all(v is None for v in lay):
             return None
+        if any(id(v) in self.symbolic for v in lay):
+            raise _SymbolicMask
         m = torch.ones((self.n,) + (1,) * len(lay), dtype=dtype)
         for d, v in enumerate(lay):
             if v is not None:
@@ -275,15 +282,21 @@ class _Padder:
         with ctx:
             return self.g.call_function(target, args)
 
-    def mask_after(self, node: fx.Node, lay: list[Any]) -> None:
-        """Multiply ``node``'s result by its layout's mask (every later use reads the product)."""
+    def mask_after(self, node: fx.Node, lay: list[Any], *, nan_safe: bool = False) -> None:
+        """Zero ``node``'s result outside its layout (every later use reads the masked value): a
+        multiply by the mask, or with ``nan_safe`` (a result that may be infinite there) a
+        ``where`` on it."""
         val = node.meta.get("val")
         mask = self.mask_of(lay, val.dtype if isinstance(val, torch.Tensor) else torch.float32)
         if mask is None:
             return
         users = list(node.users)
-        m = self.buffer(mask, node, after=True)
-        out = self.call(aten.mul.Tensor, node, m, after=m)
+        if nan_safe:
+            m = self.buffer(mask > 0, node, after=True)
+            out = self.call(aten.where.ScalarOther, m, node, 0.0, after=m)
+        else:
+            m = self.buffer(mask, node, after=True)
+            out = self.call(aten.mul.Tensor, node, m, after=m)
         for u in users:
             u.replace_input_with(node, out)
         self.lay[out], self.pos[out] = lay, self.pos[node]
@@ -386,10 +399,7 @@ class _Padder:
             return
         rule = RULES.get(name)
         if not isinstance(target, torch._ops.OpOverload) and node in self.int_diffs:
-            self.refuse(node, "the program computes a size in Python from a number that differs between "
-                              "members (attention folds num_heads into the batch this way: swept heads "
-                              "are not padded yet; sweep the feed-forward size or the head count with "
-                              "groups of one size)")
+            rule = size_arith
         if rule is None:
             if name in ZERO_UNARY:
                 rule = zero_unary
@@ -399,7 +409,12 @@ class _Padder:
                 self.refuse(node, "no padding rule for this op (its result on zero padding is not known to be exact)")
         if node in self.int_diffs and rule not in INT_ARGS_OK:
             self.refuse(node, "its size arguments differ between members in a way this op's rule cannot pad")
-        rule(self, node)
+        try:
+            rule(self, node)
+        except _SymbolicMask:
+            self.refuse(node, "its padding would need a mask over a dim merged with a dynamic size (the "
+                              "batch: attention folds batch * heads into one dim, and its averaged "
+                              "attention weights over padded heads are such a value)")
         self._check_layout(node)
 
     def _unpadded(self, node: fx.Node) -> Any:

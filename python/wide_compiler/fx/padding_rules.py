@@ -7,6 +7,7 @@ and sets ``padder.lay[node]``; :data:`RULES` maps an ATen op's name to its rule,
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from .padding import _Padder
 
 __all__ = ["FREE", "INT_ARGS_OK", "MASK_UNARY", "RULES", "ZERO_UNARY", "Prefer", "flat_layout",
-           "mask_unary", "prefix", "same_layout", "scatter", "zero_unary"]
+           "mask_unary", "prefix", "same_layout", "scatter", "size_arith", "zero_unary"]
 
 aten = torch.ops.aten
 
@@ -365,20 +366,22 @@ def _sum(p: _Padder, node: fx.Node) -> None:
 
 
 def _softmax(p: _Padder, node: fx.Node) -> None:
+    """softmax / log_softmax: -inf in the padding of the reduced dim first; padded rows (other
+    padded dims) come out uniform, and log_softmax's padding -inf: masked after (by ``where``,
+    since -inf * 0 is NaN)."""
     x, dim = node.args[0], node.args[1]
     xl = p.layout(x)
     d = dim % len(xl)
     p.lay[node] = xl
-    if xl[d] is None:
-        return
-    inner = [v if k == d else None for k, v in enumerate(xl)]
-    mask = p.mask_of(inner, x.meta["val"].dtype)
-    fill = p.buffer(torch.where(mask > 0, torch.zeros_like(mask), torch.full_like(mask, -math.inf)), node)
-    with p.g.inserting_before(node):
-        masked = p.g.call_function(aten.add.Tensor, (x, fill))
-    node.replace_input_with(x, masked)
+    if xl[d] is not None:
+        inner = [v if k == d else None for k, v in enumerate(xl)]
+        mask = p.mask_of(inner, x.meta["val"].dtype)
+        fill = p.buffer(torch.where(mask > 0, torch.zeros_like(mask), torch.full_like(mask, -math.inf)), node)
+        with p.g.inserting_before(node):
+            masked = p.g.call_function(aten.add.Tensor, (x, fill))
+        node.replace_input_with(x, masked)
     if "log" in node.target.overloadpacket.__name__ or any(v is not None for k, v in enumerate(xl) if k != d):
-        p.mask_after(node, xl)
+        p.mask_after(node, xl, nan_safe=True)
 
 
 def _amax(p: _Padder, node: fx.Node) -> None:
@@ -409,6 +412,10 @@ def _view(p: _Padder, node: fx.Node) -> None:
     x = node.args[0]
     xl = p.layout(x)
     ins, outs = p.max_shape(x), p.max_shape(node)
+    if math.prod(ins) != math.prod(outs):
+        p.refuse(node, "a reshape whose padded input and output have different sizes: the largest "
+                       "sizes of the dims it splits come from different members (e.g. both the number "
+                       "of heads and the head dim vary)")
     # groups of dims whose products match (a merge or a split)
     lay: list[Any] = [None] * len(outs)
     i = j = 0
@@ -445,6 +452,11 @@ def _view(p: _Padder, node: fx.Node) -> None:
                 v = lay[k] if lay[k] is not None else torch.ones(p.n, outs[k], dtype=torch.bool)
                 rebuilt = v if rebuilt is None else (rebuilt[:, :, None] & v[:, None, :]).flatten(1)
             padded_out = [k for k in gj if lay[k] is not None]
+            for k in padded_out:
+                if not isinstance(node.meta["val"].shape[k], int):
+                    # merged with a dynamic dim (attention folding heads into the batch): laid out
+                    # for the sample's size only, so no mask may be built from it (Padder.mask_of)
+                    p.symbolic.add(id(lay[k]))
             if torch.equal(rebuilt, flat) and len(gi) == 1 and len(padded_out) == 1 and id(xl[gi[0]]) in p.origin:
                 target, dim, back = p.origin[id(xl[gi[0]])]
                 j_out = padded_out[0]
@@ -526,6 +538,22 @@ def _view_like(p: _Padder, node: fx.Node) -> None:
         node.args = (x, saved[1], list(p.max_shape(node)[dim: dim + len(saved[2])]), *saved[3:])
 
 
+def size_arith(p: _Padder, node: fx.Node) -> None:
+    """A size computed in Python from a number that differs between members, as attention's
+    ``batch * num_heads``: a product of a dynamic size and a member's number uses the largest
+    number (its value feeds the padded program's view shapes)."""
+    if node.target is not operator.mul or len(node.args) != 2:
+        p.refuse(node, "the program computes a size in Python from a number that differs between "
+                       "members, in a way padding cannot follow")
+    k = next((t for t, a in enumerate(node.args) if isinstance(a, int)), None)
+    if k is None or not isinstance(node.args[1 - k], fx.Node):
+        p.refuse(node, "a product of two sizes that both differ between members")
+    args = list(node.args)
+    args[k] = max(nodes[p.pos[node]].args[k] for nodes in p.nodes)
+    node.args = tuple(args)
+    p.lay[node] = []
+
+
 def _cat(p: _Padder, node: fx.Node) -> None:
     parts = node.args[0]
     dim = node.args[1] if len(node.args) > 1 else 0
@@ -559,8 +587,9 @@ def _expand(p: _Padder, node: fx.Node) -> None:
         if isinstance(s, int) and s != -1:
             shape_arg[d] = outs[d]
     node.args = (x, shape_arg, *node.args[2:])
-    if any(p.shapes(node)[0][d] != p.max_shape(node)[d] and lay[d] is None for d in range(len(lay))):
-        p.refuse(node, "an expand to a size that differs between members")
+    shapes = p.shapes(node)
+    if any(lay[d] is None and len({s[d] for s in shapes}) > 1 for d in range(len(lay))):
+        p.refuse(node, "an expand to a size that differs between members (the padding would get copies)")
 
 
 def _sdpa(p: _Padder, node: fx.Node) -> None:
@@ -625,5 +654,5 @@ RULES: dict[str, Callable[[_Padder, fx.Node], None]] = {
     "cat": _cat, "expand": _expand, "scaled_dot_product_attention": _sdpa, "sym_size": _sym_size,
     "copy_": _copy, "select": _select_slice, "slice": _select_slice,
 }
-INT_ARGS_OK = {_view, _expand, _layer_norm, RULES["rms_norm"], _conv, _group_norm, _view_like,
+INT_ARGS_OK = {size_arith, _view, _expand, _layer_norm, RULES["rms_norm"], _conv, _group_norm, _view_like,
                 _permute, _mean, _sum, _amax}
