@@ -191,6 +191,11 @@ class WideBuilder:
         self._options["dynamic_shapes"] = dynamic_shapes
         return self
 
+    def pad(self, enabled: bool = True) -> WideBuilder:
+        """Fuse members that differ only in sizes by padding (``compile(..., pad=True)``)."""
+        self._options["pad"] = enabled
+        return self
+
     def validate(self, enabled: bool = True) -> WideBuilder:
         """Check every member's output against its own model after compiling."""
         self._options["validate"] = enabled

@@ -204,6 +204,14 @@ def test_an_output_whose_width_differs_is_padded_and_cut_per_member():
         torch.testing.assert_close(o, m(x[i]))
 
 
+def test_without_pad_a_size_difference_says_how_to_fuse_it_and_the_builder_pads():
+    models = [nn.Sequential(nn.Linear(4, h), nn.ReLU(), nn.Linear(h, 2)) for h in (3, 6)]
+    with pytest.raises(ArchitectureMismatchError, match=r"0\.out_features is 6, member 0 has 3; .*pad=True"):
+        wc.compile(models, torch.randn(2, 4), config=FAST)
+    wide = wc.WideBuilder(models).with_sample(torch.randn(2, 4)).with_config(FAST).pad().build()
+    assert isinstance(wide, wc.PaddedWideModel)
+
+
 def test_members_that_differ_in_more_than_sizes_are_refused():
     models = [nn.Sequential(nn.Linear(4, 8), nn.ReLU()), nn.Sequential(nn.Linear(4, 16), nn.Tanh())]
     with pytest.raises(ArchitectureMismatchError, match=r"pad=True: member 1 runs .*tanh"):

@@ -161,8 +161,10 @@ def check_members(models: Sequence[nn.Module]) -> dict[str, tuple]:
     floats: dict[str, tuple[str, str]] = {}  # attribute path -> (module path, attribute)
     for i, model in enumerate(models[1:], start=1):
         def fail(what: str, got: Any, want: Any) -> None:
+            hint = ("; members that differ only in sizes fuse padded: compile(..., pad=True)"
+                    if type(got) is int and type(want) is int or what.endswith(".shape") else "")
             raise ArchitectureMismatchError(
-                f"member {i}: {what} is {_describe(got)}, member 0 has {_describe(want)}")
+                f"member {i}: {what} is {_describe(got)}, member 0 has {_describe(want)}{hint}")
 
         mods = list(model.named_modules(remove_duplicate=False))
         for (name0, m0), (name, m) in zip(ref_modules, mods):
