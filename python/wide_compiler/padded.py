@@ -60,25 +60,59 @@ class PaddedWideModel(WideModel):
                     for name in self._originals[i].state_dict()}
 
     @torch.no_grad()
-    def load_member_state_dict(self, i: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def _load_member_state_dict(self, i: int, state_dict: Mapping[str, torch.Tensor], label: str) -> None:
         """Load member ``i`` from a ``state_dict`` of its own model (its own sizes); strict, and
-        checked before anything changes. The padding stays zero."""
-        i = self._check_member_index(i)
+        checked before anything changes; the padding stays zero. (``load_member_state_dict`` and
+        checkpoints come here.)"""
+        name = "wide_compiler.load_member_state_dict"
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{name}: {label}: expected a state_dict, got a {type(state_dict).__name__}")
         want = self._originals[i].state_dict()
         missing, extra = sorted(set(want) - set(state_dict)), sorted(set(state_dict) - set(want))
         if missing or extra:
-            raise KeyError(f"wide_compiler.load_member_state_dict: member {i}: missing keys {missing}, "
-                           f"unexpected keys {extra}")
+            raise KeyError(f"{name}: {label}: missing keys {missing}, unexpected keys {extra}")
         for k, v in state_dict.items():
             if not isinstance(v, torch.Tensor) or v.shape != want[k].shape:
-                raise ValueError(f"wide_compiler.load_member_state_dict: member {i}: {k!r} must be a tensor "
-                                 f"of shape {list(want[k].shape)} (the member's own size)")
+                raise ValueError(f"{name}: {label}: {k!r} must be a tensor of shape {list(want[k].shape)} "
+                                 "(the member's own size)")
             if not torch.can_cast(v.dtype, self._stacked(k).dtype):
-                raise TypeError(f"wide_compiler.load_member_state_dict: member {i}: {k!r} is {v.dtype}, which "
-                                f"does not cast safely to {self._stacked(k).dtype}")
+                raise TypeError(f"{name}: {label}: {k!r} is {v.dtype}, which does not cast safely to "
+                                f"{self._stacked(k).dtype}")
         for k, v in state_dict.items():
             target = self._stacked(k)
             target[i].copy_(self._pad.member_padded(v.to(target.device, target.dtype), k, i))
+
+    def _param_names(self, optimizer: Any) -> list[str]:
+        names = {id(p): name for name, p in self.named_parameters()}
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        missing = [k for k, p in enumerate(params) if id(p) not in names]
+        if missing:
+            raise ValueError(f"wide_compiler: the optimizer's parameters {missing} are not this padded "
+                             "model's")
+        return [names[id(p)] for p in params]
+
+    def _map_optimizer_state(self, optimizer: Any, i: int, osd: dict, to_own: bool) -> dict:
+        names = self._param_names(optimizer)
+        state = {}
+        for pid, st in osd.get("state", {}).items():
+            name = names[pid]
+            lay = self._pad.state_layouts.get(name, {})
+            state[pid] = {key: (self._pad.member_slice(v, lay, i) if to_own else self._pad.member_padded(v, name, i))
+                          if isinstance(v, torch.Tensor) and v.dim() and lay else v for key, v in st.items()}
+        return {**osd, "state": state}
+
+    def member_optimizer_state_dict(self, optimizer: Any, i: int) -> dict:
+        """Member ``i``'s state in ``optimizer`` (a ``wc.optim`` optimizer over this model's
+        parameters) at the member's own sizes: the ``state_dict`` of a ``torch.optim`` optimizer
+        over model ``i``'s parameters (checkpoints save this)."""
+        i = self._check_member_index(i)
+        return self._map_optimizer_state(optimizer, i, optimizer.member_state_dict(i), to_own=True)
+
+    def padded_optimizer_state_dict(self, optimizer: Any, i: int, state_dict: dict) -> dict:
+        """The inverse of :meth:`member_optimizer_state_dict`: member ``i``'s optimizer state at
+        its own sizes, placed in the padded shapes ``optimizer`` holds (zeros in the padding)."""
+        i = self._check_member_index(i)
+        return self._map_optimizer_state(optimizer, i, state_dict, to_own=False)
 
     @torch.no_grad()
     def write_back(self, models: Sequence[nn.Module]) -> None:

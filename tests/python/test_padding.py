@@ -446,3 +446,28 @@ def test_an_op_on_padded_values_is_exact_or_refused(probe):
         torch.testing.assert_close(outs[i], want, msg=f"{probe}: member {i} output")
         g = torch.autograd.grad(outs[i].sum(), x, retain_graph=True)[0][i]
         torch.testing.assert_close(g, torch.autograd.grad(want.sum(), xi)[0], msg=f"{probe}: member {i} input grad")
+
+
+def test_checkpoints_hold_each_member_at_its_own_size(tmp_path):
+    import wide_compiler.distributed as wcd
+
+    models = _small_sweep()
+    wide = wc.compile(models, torch.randn(2, 4), pad=True, config=FAST)
+    opt = wc.optim.Adam(wide.parameters(), lr=[1e-3, 2e-3, 3e-3])
+    x = torch.randn(3, 5, 4)
+    wide(x).square().sum().backward()
+    opt.step()
+    wcd.save_members(wide, tmp_path, opt)
+    # any member loads into an ordinary module of its own size, with a torch.optim state
+    plain = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.ReLU(), nn.Linear(3, 2))
+    plain.load_state_dict(wcd.load_member(tmp_path, 0))
+    torch.testing.assert_close(plain(x[0]), wide(x)[0])
+    torch.optim.Adam(plain.parameters(), lr=1e-3).load_state_dict(wcd.load_member_optimizer(tmp_path, 0))
+    assert wcd.load_member_optimizer(tmp_path, 1)["state"][0]["exp_avg"].shape == (6, 4)
+    # and the whole population into a fresh padded model and optimizer
+    again = wc.compile(_small_sweep(), torch.randn(2, 4), pad=True, config=FAST)
+    opt2 = wc.optim.Adam(again.parameters())
+    wcd.load_members(again, tmp_path, opt2)
+    torch.testing.assert_close(again(x), wide(x))
+    for (name, p), (_, q) in zip(wide.named_parameters(), again.named_parameters()):
+        torch.testing.assert_close(opt2.state[q]["exp_avg"], opt.state[p]["exp_avg"], msg=name)

@@ -99,7 +99,7 @@ def save_members(model: Any, directory: str | os.PathLike, optimizer: Any = None
         for i in sharded.members:
             payload = {"format": FORMAT, "version": FORMAT_VERSION, "member": i,
                        "model": sharded.member_state_dict(i),
-                       "optimizer": optimizer.member_state_dict(sharded.local(i)) if optimizer is not None else None}
+                       "optimizer": _member_optimizer_state(sharded, optimizer, i) if optimizer is not None else None}
             atomic_write(path / _member_file(i), lambda f, payload=payload: torch.save(payload, f), what)
     except Exception as e:
         error = e
@@ -111,6 +111,9 @@ def save_members(model: Any, directory: str | os.PathLike, optimizer: Any = None
                 "format": FORMAT, "version": FORMAT_VERSION, "n": sharded.n_global,
                 "files": [_member_file(i) for i in range(sharded.n_global)],
                 "keys": list(sd), "shapes": {k: list(v.shape) for k, v in sd.items()},
+                # members of a padded model (compile(pad=True)) have their own sizes each
+                **({"member_shapes": {str(i): {k: list(v.shape) for k, v in sharded.member_state_dict(i).items()}
+                                      for i in sharded.members}} if _padded(sharded) else {}),
                 "dtypes": {k: str(v.dtype) for k, v in sd.items()},
                 "module": type(sharded.wide._template).__qualname__,
                 "optimizer": type(optimizer).__name__ if optimizer is not None else None,
@@ -125,6 +128,23 @@ def save_members(model: Any, directory: str | os.PathLike, optimizer: Any = None
     log.info("wide_compiler.distributed: rank %d saved members %s to %s", sharded.rank,
              _span(sharded.members), path)
     return path
+
+
+def _padded(sharded: ShardedWideModel) -> bool:
+    """Whether the members differ in size (a PaddedWideModel: each saved at its own sizes)."""
+    return hasattr(sharded.wide, "member_optimizer_state_dict")
+
+
+def _member_optimizer_state(sharded: ShardedWideModel, optimizer: Any, i: int) -> dict:
+    """Global member ``i``'s optimizer state as saved: at its own sizes."""
+    if _padded(sharded):
+        return sharded.wide.member_optimizer_state_dict(optimizer, sharded.local(i))
+    return optimizer.member_state_dict(sharded.local(i))
+
+
+def _shapes_of(index: dict[str, Any], i: int) -> dict[str, list[int]]:
+    """The shapes member ``i`` was saved with (its own, in a checkpoint of a padded model)."""
+    return index.get("member_shapes", {}).get(str(i), index["shapes"])
 
 
 def _dtype_of(name: Any) -> torch.dtype | None:
@@ -245,8 +265,9 @@ def _read_member(directory: str | os.PathLike, i: int, index: dict | None = None
     if missing or extra:
         raise ValueError(f"{where} does not match its index.json: keys missing from it {missing}, "
                          f"unexpected keys {extra}")
+    shapes = _shapes_of(index, i)
     for k in index["keys"]:
-        v, shape, dtype = model[k], index["shapes"][k], _dtype_of(index["dtypes"][k])
+        v, shape, dtype = model[k], shapes.get(k), _dtype_of(index["dtypes"][k])
         if not isinstance(v, torch.Tensor):
             raise ValueError(f"{where}: {k!r} is a {type(v).__name__}, not a tensor")
         if list(v.shape) != shape or v.dtype != dtype:
@@ -311,18 +332,21 @@ def load_members(model: Any, directory: str | os.PathLike, optimizer: Any = None
     if index["n"] != sharded.n_global:
         raise ValueError(f"{name}: the checkpoint in {directory} has N={index['n']} members, the "
                          f"model N={sharded.n_global}")
-    sd = sharded.member_state_dict(sharded.members.start)
-    keys = list(sd)
-    if sorted(index["keys"]) != sorted(keys):
-        missing = sorted(set(keys) - set(index["keys"]))
-        extra = sorted(set(index["keys"]) - set(keys))
-        raise ValueError(f"{name}: the checkpoint in {directory} does not match the model: keys "
-                         f"missing from it {missing}, unexpected keys {extra}")
-    for k, v in sd.items():
-        saved = (index["shapes"][k], index["dtypes"][k])
-        if saved != (list(v.shape), str(v.dtype)):
-            raise ValueError(f"{name}: the checkpoint in {directory} does not match the model: {k!r} "
-                             f"was saved as {saved[0]} {saved[1]}, the model's is {list(v.shape)} {v.dtype}")
+    for i in sharded.members if _padded(sharded) else [sharded.members.start]:  # padded: each its own sizes
+        sd = sharded.member_state_dict(i)
+        keys = list(sd)
+        if sorted(index["keys"]) != sorted(keys):
+            missing = sorted(set(keys) - set(index["keys"]))
+            extra = sorted(set(index["keys"]) - set(keys))
+            raise ValueError(f"{name}: the checkpoint in {directory} does not match the model: keys "
+                             f"missing from it {missing}, unexpected keys {extra}")
+        shapes = _shapes_of(index, i)
+        for k, v in sd.items():
+            saved = (shapes.get(k), index["dtypes"][k])
+            if saved != (list(v.shape), str(v.dtype)):
+                raise ValueError(f"{name}: the checkpoint in {directory} does not match the model: member {i} "
+                                 f"{k!r} was saved as {saved[0]} {saved[1]}, the model's is {list(v.shape)} "
+                                 f"{v.dtype}")
     if optimizer is not None and index.get("optimizer") != type(optimizer).__name__:
         raise ValueError(f"{name}: the checkpoint in {directory} has optimizer state of "
                          f"{index.get('optimizer')!r}; got a {type(optimizer).__name__} (load it "
@@ -331,6 +355,11 @@ def load_members(model: Any, directory: str | os.PathLike, optimizer: Any = None
     # Every file is read and checked (against the index, itself checked against the model
     # above) before anything changes.
     payloads = {i: _read_member(directory, i, index, map_location=device) for i in sharded.members}
+    if optimizer is not None and _padded(sharded):  # saved at each member's own sizes
+        for i, payload in payloads.items():
+            if isinstance(payload["optimizer"], dict) and isinstance(payload["optimizer"].get("state"), dict):
+                payload["optimizer"] = sharded.wide.padded_optimizer_state_dict(
+                    optimizer, sharded.local(i), payload["optimizer"])
     if optimizer is not None:
         _check_optimizer_payloads(optimizer, sharded, payloads, directory)
     for i, payload in payloads.items():
