@@ -22,6 +22,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .config import WideConfig
+from .errors import WideCompileError
 from .fx.capture import module_path
 from .fx.fold import clear_fold_cache
 from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, compile_members, run_pipeline
@@ -166,13 +167,24 @@ class WideModel(MemberOpsMixin, nn.Module):
         for part in filter(None, path.split(".")):
             if part not in mod._modules:
                 original = self._template.get_submodule(_join(_path_of(mod, self), part))
+                self._check_free(mod, part, "submodule")
                 mod.add_module(part, _Stacked(type(original).__name__))
             mod = mod._modules[part]
         return mod
 
+    def _check_free(self, mod: nn.Module, name: str, what: str) -> None:
+        """A member's top-level name that WideModel itself uses (``n``, ``summary``, ...) cannot
+        be installed under it: refused with the fix, not PyTorch's bare KeyError."""
+        if mod is self and hasattr(type(self), name) or mod is self and name in self.__dict__:
+            raise WideCompileError(
+                f"wide_compiler: the members' top-level {what} {name!r} has the name of a WideModel "
+                f"attribute ({type(self).__name__}.{name}), under which its stacked form cannot be "
+                f"installed; rename it in the model (e.g. self.{name}_ = ...)")
+
     def _install(self, name: str, t: torch.Tensor, *, persistent: bool = True) -> None:
         path, _, attr = name.rpartition(".")
         mod = self._container(path)
+        self._check_free(mod, attr, "parameter" if isinstance(t, nn.Parameter) else "buffer")
         if isinstance(t, nn.Parameter):
             mod.register_parameter(attr, t)
         else:

@@ -1019,3 +1019,18 @@ def test_forced_strategies_apply_per_op_and_unknown_names_are_rejected():
         assert set(wide.strategies.values()) == want, (forced, wide.strategies)
     with pytest.raises(ValueError, match="no wide op of this model offers that strategy"):
         wc.compile(models, sample, config=wc.WideConfig(strategy="fused", tune=False))
+
+
+def test_a_top_level_name_that_wide_model_uses_is_refused_with_the_fix():
+    """``self.n = nn.LayerNorm(...)``: WideModel.n is the member count, so the stacked submodule
+    cannot live under that name; a clear error, not PyTorch's bare KeyError."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.n = nn.Linear(4, 4), nn.LayerNorm(4)
+
+        def forward(self, x):
+            return self.n(self.a(x))
+
+    with pytest.raises(wc.WideCompileError, match=r"top-level submodule 'n' has the name of a WideModel attribute"):
+        compile_fast([Net(), Net()], torch.randn(2, 4))

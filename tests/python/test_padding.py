@@ -77,6 +77,18 @@ class Encoder(nn.Module):
         return self.out(self.enc(self.inp(x)).mean(1))
 
 
+class Recurrent(nn.Module):
+    """A 2-layer bidirectional LSTM whose hidden size is swept."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(6, hidden, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * hidden, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
 def _mlp_members():  # hidden 32 to 256: 8 sizes x 2 seeds
     torch.manual_seed(0)
     return [MLP(h).to(DT) for h in (32, 64, 96, 128, 160, 192, 224, 256) for _ in range(2)]
@@ -89,6 +101,8 @@ SWEEPS = {
     "tabular": (lambda: [Tabular(d).to(DT) for d in (2, 4, 6, 3)],
                 lambda g, n: (torch.randint(0, 7, (n, 5, 2), generator=g),
                               torch.randn(n, 5, 3, generator=g, dtype=DT))),
+    "lstm": (lambda: [Recurrent(h).to(DT) for h in (4, 8, 6)],
+             lambda g, n: (torch.randn(n, 3, 5, 6, generator=g, dtype=DT),)),
     "encoder_heads": (lambda: [Encoder(h, 4, f).to(DT) for h, f in ((2, 16), (4, 32), (3, 48), (2, 32))],
                       lambda g, n: (torch.randn(n, 3, 5, 6, generator=g, dtype=DT),)),
     "encoder_head_dim": (lambda: [Encoder(2, e, f).to(DT) for e, f in ((4, 16), (8, 32), (6, 16))],
@@ -471,3 +485,81 @@ def test_checkpoints_hold_each_member_at_its_own_size(tmp_path):
     torch.testing.assert_close(again(x), wide(x))
     for (name, p), (_, q) in zip(wide.named_parameters(), again.named_parameters()):
         torch.testing.assert_close(opt2.state[q]["exp_avg"], opt.state[p]["exp_avg"], msg=name)
+
+
+class _Residual(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.stem, self.conv, self.bn = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.fc = nn.Linear(c, 4)
+
+    def forward(self, x):
+        h = F.relu(self.stem(x))
+        h = F.relu(h + self.bn(self.conv(h)))
+        return self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+class _Generator(nn.Module):  # DCGAN-style, the feature count swept
+    def __init__(self, c):
+        super().__init__()
+        self.net = nn.Sequential(nn.ConvTranspose2d(6, 2 * c, 4, 1, 0), nn.BatchNorm2d(2 * c), nn.ReLU(),
+                                 nn.ConvTranspose2d(2 * c, c, 4, 2, 1), nn.BatchNorm2d(c), nn.ReLU(),
+                                 nn.ConvTranspose2d(c, 3, 4, 2, 1), nn.Tanh())
+
+    def forward(self, z):
+        return self.net(z)
+
+
+class _Depthwise(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.pw, self.dw, self.fc = nn.Conv2d(3, c, 1), nn.Conv2d(c, c, 3, padding=1, groups=c), nn.Linear(c, 2)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.dw(F.relu(self.pw(x)))).mean((2, 3)))
+
+
+class _GRU(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.rnn, self.fc = nn.GRU(6, h, batch_first=True), nn.Linear(h, 2)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[1][0])
+
+
+MODELS = {
+    "residual_bn": (_Residual, (4, 8, 6), (2, 3, 8, 8)),
+    "dcgan_generator": (_Generator, (4, 8), (2, 6, 1, 1)),
+    "depthwise": (_Depthwise, (4, 8), (2, 3, 8, 8)),
+    "gru_hidden": (_GRU, (4, 8, 5), (2, 5, 6)),
+    "batchnorm1d_mlp": (lambda h: nn.Sequential(nn.Linear(8, h), nn.BatchNorm1d(h), nn.ReLU(), nn.Linear(h, 2)),
+                        (4, 8, 6), (5, 8)),
+    "rmsnorm": (lambda h: nn.Sequential(nn.Linear(8, h), nn.RMSNorm(h), nn.SiLU(), nn.Linear(h, 2)), (4, 8), (5, 8)),
+}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_more_sweeps_match_every_member(name, training):
+    """Outputs, input gradients and parameter gradients of each member, train and eval mode."""
+    make, sizes, shape = MODELS[name]
+    torch.manual_seed(0)
+    models = [make(s).to(DT).train(training) for s in sizes]
+    refs = [copy.deepcopy(m) for m in models]
+    wide = wc.compile(models, torch.randn(shape, dtype=DT), pad=True, config=FAST)
+    x = torch.randn(len(sizes), *shape, dtype=DT, requires_grad=True)
+    outs = wide.member_outputs(wide(x))
+    sum(o.square().sum() for o in outs).backward()
+    params = dict(wide.named_parameters())
+    for i, r in enumerate(refs):
+        xi = x[i].detach().clone().requires_grad_()
+        want = r(xi)
+        torch.testing.assert_close(outs[i], want, rtol=1e-9, atol=1e-10)
+        want.square().sum().backward()
+        torch.testing.assert_close(x.grad[i], xi.grad, rtol=1e-9, atol=1e-10)
+        for pname, q in r.named_parameters():
+            got = wide._pad.member_slice(params[pname].grad[i], wide._pad.state_layouts[pname], i)
+            torch.testing.assert_close(got, q.grad, rtol=1e-9, atol=1e-10, msg=f"{name}: member {i} {pname}.grad")
+        for bname, b in r.named_buffers():
+            torch.testing.assert_close(wide.member_state_dict(i)[bname], b, msg=f"{name}: member {i} {bname}")

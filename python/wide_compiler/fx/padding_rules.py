@@ -554,6 +554,61 @@ def size_arith(p: _Padder, node: fx.Node) -> None:
     p.lay[node] = []
 
 
+def _zeros(p: _Padder, node: fx.Node) -> None:
+    """zeros / new_zeros / zeros_like: zero everywhere, so clean in any layout (a prefix where its
+    size differs between members, the padded size in its arguments)."""
+    name = node.target.overloadpacket.__name__
+    if name == "zeros_like":
+        p.lay[node] = p.layout(node.args[0])
+        return
+    k = 1 if name == "new_zeros" else 0
+    out = p.max_shape(node)
+    node.args = (*node.args[:k], [s if not isinstance(s, int) else out[d] for d, s in enumerate(node.args[k])],
+                 *node.args[k + 1:])
+    shapes = p.shapes(node)
+    p.lay[node] = [None if len({s[d] for s in shapes}) == 1 else prefix([s[d] for s in shapes], out[d])
+                   for d in range(len(out))]
+
+
+def _rnn(p: _Padder, node: fx.Node) -> None:
+    """lstm / gru / rnn_tanh / rnn_relu with a swept hidden size. Each gate's block of the weights
+    is laid out as the hidden units (a prefix per gate); a padded unit's gates see zero weights
+    and biases, so its state stays zero at every step (LSTM: i = f = o = 1/2, g = 0, c = h = 0;
+    GRU: r = z = 1/2, n = 0, h = 0; RNN: tanh/relu(0) = 0), and its gradients are masked."""
+    name = node.target.overloadpacket.__name__
+    x, hx, params = node.args[0], node.args[1], node.args[2]
+    has_biases, num_layers, bidirectional = node.args[3], node.args[4], node.args[7]
+    if not isinstance(hx, (list, tuple)):  # the GRU / RNN form: hx is one tensor
+        hx = [hx]
+    gates = {"lstm": 4, "gru": 3}.get(name, 1)
+    per_layer = (4 if has_biases else 2)
+    dirs = 2 if bidirectional else 1
+    if len(params) != per_layer * num_layers * dirs:
+        p.refuse(node, "a recurrent layer with projections or a parameter list padding cannot follow")
+    hidden = [s[1] for s in p.shapes(params[1])]  # w_hh [G*H, H]
+    if any(v is not None for v in p.layout(x)[:-1]):
+        p.refuse(node, "a recurrent layer over padded time or batch dims")
+    lay_h = None if len(set(hidden)) == 1 else prefix(hidden, max(hidden))
+    blocks = None if lay_h is None else torch.cat([lay_h] * gates, dim=1)
+    layer_in = p.layout(x)[-1]
+    out_lay = None if lay_h is None else (torch.cat([lay_h] * dirs, dim=1) if dirs > 1 else lay_h)
+    for layer in range(num_layers):
+        for d in range(dirs):
+            k = (layer * dirs + d) * per_layer
+            w_ih, w_hh = params[k], params[k + 1]
+            for w, cols in ((w_ih, layer_in), (w_hh, lay_h)):
+                p.bind(w, 0, blocks)
+                p.bind(w, 1, cols)
+            for b in params[k + 2:k + per_layer]:
+                p.bind(b, 0, blocks)
+        layer_in = out_lay
+    for h in hx:
+        if not same_layout(p.layout(h)[-1], lay_h):
+            p.refuse(node, "an initial state padded differently from the hidden units")
+    x_lay = p.layout(x)
+    p.lay[node] = [x_lay[:-1] + [out_lay]] + [[None, None, lay_h] for _ in hx]
+
+
 def _cat(p: _Padder, node: fx.Node) -> None:
     parts = node.args[0]
     dim = node.args[1] if len(node.args) > 1 else 0
@@ -651,8 +706,10 @@ RULES: dict[str, Callable[[_Padder, fx.Node], None]] = {
     "unflatten": _view_like, "view_as": lambda p, n: _view_like(p, n),
     "permute": _permute, "transpose": _permute, "swapaxes": _permute, "t": _permute,
     "unsqueeze": _permute, "squeeze": _permute,
+    "zeros": _zeros, "new_zeros": _zeros, "zeros_like": _zeros,
+    "lstm": _rnn, "gru": _rnn, "rnn_tanh": _rnn, "rnn_relu": _rnn,
     "cat": _cat, "expand": _expand, "scaled_dot_product_attention": _sdpa, "sym_size": _sym_size,
     "copy_": _copy, "select": _select_slice, "slice": _select_slice,
 }
-INT_ARGS_OK = {size_arith, _view, _expand, _layer_norm, RULES["rms_norm"], _conv, _group_norm, _view_like,
+INT_ARGS_OK = {size_arith, _zeros, _view, _expand, _layer_norm, RULES["rms_norm"], _conv, _group_norm, _view_like,
                 _permute, _mean, _sum, _amax}
