@@ -412,6 +412,26 @@ def _named_parameter(mod: nn.Module, name: str) -> bool:
 _TORCH_COMPILE_KEYS = ("mode", "backend", "fullgraph", "dynamic", "disable")
 
 
+@contextlib.contextmanager
+def _untouched(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Calls inside leave ``modules`` as they were: buffers (running statistics), gradients and
+    the random number generators are restored after."""
+    modules = list(modules)
+    buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
+    grads = [(q, q.grad) for m in modules for q in m.parameters()]
+    for q, _ in grads:
+        q.grad = None
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for q, g in grads:
+            q.grad = g
+
+
 class _FusedTowerView(nn.Module):
     """``router[name]`` for a tower fused into a wide group: calling it runs that tower alone on
     its rows of the group's wide parameters and buffers (reads them live, and gradients reach
@@ -791,21 +811,32 @@ class WideRouter(nn.Module):
                     built[tuple(group)] = _wide_compile([self._tower(n) for n in group], args, sample_kwargs=kwargs,
                                                         config=self._config, **self._compile_options)
 
+            train = self.training and torch.is_grad_enabled()
+
             def run(groups: list[tuple[list[str], Any]]) -> None:
-                with torch.no_grad():
+                """One call of every group: a forward, and in training a backward too (timed as used)."""
+                with torch.set_grad_enabled(train):
+                    outs = []
                     for members, wide in groups:
                         if isinstance(wide, nn.Module) and len(members) > 1:
                             a, k = _stack([inputs[n] for n in members], members)
-                            wide(*a, **k)
+                            outs.append(wide(*a, **k))
                         else:
-                            self._tower(members[0])(*inputs[members[0]][0], **inputs[members[0]][1])
+                            outs.append(self._tower(members[0])(*inputs[members[0]][0], **inputs[members[0]][1]))
+                    leaves = [t for t in tree_flatten(outs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                    if train and leaves:
+                        torch.autograd.backward([t.sum() for t in leaves])
 
             by_size = [(g, built.get(tuple(g))) for g in cluster]
-            ms = time_interleaved({"padded": lambda: run([(names, padded)]), "by_size": lambda: run(by_size)},
-                                  min_run_time=0.1)
+            timed = [padded, *(w for _, w in by_size if isinstance(w, nn.Module)),
+                     *(self._tower(g[0]) for g in cluster if len(g) == 1)]
+            with _untouched(timed):  # the timing's calls change no buffer, gradient or RNG state
+                ms = time_interleaved({"padded": lambda: run([(names, padded)]), "by_size": lambda: run(by_size)},
+                                      min_run_time=0.1)
             chosen = "padded" if ms["padded"] <= ms["by_size"] else "by size"
-            self.pad_decisions[tuple(names)] = (f"{chosen}: one padded model {ms['padded']:.3f} ms, a model per "
-                                                f"size {ms['by_size']:.3f} ms per call (measured at grouping)")
+            self.pad_decisions[tuple(names)] = (
+                f"{chosen}: one padded model {ms['padded']:.3f} ms, a model per size {ms['by_size']:.3f} ms per "
+                f"{'training step' if train else 'call'} (measured at grouping)")
             log.info("WideRouter: towers %s of one program up to sizes: %s", names, self.pad_decisions[tuple(names)])
             if chosen == "padded":
                 built[tuple(names)] = padded

@@ -563,3 +563,39 @@ def test_more_sweeps_match_every_member(name, training):
             torch.testing.assert_close(got, q.grad, rtol=1e-9, atol=1e-10, msg=f"{name}: member {i} {pname}.grad")
         for bname, b in r.named_buffers():
             torch.testing.assert_close(wide.member_state_dict(i)[bname], b, msg=f"{name}: member {i} {bname}")
+
+
+def test_the_routers_measurement_changes_no_tower_and_times_training_steps():
+    """Grouping measures in the router's mode: a training router times forward + backward; the
+    timing's calls leave every running statistic, gradient and RNG state as it was."""
+    torch.manual_seed(0)
+    towers = {f"t{i}": _BNTower(h) for i, h in enumerate((4, 4, 8, 6))}
+    router = wc.WideRouter(config=FAST, pad=True).train()
+    for name, t in towers.items():
+        router.register_tower(name, copy.deepcopy(t))
+    lone = router._modules["t3"]
+    lone.net[0].weight.grad = torch.ones_like(lone.net[0].weight)
+    x = torch.randn(5, 4)
+    state = torch.random.get_rng_state()
+    router.prepare_for_compile(x)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    (verdict,) = router.pad_decisions.values()
+    assert "per training step" in verdict
+    groups = router.group_members()
+    if "t3" in groups and groups["t3"] == ["t3"]:  # by size: the singleton is the user's module
+        assert torch.equal(lone.net[0].weight.grad, torch.ones_like(lone.net[0].weight))
+        assert torch.equal(lone.net[1].running_mean, towers["t3"].net[1].running_mean)
+    out = router.wide_forward(x)
+    for name, t in towers.items():  # first real step: same batch statistics as each tower alone
+        torch.testing.assert_close(out[name], t(x))
+    for i, (name, t) in enumerate(towers.items()):
+        torch.testing.assert_close(router[name].state_dict()["net.1.running_mean"], t.net[1].running_mean)
+
+
+class _BNTower(wc.Tower):
+    def __init__(self, h):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, h), nn.BatchNorm1d(h), nn.ReLU(), nn.Linear(h, 2))
+
+    def forward(self, x):
+        return self.net(x)
