@@ -373,9 +373,11 @@ def test_a_nan_in_one_member_stays_in_that_member():
 
 
 class _Width(wc.Tower):
-    def __init__(self, h):
+    """``Linear(4, h) -> norm(h) -> ReLU -> Linear(h, 2)`` (LayerNorm unless told)."""
+
+    def __init__(self, h, norm=nn.LayerNorm):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, h), nn.LayerNorm(h), nn.ReLU(), nn.Linear(h, 2))
+        self.net = nn.Sequential(nn.Linear(4, h), norm(h), nn.ReLU(), nn.Linear(h, 2))
 
     def forward(self, x):
         return self.net(x)
@@ -569,7 +571,7 @@ def test_the_routers_measurement_changes_no_tower_and_times_training_steps():
     """Grouping measures in the router's mode: a training router times forward + backward; the
     timing's calls leave every running statistic, gradient and RNG state as it was."""
     torch.manual_seed(0)
-    towers = {f"t{i}": _BNTower(h) for i, h in enumerate((4, 4, 8, 6))}
+    towers = {f"t{i}": _Width(h, nn.BatchNorm1d) for i, h in enumerate((4, 4, 8, 6))}
     router = wc.WideRouter(config=FAST, pad=True).train()
     for name, t in towers.items():
         router.register_tower(name, copy.deepcopy(t))
@@ -590,12 +592,3 @@ def test_the_routers_measurement_changes_no_tower_and_times_training_steps():
         torch.testing.assert_close(out[name], t(x))
     for i, (name, t) in enumerate(towers.items()):
         torch.testing.assert_close(router[name].state_dict()["net.1.running_mean"], t.net[1].running_mean)
-
-
-class _BNTower(wc.Tower):
-    def __init__(self, h):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, h), nn.BatchNorm1d(h), nn.ReLU(), nn.Linear(h, 2))
-
-    def forward(self, x):
-        return self.net(x)

@@ -157,7 +157,7 @@ def _matmul(p: _Padder, node: fx.Node) -> None:
         bl = p.layout(b)
     if not same_layout(al[-1], bl[-2]):
         p.refuse(node, "the contracted dim is padded differently in the two operands")
-    batch = p.operand_layouts(node, [])[: len(p.max_shape(node)) - 2]
+    batch: list[Any] = [None] * (len(p.max_shape(node)) - 2)
     lead_a, lead_b = al[:-2], bl[:-2]
     for d in range(len(batch)):
         ka, kb = d - (len(batch) - len(lead_a)), d - (len(batch) - len(lead_b))
