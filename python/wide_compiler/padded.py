@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,22 @@ from .fx.padding import PadInfo
 from .model import WideModel
 
 __all__ = ["PaddedWideModel"]
+
+
+class _GradMask:
+    """A parameter's gradient hook: zero outside each member's own values (one mask per device
+    and dtype, built on first use)."""
+
+    def __init__(self, info: PadInfo, name: str) -> None:
+        self.info, self.name = info, name
+        self.masks: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        key = (grad.device, grad.dtype)
+        mask = self.masks.get(key)
+        if mask is None:
+            mask = self.masks[key] = self.info.mask(self.name, grad.dtype, grad.device)
+        return grad * mask
 
 
 class PaddedWideModel(WideModel):
@@ -50,7 +67,52 @@ class PaddedWideModel(WideModel):
         wide.__class__ = cls
         wide._pad = info
         object.__setattr__(wide, "_originals", [copy.deepcopy(m) for m in originals])
+        wide._mask_gradients()
         return wide
+
+    # -- the padding's gradients are masked (Note [Padded members]) ----------------------------
+    def _mask_gradients(self) -> None:
+        """Hook every padded parameter's gradient with its mask, once per Parameter object: run
+        after anything that may replace parameters (compile, copies, pickles, ``_apply``,
+        ``load_state_dict``) and, in eager mode, at every call."""
+        hooked = self.__dict__.get("_hooked")
+        if hooked is None:
+            hooked = self.__dict__["_hooked"] = {}
+        for name, p in self.named_parameters():
+            if p.requires_grad and self._pad.state_layouts.get(name) and \
+                    (hooked.get(name) is None or hooked[name]() is not p):
+                p.register_hook(_GradMask(self._pad, name))
+                hooked[name] = weakref.ref(p)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():  # (under torch.compile the hooks are in place already)
+            self._mask_gradients()
+        return super().forward(*args, **kwargs)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> PaddedWideModel:
+        out = super()._apply(fn, recurse)
+        self._mask_gradients()
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        out = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self._mask_gradients()
+        return out
+
+    def __deepcopy__(self, memo: dict) -> PaddedWideModel:
+        new = super().__deepcopy__(memo)
+        new.__dict__["_hooked"] = {}
+        new._mask_gradients()
+        return new
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.pop("_hooked", None)  # weak references: registered again on load
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._mask_gradients()
 
     def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
         """Member ``i``'s ``state_dict`` at its own sizes (copies), loadable into model ``i``."""

@@ -592,3 +592,23 @@ def test_the_routers_measurement_changes_no_tower_and_times_training_steps():
         torch.testing.assert_close(out[name], t(x))
     for i, (name, t) in enumerate(towers.items()):
         torch.testing.assert_close(router[name].state_dict()["net.1.running_mean"], t.net[1].running_mean)
+
+
+def test_the_padding_gets_no_gradient_whatever_copies_or_reloads_the_parameters():
+    """A loss that reads the padded part of an output sends gradient into the padding; the
+    parameters' gradient masks stop it, also on copies, pickles, .double() and a state_dict loaded
+    with assign=True (which replace the Parameter objects)."""
+    import pickle
+
+    torch.manual_seed(0)
+    models = [nn.Linear(4, k) for k in (2, 5)]
+    base = wc.compile(models, torch.randn(3, 4), pad=True, config=FAST)
+    assign = wc.compile([nn.Linear(4, k) for k in (2, 5)], torch.randn(3, 4), pad=True, config=FAST)
+    assign.load_state_dict(base.state_dict(), assign=True)
+    for wide in (base, copy.deepcopy(base), pickle.loads(pickle.dumps(base)), copy.deepcopy(base).double(), assign):
+        dtype = next(wide.parameters()).dtype
+        wide.zero_grad()
+        wide(torch.randn(2, 3, 4, dtype=dtype)).sum().backward()  # the raw padded output, padding included
+        g = wide.weight.grad
+        assert torch.equal(g[0, 2:], torch.zeros_like(g[0, 2:])) and bool(g[1].ne(0).all())
+        assert torch.equal(wide.bias.grad[0, 2:], torch.zeros(3, dtype=dtype))

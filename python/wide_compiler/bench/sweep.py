@@ -58,15 +58,17 @@ class SweepCNN(nn.Module):
 
 
 # case -> (member class, sizes (each size twice: 2 seeds), one member's input shape)
+_WIDTHS = (32, 64, 96, 128, 160, 192, 224, 256)
 _CASES: dict[str, tuple[Callable[[int], nn.Module], tuple[int, ...], tuple[int, ...]]] = {
-    "mlp": (SweepMLP, (32, 64, 96, 128, 160, 192, 224, 256), (64, 64)),
+    "mlp": (SweepMLP, _WIDTHS, (64, 64)),
+    "mlp_batch8": (SweepMLP, _WIDTHS, (8, 64)),  # an RL critic's or a small-batch sweep's size
     "cnn": (SweepCNN, (8, 16, 24, 32), (16, 3, 16, 16)),
 }
 PRESETS = {
     "ci": Preset("MLP, 4 members (seconds)", 0.02, {"cases": ("mlp",), "sizes": 2}),
-    "quick": Preset("MLP 8 widths x 2 seeds, CNN 4 channel counts x 2 seeds", 0.3,
-                    {"cases": ("mlp", "cnn"), "sizes": None}),
-    "full": Preset("the quick cases, timed longer", 1.0, {"cases": ("mlp", "cnn"), "sizes": None}),
+    "quick": Preset("MLP 8 widths x 2 seeds at batch 64 and 8, CNN 4 channel counts x 2 seeds", 0.3,
+                    {"cases": ("mlp", "mlp_batch8", "cnn"), "sizes": None}),
+    "full": Preset("the quick cases, timed longer", 1.0, {"cases": ("mlp", "mlp_batch8", "cnn"), "sizes": None}),
 }
 
 
@@ -92,6 +94,7 @@ def _by_size(models: Sequence[nn.Module], sizes: Sequence[int], sample: torch.Te
         return torch.cat([w(x[idx]) for idx, w in wides])[order]
 
     forward.parameters = [q for _, w in wides for q in w.parameters()]  # type: ignore[attr-defined]
+    forward.modules = [w for _, w in wides]  # type: ignore[attr-defined]
     return forward
 
 
@@ -118,7 +121,7 @@ def _run(case: str, p: Preset, machine: dict[str, Any]) -> list[dict[str, Any]]:
     overhead = padded._pad.overhead()["extra"]
     records = []
     for mode in measure.MODES:
-        for m in (*members, padded):
+        for m in (*members, padded, *by_size.modules):  # every contender in the mode timed
             m.train(mode == "train")
         if mode == "inference":
             steps = {k: (lambda f=f: _no_grad(f)) for k, f in fns.items()}

@@ -18,9 +18,11 @@ concatenates them, a reshape that merges a padded dim with unpadded inner dims r
 Exactness. The invariant is that every value is zero outside its layout (*clean*), in the
 forward and the backward:
 
-* parameters and buffers are zero there, and their gradient is masked: the program multiplies
-  each padded parameter by its mask (forward unchanged, gradient zero outside the layout), so
-  every optimizer leaves the padding, and its state, at zero (weight decay included);
+* parameters and buffers are zero there, and their gradient is masked: the PaddedWideModel
+  hooks each padded parameter's gradient (a multiply by its mask in the backward only; the hooks
+  are registered again whenever a parameter is replaced: copies, pickles, ``.to()``,
+  ``load_state_dict(assign=True)``), so every optimizer leaves the padding, and its state, at
+  zero (weight decay included);
 * contractions (linear, matmul, conv, embedding) of clean values are clean;
 * pointwise ops with f(0) = 0 keep it; any other op whose result has a padded dim (sigmoid, a
   bias added by broadcast, a norm's bias over padded rows, ...) is multiplied by its mask after;
@@ -83,6 +85,20 @@ class PadInfo:
         outside its layout)."""
         lay = self.state_layouts.get(name, {})
         return scatter(t, lay, i, self.padded_shapes[name]) if lay else t
+
+    def mask(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """``[N, *padded shape]`` 0/1 values of state ``name``: 1 where a member's own values are
+        (None: not padded)."""
+        lay = self.state_layouts.get(name)
+        if not lay:
+            return None
+        shape = self.padded_shapes[name]
+        m = torch.ones((self.n,) + (1,) * len(shape), dtype=dtype, device=device)
+        for d, v in lay.items():
+            view = [self.n] + [1] * len(shape)
+            view[d + 1] = shape[d]
+            m = m * v.to(device=device, dtype=dtype).view(view)
+        return m.expand(self.n, *shape).contiguous()
 
     def overhead(self) -> dict[str, float]:
         """Parameter elements: the members' own, the padded program's, and the extra fraction."""
@@ -325,7 +341,6 @@ class _Padder:
                 self.outputs = outs
             elif node.op == "call_module":
                 self.refuse(node, "a submodule call inside the captured program")
-        self._mask_gradients()
         self.g.lint()
         self.gm.recompile()
         # pickled GraphModules are traced again on load: with the plain tracer (export's needs
@@ -347,19 +362,6 @@ class _Padder:
         lay = [None if len({s[d] for s in shapes}) == 1 else FREE for d in range(len(shapes[0]))]
         self.lay[node] = lay
         self.state_lay[name] = lay
-
-    def _mask_gradients(self) -> None:
-        """Multiply each padded parameter by its mask where the program reads it."""
-        for node in [n for n in self.g.nodes if n.op == "get_attr" and n.target in self.parameters]:
-            lay = self.layout(node)
-            if all(v is None for v in lay):
-                continue
-            users = list(node.users)
-            mask = self.mask_of(lay, self.state[0][node.target].dtype).expand(self.n, *self.max_shape(node))
-            m = self.buffer(mask.contiguous(), node, after=True)
-            out = self.call(aten.mul.Tensor, node, m, after=m)
-            for u in users:
-                u.replace_input_with(node, out)
 
     def _info(self) -> PadInfo:
         state_layouts = {}
