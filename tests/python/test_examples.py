@@ -1,6 +1,7 @@
-"""The README's example programs for the distributed and Ray Tune integrations run as documented
-(shortened with their own flags): torchrun of examples/distributed_pbt.py over 2 gloo processes,
-and examples/ray_sweep.py locally. Each runs in a subprocess with a time bound."""
+"""The README's example programs for the distributed and Ray Tune integrations and the width sweep
+run as documented (shortened with their own flags): torchrun of examples/distributed_pbt.py over 2
+gloo processes, examples/ray_sweep.py locally, examples/width_sweep.py. Each runs in a subprocess
+with a time bound."""
 from __future__ import annotations
 
 import importlib.util
@@ -34,3 +35,9 @@ def test_ray_sweep_demo(tmp_path):
     out = _run([sys.executable, str(ROOT / "examples" / "ray_sweep.py"), "--trials", "1", "--members", "4",
                 "--iterations", "4"], tmp_path)
     assert "best" in out.lower()
+
+
+def test_width_sweep_trains_members_of_different_widths_as_one(tmp_path):
+    out = _run([sys.executable, str(ROOT / "examples" / "width_sweep.py"), "--steps", "30"], tmp_path)
+    assert out.startswith("padded members:")
+    assert out.count("width ") >= 8 and "best: width" in out
