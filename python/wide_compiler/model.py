@@ -175,7 +175,7 @@ class WideModel(MemberOpsMixin, nn.Module):
     def _check_free(self, mod: nn.Module, name: str, what: str) -> None:
         """A member's top-level name that WideModel itself uses (``n``, ``summary``, ...) cannot
         be installed under it: refused with the fix, not PyTorch's bare KeyError."""
-        if mod is self and hasattr(type(self), name) or mod is self and name in self.__dict__:
+        if mod is self and (hasattr(type(self), name) or name in self.__dict__):
             raise WideCompileError(
                 f"wide_compiler: the members' top-level {what} {name!r} has the name of a WideModel "
                 f"attribute ({type(self).__name__}.{name}), under which its stacked form cannot be "

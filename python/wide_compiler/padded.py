@@ -74,18 +74,33 @@ class PaddedWideModel(WideModel):
     def _mask_gradients(self) -> None:
         """Hook every padded parameter's gradient with its mask, once per Parameter object: run
         after anything that may replace parameters (compile, copies, pickles, ``_apply``,
-        ``load_state_dict``) and, in eager mode, at every call."""
+        ``load_state_dict``) and, when :meth:`_hooks_stale`, at a call."""
+        hooked = []  # (module holding a padded parameter, its name there, weakref to the hooked one or None)
+        for name, p in self.named_parameters():
+            if self._pad.state_layouts.get(name):
+                path, _, attr = name.rpartition(".")
+                ref = None
+                if p.requires_grad:
+                    p.register_hook(_GradMask(self._pad, name))
+                    ref = weakref.ref(p)
+                hooked.append((self.get_submodule(path), attr, ref))
+        self.__dict__["_hooked"] = hooked
+
+    def _hooks_stale(self) -> bool:
+        """Whether a padded parameter was replaced (by hand) or made trainable since it was hooked:
+        one dict lookup per padded parameter, at every eager call."""
         hooked = self.__dict__.get("_hooked")
         if hooked is None:
-            hooked = self.__dict__["_hooked"] = {}
-        for name, p in self.named_parameters():
-            if p.requires_grad and self._pad.state_layouts.get(name) and \
-                    (hooked.get(name) is None or hooked[name]() is not p):
-                p.register_hook(_GradMask(self._pad, name))
-                hooked[name] = weakref.ref(p)
+            return True
+        for owner, attr, ref in hooked:
+            p = owner._parameters.get(attr)
+            if (ref() is not p) if ref is not None else (p is not None and p.requires_grad):
+                return True
+        return False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling():  # (under torch.compile the hooks are in place already)
+        # (under torch.compile the hooks are in place already)
+        if not torch.compiler.is_compiling() and self._hooks_stale():
             self._mask_gradients()
         return super().forward(*args, **kwargs)
 
@@ -101,7 +116,6 @@ class PaddedWideModel(WideModel):
 
     def __deepcopy__(self, memo: dict) -> PaddedWideModel:
         new = super().__deepcopy__(memo)
-        new.__dict__["_hooked"] = {}
         new._mask_gradients()
         return new
 
@@ -217,6 +231,7 @@ class PaddedWideModel(WideModel):
         of each dim (a concatenation of padded parts) comes as a copy; a buffer of that kind in
         training mode is refused, since its in-place updates would be lost."""
         i = self._check_member_index(i)
+        params = {name for name, _ in self.named_parameters()}
         out = {}
         for name in (*dict(self._originals[i].named_parameters()), *dict(self._originals[i].named_buffers())):
             t = self._stacked(name)[i]
@@ -225,7 +240,7 @@ class PaddedWideModel(WideModel):
             if all(bool(v[i][: sizes[d]].all()) for d, v in lay.items()):
                 for d, k in sizes.items():
                     t = t.narrow(d, 0, k)
-            elif self.training and name not in dict(self.named_parameters()):
+            elif self.training and name not in params:
                 raise ValueError(f"wide_compiler: member {i} alone: buffer {name!r} is padded in pieces, so it "
                                  "cannot be updated in place from a member-only call; run the whole group")
             else:

@@ -1066,7 +1066,9 @@ class WideRouter(nn.Module):
         the wide parameters; running statistics are updated in place in the wide buffers)."""
         wide = self.groups[key]
         if isinstance(wide, PaddedWideModel):  # the tower's own module, on views of its own sizes
-            template = self._templates.setdefault(f"{key}/{i}", copy.deepcopy(wide._originals[i]))
+            template = self._templates.get(f"{key}/{i}")
+            if template is None:
+                template = self._templates[f"{key}/{i}"] = copy.deepcopy(wide._originals[i])
             tensors = wide.member_tensors(i)
         else:
             template = self._templates[key]

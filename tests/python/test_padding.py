@@ -596,8 +596,8 @@ def test_the_routers_measurement_changes_no_tower_and_times_training_steps():
 
 def test_the_padding_gets_no_gradient_whatever_copies_or_reloads_the_parameters():
     """A loss that reads the padded part of an output sends gradient into the padding; the
-    parameters' gradient masks stop it, also on copies, pickles, .double() and a state_dict loaded
-    with assign=True (which replace the Parameter objects)."""
+    parameters' gradient masks stop it, also on copies, pickles, .double(), a state_dict loaded
+    with assign=True and a parameter set by hand (which replace the Parameter objects)."""
     import pickle
 
     torch.manual_seed(0)
@@ -605,7 +605,10 @@ def test_the_padding_gets_no_gradient_whatever_copies_or_reloads_the_parameters(
     base = wc.compile(models, torch.randn(3, 4), pad=True, config=FAST)
     assign = wc.compile([nn.Linear(4, k) for k in (2, 5)], torch.randn(3, 4), pad=True, config=FAST)
     assign.load_state_dict(base.state_dict(), assign=True)
-    for wide in (base, copy.deepcopy(base), pickle.loads(pickle.dumps(base)), copy.deepcopy(base).double(), assign):
+    by_hand = copy.deepcopy(base)
+    by_hand.weight = nn.Parameter(by_hand.weight.detach().clone())  # a new Parameter object, set by hand
+    for wide in (base, copy.deepcopy(base), pickle.loads(pickle.dumps(base)), copy.deepcopy(base).double(), assign,
+                 by_hand):
         dtype = next(wide.parameters()).dtype
         wide.zero_grad()
         wide(torch.randn(2, 3, 4, dtype=dtype)).sum().backward()  # the raw padded output, padding included

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import measure
+from ..measure import Contender
 from ..config import WideConfig
 from . import engine
 from .registry import Job, Preset, target
@@ -111,22 +112,18 @@ def _run(case: str, p: Preset, machine: dict[str, Any]) -> list[dict[str, Any]]:
     config = WideConfig.default()
     padded = wc.compile([copy.deepcopy(m) for m in members], x[0], pad=True, config=config)
     by_size = _by_size([copy.deepcopy(m) for m in members], sizes, x[0], config)
-    loop_params = [q for m in members for q in m.parameters()]
-    fns = {"padded": lambda: padded(x), "by_size": lambda: by_size(x),
-           "loop": lambda: [m(x[i]) for i, m in enumerate(members)]}
-    params = {"padded": list(padded.parameters()), "by_size": by_size.parameters, "loop": loop_params}
+    contenders = {"padded": Contender("padded", padded, list(padded.parameters()), "opaque"),
+                  "by_size": Contender("by_size", by_size, by_size.parameters, "opaque"),
+                  "loop": measure.loop_contender(members)}
     with torch.no_grad():
-        want = torch.stack(fns["loop"]())
-        err = {k: float((fns[k]() - want).abs().max()) for k in ("padded", "by_size")}
+        want = torch.stack(contenders["loop"].forward(x))
+        err = {k: float((contenders[k].forward(x) - want).abs().max()) for k in ("padded", "by_size")}
     overhead = padded._pad.overhead()["extra"]
     records = []
     for mode in measure.MODES:
         for m in (*members, padded, *by_size.modules):  # every contender in the mode timed
             m.train(mode == "train")
-        if mode == "inference":
-            steps = {k: (lambda f=f: _no_grad(f)) for k, f in fns.items()}
-        else:
-            steps = {k: (lambda f=f, ps=params[k]: torch.autograd.grad(_total(f()), ps)) for k, f in fns.items()}
+        steps = {k: measure.make_step(c, x, mode) for k, c in contenders.items()}
         wide = {"padded": steps.pop("padded")}
         wide_ms, base_ms, errors = measure.time_with_baselines(wide, steps, min_run_time=p.min_run_time)
         records.append(engine.make_record(
@@ -137,11 +134,3 @@ def _run(case: str, p: Preset, machine: dict[str, Any]) -> list[dict[str, Any]]:
             machine=machine, padding_overhead=overhead))
     return records
 
-
-def _total(out: Any) -> torch.Tensor:
-    return out.sum() if isinstance(out, torch.Tensor) else sum(o.sum() for o in out)
-
-
-def _no_grad(fn: Callable[[], Any]) -> Any:
-    with torch.no_grad():
-        return fn()

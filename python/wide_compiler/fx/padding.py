@@ -53,8 +53,8 @@ from torch import fx, nn
 
 from ..errors import ArchitectureMismatchError, UnsupportedOperationError
 from .capture import capture
-from .padding_rules import (FREE, INT_ARGS_OK, MASK_UNARY, RULES, ZERO_UNARY, Prefer, flat_layout, mask_unary,
-                            prefix, same_layout, scatter, size_arith, zero_unary)
+from .padding_rules import (FREE, INT_ARGS_OK, MASK_UNARY, RULES, ZERO_UNARY, Prefer, flat_layout, layout_mask,
+                            mask_unary, prefix, same_layout, scatter, size_arith, zero_unary)
 from .source import source_line
 
 __all__ = ["PadInfo", "PaddedMember", "pad_members"]
@@ -93,12 +93,7 @@ class PadInfo:
         if not lay:
             return None
         shape = self.padded_shapes[name]
-        m = torch.ones((self.n,) + (1,) * len(shape), dtype=dtype, device=device)
-        for d, v in lay.items():
-            view = [self.n] + [1] * len(shape)
-            view[d + 1] = shape[d]
-            m = m * v.to(device=device, dtype=dtype).view(view)
-        return m.expand(self.n, *shape).contiguous()
+        return layout_mask(lay, len(shape), self.n, dtype, device).expand(self.n, *shape).contiguous()
 
     def overhead(self) -> dict[str, float]:
         """Parameter elements: the members' own, the padded program's, and the extra fraction."""
@@ -285,13 +280,7 @@ class _Padder:
             return None
         if any(id(v) in self.symbolic for v in lay):
             raise _SymbolicMask
-        m = torch.ones((self.n,) + (1,) * len(lay), dtype=dtype)
-        for d, v in enumerate(lay):
-            if v is not None:
-                shape = [self.n] + [1] * len(lay)
-                shape[d + 1] = v.shape[1]
-                m = m * v.to(dtype).view(shape)
-        return m
+        return layout_mask({d: v for d, v in enumerate(lay) if v is not None}, len(lay), self.n, dtype)
 
     def call(self, target: Any, *args: Any, after: fx.Node | None = None, before: fx.Node | None = None) -> fx.Node:
         ctx = self.g.inserting_after(after) if after is not None else self.g.inserting_before(before)
@@ -328,9 +317,10 @@ class _Padder:
             if node.op == "get_attr":
                 self._get_attr(node)
             elif node.op == "placeholder":
-                if any(v is not None for v in self._dims_that_differ(node)):
+                lay = self._dims_that_differ(node)
+                if any(v is not None for v in lay):
                     self.refuse(node, "the members' inputs differ in size")
-                self.lay[node] = self._dims_that_differ(node)
+                self.lay[node] = lay
             elif node.op == "call_function":
                 self._call(node)
             elif node.op == "output":
@@ -394,7 +384,7 @@ class _Padder:
             src, k = node.args
             lay = self.lay.get(src)
             self.lay[node] = list(lay[k]) if isinstance(lay, list) and lay and isinstance(lay[0], list) \
-                else self._dims_that_differ_none(node)
+                else self._unpadded(node)
             return
         if not in_padded and not out_padded and node not in self.int_diffs:
             self.lay[node] = self._unpadded(node)
@@ -426,10 +416,6 @@ class _Padder:
         if isinstance(val, (tuple, list)):
             return [[None] * v.dim() if isinstance(v, torch.Tensor) else [] for v in val]
         return []
-
-    def _dims_that_differ_none(self, node: fx.Node) -> list[Any]:
-        val = node.meta.get("val")
-        return [None] * val.dim() if isinstance(val, torch.Tensor) else []
 
     def _check_layout(self, node: fx.Node) -> None:
         val = node.meta.get("val")

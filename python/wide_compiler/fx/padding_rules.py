@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .padding import _Padder
 
 __all__ = ["FREE", "INT_ARGS_OK", "MASK_UNARY", "RULES", "ZERO_UNARY", "Prefer", "flat_layout",
-           "mask_unary", "prefix", "same_layout", "scatter", "size_arith", "zero_unary"]
+           "layout_mask", "mask_unary", "prefix", "same_layout", "scatter", "size_arith", "zero_unary"]
 
 aten = torch.ops.aten
 
@@ -63,6 +63,18 @@ class Prefer(Exception):  # noqa: N818 (a request, not an error)
     def __init__(self, where: tuple[str, int], layout: torch.Tensor) -> None:
         super().__init__(where)
         self.where, self.layout = where, layout
+
+
+def layout_mask(lay: dict[int, torch.Tensor], rank: int, n: int, dtype: torch.dtype,
+                device: torch.device | None = None) -> torch.Tensor:
+    """``[N, *shape]`` 0/1 values of a layout ({dim: bool [N, size]}): 1 where a member's own
+    values are, size 1 along the dims the layout does not pad (they broadcast)."""
+    m = torch.ones((n,) + (1,) * rank, dtype=dtype, device=device)
+    for d, v in lay.items():
+        view = [n] + [1] * rank
+        view[d + 1] = v.shape[1]
+        m = m * v.to(device=device, dtype=dtype).view(view)
+    return m
 
 
 def scatter(t: torch.Tensor, lay: dict[int, torch.Tensor], i: int, shape: tuple[int, ...]) -> torch.Tensor:
