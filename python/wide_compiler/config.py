@@ -68,6 +68,11 @@ class WideConfig:
             (slower compile; catches members whose forward reads different Python constants that
             are not module attributes). Module attributes are always compared.
         rtol, atol: tolerances of ``validate``.
+        member_tile: run the graph on chunks of this many members, one chunk after the other
+            (Note [Member tiles] in fx/tiling.py: members whose activations are large and ops
+            small run faster in chunks whose activations stay in cache); the last chunk may be
+            smaller. None (the default): measured at compile time when ``tune`` is on, on a CPU,
+            and kept only when faster by more than ``tune_margin``; 0: never; k >= 1: always, by k.
 
     Example:
         >>> import wide_compiler as wc
@@ -90,8 +95,13 @@ class WideConfig:
     trace_members: bool = False
     rtol: float = 1e-4
     atol: float = 1e-5
+    member_tile: int | None = None
 
     def __post_init__(self) -> None:
+        tile = self.member_tile
+        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 0):
+            raise ValueError(f"WideConfig.member_tile: expected None (measured), 0 (never) or a number of "
+                             f"members >= 1, got {tile!r}")
         known = known_strategies()
         if self.strategy not in known:
             raise ValueError(f"WideConfig.strategy: expected one of {sorted(known)}, got {self.strategy!r}")

@@ -25,7 +25,7 @@ from .config import WideConfig
 from .errors import WideCompileError
 from .fx.capture import module_path
 from .fx.fold import clear_fold_cache
-from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, compile_members, run_pipeline
+from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, compile_members, keep_strategies, run_pipeline
 from .fx.state import WideState, call_graph, holders, missing_constants, persistent_buffer_names, put_tensor
 from .fx.state import get_tensor as _get_tensor
 from .fx.widen import WideGraph
@@ -330,7 +330,7 @@ class WideModel(MemberOpsMixin, nn.Module):
                             opaque_paths=self._capture_template[1], extra_dims=extra,
                             dtype=ref.dtype if ref is not None else None,
                             device=ref.device if ref is not None else None,
-                            constants=self.__dict__.get("_constants"))
+                            constants=self.__dict__.get("_constants"), member_tile=wg.member_tile)
             run_pipeline(c, [p for p in PASSES if p.name == "capture"])
             placeholders = _user_placeholders(c.ep)
             fixed = {}
@@ -358,8 +358,9 @@ class WideModel(MemberOpsMixin, nn.Module):
                     fixed[(k, d)] = _fill(what, shapes[k], size)
             if len(fixed) == len(new):
                 raise ValueError(next(iter(fixed.values())))
-            run_pipeline(c, [p for p in PASSES if p.name not in ("check_members", "capture")])
-            _keep_strategies(wg, c.wide)
+            run_pipeline(c, [p for p in PASSES if p.name not in ("check_members", "capture", "tile_members")])
+            keep_strategies(wg, c.wide)
+            run_pipeline(c, [p for p in PASSES if p.name == "tile_members"])  # the old graph's tile, with its strategies
             for (k, d), (size, _) in new.items():
                 if (k, d) not in fixed:
                     self._extra_dims[k] = self._extra_dims.get(k, frozenset()) | {d}
@@ -536,6 +537,8 @@ class WideModel(MemberOpsMixin, nn.Module):
         budget = wg.graph_module.meta.get("wide_tuning")
         if budget is not None:
             head += f"\n{budget.describe()}"
+        if wg.member_tile and (budget is None or budget.tiles is None):
+            head += f"\nmember tiles: chunks of {wg.member_tile} members (Note [Member tiles])"
         return "\n".join([head, *lines])
 
     def _dynamic_dims(self, wg: WideGraph) -> str:
@@ -706,22 +709,3 @@ class _PositionalCall(nn.Module):
     def forward(self, *inputs: Any) -> Any:
         k = len(inputs) - len(self.names)
         return self.wide(*inputs[:k], **dict(zip(self.names, inputs[k:])))
-
-
-def _keep_strategies(old: WideGraph, new: WideGraph) -> None:
-    """Give the ops of ``new`` the strategies of ``old``'s ops of the same node name and wide op
-    (the choices measured and checked at compile time); others keep what the strategy pass chose."""
-    before = {n.name: n for n in old.graph_module.graph.nodes if "wide_tune" in n.meta}
-    changed = False
-    for node in new.graph_module.graph.nodes:
-        prev = before.get(node.name)
-        if prev is None or prev.meta.get("wide_op") != node.meta.get("wide_op") or "wide_tune" not in node.meta:
-            continue
-        name = prev.kwargs.get("strategy")
-        if name in node.meta["wide_tune"].names and name != node.kwargs.get("strategy"):
-            node.update_kwarg("strategy", name)
-            if "wide_strategy_reason" in prev.meta:
-                node.meta["wide_strategy_reason"] = prev.meta["wide_strategy_reason"]
-            changed = True
-    if changed:
-        new.graph_module.recompile()

@@ -75,6 +75,7 @@ class Budget:
         self.skipped = 0
         self.gave_up_at: str | None = None
         self.check: str | None = None
+        self.tiles: str | None = None  # the member-tile check's outcome (Note [Member tiles])
         self.elapsed: float | None = None
 
     def spent(self) -> float:
@@ -113,6 +114,8 @@ class Budget:
             text += f"; budget exhausted at node '{self.gave_up_at}'"
         if self.check is not None:
             text += f"; {self.check}"
+        if self.tiles is not None:
+            text += f"; {self.tiles}"
         return text
 
 

@@ -84,7 +84,7 @@ def test_pipeline_runs_the_named_passes_in_order():
                      "relu_in_place", "attention_kernel"]
     assert [p.name for p in PASSES] == [
         "check_members", "capture", "check_programs", "widen", "layout", *eval_rewrites, "strategies",
-        "stack_state", "check_tuning"]
+        "stack_state", "check_tuning", "tile_members"]
     # a training graph skips the eval rewrites (their `when`), an eval graph runs them all
     assert [name for name, _ in c.log] == [p.name for p in PASSES if p.name not in eval_rewrites]
     # with the members given, the state is stacked: ONE [N, ...] tensor per member tensor

@@ -8,8 +8,10 @@ model's forward calls too.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .. import measure, tuning
 from .state import call_graph, holders, missing_constants, put_tensor, state_module
 
-__all__ = ["check_tuning"]
+__all__ = ["alternating_runs", "check_tuning", "sample_runs"]
 
 # The check's records keep the logger they always had (the check ran in the model before it was
 # a pass): filters and tests select "wide_compiler.model".
@@ -92,8 +94,37 @@ def check_tuning(c: Any) -> None:
         decide(False, "skipped: tuning budget exhausted")
         return
 
-    # The state under a stand-in module, with the constants this graph reads (the same tensors as
-    # the model's: what the runs change in buffers is restored below).
+    sets = {"tuned": tuned, "default": default}
+    try:
+        with sample_runs(c) as run:
+            times, complete = alternating_runs(c, run, list(sets), lambda label: use(sets[label]), budget)
+    except Exception as e:  # noqa: BLE001 -- a check of speed never fails a compile
+        if isinstance(e, measure.TimingError):
+            e = e.error
+        log.debug("wide_compiler: model-level tuning check skipped (%s: %s)", type(e).__name__, e)
+        use(tuned)
+        if budget is not None:
+            budget.finish(f"model-level check skipped (the sample does not run: {type(e).__name__}), "
+                          "kept the tuned set")
+        return
+    # Cut short by the budget: too few runs to trust on a machine this busy, unless the runs
+    # made are clearly apart; else the defaults, not cached.
+    if not complete and tuning.clearly_apart(times, margin) is None:
+        ran = f"{len(times['tuned'])} tuned and {len(times['default'])} default runs"
+        decide(False, f"cut short by the tuning budget after {ran}")
+        return
+    t_tuned, t_default = (1e3 * statistics.median(times[label]) for label in ("tuned", "default"))
+    keep, outcome = compare(t_tuned, t_default)
+    tuning.remember(key, {"strategy": "tuned" if keep else "default",
+                          "timings_ms": {"tuned": t_tuned, "default": t_default}}, c.config)
+    decide(keep, outcome)
+
+
+@contextlib.contextmanager
+def sample_runs(c: Any) -> Iterator[Callable[[], None]]:
+    """A run of ``c.wide`` on the sample (N-first copies) and ``c.state`` (with the constants
+    the graph reads, under a stand-in module): forward, plus backward for a train graph (no
+    ``.grad`` written); CUDA synchronised. The buffers the runs change are restored on exit."""
     root = state_module(c.state)
     for name, t, persistent, _ in missing_constants(c.ep, c.constant_plan, root):
         put_tensor(root, name, t, persistent)
@@ -101,7 +132,6 @@ def check_tuning(c: Any) -> None:
                            if isinstance(a, torch.Tensor) else a, c.sample)
     params = [p for p in root.parameters() if p.requires_grad]
     saved = {name: b.clone() for name, b in root.named_buffers()}
-
     cuda = any(p.is_cuda for p in root.parameters())
     plan: list = []  # the graph's holders under root, made at the first run (a failure there skips the check)
 
@@ -119,46 +149,31 @@ def check_tuning(c: Any) -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    sets = {"tuned": tuned, "default": default}
-    times: dict[str, list[float]] = {label: [] for label in sets}
-    complete = True
     try:
-        # Up to 3 rounds of one block per set, the order alternating; the first call of a
-        # block warms up (it pays the switch of strategies). After a round the check ends
-        # once the sets are clearly apart (tuning.clearly_apart). The budget is asked after
-        # every run, so it overruns by one run at most.
-        for k in range(3):
-            order = list(sets)[::-1] if k % 2 else list(sets)
-            rounds = measure.interleave({label: run for label in order}, 1, block_warmup=1,
-                                        per_block=max(2, c.config.tune_repeats // 2),
-                                        setup=lambda label: use(sets[label]),
-                                        stop=lambda: budget is not None and budget.exhausted())
-            for label, samples in rounds.samples.items():
-                times[label] += samples
-            complete = rounds.complete
-            if not complete or tuning.clearly_apart(times, margin) is not None:
-                break
-    except Exception as e:  # noqa: BLE001 -- a check of speed never fails a compile
-        if isinstance(e, measure.TimingError):
-            e = e.error
-        log.debug("wide_compiler: model-level tuning check skipped (%s: %s)", type(e).__name__, e)
-        use(tuned)
-        if budget is not None:
-            budget.finish(f"model-level check skipped (the sample does not run: {type(e).__name__}), "
-                          "kept the tuned set")
-        return
+        yield run
     finally:
         with torch.no_grad():
             for name, b in root.named_buffers():
                 b.copy_(saved[name])
-    # Cut short by the budget: too few runs to trust on a machine this busy, unless the runs
-    # made are clearly apart; else the defaults, not cached.
-    if not complete and tuning.clearly_apart(times, margin) is None:
-        ran = f"{len(times['tuned'])} tuned and {len(times['default'])} default runs"
-        decide(False, f"cut short by the tuning budget after {ran}")
-        return
-    t_tuned, t_default = (1e3 * statistics.median(times[label]) for label in ("tuned", "default"))
-    keep, outcome = compare(t_tuned, t_default)
-    tuning.remember(key, {"strategy": "tuned" if keep else "default",
-                          "timings_ms": {"tuned": t_tuned, "default": t_default}}, c.config)
-    decide(keep, outcome)
+
+
+def alternating_runs(c: Any, run: Callable[[], None], labels: list, setup: Callable[[Any], None],
+                     budget: tuning.Budget | None) -> tuple[dict[Any, list[float]], bool]:
+    """Seconds per ``run`` for each of ``labels`` (``setup(label)`` first), and whether the runs
+    went to their end: up to 3 rounds of one block per label, the order alternating; the first
+    call of a block warms up (it pays the switch). After a round the runs end once one label is
+    clearly apart (``tuning.clearly_apart`` by ``tune_margin``). The budget is asked after every
+    run, so it overruns by one run at most."""
+    times: dict[Any, list[float]] = {label: [] for label in labels}
+    complete = True
+    for k in range(3):
+        order = labels[::-1] if k % 2 else labels
+        rounds = measure.interleave({label: run for label in order}, 1, block_warmup=1,
+                                    per_block=max(2, c.config.tune_repeats // 2), setup=setup,
+                                    stop=lambda: budget is not None and budget.exhausted())
+        for label, samples in rounds.samples.items():
+            times[label] += samples
+        complete = rounds.complete
+        if not complete or tuning.clearly_apart(times, c.config.tune_margin) is not None:
+            break
+    return times, complete

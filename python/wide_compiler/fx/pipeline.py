@@ -4,13 +4,14 @@
         -> [eval graphs: fold_batch_norms -> channels_last -> pool_before_relu
             -> fuse_residual_norms -> relu_in_place -> attention_kernel] -> strategies
         -> [with the members: stack_state] -> [with a state: check_tuning]
+        -> [with a state, or a tile asked for: tile_members]
 
 Each pass is an ordinary function of a :class:`Compilation` (what the passes read and write) with
 a check before (what it needs is there) and after (its result is well formed), in the style of
 torch.fx's pass infrastructure; a pass with a ``when`` predicate runs only where it holds (the
 eval rewrites: fx/fold.py and fx/eval_rewrites.py; the wide state: fx/state.py, stacked from
 the members; the model-level tuning check: fx/model_check.py, which runs the graph on that
-state). :func:`wide_compiler.compile` runs the pipeline on the members
+state; member tiles: fx/tiling.py, which widens the capture again for chunks of members). :func:`wide_compiler.compile` runs the pipeline on the members
 (:func:`compile_members`) and builds the :class:`~wide_compiler.WideModel` from the result; the
 model runs the pipeline again, lazily, for its other train/eval mode (giving its live tensors as
 the state). The model only holds the state, runs the graph and answers inspection. Runs are
@@ -25,7 +26,7 @@ Example:
     >>> c = run_pipeline(Compilation(models[0], ((torch.randn(5, 4),), {}), n=3,
     ...                              config=WideConfig.fast(), members=models))
     >>> [name for name, _ in c.log]  # a training graph: the eval rewrites do not run
-    ['check_members', 'capture', 'check_programs', 'widen', 'layout', 'strategies', 'stack_state', 'check_tuning']
+    ['check_members', 'capture', 'check_programs', 'widen', 'layout', 'strategies', 'stack_state', 'check_tuning', 'tile_members']
     >>> c.wide.graph_module.graph.find_nodes(op="call_function", target=torch.ops.wide.linear.default)[0].kwargs
     {'strategy': 'bmm'}
     >>> c.state.parameters["weight"].shape  # the members' weights, stacked
@@ -59,9 +60,10 @@ from .layout import plan_layout
 from .member_checks import check_members, check_run_members, check_traced_members
 from .model_check import check_tuning
 from .state import WideState, check_state, stack_state
+from .tiling import tile_members
 from .widen import WideGraph, check_ranks, widen
 
-__all__ = ["COMPILE_LOCK", "PASSES", "Compilation", "Pass", "compile_members", "run_pipeline"]
+__all__ = ["COMPILE_LOCK", "PASSES", "Compilation", "Pass", "compile_members", "keep_strategies", "run_pipeline"]
 
 log = logging.getLogger(__name__)
 COMPILE_LOCK = threading.RLock()  # export is not thread-safe: one compile at a time
@@ -95,6 +97,9 @@ class Compilation:
     wide: WideGraph | None = None
     layout: dict[str, int] | None = None  # {"conversions": k, "packed_ops": m}
     folded: int = 0  # eval BatchNorms folded into their conv
+    # Note [Member tiles]: the tile of the graph this one replaces (a capture for new sizes keeps
+    # it without measuring); None: config.member_tile, else measured
+    member_tile: int | None = None
     specialised: SpecialisationLog | None = None  # where export fixed sizes (with extra_dims)
     timings: dict[str, dict[str, float] | None] = dataclasses.field(default_factory=dict)
     log: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # (pass, seconds) run
@@ -235,7 +240,41 @@ PASSES: tuple[Pass, ...] = (
     Pass("stack_state", stack_state, ("wide",), check=check_state,
          when=lambda c: c.members is not None and c.state is None),
     Pass("check_tuning", check_tuning, ("ep", "wide", "state"), when=lambda c: c.state is not None),
+    Pass("tile_members", lambda c: tile_members(c, lambda k: _chunk_graph(c, k)), ("ep", "wide"),
+         when=lambda c: c.n > 1 and (c.state is not None or (c.member_tile or c.config.member_tile or 0) > 0)),
 )
+# the passes that make a graph of the members from the capture (what a chunk of members runs)
+_CHUNK_PASSES = tuple(p for p in PASSES if p.name not in (
+    "check_members", "capture", "check_programs", "stack_state", "check_tuning", "tile_members"))
+
+
+def _chunk_graph(c: Compilation, k: int) -> WideGraph:
+    """The graph of ``k`` of ``c``'s members (Note [Member tiles]): widened from ``c``'s capture,
+    with ``c``'s strategies."""
+    sub = dataclasses.replace(c, n=k, config=c.config.replace(tune=False), members=None, state=None,
+                              wide=None, layout=None, folded=0, timings={}, log=[], member_tile=0)
+    run_pipeline(sub, _CHUNK_PASSES)
+    keep_strategies(c.wide, sub.wide)
+    return sub.wide
+
+
+def keep_strategies(old: WideGraph, new: WideGraph) -> None:
+    """Give the ops of ``new`` the strategies of ``old``'s ops of the same node name and wide op
+    (the choices measured and checked at compile time); others keep what the strategy pass chose."""
+    before = {n.name: n for n in old.graph_module.graph.nodes if "wide_tune" in n.meta}
+    changed = False
+    for node in new.graph_module.graph.nodes:
+        prev = before.get(node.name)
+        if prev is None or prev.meta.get("wide_op") != node.meta.get("wide_op") or "wide_tune" not in node.meta:
+            continue
+        name = prev.kwargs.get("strategy")
+        if name in node.meta["wide_tune"].names and name != node.kwargs.get("strategy"):
+            node.update_kwarg("strategy", name)
+            if "wide_strategy_reason" in prev.meta:
+                node.meta["wide_strategy_reason"] = prev.meta["wide_strategy_reason"]
+            changed = True
+    if changed:
+        new.graph_module.recompile()
 
 
 def _bad(name: str, why: str) -> None:

@@ -70,6 +70,10 @@ class WideGraph:
     rules_used: set = dataclasses.field(default_factory=set)
     # the random ops of the member graph ("aten.dropout.default" ...): members draw their own numbers
     random_ops: set = dataclasses.field(default_factory=set)
+    # Note [Member tiles] (fx/tiling.py): what runs instead of graph_module when the members run
+    # in chunks of member_tile (0: untiled)
+    tiled: fx.GraphModule | None = None
+    member_tile: int = 0
 
 
 
