@@ -456,19 +456,23 @@ def choose_strategies(graph: fx.Graph, n: int, config: WideConfig, *, training: 
         spec = node.meta.get("wide_tune")
         if spec is None:
             continue
+        on_device = dict(spec.device_defaults).get(device.type)
+        if on_device is not None and on_device != spec.default and on_device in spec.names:
+            spec = node.meta["wide_tune"] = dataclasses.replace(spec, default=on_device)
+        device_note = f" on {device.type}" if on_device == spec.default else ""
         if forced != "auto":
             name = spec.default if forced == "batched" else forced
             matched |= name in spec.names
             strategy, timings = (name if name in spec.names else spec.default), None
             reason = (f"forced: WideConfig.strategy={forced!r}" if strategy == name else
-                      f"default (heuristic: {heuristic_reason(node, spec.default)}); the op has no {forced!r}")
+                      f"default (heuristic: {heuristic_reason(node, spec.default)}{device_note}); the op has no {forced!r}")
         else:
             key = {"n": n, **node.meta["wide_shapes"], "dtype": str(dtype), "device": str(device),
                    "train": training}
             choice = measure_strategy(
                 node.meta["wide_op"], key, lambda spec=spec: _timed_calls(spec.make(n, opts), training),
                 spec.default, config, spec.names, budget=budget, where=node.name,
-                heuristic=heuristic_reason(node, spec.default))
+                heuristic=heuristic_reason(node, spec.default) + device_note)
             strategy, timings, reason = choice.strategy, choice.timings_ms, choice.reason
             node.meta["wide_tune_key"] = cache_key(node.meta["wide_op"], **key,
                                                    strategies=sorted(spec.names))

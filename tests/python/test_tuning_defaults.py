@@ -425,3 +425,28 @@ def test_good_budgets(value):
 def test_default_budget_is_documented():
     assert wc.WideConfig().tune_budget_s == 5.0
     assert "tune_budget_s" in wc.WideConfig.__doc__
+
+
+def test_conv_defaults_follow_the_device():
+    """The CPU heuristic runs a per-member loop for large conv weights; on CUDA the default is
+    cuDNN's grouped conv (channels-last where offered) whatever the size. Nothing is measured
+    (``fast()``), so the CUDA graph's choice is checked on any machine."""
+    from wide_compiler.fx.pipeline import PASSES, Compilation, run_pipeline
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.small, self.big = nn.Conv2d(3, 16, 3), nn.Conv2d(16, 256, 16)  # 1M-element weight
+
+        def forward(self, x):
+            return self.big(torch.relu(self.small(x)))
+
+    picks = {}
+    for device in ("cpu", "cuda"):
+        c = Compilation(Net(), ((torch.randn(2, 3, 20, 20),), {}), 4, wc.WideConfig.fast(), device=torch.device(device))
+        run_pipeline(c, [p for p in PASSES if p.name in ("capture", "widen", "layout", "strategies")])
+        nodes = c.wide.graph_module.graph.find_nodes(op="call_function", target=torch.ops.wide.conv.default)
+        picks[device] = [(n.kwargs["strategy"], n.meta["wide_strategy_reason"]) for n in nodes]
+    assert [s for s, _ in picks["cpu"]] == ["grouped_cl", "loop"]
+    assert [s for s, _ in picks["cuda"]] == ["grouped_cl", "grouped_cl"]
+    assert all("on cuda" in why for _, why in picks["cuda"]), picks["cuda"]

@@ -30,7 +30,8 @@ updated) in both modes; ``models`` runs members in ``eval()`` for ``inference`` 
 for ``train``; buffers are reset to the members' initial values before each mode.
 
 Records are :mod:`.engine` records (``engine.RECORD_KEYS``) plus ``shape`` (the layer or model,
-for the table), ``chosen_strategy``, ``strategies``, ``tuned_ms``, ``compile_s``,
+for the table), ``chosen_strategy`` (with "; tiles of k" when the graph runs in member tiles:
+Note [Member tiles]), ``member_tile``, ``strategies``, ``tuned_ms``, ``compile_s``,
 ``fallbacks`` (ops the compiled graph runs per member), ``warnings`` (e.g. vmap's "performance
 drop" for an op without a batching rule) and ``preset``.
 
@@ -120,7 +121,7 @@ PRESETS: dict[str, Preset] = {  # conv, norm, pool, embedding
 MODEL_PRESETS: dict[str, Preset] = {
     "ci": Preset("tiny models, N=4 (seconds)", 0.01,
                  {"ns": (4,), "size": "tiny", "compile_variants": ("auto",)}),
-    "quick": Preset("small models, N=16, compile auto and fast (minutes)", 0.2,
+    "quick": Preset("small models, N=16, compile auto and fast (minutes)", 0.6,
                     {"ns": (16,), "size": "small", "compile_variants": ("auto", "fast")}),
     "full": Preset("small models, N in 4, 16, 64, compile auto, fast and loop (many minutes)",
                    0.2, {"ns": (4, 16, 64), "size": "small",
@@ -457,6 +458,9 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = measure.MODES,
                 strategies = dict(wide.strategies)
                 r["strategies"] = strategies
                 r["chosen_strategy"] = _strategy_summary(strategies) if strategies else None
+                r["member_tile"] = wide._graph_for(training).member_tile  # Note [Member tiles]: 0 untiled
+                if r["member_tile"]:
+                    r["chosen_strategy"] = f"{r['chosen_strategy'] or ''}; tiles of {r['member_tile']}".lstrip("; ")
                 r["tuned_ms"] = {k: v for k, v in tuned.get((r["strategy"], training), {}).items()
                                  if k in strategies and v}
                 r["compile_s"] = build_s[r["strategy"], mode]

@@ -107,6 +107,9 @@ class TuneSpec:
     default: str
     make: Callable[[int, dict], dict[str, Callable[[], Any]]]
     strategies: tuple[str, ...] = ()  # the candidates' names (default: the default and "loop")
+    # (device type, default) pairs: the default on that device where it differs (the strategy
+    # pass applies it: a heuristic measured on one device can lose on another)
+    device_defaults: tuple[tuple[str, str], ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from .fold import finish_rewrite
-from .rules.conv import conv_candidates, conv_strategies, default_conv_strategy
+from .rules.conv import conv_candidates, conv_strategies, default_conv_strategy, device_conv_defaults
 
 __all__ = ["attention_kernel", "channels_last_max_pool2d", "fuse_residual_norms", "pool_before_relu",
            "relu_in_place", "rewrite_channels_last"]
@@ -79,7 +79,7 @@ def rewrite_channels_last(gm: fx.GraphModule) -> int:
         names = conv_strategies(shapes)
         if default != spec.default or names != spec.names:
             node.meta["wide_tune"] = dataclasses.replace(
-                spec, default=default, strategies=names,
+                spec, default=default, strategies=names, device_defaults=device_conv_defaults(names),
                 make=lambda n, opts, s=shapes, op=node.target: conv_candidates(op, n, s, opts))
             count += 1
     return finish_rewrite(gm, count)

@@ -29,7 +29,7 @@ _PACKED = {"layout": "packed", "strategies": _STRATEGIES}
 _LOOP_WEIGHT_ELEMENTS = 1 << 19
 _FEW_CHANNELS = 8  # kFewChannels in conv.cpp
 
-__all__ = ["conv_candidates", "conv_strategies", "default_conv_strategy"]
+__all__ = ["conv_candidates", "conv_strategies", "default_conv_strategy", "device_conv_defaults"]
 
 
 def conv_strategies(shapes: dict) -> tuple[str, ...]:
@@ -61,6 +61,18 @@ def default_conv_strategy(shapes: dict, *, channels_last: bool = False) -> str:
         return "loop"
     names = conv_strategies(shapes)
     return "grouped_cl" if "grouped_cl" in names and (channels_last or "grouped" not in names) else "grouped"
+
+
+def device_conv_defaults(names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """The conv defaults of other devices: on CUDA, cuDNN's grouped conv, channels-last where
+    offered, whatever the weight's size. The CPU heuristic's per-member loop for large weights
+    lost there: ResNet-18 at N=16 on an H100 ran 8.6 ms with the CPU defaults and 4.4 ms tuned,
+    where the tuner picked grouped_cl for 16 of the 20 convs and grouped for the other 4.
+
+    >>> device_conv_defaults(("grouped", "grouped_cl", "loop")), device_conv_defaults(("grouped", "loop"))
+    ((('cuda', 'grouped_cl'),), (('cuda', 'grouped'),))
+    """
+    return (("cuda", "grouped_cl" if "grouped_cl" in names else "grouped" if "grouped" in names else names[0]),)
 
 
 def conv_candidates(op, n: int, shapes: dict, opts: dict) -> dict:
@@ -114,8 +126,10 @@ def _conv(ctx: WidenContext, node: fx.Node, transposed: bool) -> Wide:
         "bias_features": concrete_shape(node.args[2])[0] if a["bias"] is not None else 0,
         "args": [list(v) if isinstance(v, (list, tuple)) else v for v in args], "packed_input": False,
         "transposed": transposed}
-    tune = TuneSpec(default=default_conv_strategy(shapes), strategies=conv_strategies(shapes),
-                    make=lambda n, opts, s=shapes, op=op: conv_candidates(op, n, s, opts))
+    names = conv_strategies(shapes)
+    tune = TuneSpec(default=default_conv_strategy(shapes), strategies=names,
+                    make=lambda n, opts, s=shapes, op=op: conv_candidates(op, n, s, opts),
+                    device_defaults=device_conv_defaults(names))
     packed = ctx.emit_wide(op, (xn, a["weight"].node, bias, *args), {"packed_input": False, "strategy": "auto"},
                            like=node, shapes=shapes, tune=tune)
     return packed_result(ctx, node, packed, unbatched)
