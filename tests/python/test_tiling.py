@@ -224,3 +224,67 @@ def test_tile_candidates_follow_the_working_set():
     assert tiling.tile_candidates(16, 4 << 20, 2 << 20) == []  # one member outgrows the cache
     assert tiling.tile_candidates(4, 64 << 10, 2 << 20) == []  # all members fit: nothing to tile
     assert tiling.chunk_sizes(7, 3) == [3, 3, 1]
+
+
+def test_threads_calling_one_tiled_model_each_get_their_members_results():
+    from support import run_in_threads
+
+    torch.manual_seed(0)
+    models = [zoo.ResNetTiny(width=4, classes=3, pool=False).eval() for _ in range(N)]
+    wide = wc.compile(models, torch.randn(2, 3, 12, 12), config=_tiled(2)).eval()
+    xs = [torch.randn(N, 2, 3, 12, 12) for _ in range(4)]
+    with torch.no_grad():
+        want = [torch.stack([m(x[i]) for i, m in enumerate(models)]) for x in xs]
+
+    def call(k: int) -> None:
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(wide(xs[k]), want[k], rtol=1e-4, atol=1e-5)
+
+    assert run_in_threads(call, len(xs)) == []
+
+
+def test_a_padded_size_sweep_runs_tiled_and_trains_alike():
+    """Members of different widths padded to the widest (Note [Padded members]), in tiles of 2:
+    the padding's per-member tensors split with their members. Outputs match, and after two SGD
+    steps each member, taken back at its own width, equals the member trained alone."""
+    torch.manual_seed(0)
+    models = [zoo.MLP(8, h, 3) for h in (8, 16, 24, 32, 12)]
+    alone = copy.deepcopy(models)
+    wide = wc.compile(models, torch.randn(4, 8), pad=True, config=_tiled(2))
+    assert wide._graph_for(True).member_tile == 2
+    opt = torch.optim.SGD(wide.parameters(), lr=0.1)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in alone]
+    for _ in range(2):
+        x = torch.randn(N, 4, 8)
+        out = wide(x)
+        testing.assert_members_close(out, [m(x[i]) for i, m in enumerate(alone)], what="outputs")
+        opt.zero_grad()
+        out.square().sum().backward()
+        opt.step()
+        for i, (m, o) in enumerate(zip(alone, opts)):
+            o.zero_grad()
+            m(x[i]).square().sum().backward()
+            o.step()
+    for i, m in enumerate(alone):
+        for (name, p), (_, q) in zip(m.named_parameters(), wide.member(i).named_parameters()):
+            torch.testing.assert_close(q, p.detach(), rtol=1e-5, atol=1e-6, msg=f"member {i} {name}")
+
+
+def test_a_router_group_honours_member_tile():
+    class Tower(wc.Tower):
+        def __init__(self, name: str) -> None:
+            super().__init__(name)
+            self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+
+        def forward(self, x):
+            return self.net(x)
+
+    router = wc.WideRouter("tiles", auto_discover=True, config=_tiled(2))
+    for i in range(5):
+        router.attach(f"t{i}", Tower(f"t{i}"))
+    x = torch.randn(3, 4)
+    outs = router.wide_forward(x)
+    assert [g._graph_for(True).member_tile for g in router.groups.values()] == [2]
+    for name, y in outs.items():
+        torch.testing.assert_close(y, router[name](x), rtol=1e-5, atol=1e-6)
