@@ -288,3 +288,17 @@ def test_a_router_group_honours_member_tile():
     assert [g._graph_for(True).member_tile for g in router.groups.values()] == [2]
     for name, y in outs.items():
         torch.testing.assert_close(y, router[name](x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_tile_that_cannot_be_built_runs_untiled_and_says_so(monkeypatch, caplog):
+    def broken(*a, **k):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(tiling, "build_tiled", broken)
+    models = [zoo.MLP(8, 16, 3) for _ in range(N)]
+    with caplog.at_level(logging.WARNING, logger="wide_compiler.fx.tiling"):
+        wide = wc.compile(models, torch.randn(4, 8), config=_tiled(2))
+    assert wide._graph_for(True).member_tile == 0 and wide._graph_for(True).tiled is None
+    assert "runs untiled" in caplog.text and "planted" in caplog.text
+    x = torch.randn(N, 4, 8)
+    testing.assert_members_close(wide(x), [m(x[i]) for i, m in enumerate(models)], what="untiled")

@@ -168,11 +168,18 @@ def build_tiled(full: WideGraph, chunks: Sequence[tuple[int, WideGraph]]) -> fx.
     return fx.GraphModule(torch.nn.Module(), g, class_name="TiledWideGraph")
 
 
-def apply_tile(c: Any, k: int, chunk_graph: Callable[[int], WideGraph]) -> None:
-    """Tile ``c.wide`` by ``k`` members (``chunk_graph(m)``: the graph of m members)."""
-    graphs = {m: chunk_graph(m) for m in set(chunk_sizes(c.n, k))}
-    c.wide.tiled = build_tiled(c.wide, [(m, graphs[m]) for m in chunk_sizes(c.n, k)])
+def apply_tile(c: Any, k: int, chunk_graph: Callable[[int], WideGraph], *, level: int = logging.WARNING) -> bool:
+    """Tile ``c.wide`` by ``k`` members (``chunk_graph(m)``: the graph of m members); a tile that
+    cannot be built leaves the graph untiled, logged at ``level``."""
+    try:
+        graphs = {m: chunk_graph(m) for m in set(chunk_sizes(c.n, k))}
+        c.wide.tiled = build_tiled(c.wide, [(m, graphs[m]) for m in chunk_sizes(c.n, k)])
+    except Exception as e:  # noqa: BLE001 -- the untiled graph is exact: run that instead
+        log.log(level, "wide_compiler: the %s graph runs untiled: tiles of %d members could not be built (%s: %s)",
+                "train" if c.training else "eval", k, type(e).__name__, e)
+        return False
     c.wide.member_tile = k
+    return True
 
 
 def tile_members(c: Any, chunk_graph: Callable[[int], WideGraph]) -> None:
@@ -204,22 +211,16 @@ def tile_members(c: Any, chunk_graph: Callable[[int], WideGraph]) -> None:
     hit = tuning.lookup(key, c.config)
     cached = hit["strategy"] if hit is not None else ""
     if cached.isdigit() and (int(cached) == 0 or int(cached) in sizes):
-        if int(cached):
-            apply_tile(c, int(cached), chunk_graph)
-        _describe(budget, int(cached), hit.get("timings_ms") or {}, cached=True)
+        pick = int(cached) if int(cached) and apply_tile(c, int(cached), chunk_graph) else 0
+        _describe(budget, pick, hit.get("timings_ms") or {}, cached=True)
         return
     if budget is not None and budget.exhausted():
         return
-    tiled = {}
-    for k in sizes:
-        try:
-            apply_tile(c, k, chunk_graph)
-            tiled[k] = c.wide.tiled
-        except Exception as e:  # noqa: BLE001 -- a tile that cannot be built is not tried
-            log.debug("wide_compiler: member tile %d not tried (%s: %s)", k, type(e).__name__, e)
+    tiled = {k: c.wide.tiled for k in sizes if apply_tile(c, k, chunk_graph, level=logging.DEBUG)}
     c.wide.tiled, c.wide.member_tile = None, 0
     if not tiled:
         return
+
     def use(k: int) -> None:
         c.wide.tiled, c.wide.member_tile = tiled.get(k), k
 
