@@ -199,7 +199,8 @@ def call_graph(wg: WideGraph, root: nn.Module, plan: Sequence, user_inputs: Sequ
             if check is not None:
                 check(x, inp, ranges)
             feeds.append(x)
-    outs = _call_cached(wg.graph_module if wg.tiled is None else wg.tiled, *feeds)  # Note [The wide caching allocator] (csrc/wide/memory)
+    gm = wg.graph_module if wg.tiled is None else wg.tiled  # Note [Member tiles] (fx/tiling.py)
+    outs = _call_cached(gm, *feeds)  # Note [The wide caching allocator] (csrc/wide/memory)
     k = len(wg.mutated_buffers)
     if k:
         with torch.no_grad():
