@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import tempfile
 import time
 import warnings
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 
 import lightning as L
 from wide_compiler.integrations.lightning import MemberEarlyStopping, WideLightningModule
+from wide_compiler.zoo import spirals
 
 
 class Spirals(L.LightningModule):
@@ -55,18 +55,9 @@ class Spirals(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)}
 
 
-def spirals(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, 3, (n,), generator=g)
-    r = torch.rand(n, generator=g)
-    t = 4.0 * r + y * (2 * math.pi / 3) + 0.2 * torch.randn(n, generator=g)
-    x = torch.stack([r * torch.cos(t), r * torch.sin(t)], dim=1)
-    return x, y
-
-
 def loaders(batch_size: int = 128):
-    x, y = spirals(2048, 0)
-    xv, yv = spirals(1024, 1)
+    x, y = spirals(2048, noise=0.2, seed=0)
+    xv, yv = spirals(1024, noise=0.2, seed=1)
     train = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size, shuffle=True,
                                         generator=torch.Generator().manual_seed(0))
     val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xv, yv), batch_size=512)

@@ -13,7 +13,6 @@ frozen, the others go on). The best trial is trained again alone to show it is t
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
 import optuna
@@ -22,15 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import wide_compiler as wc
+from wide_compiler.zoo import spirals
 from wide_compiler.integrations.optuna import optimize
-
-
-def spirals(n: int, *, classes: int = 3, noise: float = 0.15, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randint(0, classes, (n,), generator=g)
-    r = torch.rand(n, generator=g)
-    theta = 4 * r + k * (2 * math.pi / classes) + noise * torch.randn(n, generator=g)
-    return torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=1), k
 
 
 X, Y = spirals(4096)

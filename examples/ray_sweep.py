@@ -27,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
+from wide_compiler.zoo import spirals
 from torch import nn
 
 try:
@@ -40,14 +41,6 @@ from wide_compiler.integrations import ray as wcray
 BATCH = 128
 STEPS_PER_ITERATION = 25           # one reported iteration = 25 optimizer steps
 SPACE = {"lr": tune.loguniform(1e-4, 3e-1), "weight_decay": tune.loguniform(1e-6, 1e-1)}
-
-
-def spirals(n: int, *, classes: int = 3, noise: float = 0.15, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randint(0, classes, (n,), generator=g)
-    r = torch.rand(n, generator=g)
-    theta = 4 * r + k * (2 * math.pi / classes) + noise * torch.randn(n, generator=g)
-    return torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=1), k
 
 
 X_TRAIN, Y_TRAIN = spirals(4096, seed=1)

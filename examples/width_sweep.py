@@ -12,20 +12,12 @@ unfused into an ordinary nn.Module.
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
+from wide_compiler.zoo import spirals
 from torch import nn
-
-
-def spirals(n: int, *, classes: int = 3, noise: float = 0.15, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randint(0, classes, (n,), generator=g)
-    r = torch.rand(n, generator=g)
-    theta = 4 * r + k * (2 * math.pi / classes) + noise * torch.randn(n, generator=g)
-    return torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=1), k
 
 
 def mlp(width: int) -> nn.Module:

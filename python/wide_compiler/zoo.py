@@ -10,6 +10,7 @@ here) all build their models from this module; nothing defines a model twice.
   :class:`TinyTransformer`);
 - :func:`mlp_stack`: Linear layers with ReLU / GELU between them (the CLI's self-test and the
   demo);
+- :func:`spirals`: the examples' built-in data (three interleaved spirals, 2-d points and labels);
 - the benchmark families: :class:`ResNetTiny`, :class:`ResNet18` (with :class:`BasicBlock`),
   :func:`mobilenet`, :func:`dcgan_g`, :func:`dcgan_d`, :func:`audio1d`, :class:`Tabular` and
   :func:`encoder_layer`.
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["MODELS", "MLP", "ResBlock", "ConvNet", "TinyTransformer", "mlp_stack", "encoder_layer",
-           "BasicBlock", "ResNetTiny", "ResNet18", "mobilenet", "dcgan_g", "dcgan_d", "audio1d", "Tabular"]
+           "BasicBlock", "ResNetTiny", "ResNet18", "mobilenet", "dcgan_g", "dcgan_d", "audio1d", "Tabular",
+           "spirals"]
 
 
 class MLP(nn.Module):
@@ -262,3 +264,19 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "convnet": (ConvNet, (8, 3, 16, 16)),
     "transformer": (TinyTransformer, (8, 12, 32)),
 }
+
+
+def spirals(n: int, *, classes: int = 3, noise: float = 0.15, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` points of ``classes`` interleaved spirals (``[n, 2]`` floats) and their labels
+    (``[n]`` int64), drawn from their own generator seeded by ``seed``: the built-in data of the
+    examples (a small task a width or learning-rate sweep can tell apart).
+
+    >>> x, y = spirals(5, seed=1)
+    >>> tuple(x.shape), tuple(y.shape), y.dtype, torch.equal(spirals(5, seed=1)[0], x)
+    ((5, 2), (5,), torch.int64, True)
+    """
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(0, classes, (n,), generator=g)
+    r = torch.rand(n, generator=g)
+    theta = 4 * r + k * (2 * math.pi / classes) + noise * torch.randn(n, generator=g)
+    return torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=1), k
