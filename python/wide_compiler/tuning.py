@@ -353,7 +353,9 @@ def measure_strategy(
     because = f"default (heuristic: {heuristic or default})"
     if not config.tune:
         return Choice(default, None, because + "; tuning off", "heuristic")
-    key = cache_key(op, **key_fields, **({"strategies": sorted(names)} if names is not None else {}))
+    # The default is in the key: a pick is relative to it (a candidate must beat it by the margin).
+    key = cache_key(op, **key_fields, default=default,
+                    **({"strategies": sorted(names)} if names is not None else {}))
     hit = lookup(key, config)
     if hit is not None:
         if names is None or hit["strategy"] in names:
@@ -417,13 +419,16 @@ def heuristic_reason(node: fx.Node, default: str) -> str:
     shapes = node.meta.get("wide_shapes", {})
     if op in ("wide.conv", "wide.conv_transpose"):
         weight = shapes.get("weight") or []
+        few = len(weight) == 4 and weight[1] < 8 and not shapes.get("transposed")
         if default == "loop":
+            if math.prod(weight) < 1 << 19 and few:
+                return "loop: a 2-d dense conv with < 8 input channels, no max pool after it (Note [Stem layout])"
             return f"loop: member weight of {math.prod(weight):,} elements (>= 512K)"
         if default == "grouped_cl":
-            if len(weight) == 4 and weight[1] < 8 and not shapes.get("transposed"):
-                return "grouped_cl: a 2-d dense conv with < 8 input channels (accurate weight gradients)"
+            if few and not shapes.get("inference"):
+                return "grouped_cl: a 2-d dense conv with < 8 input channels, a max pool after it (Note [Stem layout])"
             return "grouped_cl: the eval graph's conv runs channels-last"
-        if len(weight) == 4 and weight[1] < 8 and not shapes.get("transposed"):
+        if few:
             return f"{default}: a grouped/depthwise conv with < 8 channels per group stays channels-first (accuracy)"
         return f"{default}: one grouped conv for all members"
     if op == "wide.rnn" and default == "loop":
@@ -474,7 +479,7 @@ def choose_strategies(graph: fx.Graph, n: int, config: WideConfig, *, training: 
                 spec.default, config, spec.names, budget=budget, where=node.name,
                 heuristic=heuristic_reason(node, spec.default) + device_note)
             strategy, timings, reason = choice.strategy, choice.timings_ms, choice.reason
-            node.meta["wide_tune_key"] = cache_key(node.meta["wide_op"], **key,
+            node.meta["wide_tune_key"] = cache_key(node.meta["wide_op"], **key, default=spec.default,
                                                    strategies=sorted(spec.names))
         node.update_kwarg("strategy", strategy)
         node.meta["wide_strategy_reason"] = reason

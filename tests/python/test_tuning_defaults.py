@@ -219,7 +219,8 @@ class ConvNet(nn.Module):
         self.fc = nn.Linear(8, 4)
 
     def forward(self, x):
-        x = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        # pooled: the RGB stem's default is channels-last, not the loop (Note [Stem layout])
+        x = torch.relu(self.conv2(nn.functional.max_pool2d(torch.relu(self.conv1(x)), 2)))
         return self.fc(x.mean((2, 3)))
 
 
@@ -447,6 +448,46 @@ def test_conv_defaults_follow_the_device():
         run_pipeline(c, [p for p in PASSES if p.name in ("capture", "widen", "layout", "strategies")])
         nodes = c.wide.graph_module.graph.find_nodes(op="call_function", target=torch.ops.wide.conv.default)
         picks[device] = [(n.kwargs["strategy"], n.meta["wide_strategy_reason"]) for n in nodes]
-    assert [s for s, _ in picks["cpu"]] == ["grouped_cl", "loop"]
+    assert [s for s, _ in picks["cpu"]] == ["loop", "loop"]  # no max pool after the stem: Note [Stem layout]
     assert [s for s, _ in picks["cuda"]] == ["grouped_cl", "grouped_cl"]
     assert all("on cuda" in why for _, why in picks["cuda"]), picks["cuda"]
+
+
+@pytest.mark.parametrize("pool", [True, False])
+def test_stem_layout_follows_what_comes_after_it(pool):
+    """Note [Stem layout]: a train graph's RGB stem (no channels-first grouped: accuracy) runs
+    channels-last when its norm and activation end in a max pool, else the per-member loop,
+    channels-first like the convs after it; the eval graph runs it channels-last either way
+    (16x16 planes: Note [Channels-last max pooling]).
+    The reason says which, and the train graph still matches the members."""
+    from wide_compiler import testing
+
+    class Stem(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            x = torch.relu(self.bn(self.conv(x)))
+            x = nn.functional.max_pool2d(x, 2) if pool else x
+            return x + self.conv2(x)
+
+    wide, _ = testing.check_compile(models(Stem, 3), torch.randn(2, 3, 16, 16), config=wc.WideConfig.fast())
+    for training, want in ((True, "grouped_cl" if pool else "loop"), (False, "grouped_cl")):
+        gm = wide._graph_for(training).graph_module
+        stem = next(n for n in gm.graph.nodes if n.target is torch.ops.wide.conv.default)
+        assert stem.kwargs["strategy"] == want, (training, stem.kwargs)
+        if training:
+            why = stem.meta["wide_strategy_reason"]
+            assert "Note [Stem layout]" in why and ("a max pool after it" if pool else "no max pool") in why, why
+
+
+def test_a_cached_pick_is_relative_to_its_default(clock, tmp_path):
+    """A candidate must beat the default by the margin, so a pick cached against one default is
+    not reused when the heuristic default changes (the default is in the cache key)."""
+    config = wc.WideConfig(cache_dir=str(tmp_path))
+    make = fake_candidates(clock, {"grouped_cl": 1.0, "loop": 0.95})
+    first = tuning.measure_strategy("conv", {"x": 3}, make, "grouped_cl", config, ("grouped_cl", "loop"))
+    other = tuning.measure_strategy("conv", {"x": 3}, make, "loop", config, ("grouped_cl", "loop"))
+    assert first.strategy == "grouped_cl" and other.strategy == "loop"  # within the margin: each keeps its default
+    assert first.source == other.source == "measured"

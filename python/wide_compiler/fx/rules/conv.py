@@ -54,13 +54,57 @@ def _member_groups(shapes: dict) -> int:
     return args[3] if len(args) > 3 and isinstance(args[3], int) else 1
 
 
-def default_conv_strategy(shapes: dict, *, channels_last: bool = False) -> str:
+def default_conv_strategy(shapes: dict, *, channels_last: bool = False, pooled: bool = False) -> str:
     """The heuristic strategy when nothing is measured: the loop for large member weights,
-    else grouped, channels-last when ``channels_last`` is asked for and the conv is 2-d."""
+    else grouped, channels-last when ``channels_last`` is asked for and the conv is 2-d. A
+    train graph's few-channel stem, which may not run channels-first grouped (accuracy), runs
+    channels-last when a max pool follows it (``pooled``), else the per-member loop (Note
+    [Stem layout])."""
     if math.prod(shapes["weight"]) >= _LOOP_WEIGHT_ELEMENTS:
         return "loop"
     names = conv_strategies(shapes)
-    return "grouped_cl" if "grouped_cl" in names and (channels_last or "grouped" not in names) else "grouped"
+    if channels_last and "grouped_cl" in names:
+        return "grouped_cl"
+    if "grouped" in names:
+        return "grouped"
+    return "grouped_cl" if pooled and "grouped_cl" in names else "loop"
+
+
+# Note [Stem layout]
+# ------------------
+# A 2-d conv with fewer than 8 input channels (an RGB stem) cannot run channels-first grouped in
+# a train graph (its weight gradient loses accuracy, Note [wide::conv strategies]); it runs
+# channels-last grouped or the per-member loop (channels-first, the members' own kernel). Which
+# one is faster depends on what follows, not on the conv (measured, ResNet-style nets, N=16,
+# B=8, 32x32, training step):
+#  * a max pool after its norm and activation (ResNet, ResNet-18): channels-last, whose max pool
+#    runs far faster than channels-first and hands on a 4x smaller tensor, converted once for
+#    the channels-first convs after it (the net with its max pool: 22.0 ms with a channels-last
+#    stem, 25.8 ms with the loop);
+#  * no pool: the channels-last activation (16 channels at 32x32) meets channels-first ones in
+#    the first residual add and its backward, and a pointwise op with one input of each layout
+#    runs 10-15x slower than with one layout (threshold_backward of 2M floats 4.5 ms against
+#    0.3 ms), besides a conversion per consumer: the loop runs the whole graph channels-first
+#    (the net without its pool: 53-54 ms against 56-64 ms).
+# So the default follows the conv's output through the ops that keep its layout (norms,
+# activations) and is channels-last only if they end in a max pool. The tuner still measures
+# both on the conv alone, and the model-level check the whole graph.
+_LAYOUT_KEEPING = {aten.batch_norm.default, aten.relu.default, aten.relu_.default, aten.silu.default,
+                   aten.silu_.default, aten.hardtanh.default, aten.hardtanh_.default, aten.gelu.default,
+                   aten.leaky_relu.default, aten.leaky_relu_.default, aten.group_norm.default}
+_MAX_POOLS = {aten.max_pool2d.default, aten.max_pool2d_with_indices.default}
+
+
+def feeds_max_pool(node: fx.Node) -> bool:
+    """Whether ``node``'s only consumer chain through norms and activations ends in a 2-d max
+    pool (Note [Stem layout])."""
+    while len(node.users) == 1:
+        (node,) = node.users
+        if node.target in _MAX_POOLS:
+            return True
+        if node.target not in _LAYOUT_KEEPING:
+            return False
+    return False
 
 
 def device_conv_defaults(names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
@@ -127,7 +171,7 @@ def _conv(ctx: WidenContext, node: fx.Node, transposed: bool) -> Wide:
         "args": [list(v) if isinstance(v, (list, tuple)) else v for v in args], "packed_input": False,
         "transposed": transposed}
     names = conv_strategies(shapes)
-    tune = TuneSpec(default=default_conv_strategy(shapes), strategies=names,
+    tune = TuneSpec(default=default_conv_strategy(shapes, pooled=feeds_max_pool(node)), strategies=names,
                     make=lambda n, opts, s=shapes, op=op: conv_candidates(op, n, s, opts),
                     device_defaults=device_conv_defaults(names))
     packed = ctx.emit_wide(op, (xn, a["weight"].node, bias, *args), {"packed_input": False, "strategy": "auto"},
