@@ -264,3 +264,66 @@ def test_layer_norm_training_takes_the_kernel():
         return {e.name for e in prof.events()}
     assert {"wide::fused_norm", "wide::fused_norm_backward"} <= names("fused")
     assert "wide::fused_norm_backward" not in names("loop")
+
+
+@pytest.mark.parametrize("layout", ["nfirst", "packed_cl"])
+def test_instance_norm_without_running_stats_runs_group_norm_and_matches_members(layout):
+    """Note [wide norms]: InstanceNorm with instance statistics and no running statistics runs as
+    ATen's CPU group_norm with a group per channel (the profiler sees it, not instance_norm's
+    batch_norm); outputs and gradients match the members, NaN stays in its member, a bias
+    without a weight keeps instance_norm (PyTorch's group_norm backward fails there), and with
+    running statistics instance_norm runs and updates them."""
+    from torch.profiler import profile
+
+    n, c = 3, 4
+    ms = _members(lambda: nn.InstanceNorm2d(c, affine=True), n)
+    w = torch.stack([m.weight.detach() for m in ms]).requires_grad_()
+    b = torch.stack([m.bias.detach() for m in ms]).requires_grad_()
+    x = torch.randn(n, 2, c, 5, 6)
+    x[1, 0, 2, 3, 3] = float("nan")
+    arg = x if layout == "nfirst" else torch.ops.wide.to_packed(x).contiguous(memory_format=torch.channels_last)
+    arg = arg.detach().requires_grad_()
+    with profile() as p:
+        y = torch.ops.wide.instance_norm(arg, w, b, None, None, True, 0.1, 1e-5, packed_input=layout != "nfirst")
+    names = {e.key for e in p.key_averages()}
+    assert "aten::native_group_norm" in names and "aten::instance_norm" not in names, names
+    want = [m(x[i]) for i, m in enumerate(ms)]
+    got = torch.stack([y[:, i * c:(i + 1) * c] for i in range(n)])  # the result is packed
+    assert_members_close(got, want, equal_nan=True)
+    assert got[1].isnan().any() and not got[0].isnan().any() and not got[2].isnan().any()
+    g = torch.randn_like(got).nan_to_num()
+    got.backward(g, inputs=[w, b])
+    for i, m in enumerate(ms):
+        ref = m(x[i].nan_to_num() if i == 1 else x[i])
+        if i != 1:
+            wg, bg = torch.autograd.grad(ref, [m.weight, m.bias], g[i])
+            torch.testing.assert_close(w.grad[i], wg, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(b.grad[i], bg, rtol=1e-4, atol=1e-5)
+    with profile() as p:  # a bias without a weight, and running statistics: instance_norm
+        torch.ops.wide.instance_norm(x, None, b, None, None, True, 0.1, 1e-5)
+        rm, rv = torch.zeros(n, c), torch.ones(n, c)
+        torch.ops.wide.instance_norm(x.nan_to_num(), w, b, rm, rv, True, 0.1, 1e-5)
+    assert sum(e.count for e in p.key_averages() if e.key == "aten::instance_norm") == 2
+    assert not torch.equal(rm, torch.zeros(n, c)) and rv.isfinite().all()
+
+
+@pytest.mark.parametrize("op", ["group_norm", "instance_norm"])
+def test_channels_last_norm_parameter_gradients_alone(op):
+    """ATen 2.13's CPU group_norm backward crashes for a channels-last input when only the
+    weight/bias gradients are wanted; the wide GroupNorm (and InstanceNorm, which runs it)
+    gives them, equal to the members'."""
+    n, c = 2, 4
+    x = torch.randn(n, 3, c, 5, 5)
+    packed = torch.ops.wide.to_packed(x).contiguous(memory_format=torch.channels_last)
+    w, b = torch.rand(n, c, requires_grad=True), torch.randn(n, c, requires_grad=True)
+    if op == "group_norm":
+        y = torch.ops.wide.group_norm(packed, n, 2, w, b, 1e-5, packed_input=True)
+        ref = [F.group_norm(x[i], 2, w[i], b[i]) for i in range(n)]
+    else:
+        y = torch.ops.wide.instance_norm(packed, w, b, None, None, True, 0.1, 1e-5, packed_input=True)
+        ref = [F.instance_norm(x[i], weight=w[i], bias=b[i]) for i in range(n)]
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, [w, b], g)
+    want = torch.autograd.grad(ref, [w, b], [g[:, i * c:(i + 1) * c] for i in range(n)])
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
