@@ -95,7 +95,7 @@ _LAYOUT_KEEPING = {aten.batch_norm.default, aten.relu.default, aten.relu_.defaul
 _MAX_POOLS = {aten.max_pool2d.default, aten.max_pool2d_with_indices.default}
 
 
-def feeds_max_pool(node: fx.Node) -> bool:
+def _feeds_max_pool(node: fx.Node) -> bool:
     """Whether ``node``'s only consumer chain through norms and activations ends in a 2-d max
     pool (Note [Stem layout])."""
     while len(node.users) == 1:
@@ -171,7 +171,7 @@ def _conv(ctx: WidenContext, node: fx.Node, transposed: bool) -> Wide:
         "args": [list(v) if isinstance(v, (list, tuple)) else v for v in args], "packed_input": False,
         "transposed": transposed}
     names = conv_strategies(shapes)
-    tune = TuneSpec(default=default_conv_strategy(shapes, pooled=feeds_max_pool(node)), strategies=names,
+    tune = TuneSpec(default=default_conv_strategy(shapes, pooled=_feeds_max_pool(node)), strategies=names,
                     make=lambda n, opts, s=shapes, op=op: conv_candidates(op, n, s, opts),
                     device_defaults=device_conv_defaults(names))
     packed = ctx.emit_wide(op, (xn, a["weight"].node, bias, *args), {"packed_input": False, "strategy": "auto"},
