@@ -249,7 +249,6 @@ def test_model_level_check_outcome_in_summary_and_cached(monkeypatch, tmp_path):
     pick_loop(monkeypatch)
     config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=None)
     wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
-    text = wide.summary()
     head = tuning_line(wide)
     assert "model-level check: tuned set" in head and "of the defaults' time" in head, head
     kept_tuned = "kept the tuned set" in head
