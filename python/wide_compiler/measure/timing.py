@@ -9,7 +9,12 @@ over seconds (other processes, frequency scaling, a noisy neighbour) give ratios
 about the drift than about the callables. :func:`interleave` instead runs ``rounds`` rounds; in
 every round each callable runs one block (its optional ``setup``, ``block_warmup`` untimed
 calls, then ``per_block`` samples of ``calls`` calls each), the order rotating by one each round
-when ``rotate`` (so none always follows the same one). Drift then hits every callable of a round
+when ``rotate`` and every other round reversed, so that none always follows the same one (each
+alternates between the callables before and after it): a rotation alone keeps each callable's predecessor, and what a
+block leaves behind (caches, the heap, pages returned to the system) then always hits the same
+next callable (measured 2026-11-26, `benchmark models`: two WideModels running the same graph,
+the one timed after vmap's blocks in every round took 62-68 ms per training step, the other
+52-58 ms; with the alternation, 54.1 and 53.7 ms). Drift then hits every callable of a round
 alike: medians over rounds, or the median of per-round ratios (the tuner's paired speedup), hold
 far better. Garbage collection is off while a sample runs (as ``timeit`` does), and the clock
 is read around every call, warm-up calls included, so a ``stop`` predicate (a time budget) is
@@ -140,7 +145,8 @@ def interleave(fns: Mapping[Hashable, Callable[[], Any]], rounds: int, *,
     """Time ``fns`` in interleaved rounds (Note [Interleaved timing]); the package's one loop.
 
     First ``warmup`` untimed calls of each callable (in order). Then ``rounds`` rounds: each
-    callable, in turn (the order rotating by one per round when ``rotate``), runs one block:
+    callable, in turn (the order rotating by one per round when ``rotate``, reversed in odd
+    rounds), runs one block:
     ``setup(name)`` when given, ``block_warmup`` untimed calls, then ``per_block`` samples; a
     sample is ``calls`` calls (an int, or one per name) timed together, recorded as seconds per
     call. ``stop()`` is asked after every call of a warm-up and after every sample; when it says
@@ -173,7 +179,10 @@ def interleave(fns: Mapping[Hashable, Callable[[], Any]], rounds: int, *,
                 return Rounds(samples, complete=False)
     for r in range(rounds):
         start = r % len(names) if rotate and names else 0
-        for name in names[start:] + names[:start]:
+        order = names[start:] + names[:start]
+        if rotate and r % 2:  # odd rounds run backwards: see Note [Interleaved timing]
+            order.reverse()
+        for name in order:
             if setup is not None:
                 setup(name)
             for _ in range(block_warmup):
