@@ -18,8 +18,9 @@ TORCH_LIBRARY(wide, m) {
   // enter/leave a caching scope on this thread (1 while inside one); statistics (cached, live,
   // limit bytes, hits, misses); set the limit on cached bytes (-1: unchanged), release free blocks.
   m.def("_caching_scope(bool enter) -> int", &wide::memory::caching_scope);
-  m.def("_cache_stats() -> (int, int, int, int, int)", &wide::memory::cache_stats);
-  m.def("_cache_control(int limit_bytes=-1, bool empty=False) -> ()", &wide::memory::cache_control);
+  m.def("_cache_stats() -> (int, int, int, int, int, int)", &wide::memory::cache_stats);
+  m.def("_cache_control(int limit_bytes=-1, bool empty=False, bool working_set_limit=False) -> ()",
+        &wide::memory::cache_control);
 
   // --- vision and tabular ops ---
   // Layouts (Note [wide layouts] in ops/layout.cpp): N-first [N, B, C, *] and channel-packed

@@ -21,7 +21,7 @@ struct Scope {
 };
 
 TEST(WideMemory, ScopedBlocksAreReusedAndOthersForwarded) {
-  wide::memory::cache_control(-1, /*empty=*/true);
+  wide::memory::cache_control(-1, /*empty=*/true, /*working_set_limit=*/false);
   const int64_t base = live();
   {
     Scope scope;
@@ -65,14 +65,19 @@ TEST(WideMemory, ScopesArePerThreadAndBalanced) {
 }
 
 TEST(WideMemory, LimitAndErrors) {
-  wide::memory::cache_control(0, false);
+  wide::memory::cache_control(0, false, false);
   {
     Scope scope;
     at::Tensor t = at::empty({kFloats});
   }
   EXPECT_EQ(std::get<0>(wide::memory::cache_stats()), 0);
-  wide::memory::cache_control(int64_t{1} << 30, false);
-  EXPECT_THROW(wide::memory::cache_control(-2, false), c10::Error);
+  wide::memory::cache_control(int64_t{1} << 30, false, false);
+  EXPECT_EQ(std::get<2>(wide::memory::cache_stats()), int64_t{1} << 30);
+  wide::memory::cache_control(-1, false, /*working_set_limit=*/true);  // the default again
+  EXPECT_GE(std::get<2>(wide::memory::cache_stats()), int64_t{1} << 30);
+  EXPECT_GE(std::get<2>(wide::memory::cache_stats()), 2 * std::get<5>(wide::memory::cache_stats()));
+  EXPECT_THROW(wide::memory::cache_control(-2, false, false), c10::Error);
+  EXPECT_THROW(wide::memory::cache_control(0, false, true), c10::Error);
   EXPECT_THROW(wide::memory::caching_scope(false), c10::Error);
 }
 

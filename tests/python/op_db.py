@@ -1234,7 +1234,7 @@ OP_DB: dict[str, OpInfo] = {op.name: op for op in OPS}
 UTILITY_OPS: dict[str, str] = {
     "_build_info": "build facts of the loaded library (a string)",
     "_caching_scope": "enter/leave the wide caching allocator's scope on this thread",
-    "_cache_stats": "the caching allocator's statistics (five ints)",
+    "_cache_stats": "the caching allocator's statistics (six ints)",
     "_cache_control": "the caching allocator's limit / release",
     "_cpu_capability": "the hand-written CPU kernels' instruction set (a string)",
     "_optim_cpu_capability": "the same, under its first name (an alias of _cpu_capability)",

@@ -282,7 +282,7 @@ def test_every_entry_has_samples_of_each_kind():
 def test_utility_ops_answer():
     assert isinstance(torch.ops.wide._build_info(), str)
     stats = torch.ops.wide._cache_stats()
-    assert len(stats) == 5 and all(isinstance(v, int) for v in stats)
+    assert len(stats) == 6 and all(isinstance(v, int) for v in stats)
     assert torch.ops.wide._optim_cpu_capability() in ("default", "avx2", "avx512")
 
 

@@ -16,11 +16,13 @@ inline constexpr std::size_t kMinBytes = 64 * 1024;
 int64_t caching_scope(bool enter);
 
 /// Bytes held free in the cache, bytes handed out and not yet returned, the limit on the first,
-/// and the allocations served from the cache (hits) and from the system (misses).
-std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> cache_stats();
+/// the allocations served from the cache (hits) and from the system (misses), and the most bytes
+/// handed out at once since the last empty (the peak).
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> cache_stats();
 
-/// Sets the most free bytes the cache keeps (limit_bytes >= 0; -1 leaves it) and, with empty,
-/// returns every free block to the system (blocks in use are unaffected).
-void cache_control(int64_t limit_bytes, bool empty);
+/// Fixes the most free bytes the cache keeps (limit_bytes >= 0; -1 leaves it), or with
+/// working_set_limit returns to the default limit (twice the peak, at least 1 GiB); with empty, returns
+/// every free block to the system (blocks in use are unaffected) and resets the peak.
+void cache_control(int64_t limit_bytes, bool empty, bool working_set_limit);
 
 }  // namespace wide::memory
