@@ -29,7 +29,11 @@
 //    graph, around the backward pass), a request is served from the free blocks of at least its
 //    size and at most 5/4 of it (best fit), else newly allocated; the block's deleter returns it
 //    to the free list whenever and on whichever thread the tensor dies, so an output handed to a
-//    user is reused only after the user drops it.
+//    user is reused only after the user drops it. Among free blocks of one size the last freed
+//    is reused first (LIFO): it is the one most likely still in the CPU's caches. First-freed
+//    first (a multimap's plain insert) made the ResNet-style net's eval graph (N=16, in chunks of
+//    4 members) take 10.7 ms instead of 8.7 ms once a train graph had left 16 blocks of each of
+//    its sizes in the cache: every call cycled through all of them, cold.
 //  * Free blocks are kept up to a limit; a block freed beyond it goes back to the system.
 //    empty_cache() releases them all. By default the limit follows the working set: twice the
 //    most bytes ever handed out at once (the peak, reset by empty_cache()), and at least 1 GiB.
@@ -139,7 +143,7 @@ class CachingAllocator final : public c10::Allocator {
         live_bytes_ -= size;
         keep = cached_ + size <= limit();
         if (keep) {
-          free_.emplace(size, ptr);
+          free_.emplace_hint(free_.lower_bound(size), size, ptr);  // first of its size: reused next (LIFO)
           cached_ += size;
         }
       }
