@@ -41,6 +41,24 @@ TEST(WideMemory, ScopedBlocksAreReusedAndOthersForwarded) {
   EXPECT_EQ(live(), base);  // outside a scope: forwarded
 }
 
+TEST(WideMemory, TheLastFreedBlockOfASizeIsReusedFirst) {
+  // LIFO: the block most likely still in the CPU's caches (Note [The wide caching allocator]).
+  Scope scope;
+  at::Tensor a = at::empty({kFloats}), b = at::empty({kFloats}), c = at::empty({kFloats});
+  void* second = b.data_ptr();
+  a.reset();
+  b.reset();
+  c.reset();  // freed last, reused first
+  void* third = nullptr;
+  {
+    at::Tensor again = at::empty({kFloats});
+    third = again.data_ptr();
+  }
+  at::Tensor x = at::empty({kFloats}), y = at::empty({kFloats});
+  EXPECT_EQ(x.data_ptr(), third);
+  EXPECT_EQ(y.data_ptr(), second);
+}
+
 TEST(WideMemory, RawAllocationsRoundTrip) {
   // oneDNN's scratch memory comes through raw_allocate/raw_deallocate, inside and outside a scope.
   c10::Allocator* alloc = c10::GetCPUAllocator();
