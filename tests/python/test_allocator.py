@@ -131,6 +131,25 @@ def test_the_limit_bounds_what_is_kept():
             allocator.set_cache_limit(bad)
 
 
+def test_blocks_unused_for_many_calls_go_back_and_used_ones_stay():
+    """Every 32 outermost scope exits, blocks freed 32 or more exits earlier and not taken since
+    are released (a model no longer called stops holding memory); a block taken every call stays."""
+    allocator.empty_cache()
+    with allocator.caching_scope():
+        stale = torch.empty(3 * BIG + 7)  # a size nothing else asks for
+    del stale
+    held = allocator.cache_info().cached_bytes
+    assert held >= 12 * BIG
+    misses = allocator.cache_info().misses
+    for _ in range(70):
+        with allocator.caching_scope():
+            t = torch.empty(BIG)  # taken and freed every "call"
+        del t
+    info = allocator.cache_info()
+    assert info.cached_bytes < 12 * BIG  # the stale block went back
+    assert info.misses <= misses + 1  # the steady one did not
+
+
 def test_the_default_limit_follows_the_working_set():
     """The default keeps every block of a working set above 1 GiB (a fixed 1 GiB let ResNet-18's
     N=16 training step miss 1-9 blocks a step); empty_cache() releases them and restarts the peak.

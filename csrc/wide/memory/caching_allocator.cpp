@@ -43,6 +43,14 @@
 //    the default a steady loop keeps every block it needs and holds at most 2x its own peak
 //    between calls (CUDA's caching allocator keeps everything). set_cache_limit(bytes) fixes
 //    the limit instead.
+//  * Blocks left unused go back to the system: every kAgeScopes exits from an outermost scope
+//    (a call, a backward pass; on any thread) the blocks freed kAgeScopes or more exits earlier
+//    and not taken since are released. A steady loop takes all its blocks every call, and a few
+//    models called in turn (a router's architectures, a train and an eval graph) every few
+//    calls, so neither loses any; a model no longer called stops holding memory. Without it a
+//    process that ran many models one after another (`benchmark all`) kept every one's blocks
+//    (their sizes rarely fit the next model's) up to twice its largest peak, and the kernel
+//    killed it at 24 GiB.
 // Blocks stay mapped and faulted in between calls, which is what the thresholds bought.
 namespace wide::memory {
 namespace {
@@ -54,6 +62,12 @@ struct CacheStats {
 };
 
 constexpr std::size_t kLimitFloor = std::size_t{1} << 30;  // the working-set limit's least value
+constexpr std::uint64_t kAgeScopes = 32;  // outermost scope exits a free block may stay unused
+
+struct FreeBlock {
+  void* ptr;
+  std::uint64_t freed_at;  // the scope-exit count when it was freed
+};
 
 thread_local int scope_depth = 0;
 
@@ -70,7 +84,7 @@ class CachingAllocator final : public c10::Allocator {
       auto it = free_.lower_bound(size);
       if (it != free_.end() && it->first <= size + size / 4) {
         size = it->first;
-        ptr = it->second;
+        ptr = it->second.ptr;
         free_.erase(it);
         cached_ -= size;
         ++hits_;
@@ -96,14 +110,32 @@ class CachingAllocator final : public c10::Allocator {
   }
 
   void empty() {
-    std::multimap<std::size_t, void*> drop;
+    std::multimap<std::size_t, FreeBlock> drop;
     {
       std::lock_guard<std::mutex> lock(mu_);
       drop.swap(free_);
       cached_ = 0;
       peak_bytes_ = live_bytes_;
     }
-    for (auto& [size, ptr] : drop) c10::free_cpu(ptr);
+    free_all(drop);
+  }
+
+  // An outermost scope ended: every kAgeScopes of them, release the blocks unused since the last.
+  void scope_exited() {
+    std::multimap<std::size_t, FreeBlock> drop;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (++exits_ % kAgeScopes != 0) return;
+      for (auto it = free_.begin(); it != free_.end();) {
+        if (it->second.freed_at + kAgeScopes <= exits_) {
+          cached_ -= it->first;
+          drop.insert(free_.extract(it++));
+        } else {
+          ++it;
+        }
+      }
+    }
+    free_all(drop);
   }
 
   CacheStats stats() {
@@ -127,6 +159,10 @@ class CachingAllocator final : public c10::Allocator {
 
   static void release(void* ptr) { instance->give_back(ptr); }
 
+  static void free_all(const std::multimap<std::size_t, FreeBlock>& blocks) {
+    for (const auto& [size, block] : blocks) c10::free_cpu(block.ptr);
+  }
+
   std::size_t limit() const {  // under mu_
     return fixed_limit_ ? *fixed_limit_ : std::max(kLimitFloor, 2 * peak_bytes_);
   }
@@ -143,7 +179,8 @@ class CachingAllocator final : public c10::Allocator {
         live_bytes_ -= size;
         keep = cached_ + size <= limit();
         if (keep) {
-          free_.emplace_hint(free_.lower_bound(size), size, ptr);  // first of its size: reused next (LIFO)
+          // first of its size: reused next (LIFO)
+          free_.emplace_hint(free_.lower_bound(size), size, FreeBlock{ptr, exits_});
           cached_ += size;
         }
       }
@@ -156,26 +193,26 @@ class CachingAllocator final : public c10::Allocator {
   }
 
   void trim() {
-    std::multimap<std::size_t, void*> drop;
+    std::multimap<std::size_t, FreeBlock> drop;
     {
       std::lock_guard<std::mutex> lock(mu_);
       while (cached_ > limit() && !free_.empty()) {
         auto it = std::prev(free_.end());  // largest first
         cached_ -= it->first;
-        drop.insert(*it);
-        free_.erase(it);
+        drop.insert(free_.extract(it));
       }
     }
-    for (auto& [size, ptr] : drop) c10::free_cpu(ptr);
+    free_all(drop);
   }
 
   c10::Allocator* base_;
   std::mutex mu_;
-  std::multimap<std::size_t, void*> free_;           // free blocks by size
+  std::multimap<std::size_t, FreeBlock> free_;      // free blocks by size
   std::unordered_map<void*, std::size_t> live_;      // blocks handed out, by pointer
   std::size_t cached_ = 0, live_bytes_ = 0, peak_bytes_ = 0;
   std::optional<std::size_t> fixed_limit_;           // nullopt: the working-set limit
   std::int64_t hits_ = 0, misses_ = 0;
+  std::uint64_t exits_ = 0;                          // outermost scope exits so far
 };
 
 CachingAllocator* CachingAllocator::instance = nullptr;
@@ -200,7 +237,7 @@ int64_t caching_scope(bool enter) {
     ++scope_depth;
   } else {
     TORCH_CHECK(scope_depth > 0, "wide::_caching_scope: left a caching scope that was not entered");
-    --scope_depth;
+    if (--scope_depth == 0) allocator().scope_exited();
   }
   return scope_depth > 0 ? 1 : 0;
 }
