@@ -93,7 +93,7 @@ TEST(WideMemory, LimitAndErrors) {
   EXPECT_EQ(std::get<2>(wide::memory::cache_stats()), int64_t{1} << 30);
   wide::memory::cache_control(-1, false, /*working_set_limit=*/true);  // the default again
   EXPECT_GE(std::get<2>(wide::memory::cache_stats()), int64_t{1} << 30);
-  EXPECT_GE(std::get<2>(wide::memory::cache_stats()), 2 * std::get<5>(wide::memory::cache_stats()));
+
   EXPECT_THROW(wide::memory::cache_control(-2, false, false), c10::Error);
   EXPECT_THROW(wide::memory::cache_control(0, false, true), c10::Error);
   EXPECT_THROW(wide::memory::caching_scope(false), c10::Error);

@@ -13,6 +13,8 @@
 #include <mutex>
 #include <tuple>
 
+#include <unistd.h>
+
 // Note [The wide caching allocator]
 // ---------------------------------
 // A wide activation is N times a member's. On glibc a block above the mmap threshold (128 KiB,
@@ -36,7 +38,8 @@
 //    its sizes in the cache: every call cycled through all of them, cold.
 //  * Free blocks are kept up to a limit; a block freed beyond it goes back to the system.
 //    empty_cache() releases them all. By default the limit follows the working set: twice the
-//    most bytes ever handed out at once (the peak, reset by empty_cache()), and at least 1 GiB.
+//    most bytes ever handed out at once (the peak, reset by empty_cache()), at most a sixteenth
+//    of the machine's memory, and at least 1 GiB.
 //    Twice, because blocks are matched by size: a loop's blocks outnumber its peak. ResNet-18's
 //    training step at N=16 (SGD) peaks at 895 MiB in use but settles at 1120 MiB of blocks, so a
 //    fixed 1 GiB freed and page-faulted blocks every step (1-9 of its ~1900 allocations). With
@@ -73,7 +76,7 @@ thread_local int scope_depth = 0;
 
 class CachingAllocator final : public c10::Allocator {
  public:
-  explicit CachingAllocator(c10::Allocator* base) : base_(base) {}
+  explicit CachingAllocator(c10::Allocator* base) : base_(base), ram_(physical_memory()) {}
 
   c10::DataPtr allocate(std::size_t n) override {
     if (scope_depth == 0 || n < kMinBytes) return base_->allocate(n);
@@ -164,7 +167,7 @@ class CachingAllocator final : public c10::Allocator {
   }
 
   std::size_t limit() const {  // under mu_
-    return fixed_limit_ ? *fixed_limit_ : std::max(kLimitFloor, 2 * peak_bytes_);
+    return fixed_limit_ ? *fixed_limit_ : std::max(kLimitFloor, std::min(2 * peak_bytes_, ram_ / 16));
   }
 
   void give_back(void* ptr) {
@@ -205,7 +208,18 @@ class CachingAllocator final : public c10::Allocator {
     free_all(drop);
   }
 
+  // The machine's memory in bytes (0 where sysconf cannot say: the limit is then 1 GiB).
+  static std::size_t physical_memory() {
+#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGESIZE)
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) : 0;
+#else
+    return 0;
+#endif
+  }
+
   c10::Allocator* base_;
+  const std::size_t ram_;
   std::mutex mu_;
   std::multimap<std::size_t, FreeBlock> free_;      // free blocks by size
   std::unordered_map<void*, std::size_t> live_;      // blocks handed out, by pointer

@@ -21,8 +21,9 @@ int64_t caching_scope(bool enter);
 std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> cache_stats();
 
 /// Fixes the most free bytes the cache keeps (limit_bytes >= 0; -1 leaves it), or with
-/// working_set_limit returns to the default limit (twice the peak, at least 1 GiB); with empty, returns
-/// every free block to the system (blocks in use are unaffected) and resets the peak.
+/// working_set_limit returns to the default limit (twice the peak, at most 1/16 of the machine's
+/// memory, at least 1 GiB); with empty, returns every free block to the system (blocks in use are
+/// unaffected) and resets the peak.
 void cache_control(int64_t limit_bytes, bool empty, bool working_set_limit);
 
 }  // namespace wide::memory
