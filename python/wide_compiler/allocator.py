@@ -78,9 +78,9 @@ def tune_cpu_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 <<
 
 class CacheInfo(NamedTuple):
     """The wide caching allocator's state: bytes held free, bytes handed out and not yet returned,
-    the limit on free bytes (by default twice the peak, at most a sixteenth of the machine's memory,
-    at least 1 GiB), allocations served from the
-    cache and from the system, and the most bytes handed out at once since :func:`empty_cache`."""
+    the limit on free bytes (by default twice the peak, at least 1 GiB, at most a sixteenth of the
+    machine's memory), allocations served from the cache and from the system, and the most bytes
+    handed out at once since :func:`empty_cache` (the peak)."""
 
     cached_bytes: int
     live_bytes: int
@@ -175,11 +175,11 @@ def set_cache_limit(limit_bytes: int | None) -> None:
     """Keep at most ``limit_bytes`` free in the wide caching allocator; free blocks beyond it go
     back to the system. 0 turns caching off (every block is freed on release). ``None`` restores
     the default, which follows the working set: twice the most bytes handed out at once since the
-    last :func:`empty_cache` (``cache_info().peak_bytes``), at most a sixteenth of the machine's
-    memory and at least 1 GiB, so a steady
-    training or inference loop keeps every block it needs (blocks are matched by size, so a loop
-    holds more blocks than its peak: ResNet-18's training step at N=16 peaks at 895 MiB in use and
-    settles at 1120 MiB of blocks) and no more than twice its own peak between calls.
+    last :func:`empty_cache` (``cache_info().peak_bytes``), at least 1 GiB and at most a sixteenth
+    of the machine's memory. A steady training or inference loop then keeps every block it needs
+    (blocks are matched by size, so a loop holds more blocks than its peak: ResNet-18's training
+    step at N=16 peaks at 895 MiB in use and settles at 1120 MiB of blocks). Whatever the limit,
+    blocks not taken for 32 calls go back to the system.
 
     >>> import wide_compiler as wc
     >>> wc.allocator.set_cache_limit(1 << 30)

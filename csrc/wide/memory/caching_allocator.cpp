@@ -38,22 +38,20 @@
 //    its sizes in the cache: every call cycled through all of them, cold.
 //  * Free blocks are kept up to a limit; a block freed beyond it goes back to the system.
 //    empty_cache() releases them all. By default the limit follows the working set: twice the
-//    most bytes ever handed out at once (the peak, reset by empty_cache()), at most a sixteenth
-//    of the machine's memory, and at least 1 GiB.
-//    Twice, because blocks are matched by size: a loop's blocks outnumber its peak. ResNet-18's
-//    training step at N=16 (SGD) peaks at 895 MiB in use but settles at 1120 MiB of blocks, so a
-//    fixed 1 GiB freed and page-faulted blocks every step (1-9 of its ~1900 allocations). With
-//    the default a steady loop keeps every block it needs and holds at most 2x its own peak
-//    between calls (CUDA's caching allocator keeps everything). set_cache_limit(bytes) fixes
-//    the limit instead.
+//    most bytes ever handed out at once (the peak, reset by empty_cache()), at least 1 GiB and
+//    at most a sixteenth of the machine's memory. Twice, because blocks are matched by size, so
+//    a loop holds more blocks than its peak: ResNet-18's training step at N=16 (SGD) peaks at
+//    895 MiB in use and settles at 1120 MiB of blocks, so a fixed 1 GiB freed and page-faulted
+//    blocks every step (1-9 of its ~1900 allocations). The cap, because twice the peak of a
+//    large model's training step is gigabytes held idle: uncapped, `benchmark real` (several
+//    copies of GPT-2-sized models at N=4 in one process) was killed by the kernel at 24 GiB.
+//    set_cache_limit(bytes) fixes the limit instead.
 //  * Blocks left unused go back to the system: every kAgeScopes exits from an outermost scope
 //    (a call, a backward pass; on any thread) the blocks freed kAgeScopes or more exits earlier
 //    and not taken since are released. A steady loop takes all its blocks every call, and a few
 //    models called in turn (a router's architectures, a train and an eval graph) every few
-//    calls, so neither loses any; a model no longer called stops holding memory. Without it a
-//    process that ran many models one after another (`benchmark all`) kept every one's blocks
-//    (their sizes rarely fit the next model's) up to twice its largest peak, and the kernel
-//    killed it at 24 GiB.
+//    calls, so neither loses any; a model no longer called stops holding memory (blocks sized
+//    for one model rarely fit the next).
 // Blocks stay mapped and faulted in between calls, which is what the thresholds bought.
 namespace wide::memory {
 namespace {

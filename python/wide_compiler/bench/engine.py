@@ -282,6 +282,9 @@ def run_case(models: Sequence[nn.Module], x: torch.Tensor, wides: Iterable[Conte
     for i, w in enumerate(wides):
         wide_steps[i] = make_step(w, x, mode)
         wide_err[i] = check(w, wide_steps[i]())
+    # The reference's result is not needed while timing: in train mode it holds every member's
+    # gradients (2 GB for GPT-2 at N=4, where `benchmark real` fills this machine's 24 GiB).
+    check = ref_result = None
 
     # all together, interleaved: the ratios wide / baseline hold on a machine whose speed drifts
     wide_ms, baseline_ms, errors = time_with_baselines(wide_steps, baseline_steps,
