@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import measure
+from .. import allocator, measure
 
 # Moved to wide_compiler.measure (the package's one measurement library); re-exported here so
 # that ``wide_compiler.bench.engine.<name>`` keeps working.
@@ -289,6 +289,8 @@ def run_case(models: Sequence[nn.Module], x: torch.Tensor, wides: Iterable[Conte
     # all together, interleaved: the ratios wide / baseline hold on a machine whose speed drifts
     wide_ms, baseline_ms, errors = time_with_baselines(wide_steps, baseline_steps,
                                                        min_run_time=min_run_time, errors=errors)
+    # The wide cache's free blocks are sized for this case's graphs; the next case's rarely fit.
+    allocator.empty_cache()
     return [make_record(base=base, mode=mode, strategy=w.name, wide_ms=wide_ms[i],
                         baseline_ms=baseline_ms, max_abs_err=wide_err[i],
                         baseline_max_abs_err=baseline_err, errors=errors, execution=execution,

@@ -68,7 +68,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import allocator, measure
+from .. import measure
 from ..measure import Contender
 from ..ops import LOOP, WIDE_OPS
 from . import engine
@@ -469,9 +469,7 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = measure.MODES,
                 r["chosen_strategy"] = r["strategy"].split(":", 1)[1]
         records += recs
         # This mode's copies and baselines go before the next mode makes its own: at real sizes
-        # (GPT-2 at N=4: 2 GB per set of members) two modes' worth do not fit in memory. So do
-        # the wide cache's free blocks, sized for this mode's graphs (up to 1/16 of the memory).
+        # (GPT-2 at N=4: 2 GB per set of members) two modes' worth do not fit in memory.
         del models, wides, baselines, makers
         gc.collect()
-        allocator.empty_cache()
     return records

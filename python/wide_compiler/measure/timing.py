@@ -10,9 +10,10 @@ about the drift than about the callables. :func:`interleave` instead runs ``roun
 every round each callable runs one block (its optional ``setup``, ``block_warmup`` untimed
 calls, then ``per_block`` samples of ``calls`` calls each), the order rotating by one each round
 when ``rotate`` and every other round reversed, so that none always follows the same one (each
-alternates between the callables before and after it): a rotation alone keeps each callable's predecessor, and what a
-block leaves behind (caches, the heap, pages returned to the system) then always hits the same
-next callable (measured 2026-11-26, `benchmark models`: two WideModels running the same graph,
+alternates between the callables before and after it): a rotation alone keeps each callable's
+predecessor, and what a block leaves behind (caches, the heap, pages returned to the system)
+then always hits the same next callable (measured 2026-11-26, `benchmark models`: two
+WideModels running the same graph,
 the one timed after vmap's blocks in every round took 62-68 ms per training step, the other
 52-58 ms; with the alternation, 54.1 and 53.7 ms). Drift then hits every callable of a round
 alike: medians over rounds, or the median of per-round ratios (the tuner's paired speedup), hold
