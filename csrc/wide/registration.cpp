@@ -47,6 +47,11 @@ TORCH_LIBRARY(wide, m) {
   // N GroupNorm(num_groups per member): weight/bias [N, C].
   m.def("group_norm(Tensor input, int n, int num_groups, Tensor? weight=None, Tensor? bias=None, "
         "float eps=1e-05, *, bool packed_input=False) -> Tensor");
+  // N GroupNorm on N-first input and output [N, B, C, *] (the one-pass kernel fused_group_norm
+  // when no gradient is wanted; group_norm on the packed layout otherwise).
+  m.def("group_norm_nfirst(Tensor input, int num_groups, Tensor? weight=None, Tensor? bias=None, "
+        "float eps=1e-05) -> Tensor");
+  m.def("fused_group_norm(Tensor input, int num_groups, Tensor? weight, Tensor? bias, float eps) -> Tensor");
   // N LayerNorm / RMSNorm on N-first input [N, *, *normalized_shape]; weight/bias [N, *normalized_shape].
   // layer_norm strategy: "auto" | "fused" (one norm over all members, affine in one addcmul) |
   // "loop" (N ATen layer norms with the affine fused, each member's data staying in cache).

@@ -166,9 +166,8 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
 @cached
 def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
-    """N ``F.group_norm`` (num_groups per member) over ``[N, B, C, *]``."""
-    n = x.shape[0]
-    return _nfirst(wide.group_norm(x, n, num_groups, weight, bias, eps), n)
+    """N ``F.group_norm`` (num_groups per member) over ``[N, B, C, *]``, N-first in and out."""
+    return wide.group_norm_nfirst(x, num_groups, weight, bias, eps)
 
 
 @cached

@@ -26,9 +26,9 @@ have none. A row holds:
 - ``kind``: who emits the op. ``"layer"``: a widen rule, for one op of the member graph (a node
   of the wide graph that ``WideModel.summary()`` lists; fx/context.py ``WidenContext.emit_wide``
   accepts only these); ``"layout"``: the conversions between N-first and channel-packed values
-  (the layout plan, fx/layout.py); ``"eval"``: what an eval-graph rewrite puts in place of a
-  layer's op (fx/eval_rewrites.py); ``"kernel"``: a hand-written kernel that other ops call;
-  ``"helper"``: an in-place step a rule emits before a layer's op; ``"optimizer"``: a fused
+  (the layout plan, fx/layout.py); ``"eval"``: what a graph rewrite puts in place of a layer's
+  op (the eval-graph rewrites of fx/eval_rewrites.py, the layout plan); ``"kernel"``: a
+  hand-written kernel that other ops call; ``"helper"``: an in-place step a rule emits before a layer's op; ``"optimizer"``: a fused
   per-member optimizer step (:mod:`wide_compiler.optim`).
 - ``strategies``: the names the op's ``strategy`` argument accepts besides ``"auto"``, in the
   order the modules list them (empty: the op has one implementation and no ``strategy``
@@ -118,6 +118,8 @@ WIDE_OPS: dict[str, WideOp] = _table(
     WideOp("batch_norm", "layer", **_PACKED),
     WideOp("instance_norm", "layer", **_PACKED),
     WideOp("group_norm", "layer", **_PACKED),
+    WideOp("group_norm_nfirst", "eval"),  # the layout plan's GroupNorm between N-first ops
+    WideOp("fused_group_norm", "kernel"),
     # fused: one norm over all members, the affine in one addcmul; loop: one ATen norm per member
     WideOp("layer_norm", "layer", ("fused", "loop"), "fused"),
     WideOp("rms_norm", "layer"),

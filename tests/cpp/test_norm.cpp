@@ -5,6 +5,7 @@
 // running statistics must end up exactly as each member's own buffers would.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/allclose.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/batch_norm.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/group_norm.h>
@@ -174,6 +175,9 @@ TEST_P(WideGroupNormTest, MatchesPerMemberReference) {
         for (int64_t k = 0; k < n; ++k) outs.push_back(at::group_norm(x[k], groups, member(w, k), member(b, k), kEps, false));
         WIDE_EXPECT_CLOSE(wide::group_norm(op_input(layout, x), n, groups, w, b, kEps, layout == Layout::Packed),
                           pack(outs));
+        if (layout != Layout::Packed) {  // N-first in and out: the one-pass kernel
+          WIDE_EXPECT_CLOSE(wide::group_norm_nfirst(x, groups, w, b, kEps), at::stack(outs));
+        }
       }
     }
   }
@@ -275,6 +279,29 @@ TEST_P(WideFusedNormTest, MatchesPerMemberReference) {
   EXPECT_TRUE(at::allclose(wide::fused_norm(x, r, 5, w, std::nullopt, 1e-5),
                            wide::fused_norm(x.contiguous(), r.contiguous(), 5, w.contiguous(), std::nullopt, 1e-5),
                            tol, tol));
+  // fused_group_norm: rows of C/G channels of `inner` values each, inner below, at and across
+  // vector widths; members on different scales; affine per member and channel.
+  for (const Ints& spatial : std::vector<Ints>{{}, {7}, {4, 4}, {3, 23}}) {
+    for (int64_t groups : {1, 2, 6}) {
+      // (one value per row: the kernel gives exactly the bias, ATen's one-pass variance noise)
+      if (spatial.empty() && groups == 6) continue;
+      for (bool affine : {false, true}) {
+        SCOPED_TRACE("spatial " + c10::str(at::IntArrayRef(spatial)) + " groups=" + std::to_string(groups) +
+                     " affine=" + std::to_string(affine));
+        Ints shape{n, 2, 6};
+        shape.insert(shape.end(), spatial.begin(), spatial.end());
+        Ints scale(shape.size(), 1);
+        scale[0] = n;
+        const at::Tensor gx = at::randn(shape, opts).mul(at::arange(1, n + 1, opts).mul(5).view(scale)).add(3);
+        const OptT gw = affine ? OptT(at::randn({n, 6}, opts)) : std::nullopt;
+        const OptT gb = affine ? OptT(at::randn({n, 6}, opts)) : std::nullopt;
+        std::vector<at::Tensor> outs;
+        for (int64_t m = 0; m < n; ++m) outs.push_back(at::group_norm(gx[m], groups, member(gw, m), member(gb, m), 1e-5));
+        const at::Tensor got = wide::fused_group_norm(gx, groups, gw, gb, 1e-5);
+        EXPECT_TRUE(at::allclose(got, at::stack(outs), tol, tol)) << got.sub(at::stack(outs)).abs().max();
+      }
+    }
+  }
   // add_layer_norm: the fused path (no gradient wanted) equals layer_norm of the sum.
   const at::Tensor y = at::randn({3, 4, 5}, opts), z = at::randn({3, 4, 5}, opts);
   EXPECT_TRUE(at::allclose(wide::add_layer_norm(y, z, syms({5}), w, std::nullopt, 1e-5),

@@ -562,6 +562,40 @@ def group_norm_ref(x, n, num_groups, w=None, b=None, eps=1e-5, *, packed_input=F
     return F.group_norm(x, num_groups, w, b, eps)
 
 
+def _nfirst_group_norm_samples(name, dtype, rg):
+    m = Maker(name, dtype, rg)
+    yield SampleInput("affine", 2, (m.randn(2, 4, 6, 5, shift=0.5), 3, m.pos(2, 6), m.randn(2, 6), 1e-5), aot=True)
+    yield SampleInput("no-affine-B1-2d", 3, (m.randn(3, 1, 4, 2, 3), 2, None, None, 1e-5))
+    yield SampleInput("weight-only-sliced", 2, (m.randn(2, 3, 4, 3, layout="sliced"), 1, m.pos(2, 4), None, 1e-3))
+    yield SampleInput("per-channel-transposed", 2, (m.randn(2, 2, 3, 4, layout="transposed"), 3, m.pos(2, 3),
+                                                    m.randn(2, 3), 1e-5))
+
+
+def _nfirst_group_norm_fuzz(rng, dtype):
+    m = Maker(rng.random(), dtype, dtype == F64)
+    n, b, groups = rng.randint(1, 4), rng.randint(1, 3), rng.randint(1, 3)
+    c = groups * rng.randint(1, 3)
+    spatial = _spatial(rng, 0, 2)
+    if (c // groups) * math.prod(spatial) == 1:  # rows of one value: 0 here, ATen's variance noise there
+        spatial = [*spatial, 2]
+    # a bias comes with a weight: PyTorch's F.group_norm backward fails on a bias alone
+    affine = rng.random() < 0.6
+    return SampleInput("fuzz", n, (m.randn(n, b, c, *spatial, layout=rng.choice(NFIRST_LAYOUTS[:3])), groups,
+                                   m.maybe(affine, n, c, shift=1.0), m.maybe(affine, n, c), rng.choice((1e-5, 1e-3))))
+
+
+def group_norm_nfirst_samples(dtype, rg):
+    return _nfirst_group_norm_samples("group_norm_nfirst", dtype, rg)
+
+
+def fused_group_norm_samples(dtype, rg):
+    return _nfirst_group_norm_samples("fused_group_norm", dtype, rg)
+
+
+def nfirst_group_norm_ref(x, num_groups, w=None, b=None, eps=1e-5):
+    return F.group_norm(x, num_groups, w, b, eps)
+
+
 # ---- layer / rms norm and the fused kernels -------------------------------------------------
 def layer_norm_samples(dtype, rg):
     m = Maker("layer_norm", dtype, rg)
@@ -1201,6 +1235,9 @@ OPS: list[OpInfo] = [
     OpInfo("batch_norm", batch_norm_samples, batch_norm_fuzz, batch_norm_ref, **_PACKED),
     OpInfo("instance_norm", instance_norm_samples, instance_norm_fuzz, instance_norm_ref, **_PACKED),
     OpInfo("group_norm", group_norm_samples, group_norm_fuzz, group_norm_ref, **_PACKED),
+    OpInfo("group_norm_nfirst", group_norm_nfirst_samples, _nfirst_group_norm_fuzz, nfirst_group_norm_ref,
+           nograd_samples=4),
+    OpInfo("fused_group_norm", fused_group_norm_samples, _nfirst_group_norm_fuzz, nfirst_group_norm_ref, **_NO_GRAD),
     OpInfo("layer_norm", layer_norm_samples, layer_norm_fuzz, layer_norm_ref, nograd_samples=4),
     OpInfo("rms_norm", rms_norm_samples, rms_norm_fuzz, rms_norm_ref, nograd_samples=3),
     OpInfo("add_layer_norm", add_layer_norm_samples, add_layer_norm_fuzz, add_layer_norm_ref, nograd_samples=3),

@@ -355,6 +355,20 @@ def _op_cases():
                 lambda i: ms[i](x[i]))
 
     @case
+    def group_norm_nfirst(act):
+        ms = make_members(lambda: nn.GroupNorm(2, 4), N)
+        x = torch.randn(N, 2, 4, 5, dtype=act)
+        return (lambda: wide.group_norm_nfirst(x, 2, _stack(ms, "weight"), _stack(ms, "bias"), 1e-5),
+                lambda i: ms[i](x[i]))
+
+    @case
+    def fused_group_norm(act):
+        ms = make_members(lambda: nn.GroupNorm(2, 4), N)
+        x = torch.randn(N, 2, 4, 5, dtype=act)
+        return (lambda: wide.fused_group_norm(x, 2, _stack(ms, "weight"), _stack(ms, "bias"), 1e-5),
+                lambda i: ms[i](x[i]))
+
+    @case
     def layer_norm(act):
         ms = make_members(lambda: nn.LayerNorm(6), N)
         x = torch.randn(N, 2, 3, 6, dtype=act)

@@ -326,3 +326,72 @@ def test_channels_last_norm_parameter_gradients_alone(op):
     want = torch.autograd.grad(ref, [w, b], [g[:, i * c:(i + 1) * c] for i in range(n)])
     for a, e in zip(got, want):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+
+
+def _call_targets(wide, training: bool) -> list:
+    return [n.target for n in wide._graph_for(training).graph_module.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("make,sample", [
+    (lambda: nn.GroupNorm(2, 6), (2, 6, 5, 4)),
+    (lambda: nn.GroupNorm(3, 6, affine=False), (1, 6, 7)),
+    (lambda: nn.GroupNorm(1, 6), (3, 6)),
+], ids=["gn-2d", "gn-no-affine-B1-1d", "gn-one-group-0d"])
+def test_group_norm_between_nfirst_ops_runs_without_layout_change(make, sample):
+    """Note [N-first group norm kernel]: a GroupNorm whose input and readers are N-first runs as
+    wide.group_norm_nfirst in both graphs: no packed op and no layout conversion; members match
+    in train and eval, gradients too."""
+    models = _members(make)
+    wide, _ = wc.testing.check_compile(models, torch.randn(*sample), config=FAST)
+    for training in (False, True):
+        targets = _call_targets(wide, training)
+        assert torch.ops.wide.group_norm_nfirst.default in targets, targets
+        assert torch.ops.wide.to_nfirst.default not in targets and torch.ops.wide.to_packed.default not in targets
+        nodes = wide._graph_for(training).graph_module.graph.nodes
+        assert not [n for n in nodes if n.meta.get("wide_layout_conversion")]
+
+
+def test_group_norm_between_packed_ops_stays_packed():
+    """A GroupNorm between convs keeps the channel-packed chain (wide.group_norm, packed input)."""
+    def make():
+        return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.GroupNorm(3, 6), nn.ReLU(), nn.Conv2d(6, 4, 1))
+    models = _members(make)
+    wide, _ = wc.testing.check_compile(models, torch.randn(2, 3, 5, 5), config=FAST)
+    targets = _call_targets(wide, False)
+    assert torch.ops.wide.group_norm.default in targets and torch.ops.wide.group_norm_nfirst.default not in targets
+
+
+def test_nfirst_group_norm_nan_member_inference_mode_and_torch_compile():
+    """The kernel keeps a NaN in its member (and its group), runs under inference_mode, and the
+    wide model runs under torch.compile(fullgraph=True) with the same values."""
+    models = _members(lambda: nn.GroupNorm(2, 4))
+    wide = wc.compile(models, torch.randn(2, 4, 3, 3), config=FAST).eval()
+    x = torch.randn(3, 2, 4, 3, 3)
+    x[1, 0, 0, 1, 1] = float("nan")
+    with torch.inference_mode():
+        out = wide(x)
+    want = [m(x[i]) for i, m in enumerate(models)]
+    assert_members_close(out, want, equal_nan=True)
+    assert out[1, 0, :2].isnan().all() and not out[1, 0, 2:].isnan().any() and not out[1, 1].isnan().any()
+    assert not out[0].isnan().any() and not out[2].isnan().any()
+    compiled = torch.compile(wide, fullgraph=True)
+    with torch.no_grad():
+        assert_members_close(compiled(x.nan_to_num()), [m(x[i].nan_to_num()) for i, m in enumerate(models)])
+
+
+def test_group_norm_nfirst_errors_and_grad_path():
+    """Bad groups and one value per group raise as PyTorch's checks; with a gradient wanted the op
+    is differentiable (the packed group_norm) and agrees with the kernel's values."""
+    x = torch.randn(2, 3, 6, 4)
+    w, b = torch.rand(2, 6) + 0.5, torch.randn(2, 6)
+    with pytest.raises(RuntimeError, match="divisible by num_groups=4"):
+        torch.ops.wide.group_norm_nfirst(x, 4, w, b)
+    with pytest.raises(RuntimeError, match="more than 1 value per channel"):
+        torch.ops.wide.group_norm_nfirst(torch.randn(2, 1, 6), 6)
+    fast = torch.ops.wide.group_norm_nfirst(x, 3, w, b)
+    wg = w.clone().requires_grad_()
+    slow = torch.ops.wide.group_norm_nfirst(x, 3, wg, b)
+    torch.testing.assert_close(slow, fast, rtol=1e-5, atol=1e-5)
+    (gw,) = torch.autograd.grad(slow.sum(), [wg])
+    want = torch.stack([torch.autograd.grad(F.group_norm(x[i], 3, wg[i], b[i]).sum(), [wg])[0][i] for i in range(2)])
+    torch.testing.assert_close(gw, want)

@@ -18,7 +18,8 @@
 //                                     scaled_dot_product_attention
 //   batch_norm, instance_norm         batch_norm, instance_norm activation dtype    activation dtype
 //   group_norm, layer_norm, rms_norm, group_norm, layer_norm,   activation dtype    float32
-//   add_layer_norm, fused_norm        rms_norm (of x + r)
+//   add_layer_norm, fused_norm,       rms_norm (of x + r)
+//   group_norm_nfirst, fused_group_norm
 //   rnn                               lstm, rnn_tanh/relu       lower precision      lower precision
 //                                     gru                       state dtype          lower precision
 //   rnn_cell                          rnn_tanh/relu_cell        lower precision      lower precision
@@ -247,6 +248,19 @@ at::Tensor group_norm(const at::Tensor& input, int64_t n, int64_t num_groups, co
   });
 }
 
+// group_norm_nfirst / fused_group_norm: group_norm's policy, on N-first input and output.
+template <DeviceType D, at::Tensor (*Op)(const at::Tensor&, int64_t, const OptTensor&, const OptTensor&, double)>
+at::Tensor nfirst_group_norm(const at::Tensor& input, int64_t num_groups, const OptTensor& weight,
+                             const OptTensor& bias, double eps) {
+  if constexpr (kFloat32Norms<D>) {
+    NoAutocast<D> guard;
+    return Op(cast<D>(at::kFloat, input), num_groups, cast<D>(at::kFloat, weight), cast<D>(at::kFloat, bias), eps);
+  }
+  return activation_dtype_norm<D>(mixed_activation<D>(input, nullptr, {&weight, &bias}), [&](auto cast_to) {
+    return Op(cast_to(input), num_groups, cast_to(weight), cast_to(bias), eps);
+  });
+}
+
 template <DeviceType D>
 at::Tensor layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                       const OptTensor& bias, double eps, std::string_view strategy) {
@@ -363,6 +377,8 @@ void register_kernels(torch::Library& m) {
   m.impl("batch_norm", &batch_norm<D>);
   m.impl("instance_norm", &instance_norm<D>);
   m.impl("group_norm", &group_norm<D>);
+  m.impl("group_norm_nfirst", &nfirst_group_norm<D, &wide::group_norm_nfirst>);
+  m.impl("fused_group_norm", &nfirst_group_norm<D, &wide::fused_group_norm>);
   m.impl("layer_norm", &layer_norm<D>);
   m.impl("rms_norm", &rms_norm<D>);
   m.impl("add_layer_norm", &add_layer_norm<D>);

@@ -1,5 +1,7 @@
 // wide::fused_norm and wide::add_layer_norm: the one-pass inference path of the wide LayerNorm /
-// RMSNorm (schemas in registration.cpp, the kernel in cpu/fused_norm_kernels_impl.h).
+// RMSNorm (schemas in registration.cpp, the kernel in cpu/fused_norm_kernels_impl.h); and
+// wide::fused_group_norm, the N-first GroupNorm of wide::group_norm_nfirst (Note [N-first group
+// norm kernel]).
 //
 // Note [wide::fused_norm]
 // ~~~~~~~~~~~~~~~~~~~~~~~
@@ -21,6 +23,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/rsqrt.h>
+#include <ATen/ops/group_norm.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/rms_norm.h>
 #include <c10/util/Exception.h>
@@ -29,6 +32,7 @@
 #include <array>
 #include <limits>
 #include <tuple>
+#include <vector>
 
 #include "wide/ops/cpu/fused_norm_kernels.h"
 #include "wide/ops/norm.h"
@@ -122,6 +126,66 @@ at::Tensor fused_norm_cpu(const at::Tensor& input, const std::optional<at::Tenso
                   d, eps, rms);
   };
   if (dtype == at::kFloat) {
+    run(static_cast<float*>(nullptr));
+  } else {
+    run(static_cast<double*>(nullptr));
+  }
+  return y;
+}
+
+void check_group_norm(const at::Tensor& input, int64_t num_groups, const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.dim() >= 3 && num_groups >= 1 && input.sym_size(2) % num_groups == 0,
+              "wide::fused_group_norm: expected an N-first input [N, B, C, *] with C divisible by "
+              "num_groups=", num_groups, ", got ", input.sym_sizes());
+  for (const auto* p : {opt_ptr(weight), opt_ptr(bias)}) {
+    TORCH_CHECK(p == nullptr || (p->dim() == 2 && p->sym_size(0) == input.sym_size(0) &&
+                                 p->sym_size(1) == input.sym_size(2)),
+                "wide::fused_group_norm: weight/bias must be [N, C] = [", input.sym_size(0), ", ",
+                input.sym_size(2), "], got ", p->sym_sizes());
+  }
+}
+
+// [N, C] -> [N, 1, C, 1, ..., 1] broadcasting against the N-first input.
+at::Tensor per_channel(const at::Tensor& p, const at::Tensor& input) {
+  std::vector<c10::SymInt> sizes{p.sym_size(0), 1, p.sym_size(1)};
+  sizes.resize(input.dim(), 1);
+  return p.view_symint(sizes);
+}
+
+// The same math from ATen ops: every device and dtype, and fake tensors (symbolic sizes).
+at::Tensor fused_group_norm_composite(const at::Tensor& input, int64_t num_groups,
+                                      const std::optional<at::Tensor>& weight,
+                                      const std::optional<at::Tensor>& bias, double eps) {
+  check_group_norm(input, num_groups, weight, bias);
+  at::Tensor y = at::group_norm(input.flatten(0, 1), num_groups, std::nullopt, std::nullopt, eps, false)
+                     .view_symint(input.sym_sizes());
+  if (weight.has_value()) y = y.mul(per_channel(*weight, input));
+  if (bias.has_value()) y = y.add(per_channel(*bias, input));
+  return y;
+}
+
+at::Tensor fused_group_norm_cpu(const at::Tensor& input, int64_t num_groups,
+                                const std::optional<at::Tensor>& weight,
+                                const std::optional<at::Tensor>& bias, double eps) {
+  if (!kernel_takes({&input, opt_ptr(weight), opt_ptr(bias)})) {
+    return fused_group_norm_composite(input, num_groups, weight, bias, eps);
+  }
+  check_group_norm(input, num_groups, weight, bias);
+  const at::Tensor x = input.contiguous();
+  const at::Tensor w = weight.has_value() ? weight->contiguous() : at::Tensor();
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.numel() == 0) return y;
+  const int64_t n = x.size(0), batch = x.size(1), channels = x.size(2);
+  const int64_t inner = x.numel() / (n * batch * channels);
+  auto run = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    auto ptr = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<T>() : nullptr; };
+    WIDE_ISA_CALL(::wide::ops::cpu, group_norm, x.const_data_ptr<T>(), y.mutable_data_ptr<T>(), ptr(w),
+                  ptr(b), n, batch, num_groups, channels / num_groups, inner, eps);
+  };
+  if (input.scalar_type() == at::kFloat) {
     run(static_cast<float*>(nullptr));
   } else {
     run(static_cast<double*>(nullptr));
@@ -258,6 +322,13 @@ std::optional<at::Tensor> maybe_fused_norm(const at::Tensor& input, c10::SymIntA
   return fused_norm(input, std::nullopt, *d, weight, bias, e, rms);
 }
 
+std::optional<at::Tensor> maybe_fused_group_norm(const at::Tensor& input, int64_t num_groups,
+                                                 const std::optional<at::Tensor>& weight,
+                                                 const std::optional<at::Tensor>& bias, double eps) {
+  if (needs_grad({&input, opt_ptr(weight), opt_ptr(bias)})) return std::nullopt;
+  return fused_group_norm(input, num_groups, weight, bias, eps);
+}
+
 }  // namespace detail
 
 at::Tensor fused_norm(const at::Tensor& input, const std::optional<at::Tensor>& residual,
@@ -267,6 +338,15 @@ at::Tensor fused_norm(const at::Tensor& input, const std::optional<at::Tensor>& 
                        .findSchemaOrThrow("wide::fused_norm", "")
                        .typed<decltype(fused_norm)>();
   return op.call(input, residual, normalized_numel, weight, bias, eps, rms);
+}
+
+at::Tensor fused_group_norm(const at::Tensor& input, int64_t num_groups,
+                            const std::optional<at::Tensor>& weight,
+                            const std::optional<at::Tensor>& bias, double eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::fused_group_norm", "")
+                       .typed<decltype(fused_group_norm)>();
+  return op.call(input, num_groups, weight, bias, eps);
 }
 
 at::Tensor add_layer_norm(const at::Tensor& input, const at::Tensor& residual,
@@ -287,11 +367,13 @@ TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
 
 TORCH_LIBRARY_IMPL(wide, CompositeExplicitAutograd, m) {
   m.impl("fused_norm", &wide::fused_norm_composite);
+  m.impl("fused_group_norm", &wide::fused_group_norm_composite);
   m.impl("fused_norm_backward", &wide::detail::fused_norm_backward_math);
 }
 
 TORCH_LIBRARY_IMPL(wide, CPU, m) {
   m.impl("fused_norm", &wide::fused_norm_cpu);
+  m.impl("fused_group_norm", &wide::fused_group_norm_cpu);
   m.impl("fused_norm_backward", &wide::fused_norm_backward_cpu);
 }
 

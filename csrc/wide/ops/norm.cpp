@@ -205,6 +205,21 @@ at::Tensor group_norm_impl(const at::Tensor& input, int64_t n, int64_t num_group
   return at::group_norm(group_norm_input(x, w, b), n * num_groups, w, b, eps, false);
 }
 
+// GroupNorm between N-first ops: no layout change when no gradient is wanted (Note [N-first
+// group norm kernel]); the packed op with autograd otherwise.
+at::Tensor group_norm_nfirst_impl(const at::Tensor& input, int64_t num_groups,
+                                  const std::optional<at::Tensor>& weight,
+                                  const std::optional<at::Tensor>& bias, double eps) {
+  TORCH_CHECK(input.dim() >= 3 && num_groups >= 1, "wide::group_norm_nfirst: expected an N-first "
+              "input [N, B, C, *] and num_groups >= 1, got ", input.sym_sizes(), " and ", num_groups);
+  const int64_t n = input.size(0);
+  TORCH_CHECK(input.sym_size(2) % num_groups == 0, "wide::group_norm_nfirst: expected the ",
+              input.sym_size(2), " channels per member to be divisible by num_groups=", num_groups);
+  check_values("group_norm", input.sym_numel() / (n * num_groups), input, "value per channel");
+  if (auto y = detail::maybe_fused_group_norm(input, num_groups, weight, bias, eps)) return *y;
+  return to_nfirst(group_norm(input, n, num_groups, weight, bias, eps, false), n);
+}
+
 // [N, *ns] -> [N, 1, ..., 1, *ns] broadcasting against an N-first [N, *lead, *ns] input.
 at::Tensor broadcastable(const at::Tensor& p, const at::Tensor& input, int64_t k) {
   std::vector<c10::SymInt> sizes;
@@ -316,6 +331,15 @@ at::Tensor group_norm(const at::Tensor& input, int64_t n, int64_t num_groups,
   return op.call(input, n, num_groups, weight, bias, eps, packed_input);
 }
 
+at::Tensor group_norm_nfirst(const at::Tensor& input, int64_t num_groups,
+                             const std::optional<at::Tensor>& weight,
+                             const std::optional<at::Tensor>& bias, double eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::group_norm_nfirst", "")
+                       .typed<decltype(group_norm_nfirst)>();
+  return op.call(input, num_groups, weight, bias, eps);
+}
+
 at::Tensor layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
                       const std::optional<at::Tensor>& weight,
                       const std::optional<at::Tensor>& bias, double eps, std::string_view strategy) {
@@ -339,6 +363,7 @@ TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
   m.impl("batch_norm", &wide::batch_norm_impl);
   m.impl("instance_norm", &wide::instance_norm_impl);
   m.impl("group_norm", &wide::group_norm_impl);
+  m.impl("group_norm_nfirst", &wide::group_norm_nfirst_impl);
   m.impl("layer_norm", &wide::layer_norm_impl);
   m.impl("rms_norm", &wide::rms_norm_impl);
 }

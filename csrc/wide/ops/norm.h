@@ -34,6 +34,18 @@ at::Tensor group_norm(const at::Tensor& input, int64_t n, int64_t num_groups,
                       const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5,
                       bool packed_input = false);
 
+/// N GroupNorm(num_groups, C) with input and output N-first [N, B, C, *]: the one-pass kernel
+/// (wide::fused_group_norm) when no gradient is wanted, else group_norm (packed) differentiably.
+at::Tensor group_norm_nfirst(const at::Tensor& input, int64_t num_groups,
+                             const std::optional<at::Tensor>& weight = std::nullopt,
+                             const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5);
+
+/// The N-first GroupNorm kernel behind group_norm_nfirst (CPU float/double; ATen ops elsewhere);
+/// no autograd. Output contiguous N-first.
+at::Tensor fused_group_norm(const at::Tensor& input, int64_t num_groups,
+                            const std::optional<at::Tensor>& weight,
+                            const std::optional<at::Tensor>& bias, double eps);
+
 /// N LayerNorm(normalized_shape): weight/bias [N, *normalized_shape]; input and output N-first.
 at::Tensor layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
                       const std::optional<at::Tensor>& weight = std::nullopt,
@@ -68,6 +80,11 @@ std::optional<at::Tensor> maybe_fused_norm(const at::Tensor& input, c10::SymIntA
                                            const std::optional<at::Tensor>& weight,
                                            const std::optional<at::Tensor>& bias,
                                            std::optional<double> eps, bool rms);
+
+/// wide::fused_group_norm of `input` when no gradient is wanted; else nothing.
+std::optional<at::Tensor> maybe_fused_group_norm(const at::Tensor& input, int64_t num_groups,
+                                                 const std::optional<at::Tensor>& weight,
+                                                 const std::optional<at::Tensor>& bias, double eps);
 
 /// The gradients of wide::fused_norm in ATen ops (any device; differentiable, for double
 /// backward): (d input, d weight, d bias), each only where output_mask says.

@@ -22,6 +22,12 @@ value the other rules see is N-first. This pass (the "layout" pass of fx/pipelin
    input of a conv) and each ``to_nfirst`` still read by a non-packed op (a view; the reader, e.g.
    a Linear, pays the copy if it needs N-first memory).
 
+4. runs a GroupNorm fed N-first whose every reader is N-first (a lone norm, or one between Linear
+   layers) as ``wide.group_norm_nfirst``, with no layout change at all: its members' groups are
+   already contiguous rows of the N-first memory (Note [N-first group norm kernel]). (An
+   InstanceNorm without running statistics is such a GroupNorm too, but it keeps its own op:
+   under CUDA autocast ATen runs it in the activation's dtype and GroupNorm in float32.)
+
 A ResNet thus keeps two conversions: the input into the stem conv, and the pooled features into
 the classifier. The pass only rewrites what it proves equivalent; anything else stays N-first,
 which is always correct.
@@ -43,6 +49,8 @@ __all__ = ["plan_layout", "count_conversions"]
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 TO_NFIRST = torch.ops.wide.to_nfirst.default
+_GROUP_NORM = torch.ops.wide.group_norm.default
+_GROUP_NORM_NFIRST = torch.ops.wide.group_norm_nfirst.default
 # Reading sizes of a view is free: such readers do not make a to_nfirst a conversion.
 _SIZE_READERS = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
                  aten.sym_storage_offset.default}
@@ -170,6 +178,23 @@ def _feed_packed(node: fx.Node, packed: frozenset) -> bool:
     return True
 
 
+def _run_nfirst(graph: fx.Graph, node: fx.Node) -> bool:
+    """Step 4 of the module docstring for ``node``: whether it was rewritten."""
+    if (node.target is not _GROUP_NORM or node.kwargs.get("packed_input") or not node.users
+            or not all(_is_to_nfirst(u) for u in node.users)):
+        return False
+    x, _n, groups, weight, bias, eps = node.args
+    with graph.inserting_before(node):
+        new = graph.call_function(_GROUP_NORM_NFIRST, (x, groups, weight, bias, eps))
+    new.meta.update(node.meta)
+    new.meta["wide_op"] = "wide.group_norm_nfirst"
+    for user in list(node.users):
+        user.replace_all_uses_with(new)
+        graph.erase_node(user)
+    graph.erase_node(node)
+    return True
+
+
 def plan_layout(graph: fx.Graph, n: int, old_graph: fx.Graph | None = None) -> dict[str, int]:
     """Run the plan on a wide graph in place; returns ``{"conversions": k, "packed_ops": m}``.
 
@@ -189,6 +214,9 @@ def plan_layout(graph: fx.Graph, n: int, old_graph: fx.Graph | None = None) -> d
                 graph.erase_node(node)
         if not changed:
             break
+    for node in list(graph.nodes):
+        if node.op == "call_function":
+            _run_nfirst(graph, node)
     return count_conversions(graph)
 
 

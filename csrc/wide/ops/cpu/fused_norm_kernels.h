@@ -12,6 +12,8 @@ namespace wide::ops::cpu {
 /// rows of d elements, member k owning rows [k*rows_per_member, (k+1)*rows_per_member); weight
 /// and bias [n, d] (either may be null), residual like x (or null); y may not alias x.
 /// fused_norm_backward: dx like x, dw/db [n, d]; any of the three may be null (not wanted).
+/// group_norm: x and y N-first contiguous [n, batch, groups * channels_per_group, inner], weight
+/// and bias [n, groups * channels_per_group] (either may be null); y may not alias x.
 #define WIDE_NORM_DECLARE_KERNELS(ISA, T)                                                       \
   namespace ISA {                                                                               \
   void fused_norm(const T* x, const T* residual, T* y, const T* weight, const T* bias,         \
@@ -19,6 +21,8 @@ namespace wide::ops::cpu {
   void fused_norm_backward(const T* dy, const T* x, const T* residual, const T* weight, T* dx,  \
                            T* dw, T* db, int64_t rows, int64_t rows_per_member, int64_t d,      \
                            double eps, bool rms);                                              \
+  void group_norm(const T* x, T* y, const T* weight, const T* bias, int64_t n, int64_t batch,     \
+                  int64_t groups, int64_t channels_per_group, int64_t inner, double eps);       \
   }
 
 WIDE_NORM_DECLARE_KERNELS(DEFAULT, float)
