@@ -61,6 +61,23 @@ class _Stacked(nn.Module):
         return f"stacked {self._original_type}"
 
 
+def _shared_tensors(template: nn.Module, capture_model: nn.Module) -> dict[int, torch.Tensor]:
+    """A ``copy.deepcopy`` memo that gives the copy of ``template`` the capture model's tensors
+    of the same names (the capture model is itself a copy of ``template``): the wide model keeps
+    one copy of member 0's values, not two (GPT-2 small: 0.5 GB less). Neither copy's values are
+    ever written; where a name's tensor differs (a capture form rebuilt it), it is copied."""
+    memo: dict[int, torch.Tensor] = {}
+    theirs = {**dict(capture_model.named_parameters(remove_duplicate=False)),
+              **dict(capture_model.named_buffers(remove_duplicate=False))}
+    for named in (template.named_parameters, template.named_buffers):
+        for name, t in named(remove_duplicate=False):
+            other = theirs.get(name)
+            if (other is not None and type(other) is type(t) and other.shape == t.shape
+                    and other.dtype == t.dtype and other.device == t.device):
+                memo[id(t)] = other
+    return memo
+
+
 class WideModel(MemberOpsMixin, nn.Module):
     """N models of one architecture fused into one: member ``i`` of every input and output is
     model ``i``'s. Built by :func:`wide_compiler.compile`.
@@ -109,7 +126,7 @@ class WideModel(MemberOpsMixin, nn.Module):
         self.n = c.n
         # Hidden from nn.Module registration: a structural copy of member 0 (for unfuse and for
         # capturing the graph of the other train/eval mode), the capture sample, the graphs.
-        object.__setattr__(self, "_template", copy.deepcopy(template))
+        object.__setattr__(self, "_template", copy.deepcopy(template, _shared_tensors(template, c.model)))
         object.__setattr__(self, "_sample", c.sample)
         self._config = c.config
         self._dynamic_shapes = c.dynamic_shapes
