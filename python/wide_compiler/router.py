@@ -338,12 +338,17 @@ def _signature(args: tuple, kwargs: dict) -> Any:
 
 def _structure(args: tuple, kwargs: dict) -> Any:
     """What a compiled program fixes about its inputs: the nesting and the non-tensor values."""
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # the common call: no pytree walk
+        return len(args)
     flat, spec = tree_flatten((args, kwargs))
     return spec, [None if isinstance(a, torch.Tensor) else ("value", a) for a in flat]
 
 
 def _expand(tree: Any, n: int) -> Any:
     """One input shared by n members: every tensor as a stride-0 view ``x.expand(n, *x.shape)``."""
+    args, kwargs = tree
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # the common call: no pytree walk
+        return tuple(a.expand(n, *a.shape) for a in args), {}
     return tree_map(lambda a: a.expand(n, *a.shape) if isinstance(a, torch.Tensor) else a, tree)
 
 
@@ -1016,13 +1021,17 @@ class WideRouter(nn.Module):
             self._group_lazily(args, kwargs)
         selected = set(names)
         out: dict[str, Any] = {}
+        structures: dict[int, Any] = {}  # id of a distinct input -> its structure (a shared input: once a call)
         for key, members in self._members.items():
             chosen = [i for i, n in enumerate(members) if n in selected]
             if not chosen:
                 continue
             wide: WideModel = self.groups[key]
             distinct = {id(inputs[members[i]]): inputs[members[i]] for i in chosen}  # shared input: one
-            same = all(_structure(*a) == self._structures[key] for a in distinct.values())
+            for k, a in distinct.items():
+                if k not in structures:
+                    structures[k] = _structure(*a)
+            same = all(structures[k] == self._structures[key] for k in distinct)
             if not same and (key, str(_structure(*inputs[members[chosen[0]]]))) not in self._warned_structures:
                 self._warned_structures.add((key, str(_structure(*inputs[members[chosen[0]]]))))
                 warnings.warn(f"WideRouter: group {members} was compiled for other inputs (another nesting, "

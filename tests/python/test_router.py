@@ -209,6 +209,22 @@ def test_other_input_structure_runs_member_by_member_with_one_warning():
         check_call(router, refs, {n: (x,) for n in refs}, {})
 
 
+def test_tensor_only_structure_against_keywords_and_tensor_subclasses():
+    """A router prepared with one positional tensor (the structure check's fast path) still
+    tells a call with a keyword apart (one warning per group, correct outputs), and takes a
+    tensor subclass (an nn.Parameter) as the same structure, with no warning."""
+    torch.manual_seed(0)
+    router, refs = build({f"t{i}": MLPTower() for i in range(4)})
+    x, mask = sample()
+    router.prepare_for_compile(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shared = (nn.Parameter(x.clone()),)
+        check_call(router, refs, {n: shared for n in refs}, {})
+    with pytest.warns(UserWarning, match="compiled for other inputs"):
+        check_call(router, refs, {n: (x,) for n in refs}, {"mask": mask})
+
+
 def test_subset_of_towers():
     router, refs = build(mixed_towers())
     x, mask = sample()
