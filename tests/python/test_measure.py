@@ -142,6 +142,24 @@ def test_contenders_agree_with_the_loop():
     assert measure.loop_contender(models, channels_last=True).name == "loop_cl"
 
 
+def test_max_abs_err_finds_one_members_gradient_and_names_it():
+    """The train check compares every member's gradient (member by member, no stacked copies): a
+    change in one element of member 2's gradient of one parameter is the error, and a gradient
+    of another shape is refused naming member and parameter."""
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 3) for _ in range(3)]
+    x = torch.randn(3, 5, 4)
+    ref, vm = measure.loop_contender(models), measure.vmap_contender(models)
+    want = measure.make_step(ref, x, "train")()
+    out, grads = measure.make_step(vm, x, "train")()
+    assert measure.max_abs_err(ref, want, vm, (out, grads), 3, "train") < 1e-5
+    bad = [g.clone() for g in grads]
+    bad[1][2, 1] += 0.25  # member 2's bias gradient
+    assert measure.max_abs_err(ref, want, vm, (out, bad), 3, "train") == pytest.approx(0.25, abs=1e-5)
+    with pytest.raises(ValueError, match="member 0 gradient of parameter 0 of vmap"):
+        measure.max_abs_err(ref, want, vm, (out, [grads[0][:, :2], grads[1]]), 3, "train")
+
+
 def test_contenders_take_keyword_inputs():
     class Scaled(nn.Module):
         def __init__(self) -> None:

@@ -63,7 +63,7 @@ def replay_check(models: list[nn.Module], xs: Inputs, mode: str
     def check(contender: Contender, result: Any) -> float:
         out, grads = result if mode == "train" else (result, ())
         ys = [leaves[0].detach() for leaves in measure.contenders.member_outputs(contender, out, n)]
-        member_grads = measure.contenders.stacked_grads(contender, grads, n) if mode == "train" else []
+        member_grads = measure.contenders.member_grads(contender, grads, n) if mode == "train" else []
         err, kept, total, masks = 0.0, 0, 0, []
         for i, m in enumerate(models):
             linear, drop = m[0], m[1]
