@@ -83,8 +83,9 @@ def test_pipeline_runs_the_named_passes_in_order():
     eval_rewrites = ["fold_batch_norms", "channels_last", "pool_before_relu", "fuse_residual_norms",
                      "relu_in_place", "attention_kernel"]
     assert [p.name for p in PASSES] == [
-        "check_members", "capture", "check_programs", "widen", "layout", *eval_rewrites, "strategies",
-        "stack_state", "check_tuning", "tile_members"]
+        "check_members", "capture", "check_programs", "widen", "fold_linear_batch_norms", "layout", *eval_rewrites,
+        "strategies", "stack_state", "check_tuning", "tile_members"]
+    eval_rewrites.append("fold_linear_batch_norms")
     # a training graph skips the eval rewrites (their `when`), an eval graph runs them all
     assert [name for name, _ in c.log] == [p.name for p in PASSES if p.name not in eval_rewrites]
     # with the members given, the state is stacked: ONE [N, ...] tensor per member tensor
@@ -391,3 +392,48 @@ def test_model_level_tuning_check_keeps_one_of_the_two_and_leaves_no_trace(monke
             torch.testing.assert_close(wide.get_buffer(name)[i], b)
     assert all(p.grad is None for p in wide.parameters())
     testing.check_equivalence(wide, models, torch.randn(2, 4, 3, 8, 8), buffers=True)
+
+
+class _MLPBN(nn.Module):
+    """Linear (no bias) -> BatchNorm1d -> ReLU twice (the second Linear also read by a skip:
+    not folded), then a BatchNorm1d over a 3-d input after a Linear (its channels are not the
+    Linear's features: not folded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn1 = nn.Linear(6, 8, bias=False), nn.BatchNorm1d(8)
+        self.fc2, self.bn2 = nn.Linear(8, 8, bias=False), nn.BatchNorm1d(8)
+        self.fc3, self.bn3 = nn.Linear(5, 5), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.fc1(x)))
+        g = self.fc2(h)
+        h = torch.relu(self.bn2(g)) + g
+        return self.bn3(self.fc3(h.unsqueeze(-1).expand(-1, -1, 5)))
+
+
+def test_eval_graph_folds_batch_norm1d_into_its_linear():
+    """Note [Folding BatchNorm into the conv] for a Linear: only bn1 is folded (fc2 is read
+    twice; bn3 normalises a 3-d input whose channels are not fc3's features); the folded graph
+    has no layout conversion for it; outputs, input and parameter gradients match the members
+    in eval mode, and the fold follows later changes to the BatchNorm."""
+    models = testing.make_members(_MLPBN, 3)
+    for m in models:
+        with torch.no_grad():
+            for bn in (m.bn1, m.bn2, m.bn3):
+                bn.running_mean.uniform_(-1, 1), bn.running_var.uniform_(0.5, 2), bn.weight.uniform_(0.5, 2)
+                bn.bias.uniform_(-1, 1)
+        m.eval()
+    wide, _ = testing.check_compile(models, torch.randn(4, 6), modes=("eval",), config=FAST, strict=True)
+    nodes = list(wide._graph_for(False).graph_module.graph.nodes)
+    assert sum(n.target is torch.ops.wide.batch_norm.default for n in nodes) == 2
+    fc1 = next(n for n in nodes if n.target is torch.ops.wide.linear.default)
+    assert fc1.meta.get("wide_folded") and all(u.target is not torch.ops.wide.to_packed.default for u in fc1.users)
+    assert sum(n.target is torch.ops.wide.batch_norm.default for n in wide._graph_for(True).graph_module.graph.nodes) == 3
+    with torch.no_grad():
+        wide.get_buffer("bn1.running_var").mul_(3.0)
+        wide.get_parameter("bn1.weight").add_(0.5)
+    refs = wide.unfuse()
+    x = torch.randn(3, 7, 6)
+    with torch.no_grad():
+        testing.assert_members_close(wide(x), [m.eval()(x[i]) for i, m in enumerate(refs)])

@@ -1,5 +1,6 @@
-"""The eval-graph fold: a BatchNorm that uses its running statistics right after a conv becomes
-part of the conv's weights, so the wide activation is not read and written a second time. The
+"""The eval-graph fold: a BatchNorm that uses its running statistics right after a conv (or a
+Linear) becomes part of its weights, so the wide activation is not read and written a second
+time (for a Linear, not packed and unpacked either). The
 other eval rewrites (layouts, operator order, fused kernels) are in fx/eval_rewrites.py.
 
 Note [Folding BatchNorm into the conv]
@@ -14,7 +15,10 @@ Note [Folding BatchNorm into the conv]
     fold cache]). Only a conv whose output nothing else reads is folded, and only a BatchNorm
     with running statistics in eval mode (``training=False``): in training it normalises by batch
     statistics, which no weight can express. Members alone run conv then BatchNorm; the folded
-    form differs by float rounding only (``tests/python/test_pipeline.py``).
+    form differs by float rounding only (``tests/python/test_pipeline.py``). A BatchNorm1d over
+    a Linear's ``[B, C]`` output is the same fold with ``W`` of shape ``[N, C_out, C_in]``; it
+    also saves the N-first ⇄ packed copies a BatchNorm between N-first ops pays (an MLP's
+    ``Linear -> BatchNorm1d -> ReLU``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ __all__ = ["cached_folded_conv_params", "clear_fold_cache", "finish_rewrite", "f
 
 wide = torch.ops.wide
 aten = torch.ops.aten
+TO_NFIRST = torch.ops.wide.to_nfirst.default
 
 
 def folded_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, bn_weight: torch.Tensor | None,
@@ -127,18 +132,35 @@ def finish_rewrite(gm: fx.GraphModule, changed: int, *, erased: bool = False) ->
     return changed
 
 
-def fold_batch_norms(gm: fx.GraphModule) -> int:
-    """Fold every eligible ``wide.batch_norm`` into the ``wide.conv`` before it (see the note);
-    returns how many were folded."""
+def _foldable_producer(bn: fx.Node, into) -> fx.Node | None:
+    """The ``into`` node (``wide.conv`` after the layout plan, fed packed; ``wide.linear`` before
+    it, a BatchNorm1d over a 2-d member ``[B, C]`` read through ``to_nfirst`` views only) that
+    only ``bn``, an eval BatchNorm with running statistics, reads; None when there is none."""
+    x, _w, _b, mean, var, training = bn.args[:6]
+    if (training is not False or mean is None or var is None or not isinstance(x, fx.Node)
+            or x.target is not into or len(x.users) != 1):
+        return None
+    if into is wide.conv.default:
+        return x if bn.kwargs.get("packed_input") else None
+    member = (bn.meta.get("wide_shapes") or {}).get("input")
+    if (not bn.kwargs.get("packed_input") and member is not None and len(member) == 2 and bn.users
+            and all(u.target is TO_NFIRST for u in bn.users)):
+        return x
+    return None
+
+
+def fold_batch_norms(gm: fx.GraphModule, into=wide.conv.default) -> int:
+    """Fold every eligible ``wide.batch_norm`` into the ``into`` op before it (see the note):
+    ``wide.conv`` after the layout plan, ``wide.linear`` before it (so that the plan never
+    packs the BatchNorm1d's activation); returns how many were folded."""
     graph, folded = gm.graph, 0
     for bn in list(graph.nodes):
         if bn.op != "call_function" or bn.target is not wide.batch_norm.default:
             continue
-        x, bn_w, bn_b, mean, var, training, _momentum, eps = bn.args[:8]
-        conv = x
-        if (training is not False or mean is None or var is None or not bn.kwargs.get("packed_input")
-                or not isinstance(conv, fx.Node) or conv.target is not wide.conv.default or len(conv.users) != 1):
+        conv = _foldable_producer(bn, into)
+        if conv is None:
             continue
+        _x, bn_w, bn_b, mean, var, _training, _momentum, eps = bn.args[:8]
         with graph.inserting_before(conv):
             params = graph.call_function(cached_folded_conv_params, (conv.args[1], conv.args[2], bn_w, bn_b, mean,
                                                                      var, eps, next(_FOLD_SITES)))
@@ -147,6 +169,10 @@ def fold_batch_norms(gm: fx.GraphModule) -> int:
             b = graph.call_function(operator.getitem, (params, 1))
         conv.args = (conv.args[0], w, b, *conv.args[3:])
         conv.meta["wide_folded"] = bn.name
+        if conv.target is wide.linear.default:  # N-first: the to_nfirst readers of the packed BN read it
+            for view in list(bn.users):
+                view.replace_all_uses_with(conv)
+                graph.erase_node(view)
         bn.replace_all_uses_with(conv)
         graph.erase_node(bn)
         folded += 1

@@ -1,7 +1,7 @@
 """The compiler pipeline: N members -> one wide graph, as named passes run from an explicit list.
 
-    check_members -> capture -> check_programs -> widen -> layout
-        -> [eval graphs: fold_batch_norms -> channels_last -> pool_before_relu
+    check_members -> capture -> check_programs -> widen -> [eval graphs: fold_linear_batch_norms]
+        -> layout -> [eval graphs: fold_batch_norms -> channels_last -> pool_before_relu
             -> fuse_residual_norms -> relu_in_place -> attention_kernel] -> strategies
         -> [with the members: stack_state] -> [with a state: check_tuning]
         -> [with a state, or a tile asked for: tile_members]
@@ -96,7 +96,7 @@ class Compilation:
     ep: ExportedProgram | None = None
     wide: WideGraph | None = None
     layout: dict[str, int] | None = None  # {"conversions": k, "packed_ops": m}
-    folded: int = 0  # eval BatchNorms folded into their conv
+    folded: int = 0  # eval BatchNorms folded into their conv or Linear
     # Note [Member tiles]: the tile of the graph this one replaces (a capture for new sizes keeps
     # it without measuring); None: config.member_tile, else measured
     member_tile: int | None = None
@@ -186,7 +186,11 @@ def _layout(c: Compilation) -> None:
 
 
 def _fold_batch_norms(c: Compilation) -> None:  # Note [Folding BatchNorm into the conv]
-    c.folded = fold_batch_norms(c.wide.graph_module)
+    c.folded += fold_batch_norms(c.wide.graph_module)
+
+
+def _fold_linear_batch_norms(c: Compilation) -> None:  # before the layout plan packs them
+    c.folded += fold_batch_norms(c.wide.graph_module, into=torch.ops.wide.linear.default)
 
 
 def _eval_only(c: Compilation) -> bool:
@@ -229,6 +233,7 @@ PASSES: tuple[Pass, ...] = (
          check=lambda c: isinstance(c.ep, ExportedProgram) or _bad("capture", "no ExportedProgram")),
     Pass("check_programs", _check_programs, ("ep",)),
     Pass("widen", _widen, ("ep",), check=_lint_and_check_ranks),
+    Pass("fold_linear_batch_norms", _fold_linear_batch_norms, ("wide",), check=_lint, when=_eval_only),
     Pass("layout", _layout, ("ep", "wide"), check=_lint),
     Pass("fold_batch_norms", _fold_batch_norms, ("wide",), check=_lint, when=_eval_only),
     _eval_rewrite("channels_last", rewrite_channels_last),  # Note [Channels-last max pooling]
