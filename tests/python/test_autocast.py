@@ -354,19 +354,15 @@ def _op_cases():
         return (lambda: _nfirst(wide.group_norm(x, N, 2, _stack(ms, "weight"), _stack(ms, "bias"), 1e-5)),
                 lambda i: ms[i](x[i]))
 
-    @case
-    def group_norm_nfirst(act):
-        ms = make_members(lambda: nn.GroupNorm(2, 4), N)
-        x = torch.randn(N, 2, 4, 5, dtype=act)
-        return (lambda: wide.group_norm_nfirst(x, 2, _stack(ms, "weight"), _stack(ms, "bias"), 1e-5),
-                lambda i: ms[i](x[i]))
+    def nfirst_group_norm(op):  # group_norm_nfirst and its kernel, fused_group_norm: N-first in and out
+        def build(act):
+            ms = make_members(lambda: nn.GroupNorm(2, 4), N)
+            x = torch.randn(N, 2, 4, 5, dtype=act)
+            return (lambda: op(x, 2, _stack(ms, "weight"), _stack(ms, "bias"), 1e-5), lambda i: ms[i](x[i]))
+        return build
 
-    @case
-    def fused_group_norm(act):
-        ms = make_members(lambda: nn.GroupNorm(2, 4), N)
-        x = torch.randn(N, 2, 4, 5, dtype=act)
-        return (lambda: wide.fused_group_norm(x, 2, _stack(ms, "weight"), _stack(ms, "bias"), 1e-5),
-                lambda i: ms[i](x[i]))
+    cases["group_norm_nfirst"] = nfirst_group_norm(wide.group_norm_nfirst)
+    cases["fused_group_norm"] = nfirst_group_norm(wide.fused_group_norm)
 
     @case
     def layer_norm(act):
