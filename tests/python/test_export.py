@@ -32,10 +32,22 @@ class TwoInputs(nn.Module):
         return out if scale is None else out * scale
 
 
+class NormMLP(nn.Module):
+    """Linear -> BatchNorm1d (folded into the Linear) -> ReLU -> Linear -> GroupNorm (N-first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.GroupNorm(2, 8))
+
+    def forward(self, x):
+        return self.net(x)
+
+
 @pytest.mark.parametrize("factory,sample,kwargs", [
     (ConvNet, (torch.randn(2, 3, 8, 8),), {}),
     (TwoInputs, (torch.randn(4, 6), torch.randn(4, 3)), {"scale": torch.randn(4, 1)}),
-], ids=["convnet", "two_inputs_and_a_keyword"])
+    (NormMLP, (torch.randn(4, 6),), {}),
+], ids=["convnet", "two_inputs_and_a_keyword", "norm_mlp"])
 def test_export_save_load_matches_members_at_other_batches(factory, sample, kwargs, tmp_path):
     models = _with_statistics(make_members(factory, 3))
     wide = wc.compile(models, sample, sample_kwargs=kwargs or None, config=FAST)
@@ -67,7 +79,7 @@ def test_export_reflects_the_current_parameters():
 def _with_statistics(models):
     for m in models:  # BatchNorm with statistics of its own (the eval graph folds it)
         for mod in m.modules():
-            if isinstance(mod, nn.BatchNorm2d):
+            if isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d)):
                 mod.running_mean.uniform_(-1, 1), mod.running_var.uniform_(0.5, 2)
     return models
 

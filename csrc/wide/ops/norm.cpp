@@ -212,7 +212,8 @@ at::Tensor group_norm_nfirst_impl(const at::Tensor& input, int64_t num_groups,
                                   const std::optional<at::Tensor>& bias, double eps) {
   TORCH_CHECK(input.dim() >= 3 && num_groups >= 1, "wide::group_norm_nfirst: expected an N-first "
               "input [N, B, C, *] and num_groups >= 1, got ", input.sym_sizes(), " and ", num_groups);
-  const int64_t n = input.size(0);
+  // (size(0) would read every size as an int, fixing a symbolic batch under export)
+  const int64_t n = input.sym_size(0).guard_int(__FILE__, __LINE__);
   TORCH_CHECK(input.sym_size(2) % num_groups == 0, "wide::group_norm_nfirst: expected the ",
               input.sym_size(2), " channels per member to be divisible by num_groups=", num_groups);
   check_values("group_norm", input.sym_numel() / (n * num_groups), input, "value per channel");
