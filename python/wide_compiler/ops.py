@@ -28,8 +28,8 @@ have none. A row holds:
   accepts only these); ``"layout"``: the conversions between N-first and channel-packed values
   (the layout plan, fx/layout.py); ``"eval"``: what a graph rewrite puts in place of a layer's
   op (the eval-graph rewrites of fx/eval_rewrites.py, the layout plan); ``"kernel"``: a
-  hand-written kernel that other ops call; ``"helper"``: an in-place step a rule emits before a layer's op; ``"optimizer"``: a fused
-  per-member optimizer step (:mod:`wide_compiler.optim`).
+  hand-written kernel that other ops call; ``"helper"``: an in-place step a rule emits before a
+  layer's op; ``"optimizer"``: a fused per-member optimizer step (:mod:`wide_compiler.optim`).
 - ``strategies``: the names the op's ``strategy`` argument accepts besides ``"auto"``, in the
   order the modules list them (empty: the op has one implementation and no ``strategy``
   argument). ``"loop"`` (a loop over members) is one of them wherever there is a choice.
