@@ -336,9 +336,14 @@ def _signature(args: tuple, kwargs: dict) -> Any:
                   for a in flat]
 
 
+def _plain(args: tuple, kwargs: dict) -> bool:
+    """Whether a call is positional tensors only (the common call: no pytree walk needed)."""
+    return not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+
+
 def _structure(args: tuple, kwargs: dict) -> Any:
     """What a compiled program fixes about its inputs: the nesting and the non-tensor values."""
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # the common call: no pytree walk
+    if _plain(args, kwargs):
         return len(args)
     flat, spec = tree_flatten((args, kwargs))
     return spec, [None if isinstance(a, torch.Tensor) else ("value", a) for a in flat]
@@ -346,9 +351,8 @@ def _structure(args: tuple, kwargs: dict) -> Any:
 
 def _expand(tree: Any, n: int) -> Any:
     """One input shared by n members: every tensor as a stride-0 view ``x.expand(n, *x.shape)``."""
-    args, kwargs = tree
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # the common call: no pytree walk
-        return tuple(a.expand(n, *a.shape) for a in args), {}
+    if _plain(*tree):
+        return tuple(a.expand(n, *a.shape) for a in tree[0]), {}
     return tree_map(lambda a: a.expand(n, *a.shape) if isinstance(a, torch.Tensor) else a, tree)
 
 
@@ -1032,8 +1036,9 @@ class WideRouter(nn.Module):
                 if k not in structures:
                     structures[k] = _structure(*a)
             same = all(structures[k] == self._structures[key] for k in distinct)
-            if not same and (key, str(_structure(*inputs[members[chosen[0]]]))) not in self._warned_structures:
-                self._warned_structures.add((key, str(_structure(*inputs[members[chosen[0]]]))))
+            seen = (key, str(structures[id(inputs[members[chosen[0]]])]))
+            if not same and seen not in self._warned_structures:
+                self._warned_structures.add(seen)
                 warnings.warn(f"WideRouter: group {members} was compiled for other inputs (another nesting, "
                               "other keywords or non-tensor values); these inputs run member by member on "
                               "the wide parameters (correct, slower): call prepare_for_compile(...) with "

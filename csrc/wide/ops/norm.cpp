@@ -214,8 +214,6 @@ at::Tensor group_norm_nfirst_impl(const at::Tensor& input, int64_t num_groups,
               "input [N, B, C, *] and num_groups >= 1, got ", input.sym_sizes(), " and ", num_groups);
   // (size(0) would read every size as an int, fixing a symbolic batch under export)
   const int64_t n = input.sym_size(0).guard_int(__FILE__, __LINE__);
-  TORCH_CHECK(input.sym_size(2) % num_groups == 0, "wide::group_norm_nfirst: expected the ",
-              input.sym_size(2), " channels per member to be divisible by num_groups=", num_groups);
   check_values("group_norm", input.sym_numel() / (n * num_groups), input, "value per channel");
   if (auto y = detail::maybe_fused_group_norm(input, num_groups, weight, bias, eps)) return *y;
   return to_nfirst(group_norm(input, n, num_groups, weight, bias, eps, false), n);

@@ -157,23 +157,23 @@ def fold_batch_norms(gm: fx.GraphModule, into=wide.conv.default) -> int:
     for bn in list(graph.nodes):
         if bn.op != "call_function" or bn.target is not wide.batch_norm.default:
             continue
-        conv = _foldable_producer(bn, into)
-        if conv is None:
+        producer = _foldable_producer(bn, into)
+        if producer is None:
             continue
         _x, bn_w, bn_b, mean, var, _training, _momentum, eps = bn.args[:8]
-        with graph.inserting_before(conv):
-            params = graph.call_function(cached_folded_conv_params, (conv.args[1], conv.args[2], bn_w, bn_b, mean,
-                                                                     var, eps, next(_FOLD_SITES)))
+        with graph.inserting_before(producer):
+            params = graph.call_function(cached_folded_conv_params, (producer.args[1], producer.args[2], bn_w, bn_b,
+                                                                     mean, var, eps, next(_FOLD_SITES)))
             params.meta["wide_source"] = bn.meta.get("wide_source", bn.name)
             w = graph.call_function(operator.getitem, (params, 0))
             b = graph.call_function(operator.getitem, (params, 1))
-        conv.args = (conv.args[0], w, b, *conv.args[3:])
-        conv.meta["wide_folded"] = bn.name
-        if conv.target is wide.linear.default:  # N-first: the to_nfirst readers of the packed BN read it
+        producer.args = (producer.args[0], w, b, *producer.args[3:])
+        producer.meta["wide_folded"] = bn.name
+        if producer.target is wide.linear.default:  # N-first: the to_nfirst readers of the packed BN read it
             for view in list(bn.users):
-                view.replace_all_uses_with(conv)
+                view.replace_all_uses_with(producer)
                 graph.erase_node(view)
-        bn.replace_all_uses_with(conv)
+        bn.replace_all_uses_with(producer)
         graph.erase_node(bn)
         folded += 1
     return finish_rewrite(gm, folded, erased=True)
