@@ -29,6 +29,9 @@ TORCH_LIBRARY(wide, m) {
   // one exists) or packed (packed_input=True) and always return a PACKED result.
   m.def("to_packed(Tensor(a) input) -> Tensor(a)");
   m.def("to_nfirst(Tensor(a) input, SymInt n) -> Tensor(a)");
+  // A channels-last packed activation made channels-first for the channels-first ops after it;
+  // its gradient goes back channels-last (Note [Layout-keeping conversion] in ops/conv_autograd.cpp).
+  m.def("to_channels_first(Tensor input) -> Tensor");
   // N Conv{1,2,3}d: weight [N, C_out, C_in/groups, *k], bias [N, C_out]. padding: one value per
   // spatial dim, or (left, right) per dim in F.pad order. strategy: "auto" | "grouped" |
   // "grouped_cl" (channels-last, 2-d) | "loop" (Note [wide::conv strategies] in ops/conv.cpp).

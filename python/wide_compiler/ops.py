@@ -112,6 +112,7 @@ WIDE_OPS: dict[str, WideOp] = _table(
     WideOp("linear", "layer", ("bmm", "bmm_t", "loop"), "bmm"),
     WideOp("to_packed", "layout", result="packed"),
     WideOp("to_nfirst", "layout"),  # reads a packed input (its only argument is one)
+    WideOp("to_channels_first", "layout", result="packed"),  # a packed input made channels-first
     # grouped: one grouped conv; grouped_cl: the same channels-last (2-d); loop: one conv per member
     WideOp("conv", "layer", ("grouped", "grouped_cl", "loop"), "grouped", **_PACKED),
     WideOp("conv_transpose", "layer", ("grouped", "grouped_cl", "loop"), "grouped", **_PACKED),

@@ -70,6 +70,22 @@ TEST(WideLayout, PackedActivationCppApi) {
                "wide::myop: expected a channel-packed input [B, N*C, *] with 3 dims");
 }
 
+// Note [Layout-keeping conversion]: .contiguous()'s values; a channels-last input's gradient comes
+// back channels-last, a channels-first input's channels-first.
+TEST(WideLayout, ToChannelsFirstKeepsTheGradientLayout) {
+  for (const auto format : {at::MemoryFormat::ChannelsLast, at::MemoryFormat::Contiguous}) {
+    at::Tensor x = at::randn({2, 6, 3, 4}).contiguous(format);
+    x.set_requires_grad(true);
+    const at::Tensor y = wide::to_channels_first(x);
+    EXPECT_TRUE(y.is_contiguous());
+    EXPECT_TRUE(at::equal(y, x));
+    const at::Tensor g = at::randn({2, 6, 3, 4});
+    y.backward(g);
+    EXPECT_TRUE(at::equal(x.grad(), g));
+    EXPECT_TRUE(x.grad().is_contiguous(format)) << format;
+  }
+}
+
 TEST(WideLayout, Errors) {
   expect_error([] { wide::to_packed(at::randn({3, 4})); }, "wide::to_packed: expected an N-first tensor [N, B, C, *]");
   expect_error([] { wide::to_nfirst(at::randn({4}), 2); }, "wide::to_nfirst: expected a channel-packed tensor");

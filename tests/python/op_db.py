@@ -357,6 +357,21 @@ def to_nfirst_fuzz(rng, dtype):
                        packed={0: c})
 
 
+def to_channels_first_samples(dtype, rg):
+    m = Maker("to_channels_first", dtype, rg)
+    yield SampleInput("channels_last", 2, (m.randn(2, 6, 3, 4, layout="channels_last"),), packed={0: 3}, aot=True)
+    yield SampleInput("contiguous-B1", 3, (m.randn(1, 3, 2, 2),), packed={0: 1})
+    yield SampleInput("3d-sliced", 2, (m.randn(2, 4, 3, layout="sliced"),), packed={0: 2})
+
+
+def to_channels_first_fuzz(rng, dtype):
+    m = Maker(rng.random(), dtype, dtype == F64)
+    n, c = rng.randint(1, 4), rng.randint(1, 3)
+    layout = rng.choice(("contiguous", "sliced", "channels_last"))
+    return SampleInput("fuzz", n, (m.randn(rng.randint(1, 3), n * c, *_spatial(rng, 0, 2), layout=layout),),
+                       packed={0: c})
+
+
 # ---- conv / conv_transpose ------------------------------------------------------------------
 CONV_F = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 CONVT_F = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -1213,7 +1228,7 @@ def conv_transpose_fuzz(rng, dtype):
 
 
 def _identity_member(x):
-    """to_packed: member i's channels of the packed result are member i's input."""
+    """to_packed, to_channels_first: member i's channels of the packed result are member i's input."""
     return x
 
 
@@ -1230,6 +1245,7 @@ OPS: list[OpInfo] = [
     OpInfo("linear", linear_samples, linear_fuzz, linear_ref, nograd_samples=4),
     OpInfo("to_packed", to_packed_samples, to_packed_fuzz, _identity_member, **_PACKED),
     OpInfo("to_nfirst", to_nfirst_samples, to_nfirst_fuzz, _to_nfirst_member),
+    OpInfo("to_channels_first", to_channels_first_samples, to_channels_first_fuzz, _identity_member, **_PACKED),
     OpInfo("conv", conv_samples, conv_fuzz, conv_ref, **_PACKED),
     OpInfo("conv_transpose", conv_transpose_samples, conv_transpose_fuzz, conv_transpose_ref, **_PACKED),
     OpInfo("batch_norm", batch_norm_samples, batch_norm_fuzz, batch_norm_ref, **_PACKED),

@@ -106,7 +106,46 @@ def test_unfuse_round_trip_and_errors():
         torch.ops.wide.conv(torch.randn(2, 1, 3, 5, 5), torch.randn(2, 4, 2, 3, 3), None, [1, 1], [0, 0], [1, 1], 1)
 
 
-# opcheck of wide.conv / conv_transpose / to_packed / to_nfirst: test_op_db.py
+# opcheck of wide.conv / conv_transpose / to_packed / to_nfirst / to_channels_first: test_op_db.py
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
+def test_to_channels_first_hands_the_gradient_back_in_its_input_layout(layout):
+    """Note [Layout-keeping conversion]: the values of .contiguous(); the gradient of a
+    channels-last input comes back channels-last (a channels-first one would make a max pool's
+    backward convert twice), also through create_graph and under no_grad."""
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x = torch.randn(2, 6, 5, 4).contiguous(memory_format=fmt).requires_grad_()
+    y = torch.ops.wide.to_channels_first(x)
+    assert y.is_contiguous() and torch.equal(y, x)
+    g = torch.randn(2, 6, 5, 4, requires_grad=True)
+    (gx,) = torch.autograd.grad(y, x, g, create_graph=True)
+    assert torch.equal(gx, g) and gx.is_contiguous(memory_format=fmt)
+    (gg,) = torch.autograd.grad(gx.sum(), g)  # the backward is differentiable (double backward)
+    assert torch.equal(gg, torch.ones_like(g))
+    with torch.no_grad():
+        assert torch.ops.wide.to_channels_first(x).is_contiguous()
+
+
+def test_grouped_conv_of_a_channels_last_input_returns_a_channels_last_input_gradient():
+    """A packed channels-last input into a channels-first grouped conv: the conversion inside the
+    conv keeps the gradient's layout (Note [Layout-keeping conversion]); values as the members'."""
+    torch.manual_seed(0)
+    n, c = 3, 4
+    w = torch.randn(n, 5, c, 3, 3, requires_grad=True)
+    x = torch.randn(2, n * c, 6, 6).contiguous(memory_format=torch.channels_last).requires_grad_()
+    y = torch.ops.wide.conv(x, w, None, [1, 1], [1, 1], [1, 1], 1, packed_input=True, strategy="grouped")
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    assert gx.is_contiguous(memory_format=torch.channels_last)
+    for i in range(n):
+        xi = x.detach()[:, i * c:(i + 1) * c].clone().requires_grad_()
+        wi = w.detach()[i].clone().requires_grad_()
+        yi = nn.functional.conv2d(xi, wi, padding=1)
+        torch.testing.assert_close(y[:, i * 5:(i + 1) * 5], yi)
+        gxi, gwi = torch.autograd.grad(yi, (xi, wi), g[:, i * 5:(i + 1) * 5])
+        torch.testing.assert_close(gx[:, i * c:(i + 1) * c], gxi)
+        torch.testing.assert_close(gw[i], gwi)
 
 
 @pytest.mark.parametrize("padding_mode", ["zeros", "reflect", "replicate", "circular"])

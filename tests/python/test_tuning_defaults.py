@@ -460,6 +460,7 @@ def test_stem_layout_follows_what_comes_after_it(pool):
     (16x16 planes: Note [Channels-last max pooling]).
     The reason says which, and the train graph still matches the members."""
     from wide_compiler import testing
+    from wide_compiler.fx.pipeline import PASSES, Compilation, run_pipeline
 
     class Stem(nn.Module):
         def __init__(self) -> None:
@@ -476,9 +477,24 @@ def test_stem_layout_follows_what_comes_after_it(pool):
         gm = wide._graph_for(training).graph_module
         stem = next(n for n in gm.graph.nodes if n.target is torch.ops.wide.conv.default)
         assert stem.kwargs["strategy"] == want, (training, stem.kwargs)
+        # the channels-last run ends at the pool: one conversion there for all its readers (the
+        # conv and the residual add), in the CPU train graph only (fx/layout.py step 5)
+        converts = gm.graph.find_nodes(op="call_function", target=torch.ops.wide.to_channels_first.default)
+        if training and pool:
+            (node,) = converts
+            assert node.args[0].target is torch.ops.aten.max_pool2d.default and list(node.args[0].users) == [node]
+            assert {u.target for u in node.users} == {torch.ops.wide.conv.default, torch.ops.aten.add.Tensor}
+            assert "channels-last -> channels-first" in node.meta["wide_layout_conversion"]
+        else:
+            assert not converts, training
         if training:
             why = stem.meta["wide_strategy_reason"]
             assert "Note [Stem layout]" in why and ("a max pool after it" if pool else "no max pool") in why, why
+    # on CUDA every conv defaults to channels-last: nothing to convert
+    c = Compilation(Stem().train(), ((torch.randn(2, 3, 16, 16),), {}), 3, wc.WideConfig.fast(),
+                    device=torch.device("cuda"))
+    run_pipeline(c, [p for p in PASSES if p.name in ("capture", "widen", "layout")])
+    assert not c.wide.graph_module.graph.find_nodes(op="call_function", target=torch.ops.wide.to_channels_first.default)
 
 
 def test_a_cached_pick_is_relative_to_its_default(clock, tmp_path):

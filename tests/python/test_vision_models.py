@@ -204,7 +204,9 @@ def test_whole_model_matches_members(name, training):
     make, shape = MODELS[name]
     wide = _compile_and_check(make, torch.randn(*shape), training=training)
     conv = sum(1 for nd in wide._graph_for(training).graph_module.graph.nodes if nd.meta.get("wide_layout_conversion"))
-    assert conv <= 2, wide.report()  # into the first conv, out of the last pool/conv: not one per layer
+    # into the first conv, out of the last pool/conv, and in a train graph the channels-last stem's
+    # pooled features made channels-first (fx/layout.py step 5): not one per layer
+    assert conv <= 2 + (training and name == "resnet"), wide.report()
 
 
 def test_resnet_shared_input_float64_and_b1():

@@ -194,7 +194,7 @@ at::Tensor wide_convolution(const char* op, const at::Tensor& input, const at::T
               .permute({0, 3, 1, 2});
     }
   } else {
-    x = pre_pad(detail::packed_activation(input, packed_input, d + 2, op)).contiguous();
+    x = detail::contiguous_keeping_grad_layout(pre_pad(detail::packed_activation(input, packed_input, d + 2, op)));
   }
   std::vector<c10::SymInt> wsizes(weight.sym_sizes().begin() + 1, weight.sym_sizes().end());
   wsizes[0] = n * weight.sym_size(1);

@@ -86,9 +86,17 @@ at::Tensor to_nfirst(const at::Tensor& input, c10::SymInt n) {
   return op.call(input, std::move(n));
 }
 
+at::Tensor to_channels_first(const at::Tensor& input) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("wide::to_channels_first", "")
+                       .typed<decltype(to_channels_first)>();
+  return op.call(input);
+}
+
 } // namespace wide
 
 TORCH_LIBRARY_IMPL(wide, CompositeImplicitAutograd, m) {
+  m.impl("to_channels_first", &wide::detail::contiguous_keeping_grad_layout);
   m.impl("to_packed", &wide::detail::to_packed);
   m.impl("to_nfirst", &wide::to_nfirst_impl);
 }

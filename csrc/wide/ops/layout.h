@@ -18,6 +18,10 @@ at::Tensor to_packed(const at::Tensor& input);
 /// See Note [wide layouts].
 at::Tensor to_nfirst(const at::Tensor& input, c10::SymInt n);
 
+/// input.contiguous(), whose gradient keeps input's memory layout: a channels-last input gets
+/// a channels-last gradient (Note [Layout-keeping conversion] in ops/conv_autograd.cpp).
+at::Tensor to_channels_first(const at::Tensor& input);
+
 namespace detail {
 
 // Internal helpers of the packed-family op implementations (called directly, not through the
@@ -30,6 +34,9 @@ at::Tensor to_packed(const at::Tensor& input);
 /// checks that each member's value has `member_rank` dims ([B, C, *]).
 at::Tensor packed_activation(const at::Tensor& input, bool packed_input, int64_t member_rank,
                              std::string_view op);
+
+/// The implementation of wide::to_channels_first (in conv_autograd.cpp, with the autograd headers).
+at::Tensor contiguous_keeping_grad_layout(const at::Tensor& input);
 
 } // namespace detail
 } // namespace wide

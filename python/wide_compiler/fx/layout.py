@@ -28,8 +28,19 @@ value the other rules see is N-first. This pass (the "layout" pass of fx/pipelin
    InstanceNorm without running statistics is such a GroupNorm too, but it keeps its own op:
    under CUDA autocast ATen runs it in the activation's dtype and GroupNorm in float32.)
 
+5. in a CPU train graph, makes the result of a max pool that ends a channels-last run channels-first
+   once for all its readers (``wide.to_channels_first``, whose gradient goes back channels-last):
+   the run starts at a conv whose default strategy is channels-last (a train graph's RGB stem
+   before a max pool, Note [Stem layout]) and goes through norms and activations, and the convs
+   after the pool run channels-first. Each reader would otherwise convert on its own and hand
+   back a channels-first gradient, which the max pool's backward converts twice (Note
+   [Layout-keeping conversion] in csrc/wide/ops/conv_autograd.cpp). Only where a packed op
+   reads the pool (a pool read N-first alone is handed on as a view). On a channels-first value
+   (the tuner chose another stem strategy) it is free. (On CUDA every conv defaults to
+   channels-last: nothing to convert.)
+
 A ResNet thus keeps two conversions: the input into the stem conv, and the pooled features into
-the classifier. The pass only rewrites what it proves equivalent; anything else stays N-first,
+the classifier (and in a CPU train graph the stem's pooled features made channels-first). The pass only rewrites what it proves equivalent; anything else stays N-first,
 which is always correct.
 """
 
@@ -42,6 +53,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from .rules.conv import LAYOUT_KEEPING_ACTIVATIONS
 from .table import find_rule, packed_ops
 
 __all__ = ["plan_layout", "count_conversions"]
@@ -49,8 +61,13 @@ __all__ = ["plan_layout", "count_conversions"]
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 TO_NFIRST = torch.ops.wide.to_nfirst.default
+TO_CHANNELS_FIRST = torch.ops.wide.to_channels_first.default
+_CONV = torch.ops.wide.conv.default
 _GROUP_NORM = torch.ops.wide.group_norm.default
 _GROUP_NORM_NFIRST = torch.ops.wide.group_norm_nfirst.default
+# Packed norms and activations: a channels-last input gives a channels-last result.
+_KEEPS_LAYOUT = {torch.ops.wide.batch_norm.default, torch.ops.wide.group_norm.default,
+                 torch.ops.wide.instance_norm.default, *LAYOUT_KEEPING_ACTIVATIONS}
 # Reading sizes of a view is free: such readers do not make a to_nfirst a conversion.
 _SIZE_READERS = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
                  aten.sym_storage_offset.default}
@@ -195,10 +212,38 @@ def _run_nfirst(graph: fx.Graph, node: fx.Node) -> bool:
     return True
 
 
-def plan_layout(graph: fx.Graph, n: int, old_graph: fx.Graph | None = None) -> dict[str, int]:
+def _ends_channels_last_run(node: fx.Node) -> bool:
+    """Whether ``node`` is a 2-d max pool fed, through norms and activations read by nothing
+    else, by a conv whose default strategy is channels-last (step 5 of the module docstring)."""
+    if node.target is not aten.max_pool2d.default:
+        return False
+    x = node.args[0]
+    while isinstance(x, fx.Node) and x.target in _KEEPS_LAYOUT and len(x.users) == 1:
+        x = x.args[0]
+    spec = x.meta.get("wide_tune") if isinstance(x, fx.Node) and x.target is _CONV else None
+    return spec is not None and spec.default == "grouped_cl"
+
+
+def _to_channels_first(graph: fx.Graph, node: fx.Node, packed: frozenset) -> bool:
+    """Step 5 of the module docstring after ``node``: whether it was inserted (only where a
+    packed op reads the pool: a pool read N-first alone is handed on as a view)."""
+    if not _ends_channels_last_run(node) or not any(u.target in packed for u in node.users):
+        return False
+    with graph.inserting_after(node):
+        new = graph.call_function(TO_CHANNELS_FIRST, (node,))
+    new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "stack_trace", "nn_module_stack",
+                                                                  "wide_source", "wide_member_shape")})
+    node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+    return True
+
+
+def plan_layout(graph: fx.Graph, n: int, old_graph: fx.Graph | None = None, *, training: bool = False,
+                device: str = "cpu") -> dict[str, int]:
     """Run the plan on a wide graph in place; returns ``{"conversions": k, "packed_ops": m}``.
 
-    ``old_graph`` is the captured member graph (for member shapes of the values pushed through).
+    ``old_graph`` is the captured member graph (for member shapes of the values pushed through);
+    ``training`` (the graph computes gradients) and ``device`` (the device type it runs on):
+    whether step 5 of the module docstring applies.
     """
     old = {nd.name: nd for nd in old_graph.nodes} if old_graph is not None else {}
     packed = packed_ops()
@@ -214,9 +259,10 @@ def plan_layout(graph: fx.Graph, n: int, old_graph: fx.Graph | None = None) -> d
                 graph.erase_node(node)
         if not changed:
             break
+    channels_first = training and device == "cpu"
     for node in list(graph.nodes):
         if node.op == "call_function":
-            _run_nfirst(graph, node)
+            _run_nfirst(graph, node) or (channels_first and _to_channels_first(graph, node, packed))
     return count_conversions(graph)
 
 
@@ -235,6 +281,9 @@ def count_conversions(graph: fx.Graph) -> dict[str, int]:
                 node.meta["wide_layout_conversion"] = (
                     f"N-first -> packed into {node.target._schema.name} (a copy; none for a shared "
                     "input of a conv)")
+        elif node.target is TO_CHANNELS_FIRST:
+            conversions += 1
+            node.meta["wide_layout_conversion"] = "channels-last -> channels-first (a copy, its gradient copied back)"
         elif _is_to_nfirst(node):
             readers = [u for u in node.users if u.target not in _SIZE_READERS]
             if readers:

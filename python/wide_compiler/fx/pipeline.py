@@ -181,8 +181,16 @@ def _widen(c: Compilation) -> None:
                    per_member_args=c.constant_plan.args if c.constant_plan is not None else None)
 
 
+def _dtype_device(c: Compilation) -> tuple[torch.dtype, torch.device]:
+    """What the wide graph runs in: the compilation's dtype and device, else the model's."""
+    ref = next(c.model.parameters(), None)
+    return (c.dtype or (ref.dtype if ref is not None else torch.get_default_dtype()),
+            c.device or (ref.device if ref is not None else torch.device("cpu")))
+
+
 def _layout(c: Compilation) -> None:
-    c.layout = plan_layout(c.wide.graph_module.graph, c.n, c.ep.graph)
+    c.layout = plan_layout(c.wide.graph_module.graph, c.n, c.ep.graph, training=c.training,
+                           device=_dtype_device(c)[1].type)
 
 
 def _fold_batch_norms(c: Compilation) -> None:  # Note [Folding BatchNorm into the conv]
@@ -204,9 +212,7 @@ def _eval_rewrite(name: str, rewrite: Callable[[torch.fx.GraphModule], int]) -> 
 
 
 def _strategies(c: Compilation) -> None:
-    ref = next(c.model.parameters(), None)
-    dtype = c.dtype or (ref.dtype if ref is not None else torch.get_default_dtype())
-    device = c.device or (ref.device if ref is not None else torch.device("cpu"))
+    dtype, device = _dtype_device(c)
     c.timings = choose_strategies(c.wide.graph_module.graph, c.n, c.config, training=c.training,
                                   dtype=dtype, device=device)
 
