@@ -15,7 +15,12 @@ predecessor, and what a block leaves behind (caches, the heap, pages returned to
 then always hits the same next callable (measured 2026-11-26, `benchmark models`: two
 WideModels running the same graph,
 the one timed after vmap's blocks in every round took 62-68 ms per training step, the other
-52-58 ms; with the alternation, 54.1 and 53.7 ms). Drift then hits every callable of a round
+52-58 ms; with the alternation, 54.1 and 53.7 ms). The alternation alone is not enough when a
+block is one call and the rounds few: with 5 callables and 3 rounds (ResNet-18 at N=16, 0.6-1.9 s
+a training step) the first wide model still followed vmap in all three rounds and took 672 and
+704 ms in two runs against 614 and 628 ms for the same graph timed elsewhere. So
+:func:`time_interleaved` starts each block of a single call with one untimed call, which pays
+what the block before left behind (the same runs: 550 and 574 ms). Drift then hits every callable of a round
 alike: medians over rounds, or the median of per-round ratios (the tuner's paired speedup), hold
 far better. Garbage collection is off while a sample runs (as ``timeit`` does), and the clock
 is read around every call, warm-up calls included, so a ``stop`` predicate (a time budget) is
@@ -217,7 +222,7 @@ def _calibrated(fns: Mapping[Hashable, Callable[[], Any]], min_run_time: float, 
     k = {name: max(1, round(block_s / per_call[name])) for name in names}
     slowest = max(per_call.values())
     n_rounds = min(rounds, max(min(min_rounds, rounds), int(min_run_time / slowest)))
-    return interleave(fns, n_rounds, calls=k).medians_ms()
+    return interleave(fns, n_rounds, calls=k, block_warmup=int(min(k.values()) == 1)).medians_ms()
 
 
 def time_interleaved(fns: Mapping[Hashable, Callable[[], Any]], *, min_run_time: float = 0.2,
@@ -227,7 +232,8 @@ def time_interleaved(fns: Mapping[Hashable, Callable[[], Any]], *, min_run_time:
 
     Every callable is called ``warmup`` times, then calibrated: ``k`` calls per block so that one
     block takes about ``min_run_time / rounds`` seconds (at least one call). Then
-    :func:`interleave` runs ``rounds`` rounds of one block each, rotating; the result is each
+    :func:`interleave` runs ``rounds`` rounds of one block each, rotating (where a block is one
+    call, an untimed call starts every block: Note [Interleaved timing]); the result is each
     one's median over the rounds of block time / ``k``. Each callable runs about
     ``min_run_time`` seconds in all; when one call of the slowest takes longer than
     ``min_run_time / rounds``, fewer rounds are run (``min_run_time`` over that call, at least
