@@ -66,9 +66,24 @@ def test_interleave_warmup_count_and_rotating_order(clock):
     fns = recorder(clock, {"a": 1.0, "b": 1.0, "c": 1.0}, log)
     r = measure.interleave(fns, 3, warmup=2)
     assert log[:6] == ["a", "a", "b", "b", "c", "c"]  # warm-up: each callable in turn
-    # rotating by one per round, odd rounds reversed: no callable always follows the same one
-    assert log[6:] == ["a", "b", "c", "a", "c", "b", "c", "a", "b"]
+    # the order changes every round so that no callable keeps following the same one
+    assert log[6:] == ["a", "b", "c", "b", "a", "c", "c", "a", "b"]
     assert r.complete and {k: len(v) for k, v in r.samples.items()} == {"a": 3, "b": 3, "c": 3}
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 6, 8])
+def test_interleave_orders_change_every_callables_predecessor(k):
+    """Note [Interleaved timing]: every round runs each callable once, and over three rounds no
+    callable follows the same other one every time (the warm-up's last precedes the first round);
+    with a rotation, reversed every other round, the first of 5 followed the last in all three."""
+    names = list(range(k))
+    orders = list(timing._round_orders(names, 3))
+    assert all(sorted(order) == names for order in orders)
+    before = [names[-1], *(x for order in orders for x in order)]
+    preds = {name: [before[i] for i in range(len(before) - 1) if before[i + 1] == name] for name in names}
+    for name, ps in preds.items():
+        others = [p for p in ps if p != name]
+        assert len(others) < 3 or len(set(others)) > 1, (name, ps, orders)
 
 
 def test_interleave_fixed_order_blocks_setup_and_block_warmup(clock):

@@ -8,19 +8,20 @@ Note [Interleaved timing]: callables timed one after another on a machine whose 
 over seconds (other processes, frequency scaling, a noisy neighbour) give ratios that say more
 about the drift than about the callables. :func:`interleave` instead runs ``rounds`` rounds; in
 every round each callable runs one block (its optional ``setup``, ``block_warmup`` untimed
-calls, then ``per_block`` samples of ``calls`` calls each), the order rotating by one each round
-when ``rotate`` and every other round reversed, so that none always follows the same one (each
-alternates between the callables before and after it): a rotation alone keeps each callable's
-predecessor, and what a block leaves behind (caches, the heap, pages returned to the system)
-then always hits the same next callable (measured 2026-11-26, `benchmark models`: two
-WideModels running the same graph,
-the one timed after vmap's blocks in every round took 62-68 ms per training step, the other
-52-58 ms; with the alternation, 54.1 and 53.7 ms). The alternation alone is not enough when a
-block is one call and the rounds few: with 5 callables and 3 rounds (ResNet-18 at N=16, 0.6-1.9 s
-a training step) the first wide model still followed vmap in all three rounds and took 672 and
-704 ms in two runs against 614 and 628 ms for the same graph timed elsewhere. So
-:func:`time_interleaved` starts each block of a single call with one untimed call, which pays
-what the block before left behind (the same runs: 550 and 574 ms). Drift then hits every callable of a round
+calls, then ``per_block`` samples of ``calls`` calls each), in an order chosen so that no
+callable keeps following the same one: what a block leaves behind (caches, the heap, pages
+returned to the system) otherwise always hits the same next callable. Measured: with a rotation
+by one per round, two WideModels running the same graph in `benchmark models` took 62-68 and
+52-58 ms per training step, the one timed after vmap's blocks in every round being the slower
+(2026-11-26). Reversing every other round did not cure it: a rotation's last callable precedes
+the reversed next round's first, so with 5 callables and 3 rounds (ResNet-18 at N=16) the first
+wide model still followed vmap in all three, and measured 672-723 ms against 614-665 ms for the
+same graph (2026-11-27). So each round takes, of the orders that step through the callables by
+a stride coprime to their number (rotations, their reverses, and the others), the one whose
+(predecessor, callable) pairs were seen least so far, its first callable's predecessor being the
+last of the round before (:func:`_round_orders`). And :func:`time_interleaved` starts each block
+of a single call (slow callables) with one untimed call, which pays what the block before left
+behind. Drift then hits every callable of a round
 alike: medians over rounds, or the median of per-round ratios (the tuner's paired speedup), hold
 far better. Garbage collection is off while a sample runs (as ``timeit`` does), and the clock
 is read around every call, warm-up calls included, so a ``stop`` predicate (a time budget) is
@@ -37,9 +38,11 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import math
 import statistics
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -151,8 +154,8 @@ def interleave(fns: Mapping[Hashable, Callable[[], Any]], rounds: int, *,
     """Time ``fns`` in interleaved rounds (Note [Interleaved timing]); the package's one loop.
 
     First ``warmup`` untimed calls of each callable (in order). Then ``rounds`` rounds: each
-    callable, in turn (the order rotating by one per round when ``rotate``, reversed in odd
-    rounds), runs one block:
+    callable, in turn (in an order that changes every round when ``rotate``, so that none keeps
+    following the same one: :func:`_round_orders`), runs one block:
     ``setup(name)`` when given, ``block_warmup`` untimed calls, then ``per_block`` samples; a
     sample is ``calls`` calls (an int, or one per name) timed together, recorded as seconds per
     call. ``stop()`` is asked after every call of a warm-up and after every sample; when it says
@@ -183,11 +186,7 @@ def interleave(fns: Mapping[Hashable, Callable[[], Any]], rounds: int, *,
             timed(name, 1)
             if stopped():
                 return Rounds(samples, complete=False)
-    for r in range(rounds):
-        start = r % len(names) if rotate and names else 0
-        order = names[start:] + names[:start]
-        if rotate and r % 2:  # odd rounds run backwards: see Note [Interleaved timing]
-            order.reverse()
+    for order in (_round_orders(names, rounds) if rotate else [names] * rounds):
         for name in order:
             if setup is not None:
                 setup(name)
@@ -201,6 +200,31 @@ def interleave(fns: Mapping[Hashable, Callable[[], Any]], rounds: int, *,
                 if stopped():
                     return Rounds(samples, complete=False)
     return Rounds(samples)
+
+
+def _round_orders(names: list, rounds: int) -> Iterator[list]:
+    """The order of each round (Note [Interleaved timing]): of the orders stepping through
+    ``names`` by a stride coprime to their number, from any start (reversed orders included),
+    the one whose (predecessor, callable) pairs were seen least (their largest count, then their
+    sum; ties: the first), the first callable's predecessor being the previous round's last
+    (``names[-1]`` for the first round: the warm-up and calibration run in ``names`` order).
+
+    >>> list(_round_orders(["a", "b", "c", "d", "e"], 3))  # "a" follows "e", then "d", then "c"
+    [['a', 'b', 'c', 'd', 'e'], ['b', 'd', 'a', 'c', 'e'], ['c', 'a', 'd', 'b', 'e']]
+    """
+    k = len(names)
+    candidates = [[names[(start + j * step) % k] for j in range(k)]
+                  for step in range(1, max(k, 2)) if math.gcd(step, k) == 1 for start in range(k)] or [names]
+    seen: Counter = Counter()
+    last = names[-1] if names else None
+    for _ in range(rounds):
+        def cost(order: list) -> tuple[int, int]:
+            counts = [seen[pair] for pair in zip([last, *order[:-1]], order)]
+            return max(counts, default=0), sum(counts)
+        best = min(candidates, key=cost)
+        seen.update(zip([last, *best[:-1]], best))
+        last = best[-1] if best else last
+        yield best
 
 
 def _calibrated(fns: Mapping[Hashable, Callable[[], Any]], min_run_time: float, rounds: int,
