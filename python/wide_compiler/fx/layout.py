@@ -40,8 +40,9 @@ value the other rules see is N-first. This pass (the "layout" pass of fx/pipelin
    channels-last: nothing to convert.)
 
 A ResNet thus keeps two conversions: the input into the stem conv, and the pooled features into
-the classifier (and in a CPU train graph the stem's pooled features made channels-first). The pass only rewrites what it proves equivalent; anything else stays N-first,
-which is always correct.
+the classifier (and in a CPU train graph the stem's pooled features made channels-first). The
+pass only rewrites what it proves equivalent; anything else stays N-first, which is always
+correct.
 """
 
 from __future__ import annotations

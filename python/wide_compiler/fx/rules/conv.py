@@ -89,9 +89,9 @@ def default_conv_strategy(shapes: dict, *, channels_last: bool = False, pooled: 
 # So the default follows the conv's output through the ops that keep its layout (norms,
 # activations) and is channels-last only if they end in a max pool, whose result the layout plan
 # converts to channels-first once for all its readers, its gradient back to channels-last (step 5
-# of fx/layout.py; measured, ResNet-18 at N=16, B=8, 64x64, training step: 638 against 696 ms,
-# the ResNet-style net 19.9 against 24.9 ms). The tuner still measures
-# both on the conv alone, and the model-level check the whole graph.
+# of fx/layout.py; measured, training step at N=16, B=8: ResNet-18 at 64x64 676 against 699 ms,
+# the ResNet-style net 19.9 against 24.5 ms). The tuner still measures both on the conv alone,
+# and the model-level check the whole graph.
 LAYOUT_KEEPING_ACTIVATIONS = frozenset({
     aten.relu.default, aten.relu_.default, aten.silu.default, aten.silu_.default, aten.hardtanh.default,
     aten.hardtanh_.default, aten.gelu.default, aten.leaky_relu.default, aten.leaky_relu_.default})
