@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from wide_compiler import cli
 from wide_compiler import measure
+from wide_compiler.measure import timing
 from wide_compiler.bench import engine, linear
 
 
@@ -403,12 +404,14 @@ def test_time_interleaved_orders_by_cost_and_rotates():
     ms = measure.time_interleaved(fns, min_run_time=0.06, rounds=3, warmup=0)
     assert ms["slow"] > ms["fast"]  # a sleep of 5 ms against nothing: no machine is that noisy
     assert 1.0 < ms["slow"] < 1000.0  # milliseconds, not seconds or microseconds
-    # the rounds (runs of one callable = blocks): rotated, odd rounds reversed, so that no callable
-    # always follows the same one
+    # the rounds (runs of one callable = blocks) in the orders of Note [Interleaved timing], so
+    # that no callable always follows the same one
+    rounds = [k for one in timing._round_orders(list(fns), 3) for k in one]
+    assert rounds == ["slow", "fast", "mid", "fast", "slow", "mid", "mid", "slow", "fast"]
     blocks = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
-    timed = blocks[-9:]  # the 3 rounds of 3 blocks
-    assert timed == ["slow", "fast", "mid", "slow", "mid", "fast", "mid", "slow", "fast"]
-    assert {timed[i - 1] for i in range(1, 9) if timed[i] == "fast"} == {"slow", "mid"}
+    timed = [k for i, k in enumerate(rounds) if i == 0 or rounds[i - 1] != k]  # mid, mid: one run
+    assert blocks[-len(timed):] == timed
+    assert {rounds[i - 1] for i in range(1, 9) if rounds[i] == "fast"} == {"slow", "mid"}
 
 
 def test_time_interleaved_names_a_callable_that_raises():

@@ -10,7 +10,8 @@ Every member has its own weights and its own input: ``x`` is ``[N, B, ...]`` and
 gets ``x[i]``.
 
 Timing is interleaved (:func:`wide_compiler.measure.time_interleaved`): the wide contenders and the baselines of one
-case are timed together, in rounds of one block of calls each (rotating which goes first), and
+case are timed together, in rounds of one block of calls each (in orders where no contender keeps
+following the same one), and
 each one's median over the rounds is reported; a machine whose speed drifts over seconds (other
 processes, frequency scaling) then slows every contender alike, so the ratios hold even when the
 absolute times swing.

@@ -256,8 +256,8 @@ def time_interleaved(fns: Mapping[Hashable, Callable[[], Any]], *, min_run_time:
 
     Every callable is called ``warmup`` times, then calibrated: ``k`` calls per block so that one
     block takes about ``min_run_time / rounds`` seconds (at least one call). Then
-    :func:`interleave` runs ``rounds`` rounds of one block each, rotating (where a block is one
-    call, an untimed call starts every block: Note [Interleaved timing]); the result is each
+    :func:`interleave` runs ``rounds`` rounds of one block each, in changing orders (where a
+    block is one call, an untimed call starts every block: Note [Interleaved timing]); the result is each
     one's median over the rounds of block time / ``k``. Each callable runs about
     ``min_run_time`` seconds in all; when one call of the slowest takes longer than
     ``min_run_time / rounds``, fewer rounds are run (``min_run_time`` over that call, at least
