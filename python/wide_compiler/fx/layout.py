@@ -262,8 +262,8 @@ def plan_layout(graph: fx.Graph, n: int, old_graph: fx.Graph | None = None, *, t
             break
     channels_first = training and device == "cpu"
     for node in list(graph.nodes):
-        if node.op == "call_function":
-            _run_nfirst(graph, node) or (channels_first and _to_channels_first(graph, node, packed))
+        if node.op == "call_function" and not _run_nfirst(graph, node) and channels_first:
+            _to_channels_first(graph, node, packed)
     return count_conversions(graph)
 
 
