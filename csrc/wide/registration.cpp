@@ -70,6 +70,12 @@ TORCH_LIBRARY(wide, m) {
         "float eps, bool rms=False) -> Tensor");
   m.def("fused_norm_backward(Tensor grad_out, Tensor input, Tensor? residual, int normalized_numel, "
         "Tensor? weight, float eps, bool rms, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // BatchNorm in training on a packed input [B, N*C, *] (the CPU kernel behind batch_norm; Note
+  // [Batch norm training kernel]): (out, mean, invstd, unbiased var), the last three [N*C]; its
+  // gradients from the forward's mean and invstd: fused_batch_norm_backward.
+  m.def("fused_batch_norm(Tensor input, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("fused_batch_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, Tensor save_mean, "
+        "Tensor save_invstd, float eps, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   // Scaled dot-product attention (aten's schema) of the eval graph: the small-sequence kernel below
   // when no gradient is wanted and it wins, at::scaled_dot_product_attention otherwise
   // (Note [wide::attention] in ops/attention.cpp).

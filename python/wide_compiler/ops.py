@@ -127,6 +127,8 @@ WIDE_OPS: dict[str, WideOp] = _table(
     WideOp("add_layer_norm", "eval"),
     WideOp("fused_norm", "kernel"),
     WideOp("fused_norm_backward", "kernel"),
+    WideOp("fused_batch_norm", "kernel", result="packed"),  # batch_norm's training kernel, per packed channel
+    WideOp("fused_batch_norm_backward", "kernel", result="packed"),
     WideOp("attention", "eval"),
     WideOp("small_attention", "kernel"),
     WideOp("prelu", "layer", **_PACKED),

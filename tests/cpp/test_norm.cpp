@@ -11,6 +11,9 @@
 #include <ATen/ops/group_norm.h>
 #include <ATen/ops/instance_norm.h>
 #include <ATen/ops/layer_norm.h>
+#include <ATen/ops/native_batch_norm.h>
+#include <ATen/ops/native_batch_norm_backward.h>
+#include <ATen/ops/var.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/prelu.h>
 #include <ATen/ops/rand.h>
@@ -357,6 +360,62 @@ TEST_P(WideFusedNormTest, BackwardMatchesFormula) {
       }
     }
   }
+}
+
+// fused_batch_norm (Note [Batch norm training kernel]) and its backward against ATen's training
+// batch norm: rows of `inner` values at, past and across vector widths, channels on different
+// scales, with and without affine, every gradient mask.
+TEST_P(WideFusedNormTest, BatchNormTrainingMatchesAten) {
+  const at::ScalarType dtype = std::get<1>(GetParam());
+  const auto opts = at::TensorOptions().dtype(dtype);
+  const double tol = dtype == at::kFloat ? 1e-4 : 1e-10;
+  for (const Ints& spatial : std::vector<Ints>{{16}, {17}, {5, 7}, {3, 4, 6}, {67}}) {
+    for (int64_t batch : {1, 3}) {
+      for (bool affine : {false, true}) {
+        SCOPED_TRACE("spatial " + c10::str(at::IntArrayRef(spatial)) + " batch=" + std::to_string(batch) +
+                     " affine=" + std::to_string(affine));
+        const int64_t c = 5;
+        Ints shape{batch, c};
+        shape.insert(shape.end(), spatial.begin(), spatial.end());
+        Ints scale(shape.size(), 1);
+        scale[1] = c;
+        const at::Tensor x = at::randn(shape, opts).mul(at::arange(1, c + 1, opts).mul(4).view(scale)).add(3);
+        const OptT w = affine ? OptT(at::rand({c}, opts).add(0.5)) : std::nullopt;
+        const OptT b = affine ? OptT(at::randn({c}, opts)) : std::nullopt;
+        ASSERT_TRUE(wide::detail::takes_fused_batch_norm(x, w, b));
+        const auto [y, mean, invstd, var] = wide::fused_batch_norm(x, w, b, 1e-5);
+        const auto [ey, emean, einvstd] = at::native_batch_norm(x, w, b, std::nullopt, std::nullopt, true, 0.0, 1e-5);
+        Ints dims{0};
+        for (int64_t d = 2; d < x.dim(); ++d) dims.push_back(d);
+        const at::Tensor evar = x.var(dims, /*unbiased=*/true);
+        EXPECT_TRUE(at::allclose(y, ey, tol, tol)) << y.sub(ey).abs().max();
+        EXPECT_TRUE(at::allclose(mean, emean, tol, tol));
+        EXPECT_TRUE(at::allclose(invstd, einvstd, tol, tol));
+        EXPECT_TRUE(at::allclose(var, evar, tol, tol)) << var << evar;
+        const at::Tensor g = at::randn(shape, opts);
+        static auto backward = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("wide::fused_batch_norm_backward", "")
+                                   .typed<NormGrads(const at::Tensor&, const at::Tensor&, const OptT&, const at::Tensor&,
+                                                    const at::Tensor&, double, std::array<bool, 3>)>();
+        for (std::array<bool, 3> mask : {std::array<bool, 3>{true, true, true}, std::array<bool, 3>{true, false, false},
+                                         std::array<bool, 3>{false, true, true}}) {
+          const auto [dx, dw, db] = backward.call(g, x, w, mean, invstd, 1e-5, mask);
+          const auto [ex, ew, eb] = at::native_batch_norm_backward(g, x, w, std::nullopt, std::nullopt, mean, invstd,
+                                                                   true, 1e-5, mask);
+          ASSERT_EQ(dx.defined(), mask[0]);
+          ASSERT_EQ(dw.defined(), mask[1]);
+          ASSERT_EQ(db.defined(), mask[2]);
+          if (dx.defined()) EXPECT_TRUE(at::allclose(dx, ex, tol, tol)) << dx.sub(ex).abs().max();
+          if (dw.defined()) EXPECT_TRUE(at::allclose(dw, ew, tol, tol)) << dw.sub(ew).abs().max();
+          if (db.defined()) EXPECT_TRUE(at::allclose(db, eb, tol, tol)) << db.sub(eb).abs().max();
+        }
+      }
+    }
+  }
+  // Rows shorter than 16 values and channels-last inputs take ATen's kernel.
+  EXPECT_FALSE(wide::detail::takes_fused_batch_norm(at::randn({4, 3, 15}, opts), std::nullopt, std::nullopt));
+  EXPECT_FALSE(wide::detail::takes_fused_batch_norm(
+      at::randn({2, 3, 4, 4}, opts).contiguous(at::MemoryFormat::ChannelsLast), std::nullopt, std::nullopt));
 }
 
 INSTANTIATE_TEST_SUITE_P(Isa, WideFusedNormTest, wide_test::isa_dtype_grid(), wide_test::isa_dtype_name);

@@ -496,6 +496,11 @@ def batch_norm_samples(dtype, rg):
                                         False, 0.1, 1e-5), gradcheck=False)
     yield SampleInput("tiny-affine-train", 2, (m.randn(2, 2, 2), m.pos(2, 2), m.randn(2, 2), *_stats(m, 2, 2),
                                                True, 0.1, 1e-5))
+    # 16+ values per (sample, channel): the training kernel (Note [Batch norm training kernel])
+    yield SampleInput("train-kernel", 2, (m.randn(2, 3, 2, 4, 5), m.pos(2, 2), m.randn(2, 2), *_stats(m, 2, 2),
+                                          True, 0.1, 1e-5), aot=True)
+    yield SampleInput("train-kernel-packed-no-stats", 3, (m.randn(2, 6, 17), m.pos(3, 2), None, None, None, True,
+                                                          0.1, 1e-3), {"packed_input": True}, packed={0: 2})
 
 
 def batch_norm_fuzz(rng, dtype):
@@ -747,6 +752,84 @@ def fused_norm_backward_ref(dy, x, r, d, w, eps, rms, mask):
     dw = gw.reshape(w.shape) if mask[1] and w is not None else None
     db = dy.reshape(-1, d).sum(0).reshape(w.shape if w is not None else (d,)) if mask[2] else None
     return dx, dw, db
+
+
+# ---- fused_batch_norm: batch_norm's training kernel, one packed activation [B, C, *] with
+# per-channel tensors [C]; every channel is independent, so a sample is one "member" (n=1) and
+# the per-channel arguments are whole (same). Rows of >= 16 values per (sample, channel) take the
+# CPU kernel, shorter ones and non-contiguous inputs ATen's native_batch_norm.
+def _whole(out, i, s):
+    return out
+
+
+def fused_batch_norm_samples(dtype, rg):
+    m = Maker("fused_batch_norm", dtype, rg)
+    yield SampleInput("kernel-tail", 1, (m.randn(2, 3, 5, 7, scale=2.0, shift=1.0), m.pos(3), m.randn(3), 1e-5),
+                      packed={0: 3}, same=frozenset({1, 2}), aot=True)
+    yield SampleInput("kernel-no-affine-3d", 1, (m.randn(3, 4, 16), None, None, 1e-3), packed={0: 4})
+    yield SampleInput("kernel-weight-only-B1", 1, (m.randn(1, 2, 2, 3, 4), m.pos(2), None, 1e-5),
+                      packed={0: 2}, same=frozenset({1}))
+    # (not gradcheck samples: test_gradcheck takes the smallest, and the kernel's is the one to check)
+    yield SampleInput("short-rows", 1, (m.randn(4, 3, 2), m.pos(3), m.randn(3), 1e-5), packed={0: 3},
+                      same=frozenset({1, 2}), gradcheck=False)
+    yield SampleInput("channels-last", 1, (m.randn(2, 3, 4, 5, layout="channels_last"), m.pos(3), m.randn(3), 1e-5),
+                      packed={0: 3}, same=frozenset({1, 2}), gradcheck=False)
+
+
+def fused_batch_norm_fuzz(rng, dtype):
+    m = Maker(rng.random(), dtype, dtype == F64)
+    b, c = rng.randint(1, 3), rng.randint(1, 5)
+    spatial = [rng.randint(1, 9) for _ in range(rng.randint(1, 3))]
+    if b * math.prod(spatial) == 1:
+        spatial[0] = 2
+    x = m.randn(b, c, *spatial, layout=rng.choice(("contiguous", "contiguous", "sliced")), scale=rng.choice((1.0, 5.0)))
+    return SampleInput("fuzz", 1, (x, m.pos(c) if rng.random() < 0.7 else None, m.maybe(rng.random() < 0.7, c),
+                                   rng.choice((1e-5, 1e-3))), packed={0: c}, same=frozenset({1, 2}))
+
+
+def _channel_dims(x):
+    return [0, *range(2, x.dim())]
+
+
+def fused_batch_norm_ref(x, w, b, eps):
+    var, mean = torch.var_mean(x.detach(), _channel_dims(x), correction=0)
+    return (F.batch_norm(x, None, None, w, b, True, 0.0, eps), mean, torch.rsqrt(var + eps),
+            x.detach().var(_channel_dims(x), correction=1))
+
+
+def _bn_backward_args(m, x, w, eps, mask):
+    var, mean = torch.var_mean(x, _channel_dims(x), correction=0)
+    return (m.randn(*x.shape), x, w, mean, torch.rsqrt(var + eps), eps, mask)
+
+
+def fused_batch_norm_backward_samples(dtype, rg):
+    m = Maker("fused_batch_norm_backward", dtype, False)
+    yield SampleInput("kernel-full-mask", 1, _bn_backward_args(m, m.randn(2, 3, 4, 5), m.pos(3), 1e-5, [True] * 3),
+                      same=frozenset(range(5)), aot=True)
+    yield SampleInput("kernel-no-weight-dx-only", 1, _bn_backward_args(m, m.randn(3, 2, 17), None, 1e-3,
+                                                                       [True, False, False]), same=frozenset(range(5)))
+    yield SampleInput("kernel-param-grads-only", 1, _bn_backward_args(m, m.randn(1, 4, 4, 4), m.pos(4), 1e-5,
+                                                                      [False, True, True]), same=frozenset(range(5)))
+    yield SampleInput("short-rows", 1, _bn_backward_args(m, m.randn(5, 3, 3), m.pos(3), 1e-5, [True] * 3),
+                      same=frozenset(range(5)))
+
+
+def fused_batch_norm_backward_fuzz(rng, dtype):
+    m = Maker(rng.random(), dtype, False)
+    b, c = rng.randint(1, 3), rng.randint(1, 5)
+    spatial = [rng.randint(2, 9) for _ in range(rng.randint(1, 3))]
+    x = m.randn(b, c, *spatial, layout=rng.choice(("contiguous", "contiguous", "sliced")))
+    return SampleInput("fuzz", 1, _bn_backward_args(m, x, m.pos(c) if rng.random() < 0.7 else None,
+                                                    rng.choice((1e-5, 1e-3)), [rng.random() < 0.8 for _ in range(3)]),
+                       same=frozenset(range(5)))
+
+
+def fused_batch_norm_backward_ref(dy, x, w, mean, invstd, eps, mask):
+    xl = x.detach().requires_grad_()
+    wl = (w if w is not None else torch.ones_like(mean)).detach().requires_grad_()
+    y = F.batch_norm(xl, None, None, wl, None, True, 0.0, eps)
+    dx, dw = torch.autograd.grad(y, [xl, wl], dy)
+    return dx if mask[0] else None, dw if mask[1] else None, dy.sum(_channel_dims(x)) if mask[2] else None
 
 
 # ---- attention ------------------------------------------------------------------------------
@@ -1260,6 +1343,12 @@ OPS: list[OpInfo] = [
     OpInfo("fused_norm", fused_norm_samples, fused_norm_fuzz, fused_norm_ref, nograd_samples=4),
     # its outputs are gradients: the gradient tolerance
     OpInfo("fused_norm_backward", fused_norm_backward_samples, fused_norm_backward_fuzz, fused_norm_backward_ref,
+           tolerances={(F32, "output"): tolerance(F32, "grad"), (F64, "output"): tolerance(F64, "grad")},
+           **_NO_GRAD),
+    OpInfo("fused_batch_norm", fused_batch_norm_samples, fused_batch_norm_fuzz, fused_batch_norm_ref,
+           member_output=_whole),
+    OpInfo("fused_batch_norm_backward", fused_batch_norm_backward_samples, fused_batch_norm_backward_fuzz,
+           fused_batch_norm_backward_ref, member_output=_whole,
            tolerances={(F32, "output"): tolerance(F32, "grad"), (F64, "output"): tolerance(F64, "grad")},
            **_NO_GRAD),
     # gradgradcheck: PyTorch has no "derivative for

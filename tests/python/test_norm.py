@@ -30,10 +30,13 @@ BN = [
     (nn.BatchNorm1d, wc.nn.WideBatchNorm1d, (2, 4, 5)),
     (nn.BatchNorm2d, wc.nn.WideBatchNorm2d, (2, 4, 3, 3)),
     (nn.BatchNorm3d, wc.nn.WideBatchNorm3d, (2, 4, 2, 3, 2)),
+    # 16 or more values per (sample, channel): the training kernel (Note [Batch norm training kernel])
+    (nn.BatchNorm1d, wc.nn.WideBatchNorm1d, (2, 4, 17)),
+    (nn.BatchNorm2d, wc.nn.WideBatchNorm2d, (2, 4, 4, 5)),
 ]
 
 
-@pytest.mark.parametrize("base,wcls,shape", BN, ids=["bn1d-2d", "bn1d-3d", "bn2d", "bn3d"])
+@pytest.mark.parametrize("base,wcls,shape", BN, ids=["bn1d-2d", "bn1d-3d", "bn2d", "bn3d", "bn1d-kernel", "bn2d-kernel"])
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("track", [True, False])
 @pytest.mark.parametrize("momentum", [0.1, None])
@@ -250,6 +253,103 @@ def test_fused_norm_nan_member_and_partial_grads():
     assert not gw[[0, 2]].isnan().any()
     (gw_only,) = torch.autograd.grad(torch.ops.wide.fused_norm(x.detach(), None, 8, w, None, 1e-5, False).sum(), [w])
     assert gw_only.shape == w.shape
+
+
+def _bn_args(n=3, b=4, c=5, spatial=(6, 7), dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, b, c, *spatial, generator=g, dtype=dtype) * 3 + 1
+    w, bias = torch.rand(n, c, generator=g, dtype=dtype) + 0.5, torch.randn(n, c, generator=g, dtype=dtype)
+    rm, rv = torch.randn(n, c, generator=g, dtype=dtype), torch.rand(n, c, generator=g, dtype=dtype) + 0.5
+    return x, w, bias, rm, rv
+
+
+def _bn_members(x, w, b, rm, rv, momentum=0.1, eps=1e-5):
+    """Each member's F.batch_norm in training: outputs (N-first) and its updated running stats."""
+    rm, rv = rm.clone(), rv.clone()
+    ys = [F.batch_norm(x[i], rm[i], rv[i], w[i], b[i], True, momentum, eps) for i in range(x.shape[0])]
+    return torch.stack(ys), rm, rv
+
+
+def test_batch_norm_training_takes_the_kernel_and_matches_members():
+    """Note [Batch norm training kernel]: wide.batch_norm in training on a contiguous CPU input
+    with 16+ values per (sample, channel) runs wide::fused_batch_norm and its backward (the
+    profiler sees them, not aten::native_batch_norm); outputs, every gradient and the running
+    stats match the members, and the stats' version counters move (cached eval folds see them)."""
+    x, w, b, rm, rv = _bn_args()
+    leaves = [t.requires_grad_() for t in (x, w, b)]
+    want_y, want_rm, want_rv = _bn_members(x, w, b, rm, rv)
+    versions = rm._version, rv._version
+    with torch.profiler.profile() as prof:
+        y = torch.ops.wide.batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)
+        dy = torch.randn_like(y)
+        got = torch.autograd.grad(y, leaves, dy)
+    names = {e.name for e in prof.events()}
+    assert {"wide::fused_batch_norm", "wide::fused_batch_norm_backward"} <= names
+    assert "aten::native_batch_norm" not in names and "aten::native_batch_norm_backward" not in names
+    n, c = x.shape[0], x.shape[2]
+    torch.testing.assert_close(y, want_y.transpose(0, 1).reshape(y.shape))  # packed [B, N*C, *]
+    want = torch.autograd.grad(want_y, leaves, dy.unflatten(1, (n, c)).transpose(0, 1))
+    for g, wg in zip(got, want):
+        torch.testing.assert_close(g, wg)
+    torch.testing.assert_close(rm, want_rm)
+    torch.testing.assert_close(rv, want_rv)
+    assert rm._version > versions[0] and rv._version > versions[1]
+
+
+@pytest.mark.parametrize("case", ["nan-member", "constant-channel", "no-affine-no-stats", "threads"])
+def test_batch_norm_training_kernel_adversarial(case):
+    """The kernel on inputs that break naive ones: a NaN in one member stays in that member (its
+    output and running stats; the others match their members); a constant channel (variance 0)
+    normalises to the bias as ATen's does (up to the rounding 1/sqrt(eps) magnifies); no affine and no running stats; and 1 and 2 threads give
+    the same bits."""
+    x, w, b, rm, rv = _bn_args(seed=1)
+    if case == "nan-member":
+        x[1, 2, 3, 0, 0] = float("nan")
+    if case == "constant-channel":
+        x[0, :, 1] = 2.5
+    if case == "no-affine-no-stats":
+        w = b = rm = rv = None
+    if case == "threads":
+        before = torch.get_num_threads()
+        try:
+            outs = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                outs.append(torch.ops.wide.batch_norm(x, w, b, rm.clone(), rv.clone(), True, 0.1, 1e-5))
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(outs[0], outs[1])
+        return
+    got_rm, got_rv = (rm.clone(), rv.clone()) if rm is not None else (None, None)
+    y = torch.ops.wide.batch_norm(x, w, b, got_rm, got_rv, True, 0.1, 1e-5)
+    y = y.unflatten(1, (x.shape[0], x.shape[2])).transpose(0, 1)  # N-first
+    for i in range(x.shape[0]):
+        member = [t[i] if t is not None else None for t in (rm, rv)]
+        member = [t.clone() if t is not None else None for t in member]
+        want = F.batch_norm(x[i], *member, w[i] if w is not None else None, b[i] if b is not None else None,
+                            True, 0.1, 1e-5)
+        # constant channel: ATen's mean is off by float rounding, which 1/sqrt(eps) magnifies
+        tol = dict(atol=2e-4, rtol=0) if case == "constant-channel" else {}
+        torch.testing.assert_close(y[i], want, equal_nan=True, **tol)
+        if rm is not None:
+            torch.testing.assert_close(got_rm[i], member[0], equal_nan=True)
+            torch.testing.assert_close(got_rv[i], member[1], equal_nan=True)
+    if case == "nan-member":
+        assert y[1, :, 3].isnan().all() and not y[[0, 2]].isnan().any() and not y[1, :, [0, 1, 2, 4]].isnan().any()
+        assert got_rm[1, 3].isnan() and got_rm.isnan().sum() == 1
+    if case == "constant-channel":
+        # y = x * scale + (bias - mean * scale), ATen's form: bias up to the rounding of mean * scale
+        torch.testing.assert_close(y[0, :, 1], b[0, 1].expand_as(y[0, :, 1]), atol=2e-4, rtol=0)
+
+
+def test_batch_norm_training_kernel_gradcheck():
+    """The kernel's forward and backward (and, under create_graph, ATen's differentiable backward
+    with the kernel's statistics) against finite differences in float64."""
+    x, w, b, rm, rv = _bn_args(n=2, b=2, c=2, spatial=(4, 5), dtype=torch.float64, seed=2)
+    fn = lambda x, w, b: torch.ops.wide.batch_norm(x, w, b, rm.clone(), rv.clone(), True, 0.1, 1e-5)  # noqa: E731
+    inputs = [t.requires_grad_() for t in (x, w, b)]
+    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradgradcheck(fn, inputs)
 
 
 def test_layer_norm_training_takes_the_kernel():

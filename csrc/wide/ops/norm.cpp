@@ -156,6 +156,15 @@ at::Tensor batch_norm_impl(const at::Tensor& input, const std::optional<at::Tens
                        check_values("batch_norm", x.sym_numel() / x.sym_size(1), input,
                                     "value per channel when training");
                      }
+                     if (training && detail::takes_fused_batch_norm(x, w, b)) {  // Note [Batch norm training kernel]
+                       auto [y, mean, invstd, var] = fused_batch_norm(x, w, b, eps);
+                       if (m.has_value()) {  // as ATen: (1 - momentum) * running + momentum * batch
+                         const at::NoGradGuard no_grad;
+                         m->mul_(1 - momentum).add_(mean, momentum);
+                         v->mul_(1 - momentum).add_(var, momentum);
+                       }
+                       return y;
+                     }
                      return at::batch_norm(x, w, b, m, v, training, momentum, eps, false);
                    });
 }

@@ -71,6 +71,13 @@ at::Tensor fused_norm(const at::Tensor& input, const std::optional<at::Tensor>& 
                       int64_t normalized_numel, const std::optional<at::Tensor>& weight,
                       const std::optional<at::Tensor>& bias, double eps, bool rms = false);
 
+/// BatchNorm in training of a packed input [B, C, *] (C = N*C packed channels) with weight/bias
+/// [C]: (out, mean, invstd, unbiased variance), the CPU kernel for contiguous float/double input
+/// (ATen's native_batch_norm elsewhere). Differentiable (wide::fused_batch_norm_backward).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_batch_norm(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    double eps);
+
 namespace detail {
 
 /// wide::fused_norm of `input` when the normalized shape is concrete and either nothing needs a
@@ -85,6 +92,12 @@ std::optional<at::Tensor> maybe_fused_norm(const at::Tensor& input, c10::SymIntA
 std::optional<at::Tensor> maybe_fused_group_norm(const at::Tensor& input, int64_t num_groups,
                                                  const std::optional<at::Tensor>& weight,
                                                  const std::optional<at::Tensor>& bias, double eps);
+
+/// Whether wide::fused_batch_norm runs its CPU kernel for these tensors: CPU float/double, one
+/// dtype, a contiguous input of at least 3 dims and 16 values per (sample, channel), no Python
+/// dispatch (tracing keeps ATen's norm).
+bool takes_fused_batch_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight,
+                            const std::optional<at::Tensor>& bias);
 
 /// The gradients of wide::fused_norm in ATen ops (any device; differentiable, for double
 /// backward): (d input, d weight, d bias), each only where output_mask says.

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -55,6 +56,26 @@
 // weight and bias. One read for the statistics and one read and write for the result, like
 // ATen's GroupNorm on one member. Inference only (wide::group_norm_nfirst takes it when no
 // gradient is wanted).
+
+// Note [Batch norm training kernel]
+// ---------------------------------
+// wide::batch_norm in training normalises the packed activation [B, N*C, *] per channel with the
+// batch's statistics. ATen 2.13's CPU kernel collects a channels-first input's statistics with
+// scalar loops: on [8, 256, 32, 32] (2 threads) its forward takes 1.35 ms against 0.11 ms for
+// the same normalisation in eval mode and 0.10 ms for a copy; in a small conv net's training
+// step the norms cost a third of what the convs do. wide::fused_batch_norm does, per channel (one
+// task per block of channels): the sum of its B rows of `inner` values (vector lanes within a
+// row, rows added in double); the sum of squared deviations from that mean the same way (a
+// second read, the channel's values still in L2); then y = x * scale + shift with
+// scale = weight * invstd and shift = bias - mean * scale, as ATen computes it. It returns the
+// mean and invstd = 1/sqrt(biased variance + eps) (what ATen saves for the backward) and the
+// unbiased variance (for the running statistics).
+// Its backward, wide::fused_batch_norm_backward, is ATen's formula for training, with
+// xhat = (x - mean) * invstd and M = B * inner values per channel:
+//   dbias = sum(dy), dweight = sum(dy * xhat), dx = weight * invstd * (dy - dbias/M - xhat * dweight/M)
+// in two sweeps per channel (the two sums, then dx), against 0.53 ms for ATen's on the shape
+// above. A channel is one task's and its sums run in a fixed order, so results do not depend on
+// the thread count.
 
 WIDE_ISA_KERNEL_BEGIN
 
@@ -241,6 +262,110 @@ void group_norm_impl(const T* x, T* y, const T* weight, const T* bias, int64_t n
   });
 }
 
+
+// Blocks of whole channels of about 32K values, one at::parallel_for task each.
+int64_t channel_grain(int64_t per_channel) {
+  return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(per_channel, 1));
+}
+
+// The sum over a channel's `batch` rows (row b at x + b * stride, `inner` values each) of f(v) for
+// every value v, where f is given for a vector (fv) and a scalar (fs): lanes within a row, the
+// rows' sums added in double.
+template <typename T, typename FV, typename FS>
+double channel_sum(const T* x, int64_t batch, int64_t stride, int64_t inner, FV&& fv, FS&& fs) {
+  using V = Vectorized<T>;
+  constexpr int64_t W = V::size();
+  double sum = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const T* row = x + b * stride;
+    V acc(T(0));
+    int64_t j = 0;
+    for (; j + W <= inner; j += W) acc = acc + fv(V::loadu(row + j));
+    T s = lanes_sum(acc);
+    for (; j < inner; ++j) s += fs(row[j]);
+    sum += static_cast<double>(s);
+  }
+  return sum;
+}
+
+// BatchNorm in training, forward (Note [Batch norm training kernel]).
+template <typename T>
+void batch_norm_train_impl(const T* x, T* y, const T* weight, const T* bias, T* mean_out, T* invstd_out,
+                           T* var_out, int64_t batch, int64_t channels, int64_t inner, double eps) {
+  using V = Vectorized<T>;
+  constexpr int64_t W = V::size();
+  const int64_t count = batch * inner, stride = channels * inner;
+  at::parallel_for(0, channels, channel_grain(count), [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const T* xc = x + c * inner;
+      const T mean = static_cast<T>(
+          channel_sum(xc, batch, stride, inner, [](V v) { return v; }, [](T v) { return v; }) / count);
+      const V vmean(mean);
+      const double sq = channel_sum(
+          xc, batch, stride, inner, [&](V v) { return (v - vmean) * (v - vmean); },
+          [&](T v) { return (v - mean) * (v - mean); });
+      const T invstd = static_cast<T>(1.0 / std::sqrt(sq / count + eps));
+      mean_out[c] = mean;
+      invstd_out[c] = invstd;
+      var_out[c] = static_cast<T>(count > 1 ? sq / (count - 1) : std::numeric_limits<double>::quiet_NaN());
+      const T scale = weight != nullptr ? weight[c] * invstd : invstd;
+      const V vs(scale), vb((bias != nullptr ? bias[c] : T(0)) - mean * scale);
+      for (int64_t b = 0; b < batch; ++b) {
+        const T* xr = xc + b * stride;
+        T* yr = y + c * inner + b * stride;
+        int64_t j = 0;
+        for (; j + W <= inner; j += W) at::vec::fmadd(V::loadu(xr + j), vs, vb).store(yr + j);
+        if (j < inner) at::vec::fmadd(V::loadu(xr + j, inner - j), vs, vb).store(yr + j, inner - j);
+      }
+    }
+  });
+}
+
+// BatchNorm in training, backward (Note [Batch norm training kernel]).
+template <typename T>
+void batch_norm_backward_impl(const T* dy, const T* x, const T* weight, const T* mean, const T* invstd,
+                              T* dx, T* dw, T* db, int64_t batch, int64_t channels, int64_t inner) {
+  using V = Vectorized<T>;
+  constexpr int64_t W = V::size();
+  const int64_t count = batch * inner, stride = channels * inner;
+  at::parallel_for(0, channels, channel_grain(2 * count), [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const V vmean(mean[c]);
+      double sum_g = 0, sum_gx = 0;  // sum(dy), sum(dy * (x - mean))
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t off = c * inner + b * stride;
+        V acc_g(T(0)), acc_gx(T(0));
+        int64_t j = 0;
+        // the tail loads zeros past the row: a zero dy adds nothing to either sum
+        for (; j < inner; j += W) {
+          const int64_t n = std::min<int64_t>(W, inner - j);
+          const V g = V::loadu(dy + off + j, n);
+          acc_g = acc_g + g;
+          acc_gx = at::vec::fmadd(g, V::loadu(x + off + j, n) - vmean, acc_gx);
+        }
+        sum_g += static_cast<double>(lanes_sum(acc_g));
+        sum_gx += static_cast<double>(lanes_sum(acc_gx));
+      }
+      if (db != nullptr) db[c] = static_cast<T>(sum_g);
+      if (dw != nullptr) dw[c] = static_cast<T>(sum_gx * invstd[c]);
+      if (dx == nullptr) continue;
+      const T is = invstd[c];
+      const V scale((weight != nullptr ? weight[c] : T(1)) * is);
+      const V mean_g(static_cast<T>(sum_g / count));
+      const V proj(static_cast<T>(sum_gx / count) * is * is);
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t off = c * inner + b * stride;
+        for (int64_t j = 0; j < inner; j += W) {
+          const int64_t n = std::min<int64_t>(W, inner - j);
+          const V g = V::loadu(dy + off + j, n);
+          const V xc = V::loadu(x + off + j, n) - vmean;
+          ((g - mean_g - xc * proj) * scale).store(dx + off + j, n);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void fused_norm(const float* x, const float* residual, float* y, const float* weight,
@@ -275,6 +400,28 @@ void group_norm(const float* x, float* y, const float* weight, const float* bias
 void group_norm(const double* x, double* y, const double* weight, const double* bias, int64_t n,
                 int64_t batch, int64_t groups, int64_t channels_per_group, int64_t inner, double eps) {
   group_norm_impl(x, y, weight, bias, n, batch, groups, channels_per_group, inner, eps);
+}
+
+void batch_norm_train(const float* x, float* y, const float* weight, const float* bias, float* mean,
+                      float* invstd, float* var, int64_t batch, int64_t channels, int64_t inner, double eps) {
+  batch_norm_train_impl(x, y, weight, bias, mean, invstd, var, batch, channels, inner, eps);
+}
+
+void batch_norm_train(const double* x, double* y, const double* weight, const double* bias, double* mean,
+                      double* invstd, double* var, int64_t batch, int64_t channels, int64_t inner, double eps) {
+  batch_norm_train_impl(x, y, weight, bias, mean, invstd, var, batch, channels, inner, eps);
+}
+
+void batch_norm_backward(const float* dy, const float* x, const float* weight, const float* mean,
+                         const float* invstd, float* dx, float* dw, float* db, int64_t batch, int64_t channels,
+                         int64_t inner) {
+  batch_norm_backward_impl(dy, x, weight, mean, invstd, dx, dw, db, batch, channels, inner);
+}
+
+void batch_norm_backward(const double* dy, const double* x, const double* weight, const double* mean,
+                         const double* invstd, double* dx, double* dw, double* db, int64_t batch,
+                         int64_t channels, int64_t inner) {
+  batch_norm_backward_impl(dy, x, weight, mean, invstd, dx, dw, db, batch, channels, inner);
 }
 
 }  // namespace wide::ops::cpu::CPU_CAPABILITY
