@@ -130,12 +130,18 @@ class Choice:
     source: str
 
 
+# What a measurement times, as a number the cache key holds: raised when that changes, so that
+# older measurements are taken afresh (2: training candidates get a dense gradient, _timed_calls).
+_MEASURE_METHOD = 2
+
+
 def cache_key(op: str, **fields: Any) -> str:
     """The cache key of one tuning problem: op, the caller's fields, and the machine/version facts
     a measurement depends on."""
     from ._version import __version__
 
-    full = dict(fields, op=op, threads=torch.get_num_threads(), torch=torch.__version__, wide=__version__)
+    full = dict(fields, op=op, threads=torch.get_num_threads(), torch=torch.__version__, wide=__version__,
+                method=_MEASURE_METHOD)
     return json.dumps(full, sort_keys=True, default=str)
 
 
@@ -495,9 +501,21 @@ def choose_strategies(graph: fx.Graph, n: int, config: WideConfig, *, training: 
 
 
 def _timed_calls(candidates: dict[str, Any], training: bool) -> dict[str, Any]:
-    """What tuning times per candidate: forward and backward in training, else the forward alone."""
+    """What tuning times per candidate: forward and backward in training, else the forward alone.
+
+    The backward gets a dense random gradient laid out like the output, as the next op of a model
+    hands one back; ``out.sum().backward()`` would hand one value expanded over the output
+    (stride 0), which kernels treat differently (ATen's conv backward copies it into a dense
+    tensor first, per member for the loop strategy)."""
     def train(fn):
-        return lambda: fn().sum().backward()
+        grad: list[torch.Tensor] = []
+
+        def run():
+            out = fn()
+            if not grad:
+                grad.append(torch.randn_like(out))
+            out.backward(grad[0])
+        return run
 
     def infer(fn):
         def run():

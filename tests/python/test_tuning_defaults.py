@@ -86,6 +86,26 @@ def defaults(wide) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------
 # The budget
 # ---------------------------------------------------------------------------------------------
+def test_training_candidates_get_a_dense_gradient():
+    """A train graph's candidates are timed forward and backward with a dense gradient laid out like
+    the output, the same tensor every call (not out.sum()'s one value expanded over the output,
+    which sent a grouped conv's backward down a slower path and the tuner to the wrong strategy)."""
+    x = torch.randn(4, 6, requires_grad=True)
+    seen = []
+
+    def candidate():
+        out = x.t().contiguous().t() * 2  # a column-major output
+        out.register_hook(seen.append)
+        return out
+    run = tuning._timed_calls({"a": candidate}, training=True)["a"]
+    run()
+    run()
+    g = seen[0]
+    assert 0 not in g.stride() and g.stride() == (1, 4)  # dense, in the output's layout
+    assert g.unique().numel() > 1 and torch.equal(seen[1], g)
+    assert x.grad is not None and torch.equal(x.grad, 4 * g)  # both calls reached the leaf
+
+
 def test_budget_stops_measuring_and_summary_says_so(monkeypatch, clock, tmp_path, caplog):
     """Each candidate call takes 1 s: the first two linears (3 candidates x (3 warm-ups + 3
     rounds) = 18 s each) fit in 70% of a 40 s budget, the third does not and keeps its default,
