@@ -106,6 +106,32 @@ def test_training_candidates_get_a_dense_gradient():
     assert x.grad is not None and torch.equal(x.grad, 4 * g)  # both calls reached the leaf
 
 
+def test_compiling_leaves_the_random_stream_alone(tmp_path):
+    """Measuring draws random inputs; the caller's random stream after wc.compile (measuring or
+    reading the cache) and after a first call in the other mode (a second graph built and
+    measured) is the one it would have had without them."""
+    ms = models(lambda: nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.ReLU(), nn.Linear(8, 3)))
+    x = torch.randn(3, 4, 6)
+
+    def after(action):
+        torch.manual_seed(7)
+        action()
+        return torch.rand(4)
+    want = after(lambda: None)
+    for cache in (False, True, True):  # measured, measured and stored, read back
+        config = wc.WideConfig(cache=cache, cache_dir=str(tmp_path))
+        assert torch.equal(after(lambda: wc.compile(ms, x[0], config=config)), want), cache
+    wide = wc.compile(ms, x[0], config=wc.WideConfig(cache=False)).eval()
+    with torch.no_grad():
+        wide(x)  # the eval graph exists; the train graph is built on the first train call
+    torch.manual_seed(7)
+    wide.train()(x)  # draws dropout masks: the same draws as a second call would
+    first = torch.rand(4)
+    torch.manual_seed(7)
+    wide(x)
+    assert torch.equal(torch.rand(4), first)
+
+
 def test_budget_stops_measuring_and_summary_says_so(monkeypatch, clock, tmp_path, caplog):
     """Each candidate call takes 1 s: the first two linears (3 candidates x (3 warm-ups + 3
     rounds) = 18 s each) fit in 70% of a 40 s budget, the third does not and keeps its default,

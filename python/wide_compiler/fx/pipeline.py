@@ -295,8 +295,11 @@ def _bad(name: str, why: str) -> None:
 def run_pipeline(c: Compilation, passes: Sequence[Pass] = PASSES) -> Compilation:
     """Run ``passes`` in order on ``c`` (under the compile lock, with grad mode on: a training
     graph's tuning and model-level check run backward, whatever the caller's grad mode); returns
-    ``c``."""
-    with COMPILE_LOCK, torch.enable_grad():
+    ``c``. The random number generators (CPU, and every CUDA device once CUDA is initialised) are
+    restored afterwards: measuring draws random inputs, and whether a compile measures or reads
+    the strategy cache must not change the caller's random stream."""
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with COMPILE_LOCK, torch.enable_grad(), torch.random.fork_rng(devices=cuda):
         for p in passes:
             if p.when is not None and not p.when(c):
                 continue
