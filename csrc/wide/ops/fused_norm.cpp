@@ -307,19 +307,11 @@ NormGrads fused_batch_norm_backward_composite(const at::Tensor& grad_out, const 
                                               const at::Tensor& save_invstd, double eps,
                                               std::array<bool, 3> output_mask) {
   check_batch_norm("fused_batch_norm_backward", input, {opt_ptr(weight), &save_mean, &save_invstd});
-  return at::native_batch_norm_backward(grad_out, input, weight, std::nullopt, std::nullopt, save_mean, save_invstd,
-                                        true, eps, output_mask);
-}
-
-// ATen's meta kernel of native_batch_norm_backward allocates all three gradients whatever the
-// mask, where its CPU and CUDA kernels leave the unwanted ones undefined: this one follows the mask.
-NormGrads fused_batch_norm_backward_meta(const at::Tensor& grad_out, const at::Tensor& input,
-                                         const std::optional<at::Tensor>& weight, const at::Tensor& save_mean,
-                                         const at::Tensor& save_invstd, double eps, std::array<bool, 3> output_mask) {
-  check_batch_norm("fused_batch_norm_backward", input, {opt_ptr(weight), &save_mean, &save_invstd});
-  auto per_channel = [&] { return at::empty_symint({input.sym_size(1)}, input.options()); };
-  return {output_mask[0] ? at::empty_symint(input.sym_sizes(), input.options()) : at::Tensor(),
-          output_mask[1] ? per_channel() : at::Tensor(), output_mask[2] ? per_channel() : at::Tensor()};
+  auto [dx, dw, db] = at::native_batch_norm_backward(grad_out, input, weight, std::nullopt, std::nullopt, save_mean,
+                                                     save_invstd, true, eps, output_mask);
+  // only what the mask asks for, whatever the backend returns (ATen's meta kernel, which fake
+  // tensors run, allocates all three; its CPU kernel leaves the unwanted ones undefined)
+  return {output_mask[0] ? dx : at::Tensor(), output_mask[1] ? dw : at::Tensor(), output_mask[2] ? db : at::Tensor()};
 }
 
 NormGrads fused_batch_norm_backward_cpu(const at::Tensor& grad_out, const at::Tensor& input,
@@ -506,5 +498,4 @@ TORCH_LIBRARY_IMPL(wide, CPU, m) {
 
 TORCH_LIBRARY_IMPL(wide, Meta, m) {
   m.impl("fused_norm_backward", &wide::fused_norm_backward_meta);
-  m.impl("fused_batch_norm_backward", &wide::fused_batch_norm_backward_meta);
 }
