@@ -84,12 +84,12 @@ def defaults(wide) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The budget
+# What a measurement runs
 # ---------------------------------------------------------------------------------------------
 def test_training_candidates_get_a_dense_gradient():
     """A train graph's candidates are timed forward and backward with a dense gradient laid out like
     the output, the same tensor every call (not out.sum()'s one value expanded over the output,
-    which sent a grouped conv's backward down a slower path and the tuner to the wrong strategy)."""
+    which no op of a model receives)."""
     x = torch.randn(4, 6, requires_grad=True)
     seen = []
 
@@ -132,6 +132,9 @@ def test_compiling_leaves_the_random_stream_alone(tmp_path):
     assert torch.equal(torch.rand(4), first)
 
 
+# ---------------------------------------------------------------------------------------------
+# The budget
+# ---------------------------------------------------------------------------------------------
 def test_budget_stops_measuring_and_summary_says_so(monkeypatch, clock, tmp_path, caplog):
     """Each candidate call takes 1 s: the first two linears (3 candidates x (3 warm-ups + 3
     rounds) = 18 s each) fit in 70% of a 40 s budget, the third does not and keeps its default,
