@@ -129,6 +129,23 @@ def test_attention_dispatch():
         wide.attention(q, kg, vg)
 
 
+def test_attention_with_a_forward_mode_tangent_is_sdpas():
+    """torch.func.jvp through wide.attention: the small kernel has no forward derivative (an op
+    without one hands back no tangent, silently), so a tangent sends it to SDPA, which computes
+    the tangent or raises as it does for the members (torch 2.13's CPU flash kernel raises)."""
+    q, k, v = _qkv(2, 4, 4, 5, 5, 8, 8)
+    t = torch.randn_like(q)
+    assert _kernel_ran(lambda: wide.attention(q, k, v))  # the kernel's case, without a tangent
+    try:
+        _, want = torch.func.jvp(lambda q: F.scaled_dot_product_attention(q, k, v), (q,), (t,))
+    except NotImplementedError:
+        with pytest.raises(NotImplementedError):
+            torch.func.jvp(lambda q: wide.attention(q, k, v), (q,), (t,))
+    else:
+        _, got = torch.func.jvp(lambda q: wide.attention(q, k, v), (q,), (t,))
+        torch.testing.assert_close(got, want)
+
+
 # opcheck of wide.attention / wide.small_attention: test_op_db.py
 
 

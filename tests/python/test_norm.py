@@ -352,6 +352,39 @@ def test_batch_norm_training_kernel_gradcheck():
     assert torch.autograd.gradgradcheck(fn, inputs)
 
 
+@pytest.mark.parametrize("op", ["batch_norm", "layer_norm", "group_norm_nfirst"])
+def test_norm_kernels_leave_forward_mode_ad_to_aten(op):
+    """The norms' CPU kernels (BatchNorm in training, the fused LayerNorm, the N-first GroupNorm)
+    have no forward derivative; with a forward-mode tangent (torch.func.jvp) the norms take
+    ATen's ops instead, and the tangent is each member's own."""
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(2, 3, 4, 5, 5, generator=g), torch.randn(2, 3, 4, 5, 5, generator=g)
+    w, b = torch.rand(2, 4, generator=g) + 0.5, torch.randn(2, 4, generator=g)
+    if op == "batch_norm":  # 25 values per (sample, channel): the kernel's size
+        def wide(x):
+            y = torch.ops.wide.batch_norm(x, w, b, None, None, True, 0.1, 1e-5)
+            return y.unflatten(1, (2, 4)).transpose(0, 1)  # packed -> N-first
+
+        def member(i, x):
+            return F.batch_norm(x, None, None, w[i], b[i], True, 0.1, 1e-5)
+    elif op == "layer_norm":
+        def wide(x):
+            return torch.ops.wide.layer_norm(x, [5], w[:, :1].expand(2, 5), None, 1e-5)
+
+        def member(i, x):
+            return F.layer_norm(x, [5], w[i, :1].expand(5), None, 1e-5)
+    else:
+        def wide(x):
+            return torch.ops.wide.group_norm_nfirst(x, 2, w, b, 1e-5)
+
+        def member(i, x):
+            return F.group_norm(x, 2, w[i], b[i], 1e-5)
+    _, tangent = torch.func.jvp(wide, (x,), (t,))
+    for i in range(2):
+        _, want = torch.func.jvp(lambda xi, i=i: member(i, xi), (x[i],), (t[i],))
+        torch.testing.assert_close(tangent[i], want)
+
+
 def test_layer_norm_training_takes_the_kernel():
     """wide.layer_norm with a gradient wanted runs wide.fused_norm and its backward kernel on the
     CPU (strategy fused/auto), and the per-member loop with strategy loop."""

@@ -70,7 +70,18 @@ bool kernel_takes(std::initializer_list<const at::Tensor*> ts) {
 // Whether wide::fused_norm serves these tensors: always when no gradient is wanted; with one, when
 // its differentiable CPU kernel takes them; else the callers take the composite, whose backward
 // is autograd's.
-bool takes_fused(std::initializer_list<const at::Tensor*> ts) { return !needs_grad(ts) || kernel_takes(ts); }
+// Whether a forward-mode tangent rides on any of these tensors (torch.autograd.forward_ad,
+// torch.func.jvp): the kernels' autograd functions have no forward derivative, ATen's ops do.
+bool has_tangent(std::initializer_list<const at::Tensor*> ts) {
+  for (const at::Tensor* t : ts) {
+    if (t != nullptr && t->defined() && t->_fw_grad(/*level=*/0).defined()) return true;
+  }
+  return false;
+}
+
+bool takes_fused(std::initializer_list<const at::Tensor*> ts) {
+  return !has_tangent(ts) && (!needs_grad(ts) || kernel_takes(ts));
+}
 
 void check_fused(const at::Tensor& input, const std::optional<at::Tensor>& residual,
                  int64_t d, const std::optional<at::Tensor>& weight,
@@ -411,7 +422,7 @@ bool takes_fused_batch_norm(const at::Tensor& input, const std::optional<at::Ten
   // Rows shorter than a vector: ATen's kernel is faster (0.05 against 1.2 ms on [256, 1024, 1]).
   return !python && input.dim() >= 3 && input.is_contiguous() && input.numel() > 0 &&
          input.numel() / (input.size(0) * input.size(1)) >= 16 &&
-         kernel_takes({&input, opt_ptr(weight), opt_ptr(bias)});
+         kernel_takes({&input, opt_ptr(weight), opt_ptr(bias)}) && !has_tangent({&input, opt_ptr(weight), opt_ptr(bias)});
 }
 
 std::optional<at::Tensor> maybe_fused_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
@@ -431,7 +442,9 @@ std::optional<at::Tensor> maybe_fused_norm(const at::Tensor& input, c10::SymIntA
 std::optional<at::Tensor> maybe_fused_group_norm(const at::Tensor& input, int64_t num_groups,
                                                  const std::optional<at::Tensor>& weight,
                                                  const std::optional<at::Tensor>& bias, double eps) {
-  if (needs_grad({&input, opt_ptr(weight), opt_ptr(bias)})) return std::nullopt;
+  if (needs_grad({&input, opt_ptr(weight), opt_ptr(bias)}) || has_tangent({&input, opt_ptr(weight), opt_ptr(bias)})) {
+    return std::nullopt;
+  }
   return fused_group_norm(input, num_groups, weight, bias, eps);
 }
 
