@@ -15,6 +15,7 @@
 // decomposition. small_attention itself has CPU and Meta kernels, ATen's SDPA on other devices, and
 // no autograd formula.
 #include "wide/ops/attention.h"
+#include "wide/ops/transforms.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
@@ -131,11 +132,7 @@ bool small_attention_applies(const at::Tensor& query, const at::Tensor& key, con
   if (at::GradMode::is_enabled() && (query.requires_grad() || key.requires_grad() || value.requires_grad())) {
     return false;
   }
-  // A forward-mode tangent (torch.func.jvp): the kernel has no forward derivative, and an op
-  // without one would hand back no tangent at all; SDPA computes it (or says it cannot).
-  for (const at::Tensor* t : {&query, &key, &value}) {
-    if (t->_fw_grad(/*level=*/0).defined()) return false;
-  }
+  if (!detail::plain_autograd({&query, &key, &value})) return false;  // Note [Kernels under transforms]
   const auto dtype = query.scalar_type();
   if (query.dim() != 4 || key.dim() != 4 || value.dim() != 4 || (dtype != at::kFloat && dtype != at::kDouble) ||
       key.scalar_type() != dtype || value.scalar_type() != dtype || !query.device().is_cpu() ||

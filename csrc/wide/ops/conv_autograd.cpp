@@ -21,6 +21,7 @@
 
 #include "wide/ops/conv.h"
 #include "wide/ops/layout.h"
+#include "wide/ops/transforms.h"
 
 // Note [Loop conv gradients]
 // --------------------------
@@ -203,7 +204,8 @@ bool python_keys(const at::Tensor& t) {
 at::Tensor contiguous_keeping_grad_layout(const at::Tensor& x) {
   const bool applies = at::GradMode::is_enabled() && x.requires_grad() && !x.is_contiguous() &&
                        x.suggest_memory_format() != at::MemoryFormat::Contiguous &&
-                       !python_keys(x) && !c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python);
+                       !python_keys(x) && !c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python) &&
+                       plain_autograd({&x});  // Note [Kernels under transforms]
   return applies ? ContiguousKeepingGradLayout::apply(x) : x.contiguous();
 }
 
@@ -216,6 +218,7 @@ std::optional<at::Tensor> conv_loop_training(const at::Tensor& input, const at::
                        padding.size() == 2 && !python_keys(input) && !python_keys(weight) &&
                        !(bias.has_value() && python_keys(*bias)) &&
                        !c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python) &&
+                       plain_autograd({&input, &weight, bias.has_value() ? &*bias : nullptr}) &&
                        concrete(input.sym_sizes()) && concrete(weight.sym_sizes()) && concrete(stride) &&
                        concrete(padding) && concrete(dilation);
   if (!applies) return std::nullopt;

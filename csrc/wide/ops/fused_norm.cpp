@@ -41,6 +41,7 @@
 
 #include "wide/ops/cpu/fused_norm_kernels.h"
 #include "wide/ops/norm.h"
+#include "wide/ops/transforms.h"
 #include "wide/cpu/isa.h"  // the run-time instruction-set choice, shared with the optimizers
 
 namespace wide {
@@ -70,17 +71,8 @@ bool kernel_takes(std::initializer_list<const at::Tensor*> ts) {
 // Whether wide::fused_norm serves these tensors: always when no gradient is wanted; with one, when
 // its differentiable CPU kernel takes them; else the callers take the composite, whose backward
 // is autograd's.
-// Whether a forward-mode tangent rides on any of these tensors (torch.autograd.forward_ad,
-// torch.func.jvp): the kernels' autograd functions have no forward derivative, ATen's ops do.
-bool has_tangent(std::initializer_list<const at::Tensor*> ts) {
-  for (const at::Tensor* t : ts) {
-    if (t != nullptr && t->defined() && t->_fw_grad(/*level=*/0).defined()) return true;
-  }
-  return false;
-}
-
 bool takes_fused(std::initializer_list<const at::Tensor*> ts) {
-  return !has_tangent(ts) && (!needs_grad(ts) || kernel_takes(ts));
+  return detail::plain_autograd(ts) && (!needs_grad(ts) || kernel_takes(ts));  // Note [Kernels under transforms]
 }
 
 void check_fused(const at::Tensor& input, const std::optional<at::Tensor>& residual,
@@ -422,7 +414,7 @@ bool takes_fused_batch_norm(const at::Tensor& input, const std::optional<at::Ten
   // Rows shorter than a vector: ATen's kernel is faster (0.05 against 1.2 ms on [256, 1024, 1]).
   return !python && input.dim() >= 3 && input.is_contiguous() && input.numel() > 0 &&
          input.numel() / (input.size(0) * input.size(1)) >= 16 &&
-         kernel_takes({&input, opt_ptr(weight), opt_ptr(bias)}) && !has_tangent({&input, opt_ptr(weight), opt_ptr(bias)});
+         kernel_takes({&input, opt_ptr(weight), opt_ptr(bias)}) && plain_autograd({&input, opt_ptr(weight), opt_ptr(bias)});
 }
 
 std::optional<at::Tensor> maybe_fused_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
@@ -442,7 +434,7 @@ std::optional<at::Tensor> maybe_fused_norm(const at::Tensor& input, c10::SymIntA
 std::optional<at::Tensor> maybe_fused_group_norm(const at::Tensor& input, int64_t num_groups,
                                                  const std::optional<at::Tensor>& weight,
                                                  const std::optional<at::Tensor>& bias, double eps) {
-  if (needs_grad({&input, opt_ptr(weight), opt_ptr(bias)}) || has_tangent({&input, opt_ptr(weight), opt_ptr(bias)})) {
+  if (needs_grad({&input, opt_ptr(weight), opt_ptr(bias)}) || !plain_autograd({&input, opt_ptr(weight), opt_ptr(bias)})) {
     return std::nullopt;
   }
   return fused_group_norm(input, num_groups, weight, bias, eps);

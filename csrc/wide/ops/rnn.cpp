@@ -1,4 +1,5 @@
 #include "wide/ops/rnn.h"
+#include "wide/ops/transforms.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -335,6 +336,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_loop(
                       input.key_set().has(c10::DispatchKey::Functionalize) ||
                       c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python);
   const bool parallel = input.device().is_cpu() && members > 1 && !random && !python &&
+                        detail::plain_autograd({&input}) &&  // Note [Kernels under transforms]
                         at::get_num_threads() > 1 && !at::in_parallel_region();
   const bool wants_grad =
       at::GradMode::is_enabled() && std::any_of(flat.begin(), flat.end(), [](const at::Tensor& t) { return t.requires_grad(); });
