@@ -1,12 +1,14 @@
 """torch.func transforms through the wide ops whose CPU kernels are differentiated by C++ autograd
 Functions (Note [Kernels under transforms], csrc/wide/ops/transforms.h): under grad, jvp and their
-compositions the ops take their ATen composites, and the results are the plain autograd ones."""
+compositions the ops take their ATen composites, and the results are the plain autograd ones; and
+torch.func.grad of a whole WideModel."""
 from __future__ import annotations
 
 import pytest
 import torch
-import wide_compiler  # noqa: F401 -- loads torch.ops.wide
-from torch.func import grad, jvp
+import wide_compiler as wc
+from torch import nn
+from torch.func import functional_call, grad, jvp
 
 W = torch.ops.wide
 F64 = torch.float64
@@ -66,3 +68,23 @@ def test_hessian_vector_products(name):
     eps = 1e-6
     fd = (grad(loss)(w + eps * v) - grad(loss)(w - eps * v)) / (2 * eps)
     torch.testing.assert_close(hv, fd, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_func_grad_of_a_whole_wide_model():
+    """torch.func.grad of a loss through a compiled WideModel (functional_call with its stacked
+    parameters) equals the model's own backward. Its BatchNorm keeps no running statistics: a
+    BatchNorm that updates them in place cannot run under torch.func.grad, for a plain module
+    either (functorch refuses to mutate a captured buffer)."""
+    torch.manual_seed(0)
+
+    def member():
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU(),
+                             nn.Flatten(), nn.Linear(4 * 5 * 5, 3))
+    members = [member() for _ in range(3)]
+    x = torch.randn(3, 2, 3, 5, 5)
+    wide = wc.compile(members, x[0], config=wc.WideConfig.fast()).train()
+    params = {k: v.detach() for k, v in wide.named_parameters()}
+    got = grad(lambda p: functional_call(wide, p, (x,)).pow(2).sum())(params)
+    wide(x).pow(2).sum().backward()
+    for name, p in wide.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, msg=name)
