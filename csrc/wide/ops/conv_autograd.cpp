@@ -3,7 +3,6 @@
 // Built like the C++ frontend files (CMakeLists.txt): the autograd headers pull in every ATen
 // operator.
 #include <ATen/core/grad_mode.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -195,17 +194,13 @@ std::vector<int64_t> ints(c10::SymIntArrayRef values) {
   return out;
 }
 
-bool python_keys(const at::Tensor& t) {
-  return t.key_set().has(c10::DispatchKey::Python) || t.key_set().has(c10::DispatchKey::Functionalize);
-}
 
 } // namespace
 
 at::Tensor contiguous_keeping_grad_layout(const at::Tensor& x) {
   const bool applies = at::GradMode::is_enabled() && x.requires_grad() && !x.is_contiguous() &&
                        x.suggest_memory_format() != at::MemoryFormat::Contiguous &&
-                       !python_keys(x) && !c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python) &&
-                       plain_autograd({&x});  // Note [Kernels under transforms]
+                       untraced({&x}) && plain_autograd({&x});  // Note [Kernels under transforms]
   return applies ? ContiguousKeepingGradLayout::apply(x) : x.contiguous();
 }
 
@@ -215,9 +210,7 @@ std::optional<at::Tensor> conv_loop_training(const at::Tensor& input, const at::
                                              const c10::SymInt& groups, bool packed_input) {
   const bool applies = at::GradMode::is_enabled() && weight.requires_grad() && weight.dim() == 5 &&
                        weight.device().is_cpu() && input.device().is_cpu() && groups == 1 &&
-                       padding.size() == 2 && !python_keys(input) && !python_keys(weight) &&
-                       !(bias.has_value() && python_keys(*bias)) &&
-                       !c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python) &&
+                       padding.size() == 2 && untraced({&input, &weight, bias.has_value() ? &*bias : nullptr}) &&
                        plain_autograd({&input, &weight, bias.has_value() ? &*bias : nullptr}) &&
                        concrete(input.sym_sizes()) && concrete(weight.sym_sizes()) && concrete(stride) &&
                        concrete(padding) && concrete(dilation);

@@ -30,7 +30,6 @@
 #include <ATen/ops/rms_norm.h>
 #include <ATen/ops/rsqrt.h>
 #include <ATen/ops/var.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -409,10 +408,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_norm_backward_math(
 
 bool takes_fused_batch_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight,
                             const std::optional<at::Tensor>& bias) {
-  const bool python = input.key_set().has(c10::DispatchKey::Python) ||
-                      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python);
   // Rows shorter than a vector: ATen's kernel is faster (0.05 against 1.2 ms on [256, 1024, 1]).
-  return !python && input.dim() >= 3 && input.is_contiguous() && input.numel() > 0 &&
+  return untraced({&input}) && input.dim() >= 3 && input.is_contiguous() && input.numel() > 0 &&
          input.numel() / (input.size(0) * input.size(1)) >= 16 &&
          kernel_takes({&input, opt_ptr(weight), opt_ptr(bias)}) && plain_autograd({&input, opt_ptr(weight), opt_ptr(bias)});
 }

@@ -5,7 +5,6 @@
 #include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <ATen/ops/addcmul.h>
@@ -331,12 +330,12 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_loop(
 
   const bool random = train && dropout > 0 && num_layers > 1;
   // Python tensor subclasses and modes (fake tensors under torch.compile/export) call back into
-  // Python, which worker threads may not do while the caller waits: sequential then.
-  const bool python = input.key_set().has(c10::DispatchKey::Python) ||
-                      input.key_set().has(c10::DispatchKey::Functionalize) ||
-                      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python);
-  const bool parallel = input.device().is_cpu() && members > 1 && !random && !python &&
-                        detail::plain_autograd({&input}) &&  // Note [Kernels under transforms]
+  // Python, which worker threads may not do while the caller waits, and torch.func transforms
+  // refuse MembersInParallel: sequential then.
+  const bool eager = std::all_of(flat.begin(), flat.end(), [](const at::Tensor& t) {
+    return detail::untraced({&t}) && detail::plain_autograd({&t});  // Note [Kernels under transforms]
+  });
+  const bool parallel = input.device().is_cpu() && members > 1 && !random && eager &&
                         at::get_num_threads() > 1 && !at::in_parallel_region();
   const bool wants_grad =
       at::GradMode::is_enabled() && std::any_of(flat.begin(), flat.end(), [](const at::Tensor& t) { return t.requires_grad(); });

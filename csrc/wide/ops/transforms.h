@@ -1,5 +1,6 @@
-// Whether an op may take one of the hand-written CPU kernels whose autograd is a C++
-// torch::autograd::Function (or none): see Note [Kernels under transforms].
+// Whether an op may take one of its hand-written CPU paths: not while tracing (untraced), and not
+// where its autograd is a C++ torch::autograd::Function or none (plain_autograd, Note [Kernels
+// under transforms]).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -20,6 +21,18 @@
 // they do).
 
 namespace wide::detail {
+
+/// True when none of `ts` is a Python tensor subclass or functional tensor and no Python mode is
+/// active: not tracing (fake tensors under torch.compile/export), so a path a traced graph should
+/// not record, or one that runs member work on other threads, may run.
+inline bool untraced(std::initializer_list<const at::Tensor*> ts) {
+  if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python)) return false;
+  const c10::DispatchKeySet python({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
+  for (const at::Tensor* t : ts) {
+    if (t != nullptr && t->defined() && t->key_set().has_any(python)) return false;
+  }
+  return true;
+}
 
 /// True when no torch.func transform is active and none of `ts` carries a forward-mode tangent
 /// or a functorch wrapper: the kernels with C++ autograd Functions may run.
