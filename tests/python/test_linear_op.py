@@ -262,6 +262,65 @@ def test_bmm_strategy_runs_one_batched_gemm(bias):
         assert not GEMMS & set(ops), (strategy, ops)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_backward_hands_parameters_gradients_in_their_own_layout(strategy, bias):
+    """Note [Linear weight gradient layout]: .backward() into .grad takes the weight gradient as it
+    comes (no transposing copy in AccumulateGrad): it has the weight's strides; accumulating a
+    second backward adds exactly the second gradient, as for nn.Linear."""
+    torch.manual_seed(9)
+    n, b, fin, fout = 4, 3, 5, 7
+    x = torch.randn(n, b, fin, requires_grad=True)
+    w = torch.randn(n, fout, fin, requires_grad=True)
+    bb = torch.randn(n, fout, requires_grad=True) if bias else None
+    g1, g2 = torch.randn(n, b, fout), torch.randn(n, b, fout)
+    wide_linear(x, w, bb, strategy=strategy).backward(g1)
+    assert w.grad.stride() == w.stride(), (strategy, w.grad.stride())
+    first = w.grad.clone()
+    wide_linear(x, w, bb, strategy=strategy).backward(g2)
+    ref = torch.stack([F.linear(x[i], w[i], None if bb is None else bb[i]) for i in range(n)])
+    gw = torch.autograd.grad(ref, w, g1 + g2, retain_graph=True)[0]
+    torch.testing.assert_close(w.grad, gw)
+    torch.testing.assert_close(first, torch.autograd.grad(ref, w, g1)[0])
+    gx = torch.einsum("nbo,noi->nbi", g1 + g2, w.detach())
+    torch.testing.assert_close(x.grad, gx)
+    if bias:
+        assert bb.grad.stride() == bb.stride()
+        torch.testing.assert_close(bb.grad, (g1 + g2).sum(1))
+
+
+def test_bmm_training_gradient_layout_is_free_of_weight_copies():
+    """The bmm strategy's backward runs two batched GEMMs and no copy of the weight or its gradient
+    (the composite's transposed weight gradient cost one strided copy per step in AccumulateGrad)."""
+    torch.manual_seed(10)
+    x = torch.randn(3, 4, 6, requires_grad=True)
+    w = torch.randn(3, 5, 6, requires_grad=True)
+    with torch.profiler.profile() as prof:
+        wide_linear(x, w, strategy="bmm").sum().backward()
+    names = [e.name for e in prof.events()]
+    assert names.count("aten::bmm") == 3, names  # forward, input and weight gradients
+    assert "aten::copy_" not in names and "aten::clone" not in names, names
+    assert w.grad.is_contiguous()
+
+
+def test_bmm_training_double_backward_matches_separate_linears():
+    """create_graph=True through the autograd function: second derivatives as nn.Linear's."""
+    torch.manual_seed(11)
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
+    bb = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+
+    def second(f):
+        y = f(x, w, bb)
+        gx, gw = torch.autograd.grad((y ** 2).sum(), (x, w), create_graph=True)
+        return torch.autograd.grad((gx ** 2).sum() + (gw ** 3).sum(), (x, w, bb))
+
+    wide = second(lambda x, w, bb: wide_linear(x, w, bb, strategy="bmm"))
+    ref = second(lambda x, w, bb: torch.stack([F.linear(x[i], w[i], bb[i]) for i in range(2)]))
+    for a, r in zip(wide, ref):
+        torch.testing.assert_close(a, r)
+
+
 @pytest.mark.parametrize("rank", RANKS)
 def test_loop_strategy_runs_one_gemm_per_member(rank):
     torch.manual_seed(6)

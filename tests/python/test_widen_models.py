@@ -341,3 +341,27 @@ def test_members_stay_independent_after_a_training_step():
     ((wide(xs) - ts) ** 2).mean(dim=(1, 2)).sum().backward()
     opt.step()
     assert_members_trained_alike(wide, models, [xs], [ts], lr=lr)
+
+
+@pytest.mark.parametrize("name", ["mlp", "resblock", "transformer"])
+def test_backward_gradients_come_in_each_parameters_layout(name):
+    """loss.backward() hands every stacked parameter a gradient with the parameter's own strides,
+    so AccumulateGrad stores it without a copy (Note [Linear weight gradient layout]); the
+    gradients are the members' own."""
+    from wide_compiler.zoo import MODELS
+
+    torch.manual_seed(21)
+    factory, shape = MODELS[name]
+    members = [factory() for _ in range(3)]
+    xs = [torch.randn(*shape) for _ in range(3)]
+    wide = wc.compile(members, xs[0], config=wc.WideConfig.fast())
+    wide(torch.stack(xs)).sum().backward()
+    stacked = [(n, p) for n, p in wide.named_parameters() if p.grad is not None]
+    assert stacked
+    for n, p in stacked:
+        assert p.grad.stride() == p.stride(), (n, p.stride(), p.grad.stride())
+    for m, x in zip(members, xs):
+        m(x).sum().backward()
+    for name_p, p in stacked:
+        for i, m in enumerate(members):
+            torch.testing.assert_close(p.grad[i], m.get_parameter(name_p).grad, rtol=1e-4, atol=1e-5)

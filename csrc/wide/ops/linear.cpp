@@ -26,14 +26,17 @@
 //    on the expanded input for 64->128, mixed for 128->256 (0.8-1.06x), 0.90-0.98x for 256->512
 //    and 512->1024; forward alone, it was 1.3-2.4x slower than baddbmm for 64->128 and 512->1024
 //    (a GEMM of 32 rows against N*O columns, plus the copy that makes its result N-first).
-//  * bmm: one batched GEMM over the member dim with the bias fused (baddbmm);
+//  * bmm: one batched GEMM over the member dim with the bias fused (baddbmm); when the weight
+//    needs a gradient, with a backward that hands it back in the weight's layout (Note [Linear
+//    weight gradient layout], linear_autograd.cpp);
 //  * bmm_t: the same GEMM as out^T = W @ x^T, see Note [wide::linear bmm orientation].
 //  * loop: N separate at::linear calls, stacked. Wins only when each member's GEMM is large
 //    enough that batching gains nothing; the compile-time tuner measures rather than guesses.
 // `strategy` picks among bmm, bmm_t and loop for per-member inputs; `auto` is bmm (the heuristic
-// used when nothing was measured). All paths are built from ATen ops, so the
-// op is CompositeImplicitAutograd: autograd, fake tensors, torch.compile and export come free,
-// and all size arithmetic uses SymInts so it traces with a dynamic batch dimension.
+// used when nothing was measured). All paths are built from ATen ops (the bmm backward's autograd
+// function from differentiable ones, and only outside tracing), so the op is
+// CompositeImplicitAutograd: autograd, fake tensors, torch.compile and export come free, and all
+// size arithmetic uses SymInts so it traces with a dynamic batch dimension.
 
 namespace wide {
 
@@ -121,16 +124,21 @@ at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight,
 
   if (kind == LinearStrategy::BmmT) {
     // Note [wide::linear bmm orientation]: out^T = W @ x^T ([N, O, I] x [N, I, M]), made
-    // contiguous [N, M, O]. Its weight gradient comes out as a contiguous [N, O, I] where x @ W^T
-    // yields it transposed (accumulating a transposed gradient into .grad is a strided copy of
-    // every weight): forward+backward of 512->1024 at N=64, B=32 took 151 ms against 215 ms here.
-    // The output copy costs the forward of small layers (64->128: 0.49 against 0.35 ms), so the
-    // tuner, which times forward+backward for train graphs and the forward for eval graphs, picks.
+    // contiguous [N, M, O]. Its weight gradient comes out as a contiguous [N, O, I] where the
+    // composite x @ W^T yields it transposed (accumulating a transposed gradient into .grad is a
+    // strided copy of every weight): forward+backward of 512->1024 at N=64, B=32 took 151 ms
+    // against 215 ms for that composite. The bmm strategy now has its own backward with the same
+    // layout (Note [Linear weight gradient layout]) except while tracing, where the composite
+    // runs. The output copy costs the forward of small layers (64->128: 0.49 against 0.35 ms), so
+    // the tuner, which times forward+backward for train graphs and the forward for eval graphs, picks.
     const at::Tensor xt = input.reshape_symint({n, m, in_features}).transpose(1, 2);
     const at::Tensor yt = bias.has_value() ? at::baddbmm(bias->unsqueeze(2), weight, xt) : at::bmm(weight, xt);
     return yt.transpose(1, 2).contiguous().view_symint(out_sizes);
   }
   const at::Tensor x = input.reshape_symint({n, m, in_features});
+  if (auto y = detail::linear_bmm_training(x, weight, bias)) {  // Note [Linear weight gradient layout]
+    return y->view_symint(out_sizes);
+  }
   const at::Tensor wt = weight.transpose(1, 2);
   const at::Tensor y = bias.has_value() ? at::baddbmm(bias->unsqueeze(1), x, wt) : at::bmm(x, wt);
   return y.view_symint(out_sizes);

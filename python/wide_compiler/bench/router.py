@@ -3,8 +3,8 @@ of towers of 1-3 architectures (MLPs of different widths, equal numbers of tower
 calling the towers in a Python loop and against ``torch.func.vmap`` over each architecture's
 aligned towers (one vmap per group, as a user of vmap ensembling would write it). Every tower has
 its own weights; all read one shared input, as in a collective. ``inference``: forward under
-``no_grad``; ``train``: forward + ``torch.autograd.grad`` of the sum of outputs over every
-parameter. ``max_abs_err``: the router's outputs against the loop's, tower by tower.
+``no_grad``; ``train``: forward + ``.backward()`` of the sum of outputs into every parameter's
+cleared ``.grad``, as a training loop runs it. ``max_abs_err``: the router's outputs against the loop's, tower by tower.
 
 Example::
 
@@ -91,8 +91,7 @@ def _run(towers: int, archs: int, p: Preset, machine: dict[str, Any]) -> list[di
         params = {"wide": list(router.parameters()), "loop": loop_params, "vmap": vmap_params}
         if mode == "inference":
             return {k: (lambda f=f: _no_grad(f)) for k, f in fns.items()}
-        return {k: (lambda f=f, ps=params[k]: torch.autograd.grad(sum(o.sum() for o in f()), ps))
-                for k, f in fns.items()}
+        return {k: (lambda f=f, ps=params[k]: _backward(f, ps)) for k, f in fns.items()}
 
     records = []
     for mode in measure.MODES:
@@ -110,3 +109,10 @@ def _run(towers: int, archs: int, p: Preset, machine: dict[str, Any]) -> list[di
 def _no_grad(fn: Callable[[], Any]) -> Any:
     with torch.no_grad():
         return fn()
+
+
+def _backward(fn: Callable[[], Any], params: list[torch.Tensor]) -> None:
+    """A training step's gradients: ``.grad`` cleared, ``.backward()`` of the outputs' sum."""
+    for p in params:
+        p.grad = None
+    sum(o.sum() for o in fn()).backward(inputs=params)

@@ -6,7 +6,8 @@ all N), and the baselines a user would otherwise write: N separate modules in a 
 (:func:`vmap_contender`: ``stack_module_state`` + ``functional_call`` + ``vmap``) and
 ``torch.compile`` of any of them (:func:`compiled`, :func:`compiled_loop_contender`).
 :func:`make_step` turns one into the timed callable of a mode (``"inference"``: forward under
-``no_grad``; ``"train"``: forward, sum of the outputs, parameter gradients) and
+``no_grad``; ``"train"``: forward, sum of the outputs, ``.backward()`` into the parameters'
+``.grad``, cleared first as ``optimizer.zero_grad()`` does) and
 :func:`max_abs_err` compares two results member by member.
 
 Inputs: a contender's ``forward(x)`` takes ``x`` as one N-first tensor (member ``i`` gets
@@ -228,7 +229,11 @@ def _loss(out: Any) -> torch.Tensor:
 
 def make_step(contender: Contender, x: Any, mode: str) -> Callable[[], Any]:
     """The timed callable: ``"inference"`` is a forward under ``torch.no_grad``; ``"train"`` is
-    forward, sum of every output, and ``torch.autograd.grad`` of the contender's params."""
+    what a training loop runs: the params' ``.grad`` set to None (``optimizer.zero_grad()``),
+    forward, the sum of every output, and ``.backward()`` into the params' ``.grad``; it returns
+    the output and those gradients. ``.backward()``, not ``torch.autograd.grad``: accumulating
+    into ``.grad`` copies a gradient that does not come in its parameter's layout, which a
+    training step pays (Note [Linear weight gradient layout])."""
     if mode == "inference":
         def step() -> Any:
             with torch.no_grad():
@@ -237,8 +242,11 @@ def make_step(contender: Contender, x: Any, mode: str) -> Callable[[], Any]:
         params = list(contender.params)
 
         def step() -> Any:
+            for p in params:
+                p.grad = None
             out = contender.forward(x)
-            return out, torch.autograd.grad(_loss(out), params)
+            _loss(out).backward(inputs=params)
+            return out, tuple(p.grad for p in params)
     else:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     return step
