@@ -131,8 +131,9 @@ class Choice:
 
 
 # What a measurement times, as a number the cache key holds: raised when that changes, so that
-# older measurements are taken afresh (2: training candidates get a dense gradient, _timed_calls).
-_MEASURE_METHOD = 2
+# older measurements are taken afresh (2: training candidates get a dense gradient, _timed_calls;
+# 3: their gradients are stored into cleared .grad, as after optimizer.zero_grad()).
+_MEASURE_METHOD = 3
 
 
 def cache_key(op: str, **fields: Any) -> str:
@@ -500,20 +501,41 @@ def choose_strategies(graph: fx.Graph, n: int, config: WideConfig, *, training: 
     return timings_by_node
 
 
+def _leaves(out: torch.Tensor) -> list[torch.Tensor]:
+    """The autograd leaves ``out`` depends on (the tensors its backward accumulates into)."""
+    found, seen, todo = [], set(), [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):  # an AccumulateGrad node
+            found.append(fn.variable)
+        todo.extend(f for f, _ in fn.next_functions)
+    return found
+
+
 def _timed_calls(candidates: dict[str, Any], training: bool) -> dict[str, Any]:
     """What tuning times per candidate: forward and backward in training, else the forward alone.
 
     The backward gets a dense random gradient laid out like the output, as the next op of a model
     hands one back; ``out.sum().backward()`` would hand one value expanded over the output
     (stride 0), which kernels treat differently (ATen's conv backward copies it into a dense
-    tensor first, per member for the loop strategy)."""
+    tensor first, per member for the loop strategy). The leaves' ``.grad`` is cleared before each
+    call, as ``optimizer.zero_grad()`` does in a training loop: the gradients are stored as they
+    come, so a candidate whose gradient is not laid out like its parameter pays the copy
+    (Note [Linear weight gradient layout])."""
     def train(fn):
         grad: list[torch.Tensor] = []
+        leaves: list[torch.Tensor] = []
 
         def run():
+            for t in leaves:
+                t.grad = None
             out = fn()
             if not grad:
                 grad.append(torch.randn_like(out))
+                leaves.extend(_leaves(out))
             out.backward(grad[0])
         return run
 
