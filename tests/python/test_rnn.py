@@ -155,6 +155,33 @@ def test_wide_cells(cls):
     check_equivalence(wide.from_modules(members), members, [torch.randn(2, 4) for _ in range(3)])
 
 
+@pytest.mark.parametrize("cls,kw", CONFIGS + [(nn.LSTMCell, {}), (nn.GRUCell, {}), (nn.RNNCell, {})],
+                         ids=IDS + ["LSTMCell", "GRUCell", "RNNCell"])
+def test_batched_time_loop_hands_weights_gradients_in_their_layout(cls, kw):
+    """The fused strategy's GEMMs give every stacked weight its gradient in the weight's own
+    layout, summed over the time steps (Note [Linear weight gradient layout]): loss.backward()
+    stores them without a copy; the gradients are the members' own."""
+    torch.manual_seed(3)
+    cell = cls in (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
+    members = make_members(lambda: cls(4, 6, **kw), 3)
+    wide_cls = {nn.LSTM: wc.nn.WideLSTM, nn.GRU: wc.nn.WideGRU, nn.RNN: wc.nn.WideRNN, nn.LSTMCell: wc.nn.WideLSTMCell,
+                nn.GRUCell: wc.nn.WideGRUCell, nn.RNNCell: wc.nn.WideRNNCell}[cls]
+    wide = wide_cls.from_modules(members) if cell else wide_cls.from_modules(members, strategy="fused")
+    xs = [torch.randn(2, 4) if cell else _sample(kw.get("batch_first", False)) for _ in range(3)]
+    out = wide(torch.stack(xs))
+    out = out[0] if isinstance(out, tuple) else out
+    params = [(n, p) for n, p in wide.named_parameters()]
+    grads = torch.autograd.grad(out.sum(), [p for _, p in params])
+    for (name, p), g in zip(params, grads):
+        assert g.stride() == p.stride(), (name, p.stride(), g.stride())
+    for i, m in enumerate(members):
+        y = m(xs[i])
+        y = y[0] if isinstance(y, tuple) else y
+        ref = torch.autograd.grad(y.sum(), list(m.parameters()))
+        for (name, _), g, r in zip(params, grads, ref):
+            torch.testing.assert_close(g[i], r, rtol=1e-4, atol=1e-5, msg=f"member {i} {name}")
+
+
 # --- bad input ---------------------------------------------------------------------------------
 def test_members_that_differ_are_refused_by_configuration():
     with pytest.raises(wc.ArchitectureMismatchError, match=r"member 1: (rnn\.)?batch_first is True, member 0 has False"):

@@ -136,7 +136,8 @@ at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight,
     return yt.transpose(1, 2).contiguous().view_symint(out_sizes);
   }
   const at::Tensor x = input.reshape_symint({n, m, in_features});
-  if (auto y = detail::linear_bmm_training(x, weight, bias)) {  // Note [Linear weight gradient layout]
+  const std::optional<at::Tensor> addend = bias.has_value() ? std::optional<at::Tensor>(bias->unsqueeze(1)) : std::nullopt;
+  if (auto y = detail::linear_bmm_training(x, weight, addend)) {  // Note [Linear weight gradient layout]
     return y->view_symint(out_sizes);
   }
   const at::Tensor wt = weight.transpose(1, 2);

@@ -1,6 +1,6 @@
-// The 'bmm' strategy of wide::linear when a weight gradient is wanted (Note [Linear weight
-// gradient layout]). Built like the C++ frontend files (CMakeLists.txt): the autograd headers
-// pull in every ATen operator.
+// The 'bmm' strategy of wide::linear (and the recurrent layers' GEMMs against a weight) when a
+// weight gradient is wanted (Note [Linear weight gradient layout]). Built like the C++ frontend
+// files (CMakeLists.txt): the autograd headers pull in every ATen operator.
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -28,7 +28,10 @@
 // a backward of the same GEMMs written the other way round: the weight gradient as grad^T @ x, a
 // contiguous [N, O, I] that AccumulateGrad takes as it is; the input gradient grad @ W and the
 // bias gradient grad summed over rows as before. The backward is made of differentiable ATen ops,
-// so under create_graph=True autograd records them and higher-order gradients stay exact. Any
+// so under create_graph=True autograd records them and higher-order gradients stay exact. The
+// recurrent layers' fused time loop runs every GEMM against a weight through it too (gemm_nt in
+// rnn.cpp, with the step's input projection or b_hh as the addend), so the T steps' weight
+// gradients are summed in the weight's own layout (a GRU's weights had come back transposed). Any
 // device; not while tracing or under torch.func transforms or forward-mode AD (Note [Kernels
 // under transforms]): the composite runs there, which is what a traced graph records.
 
@@ -40,24 +43,27 @@ using torch::autograd::variable_list;
 
 class BmmLinear : public torch::autograd::Function<BmmLinear> {
  public:
-  // x [N, M, I], weight [N, O, I], bias [N, O] or none -> [N, M, O].
+  // x [N, M, I], weight [N, O, I], addend [N, 1, O] (a bias) or [N, M, O] or none -> [N, M, O].
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias) {
+                            const std::optional<at::Tensor>& addend) {
     ctx->save_for_backward({x, weight});
-    ctx->saved_data["bias"] = bias.has_value();
+    ctx->saved_data["addend_rows"] = addend.has_value() ? addend->size(1) : int64_t{-1};
     const at::Tensor wt = weight.transpose(1, 2);
-    return bias.has_value() ? at::baddbmm(bias->unsqueeze(1), x, wt) : at::bmm(x, wt);
+    return addend.has_value() ? at::baddbmm(*addend, x, wt) : at::bmm(x, wt);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &weight = saved[1];
     const at::Tensor& grad = grads[0];
+    const int64_t addend_rows = ctx->saved_data["addend_rows"].toInt();
     variable_list out(3);
     if (!grad.defined()) return out;
     if (ctx->needs_input_grad(0)) out[0] = at::bmm(grad, weight);
     if (ctx->needs_input_grad(1)) out[1] = at::bmm(grad.transpose(1, 2), x);
-    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) out[2] = grad.sum(1);
+    if (addend_rows >= 0 && ctx->needs_input_grad(2)) {
+      out[2] = addend_rows == grad.size(1) ? grad : grad.sum(1, /*keepdim=*/true);
+    }
     return out;
   }
 };
@@ -65,12 +71,12 @@ class BmmLinear : public torch::autograd::Function<BmmLinear> {
 }  // namespace
 
 std::optional<at::Tensor> linear_bmm_training(const at::Tensor& x, const at::Tensor& weight,
-                                              const std::optional<at::Tensor>& bias) {
-  const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
+                                              const std::optional<at::Tensor>& addend) {
+  const at::Tensor* a = addend.has_value() ? &*addend : nullptr;
   const bool applies = at::GradMode::is_enabled() && weight.requires_grad() && weight.is_contiguous() &&
-                       untraced({&x, &weight, b}) && plain_autograd({&x, &weight, b});
+                       untraced({&x, &weight, a}) && plain_autograd({&x, &weight, a});
   if (!applies) return std::nullopt;
-  return BmmLinear::apply(x, weight, bias);
+  return BmmLinear::apply(x, weight, addend);
 }
 
 }  // namespace wide::detail

@@ -1,4 +1,5 @@
 #include "wide/ops/rnn.h"
+#include "wide/ops/linear.h"
 #include "wide/ops/transforms.h"
 
 #include <ATen/Parallel.h>
@@ -111,29 +112,39 @@ void check_shape(const char* op, const at::Tensor& t, const std::vector<c10::Sym
               like.device(), "), got ", t.scalar_type(), " on ", t.device());
 }
 
+// x @ w^T + addend (a bias [N, 1, O], an accumulator [N, M, O] or undefined), x [N, M, K],
+// w [N, O, K]: one batched GEMM; in training with a backward that hands w its gradient in its
+// own layout, once summed over the time steps (Note [Linear weight gradient layout]).
+at::Tensor gemm_nt(const at::Tensor& x, const at::Tensor& w, const at::Tensor& addend) {
+  const std::optional<at::Tensor> a = addend.defined() ? std::optional<at::Tensor>(addend) : std::nullopt;
+  if (auto y = detail::linear_bmm_training(x, w, a)) return *y;
+  const at::Tensor wt = w.transpose(1, 2);
+  return addend.defined() ? at::baddbmm(addend, x, wt) : at::bmm(x, wt);
+}
+
 // One step of N cells. xw [N, B, G*H]: this step's input projection, b_ih included (and b_hh for
-// LSTM/RNN); h [N, B, H_out]; c [N, B, H] (LSTM, else undefined); w_hh_t [N, H_out, G*H];
-// b_hh_gru [N, 1, G*H] (GRU with biases, else undefined); w_hr_t [N, H, proj] or undefined.
+// LSTM/RNN); h [N, B, H_out]; c [N, B, H] (LSTM, else undefined); w_hh [N, G*H, H_out];
+// b_hh_gru [N, 1, G*H] (GRU with biases, else undefined); w_hr [N, proj, H] or undefined.
 struct State {
   at::Tensor h, c;
 };
 
 State cell_step(Mode mode, const at::Tensor& xw, const at::Tensor& h, const at::Tensor& c,
-                const at::Tensor& w_hh_t, const at::Tensor& b_hh_gru, const at::Tensor& w_hr_t) {
+                const at::Tensor& w_hh, const at::Tensor& b_hh_gru, const at::Tensor& w_hr) {
   switch (mode) {
     case Mode::LSTM: {
-      const std::vector<at::Tensor> gates = at::baddbmm(xw, h, w_hh_t).chunk(4, 2);
+      const std::vector<at::Tensor> gates = gemm_nt(h, w_hh, xw).chunk(4, 2);
       const at::Tensor i = gates[0].sigmoid();
       const at::Tensor f = gates[1].sigmoid();
       const at::Tensor g = gates[2].tanh();
       const at::Tensor o = gates[3].sigmoid();
       const at::Tensor c_next = at::addcmul(f.mul(c), i, g);
       at::Tensor h_next = o.mul(c_next.tanh());
-      if (w_hr_t.defined()) h_next = at::bmm(h_next, w_hr_t);
+      if (w_hr.defined()) h_next = gemm_nt(h_next, w_hr, at::Tensor());
       return {h_next, c_next};
     }
     case Mode::GRU: {
-      const at::Tensor hg = b_hh_gru.defined() ? at::baddbmm(b_hh_gru, h, w_hh_t) : at::bmm(h, w_hh_t);
+      const at::Tensor hg = gemm_nt(h, w_hh, b_hh_gru);
       const std::vector<at::Tensor> xs = xw.chunk(3, 2);
       const std::vector<at::Tensor> hs = hg.chunk(3, 2);
       const at::Tensor r = hs[0].add(xs[0]).sigmoid();
@@ -141,8 +152,8 @@ State cell_step(Mode mode, const at::Tensor& xw, const at::Tensor& h, const at::
       const at::Tensor n = at::addcmul(xs[2], r, hs[2]).tanh();
       return {at::addcmul(n, h.sub(n), z), at::Tensor()};
     }
-    case Mode::RNNTanh: return {at::baddbmm(xw, h, w_hh_t).tanh(), at::Tensor()};
-    case Mode::RNNRelu: return {at::baddbmm(xw, h, w_hh_t).relu(), at::Tensor()};
+    case Mode::RNNTanh: return {gemm_nt(h, w_hh, xw).tanh(), at::Tensor()};
+    case Mode::RNNRelu: return {gemm_nt(h, w_hh, xw).relu(), at::Tensor()};
   }
   TORCH_CHECK(false, "wide::rnn: unreachable mode");
 }
@@ -151,8 +162,7 @@ State cell_step(Mode mode, const at::Tensor& xw, const at::Tensor& h, const at::
 at::Tensor project_input(const at::Tensor& x, const at::Tensor& w_ih, const at::Tensor& bias) {
   const c10::SymInt n = x.sym_size(0), a = x.sym_size(1), c = x.sym_size(2);
   const at::Tensor x2 = x.reshape_symint({n, a * c, x.sym_size(3)});
-  const at::Tensor wt = w_ih.transpose(1, 2);
-  const at::Tensor y = bias.defined() ? at::baddbmm(bias.unsqueeze(1), x2, wt) : at::bmm(x2, wt);
+  const at::Tensor y = gemm_nt(x2, w_ih, bias.defined() ? bias.unsqueeze(1) : at::Tensor());
   return y.view_symint({n, a, c, w_ih.sym_size(1)});
 }
 
@@ -439,8 +449,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_impl(
       const int64_t k = l * dirs + d;
       const at::Tensor* p = params.data() + k * per_dir;
       const at::Tensor& w_ih = p[0];
-      const at::Tensor w_hh_t = p[1].transpose(1, 2);
-      const at::Tensor w_hr_t = proj_size > 0 ? p[per_dir - 1].transpose(1, 2) : at::Tensor();
+      const at::Tensor& w_hh = p[1];
+      const at::Tensor w_hr = proj_size > 0 ? p[per_dir - 1] : at::Tensor();
       at::Tensor x_bias, b_hh_gru;
       if (has_biases) {
         x_bias = mode == Mode::GRU ? p[2] : p[2].add(p[3]);
@@ -455,7 +465,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_impl(
       std::vector<at::Tensor> outs(steps);
       for (int64_t s = 0; s < steps; ++s) {
         const int64_t t = d == 0 ? s : steps - 1 - s;
-        State next = cell_step(mode, xw_steps[t], h, c, w_hh_t, b_hh_gru, w_hr_t);
+        State next = cell_step(mode, xw_steps[t], h, c, w_hh, b_hh_gru, w_hr);
         h = std::move(next.h);
         c = std::move(next.c);
         outs[t] = h;
@@ -521,9 +531,8 @@ std::vector<at::Tensor> rnn_cell_impl(const at::Tensor& input, at::TensorList hx
 
   const at::Tensor x_bias = mode == Mode::GRU ? (b_ih.has_value() ? *b_ih : at::Tensor()) : opt_sum(b_ih, b_hh);
   const at::Tensor b_hh_gru = mode == Mode::GRU && b_hh.has_value() ? b_hh->unsqueeze(1) : at::Tensor();
-  const at::Tensor wt = w_ih.transpose(1, 2);
-  const at::Tensor xw = x_bias.defined() ? at::baddbmm(x_bias.unsqueeze(1), x, wt) : at::bmm(x, wt);
-  State next = cell_step(mode, xw, h, c, w_hh.transpose(1, 2), b_hh_gru, at::Tensor());
+  const at::Tensor xw = gemm_nt(x, w_ih, x_bias.defined() ? x_bias.unsqueeze(1) : at::Tensor());
+  State next = cell_step(mode, xw, h, c, w_hh, b_hh_gru, at::Tensor());
   std::vector<at::Tensor> result{batched ? next.h : next.h.squeeze(1)};
   if (mode == Mode::LSTM) result.push_back(batched ? next.c : next.c.squeeze(1));
   return result;
