@@ -116,3 +116,5 @@ def _backward(fn: Callable[[], Any], params: list[torch.Tensor]) -> None:
     for p in params:
         p.grad = None
     sum(o.sum() for o in fn()).backward(inputs=params)
+    for p in params:  # no gradients kept alive while the other contenders run
+        p.grad = None

@@ -231,7 +231,8 @@ def make_step(contender: Contender, x: Any, mode: str) -> Callable[[], Any]:
     """The timed callable: ``"inference"`` is a forward under ``torch.no_grad``; ``"train"`` is
     what a training loop runs: the params' ``.grad`` set to None (``optimizer.zero_grad()``),
     forward, the sum of every output, and ``.backward()`` into the params' ``.grad``; it returns
-    the output and those gradients. ``.backward()``, not ``torch.autograd.grad``: accumulating
+    the output and those gradients, and clears ``.grad`` again (so that contenders timed in turn
+    hold no gradients between their steps, as ``torch.autograd.grad`` did). ``.backward()``, not ``torch.autograd.grad``: accumulating
     into ``.grad`` copies a gradient that does not come in its parameter's layout, which a
     training step pays (Note [Linear weight gradient layout])."""
     if mode == "inference":
@@ -246,7 +247,10 @@ def make_step(contender: Contender, x: Any, mode: str) -> Callable[[], Any]:
                 p.grad = None
             out = contender.forward(x)
             _loss(out).backward(inputs=params)
-            return out, tuple(p.grad for p in params)
+            grads = tuple(p.grad for p in params)
+            for p in params:  # the caller holds them: interleaved contenders keep no gradients alive
+                p.grad = None
+            return out, grads
     else:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     return step
