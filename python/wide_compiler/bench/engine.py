@@ -27,8 +27,8 @@ One record (a JSON-able ``dict``) per wide contender, mode and case::
      "machine": {...}}
 
 ``mode`` is ``"inference"`` (forward under ``torch.no_grad``) or ``"train"`` (forward, sum of
-all outputs, ``.backward()`` into the parameters' cleared ``.grad``: :func:`make_step`); ``execution`` is
-``"eager"`` or ``"compiled"`` for the wide contender; ``speedup[name]`` is
+all outputs, ``.backward()`` into the parameters' cleared ``.grad``: :func:`make_step`);
+``execution`` is ``"eager"`` or ``"compiled"`` for the wide contender; ``speedup[name]`` is
 ``baseline_ms[name] / wide_ms`` (above 1: the wide contender is faster); ``max_abs_err`` is the
 largest absolute difference of any member's output (and, in train mode, parameter gradient)
 against that member run on its own; ``errors`` maps a baseline that failed (e.g. a

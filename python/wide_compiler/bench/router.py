@@ -4,7 +4,8 @@ calling the towers in a Python loop and against ``torch.func.vmap`` over each ar
 aligned towers (one vmap per group, as a user of vmap ensembling would write it). Every tower has
 its own weights; all read one shared input, as in a collective. ``inference``: forward under
 ``no_grad``; ``train``: forward + ``.backward()`` of the sum of outputs into every parameter's
-cleared ``.grad``, as a training loop runs it. ``max_abs_err``: the router's outputs against the loop's, tower by tower.
+cleared ``.grad``, as a training loop runs it. ``max_abs_err``: the router's outputs against the
+loop's, tower by tower.
 
 Example::
 

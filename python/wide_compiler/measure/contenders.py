@@ -232,9 +232,9 @@ def make_step(contender: Contender, x: Any, mode: str) -> Callable[[], Any]:
     what a training loop runs: the params' ``.grad`` set to None (``optimizer.zero_grad()``),
     forward, the sum of every output, and ``.backward()`` into the params' ``.grad``; it returns
     the output and those gradients, and clears ``.grad`` again (so that contenders timed in turn
-    hold no gradients between their steps, as ``torch.autograd.grad`` did). ``.backward()``, not ``torch.autograd.grad``: accumulating
-    into ``.grad`` copies a gradient that does not come in its parameter's layout, which a
-    training step pays (Note [Linear weight gradient layout])."""
+    hold no gradients between their steps). ``.backward()``, not ``torch.autograd.grad``:
+    storing into ``.grad`` copies a gradient that does not come in its parameter's layout, which
+    a training step pays (Note [Linear weight gradient layout])."""
     if mode == "inference":
         def step() -> Any:
             with torch.no_grad():
