@@ -194,7 +194,6 @@ std::vector<int64_t> ints(c10::SymIntArrayRef values) {
   return out;
 }
 
-
 } // namespace
 
 at::Tensor contiguous_keeping_grad_layout(const at::Tensor& x) {

@@ -137,12 +137,7 @@ at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight,
   }
   const at::Tensor x = input.reshape_symint({n, m, in_features});
   const std::optional<at::Tensor> addend = bias.has_value() ? std::optional<at::Tensor>(bias->unsqueeze(1)) : std::nullopt;
-  if (auto y = detail::linear_bmm_training(x, weight, addend)) {  // Note [Linear weight gradient layout]
-    return y->view_symint(out_sizes);
-  }
-  const at::Tensor wt = weight.transpose(1, 2);
-  const at::Tensor y = bias.has_value() ? at::baddbmm(bias->unsqueeze(1), x, wt) : at::bmm(x, wt);
-  return y.view_symint(out_sizes);
+  return detail::batched_linear(x, weight, addend).view_symint(out_sizes);  // Note [Linear weight gradient layout]
 }
 
 } // namespace

@@ -26,13 +26,12 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
                   std::string_view strategy = "auto");
 
 namespace detail {
-/// x @ weight^T (+ addend) as one batched GEMM when the weight needs a gradient: the weight
-/// gradient comes out in the weight's own layout (Note [Linear weight gradient layout] in
-/// linear_autograd.cpp); nullopt where that path does not apply (tracing, torch.func transforms;
-/// the caller's composite runs then). x [N, M, I], weight [N, O, I] contiguous, addend [N, 1, O]
-/// (a bias) or [N, M, O] (an accumulator, as baddbmm's) -> [N, M, O].
-std::optional<at::Tensor> linear_bmm_training(const at::Tensor& x, const at::Tensor& weight,
-                                              const std::optional<at::Tensor>& addend);
+/// x @ weight^T (+ addend) as one batched GEMM; x [N, M, I], weight [N, O, I], addend [N, 1, O]
+/// (a bias) or [N, M, O] (an accumulator, as baddbmm's) -> [N, M, O]. When a contiguous weight
+/// needs a gradient, its gradient comes out in the weight's own layout (Note [Linear weight
+/// gradient layout] in linear_autograd.cpp); while tracing or under torch.func transforms the
+/// plain baddbmm/bmm runs.
+at::Tensor batched_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& addend);
 } // namespace detail
 
 } // namespace wide

@@ -70,13 +70,14 @@ class BmmLinear : public torch::autograd::Function<BmmLinear> {
 
 }  // namespace
 
-std::optional<at::Tensor> linear_bmm_training(const at::Tensor& x, const at::Tensor& weight,
-                                              const std::optional<at::Tensor>& addend) {
+at::Tensor batched_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& addend) {
   const at::Tensor* a = addend.has_value() ? &*addend : nullptr;
-  const bool applies = at::GradMode::is_enabled() && weight.requires_grad() && weight.is_contiguous() &&
-                       untraced({&x, &weight, a}) && plain_autograd({&x, &weight, a});
-  if (!applies) return std::nullopt;
-  return BmmLinear::apply(x, weight, addend);
+  if (at::GradMode::is_enabled() && weight.requires_grad() && weight.is_contiguous() && untraced({&x, &weight, a}) &&
+      plain_autograd({&x, &weight, a})) {
+    return BmmLinear::apply(x, weight, addend);
+  }
+  const at::Tensor wt = weight.transpose(1, 2);
+  return addend.has_value() ? at::baddbmm(*addend, x, wt) : at::bmm(x, wt);
 }
 
 }  // namespace wide::detail

@@ -112,14 +112,11 @@ void check_shape(const char* op, const at::Tensor& t, const std::vector<c10::Sym
               like.device(), "), got ", t.scalar_type(), " on ", t.device());
 }
 
-// x @ w^T + addend (a bias [N, 1, O], an accumulator [N, M, O] or undefined), x [N, M, K],
-// w [N, O, K]: one batched GEMM; in training with a backward that hands w its gradient in its
-// own layout, once summed over the time steps (Note [Linear weight gradient layout]).
+// x @ w^T + addend (a bias [N, 1, O], an accumulator [N, M, O] or undefined): one batched GEMM
+// whose weight gradient, summed over the time steps, comes in w's own layout (Note [Linear
+// weight gradient layout]).
 at::Tensor gemm_nt(const at::Tensor& x, const at::Tensor& w, const at::Tensor& addend) {
-  const std::optional<at::Tensor> a = addend.defined() ? std::optional<at::Tensor>(addend) : std::nullopt;
-  if (auto y = detail::linear_bmm_training(x, w, a)) return *y;
-  const at::Tensor wt = w.transpose(1, 2);
-  return addend.defined() ? at::baddbmm(addend, x, wt) : at::bmm(x, wt);
+  return detail::batched_linear(x, w, addend.defined() ? std::optional<at::Tensor>(addend) : std::nullopt);
 }
 
 // One step of N cells. xw [N, B, G*H]: this step's input projection, b_ih included (and b_hh for

@@ -92,7 +92,8 @@ def _run(towers: int, archs: int, p: Preset, machine: dict[str, Any]) -> list[di
         params = {"wide": list(router.parameters()), "loop": loop_params, "vmap": vmap_params}
         if mode == "inference":
             return {k: (lambda f=f: _no_grad(f)) for k, f in fns.items()}
-        return {k: (lambda f=f, ps=params[k]: _backward(f, ps)) for k, f in fns.items()}
+        return {k: (lambda f=f, ps=params[k]: measure.stored_grads(sum(o.sum() for o in f()), ps))
+                for k, f in fns.items()}
 
     records = []
     for mode in measure.MODES:
@@ -111,11 +112,3 @@ def _no_grad(fn: Callable[[], Any]) -> Any:
     with torch.no_grad():
         return fn()
 
-
-def _backward(fn: Callable[[], Any], params: list[torch.Tensor]) -> None:
-    """A training step's gradients: ``.grad`` cleared, ``.backward()`` of the outputs' sum."""
-    for p in params:
-        p.grad = None
-    sum(o.sum() for o in fn()).backward(inputs=params)
-    for p in params:  # no gradients kept alive while the other contenders run
-        p.grad = None

@@ -46,6 +46,7 @@ from .contenders import (
     member_inputs,
     params_max_abs_err,
     stacked_params,
+    stored_grads,
     vmap_contender,
     wide_contender,
     wide_params_in_member_order,
@@ -68,6 +69,7 @@ __all__ = [
     "MODES", "CallInputs", "Contender", "Rounds", "Stopwatch", "TimingError", "compiled",
     "compiled_loop_contender", "contenders", "contention_note", "error_text", "fmt_ms", "fmt_x",
     "interleave", "loop_contender", "machine", "machine_info", "make_step", "max_abs_err",
-    "member_inputs", "now", "params_max_abs_err", "peak_gflops", "stacked_params", "time_interleaved",
-    "time_with_baselines", "timing", "vmap_contender", "wide_contender", "wide_params_in_member_order",
+    "member_inputs", "now", "params_max_abs_err", "peak_gflops", "stacked_params", "stored_grads",
+    "time_interleaved", "time_with_baselines", "timing", "vmap_contender", "wide_contender",
+    "wide_params_in_member_order",
 ]

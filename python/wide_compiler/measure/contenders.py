@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["MODES", "CallInputs", "Contender", "compiled", "compiled_loop_contender", "loop_contender",
            "make_step", "max_abs_err", "member_inputs", "params_max_abs_err", "stacked_params",
-           "vmap_contender", "wide_contender", "wide_params_in_member_order"]
+           "stored_grads", "vmap_contender", "wide_contender", "wide_params_in_member_order"]
 
 #: A step's modes: forward under ``no_grad``, or forward + gradients of the parameters.
 MODES = ("inference", "train")
@@ -227,12 +227,31 @@ def _loss(out: Any) -> torch.Tensor:
     return torch.stack([t.sum() for t in leaves]).sum()
 
 
+def stored_grads(loss: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """``loss.backward()`` into the ``.grad`` of ``params``, cleared first (as after
+    ``optimizer.zero_grad()``), as a training loop stores gradients; returns them and clears ``.grad`` again, so that
+    contenders timed in turn keep no gradients alive between their steps.
+
+    Example::
+
+        >>> w = torch.ones(3, requires_grad=True)
+        >>> stored_grads((2 * w).sum(), [w]), w.grad
+        ((tensor([2., 2., 2.]),), None)
+    """
+    for p in params:
+        p.grad = None
+    loss.backward(inputs=list(params))
+    grads = tuple(p.grad for p in params)
+    for p in params:
+        p.grad = None
+    return grads
+
+
 def make_step(contender: Contender, x: Any, mode: str) -> Callable[[], Any]:
     """The timed callable: ``"inference"`` is a forward under ``torch.no_grad``; ``"train"`` is
-    what a training loop runs: the params' ``.grad`` set to None (``optimizer.zero_grad()``),
-    forward, the sum of every output, and ``.backward()`` into the params' ``.grad``; it returns
-    the output and those gradients, and clears ``.grad`` again (so that contenders timed in turn
-    hold no gradients between their steps). ``.backward()``, not ``torch.autograd.grad``:
+    what a training loop runs: forward, the sum of every output, and ``.backward()`` into the
+    params' cleared ``.grad`` (:func:`stored_grads`); it returns the output and those gradients.
+    ``.backward()``, not ``torch.autograd.grad``:
     storing into ``.grad`` copies a gradient that does not come in its parameter's layout, which
     a training step pays (Note [Linear weight gradient layout])."""
     if mode == "inference":
@@ -243,14 +262,8 @@ def make_step(contender: Contender, x: Any, mode: str) -> Callable[[], Any]:
         params = list(contender.params)
 
         def step() -> Any:
-            for p in params:
-                p.grad = None
             out = contender.forward(x)
-            _loss(out).backward(inputs=params)
-            grads = tuple(p.grad for p in params)
-            for p in params:  # the caller holds them: interleaved contenders keep no gradients alive
-                p.grad = None
-            return out, grads
+            return out, stored_grads(_loss(out), params)
     else:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     return step
