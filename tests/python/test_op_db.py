@@ -57,10 +57,6 @@ def _cuda_numerics(request):
     if DEVICE.type != "cuda":
         yield
         return
-    if "[batch_norm-eval-B1-N1-" in request.node.name and request.node.name.endswith("-grad]"):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "not yet diagnosed (no GPU since): on CUDA the wide op's backward in eval mode with no "
-            "weight raises 'tensor does not have a device'")))
     no_cudnn = any(f"[{op}-" in request.node.name for op in ("rnn", "rnn_cell", "batch_norm"))
     with torch.backends.cudnn.flags(enabled=not no_cudnn, allow_tf32=False):
         yield

@@ -51,6 +51,24 @@ def test_rnn_layers_match_their_members(cls, kw):
     check_compile(models, _sample(kw.get("batch_first", False)), strict=True, config=FAST)
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("cls,kw", CONFIGS, ids=IDS)
+def test_captured_recurrent_values_have_the_layers_shapes(cls, kw, training):
+    """The captured op's values are what the layer returns, whatever torch's decomposition gives on
+    a device (torch 2.11's LSTM decomposition on CUDA made final states [L, 1, B, H], which the
+    rank check refused): the capture takes them by shape (Note [Recurrent layers with a dynamic
+    length])."""
+    from wide_compiler.fx.capture import capture
+
+    model = Seq(cls, **kw).train(training)
+    x = _sample(kw.get("batch_first", False))
+    want = [t.shape for t in (lambda out, h: (out, *(h if isinstance(h, tuple) else (h,))))(*model(x))]
+    node = next(n for n in capture(model, (x,)).graph.nodes if n.op == "call_function" and "rnn" in str(
+        n.meta.get("nn_module_stack", {})) and isinstance(n.meta.get("val"), (tuple, list)))
+    got = [tuple(int(s) if not isinstance(s, torch.SymInt) else s.node.hint for s in v.shape) for v in node.meta["val"]]
+    assert got == [tuple(s) for s in want]
+
+
 @pytest.mark.parametrize("cls,kw", [CONFIGS[1], CONFIGS[4], CONFIGS[6], CONFIGS[9]],
                          ids=[IDS[1], IDS[4], IDS[6], IDS[9]])
 def test_initial_states_given(cls, kw):

@@ -27,6 +27,7 @@
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/native_batch_norm.h>
 #include <ATen/ops/native_batch_norm_backward.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/rms_norm.h>
 #include <ATen/ops/rsqrt.h>
 #include <ATen/ops/var.h>
@@ -309,7 +310,12 @@ NormGrads fused_batch_norm_backward_composite(const at::Tensor& grad_out, const 
                                               const at::Tensor& save_invstd, double eps,
                                               std::array<bool, 3> output_mask) {
   check_batch_norm("fused_batch_norm_backward", input, {opt_ptr(weight), &save_mean, &save_invstd});
-  auto [dx, dw, db] = at::native_batch_norm_backward(grad_out, input, weight, std::nullopt, std::nullopt, save_mean,
+  // CUDA's kernel raises 'tensor does not have a device' without a weight (seen on an H200,
+  // torch 2.11): a weight of ones is the same batch norm, exactly (the weight gradient, sum of
+  // grad_out * x_hat, does not read the weight; the CPU kernel returns it without one too)
+  const bool ones = !weight.has_value() && !input.device().is_cpu();
+  const std::optional<at::Tensor> w = ones ? std::optional<at::Tensor>(at::ones({input.size(1)}, input.options())) : weight;
+  auto [dx, dw, db] = at::native_batch_norm_backward(grad_out, input, w, std::nullopt, std::nullopt, save_mean,
                                                      save_invstd, true, eps, output_mask);
   // only what the mask asks for, whatever the backend returns (ATen's meta kernel, which fake
   // tensors run, allocates all three; its CPU kernel leaves the unwanted ones undefined)

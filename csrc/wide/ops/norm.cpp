@@ -8,6 +8,7 @@
 #include <ATen/ops/group_norm.h>
 #include <ATen/ops/instance_norm.h>
 #include <ATen/ops/layer_norm.h>
+#include <ATen/ops/ones_like.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/addcmul.h>
 #include <ATen/ops/rms_norm.h>
@@ -164,6 +165,11 @@ at::Tensor batch_norm_impl(const at::Tensor& input, const std::optional<at::Tens
                          v->mul_(1 - momentum).add_(var, momentum);
                        }
                        return y;
+                     }
+                     // CUDA's backward (cuDNN's and ATen's) fails on a bias without a weight ('tensor
+                     // does not have a device', torch 2.11 on an H200): a weight of ones is the same norm
+                     if (!w.has_value() && b.has_value() && !x.device().is_cpu()) {
+                       return at::batch_norm(x, at::ones_like(*b), b, m, v, training, momentum, eps, false);
                      }
                      return at::batch_norm(x, w, b, m, v, training, momentum, eps, false);
                    });

@@ -225,8 +225,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     registered: set[str] = set()
     while True:
         try:
-            with (_ForwardSignature(model, signature), without_cudnn(),
-                  _RecurrentShapes() if extra_dims else contextlib.nullcontext()):
+            with _ForwardSignature(model, signature), without_cudnn(), _RecurrentShapes():
                 return torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as e:  # export's own errors are many types; keep its reason whole
             found = _UNKNOWN_OUTPUT.search(str(e))
@@ -251,7 +250,10 @@ class _RecurrentShapes:
     and so fixes the sequence length. Within the block those ops' Python kernels give the outputs
     by shape instead (the same shapes, made from every input so gradients flow as through the
     op); the graph still holds the one whole op, which the wide form runs on real tensors for
-    whatever length it gets. Restored afterwards (the kernels are process-wide)."""
+    whatever length it gets. Every capture uses them: the decomposition also gets shapes wrong
+    (torch 2.11's LSTM on CUDA gave final states [L, 1, B, H] for [L, B, H], which the rank check
+    then refused), and it unrolls every step on fake tensors for nothing. Restored afterwards (the
+    kernels are process-wide)."""
 
     _KEYS = (torch._C.DispatchKey.CompositeImplicitAutograd, torch._C.DispatchKey.Autograd)
 
