@@ -60,13 +60,16 @@ def test_captured_recurrent_values_have_the_layers_shapes(cls, kw, training):
     length])."""
     from wide_compiler.fx.capture import capture
 
+    aten = torch.ops.aten
     model = Seq(cls, **kw).train(training)
     x = _sample(kw.get("batch_first", False))
-    want = [t.shape for t in (lambda out, h: (out, *(h if isinstance(h, tuple) else (h,))))(*model(x))]
-    node = next(n for n in capture(model, (x,)).graph.nodes if n.op == "call_function" and "rnn" in str(
-        n.meta.get("nn_module_stack", {})) and isinstance(n.meta.get("val"), (tuple, list)))
-    got = [tuple(int(s) if not isinstance(s, torch.SymInt) else s.node.hint for s in v.shape) for v in node.meta["val"]]
-    assert got == [tuple(s) for s in want]
+    out, h = model(x)
+    want = [list(t.shape) for t in (out, *(h if isinstance(h, tuple) else (h,)))]
+    graph = capture(model, (x,)).graph
+    node = next(n for n in graph.nodes if n.target in (aten.lstm.input, aten.gru.input, aten.rnn_tanh.input,
+                                                         aten.rnn_relu.input))
+    got = [[s.node.hint if isinstance(s, torch.SymInt) else s for s in v.shape] for v in node.meta["val"]]
+    assert got == want
 
 
 @pytest.mark.parametrize("cls,kw", [CONFIGS[1], CONFIGS[4], CONFIGS[6], CONFIGS[9]],
