@@ -41,7 +41,7 @@ setup: $(VENV)/.stamp-py
 # from transformers and diffusers; tests/python/test_ray.py runs Ray Tune (about 20 s to install);
 # matplotlib draws the CLI's --plot files (the `plot` extra); import-linter checks the package's
 # layers (`make lint`). Pinned, and installed with torch pinned so pip never swaps torch.
-TEST_SPECS := "transformers==5.23.0" "diffusers==0.42.1" "ray[tune]==2.60.0" "matplotlib==3.11.2" "optuna==5.0.0" "lightning==2.6.6" "accelerate==1.15.0" "import-linter==2.17"
+TEST_SPECS := "transformers==5.23.0" "diffusers==0.42.1" "ray[tune]==2.60.0" "matplotlib==3.11.2" "optuna==5.0.0" "lightning==2.6.6" "accelerate==1.15.0" "import-linter==2.17" "pytest-xdist==3.8.0"
 $(VENV)/.stamp-test: $(VENV)/.stamp-py Makefile
 	$(PIP) install -q "$(TORCH_SPEC)" $(TEST_SPECS)
 	touch $@
@@ -68,8 +68,13 @@ test-cpp: build
 lint: build $(VENV)/.stamp-test
 	$(VENV)/bin/lint-imports --no-logo
 
+# pytest-xdist runs the test files on PYTEST_WORKERS processes (a file stays on one worker: its
+# module-scoped fixtures are built once), each on one intra-op thread so that the workers do not
+# oversubscribe the cores; tests of thread counts set their own. PYTEST_WORKERS=0 runs in-process.
+PYTEST_WORKERS ?= 2
 test-python: build $(VENV)/.stamp-test lint
-	$(PY) -m pytest -q tests/python --doctest-modules python/wide_compiler
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 \
+	  tests/python --doctest-modules python/wide_compiler
 
 # Each target writes JSON records (DESIGN §10) under bench-results/; PRESET=full for the grids.
 # The targets come from the benchmark registry (`benchmark --list`, run once the build is done);

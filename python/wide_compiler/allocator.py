@@ -28,6 +28,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -114,11 +115,35 @@ _scope = torch.ops.wide._caching_scope.default  # the op, not caching_scope(): ~
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+class _BackwardScope:
+    """One caching scope entered by a backward pre-hook. The engine's final callback leaves it
+    when the pass succeeds; when a node or hook raises, the engine drops its final callbacks
+    without running them, and dropping the last reference to this object (the graph task's
+    destructor, on the thread that called backward, before the error reaches the caller) leaves
+    it instead, so a failed backward pass never leaves the thread in a scope."""
+
+    __slots__ = ("_thread", "_open")
+
+    def __init__(self) -> None:
+        _scope(True)
+        self._thread = threading.get_ident()
+        self._open = True
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            _scope(False)
+
+    def __del__(self) -> None:
+        if self._open and threading.get_ident() == self._thread:  # a scope is per thread
+            self.close()
+
+
 def _enter_backward_scope(_grad_outputs: Any) -> None:
     """A backward pre-hook of a wide output's node: the rest of this backward pass allocates from
-    the wide cache (the engine runs CPU work on the calling thread), until its final callback."""
-    _scope(True)
-    torch.autograd.Variable._execution_engine.queue_callback(lambda: _scope(False))
+    the wide cache (the engine runs CPU work on the calling thread), until its final callback or,
+    when the pass fails, until the engine drops that callback (:class:`_BackwardScope`)."""
+    torch.autograd.Variable._execution_engine.queue_callback(_BackwardScope().close)
 
 
 def cache_backward(outs: Sequence[Any]) -> None:

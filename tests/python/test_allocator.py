@@ -118,6 +118,64 @@ def test_training_steps_match_and_backward_leaves_no_scope_open():
     del t
 
 
+def _assert_outside_a_scope():
+    with pytest.raises(RuntimeError, match="not entered"):
+        torch.ops.wide._caching_scope(False)
+
+
+@pytest.mark.parametrize("how", ["backward", "autograd.grad", "thread"])
+def test_a_failed_backward_leaves_no_scope_open(how):
+    """The engine drops its final callbacks when a hook or node raises: the scope entered by the
+    wide node's pre-hook is left anyway, and the next backward pass is exact."""
+    models = testing.make_members(_net, 3)
+    wide = wc.compile([m.train() for m in models], torch.randn(256, 64), config=FAST).train()
+    x = torch.randn(3, 256, 64, requires_grad=True)
+    calls = []
+
+    def boom(grad):
+        calls.append(grad.shape)
+        raise RuntimeError("boom in a user hook")
+
+    def run():
+        y = wide(x)
+        handle = x.register_hook(boom)  # runs after the wide node's pre-hook entered the scope
+        with pytest.raises(RuntimeError, match="boom in a user hook"):
+            if how == "autograd.grad":
+                torch.autograd.grad(y.sum(), [x])
+            else:
+                y.sum().backward()
+        handle.remove()
+        _assert_outside_a_scope()
+        wide.zero_grad()
+        x.grad = None
+        wide(x).square().sum().backward()
+        _assert_outside_a_scope()
+
+    if how == "thread":
+        outcome = []
+
+        def in_thread():
+            try:
+                run()
+                outcome.append("ok")
+            except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+                outcome.append(e)
+
+        t = threading.Thread(target=in_thread)
+        t.start()
+        t.join()
+        assert outcome == ["ok"]
+    else:
+        run()
+    assert calls == [x.shape]
+    _assert_outside_a_scope()
+    for i, m in enumerate(models):
+        m(x[i].detach()).square().sum().backward()
+    for name, p in wide.named_parameters():
+        torch.testing.assert_close(p.grad, torch.stack([m.get_parameter(name).grad for m in models]),
+                                   rtol=1e-4, atol=1e-4)
+
+
 def test_the_limit_bounds_what_is_kept():
     try:
         allocator.set_cache_limit(0)
