@@ -138,11 +138,12 @@ _MEASURE_METHOD = 3
 
 def cache_key(op: str, **fields: Any) -> str:
     """The cache key of one tuning problem: op, the caller's fields, and the machine/version facts
-    a measurement depends on."""
+    a measurement depends on (the processor: :func:`wide_compiler.measure.hardware` of the
+    fields' ``device``)."""
     from ._version import __version__
 
     full = dict(fields, op=op, threads=torch.get_num_threads(), torch=torch.__version__, wide=__version__,
-                method=_MEASURE_METHOD)
+                method=_MEASURE_METHOD, hardware=measure.hardware(str(fields.get("device", "cpu"))))
     return json.dumps(full, sort_keys=True, default=str)
 
 

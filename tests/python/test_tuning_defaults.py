@@ -560,3 +560,23 @@ def test_a_cached_pick_is_relative_to_its_default(clock, tmp_path):
     other = tuning.measure_strategy("conv", {"x": 3}, make, "loop", config, ("grouped_cl", "loop"))
     assert first.strategy == "grouped_cl" and other.strategy == "loop"  # within the margin: each keeps its default
     assert first.source == other.source == "measured"
+
+
+def test_the_strategy_cache_is_per_processor(monkeypatch, tmp_path):
+    """A cache directory shared by machines (or carried to a new one) never hands one processor's
+    measured choices to another: the key names the processor, so another CPU measures again and
+    stores its own entries next to the first one's."""
+    from wide_compiler import measure
+
+    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1)
+    here = measure.hardware("cpu")
+    assert torch.backends.cpu.get_cpu_capability() in here
+    wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
+    first = json.loads((tmp_path / "strategies.json").read_text())
+    assert first and all(json.loads(key)["hardware"] == here for key in first)
+
+    monkeypatch.setattr(measure, "hardware", lambda device="cpu": "Another CPU (default)")
+    wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
+    both = json.loads((tmp_path / "strategies.json").read_text())
+    other = {key for key in both if json.loads(key)["hardware"] == "Another CPU (default)"}
+    assert len(other) == len(first) and set(first) <= set(both)

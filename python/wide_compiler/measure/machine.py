@@ -14,7 +14,7 @@ import torch
 from .. import allocator
 from .timing import interleave
 
-__all__ = ["contention_note", "machine_info", "peak_gflops"]
+__all__ = ["contention_note", "hardware", "machine_info", "peak_gflops"]
 
 
 def machine_info() -> dict[str, Any]:
@@ -83,6 +83,22 @@ def _wc_version() -> str:
     from .._version import __version__
 
     return __version__
+
+
+@functools.cache
+def hardware(device: str = "cpu") -> str:
+    """The processor a measurement on ``device`` ran on: the GPU's name for a CUDA device, else
+    the CPU's model name and the instruction set torch's kernels use. Strategy caches key on it
+    (:func:`wide_compiler.tuning.cache_key`): a home directory shared by machines, or moved to a
+    new one, must not hand one machine's measured choices to another.
+
+    >>> "(" in hardware("cpu")
+    True
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(dev)
+    return f"{_cpu_model() or platform.processor() or platform.machine()} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def _cpu_model() -> str:
