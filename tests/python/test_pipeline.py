@@ -304,9 +304,10 @@ def test_eval_graph_folds_batch_norm_into_its_conv_and_pools_channels_last():
     nodes = list(wide._graph_for(False).graph_module.graph.nodes)
     assert sum(n.target is torch.ops.wide.batch_norm.default for n in nodes) == 2  # bn2, bn3 kept
     assert any(n.target is channels_last_max_pool2d for n in nodes)
-    # the 16x16 conv runs channels-last, the convs on the pooled 8x8 planes channels-first
+    # the 16x16 conv runs channels-last, the convs on the pooled 8x8 planes channels-first (the
+    # 1x1 one as the per-member loop: Note [Pointwise convs in eval graphs])
     convs = [n for n in nodes if n.target is torch.ops.wide.conv.default]
-    assert [n.kwargs["strategy"] for n in convs] == ["grouped_cl", "grouped", "grouped"]
+    assert [n.kwargs["strategy"] for n in convs] == ["grouped_cl", "grouped", "loop"]
     train_nodes = wide._graph_for(True).graph_module.graph.nodes  # training normalises by batch stats
     assert sum(n.target is torch.ops.wide.batch_norm.default for n in train_nodes) == 3
     x = torch.randn(3, 4, 3, 16, 16)
@@ -314,6 +315,35 @@ def test_eval_graph_folds_batch_norm_into_its_conv_and_pools_channels_last():
         out = wide(x)
     assert out.is_contiguous()
     testing.assert_members_close(out, [m(x[i]) for i, m in enumerate(models)])
+
+
+class _Bottleneck(nn.Module):
+    """1x1 reduce, 3x3, 1x1 expand: ResNet-50's bottleneck at a toy width."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduce, self.mid, self.expand = nn.Conv2d(32, 16, 1), nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 64, 1)
+
+    def forward(self, x):
+        return self.expand(torch.relu(self.mid(torch.relu(self.reduce(x)))))
+
+
+@pytest.mark.parametrize("size", [8, 16])
+def test_eval_pointwise_convs_default_to_the_loop_on_small_planes(size):
+    """Note [Pointwise convs in eval graphs]: on planes under 16x16 an eval graph's 1x1 convs
+    default to the per-member loop and its 3x3 conv stays channels-first grouped; from 16x16 on
+    all run channels-last; the train graph keeps channels-first grouped. Members match in both
+    modes (outputs, input and parameter gradients)."""
+    models = testing.make_members(_Bottleneck, 3)
+    config = wc.WideConfig(tune=False)
+    wide, _ = testing.check_compile(models, torch.randn(2, 32, size, size), modes=("eval", "train"), config=config)
+
+    def strategies(training):
+        return [n.kwargs["strategy"] for n in wide._graph_for(training).graph_module.graph.find_nodes(
+            op="call_function", target=torch.ops.wide.conv.default)]
+
+    assert strategies(False) == (["loop", "grouped", "loop"] if size < 16 else ["grouped_cl"] * 3)
+    assert strategies(True) == ["grouped"] * 3
 
 
 def test_folded_eval_graph_follows_later_changes_to_the_batch_norm():

@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from .fold import finish_rewrite
-from .rules.conv import conv_candidates, conv_strategies, default_conv_strategy, device_conv_defaults
+from .rules.conv import conv_candidates, conv_strategies, default_conv_strategy, device_conv_defaults, is_pointwise
 
 __all__ = ["attention_kernel", "channels_last_max_pool2d", "fuse_residual_norms", "pool_before_relu",
            "relu_in_place", "rewrite_channels_last"]
@@ -42,6 +42,18 @@ aten = torch.ops.aten
 #     its N-first input straight into that layout); oneDNN's convs keep the layout of their
 #     input, so the activations stay channels-last to the pool. The values are the same; the
 #     model's outputs are made contiguous.
+#
+# Note [Pointwise convs in eval graphs]
+#     On planes under 16x16 the convs keep their channels-first defaults, except pointwise ones
+#     (1x1, groups 1), which default to the per-member loop: channels-first grouped was the
+#     slowest candidate at every 1x1 shape of ResNet-50 (N=4, batch 4, 64x64 input, inference,
+#     AVX2 CPU, alone): 128->512 at 8x8 grouped 4.1 ms, loop 3.1, channels-last grouped 1.9;
+#     1024->256 at 4x4 8.2, 3.9, 5.6; 512->1024 at 4x4 16.9, 7.4, 11.9. The loop, not the faster
+#     channels-last kernel at 8x8: it keeps the activations channels-first for the 3x3 convs
+#     around it and its weight gradients are the members' own (an eval graph runs with grad
+#     enabled too; oneDNN's channels-last weight gradients are several times less accurate, Note
+#     [wide::conv strategies]). The tuner still measures all three. With these defaults and no
+#     tuning, ResNet-50 went from 0.97x to 1.15x the members' loop (`WideConfig(tune=False)`).
 _MIN_CHANNELS = 8
 _CL_MIN_PLANE = 16 * 16
 
@@ -56,9 +68,10 @@ def channels_last_max_pool2d(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 def rewrite_channels_last(gm: fx.GraphModule) -> int:
-    """Eval graphs on CPU: 2-d max pools run channels-last (see the note), and a 2-d conv on
-    planes of 16x16 or more defaults to the channels-last grouped strategy (Note [wide::conv
-    strategies] in csrc/wide/ops/conv.cpp; the tuner still measures every candidate). Returns how
+    """Eval graphs on CPU: 2-d max pools run channels-last (see the note), a 2-d conv on planes
+    of 16x16 or more defaults to the channels-last grouped strategy and a pointwise conv on
+    smaller planes to the per-member loop (Note [Pointwise convs in eval graphs]; Note
+    [wide::conv strategies] in csrc/wide/ops/conv.cpp; the tuner still measures every candidate). Returns how
     many nodes changed. A graph with a single conv keeps it channels-first: nothing downstream
     gains from the layout, and turning a channels-last result back into the N-first output is a
     transposing copy (measured: a lone 16-member 3x3 conv, 32x32, took 12 ms channels-last
@@ -71,11 +84,12 @@ def rewrite_channels_last(gm: fx.GraphModule) -> int:
             count += 1
     for node in convs if len(convs) > 1 else ():
         spec, shapes = node.meta.get("wide_tune"), node.meta.get("wide_shapes")
-        if spec is None or len(shapes["input"]) != 4 or math.prod(shapes["input"][2:]) < _CL_MIN_PLANE:
+        small = spec is not None and len(shapes["input"]) == 4 and math.prod(shapes["input"][2:]) < _CL_MIN_PLANE
+        if spec is None or len(shapes["input"]) != 4 or (small and not is_pointwise(shapes)):
             continue
         # an eval graph computes no weight gradient: every layout is exact (conv_strategies)
         shapes = node.meta["wide_shapes"] = {**shapes, "inference": True}
-        default = default_conv_strategy(shapes, channels_last=True)
+        default = "loop" if small else default_conv_strategy(shapes, channels_last=True)
         names = conv_strategies(shapes)
         if default != spec.default or names != spec.names:
             node.meta["wide_tune"] = dataclasses.replace(

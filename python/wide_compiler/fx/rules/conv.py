@@ -29,7 +29,7 @@ _PACKED = {"layout": "packed", "strategies": _STRATEGIES}
 _LOOP_WEIGHT_ELEMENTS = 1 << 19
 _FEW_CHANNELS = 8  # kFewChannels in conv.cpp
 
-__all__ = ["conv_candidates", "conv_strategies", "default_conv_strategy", "device_conv_defaults"]
+__all__ = ["conv_candidates", "conv_strategies", "default_conv_strategy", "device_conv_defaults", "is_pointwise"]
 
 
 def conv_strategies(shapes: dict) -> tuple[str, ...]:
@@ -46,6 +46,12 @@ def conv_strategies(shapes: dict) -> tuple[str, ...]:
     if _member_groups(shapes) == 1:
         return ("grouped_cl", "loop")
     return _STRATEGIES if shapes.get("inference") else ("grouped", "loop")
+
+
+def is_pointwise(shapes: dict) -> bool:
+    """A 2-d 1x1 conv with groups 1 (not transposed)."""
+    return (len(shapes["weight"]) == 4 and list(shapes["weight"][2:]) == [1, 1] and not shapes.get("transposed")
+            and _member_groups(shapes) == 1)
 
 
 def _member_groups(shapes: dict) -> int:
