@@ -84,10 +84,13 @@ def rewrite_channels_last(gm: fx.GraphModule) -> int:
             count += 1
     for node in convs if len(convs) > 1 else ():
         spec, shapes = node.meta.get("wide_tune"), node.meta.get("wide_shapes")
-        small = spec is not None and len(shapes["input"]) == 4 and math.prod(shapes["input"][2:]) < _CL_MIN_PLANE
-        if spec is None or len(shapes["input"]) != 4 or (small and not is_pointwise(shapes)):
+        if spec is None or len(shapes["input"]) != 4:
             continue
-        # an eval graph computes no weight gradient: every layout is exact (conv_strategies)
+        small = math.prod(shapes["input"][2:]) < _CL_MIN_PLANE
+        if small and not is_pointwise(shapes):
+            continue
+        # an eval graph is for inference: every layout is offered (conv_strategies), though a
+        # call with grad enabled gets that layout's weight gradients (see the note above)
         shapes = node.meta["wide_shapes"] = {**shapes, "inference": True}
         default = "loop" if small else default_conv_strategy(shapes, channels_last=True)
         names = conv_strategies(shapes)
