@@ -15,8 +15,9 @@ from other processes hits every candidate of that round alike). A candidate repl
 only when the median over rounds of its per-round speedup over the default exceeds
 ``config.tune_margin``: within the margin the default is kept, so picks do not flip between runs
 on a noisy machine. Results are cached in ``<cache_dir>/strategies.json`` keyed by op, shapes,
-dtype, device, thread count, library versions and the measuring method, so a second compile of
-the same shapes costs nothing and chooses the same.
+dtype, device, processor (:func:`wide_compiler.measure.hardware`), thread count, library versions
+and the measuring method, so a second compile of the same shapes costs nothing and chooses the
+same.
 
 Measuring one graph is bounded by ``config.tune_budget_s`` (a :class:`Budget`): ops are measured
 until 70% of it is spent, the rest is left to the model-level check (fx/model_check.py).
