@@ -346,6 +346,32 @@ def test_eval_pointwise_convs_default_to_the_loop_on_small_planes(size):
     assert strategies(True) == ["grouped"] * 3
 
 
+class _Pointwise(nn.Module):
+    """Pointwise convs of 8.4M, 0.5M and (stride 2) 2.1M multiply-adds per member at batch 2,
+    16x16, and a 3x3 conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.big, self.narrow = nn.Conv2d(128, 128, 1), nn.Conv2d(128, 8, 1)
+        self.mid, self.strided = nn.Conv2d(8, 128, 3, padding=1), nn.Conv2d(128, 128, 1, stride=2)
+
+    def forward(self, x):
+        return self.strided(torch.relu(self.mid(torch.relu(self.narrow(torch.relu(self.big(x)))))))
+
+
+def test_large_pointwise_convs_default_to_the_loop():
+    """Note [Pointwise conv default]: a train graph's pointwise conv of 8M multiply-adds per
+    member or more (output plane after its stride) defaults to the loop, smaller ones and the
+    3x3 conv to channels-first grouped; members match in training (outputs, input and
+    parameter gradients, with per-member and with shared inputs)."""
+    models = testing.make_members(_Pointwise, 3)
+    wide, _ = testing.check_compile(models, torch.randn(2, 128, 16, 16), modes=("train",),
+                                    config=wc.WideConfig(tune=False))
+    strategies = [n.kwargs["strategy"] for n in wide._graph_for(True).graph_module.graph.find_nodes(
+        op="call_function", target=torch.ops.wide.conv.default)]
+    assert strategies == ["loop", "grouped", "grouped", "grouped"]
+
+
 def test_folded_eval_graph_follows_later_changes_to_the_batch_norm():
     """The fold follows the live parameters and buffers (more in test_fold_cache.py)."""
     models = [m.eval() for m in _trained_members(2)]

@@ -28,6 +28,9 @@ _PACKED = {"layout": "packed", "strategies": _STRATEGIES}
 # in csrc/wide/ops/conv.cpp: oneDNN's grouped kernel falls far behind N ordinary convs there).
 _LOOP_WEIGHT_ELEMENTS = 1 << 19
 _FEW_CHANNELS = 8  # kFewChannels in conv.cpp
+# A pointwise conv of this many multiply-adds per member or more defaults to the loop (Note
+# [Pointwise conv default]).
+_LOOP_POINTWISE_MACS = 1 << 23
 
 __all__ = ["conv_candidates", "conv_strategies", "default_conv_strategy", "device_conv_defaults", "is_pointwise"]
 
@@ -60,21 +63,58 @@ def _member_groups(shapes: dict) -> int:
     return args[3] if len(args) > 3 and isinstance(args[3], int) else 1
 
 
+def pointwise_macs(shapes: dict) -> int:
+    """A member's multiply-adds in a pointwise conv (``is_pointwise``): batch x output plane x
+    C_in x C_out (padding is one value per dim, or (left, right) per dim in F.pad order).
+
+    >>> pointwise_macs({"input": [4, 256, 16, 16], "weight": [512, 256, 1, 1], "args": [[2, 2], [0, 0], [1, 1], 1]})
+    33554432
+    """
+    batch, _, *plane = shapes["input"]
+    stride, padding = shapes["args"][0], shapes["args"][1]
+    pads = ([2 * p for p in padding] if len(padding) == len(plane) else
+            [padding[i] + padding[i + 1] for i in range(0, len(padding), 2)][::-1])
+    out = math.prod((h + p - 1) // s + 1 for h, s, p in zip(plane, stride, pads))
+    return batch * out * math.prod(shapes["weight"][:2])
+
+
 def default_conv_strategy(shapes: dict, *, channels_last: bool = False, pooled: bool = False) -> str:
-    """The heuristic strategy when nothing is measured: the loop for large member weights,
-    else grouped, channels-last when ``channels_last`` is asked for and the conv is 2-d. A
-    train graph's few-channel stem, which may not run channels-first grouped (accuracy), runs
-    channels-last when a max pool follows it (``pooled``), else the per-member loop (Note
-    [Stem layout])."""
+    """The heuristic strategy when nothing is measured: the loop for large member weights and
+    for large pointwise convs (Note [Pointwise conv default]), else grouped, channels-last when
+    ``channels_last`` is asked for and the conv is 2-d. A train graph's few-channel stem, which
+    may not run channels-first grouped (accuracy), runs channels-last when a max pool follows
+    it (``pooled``), else the per-member loop (Note [Stem layout])."""
     if math.prod(shapes["weight"]) >= _LOOP_WEIGHT_ELEMENTS:
         return "loop"
     names = conv_strategies(shapes)
     if channels_last and "grouped_cl" in names:
         return "grouped_cl"
+    if is_pointwise(shapes) and pointwise_macs(shapes) >= _LOOP_POINTWISE_MACS:
+        return "loop"
     if "grouped" in names:
         return "grouped"
     return "grouped_cl" if pooled and "grouped_cl" in names else "loop"
 
+
+# Note [Pointwise conv default]
+# -----------------------------
+# A pointwise conv (1x1, groups 1) is one GEMM per member; oneDNN's grouped kernel runs the N of
+# them far slower than N ordinary convs once each is large, forward and backward. Training step
+# (forward and backward, input gradient too), AVX2 CPU, ms, grouped / grouped_cl / loop:
+#    N=4, B=4 (ResNet-50):  64->256 16x16  20.8 / 13.8 / 13.8    512->128 8x8  12.8 / 12.2 / 10.4
+#                           1024->256 4x4  22.7 / 22.1 / 13.9    256->1024 4x4 17.3 / 15.3 /  8.9
+#    N=4, B=4:              64->256 32x32  68.7 / 55.2 / 34.6    256->64 32x32 57.6 / 73.1 / 32.5
+#    N=16, B=8 (small):     32->64 8x8      6.5 /  4.9 / 12.3    128->256 4x4  18.7 / 14.3 / 16.9
+#                           64->128 8x8    15.7 / 12.8 / 14.2    16->32 16x16  13.3 / 10.2 / 14.3
+# The loop wins or ties from 8M multiply-adds per member (batch x output plane x C_in x C_out:
+# every ResNet-50 pointwise conv at batch 4, 16.8M) and loses at 4M and below (the small nets'
+# rows; ResNet-18's stride-2 1x1 shortcuts at batch 8 are 4.2M too), where N calls cost more
+# than the grouped kernel's inefficiency. So such a conv defaults to the loop; channels-first, like the
+# convs around it, so no layout conversions. With it ResNet-50's training step, untuned
+# (`WideConfig(tune=False)`, N=4, batch 4, 64x64, interleaved medians of one run), went from
+# 1.11x to 1.24x the members' loop. An eval graph's pointwise convs on small planes default to
+# the loop whatever their size (Note [Pointwise convs in eval graphs] in fx/eval_rewrites.py).
+# The tuner still measures all three.
 
 # Note [Stem layout]
 # ------------------
