@@ -674,7 +674,7 @@ def analyze(model_or_factory: nn.Module | Callable[[], nn.Module], sample: torch
     return AnalysisReport(model=model_name, input_shapes=[list(a.shape) for a in tensors], ns=ns, modes=modes,
                           repeats=repeats, config=_config_name(config), compile=compile_info, speed=speed,
                           profile=profile, memory=mem, recommendations=recs,
-                          machine=dict(machine, load_avg_end=measure.machine_info()["load_avg"]),
+                          machine=measure.end_of_run(machine),
                           inputs=inputs)
 
 

@@ -346,6 +346,24 @@ def test_contention_note():
                                    "load_avg_end": [3.0, 2, 1]})
     assert note and "3.0" in note and "unreliable" in note
     assert measure.contention_note({}) is None
+    # the run's own threads are not other processes: 2 threads busy on 2 CPUs read 1.9 at the end
+    busy_self = {"cpu_count": 2, "load_avg": [0.1, 0, 0], "load_avg_end": [1.9, 1, 0], "own_load": 1.8}
+    assert measure.contention_note(busy_self) is None
+    assert "1.7" in measure.contention_note({**busy_self, "load_avg_end": [3.5, 2, 1]})
+
+
+def test_end_of_run_counts_the_runs_own_load():
+    """A run that kept one thread busy for 1 s has an own load of ~1 x (1 - exp(-1/60)) = 0.017
+    (less where another process took the core part of the time)."""
+    import time
+
+    machine = measure.machine_info()
+    start = time.monotonic()
+    while time.monotonic() - start < 1.0:
+        pass
+    end = measure.end_of_run(machine)
+    assert 0.005 < end["own_load"] < 0.025, end["own_load"]
+    assert end["load_avg_end"] is None or len(end["load_avg_end"]) == 3
 
 
 @pytest.mark.parametrize("model", ["mlp", "convnet"])

@@ -76,6 +76,7 @@ from ..measure import (  # noqa: F401
     compiled,
     compiled_loop_contender,
     contention_note,
+    end_of_run,
     fmt_ms,
     fmt_x,
     loop_contender,
@@ -381,8 +382,8 @@ def frame_table(records: Sequence[Mapping[str, Any]], body: Sequence[str], *,
 
 def finish_records(records: list[dict[str, Any]], preset: str, machine: dict[str, Any]) -> list[dict[str, Any]]:
     """Stamp every record of a run with its preset and the machine facts (load average at the
-    end included, so a busy run is visible in the JSON)."""
-    machine["load_avg_end"] = machine_info()["load_avg"]
+    end and the run's own share of it included, so a busy run is visible in the JSON)."""
+    machine.update(end_of_run(machine))
     for r in records:
         r["preset"] = preset
         r["machine"] = dict(machine)

@@ -14,7 +14,7 @@ this) and the CLI. Three parts:
   ``torch.compile`` of any of them; :func:`make_step` and the per-member comparison
   :func:`max_abs_err`;
 - :mod:`.machine`: the machine facts a number depends on (:func:`machine_info`, practical peak
-  :func:`peak_gflops`, :func:`contention_note`).
+  :func:`peak_gflops`, :func:`end_of_run`, :func:`contention_note`).
 
 Nothing here imports the benchmarks, the tests, the integrations or the CLI.
 
@@ -51,7 +51,7 @@ from .contenders import (
     wide_contender,
     wide_params_in_member_order,
 )
-from .machine import contention_note, hardware, machine_info, peak_gflops
+from .machine import contention_note, end_of_run, hardware, machine_info, peak_gflops
 from .timing import (
     Rounds,
     Stopwatch,
@@ -67,7 +67,7 @@ from .timing import (
 
 __all__ = [
     "MODES", "CallInputs", "Contender", "Rounds", "Stopwatch", "TimingError", "compiled",
-    "compiled_loop_contender", "contenders", "contention_note", "error_text", "fmt_ms", "fmt_x", "hardware",
+    "compiled_loop_contender", "contenders", "contention_note", "end_of_run", "error_text", "fmt_ms", "fmt_x", "hardware",
     "interleave", "loop_contender", "machine", "machine_info", "make_step", "max_abs_err",
     "member_inputs", "now", "params_max_abs_err", "peak_gflops", "stacked_params", "stored_grads",
     "time_interleaved", "time_with_baselines", "timing", "vmap_contender", "wide_contender",

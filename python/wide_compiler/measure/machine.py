@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import platform
 import statistics
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,12 +16,13 @@ import torch
 from .. import allocator
 from .timing import interleave
 
-__all__ = ["contention_note", "hardware", "machine_info", "peak_gflops"]
+__all__ = ["contention_note", "end_of_run", "hardware", "machine_info", "peak_gflops"]
 
 
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on: versions, threads, the CPU ISA torch's kernels use, the
-    allocator setting (``wc.tune_cpu_allocator()``) and the load average.
+    allocator setting (``wc.tune_cpu_allocator()``), the load average and this process's clocks
+    (``run_clock``: CPU and wall seconds, for :func:`end_of_run`).
 
     >>> info = machine_info()
     >>> info["threads"] == torch.get_num_threads(), "cpu_capability" in info
@@ -38,7 +41,27 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "load_avg": load_avg(),
         "allocator": "glibc-tuned" if allocator._applied else "default",  # wc.tune_cpu_allocator()
+        "run_clock": [time.process_time(), time.monotonic()],
     }
+
+
+def end_of_run(machine: Mapping[str, Any]) -> dict[str, Any]:
+    """``machine`` (:func:`machine_info` at the start of a run) with the load average at its end
+    (``load_avg_end``) and this process's own share of it (``own_load``): the cores its threads
+    kept busy on average since the start (CPU seconds over wall seconds), weighted as the
+    kernel's 1-minute average weighs the run's length. On a 2-core machine a run's own two
+    threads raise the load average to ~2; only the rest is other processes'.
+
+    >>> m = end_of_run(machine_info())
+    >>> 0 <= m["own_load"] and "load_avg_end" in m
+    True
+    """
+    out = dict(machine, load_avg_end=load_avg())
+    clock = machine.get("run_clock")
+    if clock:
+        cpu, wall = time.process_time() - clock[0], time.monotonic() - clock[1]
+        out["own_load"] = round(cpu / wall * (1 - math.exp(-wall / 60)), 2) if wall > 0 else 0.0
+    return out
 
 
 @functools.cache
@@ -65,18 +88,20 @@ def load_avg() -> list[float] | None:
 
 
 def contention_note(machine: Mapping[str, Any]) -> str | None:
-    """A warning when the machine was busy (1-minute load average, at the start or the end of
-    the run, at least 75% of the CPU count), else None.
+    """A warning when the machine was busy (1-minute load average at the start of the run, or at
+    its end less the run's own share, ``own_load`` of :func:`end_of_run`, at least 75% of the
+    CPU count), else None.
 
     >>> contention_note({"cpu_count": 4, "load_avg": [0.5, 0.4, 0.3]}) is None
     True
     """
     cpus = machine.get("cpu_count") or 0
-    loads = [la[0] for la in (machine.get("load_avg"), machine.get("load_avg_end")) if la]
+    start, end = machine.get("load_avg"), machine.get("load_avg_end")
+    loads = ([start[0]] if start else []) + ([end[0] - (machine.get("own_load") or 0.0)] if end else [])
     if not cpus or not loads or max(loads) < 0.75 * cpus:
         return None
-    return (f"note: load average {max(loads):.1f} on {cpus} CPUs during the run: other "
-            f"processes competed for the cores, so these timings are unreliable")
+    return (f"note: load average {max(loads):.1f} from other processes on {cpus} CPUs during the run: "
+            f"they competed for the cores, so these timings are unreliable")
 
 
 def _wc_version() -> str:
