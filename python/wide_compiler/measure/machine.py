@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import os
 import platform
 import statistics
@@ -22,7 +21,7 @@ __all__ = ["contention_note", "end_of_run", "hardware", "machine_info", "peak_gf
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on: versions, threads, the CPU ISA torch's kernels use, the
     allocator setting (``wc.tune_cpu_allocator()``), the load average and this process's clocks
-    (``run_clock``: CPU and wall seconds, for :func:`end_of_run`).
+    (``run_clock``: its CPU seconds, wall seconds and all CPUs' busy seconds, for :func:`end_of_run`).
 
     >>> info = machine_info()
     >>> info["threads"] == torch.get_num_threads(), "cpu_capability" in info
@@ -41,26 +40,39 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "load_avg": load_avg(),
         "allocator": "glibc-tuned" if allocator._applied else "default",  # wc.tune_cpu_allocator()
-        "run_clock": [time.process_time(), time.monotonic()],
+        "run_clock": [time.process_time(), time.monotonic(), _busy_cpu_s()],
     }
+
+
+def _busy_cpu_s() -> float | None:
+    """Seconds all CPUs spent busy since boot (``/proc/stat``: all but idle and iowait), or None
+    where there is no ``/proc/stat``."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
 
 
 def end_of_run(machine: Mapping[str, Any]) -> dict[str, Any]:
     """``machine`` (:func:`machine_info` at the start of a run) with the load average at its end
-    (``load_avg_end``) and this process's own share of it (``own_load``): the cores its threads
-    kept busy on average since the start (CPU seconds over wall seconds), weighted as the
-    kernel's 1-minute average weighs the run's length. On a 2-core machine a run's own two
-    threads raise the load average to ~2; only the rest is other processes'.
+    (``load_avg_end``) and ``others_load``: the CPUs other processes kept busy on average since
+    the start (all CPUs' busy seconds from ``/proc/stat`` less this process's CPU seconds, over
+    the wall seconds; None without ``/proc/stat``). The load average counts the run's own
+    threads: on a 2-core machine a run of 2 threads raises it to ~2 by itself, and in ``benchmark
+    all`` the targets before a target raise its start value.
 
     >>> m = end_of_run(machine_info())
-    >>> 0 <= m["own_load"] and "load_avg_end" in m
+    >>> "load_avg_end" in m and (m["others_load"] is None or m["others_load"] >= 0)
     True
     """
-    out = dict(machine, load_avg_end=load_avg())
-    clock = machine.get("run_clock")
-    if clock:
+    out = dict(machine, load_avg_end=load_avg(), others_load=None)
+    clock, busy = machine.get("run_clock"), _busy_cpu_s()
+    if clock and len(clock) == 3 and clock[2] is not None and busy is not None:
         cpu, wall = time.process_time() - clock[0], time.monotonic() - clock[1]
-        out["own_load"] = round(cpu / wall * (1 - math.exp(-wall / 60)), 2) if wall > 0 else 0.0
+        if wall > 0:
+            out["others_load"] = round(max(0.0, (busy - clock[2] - cpu) / wall), 2)
     return out
 
 
@@ -88,20 +100,26 @@ def load_avg() -> list[float] | None:
 
 
 def contention_note(machine: Mapping[str, Any]) -> str | None:
-    """A warning when the machine was busy (1-minute load average at the start of the run, or at
-    its end less the run's own share, ``own_load`` of :func:`end_of_run`, at least 75% of the
-    CPU count), else None.
+    """A warning when other processes competed for the CPUs (``others_load`` of
+    :func:`end_of_run`: a quarter of the CPU count or more on average during the run; where it
+    was not measured, a 1-minute load average at the start or the end of at least 75% of the CPU
+    count), else None.
 
     >>> contention_note({"cpu_count": 4, "load_avg": [0.5, 0.4, 0.3]}) is None
     True
     """
     cpus = machine.get("cpu_count") or 0
-    start, end = machine.get("load_avg"), machine.get("load_avg_end")
-    loads = ([start[0]] if start else []) + ([end[0] - (machine.get("own_load") or 0.0)] if end else [])
+    others = machine.get("others_load")
+    if cpus and others is not None:
+        if others < 0.25 * cpus:
+            return None
+        return (f"note: other processes kept {others:.1f} of {cpus} CPUs busy on average during the run: "
+                f"they competed for the cores, so these timings are unreliable")
+    loads = [la[0] for la in (machine.get("load_avg"), machine.get("load_avg_end")) if la]
     if not cpus or not loads or max(loads) < 0.75 * cpus:
         return None
-    return (f"note: load average {max(loads):.1f} from other processes on {cpus} CPUs during the run: "
-            f"they competed for the cores, so these timings are unreliable")
+    return (f"note: load average {max(loads):.1f} on {cpus} CPUs during the run: other "
+            f"processes competed for the cores, so these timings are unreliable")
 
 
 def _wc_version() -> str:
