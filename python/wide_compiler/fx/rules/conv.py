@@ -32,7 +32,8 @@ _FEW_CHANNELS = 8  # kFewChannels in conv.cpp
 # [Pointwise conv default]).
 _LOOP_POINTWISE_MACS = 1 << 23
 
-__all__ = ["conv_candidates", "conv_strategies", "default_conv_strategy", "device_conv_defaults", "is_pointwise"]
+__all__ = ["conv_candidates", "conv_strategies", "default_conv_strategy", "device_conv_defaults", "is_pointwise",
+           "pointwise_macs"]
 
 
 def conv_strategies(shapes: dict) -> tuple[str, ...]:
@@ -109,8 +110,9 @@ def default_conv_strategy(shapes: dict, *, channels_last: bool = False, pooled: 
 # The loop wins or ties from 8M multiply-adds per member (batch x output plane x C_in x C_out:
 # every ResNet-50 pointwise conv at batch 4, 16.8M) and loses at 4M and below (the small nets'
 # rows; ResNet-18's stride-2 1x1 shortcuts at batch 8 are 4.2M too), where N calls cost more
-# than the grouped kernel's inefficiency. So such a conv defaults to the loop; channels-first, like the
-# convs around it, so no layout conversions. With it ResNet-50's training step, untuned
+# than the grouped kernel's inefficiency. So such a conv defaults to the loop wherever no
+# channels-last default applies (a train graph; an eval graph's lone conv): channels-first like
+# the convs around it, so no layout conversions. With it ResNet-50's training step, untuned
 # (`WideConfig(tune=False)`, N=4, batch 4, 64x64, interleaved medians of one run), went from
 # 1.11x to 1.24x the members' loop. An eval graph's pointwise convs on small planes default to
 # the loop whatever their size (Note [Pointwise convs in eval graphs] in fx/eval_rewrites.py).
