@@ -369,6 +369,8 @@ def test_end_of_run_does_not_count_the_runs_own_load():
     assert 0 <= end["others_load"] <= everyone - 0.5, (end["others_load"], everyone)
     assert end["load_avg_end"] is None or len(end["load_avg_end"]) == 3
 
+
+@pytest.mark.parametrize("model", ["mlp", "convnet"])
 def test_trace_prints_both_graphs_and_the_report(model, tmp_path):
     env = dict(os.environ, WIDE_COMPILER_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-m", "wide_compiler", "trace", "-m", model, "-n", "3"],
