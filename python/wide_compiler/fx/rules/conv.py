@@ -114,9 +114,10 @@ def default_conv_strategy(shapes: dict, *, channels_last: bool = False, pooled: 
 # channels-last default applies (a train graph; an eval graph's lone conv): channels-first like
 # the convs around it, so no layout conversions. With it ResNet-50's training step, untuned
 # (`WideConfig(tune=False)`, N=4, batch 4, 64x64, interleaved medians of one run), went from
-# 1.11x to 1.24x the members' loop. An eval graph's pointwise convs on small planes default to
-# the loop whatever their size (Note [Pointwise convs in eval graphs] in fx/eval_rewrites.py).
-# The tuner still measures all three.
+# 1.11x to 1.24x the members' loop (`benchmark real --preset full --case "hf_resnet50 N=4"`,
+# whose `compile:fast` is the untuned compile: 1.20x). An eval graph's pointwise convs on small
+# planes default to the loop whatever their size (Note [Pointwise convs in eval graphs] in
+# fx/eval_rewrites.py). The tuner still measures all three.
 
 # Note [Stem layout]
 # ------------------
