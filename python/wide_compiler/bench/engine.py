@@ -381,8 +381,9 @@ def frame_table(records: Sequence[Mapping[str, Any]], body: Sequence[str], *,
 
 
 def finish_records(records: list[dict[str, Any]], preset: str, machine: dict[str, Any]) -> list[dict[str, Any]]:
-    """Stamp every record of a run with its preset and the machine facts (load average at the
-    end and the run's own share of it included, so a busy run is visible in the JSON)."""
+    """Stamp every record of a run with its preset and the machine facts (the load average at the
+    end and the CPUs other processes kept busy, :func:`end_of_run`, so a busy run is visible in
+    the JSON)."""
     machine.update(end_of_run(machine))
     for r in records:
         r["preset"] = preset

@@ -69,7 +69,7 @@ def end_of_run(machine: Mapping[str, Any]) -> dict[str, Any]:
     """
     out = dict(machine, load_avg_end=load_avg(), others_load=None)
     clock, busy = machine.get("run_clock"), _busy_cpu_s()
-    if clock and len(clock) == 3 and clock[2] is not None and busy is not None:
+    if clock and clock[2] is not None and busy is not None:
         cpu, wall = time.process_time() - clock[0], time.monotonic() - clock[1]
         if wall > 0:
             out["others_load"] = round(max(0.0, (busy - clock[2] - cpu) / wall), 2)

@@ -66,16 +66,15 @@ def _member_groups(shapes: dict) -> int:
 
 def pointwise_macs(shapes: dict) -> int:
     """A member's multiply-adds in a pointwise conv (``is_pointwise``): batch x output plane x
-    C_in x C_out (padding is one value per dim, or (left, right) per dim in F.pad order).
+    C_in x C_out. A 1x1 kernel's padding is one value per dim (its 'same' padding is 0, never
+    the (left, right) pairs of an even kernel).
 
     >>> pointwise_macs({"input": [4, 256, 16, 16], "weight": [512, 256, 1, 1], "args": [[2, 2], [0, 0], [1, 1], 1]})
     33554432
     """
     batch, _, *plane = shapes["input"]
     stride, padding = shapes["args"][0], shapes["args"][1]
-    pads = ([2 * p for p in padding] if len(padding) == len(plane) else
-            [padding[i] + padding[i + 1] for i in range(0, len(padding), 2)][::-1])
-    out = math.prod((h + p - 1) // s + 1 for h, s, p in zip(plane, stride, pads))
+    out = math.prod((h + 2 * p - 1) // s + 1 for h, s, p in zip(plane, stride, padding))
     return batch * out * math.prod(shapes["weight"][:2])
 
 
