@@ -317,3 +317,106 @@ def test_many_members_trace_the_extremes_so_a_threshold_branch_is_found():
     with pytest.raises(wc.ArchitectureMismatchError, match=r"member 15: p is 0\.95, member 0 has 0\.1"):
         wc.compile([Threshold(p) for p in ps], torch.randn(3, 4),
                    config=FAST.replace(run_members=False, trace_members=False))  # only the probes look
+
+
+# --- per-member bounds follow ATen exactly (Note [Per-member bounds] in fx/rules/_constants.py) --
+NAN, INF = float("nan"), float("inf")
+# lo > hi, NaN bounds, infinite bounds, equal bounds
+BOUNDS = [(-1.0, 1.0), (0.5, -0.5), (NAN, 1.0), (-1.0, NAN), (-INF, 0.25), (-0.25, INF), (0.0, 0.0)]
+ORDERED = [b for b in BOUNDS if not b[0] > b[1]]  # F.hardtanh refuses lo > hi
+
+
+class _Bounded(nn.Module):
+    def __init__(self, op: str, lo: float, hi: float):
+        super().__init__()
+        self.op, self.lo, self.hi = op, lo, hi
+
+    def forward(self, x):
+        if self.op == "clamp":
+            return x.clamp(self.lo, self.hi)
+        if self.op == "clamp_":
+            return (x * 1.0).clamp_(self.lo, self.hi)
+        if self.op == "clamp_min":
+            return torch.clamp_min(x, self.lo)
+        if self.op == "clamp_max":
+            return x.clamp(max=self.hi)
+        if self.op == "clamp_hi_shared":
+            return x.clamp(self.lo, 0.75)
+        if self.op == "hardtanh":
+            return F.hardtanh(x, self.lo, self.hi)
+        return F.hardtanh(x * 1.0, self.lo, self.hi, inplace=True)
+
+
+def _bound_inputs(n: int) -> torch.Tensor:
+    """Per member 64 float64 values (a multiple of every CPU vector width: ATen's hardtanh gradient
+    at NaN differs between its vectorized loop and its scalar tail, Note [Per-member bounds]):
+    every bound of BOUNDS exactly, NaN, +-inf, values between, then random ones."""
+    special = sorted({v for b in BOUNDS for v in b if v == v}) + [NAN, INF, -INF, -2.0, -0.75, 0.1, 0.75, 2.0]
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(n):
+        head = torch.tensor(special, dtype=torch.float64).roll(i)
+        rows.append(torch.cat([head, torch.randn(64 - len(special), generator=g, dtype=torch.float64) * 2]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("op", ["clamp", "clamp_", "clamp_min", "clamp_max", "clamp_hi_shared", "hardtanh",
+                                "hardtanh_"])
+def test_per_member_bounds_follow_aten_exactly(op):
+    """Each member's bounds (lo > hi, NaN, inf, lo == hi) give exactly what the member alone gives,
+    outputs and input gradients, float64, NaN and inf inputs included."""
+    bounds = ORDERED if op.startswith("hardtanh") else BOUNDS
+    models = [_Bounded(op, lo, hi) for lo, hi in bounds]
+    wide = wc.compile(models, torch.randn(64, dtype=torch.float64), config=FAST)
+    assert wide.fallbacks == [] and wide.per_member_constants
+    xs = _bound_inputs(len(models)).requires_grad_()
+    out = wide(xs)
+    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (grad,) = torch.autograd.grad(out, xs, cot)
+    for i, m in enumerate(models):
+        x = xs[i].detach().clone().requires_grad_()
+        ref = m(x)
+        (ref_grad,) = torch.autograd.grad(ref, x, cot[i])
+        torch.testing.assert_close(out[i], ref, rtol=0, atol=0, equal_nan=True, msg=lambda s: f"member {i} "
+                                   f"{bounds[i]}: output: {s}")
+        torch.testing.assert_close(grad[i], ref_grad, rtol=0, atol=0, equal_nan=True, msg=lambda s: f"member {i} "
+                                   f"{bounds[i]}: input gradient: {s}")
+
+
+class _Soft(nn.Module):
+    def __init__(self, kind: str, v: float):
+        super().__init__()
+        self.kind, self.v = kind, v
+
+    def forward(self, x):
+        if self.kind == "softplus":
+            return F.softplus(x, beta=self.v)
+        if self.kind == "elu":
+            return F.elu(x, alpha=self.v)
+        return F.celu(x, alpha=self.v)
+
+
+@pytest.mark.parametrize("kind", ["softplus", "elu", "celu"])
+def test_per_member_activation_gradient_is_finite_where_the_other_branch_overflows(kind):
+    """The branch ``where`` does not take overflows (exp of a large input): its zero gradient
+    times inf used to give NaN gradients where ATen's are finite."""
+    values = [1.0, 2.0] if kind != "celu" else [0.5, 2.0]
+    models = [_Soft(kind, v) for v in values]
+    wide = wc.compile(models, torch.randn(8), config=FAST)
+    xs = torch.tensor([[-3.0, -0.5, 0.0, 0.5, 30.0, 100.0, 1000.0, -1000.0]] * 2).requires_grad_()
+    out = wide(xs)
+    (grad,) = torch.autograd.grad(out.sum(), xs)
+    for i, m in enumerate(models):
+        x = xs[i].detach().clone().requires_grad_()
+        ref = m(x)
+        (ref_grad,) = torch.autograd.grad(ref.sum(), x)
+        torch.testing.assert_close(out[i], ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad[i], ref_grad, rtol=1e-6, atol=1e-6)
+
+
+def test_hardtanh_with_lo_above_hi_in_one_member_is_refused_as_alone():
+    """F.hardtanh refuses min_val > max_val in Python; a member that would raise alone is refused
+    by name at compile time, not clamped."""
+    with pytest.raises(wc.ArchitectureMismatchError, match=r"member 1: .*min_val cannot be greater than max_val"):
+        wc.compile([_Bounded("hardtanh", -1.0, 1.0), _Bounded("hardtanh", 0.5, -0.5)],
+                   torch.randn(64, dtype=torch.float64), config=FAST)

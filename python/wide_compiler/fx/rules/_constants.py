@@ -8,7 +8,8 @@ buffer; its form here broadcasts it per member (``[N, 1, ..., 1]``, cast to the 
   kept values scaled by ``1 / (1 - p_i)`` (0 where ``p_i = 1``), as ATen's dropout on CPU;
 - ``leaky_relu``: ``where(x > 0, x, x * slope)``; ``elu``/``celu``: ATen's formula with
   ``expm1``; ``softplus``: ``where(x * beta > threshold, x, log1p(exp(x * beta)) / beta)``;
-  ``hardtanh``/``clamp`` with per-member bounds: ``where`` per side;
+  ``clamp``/``clamp_min``/``clamp_max`` with per-member bounds: ``clamp.Tensor`` with bound tensors;
+  ``hardtanh``: clamp's value with hardtanh's gradient (Note [Per-member bounds]);
 - ``mul``/``div``/``add``/``sub``/``rsub``/``pow`` by a scalar: by the broadcast tensor;
 - ``layer_norm``/``rms_norm`` with per-member ``eps``: the composite (``var_mean`` + eps).
 
@@ -152,10 +153,13 @@ def _leaky_relu(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
 
 def _elu_form(ctx: WidenContext, node: fx.Node, x: Wide, alpha: Any, scale: Any, input_scale: Any,
               inplace: bool) -> Wide:
-    neg = _mul(ctx, node, _op(ctx, node, aten.expm1.default, _mul(ctx, node, x.node, input_scale)),
+    # the negative branch on min(x, 0): where x > 0 its exp could overflow, and the gradient
+    # where passes it (0 * inf) would be NaN where ATen's is finite
+    le = _op(ctx, node, aten.le.Scalar, x.node, 0)
+    neg_x = _op(ctx, node, aten.where.ScalarOther, le, x.node, 0.0)
+    neg = _mul(ctx, node, _op(ctx, node, aten.expm1.default, _mul(ctx, node, neg_x, input_scale)),
                _mul(ctx, node, alpha, scale))
-    out = _op(ctx, node, aten.where.self, _op(ctx, node, aten.le.Scalar, x.node, 0), neg,
-              _mul(ctx, node, x.node, scale))
+    out = _op(ctx, node, aten.where.self, le, neg, _mul(ctx, node, x.node, scale))
     return _result(ctx, node, x, out, inplace)
 
 
@@ -179,32 +183,94 @@ def _softplus(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     x = _input(ctx, node, a["self"])
     beta, threshold = (scalar(ctx, node, a[k], x.rank, like=x.node) for k in ("beta", "threshold"))
     xb = _mul(ctx, node, x.node, beta)
+    above = _op(ctx, node, aten.gt.Tensor if isinstance(threshold, fx.Node) else aten.gt.Scalar, xb, threshold)
+    # log1p(exp(.)) of the elements below the threshold only: above it exp could overflow, and the
+    # gradient where passes it (0 * inf) would be NaN where ATen's is 1
+    xb = _op(ctx, node, aten.where.ScalarSelf, above, 0.0, xb)
     soft = _op(ctx, node, aten.div.Tensor, _op(ctx, node, aten.log1p.default, _op(ctx, node, aten.exp.default, xb)),
                beta)
-    above = _op(ctx, node, aten.gt.Tensor if isinstance(threshold, fx.Node) else aten.gt.Scalar, xb, threshold)
     return Wide(_op(ctx, node, aten.where.self, above, x.node, soft), x.rank)
 
 
-@form(aten.hardtanh.default, aten.hardtanh_.default, aten.clamp.default, aten.clamp_.default)
+# --- bounds: clamp, clamp_min, clamp_max, hardtanh -----------------------------------------
+# Note [Per-member bounds]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A per-member bound must give what the member's own op gives for every bound and input: lo > hi,
+# NaN and infinite bounds, NaN inputs, and the op's gradient. Two ``where``s (one per side) do not:
+# with lo > hi they return lo where ATen returns hi, and they ignore a NaN bound where ATen
+# returns NaN. ATen's rules (the CPU/CUDA kernels and derivatives.yaml):
+#
+# * ``clamp(x, lo, hi)`` is ``min(max(x, lo), hi)`` with NaN propagated from x and from either
+#   bound (so hi when lo > hi); its gradient passes where ``lo <= x <= hi`` (ties included; none
+#   at a NaN x or bound). ``clamp.Tensor`` with the bounds as ``[N, 1, ..., 1]`` tensors is that
+#   op itself, values and gradient; a shared (Python) bound beside a per-member one becomes a
+#   tensor of the same shape. ``clamp_min``/``clamp_max`` are its one-sided forms.
+# * ``hardtanh(x, lo, hi)`` has clamp's value (``F.hardtanh`` refuses lo > hi in Python; the op
+#   itself clamps), but its gradient passes only where ``lo < x < hi`` (strict: none at a bound).
+#   That is the rule of ATen's vectorized CPU kernel; its scalar loop, which only takes the few
+#   elements past the last full vector, writes it as ``x <= lo || x >= hi ? 0 : grad`` and so passes
+#   the gradient at a NaN input or beside a NaN bound: ATen disagrees with itself there, and the
+#   form follows the vectorized rule (as CUDA's kernel). The form: clamp's, except at a tie
+#   (``x == lo`` or ``x == hi``), where it takes the clamped bound (``clamp(lo, lo, hi)`` or
+#   ``clamp(hi, lo, hi)``, the same value) with no gradient path to x.
+def _bound(ctx: WidenContext, node: fx.Node, v: Any, rank: int, like: fx.Node | None, other: Any) -> Any:
+    """A bound as a per-member ``[N, 1, ..., 1]`` tensor: a per-member one cast (``scalar``), a
+    shared Python number filled into the shape of ``other`` (a per-member bound's tensor)."""
+    if v is None:
+        return None
+    if isinstance(v, Wide):
+        return scalar(ctx, node, v, rank, like=like)
+    return _op(ctx, node, aten.full_like.default, other, v)
+
+
+def _bounds(ctx: WidenContext, node: fx.Node, x: Wide, lo: Any, hi: Any, like: fx.Node | None) -> tuple:
+    lo_t = scalar(ctx, node, lo, x.rank, like=like) if isinstance(lo, Wide) else None
+    hi_t = scalar(ctx, node, hi, x.rank, like=like) if isinstance(hi, Wide) else None
+    if lo_t is None and lo is not None:
+        lo_t = _bound(ctx, node, lo, x.rank, like, hi_t)
+    if hi_t is None and hi is not None:
+        hi_t = _bound(ctx, node, hi, x.rank, like, lo_t)
+    return lo_t, hi_t
+
+
+def _unaliased(ctx: WidenContext, node: fx.Node, x: Wide, inplace: bool) -> fx.Node:
+    """``x``, or for an in-place op a clone of it: clamp's gradient reads its input, which the
+    copy back into ``x`` would overwrite."""
+    return _op(ctx, node, aten.clone.default, x.node) if inplace else x.node
+
+
+_CLAMPS = {  # op -> (name of the lower bound, of the upper bound, in place)
+    aten.clamp.default: ("min", "max", False), aten.clamp_.default: ("min", "max", True),
+    aten.clamp_min.default: ("min", None, False), aten.clamp_min_.default: ("min", None, True),
+    aten.clamp_max.default: (None, "max", False), aten.clamp_max_.default: (None, "max", True),
+}
+
+
+@form(*_CLAMPS)
 def _clamp(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
-    """Per-member bounds: ``where`` on each side, so a value at a bound gets the gradient ATen
-    gives it (hardtanh: none, strict bounds; clamp: all of it)."""
+    """``clamp.Tensor`` with per-member bound tensors: ATen's values and gradient (Note
+    [Per-member bounds]). An integer input is clamped by floating bounds in the op's result
+    dtype, as type promotion gives it."""
     x = _input(ctx, node, a["self"])
-    hard = node.target in (aten.hardtanh.default, aten.hardtanh_.default)
-    out = x.node
-    for key, cmp in (("min_val" if hard else "min", aten.lt), ("max_val" if hard else "max", aten.gt)):
-        bound = a[key]
-        if bound is None:
-            continue
-        bound = scalar(ctx, node, bound, x.rank, like=x.node)
-        op = (cmp.Tensor if isinstance(bound, fx.Node) else cmp.Scalar)
-        if hard:  # strict: the bound itself is outside (no gradient there)
-            op = {aten.lt: aten.le, aten.gt: aten.ge}[cmp].Tensor if isinstance(bound, fx.Node) else \
-                {aten.lt: aten.le, aten.gt: aten.ge}[cmp].Scalar
-        outside = _op(ctx, node, op, x.node, bound)
-        fill = (aten.where.ScalarSelf if not isinstance(bound, fx.Node) else aten.where.self)
-        out = _op(ctx, node, fill, outside, bound, out)
-    return _result(ctx, node, x, out, node.target in (aten.hardtanh_.default, aten.clamp_.default))
+    lo_key, hi_key, inplace = _CLAMPS[node.target]
+    like = x.node if _floating(node.args[0]) else None
+    lo, hi = _bounds(ctx, node, x, a.get(lo_key) if lo_key else None, a.get(hi_key) if hi_key else None, like)
+    out = _op(ctx, node, aten.clamp.Tensor, _unaliased(ctx, node, x, inplace), lo, hi)
+    return _result(ctx, node, x, out, inplace)
+
+
+@form(aten.hardtanh.default, aten.hardtanh_.default)
+def _hardtanh(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
+    """clamp's value with hardtanh's gradient (passed only where ``lo < x < hi``): Note
+    [Per-member bounds]."""
+    x = _input(ctx, node, a["self"])
+    lo, hi = _bounds(ctx, node, x, a["min_val"], a["max_val"], x.node)
+    xn = _unaliased(ctx, node, x, node.target is aten.hardtanh_.default)
+    at_lo = _op(ctx, node, aten.eq.Tensor, xn, lo)
+    tie = _op(ctx, node, aten.logical_or.default, at_lo, _op(ctx, node, aten.eq.Tensor, xn, hi))
+    at_bound = _op(ctx, node, aten.clamp.Tensor, _op(ctx, node, aten.where.self, at_lo, lo, hi), lo, hi)
+    out = _op(ctx, node, aten.where.self, tie, at_bound, _op(ctx, node, aten.clamp.Tensor, xn, lo, hi))
+    return _result(ctx, node, x, out, node.target is aten.hardtanh_.default)
 
 
 # --- arithmetic by a scalar ------------------------------------------------------------------
