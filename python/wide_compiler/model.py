@@ -19,12 +19,14 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .config import WideConfig
 from .errors import WideCompileError
+from .measure import Stopwatch
 from .fx.capture import module_path
 from .fx.fold import clear_fold_cache
+from .fx.guards import MAX_GRAPHS
 from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, compile_members, keep_strategies, run_pipeline
 from .fx.state import WideState, call_graph, holders, missing_constants, persistent_buffer_names, put_tensor
 from .fx.state import get_tensor as _get_tensor
@@ -138,6 +140,9 @@ class WideModel(MemberOpsMixin, nn.Module):
         self._fixed: dict[tuple[bool, int, int], str] = {}
         self._ranges: dict[int, dict[str, tuple[tuple[int, int, int | None], ...]]] = {}
         self._graphs: dict[bool, WideGraph] = {}
+        # Note [Guards] (fx/guards.py): per mode, the graphs captured for calls outside the
+        # assumptions of the mode's graph (most recently captured last; at most MAX_GRAPHS - 1)
+        self._variants: dict[bool, list[WideGraph]] = {}
         self._timings: dict[tuple[bool, str], dict[str, float] | None] = {}  # (training, node) -> ms
         self._holder_plans: dict[int, list] = {}  # id(graph) -> _holders(graph)
 
@@ -168,12 +173,18 @@ class WideModel(MemberOpsMixin, nn.Module):
             if key == "_holder_plans":  # refers to this instance's modules; the copy builds its own
                 new.__dict__[key] = {}
                 continue
-            new.__dict__[key] = dict(value) if key == "_graphs" else copy.deepcopy(value, memo)
+            if key == "_graphs":
+                new.__dict__[key] = dict(value)
+            elif key == "_variants":
+                new.__dict__[key] = {mode: list(graphs) for mode, graphs in value.items()}
+            else:
+                new.__dict__[key] = copy.deepcopy(value, memo)
         return new
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_graphs"] = {}  # captured and widened again on first use after unpickling
+        state["_variants"] = {}
         state["_holder_plans"] = {}
         state["_ranges"] = {}  # keyed by graph: computed again with the graphs
         return state
@@ -257,10 +268,11 @@ class WideModel(MemberOpsMixin, nn.Module):
             dtype=ref.dtype if ref is not None else None, device=ref.device if ref is not None else None,
             constants=self.__dict__.get("_constants"), extra_dims=dict(self._extra_dims), state=self._live_state()))
 
-    def _adopt(self, c: Compilation) -> WideGraph:
+    def _adopt(self, c: Compilation, *, variant: bool = False) -> WideGraph:
         """Keep a compiled graph: its lifted constants become (non-persistent) buffers, and the
         ``_per_member.<path>`` buffers of Note [Per-member constants] (fx/constants.py) go under
-        plain container modules."""
+        plain container modules. The graph becomes its mode's graph, or with ``variant`` one
+        more graph of that mode for the inputs it was captured for (Note [Guards])."""
         for name, t, persistent, per_member in missing_constants(c.ep, c.constant_plan, self):
             if per_member:
                 put_tensor(self, name, t, persistent)
@@ -269,6 +281,10 @@ class WideModel(MemberOpsMixin, nn.Module):
         if c.constant_plan is not None:
             self.__dict__["_constants"] = c.constant_plan.constants
             self.__dict__["_constant_readers"] = c.constant_plan.readers
+        if variant:
+            self._ranges[id(c.wide)] = _narrow_ranges(c.ep)
+            self._variants.setdefault(c.training, []).append(c.wide)
+            return c.wide
         self._timings.update({(c.training, node): t for node, t in c.timings.items()})
         old = self._graphs.get(c.training)
         if old is not None:
@@ -301,10 +317,103 @@ class WideModel(MemberOpsMixin, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling() and _any_packed(args, kwargs):
             return self.packed(*args, **kwargs)  # wide(wc.pack(xs)): WideCompiler 0.x's convention
+        wg, flat = self._graph_covering(self.training, args, kwargs)
+        return call_graph(wg, self, self._holders(wg), flat)
+
+    def _outside(self, wg: WideGraph, args: tuple, kwargs: dict) -> tuple[Any, _NewSize | str | None]:
+        """``(flat inputs, why)``: ``why`` is None when the call is within the assumptions of
+        ``wg`` (Note [Guards]), a :class:`_NewSize` when a size fixed at capture differs, else the
+        guard the inputs fail. Raises ValueError for inputs no capture can take (structure, rank,
+        the member count, a size outside a range the forward tests)."""
+        flat = self._user_inputs(wg, args, kwargs)
+        ranges = self._ranges.get(id(wg))
+        users = (inp for inp in wg.inputs if inp.kind == "user")
         try:
-            return self._call_graph(self._graph_for(self.training), args, kwargs)
-        except _NewSize:  # raised before the graph runs: nothing to undo
-            return self._call_graph(self._resized(self.training, args, kwargs), args, kwargs)
+            for inp, x in zip(users, flat):
+                self._check_input(x, inp, ranges)
+        except _NewSize as e:
+            return flat, e
+        return flat, wg.guards.failed(flat) if wg.guards is not None else None
+
+    def _graph_covering(self, training: bool, args: tuple, kwargs: dict) -> tuple[WideGraph, Any]:
+        """The graph of a mode whose assumptions hold for this call, and the call's flat inputs
+        (Note [Guards]): the mode's graph; after a new size in a dim captured fixed, that graph
+        captured again with the dim dynamic (Note [Dynamic sizes on demand]); a graph captured
+        earlier for such inputs; else one captured now for them (:meth:`_capture_for`)."""
+        wg = self._graph_for(training)
+        flat, why = self._outside(wg, args, kwargs)
+        if why is None:
+            return wg, flat
+        if isinstance(why, _NewSize):
+            wg = self._resized(training, args, kwargs)
+            flat, why = self._outside(wg, args, kwargs)
+            if why is None:
+                return wg, flat
+        for other in reversed(self._variants.get(training, ())):
+            flat, other_why = self._outside(other, args, kwargs)
+            if other_why is None:
+                return other, flat
+        return self._capture_for(training, args, kwargs, why)
+
+    def _capture_for(self, training: bool, args: tuple, kwargs: dict, why: Any) -> tuple[WideGraph, Any]:
+        """Note [Guards]: capture this mode's graph again with member 0's slice of this call as
+        the sample: the dims captured dynamic before stay dynamic (but a size 0 or 1 is captured as
+        the fixed size it is), dtypes are the call's. Kept beside the mode's graph (at most
+        ``MAX_GRAPHS`` per mode); strategies are the mode's graph's (nothing is measured)."""
+        mode = "train" if training else "eval"
+        with COMPILE_LOCK:
+            for other in reversed(self._variants.get(training, ())):  # another thread captured it
+                flat, other_why = self._outside(other, args, kwargs)
+                if other_why is None:
+                    return other, flat
+            wg = self._graph_for(training)
+            flat = self._user_inputs(wg, args, kwargs)
+            kept = 1 + len(self._variants.get(training, ()))
+            reason = str(why).removeprefix("wide_compiler: ")
+            if torch.compiler.is_compiling():
+                raise ValueError(
+                    f"wide_compiler: this call is outside what the {mode} graph was captured for ({reason}), "
+                    "and a graph cannot be captured inside torch.compile: call the wide model (or its "
+                    "check_inputs) once with such inputs before compiling")
+            if kept >= MAX_GRAPHS:
+                raise ValueError(
+                    f"wide_compiler: this call is outside what each of the {kept} {mode} graphs of this model "
+                    f"was captured for (the {mode} graph: {reason}); wide_compiler keeps at most {MAX_GRAPHS} "
+                    f"graphs per mode. Call with inputs like earlier calls', or compile again with a sample "
+                    f"like these inputs")
+            users = [inp for inp in wg.inputs if inp.kind == "user"]
+            exact = {}
+            for k, (inp, x) in enumerate(zip(users, flat)):
+                if isinstance(x, torch.Tensor) and inp.member_shape is not None:
+                    exact[k] = frozenset(d for d, m in enumerate(inp.member_shape)
+                                         if m is None and int(x.shape[d + 1]) >= 2)
+            first = [x[0].detach() if isinstance(x, torch.Tensor) and x.dim() else x for x in flat]
+            sample = tree_unflatten(first, wg.in_spec)
+            log.warning("wide_compiler: a call outside what the %s graph was captured for (%s): capturing the "
+                        "%s graph for these inputs (%d of at most %d graphs of that mode)",
+                        mode, reason, mode, kept + 1, MAX_GRAPHS)
+            watch = Stopwatch()
+            ref = next(self.parameters(), None)
+            c = Compilation(self._capture_template[0].train(training), (tuple(sample[0]), dict(sample[1])), self.n,
+                            self._config.replace(tune=False), opaque_paths=self._capture_template[1],
+                            exact_dims=exact, dtype=ref.dtype if ref is not None else None,
+                            device=ref.device if ref is not None else None,
+                            constants=self.__dict__.get("_constants"), member_tile=wg.member_tile)
+            try:
+                run_pipeline(c, [p for p in PASSES if p.name not in ("check_members", "tile_members")])
+            except Exception as e:
+                raise ValueError(
+                    f"wide_compiler: this call is outside what the {mode} graph was captured for ({reason}), "
+                    f"and capturing the {mode} graph for these inputs failed: {type(e).__name__}: {e}") from e
+            keep_strategies(wg, c.wide)
+            run_pipeline(c, [p for p in PASSES if p.name == "tile_members"])
+            new = self._adopt(c, variant=True)
+            log.info("wide_compiler: captured the %s graph for these inputs in %.1f s", mode, watch.seconds)
+            flat, still = self._outside(new, args, kwargs)
+            if still is not None:  # the capture's own guards refuse its sample: never run it
+                raise ValueError(f"wide_compiler: the {mode} graph captured for this call does not hold for "
+                                 f"it ({still}); please report this with the model")
+            return new, flat
 
     def _resized(self, training: bool, args: tuple, kwargs: dict) -> WideGraph:
         """Note [Dynamic sizes on demand]: the first capture keeps only the batch dynamic (cheap,
@@ -387,10 +496,6 @@ class WideModel(MemberOpsMixin, nn.Module):
                 raise ValueError(next(iter(fixed.values())))
             return wg
 
-    def _call_graph(self, wg: WideGraph, args: tuple, kwargs: dict) -> Any:
-        flat = self._user_inputs(wg, args, kwargs)
-        return call_graph(wg, self, self._holders(wg), flat, self._check_input, self._ranges.get(id(wg)))
-
     @property
     def packed(self) -> PackedWideModel:
         """This model with the channel-packed calling convention of WideCompiler 0.x: every tensor
@@ -435,17 +540,7 @@ class WideModel(MemberOpsMixin, nn.Module):
         """Raise the error a call with these inputs would raise for their structure and shapes,
         without running anything (``compile(..., compile_model=True)`` runs it before the compiled
         call, so a wrong input is reported as such and not as a torch.compile failure)."""
-        wg = self._graph_for(self.training)
-        for attempt in range(2):
-            users = (inp for inp in wg.inputs if inp.kind not in ("parameter", "buffer", "constant", "root"))
-            try:
-                for inp, x in zip(users, self._user_inputs(wg, args, kwargs)):
-                    self._check_input(x, inp, self._ranges.get(id(wg)))
-                return
-            except _NewSize:  # captured again here, in eager Python, before a compiled call
-                if attempt:
-                    raise
-                wg = self._resized(self.training, args, kwargs)
+        self._graph_covering(self.training, args, kwargs)  # captures here, in eager Python, what a call needs
 
     def _check_input(self, x: Any, inp, ranges: dict | None = None) -> None:
         if not isinstance(x, torch.Tensor):

@@ -61,7 +61,7 @@ from ..errors import WideCompileError
 from .source import is_user_file, location, user_frame_and_module
 from .source import module_path, source_line  # noqa: F401 -- their old import path (model.py, analyze.py)
 
-__all__ = ["SpecialisationLog", "batch_of_two", "capture", "check_sample", "register_output_type"]
+__all__ = ["SpecialisationLog", "batch_of_two", "capture", "check_sample", "flat_signature", "register_output_type"]
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ def _batch_spec(a: Any, dims: tuple[int, ...], batched: bool, batches: set[int])
 
 def _default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict,
                             signature: inspect.Signature | None = None,
-                            extra_dims: dict[int, frozenset[int]] | None = None) -> Any:
+                            extra_dims: dict[int, frozenset[int]] | None = None,
+                            exact_dims: dict[int, frozenset[int]] | None = None) -> Any:
     """``Dim.AUTO`` on the batch dim of every tensor input of 2+ dims: dim 0, and dim 1 too in a
     model with sequence-first modules (see :func:`_sequence_first`), and on a 1-D input as long as
     that batch. Export keeps dynamic what the program lets vary and specialises the rest (a
@@ -104,14 +105,21 @@ def _default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict,
     the forward's) when there are keyword inputs, else one entry per positional input.
 
     ``extra_dims``: flat input index (as ``tree_flatten((args, kwargs))`` orders the sample's
-    leaves) -> more dims to mark ``Dim.AUTO`` (Note [Dynamic sizes on demand] in model.py)."""
+    leaves) -> more dims to mark ``Dim.AUTO`` (Note [Dynamic sizes on demand] in model.py).
+    ``exact_dims``: the same, but the only dims marked (no batch dims of the inputs' own: a graph
+    for the sizes of one call, Note [Guards] in fx/guards.py)."""
     dims, batched = ((0, 1) if _sequence_first(model) else (0,)), _batched((args, kwargs))
     leaves = tree_flatten((args, kwargs))[0]
     batches = {int(a.shape[d]) for a in leaves
                if isinstance(a, torch.Tensor) and a.dim() >= 2 for d in dims}
     extra = {id(leaves[k]): ds for k, ds in (extra_dims or {}).items() if k < len(leaves)}
 
+    exact = {id(leaves[k]): ds for k, ds in (exact_dims or {}).items() if k < len(leaves)}
+
     def spec(a: Any) -> Any:
+        if exact_dims is not None:
+            ds = exact.get(id(a)) if isinstance(a, torch.Tensor) else None
+            return {d: Dim.AUTO for d in sorted(ds) if d < a.dim()} or None if ds else None
         base = _batch_spec(a, dims, batched, batches)
         more = extra.get(id(a))
         if not more or not isinstance(a, torch.Tensor):
@@ -123,7 +131,7 @@ def _default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict,
     return {name: tree_map(spec, v) for name, v in bound.arguments.items()}
 
 
-def _flat_signature(model: nn.Module, args: tuple, kwargs: dict) -> inspect.Signature | None:
+def flat_signature(model: nn.Module, args: tuple, kwargs: dict) -> inspect.Signature | None:
     """For a forward that takes ``*args`` or ``**kwargs``: the signature it has for this sample,
     one named parameter per input (``args_0, args_1, ...`` for what ``*args`` collects, the
     keywords by name), which is what ``torch.export``'s ``dynamic_shapes`` can describe (it
@@ -204,24 +212,28 @@ def batch_of_two(args: Any) -> Any:
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
-            dynamic_shapes: Any = None, extra_dims: dict[int, frozenset[int]] | None = None) -> ExportedProgram:
+            dynamic_shapes: Any = None, extra_dims: dict[int, frozenset[int]] | None = None,
+            exact_dims: dict[int, frozenset[int]] | None = None) -> ExportedProgram:
     """``torch.export`` of one member (non-strict) with a dynamic batch dimension.
 
     A batch of 1 would be specialised by export (0/1 specialisation); such inputs are captured
     with a batch of 2 made by repeating the sample, so the wide model still takes any batch.
     ``extra_dims`` (flat input index -> dims) marks more dims ``Dim.AUTO`` with the default
     ``dynamic_shapes``: export keeps them dynamic unless the forward fixes them; a size-1 dim
-    among them is captured as 2 (repeated), as a batch of 1 is.
+    among them is captured as 2 (repeated), as a batch of 1 is. ``exact_dims`` instead marks only
+    the dims it names and captures the sample's sizes as they are (a size of 1 stays 1): the graph
+    of one call's inputs (Note [Guards] in fx/guards.py).
     """
     kwargs = dict(kwargs or {})
     signature = None
     if dynamic_shapes is None:
         # a forward(*args, **kwargs) is shown to export with one parameter per input
-        signature = _flat_signature(model, tuple(args), kwargs)
-        dynamic_shapes = _default_dynamic_shapes(model, args, kwargs, signature, extra_dims)
-        if extra_dims:
-            args, kwargs = _repeat_size_one((tuple(args), kwargs), extra_dims)
-        args, kwargs = batch_of_two((args, kwargs))
+        signature = flat_signature(model, tuple(args), kwargs)
+        dynamic_shapes = _default_dynamic_shapes(model, args, kwargs, signature, extra_dims, exact_dims)
+        if exact_dims is None:
+            if extra_dims:
+                args, kwargs = _repeat_size_one((tuple(args), kwargs), extra_dims)
+            args, kwargs = batch_of_two((args, kwargs))
     registered: set[str] = set()
     while True:
         try:

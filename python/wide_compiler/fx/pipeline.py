@@ -50,11 +50,12 @@ from ..config import WideConfig
 from ..measure import Stopwatch
 from ..registry import opaque_template, registered_paths
 from ..tuning import choose_strategies
-from .capture import SpecialisationLog, capture, check_sample
+from .capture import SpecialisationLog, capture, check_sample, flat_signature
 from .constants import ConstantPlan, plan_constants
 from .eval_rewrites import (attention_kernel, fuse_residual_norms, pool_before_relu, relu_in_place,
                             rewrite_channels_last)
 from .fold import fold_batch_norms
+from .guards import Guards, guards_of
 from .forms import apply_capture_forms
 from .layout import plan_layout
 from .member_checks import check_members, check_run_members, check_traced_members
@@ -81,6 +82,9 @@ class Compilation:
     dynamic_shapes: Any = None
     # flat input index -> more dims captured dynamic (Note [Dynamic sizes on demand] in model.py)
     extra_dims: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
+    # flat input index -> the only dims captured dynamic, the sample's sizes kept as they are (a
+    # graph for the inputs of one call that the other graphs' guards refuse: Note [Guards])
+    exact_dims: dict[int, frozenset[int]] | None = None
     opaque_paths: dict[str, str] = dataclasses.field(default_factory=dict)  # opaque key -> path
     # per-member constants {attribute path: N values} (check_members finds them; Note [Per-member
     # constants] in fx/constants.py) and where the graph reads them (check_programs)
@@ -101,6 +105,7 @@ class Compilation:
     # it without measuring); None: config.member_tile, else measured
     member_tile: int | None = None
     specialised: SpecialisationLog | None = None  # where export fixed sizes (with extra_dims)
+    guards: Guards | None = None  # what the capture assumes of the inputs (Note [Guards] in fx/guards.py)
     timings: dict[str, dict[str, float] | None] = dataclasses.field(default_factory=dict)
     log: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # (pass, seconds) run
 
@@ -148,11 +153,14 @@ def _capture(c: Compilation) -> None:
     args, kwargs = c.sample
     if c.members is not None:
         check_sample(c.members[0], args, kwargs, c.n)
-    if not c.extra_dims or c.dynamic_shapes is not None:
+    if c.exact_dims is not None:
+        c.ep = capture(c.model, args, kwargs, exact_dims=c.exact_dims)
+    elif not c.extra_dims or c.dynamic_shapes is not None:
         c.ep = capture(c.model, args, kwargs, dynamic_shapes=c.dynamic_shapes)
-        return
-    with SpecialisationLog() as c.specialised:
-        c.ep = capture(c.model, args, kwargs, extra_dims=c.extra_dims)
+    else:
+        with SpecialisationLog() as c.specialised:
+            c.ep = capture(c.model, args, kwargs, extra_dims=c.extra_dims)
+    c.guards = guards_of(c.ep, c.model, c.sample, flat_signature(c.model, tuple(args), dict(kwargs)))
 
 
 def _check_programs(c: Compilation) -> None:
@@ -163,6 +171,8 @@ def _check_programs(c: Compilation) -> None:
     if c.constants:
         def trace(model: nn.Module) -> ExportedProgram:
             args, kwargs = c.sample
+            if c.exact_dims is not None:
+                return capture(model, args, kwargs, exact_dims=c.exact_dims)
             if not c.extra_dims or c.dynamic_shapes is not None:
                 return capture(model, args, kwargs, dynamic_shapes=c.dynamic_shapes)
             return capture(model, args, kwargs, extra_dims=c.extra_dims)
@@ -179,6 +189,7 @@ def _check_programs(c: Compilation) -> None:
 def _widen(c: Compilation) -> None:
     c.wide = widen(c.ep, c.n, strict=c.config.strict, opaque_paths=c.opaque_paths,
                    per_member_args=c.constant_plan.args if c.constant_plan is not None else None)
+    c.wide.guards = c.guards
 
 
 def _dtype_device(c: Compilation) -> tuple[torch.dtype, torch.device]:

@@ -74,6 +74,8 @@ class WideGraph:
     # in chunks of member_tile (0: untiled)
     tiled: fx.GraphModule | None = None
     member_tile: int = 0
+    # Note [Guards] (fx/guards.py): what the capture assumes of the user inputs, checked at each call
+    guards: Any = None
 
 
 
