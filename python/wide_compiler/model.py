@@ -27,7 +27,7 @@ from .measure import Stopwatch
 from .fx.capture import module_path
 from .fx.fold import clear_fold_cache
 from .fx.guards import MAX_GRAPHS
-from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, compile_members, keep_strategies, run_pipeline
+from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, compile_members, recapture, run_pipeline
 from .fx.state import WideState, call_graph, holders, missing_constants, persistent_buffer_names, put_tensor
 from .fx.state import get_tensor as _get_tensor
 from .fx.widen import WideGraph
@@ -400,13 +400,11 @@ class WideModel(MemberOpsMixin, nn.Module):
                             device=ref.device if ref is not None else None,
                             constants=self.__dict__.get("_constants"), member_tile=wg.member_tile)
             try:
-                run_pipeline(c, [p for p in PASSES if p.name not in ("check_members", "tile_members")])
+                recapture(c, wg)
             except Exception as e:
                 raise ValueError(
                     f"wide_compiler: this call is outside what the {mode} graph was captured for ({reason}), "
                     f"and capturing the {mode} graph for these inputs failed: {type(e).__name__}: {e}") from e
-            keep_strategies(wg, c.wide)
-            run_pipeline(c, [p for p in PASSES if p.name == "tile_members"])
             new = self._adopt(c, variant=True)
             log.info("wide_compiler: captured the %s graph for these inputs in %.1f s", mode, watch.seconds)
             flat, still = self._outside(new, args, kwargs)
@@ -484,9 +482,7 @@ class WideModel(MemberOpsMixin, nn.Module):
                     fixed[(k, d)] = _fill(what, shapes[k], size)
             if len(fixed) == len(new):
                 raise ValueError(next(iter(fixed.values())))
-            run_pipeline(c, [p for p in PASSES if p.name not in ("check_members", "capture", "tile_members")])
-            keep_strategies(wg, c.wide)
-            run_pipeline(c, [p for p in PASSES if p.name == "tile_members"])  # the old graph's tile, with its strategies
+            recapture(c, wg, captured=True)  # the old graph's strategies and tile
             for (k, d), (size, _) in new.items():
                 if (k, d) not in fixed:
                     self._extra_dims[k] = self._extra_dims.get(k, frozenset()) | {d}

@@ -122,7 +122,8 @@ def _narrow_ranges(ep: ExportedProgram) -> dict[str, tuple[tuple[int, int, int |
     """Per user input (placeholder name): ``(dim, low, high)`` of every dynamic dim that export
     found the program valid for only in part (a branch on the size): a lower bound above 2 or an
     upper bound (high None: unbounded). Dims of the default range ``[2, inf)`` are not listed
-    (sizes 0 and 1 run the same program; export only avoids them as samples)."""
+    (a size 0 or 1 there fails the graph's guards instead, and gets a graph of its own: Note
+    [Guards] in fx/guards.py)."""
     import sympy
 
     out = {}

@@ -64,7 +64,8 @@ from .state import WideState, check_state, stack_state
 from .tiling import tile_members
 from .widen import WideGraph, check_ranks, widen
 
-__all__ = ["COMPILE_LOCK", "PASSES", "Compilation", "Pass", "compile_members", "keep_strategies", "run_pipeline"]
+__all__ = ["COMPILE_LOCK", "PASSES", "Compilation", "Pass", "compile_members", "keep_strategies", "recapture",
+           "run_pipeline"]
 
 log = logging.getLogger(__name__)
 COMPILE_LOCK = threading.RLock()  # export is not thread-safe: one compile at a time
@@ -297,6 +298,17 @@ def keep_strategies(old: WideGraph, new: WideGraph) -> None:
             changed = True
     if changed:
         new.graph_module.recompile()
+
+
+def recapture(c: Compilation, like: WideGraph, *, captured: bool = False) -> Compilation:
+    """A graph of one mode made again for other inputs (Note [Dynamic sizes on demand] in
+    model.py, Note [Guards] in fx/guards.py): ``c`` (no members, no state) captured (unless
+    ``captured``), widened and planned, its ops given the strategies of ``like``, the graph it
+    replaces or sits beside (nothing is measured), then tiled as ``like`` is."""
+    skip = ("check_members", "tile_members") + (("capture",) if captured else ())
+    run_pipeline(c, [p for p in PASSES if p.name not in skip])
+    keep_strategies(like, c.wide)
+    return run_pipeline(c, [p for p in PASSES if p.name == "tile_members"])
 
 
 def _bad(name: str, why: str) -> None:
