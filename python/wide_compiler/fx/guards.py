@@ -59,7 +59,10 @@ class Guards:
     """What a graph assumes of its flat user inputs (Note [Guards]). ``failed(flat)`` is None
     for inputs within them, else the first guard they fail, as text."""
 
+    n: int  # members: every tensor input's dim 0
     dtypes: tuple[torch.dtype | None, ...]  # per flat user input: its dtype as captured (None: no tensor)
+    # per flat user input: (rank, {dim: size} of the dims captured fixed) of one member's tensor, or the value
+    fixed: tuple[Any, ...]
     names: tuple[str, ...]  # per flat user input: its placeholder name (for messages)
     code: tuple[str, ...]  # the shape guards as Python over ``s`` (``s[k]``: input k's member shape or value)
     shown: tuple[str, ...]  # the same guards over the inputs' names, for messages
@@ -69,11 +72,26 @@ class Guards:
     def __post_init__(self) -> None:
         from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
-        body = " and ".join(f"({c})" for c in self.code) or "True"
+        # over the N-first inputs f: s[k][d] (one member's dim d) is f[k].shape[d + 1]
+        def wide(c: str) -> str:
+            c = re.sub(r"s\[(\d+)\]\[(\d+)\]", lambda m: f"f[{m[1]}].shape[{int(m[2]) + 1}]", c)
+            return re.sub(r"s\[(\d+)\]", r"f[\1]", c)
+
+        # the fast path (Guards.holds): the structure and fixed-size checks of the call, then the guards
+        head = []
+        for k, (dtype, fixed) in enumerate(zip(self.dtypes, self.fixed)):
+            if dtype is None:
+                head.append(f"f[{k}] == _v{k}")
+                continue
+            rank, sizes = fixed
+            head.append(f"f[{k}].dtype is _dt{k} and len(f[{k}].shape) == {rank + 1} and f[{k}].shape[0] == {self.n}")
+            head.extend(f"f[{k}].shape[{d + 1}] == {v}" for d, v in sizes.items())
+        body = " and ".join([*head, *(f"({wide(c)})" for c in self.code)]) or "True"
         each = ", ".join(f"lambda s: {c}" for c in self.code)
-        namespace = {**SYMPY_INTERP, "math": math}
+        namespace = {**SYMPY_INTERP, "math": math, **{f"_dt{k}": d for k, d in enumerate(self.dtypes)},
+                     **{f"_v{k}": v for k, v in enumerate(self.fixed) if self.dtypes[k] is None}}
         # our own generated code: the conjunction (each call), and each guard alone (to name the failed one)
-        exec(f"def _holds(s):\n    return {body}\n_each = ({each}{',' if self.code else ''})\n", namespace)  # noqa: S102
+        exec(f"def _holds(f):\n    return {body}\n_each = ({each}{',' if self.code else ''})\n", namespace)  # noqa: S102
         self._fn = namespace["_holds"]
         self._each = namespace["_each"]
 
@@ -84,6 +102,15 @@ class Guards:
         self.__dict__.update(state)
         self.__post_init__()
 
+    def holds(self, flat: Any) -> bool:
+        """Whether ``flat`` (the N-first user inputs, flat as the graph takes them) is nested, sized
+        and typed as captured and within every guard: the one check of a call in the common case
+        (the call's own checks give the reason where it is False)."""
+        try:
+            return bool(self._fn(flat))
+        except Exception:  # noqa: BLE001 -- anything unexpected (a rank, a type): the slow checks say what
+            return False
+
     def failed(self, flat: Any) -> str | None:
         """None when ``flat`` (the N-first user inputs, flat as the graph takes them) is within
         these guards, else a description of the first one it fails."""
@@ -92,17 +119,9 @@ class Guards:
             if dtype is None:
                 s.append(x)
                 continue
-            if x.dtype != dtype:
-                return f"input '{name}' is {x.dtype}, captured as {dtype}"
+            if not isinstance(x, torch.Tensor) or x.dtype != dtype:
+                return f"input '{name}' is {getattr(x, 'dtype', type(x).__name__)}, captured as {dtype}"
             s.append(x.shape[1:])
-        try:
-            if self._fn(s):
-                return None
-        except (IndexError, TypeError, ZeroDivisionError):  # a rank the structure check let through
-            pass
-        return self._first_failed(s)
-
-    def _first_failed(self, s: list) -> str:
         for holds, shown in zip(self._each, self.shown):
             try:
                 if holds(s):
@@ -110,7 +129,7 @@ class Guards:
             except (IndexError, TypeError, ZeroDivisionError):
                 pass
             return shown
-        return "the inputs' sizes"  # unreachable while _fn is the conjunction of code
+        return None
 
     def describe(self) -> str:
         """The guards, one per line, over one member's inputs (``x.size()[1]`` is dim 1 of one
@@ -172,10 +191,11 @@ def _user_vals(ep: ExportedProgram) -> list[tuple[str, Any]]:
     return out
 
 
-def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, dict],
+def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, dict], n: int,
               signature: inspect.Signature | None = None) -> Guards:
     """The :class:`Guards` of ``ep``, the capture of ``model`` on ``sample`` (the args and kwargs
-    export was given, ``signature`` the forward's as shown to export) (Note [Guards])."""
+    export was given, ``signature`` the forward's as shown to export) for ``n`` members (Note
+    [Guards])."""
     import sympy
 
     from torch.utils._sympy.printers import PythonPrinter
@@ -183,6 +203,8 @@ def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, 
     vals = _user_vals(ep)
     names = tuple(n for n, _ in vals)
     dtypes = tuple(v.dtype if isinstance(v, torch.Tensor) else None for _, v in vals)
+    fixed = tuple((v.dim(), {d: int(size) for d, size in enumerate(v.shape) if isinstance(size, int)})
+                  if isinstance(v, torch.Tensor) else v for _, v in vals)
     code: list[str] = []
     shown: list[str] = []
 
@@ -266,4 +288,4 @@ def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, 
                     if not isinstance(size, int):
                         hint = int(size.node.hint)
                         add(f"s[{k}][{d}] == {hint}", f"{name}.size()[{d}] == {hint} (as captured)")
-    return Guards(dtypes, names, tuple(code), tuple(shown))
+    return Guards(n, dtypes, fixed, names, tuple(code), tuple(shown))

@@ -161,7 +161,7 @@ def _capture(c: Compilation) -> None:
     else:
         with SpecialisationLog() as c.specialised:
             c.ep = capture(c.model, args, kwargs, extra_dims=c.extra_dims)
-    c.guards = guards_of(c.ep, c.model, c.sample, flat_signature(c.model, tuple(args), dict(kwargs)))
+    c.guards = guards_of(c.ep, c.model, c.sample, c.n, flat_signature(c.model, tuple(args), dict(kwargs)))
 
 
 def _check_programs(c: Compilation) -> None:
