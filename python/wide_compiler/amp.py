@@ -52,6 +52,81 @@ def _fresh_state() -> dict[str, Any]:
     return {"stage": _Stage.READY, "found_inf": None}
 
 
+# Note [Skipping one member's step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# When some members overflow and others do not, the optimizer steps once for all and the skipped
+# members' slices are put back: of the parameters, and of every per-member state tensor (dim 0 =
+# N). That is exact only when every state the update reads is per member, and when state the
+# step creates can be set, in a skipped member's slice, to what the optimizer would create:
+#
+# * ``torch.optim`` optimizers keep one ``step`` (a 0-d tensor) per stacked parameter, shared by
+#   all members. Adam, AdamW, Adamax, NAdam, RAdam, Adafactor (bias correction, decay rates),
+#   ASGD (``eta``, ``mu``), Adagrad with ``lr_decay != 0`` and LBFGS (all of its state) read it,
+#   so a skipped member would later step with the others' count (issue 44: Adam 20% off after a
+#   skipped first step). No slice can hold two counts: such a step is refused before the
+#   optimizer runs (nothing changes), and the first step() with such an optimizer warns that it
+#   will be. SGD, RMSprop, Adadelta, Rprop and Adagrad without ``lr_decay`` only count with it;
+#   it then counts the optimizer's steps, not the member's, and nothing reads it.
+# * A state created by this step (the first step with state) starts, in a skipped member's
+#   slice, as the optimizer starts it: zeros (moments, RMSprop's and Adadelta's averages,
+#   Rprop's ``prev``, SGD's momentum buffer), Rprop's ``step_size`` at the group's ``lr``. SGD
+#   starts its buffer at the first gradient, undamped, which a zero buffer gives only with
+#   ``dampening == 0``: with dampening, such a first step is refused too.
+# * Other optimizers (``wide_compiler.optim``'s, whose state is per member, and third-party
+#   ones) keep the generic rule: fresh per-member state starts at zero, and shared state is
+#   reported with a warning.
+_READ_SHARED = {  # torch.optim class name -> the shared state its update reads
+    "Adam": "`step` (bias correction)", "AdamW": "`step` (bias correction)",
+    "Adamax": "`step` (bias correction)", "NAdam": "`step` and `mu_product` (bias correction)",
+    "RAdam": "`step` (bias correction, rectification)", "Adafactor": "`step` (its decay rate)",
+    "ASGD": "`step`, `eta` and `mu` (its averaging and learning rate)",
+    "SparseAdam": "`step` (bias correction)",
+    "LBFGS": "its whole state (directions, step size, iteration counts)",
+}
+
+
+def _torch_optim_class(optimizer: torch.optim.Optimizer) -> str | None:
+    """The name of the ``torch.optim`` class ``optimizer`` is an instance of, if any."""
+    for cls in type(optimizer).__mro__:
+        if cls is not torch.optim.Optimizer and getattr(torch.optim, cls.__name__, None) is cls:
+            return cls.__name__
+    return None
+
+
+def _shared_read(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer`` cannot skip one member's step (state shared by the members that its
+    update reads), or None: Note [Skipping one member's step]."""
+    name = _torch_optim_class(optimizer)
+    if name in _READ_SHARED:
+        return f"keeps {_READ_SHARED[name]} shared by all members of a stacked parameter, and its update reads it"
+    if name == "Adagrad" and any(bool(torch.as_tensor(g.get("lr_decay", 0)).ne(0).any())
+                                 for g in optimizer.param_groups):
+        return "keeps `step` shared by all members of a stacked parameter, and with lr_decay != 0 its update reads it"
+    return None
+
+
+def _fresh_refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why a step that creates ``optimizer``'s state cannot leave a skipped member as never
+    stepped, or None (Note [Skipping one member's step])."""
+    if _torch_optim_class(optimizer) != "SGD":
+        return None
+    for group in optimizer.param_groups:
+        if group.get("momentum", 0) == 0 or group.get("dampening", 0) == 0:
+            continue
+        if any(p.grad is not None and "momentum_buffer" not in optimizer.state.get(p, {}) for p in group["params"]):
+            return ("starts its momentum buffer at the first gradient, undamped, and with dampening != 0 a "
+                    "buffer that starts at zero (a skipped member's) gives another first step")
+    return None
+
+
+def _fresh_value(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], key: str) -> float:
+    """What ``optimizer`` starts its state ``key`` at (Note [Skipping one member's step])."""
+    if key == "step_size" and _torch_optim_class(optimizer) == "Rprop":
+        lr = group["lr"]
+        return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+    return 0.0
+
+
 class GradScaler:
     """Per-member loss scaling for N fused members (``torch.amp.GradScaler``, one scale per member).
 
@@ -74,10 +149,14 @@ class GradScaler:
     :class:`~wide_compiler.WideModel`'s), :mod:`wide_compiler.optim` ones included. When some
     members overflow and others do not, the optimizer steps once and the skipped members' slices
     of the parameters and of every per-member state tensor (dim 0 = N: moments, momentum buffers,
-    the per-member ``step`` counts of :mod:`wide_compiler.optim`) are put back as they were, so a
-    skipped member is exactly where ``torch.amp.GradScaler`` leaves it. State shared by all
-    members cannot be put back per member (``torch.optim.Adam``'s 0-d ``step`` on stacked
-    parameters): a warning is logged; use :mod:`wide_compiler.optim`, whose state is per member.
+    the per-member ``step`` counts of :mod:`wide_compiler.optim`) are put back as they were (or,
+    for state this step created, set as the optimizer creates it), so a skipped member is exactly
+    where ``torch.amp.GradScaler`` leaves it, from the first step on. A ``torch.optim`` optimizer
+    whose update reads state shared by all members (``Adam``'s one 0-d ``step`` per stacked
+    parameter, for its bias correction) cannot skip one member's step: a warning says so at its
+    first step, and a step where some members overflow and others do not raises before anything
+    changes (Note [Skipping one member's step]); use :mod:`wide_compiler.optim`, whose state is
+    per member.
 
     Example:
         >>> import torch, wide_compiler as wc
@@ -265,9 +344,26 @@ class GradScaler:
         state = self._scaled_state(optimizer, "step")
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        shared = _shared_read(optimizer)
+        if shared is not None and id(optimizer) not in self._warned_shared:
+            self._warned_shared.add(id(optimizer))
+            log.warning("wc.amp.GradScaler: %s %s, so it cannot skip one member's step: a step where some "
+                        "members overflow and others do not will raise (use wide_compiler.optim, whose state "
+                        "is per member)", type(optimizer).__name__, shared)
         if state["stage"] is _Stage.READY:
             self.unscale_(optimizer)
         skip = (state["found_inf"] > 0).cpu()
+        if bool(skip.any()) and not bool(skip.all()):
+            reason = shared or _fresh_refusal(optimizer)
+            if reason is not None:
+                members = skip.nonzero().flatten().tolist()
+                raise RuntimeError(
+                    f"wc.amp.GradScaler.step: member(s) {members} found inf/NaN gradients and the others did "
+                    f"not, so only theirs must be skipped, but {type(optimizer).__name__} {reason}: skipping "
+                    "them could not leave them where their own torch.amp.GradScaler would (Note [Skipping "
+                    "one member's step] in wide_compiler/amp.py). Nothing was stepped (parameters and "
+                    "optimizer state are as they were; the gradients are unscaled). Use the "
+                    "wide_compiler.optim optimizer (per-member state), or one optimizer per member.")
         state["stage"] = _Stage.STEPPED
         if not bool(skip.any()):
             return optimizer.step(*args, **kwargs)
@@ -278,11 +374,12 @@ class GradScaler:
     def _masked_step(self, optimizer: torch.optim.Optimizer, members: list[int], args: tuple,
                      kwargs: dict) -> Any:
         """Step ``optimizer`` for every member, then put the slices of ``members`` (parameters and
-        per-member optimizer state) back as they were."""
+        per-member optimizer state) back as they were, or for state this step created, as the
+        optimizer creates it (Note [Skipping one member's step])."""
         idx = torch.tensor(members, dtype=torch.long)
         saved = []
         with torch.no_grad():
-            for gi, group in enumerate(optimizer.param_groups):
+            for group in optimizer.param_groups:
                 for p in group["params"]:
                     if p.grad is None:
                         continue
@@ -291,31 +388,37 @@ class GradScaler:
                     slices = None if not st else {
                         k: v.index_select(0, i.to(v.device)) for k, v in st.items()
                         if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == self._n}
-                    if st and id(optimizer) not in self._warned_shared:
-                        shared = [k for k, v in st.items() if isinstance(v, torch.Tensor)
-                                  and (v.dim() == 0 or v.shape[0] != self._n)]
-                        if shared:
-                            self._warned_shared.add(id(optimizer))
-                            log.warning(
-                                "wc.amp.GradScaler: %s keeps state %s shared by all members; a member "
-                                "whose step is skipped still advances it (use wide_compiler.optim, "
-                                "whose state is per member, to match torch.amp.GradScaler exactly)",
-                                type(optimizer).__name__, shared)
-                    saved.append((p, i, p.detach().index_select(0, i), slices))
+                    if st:
+                        self._warn_shared(optimizer, st)
+                    saved.append((p, group, i, p.detach().index_select(0, i), slices))
         retval = optimizer.step(*args, **kwargs)
         with torch.no_grad():
-            for p, i, weights, slices in saved:
+            for p, group, i, weights, slices in saved:
                 p.index_copy_(0, i, weights)
                 st = optimizer.state.get(p) or {}
+                if slices is None:
+                    self._warn_shared(optimizer, st)
                 for k, v in st.items():
                     if not (isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == self._n):
                         continue
                     if slices is not None and k in slices:
                         v.index_copy_(0, i.to(v.device), slices[k])
-                    else:             # state created by this step: the member has none yet
-                        v.index_fill_(0, i.to(v.device), 0)
+                    else:             # state created by this step: the member's starts as the optimizer's
+                        v.index_fill_(0, i.to(v.device), _fresh_value(optimizer, group, k))
                         self._check_fresh_state(optimizer, p, k)
         return retval
+
+    def _warn_shared(self, optimizer: torch.optim.Optimizer, st: Mapping[str, Any]) -> None:
+        """Warn once that ``optimizer`` (not a torch.optim one: Note [Skipping one member's step])
+        keeps tensor state shared by the members, which a skipped member still advances."""
+        if id(optimizer) in self._warned_shared or _torch_optim_class(optimizer) is not None:
+            return
+        shared = [k for k, v in st.items() if isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape[0] != self._n)]
+        if shared:
+            self._warned_shared.add(id(optimizer))
+            log.warning("wc.amp.GradScaler: %s keeps state %s shared by all members; a member whose step is "
+                        "skipped still advances it (use wide_compiler.optim, whose state is per member, to "
+                        "match torch.amp.GradScaler exactly)", type(optimizer).__name__, shared)
 
     def _check_fresh_state(self, optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str) -> None:
         """A zeroed momentum buffer is a fresh one unless SGD dampens (torch.optim.SGD starts the

@@ -59,10 +59,15 @@ def _compare_members(wide, opt, refs, ref_opts, tol, step):
                                   f"step {step}, member {i}, param {pid}, state {k}")
         else:     # torch.optim on the stacked parameters: member i's slice of the state
             for p, rp in zip(opt.param_groups[0]["params"], o.param_groups[0]["params"]):
-                for k, v in o.state.get(rp, {}).items():
-                    mine_k = opt.state[p][k]
-                    _assert_close(mine_k[i] if mine_k.dim() > 0 else mine_k, v, tol,
-                                  f"step {step}, member {i}, state {k}")
+                ref_state = o.state.get(rp, {})
+                for k, mine_k in opt.state.get(p, {}).items():
+                    if not isinstance(mine_k, torch.Tensor) or mine_k.dim() == 0:
+                        continue  # a count shared by the members, which no update reads (amp.py)
+                    if k in ref_state:
+                        _assert_close(mine_k[i], ref_state[k], tol, f"step {step}, member {i}, state {k}")
+                    else:  # the member never stepped: its slice is as the optimizer creates it
+                        fresh = opt.param_groups[0]["lr"] if k == "step_size" else 0.0
+                        assert torch.all(mine_k[i] == fresh), f"step {step}, member {i}, state {k}: not fresh"
 
 
 def _run(make_model, dtype, make_opt, make_ref_opt, *, steps, init_scale, growth_interval,
@@ -110,10 +115,11 @@ def _run(make_model, dtype, make_opt, make_ref_opt, *, steps, init_scale, growth
     return scales, skips
 
 
-def test_member_2_overflows_alone_float64():
+@pytest.mark.parametrize("K", [0, 7], ids=["first_step", "step_7"])
+def test_member_2_overflows_alone_float64(K):
     """Member 2's input holds an inf at step K: its loss and gradients overflow, it skips
-    that step and halves its scale; members 0, 1, 3 step and keep growing their scales."""
-    K = 7
+    that step and halves its scale; members 0, 1, 3 step and keep growing their scales. At the
+    first step the optimizer state does not exist yet: member 2's starts as a fresh one."""
 
     def inject(step, x):
         if step == K:
@@ -127,8 +133,9 @@ def test_member_2_overflows_alone_float64():
         steps=30, init_scale=2.0 ** 10, growth_interval=3, inject=inject, tol=1e-12)
     assert skips[K] == [False, False, True, False]
     assert all(not any(s) for k, s in enumerate(skips) if k != K)
-    assert scales[K][2] == scales[K - 1][2] / 2          # member 2 backed off
-    assert all(scales[K][i] in (scales[K - 1][i], 2 * scales[K - 1][i]) for i in (0, 1, 3))
+    before = scales[K - 1] if K else [2.0 ** 10] * N     # member 2 backed off
+    assert scales[K][2] == before[2] / 2
+    assert all(scales[K][i] in (before[i], 2 * before[i]) for i in (0, 1, 3))
     assert scales[-1][2] < scales[-1][0]
 
 
@@ -188,22 +195,114 @@ def test_torch_optim_on_stacked_parameters():
          steps=16, init_scale=2.0 ** 8, growth_interval=4, inject=inject, tol=1e-12)
 
 
-def test_shared_optimizer_state_is_reported(caplog):
+def _overflow_at(plan: dict[int, list[int]]):
+    """An ``inject`` for :func:`_run`: at step k, the members ``plan[k]`` get an inf input."""
+    def inject(step, x):
+        for i in plan.get(step, []):
+            x[i, 0, 0] = float("inf")
+    return inject
+
+
+TORCH_OPTIMIZERS = {  # torch.optim optimizers whose update reads only per-member state
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True),
+    "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=0.5),
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1, initial_accumulator_value=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_OPTIMIZERS))
+def test_torch_optim_skips_one_member_exactly_from_the_first_step(name):
+    """One member overflows at the very first step (no optimizer state yet: its slice of the new
+    state must start as the optimizer starts it, Rprop's step sizes at lr), others later and two
+    at once: every member matches its own torch.amp.GradScaler run, parameters and state."""
+    make = TORCH_OPTIMIZERS[name]
+    _, skips = _run(lambda: _mlp(torch.float64), torch.float64, make, lambda ps, i: make(ps),
+                    steps=10, init_scale=2.0 ** 8, growth_interval=3, tol=1e-12,
+                    inject=_overflow_at({0: [1], 4: [2], 6: [0, 3]}))
+    assert skips[0] == [False, True, False, False] and skips[6] == [True, False, False, True]
+
+
+def test_sgd_with_dampening_skips_exactly_once_its_buffers_exist():
+    make = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.3)  # noqa: E731
+    _run(lambda: _mlp(torch.float64), torch.float64, make, lambda ps, i: make(ps), steps=6,
+         init_scale=2.0 ** 8, growth_interval=3, tol=1e-12, inject=_overflow_at({0: [0, 1, 2, 3], 3: [2]}))
+
+
+def _fused(n: int = N):
     torch.manual_seed(0)
-    wide = wc.compile([torch.nn.Linear(3, 1) for _ in range(N)], torch.randn(5, 3),
+    return wc.compile([_mlp(torch.float64) for _ in range(n)], torch.randn(5, 3, dtype=torch.float64),
                       config=wc.WideConfig.fast())
-    opt = torch.optim.Adam(wide.parameters(), lr=1e-2)    # its `step` is one 0-d tensor
-    scaler = wc.amp.GradScaler()
-    for step in range(2):
-        x = torch.randn(N, 8, 3)
-        if step == 1:
-            x[1] = float("inf")
-        opt.zero_grad()
-        scaler.scale(wide(x).pow(2).mean(dim=(1, 2))).sum().backward()
-        with caplog.at_level(logging.WARNING, logger="wide_compiler.amp"):
+
+
+def _scaled_backward(wide, scaler, opt, overflow: list[int]):
+    x = torch.randn(N, 8, 3, dtype=torch.float64)
+    for i in overflow:
+        x[i, 0, 0] = float("inf")
+    opt.zero_grad()
+    scaler.scale(wide(x).pow(2).mean(dim=(1, 2))).sum().backward()
+
+
+def _snapshot(wide, opt):
+    params = {k: v.detach().clone() for k, v in wide.named_parameters()}
+    state = {id(p): {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+             for p, st in opt.state.items()}
+    return params, state
+
+
+def _assert_unchanged(wide, opt, snap):
+    params, state = snap
+    for k, v in wide.named_parameters():
+        assert torch.equal(v.detach(), params[k]), k
+    assert {id(p) for p in opt.state if opt.state[p]} == {i for i, st in state.items() if st}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(state[id(p)][k])), k
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adam(ps, lr=1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    lambda ps: torch.optim.NAdam(ps, lr=1e-2), lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.1),
+], ids=["Adam", "AdamW", "NAdam", "Adagrad_lr_decay"])
+@pytest.mark.parametrize("first", [True, False], ids=["first_step", "later_step"])
+def test_shared_step_optimizer_refuses_to_skip_one_member_before_anything_changes(make, first, caplog):
+    """torch.optim.Adam keeps one `step` for all members of a stacked parameter and reads it (bias
+    correction): it cannot skip one member's step (issue 44: a member that overflowed on its first
+    step ended 20% off its own run). The first step() warns; a step where only some members
+    overflow raises, naming why, with parameters and optimizer state untouched (no state at all
+    at the first step); steps where all or none overflow stay exact."""
+    wide = _fused()
+    opt = make(list(wide.parameters()))
+    scaler = wc.amp.GradScaler(init_scale=2.0 ** 8)
+    with caplog.at_level(logging.WARNING, logger="wide_compiler.amp"):
+        if not first:
+            for overflow in ([0, 1, 2, 3], []):   # all skip, then all step
+                _scaled_backward(wide, scaler, opt, overflow)
+                scaler.step(opt)
+                scaler.update()
+        _scaled_backward(wide, scaler, opt, [1])
+        snap = _snapshot(wide, opt)
+        with pytest.raises(RuntimeError, match=r"member\(s\) \[1\] found inf.*shared by all members.*"
+                                               r"Nothing was stepped.*wide_compiler.optim"):
             scaler.step(opt)
-        scaler.update()
-    assert "shared by all members" in caplog.text
+    assert "cannot skip one member's step" in caplog.text
+    _assert_unchanged(wide, opt, snap)  # at the first step: still no state (Adagrad makes its own at once)
+
+
+def test_sgd_with_dampening_refuses_to_skip_one_member_at_its_first_step():
+    """torch.optim.SGD starts its buffer at the first gradient, undamped: with dampening a zero
+    buffer for the skipped member would give another first step, so that step is refused."""
+    wide = _fused()
+    opt = torch.optim.SGD(wide.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+    scaler = wc.amp.GradScaler()
+    _scaled_backward(wide, scaler, opt, [3])
+    snap = _snapshot(wide, opt)
+    with pytest.raises(RuntimeError, match=r"member\(s\) \[3\].*dampening"):
+        scaler.step(opt)
+    _assert_unchanged(wide, opt, snap)
+    assert not opt.state
 
 
 def test_scale_shapes_and_bad_input():
