@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -100,9 +101,36 @@ class PaddedWideModel(WideModel):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # (under torch.compile the hooks are in place already)
-        if not torch.compiler.is_compiling() and self._hooks_stale():
+        if torch.compiler.is_compiling():
+            return super().forward(*args, **kwargs)
+        if self._hooks_stale():
             self._mask_gradients()
-        return super().forward(*args, **kwargs)
+        try:
+            return super().forward(*args, **kwargs)
+        except IndexError as e:
+            better = self._index_error(e)
+            if better is None:
+                raise
+            raise better from e
+
+    def _index_error(self, e: IndexError) -> IndexError | None:
+        """The wide lookup's IndexError said in the member's terms: its own table and index
+        (Note [Padded vocabularies] in fx/padding_rules.py); None when ``e`` is another error."""
+        bounds = getattr(self._pad, "index_bounds", [])
+        hit = re.search(r"index (-?\d+) of member (\d+) is not in the valid range \[0, (\d+)\)", str(e))
+        if not bounds or hit is None:
+            return None
+        x, i, rows = (int(g) for g in hit.groups())
+        tables = [(name, sizes) for name, sizes, most in bounds if most == rows]
+        if not tables:
+            return None
+        own = x - rows if x >= rows and len(tables) == 1 else x
+        names = " or ".join(f"{name!r} ({sizes[i]} rows)" for name, sizes in tables)
+        return IndexError(
+            f"wide_compiler: pad=True: member {i}: index {own} is out of range for its own embedding table "
+            f"{names} (index out of range in self): model {i} alone raises IndexError here too; the padded "
+            f"table has {rows} rows, and an index past the member's own rows is refused, not read as a zero "
+            "row")
 
     def _apply(self, fn: Any, recurse: bool = True) -> PaddedWideModel:
         out = super()._apply(fn, recurse)
@@ -110,9 +138,83 @@ class PaddedWideModel(WideModel):
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, checked first (Note [Loading a padded state]): a state
+        dict of other member sizes, or one whose padding is not zero, is refused before anything
+        changes."""
         out = super().load_state_dict(state_dict, strict=strict, assign=assign)
         self._mask_gradients()
         return out
+
+    # Note [Loading a padded state]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A padded model's ``state_dict`` holds each member's tensors at the largest sizes, zero
+    # outside the member's own values. Loaded as it is, a state dict of a population of other
+    # member sizes (even one with the same padded shapes: sizes (3, 6) and (6, 3)) or one with
+    # non-zero padding would make the wide model compute what neither ``member(i)`` nor
+    # ``unfuse()`` does (those cut each member's own values out). So ``state_dict`` records the
+    # members' own shapes in the state dict's metadata (``_metadata[prefix]``, kept by
+    # ``torch.save``), and loading checks, before anything is written: those shapes when
+    # recorded, the padded shapes, and that every padded tensor is zero outside each member's
+    # own values. ``_load_from_state_dict`` runs for this module before its submodules load, so
+    # the check also guards a padded model loaded as a submodule of a larger one.
+    _SIZES = "wide_compiler.pad.member_shapes"
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        meta = getattr(destination, "_metadata", None)
+        if meta is not None:
+            meta.setdefault(prefix[:-1], {})[self._SIZES] = {
+                name: [list(s) for s in shapes] for name, shapes in self._pad.true_shapes.items()}
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict,
+                              strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        self._check_padded_state(state_dict, prefix, local_metadata)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    @torch.no_grad()
+    def _check_padded_state(self, state_dict: Mapping[str, Any], prefix: str, metadata: dict) -> None:
+        """Note [Loading a padded state]: raise ValueError naming the tensor and the member when
+        ``state_dict`` is not a state of this model's member sizes with zero padding."""
+        what = "wide_compiler: PaddedWideModel.load_state_dict"
+        how = ("load each member at its own size instead (load_member_state_dict(i, sd), "
+               "wide_compiler.distributed.load_members), or compile a model of the same member sizes")
+        info = self._pad
+        saved = metadata.get(self._SIZES) if isinstance(metadata, Mapping) else None
+        if isinstance(saved, Mapping):
+            for name, shapes in info.true_shapes.items():
+                theirs = saved.get(name)
+                if theirs is None or prefix + name not in state_dict:
+                    continue
+                ours = [list(s) for s in shapes]
+                if len(theirs) != len(ours):
+                    raise ValueError(f"{what}: the state dict is of {len(theirs)} members, this model has "
+                                     f"{len(ours)}")
+                bad = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if list(a) != b), None)
+                if bad is not None:
+                    raise ValueError(
+                        f"{what}: the state dict was saved from a padded model whose member {bad} has "
+                        f"{name!r} of shape {list(theirs[bad])}; this model's member {bad} has {ours[bad]}. "
+                        f"Its values would land in other positions than member {bad}'s own: {how}")
+        for name, lay in info.state_layouts.items():
+            key = prefix + name
+            v = state_dict.get(key)
+            if not lay or not isinstance(v, torch.Tensor) or v.is_meta:
+                continue
+            want = (self.n, *info.padded_shapes[name])
+            if tuple(v.shape) != want:
+                raise ValueError(f"{what}: {key!r} has shape {list(v.shape)}, this model's is {list(want)} "
+                                 f"(its {self.n} members at the largest sizes): a state of other member sizes; "
+                                 f"{how}")
+            inside = info.mask(name, torch.float32, v.device) > 0
+            outside = v.ne(0) & ~inside
+            if bool(outside.any()):
+                bad = int(outside.flatten(1).any(1).nonzero()[0])
+                raise ValueError(
+                    f"{what}: {key!r} is not zero in the padding of member {bad} (outside its own "
+                    f"{list(info.true_shapes[name][bad])}): a padded model's state keeps the padding zero, so "
+                    "this one is of other member sizes or was changed by hand, and loading it would make "
+                    f"the wide model compute what neither member({bad}) nor unfuse() does; {how}")
 
     def __deepcopy__(self, memo: dict) -> PaddedWideModel:
         new = super().__deepcopy__(memo)

@@ -73,6 +73,9 @@ class PadInfo:
     true_shapes: dict[str, list[tuple[int, ...]]]
     padded_shapes: dict[str, tuple[int, ...]]
     output_layouts: dict[bool, list[dict[int, torch.Tensor]]]  # training -> per flat output
+    # embedding tables whose vocabulary is padded: (state name, each member's rows, padded rows)
+    # (Note [Padded vocabularies] in fx/padding_rules.py)
+    index_bounds: list[tuple[str, list[int], int]] = dataclasses.field(default_factory=list)
 
     def member_slice(self, t: torch.Tensor, layouts: dict[int, torch.Tensor], i: int) -> torch.Tensor:
         """Member ``i``'s own values of ``t`` (one member's padded tensor, no member dim)."""
@@ -140,6 +143,31 @@ def _shape(v: Any) -> tuple[int, ...] | None:
     return tuple(_hint(d) for d in v.shape) if isinstance(v, torch.Tensor) else None
 
 
+def _size_arith(node: fx.Node) -> bool:
+    """Whether ``node`` computes a size in Python (``batch * heads``: an ``operator`` call on
+    symbolic sizes), which export shares between equal sizes."""
+    return node.op == "call_function" and getattr(node.target, "__module__", None) in ("_operator", "operator") \
+        and isinstance(node.meta.get("val"), (int, torch.SymInt))
+
+
+def _full_args(node: fx.Node) -> tuple[tuple, dict]:
+    """An ATen call's arguments with the positional defaults its schema fills in spelled out
+    (export leaves out trailing defaults: ``conv1d(x, w, b)`` for padding 0, ``conv1d(x, w, b,
+    [1], [1])`` for padding 1)."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if isinstance(node.target, torch._ops.OpOverload):
+        for arg in node.target._schema.arguments[len(args):]:
+            if arg.kwarg_only:
+                break
+            if arg.name in kwargs:
+                args.append(kwargs.pop(arg.name))
+            elif arg.has_default_value():
+                args.append(arg.default_value)
+            else:
+                break
+    return tuple(args), kwargs
+
+
 class _SymbolicMask(Exception):  # noqa: N818 -- raised by mask_of, turned into a refusal naming the node
     pass
 
@@ -168,12 +196,24 @@ class _Padder:
         self.buffers: dict[str, torch.Tensor] = {}  # new per-member buffers: name -> [N, ...]
         self.int_diffs: dict[fx.Node, set[int]] = {}
         self.symbolic: set[int] = set()  # id(layout) of dims merged with a dynamic size
+        self.index_bounds: list[tuple[str, list[int], int]] = []  # PadInfo.index_bounds
         self._check_programs()
 
     # ---------------------------------------------------------------- the programs agree
     def _check_programs(self) -> None:
         n0 = self.nodes[0]
         for i, nodes in enumerate(self.nodes[1:], start=1):
+            ops, ops0 = [(b.op, b.target) for b in nodes], [(a.op, a.target) for a in n0]
+            if ops != ops0 and [o for o, b in zip(ops, nodes) if not _size_arith(b)] == \
+                    [o for o, a in zip(ops0, n0) if not _size_arith(a)]:
+                raise UnsupportedOperationError(
+                    f"wide_compiler: pad=True: member {i} runs the same ops as member 0 but computes its sizes "
+                    f"in Python with {sum(map(_size_arith, nodes))} arithmetic steps where member 0 has "
+                    f"{sum(map(_size_arith, n0))}: export shares one step between sizes that happen to be equal "
+                    "in one member (e.g. its number of heads equal to the sample's sequence length, so "
+                    "batch * heads and length * batch are one product), and padding aligns the programs "
+                    "step by step. Capture with a sample whose sizes differ from the members' swept sizes, "
+                    "or compile the members in groups of one size (the router does)")
             if len(nodes) != len(n0):
                 raise ArchitectureMismatchError(
                     f"pad=True: member {i} runs {len(nodes)} graph nodes, member 0 runs {len(n0)}: "
@@ -184,7 +224,10 @@ class _Padder:
                         f"pad=True: member {i} runs {b.op} {b.target} where member 0 runs {a.op} {a.target} "
                         f"at {source_line(a)}: its program differs in more than sizes")
                 diffs: set[int] = set()
-                self._compare(a, (a.args, a.kwargs), (b.args, b.kwargs), i, diffs, [0])
+                x, y = (a.args, a.kwargs), (b.args, b.kwargs)
+                if len(a.args) != len(b.args):  # one member's call spells out a default the other's leaves out
+                    x, y = _full_args(a), _full_args(b)
+                self._compare(a, x, y, i, diffs, [0])
                 if diffs:
                     self.int_diffs.setdefault(a, set()).update(diffs)
 
@@ -217,6 +260,13 @@ class _Padder:
     def shapes(self, node: fx.Node) -> list[tuple[int, ...]]:
         k = self.pos[node]
         return [_shape(nodes[k].meta.get("val")) for nodes in self.nodes]
+
+    def val(self, node: fx.Node) -> Any:
+        """Member 0's traced value of ``node`` (its ``meta["val"]``); a node a rule inserted in
+        place of another (a norm's decomposition, a mask after) has the value of the node it
+        replaces."""
+        val = node.meta.get("val")
+        return val if val is not None else self.nodes[0][self.pos[node]].meta.get("val")
 
     def max_shape(self, node: fx.Node) -> tuple[int, ...]:
         shapes = self.shapes(node)
@@ -291,7 +341,7 @@ class _Padder:
         """Zero ``node``'s result outside its layout (every later use reads the masked value): a
         multiply by the mask, or with ``nan_safe`` (a result that may be infinite there) a
         ``where`` on it."""
-        val = node.meta.get("val")
+        val = self.val(node)
         mask = self.mask_of(lay, val.dtype if isinstance(val, torch.Tensor) else torch.float32)
         if mask is None:
             return
@@ -503,6 +553,7 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
             raise UnsupportedOperationError(
                 f"wide_compiler: pad=True: {name} is padded differently in the train and eval programs")
     info.output_layouts = {t: outs for t, (_, outs) in infos.items()}
+    info.index_bounds = list({b[0]: b for pd in padders.values() for b in pd.index_bounds}.values())
     members = []
     p0 = padders[True]
     for i in range(len(models)):

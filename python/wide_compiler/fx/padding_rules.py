@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
+from .source import module_path
+
 if TYPE_CHECKING:
     from .padding import _Padder
 
@@ -181,6 +183,118 @@ def _matmul(p: _Padder, node: fx.Node) -> None:
     p.lay[node] = batch + [al[-2], bl[-1]]
 
 
+# Note [Kernel-size sweeps]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# A convolution reads input position ``o*s - P + j*d`` with kernel tap ``j`` (stride s, padding
+# P, dilation d; a transposed convolution writes output ``i*s - P + j*d`` from input ``i``: the
+# same algebra). Member ``i``'s kernel of size ``k`` placed at offset ``c`` of a zero kernel of
+# size ``K`` (tap ``j`` becomes ``j + c``) reads the same positions under padding
+# ``P = p + d*c``, and the output length ``(L + 2P - d(K-1) - 1) // s + 1`` (transposed:
+# ``(L-1)s - 2P + d(K-1) + output_padding + 1``) is the member's own exactly when ``2c = K - k``:
+# the smaller kernel is centred. So a kernel-size sweep is exact when, per spatial dim, every
+# member's ``K - k`` is even and ``p + d*(K-k)/2`` is the same for all of them (``padding = d*(k-1)/2``,
+# odd kernels, is the usual case); the padded program then runs with that common padding. With
+# ``padding='same'`` torch pads ``d*(k-1)//2`` on the left and the rest on the right, so member
+# ``i``'s offset is ``(d*(K-1)//2 - d*(k-1)//2) / d``, exact when that is an integer (even
+# kernels included, when the dilation allows). ``'valid'`` with different kernels gives outputs
+# of different lengths. Stride, dilation and output_padding must be the same for every member.
+# Anything else is refused naming the member, the module and the attribute. The kernel's
+# spatial dims are laid out at those offsets (not as a prefix), so its gradient mask, its
+# checkpoints and ``member_state_dict`` follow.
+
+# name -> positions of (stride, padding, dilation, output_padding) in the ATen op's arguments
+_CONV_ARGS = {"conv1d": (3, 4, 5, None), "conv2d": (3, 4, 5, None), "conv3d": (3, 4, 5, None),
+              "convolution": (3, 4, 5, 7), "conv_transpose1d": (3, 4, 7, 5),
+              "conv_transpose2d": (3, 4, 7, 5), "conv_transpose3d": (3, 4, 7, 5)}
+_CONV_KW = ("stride", "padding", "dilation", "output_padding")
+
+
+def _conv_geometry(node: fx.Node, name: str, rank: int) -> list[Any]:
+    """(stride, padding, dilation, output_padding) of one member's conv node, each a list of
+    ``rank`` ints (padding: a string when given as one)."""
+    out = []
+    for pos, kw, default in zip(_CONV_ARGS[name], _CONV_KW, (1, 0, 1, 0)):
+        v = default if pos is None else node.args[pos] if len(node.args) > pos else node.kwargs.get(kw, default)
+        if isinstance(v, str):
+            out.append(v)
+            continue
+        v = [v] if isinstance(v, int) else list(v)
+        out.append(v * rank if len(v) == 1 else v)
+    return out
+
+
+def _conv_kernels(p: _Padder, node: fx.Node, name: str, w: Any, rank: int) -> None:
+    """Per-member stride, padding and dilation of a convolution, and kernel sizes that differ
+    between members (Note [Kernel-size sweeps]): the kernel's spatial dims laid out centred and
+    the common padding set, or a refusal."""
+    geo = [_conv_geometry(nodes[p.pos[node]], name, rank) for nodes in p.nodes]
+    where = f"module {module_path(node) or '<root>'!r}"
+    for k, what in ((0, "stride"), (2, "dilation"), (3, "output_padding")):
+        bad = next((i for i, g in enumerate(geo) if g[k] != geo[0][k]), None)
+        if bad is not None:
+            p.refuse(node, f"{where}: member {bad}'s {what} {geo[bad][k]} is not member 0's {geo[0][k]}: "
+                           f"padding fuses convolutions of one {what} only")
+    kernels = [tuple(s[2:]) for s in p.shapes(w)] if isinstance(w, fx.Node) else [()]
+    pads = [g[1] for g in geo]
+    if len(set(kernels)) == 1:
+        bad = next((i for i, q in enumerate(pads) if q != pads[0]), None)
+        if bad is not None:
+            p.refuse(node, f"{where}: member {bad}'s padding {pads[bad]} is not member 0's {pads[0]} at one "
+                           "kernel size: their outputs are not aligned")
+        return
+    dil = geo[0][2]
+    big = [max(k[s] for k in kernels) for s in range(rank)]
+    common: list[Any] = []
+    lays: list[torch.Tensor | None] = []  # per spatial dim: the kernel's layout (None: one size)
+    for s in range(rank):
+        lay = torch.zeros(p.n, big[s], dtype=torch.bool)
+        want = None
+        for i, (k, q) in enumerate(zip(kernels, pads)):
+            ks, d, extra = k[s], dil[s], big[s] - k[s]
+            if q == "same":
+                c, rem = divmod(d * (big[s] - 1) // 2 - d * (ks - 1) // 2, d)
+                why = (f"with padding='same' and dilation {d}, torch pads {d * (ks - 1) // 2} on the left "
+                       f"for kernel_size {ks} and {d * (big[s] - 1) // 2} for {big[s]}: not a whole number "
+                       "of dilated taps apart")
+                here = "same"
+            elif isinstance(q, str):
+                c, rem, here = 0, 1, q
+                why = f"with padding={q!r}, kernels of different sizes give outputs of different lengths"
+            else:
+                c, rem = divmod(extra, 2)
+                here = q[s] + d * c
+                why = (f"its kernel_size {ks} cannot be centred in the largest, {big[s]} (an odd "
+                       "difference), so its output length differs from the padded convolution's")
+            if rem == 0 and want is not None and here != want:
+                rem = 1
+                why = (f"its padding {q[s]} minus dilation * (kernel_size - 1) / 2 is {q[s] - d * (ks - 1) / 2:g}, "
+                       f"member 0's is {pads[0][s] - d * (kernels[0][s] - 1) / 2:g}: centred in the "
+                       "largest kernel, its kernel would read other input positions")
+            if rem or not 0 <= c <= extra:
+                sizes = ", ".join(f"{list(k)} (padding {q!r})" for k, q in zip(kernels, pads))
+                p.refuse(node, f"{where}: the members' kernel_size differ (in member order: {sizes}); in "
+                               f"spatial dim {s}, member {i}: {why}. Padding fuses a kernel-size sweep only "
+                               "where each member's kernel, centred in the largest, computes exactly its own "
+                               "convolution (Note [Kernel-size sweeps]), as with padding = dilation * "
+                               "(kernel_size - 1) / 2 or 'same'")
+            want = here
+            lay[i, c:c + ks] = True
+        common.append(want)
+        lays.append(None if bool(lay.all()) else lay)
+    if isinstance(w, fx.Node) and w.op == "get_attr":
+        for s, lay in enumerate(lays):
+            p.bind(w, 2 + s, lay)
+    for s, lay in enumerate(lays):
+        if not same_layout(p.layout(w)[2 + s], lay):
+            p.refuse(node, f"{where}: a kernel whose spatial dim {s} is padded other than centred")
+    if not isinstance(pads[0], str):  # the common padding (a 'same' string stays)
+        k = _CONV_ARGS[name][1]
+        if len(node.args) > k:
+            node.args = (*node.args[:k], common, *node.args[k + 1:])
+        else:
+            node.kwargs = {**node.kwargs, "padding": common}
+
+
 def _conv(p: _Padder, node: fx.Node) -> None:
     x, w = node.args[0], node.args[1]
     b = node.args[2] if len(node.args) > 2 else None
@@ -193,6 +307,7 @@ def _conv(p: _Padder, node: fx.Node) -> None:
     xl = p.layout(x)
     if any(v is not None for v in xl[2:]):
         p.refuse(node, "a convolution over padded spatial dims")
+    _conv_kernels(p, node, name, w, len(xl) - 2)
     wshapes = p.shapes(w) if isinstance(w, fx.Node) else None
     depthwise = len(set(groups)) > 1
     if depthwise:
@@ -223,11 +338,32 @@ def _conv(p: _Padder, node: fx.Node) -> None:
 
 
 def _embedding(p: _Padder, node: fx.Node) -> None:
+    """Note [Padded vocabularies]: a member's table of ``V_i`` rows sits in the first ``V_i`` rows
+    of the padded one, where an index ``V_i <= x < V`` would read a zero row instead of raising
+    IndexError as the member's own lookup does. The indices go through ``where(x < V_i, x, x + V)``
+    first (a compare and a select on the indices, per member bound ``V_i`` a buffer): an index
+    outside the member's own table is outside the padded one too, so the wide lookup raises
+    IndexError naming the member, and :class:`~wide_compiler.PaddedWideModel` says which table
+    and the member's own index (``x + V`` decoded)."""
     w, idx = node.args[0], node.args[1]
-    wl = p.layout(w)  # rows (the vocabulary) may be padded: a member's indices stay below its own size
+    wl = p.layout(w)
     il = p.layout(idx)
     if any(v is not None for v in il):
         p.refuse(node, "padded indices")
+    if wl[0] is not None:
+        sizes = [s[0] for s in p.shapes(w)]
+        most = wl[0].shape[1]
+        if not torch.equal(wl[0], prefix(sizes, most)):
+            p.refuse(node, "an embedding table whose rows (the vocabulary) are padded other than at the end "
+                           "(another op reading the table lays them out so): an index would read another row")
+        ival = p.val(idx)
+        bound = p.buffer(torch.tensor(sizes, dtype=ival.dtype).view(p.n, *([1] * ival.dim())), node)
+        with p.g.inserting_before(node):
+            c = p.g.call_function
+            inside = c(aten.lt.Tensor, (idx, bound))
+            checked = c(aten.where.self, (inside, idx, c(aten.add.Tensor, (idx, most))))
+        node.replace_input_with(idx, checked)
+        p.index_bounds.append((w.target if w.op == "get_attr" else str(w), sizes, most))
     p.lay[node] = [None] * len(il) + [wl[1]]
 
 
@@ -258,7 +394,7 @@ def _layer_norm(p: _Padder, node: fx.Node, rms: bool = False) -> None:
             p.mask_after(node, xl)
         return
     # the decomposition with each member's count (Note [Padded members])
-    val = x.meta["val"]
+    val = p.val(x)
     inner = [None] * (len(xl) - k) + [xl[d] for d in norm_dims]
     mask = p.mask_of(inner, val.dtype)
     count = mask.flatten(1).sum(1) * math.prod(1 if xl[d] is not None else p.max_shape(x)[d] for d in norm_dims)
@@ -302,7 +438,7 @@ def _group_norm(p: _Padder, node: fx.Node) -> None:
     gs = {nodes[p.pos[node]].args[1] for nodes in p.nodes}
     if len(gs) != 1:
         p.refuse(node, "the number of groups differs between members")
-    val = x.meta["val"]
+    val = p.val(x)
     cmax = xl[1].shape[1]
     onehot = torch.zeros(p.n, cmax, groups, dtype=val.dtype)
     for i in range(p.n):
@@ -356,7 +492,7 @@ def _mean(p: _Padder, node: fx.Node) -> None:
     padded = [d for d in dims if xl[d] is not None]
     if not padded:
         return
-    val = x.meta["val"]
+    val = p.val(x)
     ratio = torch.ones(p.n, dtype=val.dtype)
     for d in padded:
         ratio = ratio * (xl[d].shape[1] / xl[d].sum(1).to(val.dtype))
@@ -387,7 +523,7 @@ def _softmax(p: _Padder, node: fx.Node) -> None:
     p.lay[node] = xl
     if xl[d] is not None:
         inner = [v if k == d else None for k, v in enumerate(xl)]
-        mask = p.mask_of(inner, x.meta["val"].dtype)
+        mask = p.mask_of(inner, p.val(x).dtype)
         fill = p.buffer(torch.where(mask > 0, torch.zeros_like(mask), torch.full_like(mask, -math.inf)), node)
         with p.g.inserting_before(node):
             masked = p.g.call_function(aten.add.Tensor, (x, fill))
@@ -413,7 +549,7 @@ def _amax(p: _Padder, node: fx.Node) -> None:
     inner = [v if d in dims else None for d, v in enumerate(xl)]
     if all(v is None for v in inner):
         return
-    mask = p.mask_of(inner, x.meta["val"].dtype)
+    mask = p.mask_of(inner, p.val(x).dtype)
     fill = p.buffer(torch.where(mask > 0, torch.zeros_like(mask), torch.full_like(mask, -math.inf)), node)
     with p.g.inserting_before(node):
         masked = p.g.call_function(aten.add.Tensor, (x, fill))
@@ -464,12 +600,18 @@ def _view(p: _Padder, node: fx.Node) -> None:
                 v = lay[k] if lay[k] is not None else torch.ones(p.n, outs[k], dtype=torch.bool)
                 rebuilt = v if rebuilt is None else (rebuilt[:, :, None] & v[:, None, :]).flatten(1)
             padded_out = [k for k in gj if lay[k] is not None]
+            # a box, and of each member's own output sizes: 24 of 36 values laid out as a prefix
+            # are the box [2, 12] of a [3, 12] output, not the member's [3, 8] (heads 2 and 3)
+            true = p.shapes(node)
+            fits = torch.equal(rebuilt, flat) and all(
+                (lay[k].sum(1).tolist() if lay[k] is not None else [outs[k]] * p.n) == [s[k] for s in true]
+                for k in gj)
             for k in padded_out:
                 if not isinstance(node.meta["val"].shape[k], int):
                     # merged with a dynamic dim (attention folding heads into the batch): laid out
                     # for the sample's size only, so no mask may be built from it (Padder.mask_of)
                     p.symbolic.add(id(lay[k]))
-            if torch.equal(rebuilt, flat) and len(gi) == 1 and len(padded_out) == 1 and id(xl[gi[0]]) in p.origin:
+            if fits and len(gi) == 1 and len(padded_out) == 1 and id(xl[gi[0]]) in p.origin:
                 target, dim, back = p.origin[id(xl[gi[0]])]
                 j_out = padded_out[0]
 
@@ -480,7 +622,7 @@ def _view(p: _Padder, node: fx.Node) -> None:
                         flat_want = v if flat_want is None else (flat_want[:, :, None] & v[:, None, :]).flatten(1)
                     return back(flat_want)
                 p.origin[id(lay[j_out])] = (target, dim, through)
-            if not torch.equal(rebuilt, flat):
+            if not fits:
                 if len(padded_in) == 1 and id(xl[padded_in[0]]) in p.origin:
                     # a parameter's dim laid out as a prefix by default: lay it out so that each
                     # member's values are a box of the new dims, if one layout of it does that
@@ -669,7 +811,7 @@ def _sdpa(p: _Padder, node: fx.Node) -> None:
     if ql[-1] is not None:
         scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
         if scale is None:  # SDPA's default 1 / sqrt(E) with each member's own head dim
-            dtype = q.meta["val"].dtype
+            dtype = p.val(q).dtype
             r = (ql[-1].shape[1] / ql[-1].sum(1).to(dtype)).sqrt()
             rb = p.buffer(r.view(p.n, *([1] * len(ql))), node)
             with p.g.inserting_before(node):
