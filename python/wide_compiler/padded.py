@@ -329,9 +329,10 @@ class PaddedWideModel(WideModel):
     def member_tensors(self, i: int) -> dict[str, torch.Tensor]:
         """Member ``i``'s parameters and buffers at its own sizes as VIEWS of the wide tensors
         (gradients and in-place updates reach the wide model), for running the member alone with
-        ``torch.func.functional_call`` on its own module. A tensor whose padding is not a prefix
-        of each dim (a concatenation of padded parts) comes as a copy; a buffer of that kind in
-        training mode is refused, since its in-place updates would be lost."""
+        ``torch.func.functional_call`` on its own module. A tensor whose own values are not one
+        run of positions in each dim (a concatenation of padded parts; a kernel centred in the
+        largest is one run) comes as a copy; a buffer of that kind in training mode is refused,
+        since its in-place updates would be lost."""
         i = self._check_member_index(i)
         params = {name for name, _ in self.named_parameters()}
         out = {}
@@ -339,9 +340,10 @@ class PaddedWideModel(WideModel):
             t = self._stacked(name)[i]
             lay = self._pad.state_layouts.get(name, {})
             sizes = {d: int(v[i].sum()) for d, v in lay.items()}
-            if all(bool(v[i][: sizes[d]].all()) for d, v in lay.items()):
+            starts = {d: int(v[i].long().argmax()) for d, v in lay.items()}
+            if all(bool(v[i][starts[d]: starts[d] + sizes[d]].all()) for d, v in lay.items()):
                 for d, k in sizes.items():
-                    t = t.narrow(d, 0, k)
+                    t = t.narrow(d, starts[d], k)
             elif self.training and name not in params:
                 raise ValueError(f"wide_compiler: member {i} alone: buffer {name!r} is padded in pieces, so it "
                                  "cannot be updated in place from a member-only call; run the whole group")

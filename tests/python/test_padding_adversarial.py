@@ -113,6 +113,14 @@ def test_the_router_keeps_a_padded_kernel_sweep_only_exactly(monkeypatch):
     out = router.wide_forward(x)
     for name, t in towers.items():
         torch.testing.assert_close(out[name], t(x), rtol=1e-9, atol=1e-10, msg=name)
+        torch.testing.assert_close(router[name](x), t(x), rtol=1e-9, atol=1e-10, msg=f"{name} alone")
+    # a tower alone runs on views of the wide weight (its 3x3 kernel centred in the 5x5): its
+    # gradient reaches the wide parameter there, and only there
+    (wide,) = router.groups.values()
+    router["t0"](x).sum().backward()
+    g = wide.c.weight.grad
+    assert bool(g[0, :, :, 1:4, 1:4].ne(0).any())
+    assert not g[0, :, :, 0].any() and not g[0, :, :, 4].any() and not g[1:].any()
 
 
 class _Vocab(nn.Module):

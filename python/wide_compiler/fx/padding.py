@@ -23,7 +23,11 @@ forward and the backward:
   are registered again whenever a parameter is replaced: copies, pickles, ``.to()``,
   ``load_state_dict(assign=True)``), so every optimizer leaves the padding, and its state, at
   zero (weight decay included);
-* contractions (linear, matmul, conv, embedding) of clean values are clean;
+* contractions (linear, matmul, conv, embedding) of clean values are clean; a kernel-size sweep
+  lays each smaller kernel out centred in the largest, with the padding that makes it the
+  member's own convolution (Note [Kernel-size sweeps] in fx/padding_rules.py), and an embedding
+  over a padded vocabulary bounds each member's indices by its own rows, so an index past them
+  raises IndexError as the member's own lookup does (Note [Padded vocabularies]);
 * pointwise ops with f(0) = 0 keep it; any other op whose result has a padded dim (sigmoid, a
   bias added by broadcast, a norm's bias over padded rows, ...) is multiplied by its mask after;
 * ops that reduce over a padded dim use each member's true count: a norm over it becomes its
@@ -33,10 +37,13 @@ forward and the backward:
 Anything else with a padded input or output (a reshape that splits a padded dim into two that
 both vary, a division by a padded value, a slice or a cat whose layout cannot be tracked, an op
 with no padding rule) is refused with the op, the sizes and the source line, never padded
-silently. The masks, counts and group matrices are per-member non-persistent buffers
-(``_wc_pad_<k>``), so the compiler stacks them like any buffer. The rule of each op is in
-fx/padding_rules.py; this module aligns the members' programs, runs the rules and builds the
-padded members.
+silently; so is a pair of programs that differ only in how they compute sizes in Python (export
+shares ``batch * heads`` with ``length * batch`` when the two are equal in one member). A padded
+model's ``load_state_dict`` checks the members' sizes and the zero padding first (Note [Loading a
+padded state] in padded.py). The masks, counts, bounds and group matrices are per-member
+non-persistent buffers (``_wc_pad_<k>``), so the compiler stacks them like any buffer. The rule
+of each op is in fx/padding_rules.py; this module aligns the members' programs, runs the rules
+and builds the padded members.
 """
 from __future__ import annotations
 
@@ -210,10 +217,11 @@ class _Padder:
                     f"wide_compiler: pad=True: member {i} runs the same ops as member 0 but computes its sizes "
                     f"in Python with {sum(map(_size_arith, nodes))} arithmetic steps where member 0 has "
                     f"{sum(map(_size_arith, n0))}: export shares one step between sizes that happen to be equal "
-                    "in one member (e.g. its number of heads equal to the sample's sequence length, so "
-                    "batch * heads and length * batch are one product), and padding aligns the programs "
-                    "step by step. Capture with a sample whose sizes differ from the members' swept sizes, "
-                    "or compile the members in groups of one size (the router does)")
+                    "in one member, or leaves out a product by 1 (a member whose number of heads equals the "
+                    "sample's sequence length makes batch * heads and length * batch one product; a member "
+                    "with one head has no batch * heads), and padding aligns the programs step by step. "
+                    "Capture with a sample whose sizes differ from the members' swept sizes (and sweep 2 "
+                    "or more heads), or compile the members in groups of one size (the router does)")
             if len(nodes) != len(n0):
                 raise ArchitectureMismatchError(
                     f"pad=True: member {i} runs {len(nodes)} graph nodes, member 0 runs {len(n0)}: "
