@@ -392,6 +392,29 @@ class _Norms(nn.Module):
 _NORM_OPS = ("batch_norm", "instance_norm", "group_norm", "prelu", "layer_norm", "rms_norm")
 
 
+# --- random fills in place (fx/rules/randomness.py) ---------------------------------------------
+def _random_fills(m, x):
+    h = x * m.w
+    rows = torch.empty(h.shape[0], 16).bernoulli_(0.5)  # shared tensor made in forward: gets a member dim
+    return (
+        rows, torch.empty_like(h).bernoulli_(h.sigmoid()), torch.empty_like(h).uniform_(2.0, 3.0),
+        torch.empty_like(h).normal_(5.0, 0.5), torch.empty_like(h).exponential_(2.0),
+    )
+
+
+def _check_random_fills(wide, members, inputs) -> None:
+    rows, bern_t, uniform, normal, expo = wide
+    for t in (rows, bern_t):
+        assert ((t == 0) | (t == 1)).all()
+    assert ((uniform >= 2) & (uniform <= 3)).all()
+    assert abs(normal.mean().item() - 5.0) < 0.3 and 0.3 < normal.std().item() < 0.7
+    assert (expo >= 0).all() and 0.2 < expo.mean().item() < 1.0
+    _members_differ([rows, bern_t, uniform, normal, expo])
+
+
+_RANDOM_FILL_OPS = ("bernoulli_.float", "bernoulli_.Tensor", "uniform_", "normal_", "exponential_")
+
+
 # --- pooling, dropout, spatial ----------------------------------------------------------------------
 def _pools(m, x1, x2, x3):
     x1, x2, x3 = x1 * m.w.view(3, 1), x2 * m.w.view(3, 1, 1), x3 * m.w.view(3, 1, 1, 1)
@@ -654,6 +677,8 @@ CASES: list[Case] = [
     Case("creation", _fn_module(_creation, 1, w=(8,)), _randn((4, 8)), _CREATION_OPS),
     Case("random-creation", _fn_module(_random_creation, 1, w=(8,)), _randn((4, 8)), _RANDOM_CREATION_OPS,
          random=("train",), check_random=_check_random_creation),
+    Case("random-fills", _fn_module(_random_fills, 1, w=(8,)), _randn((4, 8)), _RANDOM_FILL_OPS,
+         random=("train",), check_random=_check_random_fills),
     Case("matmul", _fn_module(_matmul, 1, W=(5, 6), b=(5,), M=(6, 5), v=(6,), u=(5,), mask=(2, 2)),
          _randn((4, 6)), _MATMUL_OPS),
     Case("conv", _Convs, _randn((2, 3, 9), (2, 3, 6, 6), (2, 3, 4, 4, 4)), _CONV_OPS),
