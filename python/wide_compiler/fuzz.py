@@ -1,0 +1,483 @@
+"""A model-level differential fuzzer: random valid programs, compiled wide and compared with their
+members (DESIGN §9, layer 4).
+
+Note [The model fuzzer]
+~~~~~~~~~~~~~~~~~~~~~~~
+Tests written by the people who wrote the rules share their blind spots. :func:`generate` writes
+the source of a random ``nn.Module`` from a small grammar (anchored on NNSmith's generated valid
+programs and Csmith's differential testing): a chain of layers over a tensor whose kind it tracks
+(``[B, F]`` vectors, ``[B, T, F]`` sequences, ``[B, C, H, W]`` images) -- modules (Linear, Conv,
+norms, Dropout, Embedding, GRU, attention), functional ops, reshapes and reductions, residual
+branches, Python branches on sizes (``T % 2``, batch parity, ``T == 1``) and on per-member
+attributes, float constants that differ between members (slopes, scales, clamp bounds, dropout
+rates), a second input. :func:`run_program` compiles N members of it and calls the wide model in
+train and eval mode at the sample's sizes and at others (another batch, a batch of 1, another
+length), comparing every member's outputs, input gradients and parameter gradients with the
+member run alone, in float64 (:data:`TOLERANCE`) or, in float32, with the noise-aware check of
+:mod:`wide_compiler.testing` where it is available.
+
+Each program ends in one of: ``ok``; ``refused`` (a clear error of wide_compiler's, at compile or
+at a call: allowed, the library may refuse what it cannot prove); ``skipped`` (the members
+themselves fail, or the train graph draws random numbers, so only eval is compared); or a finding:
+``wrong`` (a member differs) or ``crash`` (an error that is not a clear refusal). A finding keeps
+the program's source, so it can be pasted into a regression test as it is.
+
+Run it for a while::
+
+    python -m wide_compiler.fuzz --minutes 30 --out fuzz-findings/
+
+The project's tests run a fixed set of seeds (tests/python/test_fuzz_models.py).
+
+Example:
+    >>> from wide_compiler import fuzz
+    >>> program = fuzz.generate(3)
+    >>> "class Fuzzed(nn.Module)" in program.source
+    True
+    >>> fuzz.run_program(program).outcome in fuzz.OUTCOMES      # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["OUTCOMES", "TOLERANCE", "Program", "Result", "generate", "main", "run_program"]
+
+log = logging.getLogger(__name__)
+
+OUTCOMES = ("ok", "refused", "skipped", "wrong", "crash")
+TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}  # float64: a real defect is of order 1e-2 or more
+
+
+@dataclasses.dataclass
+class Program:
+    """One generated model: its source (a module class ``Fuzzed`` whose ``__init__`` takes the
+    member's constants ``c``), every member's constants, the sample's sizes and kinds of inputs."""
+
+    seed: int
+    source: str
+    constants: list[dict[str, float]]  # per member
+    inputs: list[tuple[str, tuple[int, ...]]]  # (kind, one member's shape): kind "float" or "index:<vocab>"
+    other_shapes: list[list[tuple[int, ...]]]  # more calls' input shapes (another batch, length...)
+    n: int
+    random: bool = False  # the train graph draws random numbers (a dropout with p > 0 in some member)
+
+    def module_class(self) -> type[nn.Module]:
+        namespace: dict[str, Any] = {}
+        exec(compile(self.source, f"<fuzz program {self.seed}>", "exec"), namespace)  # noqa: S102 -- generated here
+        return namespace["Fuzzed"]
+
+    def members(self, dtype: torch.dtype = torch.float64) -> list[nn.Module]:
+        cls = self.module_class()
+        out = []
+        for i, c in enumerate(self.constants):
+            torch.manual_seed(self.seed * 1000 + i)
+            out.append(cls(c).to(dtype))
+        return out
+
+    def make_inputs(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
+        """N-first inputs for one call: ``[N, *shape]`` per input."""
+        xs = []
+        for (kind, _), shape in zip(self.inputs, shapes):
+            if kind.startswith("index:"):
+                xs.append(torch.randint(0, int(kind.split(":")[1]), (self.n, *shape), generator=gen))
+            else:
+                xs.append(torch.randn((self.n, *shape), generator=gen, dtype=dtype))
+        return xs
+
+
+@dataclasses.dataclass
+class Result:
+    """What :func:`run_program` found."""
+
+    program: Program
+    outcome: str  # one of OUTCOMES
+    detail: str = ""
+
+    def report(self) -> str:
+        return (f"# fuzz seed {self.program.seed}: {self.outcome}\n# {self.detail}\n"
+                f"# members: {self.program.n}, constants: {self.program.constants}\n"
+                f"# inputs: {self.program.inputs}, other calls: {self.program.other_shapes}\n{self.program.source}")
+
+
+# --- the generator --------------------------------------------------------------------------------
+
+
+class _Writer:
+    """Builds the source of ``Fuzzed`` while tracking the current tensor's kind and sizes."""
+
+    def __init__(self, rng: random.Random, n: int) -> None:
+        self.rng, self.n = rng, n
+        self.init: list[str] = []
+        self.body: list[str] = []
+        self.constants: list[dict[str, float]] = [{} for _ in range(n)]
+        self.k = 0
+        self.random = False  # a random op that draws in train mode
+
+    def name(self, prefix: str) -> str:
+        self.k += 1
+        return f"{prefix}{self.k}"
+
+    def constant(self, lo: float, hi: float, *, differ: bool | None = None, choices: list[float] | None = None) -> str:
+        """A float attribute, per member: the same for all, or different (``differ``)."""
+        name = self.name("c")
+        differ = self.rng.random() < 0.6 if differ is None else differ
+        pick = (lambda: self.rng.choice(choices)) if choices else (lambda: round(self.rng.uniform(lo, hi), 3))
+        first = pick()
+        for c in self.constants:
+            c[name] = pick() if differ else first
+        self.init.append(f"self.{name} = c[{name!r}]")
+        return f"self.{name}"
+
+    def module(self, code: str) -> str:
+        name = self.name("m")
+        self.init.append(f"self.{name} = {code}")
+        return f"self.{name}"
+
+    def line(self, code: str) -> None:
+        self.body.append(code)
+
+
+def _vec_step(w: _Writer, f: int) -> tuple[str, int]:
+    r = w.rng
+    choice = r.choice(["linear", "act", "leaky", "norm", "bn", "dropout", "residual", "scale", "clamp",
+                       "softmax", "chunk", "branch_batch", "branch_attr", "to_seq"])
+    if choice == "linear":
+        g = r.choice([3, 4, 6, 8])
+        w.line(f"h = {w.module(f'nn.Linear({f}, {g}, bias={r.random() < 0.8})')}(h)")
+        return "vec", g
+    if choice == "act":
+        w.line(f"h = {r.choice(['torch.relu', 'torch.tanh', 'F.gelu', 'F.silu', 'torch.sigmoid', 'F.softplus'])}(h)")
+    elif choice == "leaky":
+        w.line(f"h = F.leaky_relu(h, {w.constant(0.01, 0.3)})")
+    elif choice == "norm":
+        w.line(f"h = {w.module(f'nn.LayerNorm({f}, eps={r.choice([1e-5, 1e-3])})')}(h)")
+    elif choice == "bn":
+        w.line(f"h = {w.module(f'nn.BatchNorm1d({f})')}(h)")
+    elif choice == "dropout":
+        p = w.constant(0.0, 0.5, choices=[0.0, 0.0, 0.1, 0.3])
+        w.line(f"h = F.dropout(h, {p}, self.training)")
+        w.random = w.random or any(c[p.removeprefix("self.")] > 0 for c in w.constants)
+    elif choice == "residual":
+        w.line(f"h = h + {w.module(f'nn.Linear({f}, {f})')}(torch.relu(h))")
+    elif choice == "scale":
+        w.line(f"h = h * {w.constant(-2.0, 2.0)} + {w.constant(-1.0, 1.0)}")
+    elif choice == "clamp":
+        w.line(f"h = h.clamp({w.constant(-1.0, 0.0)}, {w.constant(0.0, 1.0)})")
+    elif choice == "softmax":
+        w.line("h = torch.softmax(h, dim=-1) * h.shape[-1]")
+    elif choice == "chunk" and f % 2 == 0:
+        w.line("a, b = h.chunk(2, dim=-1)")
+        w.line("h = torch.cat([b * torch.sigmoid(a), a], dim=-1)")
+    elif choice == "branch_batch":
+        w.line("if h.shape[0] % 2 == 1:")
+        w.line("    h = h.flip(0) * 0.5")
+    elif choice == "branch_attr":
+        s = w.constant(-1.0, 1.0, choices=[0.0, 0.5, 0.5, 1.0])
+        w.line(f"if {s} != 0:")
+        w.line(f"    h = h * {s}")
+        w.line("else:")
+        w.line("    h = torch.tanh(h)")
+    elif choice == "to_seq":
+        t = r.choice([2, 3])
+        w.line(f"h = h.unsqueeze(1).expand(-1, {t}, -1) * torch.arange(1, {t + 1}, dtype=h.dtype).view(1, -1, 1)")
+        return "seq", f
+    return "vec", f
+
+
+def _seq_step(w: _Writer, f: int) -> tuple[str, int]:
+    r = w.rng
+    choice = r.choice(["linear", "act", "norm", "mean", "attention", "gru", "conv1d", "branch_parity",
+                       "branch_one", "pad4", "cumsum", "slice", "last"])
+    if choice == "linear":
+        g = r.choice([4, 6, 8])
+        w.line(f"h = {w.module(f'nn.Linear({f}, {g})')}(h)")
+        return "seq", g
+    if choice == "act":
+        w.line(f"h = {r.choice(['torch.relu', 'torch.tanh', 'F.gelu'])}(h)")
+    elif choice == "norm":
+        w.line(f"h = {w.module(f'nn.LayerNorm({f})')}(h)")
+    elif choice == "mean":
+        w.line("h = h.mean(1)")
+        return "vec", f
+    elif choice == "last":
+        w.line("h = h[:, -1]")
+        return "vec", f
+    elif choice == "attention" and f % 2 == 0:
+        qkv = w.module(f"nn.Linear({f}, {3 * f})")
+        heads = r.choice([1, 2])
+        w.line(f"q, k, v = {qkv}(h).chunk(3, dim=-1)")
+        w.line(f"q, k, v = (t.unflatten(-1, ({heads}, {f // heads})).transpose(1, 2) for t in (q, k, v))")
+        w.line(f"h = h + F.scaled_dot_product_attention(q, k, v, is_causal={r.random() < 0.5})"
+               ".transpose(1, 2).flatten(2)")
+    elif choice == "gru":
+        w.line(f"h, _ = {w.module(f'nn.GRU({f}, {f}, batch_first=True)')}(h)")
+    elif choice == "conv1d":
+        k = r.choice([1, 3])
+        w.line(f"h = {w.module(f'nn.Conv1d({f}, {f}, {k}, padding={k // 2})')}(h.transpose(1, 2)).transpose(1, 2)")
+    elif choice == "branch_parity":
+        w.line("if h.shape[1] % 2 == 0:")
+        w.line("    h = h * 2")
+    elif choice == "branch_one":
+        w.line("if h.shape[1] == 1:")
+        w.line("    h = h - 1")
+    elif choice == "pad4":
+        w.line("pad = (-h.shape[1]) % 4")
+        w.line("if pad:")
+        w.line("    h = F.pad(h, (0, 0, 0, pad))")
+    elif choice == "cumsum":
+        w.line("h = h.cumsum(1) / h.shape[1]")
+    elif choice == "slice":
+        w.line("h = torch.cat([h[:, :1] * 0.5, h[:, 1:]], dim=1)")
+    return "seq", f
+
+
+def _img_step(w: _Writer, c: int) -> tuple[str, int]:
+    r = w.rng
+    choice = r.choice(["conv", "conv", "bn", "act", "pool", "residual", "odd", "gn", "to_vec", "to_vec"])
+    if choice == "conv":
+        k = r.choice([1, 3])
+        d = r.choice([4, 6])
+        w.line(f"h = {w.module(f'nn.Conv2d({c}, {d}, {k}, padding={k // 2}, stride={r.choice([1, 1, 2])})')}(h)")
+        return "img", d
+    if choice == "bn":
+        w.line(f"h = {w.module(f'nn.BatchNorm2d({c})')}(h)")
+    elif choice == "gn" and c % 2 == 0:
+        w.line(f"h = {w.module(f'nn.GroupNorm(2, {c})')}(h)")
+    elif choice == "act":
+        w.line(f"h = {r.choice(['torch.relu', 'F.hardswish', 'F.silu'])}(h)")
+    elif choice == "pool":
+        w.line(f"h = {r.choice(['F.max_pool2d', 'F.avg_pool2d'])}(h, 2, ceil_mode=True)")
+    elif choice == "residual":
+        w.line(f"h = h + {w.module(f'nn.Conv2d({c}, {c}, 3, padding=1)')}(torch.relu(h))")
+    elif choice == "odd":
+        w.line("if h.shape[-1] % 2 == 1:")
+        w.line("    h = F.pad(h, (0, 1, 0, 1))")
+    elif choice == "to_vec":
+        if r.random() < 0.5:
+            w.line("h = F.adaptive_avg_pool2d(h, 1).flatten(1)")
+        else:
+            w.line("h = h.mean((2, 3))")
+        return "vec", c
+    return "img", c
+
+
+def generate(seed: int, *, n: int | None = None) -> Program:
+    """A random valid program (Note [The model fuzzer]), reproducible from ``seed``."""
+    rng = random.Random(seed)
+    n = n or rng.choice([2, 3, 4])
+    w = _Writer(rng, n)
+    kind = rng.choice(["vec", "seq", "img", "index"])
+    b = rng.choice([2, 3, 4])
+    inputs: list[tuple[str, tuple[int, ...]]]
+    other: list[list[tuple[int, ...]]]
+    if kind == "vec":
+        f = rng.choice([4, 5, 8])
+        inputs, other = [("float", (b, f))], [[(b + 2, f)], [(1, f)]]
+    elif kind == "seq":
+        f, t = rng.choice([4, 6]), rng.choice([3, 5])
+        inputs, other = [("float", (b, t, f))], [[(b, t + 1, f)], [(1, t, f)], [(b, 1, f)]]
+    elif kind == "img":
+        f, s = rng.choice([2, 3]), rng.choice([6, 7, 8])
+        inputs, other = [("float", (b, f, s, s))], [[(b + 1, f, s, s)], [(b, f, s + 3, s + 3)]]
+    else:
+        vocab, t, f = rng.choice([5, 11]), rng.choice([3, 4]), rng.choice([4, 6])
+        inputs, other = [(f"index:{vocab}", (b, t))], [[(b, t + 2)], [(1, t)]]
+        w.line(f"h = {w.module(f'nn.Embedding({vocab}, {f})')}(x)")
+        kind = "seq"
+    if not w.body:
+        w.line("h = x")
+    second = rng.random() < 0.3
+    steps = rng.randint(2, 7)
+    for k in range(steps):
+        kind, f = {"vec": _vec_step, "seq": _seq_step, "img": _img_step}[kind](w, f)
+        if second and k == steps // 2 and kind == "vec":
+            proj = w.module(f"nn.Linear(3, {f})")
+            w.line(f"h = h + {proj}(y)")
+            inputs.append(("float", (b, 3)))
+            other = [shapes + [(shapes[0][0], 3)] for shapes in other]
+            second = False
+    if kind == "img":
+        w.line("h = h.flatten(1)")
+    args = ", ".join(["x", "y"][: len(inputs)])
+    source = "\n".join([
+        "import torch", "import torch.nn.functional as F", "from torch import nn", "", "",
+        "class Fuzzed(nn.Module):",
+        "    def __init__(self, c):",
+        "        super().__init__()",
+        *(f"        {line}" for line in w.init),
+        "",
+        f"    def forward(self, {args}):",
+        *(f"        {line}" for line in w.body),
+        "        return h",
+        "",
+    ])
+    return Program(seed, source, w.constants, inputs, other, n, w.random)
+
+
+# --- running one program ---------------------------------------------------------------------------
+
+
+def _is_refusal(e: BaseException) -> bool:
+    """A clear refusal of wide_compiler's (not an internal crash): its own error types, or an
+    error whose message it wrote."""
+    from .errors import ArchitectureMismatchError, WideCompileError
+
+    return isinstance(e, (WideCompileError, ArchitectureMismatchError)) or (
+        isinstance(e, (ValueError, TypeError, RuntimeError, IndexError)) and str(e).startswith("wide_compiler"))
+
+
+def _compare(prog: Program, wide: nn.Module, members: list[nn.Module], xs: list[torch.Tensor], training: bool,
+             grads: bool) -> str | None:
+    """None when every member of ``wide`` computes what the member computes alone on ``xs``."""
+    floats = [x.clone().requires_grad_(grads and x.is_floating_point()) for x in xs]
+    out = wide(*floats)
+    params = dict(wide.named_parameters())
+    if grads:
+        wide_grads = torch.autograd.grad(out.sum(), [x for x in floats if x.requires_grad] + list(params.values()),
+                                         allow_unused=True)
+    for i, m in enumerate(members):
+        mine = [x[i].detach().clone().requires_grad_(grads and x.is_floating_point()) for x in xs]
+        ref = m(*mine)
+        if out[i].shape != ref.shape:
+            return f"member {i}: output shape {tuple(out[i].shape)}, alone {tuple(ref.shape)}"
+        if not torch.allclose(out[i], ref, equal_nan=True, **TOLERANCE):
+            return f"member {i}: output differs by {(out[i] - ref).abs().max().item():.3g}"
+        if not grads:
+            continue
+        own = dict(m.named_parameters())
+        leaves = [x for x in mine if x.requires_grad]
+        ref_grads = torch.autograd.grad(ref.sum(), leaves + list(own.values()), allow_unused=True)
+        k = len(leaves)
+        for j, (g, r) in enumerate(zip(wide_grads[:k], ref_grads[:k])):
+            if not _close(None if g is None else g[i], r):
+                return f"member {i}: input {j} gradient differs"
+        by_name = dict(zip(own, ref_grads[k:]))
+        for (name, _), g in zip(params.items(), wide_grads[k:]):
+            if name in by_name and not _close(None if g is None else g[i], by_name[name]):
+                return f"member {i}: gradient of {name} differs"
+    return None
+
+
+def _close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return (a is None or not a.abs().max().item()) and (b is None or not b.abs().max().item())
+    return a.shape == b.shape and torch.allclose(a, b, equal_nan=True, **TOLERANCE)
+
+
+def run_program(prog: Program, *, config: Any = None) -> Result:
+    """Compile ``prog``'s members and compare them with the wide model (Note [The model fuzzer])."""
+    from . import api
+    from .config import WideConfig
+
+    config = config or WideConfig.fast()
+    gen = torch.Generator().manual_seed(prog.seed)
+    members = prog.members()
+    sample_shapes = [shape for _, shape in prog.inputs]
+    sample = [x[0] for x in prog.make_inputs(sample_shapes, torch.float64, gen)]
+    try:
+        for m in members:
+            m(*sample)
+    except Exception as e:  # noqa: BLE001 -- the program itself is invalid: not a finding
+        return Result(prog, "skipped", f"a member fails on the sample: {type(e).__name__}: {e}")
+    try:
+        wide = api.compile(members, tuple(sample), config=config)
+    except Exception as e:  # noqa: BLE001
+        if _is_refusal(e):
+            return Result(prog, "refused", f"compile: {str(e).splitlines()[0][:300]}")
+        return Result(prog, "crash", f"compile: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
+    outcome = "ok"
+    for training in (True, False):
+        for m in members:
+            m.train(training)
+        wide.train(training)
+        draws = training and prog.random
+        for shapes in [sample_shapes, *prog.other_shapes]:
+            xs = prog.make_inputs(shapes, torch.float64, gen)
+            state = {k: v.clone() for k, v in wide.state_dict().items()}
+            member_states = [{k: v.clone() for k, v in m.state_dict().items()} for m in members]
+            try:
+                with torch.no_grad():
+                    [m(*(x[i] for x in xs)) for i, m in enumerate(members)]
+            except Exception:  # noqa: BLE001 -- the members refuse these sizes themselves
+                continue
+            finally:
+                for m, s in zip(members, member_states):
+                    m.load_state_dict(s)
+            try:
+                if draws:
+                    with torch.no_grad():
+                        out = wide(*xs)
+                    if not torch.isfinite(out).all():
+                        return Result(prog, "wrong", f"train call {shapes}: non-finite output")
+                    outcome = "skipped" if outcome == "ok" else outcome
+                else:
+                    why = _compare(prog, wide, members, xs, training, grads=True)
+                    if why is not None:
+                        return Result(prog, "wrong", f"{'train' if training else 'eval'} call {shapes}: {why}")
+            except Exception as e:  # noqa: BLE001
+                if _is_refusal(e):
+                    outcome = "refused" if outcome != "skipped" else outcome
+                    continue
+                return Result(prog, "crash", f"{'train' if training else 'eval'} call {shapes}: "
+                              f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
+            finally:  # batch norm's running stats: both sides start each call equal
+                wide.load_state_dict(state)
+                for m, s in zip(members, member_states):
+                    m.load_state_dict(s)
+    return Result(prog, outcome)
+
+
+# --- the long mode ---------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m wide_compiler.fuzz``: run random programs for a while, write each finding."""
+    ap = argparse.ArgumentParser(prog="python -m wide_compiler.fuzz", description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=5.0, help="how long to run (default 5)")
+    ap.add_argument("--programs", type=int, default=None, help="stop after this many programs")
+    ap.add_argument("--seed", type=int, default=None, help="first seed (default: from the clock)")
+    ap.add_argument("--out", default="fuzz-findings", help="directory for findings and the summary")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    torch.set_num_threads(1)
+    seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000 * 1000
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    counts = dict.fromkeys(OUTCOMES, 0)
+    end = time.monotonic() + args.minutes * 60
+    ran = 0
+    try:
+        from tqdm import tqdm
+        bar = tqdm(total=args.programs, unit="program", disable=not sys.stderr.isatty())
+    except ImportError:  # pragma: no cover
+        bar = None
+    while time.monotonic() < end and (args.programs is None or ran < args.programs):
+        result = run_program(generate(seed + ran))
+        counts[result.outcome] += 1
+        ran += 1
+        if result.outcome in ("wrong", "crash"):
+            (out / f"finding-{result.program.seed}.py").write_text(result.report())
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(counts)
+    summary = {"programs": ran, "first_seed": seed, **counts}
+    (out / f"summary-{seed}.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    return 1 if counts["wrong"] or counts["crash"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
