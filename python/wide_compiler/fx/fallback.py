@@ -2,8 +2,8 @@
 
 The op is run with ``torch.vmap`` over the member dim (functorch has batching rules for nearly every
 ATen op; ``randomness="different"`` gives each member its own random draws), or, where vmap cannot
-run it (data-dependent output shapes, ops vmap refuses), as a loop over the N members whose
-results are stacked. Each fallback warns once, naming the op and the user's source line;
+run it (data-dependent output shapes, ops vmap refuses), and under autocast, as a loop over the
+N members whose results are stacked. Each fallback warns once, naming the op and the user's source line;
 ``strict=True`` raises :class:`~wide_compiler.UnsupportedOperationError` instead. Fallbacks are
 listed by ``WideModel.report()``.
 """
@@ -26,6 +26,14 @@ __all__ = ["fallback", "MemberFallback"]
 log = logging.getLogger(__name__)
 
 
+def _autocast_on(leaves: tuple) -> bool:
+    """Whether autocast is on for the device of the tensor arguments. Then the loop runs each
+    member's op as the member does: vmap's batching rules decompose an op into others that
+    autocast casts otherwise (Note [Autocast parity of widened ops] in fx/rules/matmul.py)."""
+    device = next((leaf.device.type for leaf in leaves if isinstance(leaf, torch.Tensor)), None)
+    return device is not None and torch.is_autocast_enabled(device)
+
+
 class MemberFallback:
     """The callable a fallback node runs: ``op`` applied per member to the flattened arguments
     ``leaves`` (``in_dims[k]`` is 0 for N-first tensors, None for shared values)."""
@@ -41,7 +49,7 @@ class MemberFallback:
         return self.op(*args, **kwargs)
 
     def __call__(self, *leaves: Any) -> Any:
-        if self.mode == "vmap":
+        if self.mode == "vmap" and not _autocast_on(leaves):
             try:
                 return torch.vmap(self._call, in_dims=self.in_dims, randomness="different")(*leaves)
             except Exception as e:  # vmap could not batch it: fall back to a loop from now on
