@@ -96,9 +96,9 @@ def _members(make, values, seed=0):
 
 # --- record the wide model's draws, replay them into each member ------------------------------
 # The ops that hand out the random numbers of these models on CPU: bernoulli_ (stochastic depth,
-# and dropout's CPU path), rand (HF drop path). A member alone draws the same op, one member's
-# slice of the wide draw ([N, ...] -> [...]).
-_DRAWN = (aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.rand.default)
+# and dropout's CPU path), rand (HF drop path), exponential_ (Gumbel noise). A member alone draws
+# the same op, one member's slice of the wide draw ([N, ...] -> [...]).
+_DRAWN = (aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.rand.default, aten.exponential_.default)
 
 
 class _Record(TorchDispatchMode):
@@ -233,6 +233,27 @@ def test_a_rate_sweep_that_changes_the_program_is_refused_by_name():
     models = _members(lambda p: Residual(p, "torchvision"), [0.5, 1.0])
     with pytest.raises(ArchitectureMismatchError, match=r"member 1: p is 1\.0, member 0 has 0\.5"):
         wc.compile(models, torch.randn(4, 6), config=FAST)
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_gumbel_softmax_with_a_per_member_temperature_matches_members_given_the_noise(hard):
+    """``F.gumbel_softmax`` (HF Wav2Vec2's quantizer, Phi-MoE's router): ``exponential_`` noise on
+    ``empty_like``, a per-member ``tau``; ``hard=True`` adds a one-hot straight-through."""
+
+    class Gumbel(nn.Module):
+        def __init__(self, tau):
+            super().__init__()
+            self.fc, self.tau = nn.Linear(4, 5), tau
+
+        def forward(self, x):
+            return torch.nn.functional.gumbel_softmax(self.fc(x), tau=self.tau, hard=hard)
+
+    models = _members(Gumbel, [0.5, 1.0, 2.0])
+    wide = wc.compile(models, torch.randn(4, 4), config=FAST)
+    assert wide.fallbacks == [] and wide.per_member_constants == {"tau": [0.5, 1.0, 2.0]}
+    assert testing.random_ops(wide) == ["aten.exponential_.default"]
+    torch.manual_seed(8)
+    assert _replay_check(wide, models, torch.randn(3, 16, 4), steps=2) == 1
 
 
 # --- keep rates in distribution, members independent -------------------------------------------
