@@ -87,7 +87,10 @@ class MemberOpsMixin:
 
     def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
         """Member ``i``'s ``state_dict()``: the keys and shapes of the original module's, with
-        copies of that member's values; loadable with ``original.load_state_dict``.
+        copies of that member's values; loadable with ``original.load_state_dict``. Like any
+        module's, it holds tensors only: the member's per-member constants (Python attributes, Note
+        [Per-member constants] in fx/constants.py) are on :meth:`member` and in the checkpoints of
+        ``wide_compiler.distributed.save_members``.
 
         Example:
             >>> import torch, wide_compiler as wc
@@ -147,10 +150,11 @@ class MemberOpsMixin:
     @torch.no_grad()
     def copy_member_weights(self, src: int, dst: int, optimizer: Any = None) -> None:
         """Member ``dst`` becomes a copy of member ``src``: weights and buffers (BatchNorm
-        statistics included), and, when ``optimizer`` is given, its optimizer state and
-        hyperparameters too (``optimizer.copy_member_state(src, dst)``, a
-        :class:`wide_compiler.optim.WideOptimizer`). The "exploit" step of population-based
-        training.
+        statistics included), its per-member constants (a swept dropout ``p`` or temperature,
+        Note [Per-member constants] in fx/constants.py: ``member(dst)`` is then ``member(src)``),
+        and, when ``optimizer`` is given, its optimizer state and hyperparameters too
+        (``optimizer.copy_member_state(src, dst)``, a :class:`wide_compiler.optim.WideOptimizer`).
+        The "exploit" step of population-based training.
 
         Example:
             >>> import torch, wide_compiler as wc
@@ -172,10 +176,13 @@ class MemberOpsMixin:
                                  f"members, the model {self.n}")
         if src == dst:
             return
+        from .fx.constants import copy_member_constants
+
         params, buffers = self._member_names()
         for name in (*params, *buffers):
             t = self._stacked(name)
             t[dst].copy_(t[src])
+        copy_member_constants(self, src, dst)  # type: ignore[arg-type]
         if optimizer is not None:
             optimizer.copy_member_state(src, dst)
 

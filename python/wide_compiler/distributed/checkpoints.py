@@ -2,7 +2,10 @@
 (collective for a sharded model); :func:`load_members` reads them back on any number of ranks,
 and :func:`load_member` / :func:`load_member_optimizer` give one member's ordinary ``state_dict``
 without any process group. Files are read with ``torch.load(weights_only=True)`` and checked
-against the index before anything changes.
+against the index before anything changes. Each member file carries the member's Python number
+attributes (its per-member constants among them: a swept dropout ``p``, a temperature; Note
+[Per-member constants] in fx/constants.py), which :func:`load_members` sets where the model can
+represent them and refuses otherwise; :func:`load_member_constants` reads them.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from typing import Any
 import torch
 
 from .._files import atomic_write, ensure_directory
+from ..fx.constants import check_member_constants, member_constants, set_member_constants
 from .collectives import _agree
 from .sharding import ShardedWideModel, _as_sharded, _check_optimizer, _comm_device, _span
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "load_member", "load_member_optimizer", "load_members", "read_index",
-           "save_members"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "load_member", "load_member_constants", "load_member_optimizer", "load_members",
+           "read_index", "save_members"]
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +42,9 @@ def _member_file(i: int) -> str:
 def save_members(model: Any, directory: str | os.PathLike, optimizer: Any = None, *,
                  metadata: Mapping[str, Any] | None = None) -> Path:
     """Write a per-member checkpoint: one file per member (``member_000007.pt``: its
-    ``state_dict`` and, with ``optimizer``, its optimizer state as the ``state_dict`` of the
-    matching ``torch.optim`` optimizer) and ``index.json`` (format, version, N, keys, shapes,
+    ``state_dict``, its Python number attributes with its per-member constants (read back by
+    :func:`load_member_constants`) and, with ``optimizer``, its optimizer state as the
+    ``state_dict`` of the matching ``torch.optim`` optimizer) and ``index.json`` (format, version, N, keys, shapes,
     dtypes, optimizer class, your ``metadata``). Returns the directory.
 
     ``model`` is a :class:`ShardedWideModel` (COLLECTIVE: every rank writes the members it
@@ -99,6 +104,7 @@ def save_members(model: Any, directory: str | os.PathLike, optimizer: Any = None
         for i in sharded.members:
             payload = {"format": FORMAT, "version": FORMAT_VERSION, "member": i,
                        "model": sharded.member_state_dict(i),
+                       "constants": member_constants(sharded.wide, sharded.local(i)),
                        "optimizer": _member_optimizer_state(sharded, optimizer, i) if optimizer is not None else None}
             atomic_write(path / _member_file(i), lambda f, payload=payload: torch.save(payload, f), what)
     except Exception as e:
@@ -276,6 +282,11 @@ def _read_member(directory: str | os.PathLike, i: int, index: dict | None = None
     if not isinstance(payload.get("optimizer"), (dict, type(None))):
         raise ValueError(f"{where}: its optimizer state is a {type(payload.get('optimizer')).__name__}; "
                          f"expected a state_dict or None")
+    constants = payload.get("constants")  # absent from checkpoints written before they were saved
+    if constants is not None and not (isinstance(constants, dict) and all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+            for k, v in constants.items())):
+        raise ValueError(f"{where}: its constants must map attribute paths to numbers; got {constants!r}")
     return payload
 
 
@@ -284,6 +295,14 @@ def load_member(directory: str | os.PathLike, i: int, *, map_location: Any = "cp
     needed): load it into an ordinary module with ``module.load_state_dict``. The file is read
     with ``torch.load(weights_only=True)`` and checked against ``index.json``."""
     return _read_member(directory, i, map_location=map_location)["model"]
+
+
+def load_member_constants(directory: str | os.PathLike, i: int) -> dict[str, int | float] | None:
+    """Member ``i``'s Python number attributes as saved by :func:`save_members`, its per-member
+    constants among them (``{"2.p": 0.3, "temperature": 2.0, ...}``, attribute paths as
+    ``module.named_modules()`` names them), or None for a checkpoint written before they were
+    saved: set them on a module (or on the members you compile) to rebuild member ``i``."""
+    return _read_member(directory, i).get("constants")
 
 
 def load_member_optimizer(directory: str | os.PathLike, i: int, *, map_location: Any = "cpu") -> dict | None:
@@ -297,8 +316,17 @@ def load_members(model: Any, directory: str | os.PathLike, optimizer: Any = None
     """Load the members this rank holds (a :class:`ShardedWideModel`: its ``.members``; a
     :class:`~wide_compiler.WideModel`: all N) from a checkpoint of :func:`save_members`, whatever
     the number of ranks that wrote it; with ``optimizer``, their optimizer state and per-member
-    hyperparameters too (state tensors are created when the optimizer has none yet). Local: no
+    hyperparameters too (state tensors are created when the optimizer has none yet), and each
+    member's per-member constants (Note [Per-member constants] in fx/constants.py). Local: no
     communication. Returns the checkpoint's index (``index["metadata"]``: what was saved with it).
+
+    Constants load only where the model can represent them without running a member outside what
+    its compile proved: a member's per-member values must be a configuration some member of the
+    model had (e.g. a model compiled from members built with the same hyperparameters, in any
+    order), and an attribute the model shares must have that value in the checkpoint; otherwise
+    ``ValueError`` names the member, the attribute and the values (compile the receiving model from
+    members with the checkpoint's values: :func:`load_member_constants`). A checkpoint written
+    before constants were saved leaves the model's own, with a logged warning when it has any.
 
     Everything is read and checked before anything changes: the index (``n`` an int equal to
     the model's N, one file per member named as :func:`save_members` names it, inside the
@@ -362,13 +390,29 @@ def load_members(model: Any, directory: str | os.PathLike, optimizer: Any = None
                     optimizer, sharded.local(i), payload["optimizer"])
     if optimizer is not None:
         _check_optimizer_payloads(optimizer, sharded, payloads, directory)
+    moves = _constant_moves(sharded, payloads, directory)
     for i, payload in payloads.items():
         sharded.load_member_state_dict(i, payload["model"])
         if optimizer is not None:
             _load_member_optimizer(optimizer, sharded.local(i), payload["optimizer"])
+    set_member_constants(sharded.wide, moves)
     log.info("wide_compiler.distributed: rank %d loaded members %s from %s", sharded.rank,
              _span(sharded.members), directory)
     return index
+
+
+def _constant_moves(sharded: ShardedWideModel, payloads: dict[int, dict], directory: Any) -> dict:
+    """The per-member constants of the members loaded, checked against the model (before anything
+    changes: fx/constants.py ``check_member_constants``)."""
+    saved = {sharded.local(i): payload.get("constants") for i, payload in payloads.items()}
+    if any(v is None for v in saved.values()):
+        if sharded.wide.__dict__.get("_constants"):
+            log.warning("wide_compiler.distributed.load_members: the checkpoint in %s was written before "
+                        "checkpoints saved per-member constants; the model keeps its own (%s)", directory,
+                        sharded.wide.per_member_constants)
+        return {}
+    return check_member_constants(sharded.wide, saved, lambda local: f"wide_compiler.distributed.load_members: member "
+                                                                     f"{sharded.global_id(local)} in {directory}")
 
 
 def _hparam_names(optimizer: Any) -> tuple[str, ...]:

@@ -9,47 +9,80 @@ and returns them as ``{attribute path: (member 0's value, ..., member N-1's)}``;
 booleans (flags) and everything else still refuse.
 
 Export bakes such a float into the graph as an argument (``aten.dropout(x, 0.1, True)``,
-``aten.div.Tensor(x, 2.0)``). :func:`plan_constants` captures member 0's program again with the
-constants set to every other member's values (one *probe* per distinct configuration, at most
-:data:`MAX_PROBES`) and aligns the probes with member 0's graph node by node:
+``aten.div.Tensor(x, 2.0)``), or into a tensor the forward makes (``torch.tensor(self.s)``, a
+*lifted constant*). The program is *proved* for every member, not sampled: :func:`plan_constants`
+captures member 0's program again with the constants set to each other distinct configuration of
+values (one *probe* per distinct configuration, every one of them: members that share a
+configuration share its probe; a cheaper proof, capturing once with the attributes as symbolic
+inputs, would refuse every legitimate use of a Python float, ``F.dropout(x, self.p)`` included)
+and aligns each probe with member 0's graph node by node:
 
 * a probe with other ops, other tensor arguments or other non-float arguments (the constant picks
-  a branch, a size, an int) is refused, naming the member, the attribute and both values;
+  a branch, a size, an int: ``h * s if s != 0 else tanh(h)``, ``if 0.2 < p < 0.5``) is refused,
+  naming the first member with that configuration, the attribute and both values;
 * a float argument that differs is *per member*: its node is widened by its per-member form
-  (fx/rules/_constants.py) with a ``[N]`` tensor in place of the scalar, broadcast per member.
+  (fx/rules/_constants.py, fx/rules/_constant_tensors.py) with a ``[N]`` tensor in place of the
+  scalar, broadcast per member;
+* a lifted constant whose values differ (same shape and dtype) is per member too: each of its
+  elements is a ``[N]`` tensor, and the ``lift_fresh_copy`` that reads it is widened to an
+  ``[N, ...]`` tensor of each member's own values (Note [Per-member tensor constants] in
+  fx/rules/_constant_tensors.py); read by anything else, or with more than
+  :data:`MAX_TENSOR_ELEMENTS` elements, it is refused.
 
 The ``[N]`` tensors are buffers of the WideModel, float64 so ``unfuse()`` gives back the values
 exactly (cast to the dtype of the op's input at run time, so ``.to(torch.float64)`` after compiling
 computes in float64; ``.half()`` rounds them as it rounds every floating buffer). One buffer per
-attribute, ``_per_member.<attribute path>``, *persistent* (a checkpoint keeps the sweep; ``.to()`` moves it; ``unfuse()``/``member(i)``
-set each member's attribute from it), read live by an argument that is the attribute itself (say
-``p`` of dropout). An argument computed from constants (``x * (2 * self.scale)``) reads its own
-non-persistent buffer ``_per_member._derived.<node>_<argument>``, its values taken from the probes
-(fixed at compile time). Constants no node reads (a stored ``self.lr``) need no graph change and
+attribute, ``_per_member.<attribute path>``, *persistent* (``.to()`` moves it; ``unfuse()``/``member(i)``
+set each member's attribute from it), read live by an argument that equals the attribute itself for
+every member (say ``p`` of dropout). An argument computed from constants (``x * (2 * self.scale)``,
+``round(self.s, 2)``, an element of ``torch.tensor(self.s)`` in float32) reads its own
+non-persistent buffer ``_per_member._derived.<node>_<argument>_<digest>``, every member's value
+taken from the probe of that member's own configuration (fixed at compile time; the digest, of the
+value per configuration, keeps the train and eval graphs' buffers apart where a node name means
+different things in the two). Constants no node reads (a stored ``self.lr``) need no graph change and
 are only given back by ``unfuse()``.
+
+The configurations a model was compiled for are the only ones proved: the paths that change a
+member's constants after compiling keep every member inside them. ``copy_member_weights`` copies a
+member's configuration with its weights (:func:`copy_member_constants`), and
+``wide_compiler.distributed.save_members``/``load_members`` save each member's constants and load
+them only where the receiving model holds that very configuration (:func:`check_member_constants`,
+:func:`set_member_constants`): a configuration no member of the receiver had at its compile, or a
+per-member value the receiver shares, is refused, naming the member, the attribute and the values.
+(Writing a ``_per_member`` buffer by hand is outside this; the guards of Note [Guards] check it.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
-from collections.abc import Callable
+import math
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
 
 from ..errors import ArchitectureMismatchError
-from .member_checks import _describe, with_constants
+from .member_checks import _MODULE_INTERNALS, _describe, with_constants
 from .source import source_line
 
-__all__ = ["MAX_PROBES", "ConstantPlan", "plan_constants"]
+__all__ = ["MAX_TENSOR_ELEMENTS", "ConstantPlan", "check_member_constants", "copy_member_constants",
+           "member_constants", "plan_constants", "set_member_constants"]
 
 log = logging.getLogger(__name__)
 
-MAX_PROBES = 8  # distinct member configurations traced; more are covered by direct reads only
 BUFFER_ROOT = "_per_member"
+DERIVED_ROOT = f"{BUFFER_ROOT}._derived"
+# a tensor made from a per-member constant in the forward is per member element by element (one
+# [N] buffer each): small tensors only (a scalar, a few coefficients); larger ones are refused
+MAX_TENSOR_ELEMENTS = 64
+# the ops that read a lifted constant and can make it per member (fx/rules/_constant_tensors.py)
+_LIFTS = (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift_fresh.default)
 
 
 @dataclasses.dataclass
@@ -63,6 +96,7 @@ class ConstantPlan:
     buffers: dict[str, tuple[tuple[float, ...], bool]] = dataclasses.field(default_factory=dict)
     # attribute path -> what reads it ("aten.dropout at node 'dropout'")
     readers: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    configurations: int = 1  # distinct configurations of the constants, each traced (member 0's included)
 
     def describe(self) -> str:
         parts = []
@@ -100,13 +134,31 @@ def _nodes(ep: ExportedProgram) -> list[fx.Node]:
     return [n for n in ep.graph.nodes if n.op in ("call_function", "output", "placeholder", "get_attr")]
 
 
+def _key(v: Any) -> tuple[str, str]:
+    """A constant's value as a configuration key: 1 and 1.0 differ (``torch.tensor(s)`` is int64 for
+    one, float32 for the other), so do 0.0 and -0.0; every nan is the same."""
+    return type(v).__name__, repr(v)
+
+
+def _lifted(ep: ExportedProgram) -> dict[str, torch.Tensor]:
+    """The lifted tensor constants of ``ep`` by placeholder name."""
+    return {s.arg.name: ep.constants[s.target] for s in ep.graph_signature.input_specs
+            if s.kind == InputKind.CONSTANT_TENSOR and s.target in ep.constants
+            and isinstance(ep.constants[s.target], torch.Tensor)}
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b) or (
+        a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0))))
+
+
 def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[[torch.nn.Module], ExportedProgram],
                    constants: dict[str, tuple], opaque_paths: dict[str, str] | None = None) -> ConstantPlan:
-    """Trace ``model`` (member 0's capture template, captured as ``ep``) with the per-member
-    ``constants`` of the other members and find the graph arguments they change (Note
-    [Per-member constants]); ``trace(model)`` captures as ``ep`` was. Raises
-    :class:`ArchitectureMismatchError` when a constant changes the program, naming the member,
-    the attribute and both values."""
+    """Trace ``model`` (member 0's capture template, captured as ``ep``) with every other distinct
+    configuration of the per-member ``constants`` and find the graph arguments and tensor
+    constants they change (Note [Per-member constants]); ``trace(model)`` captures as ``ep`` was.
+    Raises :class:`ArchitectureMismatchError` when a constant changes the program, naming the
+    first member with that configuration, the attribute and both values."""
     plan = ConstantPlan(dict(constants))
     if not constants:
         return plan
@@ -122,114 +174,165 @@ def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[
                     "captured code)")
     paths = list(constants)
     config = [tuple(constants[p][j] for p in paths) for j in range(n)]
-    probes: dict[tuple, ExportedProgram] = {config[0]: ep}
-    first_member = {config[0]: 0}
-    for j in _probe_order(config, len(paths)):
-        if config[j] in probes or len(probes) - 1 >= MAX_PROBES:
+    keys = [tuple(_key(v) for v in cfg) for cfg in config]
+    first_member: dict[tuple, int] = {}
+    for j, key in enumerate(keys):
+        first_member.setdefault(key, j)
+    ref_nodes = _nodes(ep)
+    ref_lifted = _lifted(ep)
+    ref_args = {k: _named_args(nd) for k, nd in enumerate(ref_nodes) if nd.op == "call_function"}
+    # configuration -> {(node index, argument name): value} where it differs from member 0's
+    # (argument name "value" of a placeholder: a lifted constant's tensor)
+    differs: dict[tuple, dict[tuple[int, str], Any]] = {keys[0]: {}}
+    start = time.perf_counter()
+    for key, j in first_member.items():
+        if j == 0:
             continue
-        traced = with_constants(model, constants, j)
         try:
-            probes[config[j]] = trace(traced)
+            probe = trace(with_constants(model, constants, j))
         except Exception as e:  # noqa: BLE001 -- the member's program cannot be captured as member 0's
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise _changed(constants, paths, config, j, f"tracing with them fails ({type(e).__name__}: {first})") from e
-        first_member[config[j]] = j
-    ref_nodes = _nodes(ep)
-    per_probe = {cfg: _nodes(p) for cfg, p in probes.items()}
-    for cfg, nodes in per_probe.items():
-        j = first_member[cfg]
-        if len(nodes) != len(ref_nodes):
-            raise _changed(constants, paths, config, j, f"the traced program has {len(nodes)} nodes, "
-                                                        f"member 0's {len(ref_nodes)}")
-        for a, b in zip(ref_nodes, nodes):
-            if (a.op, a.target) != (b.op, b.target):
-                raise _changed(constants, paths, config, j, f"node '{a.name}' ({source_line(a)}) is "
-                                                            f"{b.target}, member 0's is {a.target}")
-    for k, node in enumerate(ref_nodes):
-        if node.op == "get_attr":  # the body of a region (autocast, no_grad): must be the same
-            body = getattr(ep.graph_module, node.target, None)
-            for cfg, nodes in per_probe.items():
-                other = getattr(probes[cfg].graph_module, nodes[k].target, None)
-                if isinstance(body, fx.GraphModule) and (not isinstance(other, fx.GraphModule)
-                                                         or body.code != other.code):
-                    raise _changed(constants, paths, config, first_member[cfg],
-                                   f"the region '{node.target}' ({source_line(node)}) differs (a constant read "
-                                   "inside an autocast or no_grad block cannot be per member)")
-            continue
-        if node.op != "call_function":
-            if node.op == "output":
-                for cfg, nodes in per_probe.items():
-                    if _plain(node.args) != _plain(nodes[k].args):
-                        raise _changed(constants, paths, config, first_member[cfg], "the outputs differ")
-            continue
-        ref_args = _named_args(node)
-        for cfg, nodes in per_probe.items():
-            if cfg == config[0]:
-                continue
-            got = _named_args(nodes[k])
-            for name in ref_args.keys() | got.keys():
-                want, have = ref_args.get(name), got.get(name)
-                if _plain(want) == _plain(have):
-                    continue
-                if not (_is_float(want) and _is_float(have) and float in (type(want), type(have))):
-                    raise _changed(constants, paths, config, first_member[cfg],
-                                   f"argument {name!r} of {node.target} at node '{node.name}' ({source_line(node)}) "
-                                   f"becomes {have!r} instead of {want!r}: not a float, it changes the program "
-                                   "(a size, a shape or a flag)")
-                plan.args.setdefault(node.name, {})[name] = ""  # filled in below
-    from .rules._constants import FORMS  # the per-member forms (imports the widen pass)
+        differs[key] = _align(ep, ref_nodes, ref_args, ref_lifted, probe,
+                              lambda why, j=j: _changed(constants, paths, config, j, why))
+    plan.configurations = len(first_member)
+    elapsed = time.perf_counter() - start
+    from .rules import _constant_tensors  # noqa: F401 -- registers the forms of made tensors
+    from .rules._constants import FORMS
 
-    for node_name, names in plan.args.items():
-        k = next(i for i, nd in enumerate(ref_nodes) if nd.name == node_name)
+    varying = [p for p in paths if len(set(map(_key, constants[p]))) > 1]
+    wanted = sorted({k_name for d in differs.values() for k_name in d})
+
+    def first_differing(k_name: tuple[int, str]) -> int:
+        return next(j for j in range(n) if k_name in differs[keys[j]])
+
+    for k, name in wanted:
         node = ref_nodes[k]
+        if node.op == "placeholder":
+            _plan_lifted(plan, node, [differs[keys[j]].get((k, name), ref_lifted[node.name]) for j in range(n)],
+                         keys, constants, paths, varying,
+                         lambda why, k=k, name=name: _changed(constants, paths, config,
+                                                              first_differing((k, name)), why))
+            continue
         if node.target not in FORMS:
-            j = next(j for j in range(1, n) if config[j] != config[0])
-            raise _changed(constants, paths, config, j,
-                           f"they change argument(s) {sorted(names)} of {_op(node)} at node '{node.name}' "
-                           f"({source_line(node)}), which has no per-member form (per-member forms: dropout, "
-                           "leaky_relu, elu, celu, softplus, hardtanh, clamp, mul/div/add/sub/rsub/pow by a scalar, "
-                           "layer_norm and rms_norm eps); make the constant the same for every member, or keep it in "
-                           "a buffer (a tensor) instead of a Python float")
-        for name in names:
-            by_cfg = {cfg: _named_args(nodes[k]).get(name) for cfg, nodes in per_probe.items()}
-            probed = [by_cfg.get(config[j]) for j in range(n)]
-            direct = next((p for p in paths if all(v is None or v == constants[p][j] for j, v in enumerate(probed))),
-                          None)
-            if direct is not None:
-                names[name] = buffer_name(direct)
-                plan.readers.setdefault(direct, []).append(f"{_op(node)} at node '{node.name}'")
-                continue
-            if any(v is None for v in probed):
-                j = next(j for j, v in enumerate(probed) if v is None)
-                raise _changed(constants, paths, config, j,
-                               f"argument {name!r} of {node.target} at node '{node.name}' ({source_line(node)}) is "
-                               f"computed from them, and more than {MAX_PROBES} distinct member configurations "
-                               "would have to be traced to know every member's value; use the constant directly "
-                               "in the op")
-            buf = f"{BUFFER_ROOT}._derived.{node_name}_{name}"
-            names[name] = buf
-            plan.buffers[buf] = (tuple(float(v) for v in probed), False)
-            varying = [p for p in paths if len(set(constants[p])) > 1]
-            for p in varying:
-                plan.readers.setdefault(p, []).append(f"{_op(node)} at node '{node.name}' (computed)")
+            raise _changed(constants, paths, config, first_differing((k, name)),
+                           f"they change argument(s) {sorted(nm for kk, nm in wanted if kk == k)} of {_op(node)} at "
+                           f"node '{node.name}' ({source_line(node)}), which has no per-member form (per-member "
+                           "forms: dropout, leaky_relu, elu, celu, softplus, hardtanh, clamp, mul/div/add/sub/rsub/pow "
+                           "by a scalar, layer_norm and rms_norm eps, full/full_like/new_full/scalar_tensor fill "
+                           "values); make the constant the same for every member, or keep it in a buffer (a "
+                           "tensor) instead of a Python float")
+        values = [differs[keys[j]].get((k, name), ref_args[k].get(name)) for j in range(n)]
+        plan.args.setdefault(node.name, {})[name] = _buffer_for(
+            plan, values, keys, constants, paths, varying, f"{node.name}_{name}",
+            f"{_op(node)} at node '{node.name}'")
     for p in paths:
         plan.buffers[buffer_name(p)] = (tuple(float(v) for v in constants[p]), True)
-    untraced = sorted({j for j in range(n) if config[j] not in probes})
-    log.info("wide_compiler: per-member constants (%d probe(s) traced%s): %s", len(probes) - 1,
-             f"; members {untraced} not traced with their own values: their arguments read the constants "
-             "directly" if untraced else "", plan.describe())
+    log.info("wide_compiler: per-member constants: %d distinct configuration(s) of %d member(s), each traced "
+             "(%.2f s): %s", plan.configurations, n, elapsed, plan.describe())
     return plan
 
 
-def _probe_order(config: list[tuple], k: int) -> list[int]:
-    """Members to trace, first those with each constant's smallest and largest value (a branch
-    on a threshold shows there), then the rest in member order."""
-    numeric = [j for j in range(1, len(config)) if all(isinstance(v, (int, float)) for v in config[j])]
-    first = []
-    for a in range(k):
-        if numeric:
-            first += [min(numeric, key=lambda j: config[j][a]), max(numeric, key=lambda j: config[j][a])]
-    return list(dict.fromkeys([*first, *range(1, len(config))]))
+def _align(ep: ExportedProgram, ref_nodes: list[fx.Node], ref_args: dict[int, dict], ref_lifted: dict,
+           probe: ExportedProgram, changed: Callable[[str], Exception]) -> dict[tuple[int, str], Any]:
+    """Align one probe with member 0's graph node by node: the same ops, the same regions, the
+    same outputs, arguments equal but for floats, lifted constants of the same shape and dtype.
+    Returns what differs: ``{(node index, argument name): the probe's value}``."""
+    nodes = _nodes(probe)
+    if len(nodes) != len(ref_nodes):
+        raise changed(f"the traced program has {len(nodes)} nodes, member 0's {len(ref_nodes)}")
+    for a, b in zip(ref_nodes, nodes):
+        if (a.op, a.target) != (b.op, b.target):
+            raise changed(f"node '{a.name}' ({source_line(a)}) is {b.target}, member 0's is {a.target}")
+    lifted = _lifted(probe)
+    out: dict[tuple[int, str], Any] = {}
+    for k, (node, other) in enumerate(zip(ref_nodes, nodes)):
+        if node.op == "get_attr":  # the body of a region (autocast, no_grad): must be the same
+            body = getattr(ep.graph_module, node.target, None)
+            theirs = getattr(probe.graph_module, other.target, None)
+            if isinstance(body, fx.GraphModule) and (not isinstance(theirs, fx.GraphModule)
+                                                     or body.code != theirs.code):
+                raise changed(f"the region '{node.target}' ({source_line(node)}) differs (a constant read "
+                              "inside an autocast or no_grad block cannot be per member)")
+            continue
+        if node.op == "placeholder":
+            if (node.name in ref_lifted) != (other.name in lifted):
+                raise changed(f"input '{node.name}' is of another kind")
+            if node.name in ref_lifted:
+                want, have = ref_lifted[node.name], lifted[other.name]
+                if want.shape != have.shape or want.dtype != have.dtype:
+                    raise changed(f"the tensor constant '{node.name}' (read at {_readers(node)}) is "
+                                  f"{list(have.shape)} {have.dtype}, member 0's {list(want.shape)} {want.dtype}")
+                if not _same_tensor(want, have):
+                    out[(k, "value")] = have.detach().clone()
+            continue
+        if node.op == "output":
+            if _plain(node.args) != _plain(other.args):
+                raise changed("the outputs differ")
+            continue
+        want_args, got = ref_args[k], _named_args(other)
+        for name in want_args.keys() | got.keys():
+            want, have = want_args.get(name), got.get(name)
+            if _plain(want) == _plain(have):
+                continue
+            if not (_is_float(want) and _is_float(have) and float in (type(want), type(have))):
+                raise changed(f"argument {name!r} of {node.target} at node '{node.name}' ({source_line(node)}) "
+                              f"becomes {have!r} instead of {want!r}: not a float, it changes the program "
+                              "(a size, a shape or a flag)")
+            out[(k, name)] = have
+    return out
+
+
+def _readers(node: fx.Node) -> str:
+    users = list(node.users)
+    return ", ".join(f"{_op(u)} at node '{u.name}' ({source_line(u)})" for u in users[:2]) or "no node"
+
+
+def _buffer_for(plan: ConstantPlan, values: list, keys: list[tuple], constants: dict[str, tuple], paths: list[str],
+                varying: list[str], stem: str, reader: str) -> str:
+    """The buffer an argument with every member's ``values`` reads: an attribute's own buffer when
+    it is that attribute for every member, else a derived one (values from each member's probe)."""
+    direct = next((p for p in paths if all(_key(float(v)) == _key(float(c)) for v, c in zip(values, constants[p]))),
+                  None)
+    if direct is not None:
+        plan.readers.setdefault(direct, []).append(reader)
+        return buffer_name(direct)
+    by_config = sorted({keys[j]: _key(float(v)) for j, v in enumerate(values)}.items())
+    digest = hashlib.sha1(repr(by_config).encode()).hexdigest()[:8]
+    buf = f"{DERIVED_ROOT}.{stem}_{digest}"
+    plan.buffers[buf] = (tuple(float(v) for v in values), False)
+    for p in varying:
+        plan.readers.setdefault(p, []).append(f"{reader} (computed)")
+    return buf
+
+
+def _plan_lifted(plan: ConstantPlan, node: fx.Node, values: list[torch.Tensor], keys: list[tuple],
+                 constants: dict[str, tuple], paths: list[str], varying: list[str],
+                 changed: Callable[[str], Exception]) -> None:
+    """A lifted constant whose value differs between members: per member, element by element, at
+    every ``lift_fresh_copy`` that reads it (Note [Per-member tensor constants] in
+    fx/rules/_constant_tensors.py), or refused."""
+    ref = values[0]
+    where = _readers(node)
+    if ref.is_complex() or ref.numel() > MAX_TENSOR_ELEMENTS:
+        raise changed(f"the tensor constant '{node.name}' (read at {where}), {list(ref.shape)} {ref.dtype}, is made "
+                      f"from them and differs between members; a per-member tensor constant is made only for real "
+                      f"tensors of at most {MAX_TENSOR_ELEMENTS} elements: register the tensor as a buffer "
+                      "(self.register_buffer) instead of making it in the forward")
+    bad = next((u for u in node.users if u.target not in _LIFTS), None)
+    if bad is not None:
+        raise changed(f"the tensor constant '{node.name}' differs between members and is read by {_op(bad)} at node "
+                      f"'{bad.name}' ({source_line(bad)}), which cannot take a per-member tensor constant; register "
+                      "the tensor as a buffer (self.register_buffer) instead of making it in the forward")
+    flat = [v.detach().reshape(-1).to(torch.float64).tolist() for v in values]
+    for user in node.users:
+        for after in user.users:  # export detaches the fresh copy in place: on the whole per-member copy
+            if after.target is torch.ops.aten.detach_.default:
+                plan.args.setdefault(after.name, {})
+        names = plan.args.setdefault(user.name, {})
+        for e in range(ref.numel()):
+            names[f"self.{e}"] = _buffer_for(plan, [f[e] for f in flat], keys, constants, paths, varying,
+                                             f"{user.name}_{e}", f"a tensor made at node '{user.name}'")
 
 
 def _op(node: fx.Node) -> str:
@@ -244,7 +347,7 @@ def _plain(v: Any) -> Any:
 
 def _changed(constants: dict[str, tuple], paths: list[str], config: list[tuple], j: int,
              why: str) -> ArchitectureMismatchError:
-    differ = [p for k, p in enumerate(paths) if config[j][k] != config[0][k]]
+    differ = [p for k, p in enumerate(paths) if _key(config[j][k]) != _key(config[0][k])]
     what = "; ".join(f"{p} is {_describe(constants[p][j])}, member 0 has {_describe(constants[p][0])}" for p in differ)
     if why.startswith("they change"):  # no per-member form for the op that reads them
         return ArchitectureMismatchError(f"member {j}: {what}, and {why}")
@@ -252,3 +355,116 @@ def _changed(constants: dict[str, tuple], paths: list[str], config: list[tuple],
         f"member {j}: {what}, and that changes the traced program: {why}. Float attributes that differ "
         "between members become per-member values only where the program is otherwise the same (an op's "
         "scalar argument); a constant that picks a branch or a size must be the same for every member")
+
+
+# --- members' constants after compiling: member(i), copy_member_weights, checkpoints -------------
+def _numbers(module: nn.Module) -> dict[str, Any]:
+    """The Python numbers (not booleans) among the module attributes of ``module``'s tree, by
+    attribute path as :func:`~wide_compiler.fx.member_checks.check_members` names them."""
+    out = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        for key, v in m.__dict__.items():
+            if key not in _MODULE_INTERNALS and _is_float(v):
+                out[f"{name}.{key}" if name else key] = v
+    return out
+
+
+def _per_member_buffers(root: nn.Module) -> dict[str, torch.Tensor]:
+    """Every ``_per_member`` buffer of ``root`` (the attributes' own and the derived ones), ``[N]``."""
+    return {name: b for name, b in root.named_buffers() if name.startswith(BUFFER_ROOT + ".")}
+
+
+def _value(root: nn.Module, path: str, i: int) -> Any:
+    """Member ``i``'s value of the per-member constant ``path``: the original Python value while
+    the buffer still holds it, else the buffer's value as a float."""
+    from .state import get_tensor
+
+    value = float(get_tensor(root, buffer_name(path))[i])
+    original = root.__dict__["_constants"][path][i]
+    return original if _key(float(original)) == _key(value) else value
+
+
+def member_constants(root: nn.Module, i: int) -> dict[str, Any]:
+    """Member ``i``'s Python number attributes (``{attribute path: value}``): the template's, with
+    the per-member constants (Note [Per-member constants]) at member ``i``'s values. ``root`` is a
+    :class:`~wide_compiler.WideModel`, ``i`` a member index of it."""
+    out = _numbers(root._template)
+    for path in root.__dict__.get("_constants") or {}:
+        out[path] = _value(root, path, i)
+    return out
+
+
+def check_member_constants(root: nn.Module, saved: Mapping[int, Mapping[str, Any]],
+                           label: Callable[[int], str]) -> dict[int, tuple[int, dict[str, Any]]]:
+    """Check that ``root`` (a :class:`~wide_compiler.WideModel`) can take the constants ``saved``
+    (``{member index: {attribute path: value}}``, as :func:`member_constants` gives them) without
+    running any member outside what its compile proved (Note [Per-member constants]): a value of
+    an attribute the model shares must be that shared value, and a member's per-member values must
+    be the configuration of some member of the model (whose derived arguments it then takes).
+    Returns the moves for :func:`set_member_constants`: ``{i: (the member whose configuration it
+    takes, {attribute path: value})}``. Raises ``ValueError`` naming ``label(i)``, the attribute and
+    the values; nothing changes here."""
+    consts = root.__dict__.get("_constants") or {}
+    paths = list(consts)
+    shared = {p: v for p, v in _numbers(root._template).items() if p not in consts}
+    current = [tuple(_value(root, p, j) for p in paths) for j in range(root.n)]
+    owners: dict[tuple, int] = {}
+    for j, cfg in enumerate(current):
+        owners.setdefault(tuple(_key(float(v)) for v in cfg), j)
+    moves = {}
+    for i, values in saved.items():
+        for path, v in values.items():
+            if path in shared and _is_float(v) and float in (type(v), type(shared[path])) \
+                    and _key(float(v)) != _key(float(shared[path])):
+                raise ValueError(
+                    f"{label(i)}: {path} is {v!r} in the checkpoint, and this model has {shared[path]!r} for every "
+                    f"member: it was compiled from members that agree on {path}, so its graph reads that one value "
+                    f"and cannot represent another; compile the receiving model from members with the checkpoint's "
+                    f"values (wide_compiler.distributed.load_member_constants reads them) and load again")
+        if not paths:
+            continue
+        missing = [p for p in paths if not _is_float(values.get(p))]
+        if missing:
+            raise ValueError(f"{label(i)}: the checkpoint has no value of the per-member constant(s) {missing} "
+                             "(its members are not this model's members: another module tree)")
+        key = tuple(_key(float(values[p])) for p in paths)
+        j = owners.get(key)
+        if j is None:
+            have = sorted({", ".join(f"{p} = {v!r}" for p, v in zip(paths, cfg)) for cfg in current})
+            shown = "; ".join(f"({c})" for c in have[:4]) + ("; ..." if len(have) > 4 else "")
+            raise ValueError(
+                f"{label(i)}: its constants in the checkpoint ({', '.join(f'{p} = {values[p]!r}' for p in paths)}) are "
+                f"not a configuration this model was compiled for (its members have {shown}); each configuration "
+                "is traced at compile time to prove it runs the fused program (Note [Per-member constants]), so "
+                "another one cannot be loaded into it: compile the receiving model from members with the "
+                "checkpoint's values (wide_compiler.distributed.load_member_constants reads them) and load again")
+        moves[i] = (j, {p: values[p] for p in paths})
+    return moves
+
+
+@torch.no_grad()
+def set_member_constants(root: nn.Module, moves: Mapping[int, tuple[int, Mapping[str, Any]]]) -> None:
+    """Apply the moves of :func:`check_member_constants`: member ``i`` takes member ``j``'s values
+    of every ``_per_member`` buffer (its configuration's constants and derived arguments, all
+    proved at compile time) and the given Python values of its constants (what ``member(i)`` and a
+    later compile of another train/eval mode read)."""
+    if not moves:
+        return
+    buffers = _per_member_buffers(root)
+    before = {name: b.clone() for name, b in buffers.items()}
+    consts = root.__dict__.get("_constants") or {}
+    for i, (j, values) in moves.items():
+        for name, b in buffers.items():
+            b[i] = before[name][j]
+        for path, v in values.items():
+            row = list(consts[path])
+            row[i] = v
+            consts[path] = tuple(row)
+
+
+def copy_member_constants(root: nn.Module, src: int, dst: int) -> None:
+    """Member ``dst`` of ``root`` (a :class:`~wide_compiler.WideModel`) takes member ``src``'s
+    per-member constants and derived arguments (``copy_member_weights``)."""
+    consts = root.__dict__.get("_constants") or {}
+    if consts and src != dst:
+        set_member_constants(root, {dst: (src, {p: _value(root, p, src) for p in consts})})

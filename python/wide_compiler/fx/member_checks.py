@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -276,8 +277,11 @@ class _OpRecorder(TorchDispatchMode):
         def sig(a: Any) -> Any:
             if isinstance(a, torch.Tensor):
                 if name in self._CONSTANT_OPS:
-                    return ("constant", a.tolist() if a.numel() <= 256 else a.sum().item())
+                    return ("constant", tree_map(lambda v: ("nan",) if isinstance(v, float) and math.isnan(v) else v,
+                                                 a.tolist() if a.numel() <= 256 else a.sum().item()))
                 return ("tensor", tuple(a.shape), a.dtype)
+            if isinstance(a, float) and math.isnan(a):  # nan != nan: two runs with a nan argument agree
+                return ("nan",)
             return a
 
         if self.stop_at is not None and len(self.ops) == self.stop_at:
@@ -316,17 +320,33 @@ def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | N
     A sample the eager forward cannot run (export succeeded on fake values) skips the check.
     Nothing of the user's changes: each member runs as a copy (see :func:`_run_recorded`), so a
     forward that clamps its weights in place or counts its calls leaves the member as it was.
-    Per-member ``constants`` are set to member 0's values for the comparison (what they change is
-    checked by tracing, Note [Per-member constants] in fx/constants.py)."""
+    With per-member ``constants`` each member is compared with member 0 run with that member's
+    own values (one run per distinct configuration), so every member is checked with the values
+    it runs with (what the constants themselves change is proved by tracing, Note [Per-member
+    constants] in fx/constants.py)."""
     args, kwargs = batch_of_two((tuple(args), dict(kwargs or {})))
-    if constants:
-        models = [models[0], *(with_constants(m, constants, 0) for m in models[1:])]
+    paths = list(constants or {})
+    refs: dict[tuple, list] = {}
+
+    def reference(i: int) -> list:
+        key = tuple((type(constants[p][i]).__name__, repr(constants[p][i])) for p in paths)
+        if key not in refs:
+            ref = models[0] if i == 0 or not paths else with_constants(models[0], constants, i)
+            refs[key] = _run_recorded(ref, args, kwargs).ops
+        return refs[key]
+
     try:
-        want = _run_recorded(models[0], args, kwargs).ops
+        reference(0)
     except Exception as e:  # the check is a safety net; export already accepted the program
         log.debug("wide_compiler: cannot run member 0 on the sample (%s); run_members check skipped", e)
         return
     for i, model in enumerate(models[1:], start=1):
+        try:
+            want = reference(i)
+        except Exception as e:  # noqa: BLE001 -- a safety net, as for member 0 above (tracing proved it)
+            log.debug("wide_compiler: cannot run member 0 with member %d's constants on the sample (%s); "
+                      "run_members check skipped for it", i, e)
+            continue
         got = _run_recorded(model, args, kwargs).ops
         k = next((k for k, (g, w) in enumerate(zip(got, want)) if g != w), None)
         if k is None and len(got) == len(want):
@@ -337,7 +357,8 @@ def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | N
         where = _run_recorded(model, args, kwargs, stop_at=k).where
         raise ArchitectureMismatchError(
             f"member {i}: its forward runs a different program from member 0's at {where}: "
-            f"{got[k][0]} with {_brief(got[k][1])}, member 0 runs {want[k][0]} with {_brief(want[k][1])} "
+            f"{got[k][0]} with {_brief(got[k][1])}, member 0{' (with its constants)' if paths else ''} runs "
+            f"{want[k][0]} with {_brief(want[k][1])} "
             "(a Python constant the forward reads differs between members)")
 
 

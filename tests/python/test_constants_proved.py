@@ -1,0 +1,290 @@
+"""Per-member constants are proved for every member, not sampled (issue 44, items 2 and 6; Note
+[Per-member constants] in fx/constants.py): every distinct configuration of the members' float
+attributes is traced, a tensor made from one inside a forward is per member, and checkpoints,
+``member(i)`` and ``copy_member_weights`` carry the constants."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import wide_compiler as wc
+import wide_compiler.distributed as wcd
+from support import LinearModel
+from torch import nn
+from wide_compiler import testing
+
+FAST = wc.WideConfig.fast()
+
+
+def _made(cls, values, seed=0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return [cls(v).to(dtype) for v in values]
+
+
+def _check(wide, models, x):
+    """Each member of ``wide`` computes what its model computes alone (float64: tight)."""
+    y = wide(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(y[i], m(x[i]), rtol=1e-9, atol=1e-9, msg=lambda s, i=i: f"member {i}: {s}")
+
+
+# --- every configuration traced ---------------------------------------------------------------
+class ZeroBranch(LinearModel):
+    fields = ("s",)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * self.s if self.s != 0 else torch.tanh(h)
+
+
+def test_a_branch_taken_only_by_the_last_of_twelve_members_is_refused_naming_it():
+    """s = 0 is neither the smallest nor the largest value, and 11 other configurations come first."""
+    ss = [0.1 * (k + 1) * (-1) ** k for k in range(11)] + [0.0]
+    with pytest.raises(wc.ArchitectureMismatchError, match=r"member 11: s is 0\.0, member 0 has 0\.1"):
+        wc.compile(_made(ZeroBranch, ss), torch.randn(3, 4, dtype=torch.float64), config=FAST)
+
+
+class Window(LinearModel):
+    fields = ("p",)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * self.p if 0.2 < self.p < 0.5 else h - self.p
+
+
+def test_a_window_test_on_a_constant_is_refused_for_the_member_inside_it():
+    ps = [0.05, 0.9, 0.1, 0.8, 0.15, 0.7, 0.6, 0.65, 0.75, 0.85, 0.55, 0.3]  # only the last inside
+    with pytest.raises(wc.ArchitectureMismatchError, match=r"member 11: p is 0\.3"):
+        wc.compile(_made(Window, ps), torch.randn(3, 4, dtype=torch.float64), config=FAST)
+
+
+class Rounded(LinearModel):
+    fields = ("s",)
+
+    def forward(self, x):
+        return self.fc(x) * round(self.s, 2)
+
+
+def test_an_argument_computed_from_a_constant_is_right_for_every_member():
+    """round(s, 2) is s itself for every member but the last (s has three decimals there, and it
+    is neither the smallest nor the largest): its argument must be its own round(s, 2), not s."""
+    ss = [0.1, 0.9, 0.05, 0.8, 0.3, 0.7, 0.4, 0.6, 0.45, 0.55, 0.35, 0.123]
+    models = _made(Rounded, ss)
+    wide = wc.compile(models, torch.randn(3, 4, dtype=torch.float64), config=FAST)
+    _check(wide, models, torch.randn(len(ss), 5, 4, dtype=torch.float64))
+
+
+def test_sixteen_distinct_members_fuse_and_match():
+    slopes = [0.01 * (k + 1) for k in range(16)]
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), nn.LeakyReLU(s), nn.Linear(8, 2)).double() for s in slopes]
+    wide = wc.compile(models, torch.randn(3, 4, dtype=torch.float64), config=FAST)
+    assert wide.fallbacks == [] and wide.per_member_constants == {"1.negative_slope": slopes}
+    _check(wide, models, torch.randn(16, 5, 4, dtype=torch.float64))
+
+
+class Scaled(LinearModel):
+    linears, fields = {"fc": (6, 6)}, ("temperature",)
+
+    def forward(self, x):
+        h = x + self.fc(x) * (2 * self.temperature)  # an argument computed from the constant
+        return torch.softmax(h / self.temperature, dim=-1)
+
+
+def test_twelve_members_that_fuse_legitimately_still_compile_and_match_in_train_and_eval():
+    ts = [0.5 + 0.25 * k for k in range(12)]
+    models = _made(Scaled, ts)
+    wide = wc.compile(models, torch.randn(3, 6, dtype=torch.float64), config=FAST)
+    assert wide.fallbacks == []
+    x = torch.randn(12, 4, 6, dtype=torch.float64)
+    _check(wide, models, x)
+    wide.eval()
+    for m in models:
+        m.eval()
+    _check(wide, models, x)
+
+
+def test_members_sharing_a_configuration_share_one_trace(monkeypatch):
+    from wide_compiler.fx import constants as constants_module
+
+    traced = []
+    real = constants_module.with_constants
+    monkeypatch.setattr(constants_module, "with_constants",
+                        lambda model, constants, j, **kw: traced.append(j) or real(model, constants, j, **kw))
+    ts = [0.5, 1.0, 0.5, 1.0, 2.0, 2.0]
+    models = _made(Scaled, ts)
+    wide = wc.compile(models, torch.randn(3, 6, dtype=torch.float64), config=FAST.replace(run_members=False))
+    assert sorted(traced) == [1, 4]  # configurations 1.0 and 2.0; 0.5 is member 0's own capture
+    _check(wide, models, torch.randn(6, 4, 6, dtype=torch.float64))
+
+
+# --- a tensor made from a constant inside a forward --------------------------------------------
+class FromTensor(LinearModel):
+    fields = ("s",)
+    make = staticmethod(lambda s, h: torch.tensor(s))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * self.make(self.s, h)
+
+
+class FromAsTensor(FromTensor):
+    make = staticmethod(lambda s, h: torch.as_tensor(s, dtype=h.dtype))
+
+
+class FromNewTensor(FromTensor):
+    make = staticmethod(lambda s, h: h.new_tensor(s))
+
+
+class FromFull(FromTensor):
+    make = staticmethod(lambda s, h: torch.full((4,), s, dtype=h.dtype))
+
+
+@pytest.mark.parametrize("cls", [FromTensor, FromAsTensor, FromNewTensor, FromFull],
+                         ids=["tensor", "as_tensor", "new_tensor", "full"])
+def test_a_tensor_made_from_a_constant_in_the_forward_is_per_member(cls):
+    ss = [0.5, 2.0, -1.0]
+    models = _made(cls, ss, dtype=torch.float32)
+    wide = wc.compile(models, torch.randn(3, 4), config=FAST)
+    x = torch.randn(3, 5, 4)
+    y = wide(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(y[i], m(x[i]), rtol=1e-6, atol=1e-6)
+    assert wide.per_member_constants == {"s": ss}
+
+
+class FromVector(LinearModel):
+    fields = ("s",)
+
+    def forward(self, x):
+        return self.fc(x) + torch.tensor([self.s, 1.0, 2.0, self.s])
+
+
+def test_a_vector_made_from_a_constant_is_per_member_or_refused_never_member_0s():
+    ss = [0.5, 2.0]
+    models = _made(FromVector, ss, dtype=torch.float32)
+    try:
+        wide = wc.compile(models, torch.randn(3, 4), config=FAST)
+    except wc.ArchitectureMismatchError as e:
+        assert "member 1: s is 2.0, member 0 has 0.5" in str(e) and "tensor" in str(e)
+        return
+    x = torch.randn(2, 5, 4)
+    y = wide(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(y[i], m(x[i]), rtol=1e-6, atol=1e-6)
+
+
+# --- checkpoints, member(i), copy_member_weights -----------------------------------------------
+def _leaky(s):
+    return nn.Sequential(nn.Linear(4, 8), nn.LeakyReLU(s), nn.Linear(8, 2))
+
+
+class Doubled(LinearModel):
+    fields = ("s",)
+
+    def forward(self, x):
+        return F.leaky_relu(self.fc(x), 2 * self.s)  # read through a derived argument
+
+
+@pytest.mark.parametrize("kind", ["direct", "derived"])
+def test_load_members_sets_the_per_member_constants(tmp_path, kind):
+    make = _leaky if kind == "direct" else Doubled
+    torch.manual_seed(0)
+    a_models = [make(s).double() for s in (0.1, 0.2, 0.3, 0.4)]
+    a = wc.compile(a_models, torch.randn(3, 4, dtype=torch.float64), config=FAST)
+    wcd.save_members(a, tmp_path)
+    # the receiver was compiled from the same configurations, in another order
+    b = wc.compile([make(s).double() for s in (0.4, 0.3, 0.2, 0.1)], torch.randn(3, 4, dtype=torch.float64),
+                   config=FAST)
+    wcd.load_members(b, tmp_path)
+    assert b.per_member_constants == a.per_member_constants
+    _check(b, a_models, torch.randn(4, 5, 4, dtype=torch.float64))
+    for i in range(4):
+        _check_module(b.member(i), a_models[i])
+
+
+def _check_module(got, want):
+    x = torch.randn(5, 4, dtype=torch.float64)
+    torch.testing.assert_close(got(x), want(x), rtol=1e-12, atol=1e-12)
+
+
+def test_load_members_refuses_constants_the_receiver_cannot_represent(tmp_path):
+    torch.manual_seed(0)
+    a = wc.compile([_leaky(s) for s in (0.1, 0.2)], torch.randn(3, 4), config=FAST)
+    wcd.save_members(a, tmp_path)
+    shared = wc.compile([_leaky(0.5) for _ in range(2)], torch.randn(3, 4), config=FAST)
+    before = copy.deepcopy(shared.state_dict())
+    with pytest.raises(ValueError, match=r"1\.negative_slope"):
+        wcd.load_members(shared, tmp_path)
+    assert all(torch.equal(v, shared.state_dict()[k]) for k, v in before.items())  # nothing changed
+    # a configuration the receiver never proved (a derived argument or a branch could differ)
+    other = wc.compile([Doubled(s) for s in (0.7, 0.8)], torch.randn(3, 4), config=FAST)
+    wcd.save_members(wc.compile([Doubled(s) for s in (0.1, 0.2)], torch.randn(3, 4), config=FAST), tmp_path)
+    with pytest.raises(ValueError, match=r"member 0.*s = 0\.1.*not.*compiled"):
+        wcd.load_members(other, tmp_path)
+    assert other.per_member_constants == {"s": [0.7, 0.8]}
+
+
+def test_load_members_into_a_model_of_the_same_shared_value_is_fine(tmp_path):
+    torch.manual_seed(0)
+    a_models = [_leaky(0.3) for _ in range(2)]
+    a = wc.compile(a_models, torch.randn(3, 4), config=FAST)
+    wcd.save_members(a, tmp_path)
+    b = wc.compile([_leaky(0.3) for _ in range(2)], torch.randn(3, 4), config=FAST)
+    wcd.load_members(b, tmp_path)
+    x = torch.randn(2, 5, 4)
+    testing.assert_members_close(b(x), [m(xi) for m, xi in zip(a_models, x)])
+
+
+def test_a_checkpoint_of_shared_constants_refuses_a_receiver_with_per_member_ones(tmp_path):
+    """The saver's members all had slope 0.3: the receiver's per-member slopes would be kept
+    silently; refused (or set), never silently kept."""
+    torch.manual_seed(0)
+    a_models = [_leaky(0.3) for _ in range(2)]
+    wcd.save_members(wc.compile(a_models, torch.randn(3, 4), config=FAST), tmp_path)
+    b = wc.compile([_leaky(s) for s in (0.3, 0.6)], torch.randn(3, 4), config=FAST)
+    try:
+        wcd.load_members(b, tmp_path)
+    except ValueError as e:
+        assert "1.negative_slope" in str(e)
+        return
+    x = torch.randn(2, 5, 4)
+    testing.assert_members_close(b(x), [m(xi) for m, xi in zip(a_models, x)])
+
+
+def test_copy_member_weights_copies_the_constants_and_their_derived_arguments():
+    torch.manual_seed(0)
+    models = [Doubled(s).double() for s in (0.1, 0.2, 0.3)]
+    wide = wc.compile(models, torch.randn(3, 4, dtype=torch.float64), config=FAST)
+    wide.copy_member_weights(2, 0)
+    assert wide.per_member_constants == {"s": [0.3, 0.2, 0.3]}
+    assert wide.member(0).s == 0.3
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    _check(wide, [models[2], models[1], models[2]], x)
+
+
+class ModeScaled(LinearModel):
+    fields = ("s",)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * (2 * self.s) if self.training else h * (3 * self.s)  # node 'mul' in both graphs
+
+
+def test_the_train_and_eval_graphs_keep_their_own_derived_arguments():
+    models = _made(ModeScaled, [0.5, 1.0, 1.5])
+    wide = wc.compile(models, torch.randn(3, 4, dtype=torch.float64), config=FAST)
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    _check(wide, models, x)
+    wide.eval()
+    for m in models:
+        m.eval()
+    _check(wide, models, x)
+
+
+def test_load_member_constants_reads_what_was_saved(tmp_path):
+    torch.manual_seed(0)
+    wcd.save_members(wc.compile([Doubled(s) for s in (0.1, 0.25)], torch.randn(3, 4), config=FAST), tmp_path)
+    assert wcd.checkpoints.load_member_constants(tmp_path, 1)["s"] == 0.25
