@@ -251,3 +251,26 @@ def test_a_heads_sweep_whose_heads_equal_a_sample_size_is_refused_saying_why():
     models = [_Heads(h).to(DT) for h in (2, 5)]
     with pytest.raises(UnsupportedOperationError, match=r"member 1 runs the same ops .*sequence length"):
         wc.compile(models, torch.randn(2, 5, 6, dtype=DT), pad=True, config=FAST)
+
+
+class _OtherDims(nn.Module):
+    """A padded width and an unpadded [B, 3, 3] tensor reduced or transposed over ``self.d``:
+    a dim that differs between members is another program, not another size."""
+
+    def __init__(self, h, d, how):
+        super().__init__()
+        self.fc, self.g, self.d, self.how = nn.Linear(4, h), nn.Linear(4, 9), d, how
+
+    def forward(self, x):
+        z = self.g(x).view(-1, 3, 3)
+        z = {"mean": lambda: z.mean(self.d), "sum": lambda: z.sum(self.d), "amax": lambda: z.amax(self.d),
+             "transpose": lambda: z.transpose(self.d, 2)[:, 0]}[self.how]()
+        return self.fc(x).sum(-1, keepdim=True) + z
+
+
+@pytest.mark.parametrize("how", ["mean", "sum", "amax", "transpose"])
+def test_members_that_reduce_or_permute_other_dims_are_refused(how):
+    """The shapes agree, so this used to run member 0's dims for every member."""
+    models = [_OtherDims(3, 1, how).to(DT), _OtherDims(5, 2, how).to(DT)]
+    with pytest.raises(UnsupportedOperationError, match=r"member 1 passes the dims \[.*2.*\] where member 0 passes"):
+        wc.compile(models, torch.randn(2, 4, dtype=DT), pad=True, config=FAST)

@@ -480,10 +480,30 @@ def _batch_norm(p: _Padder, node: fx.Node) -> None:
     p.lay[node] = xl  # per channel: zero channels (zero weight and bias) stay zero, stats too
 
 
+def _same_dims(p: _Padder, node: fx.Node, positions: Sequence[int], rank: int) -> None:
+    """Refuse unless every member passes the same dims (normalised modulo ``rank``) at these
+    argument positions: a reduction, permutation or flatten over other dims in one member is
+    another program, not another size (it would silently run member 0's dims)."""
+    def norm(v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v % rank if rank else v
+        if isinstance(v, (list, tuple)):
+            return tuple(norm(u) for u in v)
+        return v
+
+    vals = [tuple(norm(nodes[p.pos[node]].args[k]) if len(nodes[p.pos[node]].args) > k else None
+                  for k in positions) for nodes in p.nodes]
+    bad = next((i for i, v in enumerate(vals) if v != vals[0]), None)
+    if bad is not None:
+        p.refuse(node, f"member {bad} passes the dims {list(vals[bad])} where member 0 passes {list(vals[0])}: "
+                       "its program differs in more than sizes")
+
+
 def _mean(p: _Padder, node: fx.Node) -> None:
     x = node.args[0]
     xl = p.layout(x)
     rank = len(xl)
+    _same_dims(p, node, (1, 2), rank)
     dims = list(range(rank)) if len(node.args) < 2 or node.args[1] is None else \
         [d % rank for d in node.args[1]]
     keep = len(node.args) > 2 and node.args[2]
@@ -507,6 +527,7 @@ def _sum(p: _Padder, node: fx.Node) -> None:
     x = node.args[0]
     xl = p.layout(x)
     rank = len(xl)
+    _same_dims(p, node, (1, 2), rank)
     dims = list(range(rank)) if len(node.args) < 2 or node.args[1] is None else [d % rank for d in node.args[1]]
     keep = len(node.args) > 2 and node.args[2]
     p.lay[node] = [None if d in dims else v for d, v in enumerate(xl)] if keep else \
@@ -540,6 +561,7 @@ def _amax(p: _Padder, node: fx.Node) -> None:
     x = node.args[0]
     xl = p.layout(x)
     rank = len(xl)
+    _same_dims(p, node, (1, 2), rank)
     dims = node.args[1] if len(node.args) > 1 else list(range(rank))
     dims = [dims] if isinstance(dims, int) else list(dims) or list(range(rank))
     dims = [d % rank for d in dims]
@@ -659,6 +681,7 @@ def _permute(p: _Padder, node: fx.Node) -> None:
     xl = p.layout(node.args[0])
     name = node.target.overloadpacket.__name__
     rank = len(xl)
+    _same_dims(p, node, range(1, len(node.args)), rank + (name == "unsqueeze"))
     if name == "permute":
         p.lay[node] = [xl[d % rank] for d in node.args[1]]
     elif name in ("transpose", "swapaxes"):
@@ -683,6 +706,8 @@ def _permute(p: _Padder, node: fx.Node) -> None:
 def _view_like(p: _Padder, node: fx.Node) -> None:
     """flatten / unflatten through the view rule (their sizes come from the shapes)."""
     x = node.args[0]
+    if node.target.overloadpacket.__name__ == "unflatten":  # the dim; its sizes may differ
+        _same_dims(p, node, (1,), len(p.max_shape(x)))
     saved = node.args
     node.args = (x, list(p.max_shape(node)))
     _view(p, node)
