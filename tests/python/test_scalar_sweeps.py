@@ -170,6 +170,25 @@ def test_a_norm_eps_sweep(norm):
     testing.check_equivalence(wide, models, torch.randn(3, 5, 4) * 0.05)  # small: eps matters
 
 
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_a_norm_eps_sweep_under_autocast_returns_the_members_dtype(norm):
+    """Under CPU autocast the norm gets a bfloat16 activation (a Linear's) with float32 weights:
+    ATen computes in float32 and returns bfloat16; the per-member composite used to return
+    float32 (it cast by the traced dtype, not the run's)."""
+    eps = [1e-5, 1e-1]
+    make = (lambda e: nn.LayerNorm(8, eps=e)) if norm == "layer" else (lambda e: nn.RMSNorm(8, eps=e))
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), make(e)) for e in eps]
+    wide = wc.compile(models, torch.randn(4, 4), config=FAST)
+    assert wide.per_member_constants == {"1.eps": eps}
+    xs = torch.randn(2, 5, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = wide(xs)
+        refs = [m(xs[i]) for i, m in enumerate(models)]
+    assert out.dtype == refs[0].dtype == torch.bfloat16
+    testing.assert_members_close(out, refs, torch.bfloat16)
+
+
 def test_batch_norm_eps_that_differs_is_refused_naming_it():
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, eps=e)) for e in (1e-5, 1e-3)]

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["listed", "AsATenOp"]
+__all__ = ["listed", "AsATenOp", "NormResult", "at_least_float32"]
 
 # the dispatch key of each device type's autocast
 _KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS",
@@ -81,3 +81,30 @@ class AsATenOp:
 
     def __repr__(self) -> str:
         return f"<{self.__name__} ({self.policy} where listed)>"
+
+
+def at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 when it is a lower-precision float (a norm's compute dtype, as ATen's
+    kernels compute), else as it is (float32, float64)."""
+    return t.float() if t.is_floating_point() and t.element_size() < 4 else t
+
+
+class NormResult:
+    """A norm's result ``y`` (computed in float32 at least) in the dtype ATen gives the member's
+    ``member_op`` on the input ``x``: float32 where the device's autocast is on and lists the op
+    (its float32 policy: CUDA's ``layer_norm``/``rms_norm``), else ``x``'s dtype (ATen's CPU
+    norms take a lower-precision input with float32 parameters and return the input's dtype)."""
+
+    def __init__(self, member_op: str) -> None:
+        self.member_op = member_op
+        self.__name__ = self.__qualname__ = "norm_result_as_" + "".join(c if c.isalnum() else "_" for c in member_op)
+        self.__module__ = __name__
+
+    def __call__(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        listed_here = torch.is_autocast_enabled(device) and listed(self.member_op, device) and _eligible(x, device)
+        dtype = torch.float32 if listed_here else x.dtype
+        return y if y.dtype == dtype else y.to(dtype)
+
+    def __repr__(self) -> str:
+        return f"<{self.__name__}>"

@@ -28,6 +28,7 @@ import torch
 from torch import fx
 
 from ..context import Wide, WidenContext, member_rank
+from ._autocast import NormResult, at_least_float32
 
 aten = torch.ops.aten
 
@@ -311,19 +312,23 @@ def _arithmetic(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
 
 
 # --- norms -----------------------------------------------------------------------------------
+_NORM_RESULT = {aten.layer_norm.default: NormResult("aten::layer_norm"),
+                aten.rms_norm.default: NormResult("aten::rms_norm")}
+
+
 @form(aten.layer_norm.default, aten.rms_norm.default)
 def _norm_eps(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     """``layer_norm``/``rms_norm`` with a per-member eps: the composite (what the fused op
     computes, up to rounding): ``(x - mean) * rsqrt(var + eps) * w + b`` over the normalised dims
-    (``x * rsqrt(mean(x^2) + eps) * w`` for RMS), in float32 at least."""
+    (``x * rsqrt(mean(x^2) + eps) * w`` for RMS), in float32 at least (the input's dtype at run
+    time: a bfloat16 one under autocast), and returned in the dtype ATen returns (``NormResult``:
+    the input's, or float32 where autocast lists the op for the device)."""
     x = _input(ctx, node, a["input"])
     dims = list(range(-len(a["normalized_shape"]), 0))
-    dtype = _dtype(node)
-    compute = torch.promote_types(dtype, torch.float32)
-    xc = _op(ctx, node, aten._to_copy.default, x.node, dtype=compute) if compute != dtype else x.node
+    xc = _op(ctx, node, at_least_float32, x.node)
     eps = a["eps"]
     if eps is None:  # rms_norm's default: the dtype's machine epsilon
-        eps = torch.finfo(dtype).eps
+        eps = torch.finfo(_dtype(node)).eps
     if node.target is aten.layer_norm.default:
         vm = _op(ctx, node, aten.var_mean.correction, xc, dims, correction=0, keepdim=True)
         var, mean = (_op(ctx, node, operator.getitem, vm, k) for k in (0, 1))
@@ -334,8 +339,6 @@ def _norm_eps(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     eps = scalar(ctx, node, eps, x.rank, like=var)
     add = aten.add.Tensor
     y = _op(ctx, node, aten.mul.Tensor, centred, _op(ctx, node, aten.rsqrt.default, _op(ctx, node, add, var, eps)))
-    if compute != dtype:
-        y = _op(ctx, node, aten._to_copy.default, y, dtype=dtype)
     for key, op in (("weight", aten.mul.Tensor), ("bias", aten.add.Tensor)):
         v = a.get(key)
         if v is None:
@@ -343,4 +346,4 @@ def _norm_eps(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
         if isinstance(v, Wide):
             v = ctx.align(v, x.rank, node)
         y = _op(ctx, node, op, y, v)
-    return Wide(y, x.rank)
+    return Wide(_op(ctx, node, _NORM_RESULT[node.target], y, x.node), x.rank)
