@@ -176,7 +176,7 @@ class PaddedWideModel(WideModel):
     def _check_padded_state(self, state_dict: Mapping[str, Any], prefix: str, metadata: dict) -> None:
         """Note [Loading a padded state]: raise ValueError naming the tensor and the member when
         ``state_dict`` is not a state of this model's member sizes with zero padding."""
-        what = "wide_compiler: PaddedWideModel.load_state_dict"
+        what = "wide_compiler: PaddedWideModel.load_state_dict" + (f" (at {prefix[:-1]!r})" if prefix else "")
         how = ("load each member at its own size instead (load_member_state_dict(i, sd), "
                "wide_compiler.distributed.load_members), or compile a model of the same member sizes")
         info = self._pad
