@@ -288,3 +288,26 @@ def test_load_member_constants_reads_what_was_saved(tmp_path):
     torch.manual_seed(0)
     wcd.save_members(wc.compile([Doubled(s) for s in (0.1, 0.25)], torch.randn(3, 4), config=FAST), tmp_path)
     assert wcd.checkpoints.load_member_constants(tmp_path, 1)["s"] == 0.25
+
+
+class IntOrFloat(LinearModel):
+    fields = ("s",)
+
+    def forward(self, x):
+        return self.fc(x) + x.long() * (1 if self.s == 0 else self.s)  # int math for member 0 only
+
+
+def test_a_constant_that_turns_int_math_into_float_math_is_refused():
+    with pytest.raises(wc.ArchitectureMismatchError, match=r"member 1: s is 0\.5, member 0 has 0\.0.*int64"):
+        wc.compile([IntOrFloat(0.0), IntOrFloat(0.5)], torch.randn(3, 4), config=FAST)
+
+
+def test_the_plan_names_members_outside_the_proved_configurations():
+    """The check a guard or load_state_dict can run (ConstantPlan.unproved)."""
+    torch.manual_seed(0)
+    wide = wc.compile([Doubled(s) for s in (0.1, 0.2)], torch.randn(3, 4), config=FAST)
+    plan = wide._compile(True).constant_plan  # the plan of the model's train graph
+    assert plan.configurations == 2 and plan.unproved(wide) == {}
+    with torch.no_grad():
+        wide.get_buffer("_per_member.s")[1] = 0.7
+    assert plan.unproved(wide) == {1: {"s": 0.7}}

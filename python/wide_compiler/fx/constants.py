@@ -49,7 +49,10 @@ member's configuration with its weights (:func:`copy_member_constants`), and
 them only where the receiving model holds that very configuration (:func:`check_member_constants`,
 :func:`set_member_constants`): a configuration no member of the receiver had at its compile, or a
 per-member value the receiver shares, is refused, naming the member, the attribute and the values.
-(Writing a ``_per_member`` buffer by hand is outside this; the guards of Note [Guards] check it.)
+Not covered here: writing a ``_per_member`` buffer by hand and ``WideModel.load_state_dict`` of a
+wide state dict with other constants (model.py) change the attributes' buffers alone, so a derived
+argument keeps its compiled values and a new value is not proved; :meth:`ConstantPlan.unproved`
+is the check for them (the plan's ``proved`` configurations against the model's buffers).
 """
 
 from __future__ import annotations
@@ -97,6 +100,25 @@ class ConstantPlan:
     # attribute path -> what reads it ("aten.dropout at node 'dropout'")
     readers: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     configurations: int = 1  # distinct configurations of the constants, each traced (member 0's included)
+    # the configurations traced, as value keys (fx/constants.py ``_key`` of float(value)) in the
+    # order of ``constants``: what the graph is proved for
+    proved: frozenset = frozenset()
+
+    def unproved(self, root: nn.Module) -> dict[int, dict[str, float]]:
+        """The members of ``root`` (the WideModel running this plan's graph) whose constants, as
+        its ``_per_member`` buffers hold them now, are not a configuration this plan proved:
+        ``{member: {attribute path: value}}`` (empty when every member is proved)."""
+        from .state import get_tensor
+
+        paths = list(self.constants)
+        if not paths:
+            return {}
+        rows = [get_tensor(root, buffer_name(p)).detach().double().cpu().tolist() for p in paths]
+        out = {}
+        for j in range(len(rows[0])):
+            if tuple(_key(float(r[j])) for r in rows) not in self.proved:
+                out[j] = {p: r[j] for p, r in zip(paths, rows)}
+        return out
 
     def describe(self) -> str:
         parts = []
@@ -196,6 +218,7 @@ def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[
         differs[key] = _align(ep, ref_nodes, ref_args, ref_lifted, probe,
                               lambda why, j=j: _changed(constants, paths, config, j, why))
     plan.configurations = len(first_member)
+    plan.proved = frozenset(tuple(_key(float(v)) for v in cfg) for cfg in config)
     elapsed = time.perf_counter() - start
     from .rules import _constant_tensors  # noqa: F401 -- registers the forms of made tensors
     from .rules._constants import FORMS
@@ -270,6 +293,9 @@ def _align(ep: ExportedProgram, ref_nodes: list[fx.Node], ref_args: dict[int, di
             if _plain(node.args) != _plain(other.args):
                 raise changed("the outputs differ")
             continue
+        if _dtypes(node) != _dtypes(other):  # an int argument for one member, a float for another: int vs float math
+            raise changed(f"{_op(node)} at node '{node.name}' ({source_line(node)}) gives {_dtypes(other)}, member 0's "
+                          f"gives {_dtypes(node)}")
         want_args, got = ref_args[k], _named_args(other)
         for name in want_args.keys() | got.keys():
             want, have = want_args.get(name), got.get(name)
@@ -281,6 +307,13 @@ def _align(ep: ExportedProgram, ref_nodes: list[fx.Node], ref_args: dict[int, di
                               "(a size, a shape or a flag)")
             out[(k, name)] = have
     return out
+
+
+def _dtypes(node: fx.Node) -> list:
+    """The dtypes of a node's tensor value(s) (None for a non-tensor)."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    return [str(v.dtype).removeprefix("torch.") if isinstance(v, torch.Tensor) else None for v in vals]
 
 
 def _readers(node: fx.Node) -> str:
