@@ -15,10 +15,26 @@ projection, no bias_k/bias_v or zero attention) the same math in batch-first lay
 the only copy left is the one the member pays too (heads back into the embedding). Every other
 call falls through to ``nn.MultiheadAttention.forward`` itself, so the form is exact by
 construction; ``TransformerEncoderLayer``/``DecoderLayer`` self-attention takes the fast form.
+
+Note [Attention weights with dropout in training]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With ``need_weights=True`` (the default of ``mha(x, x, x)``) torch computes the weights itself and
+drops them only ``if dropout_p > 0.0``: a member with ``dropout=0.0`` traces a program without the
+dropout node, one with ``dropout=0.1`` a program with it, so a dropout sweep that includes 0 could
+not be proved one program (Note [Per-member constants] in fx/constants.py). In training, the form
+computes plain self-attention's weights in batch-first layout (``softmax(q / sqrt(head_dim) @
+k^T)``, as torch does) and always calls ``F.dropout(weights, self.dropout)``; ATen's dropout with
+``p = 0`` returns its input, so a member's values are torch's for every rate, and every rate
+traces the same program (its ``p`` a per-member argument of ``aten.dropout``). The returned
+weights are the dropped ones, averaged over heads when ``average_attn_weights``, as torch returns
+them. Eval keeps torch's own forward for these calls.
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -31,16 +47,25 @@ class _SelfAttentionForm(nn.MultiheadAttention):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        if not (query is key and key is value and not need_weights and key_padding_mask is None
+        # need_weights: in training only (Note [Attention weights with dropout in training])
+        if not (query is key and key is value and (not need_weights or self.training) and key_padding_mask is None
                 and attn_mask is None and not is_causal and query.dim() == 3):
             return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                    average_attn_weights, is_causal)
         x = query if self.batch_first else query.transpose(0, 1)  # [B, T, E]
         qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
         q, k, v = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4).unbind(0)
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        weights = None
+        if need_weights:
+            weights = torch.matmul(q * math.sqrt(1.0 / self.head_dim), k.transpose(-2, -1)).softmax(-1)
+            weights = F.dropout(weights, p=self.dropout)  # always: Note [Attention weights with dropout in training]
+            out = torch.matmul(weights, v)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         out = F.linear(out.transpose(1, 2).flatten(2), self.out_proj.weight, self.out_proj.bias)
-        return (out if self.batch_first else out.transpose(0, 1)), None
+        return (out if self.batch_first else out.transpose(0, 1)), weights
 
 
 def _eligible(m: nn.Module) -> bool:
