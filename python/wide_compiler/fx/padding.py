@@ -37,13 +37,12 @@ forward and the backward:
 Anything else with a padded input or output (a reshape that splits a padded dim into two that
 both vary, a division by a padded value, a slice or a cat whose layout cannot be tracked, an op
 with no padding rule) is refused with the op, the sizes and the source line, never padded
-silently; so is a pair of programs that differ only in how they compute sizes in Python (export
-shares ``batch * heads`` with ``length * batch`` when the two are equal in one member). A padded
-model's ``load_state_dict`` checks the members' sizes and the zero padding first (Note [Loading a
-padded state] in padded.py). The masks, counts, bounds and group matrices are per-member
-non-persistent buffers (``_wc_pad_<k>``), so the compiler stacks them like any buffer. The rule
-of each op is in fx/padding_rules.py; this module aligns the members' programs, runs the rules
-and builds the padded members.
+silently. Sizes computed in Python are matched through the places they are read (Note [Aligning
+sizes computed in Python]). A padded model's ``load_state_dict`` checks the members' sizes and
+the zero padding first (Note [Loading a padded state] in padded.py). The masks, counts, bounds
+and group matrices are per-member non-persistent buffers (``_wc_pad_<k>``), so the compiler
+stacks them like any buffer. The rule of each op is in fx/padding_rules.py; this module aligns
+the members' programs, runs the rules and builds the padded members.
 """
 from __future__ import annotations
 
@@ -157,6 +156,41 @@ def _size_arith(node: fx.Node) -> bool:
         and isinstance(node.meta.get("val"), (int, torch.SymInt))
 
 
+# Note [Aligning sizes computed in Python]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Export records a size computed in Python (attention's ``batch * heads``, ``length * batch``)
+# as an ``operator`` node, and shares one node between products of equal value: a member whose
+# number of heads equals the sample's sequence length has ONE ``5 * batch`` where the others
+# have ``2 * batch`` and ``5 * batch``. So the programs are aligned on their ATen ops (and
+# placeholders, attributes, outputs), and every size node is matched through the place its
+# first user reads it: member 0's size nodes are first made one per user (_unshare_sizes), so
+# several of them may match one shared node of another member, and the padded program computes
+# each with the largest factor (``size_arith``). Every argument is then compared as before; a
+# member that reads a size where member 0 reads a product (a product by 1 left out: one head)
+# is refused.
+
+
+def _unshare_sizes(g: fx.Graph) -> None:
+    """One copy of each size node per user (Note [Aligning sizes computed in Python])."""
+    for node in [n for n in reversed(g.nodes) if _size_arith(n)]:  # a copy's arguments get a user: later
+        for user in list(node.users)[1:]:
+            with g.inserting_after(node):
+                twin = g.call_function(node.target, node.args, node.kwargs)
+            twin.meta = dict(node.meta)
+            user.replace_input_with(node, twin)
+
+
+def _same_place(u: fx.Node, b: fx.Node, a: fx.Node) -> Any:
+    """What ``b`` (another member's node of ``u``'s op) reads where ``u`` first reads ``a``."""
+    x, y = (u.args, u.kwargs), (b.args, b.kwargs)
+    if len(u.args) != len(b.args):
+        x, y = _full_args(u), _full_args(b)
+    xs, ys = torch.utils._pytree.tree_leaves(x), torch.utils._pytree.tree_leaves(y)
+    if len(xs) != len(ys):
+        return None
+    return next((v for w, v in zip(xs, ys) if w is a), None)
+
+
 def _full_args(node: fx.Node) -> tuple[tuple, dict]:
     """An ATen call's arguments with the positional defaults its schema fills in spelled out
     (export leaves out trailing defaults: ``conv1d(x, w, b)`` for padding 0, ``conv1d(x, w, b,
@@ -191,9 +225,10 @@ class _Padder:
         self.gms = [ep.module() for ep in eps]
         self.gm = self.gms[0]
         self.g = self.gm.graph
+        _unshare_sizes(self.g)
+        # nodes[i][k]: member i's node that is member 0's k-th (Note [Aligning sizes computed in Python])
         self.nodes = [list(gm.graph.nodes) for gm in self.gms]
         self.pos = {node: k for k, node in enumerate(self.nodes[0])}
-        self.member_pos = [{node: k for k, node in enumerate(nodes)} for nodes in self.nodes]
         self.state = [{**dict(gm.named_parameters()), **dict(gm.named_buffers())} for gm in self.gms]
         self.device = next(iter(self.state[0].values())).device if self.state[0] else torch.device("cpu")
         self.parameters = {name for name, _ in self.gm.named_parameters()}
@@ -209,28 +244,30 @@ class _Padder:
     # ---------------------------------------------------------------- the programs agree
     def _check_programs(self) -> None:
         n0 = self.nodes[0]
+        core0 = [a for a in n0 if not _size_arith(a)]
         for i, nodes in enumerate(self.nodes[1:], start=1):
-            ops, ops0 = [(b.op, b.target) for b in nodes], [(a.op, a.target) for a in n0]
-            if ops != ops0 and [o for o, b in zip(ops, nodes) if not _size_arith(b)] == \
-                    [o for o, a in zip(ops0, n0) if not _size_arith(a)]:
-                raise UnsupportedOperationError(
-                    f"wide_compiler: pad=True: member {i} runs the same ops as member 0 but computes its sizes "
-                    f"in Python with {sum(map(_size_arith, nodes))} arithmetic steps where member 0 has "
-                    f"{sum(map(_size_arith, n0))}: export shares one step between sizes that happen to be equal "
-                    "in one member, or leaves out a product by 1 (a member whose number of heads equals the "
-                    "sample's sequence length makes batch * heads and length * batch one product; a member "
-                    "with one head has no batch * heads), and padding aligns the programs step by step. "
-                    "Capture with a sample whose sizes differ from the members' swept sizes (and sweep 2 "
-                    "or more heads), or compile the members in groups of one size (the router does)")
-            if len(nodes) != len(n0):
+            core = [b for b in nodes if not _size_arith(b)]
+            if len(core) != len(core0):
                 raise ArchitectureMismatchError(
-                    f"pad=True: member {i} runs {len(nodes)} graph nodes, member 0 runs {len(n0)}: "
+                    f"pad=True: member {i} runs {len(core)} graph nodes, member 0 runs {len(core0)}: "
                     "its program differs in more than sizes")
-            for a, b in zip(n0, nodes):
+            for a, b in zip(core0, core):
                 if a.op != b.op or a.target != b.target:
                     raise ArchitectureMismatchError(
                         f"pad=True: member {i} runs {b.op} {b.target} where member 0 runs {a.op} {a.target} "
                         f"at {source_line(a)}: its program differs in more than sizes")
+            aligned = dict(zip(core0, core))
+            for a in reversed(n0):  # a size's users come after it: aligned already
+                if not _size_arith(a):
+                    continue
+                user = min((u for u in a.users if u in aligned), key=self.pos.__getitem__, default=None)
+                y = None if user is None else _same_place(user, aligned[user], a)
+                if not (isinstance(y, fx.Node) and _size_arith(y)):
+                    raise self._size_mismatch(i, a)
+                aligned[a] = y
+            self.nodes[i] = [aligned[a] for a in n0]
+        for i, nodes in enumerate(self.nodes[1:], start=1):
+            for a, b in zip(n0, nodes):
                 diffs: set[int] = set()
                 x, y = (a.args, a.kwargs), (b.args, b.kwargs)
                 if len(a.args) != len(b.args):  # one member's call spells out a default the other's leaves out
@@ -239,9 +276,19 @@ class _Padder:
                 if diffs:
                     self.int_diffs.setdefault(a, set()).update(diffs)
 
+    def _size_mismatch(self, i: int, node: fx.Node) -> UnsupportedOperationError:
+        return UnsupportedOperationError(
+            f"wide_compiler: pad=True: {node.target} at {source_line(node)}: member {i} runs the same ops as "
+            f"member 0 but reads a size there that it does not compute as member 0 does (one of them leaves "
+            "out a product by 1: a member with one attention head has no batch * heads), so padding cannot "
+            "follow it. Sweep 2 or more heads, or compile the members in groups of one size (the router "
+            "does)")
+
     def _compare(self, node: fx.Node, x: Any, y: Any, i: int, diffs: set[int], counter: list[int]) -> None:
         if isinstance(x, fx.Node) or isinstance(y, fx.Node):
-            if not (isinstance(x, fx.Node) and isinstance(y, fx.Node)) or self.pos[x] != self.member_pos[i].get(y):
+            if not (isinstance(x, fx.Node) and isinstance(y, fx.Node)) or self.nodes[i][self.pos[x]] is not y:
+                if any(isinstance(v, fx.Node) and _size_arith(v) for v in (x, y)):
+                    raise self._size_mismatch(i, node)
                 raise ArchitectureMismatchError(
                     f"pad=True: member {i}: {node.target} at {source_line(node)} reads other values than member 0's")
             return
