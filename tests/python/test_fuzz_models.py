@@ -20,6 +20,14 @@ def test_generated_program_matches_its_members(seed):
     assert result.outcome in ("ok", "refused", "skipped"), result.report()
 
 
+@pytest.mark.parametrize("seed", [3, 8, 13])
+def test_generated_program_in_float32_passes_the_trust_check(seed):
+    import torch
+
+    result = fuzz.run_program(fuzz.generate(seed), dtype=torch.float32)
+    assert result.outcome in ("ok", "refused", "skipped"), result.report()
+
+
 def test_the_generator_is_reproducible_and_varied():
     assert fuzz.generate(11).source == fuzz.generate(11).source
     sources = {fuzz.generate(s).source for s in range(40)}
@@ -30,7 +38,8 @@ def test_the_generator_is_reproducible_and_varied():
         assert construct in text, construct
 
 
-def test_a_wrong_wide_model_is_caught(monkeypatch):
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_wrong_wide_model_is_caught(monkeypatch, dtype):
     """The comparison can fail: a wide model whose member 1 is off is reported as wrong."""
     import torch
 
@@ -45,5 +54,5 @@ def test_a_wrong_wide_model_is_caught(monkeypatch):
         return wide
 
     monkeypatch.setattr(api, "compile", off_by_one_member)
-    result = fuzz.run_program(fuzz.generate(0))
-    assert result.outcome == "wrong" and "member 1" in result.detail
+    result = fuzz.run_program(fuzz.generate(0), dtype=getattr(torch, dtype))
+    assert result.outcome == "wrong" and "member 1" in result.detail, result.report()
