@@ -5,6 +5,8 @@ attributes is traced, a tensor made from one inside a forward is per member, and
 from __future__ import annotations
 
 import copy
+import datetime
+import os
 
 import pytest
 import torch
@@ -311,3 +313,47 @@ def test_the_plan_names_members_outside_the_proved_configurations():
     with torch.no_grad():
         wide.get_buffer("_per_member.s")[1] = 0.7
     assert plan.unproved(wide) == {1: {"s": 0.7}}
+
+
+# --- across ranks (two spawned gloo processes, as tests/python/test_distributed.py) ---------------
+def _entry(rank, world, init_file, fn_name, args):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        globals()[fn_name](rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _cross_rank_copy(rank, world):
+    def make(i):
+        torch.manual_seed(i)
+        return Doubled((0.1, 0.2, 0.2, 0.1)[i]).double()
+
+    sharded = wcd.shard(make, torch.randn(3, 4, dtype=torch.float64), n=4, config=FAST)
+    wcd.copy_member_weights(sharded, 0, 2)  # rank 1 holds member 3 with s = 0.1: a proved configuration
+    if rank == 1:
+        assert sharded.wide.per_member_constants == {"s": [0.1, 0.1]}
+        x = torch.randn(2, 5, 4, dtype=torch.float64)
+        torch.testing.assert_close(sharded(x)[0], make(0)(x[0]), rtol=1e-12, atol=1e-12)
+    refused = r"member 3: its constants in member 1 \(rank 0\) \(s = 0\.2\) are not a configuration"
+    with pytest.raises(ValueError, match=refused):
+        wcd.copy_member_weights(sharded, 1, 3)  # s = 0.2 is no longer on rank 1: refused on both ranks
+
+
+def test_copy_member_weights_across_ranks_carries_the_constants(tmp_path):
+    import torch.multiprocessing as mp
+
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        mp.start_processes(_entry, args=(2, str(tmp_path / "init"), "_cross_rank_copy", ()), nprocs=2, join=True,
+                           start_method="spawn")
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved

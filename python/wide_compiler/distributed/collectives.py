@@ -14,6 +14,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._deprecation import warn_renamed
+from ..fx.constants import check_member_constants, member_constants, set_member_constants
 from .sharding import ShardedWideModel, _as_sharded, _check_optimizer, _collective, _comm_device, _span
 
 __all__ = ["all_gather_metrics", "copy_member", "copy_member_weights", "gather_outputs"]
@@ -135,7 +136,7 @@ def _member_entries(sharded: ShardedWideModel, local: int, optimizer: Any) -> di
     wide = sharded.wide
     params, buffers = wide._member_names()
     out: dict[str, Any] = {"model": {name: wide._stacked(name)[local] for name in (*params, *buffers)},
-                           "optimizer": None, "hparams": None}
+                           "optimizer": None, "hparams": None, "constants": member_constants(wide, local)}
     if optimizer is not None:
         state = {}
         for pid, p in enumerate(q for g in optimizer.param_groups for q in g["params"]):
@@ -153,7 +154,7 @@ def _describe(entries: dict[str, Any]) -> dict[str, Any]:
     return {"model": {k: shape(t) for k, t in entries["model"].items()},
             "optimizer": None if entries["optimizer"] is None else
             {k: (pid, key, *shape(t)) for k, (pid, key, t) in entries["optimizer"].items()},
-            "hparams": entries["hparams"]}
+            "hparams": entries["hparams"], "constants": entries["constants"]}
 
 
 def _structure_error(src: dict, dst: dict) -> str | None:
@@ -184,7 +185,9 @@ def _flat_by_dtype(tensors: list[torch.Tensor], device: torch.device) -> dict[to
 @torch.no_grad()
 def copy_member_weights(sharded: Any, src: int, dst: int, optimizer: Any = None) -> None:
     """Global member ``dst`` becomes a copy of global member ``src``, wherever they live:
-    weights and buffers and, with ``optimizer`` (this rank's :mod:`wide_compiler.optim`
+    weights and buffers, per-member constants (Note [Per-member constants] in fx/constants.py:
+    across ranks, only to a configuration ``dst``'s rank was compiled for, else both ranks raise)
+    and, with ``optimizer`` (this rank's :mod:`wide_compiler.optim`
     optimizer over the shard), the optimizer state (moments, step counts) and per-member
     hyperparameters. The "exploit" step of population-based training.
 
@@ -257,6 +260,13 @@ def copy_member_weights(sharded: Any, src: int, dst: int, optimizer: Any = None)
         verdict = f"rank {s_rank} failed ({theirs['error']}); see that rank's traceback"
     else:
         verdict = _structure_error(theirs["meta"], mine)
+        moves = {}
+        if verdict is None:  # the source's per-member constants, where this rank's model proved them
+            try:
+                moves = check_member_constants(sharded.wide, {sharded.local(dst): theirs["meta"]["constants"]},
+                                               lambda local: f"member {dst}", source=f"member {src} (rank {s_rank})")
+            except ValueError as e:
+                verdict = str(e)
         if verdict is None and optimizer is not None:
             try:  # hyperparameters first: validated before anything changes
                 optimizer._set_member_values(sharded.local(dst), theirs["meta"]["hparams"])
@@ -284,6 +294,7 @@ def copy_member_weights(sharded: Any, src: int, dst: int, optimizer: Any = None)
 
     for name, (shape, dtype) in meta["model"].items():
         entries["model"][name].copy_(take(shape, dtype))
+    set_member_constants(sharded.wide, moves)
     if optimizer is not None:
         local = sharded.local(dst)
         params = [p for g in optimizer.param_groups for p in g["params"]]

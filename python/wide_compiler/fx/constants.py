@@ -427,8 +427,8 @@ def member_constants(root: nn.Module, i: int) -> dict[str, Any]:
     return out
 
 
-def check_member_constants(root: nn.Module, saved: Mapping[int, Mapping[str, Any]],
-                           label: Callable[[int], str]) -> dict[int, tuple[int, dict[str, Any]]]:
+def check_member_constants(root: nn.Module, saved: Mapping[int, Mapping[str, Any]], label: Callable[[int], str],
+                           source: str = "the checkpoint") -> dict[int, tuple[int, dict[str, Any]]]:
     """Check that ``root`` (a :class:`~wide_compiler.WideModel`) can take the constants ``saved``
     (``{member index: {attribute path: value}}``, as :func:`member_constants` gives them) without
     running any member outside what its compile proved (Note [Per-member constants]): a value of
@@ -436,7 +436,9 @@ def check_member_constants(root: nn.Module, saved: Mapping[int, Mapping[str, Any
     be the configuration of some member of the model (whose derived arguments it then takes).
     Returns the moves for :func:`set_member_constants`: ``{i: (the member whose configuration it
     takes, {attribute path: value})}``. Raises ``ValueError`` naming ``label(i)``, the attribute and
-    the values; nothing changes here."""
+    the values (that come from ``source``); nothing changes here."""
+    fix = ("compile the receiving model from members with these values (for a checkpoint, "
+           "wide_compiler.distributed.load_member_constants reads them)")
     consts = root.__dict__.get("_constants") or {}
     paths = list(consts)
     shared = {p: v for p, v in _numbers(root._template).items() if p not in consts}
@@ -450,15 +452,14 @@ def check_member_constants(root: nn.Module, saved: Mapping[int, Mapping[str, Any
             if path in shared and _is_float(v) and float in (type(v), type(shared[path])) \
                     and _key(float(v)) != _key(float(shared[path])):
                 raise ValueError(
-                    f"{label(i)}: {path} is {v!r} in the checkpoint, and this model has {shared[path]!r} for every "
+                    f"{label(i)}: {path} is {v!r} in {source}, and this model has {shared[path]!r} for every "
                     f"member: it was compiled from members that agree on {path}, so its graph reads that one value "
-                    f"and cannot represent another; compile the receiving model from members with the checkpoint's "
-                    f"values (wide_compiler.distributed.load_member_constants reads them) and load again")
+                    f"and cannot represent another; {fix}")
         if not paths:
             continue
         missing = [p for p in paths if not _is_float(values.get(p))]
         if missing:
-            raise ValueError(f"{label(i)}: the checkpoint has no value of the per-member constant(s) {missing} "
+            raise ValueError(f"{label(i)}: {source} has no value of the per-member constant(s) {missing} "
                              "(its members are not this model's members: another module tree)")
         key = tuple(_key(float(values[p])) for p in paths)
         j = owners.get(key)
@@ -466,11 +467,10 @@ def check_member_constants(root: nn.Module, saved: Mapping[int, Mapping[str, Any
             have = sorted({", ".join(f"{p} = {v!r}" for p, v in zip(paths, cfg)) for cfg in current})
             shown = "; ".join(f"({c})" for c in have[:4]) + ("; ..." if len(have) > 4 else "")
             raise ValueError(
-                f"{label(i)}: its constants in the checkpoint ({', '.join(f'{p} = {values[p]!r}' for p in paths)}) are "
+                f"{label(i)}: its constants in {source} ({', '.join(f'{p} = {values[p]!r}' for p in paths)}) are "
                 f"not a configuration this model was compiled for (its members have {shown}); each configuration "
                 "is traced at compile time to prove it runs the fused program (Note [Per-member constants]), so "
-                "another one cannot be loaded into it: compile the receiving model from members with the "
-                "checkpoint's values (wide_compiler.distributed.load_member_constants reads them) and load again")
+                f"another one cannot be set on it: {fix}")
         moves[i] = (j, {p: values[p] for p in paths})
     return moves
 
