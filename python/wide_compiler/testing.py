@@ -25,8 +25,12 @@ mode (BatchNorm over small planes, ReLU kinks, max-pool near-ties) a member's ow
 can sit 1e-3 away from the exact ones. So by default a float32 model is judged against a float64
 run of its members (same weights, buffers, inputs and cotangents): per tensor, the wide model's
 error against it must be within ``NOISE_FACTOR`` (4) times the members' own float32 error against
-it, or 4 times a floor of ``NOISE_FLOOR_EPS`` (8) float32 eps of the tensor's largest value. Both
-errors are in the report (``print(report)``); the reasoning is Note [The float64 reference] in
+it, or 4 times a floor of ``NOISE_FLOOR_EPS`` (8) float32 eps of the tensor's largest value. A
+tensor outside that is judged again with up to ``RESAMPLES`` (6) float32 reruns of the member whose
+weights, inputs and op results are nudged by up to ``NUDGE_EPS`` (16) eps, so a value the wide
+program rounds to the other side of a kink (a ReLU input within rounding of 0) is taken for the
+rounding it is. Both errors are in the report (``print(report)``); the reasoning is Note [The
+float64 reference] in
 ``_equivalence.py``. A failure means the wide model is further from the exact result than rounding
 takes the members themselves: a defect, not noise.
 
