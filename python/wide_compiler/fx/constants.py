@@ -210,11 +210,15 @@ def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[
     for key, j in first_member.items():
         if j == 0:
             continue
-        try:
-            probe = trace(with_constants(model, constants, j))
+        before = {p: _attribute(model, p) for p in paths}
+        try:  # on the template itself (the compiler's own copy, no deep copy per configuration), restored after
+            probe = trace(with_constants(model, constants, j, copy_model=False))
         except Exception as e:  # noqa: BLE001 -- the member's program cannot be captured as member 0's
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise _changed(constants, paths, config, j, f"tracing with them fails ({type(e).__name__}: {first})") from e
+        finally:
+            for p, v in before.items():
+                _set_attribute(model, p, v)
         differs[key] = _align(ep, ref_nodes, ref_args, ref_lifted, probe,
                               lambda why, j=j: _changed(constants, paths, config, j, why))
     plan.configurations = len(first_member)
@@ -254,6 +258,16 @@ def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[
     log.info("wide_compiler: per-member constants: %d distinct configuration(s) of %d member(s), each traced "
              "(%.2f s): %s", plan.configurations, n, elapsed, plan.describe())
     return plan
+
+
+def _attribute(model: nn.Module, path: str) -> Any:
+    mod_path, _, key = path.rpartition(".")
+    return (model.get_submodule(mod_path) if mod_path else model).__dict__[key]
+
+
+def _set_attribute(model: nn.Module, path: str, value: Any) -> None:
+    mod_path, _, key = path.rpartition(".")
+    setattr(model.get_submodule(mod_path) if mod_path else model, key, value)
 
 
 def _align(ep: ExportedProgram, ref_nodes: list[fx.Node], ref_args: dict[int, dict], ref_lifted: dict,
