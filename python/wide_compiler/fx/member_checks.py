@@ -290,18 +290,20 @@ class _OpRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _run_recorded(model: nn.Module, args: tuple, kwargs: dict, stop_at: int | None = None) -> _OpRecorder:
+def _run_recorded(model: nn.Module, args: tuple, kwargs: dict, stop_at: int | None = None, *,
+                  private: bool = False) -> _OpRecorder:
     """Run ``model`` once with no gradients, recording its ops, without changing anything of the
     user's: the forward runs on a deep copy of the member (its parameters, buffers and Python
     attributes: a forward that clamps its weights in place, updates running stats or counts its
     calls changes the copy), and the random number generators are restored afterwards. A member
-    that cannot be deep-copied runs through :func:`_run_on_clones` (fx/capture.py) instead."""
+    that cannot be deep-copied runs through :func:`_run_on_clones` (fx/capture.py) instead.
+    ``private=True``: ``model`` is already a copy of the checker's own (run as it is)."""
     rec = _OpRecorder(stop_at)
     devices = sorted({t.device.index for t in (*model.parameters(), *model.buffers()) if t.is_cuda} - {None})
     # without cuDNN, as captured: an RNN's cuDNN weight flattening (aten.set_) is no part of the program
     with torch.random.fork_rng(devices=devices), without_cudnn():
         try:
-            member = copy.deepcopy(model)
+            member = model if private else copy.deepcopy(model)
         except Exception as e:  # noqa: BLE001 -- objects that refuse to be copied
             log.debug("wide_compiler: member check: cannot deep-copy %s (%s: %s); running it on clones "
                       "of its tensors and restoring its attributes", type(model).__name__, type(e).__name__, e)
@@ -331,8 +333,10 @@ def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | N
     def reference(i: int) -> list:
         key = tuple((type(constants[p][i]).__name__, repr(constants[p][i])) for p in paths)
         if key not in refs:
-            ref = models[0] if i == 0 or not paths else with_constants(models[0], constants, i)
-            refs[key] = _run_recorded(ref, args, kwargs).ops
+            if i == 0 or not paths:
+                refs[key] = _run_recorded(models[0], args, kwargs).ops
+            else:  # a copy of member 0 with member i's values, run as it is (no second copy)
+                refs[key] = _run_recorded(with_constants(models[0], constants, i), args, kwargs, private=True).ops
         return refs[key]
 
     try:
