@@ -253,8 +253,10 @@ def test_a_flip_at_a_kink_is_rounding_not_a_defect(monkeypatch):
     with pytest.raises(AssertionError, match=r"output: member 0 differs"):
         testing.check_equivalence(wide, models, xs, **call)
     monkeypatch.undo()
-    rep = testing.check_equivalence(wide, models, xs, **call)
-    assert rep.own_error["param_grad"] >= rep.wide_error["param_grad"] / _equivalence.NOISE_FACTOR > 0
+    for inputs, shared in ((xs, False), (xs[0], True)):  # shared: the input gradient is a sum
+        rep = testing.check_equivalence(wide, models, inputs, shared=shared, **call)
+        for kind in ("output", "input_grad", "param_grad"):
+            assert rep.own_error[kind] >= rep.wide_error[kind] / _equivalence.NOISE_FACTOR > 0, kind
 
 
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
