@@ -265,6 +265,9 @@ def test_copy_member_weights_copies_the_constants_and_their_derived_arguments():
     assert wide.member(0).s == 0.3
     x = torch.randn(3, 5, 4, dtype=torch.float64)
     _check(wide, [models[2], models[1], models[2]], x)
+    # the eval graph, compiled after the copy, is planned for the members' constants as they are now
+    wide.eval()
+    _check(wide, [m.eval() for m in (models[2], models[1], models[2])], x)
 
 
 class ModeScaled(LinearModel):

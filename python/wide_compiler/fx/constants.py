@@ -203,12 +203,16 @@ def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[
     ref_nodes = _nodes(ep)
     ref_lifted = _lifted(ep)
     ref_args = {k: _named_args(nd) for k, nd in enumerate(ref_nodes) if nd.op == "call_function"}
-    # configuration -> {(node index, argument name): value} where it differs from member 0's
+    # ``ep`` is the program of the template's own values: member 0's at the first compile, and
+    # perhaps no member's after copy_member_weights or load_members changed member 0's (a later
+    # compile of the other train/eval mode): every member configuration but that one is traced
+    base = tuple(_key(_attribute(model, p)) for p in paths)
+    # configuration -> {(node index, argument name): value} where it differs from ``ep``'s
     # (argument name "value" of a placeholder: a lifted constant's tensor)
-    differs: dict[tuple, dict[tuple[int, str], Any]] = {keys[0]: {}}
+    differs: dict[tuple, dict[tuple[int, str], Any]] = {base: {}}
     start = time.perf_counter()
     for key, j in first_member.items():
-        if j == 0:
+        if key == base:
             continue
         before = {p: _attribute(model, p) for p in paths}
         try:  # on the template itself (the compiler's own copy, no deep copy per configuration), restored after
@@ -394,7 +398,7 @@ def _plain(v: Any) -> Any:
 
 def _changed(constants: dict[str, tuple], paths: list[str], config: list[tuple], j: int,
              why: str) -> ArchitectureMismatchError:
-    differ = [p for k, p in enumerate(paths) if _key(config[j][k]) != _key(config[0][k])]
+    differ = [p for k, p in enumerate(paths) if _key(config[j][k]) != _key(config[0][k])] or paths
     what = "; ".join(f"{p} is {_describe(constants[p][j])}, member 0 has {_describe(constants[p][0])}" for p in differ)
     if why.startswith("they change"):  # no per-member form for the op that reads them
         return ArchitectureMismatchError(f"member {j}: {what}, and {why}")
