@@ -12,6 +12,8 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.utils._pytree import tree_map
 
+from .fx.guards import finite_bound
+
 __all__: list[str] = []  # helpers of wide_compiler.model
 
 
@@ -137,7 +139,7 @@ def _narrow_ranges(ep: ExportedProgram) -> dict[str, tuple[tuple[int, int, int |
             if not isinstance(expr, sympy.Symbol) or expr not in ep.range_constraints:
                 continue
             vr = ep.range_constraints[expr]
-            lo, hi = _bound(vr.lower) or 0, _bound(vr.upper)
+            lo, hi = finite_bound(vr.lower) or 0, finite_bound(vr.upper)
             lo = lo if lo > 2 else 0  # export's own floor (it avoids 0 and 1 as samples only)
             if lo > 2 or hi is not None:
                 checks.append((d, lo, hi))
@@ -164,11 +166,3 @@ def _member_accepts(template: nn.Module, training: bool, args: tuple, kwargs: di
         return True
     except Exception:  # noqa: BLE001 -- any failure: the member does not take it
         return False
-
-
-def _bound(v: Any) -> int | None:
-    """A range bound as an int; None for an infinite one."""
-    try:
-        return int(v) if bool(v.is_finite) else None
-    except (TypeError, ValueError, OverflowError, AttributeError):
-        return None

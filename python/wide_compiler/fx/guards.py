@@ -47,7 +47,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.utils._pytree import MappingKey, SequenceKey, keystr, tree_flatten_with_path
 
-__all__ = ["MAX_GRAPHS", "Guards", "guards_of"]
+__all__ = ["MAX_GRAPHS", "Guards", "finite_bound", "guards_of"]
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def _input_paths(model: torch.nn.Module, sample: tuple[tuple, dict], signature: 
     return out
 
 
-def _finite(v: Any) -> int | None:
+def finite_bound(v: Any) -> int | None:
     """A range bound as an int; None for an infinite one."""
     try:
         return int(v) if bool(v.is_finite) else None
@@ -218,7 +218,7 @@ def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, 
 
     def bounds(sym: Any) -> tuple[int, int | None]:
         vr = ranges.get(sym)
-        return max(_finite(vr.lower) or 0, 2) if vr is not None else 2, _finite(vr.upper) if vr is not None else None
+        return max(finite_bound(vr.lower) or 0, 2) if vr is not None else 2, finite_bound(vr.upper) if vr is not None else None
 
     def check_range(c: str, s: str, sym: Any) -> None:
         lo, hi = bounds(sym)
