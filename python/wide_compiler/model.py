@@ -25,6 +25,7 @@ from .config import WideConfig
 from .errors import WideCompileError
 from .measure import Stopwatch
 from .fx.capture import module_path
+from .fx.constants import constant_key
 from .fx.fold import clear_fold_cache
 from .fx.guards import MAX_GRAPHS
 from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, compile_members, recapture, run_pipeline
@@ -143,6 +144,8 @@ class WideModel(MemberOpsMixin, nn.Module):
         # Note [Guards] (fx/guards.py): per mode, the graphs captured for calls outside the
         # assumptions of the mode's graph (most recently captured last; at most MAX_GRAPHS - 1)
         self._variants: dict[bool, list[WideGraph]] = {}
+        # Note [Per-member constants at the call]: id(graph) -> the constant buffers' versions last checked
+        self._constants_seen: dict[int, tuple] = {}
         self._timings: dict[tuple[bool, str], dict[str, float] | None] = {}  # (training, node) -> ms
         self._holder_plans: dict[int, list] = {}  # id(graph) -> _holders(graph)
 
@@ -170,7 +173,7 @@ class WideModel(MemberOpsMixin, nn.Module):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
-            if key == "_holder_plans":  # refers to this instance's modules; the copy builds its own
+            if key in ("_holder_plans", "_constants_seen"):  # of this instance's tensors; the copy builds its own
                 new.__dict__[key] = {}
                 continue
             if key == "_graphs":
@@ -185,6 +188,7 @@ class WideModel(MemberOpsMixin, nn.Module):
         state = self.__dict__.copy()
         state["_graphs"] = {}  # captured and widened again on first use after unpickling
         state["_variants"] = {}
+        state["_constants_seen"] = {}
         state["_holder_plans"] = {}
         state["_ranges"] = {}  # keyed by graph: computed again with the graphs
         return state
@@ -281,6 +285,7 @@ class WideModel(MemberOpsMixin, nn.Module):
         if c.constant_plan is not None:
             self.__dict__["_constants"] = c.constant_plan.constants
             self.__dict__["_constant_readers"] = c.constant_plan.readers
+        c.wide.constant_table = c.constant_plan.table() if c.constant_plan is not None else None
         if variant:
             self._ranges[id(c.wide)] = _narrow_ranges(c.ep)
             self._variants.setdefault(c.training, []).append(c.wide)
@@ -318,7 +323,48 @@ class WideModel(MemberOpsMixin, nn.Module):
         if not torch.compiler.is_compiling() and _any_packed(args, kwargs):
             return self.packed(*args, **kwargs)  # wide(wc.pack(xs)): WideCompiler 0.x's convention
         wg, flat = self._graph_covering(self.training, args, kwargs)
+        if wg.constant_table is not None and not torch.compiler.is_compiling():
+            self._sync_constants(wg)
         return call_graph(wg, self, self._holders(wg), flat)
+
+    # Note [Per-member constants at the call]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # The ``_per_member.<path>`` buffers are the members' constants as the graph reads them: writing
+    # one (by hand, ``load_state_dict``, ``copy_member_weights``) changes that member. But an argument
+    # computed from constants (``1 - p``, ``round(s, 2)``, a tensor made from one) reads a derived
+    # buffer whose values came from each configuration's own trace at compile time, and only the
+    # configurations traced are proved to follow the fused program (fx/constants.py). So before a
+    # graph runs, when a constant buffer changed since the last call (its version counter), every
+    # member's constants must be a configuration the graph was compiled for (else the call is
+    # refused, naming the member and its values), and the derived buffers are set to that
+    # configuration's values. A call with unchanged buffers costs one version check per attribute.
+    def _sync_constants(self, wg: WideGraph) -> None:
+        paths, by_key = wg.constant_table
+        bufs = [_get_tensor(self, f"_per_member.{p}") for p in paths]
+        seen = tuple((id(b), b._version) for b in bufs)
+        if self._constants_seen.get(id(wg)) == seen:
+            return
+        rows = [b.detach().double().cpu().tolist() for b in bufs]
+        derived: dict[str, list[float]] = {}
+        for i in range(self.n):
+            values = by_key.get(tuple(constant_key(float(r[i])) for r in rows))
+            if values is None:
+                have = "; ".join(", ".join(f"{p} = {v[1]}" for p, v in zip(paths, key)) for key in list(by_key)[:4])
+                raise ValueError(
+                    f"wide_compiler: member {i}'s per-member constants "
+                    f"({', '.join(f'{p} = {r[i]!r}' for p, r in zip(paths, rows))}) are not a configuration this "
+                    f"graph was compiled for ({have}{'; ...' if len(by_key) > 4 else ''}): each configuration is "
+                    "traced at compile time to prove the fused program is that member's (Note [Per-member "
+                    "constants]). Set a compiled configuration, or compile again from members with these values")
+            for name, v in values.items():
+                derived.setdefault(name, []).append(v)
+        with torch.no_grad():
+            for name, vals in derived.items():
+                t = _get_tensor(self, name)
+                new = torch.tensor(vals, dtype=t.dtype, device=t.device).view(t.shape)
+                if not torch.equal(t, new):
+                    t.copy_(new)
+        self._constants_seen[id(wg)] = seen
 
     def _outside(self, wg: WideGraph, args: tuple, kwargs: dict) -> tuple[Any, _NewSize | str | None]:
         """``(flat inputs, why)``: ``why`` is None when the call is within the assumptions of

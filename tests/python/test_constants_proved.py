@@ -360,3 +360,58 @@ def test_copy_member_weights_across_ranks_carries_the_constants(tmp_path):
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = saved
+
+
+# --- Note [Per-member constants at the call] (model.py) ------------------------------------------
+
+
+class _Derived(nn.Module):
+    """Reads its constant directly (``* (1 - p)`` is computed from the buffer) and through Python
+    arithmetic (``round(p, 1)``: a derived argument, traced per configuration)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.p = p
+
+    def forward(self, x):
+        return self.lin(x) * (1 - self.p) + round(self.p, 1)
+
+
+def _derived_sweep():
+    torch.manual_seed(0)
+    members = [_Derived(p).double() for p in (0.1, 0.25, 0.4)]
+    wide = wc.compile(members, torch.randn(2, 4, dtype=torch.float64), config=wc.WideConfig.fast())
+    return members, wide
+
+
+def _max_err(wide, members, x):
+    y = wide(x)
+    return max((y[i] - m(x[i])).abs().max().item() for i, m in enumerate(members))
+
+
+def test_writing_a_constant_buffer_moves_the_derived_arguments_with_it():
+    members, wide = _derived_sweep()
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    assert _max_err(wide, members, x) < 1e-12
+    with torch.no_grad():
+        wide.get_buffer("_per_member.p")[1] = 0.4  # member 2's configuration, proved at compile time
+    members[1].p = 0.4
+    assert _max_err(wide, members, x) < 1e-12  # round(p, 1) follows: 0.4, not member 1's old 0.2
+    state = wide.state_dict()
+    state["_per_member.p"] = torch.tensor([0.25, 0.1, 0.4], dtype=torch.float64)
+    wide.load_state_dict(state)
+    members[0].p, members[1].p = 0.25, 0.1
+    assert _max_err(wide, members, x) < 1e-12
+
+
+def test_a_constant_no_compile_proved_is_refused_at_the_call():
+    members, wide = _derived_sweep()
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    with torch.no_grad():
+        wide.get_buffer("_per_member.p")[1] = 0.33
+    with pytest.raises(ValueError, match=r"member 1's per-member constants \(p = 0\.33\) are not a configuration"):
+        wide(x)
+    with torch.no_grad():
+        wide.get_buffer("_per_member.p")[1] = 0.25  # back to a proved one: runs again
+    assert _max_err(wide, members, x) < 1e-12

@@ -74,7 +74,7 @@ from ..errors import ArchitectureMismatchError
 from .member_checks import _MODULE_INTERNALS, _describe, with_constants
 from .source import source_line
 
-__all__ = ["MAX_TENSOR_ELEMENTS", "ConstantPlan", "check_member_constants", "copy_member_constants",
+__all__ = ["MAX_TENSOR_ELEMENTS", "ConstantPlan", "check_member_constants", "constant_key", "copy_member_constants",
            "member_constants", "plan_constants", "set_member_constants"]
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class ConstantPlan:
     # attribute path -> what reads it ("aten.dropout at node 'dropout'")
     readers: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     configurations: int = 1  # distinct configurations of the constants, each traced (member 0's included)
-    # the configurations traced, as value keys (fx/constants.py ``_key`` of float(value)) in the
+    # the configurations traced, as value keys (fx/constants.py ``constant_key`` of float(value)) in the
     # order of ``constants``: what the graph is proved for
     proved: frozenset = frozenset()
 
@@ -116,9 +116,23 @@ class ConstantPlan:
         rows = [get_tensor(root, buffer_name(p)).detach().double().cpu().tolist() for p in paths]
         out = {}
         for j in range(len(rows[0])):
-            if tuple(_key(float(r[j])) for r in rows) not in self.proved:
+            if tuple(constant_key(float(r[j])) for r in rows) not in self.proved:
                 out[j] = {p: r[j] for p, r in zip(paths, rows)}
         return out
+
+    def table(self) -> tuple[list[str], dict[tuple, dict[str, float]]] | None:
+        """Note [Per-member constants at the call]: ``(attribute paths, {configuration key: {derived
+        buffer: value}})`` for every configuration this plan proved, as compiled (a snapshot: later
+        moves of members' constants do not change it); None without constants."""
+        paths = list(self.constants)
+        if not paths:
+            return None
+        derived = [name for name, (_, persistent) in self.buffers.items() if not persistent]
+        by_key: dict[tuple, dict[str, float]] = {}
+        for j in range(len(self.constants[paths[0]])):
+            key = tuple(constant_key(float(self.constants[p][j])) for p in paths)
+            by_key.setdefault(key, {name: self.buffers[name][0][j] for name in derived})
+        return paths, by_key
 
     def describe(self) -> str:
         parts = []
@@ -156,7 +170,7 @@ def _nodes(ep: ExportedProgram) -> list[fx.Node]:
     return [n for n in ep.graph.nodes if n.op in ("call_function", "output", "placeholder", "get_attr")]
 
 
-def _key(v: Any) -> tuple[str, str]:
+def constant_key(v: Any) -> tuple[str, str]:
     """A constant's value as a configuration key: 1 and 1.0 differ (``torch.tensor(s)`` is int64 for
     one, float32 for the other), so do 0.0 and -0.0; every nan is the same."""
     return type(v).__name__, repr(v)
@@ -196,7 +210,7 @@ def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[
                     "captured code)")
     paths = list(constants)
     config = [tuple(constants[p][j] for p in paths) for j in range(n)]
-    keys = [tuple(_key(v) for v in cfg) for cfg in config]
+    keys = [tuple(constant_key(v) for v in cfg) for cfg in config]
     first_member: dict[tuple, int] = {}
     for j, key in enumerate(keys):
         first_member.setdefault(key, j)
@@ -206,7 +220,7 @@ def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[
     # ``ep`` is the program of the template's own values: member 0's at the first compile, and
     # perhaps no member's after copy_member_weights or load_members changed member 0's (a later
     # compile of the other train/eval mode): every member configuration but that one is traced
-    base = tuple(_key(_attribute(model, p)) for p in paths)
+    base = tuple(constant_key(_attribute(model, p)) for p in paths)
     # configuration -> {(node index, argument name): value} where it differs from ``ep``'s
     # (argument name "value" of a placeholder: a lifted constant's tensor)
     differs: dict[tuple, dict[tuple[int, str], Any]] = {base: {}}
@@ -226,12 +240,12 @@ def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[
         differs[key] = _align(ep, ref_nodes, ref_args, ref_lifted, probe,
                               lambda why, j=j: _changed(constants, paths, config, j, why))
     plan.configurations = len(first_member)
-    plan.proved = frozenset(tuple(_key(float(v)) for v in cfg) for cfg in config)
+    plan.proved = frozenset(tuple(constant_key(float(v)) for v in cfg) for cfg in config)
     elapsed = time.perf_counter() - start
     from .rules import _constant_tensors  # noqa: F401 -- registers the forms of made tensors
     from .rules._constants import FORMS
 
-    varying = [p for p in paths if len(set(map(_key, constants[p]))) > 1]
+    varying = [p for p in paths if len(set(map(constant_key, constants[p]))) > 1]
     wanted = sorted({k_name for d in differs.values() for k_name in d})
 
     def first_differing(k_name: tuple[int, str]) -> int:
@@ -343,12 +357,12 @@ def _buffer_for(plan: ConstantPlan, values: list, keys: list[tuple], constants: 
                 varying: list[str], stem: str, reader: str) -> str:
     """The buffer an argument with every member's ``values`` reads: an attribute's own buffer when
     it is that attribute for every member, else a derived one (values from each member's probe)."""
-    direct = next((p for p in paths if all(_key(float(v)) == _key(float(c)) for v, c in zip(values, constants[p]))),
+    direct = next((p for p in paths if all(constant_key(float(v)) == constant_key(float(c)) for v, c in zip(values, constants[p]))),
                   None)
     if direct is not None:
         plan.readers.setdefault(direct, []).append(reader)
         return buffer_name(direct)
-    by_config = sorted({keys[j]: _key(float(v)) for j, v in enumerate(values)}.items())
+    by_config = sorted({keys[j]: constant_key(float(v)) for j, v in enumerate(values)}.items())
     digest = hashlib.sha1(repr(by_config).encode()).hexdigest()[:8]
     buf = f"{DERIVED_ROOT}.{stem}_{digest}"
     plan.buffers[buf] = (tuple(float(v) for v in values), False)
@@ -398,7 +412,7 @@ def _plain(v: Any) -> Any:
 
 def _changed(constants: dict[str, tuple], paths: list[str], config: list[tuple], j: int,
              why: str) -> ArchitectureMismatchError:
-    differ = [p for k, p in enumerate(paths) if _key(config[j][k]) != _key(config[0][k])] or paths
+    differ = [p for k, p in enumerate(paths) if constant_key(config[j][k]) != constant_key(config[0][k])] or paths
     what = "; ".join(f"{p} is {_describe(constants[p][j])}, member 0 has {_describe(constants[p][0])}" for p in differ)
     if why.startswith("they change"):  # no per-member form for the op that reads them
         return ArchitectureMismatchError(f"member {j}: {what}, and {why}")
@@ -432,7 +446,7 @@ def _value(root: nn.Module, path: str, i: int) -> Any:
 
     value = float(get_tensor(root, buffer_name(path))[i])
     original = root.__dict__["_constants"][path][i]
-    return original if _key(float(original)) == _key(value) else value
+    return original if constant_key(float(original)) == constant_key(value) else value
 
 
 def member_constants(root: nn.Module, i: int) -> dict[str, Any]:
@@ -463,12 +477,12 @@ def check_member_constants(root: nn.Module, saved: Mapping[int, Mapping[str, Any
     current = [tuple(_value(root, p, j) for p in paths) for j in range(root.n)]
     owners: dict[tuple, int] = {}
     for j, cfg in enumerate(current):
-        owners.setdefault(tuple(_key(float(v)) for v in cfg), j)
+        owners.setdefault(tuple(constant_key(float(v)) for v in cfg), j)
     moves = {}
     for i, values in saved.items():
         for path, v in values.items():
             if path in shared and _is_float(v) and float in (type(v), type(shared[path])) \
-                    and _key(float(v)) != _key(float(shared[path])):
+                    and constant_key(float(v)) != constant_key(float(shared[path])):
                 raise ValueError(
                     f"{label(i)}: {path} is {v!r} in {source}, and this model has {shared[path]!r} for every "
                     f"member: it was compiled from members that agree on {path}, so its graph reads that one value "
@@ -479,7 +493,7 @@ def check_member_constants(root: nn.Module, saved: Mapping[int, Mapping[str, Any
         if missing:
             raise ValueError(f"{label(i)}: {source} has no value of the per-member constant(s) {missing} "
                              "(its members are not this model's members: another module tree)")
-        key = tuple(_key(float(values[p])) for p in paths)
+        key = tuple(constant_key(float(values[p])) for p in paths)
         j = owners.get(key)
         if j is None:
             have = sorted({", ".join(f"{p} = {v!r}" for p, v in zip(paths, cfg)) for cfg in current})
