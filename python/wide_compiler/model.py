@@ -444,7 +444,8 @@ class WideModel(MemberOpsMixin, nn.Module):
             ref = next(self.parameters(), None)
             c = Compilation(self._capture_template[0].train(training), (tuple(sample[0]), dict(sample[1])), self.n,
                             self._config.replace(tune=False), opaque_paths=self._capture_template[1],
-                            exact_dims=exact, dtype=ref.dtype if ref is not None else None,
+                            exact_dims=exact, grad_enabled=torch.is_grad_enabled(),
+                            dtype=ref.dtype if ref is not None else None,
                             device=ref.device if ref is not None else None,
                             constants=self.__dict__.get("_constants"), member_tile=wg.member_tile)
             try:

@@ -257,3 +257,80 @@ def test_check_inputs_captures_before_a_compiled_call():
     out = compiled(x)
     for i, m in enumerate(members):
         torch.testing.assert_close(out[i], m(x[i]))
+
+
+# --- Note [What export does not capture] (fx/capture.py) ------------------------------------------
+
+
+class _GradModeBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 2 if torch.is_grad_enabled() else h * 3
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_forward_that_reads_the_grad_mode_follows_the_calls_mode(mode):
+    members = _members(_GradModeBranch)
+    wide = wc.compile(members, torch.randn(2, 4, dtype=torch.float64), config=FAST)
+    wide.train(mode == "train")
+    for m in members:
+        m.train(mode == "train")
+    x = _x(2, 4)
+    with torch.no_grad():
+        _assert_members(wide, members, x)
+    _assert_members(wide, members, x)
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _Quantised(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(_StraightThrough.apply(self.a(x) * 4))
+
+
+def test_a_custom_autograd_function_is_refused_in_training_not_run_without_its_backward(caplog):
+    with pytest.raises(wc.WideCompileError, match="custom autograd function _StraightThrough"):
+        wc.compile(_members(_Quantised), torch.randn(2, 4, dtype=torch.float64), config=FAST)
+    members = [m.eval() for m in _members(_Quantised)]
+    with caplog.at_level(logging.WARNING, logger="wide_compiler"):
+        wide = wc.compile(members, torch.randn(2, 4, dtype=torch.float64), config=FAST)
+    assert any("a backward through it would not run" in r.getMessage() for r in caplog.records)
+    with torch.no_grad():
+        _assert_members(wide, members, _x(2, 4))  # the eval forward is the members'
+
+
+class _Hooked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h.register_hook(lambda g: g * 4)
+        return h.tanh()
+
+
+def test_backward_hooks_are_refused_in_training():
+    with pytest.raises(wc.WideCompileError, match="Tensor.register_hook"):
+        wc.compile(_members(_Hooked), torch.randn(2, 4, dtype=torch.float64), config=FAST)
+    members = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(N)]
+    for m in members:
+        m[0].register_full_backward_pre_hook(lambda mod, go: (go[0] * 4,))
+    with pytest.raises(wc.WideCompileError, match=r"0 \(Linear\) has a backward hook"):
+        wc.compile(members, torch.randn(2, 4), config=FAST)

@@ -49,6 +49,7 @@ import copy
 import inspect
 import logging
 import re
+import sys
 import traceback
 from typing import Any
 
@@ -237,8 +238,11 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     registered: set[str] = set()
     while True:
         try:
-            with _ForwardSignature(model, signature), without_cudnn(), _RecurrentShapes():
-                return torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            with _ForwardSignature(model, signature), without_cudnn(), _RecurrentShapes(), _Watch() as watch:
+                ep = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            watch.check(model)
+            ep.wide_reads_grad_mode = watch.grad_mode  # Note [Guards] (fx/guards.py)
+            return ep
         except Exception as e:  # export's own errors are many types; keep its reason whole
             found = _UNKNOWN_OUTPUT.search(str(e))
             if found and found[1] not in registered and register_output_type(found[1]):
@@ -253,6 +257,82 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                     "the type with torch.utils._pytree.register_pytree_node so its tensors come out "
                     "N-first like any output.") from e
             raise _capture_error(model, e) from e
+
+
+class _Watch:
+    """Note [What export does not capture]: within the block (one export), records what the user's
+    forward does that the exported graph cannot carry:
+
+    * a custom ``torch.autograd.Function``: export traces its forward, its backward is lost (the
+      wide model's gradient would be autograd's of the forward: a straight-through estimator's
+      gradient becomes 0, a gradient-reversal layer's the identity);
+    * ``Tensor.register_hook`` on an activation: the hook never runs in the wide model's backward;
+    * a read of the grad mode (``torch.is_grad_enabled()``, ``torch.is_inference_mode_enabled()``):
+      the branch it takes is baked in, so the graph's guards check the mode at each call.
+
+    :meth:`check` refuses a train graph with the first two (and a module's backward hooks, which
+    export drops too), naming the class or line; an eval graph only warns (its forward values are
+    the members'; a backward through it would not be). Only calls from the user's code count (not
+    torch's or wide_compiler's own)."""
+
+    def __enter__(self) -> _Watch:
+        self.functions: list[str] = []
+        self.hooks: list[str] = []
+        self.grad_mode: bool | None = None
+        fn_cls, watch = torch.autograd.function.Function, self
+        self._saved = (fn_cls.__dict__["apply"], torch.Tensor.register_hook, torch.is_grad_enabled,
+                       torch.is_inference_mode_enabled)
+        apply, register_hook, is_grad_enabled, is_inference = self._saved
+
+        def watched_apply(cls, *args: Any, **kwargs: Any) -> Any:
+            try:
+                user = is_user_file(inspect.getfile(cls))
+            except (TypeError, OSError):  # a class without a source file
+                user = False
+            if user:
+                watch.functions.append(f"{cls.__qualname__} ({user_frame_and_module()})")
+            return apply.__func__(cls, *args, **kwargs)
+
+        def watched_register_hook(t: torch.Tensor, hook: Any) -> Any:
+            if is_user_file(sys._getframe(1).f_code.co_filename):
+                watch.hooks.append(user_frame_and_module())
+            return register_hook(t, hook)
+
+        def reads(fn: Any) -> Any:
+            def read() -> bool:
+                value = fn()
+                if is_user_file(sys._getframe(1).f_code.co_filename):
+                    watch.grad_mode = torch._C.is_grad_enabled()
+                return value
+            return read
+
+        fn_cls.apply = classmethod(watched_apply)
+        torch.Tensor.register_hook = watched_register_hook
+        torch.is_grad_enabled = reads(is_grad_enabled)
+        torch.is_inference_mode_enabled = reads(is_inference)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        fn_cls = torch.autograd.function.Function
+        fn_cls.apply, torch.Tensor.register_hook, torch.is_grad_enabled, torch.is_inference_mode_enabled = self._saved
+
+    def check(self, model: nn.Module) -> None:
+        hooks = [f"{name or type(model).__name__} ({type(m).__name__}) has a backward hook"
+                 for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
+        found = ([f"the custom autograd function {f}" for f in self.functions]
+                 + [f"Tensor.register_hook {h}" for h in self.hooks] + hooks)
+        if not found:
+            return
+        what = "; ".join(dict.fromkeys(found))
+        if model.training:
+            raise WideCompileError(
+                f"wide_compiler: {what}. torch.export captures the forward only: the wide model's backward "
+                "would not run it (a custom Function's backward, a hook), so its gradients would not be the "
+                "members' (Note [What export does not capture] in fx/capture.py).\n"
+                "What to do: give that module a wide form with @wide_compiler.register (its own Python runs "
+                "per member), or train the members without it.")
+        log.warning("wide_compiler: %s: the eval graph computes the members' outputs, but a backward through "
+                    "it would not run that code (Note [What export does not capture])", what)
 
 
 class _RecurrentShapes:

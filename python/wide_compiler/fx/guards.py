@@ -21,7 +21,9 @@ function over the inputs' member shapes):
 * for every dim export kept dynamic: its range (``range_constraints``), at least 2, and equal to
   every other dim export found equal to it (the same symbol); a dim given as an expression of a
   symbol (``2*s0 + 1``) is checked against that expression;
-* every tensor input's dtype as captured.
+* every tensor input's dtype as captured;
+* the grad mode, where the forward read it (``torch.is_grad_enabled()``: Note [What export does not
+  capture] in fx/capture.py); a graph for the other mode is captured under that mode.
 
 A call outside them is never run on the graph: :class:`~wide_compiler.WideModel` looks for a
 graph of that mode captured for such inputs, or captures one with the call itself as the sample
@@ -66,6 +68,8 @@ class Guards:
     names: tuple[str, ...]  # per flat user input: its placeholder name (for messages)
     code: tuple[str, ...]  # the shape guards as Python over ``s`` (``s[k]``: input k's member shape or value)
     shown: tuple[str, ...]  # the same guards over the inputs' names, for messages
+    # the grad mode the capture ran under, where the forward read it (torch.is_grad_enabled()); else None
+    grad_mode: bool | None = None
     _fn: Any = dataclasses.field(default=None, repr=False, compare=False)
     _each: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -106,6 +110,8 @@ class Guards:
         """Whether ``flat`` (the N-first user inputs, flat as the graph takes them) is nested, sized
         and typed as captured and within every guard: the one check of a call in the common case
         (the call's own checks give the reason where it is False)."""
+        if self.grad_mode is not None and torch.is_grad_enabled() != self.grad_mode:
+            return False
         try:
             return bool(self._fn(flat))
         except Exception:  # noqa: BLE001 -- anything unexpected (a rank, a type): the slow checks say what
@@ -114,6 +120,9 @@ class Guards:
     def failed(self, flat: Any) -> str | None:
         """None when ``flat`` (the N-first user inputs, flat as the graph takes them) is within
         these guards, else a description of the first one it fails."""
+        if self.grad_mode is not None and torch.is_grad_enabled() != self.grad_mode:
+            return (f"the forward reads the grad mode, captured with gradients "
+                    f"{'enabled' if self.grad_mode else 'disabled'}")
         s = []
         for x, dtype, name in zip(flat, self.dtypes, self.names):
             if dtype is None:
@@ -288,4 +297,4 @@ def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, 
                     if not isinstance(size, int):
                         hint = int(size.node.hint)
                         add(f"s[{k}][{d}] == {hint}", f"{name}.size()[{d}] == {hint} (as captured)")
-    return Guards(n, dtypes, fixed, names, tuple(code), tuple(shown))
+    return Guards(n, dtypes, fixed, names, tuple(code), tuple(shown), getattr(ep, "wide_reads_grad_mode", None))

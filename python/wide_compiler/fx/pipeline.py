@@ -86,6 +86,7 @@ class Compilation:
     # flat input index -> the only dims captured dynamic, the sample's sizes kept as they are (a
     # graph for the inputs of one call that the other graphs' guards refuse: Note [Guards])
     exact_dims: dict[int, frozenset[int]] | None = None
+    grad_enabled: bool = True  # the grad mode of the capture (Note [Guards]: a forward that reads it)
     opaque_paths: dict[str, str] = dataclasses.field(default_factory=dict)  # opaque key -> path
     # per-member constants {attribute path: N values} (check_members finds them; Note [Per-member
     # constants] in fx/constants.py) and where the graph reads them (check_programs)
@@ -154,13 +155,14 @@ def _capture(c: Compilation) -> None:
     args, kwargs = c.sample
     if c.members is not None:
         check_sample(c.members[0], args, kwargs, c.n)
-    if c.exact_dims is not None:
-        c.ep = capture(c.model, args, kwargs, exact_dims=c.exact_dims)
-    elif not c.extra_dims or c.dynamic_shapes is not None:
-        c.ep = capture(c.model, args, kwargs, dynamic_shapes=c.dynamic_shapes)
-    else:
-        with SpecialisationLog() as c.specialised:
-            c.ep = capture(c.model, args, kwargs, extra_dims=c.extra_dims)
+    with torch.set_grad_enabled(c.grad_enabled):
+        if c.exact_dims is not None:
+            c.ep = capture(c.model, args, kwargs, exact_dims=c.exact_dims)
+        elif not c.extra_dims or c.dynamic_shapes is not None:
+            c.ep = capture(c.model, args, kwargs, dynamic_shapes=c.dynamic_shapes)
+        else:
+            with SpecialisationLog() as c.specialised:
+                c.ep = capture(c.model, args, kwargs, extra_dims=c.extra_dims)
     c.guards = guards_of(c.ep, c.model, c.sample, c.n, flat_signature(c.model, tuple(args), dict(kwargs)))
 
 
@@ -172,11 +174,12 @@ def _check_programs(c: Compilation) -> None:
     if c.constants:
         def trace(model: nn.Module) -> ExportedProgram:
             args, kwargs = c.sample
-            if c.exact_dims is not None:
-                return capture(model, args, kwargs, exact_dims=c.exact_dims)
-            if not c.extra_dims or c.dynamic_shapes is not None:
-                return capture(model, args, kwargs, dynamic_shapes=c.dynamic_shapes)
-            return capture(model, args, kwargs, extra_dims=c.extra_dims)
+            with torch.set_grad_enabled(c.grad_enabled):
+                if c.exact_dims is not None:
+                    return capture(model, args, kwargs, exact_dims=c.exact_dims)
+                if not c.extra_dims or c.dynamic_shapes is not None:
+                    return capture(model, args, kwargs, dynamic_shapes=c.dynamic_shapes)
+                return capture(model, args, kwargs, extra_dims=c.extra_dims)
 
         c.constant_plan = plan_constants(c.model, c.ep, trace, c.constants, c.opaque_paths)
     if c.members is None or len(c.members) < 2:
