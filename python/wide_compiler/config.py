@@ -67,7 +67,9 @@ class WideConfig:
         trace_members: export every member and compare the traced programs with member 0's
             (slower compile; catches members whose forward reads different Python constants that
             are not module attributes). Module attributes are always compared.
-        rtol, atol: tolerances of ``validate``.
+        rtol, atol: tolerances of ``validate``, used only when either differs from its default: at
+            the defaults a float32 model is judged against a float64 run of its members (Note [The
+            float64 reference] in _equivalence.py), other dtypes within :func:`wide_compiler.testing.tolerance`.
         member_tile: run the graph on chunks of this many members, one chunk after the other
             (Note [Member tiles] in fx/tiling.py: members whose activations are large and ops
             small run faster in chunks whose activations stay in cache); the last chunk may be
