@@ -166,7 +166,18 @@ class WideModel(MemberOpsMixin, nn.Module):
         for name, b in c.state.buffers.items():
             self._install(name, b, persistent=name not in c.state.non_persistent)
         self._adopt(c)
+        self._note_dtype()
         self.train(template.training)
+
+    def _note_dtype(self) -> None:
+        """Keep the parameters' dtype, which the inputs that follow it must have (Note [Guards])."""
+        ref = next(self.parameters(), None)
+        self.__dict__["_param_dtype"] = ref.dtype if ref is not None else None
+
+    def _apply(self, fn: Any, recurse: bool = True) -> WideModel:
+        out = super()._apply(fn, recurse)
+        self._note_dtype()
+        return out
 
     # -- copying and pickling: the graphs hold no parameters (those are graph inputs) ----------
     def __deepcopy__(self, memo: dict) -> WideModel:
@@ -349,13 +360,7 @@ class WideModel(MemberOpsMixin, nn.Module):
         for i in range(self.n):
             values = by_key.get(tuple(constant_key(float(r[i])) for r in rows))
             if values is None:
-                have = "; ".join(", ".join(f"{p} = {v[1]}" for p, v in zip(paths, key)) for key in list(by_key)[:4])
-                raise ValueError(
-                    f"wide_compiler: member {i}'s per-member constants "
-                    f"({', '.join(f'{p} = {r[i]!r}' for p, r in zip(paths, rows))}) are not a configuration this "
-                    f"graph was compiled for ({have}{'; ...' if len(by_key) > 4 else ''}): each configuration is "
-                    "traced at compile time to prove the fused program is that member's (Note [Per-member "
-                    "constants]). Set a compiled configuration, or compile again from members with these values")
+                raise ValueError(_unproved(i, paths, rows, by_key, "Set a compiled configuration"))
             for name, v in values.items():
                 derived.setdefault(name, []).append(v)
         with torch.no_grad():
@@ -366,13 +371,32 @@ class WideModel(MemberOpsMixin, nn.Module):
                     t.copy_(new)
         self._constants_seen[id(wg)] = seen
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, checked first (Note [Per-member constants at the call]): a
+        state dict whose per-member constants give some member a configuration a graph of this
+        model was not compiled for is refused before anything is loaded."""
+        for wg in [*self._graphs.values(), *(v for vs in self._variants.values() for v in vs)]:
+            if wg.constant_table is None:
+                continue
+            paths, by_key = wg.constant_table
+            given = [state_dict.get(f"_per_member.{p}") for p in paths]
+            if any(not isinstance(t, torch.Tensor) or t.shape != (self.n,) for t in given):
+                continue  # not this model's constants: nn.Module's own checks say what is wrong
+            rows = [t.detach().double().cpu().tolist() for t in given]
+            for i in range(self.n):
+                if tuple(constant_key(float(r[i])) for r in rows) not in by_key:
+                    raise ValueError(_unproved(i, paths, rows, by_key, "Nothing was loaded. Load a state dict of "
+                                               "compiled configurations"))
+        return super().load_state_dict(state_dict, strict, assign)
+
     def _outside(self, wg: WideGraph, args: tuple, kwargs: dict) -> tuple[Any, _NewSize | str | None]:
         """``(flat inputs, why)``: ``why`` is None when the call is within the assumptions of
         ``wg`` (Note [Guards]), a :class:`_NewSize` when a size fixed at capture differs, else the
         guard the inputs fail. Raises ValueError for inputs no capture can take (structure, rank,
         the member count, a size outside a range the forward tests)."""
         flat = self._user_inputs(wg, args, kwargs)
-        if wg.guards is not None and wg.guards.holds(flat):  # the common case: one generated check
+        pdt = self.__dict__.get("_param_dtype")
+        if wg.guards is not None and wg.guards.holds(flat, pdt):  # the common case: one generated check
             return flat, None
         ranges = self._ranges.get(id(wg))
         users = (inp for inp in wg.inputs if inp.kind == "user")
@@ -381,7 +405,7 @@ class WideModel(MemberOpsMixin, nn.Module):
                 self._check_input(x, inp, ranges)
         except _NewSize as e:
             return flat, e
-        return flat, wg.guards.failed(flat) if wg.guards is not None else None
+        return flat, wg.guards.failed(flat, pdt) if wg.guards is not None else None
 
     def _graph_covering(self, training: bool, args: tuple, kwargs: dict) -> tuple[WideGraph, Any]:
         """The graph of a mode whose assumptions hold for this call, and the call's flat inputs
@@ -843,6 +867,16 @@ class WideModel(MemberOpsMixin, nn.Module):
                 self._set_member_constants(m, i)
                 out.append(m.train(self.training))
         return out
+
+
+def _unproved(i: int, paths: list[str], rows: list[list[float]], by_key: dict, what_to_do: str) -> str:
+    """The refusal of member ``i``'s constants (``rows[k][i]`` of ``paths[k]``), no configuration of
+    ``by_key`` (Note [Per-member constants at the call])."""
+    have = "; ".join(", ".join(f"{p} = {v[1]}" for p, v in zip(paths, key)) for key in list(by_key)[:4])
+    return (f"wide_compiler: member {i}'s per-member constants ({', '.join(f'{p} = {r[i]!r}' for p, r in zip(paths, rows))}) "
+            f"are not a configuration this graph was compiled for ({have}{'; ...' if len(by_key) > 4 else ''}): "
+            "each configuration is traced at compile time to prove the fused program is that member's (Note "
+            f"[Per-member constants]). {what_to_do}, or compile again from members with these values")
 
 
 def _join(a: str, b: str) -> str:

@@ -334,3 +334,49 @@ def test_backward_hooks_are_refused_in_training():
         m[0].register_full_backward_pre_hook(lambda mod, go: (go[0] * 4,))
     with pytest.raises(wc.WideCompileError, match=r"0 \(Linear\) has a backward hook"):
         wc.compile(members, torch.randn(2, 4), config=FAST)
+
+
+class _ExactGelu(torch.autograd.Function):
+    """A custom Function whose backward is autograd's gradient of its forward (as BLOOM's GeLU)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(1.702 * x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(1.702 * x)
+        return g * (s + 1.702 * x * s * (1 - s))
+
+
+class _GeluNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(_ExactGelu.apply(self.a(x)))
+
+
+def test_a_custom_function_whose_backward_is_autograds_trains_fused():
+    members = _members(_GeluNet)
+    wide = wc.compile(members, torch.randn(2, 4, dtype=torch.float64), config=FAST)
+    x = _x(2, 4).requires_grad_()
+    out = wide(x)
+    out.sum().backward()
+    for i, m in enumerate(members):
+        xi = x[i].detach().requires_grad_()
+        m(xi).sum().backward()
+        torch.testing.assert_close(x.grad[i], xi.grad)
+        torch.testing.assert_close(wide.get_parameter("a.weight").grad[i], m.a.weight.grad)
+
+
+def test_inputs_follow_the_models_dtype_after_to():
+    torch.manual_seed(0)
+    members = [Parity() for _ in range(N)]
+    wide = wc.compile(members, torch.randn(2, 5, 4), config=FAST).double()
+    members = [m.double() for m in members]
+    _assert_members(wide, members, _x(2, 5, 4))  # float64 inputs: the model's dtype now, no capture
+    assert not wide._variants.get(True)

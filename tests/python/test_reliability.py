@@ -350,13 +350,12 @@ def test_training_batch_norm_on_a_batch_of_one_raises_and_changes_nothing():
         models[0](torch.randn(1, 4))  # what a member alone does
     wide = wc.compile(models, torch.randn(4, 4), config=FAST)
     before = {k: v.clone() for k, v in wide.state_dict().items()}
-    with pytest.raises(RuntimeError, match="expected more than 1 value per channel when training"):
+    # a batch of 1 is outside the graph's guards (Note [Guards]); capturing a graph for it runs
+    # the member's own check, which refuses it before anything runs
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
         wide(torch.randn(3, 1, 4))
     for k, v in wide.state_dict().items():
-        if k.endswith("num_batches_tracked"):  # counted before the check, by nn.BatchNorm as by us
-            assert torch.equal(v, before[k] + 1), k
-        else:
-            assert torch.equal(v, before[k]), f"{k} changed by a failed call"
+        assert torch.equal(v, before[k]), f"{k} changed by a failed call"
     wide.eval()
     assert torch.isfinite(wide(torch.randn(3, 1, 4))).all()  # eval on a batch of 1 is fine
     wide.train()

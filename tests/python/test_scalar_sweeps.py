@@ -275,8 +275,13 @@ def test_state_dict_and_to_float64_carry_the_per_member_constants():
     assert torch.equal(sd["_per_member.1.negative_slope"], torch.tensor(SLOPES, dtype=torch.float64))
     other = wc.compile(_members(_leaky_mlp, [0.5] * 4, seed=1), torch.randn(4, 6), config=FAST)
     assert "_per_member.1.negative_slope" not in other.state_dict()
-    wide2 = wc.compile(_members(_leaky_mlp, [0.5, 0.6, 0.7, 0.8], seed=1), torch.randn(4, 6), config=FAST)
-    wide2.load_state_dict(sd)
+    unproved = wc.compile(_members(_leaky_mlp, [0.5, 0.6, 0.7, 0.8], seed=1), torch.randn(4, 6), config=FAST)
+    before = {k: v.clone() for k, v in unproved.state_dict().items()}
+    with pytest.raises(ValueError, match=r"member 0's per-member constants .* Nothing was loaded"):
+        unproved.load_state_dict(sd)  # values it was never compiled for (Note [Per-member constants at the call])
+    assert all(torch.equal(v, before[k]) for k, v in unproved.state_dict().items())
+    wide2 = wc.compile(_members(_leaky_mlp, SLOPES[::-1], seed=1), torch.randn(4, 6), config=FAST)
+    wide2.load_state_dict(sd)  # the same configurations in another order
     assert wide2.per_member_constants == {"1.negative_slope": SLOPES}
     testing.check_equivalence(wide2, models, torch.randn(4, 3, 6))
     wide.to(torch.float64)

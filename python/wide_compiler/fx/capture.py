@@ -265,7 +265,10 @@ class _Watch:
 
     * a custom ``torch.autograd.Function``: export traces its forward, its backward is lost (the
       wide model's gradient would be autograd's of the forward: a straight-through estimator's
-      gradient becomes 0, a gradient-reversal layer's the identity);
+      gradient becomes 0, a gradient-reversal layer's the identity). One whose backward computes
+      autograd's gradient of its forward (a memory-saving GeLU, as BLOOM's) loses nothing: that is
+      checked in float64 at the traced sizes (:func:`_backward_is_autograds`), and only the others
+      count;
     * ``Tensor.register_hook`` on an activation: the hook never runs in the wide model's backward;
     * a read of the grad mode (``torch.is_grad_enabled()``, ``torch.is_inference_mode_enabled()``):
       the branch it takes is baked in, so the graph's guards check the mode at each call.
@@ -289,8 +292,10 @@ class _Watch:
                 user = is_user_file(inspect.getfile(cls))
             except (TypeError, OSError):  # a class without a source file
                 user = False
-            if user:
-                watch.functions.append(f"{cls.__qualname__} ({user_frame_and_module()})")
+            if user and not kwargs:
+                watch.functions.append((cls, [_spec(a) for a in args], user_frame_and_module()))
+            elif user:
+                watch.functions.append((cls, None, user_frame_and_module()))
             return apply.__func__(cls, *args, **kwargs)
 
         def watched_register_hook(t: torch.Tensor, hook: Any) -> Any:
@@ -319,7 +324,9 @@ class _Watch:
     def check(self, model: nn.Module) -> None:
         hooks = [f"{name or type(model).__name__} ({type(m).__name__}) has a backward hook"
                  for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
-        found = ([f"the custom autograd function {f}" for f in self.functions]
+        unproved = [(cls, where) for cls, specs, where in self.functions
+                    if specs is None or not _backward_is_autograds(cls, specs, self._saved[0])]
+        found = ([f"the custom autograd function {cls.__qualname__} ({where})" for cls, where in unproved]
                  + [f"Tensor.register_hook {h}" for h in self.hooks] + hooks)
         if not found:
             return
@@ -333,6 +340,58 @@ class _Watch:
                 "per member), or train the members without it.")
         log.warning("wide_compiler: %s: the eval graph computes the members' outputs, but a backward through "
                     "it would not run that code (Note [What export does not capture])", what)
+
+
+def _spec(a: Any) -> Any:
+    """An argument of a custom Function's call during export: a tensor as (shape by its size hints,
+    dtype), anything else as it is."""
+    if isinstance(a, torch.Tensor):
+        shape = [int(d.node.hint) if isinstance(d, torch.SymInt) else int(d) for d in a.shape]
+        return ("tensor", shape, a.dtype)
+    return ("value", a)
+
+
+def _backward_is_autograds(cls: type, specs: list, apply: Any) -> bool:
+    """Whether ``cls``'s backward gives autograd's gradient of its own forward (float64, random
+    inputs and cotangents of the traced sizes, 1e-6): then the traced forward's gradient is the
+    member's. Anything that fails to run counts as not."""
+    def inputs() -> list:  # the same values at each call
+        gen = torch.Generator().manual_seed(0)
+        return [torch.randn(sp[1], dtype=torch.float64, generator=gen).requires_grad_()
+                if sp[0] == "tensor" and sp[2].is_floating_point else
+                torch.zeros(sp[1], dtype=sp[2]) if sp[0] == "tensor" else sp[1] for sp in specs]
+
+    class _Ctx:  # what an old-style forward(ctx, ...) writes to
+        needs_input_grad = tuple(sp[0] == "tensor" for sp in specs)
+
+        def save_for_backward(self, *t: Any) -> None:
+            self.saved_tensors = t
+
+        def __getattr__(self, name: str) -> Any:
+            return lambda *a, **k: None  # mark_dirty, mark_non_differentiable, set_materialize_grads
+
+    try:
+        with torch.enable_grad():
+            xs = inputs()
+            leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+            out = apply.__func__(cls, *xs)
+            ys = inputs()
+            ref_leaves = [y for y in ys if isinstance(y, torch.Tensor) and y.requires_grad]
+            if "ctx" in inspect.signature(cls.forward).parameters:
+                ref = cls.forward(_Ctx(), *ys)
+            else:
+                ref = cls.forward(*ys)
+            outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+            pairs = [(o, r) for o, r in zip(outs, refs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+            gen = torch.Generator().manual_seed(1)
+            cots = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o, _ in pairs]
+            got = torch.autograd.grad([o for o, _ in pairs], leaves, cots, allow_unused=True)
+            want = torch.autograd.grad([r for _, r in pairs], ref_leaves, cots, allow_unused=True)
+        return all((g is None and w is None) or (g is not None and w is not None and g.shape == w.shape
+                                                 and torch.allclose(g, w, rtol=1e-6, atol=1e-9))
+                   for g, w in zip(got, want))
+    except Exception:  # noqa: BLE001 -- not provable here: the Function counts as one whose backward differs
+        return False
 
 
 class _RecurrentShapes:

@@ -70,6 +70,9 @@ class Guards:
     shown: tuple[str, ...]  # the same guards over the inputs' names, for messages
     # the grad mode the capture ran under, where the forward read it (torch.is_grad_enabled()); else None
     grad_mode: bool | None = None
+    # per flat user input: a floating input captured in the parameters' dtype, which follows the
+    # model's dtype after .to()/.double() (checked against the parameters' dtype at the call)
+    follows: tuple[bool, ...] = ()
     _fn: Any = dataclasses.field(default=None, repr=False, compare=False)
     _each: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -88,14 +91,15 @@ class Guards:
                 head.append(f"f[{k}] == _v{k}")
                 continue
             rank, sizes = fixed
-            head.append(f"f[{k}].dtype is _dt{k} and len(f[{k}].shape) == {rank + 1} and f[{k}].shape[0] == {self.n}")
+            dt = "pdt" if k < len(self.follows) and self.follows[k] else f"_dt{k}"
+            head.append(f"f[{k}].dtype is {dt} and len(f[{k}].shape) == {rank + 1} and f[{k}].shape[0] == {self.n}")
             head.extend(f"f[{k}].shape[{d + 1}] == {v}" for d, v in sizes.items())
         body = " and ".join([*head, *(f"({wide(c)})" for c in self.code)]) or "True"
         each = ", ".join(f"lambda s: {c}" for c in self.code)
         namespace = {**SYMPY_INTERP, "math": math, **{f"_dt{k}": d for k, d in enumerate(self.dtypes)},
                      **{f"_v{k}": v for k, v in enumerate(self.fixed) if self.dtypes[k] is None}}
         # our own generated code: the conjunction (each call), and each guard alone (to name the failed one)
-        exec(f"def _holds(f):\n    return {body}\n_each = ({each}{',' if self.code else ''})\n", namespace)  # noqa: S102
+        exec(f"def _holds(f, pdt):\n    return {body}\n_each = ({each}{',' if self.code else ''})\n", namespace)  # noqa: S102
         self._fn = namespace["_holds"]
         self._each = namespace["_each"]
 
@@ -106,28 +110,31 @@ class Guards:
         self.__dict__.update(state)
         self.__post_init__()
 
-    def holds(self, flat: Any) -> bool:
+    def holds(self, flat: Any, pdt: torch.dtype | None = None) -> bool:
         """Whether ``flat`` (the N-first user inputs, flat as the graph takes them) is nested, sized
         and typed as captured and within every guard: the one check of a call in the common case
-        (the call's own checks give the reason where it is False)."""
+        (the call's own checks give the reason where it is False). ``pdt``: the model's parameters'
+        dtype now (what the inputs that follow it must have)."""
         if self.grad_mode is not None and torch.is_grad_enabled() != self.grad_mode:
             return False
         try:
-            return bool(self._fn(flat))
+            return bool(self._fn(flat, pdt))
         except Exception:  # noqa: BLE001 -- anything unexpected (a rank, a type): the slow checks say what
             return False
 
-    def failed(self, flat: Any) -> str | None:
+    def failed(self, flat: Any, pdt: torch.dtype | None = None) -> str | None:
         """None when ``flat`` (the N-first user inputs, flat as the graph takes them) is within
         these guards, else a description of the first one it fails."""
         if self.grad_mode is not None and torch.is_grad_enabled() != self.grad_mode:
             return (f"the forward reads the grad mode, captured with gradients "
                     f"{'enabled' if self.grad_mode else 'disabled'}")
         s = []
-        for x, dtype, name in zip(flat, self.dtypes, self.names):
+        for k, (x, dtype, name) in enumerate(zip(flat, self.dtypes, self.names)):
             if dtype is None:
                 s.append(x)
                 continue
+            if k < len(self.follows) and self.follows[k]:
+                dtype = pdt
             if not isinstance(x, torch.Tensor) or x.dtype != dtype:
                 return f"input '{name}' is {getattr(x, 'dtype', type(x).__name__)}, captured as {dtype}"
             s.append(x.shape[1:])
@@ -202,6 +209,7 @@ def _user_vals(ep: ExportedProgram) -> list[tuple[str, Any]]:
 
 def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, dict], n: int,
               signature: inspect.Signature | None = None) -> Guards:
+    # (a floating input in the dtype of the model's parameters follows them: ``Guards.follows``)
     """The :class:`Guards` of ``ep``, the capture of ``model`` on ``sample`` (the args and kwargs
     export was given, ``signature`` the forward's as shown to export) for ``n`` members (Note
     [Guards])."""
@@ -297,4 +305,7 @@ def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, 
                     if not isinstance(size, int):
                         hint = int(size.node.hint)
                         add(f"s[{k}][{d}] == {hint}", f"{name}.size()[{d}] == {hint} (as captured)")
-    return Guards(n, dtypes, fixed, names, tuple(code), tuple(shown), getattr(ep, "wide_reads_grad_mode", None))
+    ref = next(model.parameters(), None)
+    follows = tuple(d is not None and ref is not None and d.is_floating_point and d == ref.dtype for d in dtypes)
+    return Guards(n, dtypes, fixed, names, tuple(code), tuple(shown), getattr(ep, "wide_reads_grad_mode", None),
+                  follows)
