@@ -1,4 +1,4 @@
-"""Attention dropout sweeps (Note [Per-member attention dropout] in fx/rules/attention_dropout.py,
+"""Attention dropout sweeps (Note [Per-member attention dropout] in fx/rules/_attention_dropout.py,
 Note [Attention weights with dropout in training] in fx/forms.py): members whose attention drops
 with different rates fuse with no fallback, each member dropping with its own rate, its own mask.
 
