@@ -496,9 +496,9 @@ def main(argv: list[str] | None = None) -> int:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(counts)
-    summary = {"programs": ran, "first_seed": seed, **counts}
-    (out / f"summary-{seed}.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary))
+        summary = {"programs": ran, "first_seed": seed, **counts}  # after each program: a stopped run keeps it
+        (out / f"summary-{seed}.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps({"programs": ran, "first_seed": seed, **counts}))
     return 1 if counts["wrong"] or counts["crash"] else 0
 
 
