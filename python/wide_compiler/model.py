@@ -334,7 +334,7 @@ class WideModel(MemberOpsMixin, nn.Module):
         if not torch.compiler.is_compiling() and _any_packed(args, kwargs):
             return self.packed(*args, **kwargs)  # wide(wc.pack(xs)): WideCompiler 0.x's convention
         wg, flat = self._graph_covering(self.training, args, kwargs)
-        if wg.constant_table is not None and not torch.compiler.is_compiling():
+        if wg.constant_table is not None and not torch.compiler.is_dynamo_compiling():
             self._sync_constants(wg)
         return call_graph(wg, self, self._holders(wg), flat)
 
@@ -442,7 +442,7 @@ class WideModel(MemberOpsMixin, nn.Module):
             flat = self._user_inputs(wg, args, kwargs)
             kept = 1 + len(self._variants.get(training, ()))
             reason = str(why).removeprefix("wide_compiler: ")
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_dynamo_compiling():
                 raise ValueError(
                     f"wide_compiler: this call is outside what the {mode} graph was captured for ({reason}), "
                     "and a graph cannot be captured inside torch.compile: call the wide model (or its "
@@ -637,7 +637,7 @@ class WideModel(MemberOpsMixin, nn.Module):
         if not ok:
             dims = _member_dims(member)
             if (self._dynamic_shapes is None and x.dim() == len(member) + 1 and x.shape[0] == self.n
-                    and not torch.compiler.is_compiling()):
+                    and not torch.compiler.is_dynamo_compiling()):
                 raise _NewSize(f"wide_compiler: input '{inp.name}' has shape {list(x.shape)}; "
                                f"captured as [{self.n}, {dims}]")
             hint = ""
