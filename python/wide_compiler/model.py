@@ -237,8 +237,10 @@ class WideModel(MemberOpsMixin, nn.Module):
     def per_member_constants(self) -> dict[str, list[float]]:
         """The module attributes that differ between members and are per member in the graph
         (Note [Per-member constants] in fx/constants.py): ``{attribute path: every member's
-        value}``, read from the ``_per_member.<path>`` buffers (which the graph reads: change one
-        and the members change). Empty when the members agree on every constant.
+        value}``, read from the ``_per_member.<path>`` buffers (which the graph reads: set a member's
+        values to a configuration the model was compiled for and that member changes; other values
+        are refused, Note [Per-member constants at the call]). Empty when the members agree on every
+        constant.
 
         >>> import torch, wide_compiler as wc
         >>> models = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(p)) for p in (0.1, 0.2)]
