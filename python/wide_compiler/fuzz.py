@@ -346,53 +346,19 @@ def _is_refusal(e: BaseException) -> bool:
         isinstance(e, (ValueError, TypeError, RuntimeError, IndexError)) and str(e).startswith("wide_compiler"))
 
 
-def _compare(prog: Program, wide: nn.Module, members: list[nn.Module], xs: list[torch.Tensor], training: bool,
-             grads: bool) -> str | None:
-    """None when every member of ``wide`` computes what the member computes alone on ``xs``."""
-    floats = [x.clone().requires_grad_(grads and x.is_floating_point()) for x in xs]
-    out = wide(*floats)
-    params = dict(wide.named_parameters())
-    if grads:
-        wide_grads = torch.autograd.grad(out.sum(), [x for x in floats if x.requires_grad] + list(params.values()),
-                                         allow_unused=True)
-    for i, m in enumerate(members):
-        mine = [x[i].detach().clone().requires_grad_(grads and x.is_floating_point()) for x in xs]
-        ref = m(*mine)
-        if out[i].shape != ref.shape:
-            return f"member {i}: output shape {tuple(out[i].shape)}, alone {tuple(ref.shape)}"
-        if not torch.allclose(out[i], ref, equal_nan=True, **TOLERANCE):
-            return f"member {i}: output differs by {(out[i] - ref).abs().max().item():.3g}"
-        if not grads:
-            continue
-        own = dict(m.named_parameters())
-        leaves = [x for x in mine if x.requires_grad]
-        ref_grads = torch.autograd.grad(ref.sum(), leaves + list(own.values()), allow_unused=True)
-        k = len(leaves)
-        for j, (g, r) in enumerate(zip(wide_grads[:k], ref_grads[:k])):
-            if not _close(None if g is None else g[i], r):
-                return f"member {i}: input {j} gradient differs"
-        by_name = dict(zip(own, ref_grads[k:]))
-        for (name, _), g in zip(params.items(), wide_grads[k:]):
-            if name in by_name and not _close(None if g is None else g[i], by_name[name]):
-                return f"member {i}: gradient of {name} differs"
-    return None
-
-
-def _close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return (a is None or not a.abs().max().item()) and (b is None or not b.abs().max().item())
-    return a.shape == b.shape and torch.allclose(a, b, equal_nan=True, **TOLERANCE)
-
-
-def _check_float32(wide: nn.Module, members: list[nn.Module], xs: list[torch.Tensor], training: bool) -> str | None:
-    """None when the float32 wide model is as close to a float64 run of the members as the
-    members themselves (:func:`wide_compiler.testing.check_equivalence`, Note [The float64
-    reference] in _equivalence.py)."""
+def _check(wide: nn.Module, members: list[nn.Module], xs: list[torch.Tensor], training: bool,
+           dtype: torch.dtype) -> str | None:
+    """None when every member of ``wide`` computes what the member computes alone on ``xs``
+    (outputs, input and parameter gradients), by the project's harness
+    (:func:`wide_compiler.testing.check_equivalence`): float64 within :data:`TOLERANCE`, float32
+    against a float64 run of the members (Note [The float64 reference] in _equivalence.py)."""
     from ._equivalence import check_equivalence
 
     per_member = [tuple(x[i] for x in xs) for i in range(len(members))]
+    fixed = TOLERANCE if dtype == torch.float64 else {}
     try:
-        check_equivalence(wide, members, per_member, training=training, buffers=False)
+        check_equivalence(wide, members, per_member, training=training, dtype=dtype, buffers=False, equal_nan=True,
+                          **fixed)
     except AssertionError as e:
         return str(e).splitlines()[0][:500]
     return None
@@ -446,8 +412,7 @@ def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch
                         return Result(prog, "wrong", f"train call {shapes}: non-finite output")
                     outcome = "skipped" if outcome == "ok" else outcome
                 else:
-                    why = (_compare(prog, wide, members, xs, training, grads=True) if dtype == torch.float64
-                           else _check_float32(wide, members, xs, training))
+                    why = _check(wide, members, xs, training, dtype)
                     if why is not None:
                         return Result(prog, "wrong", f"{'train' if training else 'eval'} call {shapes}: {why}")
             except Exception as e:  # noqa: BLE001
@@ -498,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix(counts)
         summary = {"programs": ran, "first_seed": seed, **counts}  # after each program: a stopped run keeps it
         (out / f"summary-{seed}.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps({"programs": ran, "first_seed": seed, **counts}))
+    log.warning("wide_compiler.fuzz: %s", json.dumps({"programs": ran, "first_seed": seed, **counts}))
     return 1 if counts["wrong"] or counts["crash"] else 0
 
 
