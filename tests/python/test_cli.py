@@ -352,22 +352,29 @@ def test_contention_note():
     assert "0.8 of 2 CPUs" in measure.contention_note({**quiet, "others_load": 0.8})
 
 
-def test_end_of_run_does_not_count_the_runs_own_load():
-    """A run that kept one thread busy for 1 s: others_load is what other processes used, not
-    the run's own second of CPU (the load average would count both)."""
+def test_end_of_run_does_not_count_the_runs_own_load(monkeypatch):
+    """others_load is what other processes kept busy, not the run's own CPU seconds (the load
+    average would count both). The clocks are injected: a run of 2 s wall that used 1 s of CPU
+    while all CPUs were busy 4 s in total leaves 1.5 CPUs to others, however busy the machine
+    running the test is."""
+    from types import SimpleNamespace
     from wide_compiler.measure import machine as machine_facts
 
+    clocks = {"cpu": 10.0, "wall": 100.0, "busy": 500.0}
+    monkeypatch.setattr(machine_facts, "time", SimpleNamespace(process_time=lambda: clocks["cpu"],
+                                                               monotonic=lambda: clocks["wall"]))
+    monkeypatch.setattr(machine_facts, "_busy_cpu_s", lambda: clocks["busy"])
+    monkeypatch.setattr(machine_facts, "load_avg", lambda: [1.9, 1.8, 1.7])
     machine = measure.machine_info()
-    start = time.monotonic()
-    while time.monotonic() - start < 1.0:
-        pass
+    assert machine["run_clock"] == [10.0, 100.0, 500.0]
+    clocks.update(cpu=11.0, wall=102.0, busy=504.0)
     end = measure.end_of_run(machine)
-    wall = time.monotonic() - machine["run_clock"][1]
-    if end["others_load"] is None:
-        pytest.skip("no /proc/stat")
-    everyone = (machine_facts._busy_cpu_s() - machine["run_clock"][2]) / wall  # this run's ~1.0 included
-    assert 0 <= end["others_load"] <= everyone - 0.5, (end["others_load"], everyone)
-    assert end["load_avg_end"] is None or len(end["load_avg_end"]) == 3
+    assert end["others_load"] == 1.5  # (4 busy - 1 own) / 2 wall; counting its own would say 2.0
+    assert end["load_avg_end"] == [1.9, 1.8, 1.7]
+    clocks.update(busy=500.5)  # less busy time than the run's own CPU (tick rounding): never negative
+    assert measure.end_of_run(machine)["others_load"] == 0.0
+    monkeypatch.setattr(machine_facts, "_busy_cpu_s", lambda: None)  # no /proc/stat
+    assert measure.end_of_run(measure.machine_info())["others_load"] is None
 
 
 @pytest.mark.parametrize("model", ["mlp", "convnet"])
