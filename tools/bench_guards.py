@@ -66,8 +66,8 @@ def main() -> None:
         holders = wide._holders(wg)
         rec = {
             "target": "guards", "n": n, "inputs": len(xs), "guards": len(wg.guards.code) + len(xs),
-            "guards_us": _median_us(lambda: wg.guards.holds(flat, wide._param_dtype), args.repeats),
-            "guards_hold": wg.guards.holds(flat, wide._param_dtype),
+            "guards_us": _median_us(lambda: wg.guards.holds(flat, wide._param_dtype, wide._param_device), args.repeats),
+            "guards_hold": wg.guards.holds(flat, wide._param_dtype, wide._param_device),
             "call_check_us": _median_us(lambda: wide._graph_covering(False, xs, {}), args.repeats),
             "forward_us": _median_us(lambda: wide(*xs), args.repeats // 10),
             "forward_unchecked_us": _median_us(lambda: call_graph(wg, wide, holders, flat), args.repeats // 10),

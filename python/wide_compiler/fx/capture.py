@@ -48,9 +48,12 @@ import contextlib
 import copy
 import inspect
 import logging
+import os
 import re
 import sys
+import threading
 import traceback
+import types
 from typing import Any
 
 import torch
@@ -237,11 +240,15 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             args, kwargs = batch_of_two((args, kwargs))
     registered: set[str] = set()
     while True:
+        watch = _Watch()
         try:
-            with _ForwardSignature(model, signature), without_cudnn(), _RecurrentShapes(), _Watch() as watch:
+            with _ForwardSignature(model, signature), without_cudnn(), _RecurrentShapes(), watch:
                 ep = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
             watch.check(model)
-            ep.wide_reads_grad_mode = watch.grad_mode  # Note [Guards] (fx/guards.py)
+            ep.wide_reads = watch.reads()  # Note [State a forward reads] (fx/guards.py)
+            if watch.compiling:
+                log.info("wide_compiler: the forward asks torch.compiler.is_compiling() (%s): captured with the "
+                         "answer False, as each member gets when called alone", "; ".join(dict.fromkeys(watch.compiling)))
             return ep
         except Exception as e:  # export's own errors are many types; keep its reason whole
             found = _UNKNOWN_OUTPUT.search(str(e))
@@ -256,7 +263,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                     "sample_kwargs={'use_cache': False} or set config.use_cache = False), or register "
                     "the type with torch.utils._pytree.register_pytree_node so its tensors come out "
                     "N-first like any output.") from e
-            raise _capture_error(model, e) from e
+            raise _capture_error(model, e, getattr(watch, "compiling", ())) from e
 
 
 class _Watch:
@@ -270,62 +277,63 @@ class _Watch:
       checked in float64 at the traced sizes (:func:`_backward_is_autograds`), and only the others
       count;
     * ``Tensor.register_hook`` on an activation: the hook never runs in the wide model's backward;
-    * a read of the grad mode (``torch.is_grad_enabled()``, ``torch.is_inference_mode_enabled()``):
-      the branch it takes is baked in, so the graph's guards check the mode at each call.
+    * what the forward reads of the state of the process, whose branch is baked in (Note [State a
+      forward reads] in fx/guards.py): the grad mode (``torch.is_grad_enabled()``,
+      ``torch.is_inference_mode_enabled()``), the global flags of ``guards.FLAG_READERS``
+      (determinism, autocast, the default dtype, matmul precision), an input's memory layout
+      (``Tensor.is_contiguous``, ``Tensor.stride``) and a tensor's device (``.device``,
+      ``.is_cuda``, ``.is_cpu``): each becomes a guard of the graph, checked at every call;
+    * ``torch.compiler.is_compiling()`` / ``is_exporting()`` (and ``torch._dynamo.is_compiling``,
+      ``torch._utils.is_compiling``, which call it), called from the user's own code (not a
+      library's under site-packages, not torch's): export runs the forward with them True, each
+      member alone with them False. The user's code gets False here, so the graph takes the branch
+      each member takes alone (export fails, and says so, where that branch cannot be captured);
+      a library's code keeps export's answer (its export support chose that branch for export).
+      The function objects themselves answer (their code is swapped for the block), so a name
+      imported with ``from torch.compiler import is_compiling`` answers the same.
 
     :meth:`check` refuses a train graph with the first two (and a module's backward hooks, which
     export drops too), naming the class or line; an eval graph only warns (its forward values are
     the members'; a backward through it would not be). Only calls from the user's code count (not
-    torch's or wide_compiler's own)."""
+    torch's or wide_compiler's own).
+
+    The patches are process-wide (installed by the first block to open, removed by the last to
+    close, under a lock) and record only for the thread whose export opened a block: another
+    thread's calls get the real functions' answers."""
 
     def __enter__(self) -> _Watch:
-        self.functions: list[str] = []
+        self.functions: list = []
         self.hooks: list[str] = []
         self.grad_mode: bool | None = None
-        fn_cls, watch = torch.autograd.function.Function, self
-        self._saved = (fn_cls.__dict__["apply"], torch.Tensor.register_hook, torch.is_grad_enabled,
-                       torch.is_inference_mode_enabled)
-        apply, register_hook, is_grad_enabled, is_inference = self._saved
-
-        def watched_apply(cls, *args: Any, **kwargs: Any) -> Any:
-            try:
-                user = is_user_file(inspect.getfile(cls))
-            except (TypeError, OSError):  # a class without a source file
-                user = False
-            if user and not kwargs:
-                watch.functions.append((cls, [_spec(a) for a in args], user_frame_and_module()))
-            elif user:
-                watch.functions.append((cls, None, user_frame_and_module()))
-            return apply.__func__(cls, *args, **kwargs)
-
-        def watched_register_hook(t: torch.Tensor, hook: Any) -> Any:
-            if is_user_file(sys._getframe(1).f_code.co_filename):
-                watch.hooks.append(user_frame_and_module())
-            return register_hook(t, hook)
-
-        def reads(fn: Any) -> Any:
-            def read() -> bool:
-                value = fn()
-                if is_user_file(sys._getframe(1).f_code.co_filename):
-                    watch.grad_mode = torch._C.is_grad_enabled()
-                return value
-            return read
-
-        fn_cls.apply = classmethod(watched_apply)
-        torch.Tensor.register_hook = watched_register_hook
-        torch.is_grad_enabled = reads(is_grad_enabled)
-        torch.is_inference_mode_enabled = reads(is_inference)
+        self.flags: dict[tuple[str, tuple], Any] = {}
+        self.layout: list[str] = []  # where the user's code read a tensor's memory layout
+        self.device: list[str] = []  # where it read a tensor's device
+        self.compiling: list[str] = []  # where it asked is_compiling()/is_exporting() (answered False)
+        with _WATCH_LOCK:
+            if not _WATCHES:
+                _install_watch_patches()
+            _WATCHES[threading.get_ident()] = self
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        fn_cls = torch.autograd.function.Function
-        fn_cls.apply, torch.Tensor.register_hook, torch.is_grad_enabled, torch.is_inference_mode_enabled = self._saved
+        with _WATCH_LOCK:
+            _WATCHES.pop(threading.get_ident(), None)
+            if not _WATCHES:
+                _remove_watch_patches()
+
+    def reads(self) -> dict[str, Any]:
+        """What the forward read of the process's state, as plain values (Note [State a forward
+        reads] in fx/guards.py): ``grad_mode`` (bool or None), ``flags`` (``((reader, args),
+        value)`` pairs), ``layout`` and ``device`` (whether read), ``compiling`` (where)."""
+        return {"grad_mode": self.grad_mode, "flags": tuple(self.flags.items()), "layout": bool(self.layout),
+                "device": bool(self.device), "compiling": tuple(dict.fromkeys(self.compiling))}
 
     def check(self, model: nn.Module) -> None:
         hooks = [f"{name or type(model).__name__} ({type(m).__name__}) has a backward hook"
                  for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
         unproved = [(cls, where) for cls, specs, where in self.functions
-                    if specs is None or not _backward_is_autograds(cls, specs, self._saved[0])]
+                    if specs is None or not _backward_is_autograds(
+                        cls, specs, torch.autograd.function.Function.__dict__["apply"])]
         found = ([f"the custom autograd function {cls.__qualname__} ({where})" for cls, where in unproved]
                  + [f"Tensor.register_hook {h}" for h in self.hooks] + hooks)
         if not found:
@@ -340,6 +348,146 @@ class _Watch:
                 "per member), or train the members without it.")
         log.warning("wide_compiler: %s: the eval graph computes the members' outputs, but a backward through "
                     "it would not run that code (Note [What export does not capture])", what)
+
+
+# -- the patches of _Watch (process-wide while any export runs under one) ----------------------------
+
+_WATCH_LOCK = threading.Lock()
+_WATCHES: dict[int, _Watch] = {}  # thread id -> the watch of the export running in that thread
+_PATCHED: list[tuple[Any, str, Any]] = []  # (owner, attribute, what was there: _ABSENT if nothing)
+_ABSENT = object()
+_SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+
+
+def _watching() -> _Watch | None:
+    return _WATCHES.get(threading.get_ident())
+
+
+def _user_caller(depth: int = 2) -> bool:
+    """Whether the caller of the patched function (``depth`` frames up) is the user's code."""
+    return is_user_file(sys._getframe(depth).f_code.co_filename)
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    _PATCHED.append((owner, name, owner.__dict__.get(name, _ABSENT)))
+    setattr(owner, name, value)
+
+
+def _install_watch_patches() -> None:
+    from .guards import FLAG_READERS
+
+    fn_cls = torch.autograd.function.Function
+    apply, register_hook = fn_cls.__dict__["apply"], torch.Tensor.register_hook
+
+    def watched_apply(cls, *args: Any, **kwargs: Any) -> Any:
+        watch = _watching()
+        if watch is not None:
+            try:
+                user = is_user_file(inspect.getfile(cls))
+            except (TypeError, OSError):  # a class without a source file
+                user = False
+            if user:
+                watch.functions.append((cls, None if kwargs else [_spec(a) for a in args], user_frame_and_module()))
+        return apply.__func__(cls, *args, **kwargs)
+
+    def watched_register_hook(t: torch.Tensor, hook: Any) -> Any:
+        watch = _watching()
+        if watch is not None and _user_caller():
+            watch.hooks.append(user_frame_and_module())
+        return register_hook(t, hook)
+
+    def grad_read(fn: Any) -> Any:
+        def read() -> bool:
+            value = fn()
+            watch = _watching()
+            if watch is not None and _user_caller():
+                watch.grad_mode = torch._C.is_grad_enabled()
+            return value
+        return read
+
+    def flag_read(name: str, fn: Any) -> Any:
+        def read(*args: Any) -> Any:
+            value = fn(*args)
+            watch = _watching()
+            if watch is not None and _user_caller():
+                watch.flags[(name, tuple(args))] = value
+            return value
+        read.__name__ = read.__qualname__ = name
+        return read
+
+    def layout_read(fn: Any) -> Any:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            watch = _watching()
+            if watch is not None and _user_caller():
+                watch.layout.append(user_frame_and_module())
+            return fn(self, *args, **kwargs)
+        return read
+
+    def device_read(getter: Any) -> property:
+        def read(self: torch.Tensor) -> Any:
+            watch = _watching()
+            if watch is not None and _user_caller():
+                watch.device.append(user_frame_and_module())
+            return getter(self)
+        return property(read)
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    _patch(fn_cls, "apply", classmethod(watched_apply))
+    _patch(torch.Tensor, "register_hook", watched_register_hook)
+    _patch(torch, "is_grad_enabled", grad_read(torch.is_grad_enabled))
+    _patch(torch, "is_inference_mode_enabled", grad_read(torch.is_inference_mode_enabled))
+    for name, fn in FLAG_READERS.items():
+        _patch(torch, name, flag_read(name, fn))
+    for name in ("is_contiguous", "stride"):
+        _patch(torch.Tensor, name, layout_read(getattr(torch._C.TensorBase, name)))
+    for owner, name in ((FakeTensor, "device"), (torch.Tensor, "is_cuda"), (torch.Tensor, "is_cpu")):
+        _patch(owner, name, device_read(getattr(owner, name).__get__))
+    for fn, shim in _COMPILING_SHIMS:
+        _PATCHED.append((fn, "__code__", fn.__code__))
+        fn.__code__ = shim
+
+
+def _remove_watch_patches() -> None:
+    while _PATCHED:
+        owner, name, old = _PATCHED.pop()
+        if old is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, old)
+
+
+def _answer_compiling(frame: Any, which: int) -> bool:
+    """The answer of ``torch.compiler.is_compiling`` (``which`` 0) or ``is_exporting`` (1) while
+    a :class:`_Watch` is open: False to the user's own code in the watching thread (what a member
+    alone sees), recorded; the real answer to anything else."""
+    watch = _watching()
+    if watch is not None:
+        while frame is not None and frame.f_code in _COMPILING_WRAPPERS:
+            frame = frame.f_back
+        filename = frame.f_code.co_filename if frame is not None else ""
+        if is_user_file(filename) and not any(s in filename for s in _SITE):
+            watch.compiling.append(location(filename, frame.f_lineno, frame.f_code.co_name))
+            return False
+    return _COMPILING_ORIGINALS[which]()
+
+
+def _is_compiling_shim() -> bool:  # the code torch.compiler.is_compiling runs within a _Watch
+    import sys
+    return sys.modules["wide_compiler.fx.capture"]._answer_compiling(sys._getframe(1), 0)
+
+
+def _is_exporting_shim() -> bool:  # the code torch.compiler.is_exporting runs within a _Watch
+    import sys
+    return sys.modules["wide_compiler.fx.capture"]._answer_compiling(sys._getframe(1), 1)
+
+
+_COMPILING_FNS = (torch.compiler.is_compiling, torch.compiler.is_exporting)
+_COMPILING_ORIGINALS = tuple(types.FunctionType(f.__code__, f.__globals__, f.__name__) for f in _COMPILING_FNS)
+_COMPILING_SHIMS = tuple(zip(_COMPILING_FNS, (_is_compiling_shim.__code__, _is_exporting_shim.__code__)))
+# torch's own functions that only pass is_compiling() on: the frame that asks is their caller's
+_COMPILING_WRAPPERS = frozenset(f.__code__ for f in (torch._dynamo.external_utils.is_compiling, torch._utils.is_compiling)
+                                if isinstance(f, types.FunctionType))
 
 
 def _spec(a: Any) -> Any:
@@ -628,11 +776,15 @@ def register_output_type(qualname: str) -> bool:
 _KNOWN_OUTPUTS = ("transformers.cache_utils.DynamicCache", "transformers.cache_utils.EncoderDecoderCache")
 
 
-def _capture_error(model: nn.Module, e: Exception) -> WideCompileError:
+def _capture_error(model: nn.Module, e: Exception, compiling: Any = ()) -> WideCompileError:
     packed = _packed_sequence_use(model, e)
     if packed is not None:
         return packed
     what = f"wide_compiler: torch.export could not capture {type(model).__name__}: {type(e).__name__}: {e}\n"
+    if compiling:
+        what += (f"The forward asks torch.compiler.is_compiling() ({'; '.join(dict.fromkeys(compiling))}): the "
+                 "capture follows the branch each member takes when called alone (the answer False, Note [What "
+                 "export does not capture] in fx/capture.py), and that branch is what failed above.\n")
     if "dynamic_shapes" in str(e) or "tree_name" in str(e):
         return WideCompileError(
             what + "What to do: the dynamic_shapes given to torch.export do not match the forward's "

@@ -34,26 +34,247 @@ checked with their own messages first (``WideModel._check_input``).
 
 A guard of export's that names an input this module cannot map (a stride, an input path it does
 not know) is not dropped: the graph then holds only for inputs of exactly the captured sizes.
+
+Note [State a forward reads]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Besides its inputs' shapes, a forward's Python may read the state of the process, and export bakes
+the branch it took into the graph without a guard. What is guarded, each checked by the same
+generated function at every call (a call outside captures a graph for it, as for a new size):
+
+* **global flags** (``FLAG_READERS``: ``torch.are_deterministic_algorithms_enabled()``,
+  ``torch.is_autocast_enabled(device)``, ``torch.get_autocast_dtype(device)``,
+  ``torch.get_default_dtype()``, ``torch.get_float32_matmul_precision()`` and their kin): the calls
+  the user's code made during capture, with their arguments and answers (fx/capture.py's
+  ``_Watch``); a reader the code holds as a global (``from torch import get_default_dtype``) is
+  not seen when called, so every variant of it is guarded;
+* **memory layout**: where the user's code read ``Tensor.is_contiguous`` or ``Tensor.stride``
+  during capture (of any tensor: an intermediate's layout follows the inputs'), every tensor
+  input's member layout (:func:`layout_of`: the stride order of a dense tensor, else its strides)
+  must be the captured one. Export specialises on the sample's strides silently (a transposed
+  input would run the contiguous branch); the call's own layout is captured instead;
+* **device**: every tensor input must be on the device of the model's parameters (buffers for a
+  model without parameters) now, or, for one captured elsewhere (a CPU index tensor beside CUDA
+  parameters), on its captured device: a call that is not is refused naming the input (no capture
+  could take it; the members would fail too). Where the user's code read a tensor's device
+  (``.device``, ``.is_cuda``, ``.is_cpu``), the parameters' device at capture is guarded too, so
+  the graphs follow ``.to(device)`` (captured again on the new device);
+* **module globals and class attributes** (:func:`globals_read`): the plain immutable values
+  (numbers, strings, None, dtypes, devices, tuples and frozensets of them) that the code of the
+  members' classes loads as globals or reads as class attributes of its module (``self.SCALE``
+  where the instance has no ``SCALE``), found by reading the bytecode of every function of every
+  user class in the module tree, the functions they hold, and the user's functions they load as
+  globals, transitively (bounded: ``MAX_CODES``, ``MAX_WATCHED``). Checked by identity (an ``is``
+  per value: tens of nanoseconds), then by type and value (:func:`same_value`: ``2`` is not
+  ``2.0``), so ``mod.SCALE = 3.0`` after compiling captures a graph with 3.0, and setting it back
+  reuses the first graph.
+
+Not guarded (documented limits): the contents of mutable objects (a list, a dict, a config
+object's attributes: ``cfg.scale``), values reached through an attribute of another module
+(``helpers.SCALE``; a module global that is a module is not followed), functions called through
+such attributes, closure cells, instance attributes (per-member constants cover those: Note
+[Per-member constants]), ``torch.backends.*`` flags (capture runs with cuDNN off, on purpose), and
+state read in torch's or wide_compiler's own code. ``torch.compiler.is_compiling()`` needs no
+guard: the user's code gets False at capture, as each member alone does (Note [What export does
+not capture] in fx/capture.py).
+
+A :class:`Guards` pickles as plain data (a compile cache keeps it on disk): the live dicts and
+classes of the watched globals are found again by module name and class qualified name when it is
+loaded (``_owner_of``; one not found, such as a class defined inside a function, fails its guard, so
+the graph is captured again rather than run unchecked), and the device and flag readers by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import dis
 import inspect
 import logging
 import math
 import re
+import sys
+import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.export import ExportedProgram
 from torch.utils._pytree import MappingKey, SequenceKey, keystr, tree_flatten_with_path
 
-__all__ = ["MAX_GRAPHS", "Guards", "finite_bound", "guards_of"]
+__all__ = ["FLAG_READERS", "MAX_GRAPHS", "Guards", "finite_bound", "globals_read", "guards_of", "layout_of",
+           "member_layout", "same_value"]
 
 log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 8  # graphs kept per train/eval mode (the first capture and those for other inputs)
+MAX_WATCHED = 128  # module globals and class attributes guarded per graph (Note [State a forward reads])
+MAX_CODES = 512  # code objects the scan for them reads per capture
+
+# Note [State a forward reads]: the global flags whose reads (from the user's code, during capture)
+# become guards; fx/capture.py's _Watch records the calls ``torch.<name>(*args)``
+FLAG_READERS: dict[str, Any] = {name: getattr(torch, name) for name in (
+    "are_deterministic_algorithms_enabled", "is_deterministic_algorithms_warn_only_enabled",
+    "get_deterministic_debug_mode", "is_autocast_enabled", "get_autocast_dtype", "is_autocast_cpu_enabled",
+    "get_autocast_cpu_dtype", "get_autocast_gpu_dtype", "is_autocast_cache_enabled", "get_default_dtype",
+    "get_float32_matmul_precision") if hasattr(torch, name)}
+# the arguments a reader imported by name is guarded with (its calls are not seen: every variant)
+_BOUND_ARGS = {"is_autocast_enabled": ((), ("cpu",), ("cuda",)), "get_autocast_dtype": (("cpu",), ("cuda",))}
+
+
+def layout_of(shape: Sequence[int], stride: Sequence[int]) -> tuple:
+    """A tensor's memory layout as Python can observe it, for a guard: ``("dense", order)`` for a
+    dense non-overlapping tensor (its dims of size > 1 from the largest stride; with the sizes this
+    determines every stride, hence every answer of ``is_contiguous`` in any memory format), else
+    ``("strided", strides)``.
+
+    >>> layout_of((2, 3), (3, 1)), layout_of((2, 3), (1, 2)), layout_of((2, 3), (0, 1))
+    (('dense', (0, 1)), ('dense', (1, 0)), ('strided', (0, 1)))
+    """
+    dims = [d for d, size in enumerate(shape) if size != 1]
+    order = tuple(sorted(dims, key=lambda d: (-stride[d], -d)))
+    expected = 1
+    for d in reversed(order):
+        if stride[d] != expected:
+            return ("strided", tuple(stride))
+        expected *= shape[d]
+    return ("dense", order)
+
+
+def member_layout(x: torch.Tensor) -> tuple:
+    """:func:`layout_of` one member's slice ``x[i]`` of an N-first input (every member's is the same)."""
+    return layout_of(x.shape[1:], x.stride()[1:])
+
+
+def _hint(v: Any) -> int:
+    return int(v.node.hint) if isinstance(v, torch.SymInt) else int(v)
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two plain values are the same for a program that reads them: the same type and
+    value (``2`` is not ``2.0``, ``-0.0`` is not ``0.0``, a NaN is a NaN).
+
+    >>> same_value(2, 2), same_value(2, 2.0), same_value(float("nan"), float("nan")), same_value((1, "a"), (1, "a"))
+    (True, False, True, True)
+    """
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, frozenset)):
+        if isinstance(a, frozenset):
+            return a == b
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, (float, complex)):
+        return repr(a) == repr(b)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 -- a value that cannot be compared is not the same
+        return False
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.memory_format,
+          torch.layout)
+
+
+def _plain(v: Any, depth: int = 0) -> bool:
+    """A value a guard can keep and compare: immutable scalars, strings, dtypes, and tuples or
+    frozensets of them."""
+    if isinstance(v, _PLAIN):
+        return True
+    if type(v) in (tuple, frozenset) and depth < 2 and len(v) <= 16:
+        return all(_plain(x, depth + 1) for x in v)
+    return False
+
+
+def _owner_of(module: str, qualname: str) -> Any:
+    """The dict of module ``module`` (``qualname`` empty) or its class ``qualname``; None when
+    neither is found (the guard then fails: the graph is captured again)."""
+    mod = sys.modules.get(module)
+    if mod is None:
+        return None
+    if not qualname:
+        return vars(mod)
+    owner: Any = mod
+    for part in qualname.split("."):
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None
+    return owner
+
+
+def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]], list[Any], list[str]]:
+    """Note [State a forward reads]: the module globals and class attributes that the code of
+    ``model``'s module classes reads, with plain immutable values: ``(entries, owners, readers)``,
+    ``entries`` as ``Guards.watched``, ``owners`` the live dicts and classes, ``readers`` the
+    FLAG_READERS names the code holds as globals (``from torch import get_default_dtype``).
+
+    Read statically (``dis``): every function of every user class in the module tree, the code
+    objects nested in them (comprehensions, inner functions), and the user's functions they load as
+    globals, transitively (at most ``MAX_CODES`` code objects, ``MAX_WATCHED`` values). A name
+    loaded as an attribute (``self.SCALE``) counts as a class attribute of the module's class when
+    the instance has no attribute of that name."""
+    from .source import is_user_file
+
+    entries: dict[tuple[int, str], tuple[tuple[str, str, str, Any], Any]] = {}
+    readers: list[str] = []
+    reader_names = {id(fn): name for name, fn in FLAG_READERS.items()}
+    work: list[tuple[Any, Any]] = []  # (function, the module whose class holds it, or None)
+    seen_cls: set[type] = set()
+    for m in model.modules():
+        work.extend((v, None) for v in vars(m).values()  # functions held by the instance (self.act = fn)
+                    if isinstance(v, types.FunctionType) and is_user_file(v.__code__.co_filename))
+        for klass in type(m).__mro__:
+            if (klass, type(m)) in seen_cls:
+                continue
+            seen_cls.add((klass, type(m)))
+            for v in vars(klass).values():
+                fn = v.fget if isinstance(v, property) else getattr(v, "__func__", v)
+                if isinstance(fn, types.FunctionType) and is_user_file(fn.__code__.co_filename):
+                    work.append((fn, m))
+    seen: set[tuple[Any, int]] = set()
+    codes = 0
+    while work:
+        fn, m = work.pop()
+        stack = [fn.__code__]
+        while stack:
+            code = stack.pop()
+            if (code, id(m)) in seen:
+                continue
+            seen.add((code, id(m)))
+            codes += 1
+            if codes > MAX_CODES:
+                log.debug("wide_compiler: more than %d code objects in the members' classes: the globals the "
+                          "rest read are not guarded", MAX_CODES)
+                work.clear()
+                break
+            stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+            g = fn.__globals__
+            for ins in dis.get_instructions(code):
+                name = ins.argval
+                if not isinstance(name, str):
+                    continue
+                if ins.opname == "LOAD_GLOBAL" and name in g:
+                    v = g[name]
+                    if _plain(v):
+                        entries.setdefault((id(g), name), ((str(g.get("__name__")), "", name, v), g))
+                    elif isinstance(v, types.FunctionType) and is_user_file(v.__code__.co_filename):
+                        work.append((v, None))
+                    elif id(v) in reader_names and reader_names[id(v)] not in readers:
+                        readers.append(reader_names[id(v)])
+                elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and m is not None and name not in m.__dict__ \
+                        and name not in m._parameters and name not in m._buffers and name not in m._modules:
+                    cls = type(m)
+                    try:
+                        v = inspect.getattr_static(cls, name)
+                    except AttributeError:
+                        continue
+                    if _plain(v):
+                        entries.setdefault((id(cls), name), ((cls.__module__, cls.__qualname__, name, v), cls))
+    found = list(entries.values())
+    if len(found) > MAX_WATCHED:
+        log.warning("wide_compiler: the members' code reads %d module globals and class attributes; the first %d "
+                    "are guarded (Note [State a forward reads])", len(found), MAX_WATCHED)
+        found = found[:MAX_WATCHED]
+    return [e for e, _ in found], [o for _, o in found], readers
 
 
 @dataclasses.dataclass
@@ -73,8 +294,24 @@ class Guards:
     # per flat user input: a floating input captured in the parameters' dtype, which follows the
     # model's dtype after .to()/.double() (checked against the parameters' dtype at the call)
     follows: tuple[bool, ...] = ()
+    # Note [State a forward reads]: ((reader, args), value) of every FLAG_READERS flag the forward read
+    flags: tuple[tuple[tuple[str, tuple], Any], ...] = ()
+    # per flat user input: one member's memory layout as captured (layout_of; None: not a tensor),
+    # where the forward read a layout (Tensor.is_contiguous, Tensor.stride); else ()
+    layout: tuple[Any, ...] = ()
+    # per flat user input: "" for a tensor on the parameters' device at capture (it must be on their
+    # device at the call), else the device it was captured on (str); None: not a tensor
+    devices: tuple[str | None, ...] = ()
+    # the parameters' device at capture (str), where the forward read a tensor's device; else None
+    device: str | None = None
+    # (module, class qualname or "", name, value): a module global or class attribute the members'
+    # code reads, with its value as captured (plain immutable values only)
+    watched: tuple[tuple[str, str, str, Any], ...] = ()
     _fn: Any = dataclasses.field(default=None, repr=False, compare=False)
     _each: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # the live dict or class of each ``watched`` entry (found again by name after unpickling)
+    _owners: Any = dataclasses.field(default=None, repr=False, compare=False)
+    _ns: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
@@ -84,6 +321,8 @@ class Guards:
             c = re.sub(r"s\[(\d+)\]\[(\d+)\]", lambda m: f"f[{m[1]}].shape[{int(m[2]) + 1}]", c)
             return re.sub(r"s\[(\d+)\]", r"f[\1]", c)
 
+        if self._owners is None:
+            self._owners = tuple(_owner_of(module, qualname) for module, qualname, _, _ in self.watched)
         # the fast path (Guards.holds): the structure and fixed-size checks of the call, then the guards
         head = []
         for k, (dtype, fixed) in enumerate(zip(self.dtypes, self.fixed)):
@@ -94,37 +333,62 @@ class Guards:
             dt = "pdt" if k < len(self.follows) and self.follows[k] else f"_dt{k}"
             head.append(f"f[{k}].dtype is {dt} and len(f[{k}].shape) == {rank + 1} and f[{k}].shape[0] == {self.n}")
             head.extend(f"f[{k}].shape[{d + 1}] == {v}" for d, v in sizes.items())
+            if k < len(self.devices):  # Note [State a forward reads]: the device
+                head.append(f"f[{k}].device == pdev" if self.devices[k] == "" else f"f[{k}].device == _dev{k}")
+            if k < len(self.layout):
+                head.append(f"member_layout(f[{k}]) == _lay{k}")
+        namespace = {**SYMPY_INTERP, "math": math, "member_layout": member_layout,
+                     **{f"_dt{k}": d for k, d in enumerate(self.dtypes)},
+                     **{f"_v{k}": v for k, v in enumerate(self.fixed) if self.dtypes[k] is None},
+                     **{f"_dev{k}": torch.device(d) for k, d in enumerate(self.devices) if d},
+                     **{f"_lay{k}": v for k, v in enumerate(self.layout)}}
+        if self.device is not None:
+            head.append("pdev == _pdev")
+            namespace["_pdev"] = torch.device(self.device)
+        for j, ((reader, args), value) in enumerate(self.flags):
+            head.append(f"_fr{j}(*_fa{j}) == _fv{j}")
+            namespace.update({f"_fr{j}": FLAG_READERS[reader], f"_fa{j}": args, f"_fv{j}": value})
+        for j, ((_, qualname, name, value), owner) in enumerate(zip(self.watched, self._owners)):
+            head.append(f"_o{j}.{name} is _w{j}" if qualname else f"_o{j}[{name!r}] is _w{j}")
+            try:  # an equal object there now (after unpickling): the fast path checks that one
+                now = getattr(owner, name) if qualname else owner[name]
+                value = now if same_value(now, value) else value
+            except (AttributeError, KeyError, TypeError):
+                pass
+            namespace.update({f"_o{j}": owner, f"_w{j}": value})
         body = " and ".join([*head, *(f"({wide(c)})" for c in self.code)]) or "True"
         each = ", ".join(f"lambda s: {c}" for c in self.code)
-        namespace = {**SYMPY_INTERP, "math": math, **{f"_dt{k}": d for k, d in enumerate(self.dtypes)},
-                     **{f"_v{k}": v for k, v in enumerate(self.fixed) if self.dtypes[k] is None}}
         # our own generated code: the conjunction (each call), and each guard alone (to name the failed one)
-        exec(f"def _holds(f, pdt):\n    return {body}\n_each = ({each}{',' if self.code else ''})\n", namespace)  # noqa: S102
+        exec(f"def _holds(f, pdt, pdev):\n    return {body}\n_each = ({each}{',' if self.code else ''})\n",  # noqa: S102
+             namespace)
         self._fn = namespace["_holds"]
         self._each = namespace["_each"]
+        self._ns = namespace
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_fn", "_each")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_fn", "_each", "_owners", "_ns")}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"_owners": None, **state})
         self.__post_init__()
 
-    def holds(self, flat: Any, pdt: torch.dtype | None = None) -> bool:
+    def holds(self, flat: Any, pdt: torch.dtype | None = None, pdev: torch.device | None = None) -> bool:
         """Whether ``flat`` (the N-first user inputs, flat as the graph takes them) is nested, sized
         and typed as captured and within every guard: the one check of a call in the common case
-        (the call's own checks give the reason where it is False). ``pdt``: the model's parameters'
-        dtype now (what the inputs that follow it must have)."""
+        (the call's own checks give the reason where it is False). ``pdt`` and ``pdev``: the model's
+        parameters' dtype and device now (what the inputs that follow them must have)."""
         if self.grad_mode is not None and torch.is_grad_enabled() != self.grad_mode:
             return False
         try:
-            return bool(self._fn(flat, pdt))
+            return bool(self._fn(flat, pdt, pdev))
         except Exception:  # noqa: BLE001 -- anything unexpected (a rank, a type): the slow checks say what
             return False
 
-    def failed(self, flat: Any, pdt: torch.dtype | None = None) -> str | None:
+    def failed(self, flat: Any, pdt: torch.dtype | None = None, pdev: torch.device | None = None) -> str | None:
         """None when ``flat`` (the N-first user inputs, flat as the graph takes them) is within
-        these guards, else a description of the first one it fails."""
+        these guards, else a description of the first one it fails. Raises ValueError for an input
+        on another device than the parameters' (no capture can take it: Note [State a forward
+        reads])."""
         if self.grad_mode is not None and torch.is_grad_enabled() != self.grad_mode:
             return (f"the forward reads the grad mode, captured with gradients "
                     f"{'enabled' if self.grad_mode else 'disabled'}")
@@ -137,7 +401,34 @@ class Guards:
                 dtype = pdt
             if not isinstance(x, torch.Tensor) or x.dtype != dtype:
                 return f"input '{name}' is {getattr(x, 'dtype', type(x).__name__)}, captured as {dtype}"
+            want = (pdev if self.devices[k] == "" else torch.device(self.devices[k])) if k < len(self.devices) else None
+            if want is not None and x.device != want:
+                where = "the model's parameters are" if self.devices[k] == "" else "it was captured"
+                raise ValueError(f"wide_compiler: input '{name}' is on {x.device}, but {where} on {want}: the "
+                                 f"wide model runs on one device, as each member does; move the input there "
+                                 f"({name}.to('{want}')) or the model to its device")
+            if k < len(self.layout) and member_layout(x) != self.layout[k]:
+                return (f"input '{name}' has another memory layout than captured (one member's strides "
+                        f"{list(x.stride()[1:])}: {member_layout(x)[0]}, captured {self.layout[k][0]}), and the "
+                        f"forward reads a layout (Tensor.is_contiguous or Tensor.stride)")
             s.append(x.shape[1:])
+        if self.device is not None and pdev is not None and pdev != torch.device(self.device):
+            return (f"the forward reads a tensor's device, captured with the parameters on {self.device}; "
+                    f"they are on {pdev} now")
+        for (reader, args), value in self.flags:
+            now = FLAG_READERS[reader](*args)
+            if now != value:
+                return (f"the forward reads torch.{reader}({', '.join(map(repr, args))}), {value!r} at "
+                        f"capture and {now!r} now")
+        for j, ((module, qualname, name, value), owner) in enumerate(zip(self.watched, self._owners)):
+            where = f"{module}.{qualname + '.' if qualname else ''}{name}"
+            try:
+                now = getattr(owner, name) if qualname else owner[name]
+            except (AttributeError, KeyError, TypeError):
+                return f"{where}, which the members' code reads, is no longer found (captured as {value!r})"
+            if not same_value(now, value):
+                return f"{where}, which the members' code reads, is {now!r} now, captured as {value!r}"
+            self._ns[f"_w{j}"] = now  # an equal object: the fast path checks that one from now on
         for holds, shown in zip(self._each, self.shown):
             try:
                 if holds(s):
@@ -151,7 +442,11 @@ class Guards:
         """The guards, one per line, over one member's inputs (``x.size()[1]`` is dim 1 of one
         member's ``x``: dim 2 of the N-first input)."""
         dtypes = [f"{n}.dtype == {d}" for n, d in zip(self.names, self.dtypes) if d is not None]
-        return "\n".join([*dtypes, *self.shown])
+        state = [f"layout_of({n}) == {v}" for n, v in zip(self.names, self.layout) if v is not None]
+        state += [f"torch.{r}({', '.join(map(repr, a))}) == {v!r}" for (r, a), v in self.flags]
+        state += [f"parameters' device == {self.device}"] if self.device is not None else []
+        state += [f"{m}.{q + '.' if q else ''}{name} == {v!r}" for m, q, name, v in self.watched]
+        return "\n".join([*dtypes, *self.shown, *state])
 
 
 def _input_paths(model: torch.nn.Module, sample: tuple[tuple, dict], signature: inspect.Signature | None
@@ -307,5 +602,22 @@ def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, 
                         add(f"s[{k}][{d}] == {hint}", f"{name}.size()[{d}] == {hint} (as captured)")
     ref = next(model.parameters(), None)
     follows = tuple(d is not None and ref is not None and d.is_floating_point and d == ref.dtype for d in dtypes)
-    return Guards(n, dtypes, fixed, names, tuple(code), tuple(shown), getattr(ep, "wide_reads_grad_mode", None),
-                  follows)
+    # Note [State a forward reads]
+    reads = getattr(ep, "wide_reads", None) or {}
+    # the device the capture ran on: the capture model's where an input is there too, else the inputs'
+    # (the capture model stays where it was compiled; a capture after .to() has the call's inputs)
+    ref = ref if ref is not None else next(model.buffers(), None)
+    on = [v.device for _, v in vals if isinstance(v, torch.Tensor)]
+    ran = ref.device if ref is not None and (ref.device in on or not on) else on[0] if on else None
+    devices = tuple(None if not isinstance(v, torch.Tensor) else "" if ref is not None and v.device == ran else str(v.device)
+                    for _, v in vals)
+    layout = tuple(layout_of([_hint(d) for d in v.shape], [_hint(d) for d in v.stride()])
+                   if isinstance(v, torch.Tensor) else None for _, v in vals) if reads.get("layout") else ()
+    watched, owners, readers = globals_read(model)
+    flags = dict(reads.get("flags", ()))
+    for name in readers:  # a reader imported by name: its calls were not seen, so every variant
+        for args in _BOUND_ARGS.get(name, ((),)):
+            flags.setdefault((name, args), FLAG_READERS[name](*args))
+    device = str(ran) if reads.get("device") and ran is not None else None
+    return Guards(n, dtypes, fixed, names, tuple(code), tuple(shown), reads.get("grad_mode"), follows,
+                  tuple(flags.items()), layout, devices, device, tuple(watched), _owners=tuple(owners))

@@ -1,0 +1,320 @@
+"""Note [State a forward reads] (fx/guards.py) and Note [What export does not capture] (fx/capture.py):
+a forward that branches on the state of the process (``torch.compiler.is_compiling()``, an input's
+memory layout, a global flag, a module global or class attribute, a device) must not have the
+branch of capture time baked into the wide model. Every call is compared, member by member in
+float64, with the member run alone under the same state: the wide model gives each member's own
+result (capturing another graph where the first does not hold) or refuses clearly.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+
+import pytest
+import torch
+from torch import are_deterministic_algorithms_enabled as _deterministic  # a reader imported by name
+from torch import nn
+from torch.compiler import is_compiling as _is_compiling  # a name bound at import
+
+import wide_compiler as wc
+
+N = 3
+FAST = wc.WideConfig.fast()
+SCALE = 2.0  # module globals the forwards below read; the tests change them (monkeypatch)
+OFFSET = (1.0, -1.0)
+
+
+def _members(cls, *args, **kwargs):
+    torch.manual_seed(0)
+    return [cls(*args, **kwargs).double() for _ in range(N)]
+
+
+def _assert_members(wide, members, *xs, rtol=1e-12, atol=1e-12):
+    out = wide(*xs)
+    for i, m in enumerate(members):
+        ref = m(*(x[i] for x in xs))
+        assert out[i].dtype == ref.dtype, f"member {i}: {out[i].dtype} != {ref.dtype}"
+        torch.testing.assert_close(out[i], ref, rtol=rtol, atol=atol, msg=lambda m, i=i: f"member {i}: {m}")
+    return out
+
+
+def _x(*shape):
+    return torch.randn(N, *shape, dtype=torch.float64)
+
+
+def _compile(cls, *shape):
+    members = _members(cls)
+    return wc.compile(members, torch.randn(*shape, dtype=torch.float64), config=FAST), members
+
+
+def _graphs(wide):
+    return 1 + sum(len(v) for v in wide._variants.values())
+
+
+# --- 1. torch.compiler.is_compiling() ------------------------------------------------------------
+
+
+class _Compiling(nn.Module):
+    def __init__(self, ask) -> None:
+        super().__init__()
+        self.fc, self.ask = nn.Linear(4, 4), ask
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 2 if self.ask() else h * 3
+
+
+ASKS = {"torch.compiler.is_compiling": lambda: torch.compiler.is_compiling(),
+        "torch.compiler.is_exporting": lambda: torch.compiler.is_exporting(),
+        "torch._dynamo.is_compiling": lambda: torch._dynamo.is_compiling(),
+        "bound is_compiling": lambda: _is_compiling()}
+
+
+@pytest.mark.parametrize("ask", sorted(ASKS))
+def test_a_forward_asking_is_compiling_gets_what_each_member_gets_alone(ask):
+    members = _members(_Compiling, ASKS[ask])
+    wide = wc.compile(members, torch.randn(2, 4, dtype=torch.float64), config=FAST)
+    _assert_members(wide, members, _x(2, 4))
+    assert not torch.compiler.is_compiling()  # the functions are torch's own again
+
+
+class _CompilingCheck(nn.Module):
+    """Validates its input in eager mode only (a data-dependent check export cannot capture)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if not torch.compiler.is_compiling() and bool((x.abs() > 100).any()):
+            raise ValueError("input out of range")
+        return self.fc(x)
+
+
+def test_an_eager_branch_export_cannot_capture_is_refused_naming_is_compiling():
+    with pytest.raises(wc.WideCompileError, match=r"is_compiling\(\).*test_guards_state.py"):
+        wc.compile(_members(_CompilingCheck), torch.randn(2, 4, dtype=torch.float64), config=FAST)
+
+
+# --- 2. an input's memory layout -----------------------------------------------------------------
+
+
+class _Contiguous(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 2 if x.is_contiguous() else h * 3
+
+
+class _Strides(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) + (1.0 if x.stride(-1) == 1 else -1.0)
+
+
+class _ChannelsLast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        return h + 1 if x.is_contiguous(memory_format=torch.channels_last) else h - 1
+
+
+@pytest.mark.parametrize("cls", [_Contiguous, _Strides])
+def test_a_layout_branch_follows_the_calls_layout(cls):
+    wide, members = _compile(cls, 2, 5, 4)
+    _assert_members(wide, members, _x(2, 5, 4))
+    transposed = torch.randn(N, 2, 4, 5, dtype=torch.float64).transpose(2, 3)  # each member's slice too
+    _assert_members(wide, members, transposed)
+    assert _graphs(wide) == 2
+    _assert_members(wide, members, _x(2, 5, 4))  # the first graph again, no third one
+    _assert_members(wide, members, torch.randn(N, 2, 4, 5, dtype=torch.float64).transpose(2, 3))
+    assert _graphs(wide) == 2
+
+
+def test_a_channels_last_branch_follows_the_calls_memory_format():
+    wide, members = _compile(_ChannelsLast, 2, 2, 3, 3)
+    x = _x(2, 2, 3, 3)
+    _assert_members(wide, members, x)
+    last = torch.stack([xi.contiguous(memory_format=torch.channels_last) for xi in x])
+    assert last[0].is_contiguous(memory_format=torch.channels_last)
+    _assert_members(wide, members, last)
+
+
+def test_a_forward_that_reads_no_layout_takes_any_layout_on_one_graph():
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x) * 2
+
+    wide, members = _compile(Plain, 2, 5, 4)
+    _assert_members(wide, members, torch.randn(N, 2, 4, 5, dtype=torch.float64).transpose(2, 3))
+    assert _graphs(wide) == 1 and not wide._graph_for(True).guards.layout
+
+
+# --- 3. global flags -------------------------------------------------------------------------------
+
+
+class _Flag(nn.Module):
+    def __init__(self, read) -> None:
+        super().__init__()
+        self.fc, self.read = nn.Linear(4, 4), read
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 2 if self.read() else h * 3
+
+
+class _BoundFlag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 2 if _deterministic() else h * 3
+
+
+FLAGS = {"torch.are_deterministic_algorithms_enabled": (_Flag, lambda: torch.are_deterministic_algorithms_enabled()),
+         "bound are_deterministic_algorithms_enabled": (_BoundFlag,)}
+
+
+@pytest.mark.parametrize("flag", sorted(FLAGS))
+def test_a_deterministic_algorithms_branch_follows_the_flag(flag):
+    members = _members(*FLAGS[flag])
+    wide = wc.compile(members, torch.randn(2, 4, dtype=torch.float64), config=FAST)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(not before)
+        _assert_members(wide, members, _x(2, 4))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    _assert_members(wide, members, _x(2, 4))
+    assert _graphs(wide) == 2
+
+
+def test_a_default_dtype_branch_follows_the_default_dtype():
+    members = _members(_Flag, lambda: torch.get_default_dtype() == torch.float32)
+    wide = wc.compile(members, torch.randn(2, 4, dtype=torch.float64), config=FAST)
+    before = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        _assert_members(wide, members, _x(2, 4))
+    finally:
+        torch.set_default_dtype(before)
+    _assert_members(wide, members, _x(2, 4))
+
+
+def test_an_autocast_branch_follows_the_autocast_state():
+    members = [m.float() for m in _members(_Flag, lambda: torch.is_autocast_enabled("cpu"))]
+    wide = wc.compile(members, torch.randn(2, 4), config=FAST)
+    x = torch.randn(N, 2, 4)
+    _assert_members(wide, members, x, rtol=1e-6, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _assert_members(wide, members, x, rtol=1e-2, atol=1e-2)
+    _assert_members(wide, members, x, rtol=1e-6, atol=1e-6)
+
+
+# --- 4. module globals and class attributes ----------------------------------------------------------
+
+
+def _shift(h):
+    return h + OFFSET[0]
+
+
+class _Globals(nn.Module):
+    FACTOR = 1.5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _shift(self.fc(x) * SCALE) * self.FACTOR
+
+
+@pytest.mark.parametrize("change", ["SCALE", "OFFSET", "FACTOR"])
+def test_a_changed_module_global_or_class_attribute_is_followed(change, monkeypatch):
+    wide, members = _compile(_Globals, 2, 4)
+    x = _x(2, 4)
+    _assert_members(wide, members, x)
+    if change == "FACTOR":
+        monkeypatch.setattr(_Globals, "FACTOR", -4.0)
+    else:
+        monkeypatch.setattr(sys.modules[__name__], change, 3.0 if change == "SCALE" else (5.0, 1.0))
+    _assert_members(wide, members, x)
+    assert _graphs(wide) == 2
+    monkeypatch.undo()
+    _assert_members(wide, members, x)  # the first graph holds again: no third capture
+    assert _graphs(wide) == 2
+
+
+def test_an_equal_value_is_not_a_change_but_an_int_for_a_float_is(monkeypatch):
+    wide, members = _compile(_Globals, 2, 4)
+    x = _x(2, 4)
+    wide(x)
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", float("2.0"))  # another object, the same value
+    _assert_members(wide, members, x)
+    assert _graphs(wide) == 1
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 2)
+    _assert_members(wide, members, x)
+    assert _graphs(wide) == 2
+
+
+def test_guards_with_globals_survive_pickling(monkeypatch):
+    wide, _ = _compile(_Globals, 2, 4)
+    x = _x(2, 4)
+    guards = wide._graph_for(True).guards
+    assert {e[2] for e in guards.watched} >= {"SCALE", "OFFSET", "FACTOR"}
+    again = pickle.loads(pickle.dumps(guards))
+    pdt, pdev = torch.float64, torch.device("cpu")
+    assert again.holds((x,), pdt, pdev) and again.failed((x,), pdt, pdev) is None
+    monkeypatch.setattr(_Globals, "FACTOR", 7.0)
+    assert not again.holds((x,), pdt, pdev)
+    assert "FACTOR" in again.failed((x,), pdt, pdev)
+
+
+# --- 5. devices -------------------------------------------------------------------------------------
+
+
+def test_an_input_on_another_device_than_the_parameters_is_refused_naming_it():
+    wide, _ = _compile(_Contiguous, 2, 4)
+    with pytest.raises(ValueError, match=r"input 'x' is on meta, but the model's parameters are on cpu"):
+        wide(torch.randn(N, 2, 4, dtype=torch.float64, device="meta"))
+
+
+class _DeviceBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 2 if x.device.type == "cpu" else h * 3
+
+
+def test_a_device_branch_is_guarded_on_the_parameters_device():
+    wide, members = _compile(_DeviceBranch, 2, 4)
+    x = _x(2, 4)
+    _assert_members(wide, members, x)
+    guards = wide._graph_for(True).guards
+    assert guards.device == "cpu"
+    assert guards.holds((x,), torch.float64, torch.device("cpu"))
+    # the model moved (as by .to()): the graph does not hold, and says why
+    assert not guards.holds((x,), torch.float64, torch.device("meta"))
+    with pytest.raises(ValueError, match="input 'x' is on cpu, but the model's parameters are on meta"):
+        guards.failed((x,), torch.float64, torch.device("meta"))
+    moved = torch.empty_like(x, device="meta")
+    assert "reads a tensor's device" in guards.failed((moved,), torch.float64, torch.device("meta"))
