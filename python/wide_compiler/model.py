@@ -170,9 +170,12 @@ class WideModel(MemberOpsMixin, nn.Module):
         self.train(template.training)
 
     def _note_dtype(self) -> None:
-        """Keep the parameters' dtype, which the inputs that follow it must have (Note [Guards])."""
+        """Keep the parameters' dtype and device, which the inputs that follow them must have (Note
+        [Guards]; the device: Note [State a forward reads] in fx/guards.py)."""
         ref = next(self.parameters(), None)
         self.__dict__["_param_dtype"] = ref.dtype if ref is not None else None
+        ref = ref if ref is not None else next(self.buffers(), None)
+        self.__dict__["_param_device"] = ref.device if ref is not None else None
 
     def _apply(self, fn: Any, recurse: bool = True) -> WideModel:
         out = super()._apply(fn, recurse)
@@ -397,8 +400,8 @@ class WideModel(MemberOpsMixin, nn.Module):
         guard the inputs fail. Raises ValueError for inputs no capture can take (structure, rank,
         the member count, a size outside a range the forward tests)."""
         flat = self._user_inputs(wg, args, kwargs)
-        pdt = self.__dict__.get("_param_dtype")
-        if wg.guards is not None and wg.guards.holds(flat, pdt):  # the common case: one generated check
+        pdt, pdev = self.__dict__.get("_param_dtype"), self.__dict__.get("_param_device")
+        if wg.guards is not None and wg.guards.holds(flat, pdt, pdev):  # the common case: one generated check
             return flat, None
         ranges = self._ranges.get(id(wg))
         users = (inp for inp in wg.inputs if inp.kind == "user")
@@ -407,7 +410,7 @@ class WideModel(MemberOpsMixin, nn.Module):
                 self._check_input(x, inp, ranges)
         except _NewSize as e:
             return flat, e
-        return flat, wg.guards.failed(flat, pdt) if wg.guards is not None else None
+        return flat, wg.guards.failed(flat, pdt, pdev) if wg.guards is not None else None
 
     def _graph_covering(self, training: bool, args: tuple, kwargs: dict) -> tuple[WideGraph, Any]:
         """The graph of a mode whose assumptions hold for this call, and the call's flat inputs
