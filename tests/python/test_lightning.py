@@ -159,6 +159,110 @@ def test_float32_members_under_precision_64_true():
     assert_member_matches(wide, t, 1, single, ts)
 
 
+class Logs(Regressor):
+    """A member that logs the ways Lightning names differently: on_step+on_epoch (forked into
+    _step/_epoch), on_epoch only, on_step only, prog_bar, reduce_fx="sum", logger=False, and
+    validation metrics per epoch and per step."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        loss = F.mse_loss(out, y)
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        self.log("train_mae", (out - y).abs().mean(), on_step=False, on_epoch=True, prog_bar=True)
+        self.log("train_max", (out - y).abs().max(), prog_bar=True)             # training_step: on_step
+        self.log("train_sum", loss, on_step=True, on_epoch=True, reduce_fx="sum", prog_bar=True)
+        self.log("train_quiet", loss * 2, on_step=True, on_epoch=True, logger=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        self.log("val_loss", F.mse_loss(out, y))                                 # validation_step: on_epoch
+        self.log("val_mae", (out - y).abs().mean(), on_step=True, on_epoch=True, prog_bar=True)
+        self.log("val_max", (out - y).abs().max(), on_step=True, on_epoch=False)
+
+
+class Snapshots(L.pytorch.Callback):
+    """The three metric dicts of the Trainer after every training batch, training epoch and
+    validation epoch."""
+
+    def __init__(self):
+        self.seen = []
+
+    def _take(self, where, trainer):
+        self.seen.append((where, {name: {k: float(v) for k, v in getattr(trainer, name).items()}
+                                  for name in ("callback_metrics", "logged_metrics", "progress_bar_metrics")}))
+
+    def on_train_batch_end(self, trainer, *args):
+        self._take(f"batch {trainer.global_step}", trainer)
+
+    def on_train_epoch_end(self, trainer, *args):
+        self._take(f"train epoch {trainer.current_epoch}", trainer)
+
+    def on_validation_end(self, trainer, *args):
+        if not trainer.sanity_checking:
+            self._take(f"validation {trainer.current_epoch}", trainer)
+
+
+def _member_view(metrics, i):
+    """Member i's keys of the fused run's metrics, without the member_<i>/ prefix."""
+    prefix = f"member_{i}/"
+    return {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_metric_keys_are_lightnings_for_each_member(tmp_path, every):
+    """Every per-member key is member_<i>/ + the key Lightning gives that member trained alone, in
+    callback_metrics, logged_metrics and progress_bar_metrics, with its value: after every batch
+    when every step is a logging step (log_every_n_steps=1), and at the end of every epoch
+    whatever log_every_n_steps is."""
+    configs = CONFIGS[:2]
+    kw = dict(max_epochs=2, log_every_n_steps=every, num_sanity_val_steps=1)
+    wide = wcl.WideLightningModule([member(i, configs, cls=Logs) for i in range(2)], next(iter(loaders()[0])))
+    fused = Snapshots()
+    trainer(callbacks=[fused], logger=L.pytorch.loggers.CSVLogger(tmp_path / "w"), **kw).fit(wide, *loaders())
+    for i in range(2):
+        alone = Snapshots()
+        trainer(callbacks=[alone], logger=L.pytorch.loggers.CSVLogger(tmp_path / f"{i}"), **kw).fit(
+            member(i, configs, cls=Logs), *loaders())
+        assert [w for w, _ in fused.seen] == [w for w, _ in alone.seen]
+        for (where, got), (_, want) in zip(fused.seen, alone.seen):
+            if every != 1 and where.startswith("batch"):
+                continue         # step values between logging steps: the fused run writes them on logging steps
+            for name in want:
+                mine = _member_view(got[name], i)
+                theirs = {k: v for k, v in want[name].items() if k not in ("epoch", "step")}
+                assert mine.keys() == theirs.keys(), (where, name, sorted(mine), sorted(theirs))
+                for k, v in theirs.items():
+                    assert mine[k] == pytest.approx(v, rel=1e-6), (where, name, k)
+    end = fused.seen[-1][1]["callback_metrics"]
+    assert {"member_0/train_loss", "member_0/train_loss_step", "member_0/train_loss_epoch"} <= end.keys()
+    assert not {k for k in end if "/" not in k} - {"val_loss", "best_member"}
+
+
+def test_callbacks_monitor_a_members_training_metric(tmp_path):
+    """ModelCheckpoint and EarlyStopping monitoring member_0/train_loss (logged on_step and
+    on_epoch) act as they do on train_loss for member 0 trained alone."""
+    configs = [dict(lr=3e-1, step_size=100), dict(lr=1e-3, step_size=100)]
+
+    def callbacks(key, where):
+        return [L.pytorch.callbacks.EarlyStopping(monitor=key, patience=1, min_delta=1e-2),
+                L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / where, monitor=key, save_top_k=1)]
+
+    wide = wcl.WideLightningModule([member(i, configs, cls=Logs) for i in range(2)], next(iter(loaders()[0])))
+    cw = callbacks("member_0/train_loss", "w")
+    tw = trainer(max_epochs=10, callbacks=cw, enable_checkpointing=True)
+    tw.fit(wide, loaders()[0])
+    ca = callbacks("train_loss", "a")
+    ta = trainer(max_epochs=10, callbacks=ca, enable_checkpointing=True)
+    ta.fit(member(0, configs, cls=Logs), loaders()[0])
+    assert ta.current_epoch < 10, "the test is meaningful: member 0 alone stops early"
+    assert tw.current_epoch == ta.current_epoch and cw[0].stopped_epoch == ca[0].stopped_epoch
+    assert float(cw[1].best_model_score) == pytest.approx(float(ca[1].best_model_score), rel=1e-6)
+    assert Path(cw[1].best_model_path).name == Path(ca[1].best_model_path).name
+
+
 def test_sgd_and_shared_flags_per_member():
     configs = [dict(lr=1e-2 * (i + 1), weight_decay=1e-3 * i, optimizer="SGD") for i in range(N)]
     wide = wide_module(configs)

@@ -15,10 +15,12 @@ trained alone on the same batches.
   CosineAnnealingLR, LinearLR, ReduceLROnPlateau) into one :mod:`wide_compiler.optim` optimizer
   and scheduler with one value per member. Or override ``configure_optimizers`` in a subclass and
   return ``wc.optim`` objects yourself.
-* **Per-member metrics.** A value logged as ``val_loss`` is logged as ``member_<i>/val_loss``
-  for every member; at the end of each validation epoch ``val_loss`` itself is the best
-  member's value (``monitor``/``mode``) and ``best_member`` its index, so Lightning's own
-  ``ModelCheckpoint``/``EarlyStopping`` act on the best member.
+* **Per-member metrics.** Every key Lightning makes of a value a member logs (``train_loss``;
+  ``train_loss_step`` and ``train_loss_epoch`` when logged ``on_step`` and ``on_epoch``) is
+  ``member_<i>/`` + that key, in the callback, logger and progress-bar metrics, so a callback
+  can monitor ``member_0/train_loss``; at the end of each validation epoch ``val_loss`` itself
+  is the best member's value (``monitor``/``mode``) and ``best_member`` its index, so
+  Lightning's own ``ModelCheckpoint``/``EarlyStopping`` act on the best member.
 * **Per-member early stopping** (:class:`MemberEarlyStopping`): a stopped member's parameters,
   buffers and optimizer state stop changing (exactly: no moment drift, no weight decay) while
   the others go on; the run ends when every member has stopped (or at ``max_epochs``).
@@ -31,9 +33,10 @@ trained alone on the same batches.
 * **DDP** (``strategy="ddp"``, also ``"ddp_spawn"``): the data axis, as for any module; each
   member's gradient is the mean over the processes, as for that member trained alone under DDP.
 
-Training metrics (``member_<i>/train_loss``) are written on the Trainer's logging steps
-(``log_every_n_steps``) and, when logged ``on_epoch``, as epoch means: Lightning's ``self.log``
-costs about a millisecond per key, and a fused step has N keys per name. Random ops (dropout)
+Step values of training metrics are logged on the Trainer's logging steps
+(``log_every_n_steps``) and the last step of each epoch, epoch values once per epoch (Note
+[Per-member metric keys]): Lightning's ``self.log`` costs about a millisecond per key, and a
+fused step has N keys per name. Random ops (dropout)
 draw an independent mask per member, not the numbers that member's own run would draw: such
 members train as well, but not bit for bit like their separate runs.
 
@@ -345,6 +348,7 @@ class WideLightningModule(pl.LightningModule):
         self._n_tensors, self._constants = len(tensors), constants
         self._has_validation_step = is_overridden("validation_step", members[0], pl.LightningModule)
         self._train_options, self._val_options = self._probe(members, sample_batch)
+        self._val_step_logged = any(_levels(o, training=False)[0] for o in self._val_options.values())
         # Hyperparameters the steps do not read (checked) may differ: the members are compiled
         # with member 0's values of them, then given their own back.
         shadow = self._shadowed_attributes(members)
@@ -373,6 +377,7 @@ class WideLightningModule(pl.LightningModule):
         self._val_sums: dict[str, torch.Tensor] = {}
         self._train_sums: dict[str, torch.Tensor] = {}
         self._val_count = self._train_count = 0
+        self._train_epoch_logged = False
         self._frozen: list | None = None
         self._plateau_monitors: dict[int, str] = {}
 
@@ -518,24 +523,53 @@ class WideLightningModule(pl.LightningModule):
                                f"tensor of shape {list(losses.shape)}")
         if self._train_options:
             bs = extract_batch_size(batch)
-            self._accumulate(self._train_sums, self._train_options, out, bs, epoch_only=True)
+            self._accumulate(self._train_sums, self._train_options, out, bs, training=True)
             self._train_count += bs
-            if _should_update_logs(self.trainer):
-                logged = {}
-                for name, opts in self._train_options.items():
-                    if opts.get("on_step", True):
-                        key = name + "_step" if opts.get("on_epoch", False) else name
-                        values = out["log/" + name].detach()
-                        logged.update({f"member_{i}/{key}": values[i] for i in range(self.n)})
-                if logged:
-                    self.log_dict(logged, on_step=True, on_epoch=False, batch_size=bs)
+            if _should_update_logs(self.trainer) or _last_training_step(self.trainer):
+                self._log_members(self._train_options, out, training=True, phase="step", batch_size=bs)
         return losses.sum()
+
+    # Note [Per-member metric keys]
+    # A value a member logs as `name` is logged as `member_<i>/<key>` for every key Lightning itself
+    # makes of `name` for that member trained alone (result.py, _ResultCollection.metrics): logged
+    # on_step and on_epoch, it is `name_step` (logger, progress bar) and `name` (callbacks) at a
+    # step, `name_epoch` (logger, progress bar) and `name` (callbacks) at the end of the epoch;
+    # logged at one level only, it is `name`; `logger=` and `prog_bar=` are the member's. The
+    # values are this module's own: Lightning's self.log costs about a millisecond per key and call
+    # and a fused step has N keys per name, so the epoch values are aggregated here (N values per
+    # name, one reduction under DDP) and logged once per epoch (training: in on_train_batch_end of
+    # the epoch's last batch, so that the callbacks' on_train_epoch_end sees them as it would for a
+    # member alone; validation: in on_validation_epoch_end, so callbacks see them from
+    # on_validation_end on), and training step values are logged on the Trainer's logging steps
+    # and on the last step of each epoch (in between, callbacks see the last logged step's
+    # values). Validation step values (rarely logged) are logged at every step, as Lightning
+    # writes them.
+    def _log_members(self, options: dict, values: Mapping[str, torch.Tensor], *, training: bool, phase: str,
+                     batch_size: int | None = None) -> None:
+        """Log ``values`` (``{name: [N]}``, ``phase`` "step" or "epoch") under the keys of Note
+        [Per-member metric keys]."""
+        groups: dict[tuple[bool, bool], dict[str, torch.Tensor]] = {}
+        for name, opts in options.items():
+            v = values.get(name if phase == "epoch" else "log/" + name)
+            if v is None:
+                continue
+            v = v.detach()
+            for key, logger, prog_bar in _lightning_keys(name, opts, training=training, phase=phase):
+                groups.setdefault((logger, prog_bar), {}).update({f"member_{i}/{key}": v[i] for i in range(self.n)})
+        for (logger, prog_bar), logged in groups.items():
+            if phase == "step":
+                self.log_dict(logged, on_step=True, on_epoch=False, logger=logger, prog_bar=prog_bar,
+                              batch_size=batch_size)
+            else:
+                self._log_epoch(logged, logger=logger, prog_bar=prog_bar)
 
     # Per-member metrics are aggregated here (N values per name), not by self.log: Lightning's
     # logging costs about a millisecond per key and call, N keys per name and step.
-    def _accumulate(self, sums: dict, options: dict, out: dict, bs: int, *, epoch_only: bool) -> None:
+    def _accumulate(self, sums: dict, options: dict, out: dict, bs: int, *, training: bool) -> None:
+        """Add a step's values to the epoch sums: in training, of the names logged on_epoch; in
+        validation, of every name (:attr:`member_metrics` holds them all)."""
         for name, opts in options.items():
-            if epoch_only and not opts.get("on_epoch", False):
+            if training and not _levels(opts, training=True)[1]:
                 continue
             v = out["log/" + name].detach().to(torch.float64)
             add = v * bs if opts.get("reduce_fx", "mean") in ("mean", torch.mean) else v
@@ -555,15 +589,19 @@ class WideLightningModule(pl.LightningModule):
                 else total[k] for k, name in enumerate(names)}
 
     def on_train_epoch_start(self) -> None:
-        self._train_sums, self._train_count = {}, 0
+        self._train_sums, self._train_count, self._train_epoch_logged = {}, 0, False
 
     def on_train_epoch_end(self) -> None:
+        if not self._train_epoch_logged:     # the epoch ended where _epoch_ends_here could not tell
+            self._log_train_epoch()
+
+    def _log_train_epoch(self) -> None:
+        """The training epoch's per-member values, logged once per epoch: after its last batch
+        (where the callbacks' ``on_train_epoch_end`` sees them, as for a member alone), or else in
+        ``on_train_epoch_end``."""
+        self._train_epoch_logged = True
         values = self._epoch_values(self._train_sums, self._train_options, self._train_count)
-        logged = {}
-        for name, v in values.items():
-            key = name + "_epoch" if self._train_options[name].get("on_step", True) else name
-            logged.update({f"member_{i}/{key}": v[i] for i in range(self.n)})
-        self._log_epoch(logged)
+        self._log_members(self._train_options, values, training=True, phase="epoch")
 
     def on_validation_epoch_start(self) -> None:
         self._val_sums, self._val_count = {}, 0
@@ -573,29 +611,30 @@ class WideLightningModule(pl.LightningModule):
             return
         out = self(batch)
         bs = extract_batch_size(batch)
-        self._accumulate(self._val_sums, self._val_options, out, bs, epoch_only=False)
+        self._accumulate(self._val_sums, self._val_options, out, bs, training=False)
         self._val_count += bs
+        if self._val_step_logged:
+            self._log_members(self._val_options, out, training=False, phase="step", batch_size=bs)
 
     def on_validation_epoch_end(self) -> None:
         metrics = self._epoch_values(self._val_sums, self._val_options, self._val_count)
         if not metrics or self.trainer.sanity_checking:
             return
         self.member_metrics = {k: v.detach().cpu() for k, v in metrics.items()}
-        logged = {f"member_{i}/{name}": v[i] for name, v in metrics.items() for i in range(self.n)}
+        self._log_members(self._val_options, metrics, training=False, phase="epoch")
         if self.monitor in metrics:
             best = self.best_member_index
-            logged[self.monitor] = metrics[self.monitor][best]
-            logged["best_member"] = torch.tensor(float(best), dtype=torch.float64)
-        self._log_epoch(logged)
+            self._log_epoch({self.monitor: metrics[self.monitor][best],
+                             "best_member": torch.tensor(float(best), dtype=torch.float64)})
 
-    def _log_epoch(self, logged: dict[str, torch.Tensor]) -> None:
+    def _log_epoch(self, logged: dict[str, torch.Tensor], *, logger: bool = True, prog_bar: bool = False) -> None:
         """Log epoch values that are already the same on every process (reduced above): no
         per-key collective, and no warning asking for one."""
         if not logged:
             return
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*sync_dist=True.*")
-            self.log_dict(logged, on_step=False, on_epoch=True)
+            self.log_dict(logged, on_step=False, on_epoch=True, logger=logger, prog_bar=prog_bar, batch_size=1)
 
     def test_step(self, batch: Any, batch_idx: int, *args: Any) -> None:
         self._member_by_member("test_step", batch, batch_idx, *args)
@@ -710,6 +749,8 @@ class WideLightningModule(pl.LightningModule):
                 for t, idx, saved in self._frozen:
                     t[idx] = saved
         self._frozen = None
+        if self._train_sums and not self._train_epoch_logged and _epoch_ends_here(self.trainer):
+            self._log_train_epoch()
 
     # -- checkpoints ---------------------------------------------------------------------------
     # The per-member metrics travel in the state_dict (extra state): checkpoints, and the weights
@@ -770,6 +811,49 @@ def _should_update_logs(trainer: Any) -> bool:
         return bool(trainer._logger_connector.should_update_logs)
     except AttributeError:  # another Lightning version: every step
         return True
+
+
+def _last_training_step(trainer: Any) -> bool:
+    """Whether this training step is the last of its epoch (or of the fit)."""
+    try:
+        loop = trainer.fit_loop.epoch_loop
+        return bool(loop._num_ready_batches_reached()
+                    or (loop.max_steps >= 0 and trainer.global_step + 1 >= loop.max_steps))
+    except AttributeError:  # another Lightning version: every step is
+        return True
+
+
+def _epoch_ends_here(trainer: Any) -> bool:
+    """Whether the training epoch ends after the batch that just ran (read after its optimizer
+    step; False where that cannot be told: a callback's stop, another Lightning version)."""
+    try:
+        loop = trainer.fit_loop.epoch_loop
+        return bool(loop._num_ready_batches_reached() or (loop.max_steps >= 0 and trainer.global_step >= loop.max_steps))
+    except AttributeError:
+        return False
+
+
+def _levels(opts: Mapping[str, Any], *, training: bool) -> tuple[bool, bool]:
+    """``(on_step, on_epoch)`` of a value logged with ``opts`` in ``training_step`` (training) or
+    ``validation_step``, with Lightning's defaults for that hook."""
+    on_step, on_epoch = opts.get("on_step"), opts.get("on_epoch")
+    return (training if on_step is None else bool(on_step),
+            (not training) if on_epoch is None else bool(on_epoch))
+
+
+def _lightning_keys(name: str, opts: Mapping[str, Any], *, training: bool, phase: str) -> list[tuple[str, bool, bool]]:
+    """``(key, logger, prog_bar)`` for each key Lightning makes of a value logged as ``name`` with
+    ``opts``, at a step (``phase="step"``) or at the end of an epoch: Note [Per-member metric keys]."""
+    on_step, on_epoch = _levels(opts, training=training)
+    if not (on_step if phase == "step" else on_epoch):
+        return []
+    logger, prog_bar = bool(opts.get("logger", True)), bool(opts.get("prog_bar", False))
+    if not (on_step and on_epoch):
+        return [(name, logger, prog_bar)]
+    keys = [(f"{name}_{phase}", logger, prog_bar)]
+    if training or phase == "epoch":     # callbacks see `name` (validation: at the end of the epoch only)
+        keys.append((name, False, False))
+    return keys
 
 
 def _plain(v: Any) -> bool:
