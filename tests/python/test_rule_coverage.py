@@ -13,7 +13,11 @@ per-op fallback) and ``WideConfig.fast()``; the test asserts that
   random ops, in shape, dtype, member independence and a statistical sanity check.
 
 ``test_every_rule_row_has_a_case`` then checks that the declared rows cover the whole table, so a
-new row cannot land without a case. Ops reached with no per-member argument are copied without
+new row cannot land without a case. The tests at the end hold the rest of the op checklist
+(docs/internals.md, "The op checklist"): every row states its padding (fx/padding_rules.py), every
+wide op its autocast policy (an ``AUTOCAST`` dict beside the rule that emits it), every
+channel-packed row whether a channels-last value is followed through it (fx/rules/conv.py), and
+each statement is checked against what the op does. Ops reached with no per-member argument are copied without
 their rule, so every case feeds the module's input or parameters into each op.
 
 Rows reached here only through a direct ``torch.ops.aten`` call (no public Python API emits them
@@ -33,6 +37,7 @@ import torch
 import torch.nn.functional as F
 import wide_compiler as wc
 from support import StackedScalar
+from test_autocast import OP_CASES as AUTOCAST_CASES  # each wide op's call under autocast (the op checklist)
 from torch import nn
 from torch.utils._pytree import tree_flatten
 from wide_compiler.fx.table import RULES, aten_op
@@ -796,3 +801,171 @@ def test_every_rule_row_has_a_case() -> None:
     uncovered = sorted(f"{RULES[k].family}: {k}" for k in RULES if k not in declared)
     assert not uncovered, (f"{len(uncovered)} of {len(RULES)} rule rows have no case in "
                            "tests/python/test_rule_coverage.py:\n  " + "\n  ".join(uncovered))
+
+
+# ---------------------------------------------------------------------------------------------
+# The op checklist (Note [Adding a widen rule]): the per-op facts beside the rule-table row
+# ---------------------------------------------------------------------------------------------
+W = torch.ops.wide
+
+
+def _op_name(op: Any) -> str:
+    """The name the padding pass looks an op up by: the ATen packet's, else the target's."""
+    if isinstance(op, torch._ops.OpOverload):
+        return op.overloadpacket.__name__
+    return getattr(op, "__name__", str(op))
+
+
+def test_every_rule_row_states_its_padding() -> None:
+    """Every op of the rule table is padded by fx/padding_rules.py (a rule, zero- or mask-keeping)
+    or refused there with its reason (``REFUSED``): a new row must say which."""
+    from wide_compiler.fx import padding_rules as pr
+
+    padded = set(pr.RULES) | pr.ZERO_UNARY | pr.MASK_UNARY | pr.BY_THE_PASS
+    both = sorted(padded & set(pr.REFUSED))
+    assert not both, f"ops both padded and refused in fx/padding_rules.py: {both}"
+    unstated = sorted({f"{RULES[k].family}: {_op_name(k)}" for k in RULES
+                       if _op_name(k) not in padded and _op_name(k) not in pr.REFUSED})
+    assert not unstated, ("rule rows whose padding fx/padding_rules.py does not state (a rule, ZERO_UNARY, "
+                          "MASK_UNARY or REFUSED with the reason):\n  " + "\n  ".join(unstated))
+    names = {_op_name(k) for k in RULES}
+    stale = sorted(set(pr.REFUSED) - names)
+    assert not stale, f"REFUSED names ops that no widen rule handles: {stale}"
+
+
+def test_a_refused_op_says_why_with_padded_members() -> None:
+    """A refusal with ``pad=True`` gives the op's stated reason, not only "no rule"."""
+    from wide_compiler.fx.padding_rules import REFUSED
+
+    class Scan(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, width)
+
+        def forward(self, x):
+            return torch.cumsum(self.fc(x), -1)
+
+    with pytest.raises(wc.UnsupportedOperationError, match="cumsum") as err:
+        wc.compile([Scan(4), Scan(8)], torch.randn(2, 4), pad=True, config=FAST)
+    assert REFUSED["cumsum"] in str(err.value)
+
+
+def _autocast_statements() -> dict[str, tuple[str, str]]:
+    """``{wide op name: (policy, rules file)}`` from every rules file's ``AUTOCAST``."""
+    import importlib
+    import pkgutil
+
+    import wide_compiler.fx.rules as package
+
+    stated: dict[str, tuple[str, str]] = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, policy in getattr(module, "AUTOCAST", {}).items():
+            assert name not in stated, f"wide.{name}: autocast policy stated in {stated[name][1]} and {info.name}"
+            stated[name] = (policy, info.name)
+    return stated
+
+
+def test_every_wide_op_states_its_autocast_policy() -> None:
+    """Every wide op a graph can hold states its autocast policy beside the rule that emits it, and
+    the statement matches the dispatcher: an autocast kernel exactly where it says the op is cast."""
+    from wide_compiler.fx.rules._autocast import NOT_CAST, POLICIES
+    from wide_compiler.ops import WIDE_OPS
+
+    stated = _autocast_statements()
+    in_graphs = {name for name, op in WIDE_OPS.items() if op.kind != "optimizer"}  # steps never run under autocast
+    assert set(stated) == in_graphs, ("wide ops with no AUTOCAST statement in fx/rules/: "
+                                      f"{sorted(in_graphs - set(stated))}; stated but not graph ops: "
+                                      f"{sorted(set(stated) - in_graphs)}")
+    registered = {key: set(torch._C._dispatch_get_registrations_for_dispatch_key(key))
+                  for key in ("AutocastCPU", "AutocastCUDA")}
+    for name, (policy, family) in stated.items():
+        assert policy in POLICIES, f"wide.{name} ({family}): unknown autocast policy {policy!r}"
+        qualified = f"wide::{name}"
+        cast = policy != NOT_CAST
+        assert (qualified in registered["AutocastCPU"]) == cast, \
+            f"wide.{name} ({family}) states {policy!r}, but an AutocastCPU kernel is {'missing' if cast else 'registered'}"
+        runs_on_cuda = any(torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key)
+                           for key in ("CUDA", "CompositeImplicitAutograd"))  # not a CPU-only kernel
+        if runs_on_cuda:
+            assert (qualified in registered["AutocastCUDA"]) == cast, \
+                f"wide.{name} ({family}) states {policy!r}, but an AutocastCUDA kernel is {'missing' if cast else 'registered'}"
+        if cast:  # its behaviour against ATen's op: test_autocast.py's cases (prefixed by mode for BY_MODE ops)
+            assert any(case == name or case.startswith(f"{name}_") for case in AUTOCAST_CASES), \
+                f"wide.{name} ({family}) is cast ({policy!r}) but has no case in test_autocast.py OP_CASES"
+
+
+def _stated_with_a_case() -> list[tuple[str, str]]:
+    """The ops whose policy is one dtype on CPU (not by mode) and that test_autocast.py calls."""
+    from wide_compiler.fx.rules._autocast import BY_MODE
+    return sorted((name, policy) for name, (policy, _) in _autocast_statements().items()
+                  if policy != BY_MODE and name in AUTOCAST_CASES)
+
+
+@pytest.mark.parametrize(("name", "policy"), _stated_with_a_case(), ids=[n for n, _ in _stated_with_a_case()])
+def test_stated_autocast_policy_holds_on_cpu(name: str, policy: str) -> None:
+    """Each op's stated policy, run through its case of test_autocast.py under CPU autocast on a
+    float32 activation: lower precision gives bfloat16, every other policy float32. (That each
+    op returns what the ATen op it replaces returns is test_autocast.py's own check.)"""
+    from wide_compiler.fx.rules._autocast import LOWER
+
+    torch.manual_seed(0)
+    wide_call, _ = AUTOCAST_CASES[name](torch.float32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = wide_call()
+    leaf = tree_flatten(out)[0][0]
+    assert leaf.dtype == (torch.bfloat16 if policy == LOWER else torch.float32), (name, policy, leaf.dtype)
+
+
+def test_by_mode_autocast_ops_have_cases() -> None:
+    """The recurrent ops' policy depends on the mode: test_autocast.py checks every mode, with and
+    without a state given, against ATen."""
+    from wide_compiler.fx.rules._autocast import BY_MODE
+
+    for name, (policy, _) in _autocast_statements().items():
+        if policy == BY_MODE:
+            for mode in ("lstm", "gru", "rnn"):
+                for suffix in ("", "_state"):
+                    assert f"{name}_{mode}{suffix}" in AUTOCAST_CASES, (name, mode, suffix)
+
+
+def test_every_packed_row_states_whether_it_keeps_channels_last() -> None:
+    """Every channel-packed row says whether the layout plan follows a channels-last value through
+    it (Note [Layout-keeping ops] in fx/rules/conv.py), and fx/layout.py follows exactly those."""
+    from wide_compiler.fx.layout import _KEEPS_LAYOUT
+    from wide_compiler.fx.rules.conv import KEEPS_CHANNELS_LAST, LAYOUT_KEEPING_ACTIVATIONS
+    from wide_compiler.fx.table import find_rule
+
+    packed = {op for op, entry in RULES.items() if entry.layout == "packed"}
+    assert set(KEEPS_CHANNELS_LAST) == packed, (
+        f"packed rows not stated in KEEPS_CHANNELS_LAST: {sorted(map(str, packed - set(KEEPS_CHANNELS_LAST)))}; "
+        f"stated but not packed rows: {sorted(map(str, set(KEEPS_CHANNELS_LAST) - packed))}")
+    followed = {w for op, keeps in KEEPS_CHANNELS_LAST.items() if keeps for w in RULES[op].packed}
+    assert _KEEPS_LAYOUT == followed | LAYOUT_KEEPING_ACTIVATIONS, sorted(map(str, _KEEPS_LAYOUT ^ followed))
+    assert all(find_rule(op).layout == "elementwise" for op in LAYOUT_KEEPING_ACTIVATIONS)
+
+
+def _packed_calls() -> dict[Any, Callable[[torch.Tensor], torch.Tensor]]:
+    """A call of each packed norm on a packed input ``x [B, N*C, H, W]`` (N=2, C=4)."""
+    w, b = torch.rand(2, 4) + 0.5, torch.randn(2, 4)
+    return {
+        W.batch_norm.default: lambda x: W.batch_norm(x, w, b, torch.zeros(2, 4), torch.ones(2, 4), True, 0.1, 1e-5,
+                                                     packed_input=True),
+        W.instance_norm.default: lambda x: W.instance_norm(x, w, b, None, None, True, 0.1, 1e-5, packed_input=True),
+        W.group_norm.default: lambda x: W.group_norm(x, 2, 2, w, b, 1e-5, packed_input=True),
+        W.prelu.default: lambda x: W.prelu(x, w, packed_input=True),
+    }
+
+
+def test_followed_packed_ops_keep_channels_last() -> None:
+    """A packed row stated as layout-keeping really returns a channels-last result for a
+    channels-last packed input."""
+    from wide_compiler.fx.rules.conv import KEEPS_CHANNELS_LAST
+
+    calls = _packed_calls()
+    x = torch.randn(2, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    for op, keeps in KEEPS_CHANNELS_LAST.items():
+        for wide_op in RULES[op].packed if keeps else ():
+            assert wide_op in calls, f"{op} is stated layout-keeping: add a call of {wide_op} to _packed_calls"
+            y = calls[wide_op](x)
+            assert y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous(), (op, y.stride())

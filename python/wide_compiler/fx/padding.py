@@ -59,8 +59,8 @@ from torch import fx, nn
 
 from ..errors import ArchitectureMismatchError, UnsupportedOperationError
 from .capture import capture
-from .padding_rules import (FREE, INT_ARGS_OK, MASK_UNARY, RULES, ZERO_UNARY, Prefer, flat_layout, layout_mask,
-                            mask_unary, prefix, same_layout, scatter, size_arith, zero_unary)
+from .padding_rules import (FREE, INT_ARGS_OK, MASK_UNARY, REFUSED, RULES, ZERO_UNARY, Prefer, flat_layout,
+                            layout_mask, mask_unary, prefix, same_layout, scatter, size_arith, zero_unary)
 from .source import source_line
 
 __all__ = ["PadInfo", "PaddedMember", "pad_members"]
@@ -503,7 +503,8 @@ class _Padder:
             elif name in MASK_UNARY:
                 rule = mask_unary
             else:
-                self.refuse(node, "no padding rule for this op (its result on zero padding is not known to be exact)")
+                self.refuse(node, REFUSED.get(name, "no padding rule for this op (its result on zero padding is not "
+                                                    "known to be exact)"))
         if node in self.int_diffs and rule not in INT_ARGS_OK:
             self.refuse(node, "its size arguments differ between members in a way this op's rule cannot pad")
         try:

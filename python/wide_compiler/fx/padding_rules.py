@@ -2,7 +2,11 @@
 to the layout of the result, what a rule rewrites to stay exact (a mask after, a decomposition
 with each member's count, -inf before a max), and what it refuses. A rule is ``rule(padder, node)``
 and sets ``padder.lay[node]``; :data:`RULES` maps an ATen op's name to its rule, ops in
-:data:`ZERO_UNARY` keep zero padding as it is, ops in :data:`MASK_UNARY` are masked after.
+:data:`ZERO_UNARY` keep zero padding as it is, ops in :data:`MASK_UNARY` are masked after, and
+:data:`REFUSED` names the ops a widen rule handles that are refused with padded members, and why.
+Every op of the widen rule table (fx/table.py) is in one of them (or is ``getitem``, which the pass
+follows itself): tests/python/test_rule_coverage.py fails for a new widen rule whose padding is not
+stated here.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from .source import module_path
 if TYPE_CHECKING:
     from .padding import _Padder
 
-__all__ = ["FREE", "INT_ARGS_OK", "MASK_UNARY", "RULES", "ZERO_UNARY", "Prefer", "flat_layout",
+__all__ = ["BY_THE_PASS", "FREE", "INT_ARGS_OK", "MASK_UNARY", "REFUSED", "RULES", "ZERO_UNARY", "Prefer", "flat_layout",
            "layout_mask", "mask_unary", "prefix", "same_layout", "scatter", "size_arith", "zero_unary"]
 
 aten = torch.ops.aten
@@ -892,3 +896,47 @@ RULES: dict[str, Callable[[_Padder, fx.Node], None]] = {
 }
 INT_ARGS_OK = {size_arith, _zeros, _view, _expand, _layer_norm, RULES["rms_norm"], _conv, _group_norm, _view_like,
                 _permute, _mean, _sum, _amax}
+
+# Ops a widen rule handles that are refused with padded members (a refusal names the op, its line
+# and this reason); the reasons, shortest first:
+_NO_RULE = "no padding rule for this op yet"
+_NEW = "it makes values whose padding would not be zero (random, uninitialised or a fill value)"
+_IN_PLACE = "it writes into its input in place, and the padding rules follow results, not writes"
+_NOT_FINITE = "it is infinite, or has an infinite derivative, at 0: it would put inf or NaN into the padding"
+_POSITIONS = "it reads or writes positions given by indices, a mask or an offset, which padding moves"
+_WHOLE_DIM = ("its result depends on every position of the dim it reduces or scans (a count, an order, "
+              "a product), the padding included")
+REFUSED: dict[str, str] = {
+    **dict.fromkeys(("bernoulli", "empty_like", "new_empty", "new_full", "new_ones", "normal", "rand",
+                     "rand_like", "randint", "randint_like", "randn", "randn_like", "bernoulli_", "exponential_",
+                     "normal_", "uniform_", "alpha_dropout", "feature_alpha_dropout"), _NEW),
+    **dict.fromkeys(("abs_", "add_", "celu_", "clamp_", "div_", "elu_", "fill_", "hardsigmoid_", "hardswish_",
+                     "hardtanh_", "leaky_relu_", "masked_fill_", "mish_", "mul_", "relu_", "selu_", "sigmoid_",
+                     "silu_", "sub_", "tanh_", "zero_", "dropout_", "embedding_renorm_"), _IN_PLACE),
+    **dict.fromkeys(("log", "rsqrt", "reciprocal", "sqrt", "pow"), _NOT_FINITE),
+    **dict.fromkeys(("gather", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_",
+                     "index_put", "index_put_", "index_select", "scatter", "scatter_", "scatter_add", "scatter_add_",
+                     "scatter_reduce", "scatter_reduce_", "where", "masked_fill", "index", "narrow", "chunk", "split",
+                     "split_with_sizes", "tensor_split", "unbind", "flip", "roll", "diagonal", "tril", "triu",
+                     "unfold", "diag_embed", "diagonal_scatter", "select_scatter", "slice_scatter", "glu",
+                     "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "repeat", "repeat_interleave"),
+                    _POSITIONS),
+    **dict.fromkeys(("all", "amin", "aminmax", "any", "argmax", "argmin", "argsort", "cummax", "cummin", "cumprod",
+                     "cumsum", "kthvalue", "linalg_vector_norm", "logcumsumexp", "logsumexp", "median", "min", "mode",
+                     "nansum", "norm", "prod", "sort", "std", "std_mean", "topk", "var", "var_mean"), _WHOLE_DIM),
+    **dict.fromkeys((
+        "embedding_bag", "addmm", "baddbmm", "dot", "einsum", "mv", "outer", "vdot", "_weight_norm", "prelu",
+        "__and__", "__or__", "__xor__", "bitwise_and", "bitwise_not", "bitwise_or", "bitwise_xor", "logical_and",
+        "logical_not", "logical_or", "logical_xor", "addcdiv", "addcmul", "floor_divide", "lerp", "log_sigmoid",
+        "multiply", "nan_to_num", "adaptive_max_pool1d", "adaptive_max_pool3d", "max_pool1d_with_indices",
+        "max_pool3d_with_indices", "feature_dropout", "special_log_softmax", "special_softmax",
+        "wrap_with_autocast", "wrap_with_set_grad_enabled", "opaque_module", "gru_cell", "lstm_cell",
+        "rnn_relu_cell", "rnn_tanh_cell", "_assert_tensor_metadata", "adjoint", "expand_as", "mH", "mT",
+        "matrix_H", "movedim", "numpy_T", "reshape_as", "stack", "swapdims", "sym_numel",
+        "_upsample_bicubic2d_aa", "_upsample_bilinear2d_aa", "_upsample_nearest_exact1d",
+        "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_bicubic2d", "upsample_linear1d",
+        "upsample_nearest1d", "upsample_nearest3d", "upsample_trilinear3d", "constant_pad_nd", "pad", "col2im",
+        "im2col"), _NO_RULE),
+}
+# Followed by the pass itself, not by a rule: a tuple element takes its own part of the tuple's layout.
+BY_THE_PASS = frozenset({"getitem"})

@@ -1,6 +1,12 @@
 """ATen's autocast lists, read from the dispatcher, for the widen rules whose wide form is built of
 ops that autocast treats otherwise than the member's op (Note [Autocast parity of widened ops] in
-fx/rules/matmul.py). Not a rule-table module (hence the leading ``_``)."""
+fx/rules/matmul.py). Not a rule-table module (hence the leading ``_``).
+
+It also names the autocast policies a wide op follows. Each rules file that emits a wide op states
+that op's policy beside its rule, in a module-level ``AUTOCAST = {"op name": POLICY}`` (Note [wide
+autocast] in csrc/wide/ops/autocast.cpp implements them; tests/python/test_rule_coverage.py fails
+for a wide op that no rules file states, and checks each statement against the dispatcher's
+autocast registrations and the op's behaviour)."""
 
 from __future__ import annotations
 
@@ -9,7 +15,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["listed", "AsATenOp", "NormResult", "at_least_float32"]
+__all__ = ["listed", "AsATenOp", "NormResult", "at_least_float32", "POLICIES", "LOWER", "ACTIVATION",
+           "FLOAT32_ON_CUDA", "BY_MODE", "NOT_CAST"]
+
+# The autocast policies of the wide ops (Note [wide autocast]): what the op's autocast kernel does,
+# following the ATen op it replaces.
+LOWER = "lower precision"  # every floating argument cast to the autocast dtype (linear, conv, SDPA)
+ACTIVATION = "activation dtype"  # ATen does not cast; computed in float32, returned in the input's dtype
+FLOAT32_ON_CUDA = "activation dtype on CPU, float32 on CUDA"  # ATen's CUDA fp32 list (layer/group/rms norm)
+BY_MODE = "lower precision; on CPU the state's dtype for GRU and the LSTM/GRU cells"  # recurrent ops
+NOT_CAST = "not cast"  # no autocast kernel: the op runs on its arguments as they are (embedding, layout)
+POLICIES = (LOWER, ACTIVATION, FLOAT32_ON_CUDA, BY_MODE, NOT_CAST)
 
 # the dispatch key of each device type's autocast
 _KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS",

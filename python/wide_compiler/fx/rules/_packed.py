@@ -8,9 +8,12 @@ import torch
 from torch import fx
 
 from ..context import Wide, WidenContext, member_rank
+from ._autocast import NOT_CAST
 
 aten = torch.ops.aten
 wide = torch.ops.wide
+# Under torch.autocast (Note [wide autocast]): layout conversions keep their input's dtype.
+AUTOCAST = {"to_packed": NOT_CAST, "to_nfirst": NOT_CAST, "to_channels_first": NOT_CAST}
 
 
 def packed_result(ctx: WidenContext, node: fx.Node, packed: fx.Node, unbatched: bool = False) -> Wide:

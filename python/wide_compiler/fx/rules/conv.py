@@ -18,12 +18,15 @@ from ...functional import conv_padding, spatial_list
 from ...ops import WIDE_OPS
 from ..table import rule
 from ..context import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
+from ._autocast import LOWER
 from ._packed import packed_result
 
 aten = torch.ops.aten
 wide = torch.ops.wide
 _STRATEGIES = WIDE_OPS["conv"].strategies  # grouped_cl: 2-d only (wide::conv_transpose offers the same)
 _PACKED = {"layout": "packed", "strategies": _STRATEGIES}
+# Under torch.autocast (Note [wide autocast]): cast as ATen casts aten::conv*d / conv_transpose*d.
+AUTOCAST = {"conv": LOWER, "conv_transpose": LOWER}
 # A member weight of this many elements or more defaults to the loop (Note [wide::conv strategies]
 # in csrc/wide/ops/conv.cpp: oneDNN's grouped kernel falls far behind N ordinary convs there).
 _LOOP_WEIGHT_ELEMENTS = 1 << 19
@@ -143,7 +146,23 @@ def default_conv_strategy(shapes: dict, *, channels_last: bool = False, pooled: 
 LAYOUT_KEEPING_ACTIVATIONS = frozenset({
     aten.relu.default, aten.relu_.default, aten.silu.default, aten.silu_.default, aten.hardtanh.default,
     aten.hardtanh_.default, aten.gelu.default, aten.leaky_relu.default, aten.leaky_relu_.default})
-_LAYOUT_KEEPING = {aten.batch_norm.default, aten.group_norm.default, *LAYOUT_KEEPING_ACTIVATIONS}
+
+# Note [Layout-keeping ops]
+# -------------------------
+# Every channel-packed row (the table's layout="packed") states whether a channels-last value is
+# followed through it: True where its wide op returns a channels-last result for a channels-last
+# packed input, so the stem default above and step 5 of fx/layout.py (whose _KEEPS_LAYOUT holds
+# these rows' wide ops) walk through it. A conv sets its result's layout by its own strategy (False:
+# a chain ends there); PReLU keeps the layout too but is not followed (no measurement has asked for
+# it). tests/python/test_rule_coverage.py fails for a packed row not named here, and checks each
+# True against the wide op and fx/layout.py's set.
+KEEPS_CHANNELS_LAST = {
+    aten.batch_norm.default: True, aten.instance_norm.default: True, aten.group_norm.default: True,
+    aten.prelu.default: False,
+    **dict.fromkeys((aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.conv1d.padding,
+                     aten.conv2d.padding, aten.conv3d.padding, aten.conv_transpose1d.default,
+                     aten.conv_transpose2d.input, aten.conv_transpose3d.input, aten.convolution.default), False)}
+_LAYOUT_KEEPING = {*(op for op, keeps in KEEPS_CHANNELS_LAST.items() if keeps), *LAYOUT_KEEPING_ACTIVATIONS}
 _MAX_POOLS = {aten.max_pool2d.default, aten.max_pool2d_with_indices.default}
 
 

@@ -13,9 +13,12 @@ from torch import fx
 
 from ..table import rule
 from ..context import Wide, WidenContext, concrete_shape, member_rank
+from ._autocast import NOT_CAST
 
 aten = torch.ops.aten
 wide = torch.ops.wide
+# Under torch.autocast (Note [wide autocast]): ATen casts no embedding op, nor do the wide ones.
+AUTOCAST = {"embedding": NOT_CAST, "embedding_bag": NOT_CAST, "embedding_renorm_": NOT_CAST}
 
 
 def _table(ctx: WidenContext, node: fx.Node, v) -> fx.Node:

@@ -8,10 +8,13 @@ from torch import fx
 from ...ops import WIDE_OPS
 from ..table import rule
 from ..context import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
+from ._autocast import LOWER
 
 aten = torch.ops.aten
 _OP = WIDE_OPS["linear"]
 _STRATEGIES = _OP.strategies
+# Under torch.autocast (Note [wide autocast]): cast as ATen casts aten::linear.
+AUTOCAST = {"linear": LOWER}
 
 
 def _linear_candidates(n: int, shapes: dict, has_bias: bool, opts: dict) -> dict:

@@ -33,9 +33,12 @@ from torch import fx
 
 from ..table import rule
 from ..context import Wide, WidenContext, member_rank
-from ._autocast import AsATenOp
+from ._autocast import LOWER, AsATenOp
 
 aten = torch.ops.aten
+# Under torch.autocast (Note [wide autocast]): SDPA's wide forms (the eval graph's wide.attention,
+# fx/eval_rewrites.py, and the small-sequence kernel it calls) are cast as aten::scaled_dot_product_attention.
+AUTOCAST = {"attention": LOWER, "small_attention": LOWER}
 
 
 # Note [Autocast parity of widened ops]

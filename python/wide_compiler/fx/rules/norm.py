@@ -16,10 +16,22 @@ from torch import fx
 from ...ops import WIDE_OPS
 from ..table import rule
 from ..context import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
+from ._autocast import ACTIVATION, FLOAT32_ON_CUDA, LOWER, NOT_CAST
 from ._packed import packed_result
 
 aten = torch.ops.aten
 wide = torch.ops.wide
+# Under torch.autocast (Note [wide autocast]), each as ATen treats the op it replaces: batch and
+# instance norm are not cast (computed in float32, the activation's dtype back), group/layer/RMS
+# norm are on CUDA's float32 list, prelu on the lower-precision one. The eval graph's forms of these
+# norms (fx/layout.py: group_norm_nfirst; fx/eval_rewrites.py: add_layer_norm, a residual add and
+# its layer norm) and the kernels they call keep their norm's policy; the fused batch/layer norm
+# kernels run inside wide.batch_norm / wide.layer_norm, below its cast.
+AUTOCAST = {"batch_norm": ACTIVATION, "instance_norm": ACTIVATION, "prelu": LOWER,
+            "group_norm": FLOAT32_ON_CUDA, "group_norm_nfirst": FLOAT32_ON_CUDA, "fused_group_norm": FLOAT32_ON_CUDA,
+            "layer_norm": FLOAT32_ON_CUDA, "rms_norm": FLOAT32_ON_CUDA, "add_layer_norm": FLOAT32_ON_CUDA,
+            "fused_norm": FLOAT32_ON_CUDA, "fused_norm_backward": NOT_CAST, "fused_batch_norm": NOT_CAST,
+            "fused_batch_norm_backward": NOT_CAST}
 _LAYER_NORM = WIDE_OPS["layer_norm"]
 _LAYER_NORM_STRATEGIES = _LAYER_NORM.strategies
 

@@ -20,9 +20,13 @@ from torch import fx
 from ...ops import LOOP, WIDE_OPS
 from ..table import rule
 from ..context import TuneSpec, Wide, WidenContext, concrete_shape, member_rank
+from ._autocast import BY_MODE
 
 aten = torch.ops.aten
 wide = torch.ops.wide
+# Under torch.autocast (Note [wide autocast]), as ATen runs each mode: lower precision, except on
+# CPU where GRU and the LSTM/GRU cells carry the state in the dtype it came in.
+AUTOCAST = {"rnn": BY_MODE, "rnn_cell": BY_MODE}
 
 _MODES = {aten.lstm.input: "LSTM", aten.gru.input: "GRU", aten.rnn_tanh.input: "RNN_TANH",
           aten.rnn_relu.input: "RNN_RELU", aten.lstm_cell.default: "LSTM", aten.gru_cell.default: "GRU",
