@@ -18,6 +18,8 @@ import pytest
 import torch
 from torch import nn
 from wide_compiler import cli
+from wide_compiler.cli import models as cli_models
+from wide_compiler.cli import progress as cli_progress
 from wide_compiler import measure
 from wide_compiler.measure import timing
 from wide_compiler.bench import engine, linear
@@ -637,7 +639,7 @@ def test_analyze_progress_bar_only_on_a_terminal(monkeypatch, capsys, interactiv
     analyze_mod = sys.modules["wide_compiler.analyze"]
 
     monkeypatch.setattr(analyze_mod, "analyze", _fake_analyze)
-    monkeypatch.setattr(cli, "_interactive", lambda stream=None: interactive)
+    monkeypatch.setattr(cli_progress, "interactive", lambda stream=None: interactive)
     assert cli.main(["analyze", "mlp", "-n", "2"]) == 0
     captured = capsys.readouterr()
     assert "fake report" in captured.out
@@ -655,12 +657,12 @@ def test_interactive_respects_ci(monkeypatch):
             return True
 
     monkeypatch.delenv("CI", raising=False)
-    assert cli._interactive(Tty())
+    assert cli_progress.interactive(Tty())
     monkeypatch.setenv("CI", "true")
-    assert not cli._interactive(Tty())
+    assert not cli_progress.interactive(Tty())
     monkeypatch.setenv("CI", "false")
-    assert cli._interactive(Tty())
-    assert not cli._interactive(open(os.devnull, "w"))
+    assert cli_progress.interactive(Tty())
+    assert not cli_progress.interactive(open(os.devnull, "w"))
 
 
 def test_trace_on_a_users_file(user_file, capsys):
@@ -756,7 +758,7 @@ def test_plot_without_matplotlib_fails_before_the_work(command, monkeypatch, tmp
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     monkeypatch.setattr(analyze_mod, "analyze", must_not_run)
     monkeypatch.setattr(bench, "run", must_not_run)
-    monkeypatch.setattr(cli, "_load_model", must_not_run)
+    monkeypatch.setattr(cli_models, "_load_model", must_not_run)
     png = tmp_path / "p.png"
     assert cli.main([*command, "--plot", str(png)]) == 2
     err = capsys.readouterr().err
