@@ -105,24 +105,13 @@ from .. import optim as wc_optim
 from ..config import WideConfig
 from ..errors import ArchitectureMismatchError
 from ._common import check_one_class
+from ._optimizers import fuse_optimizers
 
 __all__ = ["MemberEarlyStopping", "ModelWithLoss", "WideLightningModule", "load_member"]
 
 log = logging.getLogger(__name__)
 
 _NAME = "wide_compiler.integrations.lightning"
-
-# torch.optim class -> the wc.optim class (Adam/AdamW: by decoupled_weight_decay).
-_OPTIMIZERS: dict[type, Callable[[dict], type]] = {
-    torch.optim.SGD: lambda g: wc_optim.SGD,
-    torch.optim.Adam: lambda g: wc_optim.AdamW if g.get("decoupled_weight_decay") else wc_optim.Adam,
-    torch.optim.AdamW: lambda g: wc_optim.AdamW if g.get("decoupled_weight_decay", True) else wc_optim.Adam,
-    torch.optim.RMSprop: lambda g: wc_optim.RMSprop,
-    torch.optim.Adagrad: lambda g: wc_optim.Adagrad,
-}
-# torch.optim param-group keys with no wc.optim counterpart, and the values that are harmless.
-_IGNORED_GROUP_KEYS = {"foreach": (None, False), "fused": (None, False), "capturable": (False,),
-                       "differentiable": (False,)}
 
 # Member hooks that shape the optimization: a fused run cannot run them per member.
 _REFUSED_HOOKS = ("optimizer_step", "optimizer_zero_grad", "configure_gradient_clipping", "backward",
@@ -914,7 +903,6 @@ def _fuse_optimizers(wide_lm: WideLightningModule) -> Any:
     from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 
     members = wide_lm._members
-    n = wide_lm.n
     confs = []
     for i, m in enumerate(members):
         trainer = m.__dict__.get("_trainer")
@@ -932,75 +920,10 @@ def _fuse_optimizers(wide_lm: WideLightningModule) -> Any:
                              "need manual optimization)")
         confs.append((opts[0], _configure_schedulers_automatic_opt(scheds, monitor)))
 
-    # parameters: member i's param p -> the wide parameter "lm.<name>"
-    names = [{id(p): name for name, p in m.named_parameters()} for m in members]
-    opt0 = confs[0][0]
-    cls0 = type(opt0)
-    groups_out = []
-    for i, (opt, _) in enumerate(confs):
-        if type(opt) is not cls0:
-            raise ValueError(f"WideLightningModule: member {i}'s optimizer is {type(opt).__name__}, "
-                             f"member 0's {cls0.__name__}; one optimizer class per fused run")
-        if type(opt) not in _OPTIMIZERS:
-            raise TypeError(f"WideLightningModule: member {i}'s optimizer {type(opt).__name__} has no "
-                            f"fused per-member form; supported: "
-                            f"{', '.join(c.__name__ for c in _OPTIMIZERS)} (or override "
-                            "configure_optimizers in a WideLightningModule subclass and return "
-                            "wide_compiler.optim objects)")
-        if len(opt.param_groups) != len(opt0.param_groups):
-            raise ValueError(f"WideLightningModule: member {i}'s optimizer has {len(opt.param_groups)} "
-                             f"param groups, member 0's {len(opt0.param_groups)}")
-        gs = []
-        for gi, g in enumerate(opt.param_groups):
-            try:
-                gs.append([names[i][id(p)] for p in g["params"]])
-            except KeyError:
-                raise ValueError(f"WideLightningModule: member {i}'s optimizer (param group {gi}) holds "
-                                 "a tensor that is not one of the member's parameters") from None
-        groups_out.append(gs)
-        if gs != groups_out[0]:
-            raise ValueError(f"WideLightningModule: member {i}'s optimizer groups the parameters "
-                             f"differently from member 0's ({gs} vs {groups_out[0]})")
-    wc_cls = _OPTIMIZERS[cls0](opt0.param_groups[0])
-    for i, (opt, _) in enumerate(confs):
-        got = _OPTIMIZERS[type(opt)](opt.param_groups[0])
-        if got is not wc_cls:
-            raise ValueError(f"WideLightningModule: member {i}'s {type(opt).__name__} has "
-                             f"decoupled_weight_decay={opt.param_groups[0].get('decoupled_weight_decay')}, "
-                             "member 0's differs; a flag shared by the fused run")
-    wide_params = wide_lm.wide
-    param_groups = []
-    for gi, pnames in enumerate(groups_out[0]):
-        group: dict[str, Any] = {"params": [wide_params.get_parameter("lm." + nm) for nm in pnames]}
-        member_groups = [c[0].param_groups[gi] for c in confs]
-        for key in member_groups[0]:
-            if key in ("params", "initial_lr", "decoupled_weight_decay"):
-                continue
-            vals = [g.get(key) for g in member_groups]
-            if key == "lr":
-                vals = [g.get("initial_lr", g["lr"]) for g in member_groups]
-            if key in wc_cls._hparams:
-                group[key] = [float(v) for v in vals]
-            elif key in wc_cls._pairs:
-                group[key] = tuple([float(v[k]) for v in vals] for k in range(2))
-            elif key in wc_cls._flags:
-                for i, v in enumerate(vals):
-                    if v != vals[0]:
-                        raise ValueError(f"WideLightningModule: member {i}'s {cls0.__name__} has {key}={v!r}, "
-                                         f"member 0 has {vals[0]!r}; {key} is one flag for the whole "
-                                         "fused run")
-                group[key] = bool(vals[0])
-            elif key in _IGNORED_GROUP_KEYS:
-                for i, v in enumerate(vals):
-                    if v not in _IGNORED_GROUP_KEYS[key]:
-                        raise ValueError(f"WideLightningModule: member {i}'s {cls0.__name__} has "
-                                         f"{key}={v!r}; the fused optimizer has its own kernel "
-                                         f"(use the default {key}={_IGNORED_GROUP_KEYS[key][0]!r})")
-            else:
-                raise ValueError(f"WideLightningModule: member 0's {cls0.__name__} param group {gi} has "
-                                 f"{key!r}, which {wc_cls.__name__} does not take per member")
-        param_groups.append(group)
-    optimizer = wc_cls(param_groups, n=n)
+    optimizer = fuse_optimizers([opt for opt, _ in confs], members,
+                                lambda name: wide_lm.wide.get_parameter("lm." + name), owner="WideLightningModule",
+                                alternative="or override configure_optimizers in a WideLightningModule subclass "
+                                            "and return wide_compiler.optim objects")
 
     # schedulers
     n_sched = len(confs[0][1])

@@ -87,6 +87,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..config import WideConfig
 from ._common import check_one_class, installed, require
+from ._optimizers import SUPPORTED, fuse_optimizers
 
 __all__ = ["WideTrainer", "WideTransformersModel", "member_arguments", "transformers_available"]
 
@@ -108,8 +109,6 @@ _CONFIG_FREE_KEYS = frozenset({"initializer_range", "initializer_factor", "init_
                                "name_or_path", "transformers_version", "architectures", "_commit_hash",
                                "id2label", "label2id", "use_cache"})
 
-# torch.optim class the Trainer would build -> wide_compiler.optim class name
-_OPTIMIZERS = {"AdamW": "AdamW", "Adam": "Adam", "SGD": "SGD", "Adagrad": "Adagrad", "RMSprop": "RMSprop"}
 # implementation choices of torch.optim that do not change the maths
 _IMPLEMENTATION_KWARGS = ("fused", "foreach", "capturable", "differentiable")
 
@@ -600,48 +599,24 @@ class WideTrainer(_transformers.Trainer):
     def create_optimizer(self, model: Any = None) -> Any:
         if self.optimizer is not None:
             return self.optimizer
-        import wide_compiler.optim as wopt
-
         wide = self.model
         first = wide._members[0]
         decay = set(self.get_decay_parameter_names(first))
-        params = [(name, p) for name, p in wide.wide.named_parameters() if p.requires_grad]
-        n = wide.n
-        classes, kwargs = [], []
-        for i, a in enumerate(self.member_args):
+        optimizers = []
+        for i, (a, m) in enumerate(zip(self.member_args, wide._members)):
             cls, kw = _transformers.Trainer.get_optimizer_cls_and_kwargs(a, first)
-            if cls.__module__.split(".")[0] != "torch" or cls.__name__ not in _OPTIMIZERS:
+            if cls not in SUPPORTED:
                 raise ValueError(f"{_NAME}: TrainingArguments.optim={_value(a.optim)!r} (member {i}) builds "
                                  f"{cls.__module__}.{cls.__name__}; supported: adamw_torch, adamw_torch_fused, "
                                  "sgd, adagrad, rmsprop")
-            classes.append(cls)
-            kwargs.append({k: v for k, v in kw.items() if k not in _IMPLEMENTATION_KWARGS})
-        for i, cls in enumerate(classes):
-            if cls is not classes[0]:
-                raise ValueError(f"{_NAME}: TrainingArguments.optim is {_value(self.member_args[i].optim)!r} for "
-                                 f"member {i} but {_value(self.member_args[0].optim)!r} for member 0")
-        wcls = getattr(wopt, _OPTIMIZERS[classes[0].__name__])
-        merged: dict[str, Any] = {}
-        for key in sorted(set().union(*kwargs)):
-            values = [kw.get(key, inspect.signature(classes[0]).parameters[key].default) for kw in kwargs]
-            if key in wcls._flags:
-                for i, v in enumerate(values):
-                    if v != values[0]:
-                        raise ValueError(f"{_NAME}: optimizer flag {key}={v!r} for member {i} but {values[0]!r} "
-                                         "for member 0; a flag is shared by all members")
-                merged[key] = values[0]
-            elif key in wcls._pairs:
-                merged[key] = tuple([float(v[k]) for v in values] for k in range(2))
-            elif key in wcls._hparams:
-                merged[key] = [float(v) for v in values]
-            else:
-                raise ValueError(f"{_NAME}: optimizer argument {key}={values[0]!r} has no per-member form in "
-                                 f"wide_compiler.optim.{wcls.__name__}")
-        wd = [float(a.weight_decay) for a in self.member_args]
-        groups = [{"params": [p for name, p in params if name in decay], "weight_decay": wd},
-                  {"params": [p for name, p in params if name not in decay], "weight_decay": [0.0] * n}]
-        groups = [g for g in groups if g["params"]]
-        self.optimizer = wcls(groups, **merged)
+            # member i's optimizer as a plain Trainer builds it (Trainer.create_optimizer: decay and
+            # no-decay groups), less the implementation choices that do not change the maths
+            params = [(name, p) for name, p in m.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for name, p in params if name in decay], "weight_decay": a.weight_decay},
+                      {"params": [p for name, p in params if name not in decay], "weight_decay": 0.0}]
+            optimizers.append(cls([g for g in groups if g["params"]],
+                                  **{k: v for k, v in kw.items() if k not in _IMPLEMENTATION_KWARGS}))
+        self.optimizer = fuse_optimizers(optimizers, wide._members, wide.wide.get_parameter, owner=_NAME)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
