@@ -4,7 +4,9 @@
 (N seeds, N learning rates, N weight decays, ...) fused into one
 :class:`~wide_compiler.WideModel`: one forward, one backward and one fused optimizer step per
 batch for all N, and member ``i`` ends up where a plain ``Trainer`` takes that model trained
-alone with member ``i``'s arguments on the same batches.
+alone with member ``i``'s arguments on the same batches. Dropout draws its own masks per
+member, not the ones that plain run draws: with dropout > 0 a member trains as that run would
+with another dropout stream, not bit for bit (train both with dropout 0 to compare them exactly).
 
 * **Members.** ``model=`` is a list of N ``PreTrainedModel`` instances (member ``i``'s initial
   weights), or a :class:`WideTransformersModel` (e.g. from
