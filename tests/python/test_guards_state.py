@@ -318,3 +318,69 @@ def test_a_device_branch_is_guarded_on_the_parameters_device():
         guards.failed((x,), torch.float64, torch.device("meta"))
     moved = torch.empty_like(x, device="meta")
     assert "reads a tensor's device" in guards.failed((moved,), torch.float64, torch.device("meta"))
+
+
+# --- what the scan follows, and the watch's patches ---------------------------------------------------
+
+
+class _Helpers(nn.Module):
+    LIMIT = 0.5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    @property
+    def gain(self):
+        return SCALE + 1
+
+    def clip(self, h):
+        return h.clamp(-self.LIMIT, self.LIMIT)
+
+    def forward(self, x):
+        return self.clip(self.fc(x)) * self.gain
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Helpers()
+
+    def forward(self, x):
+        return self.inner(x) + 1
+
+
+@pytest.mark.parametrize("change", ["SCALE", "LIMIT"])
+def test_globals_read_by_methods_and_properties_of_submodules_are_followed(change, monkeypatch):
+    wide, members = _compile(_Outer, 2, 4)
+    x = _x(2, 4)
+    _assert_members(wide, members, x)
+    if change == "LIMIT":
+        monkeypatch.setattr(_Helpers, "LIMIT", 0.1)
+    else:
+        monkeypatch.setattr(sys.modules[__name__], "SCALE", -1.0)
+    _assert_members(wide, members, x)
+
+
+def test_the_watch_leaves_torch_as_it_was_after_captures_in_two_threads():
+    import threading
+
+    saved = (torch.is_grad_enabled, torch.are_deterministic_algorithms_enabled, torch.compiler.is_compiling.__code__,
+             torch.autograd.function.Function.__dict__["apply"])
+    errors = []
+
+    def run():
+        try:
+            _compile(_Contiguous, 2, 4)
+        except Exception as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert saved == (torch.is_grad_enabled, torch.are_deterministic_algorithms_enabled,
+                     torch.compiler.is_compiling.__code__, torch.autograd.function.Function.__dict__["apply"])
+    assert not {"is_contiguous", "stride", "is_cuda", "is_cpu"} & set(torch.Tensor.__dict__)

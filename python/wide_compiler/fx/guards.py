@@ -207,9 +207,10 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
     ``entries`` as ``Guards.watched``, ``owners`` the live dicts and classes, ``readers`` the
     FLAG_READERS names the code holds as globals (``from torch import get_default_dtype``).
 
-    Read statically (``dis``): every function of every user class in the module tree, the code
-    objects nested in them (comprehensions, inner functions), and the user's functions they load as
-    globals, transitively (at most ``MAX_CODES`` code objects, ``MAX_WATCHED`` values). A name
+    Read statically (``dis``): the ``forward`` of every module in the tree, the code objects nested
+    in it (comprehensions, inner functions), the methods and properties of the module's class it
+    names (``self.helper(x)``), the functions the module holds, and the user's functions they load
+    as globals, transitively (at most ``MAX_CODES`` code objects, ``MAX_WATCHED`` values). A name
     loaded as an attribute (``self.SCALE``) counts as a class attribute of the module's class when
     the instance has no attribute of that name."""
     from .source import is_user_file
@@ -218,28 +219,31 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
     readers: list[str] = []
     reader_names = {id(fn): name for name, fn in FLAG_READERS.items()}
     work: list[tuple[Any, Any]] = []  # (function, the module whose class holds it, or None)
-    seen_cls: set[type] = set()
+
+    def follow(v: Any, m: Any) -> None:
+        fn = v.fget if isinstance(v, property) else getattr(v, "__func__", v)
+        if isinstance(fn, types.FunctionType) and is_user_file(fn.__code__.co_filename):
+            work.append((fn, m))
+
     for m in model.modules():
-        work.extend((v, None) for v in vars(m).values()  # functions held by the instance (self.act = fn)
-                    if isinstance(v, types.FunctionType) and is_user_file(v.__code__.co_filename))
-        for klass in type(m).__mro__:
-            if (klass, type(m)) in seen_cls:
-                continue
-            seen_cls.add((klass, type(m)))
-            for v in vars(klass).values():
-                fn = v.fget if isinstance(v, property) else getattr(v, "__func__", v)
-                if isinstance(fn, types.FunctionType) and is_user_file(fn.__code__.co_filename):
-                    work.append((fn, m))
-    seen: set[tuple[Any, int]] = set()
+        for v in vars(m).values():  # functions held by the instance (self.act = fn)
+            if isinstance(v, types.FunctionType):
+                follow(v, None)
+        try:
+            follow(inspect.getattr_static(type(m), "forward"), m)
+        except AttributeError:
+            pass
+    work.reverse()  # the outermost module's forward first
+    seen: set[tuple[Any, Any]] = set()  # (code, the module's class): instances of a class read the same names
     codes = 0
     while work:
         fn, m = work.pop()
         stack = [fn.__code__]
         while stack:
             code = stack.pop()
-            if (code, id(m)) in seen:
+            if (code, type(m)) in seen:
                 continue
-            seen.add((code, id(m)))
+            seen.add((code, type(m)))
             codes += 1
             if codes > MAX_CODES:
                 log.debug("wide_compiler: more than %d code objects in the members' classes: the globals the "
@@ -269,6 +273,8 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
                         continue
                     if _plain(v):
                         entries.setdefault((id(cls), name), ((cls.__module__, cls.__qualname__, name, v), cls))
+                    else:  # a method or property of the module's class that its code calls
+                        follow(v, m)
     found = list(entries.values())
     if len(found) > MAX_WATCHED:
         log.warning("wide_compiler: the members' code reads %d module globals and class attributes; the first %d "
