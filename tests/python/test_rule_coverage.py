@@ -969,3 +969,24 @@ def test_followed_packed_ops_keep_channels_last() -> None:
             assert wide_op in calls, f"{op} is stated layout-keeping: add a call of {wide_op} to _packed_calls"
             y = calls[wide_op](x)
             assert y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous(), (op, y.stride())
+
+
+def test_stem_default_follows_every_layout_keeping_norm() -> None:
+    """Note [Stem layout] walks through the rows stated layout-keeping: an RGB stem whose
+    InstanceNorm and ReLU end in a max pool runs channels-last in the train graph, as one with a
+    BatchNorm does (the stem heuristic once named BatchNorm and GroupNorm only, while the layout
+    plan also followed InstanceNorm)."""
+    from wide_compiler.fx.pipeline import PASSES, Compilation, run_pipeline
+
+    class Stem(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.norm = nn.Conv2d(3, 8, 3, padding=1), nn.InstanceNorm2d(8, affine=True)
+
+        def forward(self, x):
+            return F.max_pool2d(torch.relu(self.norm(self.conv(x))), 2)
+
+    c = Compilation(Stem(), ((torch.randn(2, 3, 16, 16),), {}), N, FAST, device=torch.device("cpu"))
+    run_pipeline(c, [p for p in PASSES if p.name in ("capture", "widen", "layout", "strategies")])
+    (stem,) = c.wide.graph_module.graph.find_nodes(op="call_function", target=torch.ops.wide.conv.default)
+    assert stem.kwargs["strategy"] == "grouped_cl", stem.meta.get("wide_strategy_reason")
