@@ -466,9 +466,6 @@ class WideModel(MemberOpsMixin, nn.Module):
                                          if m is None and int(x.shape[d + 1]) >= 2)
             first = [x[0].detach() if isinstance(x, torch.Tensor) and x.dim() else x for x in flat]
             sample = tree_unflatten(first, wg.in_spec)
-            log.warning("wide_compiler: a call outside what the %s graph was captured for (%s): capturing the "
-                        "%s graph for these inputs (%d of at most %d graphs of that mode)",
-                        mode, reason, mode, kept + 1, MAX_GRAPHS)
             watch = Stopwatch()
             ref = next(self.parameters(), None)
             c = Compilation(self._capture_template[0].train(training), (tuple(sample[0]), dict(sample[1])), self.n,
@@ -484,7 +481,9 @@ class WideModel(MemberOpsMixin, nn.Module):
                     f"wide_compiler: this call is outside what the {mode} graph was captured for ({reason}), "
                     f"and capturing the {mode} graph for these inputs failed: {type(e).__name__}: {e}") from e
             new = self._adopt(c, variant=True)
-            log.info("wide_compiler: captured the %s graph for these inputs in %.1f s", mode, watch.seconds)
+            log.warning("wide_compiler: a call outside what the %s graph was captured for (%s): captured the "
+                        "%s graph for these inputs in %.1f s (%d of at most %d graphs of that mode)",
+                        mode, reason, mode, watch.seconds, kept + 1, MAX_GRAPHS)
             flat, still = self._outside(new, args, kwargs)
             if still is not None:  # the capture's own guards refuse its sample: never run it
                 raise ValueError(f"wide_compiler: the {mode} graph captured for this call does not hold for "
@@ -527,6 +526,7 @@ class WideModel(MemberOpsMixin, nn.Module):
             for k, d in new:
                 extra[k] = extra.get(k, frozenset()) | {d}
             ref = next(self.parameters(), None)
+            watch = Stopwatch()
             c = Compilation(self._capture_template[0].train(training), self._sample, self.n,
                             self._config.replace(tune=False), dynamic_shapes=self._dynamic_shapes,
                             opaque_paths=self._capture_template[1], extra_dims=extra,
@@ -566,6 +566,9 @@ class WideModel(MemberOpsMixin, nn.Module):
                     self._extra_dims[k] = self._extra_dims.get(k, frozenset()) | {d}
                     self._grown.setdefault((k, d), size)
             wg = self._adopt(c)
+            log.warning("wide_compiler: recaptured the %s graph with %s dynamic in %.1f s", mode, ", ".join(
+                f"input '{users[k].name}' dim {d + 1} (this call: {size}, captured: {was})"
+                for (k, d), (size, was) in new.items() if (k, d) not in fixed), watch.seconds)
             if fixed:
                 raise ValueError(next(iter(fixed.values())))
             return wg

@@ -19,14 +19,35 @@ dtype, device, processor (:func:`wide_compiler.measure.hardware`), thread count,
 and the measuring method, so a second compile of the same shapes costs nothing and chooses the
 same.
 
-Measuring one graph is bounded by ``config.tune_budget_s`` (a :class:`Budget`): ops are measured
+Measuring one graph is bounded by a :class:`Budget`: ``config.tune_budget_s``, scaled down to what
+tuning can save where the graph's run time is known (Note [Tuning that pays for itself]). Ops are measured
 until 70% of it is spent, the rest is left to the model-level check (fx/model_check.py).
 An op gets three rounds first (abandoned only when the whole budget is spent: the clock is read
 after every call, so the budget overruns by one call at most); when one candidate is then
 :func:`clearly_apart` from the others the op is decided, else it gets the remaining rounds while
 the ops' 70% lasts (the rounds completed count). Ops not measured keep their default, are not
-cached (a later compile measures them), and the give-up is logged once per graph and shown by
-``summary()``.
+cached (a later compile measures them), and the give-up is shown by ``summary()`` and logged
+(at WARNING once per process, with what to do; at INFO after that).
+
+Note [Tuning that pays for itself]
+    Measuring at compile time pays only through the calls that follow: a tuned set is kept only
+    when the whole graph runs faster by more than ``tune_margin`` (the model-level check,
+    fx/model_check.py), so what tuning saves is a fraction of a run per call. And it costs runs:
+    each op's candidates, warm-ups and rounds add up to about a dozen runs of the graph, and the
+    model-level check needs one round of two blocks of three runs before it can decide. A check
+    cut short by the budget keeps the defaults, uncached, so a budget too small to measure and
+    check the graph is spent for nothing, at every compile: ResNet-18 at N=4 (train graph, batch
+    8, 64x64) spent 3.7 s measuring and 2 s checking per graph on a busy 2-core machine and kept
+    its defaults each time, two thirds of its compile.
+
+    So where the graph's run time R is known (``run_seconds``: one member's eager forward, timed
+    by the member check (fx/member_checks.py), times N, times 3 for a train graph's forward and
+    backward), the budget is ``min(tune_budget_s, PAYBACK_RUNS * R)`` (at a gain of 20% a call,
+    tuning has paid for itself after 5 * PAYBACK_RUNS calls; a short run is never blocked for
+    long), and when even :data:`TUNING_RUNS` runs do not fit in ``tune_budget_s`` nothing is
+    measured: cached picks are used, the other ops keep their defaults, and ``summary()`` says
+    why (a larger ``tune_budget_s``, or None, measures). Where R is not known (no member check,
+    a recapture) the budget is ``tune_budget_s``; ``tune_budget_s=None`` is no limit, unscaled.
 """
 
 from __future__ import annotations
@@ -55,6 +76,31 @@ _CACHE_FILE = "strategies.json"
 _WARMUP = 3  # untimed calls per candidate before the timed rounds (first calls pay one-time setup)
 MEASURE_SHARE = 0.7  # of the budget, for measuring ops; the rest is the model-level check's
 MIN_ROUNDS = 3  # rounds every measured op gets; more only while no candidate is clearly apart
+# Note [Tuning that pays for itself]: the budget is at most PAYBACK_RUNS runs of the graph, and
+# nothing is measured where TUNING_RUNS runs (the least a measured and checked graph costs) do not
+# fit in tune_budget_s
+PAYBACK_RUNS = 50
+TUNING_RUNS = 20
+_hinted = False  # the budget's give-up was logged at WARNING in this process (once: then INFO)
+
+
+def scaled_budget(seconds: float | None, run_seconds: float | None) -> tuple[float | None, str | None]:
+    """Note [Tuning that pays for itself]: the measuring budget of a graph whose run takes
+    ``run_seconds`` (None: not known) under ``tune_budget_s=seconds``, and why nothing is
+    measured (None: measure).
+
+    >>> scaled_budget(5.0, None), scaled_budget(5.0, 0.01), scaled_budget(None, 1.0)
+    ((5.0, None), (0.5, None), (None, None))
+    >>> scaled_budget(5.0, 0.5)[1]
+    'a run of this graph takes ~500 ms: measuring and checking it takes at least 20 runs (10 s), more than tune_budget_s=5'
+    """
+    if seconds is None or run_seconds is None or not run_seconds > 0:
+        return seconds, None
+    if TUNING_RUNS * run_seconds > seconds:
+        return seconds, (f"a run of this graph takes ~{1e3 * run_seconds:.0f} ms: measuring and checking it takes "
+                         f"at least {TUNING_RUNS} runs ({TUNING_RUNS * run_seconds:.2g} s), more than "
+                         f"tune_budget_s={seconds:g}")
+    return min(seconds, PAYBACK_RUNS * run_seconds), None
 
 
 def now() -> float:
@@ -64,12 +110,15 @@ def now() -> float:
 
 
 class Budget:
-    """The measuring time allowed to one compiled graph (``WideConfig.tune_budget_s``; None: no
-    limit), and what happened to it: ``gave_up_at`` (the first node left unmeasured), ``skipped``
-    (how many), ``check`` (the model-level check's outcome, for ``summary()``)."""
+    """The measuring time allowed to one compiled graph (``WideConfig.tune_budget_s``, scaled by
+    :func:`scaled_budget` to ``run_seconds``, the graph's run time where known; None: no limit),
+    and what happened to it: ``gave_up_at`` (the first node left unmeasured), ``skipped`` (how
+    many), ``check`` (the model-level check's outcome, for ``summary()``); ``not_measured``: why
+    nothing is measured (Note [Tuning that pays for itself]), else None."""
 
-    def __init__(self, seconds: float | None) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds: float | None, run_seconds: float | None = None) -> None:
+        self.limit = seconds
+        self.seconds, self.not_measured = scaled_budget(seconds, run_seconds)
         self.start = now()
         self.measured = 0
         self.cached = 0
@@ -83,20 +132,29 @@ class Budget:
         return now() - self.start
 
     def exhausted(self, share: float = 1.0) -> bool:
+        if self.not_measured is not None:
+            return True
         return self.seconds is not None and self.spent() >= self.seconds * share
 
     def give_up(self, where: str, op: str) -> None:
-        """Record an op left at its default; the first one is logged."""
+        """Record an op left at its default; the first one is logged (at WARNING, with what to
+        do, once per process; at INFO after that, and where nothing is measured by design)."""
+        global _hinted
         self.skipped += 1
+        if self.not_measured is not None:
+            if self.skipped == 1:
+                log.info("wide_compiler: tuning: nothing measured (%s): cached picks are used, the other ops "
+                         "keep their default strategies", self.not_measured)
+            return
         if self.gave_up_at is None:
             self.gave_up_at = where
-            hint = ("" if os.environ.get("OMP_WAIT_POLICY") else
-                    " On a busy machine, starting Python with OMP_WAIT_POLICY=PASSIVE makes measuring faster"
-                    " (OpenMP reads it once, when torch loads);")
-            log.warning("wide_compiler: tuning budget of %.1f s (WideConfig.tune_budget_s) exhausted at "
-                        "node '%s' (%s) after %.1f s: it and the ops not yet measured keep their default "
-                        "strategies (measured on a later compile).%s WideConfig.fast() skips measuring.",
-                        self.seconds, where, op, self.spent(), hint)
+            level = logging.INFO if _hinted else logging.WARNING
+            _hinted = True
+            hint = ("" if os.environ.get("OMP_WAIT_POLICY") or level == logging.INFO else
+                    " (on a busy machine OMP_WAIT_POLICY=PASSIVE, set before torch loads, measures faster)")
+            log.log(level, "wide_compiler: tuning budget of %.2g s used up at node '%s' (%s) after %.1f s: the "
+                    "ops not yet measured keep their default strategies until a later compile measures "
+                    "them%s", self.seconds, where, op, self.spent(), hint)
 
     def finish(self, check: str | None = None) -> None:
         """Stop the clock of :meth:`describe` (after the ops, and again after the model-level
@@ -107,10 +165,14 @@ class Budget:
 
     def describe(self) -> str:
         """One line for ``summary()``."""
-        limit = "no limit" if self.seconds is None else f"budget {self.seconds:g} s"
+        limit = "no limit" if self.seconds is None else f"budget {self.seconds:.3g} s"
+        if self.seconds is not None and self.limit is not None and self.seconds < self.limit:
+            limit += f" of {self.limit:g} s: {PAYBACK_RUNS} runs of the graph"
         elapsed = self.elapsed if self.elapsed is not None else self.spent()
         text = (f"tuning: {self.measured} measured, {self.cached} cached, {self.skipped} left at default, "
                 f"{elapsed:.2f} s ({limit})")
+        if self.not_measured is not None:
+            text += f"; nothing measured: {self.not_measured}"
         if self.gave_up_at is not None:
             text += f"; budget exhausted at node '{self.gave_up_at}'"
         if self.check is not None:
@@ -378,6 +440,9 @@ def measure_strategy(
                     list(names))
     if budget is not None and budget.exhausted(MEASURE_SHARE):
         budget.give_up(where or op, op)
+        if budget.not_measured is not None:  # Note [Tuning that pays for itself]
+            return Choice(default, None, because + "; not measured: the graph is too slow to tune in the budget",
+                          "budget")
         return Choice(default, None, because + "; budget exhausted, not measured", "budget")
     times = _measure(make_candidates(), config.tune_repeats, budget, config.tune_margin)
     if times is None:
@@ -450,7 +515,8 @@ def heuristic_reason(node: fx.Node, default: str) -> str:
 
 
 def choose_strategies(graph: fx.Graph, n: int, config: WideConfig, *, training: bool,
-                      dtype: torch.dtype, device: torch.device) -> dict[str, dict[str, float] | None]:
+                      dtype: torch.dtype, device: torch.device,
+                      run_seconds: float | None = None) -> dict[str, dict[str, float] | None]:
     """The strategy pass: set the ``strategy`` kwarg of every tunable node of ``graph``; returns
     the measured timings (ms per candidate, or None when nothing was measured) by node name.
 
@@ -459,13 +525,14 @@ def choose_strategies(graph: fx.Graph, n: int, config: WideConfig, *, training: 
     under one :class:`Budget`: the forward for an eval graph (``training=False``), forward and
     backward for a train graph, where a strategy with a cheap forward can have a slow backward.
     Otherwise the forced strategy is used where the op offers it (``"batched"``: every op's
-    default). Left on the graph for ``WideModel.summary()`` and the model-level check:
+    default). ``run_seconds``: what one run of the graph takes, where known (the budget follows
+    it: Note [Tuning that pays for itself]). Left on the graph for ``WideModel.summary()`` and the model-level check:
     ``node.meta["wide_strategy_reason"]`` (why this strategy), ``node.meta["wide_tune_key"]``
     (the op's cache key) and ``graph.owning_module.meta["wide_tuning"]`` (the :class:`Budget`)."""
     opts = {"dtype": dtype, "device": device, "requires_grad": training}
     forced, matched = config.strategy, False
     timings_by_node: dict[str, dict[str, float] | None] = {}
-    budget = Budget(config.tune_budget_s) if config.tune and forced == "auto" else None
+    budget = Budget(config.tune_budget_s, run_seconds) if config.tune and forced == "auto" else None
     for node in graph.nodes:
         spec = node.meta.get("wide_tune")
         if spec is None:

@@ -429,11 +429,15 @@ def test_eval_graph_pools_before_relu():
 def test_model_level_tuning_check_keeps_one_of_the_two_and_leaves_no_trace(monkeypatch, caplog):
     """Note [Model-level tuning check] (fx/model_check.py): when the per-op tuner changes a strategy, the
     whole graph is timed both ways and one of the two sets is kept (which one is the machine's
-    call: not asserted); buffers come back as they were and no ``.grad`` is written."""
+    call: not asserted); buffers come back as they were and no ``.grad`` is written. The
+    measuring clock stands still (Note [Fake clock]): however busy the machine, the tuning budget
+    never runs out before the check has run (it did on a busy machine, and the line never came)."""
     import logging
 
     from wide_compiler import tuning
+    from wide_compiler.measure import timing
 
+    monkeypatch.setattr(timing, "_clock", lambda: 0.0)
     monkeypatch.setattr(tuning, "measure_strategy", lambda op, key, make, default, config, names, **kw:
                         tuning.Choice("loop", None, "measured: forced by the test", "measured"))
     models = _trained_members(2)  # train mode: BatchNorm updates its running stats when run

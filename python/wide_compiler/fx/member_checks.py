@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from ..errors import ArchitectureMismatchError
+from ..measure import Stopwatch
 from .capture import _run_on_clones, batch_of_two, capture, without_cudnn
 from .forms import apply_capture_forms
 from .source import source_line, user_frame
@@ -269,6 +270,7 @@ class _OpRecorder(TorchDispatchMode):
         super().__init__()
         self.ops: list[tuple[str, Any]] = []
         self.stop_at, self.where = stop_at, None
+        self.seconds: float | None = None  # how long the recorded forward took (the copy not counted)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -309,13 +311,15 @@ def _run_recorded(model: nn.Module, args: tuple, kwargs: dict, stop_at: int | No
                       "of its tensors and restoring its attributes", type(model).__name__, type(e).__name__, e)
             _run_on_clones(model, args, kwargs, rec)
             return rec
+        watch = Stopwatch()
         with torch.no_grad(), rec:
             member(*args, **kwargs)
+        rec.seconds = watch.seconds
     return rec
 
 
 def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None,
-                      constants: dict[str, tuple] | None = None) -> None:
+                      constants: dict[str, tuple] | None = None) -> float | None:
     """Run every member once on the sample and compare the ops it runs and their non-tensor
     arguments with member 0's (``WideConfig.run_members``): a member whose forward reads a
     different Python constant (a global, a closure, a class attribute) runs a different program.
@@ -325,25 +329,35 @@ def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | N
     With per-member ``constants`` each member is compared with member 0 run with that member's
     own values (one run per distinct configuration), so every member is checked with the values
     it runs with (what the constants themselves change is proved by tracing, Note [Per-member
-    constants] in fx/constants.py)."""
+    constants] in fx/constants.py).
+
+    Returns the quickest of the members' forwards in seconds (the first pays one-time set-up;
+    recording adds a little): what the tuning budget follows (Note [Tuning that pays for itself]
+    in tuning.py); None when no forward ran to its end."""
     args, kwargs = batch_of_two((tuple(args), dict(kwargs or {})))
     paths = list(constants or {})
     refs: dict[tuple, list] = {}
+    seconds: list[float] = []
+
+    def timed(rec: _OpRecorder) -> list:
+        if rec.seconds is not None:
+            seconds.append(rec.seconds)
+        return rec.ops
 
     def reference(i: int) -> list:
         key = tuple((type(constants[p][i]).__name__, repr(constants[p][i])) for p in paths)
         if key not in refs:
             if i == 0 or not paths:
-                refs[key] = _run_recorded(models[0], args, kwargs).ops
+                refs[key] = timed(_run_recorded(models[0], args, kwargs))
             else:  # a copy of member 0 with member i's values, run as it is (no second copy)
-                refs[key] = _run_recorded(with_constants(models[0], constants, i), args, kwargs, private=True).ops
+                refs[key] = timed(_run_recorded(with_constants(models[0], constants, i), args, kwargs, private=True))
         return refs[key]
 
     try:
         reference(0)
     except Exception as e:  # the check is a safety net; export already accepted the program
         log.debug("wide_compiler: cannot run member 0 on the sample (%s); run_members check skipped", e)
-        return
+        return None
     for i, model in enumerate(models[1:], start=1):
         try:
             want = reference(i)
@@ -351,7 +365,7 @@ def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | N
             log.debug("wide_compiler: cannot run member 0 with member %d's constants on the sample (%s); "
                       "run_members check skipped for it", i, e)
             continue
-        got = _run_recorded(model, args, kwargs).ops
+        got = timed(_run_recorded(model, args, kwargs))
         k = next((k for k, (g, w) in enumerate(zip(got, want)) if g != w), None)
         if k is None and len(got) == len(want):
             continue
@@ -364,6 +378,7 @@ def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | N
             f"{got[k][0]} with {_brief(got[k][1])}, member 0{' (with its constants)' if paths else ''} runs "
             f"{want[k][0]} with {_brief(want[k][1])} "
             "(a Python constant the forward reads differs between members)")
+    return min(seconds) if seconds else None
 
 
 def _brief(sig: Any) -> str:

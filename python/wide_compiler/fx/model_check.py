@@ -90,6 +90,9 @@ def check_tuning(c: Any) -> None:
     if hit is not None and hit["strategy"] in ("tuned", "default") and {"tuned", "default"} <= set(ms):
         decide(hit["strategy"] == "tuned", "cached: " + compare(ms["tuned"], ms["default"])[1])
         return
+    if budget is not None and budget.not_measured is not None:  # Note [Tuning that pays for itself]
+        decide(False, "not run: the graph is too slow to check in the tuning budget")
+        return
     if budget is not None and budget.exhausted():
         decide(False, "skipped: tuning budget exhausted")
         return

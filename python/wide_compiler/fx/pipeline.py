@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,7 +48,7 @@ from torch.export import ExportedProgram
 from torch.utils._pytree import tree_map
 
 from ..config import WideConfig
-from ..measure import Stopwatch
+from ..measure import Progress, Stopwatch
 from ..registry import opaque_template, registered_paths
 from ..tuning import choose_strategies
 from .capture import SpecialisationLog, capture, check_sample, flat_signature
@@ -69,6 +70,10 @@ __all__ = ["COMPILE_LOCK", "PASSES", "Compilation", "Pass", "compile_members", "
 
 log = logging.getLogger(__name__)
 COMPILE_LOCK = threading.RLock()  # export is not thread-safe: one compile at a time
+PROGRESS_AFTER_S = 2.0  # Note [No silent pauses] (measure/progress.py): a run this long says what it does
+# capture template -> its member's forward time (check_programs), for the budget of the other
+# mode's graph (Note [Tuning that pays for itself] in tuning.py)
+_MEMBER_SECONDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass
@@ -110,6 +115,9 @@ class Compilation:
     guards: Guards | None = None  # what the capture assumes of the inputs (Note [Guards] in fx/guards.py)
     timings: dict[str, dict[str, float] | None] = dataclasses.field(default_factory=dict)
     log: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # (pass, seconds) run
+    # one member's eager forward on the sample, seconds (check_programs times it): the tuning
+    # budget follows the graph's run time (Note [Tuning that pays for itself] in tuning.py)
+    member_seconds: float | None = None
 
     @property
     def training(self) -> bool:
@@ -185,7 +193,9 @@ def _check_programs(c: Compilation) -> None:
     if c.members is None or len(c.members) < 2:
         return
     if c.config.run_members and not c.opaque_paths:
-        check_run_members(c.members, *c.sample, constants=c.constants)
+        c.member_seconds = check_run_members(c.members, *c.sample, constants=c.constants)
+        if c.member_seconds is not None:
+            _MEMBER_SECONDS[c.model] = c.member_seconds
     if c.config.trace_members:
         check_traced_members(c.members, *c.sample, c.dynamic_shapes, ref=c.ep, constants=c.constants)
 
@@ -228,8 +238,10 @@ def _eval_rewrite(name: str, rewrite: Callable[[torch.fx.GraphModule], int]) -> 
 
 def _strategies(c: Compilation) -> None:
     dtype, device = _dtype_device(c)
+    member = c.member_seconds if c.member_seconds is not None else _MEMBER_SECONDS.get(c.model)
+    run = None if member is None else member * c.n * (3 if c.training else 1)  # a train graph: + backward
     c.timings = choose_strategies(c.wide.graph_module.graph, c.n, c.config, training=c.training,
-                                  dtype=dtype, device=device)
+                                  dtype=dtype, device=device, run_seconds=run)
 
 
 def _lint(c: Compilation) -> None:
@@ -325,13 +337,17 @@ def run_pipeline(c: Compilation, passes: Sequence[Pass] = PASSES) -> Compilation
     restored afterwards: measuring draws random inputs, and whether a compile measures or reads
     the strategy cache must not change the caller's random stream."""
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with COMPILE_LOCK, torch.enable_grad(), torch.random.fork_rng(devices=cuda):
+    what = (f"compiling the {'train' if c.training else 'eval'} graph of {type(c.model).__name__} (N={c.n})"
+            + (" for new input sizes" if c.exact_dims is not None or c.extra_dims else ""))
+    with COMPILE_LOCK, torch.enable_grad(), torch.random.fork_rng(devices=cuda), \
+            Progress(what, after=PROGRESS_AFTER_S) as progress:  # Note [No silent pauses]
         for p in passes:
             if p.when is not None and not p.when(c):
                 continue
             missing = [f for f in p.requires if getattr(c, f) is None]
             if missing:
                 _bad(p.name, f"needs {', '.join(missing)}, which no earlier pass produced")
+            progress.step(p.name)
             watch = Stopwatch()
             p.run(c)
             if p.check is not None:

@@ -3,7 +3,7 @@
 Everything that times something goes through here: the strategy tuner
 (:mod:`wide_compiler.tuning`), the model-level tuning check (fx/model_check.py),
 :func:`wide_compiler.analyze`, the benchmarks (:mod:`wide_compiler.bench`, built on top of
-this) and the CLI. Three parts:
+this) and the CLI. Four parts:
 
 - :mod:`.timing`: the clock (:func:`now`, faked by tests: Note [Fake clock]), THE timing loop
   (:func:`interleave`: interleaved rounds, warm-up, a stop predicate; Note [Interleaved
@@ -14,7 +14,9 @@ this) and the CLI. Three parts:
   ``torch.compile`` of any of them; :func:`make_step` and the per-member comparison
   :func:`max_abs_err`;
 - :mod:`.machine`: the machine facts a number depends on (:func:`machine_info`, practical peak
-  :func:`peak_gflops`, :func:`end_of_run`, :func:`contention_note`).
+  :func:`peak_gflops`, :func:`end_of_run`, :func:`contention_note`);
+- :mod:`.progress`: :class:`Progress`, what a long compile says while it runs (Note [No silent
+  pauses]).
 
 Nothing here imports the benchmarks, the tests, the integrations or the CLI.
 
@@ -33,7 +35,7 @@ Example::
 
 from __future__ import annotations
 
-from . import contenders, machine, timing
+from . import contenders, machine, progress, timing
 from .contenders import (
     MODES,
     CallInputs,
@@ -52,6 +54,7 @@ from .contenders import (
     wide_params_in_member_order,
 )
 from .machine import contention_note, end_of_run, hardware, machine_info, peak_gflops
+from .progress import Progress
 from .timing import (
     Rounds,
     Stopwatch,
@@ -66,10 +69,10 @@ from .timing import (
 )
 
 __all__ = [
-    "MODES", "CallInputs", "Contender", "Rounds", "Stopwatch", "TimingError", "compiled",
+    "MODES", "CallInputs", "Contender", "Progress", "Rounds", "Stopwatch", "TimingError", "compiled",
     "compiled_loop_contender", "contenders", "contention_note", "end_of_run", "error_text", "fmt_ms", "fmt_x", "hardware",
     "interleave", "loop_contender", "machine", "machine_info", "make_step", "max_abs_err",
-    "member_inputs", "now", "params_max_abs_err", "peak_gflops", "stacked_params", "stored_grads",
+    "member_inputs", "now", "params_max_abs_err", "peak_gflops", "progress", "stacked_params", "stored_grads",
     "time_interleaved", "time_with_baselines", "timing", "vmap_contender", "wide_contender",
     "wide_params_in_member_order",
 ]

@@ -1,0 +1,224 @@
+"""Compile speed (issue 45): tuning that pays for itself (Note [Tuning that pays for itself] in
+tuning.py), no silent pauses (Note [No silent pauses] in measure/progress.py), recaptures logged
+with their time, and the ``compile`` benchmark target. No assertion depends on the machine's
+speed: the measuring clock is faked (Note [Fake clock]) and the members' forwards advance it.
+"""
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+import wide_compiler as wc
+from torch import nn
+from wide_compiler import tuning
+from wide_compiler.fx import member_checks, pipeline
+from wide_compiler.measure import Progress, timing
+
+N = 3
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(timing, "_clock", fake)
+    return fake
+
+
+class Timed(nn.Module):
+    """An MLP whose forward takes ``seconds`` on the fake clock (outside a capture)."""
+
+    clock: FakeClock | None = None
+    seconds = 0.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        if Timed.clock is not None and not isinstance(x, torch._subclasses.FakeTensor):
+            Timed.clock.t += Timed.seconds
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+@pytest.fixture
+def timed(clock, monkeypatch):
+    monkeypatch.setattr(Timed, "clock", clock)
+    return lambda seconds: monkeypatch.setattr(Timed, "seconds", seconds)
+
+
+def members(seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [Timed() for _ in range(N)]
+
+
+def tuning_line(wide) -> str:
+    return next(ln for ln in wide.summary().splitlines() if ln.startswith("tuning:"))
+
+
+def defaults(wide) -> dict[str, str]:
+    gm = wide._graph_for(wide.training).graph_module
+    return {n.name: n.meta["wide_tune"].default for n in gm.graph.nodes if "wide_tune" in n.meta}
+
+
+# --- Note [Tuning that pays for itself] ---------------------------------------------------------
+def test_the_member_check_times_the_quickest_forward(timed):
+    timed(0.25)
+    assert member_checks.check_run_members(members(), (torch.randn(4, 6),), {}) == pytest.approx(0.25)
+
+
+def test_a_graph_too_slow_to_tune_in_the_budget_measures_nothing(timed, monkeypatch, tmp_path, caplog):
+    """A member's forward takes 1 s: the train graph of 3 runs ~9 s (forward and backward), so the
+    20 runs a measured and checked graph costs do not fit in 5 s: nothing is measured (before,
+    every op was measured until the budget ran out, and the check was cut short), the ops keep
+    their defaults, no warning, and summary() says why."""
+    timed(1.0)
+    monkeypatch.setattr(tuning, "_hinted", False)
+    measured = []
+    original = tuning._measure
+    monkeypatch.setattr(tuning, "_measure", lambda *a, **k: measured.append(1) or original(*a, **k))
+    with caplog.at_level(logging.INFO, logger="wide_compiler"):
+        wide = wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig(cache_dir=str(tmp_path)))
+    assert not measured
+    assert wide.strategies == defaults(wide)
+    line = tuning_line(wide)
+    assert "0 measured, 0 cached, 2 left at default" in line, line
+    assert "nothing measured: a run of this graph takes ~9000 ms" in line and "tune_budget_s=5" in line, line
+    assert "model-level check: not needed" in line, line
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "tuning" in r.getMessage()]
+    assert any("nothing measured" in r.getMessage() for r in caplog.records)
+
+
+def test_the_budget_follows_the_graphs_run_time(timed, tmp_path):
+    """A forward of 1 ms: the train graph runs ~9 ms, so the budget is 50 runs, 0.45 s, not 5 s."""
+    timed(0.001)
+    wide = wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig(cache_dir=str(tmp_path)))
+    assert "budget 0.45 s of 5 s: 50 runs of the graph" in tuning_line(wide), tuning_line(wide)
+    budget = wide._graph_for(True).graph_module.meta["wide_tuning"]
+    assert budget.seconds == pytest.approx(0.45) and budget.not_measured is None
+
+
+def test_the_eval_graph_budget_follows_the_members_forward(timed, tmp_path):
+    """The eval graph, compiled at .eval() without the members, uses the forward timed at the
+    first compile: N runs of it (no backward)."""
+    timed(0.001)
+    wide = wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig(cache_dir=str(tmp_path))).eval()
+    assert "budget 0.15 s of 5 s" in tuning_line(wide), tuning_line(wide)
+
+
+def test_no_limit_and_unknown_run_times_keep_the_budget(timed, tmp_path):
+    timed(1.0)
+    wide = wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig(cache_dir=str(tmp_path), tune_budget_s=None))
+    assert "(no limit)" in tuning_line(wide) and "nothing measured" not in tuning_line(wide)
+    timed(0.0)  # a forward too quick for the clock: the run time is not known
+    wide = wc.compile(members(1), torch.randn(4, 6), config=wc.WideConfig(cache_dir=str(tmp_path / "b")))
+    assert "(budget 5 s)" in tuning_line(wide), tuning_line(wide)
+
+
+def test_the_budget_give_up_warns_once_per_process(clock, monkeypatch, tmp_path, caplog):
+    """Candidates of 1 s each and a 10 s budget: the first op is abandoned. The first give-up of
+    the process is a WARNING with what to do; the next compile's is INFO."""
+    original = tuning._timed_calls
+
+    def slow(candidates, training):
+        def run(fn):
+            def call():
+                fn()
+                clock.t += 1.0
+            return call
+        return {k: run(f) for k, f in original(candidates, training).items()}
+
+    monkeypatch.setattr(tuning, "_timed_calls", slow)
+    monkeypatch.setattr(tuning, "_hinted", False)
+    config = wc.WideConfig(cache_dir=str(tmp_path), tune_budget_s=10)
+    with caplog.at_level(logging.INFO, logger="wide_compiler.tuning"):
+        wc.compile(members(), torch.randn(4, 6), config=config)
+        wc.compile(members(1), torch.randn(4, 6), config=config.replace(cache_dir=str(tmp_path / "b")))
+    said = [r for r in caplog.records if "tuning budget of" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING, logging.INFO], [r.getMessage() for r in said]
+    assert len(said[0].getMessage()) < 300, said[0].getMessage()
+
+
+# --- Note [No silent pauses] --------------------------------------------------------------------
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_silent_under_its_threshold(clock, caplog):
+    stream = Tty()
+    with caplog.at_level(logging.INFO, logger="wide_compiler.progress"), \
+            Progress("compiling", after=2.0, stream=stream) as p:
+        p.step("capture")
+        clock.t += 1.9
+        p.step("widen")
+    assert stream.getvalue() == "" and not caplog.records and not p.reported
+
+
+def test_progress_on_a_terminal_is_one_status_line_erased_at_the_end(clock):
+    stream = Tty()
+    with Progress("compiling the train graph", after=2.0, stream=stream) as p:
+        p.step("capture")
+        clock.t += 3.0
+        p.step("widen")
+    out = stream.getvalue()
+    assert "compiling the train graph: widen (3 s)" in out and out.endswith("\r\x1b[K"), repr(out)
+    assert "\n" not in out
+
+
+def test_progress_elsewhere_logs_each_step_and_the_end(clock, caplog):
+    with caplog.at_level(logging.INFO, logger="wide_compiler.progress"), \
+            Progress("compiling", after=2.0, stream=io.StringIO()) as p:
+        p.step("capture")
+        clock.t += 2.5
+        p.step("widen")
+        clock.t += 1.0
+        p.step("strategies")
+        with Progress("inner", after=0.0) as inner:  # a nested stage joins the outer one
+            inner.step("tile_members")
+    said = [r.getMessage() for r in caplog.records]
+    assert said[:3] == ["wide_compiler: compiling: widen (2.5 s so far)",
+                        "wide_compiler: compiling: strategies (3.5 s so far)",
+                        "wide_compiler: compiling: tile_members (3.5 s so far)"], said
+    assert said[3].startswith("wide_compiler: compiling: done in 3.5 s (capture 2.5 s, widen 1.0 s"), said
+
+
+def test_a_long_compile_says_what_it_is_doing(monkeypatch, caplog):
+    monkeypatch.setattr(pipeline, "PROGRESS_AFTER_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="wide_compiler.progress"):
+        wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig.fast())
+    said = [r.getMessage() for r in caplog.records]
+    assert "wide_compiler: compiling the train graph of Timed (N=3): capture" in " ".join(said), said
+    assert any("done in" in s for s in said), said
+
+
+# --- recaptures ----------------------------------------------------------------------------------
+class Pooled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):  # [B, T, 4] -> [B, 3]
+        return self.fc(x).mean(1)
+
+
+def test_a_recapture_is_one_warning_with_the_dim_and_its_time(caplog):
+    torch.manual_seed(0)
+    models = [Pooled() for _ in range(N)]
+    wide = wc.compile(models, torch.randn(2, 5, 4), config=wc.WideConfig.fast())
+    with caplog.at_level(logging.WARNING, logger="wide_compiler"):
+        wide(torch.randn(N, 2, 7, 4))
+        wide(torch.randn(N, 2, 9, 4))
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1, said
+    assert ("recaptured the train graph with input 'x' dim 2 (this call: 7, captured: 5) dynamic in" in said[0]
+            and said[0].endswith(" s")), said
