@@ -883,13 +883,13 @@ def test_every_wide_op_states_its_autocast_policy() -> None:
         assert policy in POLICIES, f"wide.{name} ({family}): unknown autocast policy {policy!r}"
         qualified = f"wide::{name}"
         cast = policy != NOT_CAST
-        assert (qualified in registered["AutocastCPU"]) == cast, \
-            f"wide.{name} ({family}) states {policy!r}, but an AutocastCPU kernel is {'missing' if cast else 'registered'}"
+        wrong = (f"wide.{name} ({family}) states {policy!r}, but an {{}} kernel is "
+                 + ("missing" if cast else "registered"))
+        assert (qualified in registered["AutocastCPU"]) == cast, wrong.format("AutocastCPU")
         runs_on_cuda = any(torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key)
                            for key in ("CUDA", "CompositeImplicitAutograd"))  # not a CPU-only kernel
         if runs_on_cuda:
-            assert (qualified in registered["AutocastCUDA"]) == cast, \
-                f"wide.{name} ({family}) states {policy!r}, but an AutocastCUDA kernel is {'missing' if cast else 'registered'}"
+            assert (qualified in registered["AutocastCUDA"]) == cast, wrong.format("AutocastCUDA")
         if cast:  # its behaviour against ATen's op: test_autocast.py's cases (prefixed by mode for BY_MODE ops)
             assert any(case == name or case.startswith(f"{name}_") for case in AUTOCAST_CASES), \
                 f"wide.{name} ({family}) is cast ({policy!r}) but has no case in test_autocast.py OP_CASES"

@@ -23,8 +23,8 @@ from .source import module_path
 if TYPE_CHECKING:
     from .padding import _Padder
 
-__all__ = ["BY_THE_PASS", "FREE", "INT_ARGS_OK", "MASK_UNARY", "REFUSED", "RULES", "ZERO_UNARY", "Prefer", "flat_layout",
-           "layout_mask", "mask_unary", "prefix", "same_layout", "scatter", "size_arith", "zero_unary"]
+__all__ = ["BY_THE_PASS", "FREE", "INT_ARGS_OK", "MASK_UNARY", "REFUSED", "RULES", "ZERO_UNARY", "Prefer",
+           "flat_layout", "layout_mask", "mask_unary", "prefix", "same_layout", "scatter", "size_arith", "zero_unary"]
 
 aten = torch.ops.aten
 
