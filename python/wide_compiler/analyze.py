@@ -355,8 +355,17 @@ def _interleaved(steps: dict[str, Callable[[], Any]], repeats: int, block_s: flo
 def _profile(step: Callable[[], Any], calls: int, top: int, rounds: int = 3) -> list[dict[str, Any]]:
     """Self CPU time per op (``torch.profiler``, grouped by op name), per step: the quietest of
     ``rounds`` profiled runs of ``calls`` steps (a busy machine spoils single runs)."""
+    import os
+
     from torch.profiler import ProfilerActivity, profile
 
+    # Note [Profiler noise]: kineto, torch.profiler's back end, writes a `USDT: ... profiler_start`
+    # and a `profiler_stop` line to stderr at every profile (24 in one analyze run) at its default
+    # log level. KINETO_LOG_LEVEL, read once when the profiler first starts in a process, sets the
+    # least level shown: VERBOSE 0, INFO 1, WARNING 2, STAGE 3, ERROR 4, USDT 5; 6 shows none
+    # (no level keeps errors without the USDT lines; the profile's own events say what it
+    # recorded). A level the user set is kept.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     step()
     best = None
     for _ in range(rounds):
@@ -423,20 +432,30 @@ def _compile_info(wide: Any, compile_s: float, modes: Sequence[str]) -> dict[str
     from .fx.capture import module_path
 
     graphs = [("eval" if m == "inference" else "train") for m in modes]
-    ops: dict[str, dict[str, Any]] = {}
+    # One row per op of the model: a row is (module, wide op, k-th such call in the graph), not a
+    # node name, which differs between the graphs where a rewrite renames it (the eval graph's
+    # add + layer_norm is one `add_layer_norm` node, the train graph's `layer_norm`).
+    ops: dict[tuple[str, str, int], dict[str, Any]] = {}
     fallbacks, conversions = [], []
     was_training = wide.training
     for g in graphs:
         wg = wide._graph_for(g == "train")
+        seen: dict[tuple[str, str], int] = {}
         for node in wg.graph_module.graph.nodes:
             if node.meta.get("wide_layout_conversion"):
                 conversions.append({"graph": g, "node": node.name, "what": str(node.meta["wide_layout_conversion"])})
             if "wide_op" not in node.meta:
                 continue
             shapes = node.meta.get("wide_shapes", {})
-            row = ops.setdefault(node.name, {"node": node.name, "module": module_path(node), "op": node.meta["wide_op"],
-                                             "strategy": {}, "input": str(shapes.get("input", "-")),
-                                             "weight": str(shapes.get("weight", "-"))})
+            module, op = module_path(node), node.meta["wide_op"]
+            k = seen[module, op] = seen.get((module, op), -1) + 1
+            row = ops.setdefault((module, op, k), {"node": node.name, "module": module, "op": op, "strategy": {},
+                                                   "input": "-", "weight": "-"})
+            if node.name not in row["node"].split(" / "):
+                row["node"] += f" / {node.name}"
+            for key in ("input", "weight"):
+                if row[key] == "-" and key in shapes:
+                    row[key] = str(shapes[key])
             row["strategy"][g] = str(node.kwargs.get("strategy", "-"))
         for fb in wg.fallbacks:
             fallbacks.append(dict(fb, graph=g, fix=_fix_for(fb)))
@@ -772,13 +791,23 @@ def _pyplot() -> Any:
 
 def plot(report: AnalysisReport, path: str) -> None:
     """Speedup of the wide model over each baseline (loop, vmap) against N: one panel per mode,
-    one line per baseline, a dashed line at 1x (above it, wide is faster); written to ``path``
-    (needs matplotlib: the ``plot`` extra)."""
+    each with its own y axis (inference and training speedups differ by far), one line per
+    baseline, a dashed line at 1x (above it, wide is faster); written to ``path`` (needs
+    matplotlib: the ``plot`` extra)."""
     plt = _pyplot()
+    fig = _speedup_figure(plt, report)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _speedup_figure(plt: Any, report: AnalysisReport) -> Any:
+    """The figure of :func:`plot`. Each panel's y axis runs from 0 to above its highest point
+    and its label (and 1x), so no point is cut off, whatever the other panel holds."""
     modes = [m for m in report.modes if any(s["mode"] == m for s in report.speed)] or list(report.modes)
-    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         rows = sorted((s for s in report.speed if s["mode"] == mode), key=lambda s: s["n"])
+        top = 1.0
         for baseline, marker in (("loop", "o"), ("vmap", "s")):
             pts = [(s["n"], s["speedup"][baseline]) for s in rows
                    if isinstance(s["speedup"].get(baseline), (int, float)) and math.isfinite(s["speedup"][baseline])]
@@ -788,16 +817,15 @@ def plot(report: AnalysisReport, path: str) -> None:
             for x, y in pts:
                 ax.annotate(f"{y:.2f}x", (x, y), textcoords="offset points", xytext=(0, 6), ha="center",
                             fontsize=8, color=line.get_color())
+            top = max(top, *(y for _, y in pts))
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-        ax.set_ylim(bottom=0)
-        ax.margins(y=0.12)
+        ax.set_ylim(0, top * 1.2)  # headroom for the labels above the highest point
         ax.set_xscale("log", base=2)
         ax.set_xticks(report.ns, [str(k) for k in report.ns])
         ax.set_xlabel("N (members)")
+        ax.set_ylabel("speedup of wide (baseline ms / wide ms)")
         ax.set_title(mode)
         ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("speedup of wide (baseline ms / wide ms)")
     fig.suptitle(f"{report.model}: speedup against N ({', '.join(report.inputs) or 'sample'})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig

@@ -180,3 +180,78 @@ def test_bad_arguments():
         analyze(lambda: nn.Linear(2, 2), torch.randn(1, 2), n=(0,))
     with pytest.raises(TypeError, match="factory returned"):
         analyze(lambda: 3, torch.randn(1, 2), n=(1,))
+
+
+class _PostNorm(nn.Module):
+    """x + fc(x), then LayerNorm: the eval graph fuses the add into the norm (one renamed node)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.norm(x + self.fc(x)))
+
+
+def test_compile_table_has_one_row_per_op():
+    """Each op of the model is one row with its strategy in both graphs, even where the eval
+    graph's rewrite renamed its node (`add_layer_norm` there, `layer_norm` in the train graph)."""
+    import wide_compiler as wc
+    from wide_compiler.analyze import _compile_info
+
+    torch.manual_seed(0)
+    wide = wc.compile([_PostNorm() for _ in range(2)], torch.randn(3, 8), config=wc.WideConfig.fast())
+    info = _compile_info(wide, 0.0, ["inference", "train"])
+    rows = [(o["module"], o["op"]) for o in info["wide_ops"]]
+    assert sorted(rows) == sorted({("fc", "wide.linear"), ("norm", "wide.layer_norm"), ("head", "wide.linear")})
+    for o in info["wide_ops"]:
+        assert set(o["strategy"]) == {"eval", "train"}, o
+        assert o["input"] != "-", o
+
+
+def _report_with_speedups(inference: list[float], train: list[float]) -> AnalysisReport:
+    ns = [2, 4, 8][: len(inference)]
+    speed = [{"n": n, "mode": mode, "speedup": {"loop": x, "vmap": x / 2}}
+             for mode, xs in (("inference", inference), ("train", train)) for n, x in zip(ns, xs)]
+    return AnalysisReport(model="M", input_shapes=[[2, 3]], ns=ns, modes=["inference", "train"], repeats=1,
+                          config="fast", compile={}, speed=speed, profile={}, memory={},
+                          recommendations=[], machine={}, inputs=["float32[2, 3]"])
+
+
+def test_plot_gives_each_panel_its_own_y_axis_and_clips_nothing():
+    """Training speedups 10x the inference ones: each panel's y axis holds all of its points
+    (the labels above them too), whichever panel is drawn first."""
+    pytest.importorskip("matplotlib")
+    from wide_compiler.analyze import _pyplot, _speedup_figure
+
+    plt = _pyplot()
+    for inference, train in (([1.1, 1.5, 2.0], [12.0, 25.0, 40.0]), ([30.0, 50.0, 80.0], [0.5, 0.8, 1.2])):
+        fig = _speedup_figure(plt, _report_with_speedups(inference, train))
+        try:
+            axes = fig.axes
+            assert [ax.get_title() for ax in axes] == ["inference", "train"]
+            for ax, ys in zip(axes, (inference, train)):
+                bottom, top = ax.get_ylim()
+                assert bottom <= 0 and top >= 1.1 * max(ys), (ax.get_title(), ax.get_ylim(), ys)
+                assert top <= 2 * max(max(ys), 1.0)  # its own scale, not the other panel's
+                assert ax.get_shared_y_axes().get_siblings(ax) == [ax]
+        finally:
+            plt.close(fig)
+
+
+def test_profile_writes_no_kineto_lines_to_stderr():
+    """torch.profiler's kineto writes `USDT ... profiler_start/stop` at every profile (Note
+    [Profiler noise]); analyze's profiles write nothing."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    code = ("import torch\nfrom wide_compiler.analyze import _profile\n"
+            "rows = _profile(lambda: torch.ones(64, 64) @ torch.ones(64, 64), calls=2, top=3, rounds=2)\n"
+            "assert rows and rows[0]['ms'] >= 0, rows\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "USDT" not in proc.stderr and "profiler_start" not in proc.stderr, proc.stderr

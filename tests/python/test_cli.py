@@ -636,7 +636,7 @@ def _fake_analyze(factory, sample, *, progress=None, **kwargs):
 
 @pytest.mark.parametrize("interactive", [True, False])
 def test_analyze_progress_bar_only_on_a_terminal(monkeypatch, capsys, interactive):
-    analyze_mod = sys.modules["wide_compiler.analyze"]
+    analyze_mod = importlib.import_module("wide_compiler.analyze")
 
     monkeypatch.setattr(analyze_mod, "analyze", _fake_analyze)
     monkeypatch.setattr(cli_progress, "interactive", lambda stream=None: interactive)
@@ -749,7 +749,7 @@ def test_parse_input_and_make_inputs():
 @pytest.mark.parametrize("command", [["analyze", "mlp"], ["benchmark", "linear", "--preset", "ci"]])
 def test_plot_without_matplotlib_fails_before_the_work(command, monkeypatch, tmp_path, capsys):
     """--plot checks for matplotlib first: exit 2 with the install hint, nothing run."""
-    analyze_mod = sys.modules["wide_compiler.analyze"]
+    analyze_mod = importlib.import_module("wide_compiler.analyze")
     from wide_compiler import bench
 
     def must_not_run(*args, **kwargs):
@@ -797,3 +797,146 @@ def test_readme_cli_commands_parse():
             continue
         args = parser.parse_args(argv)
         assert callable(args.func), argv
+
+
+# ---------------------------------------------------------------------------------- a quick start, usage errors
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args, "-c", code], capture_output=True, text=True, timeout=300,
+                          check=False, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_help_imports_no_torch():
+    """`--help` (and `import wide_compiler` alone) must not import torch: it answers at once (Note
+    [A quick CLI]). Checked by what gets imported, not by a time."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "wide_compiler", "--help"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and "usage: wide_compiler" in proc.stdout, proc.stderr
+    imported = [line.rpartition("|")[2].strip() for line in proc.stderr.splitlines() if "|" in line]
+    assert "wide_compiler.cli.parser" in imported  # the importtime lines are there
+    assert not [m for m in imported if m == "torch" or m.startswith("torch.")], "--help imported torch"
+    proc = _python("import sys, wide_compiler, wide_compiler.cli; print(sorted(m for m in sys.modules "
+                   "if m.partition('.')[0] in ('torch', 'numpy')))")
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_info_imports_torch_and_the_core_only():
+    proc = _python("import contextlib, io, sys\nfrom wide_compiler.cli import main\n"
+                   "with contextlib.redirect_stdout(io.StringIO()) as out: assert main(['info']) == 0\n"
+                   "assert 'wide::linear' in out.getvalue()\n"
+                   "print(' '.join(sorted(m for m in sys.modules if m.startswith('wide_compiler'))))")
+    assert proc.returncode == 0, proc.stderr
+    assert set(proc.stdout.split()) == {"wide_compiler", "wide_compiler._version", "wide_compiler._C",
+                                        "wide_compiler.cli", "wide_compiler.cli.parser",
+                                        "wide_compiler.cli.inputs", "wide_compiler.cli.info"}
+
+
+def test_lazy_root_keeps_the_api_and_the_ops():
+    """The lazy root (Note [Lazy package root]): every public name, dir(), `wc.analyze` the function
+    even after its module is imported, and torch.ops.wide registered by whichever import comes first."""
+    checks = {
+        "import torch, wide_compiler": "",
+        "from wide_compiler.nn import WideLinear": "",
+        "import wide_compiler.fx.capture": "",
+        "import wide_compiler as wc\nimport wide_compiler.analyze\nassert callable(wc.analyze) and "
+        "wc.analyze.__module__ == 'wide_compiler.analyze'\nassert set(wc.__all__) <= set(dir(wc))\n"
+        "assert all(getattr(wc, n) is not None for n in wc.__all__)\n"
+        "from wide_compiler import WideModel, compile, cmake_prefix_path\n"
+        "assert wc.fx.capture and wc.measure.Stopwatch": "",
+    }
+    code = "\n".join(f"run({c!r})" for c in checks)
+    proc = _python("import subprocess, sys\n"
+                   "def run(c):\n"
+                   "    r = subprocess.run([sys.executable, '-c', c + '\\nimport torch\\n"
+                   "torch.ops.wide.linear.default'], capture_output=True, text=True)\n"
+                   "    assert r.returncode == 0, (c, r.stderr[-2000:])\n" + code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_preset_choices_are_the_registrys():
+    from wide_compiler import bench
+    from wide_compiler.cli import parser
+
+    assert set(parser.PRESETS) == set(bench.PRESET_NAMES)
+
+
+_EMBEDDING_MODEL = '''
+from torch import nn
+
+
+class Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(40, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids).mean(1))
+
+
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.fc(x))
+'''
+
+
+def _usage_error(argv, capsys) -> str:
+    """Run argv: it must end as argparse ends a usage error (exit 2, the command's usage line,
+    `wide_compiler COMMAND: error: ...`), with no traceback; returns stderr."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"usage: wide_compiler {argv[0]}" in err and f"wide_compiler {argv[0]}: error:" in err, err
+    assert "Traceback" not in err, err
+    return err
+
+
+def test_float_shape_on_an_embedding_model_suggests_int64_input(tmp_path, capsys, monkeypatch):
+    f = tmp_path / "emb.py"
+    f.write_text(_EMBEDDING_MODEL)
+    analyze_mod = importlib.import_module("wide_compiler.analyze")
+    monkeypatch.setattr(analyze_mod, "analyze", lambda *a, **k: pytest.fail("analyze ran on a bad input"))
+    err = _usage_error(["analyze", f"{f}:Bag", "--shape", "8,24"], capsys)
+    assert "--input int64:8,24" in err and "embed" in err and "[0, 40)" in err
+    err = _usage_error(["test", f"{f}:Bag", "--shape", "8,24"], capsys)
+    assert "--input int64:8,24" in err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["analyze", "{tmp}/absent.py:make", "--shape", "2,3"], "absent.py"),
+    (["analyze", "{tmp}/emb.py:Nope", "--shape", "2,3"], "has no 'Nope'"),
+    (["test", "mpl", "--shape", "2,3"], "did you mean 'mlp'"),
+    (["analyze", "mlp", "--shape", "2,x"], "'x' is not an integer size"),
+    (["analyze", "mlp", "-n", "0"], "-n '0'"),
+    (["analyze", "mlp", "--modes", "infer"], "--modes 'infer'"),
+    (["analyze", "mlp", "--memory", "lots"], "--memory 'lots'"),
+    (["analyze", "mlp", "--repeats", "0"], "--repeats"),
+    (["trace", "{tmp}/emb.py:Bag", "--input", "float32:2,3,4"], "does not run on one member's input"),
+    (["test", "-n", "0"], "must be at least 1"),
+    (["benchmark", "conv9d"], "unknown benchmark target 'conv9d'"),
+])
+def test_plain_mistakes_are_usage_errors(argv, says, tmp_path, capsys, monkeypatch):
+    (tmp_path / "emb.py").write_text(_EMBEDDING_MODEL)
+    analyze_mod = importlib.import_module("wide_compiler.analyze")
+    monkeypatch.setattr(analyze_mod, "analyze", lambda *a, **k: pytest.fail("analyze ran"))
+    err = _usage_error([a.format(tmp=tmp_path) for a in argv], capsys)
+    assert says in err, err
+
+
+def test_test_command_says_skipped_for_checks_that_did_not_run(tmp_path, capsys):
+    """A train graph with dropout cannot match its members: its checks are SKIPPED, not PASS."""
+    f = tmp_path / "noisy.py"
+    f.write_text(_EMBEDDING_MODEL)
+    assert cli.main(["test", f"{f}:Noisy", "--shape", "4,6", "-n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "SKIPPED  train/own: the train graph has random ops" in out and "SKIPPED  train/shared" in out
+    assert "PASS  train" not in out and "PASS  eval/own" in out
+    assert "in the 2 checks that ran (2 skipped: train/own, train/shared)" in out

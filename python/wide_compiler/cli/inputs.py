@@ -153,7 +153,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
     ...
     ValueError: '4,abc': 'abc' is not an integer size (expected positive sizes like 32,64)
     """
-    parts = [p.strip() for p in text.replace("x", ",").split(",")]
+    parts = [p.strip() for p in re.split(r",|(?<=\d)\s*x\s*(?=\d)", text)]  # x only between sizes
     if not text.strip() or not any(parts):
         raise ValueError(f"{text!r}: no sizes (expected positive sizes like 32,64)")
     sizes = []

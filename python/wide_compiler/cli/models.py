@@ -154,6 +154,13 @@ def _load_model(spec: str, modules: dict[str, Any] | None = None) -> _Loaded:
     if spec in zoo.MODELS:
         factory, shape = zoo.MODELS[spec]
         return _Loaded(spec, factory, tuple(shape))
+    if ":" not in spec:
+        import difflib
+
+        close = difflib.get_close_matches(spec, zoo.MODELS, n=1)
+        raise UsageError(f"MODEL {spec!r} is neither a built-in model ({', '.join(zoo.MODELS)})"
+                         + (f"; did you mean {close[0]!r}?" if close else "")
+                         + " nor path/to/file.py:factory (module:factory works too)")
     modules = {} if modules is None else modules
     factory = _load_callable(spec, "model", modules)
     return _Loaded(spec, factory, None, modules[spec.rpartition(":")[0]])
