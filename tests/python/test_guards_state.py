@@ -384,3 +384,47 @@ def test_the_watch_leaves_torch_as_it_was_after_captures_in_two_threads():
     assert saved == (torch.is_grad_enabled, torch.are_deterministic_algorithms_enabled,
                      torch.compiler.is_compiling.__code__, torch.autograd.function.Function.__dict__["apply"])
     assert not {"is_contiguous", "stride", "is_cuda", "is_cpu"} & set(torch.Tensor.__dict__)
+
+
+# --- random ops: what draws, and an explicit generator ------------------------------------------------
+
+
+class _Bernoulli(nn.Module):
+    def __init__(self, p) -> None:
+        super().__init__()
+        self.fc, self.p = nn.Linear(4, 4), p
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * torch.empty_like(h).bernoulli_(self.p)
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0])
+def test_a_bernoulli_with_p_0_or_1_does_not_draw_and_is_compared(p):
+    members = _members(_Bernoulli, p)
+    wide = wc.compile(members, torch.randn(2, 4, dtype=torch.float64), config=FAST)
+    assert wc.testing.random_ops(wide) == []
+    _assert_members(wide, members, _x(2, 4))
+    assert wc.testing.random_ops(wc.compile(_members(_Bernoulli, 0.5), torch.randn(2, 4, dtype=torch.float64),
+                                            config=FAST)) != []
+
+
+GENERATOR = torch.Generator().manual_seed(0)
+
+
+class _Generator(nn.Module):
+    def __init__(self, own: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gen = torch.Generator().manual_seed(0) if own else GENERATOR
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * torch.empty_like(h).bernoulli_(0.5, generator=self.gen)
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_an_explicit_generator_is_refused_naming_the_op_and_line(own):
+    with pytest.raises(wc.WideCompileError, match=r"member 0 \(_Generator\) draws random numbers with an explicit "
+                                                  r"generator= \(aten.bernoulli_.float at .*test_guards_state.py"):
+        wc.compile(_members(_Generator, own), torch.randn(2, 4, dtype=torch.float64), config=FAST)

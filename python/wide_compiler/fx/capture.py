@@ -245,11 +245,6 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             with _ForwardSignature(model, signature), without_cudnn(), _RecurrentShapes(), watch:
                 ep = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
             watch.check(model)
-            ep.wide_reads = watch.reads()  # Note [State a forward reads] (fx/guards.py)
-            if watch.compiling:
-                log.info("wide_compiler: the forward asks torch.compiler.is_compiling() (%s): captured with the "
-                         "answer False, as each member gets when called alone", "; ".join(dict.fromkeys(watch.compiling)))
-            return ep
         except Exception as e:  # export's own errors are many types; keep its reason whole
             found = _UNKNOWN_OUTPUT.search(str(e))
             if found and found[1] not in registered and register_output_type(found[1]):
@@ -264,6 +259,12 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                     "the type with torch.utils._pytree.register_pytree_node so its tensors come out "
                     "N-first like any output.") from e
             raise _capture_error(model, e, getattr(watch, "compiling", ())) from e
+        _refuse_generators(model, ep)  # our own refusal, not wrapped as export's
+        ep.wide_reads = watch.reads()  # Note [State a forward reads] (fx/guards.py)
+        if watch.compiling:
+            log.info("wide_compiler: the forward asks torch.compiler.is_compiling() (%s): captured with the "
+                     "answer False, as each member gets when called alone", "; ".join(dict.fromkeys(watch.compiling)))
+        return ep
 
 
 class _Watch:
@@ -488,6 +489,26 @@ _COMPILING_SHIMS = tuple(zip(_COMPILING_FNS, (_is_compiling_shim.__code__, _is_e
 # torch's own functions that only pass is_compiling() on: the frame that asks is their caller's
 _COMPILING_WRAPPERS = frozenset(f.__code__ for f in (torch._dynamo.external_utils.is_compiling, torch._utils.is_compiling)
                                 if isinstance(f, types.FunctionType))
+
+
+def _refuse_generators(model: nn.Module, ep: ExportedProgram) -> None:
+    """Refuse a capture whose random ops draw from an explicit ``generator=`` (export lifts the
+    generator to a graph input the widen pass cannot take): each member alone advances its own
+    generator, the wide model would have one (Note [Random ops per member] in fx/rules/randomness.py)."""
+    from torch.export.graph_signature import InputKind
+
+    lifted = {spec.arg.name for spec in ep.graph_signature.input_specs
+              if spec.kind == InputKind.CUSTOM_OBJ and isinstance(ep.constants.get(spec.target), torch.Generator)}
+    for node in ep.graph.nodes:
+        if node.op != "placeholder" or node.name not in lifted:
+            continue
+        uses = "; ".join(dict.fromkeys(f"{u.target} at {source_line(u)}" for u in node.users)) or "no op"
+        raise WideCompileError(
+            f"wide_compiler: member 0 ({type(model).__name__}) draws random numbers with an explicit generator= "
+            f"({uses}): each member alone advances its own generator, and the wide model, which draws for every "
+            "member at once, would have one, so its draws could not be any member's.\n"
+            "What to do: draw from the default generator (seed it with torch.manual_seed), or keep the module "
+            "whole with @wide_compiler.register(ModuleType).")
 
 
 def _spec(a: Any) -> Any:

@@ -90,9 +90,12 @@ def _is_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in tags
 
 
+_BERNOULLI_P = (torch.ops.aten.bernoulli_.float, torch.ops.aten.bernoulli.p)  # a scalar p
+
+
 def _draws(ctx: WidenContext, node: fx.Node) -> bool:
     """A random op that really draws: not a dropout with ``p == 0`` / ``train=False`` (or SDPA
-    with ``dropout_p == 0``), nor a recurrent layer (``aten.lstm``/``gru``/``rnn_*``) whose
+    with ``dropout_p == 0``), nor a ``bernoulli`` with a scalar ``p`` of 0 or 1, nor a recurrent layer (``aten.lstm``/``gru``/``rnn_*``) whose
     ``dropout`` is 0 or that has one layer (its dropout applies between layers only, in ATen
     and in ``wide.rnn`` alike), whose outputs are deterministic and can be compared per member."""
     if not _is_random(node):
@@ -102,6 +105,8 @@ def _draws(ctx: WidenContext, node: fx.Node) -> bool:
         return values.get("train", True) is not False
     if any(isinstance(values.get(p), (int, float)) and values[p] == 0 for p in ("p", "dropout_p", "dropout")):
         return False
+    if node.target in _BERNOULLI_P and isinstance(values.get("p"), (int, float)) and values["p"] == 1:
+        return False  # every draw is 1, as every draw with p == 0 is 0
     if isinstance(values.get("num_layers"), int) and values["num_layers"] <= 1 and "dropout" in values:
         return False
     return values.get("train", True) is not False
