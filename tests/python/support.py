@@ -1,9 +1,11 @@
 """Helpers shared by several test files (imported as ``from support import ...``, as op_db is):
 an op recorder below autograd, running a function on several threads at once, the base of the
-small models of Linear layers that most tests define, and the base of hand-written wide forms
-(``wc.register``) of a module with one scalar parameter."""
+small models of Linear layers that most tests define, the base of hand-written wide forms
+(``wc.register``) of a module with one scalar parameter, and a steady measuring clock for tests
+that compile with tuning on."""
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 
@@ -12,6 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from wide_compiler.testing import assert_members_close
+
+
+def steady_measuring_clock(monkeypatch, step_s: float = 1e-4) -> None:
+    """Replace the clock every measurement reads (Note [Fake clock] in
+    wide_compiler/measure/timing.py) with one that advances ``step_s`` per reading: a tuned compile
+    then sees every candidate take the same time (the margin keeps the default strategy) and its
+    budget lasts the same number of readings however busy the machine is."""
+    from wide_compiler.measure import timing
+
+    readings = itertools.count()
+    monkeypatch.setattr(timing, "_clock", lambda: next(readings) * step_s)
 
 
 class OpRecorder(TorchDispatchMode):

@@ -194,8 +194,16 @@ class _MLP(nn.Module):
 TUNED = wc.WideConfig(tune=True, cache=True, tune_repeats=1)
 
 
+@pytest.fixture
+def steady_clock(monkeypatch):
+    """Every op measured within the tuning budget, however busy the machine (support.py)."""
+    from support import steady_measuring_clock
+
+    steady_measuring_clock(monkeypatch)
+
+
 @pytest.mark.parametrize("nesting", ["[", '{"k": '])
-def test_deeply_nested_strategy_cache_is_ignored(nesting, caplog):
+def test_deeply_nested_strategy_cache_is_ignored(nesting, caplog, steady_clock):
     """Valid JSON nested deeper than the parser recurses raised RecursionError out of compile()."""
     depth = 100_000
     closing = {"[": "]", '{"k": ': "}"}[nesting]
@@ -209,7 +217,7 @@ def test_deeply_nested_strategy_cache_is_ignored(nesting, caplog):
     json.loads(_cache_path(TUNED).read_text())  # rewritten with the new measurements
 
 
-def test_strategy_cache_entries_are_validated(caplog):
+def test_strategy_cache_entries_are_validated(caplog, steady_clock):
     """An entry whose timings_ms is a string (or whose strategy is not one) was returned as it was
     and broke summary(); bad entries are dropped with one log line and measured again."""
     models = [_MLP() for _ in range(2)]
