@@ -22,10 +22,12 @@ The public names below are imported when first used (Note [Lazy package root]).
 # module of the package may call those operators, and none imports the root (.importlinter), so
 # the core is loaded before any submodule of the package is imported: `_CoreFirst`, a finder
 # ahead of the others in `sys.meta_path`, loads it (torch, then `_C`) when the first submodule
-# is looked up, and removes itself. The torch-free modules (`_TORCH_FREE`: the command line's
-# parser, the version) do not trigger it. `import wide_compiler` alone loads the core too when
-# torch is already imported (cheap then), so `import torch, wide_compiler` keeps registering
-# `torch.ops.wide` for code that calls the operators directly or loads an exported program.
+# is looked up. The torch-free modules (`_TORCH_FREE`: the command line's parser, the version) do
+# not trigger it. And `torch.ops.wide` stays registered in any process that imported torch and
+# wide_compiler, in either order, for code that calls the operators directly or loads an exported
+# program: `import wide_compiler` loads the core at once when torch is already imported (cheap
+# then), and otherwise the finder hands torch's own loader, wrapped to load the core right after
+# torch has run (`_ThenCore`, which then gives torch its loader back).
 # Nothing else happens at import: no registration outside the package's own tables (the widen
 # rules, the opaque-module op) and no logging configuration.
 
@@ -83,16 +85,55 @@ def _load_core() -> None:
 
 class _CoreFirst:
     """The ``sys.meta_path`` finder of Note [Lazy package root]: loads the core before the first
-    submodule that may need it is imported; finds nothing itself. It stays in ``sys.meta_path``
-    (removing it while the import system walks that list would skip the next finder); once the
-    core is loaded it only looks the name up in ``sys.modules``."""
+    submodule that may need it is imported, or right after torch when torch comes later. It stays
+    in ``sys.meta_path`` (removing it while the import system walks that list would skip the next
+    finder); once the core is loaded it only looks the name up in ``sys.modules``."""
 
     @staticmethod
-    def find_spec(fullname: str, path: object = None, target: object = None) -> None:
-        if (fullname.startswith(_PREFIX) and fullname not in _TORCH_FREE
-                and _CORE not in _sys.modules):
+    def find_spec(fullname: str, path: object = None, target: object = None) -> object:
+        if _CORE in _sys.modules:
+            return None
+        if fullname == "torch":
+            return _torch_then_core(path, target)
+        if fullname.startswith(_PREFIX) and fullname not in _TORCH_FREE:
             _load_core()
         return None
+
+
+def _torch_then_core(path: object, target: object) -> object:
+    """torch's own spec (from the finders after ours), its loader wrapped to load the core once
+    torch has run; None where torch is not found (the import fails as it would)."""
+    for finder in _sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if finder is _CoreFirst or find is None:
+            continue
+        spec = find("torch", path, target)
+        if spec is not None:
+            if hasattr(spec.loader, "exec_module"):
+                spec.loader = _ThenCore(spec.loader)
+            return spec
+    return None
+
+
+class _ThenCore:
+    """torch's loader, then the core; torch keeps its own loader afterwards."""
+
+    def __init__(self, loader: object) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: object) -> object:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: object) -> None:
+        self._loader.exec_module(module)
+        module.__spec__.loader = module.__loader__ = self._loader
+        try:
+            _load_core()
+        except Exception:  # noqa: BLE001,S110 (torch works without it; the package's next import raises it)
+            pass
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._loader, name)
 
 
 _PREFIX, _CORE = f"{__name__}.", f"{__name__}._C"
