@@ -13,7 +13,8 @@ import sys
 
 import pytest
 import torch
-from torch import are_deterministic_algorithms_enabled as _deterministic  # a reader imported by name
+from torch import are_deterministic_algorithms_enabled as _deterministic  # readers imported by name
+from torch import is_grad_enabled as _grad_enabled
 from torch import nn
 from torch.compiler import is_compiling as _is_compiling  # a name bound at import
 
@@ -203,6 +204,24 @@ def test_a_deterministic_algorithms_branch_follows_the_flag(flag):
         torch.use_deterministic_algorithms(before)
     _assert_members(wide, members, _x(2, 4))
     assert _graphs(wide) == 2
+
+
+class _BoundGradMode(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 2 if _grad_enabled() else h * 3
+
+
+def test_a_grad_mode_reader_imported_by_name_is_guarded():
+    wide, members = _compile(_BoundGradMode, 2, 4)
+    x = _x(2, 4)
+    _assert_members(wide, members, x)
+    with torch.no_grad():
+        _assert_members(wide, members, x)
 
 
 def test_a_default_dtype_branch_follows_the_default_dtype():

@@ -62,6 +62,7 @@ from torch.export import Dim, ExportedProgram
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..errors import WideCompileError
+from .guards import globals_read
 from .source import is_user_file, location, user_frame_and_module
 from .source import module_path, source_line  # noqa: F401 -- their old import path (model.py, analyze.py)
 
@@ -261,6 +262,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             raise _capture_error(model, e, getattr(watch, "compiling", ())) from e
         _refuse_generators(model, ep)  # our own refusal, not wrapped as export's
         ep.wide_reads = watch.reads()  # Note [State a forward reads] (fx/guards.py)
+        ep.wide_reads["globals"] = globals_read(model)  # read here, where the grad mode is the capture's
+        if ep.wide_reads["grad_mode"] is None and {"is_grad_enabled", "is_inference_mode_enabled"} & set(
+                ep.wide_reads["globals"][2]):  # a grad-mode reader imported by name: its calls were not seen
+            ep.wide_reads["grad_mode"] = torch.is_grad_enabled()
         if watch.compiling:
             log.info("wide_compiler: the forward asks torch.compiler.is_compiling() (%s): captured with the "
                      "answer False, as each member gets when called alone", "; ".join(dict.fromkeys(watch.compiling)))

@@ -116,6 +116,8 @@ FLAG_READERS: dict[str, Any] = {name: getattr(torch, name) for name in (
     "get_deterministic_debug_mode", "is_autocast_enabled", "get_autocast_dtype", "is_autocast_cpu_enabled",
     "get_autocast_cpu_dtype", "get_autocast_gpu_dtype", "is_autocast_cache_enabled", "get_default_dtype",
     "get_float32_matmul_precision") if hasattr(torch, name)}
+# the grad-mode readers (Guards.grad_mode); a forward that holds one as a global reads the mode
+_GRAD_READERS = {"is_grad_enabled": torch.is_grad_enabled, "is_inference_mode_enabled": torch.is_inference_mode_enabled}
 # the arguments a reader imported by name is guarded with (its calls are not seen: every variant)
 _BOUND_ARGS = {"is_autocast_enabled": ((), ("cpu",), ("cuda",)), "get_autocast_dtype": (("cpu",), ("cuda",))}
 
@@ -205,7 +207,8 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
     """Note [State a forward reads]: the module globals and class attributes that the code of
     ``model``'s module classes reads, with plain immutable values: ``(entries, owners, readers)``,
     ``entries`` as ``Guards.watched``, ``owners`` the live dicts and classes, ``readers`` the
-    FLAG_READERS names the code holds as globals (``from torch import get_default_dtype``).
+    FLAG_READERS names (and ``is_grad_enabled``, ``is_inference_mode_enabled``) the code holds as
+    globals (``from torch import get_default_dtype``).
 
     Read statically (``dis``): the ``forward`` of every module in the tree, the code objects nested
     in it (comprehensions, inner functions), the methods and properties of the module's class it
@@ -217,7 +220,7 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
 
     entries: dict[tuple[int, str], tuple[tuple[str, str, str, Any], Any]] = {}
     readers: list[str] = []
-    reader_names = {id(fn): name for name, fn in FLAG_READERS.items()}
+    reader_names = {id(fn): name for name, fn in (*FLAG_READERS.items(), *_GRAD_READERS.items())}
     work: list[tuple[Any, Any]] = []  # (function, the module whose class holds it, or None)
 
     def follow(v: Any, m: Any) -> None:
@@ -619,10 +622,10 @@ def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, 
                     for _, v in vals)
     layout = tuple(layout_of([_hint(d) for d in v.shape], [_hint(d) for d in v.stride()])
                    if isinstance(v, torch.Tensor) else None for _, v in vals) if reads.get("layout") else ()
-    watched, owners, readers = globals_read(model)
+    watched, owners, readers = reads.get("globals") or globals_read(model)
     flags = dict(reads.get("flags", ()))
     for name in readers:  # a reader imported by name: its calls were not seen, so every variant
-        for args in _BOUND_ARGS.get(name, ((),)):
+        for args in _BOUND_ARGS.get(name, ((),)) if name in FLAG_READERS else ():
             flags.setdefault((name, args), FLAG_READERS[name](*args))
     device = str(ran) if reads.get("device") and ran is not None else None
     return Guards(n, dtypes, fixed, names, tuple(code), tuple(shown), reads.get("grad_mode"), follows,
