@@ -447,3 +447,28 @@ def test_an_explicit_generator_is_refused_naming_the_op_and_line(own):
     with pytest.raises(wc.WideCompileError, match=r"member 0 \(_Generator\) draws random numbers with an explicit "
                                                   r"generator= \(aten.bernoulli_.float at .*test_guards_state.py"):
         wc.compile(_members(_Generator, own), torch.randn(2, 4, dtype=torch.float64), config=FAST)
+
+
+CALLS = 0
+
+
+class _Counter(nn.Module):
+    """Counts its calls in a module global: state it keeps, not a setting to guard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        global CALLS
+        CALLS += 1
+        return self.fc(x) * SCALE
+
+
+def test_a_global_the_forward_writes_is_not_guarded():
+    wide, members = _compile(_Counter, 2, 4)
+    for _ in range(10):
+        _assert_members(wide, members, _x(2, 4))  # the members' calls count up CALLS
+    assert _graphs(wide) == 1  # 10 calls: more than MAX_GRAPHS captures had each been one
+    assert "CALLS" not in {e[2] for e in wide._graph_for(True).guards.watched}
+    assert "SCALE" in {e[2] for e in wide._graph_for(True).guards.watched}

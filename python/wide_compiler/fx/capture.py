@@ -492,8 +492,9 @@ _COMPILING_FNS = (torch.compiler.is_compiling, torch.compiler.is_exporting)
 _COMPILING_ORIGINALS = tuple(types.FunctionType(f.__code__, f.__globals__, f.__name__) for f in _COMPILING_FNS)
 _COMPILING_SHIMS = tuple(zip(_COMPILING_FNS, (_is_compiling_shim.__code__, _is_exporting_shim.__code__)))
 # torch's own functions that only pass is_compiling() on: the frame that asks is their caller's
-_COMPILING_WRAPPERS = frozenset(f.__code__ for f in (torch._dynamo.external_utils.is_compiling, torch._utils.is_compiling)
-                                if isinstance(f, types.FunctionType))
+_COMPILING_WRAPPERS = frozenset(
+    f.__code__ for f in (torch._dynamo.external_utils.is_compiling, torch._utils.is_compiling)
+    if isinstance(f, types.FunctionType))
 
 
 def _refuse_generators(model: nn.Module, ep: ExportedProgram) -> None:

@@ -59,23 +59,27 @@ generated function at every call (a call outside captures a graph for it, as for
   (``.device``, ``.is_cuda``, ``.is_cpu``), the parameters' device at capture is guarded too, so
   the graphs follow ``.to(device)`` (captured again on the new device);
 * **module globals and class attributes** (:func:`globals_read`): the plain immutable values
-  (numbers, strings, None, dtypes, devices, tuples and frozensets of them) that the code of the
-  members' classes loads as globals or reads as class attributes of its module (``self.SCALE``
-  where the instance has no ``SCALE``), found by reading the bytecode of every function of every
-  user class in the module tree, the functions they hold, and the user's functions they load as
-  globals, transitively (bounded: ``MAX_CODES``, ``MAX_WATCHED``). Checked by identity (an ``is``
-  per value: tens of nanoseconds), then by type and value (:func:`same_value`: ``2`` is not
-  ``2.0``), so ``mod.SCALE = 3.0`` after compiling captures a graph with 3.0, and setting it back
-  reuses the first graph.
+  (numbers, strings, None, enum members, dtypes, devices, tuples and frozensets of them) that the
+  members' code loads as globals or reads as class attributes of its module (``self.SCALE`` where
+  the instance has no ``SCALE``), found by reading the bytecode (``dis``) of every module's
+  ``forward``, the methods and properties of its class that it names, the functions the module
+  holds, and the user's functions they load as globals, transitively (bounded: ``MAX_CODES``,
+  ``MAX_WATCHED``; 20-45 ms for a small GPT-2 or Llama). Checked by identity (an ``is`` per value:
+  tens of nanoseconds), then by type and value (:func:`same_value`: ``2`` is not ``2.0``), so
+  ``mod.SCALE = 3.0`` after compiling captures a graph with 3.0, and setting it back reuses the
+  first graph.
 
 Not guarded (documented limits): the contents of mutable objects (a list, a dict, a config
 object's attributes: ``cfg.scale``), values reached through an attribute of another module
 (``helpers.SCALE``; a module global that is a module is not followed), functions called through
-such attributes, closure cells, instance attributes (per-member constants cover those: Note
-[Per-member constants]), ``torch.backends.*`` flags (capture runs with cuDNN off, on purpose), and
-state read in torch's or wide_compiler's own code. ``torch.compiler.is_compiling()`` needs no
-guard: the user's code gets False at capture, as each member alone does (Note [What export does
-not capture] in fx/capture.py).
+such attributes or through objects other than the module, closure cells, names the members' code
+writes itself (a call counter: ``global CALLS; CALLS += 1``; guarding it would capture again at
+every call), instance attributes (per-member constants cover those: Note [Per-member
+constants]), ``torch.backends.*`` flags (capture runs with cuDNN off, on purpose), and state read
+in torch's or wide_compiler's own code. ``torch.compiler.is_compiling()`` needs no guard: the
+user's code gets False at capture, as each member alone does (Note [What export does not
+capture] in fx/capture.py); ``torch.jit.is_scripting()`` and ``torch.jit.is_tracing()`` are False
+both in export and in a member's eager call.
 
 A :class:`Guards` pickles as plain data (a compile cache keeps it on disk): the live dicts and
 classes of the watched globals are found again by module name and class qualified name when it is
@@ -87,6 +91,7 @@ from __future__ import annotations
 
 import dataclasses
 import dis
+import enum
 import inspect
 import logging
 import math
@@ -174,7 +179,7 @@ def same_value(a: Any, b: Any) -> bool:
 
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.memory_format,
-          torch.layout)
+          torch.layout, enum.Enum)
 
 
 def _plain(v: Any, depth: int = 0) -> bool:
@@ -215,11 +220,13 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
     names (``self.helper(x)``), the functions the module holds, and the user's functions they load
     as globals, transitively (at most ``MAX_CODES`` code objects, ``MAX_WATCHED`` values). A name
     loaded as an attribute (``self.SCALE``) counts as a class attribute of the module's class when
-    the instance has no attribute of that name."""
+    the instance has no attribute of that name. A name the code writes (``STORE_GLOBAL``,
+    ``STORE_ATTR``) is left out: it is state the forward keeps, not a setting."""
     from .source import is_user_file
 
     entries: dict[tuple[int, str], tuple[tuple[str, str, str, Any], Any]] = {}
     readers: list[str] = []
+    stored: set[str] = set()
     reader_names = {id(fn): name for name, fn in (*FLAG_READERS.items(), *_GRAD_READERS.items())}
     work: list[tuple[Any, Any]] = []  # (function, the module whose class holds it, or None)
 
@@ -259,7 +266,9 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
                 name = ins.argval
                 if not isinstance(name, str):
                     continue
-                if ins.opname == "LOAD_GLOBAL" and name in g:
+                if ins.opname in ("STORE_GLOBAL", "STORE_ATTR", "DELETE_GLOBAL", "DELETE_ATTR"):
+                    stored.add(name)
+                elif ins.opname == "LOAD_GLOBAL" and name in g:
                     v = g[name]
                     if _plain(v):
                         entries.setdefault((id(g), name), ((str(g.get("__name__")), "", name, v), g))
@@ -278,7 +287,9 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
                         entries.setdefault((id(cls), name), ((cls.__module__, cls.__qualname__, name, v), cls))
                     else:  # a method or property of the module's class that its code calls
                         follow(v, m)
-    found = list(entries.values())
+    # a name the code itself writes (``global CALLS; CALLS += 1``, ``type(self).seen = True``) is state
+    # the forward keeps, not a setting: guarding it would capture again at every call
+    found = [(e, o) for (_, name), (e, o) in entries.items() if name not in stored]
     if len(found) > MAX_WATCHED:
         log.warning("wide_compiler: the members' code reads %d module globals and class attributes; the first %d "
                     "are guarded (Note [State a forward reads])", len(found), MAX_WATCHED)
@@ -618,8 +629,8 @@ def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, 
     ref = ref if ref is not None else next(model.buffers(), None)
     on = [v.device for _, v in vals if isinstance(v, torch.Tensor)]
     ran = ref.device if ref is not None and (ref.device in on or not on) else on[0] if on else None
-    devices = tuple(None if not isinstance(v, torch.Tensor) else "" if ref is not None and v.device == ran else str(v.device)
-                    for _, v in vals)
+    devices = tuple(None if not isinstance(v, torch.Tensor)
+                    else "" if ref is not None and v.device == ran else str(v.device) for _, v in vals)
     layout = tuple(layout_of([_hint(d) for d in v.shape], [_hint(d) for d in v.stride()])
                    if isinstance(v, torch.Tensor) else None for _, v in vals) if reads.get("layout") else ()
     watched, owners, readers = reads.get("globals") or globals_read(model)
