@@ -211,14 +211,15 @@ def _member_view(metrics, i):
     return {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}
 
 
-@pytest.mark.parametrize("every", [1, 4])
-def test_metric_keys_are_lightnings_for_each_member(tmp_path, every):
+@pytest.mark.parametrize("every, more", [(1, {}), (4, {}), (2, dict(accumulate_grad_batches=2, max_steps=6))])
+def test_metric_keys_are_lightnings_for_each_member(tmp_path, every, more):
     """Every per-member key is member_<i>/ + the key Lightning gives that member trained alone, in
     callback_metrics, logged_metrics and progress_bar_metrics, with its value: after every batch
     when every step is a logging step (log_every_n_steps=1), and at the end of every epoch
-    whatever log_every_n_steps is."""
+    whatever log_every_n_steps is (also with gradient accumulation, and max_steps ending an epoch
+    early)."""
     configs = CONFIGS[:2]
-    kw = dict(max_epochs=2, log_every_n_steps=every, num_sanity_val_steps=1)
+    kw = dict(max_epochs=2, log_every_n_steps=every, num_sanity_val_steps=1, **more)
     wide = wcl.WideLightningModule([member(i, configs, cls=Logs) for i in range(2)], next(iter(loaders()[0])))
     fused = Snapshots()
     trainer(callbacks=[fused], logger=L.pytorch.loggers.CSVLogger(tmp_path / "w"), **kw).fit(wide, *loaders())
