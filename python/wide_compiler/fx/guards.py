@@ -147,7 +147,11 @@ def layout_of(shape: Sequence[int], stride: Sequence[int]) -> tuple:
 
 
 def member_layout(x: torch.Tensor) -> tuple:
-    """:func:`layout_of` one member's slice ``x[i]`` of an N-first input (every member's is the same)."""
+    """:func:`layout_of` one member's slice ``x[i]`` of an N-first input (every member's is the same).
+
+    >>> member_layout(torch.zeros(3, 4, 5)), member_layout(torch.zeros(3, 4, 5).transpose(1, 2))
+    (('dense', (0, 1)), ('dense', (1, 0)))
+    """
     return layout_of(x.shape[1:], x.stride()[1:])
 
 
@@ -221,7 +225,15 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
     as globals, transitively (at most ``MAX_CODES`` code objects, ``MAX_WATCHED`` values). A name
     loaded as an attribute (``self.SCALE``) counts as a class attribute of the module's class when
     the instance has no attribute of that name. A name the code writes (``STORE_GLOBAL``,
-    ``STORE_ATTR``) is left out: it is state the forward keeps, not a setting."""
+    ``STORE_ATTR``) is left out: it is state the forward keeps, not a setting.
+
+    >>> EPS = 1e-3
+    >>> class Shifted(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return x + EPS
+    >>> [entry[2:] for entry in globals_read(Shifted())[0]]
+    [('EPS', 0.001)]
+    """
     from .source import is_user_file
 
     entries: dict[tuple[int, str], tuple[tuple[str, str, str, Any], Any]] = {}
