@@ -270,9 +270,11 @@ def test_cli_bad_shape_is_a_usage_error(command, shape, message, capsys):
     assert "argument --shape:" in err and re.search(message, err), err
 
 
-def test_cli_good_shape_parses():
+def test_cli_good_shape_parses(capsys):
     assert cli.parse_shape("32,64") == (32, 64) and cli.parse_shape(" 4 x 8 ") == (4, 8)
-    assert cli.main(["test", "mlp", "--shape=2,7"]) != 2  # parsed: the command runs (and reports mlp's 64 features)
+    # parsed: mlp takes 64 features, so the command's own usage error names the input [2, 7]
+    assert cli.main(["test", "mlp", "--shape=2,7"]) == 2
+    assert "does not run on one member's input float32[2, 7]" in capsys.readouterr().err
 
 
 # --- the double-stream block: no silent swap of the streams ------------------------------------
