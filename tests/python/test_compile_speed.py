@@ -222,3 +222,54 @@ def test_a_recapture_is_one_warning_with_the_dim_and_its_time(caplog):
     assert len(said) == 1, said
     assert ("recaptured the train graph with input 'x' dim 2 (this call: 7, captured: 5) dynamic in" in said[0]
             and said[0].endswith(" s")), said
+
+
+# --- Note [Members run in place] (fx/member_checks.py) -----------------------------------------
+class Counting(nn.Module):
+    """A BatchNorm net in train mode (its running stats change when run) that counts its calls,
+    and, when asked, rebinds a weight's ``.data`` or clamps its weights in place."""
+
+    def __init__(self, rebind: bool = False, clamp: bool = False) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(4, 6), nn.BatchNorm1d(6)
+        self.calls, self.rebind, self.clamp = 0, rebind, clamp
+
+    def forward(self, x):
+        self.calls += 1
+        if self.rebind:
+            self.fc.weight.data = self.fc.weight.data * 0.5
+        if self.clamp:
+            with torch.no_grad():
+                self.fc.weight.clamp_(-0.01, 0.01)
+        return self.bn(self.fc(x))
+
+
+def _copies(monkeypatch) -> list:
+    made = []
+    original = member_checks.copy.deepcopy
+    monkeypatch.setattr(member_checks.copy, "deepcopy", lambda m, *a: made.append(m) or original(m, *a))
+    return made
+
+
+@pytest.mark.parametrize("rebind", [False, True])
+def test_the_member_check_runs_members_in_place_and_leaves_them_as_they_were(monkeypatch, rebind):
+    torch.manual_seed(0)
+    models = [Counting(rebind=rebind) for _ in range(N)]
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
+    data = [m.fc.weight.data_ptr() for m in models]
+    made = _copies(monkeypatch)
+    assert member_checks.check_run_members(models, (torch.randn(5, 4),), {}) is not None
+    assert not any(isinstance(m, Counting) for m in made)  # no copy of any member
+    for m, state, ptr in zip(models, before, data):
+        assert all(torch.equal(v, state[k]) for k, v in m.state_dict().items())  # running stats too
+        assert m.calls == 0 and m.fc.weight.data_ptr() == ptr
+
+
+def test_a_member_that_writes_its_weights_is_checked_on_a_copy(monkeypatch):
+    torch.manual_seed(0)
+    models = [Counting(clamp=True) for _ in range(N)]
+    before = [m.fc.weight.detach().clone() for m in models]
+    made = _copies(monkeypatch)
+    member_checks.check_run_members(models, (torch.randn(5, 4),), {})
+    assert sum(isinstance(m, Counting) for m in made) == N  # each member's write was refused before it ran, then run on a copy
+    assert all(torch.equal(m.fc.weight, w) for m, w in zip(models, before)) and models[0].calls == 0
