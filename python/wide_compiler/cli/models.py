@@ -241,9 +241,10 @@ def model_and_sample(args: argparse.Namespace, command: str, n: int
 
 
 def _check_member_runs(loaded: _Loaded, member: Any, sample: Sample, *, from_shape: bool) -> None:
-    """Run one member on the sample (a copy in eval mode, no grad, the RNG left as it was): a
-    model that does not take this input is a UsageError before minutes of work, naming the input
-    to give instead: ``--input int64:SHAPE`` where a float ``--shape`` meets an embedding."""
+    """Run one member on the sample (in eval mode for the call, its modules' modes restored after;
+    no grad; the RNG left as it was): a model that does not take this input is a UsageError before
+    minutes of work, naming the input to give instead (``--input int64:SHAPE`` where a float
+    ``--shape`` meets an embedding)."""
     import torch
 
     modes = [(m, m.training) for m in member.modules()] if hasattr(member, "modules") else []
