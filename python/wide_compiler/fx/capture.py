@@ -318,12 +318,16 @@ class _Watch:
         with _WATCH_LOCK:
             if not _WATCHES:
                 _install_watch_patches()
-            _WATCHES[threading.get_ident()] = self
+            _WATCHES.setdefault(threading.get_ident(), []).append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         with _WATCH_LOCK:
-            _WATCHES.pop(threading.get_ident(), None)
+            mine = _WATCHES.get(threading.get_ident(), [])
+            if self in mine:
+                mine.remove(self)
+            if not mine:
+                _WATCHES.pop(threading.get_ident(), None)
             if not _WATCHES:
                 _remove_watch_patches()
 
@@ -359,14 +363,15 @@ class _Watch:
 # -- the patches of _Watch (process-wide while any export runs under one) ----------------------------
 
 _WATCH_LOCK = threading.Lock()
-_WATCHES: dict[int, _Watch] = {}  # thread id -> the watch of the export running in that thread
+_WATCHES: dict[int, list[_Watch]] = {}  # thread id -> the watches open in that thread (innermost last)
 _PATCHED: list[tuple[Any, str, Any]] = []  # (owner, attribute, what was there: _ABSENT if nothing)
 _ABSENT = object()
 _SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
 
 def _watching() -> _Watch | None:
-    return _WATCHES.get(threading.get_ident())
+    mine = _WATCHES.get(threading.get_ident())
+    return mine[-1] if mine else None
 
 
 def _user_caller(depth: int = 2) -> bool:
