@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -147,17 +148,26 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
     if not compile_model:
         return wide
     compiled = torch.compile(wide, **(compile_options or {}))
-    compiled.__class__ = _CompiledWideModel  # checks inputs before entering the compiled region
+    compiled.__class__ = _compiled_wide_model()  # checks inputs before entering the compiled region
     return compiled
 
 
-class _CompiledWideModel(torch._dynamo.eval_frame.OptimizedModule):
-    """``torch.compile`` of a WideModel whose calls check their inputs first, in eager Python: a
-    wrong input raises the WideModel's own error, never a torch.compile tracing failure."""
+@functools.cache
+def _compiled_wide_model() -> type:
+    """The class of ``torch.compile`` of a WideModel, made at its first use: defining it at import
+    would import torch._dynamo (seconds), which a compile that loads its graphs from the compile
+    cache never needs."""
+    import torch._dynamo
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._orig_mod.check_inputs(*args, **kwargs)
-        return super().__call__(*args, **kwargs)
+    class _CompiledWideModel(torch._dynamo.eval_frame.OptimizedModule):
+        """``torch.compile`` of a WideModel whose calls check their inputs first, in eager Python: a
+        wrong input raises the WideModel's own error, never a torch.compile tracing failure."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            self._orig_mod.check_inputs(*args, **kwargs)
+            return super().__call__(*args, **kwargs)
+
+    return _CompiledWideModel
 
 
 class WideBuilder:
@@ -221,7 +231,7 @@ def _validate(wide: WideModel, members: Sequence[nn.Module], args: tuple, kwargs
               config: WideConfig) -> None:
     """Every member's outputs and buffers on its own (perturbed) sample and on the shared sample,
     through :func:`wide_compiler.testing.check_equivalence`: a float32 model against a float64
-    run of its members (Note [The float64 reference] in _equivalence.py) while ``config.rtol``
+    run of its members (Note [The float64 reference] in _equivalence/reference.py) while ``config.rtol``
     and ``config.atol`` keep their defaults; with either changed, within those, fixed.
 
     Nothing is modified: members run on deep copies and the wide model's buffers are restored.

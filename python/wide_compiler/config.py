@@ -53,7 +53,12 @@ class WideConfig:
             budget overruns by one call), 2-54 s with None, 0.5-4 s with ``fast()`` (README
             "Quick start"). A busy machine measures faster with ``OMP_WAIT_POLICY=PASSIVE`` set
             before torch loads.
-        cache: read/write the strategy cache on disk.
+        cache: read/write the strategy cache on disk (off: the compile cache is off too).
+        compile_cache: keep each compiled graph (captured, widened, with its strategies and guards)
+            on disk under a key of everything it depends on, so that a second compile of the same
+            model, in this process or another, skips capture and widening (Note [The compile
+            cache] in fx/compile_cache.py; docs/internals.md). Also off with the environment
+            variable ``WIDE_COMPILE_CACHE=0``, or ``trace_members``.
         cache_dir: where the cache lives; default ``$WIDE_COMPILER_CACHE_DIR`` or
             ``~/.cache/wide_compiler``.
         validate: after compiling, run the sample through the wide model and every member and
@@ -69,7 +74,7 @@ class WideConfig:
             are not module attributes). Module attributes are always compared.
         rtol, atol: tolerances of ``validate``, used only when either differs from its default: at
             the defaults a float32 model is judged against a float64 run of its members (Note [The
-            float64 reference] in _equivalence.py), other dtypes within :func:`wide_compiler.testing.tolerance`.
+            float64 reference] in _equivalence/reference.py), other dtypes within :func:`wide_compiler.testing.tolerance`.
         member_tile: run the graph on chunks of this many members, one chunk after the other
             (Note [Member tiles] in fx/tiling.py: members whose activations are large and ops
             small run faster in chunks whose activations stay in cache); the last chunk may be
@@ -98,6 +103,7 @@ class WideConfig:
     rtol: float = 1e-4
     atol: float = 1e-5
     member_tile: int | None = None
+    compile_cache: bool = True
 
     def __post_init__(self) -> None:
         tile = self.member_tile

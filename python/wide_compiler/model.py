@@ -28,7 +28,8 @@ from .fx.capture import module_path
 from .fx.constants import constant_key
 from .fx.fold import clear_fold_cache
 from .fx.guards import MAX_GRAPHS
-from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, compile_members, recapture, run_pipeline
+from .fx import compile_cache
+from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, compile_members, recapture, run_cached, run_pipeline
 from .fx.state import WideState, call_graph, holders, missing_constants, persistent_buffer_names, put_tensor
 from .fx.state import get_tensor as _get_tensor
 from .fx.widen import WideGraph
@@ -282,7 +283,7 @@ class WideModel(MemberOpsMixin, nn.Module):
     def _compile(self, training: bool) -> Compilation:
         """Run the compiler pipeline (fx/pipeline.py) for one train/eval mode, on this model's state."""
         ref = next(self.parameters(), None)
-        return run_pipeline(Compilation(
+        return run_cached(Compilation(  # Note [The compile cache] (fx/compile_cache.py)
             self._capture_template[0].train(training), self._sample, self.n, self._config,
             dynamic_shapes=self._dynamic_shapes, opaque_paths=self._capture_template[1],
             dtype=ref.dtype if ref is not None else None, device=ref.device if ref is not None else None,
@@ -293,7 +294,9 @@ class WideModel(MemberOpsMixin, nn.Module):
         ``_per_member.<path>`` buffers of Note [Per-member constants] (fx/constants.py) go under
         plain container modules. The graph becomes its mode's graph, or with ``variant`` one
         more graph of that mode for the inputs it was captured for (Note [Guards])."""
-        for name, t, persistent, per_member in missing_constants(c.ep, c.constant_plan, self):
+        # a graph from the compile cache has no capture: what the model reads of it came with it
+        captured = c.ep if c.ep is not None else c.cached
+        for name, t, persistent, per_member in missing_constants(captured, c.constant_plan, self):
             if per_member:
                 put_tensor(self, name, t, persistent)
             else:
@@ -310,7 +313,9 @@ class WideModel(MemberOpsMixin, nn.Module):
         old = self._graphs.get(c.training)
         if old is not None:
             self._ranges.pop(id(old), None)
-        self._ranges[id(c.wide)] = _narrow_ranges(c.ep)
+        self._ranges[id(c.wide)] = _narrow_ranges(c.ep) if c.ep is not None else dict(c.cached.ranges)
+        if c.cache_key is not None and c.ep is not None:  # a compile the cache missed: stored for the next
+            compile_cache.store(c, c.cache_key, self._ranges[id(c.wide)])
         self._graphs[c.training] = c.wide
         log.debug("wide_compiler: wide graph:\n%s", c.wide.graph_module.code)
         return c.wide

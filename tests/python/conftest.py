@@ -23,9 +23,12 @@ def seed() -> int:
 
 @pytest.fixture(autouse=True)
 def _isolated_cache_dir(tmp_path_factory, monkeypatch):
-    """Point the tuning cache at a temporary directory: tests never touch ~/.cache."""
+    """Point the tuning cache at a temporary directory: tests never touch ~/.cache. The compile
+    cache is off (tests compile what they mean to compile, and storing every graph costs time);
+    tests/python/test_compile_cache.py turns it on."""
     cache = tmp_path_factory.mktemp("wide_cache")
     monkeypatch.setenv("WIDE_COMPILER_CACHE_DIR", str(cache))
+    monkeypatch.setenv("WIDE_COMPILE_CACHE", "0")
     return cache
 
 

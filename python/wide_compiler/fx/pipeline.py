@@ -14,7 +14,9 @@ the members; the model-level tuning check: fx/model_check.py, which runs the gra
 state; member tiles: fx/tiling.py, which widens the capture again for chunks of members). :func:`wide_compiler.compile` runs the pipeline on the members
 (:func:`compile_members`) and builds the :class:`~wide_compiler.WideModel` from the result; the
 model runs the pipeline again, lazily, for its other train/eval mode (giving its live tensors as
-the state). The model only holds the state, runs the graph and answers inspection. Runs are
+the state). Both go through :func:`run_cached`, the persistent compile cache (Note [The compile
+cache] in fx/compile_cache.py: a hit runs the member checks and ``stack_state`` on a stored graph
+instead of the other passes). The model only holds the state, runs the graph and answers inspection. Runs are
 serialised by one lock: export is not thread-safe, and a failed run leaves nothing behind (the
 model builds a new :class:`Compilation` per run).
 
@@ -51,6 +53,7 @@ from ..config import WideConfig
 from ..measure import Progress, Stopwatch
 from ..registry import opaque_template, registered_paths
 from ..tuning import choose_strategies
+from . import compile_cache
 from .capture import SpecialisationLog, capture, check_sample, flat_signature
 from .constants import ConstantPlan, plan_constants
 from .eval_rewrites import (attention_kernel, fuse_residual_norms, pool_before_relu, relu_in_place,
@@ -66,7 +69,7 @@ from .tiling import tile_members
 from .widen import WideGraph, check_ranks, widen
 
 __all__ = ["COMPILE_LOCK", "PASSES", "Compilation", "Pass", "compile_members", "keep_strategies", "recapture",
-           "run_pipeline"]
+           "run_cached", "run_pipeline"]
 
 log = logging.getLogger(__name__)
 COMPILE_LOCK = threading.RLock()  # export is not thread-safe: one compile at a time
@@ -118,6 +121,11 @@ class Compilation:
     # one member's eager forward on the sample, seconds (check_programs times it): the tuning
     # budget follows the graph's run time (Note [Tuning that pays for itself] in tuning.py)
     member_seconds: float | None = None
+    # Note [The compile cache] (fx/compile_cache.py): the key of a compilation run by run_cached
+    # that missed (the model stores the result under it), and on a hit what the model reads of
+    # the capture, which is then not made (``ep`` stays None)
+    cache_key: str | None = None
+    cached: compile_cache.CachedCapture | None = None
 
     @property
     def training(self) -> bool:
@@ -357,11 +365,57 @@ def run_pipeline(c: Compilation, passes: Sequence[Pass] = PASSES) -> Compilation
     return c
 
 
+def _check_programs_cached(c: Compilation) -> None:
+    """On a compile cache hit: the member check that runs every member (they are compared with
+    each other, which no cache key can do); the capture's own checks are the entry's."""
+    if c.members is not None and len(c.members) > 1 and c.config.run_members and not c.opaque_paths:
+        check_run_members(c.members, *c.sample, constants=c.constants)
+
+
+def _from_cache(c: Compilation, body: dict) -> None:
+    c.wide, c.guards, c.constant_plan = body["wide"], body["guards"], body["constant_plan"]
+    c.layout, c.folded, c.timings = body["layout"], body["folded"], body["timings"]
+    c.member_tile = c.wide.member_tile
+    c.cached = compile_cache.CachedCapture(body["constants"], body["ranges"], body["path"])
+
+
+def run_cached(c: Compilation) -> Compilation:
+    """The whole pipeline on ``c`` through the compile cache (Note [The compile cache] in
+    fx/compile_cache.py): the member checks first (they find the per-member constants the key
+    holds), then, on a hit, the loaded graph with the members' stacked state, checked to fit it
+    (a misfit is ignored with one warning and compiled afresh); on a miss every other pass, and
+    ``c.cache_key`` set for the model to store the result under. With the cache off (or ``c``
+    not cacheable), :func:`run_pipeline` as it is."""
+    if not compile_cache.enabled(c.config):
+        return run_pipeline(c)
+    with COMPILE_LOCK:
+        run_pipeline(c, [p for p in PASSES if p.name == "check_members"])
+        watch = Stopwatch()
+        key = compile_cache.key_of(c)
+        body = compile_cache.load(c, key) if key is not None else None
+        if body is not None:
+            hit = dataclasses.replace(c, log=list(c.log))
+            _from_cache(hit, body)
+            run_pipeline(hit, [Pass("check_programs", _check_programs_cached),
+                               *(p for p in PASSES if p.name == "stack_state")])
+            why = compile_cache.check_loaded(hit, body)
+            if why is None:
+                hit.log.append(("compile_cache", watch.seconds))
+                log.info("wide_compiler: %s graph loaded from the compile cache %s in %.2f s",
+                         "train" if c.training else "eval", body["path"], watch.seconds)
+                return hit
+            log.warning("wide_compiler: ignoring the compile cache entry %s (%s); compiling afresh",
+                        body["path"], why)
+        c.cache_key = key
+        return run_pipeline(c, [p for p in PASSES if p.name != "check_members"])
+
+
 def compile_members(members: Sequence[nn.Module], sample_args: tuple, sample_kwargs: dict | None = None,
                     *, config: WideConfig, dynamic_shapes: Any = None) -> Compilation:
     """The whole pipeline on N members (:meth:`Compilation.of_members`): the members checked,
     member 0 captured and widened, its strategies chosen, the members' state stacked and the
-    strategies checked on it (the model-level tuning check).
+    strategies checked on it (the model-level tuning check); through the compile cache
+    (:func:`run_cached`: a hit skips all but the member checks and the stacking).
     :meth:`wide_compiler.WideModel._from_compilation` builds the model from the result."""
-    return run_pipeline(Compilation.of_members(members, sample_args, sample_kwargs, config=config,
-                                               dynamic_shapes=dynamic_shapes))
+    return run_cached(Compilation.of_members(members, sample_args, sample_kwargs, config=config,
+                                             dynamic_shapes=dynamic_shapes))
