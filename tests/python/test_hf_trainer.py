@@ -32,7 +32,7 @@ SCHEDULES = ["linear", "cosine", "constant_with_warmup", "polynomial"]
 
 
 def _config(**over):
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                 max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)
     return transformers.BertConfig(**{**base, **over})
 
@@ -221,7 +221,7 @@ def test_optimizer_without_per_member_form(tmp_path):
         t.create_optimizer()
 
 
-@pytest.mark.parametrize("over, key", [(dict(num_hidden_layers=1), "num_hidden_layers"),
+@pytest.mark.parametrize("over, key", [(dict(num_hidden_layers=2), "num_hidden_layers"),
                                        (dict(hidden_act="relu"), "hidden_act")])
 def test_configs_that_change_the_model(over, key):
     with pytest.raises(ArchitectureMismatchError, match=rf"member 1's config has {key}"):
