@@ -273,3 +273,14 @@ def test_a_member_that_writes_its_weights_is_checked_on_a_copy(monkeypatch):
     member_checks.check_run_members(models, (torch.randn(5, 4),), {})
     assert sum(isinstance(m, Counting) for m in made) == N  # each member's write was refused before it ran, then run on a copy
     assert all(torch.equal(m.fc.weight, w) for m, w in zip(models, before)) and models[0].calls == 0
+
+
+# --- benchmark compile ------------------------------------------------------------------------------
+def test_the_compile_benchmark_measures_in_a_fresh_process(tmp_path):
+    """The child process of ``benchmark compile`` (``python -m wide_compiler.bench._compile_child``)
+    runs and answers in JSON (run as __main__, the target's own module registered it twice)."""
+    from wide_compiler.bench import compile as target
+
+    got = target._in_fresh_process("compile", "mlp", "tiny", 2, str(tmp_path), "fast")
+    assert set(got) == {"train_s", "eval_s", "max_abs_err"} and got["max_abs_err"] < 1e-5, got
+    assert got["train_s"] > 0 and got["eval_s"] > 0

@@ -13,7 +13,8 @@ MLP), N members with the default :class:`~wide_compiler.WideConfig`, three fresh
 - ``warm``: the same in a new process with the cold run's cache directory (the strategy cache,
   and the compile cache where there is one).
 
-One record per model: ``wide_ms`` the cold compile (train + eval graphs), ``baseline_ms``
+One record per model and config (``WideConfig()`` and ``WideConfig.fast()``, in ``config``):
+``wide_ms`` the cold compile (train + eval graphs), ``baseline_ms``
 ``{"export": train + eval export of one member}``, and the parts: ``cold_train_s``,
 ``cold_eval_s``, ``warm_s`` (``warm_train_s``, ``warm_eval_s``), ``export_train_s``,
 ``export_eval_s``, ``cold_vs_export`` (the issue's target: at most 1.5), ``max_abs_err`` the
@@ -107,12 +108,13 @@ def densenet121(**kwargs) -> DenseNet:
 PRESETS = {
     "ci": Preset("toy widths, N=2, in this process (a smoke run: seconds)", 0.01,
                  {"ns": (2,), "size": "tiny", "models": ("mlp", "resnet18"), "fresh": False}),
-    "quick": Preset("resnet18, densenet121, bert, mlp at N=4, fresh processes (minutes)", 0.5,
+    "quick": Preset("resnet18, densenet121, bert, mlp at N=4, default and fast() configs, fresh processes "
+                    "(minutes)", 0.5,
                     {"ns": (4,), "size": "real", "models": ("resnet18", "densenet121", "bert", "mlp"),
-                     "fresh": True}),
+                     "configs": ("default", "fast"), "fresh": True}),
     "full": Preset("the quick models at N=4 and 16 (many minutes)", 0.5,
                    {"ns": (4, 16), "size": "real", "models": ("resnet18", "densenet121", "bert", "mlp"),
-                    "fresh": True}),
+                    "configs": ("default", "fast"), "fresh": True}),
 }
 
 
@@ -157,10 +159,12 @@ class _Pooled(nn.Module):
         return self.model(ids).pooler_output
 
 
-def compile_times(what: str, name: str, size: str, n: int, cache_dir: str) -> dict[str, float]:
+def compile_times(what: str, name: str, size: str, n: int, cache_dir: str,
+                  config: str = "default") -> dict[str, float]:
     """Seconds of one measurement in this process: ``what="export"`` times ``torch.export`` of
     member 0 in train then eval mode; ``"compile"`` times ``wc.compile`` (train graph) then
-    ``.eval()`` (eval graph) with the cache in ``cache_dir``, and the train-mode outputs' largest
+    ``.eval()`` (eval graph) with ``config`` (``"default"``: ``WideConfig()``, ``"fast"``:
+    ``WideConfig.fast()``) and the cache in ``cache_dir``, and the train-mode outputs' largest
     difference from the members' (``max_abs_err``)."""
     import wide_compiler as wc
 
@@ -176,7 +180,7 @@ def compile_times(what: str, name: str, size: str, n: int, cache_dir: str) -> di
             export(model, sample, dynamic_shapes=dims, strict=False)
             out[f"{mode}_s"] = watch.seconds
         return out
-    config = wc.WideConfig(cache_dir=cache_dir)
+    config = (wc.WideConfig.fast() if config == "fast" else wc.WideConfig()).replace(cache_dir=cache_dir)
     watch = measure.Stopwatch()
     wide = wc.compile(members, *sample, config=config)
     train_s = watch.seconds
@@ -190,11 +194,12 @@ def compile_times(what: str, name: str, size: str, n: int, cache_dir: str) -> di
     return {"train_s": train_s, "eval_s": eval_s, "max_abs_err": float((got - want).abs().max())}
 
 
-def _in_fresh_process(what: str, name: str, size: str, n: int, cache_dir: str) -> dict[str, float]:
-    """:func:`compile_times` in a new Python process (``python -m wide_compiler.bench.compile``)."""
-    arg = json.dumps({"what": what, "name": name, "size": size, "n": n, "cache_dir": cache_dir})
+def _in_fresh_process(what: str, name: str, size: str, n: int, cache_dir: str,
+                      config: str = "default") -> dict[str, float]:
+    """:func:`compile_times` in a new Python process (``python -m wide_compiler.bench._compile_child``)."""
+    arg = json.dumps({"what": what, "name": name, "size": size, "n": n, "cache_dir": cache_dir, "config": config})
     env = dict(os.environ, WIDE_COMPILER_CACHE_DIR=cache_dir)
-    done = subprocess.run([sys.executable, "-m", "wide_compiler.bench.compile", arg], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "wide_compiler.bench._compile_child", arg], capture_output=True,
                           text=True, env=env, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"benchmark compile: the {what} process of {name} failed:\n{done.stderr[-2000:]}")
@@ -209,28 +214,34 @@ def _run(name: str, n: int, p: Preset, machine: Mapping[str, Any]) -> list[dict[
         log.warning("benchmark compile: %s skipped (%s)", name, e)
         return []
     measure_one = _in_fresh_process if p.grid["fresh"] else compile_times
+    records = []
     with tempfile.TemporaryDirectory(prefix="wide_compile_bench_") as cache:
         exported = measure_one("export", name, size, n, os.path.join(cache, "export"))
-        cold = measure_one("compile", name, size, n, os.path.join(cache, "wide"))
-        warm = measure_one("compile", name, size, n, os.path.join(cache, "wide"))
-    export_s = exported["train_s"] + exported["eval_s"]
-    cold_s, warm_s = cold["train_s"] + cold["eval_s"], warm["train_s"] + warm["eval_s"]
-    _, sample = make_case(name, size, 1)
-    base = {"target": "compile", "case": name, "n": n, "batch": int(sample[0].shape[0]),
-            "dtype": "float32", "shapes": {"sample": list(sample[0].shape)}}
-    return [engine.make_record(
-        base=base, mode="train", strategy="auto", wide_ms=1e3 * cold_s, baseline_ms={"export": 1e3 * export_s},
-        max_abs_err=max(cold["max_abs_err"], warm["max_abs_err"]), machine=machine, timing="fresh process"
-        if p.grid["fresh"] else "in process", cold_train_s=cold["train_s"], cold_eval_s=cold["eval_s"],
-        warm_s=warm_s, warm_train_s=warm["train_s"], warm_eval_s=warm["eval_s"],
-        export_train_s=exported["train_s"], export_eval_s=exported["eval_s"], cold_vs_export=cold_s / export_s)]
+        export_s = exported["train_s"] + exported["eval_s"]
+        _, sample = make_case(name, size, 1)
+        base = {"target": "compile", "case": name, "n": n, "batch": int(sample[0].shape[0]),
+                "dtype": "float32", "shapes": {"sample": list(sample[0].shape)}}
+        for config in p.grid.get("configs", ("default",)):
+            where = os.path.join(cache, config)
+            cold = measure_one("compile", name, size, n, where, config)
+            warm = measure_one("compile", name, size, n, where, config)
+            cold_s, warm_s = cold["train_s"] + cold["eval_s"], warm["train_s"] + warm["eval_s"]
+            records.append(engine.make_record(
+                base=base, mode="train", strategy="auto" if config == "default" else config,
+                wide_ms=1e3 * cold_s, baseline_ms={"export": 1e3 * export_s},
+                max_abs_err=max(cold["max_abs_err"], warm["max_abs_err"]), machine=machine,
+                timing="fresh process" if p.grid["fresh"] else "in process", config=config,
+                cold_train_s=cold["train_s"], cold_eval_s=cold["eval_s"], warm_s=warm_s,
+                warm_train_s=warm["train_s"], warm_eval_s=warm["eval_s"], export_train_s=exported["train_s"],
+                export_eval_s=exported["eval_s"], cold_vs_export=cold_s / export_s))
+    return records
 
 
 def _format(records) -> str:
     """One row per model: cold and warm compile seconds beside torch.export's."""
-    rows = [("model", "N", "export s (train+eval)", "cold s (train+eval)", "cold/export", "warm s")]
+    rows = [("model", "N", "config", "export s (train+eval)", "cold s (train+eval)", "cold/export", "warm s")]
     for r in records:
-        rows.append((r["case"], str(r["n"]), f"{r['export_train_s']:.2f}+{r['export_eval_s']:.2f}",
+        rows.append((r["case"], str(r["n"]), r["config"], f"{r['export_train_s']:.2f}+{r['export_eval_s']:.2f}",
                      f"{r['cold_train_s']:.2f}+{r['cold_eval_s']:.2f}", f"{r['cold_vs_export']:.2f}x",
                      f"{r['warm_s']:.2f}"))
     widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
@@ -242,8 +253,3 @@ def _format(records) -> str:
 def compile_jobs(p: Preset) -> list[Job]:
     return [Job(f"{name} N={n}", functools.partial(_run, name, n, p)) for name in p.grid["models"]
             for n in p.grid["ns"]]
-
-
-if __name__ == "__main__":  # one measurement of a fresh process (_in_fresh_process)
-    spec = json.loads(sys.argv[1])
-    print(json.dumps(compile_times(spec["what"], spec["name"], spec["size"], spec["n"], spec["cache_dir"])))
