@@ -89,9 +89,10 @@ class Recurrent(nn.Module):
         return self.head(self.rnn(x)[0][:, -1])
 
 
-def _mlp_members():  # hidden 32 to 256: 8 sizes x 2 seeds
+def _mlp_members():  # the smallest, a middle and the largest hidden size, 2 seeds each (the cost
+    # of a padded compile grows with the members: each is captured)
     torch.manual_seed(0)
-    return [MLP(h).to(DT) for h in (32, 64, 96, 128, 160, 192, 224, 256) for _ in range(2)]
+    return [MLP(h).to(DT) for h in (32, 96, 256) for _ in range(2)]
 
 
 SWEEPS = {
@@ -103,7 +104,8 @@ SWEEPS = {
                               torch.randn(n, 5, 3, generator=g, dtype=DT))),
     "lstm": (lambda: [Recurrent(h).to(DT) for h in (4, 8, 6)],
              lambda g, n: (torch.randn(n, 3, 5, 6, generator=g, dtype=DT),)),
-    "encoder_heads": (lambda: [Encoder(h, 4, f).to(DT) for h, f in ((2, 16), (4, 32), (3, 48), (2, 32))],
+    # heads 3 padded to 4; two members with 3 heads and feed-forward sizes of their own
+    "encoder_heads": (lambda: [Encoder(h, 4, f).to(DT) for h, f in ((3, 16), (4, 32), (3, 48))],
                       lambda g, n: (torch.randn(n, 3, 5, 6, generator=g, dtype=DT),)),
     "encoder_head_dim": (lambda: [Encoder(2, e, f).to(DT) for e, f in ((4, 16), (8, 32), (6, 16))],
                 lambda g, n: (torch.randn(n, 3, 5, 6, generator=g, dtype=DT),)),
@@ -386,7 +388,7 @@ class _Width(wc.Tower):
 def test_the_router_measures_one_padded_group_against_groups_by_size_and_says_which():
     torch.manual_seed(0)
     router = wc.WideRouter(config=FAST, pad=True)
-    towers = {f"t{i}": _Width(h) for i, h in enumerate((8, 8, 16, 16, 24))}
+    towers = {f"t{i}": _Width(h) for i, h in enumerate((8, 8, 16))}  # two of one size, one other
     for name, t in towers.items():
         router.register_tower(name, copy.deepcopy(t))
     x = torch.randn(5, 4)
@@ -403,7 +405,7 @@ def test_the_router_measures_one_padded_group_against_groups_by_size_and_says_wh
     sum(o.sum() for o in router.wide_forward(x).values()).backward()
     opt.step()
     fresh = router.unfuse()
-    assert [fresh[n].net[0].out_features for n in towers] == [8, 8, 16, 16, 24]
+    assert [fresh[n].net[0].out_features for n in towers] == [8, 8, 16]
     router.write_back()
     for n in towers:
         torch.testing.assert_close(router.wide_forward(x)[n], fresh[n](x))
