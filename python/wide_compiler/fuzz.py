@@ -351,7 +351,7 @@ def _check(wide: nn.Module, members: list[nn.Module], xs: list[torch.Tensor], tr
     """None when every member of ``wide`` computes what the member computes alone on ``xs``
     (outputs, input and parameter gradients), by the project's harness
     (:func:`wide_compiler.testing.check_equivalence`): float64 within :data:`TOLERANCE`, float32
-    against a float64 run of the members (Note [The float64 reference] in _equivalence.py)."""
+    against a float64 run of the members (Note [The float64 reference] in _equivalence/reference.py)."""
     from ._equivalence import check_equivalence
 
     per_member = [tuple(x[i] for x in xs) for i in range(len(members))]

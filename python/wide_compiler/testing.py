@@ -31,7 +31,7 @@ weights, inputs and op results are nudged by up to ``NUDGE_EPS`` (16) eps, so a 
 program rounds to the other side of a kink (a ReLU input within rounding of 0) is taken for the
 rounding it is. Both errors are in the report (``print(report)``); the reasoning is Note [The
 float64 reference] in
-``_equivalence.py``. A failure means the wide model is further from the exact result than rounding
+``_equivalence/reference.py``. A failure means the wide model is further from the exact result than rounding
 takes the members themselves: a defect, not noise.
 
 Tolerances
@@ -81,7 +81,7 @@ from typing import Any
 
 from torch import nn
 
-# The comparisons live one layer down (Note [The harness in two layers] in _equivalence.py);
+# The comparisons live one layer down (Note [The harness in two layers] in _equivalence/);
 # this module is their public home.
 from . import _equivalence
 from ._equivalence import (  # noqa: F401
@@ -102,7 +102,7 @@ from ._equivalence import (  # noqa: F401
 )
 from .api import compile as wide_compile
 
-# The harness (_equivalence.py), and the whole-model check built on the compiler.
+# The harness (_equivalence/), and the whole-model check built on the compiler.
 __all__ = ["check_compile"]
 __all__ += _equivalence.__all__
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
-import wide_compiler.router as wc_router
+import wide_compiler.router.padding as wc_router_padding
 from torch import nn
 from wide_compiler.errors import UnsupportedOperationError
 
@@ -100,7 +100,7 @@ class _ConvTower(wc.Tower):
 def test_the_router_keeps_a_padded_kernel_sweep_only_exactly(monkeypatch):
     """The router's padded group of a kernel-size sweep: the timing says padded is faster (made
     so here), and every tower's output is its own."""
-    monkeypatch.setattr(wc_router, "time_interleaved", lambda fns, **kw: {"padded": 1.0, "by_size": 2.0})
+    monkeypatch.setattr(wc_router_padding, "time_interleaved", lambda fns, **kw: {"padded": 1.0, "by_size": 2.0})
     torch.manual_seed(0)
     towers = {f"t{i}": _ConvTower(k).to(DT) for i, k in enumerate((3, 3, 5))}
     router = wc.WideRouter(config=FAST, pad=True)

@@ -3,6 +3,8 @@ against every tower called alone (outputs, parameter gradients, buffers), train 
 from __future__ import annotations
 
 import copy
+import pickle
+import re
 import warnings
 
 import pytest
@@ -297,6 +299,28 @@ def test_state_dict_round_trip():
     got = other.wide_forward(x, mask=mask)
     for n in want:
         torch.testing.assert_close(got[n], want[n])
+
+
+def test_a_router_pickled_before_the_split_into_modules_still_loads():
+    """Before the package was split into modules by concern, a pickle of a router (torch.save of a
+    whole router, here with a fused tower's view and labelled towers) named its classes
+    wide_compiler.router.<class>, private ones too; such a pickle still loads and runs the same."""
+    torch.manual_seed(0)
+    towers = {"m0": MLPTower(), "m1": MLPTower(), "n": NormTower()}
+    for name, tower in towers.items():
+        tower.name = name
+    router, _ = build(towers)
+    x, mask = sample()
+    router.eval().prepare_for_compile(x, mask=mask)
+    view = router["m1"]
+    # protocol 2 names a class as b"c<module>\n<name>\n": rewritten to the module of before the split
+    data = re.sub(rb"cwide_compiler\.router\.\w+\n", b"cwide_compiler.router\n", pickle.dumps(router, protocol=2))
+    for cls in (b"WideRouter", b"_FusedTowerView", b"_TowerLabel"):
+        assert b"cwide_compiler.router\n" + cls + b"\n" in data
+    loaded = pickle.loads(data)
+    assert loaded.group_members() == router.group_members() == {"m0": ["m0", "m1"], "n": ["n"]}
+    assert loaded["n"].name == "n" and loaded.unfuse()["m1"].name == "m1"
+    assert_close(loaded["m1"](x, mask=mask), view(x, mask=mask))
 
 
 def test_compile_failure_warns_once_and_falls_back():

@@ -96,6 +96,14 @@ def data(batch: int = 8, seed: int = 0) -> Tensor:
     return torch.randn(batch, DIM, generator=torch.Generator().manual_seed(seed))
 
 
+def seeded_with_reference(make) -> tuple[WideRouter, WideRouter, Tensor]:
+    """``make()`` under seed 0, a deep copy of it that is never grouped (each tower runs as
+    itself: the reference), and the data."""
+    torch.manual_seed(0)
+    router = make()
+    return router, copy.deepcopy(router), data()
+
+
 # -- Basic Pattern ------------------------------------------------------------------------------
 def test_basic_pattern_matches_every_tower_alone_and_trains_the_same():
     torch.manual_seed(0)
@@ -199,10 +207,7 @@ class InversePairCollective(WideRouter):
 
 
 def test_inverse_pairs():
-    torch.manual_seed(0)
-    pairs = InversePairCollective(DIM)
-    ref = copy.deepcopy(pairs)
-    x = data()
+    pairs, ref, x = seeded_with_reference(lambda: InversePairCollective(DIM))
     pairs.eval()
     y = pairs(x)
     # the two signs are two programs: never one wide model running one sign for both
@@ -222,10 +227,7 @@ def test_inverse_pairs_of_several_towers_fuse_by_sign():
                 self.attach(f'fib_neg{k}', FibonacciTower(f'fib_neg{k}', dim, sign=-1))
             self.discover_towers()
 
-    torch.manual_seed(0)
-    pairs = InversePairs(DIM)
-    ref = copy.deepcopy(pairs)
-    x = data()
+    pairs, ref, x = seeded_with_reference(lambda: InversePairs(DIM))
     pairs.eval()
     outs = pairs.wide_forward(x)
     assert pairs.group_members() == {"fib_pos0": ["fib_pos0", "fib_pos1"], "fib_neg0": ["fib_neg0", "fib_neg1"]}
@@ -234,10 +236,15 @@ def test_inverse_pairs_of_several_towers_fuse_by_sign():
 
 
 # -- Selective Execution ------------------------------------------------------------------------
-class SelectiveCollective(MyCollective):
+class FusingCollective(MyCollective):
+    """Selective Execution and With Attention Mask call ``self.fuse(opinions)``, which the guide
+    leaves to the user: here, its fusion head."""
+
     def fuse(self, opinions):
         return self['fusion'](opinions)
 
+
+class SelectiveCollective(FusingCollective):
     def forward(self, x, use_towers=None):
         # Execute subset of towers
         opinions = self.wide_forward(x, tower_names=use_towers)
@@ -245,10 +252,7 @@ class SelectiveCollective(MyCollective):
 
 
 def test_selective_execution():
-    torch.manual_seed(0)
-    collective = SelectiveCollective(4, DIM)
-    ref = copy.deepcopy(collective)
-    x = data()
+    collective, ref, x = seeded_with_reference(lambda: SelectiveCollective(4, DIM))
     collective.prepare_for_compile(x)
     use = ["tower_0", "tower_2"]
     y = collective(x, use_towers=use)
@@ -261,20 +265,14 @@ def test_selective_execution():
 
 
 # -- With Attention Mask ------------------------------------------------------------------------
-class MaskedCollective(MyCollective):
-    def fuse(self, opinions):
-        return self['fusion'](opinions)
-
+class MaskedCollective(FusingCollective):
     def forward(self, x, mask=None):
         opinions = self.wide_forward(x, mask=mask)
         return self.fuse(opinions)
 
 
 def test_with_attention_mask():
-    torch.manual_seed(0)
-    collective = MaskedCollective(3, DIM)
-    ref = copy.deepcopy(collective)
-    x = data()
+    collective, ref, x = seeded_with_reference(lambda: MaskedCollective(3, DIM))
     mask = (torch.rand(8, 1, generator=torch.Generator().manual_seed(2)) > 0.4).float()
     collective.prepare_for_compile(x, mask=mask)
     assert_close(collective(x, mask=mask), ref["fusion"](alone(ref, x, mask=mask)), msg="masked")
@@ -320,10 +318,7 @@ def test_compilation_option_1_explicit_preparation():
 
 def test_compilation_option_2_widerouters_compile_method():
     torch.compiler.reset()
-    torch.manual_seed(0)
-    collective = MyCollective(4, DIM)
-    ref = copy.deepcopy(collective)
-    x = data()
+    collective, ref, x = seeded_with_reference(lambda: MyCollective(4, DIM))
 
     # Option 2: Use WideRouter's compile method
     compiled_collective = collective.compile(mode='reduce-overhead')

@@ -1,6 +1,6 @@
 """The float32 trust check (issue 44, item 8): ``check_compile`` judges a float32 model against a
 float64 run of its members, and the wide model passes when its error is within NOISE_FACTOR of the
-members' own float32 error (Note [The float64 reference] in wide_compiler/_equivalence.py).
+members' own float32 error (Note [The float64 reference] in wide_compiler/_equivalence/reference.py).
 
 It passes on stock-size float32 models in train and eval mode, where the old fixed tolerances fail
 (a correct ResNet-18's own float32 logits sit ~3e-3 from the exact ones in train mode), and fails,
@@ -249,7 +249,7 @@ def test_a_flip_at_a_kink_is_rounding_not_a_defect(monkeypatch):
     xs = torch.tensor([[1.0, -1.0, 1e-8]]).expand(2, 1, 3).contiguous()
     assert wide(xs).eq(0).all() and models[0](xs[0]).gt(0).all()  # the flip
     call = dict(wide_params={"0.weight": wide.weight}, wide_buffers={})
-    monkeypatch.setattr(_equivalence, "RESAMPLES", 0)
+    monkeypatch.setattr(_equivalence.reference, "RESAMPLES", 0)  # where the check reads it
     with pytest.raises(AssertionError, match=r"output: member 0 differs"):
         testing.check_equivalence(wide, models, xs, **call)
     monkeypatch.undo()

@@ -1,0 +1,191 @@
+"""Judging a float32 result against a float64 run of its members (Note [The float64 reference]):
+the wide model must be as close to the exact result as the members themselves, with nudged
+float32 runs of a member to tell a rounding flip from a defect."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .compare import _abs_err, _check_member_layout, _widest
+from .tolerances import _REAL_OF_COMPLEX
+
+__all__ = ["NOISE_FACTOR", "NOISE_FLOOR_EPS", "NUDGE_EPS", "RESAMPLES"]
+
+
+# Note [The float64 reference]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A float32 model is not held to fixed tolerances by default. A fixed bound is too tight for a
+# deep model whose own float32 rounding is amplified -- a stock ResNet-18 in train mode on 32x32
+# images in batches of 2 normalises its last stage's 1x1 planes over two values, and a member's own
+# float32 logits sit 3e-3 from the exact ones (its gradients far more) -- and too loose for a
+# small-scale tensor (atol=1e-4 hides anything in a gradient of size 1e-6). So, when the
+# compute dtype is float32 and no rtol/atol is given, every member runs a second time in float64:
+# a deep copy of the member as it was before the check (same weights, same buffers) cast with
+# .double(), on the same inputs and under the same cotangents cast to float64. Its rounding is 2^-29
+# of float32's, so it stands for the exact result. Then, per compared tensor (each output leaf, each
+# input gradient, each parameter gradient, each buffer after the call) and per member i:
+#
+#   wide_i = max |wide[i] - ref64_i|               the wide model's error
+#   own    = max over members j of max |member_j - ref64_j|   the members' own float32 error
+#   floor  = NOISE_FLOOR_EPS * eps32 * max |ref64_i|
+#   pass iff wide_i <= NOISE_FACTOR * max(own, floor)
+#
+# The wide op and the member's op round the same exact computation, in another order (a batched
+# GEMM, a grouped convolution): the wide error is another draw of the member's, not the same value.
+# NOISE_FACTOR = 4: the largest of a tensor's rounding errors in two such draws are within 2x of
+# each other nearly always, and 4 leaves room for a summation order that is legitimately somewhat
+# less accurate than ATen's (a blocked sum where ATen sums pairwise); a defect -- a member reading
+# another's weights, a wrong dim, a 1e-3 relative perturbation -- lands orders of magnitude above.
+# ``own`` is the largest over the members: they share the architecture and so the conditioning, and
+# a tensor of a few elements can come out exact in one member by chance. The floor: a tensor the
+# members compute exactly (a copy, a max-pool, a mask) has own error 0, while the wide program may
+# still round once or twice more per op; 8 float32 eps (1e-6) of the tensor's largest value allows
+# that and nothing of a real defect's size.
+#
+# What the largest error alone does not allow for is a flip: a value whose exact result sits
+# closer to a kink (ReLU at 0, a max-pool between near-equal values, BatchNorm over two values)
+# than float32's rounding. Its float32 side is a coin toss, and where the wide program lands on the
+# other side than the member and the float64 run, every gradient upstream of it moves by a whole
+# term. The wide program rounds differently, by design (in eval mode it folds BatchNorm into the
+# conv weights), so it can flip where the member does not: in a ResNet-18 in eval mode about once in
+# ten checks, moving an input gradient by 4.5e-5 where the member's own error is 1.2e-8 (the value
+# was -7.8e-7). A flip is rounding; a defect is not, and they differ in what another rounding of
+# the member does: so where a tensor of member i is outside the bound, member i runs again in
+# float32, up to RESAMPLES (6) times, with its weights, buffers and inputs and the result of every
+# op, forward and backward, moved by up to NUDGE_EPS (16) float32 eps at random (_Rerounded: another
+# float32 program, rounding differently at each op and inside each sum, as the wide one does), and
+# each such run's error against the float64 run
+# joins the members' own error. A flip shows up in a good share of these runs; a defect in none,
+# since rounding-sized changes do not make a member read another's weights. The runs cost nothing
+# when the check passes the first time; they widen the bound of a failing tensor to about 16 times
+# the rounding, still far below a defect's error.
+#
+# Integer and bool results are compared with the float32 member, exactly; so are the positions of
+# NaN and inf (finite positions only enter the errors). float64 models keep the direct comparison
+# (their reference would be themselves), as do bfloat16/float16 models and any call with rtol/atol
+# (the fixed table). A member that cannot run in float64 (an op with no float64 kernel, a forward
+# that builds float32 tensors of its own, MPS) falls back to the fixed table, with a warning in the
+# log and the reason in the report.
+NOISE_FACTOR = 4.0
+NOISE_FLOOR_EPS = 8.0
+RESAMPLES = 6
+NUDGE_EPS = 16.0
+
+
+def _eps(dtype: torch.dtype) -> float:
+    """The rounding unit of a float32 computation whose result has ``dtype``: float32's eps, or the
+    result's own where coarser (a bfloat16 result under autocast)."""
+    dtype = _REAL_OF_COMPLEX.get(dtype, dtype)
+    own = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return max(own, torch.finfo(torch.float32).eps)
+
+
+
+def _errors_against(got: torch.Tensor, mem: torch.Tensor, ref: torch.Tensor, *, what: str,
+                    equal_nan: bool) -> tuple[float, float, float]:
+    """``(wide error, member's own error, scale)`` of one tensor against its float64 run: the max
+    abs differences of ``got`` (the wide model's) and ``mem`` (the float32 member's) from ``ref``,
+    and max abs ``ref``, over the positions where all three are finite. ``got`` must have NaN and
+    inf exactly where ``mem`` has them (NaN at all only with ``equal_nan``)."""
+    g, m, r = _widest(got), _widest(mem), _widest(ref)
+    if g.numel() == 0:
+        return 0.0, 0.0, 0.0
+    errs = ((g - r).abs_().max().item(), (m - r).abs_().max().item(), r.abs().max().item())
+    if all(math.isfinite(e) for e in errs):  # all finite (NaN or inf anywhere reaches a max)
+        return errs
+    g_bad, m_bad = ~torch.isfinite(g), ~torch.isfinite(m)
+    if not equal_nan and (g.isnan().any() or m.isnan().any()):
+        raise AssertionError(f"{what}: NaN in the {'wide model' if g.isnan().any() else 'member'}'s "
+                             "result (pass equal_nan=True to accept NaN in the same places)")
+    if g_bad.any() or m_bad.any():
+        gn, mn = g[g_bad], m[m_bad]
+        if not (torch.equal(g_bad, m_bad) and torch.equal(gn.isnan(), mn.isnan())
+                and torch.equal(gn[~gn.isnan()], mn[~mn.isnan()])):
+            raise AssertionError(f"{what}: NaN/inf in {int(g_bad.sum())} places where its own model "
+                                 f"has them in {int(m_bad.sum())} (not the same places or values)")
+    finite = ~g_bad & torch.isfinite(r)
+    if not finite.any():
+        return 0.0, 0.0, 0.0
+    return ((g - r).abs()[finite].max().item(), (m - r).abs()[finite].max().item(),
+            r.abs()[finite].max().item())
+
+
+def _assert_near_reference(wide_out: torch.Tensor, member_outs: Sequence[torch.Tensor],
+                           ref_outs: Sequence[torch.Tensor], *, what: str, equal_nan: bool,
+                           summed: bool = False,
+                           resample: Callable[[int, int], torch.Tensor | None] | None = None,
+                           ) -> tuple[list[float], list[float]]:
+    """Note [The float64 reference] for one floating tensor: ``wide_out[i]``'s error against
+    ``ref_outs[i]`` (member ``i`` in float64) within NOISE_FACTOR times the members' own float32
+    error (``member_outs[i]`` against ``ref_outs[i]``), or the floor. Where it is not,
+    ``resample(i, k)`` (member ``i``'s tensor in its ``k``-th nudged float32 run, _Rerounded) adds
+    own errors, up to RESAMPLES of them, until one covers the wide error. Returns the
+    wide errors and the members' own errors, per member. ``summed``: one tensor, the sum over
+    members of a shared input's gradient (``wide_out`` is then ``[1, ...]``)."""
+    _check_member_layout(wide_out, member_outs, what)
+    n = len(member_outs)
+    rows = [_errors_against(wide_out[i], mem, ref, what=what if summed else f"{what}: member {i}",
+                            equal_nan=equal_nan)
+            for i, (mem, ref) in enumerate(zip(member_outs, ref_outs))]
+    own = max((o for _, o, _ in rows), default=0.0)
+    owns = [o for _, o, _ in rows]
+    eps = _eps(wide_out.dtype)
+    for i, (w, o, scale) in enumerate(rows):
+        floor = NOISE_FLOOR_EPS * eps * scale
+        bound = NOISE_FACTOR * max(own, floor)
+        for k in range(RESAMPLES if resample is not None else 0):
+            if w <= bound:
+                break
+            nudged = resample(i, k)
+            if nudged is None:  # the member cannot run nudged (logged)
+                break
+            _, o_k, _ = _errors_against(nudged, nudged, ref_outs[i], what=what, equal_nan=True)
+            owns[i] = o = max(o, o_k)
+            bound = NOISE_FACTOR * max(own, o, floor)
+        if w <= bound:
+            continue
+        who = ("the wide gradient differs from the sum of the members' gradients" if summed else
+               f"member {i} differs from its own model (member {i} of {n})")
+        runs = f" and {RESAMPLES} nudged runs" if resample is not None else ""
+        raise AssertionError(
+            f"{what}: {who}: against a float64 run of the member{'s' if summed else ''}, the wide "
+            f"model's max abs error is {w:.3g}, the members' own float32 error {max(own, o):.3g} "
+            f"(largest over the {n} members{runs}); allowed {NOISE_FACTOR:g} x max(own error, floor "
+            f"{floor:.3g} = {NOISE_FLOOR_EPS:g} float32 eps x max |value| {scale:.3g}) = {bound:.3g}; "
+            f"max abs difference from the float32 member{'s' if summed else ''}: "
+            f"{_abs_err(wide_out[i], member_outs[i]):.3g}. An error this far above the model's own "
+            "float32 rounding is not rounding (Note [The float64 reference] in "
+            "wide_compiler/_equivalence/reference.py)")
+    return [w for w, _, _ in rows], owns
+
+
+
+class _Rerounded(TorchDispatchMode):
+    """A nudged run (Note [The float64 reference]): every floating result of every functional op,
+    forward and backward, moved by ``NUDGE_EPS * eps * u`` relative, ``u`` uniform in [-1, 1]
+    from ``gen`` -- another float32 program, rounding differently at each op (_run_member nudges
+    the weights, buffers and inputs alike). Views and in-place ops are left alone (their results
+    alias other tensors), as are factories (no floating input)."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        super().__init__()
+        self.gen = gen
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func._schema.is_mutable or not any(
+                isinstance(a, torch.Tensor) and a.is_floating_point() for a in tree_flatten((args, kwargs))[0]):
+            return out
+        return tree_map(self._nudge, out)
+
+    def _nudge(self, t: Any) -> Any:
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()):
+            return t
+        u = torch.rand(t.shape, generator=self.gen, dtype=torch.float32).to(device=t.device, dtype=t.dtype)
+        return t + t * (u * 2 - 1) * (NUDGE_EPS * torch.finfo(t.dtype).eps)
