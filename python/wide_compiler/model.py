@@ -289,11 +289,37 @@ class WideModel(MemberOpsMixin, nn.Module):
             dtype=ref.dtype if ref is not None else None, device=ref.device if ref is not None else None,
             constants=self.__dict__.get("_constants"), extra_dims=dict(self._extra_dims), state=self._live_state()))
 
+    def _own_constant_names(self, c: Compilation) -> None:
+        """A lifted constant of ``c``'s graph that has the name of one this model holds for another
+        graph with other values (a graph captured for other inputs or state: ``torch.tensor(SCALE)``
+        after ``SCALE`` changed, ``torch.tensor(0.1)`` in another default dtype; Note [State a
+        forward reads] in fx/guards.py) is kept under a name of its own, which the graph reads."""
+        from .fx.state import has_tensor
+
+        # the constants by name: the capture's, or those a compile-cache entry came with
+        constants = getattr(c.ep if c.ep is not None else getattr(c, "cached", None), "constants", None)
+        for inp in c.wide.inputs if isinstance(constants, dict) else ():
+            new = constants.get(inp.name) if inp.kind == "constant" else None
+            if not isinstance(new, torch.Tensor) or not has_tensor(self, inp.name):
+                continue
+            old = _get_tensor(self, inp.name)
+            if old.dtype == new.dtype and old.shape == new.shape and torch.equal(old, new.to(old.device)):
+                continue
+            k = 1
+            while has_tensor(self, f"{inp.name}_{k}") or f"{inp.name}_{k}" in constants:
+                k += 1
+            name = f"{inp.name}_{k}"
+            device = next((p.device for p in self.parameters()), new.device)
+            self._install(name, new.detach().clone().to(device), persistent=False)
+            constants[name] = new  # what a compile cache stores of this graph holds it under that name too
+            inp.name = name
+
     def _adopt(self, c: Compilation, *, variant: bool = False) -> WideGraph:
         """Keep a compiled graph: its lifted constants become (non-persistent) buffers, and the
         ``_per_member.<path>`` buffers of Note [Per-member constants] (fx/constants.py) go under
         plain container modules. The graph becomes its mode's graph, or with ``variant`` one
         more graph of that mode for the inputs it was captured for (Note [Guards])."""
+        self._own_constant_names(c)
         # a graph from the compile cache has no capture: what the model reads of it came with it
         captured = c.ep if c.ep is not None else c.cached
         for name, t, persistent, per_member in missing_constants(captured, c.constant_plan, self):

@@ -236,6 +236,28 @@ def test_a_default_dtype_branch_follows_the_default_dtype():
     _assert_members(wide, members, _x(2, 4))
 
 
+class _LiftedConstant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * torch.tensor(0.1)  # made in the default dtype of the call
+
+
+def test_a_tensor_made_in_the_default_dtype_follows_the_default_dtype():
+    wide, members = _compile(_LiftedConstant, 2, 4)
+    x = _x(2, 4)
+    _assert_members(wide, members, x)
+    before = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        _assert_members(wide, members, x)
+    finally:
+        torch.set_default_dtype(before)
+    _assert_members(wide, members, x)
+
+
 def test_an_autocast_branch_follows_the_autocast_state():
     members = [m.float() for m in _members(_Flag, lambda: torch.is_autocast_enabled("cpu"))]
     wide = wc.compile(members, torch.randn(2, 4), config=FAST)
@@ -278,6 +300,45 @@ def test_a_changed_module_global_or_class_attribute_is_followed(change, monkeypa
     monkeypatch.undo()
     _assert_members(wide, members, x)  # the first graph holds again: no third capture
     assert _graphs(wide) == 2
+
+
+class _TensorOfGlobal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * torch.tensor(SCALE, dtype=torch.float64)  # a lifted constant per capture
+
+
+def test_a_graph_captured_for_a_changed_global_reads_its_own_constants(monkeypatch):
+    wide, members = _compile(_TensorOfGlobal, 2, 4)
+    x = _x(2, 4)
+    _assert_members(wide, members, x)
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 5.0)
+    _assert_members(wide, members, x)
+    monkeypatch.undo()
+    _assert_members(wide, members, x)
+    assert _graphs(wide) == 2
+
+
+class _ModeConstant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * torch.tensor(0.5 if self.training else 2.0, dtype=torch.float64)
+
+
+def test_the_train_and_eval_graphs_read_their_own_lifted_constants():
+    wide, members = _compile(_ModeConstant, 2, 4)
+    x = _x(2, 4)
+    _assert_members(wide, members, x)
+    wide.eval()
+    for m in members:
+        m.eval()
+    _assert_members(wide, members, x)
 
 
 def test_an_equal_value_is_not_a_change_but_an_int_for_a_float_is(monkeypatch):

@@ -650,6 +650,11 @@ def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, 
     for name in readers:  # a reader imported by name: its calls were not seen, so every variant
         for args in _BOUND_ARGS.get(name, ((),)) if name in FLAG_READERS else ():
             flags.setdefault((name, args), FLAG_READERS[name](*args))
+    # a floating tensor the forward made without a dtype (torch.tensor(0.1)) is lifted in the default
+    # dtype of capture time; each member alone makes it in the default dtype of its call
+    default = torch.get_default_dtype()
+    if any(isinstance(t, torch.Tensor) and t.dtype == default for t in (getattr(ep, "constants", None) or {}).values()):
+        flags.setdefault(("get_default_dtype", ()), default)
     device = str(ran) if reads.get("device") and ran is not None else None
     return Guards(n, dtypes, fixed, names, tuple(code), tuple(shown), reads.get("grad_mode"), follows,
                   tuple(flags.items()), layout, devices, device, tuple(watched), _owners=tuple(owners))
