@@ -182,7 +182,7 @@ def random_ops(wide: Any, training: bool = True) -> list[str]:
     ``dropout=0`` or one layer, so those are compared in train mode); [] for anything but a WideModel
     (or its ``torch.compile``): their members draw their own numbers, so they cannot be compared
     value by value."""
-    # Looked up, not imported: this module sits below model.py (Note [The harness in two layers]),
+    # Looked up, not imported: this package sits below model.py (Note [The harness in two layers]),
     # and a WideModel can only exist once wide_compiler.model is loaded.
     model = sys.modules.get("wide_compiler.model")
     wide = getattr(wide, "_orig_mod", wide)

@@ -35,7 +35,7 @@ def _abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, *,
                  kind: str = "output", msg: str = "", rtol: float | None = None,
                  atol: float | None = None, equal_nan: bool = False) -> None:
-    """``torch.testing.assert_close`` with this module's tolerances (dtype and shape must match).
+    """``torch.testing.assert_close`` within :func:`tolerance` (dtype and shape must match).
 
     >>> import torch
     >>> from wide_compiler.testing import assert_close

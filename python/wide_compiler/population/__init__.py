@@ -24,7 +24,7 @@ Nothing here needs Ray: ``train_step`` and a ``while not pop.done`` loop are eno
 :class:`Population`). :mod:`wide_compiler.integrations.ray` runs a population inside each Ray
 Tune trial (:func:`~wide_compiler.integrations.ray.fused_trainable`) and reads its checkpoints
 back (:func:`~wide_compiler.integrations.ray.load_checkpoint`, ``best_model``); its error
-messages name it, as they did before this module was split from it.
+messages name it, as they did before this package was split from it.
 
 The package, one concern a module: :class:`Population` (core.py), its optimizer's per-member
 hyperparameters (hyperparameters.py), the member schedulers (schedulers.py), the member space and

@@ -34,7 +34,7 @@ def _check_name(name: Any) -> str:
 
 class WideRouter(nn.Module):
     """Named towers of several architectures, grouped by program, each group of two or more run
-    as one :class:`~wide_compiler.WideModel`. See the module docstring for the ownership rule.
+    as one :class:`~wide_compiler.WideModel`. See :mod:`wide_compiler.router` for the ownership rule.
 
     Args:
         name: an optional label (``WideRouter('my_collective', auto_discover=True)``, as in the
@@ -146,7 +146,7 @@ class WideRouter(nn.Module):
     def __getitem__(self, name: str) -> nn.Module:
         """Any attached component by name (the guide's ``self['fusion'](opinions)``): a head or an
         ungrouped tower is the module itself; a tower fused into a wide group is a live view that
-        runs it alone on its rows of the wide parameters (see the module docstring)."""
+        runs it alone on its rows of the wide parameters (see :mod:`wide_compiler.router`)."""
         if not isinstance(name, str):
             raise TypeError(f"WideRouter[...]: components are looked up by name (a string), got "
                             f"{type(name).__name__} {name!r}")
