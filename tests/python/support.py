@@ -1,11 +1,13 @@
 """Helpers shared by several test files (imported as ``from support import ...``, as op_db is):
 an op recorder below autograd, running a function on several threads at once, the base of the
 small models of Linear layers that most tests define, the base of hand-written wide forms
-(``wc.register``) of a module with one scalar parameter, and a steady measuring clock for tests
-that compile with tuning on."""
+(``wc.register``) of a module with one scalar parameter, a steady measuring clock for tests
+that compile with tuning on, and the check of a benchmark record's fields."""
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import threading
 from collections.abc import Callable
 
@@ -25,6 +27,36 @@ def steady_measuring_clock(monkeypatch, step_s: float = 1e-4) -> None:
 
     readings = itertools.count()
     monkeypatch.setattr(timing, "_clock", lambda: next(readings) * step_s)
+
+
+#: The benchmark targets whose whole ``ci`` preset test_bench_vision.py runs and checks.
+VISION_CI_TARGETS = ("conv", "norm", "pool", "embedding", "models", "attention", "dropout")
+
+
+def check_design_fields(r: dict, target: str, preset: str) -> None:
+    """The fields DESIGN §10 asks of every benchmark record (and those the engine adds); the
+    model's error below 1e-3 (float32 against the members)."""
+    from wide_compiler import measure
+    from wide_compiler.bench import engine
+
+    what = f"{target}/{r.get('case')}/{r.get('mode')}/{r.get('strategy')}"
+    assert set(engine.RECORD_KEYS) <= set(r), (what, set(engine.RECORD_KEYS) - set(r))
+    assert r["target"] == target and r["preset"] == preset, what
+    assert isinstance(r["n"], int) and r["n"] >= 1, what
+    assert r["batch"] is None or (isinstance(r["batch"], int) and r["batch"] >= 1), what
+    assert r["dtype"] == "float32", what
+    assert r["mode"] in measure.MODES and r["execution"] in ("eager", "compiled"), what
+    assert isinstance(r["strategy"], str) and r["strategy"], what
+    assert math.isfinite(r["wide_ms"]) and r["wide_ms"] > 0, what
+    assert r["baseline_ms"] and set(r["speedup"]) == set(r["baseline_ms"]), (what, r["errors"])
+    for name, ms in r["baseline_ms"].items():
+        assert math.isfinite(ms) and ms > 0, (what, name)
+        assert math.isfinite(r["speedup"][name]) and r["speedup"][name] > 0, (what, name)
+    assert isinstance(r["max_abs_err"], float) and 0 <= r["max_abs_err"] < 1e-3, (what, r["max_abs_err"])
+    assert isinstance(r["errors"], dict) and isinstance(r["baseline_max_abs_err"], dict), what
+    m = r["machine"]
+    assert m["threads"] >= 1 and m["cpu_capability"] and "load_avg_end" in m, what
+    json.dumps(r, default=str, allow_nan=False)
 
 
 class OpRecorder(TorchDispatchMode):

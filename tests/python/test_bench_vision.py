@@ -14,13 +14,15 @@ from wide_compiler import bench
 from torch import nn
 from torch.utils._pytree import tree_leaves
 from wide_compiler import measure
-from wide_compiler.bench import attention, dropout, engine, vision
+from wide_compiler.bench import attention, dropout, vision
 from wide_compiler.bench.vision_models import MODELS
+from support import VISION_CI_TARGETS, check_design_fields
 
 CASES = {"conv": vision.conv_cases, "norm": vision.norm_cases, "pool": vision.pool_cases,
          "embedding": vision.embedding_cases, "models": vision.model_cases,
          "attention": attention.attention_cases, "dropout": dropout.dropout_cases}
 TARGETS = tuple(CASES)
+assert TARGETS == VISION_CI_TARGETS  # test_bench_registry.py leaves these to this file
 MAX_ERR = 1e-3
 #: Cases whose every record must have every baseline measured (no errors at all) and these wide
 #: contenders (hand-built module and wc.compile), per target.
@@ -66,7 +68,7 @@ def test_ci_records(ci_records):
     assert {r["case"] for r in records} == cases
     for r in records:
         what = f"{target}/{r['case']}/{r['mode']}/{r['strategy']}"
-        assert set(engine.RECORD_KEYS) <= set(r), what
+        check_design_fields(r, target, "ci")
         assert r["target"] == target and r["mode"] in measure.MODES and r["dtype"] == "float32"
         assert r["n"] == 4 and r["preset"] == "ci"
         assert not any(k.startswith("compile:") for k in r["errors"]), (what, r["errors"])
