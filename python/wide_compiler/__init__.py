@@ -20,14 +20,15 @@ The public names below are imported when first used (Note [Lazy package root]).
 # What the eager root did besides binding names is load the C++ core: `wide_compiler._C`, whose
 # library registers every `torch.ops.wide.*` operator (it needs libtorch loaded first). Any
 # module of the package may call those operators, and none imports the root (.importlinter), so
-# the core is loaded before any submodule of the package is imported: `_CoreFirst`, a finder
-# ahead of the others in `sys.meta_path`, loads it (torch, then `_C`) when the first submodule
-# is looked up. The torch-free modules (`_TORCH_FREE`: the command line's parser, the version) do
-# not trigger it. And `torch.ops.wide` stays registered in any process that imported torch and
-# wide_compiler, in either order, for code that calls the operators directly or loads an exported
-# program: `import wide_compiler` loads the core at once when torch is already imported (cheap
-# then), and otherwise the finder hands torch's own loader, wrapped to load the core right after
-# torch has run (`_ThenCore`, which then gives torch its loader back).
+# the core is loaded before any submodule of the package runs: `_CoreFirst`, a finder ahead of
+# the others in `sys.meta_path`, wraps the submodule's own loader (`_WithCore`) to load the core
+# (torch, then `_C`) first. The torch-free modules (`_TORCH_FREE`: the command line's parser,
+# the version) do not trigger it. And `torch.ops.wide` stays registered in any process that
+# imported torch and wide_compiler, in either order, for code that calls the operators directly
+# or loads an exported program: `import wide_compiler` loads the core at once when torch is
+# already imported (cheap then), and otherwise torch's own loader is wrapped the same way, to
+# load the core right after torch has run. Each module gets its own loader back before it runs.
+# The package root's type keeps `wc.analyze` the function (`_Root`).
 # Nothing else happens at import: no registration outside the package's own tables (the widen
 # rules, the opaque-module op) and no logging configuration.
 
@@ -39,7 +40,7 @@ from ._version import __version__  # the one source of the version (pyproject.to
 
 #: public name -> (its module, its name there; None: the module itself).
 _PUBLIC = {
-    "AnalysisReport": ("analyze", "AnalysisReport"),
+    "AnalysisReport": ("analyze_report", "AnalysisReport"),
     "ArchitectureMismatchError": ("errors", "ArchitectureMismatchError"),
     "Tower": ("router", "Tower"),
     "UnsupportedOperationError": ("errors", "UnsupportedOperationError"),
@@ -84,53 +85,62 @@ def _load_core() -> None:
 
 
 class _CoreFirst:
-    """The ``sys.meta_path`` finder of Note [Lazy package root]: loads the core before the first
-    submodule that may need it is imported, or right after torch when torch comes later. It stays
-    in ``sys.meta_path`` (removing it while the import system walks that list would skip the next
-    finder); once the core is loaded it only looks the name up in ``sys.modules``."""
+    """The ``sys.meta_path`` finder of Note [Lazy package root]: finds nothing itself; it hands on
+    the spec the finders after it give for a module of the package (not ``_TORCH_FREE``) or for
+    torch, its loader wrapped to load the core before the module runs or right after torch. It
+    stays in ``sys.meta_path`` (removing it while the import system walks that list would skip
+    the next finder); once the core is loaded it only looks the name up in ``sys.modules``."""
 
     @staticmethod
     def find_spec(fullname: str, path: object = None, target: object = None) -> object:
         if _CORE in _sys.modules:
             return None
         if fullname == "torch":
-            return _torch_then_core(path, target)
+            return _spec_with_core(fullname, path, target, before=False)
         if fullname.startswith(_PREFIX) and fullname not in _TORCH_FREE:
-            _load_core()
+            return _spec_with_core(fullname, path, target, before=True)
         return None
 
 
-def _torch_then_core(path: object, target: object) -> object:
-    """torch's own spec (from the finders after ours), its loader wrapped to load the core once
-    torch has run; None where torch is not found (the import fails as it would)."""
+def _spec_with_core(fullname: str, path: object, target: object, *, before: bool) -> object:
+    """The spec of the finders after ours, its loader a :class:`_WithCore`; None where none finds
+    the module (the import fails as it would). The core is loaded by the loader, not here: the
+    import system holds its global lock while it asks the finders, and torch takes seconds."""
     for finder in _sys.meta_path:
         find = getattr(finder, "find_spec", None)
         if finder is _CoreFirst or find is None:
             continue
-        spec = find("torch", path, target)
-        if spec is not None:
-            if hasattr(spec.loader, "exec_module"):
-                spec.loader = _ThenCore(spec.loader)
-            return spec
+        spec = find(fullname, path, target)
+        if spec is None:
+            continue
+        if hasattr(spec.loader, "exec_module"):
+            spec.loader = _WithCore(spec.loader, before)
+        elif before:  # a loader of the old protocol: load the core now
+            _load_core()
+        return spec
     return None
 
 
-class _ThenCore:
-    """torch's loader, then the core; torch keeps its own loader afterwards."""
+class _WithCore:
+    """A module's own loader, with the core loaded before the module runs (``before``: a module of
+    the package) or after it (torch); the module gets its own loader back first."""
 
-    def __init__(self, loader: object) -> None:
-        self._loader = loader
+    def __init__(self, loader: object, before: bool) -> None:
+        self._loader, self._before = loader, before
 
     def create_module(self, spec: object) -> object:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: object) -> None:
-        self._loader.exec_module(module)
         module.__spec__.loader = module.__loader__ = self._loader
-        try:
+        if self._before:
             _load_core()
-        except Exception:  # noqa: BLE001,S110 (torch works without it; the package's next import raises it)
-            pass
+        self._loader.exec_module(module)
+        if not self._before:
+            try:
+                _load_core()
+            except Exception:  # noqa: BLE001,S110 (torch works without it; the package's next import raises it)
+                pass
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._loader, name)
@@ -186,6 +196,11 @@ class _Root(_types.ModuleType):
         if name in _SHADOWED and isinstance(value, _types.ModuleType):
             value = getattr(value, _PUBLIC[name][1])
         super().__setattr__(name, value)
+
+    def __reduce__(self) -> tuple:
+        # By reference, as cloudpickle pickles a module (its table matches types.ModuleType exactly,
+        # not this subclass): a function that names `wc` stays picklable (Ray Tune's trainables).
+        return _importlib.import_module, (self.__name__,)
 
 
 #: Public functions named like their module: the function keeps the name.

@@ -942,3 +942,16 @@ def test_test_command_says_skipped_for_checks_that_did_not_run(tmp_path, capsys)
     assert "SKIPPED  train/own: the train graph has random ops" in out and "SKIPPED  train/shared" in out
     assert "PASS  train" not in out and "PASS  eval/own" in out
     assert "in the 2 checks that ran (2 skipped: train/own, train/shared)" in out
+
+
+def test_lazy_root_pickles_by_reference():
+    """A function that names the package (`wc`) is pickled with it by reference, as cloudpickle
+    pickles any module (Ray Tune pickles its trainables so): the lazy root's type keeps that."""
+    import pickle
+
+    import wide_compiler as wc
+
+    assert pickle.loads(pickle.dumps(wc)) is wc
+    cloudpickle = pytest.importorskip("ray.cloudpickle")
+    uses_wc = eval("lambda: wc.WideConfig", {"wc": wc})  # a global `wc`, as in a user's script
+    assert cloudpickle.loads(cloudpickle.dumps(uses_wc))() is wc.WideConfig

@@ -138,7 +138,7 @@ def plot_speedups(records: Sequence[dict], path: str) -> None:
     per target and mode; in a panel one colour per setting (case, strategy, and sizes where the
     target has several) and one marker and line style per baseline, so no two series look alike.
     Written to ``path`` (matplotlib: the ``plot`` extra)."""
-    from ..analyze import _pyplot
+    from ..analyze_report import _pyplot
 
     plt = _pyplot()
     from matplotlib.lines import Line2D
