@@ -324,7 +324,7 @@ def _entry(rank, world, init_file, fn_name, args):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=600))  # a hang guard, as in test_distributed.py
     try:
         globals()[fn_name](rank, world, *args)
     finally:

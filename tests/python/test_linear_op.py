@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler  # noqa: F401  (registers torch.ops.wide)
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import OpRecorder
 from wide_compiler.testing import assert_close, assert_members_close, tolerance
@@ -484,7 +484,8 @@ def test_errors_are_raised_for_every_strategy_and_shared_input(strategy):
 # ---------------------------------------------------------------------------------------------
 
 
-@settings(deadline=None, max_examples=25, derandomize=True)
+# no deadline and no too_slow health check: both time the examples, which a busy machine slows
+@settings(deadline=None, max_examples=25, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(1, 4),
     lead=st.lists(st.integers(1, 4), min_size=0, max_size=3),
