@@ -15,6 +15,9 @@ APT_PACKAGES := cmake ninja-build g++ libgtest-dev ccache
 # torch is pinned: the C++ core links against this exact LibTorch (see pyproject.toml).
 TORCH_SPEC := torch==2.13.0
 SOURCES := $(shell find csrc tests/cpp -name '*.cpp' -o -name '*.h' 2>/dev/null) CMakeLists.txt pyproject.toml python/wide_compiler/_C.c
+# The editable install maps each module it found to its file: a module that becomes a package (a
+# new __init__.py) needs the install made again, or `import wide_compiler.<it>` finds the old file.
+PACKAGES := $(shell find python/wide_compiler -name '__init__.py' 2>/dev/null)
 
 .PHONY: all setup build demo test test-cpp test-python lint bench clean distclean
 
@@ -46,8 +49,9 @@ $(VENV)/.stamp-test: $(VENV)/.stamp-py Makefile
 	$(PIP) install -q "$(TORCH_SPEC)" $(TEST_SPECS)
 	touch $@
 
-# Rebuild the C++ core when a C++/build file changes; Python files are live (editable install).
-$(VENV)/.stamp-build: $(VENV)/.stamp-py $(SOURCES)
+# Rebuild the C++ core when a C++/build file changes; Python files are live (editable install),
+# except a new package (see PACKAGES).
+$(VENV)/.stamp-build: $(VENV)/.stamp-py $(SOURCES) $(PACKAGES)
 	$(PIP) install -q --no-build-isolation --no-deps -e . \
 	  -Cbuild-dir=$(BUILD) -Ccmake.define.WIDE_BUILD_TESTS=ON
 	touch $@

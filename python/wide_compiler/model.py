@@ -28,6 +28,7 @@ from .fx.capture import module_path
 from .fx.constants import constant_key
 from .fx.fold import clear_fold_cache
 from .fx.guards import MAX_GRAPHS
+from .fx.padding import PaddedMember
 from .fx import compile_cache
 from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, compile_members, recapture, run_cached, run_pipeline
 from .fx.state import WideState, call_graph, holders, missing_constants, persistent_buffer_names, put_tensor
@@ -577,7 +578,12 @@ class WideModel(MemberOpsMixin, nn.Module):
                             f"[{self.n}, {dims}]: its dim {d + 1} (dim {d} of one member's input) is "
                             f"<<size>>, but the {mode} graph of {type(self._template).__name__} has it fixed at "
                             f"capture to {was}{' (' + where + ')' if where else ''}: ")
-                    if _member_accepts(self._template, training, args, kwargs):
+                    if isinstance(self._template, PaddedMember):
+                        what += (f"a padded model (pad=True) runs one program at the members' largest sizes, "
+                                 f"made at the sample's sizes, so every size but the batch is fixed to the "
+                                 f"sample's. Compile with a sample of the size you call with (a wide model "
+                                 f"per size), or pad the inputs to {was}.")
+                    elif _member_accepts(self._template, training, args, kwargs):
                         what += (f"each member alone accepts <<size>>, but torch.export fixes that size "
                                  f"(the shape function of an op there needs a concrete size). Compile with "
                                  f"a sample of the size you call with, or pad the inputs to {was}.")

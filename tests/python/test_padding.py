@@ -617,3 +617,18 @@ def test_the_padding_gets_no_gradient_whatever_copies_or_reloads_the_parameters(
         g = wide.weight.grad
         assert torch.equal(g[0, 2:], torch.zeros_like(g[0, 2:])) and bool(g[1].ne(0).all())
         assert torch.equal(wide.bias.grad[0, 2:], torch.zeros(3, dtype=dtype))
+
+
+def test_a_new_sequence_length_on_a_padded_model_says_the_sizes_are_the_samples():
+    """A padded model's program is made at the sample's sizes; a call at another length is
+    refused saying so, not that each member takes only the sample's length (each member alone
+    takes any length)."""
+    torch.manual_seed(0)
+    models = [Encoder(2, hd, 16).to(DT) for hd in (2, 4, 3)]
+    wide = wc.compile(models, torch.randn(2, 5, 6, dtype=DT), pad=True, config=FAST)
+    x = torch.randn(3, 2, 7, 6, dtype=DT)
+    assert all(m(x[i]).shape == (2, 2) for i, m in enumerate(models))  # each member alone takes 7
+    with pytest.raises(ValueError, match=r"padded model \(pad=True\).*Compile with a sample of the size") as e:
+        wide(x)
+    assert "each member takes only" not in str(e.value)
+    assert torch.allclose(wide(x[:, :, :5])[1], models[1](x[1, :, :5]))  # the sample's length still runs
