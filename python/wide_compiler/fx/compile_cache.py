@@ -116,7 +116,7 @@ _SUBDIR = "compiled"
 _SUFFIX = ".widecc"
 # WideConfig fields that do not change the compiled program
 _CONFIG_IGNORED = frozenset({"cache", "cache_dir", "compile_cache", "validate", "rtol", "atol"})
-_DEPTH = 4  # how deep the code digest follows functions and classes a forward reads
+_DEPTH = 3  # how deep the code digest follows functions and classes a forward reads
 
 
 def enabled(config: WideConfig) -> bool:
@@ -147,19 +147,17 @@ class CachedCapture:
 
 
 class _Digest:
-    """A running SHA-256 of tokens, with a memo against cycles."""
+    """The SHA-256 of a sequence of tokens (their reprs), with a memo against cycles."""
 
     def __init__(self) -> None:
-        self.h = hashlib.sha256()
+        self.parts: list[str] = []
         self.seen: dict[int, int] = {}
 
     def add(self, *tokens: Any) -> None:
-        for t in tokens:
-            self.h.update(repr(t).encode())
-            self.h.update(b"\x1f")
+        self.parts.extend(map(repr, tokens))
 
     def hexdigest(self) -> str:
-        return self.h.hexdigest()
+        return hashlib.sha256("\x1f".join(self.parts).encode()).hexdigest()
 
 
 def _torch_owned(obj: Any) -> bool:
@@ -174,26 +172,56 @@ def _torch_owned(obj: Any) -> bool:
                    "inspect", "re", "types")
 
 
-def _code(d: _Digest, code: types.CodeType, globs: dict | None, depth: int) -> None:
+@functools.lru_cache(maxsize=8192)
+def _code_text(code: types.CodeType) -> str:
+    """The digest of a code object and the code objects nested in it (its bytecode, constants,
+    names), and the globals they read."""
+    d = _Digest()
     d.add("code", code.co_name, code.co_code, code.co_names, code.co_argcount, code.co_kwonlyargcount,
           code.co_flags)
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
-            _code(d, c, globs, depth)
+            d.add(_code_text(c))
         else:
             d.add(type(c).__name__, c)
+    return d.hexdigest()
+
+
+def _nested_globals(code: types.CodeType) -> list[tuple[str, str | None]]:
+    out = list(_globals_read(code))
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            out.extend(_nested_globals(c))
+    return out
+
+
+def _code(d: _Digest, code: types.CodeType, globs: dict | None, depth: int) -> None:
+    d.add(_code_text(code))
     if globs is None:
         return
-    for name, attr in _globals_read(code):  # the module-level values the code reads
+    for name, attr in dict.fromkeys(_nested_globals(code)):  # the module-level values the code reads
         if name not in globs:
             continue
         value = globs[name]
         d.add("global", name)
-        if isinstance(value, types.ModuleType) and attr is not None and not _torch_owned(value) \
-                and not value.__name__.startswith(("torch", "wide_compiler")):
-            d.add("attr", attr)  # ``cfg.SCALE`` of a module of the user's: the attribute's value
+        if attr is not None and (isinstance(value, types.ModuleType) and not _library_module(value)
+                                 or _plain_object(value)):
+            d.add("attr", attr)  # ``cfg.SCALE`` of a user's module or object: the attribute's value
             value = getattr(value, attr, None)
         _value(d, value, depth - 1, code_only=True)
+
+
+def _plain_object(v: Any) -> bool:
+    """An instance of an ordinary class (not a module, function, class, container or scalar)."""
+    return hasattr(v, "__dict__") and not isinstance(
+        v, (types.ModuleType, type, types.FunctionType, types.MethodType, functools.partial, nn.Module))
+
+
+def _library_module(module: types.ModuleType) -> bool:
+    """The standard library's modules, torch's and wide_compiler's: their attributes are keyed by
+    the versions (``sys.modules`` read through ``sys`` is no part of a program)."""
+    top = module.__name__.split(".")[0]
+    return top in sys.stdlib_module_names or top in ("torch", "wide_compiler", "builtins", "numpy")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -269,7 +297,7 @@ def _tensor(d: _Digest, t: torch.Tensor, values: bool) -> None:
     d.add("tensor", type(t).__name__, tuple(t.shape), t.dtype, t.device, t.requires_grad)
     if values and not isinstance(t, nn.Parameter) and t.device.type != "meta":
         try:
-            d.h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            d.add(hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest())
         except (RuntimeError, TypeError):
             d.add(t.detach().cpu().tolist())
 
@@ -320,6 +348,8 @@ def _value(d: _Digest, v: Any, depth: int, code_only: bool = False) -> None:
         d.add("callable", getattr(v, "__module__", None), getattr(v, "__qualname__", repr(type(v))))
     else:
         d.add("object", type(v).__module__, type(v).__qualname__)
+        if code_only:  # a global object (a logger, a registry): what the code reads of it is keyed by _code
+            return
         if not _torch_owned(type(v)):
             _class(d, type(v), depth)
         state = getattr(v, "__dict__", None)
