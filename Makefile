@@ -75,9 +75,11 @@ lint: build $(VENV)/.stamp-test
 # pytest-xdist runs the test files on PYTEST_WORKERS processes (a file stays on one worker: its
 # module-scoped fixtures are built once), each on one intra-op thread so that the workers do not
 # oversubscribe the cores; tests of thread counts set their own. PYTEST_WORKERS=0 runs in-process.
+# The files go out in collection order (--no-loadscope-reorder), which tests/python/conftest.py
+# makes longest first (HEAVY_FIRST), so that no long file runs alone at the end.
 PYTEST_WORKERS ?= 2
 test-python: build $(VENV)/.stamp-test lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
 	  tests/python --doctest-modules python/wide_compiler
 
 # Each target writes JSON records (DESIGN §10) under bench-results/; PRESET=full for the grids.

@@ -46,3 +46,22 @@ def pytest_configure(config):
     # Two shared cores: keep intra-op threads modest so parallel sessions stay usable.
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+# The test files that take longest (``pytest --durations=0``; seconds on a 2-core machine), longest
+# first. pytest-xdist's ``--dist loadfile`` hands out whole files in collection order when given
+# ``--no-loadscope-reorder`` (the Makefile does): these go first, so that the run ends on short
+# files instead of one long file running alone on one worker while the other is idle.
+HEAVY_FIRST = (
+    "test_padding.py", "test_cli.py", "test_tiling.py", "test_bench_vision.py", "test_rule_coverage.py",
+    "test_op_db.py", "test_rnn.py", "test_widen_rules.py", "test_compile.py", "test_real_models.py",
+    "test_hf_trainer.py", "test_distributed.py", "test_trust_check.py", "test_lightning.py",
+    "test_examples.py", "test_ray.py", "test_vision_models.py", "test_scalar_sweeps.py",
+    "test_bench_registry.py", "test_autocast_parity.py", "test_autocast.py", "test_nn_seed_modules.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of HEAVY_FIRST first, in its order; the rest after them in their own order."""
+    rank = {name: k for k, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
