@@ -44,9 +44,11 @@ Note [Tuning that pays for itself]
     by the member check (fx/member_checks.py), times N, times 3 for a train graph's forward and
     backward), the budget is ``min(tune_budget_s, PAYBACK_RUNS * R)`` (at a gain of 20% a call,
     tuning has paid for itself after 5 * PAYBACK_RUNS calls; a short run is never blocked for
-    long), and when even :data:`TUNING_RUNS` runs do not fit in ``tune_budget_s`` nothing is
+    long), and when even :data:`TUNING_RUNS` runs do not fit in ``tune_budget_s`` no op is
     measured: cached picks are used, the other ops keep their defaults, and ``summary()`` says
-    why (a larger ``tune_budget_s``, or None, measures). Where R is not known (no member check,
+    why (a larger ``tune_budget_s``, or None, measures). Cached picks that differ from the
+    defaults still go through the model-level check where its :data:`CHECK_RUNS` runs fit in
+    the budget (a warm strategy cache keeps its use), else the defaults are kept. Where R is not known (no member check,
     a recapture) the budget is ``tune_budget_s``; ``tune_budget_s=None`` is no limit, unscaled.
 """
 
@@ -81,6 +83,7 @@ MIN_ROUNDS = 3  # rounds every measured op gets; more only while no candidate is
 # fit in tune_budget_s
 PAYBACK_RUNS = 50
 TUNING_RUNS = 20
+CHECK_RUNS = 6  # the least the model-level check runs the graph (one round: two blocks of three)
 _hinted = False  # the budget's give-up was logged at WARNING in this process (once: then INFO)
 
 
@@ -117,8 +120,9 @@ class Budget:
     nothing is measured (Note [Tuning that pays for itself]), else None."""
 
     def __init__(self, seconds: float | None, run_seconds: float | None = None) -> None:
-        self.limit = seconds
+        self.limit, self.run_seconds = seconds, run_seconds
         self.seconds, self.not_measured = scaled_budget(seconds, run_seconds)
+        self.checking = False  # the model-level check runs (on cached picks) though no op was measured
         self.start = now()
         self.measured = 0
         self.cached = 0
@@ -132,7 +136,7 @@ class Budget:
         return now() - self.start
 
     def exhausted(self, share: float = 1.0) -> bool:
-        if self.not_measured is not None:
+        if self.not_measured is not None and not self.checking:
             return True
         return self.seconds is not None and self.spent() >= self.seconds * share
 
@@ -155,6 +159,13 @@ class Budget:
             log.log(level, "wide_compiler: tuning budget of %.2g s used up at node '%s' (%s) after %.1f s: the "
                     "ops not yet measured keep their default strategies until a later compile measures "
                     "them%s", self.seconds, where, op, self.spent(), hint)
+
+    def check_fits(self) -> bool:
+        """Whether the model-level check's least runs (:data:`CHECK_RUNS`) fit in what is left
+        (always, where the graph's run time is not known)."""
+        if self.seconds is None or self.run_seconds is None:
+            return True
+        return CHECK_RUNS * self.run_seconds <= self.seconds - self.spent()
 
     def finish(self, check: str | None = None) -> None:
         """Stop the clock of :meth:`describe` (after the ops, and again after the model-level

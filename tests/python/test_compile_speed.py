@@ -98,6 +98,26 @@ def test_a_graph_too_slow_to_tune_in_the_budget_measures_nothing(timed, monkeypa
     assert any("nothing measured" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("budget, checked", [(10.0, True), (5.0, False)])
+def test_cached_picks_of_a_graph_too_slow_to_measure_are_checked_where_the_check_fits(
+        timed, monkeypatch, tmp_path, budget, checked):
+    """A train graph of ~0.9 s a run (forward 0.1 s, N=3): 20 runs do not fit in 10 s (nothing
+    measured), but the check's 6 runs do, so cached picks that differ from the defaults are
+    checked; in 5 s they do not, and the defaults are kept without running the graph."""
+    timed(0.1)
+    original = tuning.lookup
+    monkeypatch.setattr(tuning, "lookup", lambda key, config: {"strategy": "loop", "timings_ms": None}
+                        if '"op": "wide.linear"' in key else original(key, config))
+    wide = wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig(cache_dir=str(tmp_path), tune_budget_s=budget))
+    line = tuning_line(wide)
+    assert "0 measured, 2 cached" in line and "nothing measured" in line, line
+    if checked:
+        assert "model-level check: tuned set" in line, line
+    else:
+        assert "model-level check: not run: the graph is too slow to check in the tuning budget" in line, line
+        assert wide.strategies == defaults(wide)
+
+
 def test_the_budget_follows_the_graphs_run_time(timed, tmp_path):
     """A forward of 1 ms: the train graph runs ~9 ms, so the budget is 50 runs, 0.45 s, not 5 s."""
     timed(0.001)

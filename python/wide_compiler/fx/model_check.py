@@ -91,8 +91,10 @@ def check_tuning(c: Any) -> None:
         decide(hit["strategy"] == "tuned", "cached: " + compare(ms["tuned"], ms["default"])[1])
         return
     if budget is not None and budget.not_measured is not None:  # Note [Tuning that pays for itself]
-        decide(False, "not run: the graph is too slow to check in the tuning budget")
-        return
+        if not budget.check_fits():
+            decide(False, "not run: the graph is too slow to check in the tuning budget")
+            return
+        budget.checking = True  # cached picks: checked within the budget, though no op was measured
     if budget is not None and budget.exhausted():
         decide(False, "skipped: tuning budget exhausted")
         return
