@@ -24,7 +24,7 @@ from wide_compiler.integrations.transformers import (  # noqa: E402
 )
 
 N = 4
-STEPS = 24
+STEPS = 12  # three logging steps (logging_steps=4) after a warmup of 3: the schedules already differ
 LRS = [1e-3, 3e-3, 1e-2, 3e-2]
 WDS = [0.0, 0.01, 0.1, 0.0]
 CLIP = [1.0, 0.5, 0.0, 1.0]                 # member 2: no clipping
