@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -328,6 +329,28 @@ def test_the_key_is_stable():
 def test_every_part_changes_the_key(change, monkeypatch):
     base = _key()
     assert CHANGES[change](monkeypatch) != base
+
+
+SETTINGS = types.SimpleNamespace(shift=1.0)  # a plain object whose attribute a forward reads
+
+
+class Shifted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        if sys.modules.get("wide_compiler") is None:  # reads the standard library: not part of the key
+            raise RuntimeError("unreachable")
+        return self.fc(x) + SETTINGS.shift
+
+
+def test_an_attribute_of_a_global_object_is_in_the_key_and_the_standard_library_is_not(monkeypatch):
+    key = _key([Shifted() for _ in range(2)])
+    monkeypatch.setitem(sys.modules, "wide_compiler_test_module", types.ModuleType("wide_compiler_test_module"))
+    assert _key([Shifted() for _ in range(2)]) == key  # an import elsewhere changes nothing
+    monkeypatch.setattr(SETTINGS, "shift", 2.0)
+    assert _key([Shifted() for _ in range(2)]) != key
 
 
 def test_options_that_do_not_change_the_program_keep_the_key():

@@ -33,7 +33,9 @@ The key (:func:`key_parts`) holds everything the compiled program depends on:
 - ``code``: the code of every module class in the captured tree that is not torch's (its
   methods' code objects, constants and names, recursively; the closures and defaults; the values
   of module-level globals those functions read, following functions and classes they call, a few
-  levels deep), and every hook on those modules;
+  levels deep; an attribute read from a global module or object, ``cfg.SCALE``, by its value;
+  objects held by globals otherwise by their class; the standard library, torch and
+  wide_compiler by their versions), and every hook on those modules;
 - ``model``: the module tree (paths, classes, training flags, every other attribute's value, as
   the member check compares them), parameter and buffer names, shapes, dtypes, devices and
   ``requires_grad``; the wide state's dtype and device;
