@@ -146,6 +146,7 @@ def test_budget_stops_measuring_and_summary_says_so(monkeypatch, clock, tmp_path
     uncached, with one warning naming the node."""
     slow_candidates(monkeypatch, clock)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # the hint is given only when it is unset
+    monkeypatch.setattr(tuning, "_hinted", False)  # the first give-up of the process warns (then INFO)
     config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=3, tune_budget_s=40)
     with caplog.at_level(logging.WARNING, logger="wide_compiler.tuning"):
         wide = wc.compile(models(mlp), torch.randn(4, 6), config=config)
