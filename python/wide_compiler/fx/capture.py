@@ -262,7 +262,13 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             raise _capture_error(model, e, getattr(watch, "compiling", ())) from e
         _refuse_generators(model, ep)  # our own refusal, not wrapped as export's
         ep.wide_reads = watch.reads()  # Note [State a forward reads] (fx/guards.py)
-        ep.wide_reads["globals"] = globals_read(model)  # read here, where the grad mode is the capture's
+        try:  # read here, where the grad mode is the capture's
+            ep.wide_reads["globals"] = globals_read(model)
+        except Exception as e:  # noqa: BLE001 -- code the scan does not understand: said, not a failed compile
+            log.warning("wide_compiler: could not read which module globals %s's code reads (%s: %s): changing "
+                        "them after compiling is not followed (Note [State a forward reads])",
+                        type(model).__name__, type(e).__name__, e)
+            ep.wide_reads["globals"] = ([], [], [])
         if ep.wide_reads["grad_mode"] is None and {"is_grad_enabled", "is_inference_mode_enabled"} & set(
                 ep.wide_reads["globals"][2]):  # a grad-mode reader imported by name: its calls were not seen
             ep.wide_reads["grad_mode"] = torch.is_grad_enabled()
