@@ -161,6 +161,20 @@ def test_a_cached_compile_is_the_fresh_compile_bit_for_bit(case, cache_dir, monk
     assert {k: v.shape for k, v in cached.state_dict().items()} == {k: v.shape for k, v in fresh.state_dict().items()}
 
 
+def test_a_hit_runs_no_member(cache_dir, monkeypatch):
+    """The members' run check is the entry's: every member's digest is in the key (Note [The
+    compile cache]); a hit runs no member."""
+    members = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)) for _ in range(3)]
+    wc.compile(members, torch.randn(2, 4), config=FAST)
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a member ran")
+
+    monkeypatch.setattr(pipeline, "check_run_members", no_run)
+    _NoCapture(monkeypatch)
+    wc.compile(members, torch.randn(2, 4), config=FAST)
+
+
 def test_error_messages_keep_the_source_lines(cache_dir, monkeypatch):
     """Node metadata round-trips: the fallback report names the user's line, as fresh."""
     torch.manual_seed(0)

@@ -56,10 +56,20 @@ Values computed at run time outside the module tree and read indirectly by the f
 attribute of an imported module set after import, a file read in ``forward``) are not in the
 key; ``WideConfig(compile_cache=False)`` or ``WIDE_COMPILE_CACHE=0`` compiles afresh.
 
-What a hit still does (pipeline.run_cached): the member checks (``check_members``, which finds
-the per-member constants the key holds, and ``run_members`` when on: they compare the members
-with each other, which no key can), the stacked state, and a check that the loaded graph fits
-it: every parameter and buffer input is in the state with the stacked shape, dtype and
+``members``: the same digest of every other member (attributes with their values, closures,
+hooks, parameter structure), at the first compile. It is why a hit skips the ``run_members``
+check (each member run once, its ATen ops compared with member 0's, the slowest step of a hit:
+7 s of ResNet-18's 8 s, 4 members, busy machine): what it compares is a function of what this
+digest holds. The members' classes are one (``check_members``), so their code and globals are
+member 0's; a member's forward can only differ through its own attributes (closures, callables,
+objects held), all digested here; and a branch on tensor values, the one other way, fails the
+capture of member 0 (export refuses data-dependent control flow). So members of these digests
+ran the check when the entry was made (it is stored only after every pass succeeded, with
+``run_members`` in the config part), with the outcome it would have now.
+
+What a hit still does (pipeline.run_cached): ``check_members`` (which compares the members' module
+trees and finds the per-member constants the key holds), the stacked state, and a check that the
+loaded graph fits it: every parameter and buffer input is in the state with the stacked shape, dtype and
 ``requires_grad`` the graph was compiled for, the sample flattens as the graph's inputs, and the
 per-member constants are those of the plan. A failure there is a stale entry: it is ignored
 (logged once) and the model compiled afresh. ``trace_members=True`` bypasses the cache (it asks
@@ -368,14 +378,16 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
           "_forward_pre_hooks_with_kwargs")
 
 
-def _module_tree(model: nn.Module) -> tuple[str, str]:
-    """(code, model) digests of the captured module tree (Note [The compile cache])."""
+def _module_tree(model: nn.Module, code: bool = True) -> tuple[str, str]:
+    """(code, model) digests of the captured module tree (Note [The compile cache]); ``code``
+    False: the classes' code is not read (the code digest is then empty)."""
+    with_code = code
     code, tree = _Digest(), _Digest()
     classes: set[type] = set()
     for path, mod in model.named_modules(remove_duplicate=False):
         cls = type(mod)
         tree.add("module", path, cls.__module__, cls.__qualname__, mod.training)
-        if cls not in classes:
+        if with_code and cls not in classes:
             classes.add(cls)
             _class(code, cls, _DEPTH)
         for name, p in mod._parameters.items():
@@ -389,10 +401,10 @@ def _module_tree(model: nn.Module) -> tuple[str, str]:
         for name in sorted(k for k in vars(mod) if k not in _INTERNALS):
             tree.add("attr", name)
             _value(tree, vars(mod)[name], _DEPTH)
-        for hooks in _HOOKS:
+        for hooks in _HOOKS:  # the module's own: with its attributes
             for h in (getattr(mod, hooks, None) or {}).values():
-                code.add("hook", path, hooks)
-                _value(code, h, _DEPTH)
+                tree.add("hook", path, hooks)
+                _value(tree, h, _DEPTH)
     for hooks in (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks):
         for h in hooks.values():
             code.add("global hook")
@@ -478,9 +490,13 @@ def key_parts(c: Any) -> dict[str, Any]:
         registered.add(key, path)
     config = {f.name: getattr(c.config, f.name) for f in dataclasses.fields(c.config) if f.name not in _CONFIG_IGNORED}
     constants = {path: [constant_key(v) for v in values] for path, values in sorted((c.constants or {}).items())}
+    others = _Digest()
+    for m in (c.members or [])[1:]:
+        others.add(_module_tree(m, code=False)[1])
     return {
         "code": code,
         "model": model,
+        "members": others.hexdigest(),
         "state": [str(dtype), str(device)],
         "inputs": _inputs(c),
         "n": c.n,

@@ -15,7 +15,7 @@ state; member tiles: fx/tiling.py, which widens the capture again for chunks of 
 (:func:`compile_members`) and builds the :class:`~wide_compiler.WideModel` from the result; the
 model runs the pipeline again, lazily, for its other train/eval mode (giving its live tensors as
 the state). Both go through :func:`run_cached`, the persistent compile cache (Note [The compile
-cache] in fx/compile_cache.py: a hit runs the member checks and ``stack_state`` on a stored graph
+cache] in fx/compile_cache.py: a hit runs ``check_members`` and ``stack_state`` on a stored graph
 instead of the other passes). The model only holds the state, runs the graph and answers inspection. Runs are
 serialised by one lock: export is not thread-safe, and a failed run leaves nothing behind (the
 model builds a new :class:`Compilation` per run).
@@ -365,13 +365,6 @@ def run_pipeline(c: Compilation, passes: Sequence[Pass] = PASSES) -> Compilation
     return c
 
 
-def _check_programs_cached(c: Compilation) -> None:
-    """On a compile cache hit: the member check that runs every member (they are compared with
-    each other, which no cache key can do); the capture's own checks are the entry's."""
-    if c.members is not None and len(c.members) > 1 and c.config.run_members and not c.opaque_paths:
-        check_run_members(c.members, *c.sample, constants=c.constants)
-
-
 def _from_cache(c: Compilation, body: dict) -> None:
     c.wide, c.guards, c.constant_plan = body["wide"], body["guards"], body["constant_plan"]
     c.layout, c.folded, c.timings = body["layout"], body["folded"], body["timings"]
@@ -381,7 +374,7 @@ def _from_cache(c: Compilation, body: dict) -> None:
 
 def run_cached(c: Compilation) -> Compilation:
     """The whole pipeline on ``c`` through the compile cache (Note [The compile cache] in
-    fx/compile_cache.py): the member checks first (they find the per-member constants the key
+    fx/compile_cache.py): ``check_members`` first (it finds the per-member constants the key
     holds), then, on a hit, the loaded graph with the members' stacked state, checked to fit it
     (a misfit is ignored with one warning and compiled afresh); on a miss every other pass, and
     ``c.cache_key`` set for the model to store the result under. With the cache off (or ``c``
@@ -396,8 +389,9 @@ def run_cached(c: Compilation) -> Compilation:
         if body is not None:
             hit = dataclasses.replace(c, log=list(c.log))
             _from_cache(hit, body)
-            run_pipeline(hit, [Pass("check_programs", _check_programs_cached),
-                               *(p for p in PASSES if p.name == "stack_state")])
+            # check_programs is the entry's: every member's digest is in the key (why the members
+            # need not run again: Note [The compile cache])
+            run_pipeline(hit, [p for p in PASSES if p.name == "stack_state"])
             why = compile_cache.check_loaded(hit, body)
             if why is None:
                 hit.log.append(("compile_cache", watch.seconds))
