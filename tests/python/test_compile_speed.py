@@ -302,5 +302,33 @@ def test_the_compile_benchmark_measures_in_a_fresh_process(tmp_path):
     from wide_compiler.bench import compile as target
 
     got = target._in_fresh_process("compile", "mlp", "tiny", 2, str(tmp_path), "fast")
-    assert set(got) == {"train_s", "eval_s", "max_abs_err"} and got["max_abs_err"] < 1e-5, got
+    assert set(got) == {"train_s", "eval_s", "train_cpu_s", "eval_cpu_s", "max_abs_err"} and got["max_abs_err"] < 1e-5, got
     assert got["train_s"] > 0 and got["eval_s"] > 0
+
+
+# --- Note [Rank check on meta tensors] (fx/widen.py) --------------------------------------------
+def test_the_rank_check_accepts_a_good_graph_on_meta_tensors_without_the_fake_run(monkeypatch):
+    from wide_compiler.fx import widen
+
+    def no_fake_run(*args, **kwargs):
+        raise AssertionError("the fake run ran")
+
+    monkeypatch.setattr(widen, "_fake_run", no_fake_run)
+    models = [nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
+              for _ in range(N)]
+    wide = wc.compile(models, torch.randn(2, 3, 6, 6), config=wc.WideConfig.fast())
+    x = torch.randn(N, 2, 3, 6, 6)
+    torch.testing.assert_close(wide(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))
+
+
+def test_a_graph_meta_tensors_cannot_run_goes_to_the_fake_run():
+    """nonzero's output size depends on the values: the meta run stops (None), the fake run decides."""
+    from torch import fx
+    from wide_compiler.fx import widen
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.nonzero.default, (x,)))
+    gm = fx.GraphModule(nn.Module(), graph)
+    x.meta["val"] = torch.empty(4)
+    assert widen._meta_ranks(gm, [widen.GraphInput(kind="user", name="x", node=x)], 2) is None

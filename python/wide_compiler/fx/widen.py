@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -292,6 +292,42 @@ def _restore_vals(before: dict[fx.Node, Any]) -> None:
             node.meta["val"] = v
 
 
+def _meta_ranks(gm: fx.GraphModule, inputs: Sequence[GraphInput], n: int) -> dict[fx.Node, int] | None:
+    """Note [Rank check on meta tensors]: the rank of every tensor value of ``gm`` run on meta
+    tensors at the sample's sizes, or None when that run does not go to its end.
+
+    The rank check's fake run (:func:`_fake_run`) pays FakeTensorMode's Python dispatch at every
+    ATen op of every wide op's decomposition: 0.6 s for ResNet-18's train graph at N=4 and 2.7 s
+    for DenseNet-121's (CPU time), a fifth of torch.export's own time. Meta tensors reach the
+    same shape functions (fake tensors run the meta kernels) from C++. So the meta run comes
+    first, and a graph whose every value has the rank its rule claims is accepted on it; where
+    it does not run to its end (an op without a meta kernel, a data-dependent size, a device it
+    cannot mix) or a rank differs, the fake run decides, as before, with its errors."""
+    ranks: dict[fx.Node, int] = {}
+
+    class _Run(fx.Interpreter):
+        def run_node(self, node: fx.Node) -> Any:
+            out = super().run_node(node)
+            if isinstance(out, torch.Tensor):
+                ranks[node] = out.dim()
+            return out
+
+    def feed(i: GraphInput) -> Any:
+        v = i.node.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            return v
+        shape = [s.node.hint if isinstance(s, torch.SymInt) else int(s) for s in v.shape]
+        return torch.empty(shape if i.kind == "constant" else (n, *shape), dtype=v.dtype, device="meta")
+
+    try:
+        _Run(gm).run(*[feed(i) for i in inputs])
+    except Exception as e:  # noqa: BLE001 -- any failure: the fake run decides
+        log.debug("wide_compiler: rank check on meta tensors stopped (%s: %s); running it on fake tensors",
+                  type(e).__name__, e)
+        return None
+    return ranks
+
+
 def check_ranks(wg: WideGraph, n: int, member: ExportedProgram | None = None) -> None:
     """Run the wide graph on fake tensors at the sample's sizes and check that every value a rule
     produced has the rank it claims: N-first values one more than the member's, shared ones the
@@ -306,6 +342,10 @@ def check_ranks(wg: WideGraph, n: int, member: ExportedProgram | None = None) ->
     if any(i.kind == "root" for i in wg.inputs):
         return  # registered modules run the WideModel itself: no fake stand-in for it
     gm = wg.graph_module
+    ranks = _meta_ranks(gm, wg.inputs, n)  # Note [Rank check on meta tensors]
+    if ranks is not None and all(node.meta["wide_expect"][0] == ranks[node] for node in gm.graph.nodes
+                                 if node.meta.get("wide_expect") is not None and node in ranks):
+        return
     before = {node: node.meta.get("val") for node in gm.graph.nodes}
     current: list[fx.Node] = []
     failed: tuple[fx.Node, Exception] | None = None
