@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import logging
 import os
@@ -480,7 +481,7 @@ def _answer_compiling(frame: Any, which: int) -> bool:
     alone sees), recorded; the real answer to anything else."""
     watch = _watching()
     if watch is not None:
-        while frame is not None and frame.f_code in _COMPILING_WRAPPERS:
+        while frame is not None and frame.f_code in _compiling_wrappers():
             frame = frame.f_back
         filename = frame.f_code.co_filename if frame is not None else ""
         if is_user_file(filename) and not any(s in filename for s in _SITE):
@@ -502,10 +503,17 @@ def _is_exporting_shim() -> bool:  # the code torch.compiler.is_exporting runs w
 _COMPILING_FNS = (torch.compiler.is_compiling, torch.compiler.is_exporting)
 _COMPILING_ORIGINALS = tuple(types.FunctionType(f.__code__, f.__globals__, f.__name__) for f in _COMPILING_FNS)
 _COMPILING_SHIMS = tuple(zip(_COMPILING_FNS, (_is_compiling_shim.__code__, _is_exporting_shim.__code__)))
-# torch's own functions that only pass is_compiling() on: the frame that asks is their caller's
-_COMPILING_WRAPPERS = frozenset(
-    f.__code__ for f in (torch._dynamo.external_utils.is_compiling, torch._utils.is_compiling)
-    if isinstance(f, types.FunctionType))
+
+
+@functools.cache
+def _compiling_wrappers() -> frozenset:
+    """torch's own functions that only pass is_compiling() on: the frame that asks is their
+    caller's. Looked up at the first capture: importing torch._dynamo costs seconds, and a
+    capture (torch.export) has imported it by then."""
+    import torch._dynamo.external_utils as external_utils
+
+    return frozenset(f.__code__ for f in (external_utils.is_compiling, torch._utils.is_compiling)
+                     if isinstance(f, types.FunctionType))
 
 
 def _refuse_generators(model: nn.Module, ep: ExportedProgram) -> None:
