@@ -310,13 +310,12 @@ def test_the_compile_benchmark_measures_in_a_fresh_process(tmp_path):
 def test_the_rank_check_accepts_a_good_graph_on_meta_tensors_without_the_fake_run(monkeypatch):
     from wide_compiler.fx import widen
 
-    def no_fake_run(*args, **kwargs):
-        raise AssertionError("the fake run ran")
-
-    monkeypatch.setattr(widen, "_fake_run", no_fake_run)
+    ran = []
+    monkeypatch.setattr(widen, "_fake_run", lambda *args, **kwargs: ran.append(1))
     models = [nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
               for _ in range(N)]
     wide = wc.compile(models, torch.randn(2, 3, 6, 6), config=wc.WideConfig.fast())
+    assert not ran  # the meta run accepted the graph
     x = torch.randn(N, 2, 3, 6, 6)
     torch.testing.assert_close(wide(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))
 
@@ -332,3 +331,28 @@ def test_a_graph_meta_tensors_cannot_run_goes_to_the_fake_run():
     gm = fx.GraphModule(nn.Module(), graph)
     x.meta["val"] = torch.empty(4)
     assert widen._meta_ranks(gm, [widen.GraphInput(kind="user", name="x", node=x)], 2) is None
+
+
+class Positions(nn.Module):
+    """Adds a learned embedding of positions made in forward (a creation op on the input's device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos, self.fc = nn.Embedding(16, 4), nn.Linear(4, 2)
+
+    def forward(self, x):  # [B, T, 4]
+        offset = torch.arange(x.shape[-1], device=x.device, dtype=x.dtype)  # [4], made on the CPU
+        return self.fc(x + offset + self.pos(torch.arange(x.shape[1], device=x.device)))
+
+
+def test_a_creation_op_on_the_inputs_device_runs_on_meta_tensors(monkeypatch):
+    from wide_compiler.fx import widen
+
+    ran = []
+    monkeypatch.setattr(widen, "_fake_run", lambda *args, **kwargs: ran.append(1))
+    torch.manual_seed(0)
+    models = [Positions() for _ in range(N)]
+    wide = wc.compile(models, torch.randn(2, 5, 4), config=wc.WideConfig.fast())
+    assert not ran  # the meta run accepted the graph (the arange made on meta, not on the CPU)
+    x = torch.randn(N, 2, 5, 4)
+    torch.testing.assert_close(wide(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))

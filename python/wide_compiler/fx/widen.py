@@ -26,7 +26,7 @@ from torch import fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import UnsupportedOperationError
 # The pass's vocabulary lives in fx/context.py (shared with the rules and the fallback, which this
@@ -305,12 +305,26 @@ def _meta_ranks(gm: fx.GraphModule, inputs: Sequence[GraphInput], n: int) -> dic
     cannot mix) or a rank differs, the fake run decides, as before, with its errors."""
     ranks: dict[fx.Node, int] = {}
 
+    meta = torch.device("meta")
+    home = {i.node.meta["val"].device for i in inputs if isinstance(i.node.meta.get("val"), torch.Tensor)}
+    to_meta = lambda a: a.to(meta) if isinstance(a, torch.Tensor) and a.device in home else a  # noqa: E731
+
     class _Run(fx.Interpreter):
+        # the inputs' device becomes meta everywhere: a constant of the graph, a creation op's
+        # device (ranks do not depend on it); another device stays, and mixing it stops the run
         def run_node(self, node: fx.Node) -> Any:
             out = super().run_node(node)
             if isinstance(out, torch.Tensor):
                 ranks[node] = out.dim()
             return out
+
+        def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+            return tree_map(to_meta, super().get_attr(target, args, kwargs))
+
+        def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+            if isinstance(kwargs.get("device"), (torch.device, str)) and torch.device(kwargs["device"]) in home:
+                kwargs = {**kwargs, "device": meta}
+            return super().call_function(target, tree_map(to_meta, args), tree_map(to_meta, kwargs))
 
     def feed(i: GraphInput) -> Any:
         v = i.node.meta.get("val")
