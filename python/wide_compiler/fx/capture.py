@@ -748,27 +748,24 @@ def check_sample(model: nn.Module, args: tuple, kwargs: dict, n: int) -> None:
             f"members[0](...), e.g. a batch [B, features] for an MLP.{hint}") from e
 
 
-def _run_on_clones(model: nn.Module, args: tuple, kwargs: dict, rec: Any) -> None:
-    """Run ``model`` with clones of its parameters and buffers (``functional_call``), inside the
-    context ``rec`` (the member checks' op recorder, or a null context), and put back every
-    module's own attributes afterwards: rebound values (a call counter) get their old
-    object back, and lists, dicts and sets changed in place get their old contents back."""
-    tensors = {k: v.detach().clone() for k, v in (*model.named_parameters(remove_duplicate=False),
-                                                   *model.named_buffers(remove_duplicate=False))}
+@contextlib.contextmanager
+def attributes_kept(model: nn.Module) -> Any:
+    """Put back every module's own Python attributes when the block ends (raised or not): rebound
+    values (a call counter) get their old object back, attributes the block added are removed,
+    and lists, dicts and sets changed in place get their old contents back."""
     saved = []
     for m in model.modules():
         attrs = dict(m.__dict__)
         contents = {}
         for k, v in attrs.items():
-            if isinstance(v, (list, dict, set)) and not k.startswith(("_parameters", "_buffers", "_modules")):
+            if isinstance(v, (list, dict, set)) and k not in ("_parameters", "_buffers", "_modules"):
                 try:
                     contents[k] = copy.copy(v)
                 except Exception:  # noqa: BLE001 -- kept as it is: a rebinding is still undone
                     pass
         saved.append((m, attrs, contents))
     try:
-        with torch.no_grad(), rec:
-            torch.func.functional_call(model, tensors, args, kwargs, strict=False)
+        yield
     finally:
         for m, attrs, contents in saved:
             for k in [k for k in m.__dict__ if k not in attrs]:
@@ -781,6 +778,16 @@ def _run_on_clones(model: nn.Module, args: tuple, kwargs: dict, rec: Any) -> Non
                 else:
                     v.clear()
                     v.update(old)
+
+
+def _run_on_clones(model: nn.Module, args: tuple, kwargs: dict, rec: Any) -> None:
+    """Run ``model`` with clones of its parameters and buffers (``functional_call``), inside the
+    context ``rec`` (the member checks' op recorder, or a null context), its Python attributes
+    kept (:func:`attributes_kept`)."""
+    tensors = {k: v.detach().clone() for k, v in (*model.named_parameters(remove_duplicate=False),
+                                                   *model.named_buffers(remove_duplicate=False))}
+    with attributes_kept(model), torch.no_grad(), rec:
+        torch.func.functional_call(model, tensors, args, kwargs, strict=False)
 
 
 def _describe_input(a: Any) -> str:

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map
 
 from ..errors import ArchitectureMismatchError
 from ..measure import Stopwatch
-from .capture import _run_on_clones, batch_of_two, capture, without_cudnn
+from .capture import _run_on_clones, attributes_kept, batch_of_two, capture, without_cudnn
 from .forms import apply_capture_forms
 from .source import source_line, user_frame
 
@@ -319,35 +319,13 @@ def _run_in_place(model: nn.Module, args: tuple, kwargs: dict) -> _OpRecorder:
     protected = frozenset(t.untyped_storage().data_ptr() for t in (*params.values(), *buffers.values()))
     rec = _OpRecorder(protected=protected)
     data = {name: p.data for name, p in params.items()}
-    saved = []
-    for m in model.modules():
-        attrs = dict(m.__dict__)
-        contents = {}
-        for k, v in attrs.items():
-            if isinstance(v, (list, dict, set)) and k not in ("_parameters", "_buffers", "_modules"):
-                try:
-                    contents[k] = copy.copy(v)
-                except Exception:  # noqa: BLE001 -- kept as it is: a rebinding is still undone
-                    pass
-        saved.append((m, attrs, contents))
     try:
         clones = {name: b.clone() for name, b in buffers.items()}
         watch = Stopwatch()
-        with torch.no_grad(), rec:
+        with attributes_kept(model), torch.no_grad(), rec:
             torch.func.functional_call(model, clones, args, kwargs, strict=False)
         rec.seconds = watch.seconds
     finally:
-        for m, attrs, contents in saved:
-            for k in [k for k in m.__dict__ if k not in attrs]:
-                del m.__dict__[k]
-            m.__dict__.update(attrs)
-            for k, old in contents.items():
-                v = attrs[k]
-                if isinstance(v, list):
-                    v[:] = old
-                else:
-                    v.clear()
-                    v.update(old)
         for name, p in params.items():
             if p.data_ptr() != data[name].data_ptr():
                 p.data = data[name]
