@@ -110,12 +110,12 @@ def densenet121(**kwargs) -> DenseNet:
 PRESETS = {
     "ci": Preset("toy widths, N=2, in this process (a smoke run: seconds)", 0.01,
                  {"ns": (2,), "size": "tiny", "models": ("mlp", "resnet18"), "fresh": False}),
-    "quick": Preset("resnet18, densenet121, bert, mlp at N=4, default and fast() configs, fresh processes "
-                    "(minutes)", 0.5,
-                    {"ns": (4,), "size": "real", "models": ("resnet18", "densenet121", "bert", "mlp"),
+    "quick": Preset("resnet18, densenet121, bert (4 layers of 256), bert-base, mlp at N=4, default and fast() "
+                    "configs, fresh processes (minutes)", 0.5,
+                    {"ns": (4,), "size": "real", "models": ("resnet18", "densenet121", "bert", "bert-base", "mlp"),
                      "configs": ("default", "fast"), "fresh": True}),
     "full": Preset("the quick models at N=4 and 16 (many minutes)", 0.5,
-                   {"ns": (4, 16), "size": "real", "models": ("resnet18", "densenet121", "bert", "mlp"),
+                   {"ns": (4, 16), "size": "real", "models": ("resnet18", "densenet121", "bert", "bert-base", "mlp"),
                     "configs": ("default", "fast"), "fresh": True}),
 }
 
@@ -139,15 +139,19 @@ def make_case(name: str, size: str, n: int) -> tuple[list[nn.Module], tuple]:
         kw = dict(blocks=(2, 2), growth=4, stem=8, classes=10) if tiny else {}
         return [DenseNet(**kw) if tiny else densenet121() for _ in range(n)], \
             (torch.randn(2 if tiny else 8, 3, 32 if tiny else 64, 32 if tiny else 64),)
-    if name == "bert":
+    if name in ("bert", "bert-base"):
         import transformers
 
-        cfg = transformers.BertConfig(
-            vocab_size=1000, hidden_size=32 if tiny else 256, num_hidden_layers=2 if tiny else 4,
-            num_attention_heads=4, intermediate_size=64 if tiny else 1024, max_position_embeddings=128,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        if name == "bert-base":  # BertConfig()'s own widths (12 layers of 768, vocabulary 30522)
+            cfg = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        else:
+            cfg = transformers.BertConfig(
+                vocab_size=1000, hidden_size=32 if tiny else 256, num_hidden_layers=2 if tiny else 4,
+                num_attention_heads=4, intermediate_size=64 if tiny else 1024, max_position_embeddings=128,
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         return [_Pooled(transformers.BertModel(cfg)) for _ in range(n)], (torch.randint(0, 1000, (4, 64)),)
-    raise ValueError(f"benchmark compile: unknown model {name!r}; expected mlp, resnet18, densenet121 or bert")
+    raise ValueError(f"benchmark compile: unknown model {name!r}; expected mlp, resnet18, densenet121, bert or "
+                     "bert-base")
 
 
 class _Pooled(nn.Module):
