@@ -466,3 +466,19 @@ def test_the_directory_keeps_the_newest_entries(cache_dir, monkeypatch):
 def test_the_suite_runs_with_the_cache_off():
     """conftest.py turns it off: tests compile what they mean to compile."""
     assert not compile_cache.enabled(FAST)
+
+
+def test_a_code_digest_does_not_depend_on_the_hash_seed():
+    """A set literal in a forward (``mode in {"a", "b"}``: a frozenset constant) repr's in the order
+    of its strings' hashes, which differ by process: the key must not (transformers' BERT missed
+    in every new process)."""
+    script = textwrap.dedent("""
+        from wide_compiler.fx import compile_cache
+        def forward(x, mode):
+            return x if mode in {"absolute", "relative_key", "relative_key_query", "alibi", "rotary"} else -x
+        print(compile_cache._code_text(forward.__code__))
+    """)
+    digests = {subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout
+               for seed in (1, 2, 3)}
+    assert len(digests) == 1, digests

@@ -195,8 +195,18 @@ def _code_text(code: types.CodeType) -> str:
         if isinstance(c, types.CodeType):
             d.add(_code_text(c))
         else:
-            d.add(type(c).__name__, c)
+            d.add(type(c).__name__, _constant(c))
     return d.hexdigest()
+
+
+def _constant(c: Any) -> Any:
+    """A code constant as a token that is the same in every process: a frozenset (``x in {"a",
+    "b"}``) repr's in the order of its strings' hashes, which differ by process (PYTHONHASHSEED)."""
+    if isinstance(c, frozenset):
+        return ("frozenset", sorted(repr(_constant(x)) for x in c))
+    if isinstance(c, tuple):
+        return tuple(_constant(x) for x in c)
+    return c
 
 
 def _nested_globals(code: types.CodeType) -> list[tuple[str, str | None]]:
