@@ -18,6 +18,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from wide_compiler.testing import assert_members_close
 
 
+class FakeClock:
+    """A clock that moves only when a test sets ``t`` (Note [Fake clock] in measure/timing.py)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def fake_clock(monkeypatch) -> FakeClock:
+    """Install a :class:`FakeClock` as the clock every measurement reads; returns it."""
+    from wide_compiler.measure import timing
+
+    fake = FakeClock()
+    monkeypatch.setattr(timing, "_clock", fake)
+    return fake
+
+
 def steady_measuring_clock(monkeypatch, step_s: float = 1e-4) -> None:
     """Replace the clock every measurement reads (Note [Fake clock] in
     wide_compiler/measure/timing.py) with one that advances ``step_s`` per reading: a tuned compile

@@ -14,24 +14,16 @@ import wide_compiler as wc
 from torch import nn
 from wide_compiler import tuning
 from wide_compiler.fx import member_checks, pipeline
-from wide_compiler.measure import Progress, timing
+from wide_compiler.measure import Progress
+
+from support import FakeClock, fake_clock
 
 N = 3
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 @pytest.fixture
 def clock(monkeypatch) -> FakeClock:
-    fake = FakeClock()
-    monkeypatch.setattr(timing, "_clock", fake)
-    return fake
+    return fake_clock(monkeypatch)
 
 
 class Timed(nn.Module):

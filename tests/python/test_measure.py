@@ -14,22 +14,12 @@ from torch import nn
 from wide_compiler import measure
 from wide_compiler.measure import timing
 
-
-class FakeClock:
-    """A clock that moves only when a faked callable says so."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from support import FakeClock, fake_clock
 
 
 @pytest.fixture
 def clock(monkeypatch) -> FakeClock:
-    fake = FakeClock()
-    monkeypatch.setattr(timing, "_clock", fake)
-    return fake
+    return fake_clock(monkeypatch)
 
 
 def recorder(clock: FakeClock, seconds: dict[str, list[float] | float], log: list[str]):
