@@ -146,6 +146,14 @@ def assert_members_trained_alike(wide: nn.Module, models: list[nn.Module], xs, t
                              what=f"{name} after {len(xs)} SGD steps")
 
 
+def all_to_eval(wide: nn.Module, models: list[nn.Module]) -> None:
+    """Put ``wide`` and every member in eval mode, so that a test compares the wide model's eval
+    graph with the members' own eval forward."""
+    wide.eval()
+    for m in models:
+        m.eval()
+
+
 def run_in_threads(fn: Callable[[int], object], n: int) -> list[Exception]:
     """Call ``fn(k)`` for k in range(n), each on its own thread, all started before any is joined;
     returns the exceptions they raised (empty when every call succeeded)."""

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 import wide_compiler as wc
 import wide_compiler.distributed as wcd
-from support import LinearModel
+from support import LinearModel, all_to_eval
 from torch import nn
 from wide_compiler import testing
 
@@ -102,9 +102,7 @@ def test_twelve_members_that_fuse_legitimately_still_compile_and_match_in_train_
     assert wide.fallbacks == []
     x = torch.randn(12, 4, 6, dtype=torch.float64)
     _check(wide, models, x)
-    wide.eval()
-    for m in models:
-        m.eval()
+    all_to_eval(wide, models)
     _check(wide, models, x)
 
 
@@ -283,9 +281,7 @@ def test_the_train_and_eval_graphs_keep_their_own_derived_arguments():
     wide = wc.compile(models, torch.randn(3, 4, dtype=torch.float64), config=FAST)
     x = torch.randn(3, 5, 4, dtype=torch.float64)
     _check(wide, models, x)
-    wide.eval()
-    for m in models:
-        m.eval()
+    all_to_eval(wide, models)
     _check(wide, models, x)
 
 

@@ -20,6 +20,8 @@ from torch import nn
 import wide_compiler as wc
 from wide_compiler.fx.guards import MAX_GRAPHS
 
+from support import LinearModel
+
 N = 3
 FAST = wc.WideConfig.fast()
 
@@ -42,12 +44,10 @@ def _x(*shape, dtype=torch.float64):
     return torch.randn(N, *shape, dtype=dtype)
 
 
-class Parity(nn.Module):
+class Parity(LinearModel):
     """Branches on the parity of the length, on ``T == 1`` (a decode step) and on the batch's parity."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
+    linears = {"lin": (4, 4)}
 
     def forward(self, x):
         h = self.lin(x)
@@ -78,12 +78,10 @@ def test_graphs_are_kept_and_reused():
     assert len(wide._variants[True]) == 2
 
 
-class PadToFour(nn.Module):
+class PadToFour(LinearModel):
     """Pads the length to a multiple of 4 when it is not one (a common attention-block pattern)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 3)
+    linears = {"lin": (4, 3)}
 
     def forward(self, x):
         pad = (-x.shape[1]) % 4
@@ -118,10 +116,8 @@ def test_odd_image_size(size):
     _assert_members(wide, members, _x(2, 2, size, size))
 
 
-class Squeezed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 2)
+class Squeezed(LinearModel):
+    linears = {"lin": (4, 2)}
 
     def forward(self, x):
         return self.lin(x).squeeze()  # squeezes the batch too when it is 1
@@ -134,12 +130,10 @@ def test_a_squeeze_at_batch_one_gives_the_members_shape():
     assert out.shape == (N, 2)
 
 
-class MaskDtype(nn.Module):
+class MaskDtype(LinearModel):
     """A branch on an input's dtype leaves no trace in the captured graph."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
+    linears = {"lin": (4, 4)}
 
     def forward(self, x, mask):
         if mask.dtype == torch.bool:
@@ -157,12 +151,10 @@ def test_an_input_dtype_branch_follows_the_call():
     assert "mask.dtype == torch.bool" in wide._graphs[True].guards.describe()
 
 
-class Tied(nn.Module):
+class Tied(LinearModel):
     """Two inputs whose lengths the forward makes equal (export ties them to one size)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
+    linears = {"lin": (4, 4)}
 
     def forward(self, x, y):
         return self.lin(x) * y
@@ -179,10 +171,8 @@ def test_sizes_export_found_equal_are_checked():
         wide(_x(3, 4), _x(2, 4))  # each member raises too: no graph can be captured
 
 
-class Threshold(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
+class Threshold(LinearModel):
+    linears = {"lin": (4, 4)}
 
     def forward(self, x):
         return self.lin(x) * (2 if x.shape[1] > 8 else 3)
@@ -197,11 +187,11 @@ def test_a_threshold_branch_is_refused_not_run():
 
 
 def test_graphs_per_mode_are_bounded_and_the_refusal_names_the_guard():
-    class Modulo(nn.Module):
+    class Modulo(LinearModel):
+        linears = {"lin": (4, 4)}
+
         def __init__(self) -> None:
             super().__init__()
-            self.lin = nn.Linear(4, 4)
-
             self.table = [float(k) for k in range(16)]
 
         def forward(self, x):
@@ -262,11 +252,7 @@ def test_check_inputs_captures_before_a_compiled_call():
 # --- Note [What export does not capture] (fx/capture.py) ------------------------------------------
 
 
-class _GradModeBranch(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
+class _GradModeBranch(LinearModel):
     def forward(self, x):
         h = self.fc(x)
         return h * 2 if torch.is_grad_enabled() else h * 3
@@ -315,11 +301,7 @@ def test_a_custom_autograd_function_is_refused_in_training_not_run_without_its_b
         _assert_members(wide, members, _x(2, 4))  # the eval forward is the members'
 
 
-class _Hooked(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
+class _Hooked(LinearModel):
     def forward(self, x):
         h = self.fc(x)
         h.register_hook(lambda g: g * 4)

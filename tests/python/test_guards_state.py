@@ -19,6 +19,7 @@ from torch import nn
 from torch.compiler import is_compiling as _is_compiling  # a name bound at import
 
 import wide_compiler as wc
+from support import LinearModel, all_to_eval
 
 N = 3
 FAST = wc.WideConfig.fast()
@@ -56,10 +57,8 @@ def _graphs(wide):
 # --- 1. torch.compiler.is_compiling() ------------------------------------------------------------
 
 
-class _Compiling(nn.Module):
-    def __init__(self, ask) -> None:
-        super().__init__()
-        self.fc, self.ask = nn.Linear(4, 4), ask
+class _Compiling(LinearModel):
+    fields = ("ask",)
 
     def forward(self, x):
         h = self.fc(x)
@@ -80,12 +79,8 @@ def test_a_forward_asking_is_compiling_gets_what_each_member_gets_alone(ask):
     assert not torch.compiler.is_compiling()  # the functions are torch's own again
 
 
-class _CompilingCheck(nn.Module):
+class _CompilingCheck(LinearModel):
     """Validates its input in eager mode only (a data-dependent check export cannot capture)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
 
     def forward(self, x):
         if not torch.compiler.is_compiling() and bool((x.abs() > 100).any()):
@@ -101,21 +96,13 @@ def test_an_eager_branch_export_cannot_capture_is_refused_naming_is_compiling():
 # --- 2. an input's memory layout -----------------------------------------------------------------
 
 
-class _Contiguous(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
+class _Contiguous(LinearModel):
     def forward(self, x):
         h = self.fc(x)
         return h * 2 if x.is_contiguous() else h * 3
 
 
-class _Strides(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
+class _Strides(LinearModel):
     def forward(self, x):
         return self.fc(x) + (1.0 if x.stride(-1) == 1 else -1.0)
 
@@ -152,11 +139,7 @@ def test_a_channels_last_branch_follows_the_calls_memory_format():
 
 
 def test_a_forward_that_reads_no_layout_takes_any_layout_on_one_graph():
-    class Plain(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-
+    class Plain(LinearModel):
         def forward(self, x):
             return self.fc(x) * 2
 
@@ -168,21 +151,15 @@ def test_a_forward_that_reads_no_layout_takes_any_layout_on_one_graph():
 # --- 3. global flags -------------------------------------------------------------------------------
 
 
-class _Flag(nn.Module):
-    def __init__(self, read) -> None:
-        super().__init__()
-        self.fc, self.read = nn.Linear(4, 4), read
+class _Flag(LinearModel):
+    fields = ("read",)
 
     def forward(self, x):
         h = self.fc(x)
         return h * 2 if self.read() else h * 3
 
 
-class _BoundFlag(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
+class _BoundFlag(LinearModel):
     def forward(self, x):
         h = self.fc(x)
         return h * 2 if _deterministic() else h * 3
@@ -206,11 +183,7 @@ def test_a_deterministic_algorithms_branch_follows_the_flag(flag):
     assert _graphs(wide) == 2
 
 
-class _BoundGradMode(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
+class _BoundGradMode(LinearModel):
     def forward(self, x):
         h = self.fc(x)
         return h * 2 if _grad_enabled() else h * 3
@@ -236,11 +209,7 @@ def test_a_default_dtype_branch_follows_the_default_dtype():
     _assert_members(wide, members, _x(2, 4))
 
 
-class _LiftedConstant(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
+class _LiftedConstant(LinearModel):
     def forward(self, x):
         return self.fc(x) * torch.tensor(0.1)  # made in the default dtype of the call
 
@@ -275,12 +244,8 @@ def _shift(h):
     return h + OFFSET[0]
 
 
-class _Globals(nn.Module):
+class _Globals(LinearModel):
     FACTOR = 1.5
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
 
     def forward(self, x):
         return _shift(self.fc(x) * SCALE) * self.FACTOR
@@ -302,11 +267,7 @@ def test_a_changed_module_global_or_class_attribute_is_followed(change, monkeypa
     assert _graphs(wide) == 2
 
 
-class _TensorOfGlobal(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
+class _TensorOfGlobal(LinearModel):
     def forward(self, x):
         return self.fc(x) * torch.tensor(SCALE, dtype=torch.float64)  # a lifted constant per capture
 
@@ -322,11 +283,7 @@ def test_a_graph_captured_for_a_changed_global_reads_its_own_constants(monkeypat
     assert _graphs(wide) == 2
 
 
-class _ModeConstant(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
+class _ModeConstant(LinearModel):
     def forward(self, x):
         return self.fc(x) * torch.tensor(0.5 if self.training else 2.0, dtype=torch.float64)
 
@@ -335,9 +292,7 @@ def test_the_train_and_eval_graphs_read_their_own_lifted_constants():
     wide, members = _compile(_ModeConstant, 2, 4)
     x = _x(2, 4)
     _assert_members(wide, members, x)
-    wide.eval()
-    for m in members:
-        m.eval()
+    all_to_eval(wide, members)
     _assert_members(wide, members, x)
 
 
@@ -375,11 +330,7 @@ def test_an_input_on_another_device_than_the_parameters_is_refused_naming_it():
         wide(torch.randn(N, 2, 4, dtype=torch.float64, device="meta"))
 
 
-class _DeviceBranch(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
+class _DeviceBranch(LinearModel):
     def forward(self, x):
         h = self.fc(x)
         return h * 2 if x.device.type == "cpu" else h * 3
@@ -403,12 +354,8 @@ def test_a_device_branch_is_guarded_on_the_parameters_device():
 # --- what the scan follows, and the watch's patches ---------------------------------------------------
 
 
-class _Helpers(nn.Module):
+class _Helpers(LinearModel):
     LIMIT = 0.5
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
 
     @property
     def gain(self):
@@ -469,10 +416,8 @@ def test_the_watch_leaves_torch_as_it_was_after_captures_in_two_threads():
 # --- random ops: what draws, and an explicit generator ------------------------------------------------
 
 
-class _Bernoulli(nn.Module):
-    def __init__(self, p) -> None:
-        super().__init__()
-        self.fc, self.p = nn.Linear(4, 4), p
+class _Bernoulli(LinearModel):
+    fields = ("p",)
 
     def forward(self, x):
         h = self.fc(x)
@@ -492,10 +437,9 @@ def test_a_bernoulli_with_p_0_or_1_does_not_draw_and_is_compared(p):
 GENERATOR = torch.Generator().manual_seed(0)
 
 
-class _Generator(nn.Module):
+class _Generator(LinearModel):
     def __init__(self, own: bool) -> None:
         super().__init__()
-        self.fc = nn.Linear(4, 4)
         self.gen = torch.Generator().manual_seed(0) if own else GENERATOR
 
     def forward(self, x):
@@ -513,12 +457,8 @@ def test_an_explicit_generator_is_refused_naming_the_op_and_line(own):
 CALLS = 0
 
 
-class _Counter(nn.Module):
+class _Counter(LinearModel):
     """Counts its calls in a module global: state it keeps, not a setting to guard."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
 
     def forward(self, x):
         global CALLS

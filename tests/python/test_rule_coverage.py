@@ -36,7 +36,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
-from support import StackedScalar
+from support import LinearModel, StackedScalar
 from test_autocast import OP_CASES as AUTOCAST_CASES  # each wide op's call under autocast (the op checklist)
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -654,10 +654,8 @@ def _dropout_inplace(m, x):
     return F.dropout(x * m.w, 0.3, training=m.training, inplace=True)
 
 
-class _Regions(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(6, 6)
+class _Regions(LinearModel):
+    linears = {"fc": (6, 6)}
 
     def forward(self, x):
         h = self.fc(x)
