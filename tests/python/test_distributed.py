@@ -67,6 +67,10 @@ def _entry(rank: int, world: int, init_file: str, fn_name: str, args: tuple) -> 
                             timeout=datetime.timedelta(seconds=600))  # a hang guard (module docstring)
     try:
         globals()[fn_name](rank, world, *args)
+        # every rank is done with its collectives before any tears the group down: a rank that
+        # destroyed its gloo pairs while the other still had a collective in flight aborted the
+        # other ('terminate called without an active exception'), seen once under load
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
