@@ -15,9 +15,9 @@
 // decomposition. small_attention itself has CPU and Meta kernels, ATen's SDPA on other devices, and
 // no autograd formula.
 #include "wide/ops/attention.h"
+#include "wide/ops/call_op.h"
 #include "wide/ops/transforms.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
@@ -157,18 +157,14 @@ bool small_attention_applies(const at::Tensor& query, const at::Tensor& key, con
 at::Tensor attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
                      std::optional<double> scale, bool enable_gqa) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::attention", "")
-                       .typed<decltype(attention)>();
-  return op.call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+  return detail::call_op<"wide::attention", decltype(attention)>(
+      query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
 }
 
 at::Tensor small_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            bool is_causal, std::optional<double> scale) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::small_attention", "")
-                       .typed<decltype(small_attention)>();
-  return op.call(query, key, value, is_causal, scale);
+  return detail::call_op<"wide::small_attention", decltype(small_attention)>(
+      query, key, value, is_causal, scale);
 }
 
 }  // namespace wide

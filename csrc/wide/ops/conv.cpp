@@ -1,8 +1,8 @@
 #include "wide/ops/conv.h"
 
+#include "wide/ops/call_op.h"
 #include "wide/ops/layout.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/convolution.h>
@@ -233,11 +233,8 @@ at::Tensor conv(const at::Tensor& input, const at::Tensor& weight,
                 const std::optional<at::Tensor>& bias, c10::SymIntArrayRef stride,
                 c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, c10::SymInt groups,
                 bool packed_input, std::string_view strategy) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::conv", "")
-                       .typed<decltype(conv)>();
-  return op.call(input, weight, bias, stride, padding, dilation, std::move(groups), packed_input,
-                 strategy);
+  return detail::call_op<"wide::conv", decltype(conv)>(
+      input, weight, bias, stride, padding, dilation, std::move(groups), packed_input, strategy);
 }
 
 at::Tensor conv_transpose(const at::Tensor& input, const at::Tensor& weight,
@@ -245,11 +242,9 @@ at::Tensor conv_transpose(const at::Tensor& input, const at::Tensor& weight,
                           c10::SymIntArrayRef padding, c10::SymIntArrayRef output_padding,
                           c10::SymInt groups, c10::SymIntArrayRef dilation, bool packed_input,
                           std::string_view strategy) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::conv_transpose", "")
-                       .typed<decltype(conv_transpose)>();
-  return op.call(input, weight, bias, stride, padding, output_padding, std::move(groups), dilation,
-                 packed_input, strategy);
+  return detail::call_op<"wide::conv_transpose", decltype(conv_transpose)>(
+      input, weight, bias, stride, padding, output_padding, std::move(groups), dilation,
+      packed_input, strategy);
 }
 
 } // namespace wide

@@ -1,7 +1,8 @@
 #include "wide/ops/embedding.h"
 
+#include "wide/ops/call_op.h"
+
 #include <ATen/MemoryOverlap.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/embedding.h>
@@ -225,18 +226,14 @@ at::Tensor embedding_bag_impl(const at::Tensor& weight, const at::Tensor& indice
 
 at::Tensor embedding(const at::Tensor& weight, const at::Tensor& indices, c10::SymInt padding_idx,
                      bool scale_grad_by_freq, bool sparse) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::embedding", "")
-                       .typed<decltype(embedding)>();
-  return op.call(weight, indices, std::move(padding_idx), scale_grad_by_freq, sparse);
+  return detail::call_op<"wide::embedding", decltype(embedding)>(
+      weight, indices, std::move(padding_idx), scale_grad_by_freq, sparse);
 }
 
 at::Tensor& embedding_renorm_(at::Tensor& weight, const at::Tensor& indices, double max_norm,
                               double norm_type) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::embedding_renorm_", "")
-                       .typed<decltype(embedding_renorm_)>();
-  return op.call(weight, indices, max_norm, norm_type);
+  return detail::call_op<"wide::embedding_renorm_", decltype(embedding_renorm_)>(
+      weight, indices, max_norm, norm_type);
 }
 
 at::Tensor embedding_bag(const at::Tensor& weight, const at::Tensor& indices,
@@ -244,11 +241,9 @@ at::Tensor embedding_bag(const at::Tensor& weight, const at::Tensor& indices,
                          int64_t mode, bool sparse,
                          const std::optional<at::Tensor>& per_sample_weights,
                          bool include_last_offset, int64_t padding_idx) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::embedding_bag", "")
-                       .typed<decltype(embedding_bag)>();
-  return op.call(weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights,
-                 include_last_offset, padding_idx);
+  return detail::call_op<"wide::embedding_bag", decltype(embedding_bag)>(
+      weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights,
+      include_last_offset, padding_idx);
 }
 
 } // namespace wide

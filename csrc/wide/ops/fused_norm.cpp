@@ -18,7 +18,6 @@
 // kernel of two sweeps per row (Note [Fused per-member norm backward]) with the same formula in
 // ATen ops for other devices and for double backward (create_graph=True), where it is
 // differentiable. Other devices keep the composite with autograd's backward.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
@@ -39,6 +38,7 @@
 #include <tuple>
 #include <vector>
 
+#include "wide/ops/call_op.h"
 #include "wide/ops/cpu/fused_norm_kernels.h"
 #include "wide/ops/norm.h"
 #include "wide/ops/transforms.h"
@@ -448,38 +448,30 @@ std::optional<at::Tensor> maybe_fused_group_norm(const at::Tensor& input, int64_
 at::Tensor fused_norm(const at::Tensor& input, const std::optional<at::Tensor>& residual,
                       int64_t normalized_numel, const std::optional<at::Tensor>& weight,
                       const std::optional<at::Tensor>& bias, double eps, bool rms) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::fused_norm", "")
-                       .typed<decltype(fused_norm)>();
-  return op.call(input, residual, normalized_numel, weight, bias, eps, rms);
+  return detail::call_op<"wide::fused_norm", decltype(fused_norm)>(
+      input, residual, normalized_numel, weight, bias, eps, rms);
 }
 
 at::Tensor fused_group_norm(const at::Tensor& input, int64_t num_groups,
                             const std::optional<at::Tensor>& weight,
                             const std::optional<at::Tensor>& bias, double eps) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::fused_group_norm", "")
-                       .typed<decltype(fused_group_norm)>();
-  return op.call(input, num_groups, weight, bias, eps);
+  return detail::call_op<"wide::fused_group_norm", decltype(fused_group_norm)>(
+      input, num_groups, weight, bias, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_batch_norm(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     double eps) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::fused_batch_norm", "")
-                       .typed<decltype(fused_batch_norm)>();
-  return op.call(input, weight, bias, eps);
+  return detail::call_op<"wide::fused_batch_norm", decltype(fused_batch_norm)>(
+      input, weight, bias, eps);
 }
 
 at::Tensor add_layer_norm(const at::Tensor& input, const at::Tensor& residual,
                           c10::SymIntArrayRef normalized_shape,
                           const std::optional<at::Tensor>& weight,
                           const std::optional<at::Tensor>& bias, double eps) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::add_layer_norm", "")
-                       .typed<decltype(add_layer_norm)>();
-  return op.call(input, residual, normalized_shape, weight, bias, eps);
+  return detail::call_op<"wide::add_layer_norm", decltype(add_layer_norm)>(
+      input, residual, normalized_shape, weight, bias, eps);
 }
 
 }  // namespace wide

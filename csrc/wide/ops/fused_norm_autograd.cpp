@@ -3,7 +3,6 @@
 // backward is wide::fused_norm_backward / wide::fused_batch_norm_backward, or the formula in ATen
 // ops when the backward itself is being differentiated (create_graph=True). Built like the C++ frontend
 // files (CMakeLists.txt): the autograd headers pull in every ATen operator.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <ATen/ops/native_batch_norm_backward.h>
@@ -13,6 +12,7 @@
 #include <optional>
 #include <tuple>
 
+#include "wide/ops/call_op.h"
 #include "wide/ops/norm.h"
 
 namespace wide {
@@ -27,12 +27,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_backward(const at::Tensor& g
                                                               const std::optional<at::Tensor>& residual, int64_t d,
                                                               const std::optional<at::Tensor>& weight, double eps,
                                                               bool rms, std::array<bool, 3> mask) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::fused_norm_backward", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                           const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
-                           const std::optional<at::Tensor>&, double, bool, std::array<bool, 3>)>();
-  return op.call(grad, input, residual, d, weight, eps, rms, mask);
+  using Sig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+      const std::optional<at::Tensor>&, double, bool, std::array<bool, 3>);
+  return detail::call_op<"wide::fused_norm_backward", Sig>(
+      grad, input, residual, d, weight, eps, rms, mask);
 }
 
 class FusedNormFunction : public torch::autograd::Function<FusedNormFunction> {
@@ -89,12 +88,11 @@ at::Tensor fused_norm_autograd(const at::Tensor& input, const std::optional<at::
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_batch_norm_backward(
     const at::Tensor& grad, const at::Tensor& input, const std::optional<at::Tensor>& weight, const at::Tensor& mean,
     const at::Tensor& invstd, double eps, std::array<bool, 3> mask) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::fused_batch_norm_backward", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                           const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-                           const at::Tensor&, double, std::array<bool, 3>)>();
-  return op.call(grad, input, weight, mean, invstd, eps, mask);
+  using Sig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+      const at::Tensor&, double, std::array<bool, 3>);
+  return detail::call_op<"wide::fused_batch_norm_backward", Sig>(
+      grad, input, weight, mean, invstd, eps, mask);
 }
 
 // Outputs (y, mean, invstd, var): only y is differentiable (ATen's native_batch_norm alike).

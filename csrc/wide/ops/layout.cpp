@@ -1,6 +1,7 @@
 #include "wide/ops/layout.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
+#include "wide/ops/call_op.h"
+
 #include <ATen/ops/movedim.h>
 #include <torch/library.h>
 
@@ -73,24 +74,15 @@ at::Tensor to_nfirst_impl(const at::Tensor& input, c10::SymInt n) {
 } // namespace
 
 at::Tensor to_packed(const at::Tensor& input) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::to_packed", "")
-                       .typed<decltype(to_packed)>();
-  return op.call(input);
+  return detail::call_op<"wide::to_packed", decltype(to_packed)>(input);
 }
 
 at::Tensor to_nfirst(const at::Tensor& input, c10::SymInt n) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::to_nfirst", "")
-                       .typed<decltype(to_nfirst)>();
-  return op.call(input, std::move(n));
+  return detail::call_op<"wide::to_nfirst", decltype(to_nfirst)>(input, std::move(n));
 }
 
 at::Tensor to_channels_first(const at::Tensor& input) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::to_channels_first", "")
-                       .typed<decltype(to_channels_first)>();
-  return op.call(input);
+  return detail::call_op<"wide::to_channels_first", decltype(to_channels_first)>(input);
 }
 
 } // namespace wide

@@ -1,6 +1,7 @@
 #include "wide/ops/linear.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
+#include "wide/ops/call_op.h"
+
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/baddbmm.h>
@@ -144,10 +145,7 @@ at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight,
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias, std::string_view strategy) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::linear", "")
-                       .typed<decltype(linear)>();
-  return op.call(input, weight, bias, strategy);
+  return detail::call_op<"wide::linear", decltype(linear)>(input, weight, bias, strategy);
 }
 
 } // namespace wide

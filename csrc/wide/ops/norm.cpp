@@ -1,8 +1,8 @@
 #include "wide/ops/norm.h"
 
+#include "wide/ops/call_op.h"
 #include "wide/ops/layout.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/batch_norm.h>
 #include <ATen/ops/group_norm.h>
@@ -317,11 +317,8 @@ at::Tensor batch_norm(const at::Tensor& input, const std::optional<at::Tensor>& 
                       const std::optional<at::Tensor>& running_mean,
                       const std::optional<at::Tensor>& running_var, bool training,
                       double momentum, double eps, bool packed_input) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::batch_norm", "")
-                       .typed<decltype(batch_norm)>();
-  return op.call(input, weight, bias, running_mean, running_var, training, momentum, eps,
-                 packed_input);
+  return detail::call_op<"wide::batch_norm", decltype(batch_norm)>(
+      input, weight, bias, running_mean, running_var, training, momentum, eps, packed_input);
 }
 
 at::Tensor instance_norm(const at::Tensor& input, const std::optional<at::Tensor>& weight,
@@ -329,46 +326,35 @@ at::Tensor instance_norm(const at::Tensor& input, const std::optional<at::Tensor
                          const std::optional<at::Tensor>& running_mean,
                          const std::optional<at::Tensor>& running_var, bool use_input_stats,
                          double momentum, double eps, bool packed_input) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::instance_norm", "")
-                       .typed<decltype(instance_norm)>();
-  return op.call(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps,
-                 packed_input);
+  return detail::call_op<"wide::instance_norm", decltype(instance_norm)>(
+      input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, packed_input);
 }
 
 at::Tensor group_norm(const at::Tensor& input, int64_t n, int64_t num_groups,
                       const std::optional<at::Tensor>& weight,
                       const std::optional<at::Tensor>& bias, double eps, bool packed_input) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::group_norm", "")
-                       .typed<decltype(group_norm)>();
-  return op.call(input, n, num_groups, weight, bias, eps, packed_input);
+  return detail::call_op<"wide::group_norm", decltype(group_norm)>(
+      input, n, num_groups, weight, bias, eps, packed_input);
 }
 
 at::Tensor group_norm_nfirst(const at::Tensor& input, int64_t num_groups,
                              const std::optional<at::Tensor>& weight,
                              const std::optional<at::Tensor>& bias, double eps) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::group_norm_nfirst", "")
-                       .typed<decltype(group_norm_nfirst)>();
-  return op.call(input, num_groups, weight, bias, eps);
+  return detail::call_op<"wide::group_norm_nfirst", decltype(group_norm_nfirst)>(
+      input, num_groups, weight, bias, eps);
 }
 
 at::Tensor layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
                       const std::optional<at::Tensor>& weight,
                       const std::optional<at::Tensor>& bias, double eps, std::string_view strategy) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::layer_norm", "")
-                       .typed<decltype(layer_norm)>();
-  return op.call(input, normalized_shape, weight, bias, eps, strategy);
+  return detail::call_op<"wide::layer_norm", decltype(layer_norm)>(
+      input, normalized_shape, weight, bias, eps, strategy);
 }
 
 at::Tensor rms_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
                     const std::optional<at::Tensor>& weight, std::optional<double> eps) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::rms_norm", "")
-                       .typed<decltype(rms_norm)>();
-  return op.call(input, normalized_shape, weight, eps);
+  return detail::call_op<"wide::rms_norm", decltype(rms_norm)>(
+      input, normalized_shape, weight, eps);
 }
 
 } // namespace wide

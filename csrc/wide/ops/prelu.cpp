@@ -1,8 +1,8 @@
 #include "wide/ops/prelu.h"
 
+#include "wide/ops/call_op.h"
 #include "wide/ops/layout.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/prelu.h>
 #include <torch/library.h>
 
@@ -38,10 +38,7 @@ at::Tensor prelu_impl(const at::Tensor& input, const at::Tensor& weight, bool pa
 } // namespace
 
 at::Tensor prelu(const at::Tensor& input, const at::Tensor& weight, bool packed_input) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::prelu", "")
-                       .typed<decltype(prelu)>();
-  return op.call(input, weight, packed_input);
+  return detail::call_op<"wide::prelu", decltype(prelu)>(input, weight, packed_input);
 }
 
 } // namespace wide

@@ -1,10 +1,10 @@
 #include "wide/ops/rnn.h"
+#include "wide/ops/call_op.h"
 #include "wide/ops/linear.h"
 #include "wide/ops/transforms.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -543,20 +543,16 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn(const at::Tensor& input, at:
                                                     bool batch_first, double dropout, bool train,
                                                     bool has_biases, int64_t proj_size,
                                                     std::string_view strategy) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::rnn", "")
-                       .typed<decltype(rnn)>();
-  return op.call(input, hx, params, mode, num_layers, bidirectional, batch_first, dropout, train,
-                 has_biases, proj_size, strategy);
+  return detail::call_op<"wide::rnn", decltype(rnn)>(
+      input, hx, params, mode, num_layers, bidirectional, batch_first, dropout, train, has_biases,
+      proj_size, strategy);
 }
 
 std::vector<at::Tensor> rnn_cell(const at::Tensor& input, at::TensorList hx, const at::Tensor& w_ih,
                                  const at::Tensor& w_hh, const std::optional<at::Tensor>& b_ih,
                                  const std::optional<at::Tensor>& b_hh, std::string_view mode) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::rnn_cell", "")
-                       .typed<decltype(rnn_cell)>();
-  return op.call(input, hx, w_ih, w_hh, b_ih, b_hh, mode);
+  return detail::call_op<"wide::rnn_cell", decltype(rnn_cell)>(
+      input, hx, w_ih, w_hh, b_ih, b_hh, mode);
 }
 
 } // namespace wide

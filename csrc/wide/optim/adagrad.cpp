@@ -1,11 +1,11 @@
 // wide::adagrad_step: what is specific to Adagrad (arguments, per-member coefficients, the ATen
 // composite); the shared skeleton is in common.h, the kernel body in cpu/kernels_impl.h and the
 // schema in registration.cpp.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <vector>
 
+#include "wide/ops/call_op.h"
 #include "wide/optim/common.h"
 #include "wide/optim/optim.h"
 
@@ -51,10 +51,8 @@ using Kernels = optim::detail::StepKernels<Adagrad>;
 void adagrad_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& state_sum,
                   const at::Tensor& step, const at::Tensor& lr, const at::Tensor& lr_decay,
                   const at::Tensor& weight_decay, const at::Tensor& eps, bool maximize) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::adagrad_step", "")
-                       .typed<decltype(adagrad_step)>();
-  op.call(param, grad, state_sum, step, lr, lr_decay, weight_decay, eps, maximize);
+  detail::call_op<"wide::adagrad_step", decltype(adagrad_step)>(
+      param, grad, state_sum, step, lr, lr_decay, weight_decay, eps, maximize);
 }
 
 void optim::adagrad_step_composite(const at::Tensor& param, const at::Tensor& grad,

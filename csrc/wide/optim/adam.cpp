@@ -1,12 +1,12 @@
 // wide::adam_step (Adam, AdamW, AMSGrad): what is specific to Adam (arguments, per-member
 // coefficients, the ATen composite); the shared skeleton is in common.h, the kernel body in
 // cpu/kernels_impl.h and the schema in registration.cpp.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <vector>
 
+#include "wide/ops/call_op.h"
 #include "wide/optim/common.h"
 #include "wide/optim/optim.h"
 
@@ -73,11 +73,9 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
                const at::Tensor& step, const at::Tensor& lr, const at::Tensor& beta1,
                const at::Tensor& beta2, const at::Tensor& eps, const at::Tensor& weight_decay,
                bool decoupled_weight_decay, bool amsgrad, bool maximize) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::adam_step", "")
-                       .typed<decltype(adam_step)>();
-  op.call(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps,
-          weight_decay, decoupled_weight_decay, amsgrad, maximize);
+  detail::call_op<"wide::adam_step", decltype(adam_step)>(
+      param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
+      decoupled_weight_decay, amsgrad, maximize);
 }
 
 void optim::adam_step_composite(const at::Tensor& param, const at::Tensor& grad,

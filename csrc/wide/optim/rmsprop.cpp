@@ -1,11 +1,11 @@
 // wide::rmsprop_step: what is specific to RMSprop (arguments, per-member coefficients, the ATen
 // composite); the shared skeleton is in common.h, the kernel body in cpu/kernels_impl.h and the
 // schema in registration.cpp.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <vector>
 
+#include "wide/ops/call_op.h"
 #include "wide/optim/common.h"
 #include "wide/optim/optim.h"
 
@@ -75,11 +75,9 @@ void rmsprop_step(const at::Tensor& param, const at::Tensor& grad, const at::Ten
                   const at::Tensor& lr, const at::Tensor& alpha, const at::Tensor& eps,
                   const at::Tensor& weight_decay, const at::Tensor& momentum, bool centered,
                   bool maximize) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::rmsprop_step", "")
-                       .typed<decltype(rmsprop_step)>();
-  op.call(param, grad, square_avg, grad_avg, momentum_buffer, step, lr, alpha, eps, weight_decay,
-          momentum, centered, maximize);
+  detail::call_op<"wide::rmsprop_step", decltype(rmsprop_step)>(
+      param, grad, square_avg, grad_avg, momentum_buffer, step, lr, alpha, eps, weight_decay,
+      momentum, centered, maximize);
 }
 
 void optim::rmsprop_step_composite(const at::Tensor& param, const at::Tensor& grad,

@@ -1,11 +1,11 @@
 // wide::sgd_step: what is specific to SGD (arguments, per-member coefficients, the ATen
 // composite); the shared skeleton is in common.h, the kernel body in cpu/kernels_impl.h and the
 // schema in registration.cpp.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <vector>
 
+#include "wide/ops/call_op.h"
 #include "wide/optim/common.h"
 #include "wide/optim/optim.h"
 
@@ -65,11 +65,9 @@ void sgd_step(const at::Tensor& param, const at::Tensor& grad,
               const std::optional<at::Tensor>& momentum_buffer, const at::Tensor& lr,
               const at::Tensor& weight_decay, const at::Tensor& momentum,
               const at::Tensor& dampening, bool nesterov, bool maximize, bool init_buffer) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("wide::sgd_step", "")
-                       .typed<decltype(sgd_step)>();
-  op.call(param, grad, momentum_buffer, lr, weight_decay, momentum, dampening, nesterov, maximize,
-          init_buffer);
+  detail::call_op<"wide::sgd_step", decltype(sgd_step)>(
+      param, grad, momentum_buffer, lr, weight_decay, momentum, dampening, nesterov, maximize,
+      init_buffer);
 }
 
 void optim::sgd_step_composite(const at::Tensor& param, const at::Tensor& grad,
