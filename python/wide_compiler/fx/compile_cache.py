@@ -338,6 +338,8 @@ def _value(d: _Digest, v: Any, depth: int, code_only: bool = False) -> None:
         _value(d, v(), depth, code_only)
     elif isinstance(v, torch.Tensor):
         _tensor(d, v, values=True)
+    elif isinstance(v, fx.GraphModule):  # a program held as an attribute (a padded member's)
+        _program(d, v)
     elif isinstance(v, nn.Module):
         d.add("module", type(v).__module__, type(v).__qualname__)  # its own structure is keyed by its path
     elif isinstance(v, types.ModuleType):
@@ -380,6 +382,33 @@ def _value(d: _Digest, v: Any, depth: int, code_only: bool = False) -> None:
             _value(d, state, depth - 1, code_only)
         elif state is None:
             d.add(repr(v))
+
+
+def _program(d: _Digest, gm: fx.GraphModule) -> None:
+    """A graph module held as a value (not a submodule: its path keys nothing): its generated code
+    (the program; its class is generated, the same for every graph), its parameters and persistent
+    buffers by structure (the holder passes its own) and any other tensor by value (a lifted
+    constant, which the code names but does not hold)."""
+    if id(gm) in d.seen:
+        d.add("seen", d.seen[id(gm)])
+        return
+    d.seen[id(gm)] = len(d.seen)
+    for path, mod in gm.named_modules():
+        d.add("graph", path, mod.code if isinstance(mod, fx.GraphModule) else type(mod).__qualname__)
+        state = {**mod._parameters, **{k: b for k, b in mod._buffers.items() if k not in mod._non_persistent_buffers_set}}
+        for name in sorted(vars(mod)):
+            t = vars(mod)[name]
+            if isinstance(t, torch.Tensor):
+                d.add("tensor", name)
+                _tensor(d, t, values=True)
+        for name in sorted(mod._buffers):
+            d.add("buffer", name)
+            if mod._buffers[name] is not None:
+                _tensor(d, mod._buffers[name], values=name not in state)
+        for name in sorted(mod._parameters):
+            d.add("param", name)
+            if mod._parameters[name] is not None:
+                _tensor(d, mod._parameters[name], values=False)
 
 
 _INTERNALS = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
