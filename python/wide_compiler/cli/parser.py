@@ -121,11 +121,21 @@ def _wrap(text: str, width: int = 88) -> str:
     return "\n".join(textwrap.fill(line, width) if line else "" for line in text.split("\n"))
 
 
+def _command(sub: Any, name: str, module: str, parents: list[argparse.ArgumentParser], *, help: str,
+             description: str, epilog: str) -> argparse.ArgumentParser:
+    """The parser of command ``name``: its help, its description filled to 88 columns
+    (:func:`_wrap`), its examples kept line by line, and ``run`` of ``.<module>`` as its ``func``
+    (imported when the command runs: Note [A quick CLI])."""
+    p = sub.add_parser(name, parents=parents, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help=help, description=_wrap(description), epilog=epilog)
+    p.set_defaults(func=_Command(module), parser=p)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every command; imports neither torch nor the library (Note [A quick CLI])."""
-    raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="wide_compiler", description=_DESCRIPTION, epilog=_EPILOG,
-                                     formatter_class=raw)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log INFO messages (and tracebacks of failed checks)")
     # -v is accepted before or after the command (SUPPRESS: a subcommand's default must not
@@ -139,26 +149,25 @@ def build_parser() -> argparse.ArgumentParser:
                   "(module:factory works too): a zero-argument callable, or an nn.Module class, "
                   "returning one member")
 
-    p = sub.add_parser(
-        "info", parents=[common], formatter_class=raw,
+    p = _command(
+        sub, "info", "info", [common],
         help="versions, threads, CPU ISA, C++ build, registered ops",
-        description=_wrap("Print what this install runs on: wide_compiler, torch, Python and platform "
+        description="Print what this install runs on: wide_compiler, torch, Python and platform "
                     "versions, torch's threads and CPU capability, the C++ core's build info "
                     "(compiler, ISA, OpenMP) and every registered wide:: operator with its schema "
-                    "and dispatch keys. Attach it to bug reports."),
+                    "and dispatch keys. Attach it to bug reports.",
         epilog="example:\n  python -m wide_compiler info")
-    p.set_defaults(func=_Command("info"), parser=p)
 
-    p = sub.add_parser(
-        "test", parents=[common, inputs], formatter_class=raw,
+    p = _command(
+        sub, "test", "check", [common, inputs],
         help="quick self-check on this machine, or check a model of yours member by member "
              "(PASS/FAIL, exit 0/1)",
-        description=_wrap("Without MODEL: a self-check of this install (the wide ops against PyTorch, "
+        description="Without MODEL: a self-check of this install (the wide ops against PyTorch, "
                     "opcheck, compile, unfuse), one PASS/FAIL line each.\nWith MODEL: compile N "
                     "members of your model and check every member in train and eval mode, on its "
                     "own input and on a shared one (outputs, input and parameter gradients, "
                     "buffers: wide_compiler.testing.check_compile). Exit 0 when all pass, 1 when "
-                    "one fails, 2 for a usage error."),
+                    "one fails, 2 for a usage error.",
         epilog="examples:\n"
                "  python -m wide_compiler test\n"
                "  python -m wide_compiler test my_model.py:make --shape 32,64\n"
@@ -167,14 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", metavar="MODEL", help=model_help + "; without: the self-check")
     p.add_argument("-n", type=_positive_int, default=3, help="members to check (default 3)")
     p.add_argument("--strict", action="store_true", help="refuse per-member fallbacks")
-    p.set_defaults(func=_Command("check"), parser=p)
 
-    p = sub.add_parser(
-        "trace", parents=[common, inputs], formatter_class=raw,
+    p = _command(
+        sub, "trace", "trace", [common, inputs],
         help="a model's captured graph and wide graph side by side",
-        description=_wrap("Capture one member with torch.export, compile N members, and print the "
+        description="Capture one member with torch.export, compile N members, and print the "
                     "captured member graph beside the wide graph (one line per node), then the "
-                    "compile report: each wide op with its strategy, fallbacks, layout conversions."),
+                    "compile report: each wide op with its strategy, fallbacks, layout conversions.",
         epilog="examples:\n"
                "  python -m wide_compiler trace -m transformer\n"
                "  python -m wide_compiler trace my_model.py:make --shape 8,16 -n 2\n"
@@ -182,16 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", metavar="MODEL", help=model_help)
     p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL", help="the same as MODEL")
     p.add_argument("-n", type=_positive_int, default=4, help="number of members (default 4)")
-    p.set_defaults(func=_Command("trace"), parser=p)
 
-    p = sub.add_parser("benchmark", parents=[common], help="time wide ops against loop / vmap / torch.compile",
-                       description="Time the wide model against the baselines; print a table "
-                                   "and optionally write JSON records.\nWithout a target: the "
-                                   "list of targets.",
-                       epilog="examples:\n"
-                              "  python -m wide_compiler benchmark linear --preset ci\n"
-                              "  python -m wide_compiler benchmark all --preset quick --save --plot speedup.png",
-                       formatter_class=raw)
+    p = _command(
+        sub, "benchmark", "benchmark", [common],
+        help="time wide ops against loop / vmap / torch.compile",
+        description="Time the wide model against the baselines; print a table and optionally write "
+                    "JSON records.\nWithout a target: the list of targets.",
+        epilog="examples:\n"
+               "  python -m wide_compiler benchmark linear --preset ci\n"
+               "  python -m wide_compiler benchmark all --preset quick --save --plot speedup.png")
     p.format_help = _with_targets(p.format_help)  # the registry imports torch: only for this help
     # Checked by the command (not `choices`): no target lists the targets, exit 0.
     p.add_argument("target", nargs="?", metavar="TARGET",
@@ -222,15 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the members, their inputs and every contender run (the targets "
                         "built on whole models and linear; records say the device)")
     p.add_argument("-q", "--quiet", action="store_true", help="no table, no progress bar")
-    p.set_defaults(func=_Command("benchmark"), parser=p)
 
-    p = sub.add_parser(
-        "analyze", parents=[common, inputs], formatter_class=raw,
+    p = _command(
+        sub, "analyze", "analyze", [common, inputs],
         help="compile, time, profile and size N members of a model",
-        description=_wrap("Report what fusing N members of a model buys on this machine: wide ops and "
+        description="Report what fusing N members of a model buys on this machine: wide ops and "
                     "fallbacks, speed vs loop and vmap, per-op profile, memory and the largest N "
                     "that fits, recommendations. Takes about a minute (progress on stderr: a bar "
-                    "in a terminal, one line per stage in CI or a pipe)."),
+                    "in a terminal, one line per stage in CI or a pipe).",
         epilog="examples:\n"
                "  python -m wide_compiler analyze convnet -n 4,16 --memory 8GB\n"
                "  python -m wide_compiler analyze my_model.py:make --shape 8,3,32,32 --plot speedup.png\n"
@@ -250,7 +256,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draw the speedup over loop and vmap against N, a panel per mode (needs "
                         "matplotlib, checked first: pip install 'wide_compiler[plot]')")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
-    p.set_defaults(func=_Command("analyze"), parser=p)
     return parser
 
 
