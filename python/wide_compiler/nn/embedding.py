@@ -14,6 +14,10 @@ from ._common import check_members, check_strategy, stack_param, unstack_member
 
 __all__ = ["WideEmbedding", "WideEmbeddingBag"]
 
+#: The options nn.Embedding and nn.EmbeddingBag share, which the members must agree on.
+_TABLE_OPTIONS = ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq",
+                  "sparse")
+
 
 class _WideTable(nn.Module):
     _base: type[nn.Module]
@@ -60,8 +64,7 @@ class WideEmbedding(_WideTable):
     """
 
     _base = nn.Embedding
-    _attrs = ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
-              "scale_grad_by_freq", "sparse", "weight")
+    _attrs = _TABLE_OPTIONS + ("weight",)
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         t = self._template
@@ -85,8 +88,7 @@ class WideEmbeddingBag(_WideTable):
     """
 
     _base = nn.EmbeddingBag
-    _attrs = ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
-              "scale_grad_by_freq", "sparse", "mode", "include_last_offset", "weight")
+    _attrs = _TABLE_OPTIONS + ("mode", "include_last_offset", "weight")
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
