@@ -53,6 +53,27 @@ constexpr int64_t kRows = 4;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// The register block of both products below: acc[r][c] = sum over t in [0, depth) of
+// a(r, t) * b[t * ldb + (c0 + c) * W ...], kRows rows x C vectors of independent FMA chains (one
+// broadcast of a(r, t) against C vectors of row t of b).
+template <typename T, int C, typename A>
+inline void accumulate_block(Vectorized<T> (&acc)[kRows][C], A&& a, const T* b, int64_t ldb, int64_t depth,
+                             int64_t c0) {
+  using V = Vectorized<T>;
+  constexpr int64_t W = V::size();
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = V(T(0));
+  }
+  for (int64_t t = 0; t < depth; ++t) {
+    V bv[C];
+    for (int c = 0; c < C; ++c) bv[c] = V::loadu(b + t * ldb + (c0 + c) * W);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const V av(a(r, t));
+      for (int c = 0; c < C; ++c) acc[r][c] = at::vec::fmadd(av, bv[c], acc[r][c]);
+    }
+  }
+}
+
 // Scores of kRows query rows against key vectors [c0, c0 + C) of K^T: s[r][c0*W ...] = q_r . k * scale.
 template <typename T, int C>
 inline void score_block(const T* const* qrows, const T* kt, int64_t lkp, int64_t e, int64_t c0, T* s,
@@ -60,17 +81,7 @@ inline void score_block(const T* const* qrows, const T* kt, int64_t lkp, int64_t
   using V = Vectorized<T>;
   constexpr int64_t W = V::size();
   V acc[kRows][C];
-  for (int64_t r = 0; r < kRows; ++r) {
-    for (int c = 0; c < C; ++c) acc[r][c] = V(T(0));
-  }
-  for (int64_t d = 0; d < e; ++d) {
-    V kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = V::loadu(kt + d * lkp + (c0 + c) * W);
-    for (int64_t r = 0; r < kRows; ++r) {
-      const V qv(qrows[r][d]);
-      for (int c = 0; c < C; ++c) acc[r][c] = at::vec::fmadd(qv, kv[c], acc[r][c]);
-    }
-  }
+  accumulate_block<T, C>(acc, [qrows](int64_t r, int64_t d) { return qrows[r][d]; }, kt, lkp, e, c0);
   const V vs(scale);
   for (int64_t r = 0; r < kRows; ++r) {
     for (int c = 0; c < C; ++c) (acc[r][c] * vs).store(s + r * lkp + (c0 + c) * W);
@@ -83,17 +94,7 @@ inline void value_block(const T* p, int64_t lkp, const T* vp, int64_t evp, int64
   using V = Vectorized<T>;
   constexpr int64_t W = V::size();
   V acc[kRows][C];
-  for (int64_t r = 0; r < kRows; ++r) {
-    for (int c = 0; c < C; ++c) acc[r][c] = V(T(0));
-  }
-  for (int64_t j = 0; j < jend; ++j) {
-    V vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = V::loadu(vp + j * evp + (c0 + c) * W);
-    for (int64_t r = 0; r < kRows; ++r) {
-      const V pv(p[r * lkp + j]);
-      for (int c = 0; c < C; ++c) acc[r][c] = at::vec::fmadd(pv, vv[c], acc[r][c]);
-    }
-  }
+  accumulate_block<T, C>(acc, [p, lkp](int64_t r, int64_t j) { return p[r * lkp + j]; }, vp, evp, jend, c0);
   for (int64_t r = 0; r < kRows; ++r) {
     for (int c = 0; c < C; ++c) acc[r][c].store(o + r * evp + (c0 + c) * W);
   }
