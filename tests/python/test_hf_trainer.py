@@ -271,3 +271,28 @@ def test_predict_without_labels(runs):
     for i, (t, _) in enumerate(alone):
         want = t.predict(test).predictions
         assert abs(out.predictions[..., i] - want).max() <= 1e-9 * abs(want).max()
+
+
+def test_one_capture_per_mode_for_the_loops_inputs(tmp_path, monkeypatch):
+    """Note [Build the graph the loop runs]: the graph built at construction takes the batch as
+    the training loop gives it (with num_items_in_batch), so training and evaluation run it: one
+    train and one eval graph captured (a graph of the collated batch alone made the loop capture
+    both modes twice), and the members still match their plain Trainer runs."""
+    from wide_compiler.fx import pipeline
+
+    compiled = []
+    run_cached = pipeline.run_cached
+    monkeypatch.setattr(pipeline, "run_cached", lambda c: compiled.append(c.training) or run_cached(c))
+    train, evals = _data(16, 0), _data(6, 1)
+    args = _args(tmp_path, max_steps=2, learning_rate=1e-2)
+    wide = WideTrainer(model=[_member(i) for i in range(2)], args=args, train_dataset=train, eval_dataset=evals)
+    wide.train()
+    metrics = wide.evaluate()
+    assert sorted(compiled) == [False, True] and len(wide.model._graphs) == 1, compiled
+    for i in range(2):
+        t = transformers.Trainer(model=_member(i), args=dataclasses.replace(args, output_dir=str(tmp_path / f"a{i}")),
+                                 train_dataset=train, eval_dataset=evals)
+        t.train()
+        got, want = wide.model.member(i).state_dict(), t.model.state_dict()
+        assert max(_rel(got[k], want[k]) for k in want if want[k].is_floating_point()) <= 1e-6
+        assert metrics[f"eval_loss_member_{i}"] == pytest.approx(t.evaluate()["eval_loss"], rel=1e-6)

@@ -24,6 +24,20 @@ __all__ = ["WideTrainer"]
 # implementation choices of torch.optim that do not change the maths
 _IMPLEMENTATION_KWARGS = ("fused", "foreach", "capturable", "differentiable")
 
+# Note [Build the graph the loop runs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# WideTransformersModel keeps one fused graph per signature of the model's keyword inputs (their
+# names, ranks and dtypes). The Trainer's loop calls the model with the collated batch AND, when
+# the model accepts loss kwargs (BERT's and GPT-2's forward take **kwargs) and the batch holds
+# labels, ``num_items_in_batch`` (Trainer.compute_loss; counted by _get_num_items_in_batch, a
+# tensor). A graph built from the collated batch alone was never run in training: the first step
+# captured a second train graph for the loop's signature, and the first evaluation captured the
+# eval mode of both (the unused one as the model's submodule). That doubled the compile of a
+# short run (issue 45: a 3-member, 10-step BERT run spent 2 of its 3 captures on it). So the graph
+# built at construction is given the batch as the loop gives it, ``num_items_in_batch`` made by
+# the Trainer's own function: the signature is the loop's whenever the Trainer passes it, and the
+# batch alone otherwise (no labels, a model without loss kwargs), where nothing is added.
+
 
 
 class WideTrainer(hf.Trainer):
@@ -97,9 +111,22 @@ class WideTrainer(hf.Trainer):
             m.to(self.args.device)
         if model.wide is None:
             with torch.random.fork_rng(devices=[]):
-                model.build(self._prepare_inputs(sample if sample is not None else self._sample_batch()))
+                batch = self._prepare_inputs(sample if sample is not None else self._sample_batch())
+                model.build(self._with_loss_kwargs(batch))
 
     # -- building ----------------------------------------------------------------------------
+    def _with_loss_kwargs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``batch`` as the training loop gives it to the model: with ``num_items_in_batch``
+        (Note [Build the graph the loop runs])."""
+        if not self.model_accepts_loss_kwargs:
+            return batch
+        count = self._get_num_items_in_batch([batch], self.args.device)
+        if count is None:
+            return batch
+        if isinstance(count, int):      # as compute_loss makes it: an input of the fused graph
+            count = torch.tensor(count, device=self.args.device)
+        return {**batch, "num_items_in_batch": count}
+
     def _sample_batch(self) -> dict[str, Any]:
         ds = self.train_dataset if self.train_dataset is not None else self.eval_dataset
         if isinstance(ds, Mapping):
