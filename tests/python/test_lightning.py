@@ -601,3 +601,19 @@ def test_example_runs(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "best member" in proc.stdout.lower()
+
+
+def test_the_steps_are_rank_checked_on_meta_tensors(monkeypatch):
+    """mse_loss has no widen rule: its vmap fallback asked torch.is_autocast_enabled("meta"), which
+    raises, so the rank check of every step with it left the meta run for the slow fake run
+    (Note [Rank check on meta tensors] in fx/widen.py; issue 45: the short fused fit)."""
+    from wide_compiler.fx import widen
+
+    ran = []
+    monkeypatch.setattr(widen, "_fake_run", lambda *args, **kwargs: ran.append(1))
+    wide = wide_module(CONFIGS[:2])
+    wide.eval()  # the validation step's graph
+    assert not ran
+    x, y = next(iter(loaders()[0]))
+    want = torch.stack([F.mse_loss(member(i)(x), y) for i in range(2)])
+    torch.testing.assert_close(wide((x, y))["log/val_loss"], want)

@@ -29,9 +29,11 @@ log = logging.getLogger(__name__)
 def _autocast_on(leaves: tuple) -> bool:
     """Whether autocast is on for the device of the tensor arguments. Then the loop runs each
     member's op as the member does: vmap's batching rules decompose an op into others that
-    autocast casts otherwise (Note [Autocast parity of widened ops] in fx/rules/matmul.py)."""
+    autocast casts otherwise (Note [Autocast parity of widened ops] in fx/rules/matmul.py).
+    Meta tensors (the rank check's run, Note [Rank check on meta tensors] in fx/widen.py) have no
+    autocast (``torch.is_autocast_enabled("meta")`` raises): off."""
     device = next((leaf.device.type for leaf in leaves if isinstance(leaf, torch.Tensor)), None)
-    return device is not None and torch.is_autocast_enabled(device)
+    return device is not None and device != "meta" and torch.is_autocast_enabled(device)
 
 
 class MemberFallback:
