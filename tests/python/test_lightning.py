@@ -617,3 +617,17 @@ def test_the_steps_are_rank_checked_on_meta_tensors(monkeypatch):
     x, y = next(iter(loaders()[0]))
     want = torch.stack([F.mse_loss(member(i)(x), y) for i in range(2)])
     torch.testing.assert_close(wide((x, y))["log/val_loss"], want)
+
+
+def test_the_integrations_benchmark_runs_the_same_training_fused_and_sequential(tmp_path):
+    """benchmark integrations (issue 45) times a fused fit against the members' own fits: both
+    train the same members on the same batches (same final weights), or the timing compares
+    different work."""
+    from wide_compiler.bench import _integrations_child as child
+    from wide_compiler.bench import integrations as target
+
+    fused, alone = str(tmp_path / "fused.pt"), str(tmp_path / "alone.pt")
+    got = child.one_run("lightning", True, 2, 3, fused)
+    child.one_run("lightning", False, 2, 3, alone)
+    assert set(got) == {"seconds", "import_s", "cpu_s"} and got["seconds"] > 0
+    assert target._max_abs_err(fused, alone) < 1e-5
