@@ -113,7 +113,7 @@ void WideOptimizer::copy_member(int64_t src, int64_t dst) {
 // -- Adam ------------------------------------------------------------------------------------------
 
 Adam::Adam(std::vector<at::Tensor> params, AdamOptions options)
-    : WideOptimizer(std::move(params), "wide::optim::Adam"), options_(std::move(options)) {
+    : WithOptions(std::move(params), "wide::optim::Adam", std::move(options)) {
   add_hyperparameter("lr", options_.lr_, positive_or_zero, ">= 0");
   add_hyperparameter("beta1", options_.beta1_, in_unit, "0 <= beta1 < 1");
   add_hyperparameter("beta2", options_.beta2_, in_unit, "0 <= beta2 < 1");
@@ -146,7 +146,7 @@ void Adam::step() {
 // -- SGD -------------------------------------------------------------------------------------------
 
 SGD::SGD(std::vector<at::Tensor> params, SGDOptions options)
-    : WideOptimizer(std::move(params), "wide::optim::SGD"), options_(std::move(options)) {
+    : WithOptions(std::move(params), "wide::optim::SGD", std::move(options)) {
   add_hyperparameter("lr", options_.lr_, positive_or_zero, ">= 0");
   add_hyperparameter("momentum", options_.momentum_, positive_or_zero, ">= 0");
   add_hyperparameter("dampening", options_.dampening_, any_value, "a number");

@@ -16,6 +16,7 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace wide::optim {
@@ -88,26 +89,35 @@ class WideOptimizer {
   std::vector<std::map<std::string, at::Tensor>> state_;
 };
 
+namespace detail {
+
+/// A WideOptimizer configured by an options struct (AdamOptions, SGDOptions), which it keeps.
+template <typename Options>
+class WithOptions : public WideOptimizer {
+ public:
+  const Options& options() const { return options_; }
+
+ protected:
+  WithOptions(std::vector<at::Tensor> params, const char* name, Options options)
+      : WideOptimizer(std::move(params), name), options_(std::move(options)) {}
+
+  Options options_;
+};
+
+}  // namespace detail
+
 /// Per-member Adam / AdamW (see AdamOptions).
-class Adam : public WideOptimizer {
+class Adam : public detail::WithOptions<AdamOptions> {
  public:
   Adam(std::vector<at::Tensor> params, AdamOptions options = {});
   void step() override;
-  const AdamOptions& options() const { return options_; }
-
- private:
-  AdamOptions options_;
 };
 
 /// Per-member SGD with momentum, dampening, Nesterov and weight decay (see SGDOptions).
-class SGD : public WideOptimizer {
+class SGD : public detail::WithOptions<SGDOptions> {
  public:
   SGD(std::vector<at::Tensor> params, SGDOptions options = {});
   void step() override;
-  const SGDOptions& options() const { return options_; }
-
- private:
-  SGDOptions options_;
 };
 
 }  // namespace wide::optim
