@@ -114,6 +114,18 @@ class LinearModel(nn.Module):
             setattr(self, name, value)
 
 
+class Call(nn.Module):
+    """A module whose forward is ``fn(x)``: a plain function (``F.relu``, ``torch.tanh``) as a
+    module, or a module (a convolution) as the submodule ``fn`` of a model."""
+
+    def __init__(self, fn: Callable) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
 class StackedScalar(nn.Module):
     """The wide form of N modules whose one parameter is a scalar ``s``: here ``s`` is theirs
     stacked, ``[N]``. Subclasses write ``forward`` (:meth:`per_member` views ``s`` to broadcast

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
-from support import LinearModel, OpRecorder, assert_members_trained_alike
+from support import Call, LinearModel, OpRecorder, assert_members_trained_alike
 from torch import nn
 from wide_compiler.testing import assert_close, assert_members_close, check_equivalence
 
@@ -29,17 +29,6 @@ def compile_fast(models, sample, **kwargs):
 # ---------------------------------------------------------------------------------------------
 # Model zoo
 # ---------------------------------------------------------------------------------------------
-class Fn(nn.Module):
-    """Applies a plain function (F.relu, torch.tanh, ...) as a module."""
-
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
-
-
 ACTIVATIONS = {
     "ReLU": nn.ReLU,
     "GELU": nn.GELU,
@@ -50,8 +39,8 @@ ACTIVATIONS = {
     "LeakyReLU": lambda: nn.LeakyReLU(0.1),
     "Identity": nn.Identity,
     "ReLU-inplace": lambda: nn.ReLU(inplace=True),
-    "F.relu": lambda: Fn(F.relu),
-    "torch.tanh": lambda: Fn(torch.tanh),
+    "F.relu": lambda: Call(F.relu),
+    "torch.tanh": lambda: Call(torch.tanh),
     "ELU": nn.ELU,
     "Softplus": nn.Softplus,
     "Hardswish": nn.Hardswish,

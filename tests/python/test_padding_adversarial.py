@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import wide_compiler as wc
 import wide_compiler.router.padding as wc_router_padding
+from support import Call
 from torch import nn
 from wide_compiler.errors import UnsupportedOperationError
 
@@ -43,15 +44,6 @@ def _same_as_alone(wide, models, xs, *, grads=True):
             assert torch.equal(q, dict(m.named_parameters())[name]), f"member({i}).{name}"
 
 
-class _Conv(nn.Module):
-    def __init__(self, conv):
-        super().__init__()
-        self.c = conv
-
-    def forward(self, x):
-        return self.c(x)
-
-
 # (conv class, per-member (kernel_size, kwargs), one member's input shape)
 KERNEL_SWEEPS = {
     "conv2d_same": (nn.Conv2d, [(3, dict(padding="same")), (5, dict(padding="same"))], (2, 3, 7, 7)),
@@ -72,7 +64,7 @@ def test_a_kernel_size_sweep_runs_each_member_with_its_own_padding(sweep):
     padding (off by 1-2, or the wrong output shape)."""
     conv, members, shape = KERNEL_SWEEPS[sweep]
     torch.manual_seed(0)
-    models = [_Conv(conv(3, 4, k, **kw)).to(DT) for k, kw in members]
+    models = [Call(conv(3, 4, k, **kw)).to(DT) for k, kw in members]
     wide = wc.compile(models, torch.randn(shape, dtype=DT), pad=True, config=FAST)
     _same_as_alone(wide, models, torch.randn(len(models), *shape, dtype=DT))
 
@@ -81,10 +73,10 @@ def test_a_kernel_size_sweep_that_padding_cannot_centre_is_refused_naming_member
     """Kernel 3 with padding 0 and kernel 5 with padding 2 at stride 3 give outputs of one shape,
     but no placement of the smaller kernel computes member 0's convolution: refused."""
     torch.manual_seed(0)
-    models = [_Conv(nn.Conv1d(3, 4, 3, padding=0, stride=3)).to(DT),
-              _Conv(nn.Conv1d(3, 4, 5, padding=2, stride=3)).to(DT)]
+    models = [Call(nn.Conv1d(3, 4, 3, padding=0, stride=3)).to(DT),
+              Call(nn.Conv1d(3, 4, 5, padding=2, stride=3)).to(DT)]
     assert models[0](torch.randn(2, 3, 9, dtype=DT)).shape == models[1](torch.randn(2, 3, 9, dtype=DT)).shape
-    with pytest.raises(UnsupportedOperationError, match=r"module 'c'.*kernel_size differ.*member 1.*padding"):
+    with pytest.raises(UnsupportedOperationError, match=r"module 'fn'.*kernel_size differ.*member 1.*padding"):
         wc.compile(models, torch.randn(2, 3, 9, dtype=DT), pad=True, config=FAST)
 
 
