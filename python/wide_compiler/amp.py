@@ -317,16 +317,25 @@ class GradScaler:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
+        self._unscale(optimizer, state, self._found_inf(optimizer))
+
+    def _found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """1.0 for each member with an inf or NaN in a gradient of ``optimizer``, else 0.0 (the
+        scaled gradients are read, as torch's kernel tests each value before it unscales it)."""
         self._lazy_init(self._n, self._scale.device)
+        found = torch.zeros(self._n, dtype=torch.float32, device=self._scale.device)
+        for _, g in self._grads(optimizer):
+            if g.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            bad = ~torch.isfinite(g).reshape(self._n, -1).all(dim=1)
+            found = torch.where(bad.to(found.device), torch.ones_like(found), found)
+        return found
+
+    def _unscale(self, optimizer: torch.optim.Optimizer, state: dict[str, Any], found: torch.Tensor) -> None:
         # as torch: the reciprocal in double, rounded to float32; grad * inv_scale as its kernel does
         inv = self._scale.double().reciprocal().float()
-        found = torch.zeros(self._n, dtype=torch.float32, device=self._scale.device)
         with torch.no_grad():
             for _, g in self._grads(optimizer):
-                if g.dtype == torch.float16:
-                    raise ValueError("Attempting to unscale FP16 gradients.")
-                bad = ~torch.isfinite(g).reshape(self._n, -1).all(dim=1)
-                found = torch.where(bad.to(found.device), torch.ones_like(found), found)
                 g.mul_(inv.to(g.device).reshape(-1, *([1] * (g.dim() - 1))))
         state["found_inf"] = found
         state["stage"] = _Stage.UNSCALED
@@ -350,9 +359,11 @@ class GradScaler:
             log.warning("wc.amp.GradScaler: %s %s, so it cannot skip one member's step: a step where some "
                         "members overflow and others do not will raise (use wide_compiler.optim, whose state "
                         "is per member)", type(optimizer).__name__, shared)
-        if state["stage"] is _Stage.READY:
-            self.unscale_(optimizer)
-        skip = (state["found_inf"] > 0).cpu()
+        # found before unscaling: a refusal below leaves the gradients and this scaler as they were
+        # before step() (a retry with new gradients then unscales those)
+        unscaled = state["stage"] is _Stage.UNSCALED
+        found = state["found_inf"] if unscaled else self._found_inf(optimizer)
+        skip = (found > 0).cpu()
         if bool(skip.any()) and not bool(skip.all()):
             reason = shared or _fresh_refusal(optimizer)
             if reason is not None:
@@ -361,9 +372,12 @@ class GradScaler:
                     f"wc.amp.GradScaler.step: member(s) {members} found inf/NaN gradients and the others did "
                     f"not, so only theirs must be skipped, but {type(optimizer).__name__} {reason}: skipping "
                     "them could not leave them where their own torch.amp.GradScaler would (Note [Skipping "
-                    "one member's step] in wide_compiler/amp.py). Nothing was stepped (parameters and "
-                    "optimizer state are as they were; the gradients are unscaled). Use the "
-                    "wide_compiler.optim optimizer (per-member state), or one optimizer per member.")
+                    "one member's step] in wide_compiler/amp.py). Nothing was changed (parameters, optimizer "
+                    f"state, the gradients ({'unscaled by your unscale_()' if unscaled else 'still scaled'}) "
+                    "and this scaler are as they were before step()). Use the wide_compiler.optim optimizer "
+                    "(per-member state), or one optimizer per member.")
+        if not unscaled:
+            self._unscale(optimizer, state, found)
         state["stage"] = _Stage.STEPPED
         if not bool(skip.any()):
             return optimizer.step(*args, **kwargs)

@@ -284,11 +284,25 @@ def test_shared_step_optimizer_refuses_to_skip_one_member_before_anything_change
                 scaler.update()
         _scaled_backward(wide, scaler, opt, [1])
         snap = _snapshot(wide, opt)
+        grads = [p.grad.clone() for p in wide.parameters()]
         with pytest.raises(RuntimeError, match=r"member\(s\) \[1\] found inf.*shared by all members.*"
-                                               r"Nothing was stepped.*wide_compiler.optim"):
+                                               r"Nothing was changed.*still scaled.*wide_compiler.optim"):
             scaler.step(opt)
     assert "cannot skip one member's step" in caplog.text
     _assert_unchanged(wide, opt, snap)  # at the first step: still no state (Adagrad makes its own at once)
+    for p, g in zip(wide.parameters(), grads):  # not unscaled: as before step()
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
+    # the scaler is as before step(): a retry with finite gradients unscales and steps them (it
+    # raised again, from the refused step's record, before)
+    opt.zero_grad()
+    _scaled_backward(wide, scaler, opt, [])
+    scaled = [p.grad.clone() for p in wide.parameters()]
+    scaler.step(opt)
+    inv = scaler.get_scale().double().reciprocal().float()
+    for p, g in zip(wide.parameters(), scaled):
+        torch.testing.assert_close(p.grad, g * inv.reshape(-1, *[1] * (g.dim() - 1)), rtol=0, atol=0)
+    name, p0 = next(iter(wide.named_parameters()))
+    assert not torch.equal(p0.detach(), snap[0][name])  # stepped
 
 
 def test_sgd_with_dampening_refuses_to_skip_one_member_at_its_first_step():
