@@ -411,3 +411,29 @@ def test_a_constant_no_compile_proved_is_refused_at_the_call():
     with torch.no_grad():
         wide.get_buffer("_per_member.p")[1] = 0.25  # back to a proved one: runs again
     assert _max_err(wide, members, x) < 1e-12
+
+
+class Leaky(LinearModel):
+    fields = ("s",)
+
+    def forward(self, x):
+        return F.leaky_relu(self.fc(x), self.s)  # the attribute itself as the argument
+
+
+@pytest.mark.parametrize("cls", [Rounded, Leaky], ids=["derived", "attribute"])
+@pytest.mark.parametrize("target", [torch.float32, torch.bfloat16])
+def test_to_a_narrower_dtype_keeps_the_compiled_configurations(cls, target):
+    """``.to(dtype)`` rounds the per-member constant buffers (0.01 -> 0.00999999977 in float32): the
+    rounded values are still the compiled configurations (every call was refused as unproved), the
+    members compute as their own ``.to(dtype)`` copies, and ``unfuse()`` gives the original
+    Python constants back."""
+    ss = [0.01, 0.1, 0.123]
+    models = _made(cls, ss)
+    wide = wc.compile(models, torch.randn(3, 4, dtype=torch.float64), config=FAST).to(target)
+    x = torch.randn(len(ss), 5, 4, dtype=target)
+    y = wide(x)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if target == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for i, m in enumerate(models):
+        torch.testing.assert_close(y[i], copy.deepcopy(m).to(target)(x[i]), **tol, msg=lambda s, i=i: f"member {i}: {s}")
+    assert [m.s for m in wide.unfuse()] == ss
+    wide.load_state_dict(wide.state_dict())  # the rounded constants load back
