@@ -213,9 +213,11 @@ class WideModel(MemberOpsMixin, nn.Module):
     # -- construction -----------------------------------------------------------------------
     def _container(self, path: str) -> nn.Module:
         mod: nn.Module = self
+        here = ""  # the path of ``mod``'s child ``part`` (not searched for: 0.4 s of BERT-base's warm compile)
         for part in filter(None, path.split(".")):
+            here = _join(here, part)
             if part not in mod._modules:
-                original = self._template.get_submodule(_join(_path_of(mod, self), part))
+                original = self._template.get_submodule(here)
                 self._check_free(mod, part, "submodule")
                 mod.add_module(part, _Stacked(type(original).__name__))
             mod = mod._modules[part]
@@ -955,13 +957,6 @@ def _unproved(i: int, paths: list[str], rows: list[list[float]], by_key: dict, w
 
 def _join(a: str, b: str) -> str:
     return f"{a}.{b}" if a else b
-
-
-def _path_of(mod: nn.Module, root: nn.Module) -> str:
-    for name, m in root.named_modules():
-        if m is mod:
-            return name
-    raise KeyError("module not under root")
 
 
 class _PositionalCall(nn.Module):

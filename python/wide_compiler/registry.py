@@ -162,12 +162,14 @@ class _OpaqueCall(nn.Module):
 
 
 def opaque_template(template: nn.Module, paths: list[str], *,
-                    forms: Callable[[nn.Module], nn.Module] | None = None) -> tuple[nn.Module, dict[str, str]]:
+                    forms: Callable[[nn.Module], nn.Module] | None = None,
+                    memo: dict | None = None) -> tuple[nn.Module, dict[str, str]]:
     """A copy of ``template`` for capture: registered submodules are opaque calls, and ``forms``
     (the caller's: model.py passes ``fx.forms.apply_capture_forms``; this module sits below fx and
     imports nothing of it) is applied in place to the copy first, so modules with a capture form
-    use it; returns the copy and the mapping key -> path."""
-    copy_ = copy.deepcopy(template)
+    use it; returns the copy and the mapping key -> path. ``memo``: the ``copy.deepcopy`` memo of
+    the copy (the caller's tensors for the template's, not cloned)."""
+    copy_ = copy.deepcopy(template, memo)
     if forms is not None:
         copy_ = forms(copy_)
     keys = {}

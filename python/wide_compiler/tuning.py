@@ -131,6 +131,9 @@ class Budget:
         self.check: str | None = None
         self.tiles: str | None = None  # the member-tile check's outcome (Note [Member tiles])
         self.elapsed: float | None = None
+        # where the graph came from when it was loaded from the compile cache (fx/compile_cache.py):
+        # what this budget describes then happened at the compile that stored it, not now
+        self.from_cache: str | None = None
 
     def spent(self) -> float:
         return now() - self.start
@@ -182,6 +185,10 @@ class Budget:
         elapsed = self.elapsed if self.elapsed is not None else self.spent()
         text = (f"tuning: {self.measured} measured, {self.cached} cached, {self.skipped} left at default, "
                 f"{elapsed:.2f} s ({limit})")
+        where = getattr(self, "from_cache", None)  # (a Budget pickled before the field existed has none)
+        if where is not None:
+            text = (f"tuning: nothing measured now: the graph and its strategies came from the compile cache "
+                    f"({where}); at the compile that stored it, {text.removeprefix('tuning: ')}")
         if self.not_measured is not None:
             text += f"; nothing measured: {self.not_measured}"
         if self.gave_up_at is not None:

@@ -348,3 +348,76 @@ def test_a_creation_op_on_the_inputs_device_runs_on_meta_tensors(monkeypatch):
     assert not ran  # the meta run accepted the graph (the arange made on meta, not on the CPU)
     x = torch.randn(N, 2, 5, 4)
     torch.testing.assert_close(wide(x), torch.stack([m(x[i]) for i, m in enumerate(models)]))
+
+
+# --- a warm compile (issue 45: at most 1 s for BERT-base) ---------------------------------------
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn, self.out = nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+        self.out.weight = nn.Parameter(self.out.weight.detach().clone())  # a plain Parameter
+
+    def forward(self, x):
+        return self.out(self.bn(self.fc(x)).relu())
+
+
+def test_the_capture_copy_shares_member_0s_storage_and_leaves_member_0_as_it_was():
+    """Note [The capture copy shares member 0's storage] (fx/pipeline.py): the capture model and the
+    wide model's template hold new tensor objects on member 0's storage (no clone); compiling and
+    running both modes, and the capture of a new size, write nothing into member 0."""
+    torch.manual_seed(0)
+    members = [BNNet() for _ in range(N)]
+    before = {k: v.clone() for k, v in members[0].state_dict().items()}
+    objects = {k: v for k, v in [*members[0].named_parameters(), *members[0].named_buffers()]}
+    wide = wc.compile(members, torch.randn(4, 6), config=wc.WideConfig.fast())
+    capture_model = wide._capture_template[0]
+    for name, t in [*capture_model.named_parameters(), *capture_model.named_buffers()]:
+        assert t.data_ptr() == objects[name].data_ptr(), name  # shared storage (a clone before)
+        assert t is not objects[name]  # but not the user's object
+        assert type(t) is type(objects[name]) and t.requires_grad == objects[name].requires_grad
+    for name, t in [*wide._template.named_parameters(), *wide._template.named_buffers()]:
+        assert t.data_ptr() == objects[name].data_ptr(), name
+    x = torch.randn(N, 4, 6)
+    wide(x).sum().backward()
+    wide.eval()
+    wide(x)
+    wide.train()
+    wide(torch.randn(N, 7, 6))  # another batch size (dynamic)
+    assert all(torch.equal(before[k], v) for k, v in members[0].state_dict().items())
+    assert [m.training for m in members[0].modules()] == [True] * 4
+    assert torch.equal(wide.member(0).fc.weight, members[0].fc.weight)
+
+
+def test_the_keys_bytecode_scan_reads_what_dis_reads():
+    """The compile cache key's scan of the globals a function reads (compile_cache._globals_read)
+    walks the raw bytecode (8x faster than dis.get_instructions: most of a warm key's time); it
+    gives dis's answer on every function of torch.nn, the zoo and the compiler."""
+    import sys
+    import types
+
+    import wide_compiler.zoo  # noqa: F401 -- its functions are scanned
+    from wide_compiler.fx import compile_cache
+
+    codes: list = []
+
+    def walk(code):
+        codes.append(code)
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                walk(c)
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(("torch.nn.modules", "wide_compiler")):
+            continue
+        for v in list(vars(module).values()):
+            for f in [v, *vars(v).values()] if isinstance(v, type) else [v]:
+                code = getattr(getattr(f, "__func__", f), "__code__", None)
+                if isinstance(code, types.CodeType):
+                    walk(code)
+    codes = list(dict.fromkeys(codes))
+    assert len(codes) > 1000
+    if compile_cache._FAST_SCAN:
+        assert [compile_cache._globals_read_fast(c) for c in codes] == [compile_cache._globals_read_dis(c)
+                                                                          for c in codes]
+    assert [compile_cache._globals_read(c) for c in codes[:200]] == [compile_cache._globals_read_dis(c)
+                                                                       for c in codes[:200]]
