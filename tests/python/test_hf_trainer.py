@@ -296,3 +296,30 @@ def test_one_capture_per_mode_for_the_loops_inputs(tmp_path, monkeypatch):
         got, want = wide.model.member(i).state_dict(), t.model.state_dict()
         assert max(_rel(got[k], want[k]) for k in want if want[k].is_floating_point()) <= 1e-6
         assert metrics[f"eval_loss_member_{i}"] == pytest.approx(t.evaluate()["eval_loss"], rel=1e-6)
+
+
+class _Masked(torch.nn.Module):
+    """BERT's mask pattern: attention_mask.to(device, torch.bool), a device given positionally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x, mask):
+        return self.fc(x) * mask.to(x.device, torch.bool).unsqueeze(-1)
+
+
+def test_a_positional_device_runs_on_meta_tensors(monkeypatch):
+    """Note [Rank check on meta tensors] (fx/widen.py): aten.to.device(mask, cpu, bool) stopped the
+    meta run ("Cannot copy out of meta tensor"), so every BERT classifier with an attention mask
+    paid the fake run; its device now becomes meta like a device= keyword."""
+    from wide_compiler.fx import widen
+
+    ran = []
+    monkeypatch.setattr(widen, "_fake_run", lambda *args, **kwargs: ran.append(1))
+    models = [_Masked() for _ in range(2)]
+    x, mask = torch.randn(3, 4), torch.tensor([1, 0, 1])
+    wide = wc.compile(models, (x, mask), config=wc.WideConfig.fast())
+    assert not ran
+    xs, masks = torch.randn(2, 3, 4), torch.tensor([[1, 0, 1], [0, 1, 1]])
+    torch.testing.assert_close(wide(xs, masks), torch.stack([m(xs[i], masks[i]) for i, m in enumerate(models)]))

@@ -324,6 +324,9 @@ def _meta_ranks(gm: fx.GraphModule, inputs: Sequence[GraphInput], n: int) -> dic
         def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
             if isinstance(kwargs.get("device"), (torch.device, str)) and torch.device(kwargs["device"]) in home:
                 kwargs = {**kwargs, "device": meta}
+            # a device given positionally (BERT's attention_mask.to(device, torch.bool) is
+            # aten.to.device(mask, cpu, bool)): the inputs' device becomes meta there too
+            args = tuple(meta if isinstance(a, torch.device) and a in home else a for a in args)
             return super().call_function(target, tree_map(to_meta, args), tree_map(to_meta, kwargs))
 
     def feed(i: GraphInput) -> Any:
