@@ -18,6 +18,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 import wide_compiler as wc
 from torch import nn
 from torch.testing import assert_close
@@ -522,3 +523,36 @@ def test_hf_convnext_tiny_like_with_drop_path_trains_fused():
     assert wide.fallbacks == [] and testing.random_ops(wide) == ["aten.rand.default"]
     torch.manual_seed(7)
     assert _replay_check(wide, models, torch.randn(2, 2, 3, 32, 32), steps=3) == 17
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["nn.Dropout", "F.dropout"])
+def test_in_place_dropout_with_a_per_member_rate(functional):
+    """``nn.Dropout(p, inplace=True)`` (``aten.dropout_``, whose input is named ``self``) with p per
+    member fuses as the out-of-place form does (it crashed with an internal KeyError): p = 0 and
+    p = 1 exact, p = 0.5 keeps about half, eval exact."""
+
+    class Net(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.fc, self.p, self.drop = nn.Linear(6, 6), p, nn.Dropout(p, inplace=True)
+
+        def forward(self, x):
+            h = self.fc(x).relu()
+            return F.dropout(h, self.p, self.training, inplace=True) if functional else self.drop(h)
+
+    models = _members(Net, [0.0, 0.5, 1.0])
+    wide = wc.compile(models, torch.randn(4, 6), config=FAST)
+    assert wide.fallbacks == []
+    xs = torch.randn(3, 2000, 6)
+    y = wide(xs)
+    torch.testing.assert_close(y[0], models[0](xs[0]), rtol=0, atol=0)
+    assert torch.equal(y[2], torch.zeros_like(y[2]))
+    h = models[1].fc(xs[1]).relu()
+    kept = ((y[1] != 0) & (h != 0)).sum().item() / (h != 0).sum().item()
+    assert abs(kept - 0.5) < 0.05, kept
+    wide.eval()
+    for m in models:
+        m.eval()
+    y = wide(xs)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(y[i], m(xs[i]), rtol=0, atol=0)

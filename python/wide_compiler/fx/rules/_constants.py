@@ -119,7 +119,7 @@ def _keep_and_scale(ctx: WidenContext, node: fx.Node, x: Wide, p: Any) -> tuple[
 
 @form(aten.dropout.default, aten.dropout_.default)
 def _dropout(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
-    x = _input(ctx, node, a["input"])
+    x = _input(ctx, node, a["input"] if "input" in a else a["self"])  # dropout_ names it self
     if isinstance(a["train"], Wide):
         raise ctx.fail(node, "a per-member train flag")
     if a["train"] is False:
