@@ -193,15 +193,15 @@ class MemberOpsMixin:
 
     def member(self, i: int) -> nn.Module:
         """Member ``i`` as an ordinary module (the original class, a copy of its weights and
-        buffers, this model's train/eval mode): ``unfuse()[i]`` without building the others."""
+        buffers in this model's dtype and device, this model's train/eval mode): ``unfuse()[i]``
+        without building the others."""
         import copy as _copy
 
         i = self._check_member_index(i)
         m = _copy.deepcopy(self._template)
-        m.load_state_dict(self.member_state_dict(i))
-        for name, _ in self._template.named_buffers():
-            if name not in m.state_dict():   # non-persistent buffers
-                path, _, attr = name.rpartition(".")
-                m.get_submodule(path)._buffers[attr] = self._stacked(name)[i].detach().clone()
+        with torch.no_grad():  # .data: the values, dtype and device now (after a .to()); ties kept
+            for named in (m.named_parameters, m.named_buffers):
+                for name, t in named():  # a tied tensor once
+                    t.data = self._stacked(name)[i].detach().clone()
         self._set_member_constants(m, i)  # type: ignore[attr-defined]
         return m.train(self.training)  # type: ignore[attr-defined]

@@ -141,3 +141,31 @@ def test_old_copy_member_names_are_deprecated_aliases(monkeypatch):
         warnings.simplefilter("error")   # once only
         wide.copy_member(2, 1)
         opt.copy_member(2, 1)
+
+
+def test_member_is_in_the_wide_models_dtype_after_to():
+    """``member(i)`` after ``wide.to(dtype)`` is in that dtype, as ``unfuse()`` is (it was in the
+    compile's dtype: float64 parameters and BatchNorm buffers from a float32 wide model), with the
+    wide model's values (float64 values are not rounded through float32); tied weights stay tied."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.bn, self.b = nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.bn(self.a(x)))
+
+    torch.manual_seed(0)
+    models = [Tied() for _ in range(3)]
+    for target in (torch.float64, torch.float32):
+        wide = wc.compile(models, torch.randn(5, 4), config=wc.WideConfig.fast()).to(target)
+        with torch.no_grad():
+            wide.get_parameter("a.bias")[1] += 1e-12  # representable in float64 only
+        for i in range(3):
+            m, u = wide.member(i), wide.unfuse()[i]
+            assert {t.dtype for t in [*m.parameters(), *m.buffers()] if t.is_floating_point()} == {target}
+            assert m.a.weight is m.b.weight
+            for (name, t), (_, v) in zip(m.state_dict().items(), u.state_dict().items()):
+                assert t.dtype == v.dtype and torch.equal(t, v), name
