@@ -153,13 +153,21 @@ def _leaky_relu(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
 
 
 def _elu_form(ctx: WidenContext, node: fx.Node, x: Wide, alpha: Any, scale: Any, input_scale: Any,
-              inplace: bool) -> Wide:
+              inplace: bool, grad_input_scale: Any = None) -> Wide:
+    """ATen's elu; ``grad_input_scale``: the input scale its gradient takes instead (celu's)."""
     # the negative branch on min(x, 0): where x > 0 its exp could overflow, and the gradient
     # where passes it (0 * inf) would be NaN where ATen's is finite
     le = _op(ctx, node, aten.le.Scalar, x.node, 0)
     neg_x = _op(ctx, node, aten.where.ScalarOther, le, x.node, 0.0)
-    neg = _mul(ctx, node, _op(ctx, node, aten.expm1.default, _mul(ctx, node, neg_x, input_scale)),
-               _mul(ctx, node, alpha, scale))
+
+    def negative(s: Any) -> Any:
+        return _mul(ctx, node, _op(ctx, node, aten.expm1.default, _mul(ctx, node, neg_x, s)), _mul(ctx, node, alpha, scale))
+
+    neg = negative(input_scale)
+    if grad_input_scale is not None:  # the value of neg, the gradient of g: neg.detach() + (g - g.detach())
+        g = negative(grad_input_scale)  # finite: expm1 of a value <= 0, so g - g is 0
+        neg = _op(ctx, node, aten.add.Tensor, _op(ctx, node, aten.detach.default, neg),
+                  _op(ctx, node, aten.sub.Tensor, g, _op(ctx, node, aten.detach.default, g)))
     out = _op(ctx, node, aten.where.self, le, neg, _mul(ctx, node, x.node, scale))
     return _result(ctx, node, x, out, inplace)
 
@@ -176,7 +184,14 @@ def _celu(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     x = _input(ctx, node, a["self"])
     alpha = scalar(ctx, node, a["alpha"], x.rank, like=x.node)
     inv = _op(ctx, node, aten.reciprocal.default, alpha) if isinstance(alpha, fx.Node) else 1.0 / alpha
-    return _elu_form(ctx, node, x, alpha, 1.0, inv, node.target is aten.celu_.default)
+    grad_inv = None
+    if isinstance(alpha, fx.Node) and _dtype(node) == torch.float64:
+        # ATen's celu gradient scales the input by 1 / alpha rounded to float32 (derivatives.yaml:
+        # ``1.0/alpha.toFloat()``), its value by 1 / alpha: a float64 member's own gradient
+        alpha32 = _op(ctx, node, aten._to_copy.default, _op(ctx, node, aten._to_copy.default, alpha, dtype=torch.float32),
+                      dtype=torch.float64)
+        grad_inv = _op(ctx, node, aten.reciprocal.default, alpha32)
+    return _elu_form(ctx, node, x, alpha, 1.0, inv, node.target is aten.celu_.default, grad_inv)
 
 
 @form(aten.softplus.default)
