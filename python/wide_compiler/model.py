@@ -31,7 +31,8 @@ from .fx.fold import clear_fold_cache
 from .fx.guards import MAX_GRAPHS
 from .fx.padding import PaddedMember
 from .fx import compile_cache
-from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, compile_members, recapture, run_cached, run_pipeline
+from .fx.pipeline import (COMPILE_LOCK, PASSES, Compilation, compile_members, recapture, recapture_cached, run_cached,
+                          run_pipeline)
 from .fx.state import WideState, call_graph, holders, missing_constants, persistent_buffer_names, put_tensor
 from .fx.state import get_tensor as _get_tensor
 from .fx.widen import WideGraph
@@ -571,10 +572,15 @@ class WideModel(MemberOpsMixin, nn.Module):
                             dtype=ref.dtype if ref is not None else None,
                             device=ref.device if ref is not None else None,
                             constants=self.__dict__.get("_constants"), member_tile=wg.member_tile)
-            run_pipeline(c, [p for p in PASSES if p.name == "capture"])
-            placeholders = _user_placeholders(c.ep)
+            key, hit = recapture_cached(c, wg, self._live_state())  # Note [The compile cache]
+            if hit is not None:  # stored only where every new dim came out dynamic
+                c, new_items = hit, {}
+            else:
+                run_pipeline(c, [p for p in PASSES if p.name == "capture"])
+                new_items = new
+            placeholders = _user_placeholders(c.ep) if c.ep is not None else []
             fixed = {}
-            for (k, d), (size, was) in new.items():
+            for (k, d), (size, was) in new_items.items():
                 val = placeholders[k].meta.get("val") if k < len(placeholders) and placeholders[k] is not None \
                     else None
                 if not isinstance(val, torch.Tensor) or is_concrete_int(val.shape[d]):  # export fixed it
@@ -603,7 +609,10 @@ class WideModel(MemberOpsMixin, nn.Module):
                     fixed[(k, d)] = _fill(what, shapes[k], size)
             if len(fixed) == len(new):
                 raise ValueError(next(iter(fixed.values())))
-            recapture(c, wg, captured=True)  # the old graph's strategies and tile
+            if hit is None:
+                recapture(c, wg, captured=True)  # the old graph's strategies and tile
+                if not fixed:
+                    c.cache_key = key  # stored by _adopt
             for (k, d), (size, _) in new.items():
                 if (k, d) not in fixed:
                     self._extra_dims[k] = self._extra_dims.get(k, frozenset()) | {d}

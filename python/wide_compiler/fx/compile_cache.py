@@ -591,10 +591,11 @@ def key_parts(c: Any) -> dict[str, Any]:
     }
 
 
-def key_of(c: Any) -> str | None:
-    """The compile cache key of ``c`` (a hex digest), or None when ``c`` cannot be cached."""
+def key_of(c: Any, extra: dict[str, Any] | None = None) -> str | None:
+    """The compile cache key of ``c`` (a hex digest), or None when ``c`` cannot be cached;
+    ``extra``: more parts (a recapture's: what it takes from the graph it replaces)."""
     try:
-        parts = key_parts(c)
+        parts = {**key_parts(c), **(extra or {})}
     except _Uncacheable as e:
         log.debug("wide_compiler: compile cache not used: %s", e)
         return None

@@ -362,6 +362,44 @@ def recapture(c: Compilation, like: WideGraph, *, captured: bool = False) -> Com
     return run_pipeline(c, [p for p in PASSES if p.name == "tile_members"])
 
 
+def _taken_from(like: WideGraph) -> dict[str, Any]:
+    """What :func:`recapture` takes from the graph it replaces (its ops' strategies by node and
+    op, its member tile): the part of a recapture's compile cache key that says so."""
+    return {"recapture_of": sorted((n.name, str(n.meta.get("wide_op")), str(n.kwargs.get("strategy")))
+                                   for n in like.graph_module.graph.nodes if "wide_tune" in n.meta),
+            "recapture_tile": like.member_tile}
+
+
+def recapture_cached(c: Compilation, like: WideGraph, state: WideState) -> tuple[str | None, Compilation | None]:
+    """A recapture (:func:`recapture` of ``c``, which has no members) through the compile cache
+    (Note [The compile cache] in fx/compile_cache.py): its key is ``c``'s (which holds the dims
+    made dynamic, ``extra_dims``) and what it takes from ``like``. Returns ``(key, hit)``: ``hit``
+    the loaded compilation when the entry is there and fits ``state`` (the model's live state),
+    else None; the caller recaptures and, when every new dim came out dynamic, sets
+    ``c.cache_key = key`` for the model to store the result (a dim export fixes raises at the
+    call: such a graph is not stored, so a hit never hides that error)."""
+    if not compile_cache.enabled(c.config):
+        return None, None
+    with COMPILE_LOCK:
+        watch = Stopwatch()
+        key = compile_cache.key_of(c, extra=_taken_from(like))
+        body = compile_cache.load(c, key) if key is not None else None
+        if body is None:
+            return key, None
+        hit = dataclasses.replace(c, log=list(c.log), state=state)
+        _from_cache(hit, body)
+        why = compile_cache.check_loaded(hit, body)
+        if why is not None:
+            log.warning("wide_compiler: ignoring the compile cache entry %s (%s); compiling afresh",
+                        body["path"], why)
+            return key, None
+        hit.state = None  # the model's own, as a recapture's
+        hit.log.append(("compile_cache", watch.seconds))
+        log.info("wide_compiler: recaptured %s graph loaded from the compile cache %s in %.2f s",
+                 "train" if c.training else "eval", body["path"], watch.seconds)
+        return key, hit
+
+
 def _bad(name: str, why: str) -> None:
     raise AssertionError(f"wide_compiler: pass {name!r}: {why}")
 
