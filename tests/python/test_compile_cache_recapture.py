@@ -159,3 +159,32 @@ def test_with_the_cache_off_a_recapture_stores_nothing(cache_dir, monkeypatch):
     monkeypatch.setenv("WIDE_COMPILE_CACHE", "0")
     wc.compile(_members(), torch.randn(2, 3, 4), config=FAST)(torch.randn(N, 2, 5, 4))
     assert _entries(cache_dir) == []
+
+
+def _padded(widths):
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(4, h), nn.ReLU(), nn.Linear(h, 2)) for h in widths]
+
+
+def test_a_padded_model_is_stored_and_other_widths_recompile(cache_dir, monkeypatch):
+    """pad=True (padded.py): the padded program is the member the cache keys; the members' widths
+    change it, so other widths capture again, and run their own weights."""
+    sample, x = torch.randn(2, 4), torch.randn(3, 5, 4)
+    wc.compile(_padded((4, 12, 8)), sample, pad=True, config=FAST)
+    captures = Captures(monkeypatch)
+    again = _padded((4, 12, 8))
+    got = wc.compile(again, sample, pad=True, config=FAST)(x)
+    assert captures.count == 0  # loaded
+    for i, m in enumerate(again):
+        torch.testing.assert_close(got[i], m(x[i]), rtol=1e-5, atol=1e-5)
+    # a member narrower within the padded widths: the same padded program (the masks are state), a hit
+    other = _padded((4, 12, 9))
+    got = wc.compile(other, sample, pad=True, config=FAST)(x)
+    for i, m in enumerate(other):
+        torch.testing.assert_close(got[i], m(x[i]), rtol=1e-5, atol=1e-5)
+    assert captures.count == 0
+    wider = _padded((4, 16, 8))  # the padded widths: another program, captured again
+    got = wc.compile(wider, sample, pad=True, config=FAST)(x)
+    assert captures.count == 1
+    for i, m in enumerate(wider):
+        torch.testing.assert_close(got[i], m(x[i]), rtol=1e-5, atol=1e-5)
