@@ -149,15 +149,16 @@ class Compilation:
 def _aliases(template: nn.Module) -> dict[int, torch.Tensor]:
     """A ``copy.deepcopy`` memo giving the capture copy of member 0 new tensor objects on member
     0's own storage (Note [The capture copy shares member 0's storage]): ``nn.Parameter`` and plain
-    tensors; other tensor types are deep-copied."""
+    buffers; other tensor types (and buffers with attributes of their own, or requiring grad) are
+    deep-copied."""
     memo: dict[int, torch.Tensor] = {}
     for named in (template.named_parameters, template.named_buffers):
         for _, t in named(remove_duplicate=False):
             if id(t) in memo:
                 continue
-            if type(t) is nn.Parameter:
+            if type(t) is nn.Parameter:  # (Parameter.__deepcopy__ keeps the values and requires_grad only)
                 memo[id(t)] = nn.Parameter(t.detach(), requires_grad=t.requires_grad)
-            elif type(t) is torch.Tensor:
+            elif type(t) is torch.Tensor and not t.requires_grad and not getattr(t, "__dict__", None):
                 memo[id(t)] = t.detach()
     return memo
 
