@@ -277,3 +277,59 @@ def test_members_that_reduce_or_permute_other_dims_are_refused(how):
     models = [_OtherDims(3, 1, how).to(DT), _OtherDims(5, 2, how).to(DT)]
     with pytest.raises(UnsupportedOperationError, match=r"member 1 passes the dims \[.*2.*\] where member 0 passes"):
         wc.compile(models, torch.randn(2, 4, dtype=DT), pad=True, config=FAST)
+
+
+# --- the padded program's assumptions (Note [A padded program's assumptions]) -------------------
+class SizeBranch(nn.Module):
+    """A forward whose program depends on the input's sizes: ``body`` picks how."""
+
+    def __init__(self, hidden: int, body) -> None:
+        super().__init__()
+        self.fc, self.out, self.body = nn.Linear(3, hidden), nn.Linear(hidden, 2), body
+
+    def forward(self, x):
+        return self.body(self, x)
+
+
+SIZE_BRANCHES = {
+    "T parity": lambda s, x: s.out(s.fc(x)) * (1.0 if x.shape[1] % 2 else 2.0),
+    "pad T to a multiple of 4": lambda s, x: F.pad(s.out(s.fc(x)), (0, 0, 0, (-x.shape[1]) % 4)),
+    "batch parity": lambda s, x: s.out(s.fc(x)) + (1.0 if x.shape[0] % 2 else -1.0),
+    "T > 8": lambda s, x: s.out(s.fc(x)) if x.shape[1] > 8 else s.out(s.fc(x).relu()),
+    "sum over T / T": lambda s, x: s.out(s.fc(x)).sum(1) / x.shape[1],
+}
+
+
+@pytest.mark.parametrize("body", list(SIZE_BRANCHES), ids=list(SIZE_BRANCHES))
+def test_a_padded_program_runs_only_at_the_sizes_it_was_captured_for(body):
+    """The padded program is the members' programs captured at the sample's sizes: at another
+    sequence length or a batch its guards exclude, each call matches every member or is refused
+    naming the assumption (it ran the sample's branch: 0.5-2 off, or the wrong output shape)."""
+    torch.manual_seed(0)
+    models = [SizeBranch(h, SIZE_BRANCHES[body]).double() for h in (2, 5)]
+    wide = wc.compile(models, torch.randn(4, 6, 3, dtype=torch.float64), config=FAST, pad=True)
+    for training in (False, True):
+        wide.train(training)
+        for m in models:
+            m.train(training)
+        for batch, t in ((4, 6), (3, 6), (2, 6), (4, 5), (4, 9), (4, 1), (1, 6)):
+            x = torch.randn(2, batch, t, 3, dtype=torch.float64)
+            try:
+                outs = wide.member_outputs(wide(x))
+            except ValueError as e:
+                assert "pad=True" in str(e) and ("holds only where" in str(e) or "fixed at capture" in str(e)), e
+                continue
+            for i, m in enumerate(models):
+                torch.testing.assert_close(outs[i], m(x[i]), msg=lambda s, i=i: f"B={batch} T={t} member {i}: {s}")
+
+
+def test_a_padded_batch_parity_guard_refuses_an_odd_batch_and_keeps_even_ones():
+    torch.manual_seed(0)
+    models = [SizeBranch(h, SIZE_BRANCHES["batch parity"]).double() for h in (2, 5)]
+    wide = wc.compile(models, torch.randn(4, 6, 3, dtype=torch.float64), config=FAST, pad=True)
+    for batch in (4, 6, 2):
+        x = torch.randn(2, batch, 6, 3, dtype=torch.float64)
+        torch.testing.assert_close(wide.member_outputs(wide(x))[1], models[1](x[1]))
+    with pytest.raises(ValueError, match=r"pad=True: the padded train program .* holds only where "
+                                         r"\(L\['x'\]\.size\(\)\[0\] % 2\) == 0"):
+        wide(torch.randn(2, 3, 6, 3, dtype=torch.float64))

@@ -38,7 +38,8 @@ Anything else with a padded input or output (a reshape that splits a padded dim 
 both vary, a division by a padded value, a slice or a cat whose layout cannot be tracked, an op
 with no padding rule) is refused with the op, the sizes and the source line, never padded
 silently. Sizes computed in Python are matched through the places they are read (Note [Aligning
-sizes computed in Python]). A padded model's ``load_state_dict`` checks the members' sizes and
+sizes computed in Python]). The program holds only under what its capture assumed of the
+inputs (Note [A padded program's assumptions]). A padded model's ``load_state_dict`` checks the members' sizes and
 the zero padding first (Note [Loading a padded state] in padded.py). The masks, counts, bounds
 and group matrices are per-member non-persistent buffers (``_wc_pad_<k>``), so the compiler
 stacks them like any buffer. The rule of each op is in fx/padding_rules.py; this module aligns
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import logging
 import math
 import operator
@@ -56,6 +58,9 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx._pytree import tree_flatten_spec
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.utils._pytree import tree_flatten
 
 from ..errors import ArchitectureMismatchError, UnsupportedOperationError
 from .capture import capture
@@ -116,9 +121,10 @@ class PaddedMember(nn.Module):
     the padded program of its train/eval mode, shared by all members (Note [Padded members])."""
 
     def __init__(self, programs: dict[bool, fx.GraphModule], tensors: dict[str, torch.Tensor],
-                 parameters: set[str], persistent: set[str]) -> None:
+                 parameters: set[str], persistent: set[str], assumptions: dict[bool, Assumptions]) -> None:
         super().__init__()
         object.__setattr__(self, "_programs", programs)  # shared, not submodules
+        self._assumptions = assumptions
         for name, t in tensors.items():
             *path, leaf = name.split(".")
             owner: nn.Module = self
@@ -132,8 +138,82 @@ class PaddedMember(nn.Module):
                 owner.register_buffer(leaf, t, persistent=name in persistent)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._assumptions[self.training].check(args, kwargs, "train" if self.training else "eval")
         state = {**dict(self.named_parameters()), **dict(self.named_buffers())}
         return torch.func.functional_call(self._programs[self.training], state, args, kwargs)
+
+
+# Note [A padded program's assumptions]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The padded program is the members' programs as export captured them from the sample: every
+# input size but the batch fixed to the sample's, and the batch under the guards export derived
+# (its range, and what the forward's Python asked of it: ``B % 2 == 0``). export's own check of
+# those (the program's ``_guards_fn``) cannot be kept in the program (it is not picklable, and
+# the padding pass rewrites the graph), so each padded member checks them before the program
+# runs. Checked in Python on the sizes, they become guards of the wide graph when the wide
+# compiler captures the padded members: a call outside them captures again, and that capture
+# (or a plain call) fails here with what the program assumed, never running the sample's branch
+# at other sizes.
+@dataclasses.dataclass
+class Assumptions:
+    """What a padded program assumes of its inputs (Note [A padded program's assumptions]):
+    per flat input, the dims fixed at capture and the ranges of the dynamic ones; export's
+    guards over the forward's arguments (``L['x'].size()[0] % 2 == 0``)."""
+
+    in_spec: Any
+    fixed: list[list[tuple[int, int]]]
+    ranges: list[list[tuple[int, int, int | None]]]
+    guards: list[str]
+    signature: inspect.Signature
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, eps: Sequence[Any], forward: Any) -> Assumptions:
+        fixed, ranges = [], []
+        for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
+            val = node.meta.get("val")
+            shape = val.shape if isinstance(val, torch.Tensor) else ()
+            fixed.append([(d, int(s)) for d, s in enumerate(shape) if is_concrete_int(s)])
+            ranges.append([])
+            for d, s in enumerate(shape):
+                vr = None if is_concrete_int(s) else eps[0].range_constraints.get(s.node.expr)
+                if vr is not None:
+                    ranges[-1].append((d, int(vr.lower) if vr.lower.is_Integer else 0, int(vr.upper) if vr.upper.is_Integer else None))
+        guards: list[str] = []
+        for ep in eps:
+            code = getattr(ep, "_guards_code", None)
+            if code is None:
+                raise UnsupportedOperationError("wide_compiler: pad=True: this torch's export keeps no guard "
+                                                "code, so the padded program's assumptions cannot be checked")
+            guards += [c for c in code if c not in guards]
+        return cls(gm._in_spec, fixed, ranges, guards, inspect.signature(forward))
+
+    def check(self, args: tuple, kwargs: dict, mode: str) -> None:
+        """Raise ValueError, naming the assumption, when the inputs are outside them."""
+        try:
+            flat = tree_flatten_spec((args, kwargs), self.in_spec)
+        except Exception:  # noqa: BLE001 -- another structure: the program's own call says what
+            return
+        for k, x in enumerate(flat):
+            if not isinstance(x, torch.Tensor):
+                continue
+            for d, size in self.fixed[k]:
+                if x.dim() <= d or x.shape[d] != size:
+                    self._refuse(mode, f"dim {d} of input {k} is {size} (this call: {list(x.shape)})")
+            for d, lo, hi in self.ranges[k]:
+                if x.dim() > d and not (x.shape[d] >= lo and (hi is None or x.shape[d] <= hi)):
+                    self._refuse(mode, f"dim {d} of input {k} is in [{lo}, {hi if hi is not None else 'inf'}] "
+                                       f"(this call: {list(x.shape)})")
+        bound = self.signature.bind(*args, **kwargs)
+        for code in self.guards:
+            if not eval(code, {"__builtins__": {}}, {"L": bound.arguments}):  # noqa: S307 -- export's own guard code
+                self._refuse(mode, f"{code}, with L the forward's arguments")
+
+    @staticmethod
+    def _refuse(mode: str, what: str) -> None:
+        raise ValueError(
+            f"wide_compiler: pad=True: the padded {mode} program is the members' programs captured at the "
+            f"sample's sizes and holds only where {what}. Compile with a sample of the sizes you call with "
+            "(a wide model per size), or pad the inputs to the sample's sizes.")
 
 
 def _hint(d: Any) -> int:
@@ -587,8 +667,14 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
     padders, infos = {}, {}
     prefs: dict[tuple[str, int], torch.Tensor] = {}  # parameter dims laid out other than as a prefix
     tried: dict[tuple[str, int], list[torch.Tensor]] = {}
+    assumptions: dict[bool, Assumptions] = {}
+    # dim 0 of every input may vary (a 1-D index input too): export keeps it dynamic where the
+    # program allows, and its guards say where it does not (Note [A padded program's assumptions])
+    leaves = tree_flatten((args, kwargs))[0]
+    batch = {k: frozenset({0}) for k, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.dim() >= 1}
     for training in (True, False):
-        eps = [capture(copy.deepcopy(m).train(training), args, kwargs) for m in models]
+        eps = [capture(copy.deepcopy(m).train(training), args, kwargs, extra_dims=batch) for m in models]
+        assumptions[training] = Assumptions.of(eps[0].module(), eps, models[0].forward)
         while True:
             padders[training] = _Padder(eps, persistent, "train" if training else "eval", prefs)
             try:
@@ -620,7 +706,7 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
             for name, values in padder.buffers.items():
                 tensors[name] = values[i].clone()
         members.append(PaddedMember({t: pd.gm for t, pd in padders.items()}, tensors, p0.parameters,
-                                    p0.persistent).train(models[i].training))
+                                    p0.persistent, assumptions).train(models[i].training))
     log.info("wide_compiler: pad=True: %d members padded to one program (%.0f%% more parameter elements)",
              len(models), 100 * info.overhead()["extra"])
     return members, info
