@@ -57,3 +57,43 @@ def test_a_padded_sweep_compiled_again_is_a_hit(cache_dir):
     wide = wc.compile(members, x[0], config=FAST, pad=True)
     assert sorted((cache_dir / "compiled").iterdir()) == entries
     torch.testing.assert_close(wide(x)[1], members[1](x[1]))
+
+
+_EXEC_SOURCE = """
+import torch
+from torch import nn
+
+
+class Made(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return {body}
+"""
+
+
+def _made_by_exec(body: str) -> type:
+    """A class made by exec() in a namespace without ``__name__`` (as generated code often is): its
+    ``__module__`` says ``builtins``."""
+    namespace: dict = {}
+    exec(compile(_EXEC_SOURCE.format(body=body), "<generated>", "exec"), namespace)  # noqa: S102 -- the test's own source
+    assert namespace["Made"].__module__ == "builtins"
+    return namespace["Made"]
+
+
+def test_classes_made_by_exec_are_keyed_by_their_code(cache_dir):
+    """A class whose ``__module__`` is a library's name but which does not live there is the user's:
+    its code is keyed (the cache took such classes for builtins' and keyed none of their code, so
+    the model fuzzer's generated programs of one structure shared entries: wrong outputs and
+    shapes)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 3)
+    for body in ("self.fc(x).relu()", "self.fc(x).sum(-1)", "self.fc(x) * 2"):
+        made = _made_by_exec(body)
+        members = [made() for _ in range(2)]
+        wide = wc.compile(members, x[0], config=FAST)
+        out = wide(x)
+        for i, m in enumerate(members):
+            torch.testing.assert_close(out[i], m(x[i]), msg=lambda s, body=body, i=i: f"{body} member {i}: {s}")

@@ -181,7 +181,19 @@ def _torch_owned(obj: Any) -> bool:
     top = parts[0]
     return top in ("torch", "builtins", "typing", "collections", "functools", "abc", "enum", "math",
                    "operator", "itertools", "dataclasses", "numbers", "contextlib", "copy", "warnings",
-                   "inspect", "re", "types")
+                   "inspect", "re", "types") and _lives_in(obj, mod)
+
+
+def _lives_in(obj: Any, module: str) -> bool:
+    """Whether ``obj`` is what its module holds under its qualified name: a class made by ``exec``
+    in a namespace without ``__name__`` says it is ``builtins``' (generated code, the model
+    fuzzer's programs), and its code is the user's, to be keyed."""
+    target = sys.modules.get(module)
+    for part in (getattr(obj, "__qualname__", None) or "").split("."):
+        if target is None or part == "<locals>":
+            return False
+        target = getattr(target, part, None)
+    return target is obj
 
 
 @functools.lru_cache(maxsize=8192)
