@@ -47,6 +47,7 @@ import logging
 import math
 import random
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -452,8 +453,15 @@ def main(argv: list[str] | None = None) -> int:
         bar = tqdm(total=args.programs, unit="program", disable=not sys.stderr.isatty())
     except ImportError:  # pragma: no cover
         bar = None
+    # the run's compile cache in a directory of its own (the user's is not filled): every program
+    # is new, so a hit is two programs sharing a key, and the check shows the other's outputs
+    from .config import WideConfig
+
+    cache = tempfile.TemporaryDirectory(prefix="wide-fuzz-cache-")
+    config = WideConfig.fast().replace(cache_dir=cache.name)
     while time.monotonic() < end and (args.programs is None or ran < args.programs):
-        result = run_program(generate(seed + ran), dtype=torch.float32 if ran % 4 == 3 else torch.float64)
+        result = run_program(generate(seed + ran), dtype=torch.float32 if ran % 4 == 3 else torch.float64,
+                             config=config)
         counts[result.outcome] += 1
         ran += 1
         if result.outcome in ("wrong", "crash"):
@@ -463,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix(counts)
         summary = {"programs": ran, "first_seed": seed, **counts}  # after each program: a stopped run keeps it
         (out / f"summary-{seed}.json").write_text(json.dumps(summary, indent=1))
+    cache.cleanup()
     log.warning("wide_compiler.fuzz: %s", json.dumps({"programs": ran, "first_seed": seed, **counts}))
     return 1 if counts["wrong"] or counts["crash"] else 0
 

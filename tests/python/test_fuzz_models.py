@@ -5,6 +5,8 @@ mode is ``python -m wide_compiler.fuzz --minutes 30``; each finding becomes a ca
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from wide_compiler import fuzz
@@ -56,3 +58,14 @@ def test_a_wrong_wide_model_is_caught(monkeypatch, dtype):
     monkeypatch.setattr(api, "compile", off_by_one_member)
     result = fuzz.run_program(fuzz.generate(0), dtype=getattr(torch, dtype))
     assert result.outcome == "wrong" and "member 1" in result.detail, result.report()
+
+
+def test_the_long_mode_keeps_its_compile_cache_to_itself(tmp_path, monkeypatch):
+    """Every program of a run is new: the run's compile cache is a directory of its own, removed
+    at the end (a hit is then two programs sharing a key), and the user's is not filled."""
+    users = tmp_path / "users-cache"
+    monkeypatch.setenv("WIDE_COMPILE_CACHE", "1")
+    monkeypatch.setenv("WIDE_COMPILER_CACHE_DIR", str(users))
+    assert fuzz.main(["--programs", "2", "--seed", "3", "--out", str(tmp_path / "out")]) == 0
+    assert not users.exists() or not any(users.rglob("*"))
+    assert json.loads((tmp_path / "out" / "summary-3.json").read_text())["programs"] == 2
