@@ -26,7 +26,7 @@ from .config import WideConfig
 from .errors import WideCompileError
 from .measure import Stopwatch
 from .fx.capture import module_path
-from .fx.constants import constant_key
+from .fx.constants import BUFFER_ROOT, constant_key
 from .fx.fold import clear_fold_cache
 from .fx.guards import MAX_GRAPHS
 from .fx.padding import PaddedMember
@@ -182,7 +182,18 @@ class WideModel(MemberOpsMixin, nn.Module):
         self.__dict__["_param_device"] = ref.device if ref is not None else None
 
     def _apply(self, fn: Any, recurse: bool = True) -> WideModel:
+        # the per-member constants are the members' Python numbers, held in float64 (the graph casts
+        # them to its input's dtype where it reads them): .to(dtype) moves them, but keeps their
+        # values (a member's own .float() leaves its attribute 0.3, not 0.30000001)
+        root = self._modules.get(BUFFER_ROOT)
+        constants = dict(root.named_buffers()) if root is not None else {}
         out = super()._apply(fn, recurse)
+        for name, was in constants.items():
+            path, _, attr = name.rpartition(".")
+            holder = root.get_submodule(path) if path else root
+            now = holder._buffers.get(attr)
+            if now is not None and now.dtype != was.dtype:
+                holder._buffers[attr] = was.to(device=now.device)
         self._note_dtype()
         return out
 
@@ -418,7 +429,15 @@ class WideModel(MemberOpsMixin, nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """``nn.Module.load_state_dict``, checked first (Note [Per-member constants at the call]): a
         state dict whose per-member constants give some member a configuration a graph of this
-        model was not compiled for is refused before anything is loaded."""
+        model was not compiled for is refused before anything is loaded; so is, with ``strict``, a
+        state dict whose keys are not this model's (``nn.Module`` loads every tensor it can first:
+        here new weights with the old constants)."""
+        if strict:
+            own, given = set(self.state_dict()), set(state_dict)
+            if own != given:
+                raise RuntimeError(
+                    f"Error(s) in loading state_dict for {type(self).__name__}: nothing was loaded: "
+                    f"missing key(s): {sorted(own - given)}, unexpected key(s): {sorted(given - own)}")
         for wg in [*self._graphs.values(), *(v for vs in self._variants.values() for v in vs)]:
             if wg.constant_table is None:
                 continue

@@ -436,7 +436,14 @@ def test_to_a_narrower_dtype_keeps_the_compiled_configurations(cls, target):
     for i, m in enumerate(models):
         torch.testing.assert_close(y[i], copy.deepcopy(m).to(target)(x[i]), **tol, msg=lambda s, i=i: f"member {i}: {s}")
     assert [m.s for m in wide.unfuse()] == ss
-    wide.load_state_dict(wide.state_dict())  # the rounded constants load back
+    assert wide.per_member_constants == {"s": ss}  # Python numbers: not rounded by .to(dtype)
+    wide.load_state_dict(wide.state_dict())
+    wide.double()  # and back (0.01 came back as 0.00999999977648, refused at every call)
+    x = x.double()
+    y = wide(x)
+    for i, m in enumerate(models):  # each member through the same round trip
+        torch.testing.assert_close(y[i], copy.deepcopy(m).to(target).double()(x[i]), rtol=1e-9, atol=1e-9)
+    assert wide.per_member_constants == {"s": ss}
 
 
 def test_per_member_celu_alpha_gradient_is_the_members_own_in_float64():
@@ -453,3 +460,17 @@ def test_per_member_celu_alpha_gradient_is_the_members_own_in_float64():
         torch.testing.assert_close(wide(x)[i], m(xi), rtol=0, atol=1e-15)
         m(xi).sum().backward()
         torch.testing.assert_close(x.grad[i], xi.grad, rtol=1e-13, atol=1e-15, msg=lambda s, i=i: f"member {i}: {s}")
+
+
+def test_a_strict_load_with_other_keys_changes_nothing():
+    """A state dict of members whose constant differs (a ``_per_member`` key) into a model where it
+    is shared: refused, as nn.Module refuses it, but before any weight is written (nn.Module
+    loads what it can first: new weights with the old constants)."""
+    swept = wc.compile(_made(Leaky, [0.1, 0.2]), torch.randn(3, 4, dtype=torch.float64), config=FAST)
+    shared = wc.compile(_made(Leaky, [0.1, 0.1], seed=1), torch.randn(3, 4, dtype=torch.float64), config=FAST)
+    before = copy.deepcopy(shared.state_dict())
+    with pytest.raises(RuntimeError, match=r"nothing was loaded: missing key\(s\): \[\], unexpected key\(s\): "
+                                           r"\['_per_member\.s'\]"):
+        shared.load_state_dict(swept.state_dict())
+    assert all(torch.equal(v, shared.state_dict()[k]) for k, v in before.items())
+    shared.load_state_dict(swept.state_dict(), strict=False)  # not strict: nn.Module's own rules
