@@ -8,8 +8,10 @@ result (capturing another graph where the first does not hold) or refuses clearl
 
 from __future__ import annotations
 
+import logging
 import pickle
 import sys
+import types
 
 import pytest
 import torch
@@ -319,6 +321,57 @@ def test_guards_with_globals_survive_pickling(monkeypatch):
     monkeypatch.setattr(_Globals, "FACTOR", 7.0)
     assert not again.holds((x,), pdt, pdev)
     assert "FACTOR" in again.failed((x,), pdt, pdev)
+
+
+CFG = {"act": "tanh", "scale": 1.0}  # mutable globals: guarded by their contents
+NS = types.SimpleNamespace(shift=0.5)
+LAYERS = [1.0, 2.0]
+NOT_PLAIN = {"w": [1.0, 2.0]}  # a value that is not plain: named in a warning at capture
+
+
+class _Contents(LinearModel):
+    TABLE = {"gain": 2.0}  # a class attribute that is a dict
+
+    def forward(self, x):
+        h = self.fc(x) * CFG["scale"] * self.TABLE["gain"] + NS.shift + LAYERS[-1]
+        return torch.tanh(h) if CFG["act"] == "tanh" else torch.relu(h)
+
+
+@pytest.mark.parametrize("change", ["dict item", "dict branch", "namespace", "list", "class dict"])
+def test_the_contents_of_a_mutable_global_are_followed(change):
+    """A dict item, a namespace attribute, a list item, a class attribute's item changed after
+    compiling: the next call captures a graph for it (it ran the old branch or value: 0.5-1 off)."""
+    wide, members = _compile(_Contents, 2, 4)
+    x = _x(2, 4)
+    _assert_members(wide, members, x)
+    target, key, value = {"dict item": (CFG, "scale", 3.0), "dict branch": (CFG, "act", "relu"),
+                          "namespace": (NS, "shift", -2.0), "list": (LAYERS, 1, 5.0),
+                          "class dict": (_Contents.TABLE, "gain", -1.0)}[change]
+    was = target[key] if not isinstance(target, types.SimpleNamespace) else getattr(target, key)
+    put = (lambda v: setattr(target, key, v)) if isinstance(target, types.SimpleNamespace) else \
+        (lambda v: target.__setitem__(key, v))
+    put(value)  # in place: the object stays the same one
+    try:
+        _assert_members(wide, members, x)
+        assert _graphs(wide) == 2
+    finally:
+        put(was)
+    _assert_members(wide, members, x)  # the first graph holds again
+    assert _graphs(wide) == 2
+    again = pickle.loads(pickle.dumps(wide._graph_for(True).guards))  # the compile cache's copy
+    assert again.failed((x,), torch.float64, torch.device("cpu")) is None
+
+
+class _NotPlain(LinearModel):
+    def forward(self, x):
+        return self.fc(x) * NOT_PLAIN["w"][0]
+
+
+def test_a_mutable_global_that_cannot_be_guarded_is_named_at_capture(caplog):
+    with caplog.at_level(logging.WARNING, logger="wide_compiler"):
+        _compile(_NotPlain, 2, 4)
+    assert "reads test_guards_state.NOT_PLAIN, mutable" in caplog.text
+    assert "is not seen by the compiled graphs" in caplog.text
 
 
 # --- 5. devices -------------------------------------------------------------------------------------

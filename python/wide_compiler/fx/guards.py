@@ -71,8 +71,14 @@ generated function at every call (a call outside captures a graph for it, as for
   ``mod.SCALE = 3.0`` after compiling captures a graph with 3.0, and setting it back reuses the
   first graph.
 
-Not guarded (documented limits): the contents of mutable objects (a list, a dict, a config
-object's attributes: ``cfg.scale``), values reached through an attribute of another module
+The contents of a mutable global or class attribute the code reads (a dict, a list, a
+``SimpleNamespace`` or a plain object: ``CFG["act"]``, ``cfg.scale``) are guarded by value
+(:class:`Contents`: at most ``MAX_CONTENTS`` plain values, compared at each call, a few
+microseconds); one whose contents are not plain values is named in a warning at capture: a change
+to it after compiling is not seen.
+
+Not guarded (documented limits): mutable objects whose contents are not plain values (above),
+values reached through an attribute of another module
 (``helpers.SCALE``; a module global that is a module is not followed), functions called through
 such attributes or through objects other than the module, closure cells, names the members' code
 writes itself (a call counter: ``global CALLS; CALLS += 1``; guarding it would capture again at
@@ -172,6 +178,8 @@ def same_value(a: Any, b: Any) -> bool:
         return True
     if type(a) is not type(b):
         return False
+    if isinstance(a, Contents):
+        return a.kind == b.kind and same_value(a.items, b.items)
     if isinstance(a, (tuple, frozenset)):
         if isinstance(a, frozenset):
             return a == b
@@ -196,6 +204,69 @@ def _plain(v: Any, depth: int = 0) -> bool:
     if type(v) in (tuple, frozenset) and depth < 2 and len(v) <= 16:
         return all(_plain(x, depth + 1) for x in v)
     return False
+
+
+MAX_CONTENTS = 64  # the values of a mutable global guarded by value (Note [State a forward reads])
+
+
+@dataclasses.dataclass(frozen=True)
+class Contents:
+    """The contents of a mutable global the members' code reads (Note [State a forward reads]):
+    ``kind`` (``dict``, ``list`` or ``object``: a namespace or plain object's attributes) and
+    its items, plain values; guarded by value."""
+
+    kind: str
+    items: tuple
+
+    def __repr__(self) -> str:
+        if self.kind == "list":
+            return repr(list(self.items))
+        shown = repr(dict(self.items))
+        return shown if self.kind == "dict" else f"an object with attributes {shown}"
+
+    @staticmethod
+    def of(v: Any) -> Contents | None:
+        """The contents of ``v``; None when it is not a dict, list, namespace or plain object of
+        at most ``MAX_CONTENTS`` plain values."""
+        if type(v) is dict:
+            kind, items = "dict", tuple(v.items())
+        elif type(v) is list:
+            kind, items = "list", tuple(v)
+        elif _plain_instance(v):
+            kind, items = "object", tuple(vars(v).items())
+        else:
+            return None
+        if len(items) > MAX_CONTENTS or not all(_plain(x) for x in (items if kind == "list" else sum(items, ()))):
+            return None
+        return Contents(kind, items)
+
+
+def _plain_instance(v: Any) -> bool:
+    """A ``SimpleNamespace`` or an instance of a user's plain class (not a module, function, class,
+    nn.Module or tensor)."""
+    return isinstance(v, types.SimpleNamespace) or (
+        hasattr(v, "__dict__") and type(v).__module__ not in ("builtins", "torch") and not isinstance(
+            v, (types.ModuleType, type, types.FunctionType, types.MethodType, torch.nn.Module, torch.Tensor)))
+
+
+def _users_mutable(v: Any, filename: str) -> bool:
+    """A mutable object that code in ``filename`` reads, to be named in a warning when a guard
+    cannot read into it: the user's own code (not an installed package's: their registries and
+    loggers are theirs) reading a container or an instance of the user's own class."""
+    from .source import is_user_file
+
+    if "site-packages" in filename or "dist-packages" in filename:
+        return False
+    if isinstance(v, (dict, list, set, types.SimpleNamespace)):
+        return True
+    home = getattr(sys.modules.get(type(v).__module__), "__file__", None) or ""
+    return _plain_instance(v) and bool(home) and is_user_file(home, skip_stdlib=True) and "-packages" not in home
+
+
+def _read(owner: Any, qualname: str, name: str, value: Any) -> Any:
+    """The watched entry's value now, as kept (:class:`Contents` for a mutable one)."""
+    now = getattr(owner, name) if qualname else owner[name]
+    return Contents.of(now) if isinstance(value, Contents) else now
 
 
 def _owner_of(module: str, qualname: str) -> Any:
@@ -239,6 +310,7 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
     from .source import is_user_file
 
     entries: dict[tuple[int, str], tuple[tuple[str, str, str, Any], Any]] = {}
+    unguarded: dict[tuple[int, str], str] = {}  # mutable values whose contents cannot be guarded
     readers: list[str] = []
     stored: set[str] = set()
     reader_names = {id(fn): name for name, fn in (*FLAG_READERS.items(), *_GRAD_READERS.items())}
@@ -284,8 +356,11 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
                     stored.add(name)
                 elif ins.opname == "LOAD_GLOBAL" and name in g:
                     v = g[name]
-                    if _plain(v):
-                        entries.setdefault((id(g), name), ((str(g.get("__name__")), "", name, v), g))
+                    kept = v if _plain(v) else Contents.of(v)
+                    if kept is not None:
+                        entries.setdefault((id(g), name), ((str(g.get("__name__")), "", name, kept), g))
+                    elif _users_mutable(v, code.co_filename):
+                        unguarded.setdefault((id(g), name), f"{g.get('__name__')}.{name}")
                     elif isinstance(v, types.FunctionType) and is_user_file(v.__code__.co_filename):
                         work.append((v, None))
                     elif id(v) in reader_names and reader_names[id(v)] not in readers:
@@ -297,13 +372,22 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
                         v = inspect.getattr_static(cls, name)
                     except AttributeError:
                         continue
-                    if _plain(v):
-                        entries.setdefault((id(cls), name), ((cls.__module__, cls.__qualname__, name, v), cls))
+                    kept = v if _plain(v) else Contents.of(v)
+                    if kept is not None:
+                        entries.setdefault((id(cls), name), ((cls.__module__, cls.__qualname__, name, kept), cls))
+                    elif _users_mutable(v, code.co_filename):
+                        unguarded.setdefault((id(cls), name), f"{cls.__qualname__}.{name}")
                     else:  # a method or property of the module's class that its code calls
                         follow(v, m)
     # a name the code itself writes (``global CALLS; CALLS += 1``, ``type(self).seen = True``) is state
     # the forward keeps, not a setting: guarding it would capture again at every call
     found = [(e, o) for (_, name), (e, o) in entries.items() if name not in stored]
+    missed = [where for (_, name), where in unguarded.items() if name not in stored]
+    if missed:
+        log.warning("wide_compiler: the members' code reads %s, mutable and holding more than %d values or values "
+                    "that are not plain (numbers, strings, tuples of them): a change to %s after compiling is not "
+                    "seen by the compiled graphs (Note [State a forward reads]); compile again after changing it",
+                    ", ".join(missed), MAX_CONTENTS, "it" if len(missed) == 1 else "them")
     if len(found) > MAX_WATCHED:
         log.warning("wide_compiler: the members' code reads %d module globals and class attributes; the first %d "
                     "are guarded (Note [State a forward reads])", len(found), MAX_WATCHED)
@@ -385,13 +469,15 @@ class Guards:
             head.append(f"_fr{j}(*_fa{j}) == _fv{j}")
             namespace.update({f"_fr{j}": FLAG_READERS[reader], f"_fa{j}": args, f"_fv{j}": value})
         for j, ((_, qualname, name, value), owner) in enumerate(zip(self.watched, self._owners)):
-            head.append(f"_o{j}.{name} is _w{j}" if qualname else f"_o{j}[{name!r}] is _w{j}")
+            read = f"_o{j}.{name}" if qualname else f"_o{j}[{name!r}]"
+            # a mutable value's contents, compared at each call; else the value itself, by identity
+            head.append(f"_same(_contents({read}), _w{j})" if isinstance(value, Contents) else f"{read} is _w{j}")
             try:  # an equal object there now (after unpickling): the fast path checks that one
-                now = getattr(owner, name) if qualname else owner[name]
+                now = _read(owner, qualname, name, value)
                 value = now if same_value(now, value) else value
             except (AttributeError, KeyError, TypeError):
                 pass
-            namespace.update({f"_o{j}": owner, f"_w{j}": value})
+            namespace.update({f"_o{j}": owner, f"_w{j}": value, "_same": same_value, "_contents": Contents.of})
         body = " and ".join([*head, *(f"({wide(c)})" for c in self.code)]) or "True"
         each = ", ".join(f"lambda s: {c}" for c in self.code)
         # our own generated code: the conjunction (each call), and each guard alone (to name the failed one)
@@ -459,7 +545,7 @@ class Guards:
         for j, ((module, qualname, name, value), owner) in enumerate(zip(self.watched, self._owners)):
             where = f"{module}.{qualname + '.' if qualname else ''}{name}"
             try:
-                now = getattr(owner, name) if qualname else owner[name]
+                now = _read(owner, qualname, name, value)
             except (AttributeError, KeyError, TypeError):
                 return f"{where}, which the members' code reads, is no longer found (captured as {value!r})"
             if not same_value(now, value):
