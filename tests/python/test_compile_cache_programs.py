@@ -97,3 +97,26 @@ def test_classes_made_by_exec_are_keyed_by_their_code(cache_dir):
         out = wide(x)
         for i, m in enumerate(members):
             torch.testing.assert_close(out[i], m(x[i]), msg=lambda s, body=body, i=i: f"{body} member {i}: {s}")
+
+
+def _scaled(self, x, k):
+    return self.fc(x) * k
+
+
+def test_a_partialmethod_forward_is_keyed_by_its_bound_arguments(cache_dir, monkeypatch):
+    """``forward = functools.partialmethod(f, k=...)``: k is part of the program (the second
+    compile loaded the first's graph)."""
+    import functools
+
+    class Bound(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+    x = torch.randn(2, 4, 3)
+    for k in (2.0, 4.0):
+        monkeypatch.setattr(Bound, "forward", functools.partialmethod(_scaled, k=k), raising=False)
+        members = [Bound(), Bound()]
+        out = wc.compile(members, x[0], config=FAST)(x)
+        for i, m in enumerate(members):
+            torch.testing.assert_close(out[i], m(x[i]), msg=lambda s, k=k, i=i: f"k={k} member {i}: {s}")

@@ -403,9 +403,10 @@ def _value(d: _Digest, v: Any, depth: int, code_only: bool = False) -> None:
             _class(d, v, depth)
         else:
             d.add("type", v.__module__, v.__qualname__)
-    elif isinstance(v, (types.FunctionType, types.MethodType, functools.partial)) or hasattr(v, "__code__"):
-        if isinstance(v, functools.partial):
-            d.add("partial")
+    elif isinstance(v, (types.FunctionType, types.MethodType, functools.partial, functools.partialmethod)) \
+            or hasattr(v, "__code__"):
+        if isinstance(v, (functools.partial, functools.partialmethod)):  # a class's forward may be a partialmethod
+            d.add(type(v).__name__)
             _function(d, v.func, depth)
             _value(d, (v.args, v.keywords), depth - 1)
         else:
