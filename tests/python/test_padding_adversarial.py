@@ -333,3 +333,12 @@ def test_a_padded_batch_parity_guard_refuses_an_odd_batch_and_keeps_even_ones():
     with pytest.raises(ValueError, match=r"pad=True: the padded train program .* holds only where "
                                          r"\(L\['x'\]\.size\(\)\[0\] % 2\) == 0"):
         wide(torch.randn(2, 3, 6, 3, dtype=torch.float64))
+
+
+def test_a_group_norm_over_a_2d_input_with_padded_channels():
+    """GroupNorm over [B, C] (no spatial dims) in a channel sweep: it crashed the compile with an
+    internal IndexError (the padded form flattened dims from 2 on)."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, c), nn.GroupNorm(2, c)).double() for c in (2, 4, 6)]
+    wide = wc.compile(models, torch.randn(3, 4, dtype=torch.float64), config=FAST, pad=True)
+    _same_as_alone(wide, models, torch.randn(3, 5, 4, dtype=torch.float64))

@@ -457,7 +457,8 @@ def _group_norm(p: _Padder, node: fx.Node) -> None:
     cnt = p.buffer(per_group, node)
     with p.g.inserting_before(node):
         c = p.g.call_function
-        x3 = c(aten.flatten.using_ints, (x, 2))
+        # [B, C, spatial]: a [B, C] input (no spatial dims) as [B, C, 1]
+        x3 = c(aten.unsqueeze.default, (x, -1)) if len(xl) == 2 else c(aten.flatten.using_ints, (x, 2))
         mean_c = c(aten.mean.dim, (x3, [-1]))                                   # [B, C]
         mean_g = c(aten.div.Tensor, (c(aten.matmul.default, (mean_c, a)), cnt))    # [B, G]
         xc = c(aten.sub.Tensor, (x3, c(aten.unsqueeze.default, (c(aten.matmul.default, (mean_g, at)), -1))))
