@@ -342,3 +342,12 @@ def test_a_group_norm_over_a_2d_input_with_padded_channels():
     models = [nn.Sequential(nn.Linear(4, c), nn.GroupNorm(2, c)).double() for c in (2, 4, 6)]
     wide = wc.compile(models, torch.randn(3, 4, dtype=torch.float64), config=FAST, pad=True)
     _same_as_alone(wide, models, torch.randn(3, 5, 4, dtype=torch.float64))
+
+
+def test_members_whose_input_widths_differ_are_refused_naming_the_member():
+    """Linear(h, 4) with h = 3, 5 takes inputs of other widths: padding cannot fuse that; the
+    refusal names member 1 and its own error (it blamed export: "make the forward exportable")."""
+    models = [nn.Sequential(nn.Linear(h, 4), nn.ReLU(), nn.Linear(4, 2)) for h in (3, 5)]
+    with pytest.raises(wc.ArchitectureMismatchError, match=r"pad=True: member 1 fails on the sample .*"
+                                                          r"must take inputs of the same sizes"):
+        wc.compile(models, torch.randn(2, 3), pad=True, config=FAST)

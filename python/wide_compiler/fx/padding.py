@@ -62,7 +62,7 @@ from torch.fx._pytree import tree_flatten_spec
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import tree_flatten
 
-from ..errors import ArchitectureMismatchError, UnsupportedOperationError
+from ..errors import ArchitectureMismatchError, UnsupportedOperationError, WideCompileError
 from .capture import capture
 from .padding_rules import (FREE, INT_ARGS_OK, MASK_UNARY, REFUSED, RULES, ZERO_UNARY, Prefer, flat_layout,
                             layout_mask, mask_unary, prefix, same_layout, scatter, size_arith, zero_unary)
@@ -648,6 +648,26 @@ class _Padder:
         return result
 
 
+def _capture_member(i: int, model: nn.Module, training: bool, args: tuple, kwargs: dict,
+                    batch: dict[int, frozenset[int]]) -> Any:
+    """Member ``i``'s program on the sample, captured from a copy; a member that fails on the
+    sample itself (its own input size differs from member 0's) is refused as such."""
+    try:
+        return capture(copy.deepcopy(model).train(training), args, kwargs, extra_dims=batch)
+    except WideCompileError as e:
+        if i == 0:  # the sample is member 0's: the capture's own message says what to pass
+            raise
+        try:
+            with torch.no_grad():
+                copy.deepcopy(model).train(training)(*args, **kwargs)
+        except Exception as own:  # noqa: BLE001 -- the member's own error is the reason
+            raise ArchitectureMismatchError(
+                f"pad=True: member {i} fails on the sample (one input for all members, as member 0 takes it): "
+                f"{type(own).__name__}: {own}. Padded members differ only in their parameters' sizes: they "
+                "must take inputs of the same sizes (a sweep of input widths needs a wide model per width)") from e
+        raise
+
+
 def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = None
                 ) -> tuple[list[PaddedMember], PadInfo] | None:
     """The padded members of a population whose sizes differ (Note [Padded members]), and what
@@ -673,7 +693,7 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
     leaves = tree_flatten((args, kwargs))[0]
     batch = {k: frozenset({0}) for k, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.dim() >= 1}
     for training in (True, False):
-        eps = [capture(copy.deepcopy(m).train(training), args, kwargs, extra_dims=batch) for m in models]
+        eps = [_capture_member(i, m, training, args, kwargs, batch) for i, m in enumerate(models)]
         assumptions[training] = Assumptions.of(eps[0].module(), eps, models[0].forward)
         while True:
             padders[training] = _Padder(eps, persistent, "train" if training else "eval", prefs)
