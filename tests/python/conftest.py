@@ -32,6 +32,14 @@ def _isolated_cache_dir(tmp_path_factory, monkeypatch):
     return cache
 
 
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """The compile cache on, in a directory of this test's own (the compile cache tests)."""
+    monkeypatch.setenv("WIDE_COMPILE_CACHE", "1")
+    monkeypatch.setenv("WIDE_COMPILER_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
 @pytest.fixture(autouse=True)
 def _default_dtype_guard():
     """Fail loudly if a test leaks a changed default dtype into the next one."""

@@ -10,6 +10,7 @@ import json
 import math
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -183,3 +184,9 @@ def run_in_threads(fn: Callable[[int], object], n: int) -> list[Exception]:
     for t in threads:
         t.join()
     return errors
+
+
+def cache_entries(cache_dir: Path) -> list[Path]:
+    """The compile cache's entries in ``cache_dir`` (the ``cache_dir`` fixture of conftest.py)."""
+    folder = cache_dir / "compiled"
+    return sorted(folder.iterdir()) if folder.exists() else []

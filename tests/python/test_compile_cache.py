@@ -15,24 +15,12 @@ import types
 import pytest
 import torch
 import wide_compiler as wc
+from support import cache_entries
 from torch import nn
 from wide_compiler.fx import compile_cache, pipeline
 from wide_compiler.fx.pipeline import PASSES, Compilation, run_pipeline
 
 FAST = wc.WideConfig.fast()
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    """The compile cache on, in a directory of this test's own."""
-    monkeypatch.setenv("WIDE_COMPILE_CACHE", "1")
-    monkeypatch.setenv("WIDE_COMPILER_CACHE_DIR", str(tmp_path))
-    return tmp_path
-
-
-def _entries(cache_dir) -> list:
-    folder = cache_dir / "compiled"
-    return sorted(folder.iterdir()) if folder.exists() else []
 
 
 class _NoCapture:
@@ -136,7 +124,7 @@ def test_a_cached_compile_is_the_fresh_compile_bit_for_bit(case, cache_dir, monk
     x = x1.unsqueeze(0).expand(len(members), *x1.shape).contiguous() + 0.1 * torch.randn(len(members), *x1.shape)
     fresh = wc.compile(copy.deepcopy(members), x1, **kwargs)
     want = {mode: _run(fresh, x, mode) for mode in (True, False)}  # both graphs compiled (and stored)
-    assert len(_entries(cache_dir)) == 2, case
+    assert len(cache_entries(cache_dir)) == 2, case
 
     _NoCapture(monkeypatch)
     with caplog.at_level(logging.INFO, logger="wide_compiler.fx.pipeline"):
@@ -214,9 +202,9 @@ def test_a_tuning_cut_short_is_not_stored(cache_dir, monkeypatch):
     monkeypatch.setattr(tuning.Budget, "exhausted", lambda self, share=1.0: self.seconds is not None)
     members = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)) for _ in range(2)]
     wc.compile(members, torch.randn(2, 4), config=wc.WideConfig(tune_budget_s=1.0))
-    assert _entries(cache_dir) == []
+    assert cache_entries(cache_dir) == []
     wc.compile(members, torch.randn(2, 4), config=FAST)  # nothing measured: stored
-    assert len(_entries(cache_dir)) == 1
+    assert len(cache_entries(cache_dir)) == 1
 
 
 def test_a_new_process_hits(cache_dir, monkeypatch):
@@ -236,7 +224,7 @@ def test_a_new_process_hits(cache_dir, monkeypatch):
     """).format(out=str(cache_dir / "out.pt"), pinned=pinned, threads=torch.get_num_threads())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300)
-    assert len(_entries(cache_dir)) == 1
+    assert len(cache_entries(cache_dir)) == 1
     _NoCapture(monkeypatch)
     torch.manual_seed(0)
     members = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)) for _ in range(3)]
@@ -387,7 +375,7 @@ def test_a_changed_key_part_recompiles(cache_dir, monkeypatch, caplog):
     wide = wc.compile(other, torch.randn(2, 4), config=FAST)
     x = torch.randn(3, 2, 4)
     assert torch.allclose(wide(x)[1], other[1](x[1]), atol=1e-6)
-    assert len(_entries(cache_dir)) == 2
+    assert len(cache_entries(cache_dir)) == 2
 
 
 def test_a_changed_global_recompiles(cache_dir, monkeypatch):
@@ -426,7 +414,7 @@ def test_a_bad_entry_is_ignored_with_one_warning_and_replaced(damage, cache_dir,
     torch.manual_seed(0)
     members = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)) for _ in range(2)]
     wc.compile(members, torch.randn(2, 4), config=FAST)
-    (path,) = _entries(cache_dir)
+    (path,) = cache_entries(cache_dir)
     damage(path)
     with caplog.at_level(logging.WARNING, logger="wide_compiler"):
         wide = wc.compile(members, torch.randn(2, 4), config=FAST)
@@ -458,14 +446,14 @@ def test_off_by_environment_and_by_config(cache_dir, monkeypatch):
     wc.compile(members, torch.randn(2, 4), config=FAST.replace(cache=False))
     monkeypatch.setenv("WIDE_COMPILE_CACHE", "0")
     wc.compile(members, torch.randn(2, 4), config=FAST)
-    assert _entries(cache_dir) == []
+    assert cache_entries(cache_dir) == []
 
 
-def test_the_directory_keeps_the_newest_entries(cache_dir, monkeypatch):
+def test_the_directory_keeps_the_newestcache_entries(cache_dir, monkeypatch):
     monkeypatch.setattr(compile_cache, "MAX_ENTRIES", 2)
     for width in (3, 4, 5):
         wc.compile([nn.Linear(4, width) for _ in range(2)], torch.randn(2, 4), config=FAST)
-    assert len(_entries(cache_dir)) == 2
+    assert len(cache_entries(cache_dir)) == 2
     _NoCapture(monkeypatch)  # the newest is kept
     wc.compile([nn.Linear(4, 5) for _ in range(2)], torch.randn(2, 4), config=FAST)
 

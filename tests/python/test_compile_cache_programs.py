@@ -7,17 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import wide_compiler as wc
+from support import cache_entries
 from torch import nn
 
 FAST = wc.WideConfig.fast()
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    """The compile cache on, in a directory of this test's own (the suite runs with it off)."""
-    monkeypatch.setenv("WIDE_COMPILE_CACHE", "1")
-    monkeypatch.setenv("WIDE_COMPILER_CACHE_DIR", str(tmp_path))
-    return tmp_path
 
 
 class Branchy(nn.Module):
@@ -44,7 +37,7 @@ def test_padded_sweeps_that_branch_apart_are_two_entries(cache_dir, kinds):
         out = wide(x)
         for i, m in enumerate(members):
             torch.testing.assert_close(out[i], m(x[i]), msg=lambda s, kind=kind, i=i: f"{kind} member {i}: {s}")
-    assert len(list((cache_dir / "compiled").iterdir())) >= 2
+    assert len(cache_entries(cache_dir)) >= 2
 
 
 def test_a_padded_sweep_compiled_again_is_a_hit(cache_dir):
@@ -53,9 +46,9 @@ def test_a_padded_sweep_compiled_again_is_a_hit(cache_dir):
     x = torch.randn(2, 4, 3)
     members = [Branchy("exp", 3), Branchy("exp", 5)]
     wc.compile(members, x[0], config=FAST, pad=True)
-    entries = sorted((cache_dir / "compiled").iterdir())
+    entries = cache_entries(cache_dir)
     wide = wc.compile(members, x[0], config=FAST, pad=True)
-    assert sorted((cache_dir / "compiled").iterdir()) == entries
+    assert cache_entries(cache_dir) == entries
     torch.testing.assert_close(wide(x)[1], members[1](x[1]))
 
 

@@ -11,25 +11,13 @@ import copy
 import pytest
 import torch
 import wide_compiler as wc
+from support import cache_entries
 from torch import nn
 from wide_compiler.fx import compile_cache, pipeline
 from wide_compiler.fx.pipeline import Compilation
 
 FAST = wc.WideConfig.fast()
 N = 3
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    """The compile cache on, in a directory of this test's own."""
-    monkeypatch.setenv("WIDE_COMPILE_CACHE", "1")
-    monkeypatch.setenv("WIDE_COMPILER_CACHE_DIR", str(tmp_path))
-    return tmp_path
-
-
-def _entries(cache_dir) -> list:
-    folder = cache_dir / "compiled"
-    return sorted(folder.iterdir()) if folder.exists() else []
 
 
 class Captures:
@@ -78,7 +66,7 @@ def test_a_recapture_is_stored_and_a_later_model_loads_it(cache_dir, monkeypatch
     captures = Captures(monkeypatch)
     first = wc.compile(copy.deepcopy(members), sample, config=FAST)
     want = first(x)  # a recapture: sequence length 5, captured at 3
-    assert captures.count == 2 and len(_entries(cache_dir)) == 2  # the train graph, its recapture
+    assert captures.count == 2 and len(cache_entries(cache_dir)) == 2  # the train graph, its recapture
     second = wc.compile(copy.deepcopy(members), sample, config=FAST)
     with caplog.at_level("INFO", logger="wide_compiler"):
         got = second(x)
@@ -146,10 +134,10 @@ def test_each_part_of_a_recaptures_key_recompiles(cache_dir, monkeypatch):
 def test_a_dim_export_fixes_is_not_stored_and_still_refused(cache_dir, monkeypatch):
     members, sample = _members(FixedLength), torch.randn(2, 3, 2)
     wide = wc.compile(copy.deepcopy(members), sample, config=FAST)
-    stored = _entries(cache_dir)
+    stored = cache_entries(cache_dir)
     with pytest.raises(ValueError, match="fixed at capture"):
         wide(torch.randn(N, 2, 4, 2))
-    assert _entries(cache_dir) == stored
+    assert cache_entries(cache_dir) == stored
     again = wc.compile(copy.deepcopy(members), sample, config=FAST)
     with pytest.raises(ValueError, match="fixed at capture"):
         again(torch.randn(N, 2, 4, 2))
@@ -158,7 +146,7 @@ def test_a_dim_export_fixes_is_not_stored_and_still_refused(cache_dir, monkeypat
 def test_with_the_cache_off_a_recapture_stores_nothing(cache_dir, monkeypatch):
     monkeypatch.setenv("WIDE_COMPILE_CACHE", "0")
     wc.compile(_members(), torch.randn(2, 3, 4), config=FAST)(torch.randn(N, 2, 5, 4))
-    assert _entries(cache_dir) == []
+    assert cache_entries(cache_dir) == []
 
 
 def _padded(widths):
