@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .fx.padding import PadInfo
+from .fx.padding import PaddedMember, PadInfo, pad_members
 from .model import WideModel
 
 __all__ = ["PaddedWideModel"]
@@ -228,7 +228,21 @@ class PaddedWideModel(WideModel):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        self._make_programs()
         self._mask_gradients()
+
+    def _make_programs(self) -> None:
+        """The padded programs of the member templates, made again from the members (Note
+        [Pickling padded members] in fx/padding.py): the same capture and padding as at compile."""
+        templates = [t for t in (self._template, self._capture_template[0])
+                     if isinstance(t, PaddedMember) and t.__dict__.get("_programs") is None]
+        if not templates:
+            return
+        args, kwargs = self._sample
+        fresh = pad_members(self._originals, tuple(args), dict(kwargs))[0][0]
+        for t in templates:
+            object.__setattr__(t, "_programs", fresh._programs)
+            t._assumptions = fresh._assumptions
 
     def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
         """Member ``i``'s ``state_dict`` at its own sizes (copies), loadable into model ``i``."""

@@ -351,3 +351,35 @@ def test_members_whose_input_widths_differ_are_refused_naming_the_member():
     with pytest.raises(wc.ArchitectureMismatchError, match=r"pad=True: member 1 fails on the sample .*"
                                                           r"must take inputs of the same sizes"):
         wc.compile(models, torch.randn(2, 3), pad=True, config=FAST)
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(3, hidden, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x)[0].sum(1)
+
+
+def test_a_pickled_padded_model_trains_and_runs_as_the_original():
+    """pickle makes the padded programs again from the members (a GraphModule's pickle traces its
+    code again: BatchNorm's num_batches_tracked then never advanced, and a padded LSTM failed to
+    load with an internal tracing error)."""
+    import pickle
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(5, h), nn.BatchNorm1d(h)).to(DT) for h in (2, 5)]
+    wide = pickle.loads(pickle.dumps(wc.compile(models, torch.randn(4, 5, dtype=DT), pad=True, config=FAST)))
+    refs = copy.deepcopy(models)
+    for _ in range(3):
+        x = torch.randn(2, 4, 5, dtype=DT)
+        outs = wide.member_outputs(wide(x))
+        for i, ref in enumerate(refs):
+            torch.testing.assert_close(outs[i], ref(x[i]))
+    for i, ref in enumerate(refs):
+        for name, t in ref.state_dict().items():
+            torch.testing.assert_close(wide.member_state_dict(i)[name], t, msg=name)
+    rnns = [_Recurrent(h).to(DT) for h in (2, 4)]
+    wide = pickle.loads(pickle.dumps(wc.compile(rnns, torch.randn(2, 3, 3, dtype=DT), pad=True, config=FAST)))
+    _same_as_alone(wide, rnns, torch.randn(2, 2, 3, 3, dtype=DT))

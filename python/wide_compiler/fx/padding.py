@@ -137,6 +137,22 @@ class PaddedMember(nn.Module):
             else:
                 owner.register_buffer(leaf, t, persistent=name in persistent)
 
+    def __getstate__(self) -> dict:
+        # Note [Pickling padded members]: a GraphModule pickles as its code and is traced again when
+        # loaded, which loses the in-place update of a buffer (BatchNorm's num_batches_tracked) and
+        # fails on some programs (an LSTM's zeros of a symbolic size); the PaddedWideModel holding
+        # this member makes the programs again from its members when it is loaded
+        state = self.__dict__.copy()
+        state["_programs"] = None
+        return state
+
+    def __deepcopy__(self, memo: dict) -> PaddedMember:
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():  # the programs stay shared (not pickled: above)
+            new.__dict__[key] = value if key == "_programs" else copy.deepcopy(value, memo)
+        return new
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._assumptions[self.training].check(args, kwargs, "train" if self.training else "eval")
         state = {**dict(self.named_parameters()), **dict(self.named_buffers())}
