@@ -169,3 +169,22 @@ def test_member_is_in_the_wide_models_dtype_after_to():
             assert m.a.weight is m.b.weight
             for (name, t), (_, v) in zip(m.state_dict().items(), u.state_dict().items()):
                 assert t.dtype == v.dtype and torch.equal(t, v), name
+
+
+def test_members_of_two_classes_of_one_name_are_refused_saying_so():
+    """A class defined again (a notebook cell run twice) or made per module (torch.fx
+    symbolic_trace): the refusal said "type ... is 'M', member 0 has 'M'"."""
+
+    def make():
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(3, 2)
+
+            def forward(self, x):
+                return self.fc(x)
+        return M()
+
+    with pytest.raises(wc.ArchitectureMismatchError, match=r"member 1: type of the model \(M\) is .*another class of "
+                                                           r"that name.*member 0 has .*test_members\..*M'"):
+        wc.compile([make(), make()], torch.randn(4, 3), config=wc.WideConfig.fast())

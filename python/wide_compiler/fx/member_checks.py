@@ -174,7 +174,13 @@ def check_members(models: Sequence[nn.Module]) -> dict[str, tuple]:
             if name != name0:
                 fail("the module tree", f"'{name}'", f"'{name0}' at that position")
             if _module_class(m) is not _module_class(m0):
-                fail(f"type of {where}", type(m).__name__, type(m0).__name__)
+                got, want = type(m).__name__, type(m0).__name__
+                if got == want:  # two classes of one name: say so (a class defined again, fx tracing)
+                    got, want = (f"{t.__module__}.{t.__qualname__} (another class of that name: a class defined again, "
+                                 "or made per module as torch.fx.symbolic_trace does; members must be instances of "
+                                 "one class)" if t is type(m) else f"{t.__module__}.{t.__qualname__}"
+                                 for t in (type(m), type(m0)))
+                fail(f"type of {where}", got, want)
             if m.training != m0.training:
                 fail(f"{name}.training" if name else "training", m.training, m0.training)
             keys = (set(m.__dict__) | set(m0.__dict__)) - _MODULE_INTERNALS
