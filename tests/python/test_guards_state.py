@@ -374,6 +374,30 @@ def test_a_mutable_global_that_cannot_be_guarded_is_named_at_capture(caplog):
     assert "is not seen by the compiled graphs" in caplog.text
 
 
+STATS = {"calls": 0}  # state a forward keeps in a mutable global: not a setting to guard
+SEEN: list = []
+
+
+class _Counts(LinearModel):
+    def forward(self, x):
+        STATS["calls"] += 1
+        SEEN.append(1.0)
+        return self.fc(x) * CFG["scale"]
+
+
+def test_a_mutable_global_the_forward_changes_is_state_not_a_guard():
+    """``STATS["calls"] += 1`` and ``SEEN.append(...)`` in the forward: guarding their contents
+    would capture again at every call (and refuse after 8); the dict the forward only reads is
+    still guarded."""
+    wide, members = _compile(_Counts, 2, 4)
+    x = _x(2, 4)
+    for _ in range(10):
+        _assert_members(wide, members, x)
+    assert _graphs(wide) == 1
+    watched = {e[2] for e in wide._graph_for(True).guards.watched}
+    assert "CFG" in watched and not watched & {"STATS", "SEEN"}
+
+
 # --- 5. devices -------------------------------------------------------------------------------------
 
 

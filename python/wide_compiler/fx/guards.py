@@ -263,6 +263,32 @@ def _users_mutable(v: Any, filename: str) -> bool:
     return _plain_instance(v) and bool(home) and is_user_file(home, skip_stdlib=True) and "-packages" not in home
 
 
+_MUTATORS = frozenset({"append", "extend", "insert", "remove", "pop", "clear", "update", "setdefault", "popitem",
+                       "add", "discard", "sort", "reverse", "__setitem__", "__delitem__"})
+
+
+def _written_into(instructions: list[Any]) -> set[str]:
+    """The globals the code changes in place, on the line that loads them (``STATS["calls"] += 1``,
+    ``CACHE.append(x)``, ``cfg.seen = True``): state the forward keeps, as a name it assigns is
+    (guarding its contents would capture again at every call). A line that also writes into
+    another object counts too: that global's contents are then left unguarded."""
+    out: set[str] = set()
+    line: list[Any] = []
+    for ins in [*instructions, None]:
+        if ins is None or (ins.starts_line and line):
+            loaded = [i for i, x in enumerate(line) if x.opname == "LOAD_GLOBAL" and isinstance(x.argval, str)]
+            writes = any(x.opname in ("STORE_SUBSCR", "DELETE_SUBSCR", "STORE_ATTR") for x in line)
+            for i in loaded:
+                after = line[i + 1] if i + 1 < len(line) else None
+                mutator = after is not None and after.opname in ("LOAD_ATTR", "LOAD_METHOD") and after.argval in _MUTATORS
+                if writes or mutator:
+                    out.add(line[i].argval)
+            line = []
+        if ins is not None:
+            line.append(ins)
+    return out
+
+
 def _read(owner: Any, qualname: str, name: str, value: Any) -> Any:
     """The watched entry's value now, as kept (:class:`Contents` for a mutable one)."""
     now = getattr(owner, name) if qualname else owner[name]
@@ -311,6 +337,7 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
 
     entries: dict[tuple[int, str], tuple[tuple[str, str, str, Any], Any]] = {}
     unguarded: dict[tuple[int, str], str] = {}  # mutable values whose contents cannot be guarded
+    mutated: set[str] = set()  # globals the code changes in place: their contents are state, not settings
     readers: list[str] = []
     stored: set[str] = set()
     reader_names = {id(fn): name for name, fn in (*FLAG_READERS.items(), *_GRAD_READERS.items())}
@@ -348,7 +375,9 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
                 break
             stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
             g = fn.__globals__
-            for ins in dis.get_instructions(code):
+            instructions = list(dis.get_instructions(code))
+            mutated.update(_written_into(instructions))
+            for ins in instructions:
                 name = ins.argval
                 if not isinstance(name, str):
                     continue
@@ -381,8 +410,9 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
                         follow(v, m)
     # a name the code itself writes (``global CALLS; CALLS += 1``, ``type(self).seen = True``) is state
     # the forward keeps, not a setting: guarding it would capture again at every call
-    found = [(e, o) for (_, name), (e, o) in entries.items() if name not in stored]
-    missed = [where for (_, name), where in unguarded.items() if name not in stored]
+    found = [(e, o) for (_, name), (e, o) in entries.items()
+             if name not in stored and not (isinstance(e[3], Contents) and name in mutated)]
+    missed = [where for (_, name), where in unguarded.items() if name not in stored and name not in mutated]
     if missed:
         log.warning("wide_compiler: the members' code reads %s, mutable and holding more than %d values or values "
                     "that are not plain (numbers, strings, tuples of them): a change to %s after compiling is not "

@@ -193,7 +193,8 @@ class Assumptions:
             for d, s in enumerate(shape):
                 vr = None if is_concrete_int(s) else eps[0].range_constraints.get(s.node.expr)
                 if vr is not None:
-                    ranges[-1].append((d, int(vr.lower) if vr.lower.is_Integer else 0, int(vr.upper) if vr.upper.is_Integer else None))
+                    lo, hi = (int(b) if b.is_Integer else None for b in (vr.lower, vr.upper))
+                    ranges[-1].append((d, lo or 0, hi))
         guards: list[str] = []
         for ep in eps:
             code = getattr(ep, "_guards_code", None)
@@ -711,6 +712,12 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
     for training in (True, False):
         eps = [_capture_member(i, m, training, args, kwargs, batch) for i, m in enumerate(models)]
         assumptions[training] = Assumptions.of(eps[0].module(), eps, models[0].forward)
+        try:  # each guard reads only the forward's arguments (L['x'].size()[0] % 2 == 0)
+            assumptions[training].check(args, kwargs, "train" if training else "eval")
+        except Exception as e:  # noqa: BLE001 -- a guard this check cannot evaluate: nothing runs unchecked
+            raise UnsupportedOperationError(
+                f"wide_compiler: pad=True: export's guards on the inputs ({assumptions[training].guards}) cannot be "
+                f"checked on the sample: {type(e).__name__}: {e}") from e
         while True:
             padders[training] = _Padder(eps, persistent, "train" if training else "eval", prefs)
             try:
