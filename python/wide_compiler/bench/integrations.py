@@ -56,11 +56,11 @@ __all__: list[str] = []
 log = logging.getLogger(__name__)
 
 PRESETS = {
-    "ci": Preset("lightning, N=2, 3 steps, one round (a smoke run: seconds)", 0.0,
+    "ci": Preset("lightning, N=2, 3 steps, one round (a smoke run: seconds)", 0.01,
                  {"ns": (2,), "steps": 3, "repeats": 1, "frameworks": ("lightning",)}),
-    "quick": Preset("lightning and transformers, N=3, 10 steps, 3 rounds of fresh processes (minutes)", 0.0,
+    "quick": Preset("lightning and transformers, N=3, 10 steps, 3 rounds of fresh processes (minutes)", 0.5,
                     {"ns": (3,), "steps": 10, "repeats": 3, "frameworks": ("lightning", "transformers")}),
-    "full": Preset("the quick cases, 5 rounds, and N=8", 0.0,
+    "full": Preset("the quick cases, 5 rounds, and N=8", 0.5,
                    {"ns": (3, 8), "steps": 10, "repeats": 5, "frameworks": ("lightning", "transformers")}),
 }
 CONTENDERS = ("fused_cold", "sequential", "fused_warm")
