@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -275,14 +274,12 @@ class WideModel(MemberOpsMixin, nn.Module):
 
     def _set_member_constants(self, m: nn.Module, i: int) -> nn.Module:
         """Member ``i``'s own per-member constants on ``m`` (a copy of the template): the original
-        Python value while the buffer still holds it (in the buffer's dtype: ``.to()`` rounds it),
-        else the buffer's value as a float."""
+        Python value while the buffer still holds it, else the buffer's value as a float."""
         for path, values in (self.__dict__.get("_constants") or {}).items():
-            buf = _get_tensor(self, f"_per_member.{path}")
-            value, original = float(buf[i]), values[i]
+            value = float(_get_tensor(self, f"_per_member.{path}")[i])
+            original = values[i]
             mod_path, _, key = path.rpartition(".")
-            setattr(m.get_submodule(mod_path) if mod_path else m, key,
-                    original if _rounds_to(original, buf.dtype, value) else value)
+            setattr(m.get_submodule(mod_path) if mod_path else m, key, original if float(original) == value else value)
         return m
 
     def _owns(self, name: str) -> bool:
@@ -410,10 +407,9 @@ class WideModel(MemberOpsMixin, nn.Module):
         if self._constants_seen.get(id(wg)) == seen:
             return
         rows = [b.detach().double().cpu().tolist() for b in bufs]
-        dtypes = [b.dtype for b in bufs]
         derived: dict[str, list[float]] = {}
         for i in range(self.n):
-            values = by_key.get(_configuration(by_key, rows, dtypes, i))
+            values = by_key.get(tuple(constant_key(float(r[i])) for r in rows))
             if values is None:
                 raise ValueError(_unproved(i, paths, rows, by_key, "Set a compiled configuration"))
             for name, v in values.items():
@@ -447,7 +443,7 @@ class WideModel(MemberOpsMixin, nn.Module):
                 continue  # not this model's constants: nn.Module's own checks say what is wrong
             rows = [t.detach().double().cpu().tolist() for t in given]
             for i in range(self.n):
-                if _configuration(by_key, rows, [t.dtype for t in given], i) is None:
+                if tuple(constant_key(float(r[i])) for r in rows) not in by_key:
                     raise ValueError(_unproved(i, paths, rows, by_key, "Nothing was loaded. Load a state dict of "
                                                "compiled configurations"))
         return super().load_state_dict(state_dict, strict, assign)
@@ -946,31 +942,6 @@ class WideModel(MemberOpsMixin, nn.Module):
                 self._set_member_constants(m, i)
                 out.append(m.train(self.training))
         return out
-
-
-def _rounds_to(original: Any, dtype: torch.dtype, value: float) -> bool:
-    """Whether the constant ``original`` is ``value`` once held in a ``dtype`` buffer."""
-    held = torch.tensor(float(original), dtype=torch.float64).to(dtype).double().item()
-    return held == value or (math.isnan(held) and math.isnan(value))
-
-
-def _configuration(by_key: dict, rows: list[list[float]], dtypes: list[torch.dtype], i: int) -> tuple | None:
-    """The key of ``by_key`` (compiled configurations) that member ``i``'s constants ``rows[k][i]``
-    are: exactly, or the one configuration whose values round to them in their buffers' dtypes
-    (``wide.to(torch.float32)`` rounds the buffers of a float64 model; the members' own constants
-    are Python numbers, which their ops round to that dtype alike); None for none, or for two
-    that round alike."""
-    key = tuple(constant_key(float(r[i])) for r in rows)
-    if key in by_key:
-        return key
-    rounded = [k for k in by_key if all(_rounds_to(_number(v), dt, r[i]) for v, dt, r in zip(k, dtypes, rows))]
-    return rounded[0] if len(rounded) == 1 else None
-
-
-def _number(key: tuple[str, str]) -> float:
-    """The value of a :func:`~wide_compiler.fx.constants.constant_key`."""
-    kind, text = key
-    return float(text == "True") if kind == "bool" else float(text)
 
 
 def _unproved(i: int, paths: list[str], rows: list[list[float]], by_key: dict, what_to_do: str) -> str:
