@@ -450,7 +450,6 @@ def _program(d: _Digest, gm: fx.GraphModule) -> None:
     d.seen[id(gm)] = len(d.seen)
     for path, mod in gm.named_modules():
         d.add("graph", path, mod.code if isinstance(mod, fx.GraphModule) else type(mod).__qualname__)
-        state = {**mod._parameters, **{k: b for k, b in mod._buffers.items() if k not in mod._non_persistent_buffers_set}}
         for name in sorted(vars(mod)):
             t = vars(mod)[name]
             if isinstance(t, torch.Tensor):
@@ -459,7 +458,7 @@ def _program(d: _Digest, gm: fx.GraphModule) -> None:
         for name in sorted(mod._buffers):
             d.add("buffer", name)
             if mod._buffers[name] is not None:
-                _tensor(d, mod._buffers[name], values=name not in state)
+                _tensor(d, mod._buffers[name], values=name in mod._non_persistent_buffers_set)
         for name in sorted(mod._parameters):
             d.add("param", name)
             if mod._parameters[name] is not None:
