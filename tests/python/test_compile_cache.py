@@ -17,7 +17,7 @@ import torch
 import wide_compiler as wc
 from support import cache_entries
 from torch import nn
-from wide_compiler.fx import compile_cache, pipeline
+from wide_compiler.fx import cache_key, compile_cache, pipeline
 from wide_compiler.fx.pipeline import PASSES, Compilation, run_pipeline
 
 FAST = wc.WideConfig.fast()
@@ -211,11 +211,11 @@ def test_a_new_process_hits(cache_dir, monkeypatch):
     """The key is the same in another process (no addresses, ids or hash seeds in it). wide_compiler's
     source digest is pinned in both: other work on the sources between the two must not miss."""
     pinned = ("0.1.0", "pinned sources", [])
-    monkeypatch.setattr(compile_cache, "_project_versions", lambda: pinned)
+    monkeypatch.setattr(cache_key, "_project_versions", lambda: pinned)
     script = textwrap.dedent("""
         import torch, wide_compiler as wc
-        from wide_compiler.fx import compile_cache
-        compile_cache._project_versions = lambda: {pinned!r}
+        from wide_compiler.fx import cache_key
+        cache_key._project_versions = lambda: {pinned!r}
         torch.set_num_threads({threads})
         torch.manual_seed(0)
         members = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)) for _ in range(3)]
@@ -323,9 +323,9 @@ CHANGES = {
     "member tile": lambda mp: _key(config=FAST.replace(member_tile=2)),
     "wide state dtype": lambda mp: _key(dtype=torch.float64),
     "torch version": lambda mp: (mp.setattr(torch, "__version__", "0.0.1"), _key())[1],
-    "wide_compiler sources": lambda mp: (mp.setattr(compile_cache, "_project_versions",
+    "wide_compiler sources": lambda mp: (mp.setattr(cache_key, "_project_versions",
                                                     lambda: ("0.1.0", "other", [])), _key())[1],
-    "processor": lambda mp: (mp.setattr(compile_cache, "hardware", lambda device: "another CPU (AVX512)"), _key())[1],
+    "processor": lambda mp: (mp.setattr(cache_key, "hardware", lambda device: "another CPU (AVX512)"), _key())[1],
     "threads": lambda mp: (mp.setattr(torch, "get_num_threads", lambda: 97), _key())[1],
 }
 
