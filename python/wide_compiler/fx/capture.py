@@ -6,7 +6,9 @@ serves any batch size. :func:`check_sample` runs member 0 on the sample first, s
 cannot take fails with PyTorch's own error.
 
 Whether all members are the same program is checked in fx/member_checks.py; where a node comes
-from in the user's code is read in fx/source.py.
+from in the user's code is read in fx/source.py; what the forward does during export that the
+graph cannot carry is recorded in fx/export_watch.py (Note [What export does not capture]);
+:func:`check_sample` lives in fx/sample_check.py.
 
 Note [Capture special cases]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -43,18 +45,11 @@ not; which mechanism applies depends on what the module's forward does:
 """
 
 from __future__ import annotations
-
 import contextlib
-import copy
-import functools
 import inspect
 import logging
-import os
 import re
-import sys
-import threading
 import traceback
-import types
 from typing import Any
 
 import torch
@@ -63,7 +58,9 @@ from torch.export import Dim, ExportedProgram
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..errors import WideCompileError
+from .export_watch import _Watch
 from .guards import globals_read
+from .sample_check import check_sample
 from .source import is_user_file, location, user_frame_and_module
 from .source import module_path, source_line  # noqa: F401 -- their old import path (model.py, analyze.py)
 
@@ -279,243 +276,6 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         return ep
 
 
-class _Watch:
-    """Note [What export does not capture]: within the block (one export), records what the user's
-    forward does that the exported graph cannot carry:
-
-    * a custom ``torch.autograd.Function``: export traces its forward, its backward is lost (the
-      wide model's gradient would be autograd's of the forward: a straight-through estimator's
-      gradient becomes 0, a gradient-reversal layer's the identity). One whose backward computes
-      autograd's gradient of its forward (a memory-saving GeLU, as BLOOM's) loses nothing: that is
-      checked in float64 at the traced sizes (:func:`_backward_is_autograds`), and only the others
-      count;
-    * ``Tensor.register_hook`` on an activation: the hook never runs in the wide model's backward;
-    * what the forward reads of the state of the process, whose branch is baked in (Note [State a
-      forward reads] in fx/guards.py): the grad mode (``torch.is_grad_enabled()``,
-      ``torch.is_inference_mode_enabled()``), the global flags of ``guards.FLAG_READERS``
-      (determinism, autocast, the default dtype, matmul precision), an input's memory layout
-      (``Tensor.is_contiguous``, ``Tensor.stride``) and a tensor's device (``.device``,
-      ``.is_cuda``, ``.is_cpu``): each becomes a guard of the graph, checked at every call;
-    * ``torch.compiler.is_compiling()`` / ``is_exporting()`` (and ``torch._dynamo.is_compiling``,
-      ``torch._utils.is_compiling``, which call it), called from the user's own code (not a
-      library's under site-packages, not torch's): export runs the forward with them True, each
-      member alone with them False. The user's code gets False here, so the graph takes the branch
-      each member takes alone (export fails, and says so, where that branch cannot be captured);
-      a library's code keeps export's answer (its export support chose that branch for export).
-      The function objects themselves answer (their code is swapped for the block), so a name
-      imported with ``from torch.compiler import is_compiling`` answers the same.
-
-    :meth:`check` refuses a train graph with the first two (and a module's backward hooks, which
-    export drops too), naming the class or line; an eval graph only warns (its forward values are
-    the members'; a backward through it would not be). Only calls from the user's code count (not
-    torch's or wide_compiler's own).
-
-    The patches are process-wide (installed by the first block to open, removed by the last to
-    close, under a lock) and record only for the thread whose export opened a block: another
-    thread's calls get the real functions' answers."""
-
-    def __enter__(self) -> _Watch:
-        self.functions: list = []
-        self.hooks: list[str] = []
-        self.grad_mode: bool | None = None
-        self.flags: dict[tuple[str, tuple], Any] = {}
-        self.layout: list[str] = []  # where the user's code read a tensor's memory layout
-        self.device: list[str] = []  # where it read a tensor's device
-        self.compiling: list[str] = []  # where it asked is_compiling()/is_exporting() (answered False)
-        with _WATCH_LOCK:
-            if not _WATCHES:
-                _install_watch_patches()
-            _WATCHES.setdefault(threading.get_ident(), []).append(self)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        with _WATCH_LOCK:
-            mine = _WATCHES.get(threading.get_ident(), [])
-            if self in mine:
-                mine.remove(self)
-            if not mine:
-                _WATCHES.pop(threading.get_ident(), None)
-            if not _WATCHES:
-                _remove_watch_patches()
-
-    def reads(self) -> dict[str, Any]:
-        """What the forward read of the process's state, as plain values (Note [State a forward
-        reads] in fx/guards.py): ``grad_mode`` (bool or None), ``flags`` (``((reader, args),
-        value)`` pairs), ``layout`` and ``device`` (whether read), ``compiling`` (where)."""
-        return {"grad_mode": self.grad_mode, "flags": tuple(self.flags.items()), "layout": bool(self.layout),
-                "device": bool(self.device), "compiling": tuple(dict.fromkeys(self.compiling))}
-
-    def check(self, model: nn.Module) -> None:
-        hooks = [f"{name or type(model).__name__} ({type(m).__name__}) has a backward hook"
-                 for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
-        unproved = [(cls, where) for cls, specs, where in self.functions
-                    if specs is None or not _backward_is_autograds(
-                        cls, specs, torch.autograd.function.Function.__dict__["apply"])]
-        found = ([f"the custom autograd function {cls.__qualname__} ({where})" for cls, where in unproved]
-                 + [f"Tensor.register_hook {h}" for h in self.hooks] + hooks)
-        if not found:
-            return
-        what = "; ".join(dict.fromkeys(found))
-        if model.training:
-            raise WideCompileError(
-                f"wide_compiler: {what}. torch.export captures the forward only: the wide model's backward "
-                "would not run it (a custom Function's backward, a hook), so its gradients would not be the "
-                "members' (Note [What export does not capture] in fx/capture.py).\n"
-                "What to do: give that module a wide form with @wide_compiler.register (its own Python runs "
-                "per member), or train the members without it.")
-        log.warning("wide_compiler: %s: the eval graph computes the members' outputs, but a backward through "
-                    "it would not run that code (Note [What export does not capture])", what)
-
-
-# -- the patches of _Watch (process-wide while any export runs under one) ----------------------------
-
-_WATCH_LOCK = threading.Lock()
-_WATCHES: dict[int, list[_Watch]] = {}  # thread id -> the watches open in that thread (innermost last)
-_PATCHED: list[tuple[Any, str, Any]] = []  # (owner, attribute, what was there: _ABSENT if nothing)
-_ABSENT = object()
-_SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
-
-
-def _watching() -> _Watch | None:
-    mine = _WATCHES.get(threading.get_ident())
-    return mine[-1] if mine else None
-
-
-def _user_caller(depth: int = 2) -> bool:
-    """Whether the caller of the patched function (``depth`` frames up) is the user's code."""
-    return is_user_file(sys._getframe(depth).f_code.co_filename)
-
-
-def _patch(owner: Any, name: str, value: Any) -> None:
-    _PATCHED.append((owner, name, owner.__dict__.get(name, _ABSENT)))
-    setattr(owner, name, value)
-
-
-def _install_watch_patches() -> None:
-    from .guards import FLAG_READERS
-
-    fn_cls = torch.autograd.function.Function
-    apply, register_hook = fn_cls.__dict__["apply"], torch.Tensor.register_hook
-
-    def watched_apply(cls, *args: Any, **kwargs: Any) -> Any:
-        watch = _watching()
-        if watch is not None:
-            try:
-                user = is_user_file(inspect.getfile(cls))
-            except (TypeError, OSError):  # a class without a source file
-                user = False
-            if user:
-                watch.functions.append((cls, None if kwargs else [_spec(a) for a in args], user_frame_and_module()))
-        return apply.__func__(cls, *args, **kwargs)
-
-    def watched_register_hook(t: torch.Tensor, hook: Any) -> Any:
-        watch = _watching()
-        if watch is not None and _user_caller():
-            watch.hooks.append(user_frame_and_module())
-        return register_hook(t, hook)
-
-    def grad_read(fn: Any) -> Any:
-        def read() -> bool:
-            value = fn()
-            watch = _watching()
-            if watch is not None and _user_caller():
-                watch.grad_mode = torch._C.is_grad_enabled()
-            return value
-        return read
-
-    def flag_read(name: str, fn: Any) -> Any:
-        def read(*args: Any) -> Any:
-            value = fn(*args)
-            watch = _watching()
-            if watch is not None and _user_caller():
-                watch.flags[(name, tuple(args))] = value
-            return value
-        read.__name__ = read.__qualname__ = name
-        return read
-
-    def layout_read(fn: Any) -> Any:
-        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            watch = _watching()
-            if watch is not None and _user_caller():
-                watch.layout.append(user_frame_and_module())
-            return fn(self, *args, **kwargs)
-        return read
-
-    def device_read(getter: Any) -> property:
-        def read(self: torch.Tensor) -> Any:
-            watch = _watching()
-            if watch is not None and _user_caller():
-                watch.device.append(user_frame_and_module())
-            return getter(self)
-        return property(read)
-
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    _patch(fn_cls, "apply", classmethod(watched_apply))
-    _patch(torch.Tensor, "register_hook", watched_register_hook)
-    _patch(torch, "is_grad_enabled", grad_read(torch.is_grad_enabled))
-    _patch(torch, "is_inference_mode_enabled", grad_read(torch.is_inference_mode_enabled))
-    for name, fn in FLAG_READERS.items():
-        _patch(torch, name, flag_read(name, fn))
-    for name in ("is_contiguous", "stride"):
-        _patch(torch.Tensor, name, layout_read(getattr(torch._C.TensorBase, name)))
-    for owner, name in ((FakeTensor, "device"), (torch.Tensor, "is_cuda"), (torch.Tensor, "is_cpu")):
-        _patch(owner, name, device_read(getattr(owner, name).__get__))
-    for fn, shim in _COMPILING_SHIMS:
-        _PATCHED.append((fn, "__code__", fn.__code__))
-        fn.__code__ = shim
-
-
-def _remove_watch_patches() -> None:
-    while _PATCHED:
-        owner, name, old = _PATCHED.pop()
-        if old is _ABSENT:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, old)
-
-
-def _answer_compiling(frame: Any, which: int) -> bool:
-    """The answer of ``torch.compiler.is_compiling`` (``which`` 0) or ``is_exporting`` (1) while
-    a :class:`_Watch` is open: False to the user's own code in the watching thread (what a member
-    alone sees), recorded; the real answer to anything else."""
-    watch = _watching()
-    if watch is not None:
-        while frame is not None and frame.f_code in _compiling_wrappers():
-            frame = frame.f_back
-        filename = frame.f_code.co_filename if frame is not None else ""
-        if is_user_file(filename) and not any(s in filename for s in _SITE):
-            watch.compiling.append(location(filename, frame.f_lineno, frame.f_code.co_name))
-            return False
-    return _COMPILING_ORIGINALS[which]()
-
-
-def _is_compiling_shim() -> bool:  # the code torch.compiler.is_compiling runs within a _Watch
-    import sys
-    return sys.modules["wide_compiler.fx.capture"]._answer_compiling(sys._getframe(1), 0)
-
-
-def _is_exporting_shim() -> bool:  # the code torch.compiler.is_exporting runs within a _Watch
-    import sys
-    return sys.modules["wide_compiler.fx.capture"]._answer_compiling(sys._getframe(1), 1)
-
-
-_COMPILING_FNS = (torch.compiler.is_compiling, torch.compiler.is_exporting)
-_COMPILING_ORIGINALS = tuple(types.FunctionType(f.__code__, f.__globals__, f.__name__) for f in _COMPILING_FNS)
-_COMPILING_SHIMS = tuple(zip(_COMPILING_FNS, (_is_compiling_shim.__code__, _is_exporting_shim.__code__)))
-
-
-@functools.cache
-def _compiling_wrappers() -> frozenset:
-    """torch's own functions that only pass is_compiling() on: the frame that asks is their
-    caller's. Looked up at the first capture: importing torch._dynamo costs seconds, and a
-    capture (torch.export) has imported it by then."""
-    import torch._dynamo.external_utils as external_utils
-
-    return frozenset(f.__code__ for f in (external_utils.is_compiling, torch._utils.is_compiling)
-                     if isinstance(f, types.FunctionType))
-
-
 def _refuse_generators(model: nn.Module, ep: ExportedProgram) -> None:
     """Refuse a capture whose random ops draw from an explicit ``generator=`` (export lifts the
     generator to a graph input the widen pass cannot take): each member alone advances its own
@@ -536,56 +296,6 @@ def _refuse_generators(model: nn.Module, ep: ExportedProgram) -> None:
             "whole with @wide_compiler.register(ModuleType).")
 
 
-def _spec(a: Any) -> Any:
-    """An argument of a custom Function's call during export: a tensor as (shape by its size hints,
-    dtype), anything else as it is."""
-    if isinstance(a, torch.Tensor):
-        shape = [int(d.node.hint) if isinstance(d, torch.SymInt) else int(d) for d in a.shape]
-        return ("tensor", shape, a.dtype)
-    return ("value", a)
-
-
-def _backward_is_autograds(cls: type, specs: list, apply: Any) -> bool:
-    """Whether ``cls``'s backward gives autograd's gradient of its own forward (float64, random
-    inputs and cotangents of the traced sizes, 1e-6): then the traced forward's gradient is the
-    member's. Anything that fails to run counts as not."""
-    def inputs() -> list:  # the same values at each call
-        gen = torch.Generator().manual_seed(0)
-        return [torch.randn(sp[1], dtype=torch.float64, generator=gen).requires_grad_()
-                if sp[0] == "tensor" and sp[2].is_floating_point else
-                torch.zeros(sp[1], dtype=sp[2]) if sp[0] == "tensor" else sp[1] for sp in specs]
-
-    class _Ctx:  # what an old-style forward(ctx, ...) writes to
-        needs_input_grad = tuple(sp[0] == "tensor" for sp in specs)
-
-        def save_for_backward(self, *t: Any) -> None:
-            self.saved_tensors = t
-
-        def __getattr__(self, name: str) -> Any:
-            return lambda *a, **k: None  # mark_dirty, mark_non_differentiable, set_materialize_grads
-
-    try:
-        with torch.enable_grad():
-            xs = inputs()
-            leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
-            out = apply.__func__(cls, *xs)
-            ys = inputs()
-            ref_leaves = [y for y in ys if isinstance(y, torch.Tensor) and y.requires_grad]
-            if "ctx" in inspect.signature(cls.forward).parameters:
-                ref = cls.forward(_Ctx(), *ys)
-            else:
-                ref = cls.forward(*ys)
-            outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
-            pairs = [(o, r) for o, r in zip(outs, refs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
-            gen = torch.Generator().manual_seed(1)
-            cots = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o, _ in pairs]
-            got = torch.autograd.grad([o for o, _ in pairs], leaves, cots, allow_unused=True)
-            want = torch.autograd.grad([r for _, r in pairs], ref_leaves, cots, allow_unused=True)
-        return all((g is None and w is None) or (g is not None and w is not None and g.shape == w.shape
-                                                 and torch.allclose(g, w, rtol=1e-6, atol=1e-9))
-                   for g, w in zip(got, want))
-    except Exception:  # noqa: BLE001 -- not provable here: the Function counts as one whose backward differs
-        return False
 
 
 class _RecurrentShapes:
@@ -715,86 +425,6 @@ def _placeholder_name(source: str) -> str:
     return "_".join(re.findall(r"\[['\"]?([^\]'\"]+)['\"]?\]", source))
 
 
-def check_sample(model: nn.Module, args: tuple, kwargs: dict, n: int) -> None:
-    """Run member 0 eagerly on the sample before capture, so a sample it cannot take gets
-    PyTorch's own error with real sizes (export's would come with its log and symbolic sizes
-    such as ``s77``) and a hint about what the sample is. Nothing of the user's changes: the
-    member runs as a deep copy (or on clones of its tensors), with the random number generators
-    restored, in the caller's grad mode (a forward may take gradients inside)."""
-    try:
-        inspect.signature(model.forward).bind(*args, **kwargs)
-    except TypeError:
-        return  # the capture names how the sample does not fit the forward's parameters
-    except ValueError:
-        pass  # no signature to read
-    devices = sorted({t.device.index for t in (*model.parameters(), *model.buffers()) if t.is_cuda} - {None})
-    try:
-        with torch.random.fork_rng(devices=devices):
-            try:
-                member = copy.deepcopy(model)
-            except Exception:  # noqa: BLE001 -- objects that refuse to be copied
-                _run_on_clones(model, args, kwargs, contextlib.nullcontext())
-            else:
-                member(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 -- the member's own error, whatever its type
-        shapes = ", ".join(_describe_input(a) for a in tree_flatten((args, kwargs))[0]) or "no tensors"
-        leading = {a.shape[0] for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and a.dim()}
-        hint = (f" Its dim 0 is {n}, the number of members: if that is the member dim, pass one member's "
-                "input (sample[0]) instead." if leading == {n} else "")
-        raise WideCompileError(
-            f"wide_compiler: member 0 ({type(model).__name__}) fails on the sample ({shapes}): "
-            f"{type(e).__name__}: {e}\n"
-            "The sample is ONE member's input, without the member dim N: what you would pass to "
-            f"members[0](...), e.g. a batch [B, features] for an MLP.{hint}") from e
-
-
-@contextlib.contextmanager
-def attributes_kept(model: nn.Module) -> Any:
-    """Put back every module's own Python attributes when the block ends (raised or not): rebound
-    values (a call counter) get their old object back, attributes the block added are removed,
-    and lists, dicts and sets changed in place get their old contents back."""
-    saved = []
-    for m in model.modules():
-        attrs = dict(m.__dict__)
-        contents = {}
-        for k, v in attrs.items():
-            if isinstance(v, (list, dict, set)) and k not in ("_parameters", "_buffers", "_modules"):
-                try:
-                    contents[k] = copy.copy(v)
-                except Exception:  # noqa: BLE001 -- kept as it is: a rebinding is still undone
-                    pass
-        saved.append((m, attrs, contents))
-    try:
-        yield
-    finally:
-        for m, attrs, contents in saved:
-            for k in [k for k in m.__dict__ if k not in attrs]:
-                del m.__dict__[k]
-            m.__dict__.update(attrs)
-            for k, old in contents.items():
-                v = attrs[k]
-                if isinstance(v, list):
-                    v[:] = old
-                else:
-                    v.clear()
-                    v.update(old)
-
-
-def _run_on_clones(model: nn.Module, args: tuple, kwargs: dict, rec: Any) -> None:
-    """Run ``model`` with clones of its parameters and buffers (``functional_call``), inside the
-    context ``rec`` (the member checks' op recorder, or a null context), its Python attributes
-    kept (:func:`attributes_kept`)."""
-    tensors = {k: v.detach().clone() for k, v in (*model.named_parameters(remove_duplicate=False),
-                                                   *model.named_buffers(remove_duplicate=False))}
-    with attributes_kept(model), torch.no_grad(), rec:
-        torch.func.functional_call(model, tensors, args, kwargs, strict=False)
-
-
-def _describe_input(a: Any) -> str:
-    if isinstance(a, torch.Tensor):
-        return f"a {a.dtype} tensor {list(a.shape)}".replace("torch.", "")
-    return repr(a)
-
 
 # export's message for an output type it cannot flatten
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output")
@@ -837,7 +467,7 @@ def _capture_error(model: nn.Module, e: Exception, compiling: Any = ()) -> WideC
     if compiling:
         what += (f"The forward asks torch.compiler.is_compiling() ({'; '.join(dict.fromkeys(compiling))}): the "
                  "capture follows the branch each member takes when called alone (the answer False, Note [What "
-                 "export does not capture] in fx/capture.py), and that branch is what failed above.\n")
+                 "export does not capture] in fx/export_watch.py), and that branch is what failed above.\n")
     if "dynamic_shapes" in str(e) or "tree_name" in str(e):
         return WideCompileError(
             what + "What to do: the dynamic_shapes given to torch.export do not match the forward's "

@@ -25,7 +25,7 @@ core of a busy 2-core machine: 9 µs, from 27 µs when it read ``x.shape`` for e
   symbol (``2*s0 + 1``) is checked against that expression;
 * every tensor input's dtype as captured;
 * the grad mode, where the forward read it (``torch.is_grad_enabled()``: Note [What export does not
-  capture] in fx/capture.py); a graph for the other mode is captured under that mode.
+  capture] in fx/export_watch.py); a graph for the other mode is captured under that mode.
 
 A call outside them is never run on the graph: :class:`~wide_compiler.WideModel` looks for a
 graph of that mode captured for such inputs, or captures one with the call itself as the sample
@@ -46,7 +46,7 @@ generated function at every call (a call outside captures a graph for it, as for
 * **global flags** (``FLAG_READERS``: ``torch.are_deterministic_algorithms_enabled()``,
   ``torch.is_autocast_enabled(device)``, ``torch.get_autocast_dtype(device)``,
   ``torch.get_default_dtype()``, ``torch.get_float32_matmul_precision()`` and their kin): the calls
-  the user's code made during capture, with their arguments and answers (fx/capture.py's
+  the user's code made during capture, with their arguments and answers (fx/export_watch.py's
   ``_Watch``); a reader the code holds as a global (``from torch import get_default_dtype``) is
   not seen when called, so every variant of it is guarded;
 * **memory layout**: where the user's code read ``Tensor.is_contiguous`` or ``Tensor.stride``
@@ -86,7 +86,7 @@ every call), instance attributes (per-member constants cover those: Note [Per-me
 constants]), ``torch.backends.*`` flags (capture runs with cuDNN off, on purpose), and state read
 in torch's or wide_compiler's own code. ``torch.compiler.is_compiling()`` needs no guard: the
 user's code gets False at capture, as each member alone does (Note [What export does not
-capture] in fx/capture.py); ``torch.jit.is_scripting()`` and ``torch.jit.is_tracing()`` are False
+capture] in fx/export_watch.py); ``torch.jit.is_scripting()`` and ``torch.jit.is_tracing()`` are False
 both in export and in a member's eager call.
 
 A :class:`Guards` pickles as plain data (a compile cache keeps it on disk): the live dicts and
@@ -123,7 +123,7 @@ MAX_WATCHED = 128  # module globals and class attributes guarded per graph (Note
 MAX_CODES = 512  # code objects the scan for them reads per capture
 
 # Note [State a forward reads]: the global flags whose reads (from the user's code, during capture)
-# become guards; fx/capture.py's _Watch records the calls ``torch.<name>(*args)``
+# become guards; fx/export_watch.py's _Watch records the calls ``torch.<name>(*args)``
 FLAG_READERS: dict[str, Any] = {name: getattr(torch, name) for name in (
     "are_deterministic_algorithms_enabled", "is_deterministic_algorithms_warn_only_enabled",
     "get_deterministic_debug_mode", "is_autocast_enabled", "get_autocast_dtype", "is_autocast_cpu_enabled",

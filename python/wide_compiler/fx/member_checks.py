@@ -34,7 +34,8 @@ from torch.utils._pytree import tree_map
 
 from ..errors import ArchitectureMismatchError
 from ..measure import Stopwatch
-from .capture import _run_on_clones, attributes_kept, batch_of_two, capture, without_cudnn
+from .capture import batch_of_two, capture, without_cudnn
+from .sample_check import _run_on_clones, attributes_kept
 from .forms import apply_capture_forms
 from .source import source_line, user_frame
 
@@ -345,7 +346,7 @@ def _run_recorded(model: nn.Module, args: tuple, kwargs: dict, stop_at: int | No
     own tensors (Note [Members run in place]); where one would, on a deep copy of the member (its
     parameters, buffers and Python attributes: a forward that clamps its weights in place changes
     the copy). The random number generators are restored afterwards. A member that cannot be
-    deep-copied runs through :func:`_run_on_clones` (fx/capture.py) instead. ``private=True``:
+    deep-copied runs through :func:`_run_on_clones` (fx/sample_check.py) instead. ``private=True``:
     ``model`` is already a copy of the checker's own (run as it is)."""
     rec = _OpRecorder(stop_at)
     devices = sorted({t.device.index for t in (*model.parameters(), *model.buffers()) if t.is_cuda} - {None})
