@@ -424,7 +424,8 @@ def _module_tree(model: nn.Module, code: bool = True) -> tuple[str, str]:
 
 # The modules of wide_compiler above the compiler (.importlinter: fx imports none of them), whose
 # code cannot change a compiled graph: edits there keep the cache's entries
-_ABOVE_THE_COMPILER = frozenset({"model", "api", "router", "integrations", "bench", "cli", "__main__", "population",
+_ABOVE_THE_COMPILER = frozenset({"model", "model_calls", "model_constants", "model_export", "model_inspection",
+                                 "api", "router", "integrations", "bench", "cli", "__main__", "population",
                                  "padded", "analyze", "zoo", "fuzz", "testing", "_equivalence", "distributed",
                                  "__init__"})
 

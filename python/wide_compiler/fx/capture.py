@@ -108,7 +108,7 @@ def _default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict,
     the forward's) when there are keyword inputs, else one entry per positional input.
 
     ``extra_dims``: flat input index (as ``tree_flatten((args, kwargs))`` orders the sample's
-    leaves) -> more dims to mark ``Dim.AUTO`` (Note [Dynamic sizes on demand] in model.py).
+    leaves) -> more dims to mark ``Dim.AUTO`` (Note [Dynamic sizes on demand] in model_calls.py).
     ``exact_dims``: the same, but the only dims marked (no batch dims of the inputs' own: a graph
     for the sizes of one call, Note [Guards] in fx/guards.py)."""
     dims, batched = ((0, 1) if _sequence_first(model) else (0,)), _batched((args, kwargs))
@@ -296,8 +296,6 @@ def _refuse_generators(model: nn.Module, ep: ExportedProgram) -> None:
             "whole with @wide_compiler.register(ModuleType).")
 
 
-
-
 class _RecurrentShapes:
     """Note [Recurrent layers with a dynamic length]: export computes the output of
     ``aten.gru``/``lstm``/``rnn_tanh``/``rnn_relu`` (kept whole in its graph) by running torch's
@@ -423,7 +421,6 @@ def _placeholder_name(source: str) -> str:
     """``L['pair'][0]`` -> ``pair_0`` (export's placeholder name of an input)."""
     source = source[1:] if source.startswith("L") else source
     return "_".join(re.findall(r"\[['\"]?([^\]'\"]+)['\"]?\]", source))
-
 
 
 # export's message for an output type it cannot flatten

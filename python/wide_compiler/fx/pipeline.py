@@ -89,7 +89,7 @@ class Compilation:
     config: WideConfig
     members: Sequence[nn.Module] | None = None  # all members, for the member checks (None: skip)
     dynamic_shapes: Any = None
-    # flat input index -> more dims captured dynamic (Note [Dynamic sizes on demand] in model.py)
+    # flat input index -> more dims captured dynamic (Note [Dynamic sizes on demand] in model_calls.py)
     extra_dims: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     # flat input index -> the only dims captured dynamic, the sample's sizes kept as they are (a
     # graph for the inputs of one call that the other graphs' guards refuse: Note [Guards])
@@ -354,7 +354,7 @@ def keep_strategies(old: WideGraph, new: WideGraph) -> None:
 
 def recapture(c: Compilation, like: WideGraph, *, captured: bool = False) -> Compilation:
     """A graph of one mode made again for other inputs (Note [Dynamic sizes on demand] in
-    model.py, Note [Guards] in fx/guards.py): ``c`` (no members, no state) captured (unless
+    model_calls.py, Note [Guards] in fx/guards.py): ``c`` (no members, no state) captured (unless
     ``captured``), widened and planned, its ops given the strategies of ``like``, the graph it
     replaces or sits beside (nothing is measured), then tiled as ``like`` is."""
     skip = ("check_members", "tile_members") + (("capture",) if captured else ())

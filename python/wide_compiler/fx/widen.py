@@ -76,7 +76,7 @@ class WideGraph:
     member_tile: int = 0
     # Note [Guards] (fx/guards.py): what the capture assumes of the user inputs, checked at each call
     guards: Any = None
-    # Note [Per-member constants at the call] (model.py): ConstantPlan.table() of the graph's capture
+    # Note [Per-member constants at the call] (model_constants.py): ConstantPlan.table() of the graph's capture
     constant_table: Any = None
 
 

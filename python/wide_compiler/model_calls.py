@@ -1,0 +1,284 @@
+"""Which graph runs a call (mixed into :class:`~wide_compiler.WideModel`): a call's inputs checked
+against the assumptions of a graph (Note [Guards] in fx/guards.py), the mode's graph captured again
+with a dim dynamic after a new size there (Note [Dynamic sizes on demand]), or one more graph of the
+mode captured for inputs outside those assumptions."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .fx.guards import MAX_GRAPHS
+from .fx.padding import PaddedMember
+from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, recapture, recapture_cached, run_pipeline
+from .fx.widen import WideGraph
+from .measure import Stopwatch
+from .model_inputs import (_fill, _in_order_of, _member_accepts, _member_dims, _NewSize, _size_range,
+                           _structure_error, _user_placeholders)
+
+__all__ = ["CallGraphsMixin"]
+
+log = logging.getLogger("wide_compiler.model")  # the model's records under one name (filters, tests select it)
+
+
+class CallGraphsMixin:
+    """Methods choosing (and capturing) the graph of a call. The host class has ``n``, the graphs
+    (``_graphs``, ``_variants``, ``_ranges``), the dims made dynamic (``_extra_dims``, ``_grown``,
+    ``_fixed``), the compile sample and template, and compiles and adopts graphs
+    (``_graph_for``, ``_adopt``, ``_live_state``)."""
+
+    n: int
+
+    def _outside(self, wg: WideGraph, args: tuple, kwargs: dict) -> tuple[Any, _NewSize | str | None]:
+        """``(flat inputs, why)``: ``why`` is None when the call is within the assumptions of
+        ``wg`` (Note [Guards]), a :class:`_NewSize` when a size fixed at capture differs, else the
+        guard the inputs fail. Raises ValueError for inputs no capture can take (structure, rank,
+        the member count, a size outside a range the forward tests)."""
+        flat = self._user_inputs(wg, args, kwargs)
+        pdt, pdev = self.__dict__.get("_param_dtype"), self.__dict__.get("_param_device")
+        if wg.guards is not None and wg.guards.holds(flat, pdt, pdev):  # the common case: one generated check
+            return flat, None
+        ranges = self._ranges.get(id(wg))
+        users = (inp for inp in wg.inputs if inp.kind == "user")
+        try:
+            for inp, x in zip(users, flat):
+                self._check_input(x, inp, ranges)
+        except _NewSize as e:
+            return flat, e
+        return flat, wg.guards.failed(flat, pdt, pdev) if wg.guards is not None else None
+
+    def _graph_covering(self, training: bool, args: tuple, kwargs: dict) -> tuple[WideGraph, Any]:
+        """The graph of a mode whose assumptions hold for this call, and the call's flat inputs
+        (Note [Guards]): the mode's graph; after a new size in a dim captured fixed, that graph
+        captured again with the dim dynamic (Note [Dynamic sizes on demand]); a graph captured
+        earlier for such inputs; else one captured now for them (:meth:`_capture_for`)."""
+        wg = self._graph_for(training)
+        flat, why = self._outside(wg, args, kwargs)
+        if why is None:
+            return wg, flat
+        if isinstance(why, _NewSize):
+            wg = self._resized(training, args, kwargs)
+            flat, why = self._outside(wg, args, kwargs)
+            if why is None:
+                return wg, flat
+        for other in reversed(self._variants.get(training, ())):
+            flat, other_why = self._outside(other, args, kwargs)
+            if other_why is None:
+                return other, flat
+        return self._capture_for(training, args, kwargs, why)
+
+    def _capture_for(self, training: bool, args: tuple, kwargs: dict, why: Any) -> tuple[WideGraph, Any]:
+        """Note [Guards]: capture this mode's graph again with member 0's slice of this call as
+        the sample: the dims captured dynamic before stay dynamic (but a size 0 or 1 is captured as
+        the fixed size it is), dtypes are the call's. Kept beside the mode's graph (at most
+        ``MAX_GRAPHS`` per mode); strategies are the mode's graph's (nothing is measured)."""
+        mode = "train" if training else "eval"
+        with COMPILE_LOCK:
+            for other in reversed(self._variants.get(training, ())):  # another thread captured it
+                flat, other_why = self._outside(other, args, kwargs)
+                if other_why is None:
+                    return other, flat
+            wg = self._graph_for(training)
+            flat = self._user_inputs(wg, args, kwargs)
+            kept = 1 + len(self._variants.get(training, ()))
+            reason = str(why).removeprefix("wide_compiler: ")
+            if torch.compiler.is_dynamo_compiling():
+                raise ValueError(
+                    f"wide_compiler: this call is outside what the {mode} graph was captured for ({reason}), "
+                    "and a graph cannot be captured inside torch.compile: call the wide model (or its "
+                    "check_inputs) once with such inputs before compiling")
+            if kept >= MAX_GRAPHS:
+                raise ValueError(
+                    f"wide_compiler: this call is outside what each of the {kept} {mode} graphs of this model "
+                    f"was captured for (the {mode} graph: {reason}); wide_compiler keeps at most {MAX_GRAPHS} "
+                    f"graphs per mode. Call with inputs like earlier calls', or compile again with a sample "
+                    f"like these inputs")
+            users = [inp for inp in wg.inputs if inp.kind == "user"]
+            exact = {}
+            for k, (inp, x) in enumerate(zip(users, flat)):
+                if isinstance(x, torch.Tensor) and inp.member_shape is not None:
+                    exact[k] = frozenset(d for d, m in enumerate(inp.member_shape)
+                                         if m is None and int(x.shape[d + 1]) >= 2)
+            first = [x[0].detach() if isinstance(x, torch.Tensor) and x.dim() else x for x in flat]
+            sample = tree_unflatten(first, wg.in_spec)
+            watch = Stopwatch()
+            ref = next(self.parameters(), None)
+            c = Compilation(self._capture_template[0].train(training), (tuple(sample[0]), dict(sample[1])), self.n,
+                            self._config.replace(tune=False), opaque_paths=self._capture_template[1],
+                            exact_dims=exact, grad_enabled=torch.is_grad_enabled(),
+                            dtype=ref.dtype if ref is not None else None,
+                            device=ref.device if ref is not None else None,
+                            constants=self.__dict__.get("_constants"), member_tile=wg.member_tile)
+            try:
+                recapture(c, wg)
+            except Exception as e:
+                raise ValueError(
+                    f"wide_compiler: this call is outside what the {mode} graph was captured for ({reason}), "
+                    f"and capturing the {mode} graph for these inputs failed: {type(e).__name__}: {e}") from e
+            new = self._adopt(c, variant=True)
+            log.warning("wide_compiler: a call outside what the %s graph was captured for (%s): captured the "
+                        "%s graph for these inputs in %.1f s (%d of at most %d graphs of that mode)",
+                        mode, reason, mode, watch.seconds, kept + 1, MAX_GRAPHS)
+            flat, still = self._outside(new, args, kwargs)
+            if still is not None:  # the capture's own guards refuse its sample: never run it
+                raise ValueError(f"wide_compiler: the {mode} graph captured for this call does not hold for "
+                                 f"it ({still}); please report this with the model")
+            return new, flat
+
+    def _resized(self, training: bool, args: tuple, kwargs: dict) -> WideGraph:
+        """Note [Dynamic sizes on demand]: the first capture keeps only the batch dynamic (cheap,
+        and what nearly every model varies). A call whose tensor differs from the captured sizes
+        in another dim (a sequence length, an image size) captures this mode's graph again with
+        those dims ``Dim.AUTO`` (as torch.compile's automatic dynamic does: once per dim, logged),
+        and later sizes reuse it; the other mode's graph takes the dims at its next capture. When
+        export still fixes such a dim, the forward fixes it (a Linear over it, a view with a
+        constant): the error names the size, and where export found it when it can. Strategies
+        are not measured again: ops keep the current graph's choices (by node and op), new ones
+        their defaults. Under the compile lock, so two threads never build a graph twice."""
+        with COMPILE_LOCK:
+            wg = self._graph_for(training)
+            users = [inp for inp in wg.inputs if inp.kind == "user"]
+            new: dict[tuple[int, int], tuple[int, int]] = {}  # (input, dim) -> (call's size, captured)
+            shapes: dict[int, list[int]] = {}
+            for k, (inp, x) in enumerate(zip(users, self._user_inputs(wg, args, kwargs))):
+                member = inp.member_shape
+                shapes[k] = list(x.shape) if isinstance(x, torch.Tensor) else []
+                if isinstance(x, torch.Tensor) and member is not None and x.dim() == len(member) + 1 \
+                        and x.shape[0] == self.n:
+                    new.update({(k, d): (int(x.shape[d + 1]), m) for d, m in enumerate(member)
+                                if m is not None and m != x.shape[d + 1]})
+            if not new:
+                return wg  # another thread captured it already (or another error: the call raises it)
+            for k, d in new:
+                if (training, k, d) in self._fixed:
+                    raise ValueError(_fill(self._fixed[(training, k, d)], shapes[k], new[(k, d)][0]))
+            mode = "train" if training else "eval"
+            for (k, d), (size, was) in new.items():
+                log.info("wide_compiler: input '%s' dim %d is %d in this call, %d when the %s graph was "
+                         "captured: capturing the %s graph again with that dim dynamic (once: later sizes "
+                         "reuse it)", users[k].name, d + 1, size, was, mode, mode)
+            extra = dict(self._extra_dims)
+            for k, d in new:
+                extra[k] = extra.get(k, frozenset()) | {d}
+            ref = next(self.parameters(), None)
+            watch = Stopwatch()
+            c = Compilation(self._capture_template[0].train(training), self._sample, self.n,
+                            self._config.replace(tune=False), dynamic_shapes=self._dynamic_shapes,
+                            opaque_paths=self._capture_template[1], extra_dims=extra,
+                            dtype=ref.dtype if ref is not None else None,
+                            device=ref.device if ref is not None else None,
+                            constants=self.__dict__.get("_constants"), member_tile=wg.member_tile)
+            key, hit = recapture_cached(c, wg, self._live_state())  # Note [The compile cache]
+            if hit is not None:  # stored only where every new dim came out dynamic
+                c, new_items = hit, {}
+            else:
+                run_pipeline(c, [p for p in PASSES if p.name == "capture"])
+                new_items = new
+            placeholders = _user_placeholders(c.ep) if c.ep is not None else []
+            fixed = {}
+            for (k, d), (size, was) in new_items.items():
+                val = placeholders[k].meta.get("val") if k < len(placeholders) and placeholders[k] is not None \
+                    else None
+                if not isinstance(val, torch.Tensor) or is_concrete_int(val.shape[d]):  # export fixed it
+                    where = c.specialised.where(users[k].name, d, was) if c.specialised else ""
+                    dims = _member_dims(users[k].member_shape)
+                    what = (f"wide_compiler: input '{users[k].name}' has shape <<shape>>; expected N-first "
+                            f"[{self.n}, {dims}]: its dim {d + 1} (dim {d} of one member's input) is "
+                            f"<<size>>, but the {mode} graph of {type(self._template).__name__} has it fixed at "
+                            f"capture to {was}{' (' + where + ')' if where else ''}: ")
+                    if isinstance(self._template, PaddedMember):
+                        what += (f"a padded model (pad=True) runs one program at the members' largest sizes, "
+                                 f"made at the sample's sizes, so every size but the batch is fixed to the "
+                                 f"sample's. Compile with a sample of the size you call with (a wide model "
+                                 f"per size), or pad the inputs to {was}.")
+                    elif _member_accepts(self._template, training, args, kwargs):
+                        what += (f"each member alone accepts <<size>>, but torch.export fixes that size "
+                                 f"(the shape function of an op there needs a concrete size). Compile with "
+                                 f"a sample of the size you call with, or pad the inputs to {was}.")
+                    else:
+                        what += (f"each member takes only {was} there too (a Linear or a weight over "
+                                 f"that dim, a view with a constant size...). Pass inputs with {was} there, "
+                                 f"as you would to each member.")
+                    what += (f" (Inputs are N-first: stack per-member inputs with wide_compiler.stack(xs), "
+                             f"or share one input x with x.expand({self.n}, *x.shape).)")
+                    self._fixed[(training, k, d)] = what
+                    fixed[(k, d)] = _fill(what, shapes[k], size)
+            if len(fixed) == len(new):
+                raise ValueError(next(iter(fixed.values())))
+            if hit is None:
+                recapture(c, wg, captured=True)  # the old graph's strategies and tile
+                if not fixed:
+                    c.cache_key = key  # stored by _adopt
+            for (k, d), (size, _) in new.items():
+                if (k, d) not in fixed:
+                    self._extra_dims[k] = self._extra_dims.get(k, frozenset()) | {d}
+                    self._grown.setdefault((k, d), size)
+            wg = self._adopt(c)
+            log.warning("wide_compiler: recaptured the %s graph with %s dynamic in %.1f s", mode, ", ".join(
+                f"input '{users[k].name}' dim {d + 1} (this call: {size}, captured: {was})"
+                for (k, d), (size, was) in new.items() if (k, d) not in fixed), watch.seconds)
+            if fixed:
+                raise ValueError(next(iter(fixed.values())))
+            return wg
+
+    def _user_inputs(self, wg: WideGraph, args: tuple, kwargs: dict) -> Any:
+        """The flat user inputs of a call, checked against the sample's structure."""
+        if not kwargs and len(args) == wg.positional_arity and all(isinstance(a, torch.Tensor) for a in args):
+            return args  # the common case: positional tensors, no pytree walk
+        flat, spec = tree_flatten((args, kwargs))
+        if spec != wg.in_spec:
+            # keywords (and dicts inside inputs) given in another order than the sample's
+            flat, spec = tree_flatten(_in_order_of(self._sample, (tuple(args), dict(kwargs))))
+        if spec != wg.in_spec:
+            raise ValueError(_structure_error(self._sample, (tuple(args), dict(kwargs)), self.n))
+        return flat
+
+    def check_inputs(self, *args: Any, **kwargs: Any) -> None:
+        """Raise the error a call with these inputs would raise for their structure and shapes,
+        without running anything (``compile(..., compile_model=True)`` runs it before the compiled
+        call, so a wrong input is reported as such and not as a torch.compile failure)."""
+        self._graph_covering(self.training, args, kwargs)  # captures here, in eager Python, what a call needs
+
+    def _check_input(self, x: Any, inp, ranges: dict | None = None) -> None:
+        if not isinstance(x, torch.Tensor):
+            if x != inp.sample_value:
+                raise ValueError(
+                    f"wide_compiler: input '{inp.name}' is {x!r}, but the wide model was "
+                    f"compiled with {inp.sample_value!r}: non-tensor inputs are baked into "
+                    "the graph at compile time; compile again for another value")
+            return
+        member = inp.member_shape
+        if member is None:
+            return
+        ok = x.dim() == len(member) + 1 and x.shape[0] == self.n and all(
+            m is None or m == s for m, s in zip(member, x.shape[1:]))
+        if ok and ranges and inp.name in ranges:
+            for d, lo, hi in ranges[inp.name]:
+                size = x.shape[d + 1]
+                if size < lo or (hi is not None and size > hi):
+                    raise ValueError(
+                        f"wide_compiler: input '{inp.name}' dim {d + 1} is {size}, but the captured "
+                        f"graph holds for sizes {_size_range(lo, hi)} there only (the forward tests "
+                        f"that size: an `if` on x.shape, a table of that many rows such as a position "
+                        f"embedding); each member fails or runs another branch for {size}, so the wide "
+                        f"model refuses it rather than run the wrong one")
+        if not ok:
+            dims = _member_dims(member)
+            if (self._dynamic_shapes is None and x.dim() == len(member) + 1 and x.shape[0] == self.n
+                    and not torch.compiler.is_dynamo_compiling()):
+                raise _NewSize(f"wide_compiler: input '{inp.name}' has shape {list(x.shape)}; "
+                               f"captured as [{self.n}, {dims}]")
+            hint = ""
+            if x.dim() == len(member) and member and member[0] is None and x.shape[0] == self.n:
+                hint = (" If the compile sample had the member dim too, compile with ONE member's "
+                        "input (the sample without N).")
+            raise ValueError(
+                f"wide_compiler: input '{inp.name}' has shape {list(x.shape)}; expected N-first "
+                f"[{self.n}, {dims}] (one member's input is [{dims}] and there are {self.n} "
+                f"members; sizes given as numbers were fixed at capture by the forward's ops, "
+                f"B and * are free). Stack per-member inputs with wide_compiler.stack(xs), or "
+                f"share one input x with x.expand({self.n}, *x.shape).{hint}")

@@ -1,0 +1,124 @@
+"""Per-member constants at the call (mixed into :class:`~wide_compiler.WideModel`): the members'
+constants as the graph reads them (``_per_member.<path>`` buffers), checked to be a configuration a
+graph was compiled for before a graph runs and before a state dict is loaded (Note [Per-member
+constants at the call]); each member's own values put back on its copy by ``unfuse``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .fx.constants import constant_key
+from .fx.state import get_tensor as _get_tensor
+from .fx.widen import WideGraph
+
+__all__ = ["MemberConstantsMixin"]
+
+
+class MemberConstantsMixin:
+    """Methods of a wide model's per-member constants. The host class has ``n`` (members), the
+    ``_per_member.<path>`` buffers, ``_constants`` (path -> every member's value) and the graphs
+    with their constant tables (``_graphs``, ``_variants``, ``_constants_seen``)."""
+
+    n: int
+
+    @property
+    def per_member_constants(self) -> dict[str, list[float]]:
+        """The module attributes that differ between members and are per member in the graph
+        (Note [Per-member constants] in fx/constants.py): ``{attribute path: every member's
+        value}``, read from the ``_per_member.<path>`` buffers (which the graph reads: set a member's
+        values to a configuration the model was compiled for and that member changes; other values
+        are refused, Note [Per-member constants at the call]). Empty when the members agree on every
+        constant.
+
+        >>> import torch, wide_compiler as wc
+        >>> models = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(p)) for p in (0.1, 0.2)]
+        >>> wide = wc.compile(models, torch.randn(3, 4), config=wc.WideConfig.fast())
+        >>> wide.per_member_constants, wide.member(1)[1].p
+        ({'1.p': [0.1, 0.2]}, 0.2)
+        """
+        out = {}
+        for path in self.__dict__.get("_constants") or {}:
+            out[path] = [float(v) for v in _get_tensor(self, f"_per_member.{path}").tolist()]
+        return out
+
+    def _set_member_constants(self, m: nn.Module, i: int) -> nn.Module:
+        """Member ``i``'s own per-member constants on ``m`` (a copy of the template): the original
+        Python value while the buffer still holds it, else the buffer's value as a float."""
+        for path, values in (self.__dict__.get("_constants") or {}).items():
+            value = float(_get_tensor(self, f"_per_member.{path}")[i])
+            original = values[i]
+            mod_path, _, key = path.rpartition(".")
+            setattr(m.get_submodule(mod_path) if mod_path else m, key, original if float(original) == value else value)
+        return m
+
+    # Note [Per-member constants at the call]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # The ``_per_member.<path>`` buffers are the members' constants as the graph reads them: writing
+    # one (by hand, ``load_state_dict``, ``copy_member_weights``) changes that member. But an argument
+    # computed from constants (``1 - p``, ``round(s, 2)``, a tensor made from one) reads a derived
+    # buffer whose values came from each configuration's own trace at compile time, and only the
+    # configurations traced are proved to follow the fused program (fx/constants.py). So before a
+    # graph runs, when a constant buffer changed since the last call (its version counter), every
+    # member's constants must be a configuration the graph was compiled for (else the call is
+    # refused, naming the member and its values), and the derived buffers are set to that
+    # configuration's values. A call with unchanged buffers costs one version check per attribute.
+    def _sync_constants(self, wg: WideGraph) -> None:
+        paths, by_key = wg.constant_table
+        bufs = [_get_tensor(self, f"_per_member.{p}") for p in paths]
+        seen = tuple((id(b), b._version) for b in bufs)
+        if self._constants_seen.get(id(wg)) == seen:
+            return
+        rows = [b.detach().double().cpu().tolist() for b in bufs]
+        derived: dict[str, list[float]] = {}
+        for i in range(self.n):
+            values = by_key.get(tuple(constant_key(float(r[i])) for r in rows))
+            if values is None:
+                raise ValueError(_unproved(i, paths, rows, by_key, "Set a compiled configuration"))
+            for name, v in values.items():
+                derived.setdefault(name, []).append(v)
+        with torch.no_grad():
+            for name, vals in derived.items():
+                t = _get_tensor(self, name)
+                new = torch.tensor(vals, dtype=t.dtype, device=t.device).view(t.shape)
+                if not torch.equal(t, new):
+                    t.copy_(new)
+        self._constants_seen[id(wg)] = seen
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, checked first (Note [Per-member constants at the call]): a
+        state dict whose per-member constants give some member a configuration a graph of this
+        model was not compiled for is refused before anything is loaded; so is, with ``strict``, a
+        state dict whose keys are not this model's (``nn.Module`` loads every tensor it can first:
+        here new weights with the old constants)."""
+        if strict:
+            own, given = set(self.state_dict()), set(state_dict)
+            if own != given:
+                raise RuntimeError(
+                    f"Error(s) in loading state_dict for {type(self).__name__}: nothing was loaded: "
+                    f"missing key(s): {sorted(own - given)}, unexpected key(s): {sorted(given - own)}")
+        for wg in [*self._graphs.values(), *(v for vs in self._variants.values() for v in vs)]:
+            if wg.constant_table is None:
+                continue
+            paths, by_key = wg.constant_table
+            given = [state_dict.get(f"_per_member.{p}") for p in paths]
+            if any(not isinstance(t, torch.Tensor) or t.shape != (self.n,) for t in given):
+                continue  # not this model's constants: nn.Module's own checks say what is wrong
+            rows = [t.detach().double().cpu().tolist() for t in given]
+            for i in range(self.n):
+                if tuple(constant_key(float(r[i])) for r in rows) not in by_key:
+                    raise ValueError(_unproved(i, paths, rows, by_key, "Nothing was loaded. Load a state dict of "
+                                               "compiled configurations"))
+        return super().load_state_dict(state_dict, strict, assign)
+
+
+def _unproved(i: int, paths: list[str], rows: list[list[float]], by_key: dict, what_to_do: str) -> str:
+    """The refusal of member ``i``'s constants (``rows[k][i]`` of ``paths[k]``), no configuration of
+    ``by_key`` (Note [Per-member constants at the call])."""
+    have = "; ".join(", ".join(f"{p} = {v[1]}" for p, v in zip(paths, key)) for key in list(by_key)[:4])
+    return (f"wide_compiler: member {i}'s per-member constants ({', '.join(f'{p} = {r[i]!r}' for p, r in zip(paths, rows))}) "
+            f"are not a configuration this graph was compiled for ({have}{'; ...' if len(by_key) > 4 else ''}): "
+            "each configuration is traced at compile time to prove the fused program is that member's (Note "
+            f"[Per-member constants]). {what_to_do}, or compile again from members with these values")
