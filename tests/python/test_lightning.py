@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 L = pytest.importorskip("lightning", reason="lightning is not installed (pip install 'wide_compiler[lightning]')")
 wcl = pytest.importorskip("wide_compiler.integrations.lightning")
+from wide_compiler.bench._integrations_child import regressor_class  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 4
@@ -34,37 +35,9 @@ def _quiet():
         yield
 
 
-class Regressor(L.LightningModule):
-    """One member: an MLP regressor whose hyperparameters only configure_optimizers reads."""
-
-    def __init__(self, lr=1e-2, weight_decay=0.0, hidden=16, optimizer="AdamW", step_size=3, gamma=0.5,
-                 amsgrad=False):
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", F.mse_loss(self(x), y))
-
-    def configure_optimizers(self):
-        hp = self.hparams
-        if hp.optimizer == "SGD":
-            opt = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=0.9, weight_decay=hp.weight_decay)
-        else:
-            opt = getattr(torch.optim, hp.optimizer)(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,
-                                                     amsgrad=hp.amsgrad)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=hp.step_size, gamma=hp.gamma)
-        return {"optimizer": opt, "lr_scheduler": sched}
+# One member: docs/integrations.md's MLP regressor whose hyperparameters only configure_optimizers reads
+# (options here: hidden, optimizer, step_size, gamma, amsgrad); `benchmark integrations` trains it too.
+Regressor = regressor_class()
 
 
 CONFIGS = [dict(lr=3e-3, weight_decay=0.0), dict(lr=1e-2, weight_decay=1e-2, gamma=0.7),

@@ -7,6 +7,7 @@ never imports it). So this file imports nothing of ``wide_compiler`` at its top.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -14,18 +15,24 @@ import tempfile
 import time
 
 
-def _lightning(fused: bool, n: int, steps: int, weights: str) -> tuple[float, float]:
+@functools.cache
+def regressor_class() -> type:
+    """The ``Regressor`` of docs/integrations.md, the member both this benchmark and
+    tests/python/test_lightning.py train: an MLP ``Linear(4, hidden) -> Tanh -> Linear(hidden, 1)``
+    whose hyperparameters only ``configure_optimizers`` reads (``optimizer`` with ``lr``,
+    ``weight_decay`` and, but for SGD, ``amsgrad``; a ``StepLR(step_size, gamma)``). The guide's is
+    ``Regressor(lr, weight_decay, hidden=32, step_size=2)``. A function, so that lightning is
+    imported at its first call, not at this file's top; one class per process."""
     import lightning as L
     import torch
     import torch.nn.functional as F
 
-    t0 = time.perf_counter()
-
-    class Regressor(L.LightningModule):  # docs/integrations.md's member
-        def __init__(self, lr=1e-2, weight_decay=0.0):
+    class Regressor(L.LightningModule):
+        def __init__(self, lr=1e-2, weight_decay=0.0, hidden=16, optimizer="AdamW", step_size=3, gamma=0.5,
+                     amsgrad=False):
             super().__init__()
             self.save_hyperparameters()
-            self.net = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
 
         def forward(self, x):
             return self.net(x)
@@ -41,9 +48,24 @@ def _lightning(fused: bool, n: int, steps: int, weights: str) -> tuple[float, fl
             self.log("val_loss", F.mse_loss(self(x), y))
 
         def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
-            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)}
+            hp = self.hparams
+            if hp.optimizer == "SGD":
+                opt = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=0.9, weight_decay=hp.weight_decay)
+            else:
+                opt = getattr(torch.optim, hp.optimizer)(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay,
+                                                         amsgrad=hp.amsgrad)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=hp.step_size, gamma=hp.gamma)
+            return {"optimizer": opt, "lr_scheduler": sched}
 
+    return Regressor
+
+
+def _lightning(fused: bool, n: int, steps: int, weights: str) -> tuple[float, float]:
+    import lightning as L
+    import torch
+
+    t0 = time.perf_counter()
+    Regressor = regressor_class()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 4, generator=g)
     y = x.sum(1, keepdim=True).sin()
@@ -58,7 +80,7 @@ def _lightning(fused: bool, n: int, steps: int, weights: str) -> tuple[float, fl
     members = []
     for i in range(n):
         torch.manual_seed(i)
-        members.append(Regressor(lr=1e-2 * (i + 1), weight_decay=0.01 * (i % 2)))
+        members.append(Regressor(lr=1e-2 * (i + 1), weight_decay=0.01 * (i % 2), hidden=32, step_size=2))
     if fused:
         t_import = time.perf_counter()
         from wide_compiler.integrations.lightning import WideLightningModule
