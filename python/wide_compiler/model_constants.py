@@ -66,6 +66,13 @@ class MemberConstantsMixin:
     # refused, naming the member and its values), and the derived buffers are set to that
     # configuration's values. A call with unchanged buffers costs one version check per attribute.
     def _sync_constants(self, wg: WideGraph) -> None:
+        if torch.compiler.is_exporting():  # the buffers are traced values: export checked them first
+            if self.__dict__.get("_constants_checked_for_export") is not wg:
+                raise ValueError(
+                    "wide_compiler: this wide model has per-member constants, which are checked on their "
+                    "values before a graph runs (Note [Per-member constants at the call]); torch.export "
+                    "traces them without values. Export it with wide.export(), which checks them first")
+            return
         paths, by_key = wg.constant_table
         bufs = [_get_tensor(self, f"_per_member.{p}") for p in paths]
         seen = tuple((id(b), b._version) for b in bufs)
