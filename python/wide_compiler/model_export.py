@@ -61,10 +61,14 @@ class DeploymentMixin:
         training = self.training
         try:
             self.eval()
+            if wg.constant_table is not None:  # Note [Exporting per-member constants]
+                self._sync_constants(wg)
+                self.__dict__["_constants_checked_for_export"] = wg
             with torch.no_grad():
                 ep = torch.export.export(_PositionalCall(self, list(kwargs)), inputs, dynamic_shapes=dynamic,
                                          strict=False)
         finally:
+            self.__dict__.pop("_constants_checked_for_export", None)
             self.train(training)
         if path is not None:  # atomically, via an unpredictable temporary name beside it
             from ._files import atomic_write
@@ -95,6 +99,18 @@ class DeploymentMixin:
         import torch._inductor  # deferred: importing inductor costs seconds
 
         return torch._inductor.aoti_compile_and_package(ep, package_path=os.fspath(path))
+
+
+# Note [Exporting per-member constants]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Before a graph with per-member constants runs, the model checks that every member's constants
+# are a configuration the graph was compiled for and sets the buffers derived from them (Note
+# [Per-member constants at the call] in model_constants.py): Python on the buffers' values, which
+# torch.export traces without values (it failed inside export, GuardOnDataDependentSymNode). The
+# constants are fixed values at export time, so ``export`` checks and sets them on the real
+# buffers first, and the traced call skips the check; the program holds the buffers as they are
+# then, like every other buffer. A torch.export of the model that did not come through ``export``
+# is refused by the check itself, naming ``export``.
 
 
 class _PositionalCall(nn.Module):
