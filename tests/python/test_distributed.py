@@ -2,10 +2,11 @@
 (spawned here, CPU only), checked member by member against one single-process wide model; plus
 the world-size-1 paths and the error cases.
 
-Every multi-process test spawns fresh interpreters (torch.multiprocessing, "spawn"), joins a
-gloo group through a file in tmp_path, runs with one thread and a 600 s collective timeout (a guard
-against a hang, not a time limit: on a busy machine one rank can trail the others by a minute), and
-asserts inside the workers (a failing worker fails the test with its traceback)."""
+The multi-process workers run in fresh interpreters (torch.multiprocessing, "spawn"), one world
+of 2 and one of 4 processes for the whole module (Note [One world per size]), joined in a gloo group
+through a file in tmp_path, with one thread and a 600 s collective timeout (a guard against a hang,
+not a time limit: on a busy machine one rank can trail the others by a minute); they assert inside
+the workers (a failing worker fails its test with its traceback)."""
 from __future__ import annotations
 
 import copy
@@ -350,37 +351,90 @@ def _ddp(rank: int, world: int) -> None:
 
 
 # -- tests ----------------------------------------------------------------------------------------
-def test_sharded_matches_single_process_2_ranks(tmp_path):
-    """Forward/backward, gathered outputs and metrics, and PBT copies across ranks (weights,
-    BatchNorm buffers, Adam state, per-member lr and betas) equal one single-process wide model.
-    (N=5 as a list of modules over 2 ranks: 3 + 2 members; the 4-rank run, N=6 from a factory,
-    is the ``checkpoint_4_ranks`` fixture.)"""
-    spawn(_match_single_process, 2, tmp_path, 5, "list", None)
+# Note [One world per size]: every 2-rank worker runs in ONE spawned 2-process world, every 4-rank
+# worker in ONE 4-process world (one after the other, a barrier between them), not in a fresh
+# world each: each fresh process costs an import of torch and wide_compiler and its compiles, which
+# was most of these tests' time. Each worker still checks exactly what it checked in a world of its
+# own (each builds its own shards, models and optimizers; nothing carries over but the process
+# group, which the error cases run last and leave working). Each test asserts that its worker ran
+# to the end on every rank; a worker that fails stops the world there, so the tests of the workers
+# after it fail too, naming the first failure.
+class _World:
+    """The outcome of one spawned world that ran ``steps`` (worker names) in order."""
+
+    def __init__(self, world: int, tmp, steps: list[tuple[str, tuple]]):
+        self.world, self.tmp, self.error = world, tmp, None
+        try:
+            spawn(_run_steps, world, tmp, str(tmp), steps)
+        except Exception as e:  # noqa: BLE001 (reported by the tests whose worker did not finish)
+            self.error = e
+
+    def check(self, name: str) -> None:
+        """Fail unless worker ``name`` ran to the end on every rank."""
+        done = [os.path.exists(os.path.join(self.tmp, f"done_{name}_{rank}")) for rank in range(self.world)]
+        if not all(done):
+            pytest.fail(f"{name} did not finish on ranks {[r for r, d in enumerate(done) if not d]} of "
+                        f"{self.world}: {self.error!r}", pytrace=False)
 
 
-def test_errors_across_ranks(tmp_path):
-    spawn(_errors, 2, tmp_path, str(tmp_path))
-
-
-def test_copy_member_sgd_partial_momentum(tmp_path):
-    spawn(_sgd_partial_momentum, 2, tmp_path)
-
-
-def test_ddp_2_shards_x_2_replicas(tmp_path):
-    """4 ranks: members sharded over 2 ranks, each shard data-parallel (DDP) over 2 replicas:
-    gradients equal the single-process wide model's on the whole batch; replicas stay identical
-    through an optimizer step and a PBT copy."""
-    spawn(_ddp, 4, tmp_path)
+def _run_steps(rank: int, world: int, tmp: str, steps: list[tuple[str, tuple]]) -> None:
+    for name, args in steps:
+        globals()[name](rank, world, *args)
+        dist.barrier()  # every rank is done with this worker's collectives
+        open(os.path.join(tmp, f"done_{name}_{rank}"), "w").close()
 
 
 @pytest.fixture(scope="module")
-def checkpoint_4_ranks(tmp_path_factory):
-    """The 4-rank run of the single-process comparison (N=6 built by a factory: 2, 2, 1, 1
-    members; every check of ``test_sharded_matches_single_process_2_ranks``), which then writes
-    a checkpoint (``a``) and the same population one training step later (``b``)."""
-    tmp = tmp_path_factory.mktemp("ckpt4")
-    spawn(_match_single_process, 4, tmp, 6, "factory", str(tmp))
-    return str(tmp)
+def four_ranks(tmp_path_factory) -> _World:
+    """The 4-process world (Note [One world per size]): the single-process comparison with N=6
+    built by a factory (2, 2, 1, 1 members; every check of ``_match_single_process``), which then
+    writes a checkpoint (``a``) and the same population one training step later (``b``); then the
+    DDP run (``_ddp``)."""
+    tmp = tmp_path_factory.mktemp("ranks4")
+    return _World(4, tmp, [("_match_single_process", (6, "factory", str(tmp))), ("_ddp", ())])
+
+
+@pytest.fixture(scope="module")
+def checkpoint_4_ranks(four_ranks) -> str:
+    """The checkpoint the 4 ranks wrote (fails the test if they did not)."""
+    four_ranks.check("_match_single_process")
+    return str(four_ranks.tmp)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, four_ranks) -> _World:
+    """The 2-process world (Note [One world per size]): N=5 as a list of modules (3 + 2 members),
+    SGD with partial momentum, the resume of the 4-rank checkpoint (when it was written), and
+    the error cases last."""
+    tmp = tmp_path_factory.mktemp("ranks2")
+    steps = [("_match_single_process", (5, "list", None)), ("_sgd_partial_momentum", ())]
+    if all(os.path.exists(os.path.join(four_ranks.tmp, f"done__match_single_process_{r}")) for r in range(4)):
+        steps.append(("_resume", (6, str(four_ranks.tmp))))
+    steps.append(("_errors", (str(tmp),)))
+    return _World(2, tmp, steps)
+
+
+def test_sharded_matches_single_process_2_ranks(two_ranks):
+    """Forward/backward, gathered outputs and metrics, and PBT copies across ranks (weights,
+    BatchNorm buffers, Adam state, per-member lr and betas) equal one single-process wide model.
+    (N=5 as a list of modules over 2 ranks: 3 + 2 members; the 4-rank run, N=6 from a factory,
+    is in the ``four_ranks`` fixture.)"""
+    two_ranks.check("_match_single_process")
+
+
+def test_errors_across_ranks(two_ranks):
+    two_ranks.check("_errors")
+
+
+def test_copy_member_sgd_partial_momentum(two_ranks):
+    two_ranks.check("_sgd_partial_momentum")
+
+
+def test_ddp_2_shards_x_2_replicas(four_ranks):
+    """4 ranks: members sharded over 2 ranks, each shard data-parallel (DDP) over 2 replicas:
+    gradients equal the single-process wide model's on the whole batch; replicas stay identical
+    through an optimizer step and a PBT copy."""
+    four_ranks.check("_ddp")
 
 
 def test_sharded_matches_single_process_4_ranks_and_checkpoint(checkpoint_4_ranks):
@@ -391,10 +445,10 @@ def test_sharded_matches_single_process_4_ranks_and_checkpoint(checkpoint_4_rank
         f"member_{i:06d}.pt" for i in range(6)]
 
 
-def test_checkpoint_resumes_on_2_ranks(tmp_path, checkpoint_4_ranks):
+def test_checkpoint_resumes_on_2_ranks(checkpoint_4_ranks, two_ranks):
     """Each of 2 ranks loads its 3 members (written by 4 ranks) into a fresh shard and optimizer:
     identical members and optimizer state; one more step matches the 4-rank run's."""
-    spawn(_resume, 2, tmp_path, 6, checkpoint_4_ranks)
+    two_ranks.check("_resume")
 
 
 def test_checkpoint_resumes_on_1_process(checkpoint_4_ranks):
