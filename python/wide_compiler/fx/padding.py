@@ -87,6 +87,8 @@ class PadInfo:
     # embedding tables whose vocabulary is padded: (state name, each member's rows, padded rows)
     # (Note [Padded vocabularies] in fx/padding_rules.py)
     index_bounds: list[tuple[str, list[int], int]] = dataclasses.field(default_factory=list)
+    # tied tensors (Note [Tied tensors when padding]): each other name -> the name that holds it
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def member_slice(self, t: torch.Tensor, layouts: dict[int, torch.Tensor], i: int) -> torch.Tensor:
         """Member ``i``'s own values of ``t`` (one member's padded tensor, no member dim)."""
@@ -111,8 +113,9 @@ class PadInfo:
 
     def overhead(self) -> dict[str, float]:
         """Parameter elements: the members' own, the padded program's, and the extra fraction."""
-        own = sum(math.prod(s) for name, shapes in self.true_shapes.items() for s in shapes)
-        padded = self.n * sum(math.prod(s) for s in self.padded_shapes.values())
+        aliases = getattr(self, "aliases", {})
+        own = sum(math.prod(s) for name, shapes in self.true_shapes.items() if name not in aliases for s in shapes)
+        padded = self.n * sum(math.prod(s) for name, s in self.padded_shapes.items() if name not in aliases)
         return {"own": own, "padded": padded, "extra": padded / own - 1 if own else 0.0}
 
 
@@ -121,7 +124,8 @@ class PaddedMember(nn.Module):
     the padded program of its train/eval mode, shared by all members (Note [Padded members])."""
 
     def __init__(self, programs: dict[bool, fx.GraphModule], tensors: dict[str, torch.Tensor],
-                 parameters: set[str], persistent: set[str], assumptions: dict[bool, Assumptions]) -> None:
+                 parameters: set[str], persistent: set[str], assumptions: dict[bool, Assumptions],
+                 aliases: dict[str, str] | None = None) -> None:
         super().__init__()
         object.__setattr__(self, "_programs", programs)  # shared, not submodules
         self._assumptions = assumptions
@@ -134,6 +138,18 @@ class PaddedMember(nn.Module):
                 owner = owner._modules[part]
             if name in parameters:
                 owner.register_parameter(leaf, nn.Parameter(t, requires_grad=t.requires_grad))
+            else:
+                owner.register_buffer(leaf, t, persistent=name in persistent)
+        for name, held in (aliases or {}).items():  # tied: the same tensor under both names (as the member)
+            *path, leaf = name.split(".")
+            owner = self
+            for part in path:
+                if part not in owner._modules:
+                    owner.add_module(part, nn.Module())
+                owner = owner._modules[part]
+            t = self.get_parameter(held) if held in parameters else self.get_buffer(held)
+            if held in parameters:
+                owner.register_parameter(leaf, t)
             else:
                 owner.register_buffer(leaf, t, persistent=name in persistent)
 
@@ -306,6 +322,43 @@ def _full_args(node: fx.Node) -> tuple[tuple, dict]:
     return tuple(args), kwargs
 
 
+# Note [Tied tensors when padding]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A tensor held under two names (an LM head tied to its embedding: ``fc.weight = e.weight``) is
+# one parameter: ``named_parameters`` lists it once, under its first name, and export's program
+# may read it under the other (``get_attr fc.weight``). The padding pass renames every read to
+# the name that holds it, so the tensor has ONE layout that every op reading it must agree on
+# (each op's rule binds or checks it, as for any parameter read twice); the padded members
+# hold it under both names as the same tensor, as the member does, so the wide compiler ties it
+# as for any tied model, and the state dicts carry both keys. The members must tie the same
+# names (checked), else their programs differ in more than sizes.
+def _tied(gms: Sequence[fx.GraphModule]) -> dict[str, str]:
+    """Each member program's tied names -> the name that holds the tensor, the same for every
+    member; every ``get_attr`` of such a name renamed to the holder (Note [Tied tensors when padding])."""
+    found = []
+    for gm in gms:
+        held: dict[int, str] = {}
+        aliases: dict[str, str] = {}
+        for kind in (gm.named_parameters, gm.named_buffers):
+            for name, t in kind(remove_duplicate=False):
+                if id(t) in held and held[id(t)] != name:
+                    aliases[name] = held[id(t)]
+                else:
+                    held.setdefault(id(t), name)
+        found.append(aliases)
+    for i, aliases in enumerate(found[1:], start=1):
+        if aliases != found[0]:
+            raise ArchitectureMismatchError(
+                f"pad=True: member {i} ties {sorted(aliases.items()) or 'no tensors'} where member 0 ties "
+                f"{sorted(found[0].items()) or 'no tensors'} (name, the name holding it): its program differs "
+                "in more than sizes")
+    for gm in gms:
+        for node in gm.graph.nodes:
+            if node.op == "get_attr" and node.target in found[0]:
+                node.target = found[0][node.target]
+    return found[0]
+
+
 class _SymbolicMask(Exception):  # noqa: N818 -- raised by mask_of, turned into a refusal naming the node
     pass
 
@@ -322,6 +375,7 @@ class _Padder:
         self.gms = [ep.module() for ep in eps]
         self.gm = self.gms[0]
         self.g = self.gm.graph
+        self.aliases = _tied(self.gms)
         _unshare_sizes(self.g)
         # nodes[i][k]: member i's node that is member 0's k-th (Note [Aligning sizes computed in Python])
         self.nodes = [list(gm.graph.nodes) for gm in self.gms]
@@ -548,6 +602,9 @@ class _Padder:
 
     def _get_attr(self, node: fx.Node) -> None:
         name = node.target
+        if name not in self.state[0]:  # a region export captured as a graph of its own: its user's rule decides
+            self.lay[node] = []
+            return
         shapes = [tuple(st[name].shape) for st in self.state]
         if len({len(s) for s in shapes}) != 1:
             self.refuse(node, "the members' tensors have different numbers of dims")
@@ -571,7 +628,10 @@ class _Padder:
         true_shapes = {name: [tuple(st[name].shape) for st in self.state] for name in self.state[0]}
         padded = {name: tuple(max(s[d] for s in shapes) for d in range(len(shapes[0])))
                   for name, shapes in true_shapes.items()}
-        return PadInfo(self.n, state_layouts, true_shapes, padded, {})
+        for alias, held in self.aliases.items():  # Note [Tied tensors when padding]
+            state_layouts[alias], true_shapes[alias], padded[alias] = \
+                state_layouts[held], true_shapes[held], padded[held]
+        return PadInfo(self.n, state_layouts, true_shapes, padded, {}, aliases=dict(self.aliases))
 
     # ---------------------------------------------------------------- op rules
     def _call(self, node: fx.Node) -> None:
@@ -749,7 +809,7 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
             for name, values in padder.buffers.items():
                 tensors[name] = values[i].clone()
         members.append(PaddedMember({t: pd.gm for t, pd in padders.items()}, tensors, p0.parameters,
-                                    p0.persistent, assumptions).train(models[i].training))
+                                    p0.persistent, assumptions, p0.aliases).train(models[i].training))
     log.info("wide_compiler: pad=True: %d members padded to one program (%.0f%% more parameter elements)",
              len(models), 100 * info.overhead()["extra"])
     return members, info

@@ -902,6 +902,9 @@ INT_ARGS_OK = {size_arith, _zeros, _view, _expand, _layer_norm, RULES["rms_norm"
 # and this reason); the reasons, shortest first:
 _NO_RULE = "no padding rule for this op yet"
 _NEW = "it makes values whose padding would not be zero (random, uninitialised or a fill value)"
+_REGION = ("it runs a region that export captured as a graph of its own (a torch.no_grad(), enable_grad() or "
+           "autocast block inside the forward, or a parametrization's, such as spectral_norm's power iteration), "
+           "and the padding rules do not reach into such regions")
 _IN_PLACE = "it writes into its input in place, and the padding rules follow results, not writes"
 _NOT_FINITE = "it is infinite, or has an infinite derivative, at 0: it would put inf or NaN into the padding"
 _POSITIONS = "it reads or writes positions given by indices, a mask or an offset, which padding moves"
@@ -931,13 +934,14 @@ REFUSED: dict[str, str] = {
         "logical_not", "logical_or", "logical_xor", "addcdiv", "addcmul", "floor_divide", "lerp", "log_sigmoid",
         "multiply", "nan_to_num", "adaptive_max_pool1d", "adaptive_max_pool3d", "max_pool1d_with_indices",
         "max_pool3d_with_indices", "feature_dropout", "special_log_softmax", "special_softmax",
-        "wrap_with_autocast", "wrap_with_set_grad_enabled", "opaque_module", "gru_cell", "lstm_cell",
+        "opaque_module", "gru_cell", "lstm_cell",
         "rnn_relu_cell", "rnn_tanh_cell", "_assert_tensor_metadata", "adjoint", "expand_as", "mH", "mT",
         "matrix_H", "movedim", "numpy_T", "reshape_as", "stack", "swapdims", "sym_numel",
         "_upsample_bicubic2d_aa", "_upsample_bilinear2d_aa", "_upsample_nearest_exact1d",
         "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_bicubic2d", "upsample_linear1d",
         "upsample_nearest1d", "upsample_nearest3d", "upsample_trilinear3d", "constant_pad_nd", "pad", "col2im",
         "im2col"), _NO_RULE),
+    **dict.fromkeys(("wrap_with_autocast", "wrap_with_set_grad_enabled"), _REGION),
 }
 # Followed by the pass itself, not by a rule: a tuple element takes its own part of the tuple's layout.
 BY_THE_PASS = frozenset({"getitem"})
