@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .fx.padding import PaddedMember, PadInfo, pad_members
+from .fx.padding_rules import scatter
 from .model import WideModel
 
 __all__ = ["PaddedWideModel"]
@@ -376,6 +377,37 @@ class PaddedWideModel(WideModel):
         return [tree_unflatten([self._pad.member_slice(t[i], lay, i) if isinstance(t, torch.Tensor) else t
                                 for t, lay in zip(leaves, layouts)], spec) for i in range(self.n)]
 
+    def member_padded(self, i: int, t: torch.Tensor, *, state: str | None = None, output: int | None = None,
+                      training: bool | None = None) -> torch.Tensor:
+        """Member ``i``'s own tensor ``t`` placed in its padded shape, zeros outside its own values:
+        a value of state tensor ``state`` (a weight, its gradient, a buffer), or flat output leaf
+        ``output`` of the ``training`` graph (default: this model's mode). The inverse of
+        :meth:`member_tensors` and :meth:`member_outputs` for one member; ``wc.testing`` compares a
+        padded model with its members this way (the padding must come out zero too).
+
+        Example:
+            >>> import torch, wide_compiler as wc
+            >>> ms = [torch.nn.Linear(4, h) for h in (2, 3)]
+            >>> wide = wc.compile(ms, torch.randn(5, 4), pad=True, config=wc.WideConfig.fast())
+            >>> wide.member_padded(0, ms[0](torch.ones(5, 4)), output=0).shape
+            torch.Size([5, 3])
+        """
+        i = self._check_member_index(i)
+        if (state is None) == (output is None):
+            raise ValueError("member_padded: give one of state= (a state tensor's name) or output= (a flat "
+                             "output index)")
+        if state is not None:
+            if state not in self._pad.true_shapes:
+                raise KeyError(f"member_padded: this padded model has no state tensor {state!r}")
+            return self._pad.member_padded(t, state, i)
+        layouts = self._pad.output_layouts[self.training if training is None else training]
+        if not 0 <= output < len(layouts):
+            raise IndexError(f"member_padded: output {output} of a graph with {len(layouts)} flat outputs")
+        lay = layouts[output]
+        if not lay:
+            return t
+        return scatter(t, lay, i, tuple(lay[d].shape[1] if d in lay else n for d, n in enumerate(t.shape)))
+
     def unfuse(self) -> list[nn.Module]:
         """N ordinary modules, each of its own model's class and sizes, holding copies of the
         member's weights and buffers, in this model's train/eval mode, dtype and device."""
@@ -398,7 +430,7 @@ class PaddedWideModel(WideModel):
         lines = [f"padded members: {o['own']:,} parameter and buffer elements of their own, {o['padded']:,} "
                  f"padded (+{100 * o['extra']:.0f}%)"]
         for name, lay in info.state_layouts.items():
-            if not lay:
+            if not lay or name in getattr(info, "aliases", {}):  # a tied tensor: listed under its holder
                 continue
             own = sum(math.prod(s) for s in info.true_shapes[name])
             padded = self.n * math.prod(info.padded_shapes[name])

@@ -15,7 +15,7 @@ from torch import nn
 from .inputs import _Inputs, _prepare_inputs
 from .members import _run_members, _run_members_float64
 from .report import EquivalenceReport
-from .wide import _run_wide, _Tolerance, _wide_tensors
+from .wide import _padded_references, _run_wide, _Tolerance, _wide_tensors
 
 __all__ = ["check_equivalence", "random_ops"]
 
@@ -150,6 +150,10 @@ def check_equivalence(
             log.warning("wide_compiler.testing: %s: %s, so the members are compared with fixed float32 "
                         "tolerances instead of against a float64 run (Note [The float64 reference])",
                         what, fallback)
+    if callable(getattr(wide, "member_padded", None)):  # Note [Checking padded members]
+        mode = training if training is not None else bool(getattr(wide, "training", True))
+        refs = _padded_references(wide, refs, training=mode)
+        refs64 = None if refs64 is None else _padded_references(wide, refs64, training=mode)
     params_map, buffers_map = _wide_tensors(wide, models[0], wide_params, wide_buffers, buffers=buffers)
     try:
         report = _run_wide(wide, inp, refs, refs64, params_map, buffers_map, tol, n=n, shared=shared,

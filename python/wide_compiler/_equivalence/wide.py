@@ -5,13 +5,14 @@ outputs, buffers and gradients compared with the members' references."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .compare import _abs_err, _float_leaf, _member_errors, _walk_members, _widest, assert_close, assert_members_close
 from .inputs import _Inputs
@@ -113,6 +114,44 @@ def _wide_state_kept(wide: Any, buffers_map: Mapping[str, torch.Tensor]) -> Iter
                     b.copy_(saved[f"\0{name}"])
             if was_training is not None and wide.training != was_training:
                 wide.train(was_training)
+
+
+# Note [Checking padded members]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A padded model (``compile(..., pad=True)``) holds every member at the largest sizes, zero
+# outside its own values; its members differ in size, so their results do not stack. The check
+# places each member's own results (outputs, cotangents, parameter gradients, buffers, and those
+# of the float64 and nudged runs) in the padded shapes, zeros outside, through the model's
+# ``member_padded``; the padded wide results are then compared as any wide model's. The padding
+# is compared too: it must come out zero, as the references have it (inputs are the same size for
+# every padded member, so input gradients need nothing).
+def _padded_references(wide: Any, refs: _References, *, training: bool, first: int = 0) -> _References:
+    """``refs`` with each member's tensors in ``wide``'s padded shapes (Note [Checking padded
+    members]); entry ``k`` of ``refs`` is member ``first + k``'s (a nudged run holds one member)."""
+    pad = wide.member_padded
+
+    def out(i: int, tree: Any) -> Any:
+        leaves, spec = tree_flatten(tree)
+        return tree_unflatten([pad(i, t, output=k, training=training) if isinstance(t, torch.Tensor) else t
+                               for k, t in enumerate(leaves)], spec)
+
+    def state(i: int, d: Mapping[str, Any]) -> dict[str, Any]:
+        return {name: pad(i, t, state=name) if isinstance(t, torch.Tensor) else t for name, t in d.items()}
+
+    new = copy.copy(refs)
+    new.outputs = [out(first + k, o) for k, o in enumerate(refs.outputs)]
+    new.cotangents = [[None if c is None else pad(first + k, c, output=j, training=training) for j, c in enumerate(cs)]
+                      for k, cs in enumerate(refs.cotangents)]
+    new.param_grads = [state(first + k, g) for k, g in enumerate(refs.param_grads)]
+    new.buffers = [state(first + k, b) for k, b in enumerate(refs.buffers)]
+    nudged = getattr(refs, "nudged", None)
+    if nudged is not None:
+        def padded_nudged(i: int, k: int) -> _References | None:
+            run = nudged(i, k)
+            return None if run is None else _padded_references(wide, run, training=training, first=i)
+
+        new.nudged = padded_nudged
+    return new
 
 
 def _resampler(refs64: _Float64Run | None, get: Callable[[_References], torch.Tensor],
