@@ -154,6 +154,9 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
         elif node.op == "call_function":
             if ctx.per_member_args and not ctx.per_member_inputs:
                 _per_member_placeholders(ctx, inputs)
+            if _copies_into_itself(node):  # Note [A buffer written back into itself]
+                ctx.env[node] = ctx.value(node.args[0])
+                continue
             ctx.env[node] = _widen_node(ctx, node)
             _expect_ranks(ctx.env[node], node)
         elif node.op == "get_attr":  # the body of a higher-order region (rules/regions.py)
@@ -403,6 +406,32 @@ def check_ranks(wg: WideGraph, n: int, member: ExportedProgram | None = None) ->
             f"widened to a value of rank {got} where rank {expect} was expected (a per-member value "
             f"labelled shared or the reverse); this would mix members, so compile stops. Please report "
             f"it; strict=False does not help, but @wide_compiler.register on the module works around it.")
+
+
+# Note [A buffer written back into itself]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A forward that updates a buffer in place (``self.count += 1``) is captured as the in-place op
+# (``add_(count, 1)``) and, at the end, export's write-back of the buffer: ``copy_(count, add_)``,
+# whose source IS the buffer (an in-place op returns its own input). The copy changes no value, but
+# it is one more write: autograd counts it, so a value saved for the backward from the buffer in
+# between (``self.fc(x) * self.count``) is "modified by an inplace operation" in the wide model's
+# backward, where the member alone, which never runs that copy, trains. Such a copy is dropped.
+def _copies_into_itself(node: fx.Node) -> bool:
+    """Whether ``node`` is ``copy_(dst, src)`` where ``src`` is ``dst`` written in place (through
+    any chain of in-place ops: ``dst.add_(1).mul_(2)``)."""
+    if node.target is not aten.copy_.default or len(node.args) < 2 or node.kwargs.get("non_blocking"):
+        return False
+    dst, src = node.args[0], node.args[1]
+    while isinstance(src, fx.Node) and src is not dst:
+        schema = getattr(src.target, "_schema", None)
+        if src.op != "call_function" or schema is None or not schema.arguments or not schema.returns \
+                or not src.args:
+            return False
+        first, ret = schema.arguments[0].alias_info, schema.returns[0].alias_info
+        if first is None or not first.is_write or ret is None or ret.before_set != first.before_set:
+            return False
+        src = src.args[0]
+    return src is dst
 
 
 def _widen_node(ctx: WidenContext, node: fx.Node) -> Any:
