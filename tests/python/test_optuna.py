@@ -238,7 +238,7 @@ def test_import_wide_compiler_does_not_import_optuna():
 
 def test_example_runs(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"))
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "optuna_sweep.py"), "--trials", "8",
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "optuna_sweep.py"), "--trials", "4",
                            "--members", "4", "--steps", "10"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=900)  # a hang guard
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
