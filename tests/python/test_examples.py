@@ -1,8 +1,8 @@
 """The README's example programs for the distributed and Ray Tune integrations and the width sweep
-run as documented (shortened with their own flags to the least that prints what is checked: one PBT round,
-one training step; the cost is the processes and the compiles, not the steps): torchrun of examples/distributed_pbt.py over 2
-gloo processes, examples/ray_sweep.py locally, examples/width_sweep.py. Each runs in a subprocess
-with a time bound."""
+run as documented (shortened with their own flags to the least that prints what is checked: one
+PBT round, one training step; their cost is the processes and the compiles, not the steps):
+torchrun of examples/distributed_pbt.py over 2 gloo processes, examples/ray_sweep.py locally,
+examples/width_sweep.py. Each runs in a subprocess with a time bound."""
 from __future__ import annotations
 
 import importlib.util
