@@ -119,6 +119,14 @@ def test_check_compile_pad_checks_each_member_at_its_own_size(dtype):
         assert report[key]["param_grad" if key.startswith("train") else "output"] is not None
 
 
+def test_validate_pad_compares_with_the_padded_members():
+    """``compile(pad=True, validate=True)`` compares the wide model with its padded members (the
+    padded sizes already): nothing is placed, and it passes."""
+    models = _sweep((3, 5), DT)
+    wide = wc.compile(models, torch.randn(5, 4, dtype=DT), pad=True, validate=True, config=FAST)
+    assert type(wide).__name__ == "PaddedWideModel"
+
+
 def test_check_equivalence_pad_catches_a_wrong_member():
     """The padded check still fails where a member is not its model: members 0 and 2 (one size)
     swapped."""
