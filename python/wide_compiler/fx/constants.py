@@ -53,6 +53,27 @@ Not covered here: writing a ``_per_member`` buffer by hand and ``WideModel.load_
 wide state dict with other constants (model.py) change the attributes' buffers alone, so a derived
 argument keeps its compiled values and a new value is not proved; :meth:`ConstantPlan.unproved`
 is the check for them (the plan's ``proved`` configurations against the model's buffers).
+
+Note [Every configuration's guards]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A probe proves a configuration's program equal to member 0's *at the sample*, and export's guards
+(Note [Guards] in fx/guards.py) say for which other inputs that capture holds. A forward whose
+branch reads a size and a constant together (``h * s if T * s < 2 else tanh(h)``, ``T >= self.min_len``,
+``B >= self.s``, ``h[:, :T // 2] if T / s > 3 else h``) gives each configuration its own guards:
+member 0's (s = 0.1) hold for ``T < 20``, member 2's (s = 0.3) for ``T < 6.67`` only. The wide graph
+runs every member, so it may run only where *every* configuration's capture holds: the guards of
+the graph are the conjunction of member 0's and each probe's (:func:`conjoin_guards`; the pipeline's
+``check_programs`` pass makes them, so a first compile, a capture for new inputs and a recapture
+with a dim made dynamic each prove and guard every configuration anew, with that capture's sample
+and dims). A probe's guard member 0's do not have is kept with the configuration named (``T <= 6
+(member 2's constants: s = 0.3)``), so a call outside it captures a graph for its inputs, where
+that configuration's probe either follows member 0's program again (its guards then hold there)
+or is refused, naming the member, the attribute and what differs (the failed guard in the
+message); it never runs member 0's branch for member 2. Besides the shape guards and ranges, a dim
+a probe fixed that member 0's capture kept dynamic becomes an equality guard, and the state a
+probe's code read (flags, layout, device, grad mode, module globals: Note [State a forward reads])
+is guarded as member 0's is. Cost at the call: only the guards member 0's do not already have
+(the same text is kept once), in the same generated conjunction.
 """
 
 from __future__ import annotations
@@ -74,8 +95,8 @@ from ..errors import ArchitectureMismatchError
 from .member_checks import _MODULE_INTERNALS, _describe, with_constants
 from .source import source_line
 
-__all__ = ["MAX_TENSOR_ELEMENTS", "ConstantPlan", "check_member_constants", "constant_key", "copy_member_constants",
-           "member_constants", "plan_constants", "set_member_constants"]
+__all__ = ["MAX_TENSOR_ELEMENTS", "ConstantPlan", "check_member_constants", "conjoin_guards", "constant_key",
+           "copy_member_constants", "member_constants", "plan_constants", "set_member_constants"]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +124,16 @@ class ConstantPlan:
     # the configurations traced, as value keys (fx/constants.py ``constant_key`` of float(value)) in the
     # order of ``constants``: what the graph is proved for
     proved: frozenset = frozenset()
+    # Note [Every configuration's guards]: (label naming the configuration, the guards of its probe)
+    # of every configuration traced; for :func:`conjoin_guards`, not kept (a compile cache keeps the
+    # conjoined guards of the graph)
+    probe_guards: list = dataclasses.field(default_factory=list, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "probe_guards"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update({"probe_guards": [], **state})
 
     def unproved(self, root: nn.Module) -> dict[int, dict[str, float]]:
         """The members of ``root`` (the WideModel running this plan's graph) whose constants, as
@@ -189,11 +220,14 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[[torch.nn.Module], ExportedProgram],
-                   constants: dict[str, tuple], opaque_paths: dict[str, str] | None = None) -> ConstantPlan:
+                   constants: dict[str, tuple], opaque_paths: dict[str, str] | None = None,
+                   guards_of: Callable[[ExportedProgram], Any] | None = None) -> ConstantPlan:
     """Trace ``model`` (member 0's capture template, captured as ``ep``) with every other distinct
     configuration of the per-member ``constants`` and find the graph arguments and tensor
     constants they change (Note [Per-member constants]); ``trace(model)`` captures as ``ep`` was.
-    Raises :class:`ArchitectureMismatchError` when a constant changes the program, naming the
+    With ``guards_of`` (a probe's :class:`~wide_compiler.fx.guards.Guards`, as ``ep``'s were made)
+    the plan keeps each probe's guards in ``probe_guards`` for :func:`conjoin_guards` (Note [Every
+    configuration's guards]). Raises :class:`ArchitectureMismatchError` when a constant changes the program, naming the
     first member with that configuration, the attribute and both values."""
     plan = ConstantPlan(dict(constants))
     if not constants:
@@ -239,6 +273,8 @@ def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[
                 _set_attribute(model, p, v)
         differs[key] = _align(ep, ref_nodes, ref_args, ref_lifted, probe,
                               lambda why, j=j: _changed(constants, paths, config, j, why))
+        if guards_of is not None:  # Note [Every configuration's guards]
+            plan.probe_guards.append((_label(constants, paths, config, j), guards_of(probe)))
     plan.configurations = len(first_member)
     plan.proved = frozenset(tuple(constant_key(float(v)) for v in cfg) for cfg in config)
     elapsed = time.perf_counter() - start
@@ -278,6 +314,67 @@ def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[
     return plan
 
 
+def _label(constants: dict[str, tuple], paths: list[str], config: list[tuple], j: int) -> str:
+    """How a probe's guard names its configuration: ``member 2's constants: s = 0.3``."""
+    differ = [p for k, p in enumerate(paths) if constant_key(config[j][k]) != constant_key(config[0][k])] or paths
+    return f"member {j}'s constants: " + ", ".join(f"{p} = {constants[p][j]!r}" for p in differ)
+
+
+def conjoin_guards(guards: Any, probes: list[tuple[str, Any]]) -> Any:
+    """Note [Every configuration's guards]: ``guards`` (member 0's capture's
+    :class:`~wide_compiler.fx.guards.Guards`) and every probe's in ``probes`` (``(label, Guards)``,
+    :attr:`ConstantPlan.probe_guards`), as one :class:`~wide_compiler.fx.guards.Guards` that holds
+    only where each of them does: member 0's guards, then each probe's guard member 0's lack (its
+    shape guards and ranges, the dims it fixed), shown with its label; the state any of them read
+    (flags, layout, device, grad mode, watched globals). The inputs (names, dtypes, ranks) are
+    the same sample's for all. ``guards`` itself when no probe adds anything.
+
+    >>> from wide_compiler.fx.guards import Guards
+    >>> def over_x(code, shown):  # one float input x, rank 2, no dim fixed
+    ...     return Guards(1, (torch.float32,), ((2, {}),), ("x",), (code,), (shown,))
+    >>> both = conjoin_guards(over_x("s[0][1] < 20", "x.size()[1] < 20"),
+    ...                       [("member 2's constants: s = 0.3", over_x("s[0][1] < 7", "x.size()[1] < 7"))])
+    >>> both.shown
+    ('x.size()[1] < 20', "x.size()[1] < 7 (member 2's constants: s = 0.3)")
+    >>> both.holds((torch.zeros(1, 3, 6),)), both.holds((torch.zeros(1, 3, 8),))
+    (True, False)
+    """
+    if guards is None or not probes:
+        return guards
+    code, shown = list(guards.code), list(guards.shown)
+    seen = set(code)
+    flags = dict(guards.flags)
+    watched = {(m, q, name): (entry, owner) for entry, owner, (m, q, name, _) in
+               zip(guards.watched, guards._owners or (None,) * len(guards.watched), guards.watched)}
+    layout, device, grad_mode = guards.layout, guards.device, guards.grad_mode
+    for label, g in probes:
+        extra = []
+        for k, (mine, theirs) in enumerate(zip(guards.fixed, g.fixed)):
+            if guards.dtypes[k] is None or not isinstance(theirs, tuple) or not isinstance(mine, tuple):
+                continue  # a non-tensor input: the sample's value for every configuration
+            extra += [(f"s[{k}][{d}] == {v}", f"{guards.names[k]}.size()[{d}] == {v}")
+                      for d, v in sorted(theirs[1].items()) if d not in mine[1]]
+        extra += zip(g.code, g.shown)
+        for c, s in extra:
+            if c not in seen:
+                seen.add(c)
+                code.append(c)
+                shown.append(f"{s} ({label})")
+        for key, value in g.flags:
+            flags.setdefault(key, value)
+        for entry, owner in zip(g.watched, g._owners or (None,) * len(g.watched)):
+            watched.setdefault(entry[:3], (entry, owner))
+        layout = layout or g.layout
+        device = device if device is not None else g.device
+        grad_mode = grad_mode if grad_mode is not None else g.grad_mode
+    merged = dict(code=tuple(code), shown=tuple(shown), flags=tuple(flags.items()), layout=layout, device=device,
+                  grad_mode=grad_mode, watched=tuple(e for e, _ in watched.values()))
+    if all(getattr(guards, k) == v for k, v in merged.items()):
+        return guards
+    return dataclasses.replace(guards, **merged, _owners=tuple(o for _, o in watched.values()),
+                               _fn=None, _each=None, _ns=None)
+
+
 def _attribute(model: nn.Module, path: str) -> Any:
     mod_path, _, key = path.rpartition(".")
     return (model.get_submodule(mod_path) if mod_path else model).__dict__[key]
@@ -294,11 +391,12 @@ def _align(ep: ExportedProgram, ref_nodes: list[fx.Node], ref_args: dict[int, di
     same outputs, arguments equal but for floats, lifted constants of the same shape and dtype.
     Returns what differs: ``{(node index, argument name): the probe's value}``."""
     nodes = _nodes(probe)
+    for a, b in zip(ref_nodes, nodes):  # the first op that differs names the branch taken
+        if (a.op, a.target) != (b.op, b.target):
+            raise changed(f"node '{a.name}' ({source_line(a)}) is {b.target} ({source_line(b)}), member 0's is "
+                          f"{a.target}")
     if len(nodes) != len(ref_nodes):
         raise changed(f"the traced program has {len(nodes)} nodes, member 0's {len(ref_nodes)}")
-    for a, b in zip(ref_nodes, nodes):
-        if (a.op, a.target) != (b.op, b.target):
-            raise changed(f"node '{a.name}' ({source_line(a)}) is {b.target}, member 0's is {a.target}")
     lifted = _lifted(probe)
     out: dict[tuple[int, str], Any] = {}
     for k, (node, other) in enumerate(zip(ref_nodes, nodes)):

@@ -55,7 +55,7 @@ from ..registry import opaque_template, registered_paths
 from ..tuning import choose_strategies
 from . import compile_cache
 from .capture import SpecialisationLog, capture, check_sample, flat_signature
-from .constants import ConstantPlan, plan_constants
+from .constants import ConstantPlan, conjoin_guards, plan_constants
 from .eval_rewrites import (attention_kernel, fuse_residual_norms, pool_before_relu, relu_in_place,
                             rewrite_channels_last)
 from .fold import fold_batch_norms
@@ -226,7 +226,14 @@ def _check_programs(c: Compilation) -> None:
                     return capture(model, args, kwargs, dynamic_shapes=c.dynamic_shapes)
                 return capture(model, args, kwargs, extra_dims=c.extra_dims)
 
-        c.constant_plan = plan_constants(c.model, c.ep, trace, c.constants, c.opaque_paths)
+        def guards(probe: ExportedProgram) -> Guards:  # as _capture makes member 0's
+            args, kwargs = c.sample
+            return guards_of(probe, c.model, c.sample, c.n, flat_signature(c.model, tuple(args), dict(kwargs)))
+
+        c.constant_plan = plan_constants(c.model, c.ep, trace, c.constants, c.opaque_paths, guards_of=guards)
+        # Note [Every configuration's guards] (fx/constants.py): the graph holds only where every
+        # configuration's capture does
+        c.guards = conjoin_guards(c.guards, c.constant_plan.probe_guards)
     if c.members is None or len(c.members) < 2:
         return
     if c.config.run_members and not c.opaque_paths:
