@@ -8,8 +8,8 @@ the source of a random ``nn.Module`` from a small grammar (anchored on NNSmith's
 programs and Csmith's differential testing): a chain of layers over a tensor whose kind it tracks
 (``[B, F]`` vectors, ``[B, T, F]`` sequences, ``[B, C, H, W]`` images) -- modules (Linear, Conv,
 norms, Dropout, Embedding, GRU, attention), functional ops, reshapes and reductions, residual
-branches, Python branches on sizes (``T % 2``, batch parity, ``T == 1``) and on per-member
-attributes, float constants that differ between members (slopes, scales, clamp bounds, dropout
+branches, Python branches on sizes (``T % 2``, batch parity, ``T == 1``), on per-member
+attributes and on both (``T >= self.s``), float constants that differ between members (slopes, scales, clamp bounds, dropout
 rates), a second input. :func:`run_program` compiles N members of it and calls the wide model in
 train and eval mode at the sample's sizes and at others (another batch, a batch of 1, another
 length), comparing every member's outputs, input gradients and parameter gradients with the
@@ -126,8 +126,14 @@ class Result:
 class _Writer:
     """Builds the source of ``Fuzzed`` while tracking the current tensor's kind and sizes."""
 
-    def __init__(self, rng: random.Random, n: int) -> None:
+    def __init__(self, rng: random.Random, n: int, extra: random.Random | None = None) -> None:
         self.rng, self.n = rng, n
+        # Note [The generator's second stream]: productions added after the first seeds were
+        # recorded draw from a stream of their own (seeded by the seed, its constants named s1,
+        # s2, ...), so every older production draws what it drew before: a seed's program is its
+        # first-grammar program plus, at most, the added lines; generate(seed,
+        # second_stream=False) replays a recorded finding exactly
+        self.extra, self.k_extra = extra, 0
         self.init: list[str] = []
         self.body: list[str] = []
         self.constants: list[dict[str, float]] = [{} for _ in range(n)]
@@ -138,11 +144,16 @@ class _Writer:
         self.k += 1
         return f"{prefix}{self.k}"
 
-    def constant(self, lo: float, hi: float, *, differ: bool | None = None, choices: list[float] | None = None) -> str:
+    def constant(self, lo: float, hi: float, *, differ: bool | None = None, choices: list[float] | None = None,
+                 rng: random.Random | None = None) -> str:
         """A float attribute, per member: the same for all, or different (``differ``)."""
-        name = self.name("c")
-        differ = self.rng.random() < 0.6 if differ is None else differ
-        pick = (lambda: self.rng.choice(choices)) if choices else (lambda: round(self.rng.uniform(lo, hi), 3))
+        if rng is None:
+            rng, name = self.rng, self.name("c")
+        else:  # the second stream's names count apart (Note [The generator's second stream])
+            self.k_extra += 1
+            rng, name = rng, f"s{self.k_extra}"
+        differ = rng.random() < 0.6 if differ is None else differ
+        pick = (lambda: rng.choice(choices)) if choices else (lambda: round(rng.uniform(lo, hi), 3))
         first = pick()
         for c in self.constants:
             c[name] = pick() if differ else first
@@ -158,8 +169,24 @@ class _Writer:
         self.body.append(code)
 
 
+def _size_and_constant(w: _Writer, dim: int) -> None:
+    """From the second stream: a Python branch on a size and a per-member constant together (an
+    independent probe found those ran member 0's branch for every member: issue 44, F7)."""
+    e = w.extra
+    if e is None or e.random() >= 0.12:
+        return
+    if dim == 0:
+        s = w.constant(0, 0, choices=[0.25, 0.5, 1.0], rng=e)
+        w.line(f"if h.shape[0] * {s} <= 1:")
+    else:
+        s = w.constant(0, 0, choices=[2.0, 3.0, 4.0, 6.0], rng=e)
+        w.line(f"if h.shape[{dim}] {e.choice(['>=', '<'])} {s}:")
+    w.line(f"    h = h * {e.choice(['0.5', '2', '-1'])}")
+
+
 def _vec_step(w: _Writer, f: int) -> tuple[str, int]:
     r = w.rng
+    _size_and_constant(w, 0)
     choice = r.choice(["linear", "act", "leaky", "norm", "bn", "dropout", "residual", "scale", "clamp",
                        "softmax", "chunk", "branch_batch", "branch_attr", "to_seq"])
     if choice == "linear":
@@ -207,6 +234,7 @@ def _vec_step(w: _Writer, f: int) -> tuple[str, int]:
 
 def _seq_step(w: _Writer, f: int) -> tuple[str, int]:
     r = w.rng
+    _size_and_constant(w, 1)
     choice = r.choice(["linear", "act", "norm", "mean", "attention", "gru", "conv1d", "branch_parity",
                        "branch_one", "pad4", "cumsum", "slice", "last"])
     if choice == "linear":
@@ -282,11 +310,13 @@ def _img_step(w: _Writer, c: int) -> tuple[str, int]:
     return "img", c
 
 
-def generate(seed: int, *, n: int | None = None) -> Program:
-    """A random valid program (Note [The model fuzzer]), reproducible from ``seed``."""
+def generate(seed: int, *, n: int | None = None, second_stream: bool = True) -> Program:
+    """A random valid program (Note [The model fuzzer]), reproducible from ``seed``; without
+    ``second_stream``, the program the first grammar made of it (Note [The generator's second
+    stream]: how seeds recorded before it came are replayed)."""
     rng = random.Random(seed)
     n = n or rng.choice([2, 3, 4])
-    w = _Writer(rng, n)
+    w = _Writer(rng, n, random.Random(f"extra {seed}") if second_stream else None)
     kind = rng.choice(["vec", "seq", "img", "index"])
     b = rng.choice([2, 3, 4])
     inputs: list[tuple[str, tuple[int, ...]]]
