@@ -570,7 +570,7 @@ def test_ddp_two_cpu_processes(tmp_path):
 
 def test_example_runs(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"))
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "lightning_ensemble.py"), "--epochs", "3"],
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "lightning_ensemble.py"), "--epochs", "1"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "best member" in proc.stdout.lower()
