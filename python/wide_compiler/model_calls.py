@@ -104,6 +104,9 @@ class CallGraphsMixin:
                     exact[k] = frozenset(d for d, m in enumerate(inp.member_shape)
                                          if m is None and int(x.shape[d + 1]) >= 2)
             first = [x[0].detach() if isinstance(x, torch.Tensor) and x.dim() else x for x in flat]
+            if wg.guards is not None and wg.guards.grads:  # the forward reads requires_grad: the call's
+                first = [t.requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) and x.dim() else t
+                         for t, x in zip(first, flat)]
             sample = tree_unflatten(first, wg.in_spec)
             watch = Stopwatch()
             ref = next(self.parameters(), None)

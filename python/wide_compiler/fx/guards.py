@@ -62,14 +62,37 @@ generated function at every call (a call outside captures a graph for it, as for
   the graphs follow ``.to(device)`` (captured again on the new device);
 * **module globals and class attributes** (:func:`globals_read`): the plain immutable values
   (numbers, strings, None, enum members, dtypes, devices, tuples and frozensets of them) that the
-  members' code loads as globals or reads as class attributes of its module (``self.SCALE`` where
-  the instance has no ``SCALE``), found by reading the bytecode (``dis``) of every module's
-  ``forward``, the methods and properties of its class that it names, the functions the module
-  holds, and the user's functions they load as globals, transitively (bounded: ``MAX_CODES``,
-  ``MAX_WATCHED``; 20-45 ms for a small GPT-2 or Llama). Checked by identity (an ``is`` per value:
-  tens of nanoseconds), then by type and value (:func:`same_value`: ``2`` is not ``2.0``), so
-  ``mod.SCALE = 3.0`` after compiling captures a graph with 3.0, and setting it back reuses the
-  first graph.
+  members' code loads as globals or reads as class attributes (``self.SCALE`` where the instance
+  has no ``SCALE``), found by reading the bytecode (``dis``) of the code a forward reaches: every
+  module's ``forward`` and its base classes' (``super().forward(x)``, ``Base.forward(self, x)``);
+  through a decorator, the function it wraps (``__wrapped__``, and the user's functions in a
+  wrapper's closure: ``functools.wraps``, ``@torch.no_grad()``); the methods and properties the
+  code names, looked up on the module's class and on every module class of the tree that defines
+  the name, with the base classes' methods of that name (``self.helper(x)``,
+  ``self.child.scale_it(h)``, ``super().helper(x)``); the functions the module holds; and the
+  functions they load as globals, transitively. An attribute read anywhere there (``mod.K`` in a
+  helper handed the module) is guarded as a class attribute of every module class of the tree
+  (the user's own, not an installed package's) that defines it: over-guarding a class attribute
+  that never changes costs an ``is`` per call, missing one would run a stale graph. Bounded:
+  ``MAX_CODES``, ``MAX_WATCHED``; 50-80 ms for a small GPT-2 or Llama on a busy machine (their
+  decorated forwards are read, and the masking functions they call). Checked by identity (an
+  ``is`` per value: tens of nanoseconds), then by type and value (:func:`same_value`: ``2`` is
+  not ``2.0``), so ``mod.SCALE = 3.0`` after compiling captures a graph with 3.0, and setting it
+  back reuses the first graph.
+* **functions** read as globals or class attributes (``act(h)`` with ``act`` a module global):
+  their identity (:class:`FunctionRef`), besides the globals their code reads, so ``act =
+  torch.sin`` after compiling captures a graph with ``sin``. A dict or list of functions (a
+  registry: ``ACTS[self.act](h)``) in the user's code is guarded by its contents (each entry's
+  identity) and each function's code is read; an installed package's registry (transformers'
+  loss functions) is left to it.
+* **tensors** read as globals or class attributes (``self.fc(x) * MASK``: export bakes them into
+  the graph as constants): their identity and ``_version`` (:class:`TensorRef`: an in-place change,
+  ``MASK.mul_(2)``, bumps the version), then their values where the tensor is small
+  (``MAX_TENSOR_VALUES``; a copy kept with the guard), so values changed back, or found again
+  after unpickling, reuse the graph. A larger one's graph is captured again in a new process.
+* **requires_grad**: where the code reads an attribute ``requires_grad`` (``2 if x.requires_grad
+  else 3``), every tensor input's ``requires_grad`` as captured (a graph for the other is captured
+  with the call's inputs as they are).
 
 The contents of a mutable global or class attribute the code reads (a dict, a list, a
 ``SimpleNamespace`` or a plain object: ``CFG["act"]``, ``cfg.scale``) are guarded by value
@@ -80,7 +103,8 @@ to it after compiling is not seen.
 Not guarded (documented limits): mutable objects whose contents are not plain values (above),
 values reached through an attribute of another module
 (``helpers.SCALE``; a module global that is a module is not followed), functions called through
-such attributes or through objects other than the module, closure cells, names the members' code
+such attributes or through objects other than the modules of the tree, the values in closure
+cells (the functions in them are read), ``globals()["NAME"]``, names the members' code
 writes itself (a call counter: ``global CALLS; CALLS += 1``; guarding it would capture again at
 every call), instance attributes (per-member constants cover those: Note [Per-member
 constants]), ``torch.backends.*`` flags (capture runs with cuDNN off, on purpose), and state read
@@ -111,7 +135,7 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.utils._pytree import MappingKey, SequenceKey, keystr, tree_flatten_with_path
+from torch.utils._pytree import MappingKey, SequenceKey, keystr, tree_flatten, tree_flatten_with_path
 
 __all__ = ["FLAG_READERS", "MAX_GRAPHS", "Guards", "finite_bound", "globals_read", "guards_of", "layout_of",
            "member_layout", "same_value"]
@@ -213,7 +237,7 @@ MAX_CONTENTS = 64  # the values of a mutable global guarded by value (Note [Stat
 class Contents:
     """The contents of a mutable global the members' code reads (Note [State a forward reads]):
     ``kind`` (``dict``, ``list`` or ``object``: a namespace or plain object's attributes) and
-    its items, plain values; guarded by value."""
+    its items, plain values or functions (as :class:`FunctionRef`: a registry); guarded by value."""
 
     kind: str
     items: tuple
@@ -227,7 +251,7 @@ class Contents:
     @staticmethod
     def of(v: Any) -> Contents | None:
         """The contents of ``v``; None when it is not a dict, list, namespace or plain object of
-        at most ``MAX_CONTENTS`` plain values."""
+        at most ``MAX_CONTENTS`` plain values or functions."""
         if type(v) is dict:
             kind, items = "dict", tuple(v.items())
         elif type(v) is list:
@@ -236,9 +260,159 @@ class Contents:
             kind, items = "object", tuple(vars(v).items())
         else:
             return None
-        if len(items) > MAX_CONTENTS or not all(_plain(x) for x in (items if kind == "list" else sum(items, ()))):
+        if len(items) > MAX_CONTENTS:
+            return None
+        if kind == "list":
+            items = tuple(_plain_or_ref(x) for x in items)
+        else:
+            items = tuple((k, _plain_or_ref(x)) for k, x in items)
+        if not all(_plain(x) or isinstance(x, FunctionRef) for x in (items if kind == "list" else sum(items, ()))):
             return None
         return Contents(kind, items)
+
+
+def _values(c: Contents) -> list[Any]:
+    """The values of a :class:`Contents` (a dict's or an object's without their keys)."""
+    return list(c.items) if c.kind == "list" else [x for _, x in c.items]
+
+
+def _plain_or_ref(v: Any) -> Any:
+    """``v`` as a guard keeps it inside :class:`Contents`: a function as its :class:`FunctionRef`."""
+    return FunctionRef(v) if isinstance(v, _FUNCTIONS) else v
+
+
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType)
+
+
+class FunctionRef:
+    """A function the members' code reads as a global, a class attribute or an entry of a registry
+    (Note [State a forward reads]), guarded by identity: a global rebound to another function
+    (``act = torch.sin``) fails the guard. Pickles as its module, qualified name and, for a Python
+    function, a digest of its code; one loaded from a pickle matches the function of that name and
+    code (one with a closure or defaults, whose values the digest does not see, matches nothing: its
+    graph is captured again).
+
+    >>> FunctionRef(torch.sin) == FunctionRef(torch.sin), FunctionRef(torch.sin) == FunctionRef(torch.cos)
+    (True, False)
+    """
+
+    __slots__ = ("fn", "_key")
+
+    def __init__(self, fn: Any) -> None:
+        self.fn, self._key = fn, None
+
+    @property
+    def key(self) -> tuple:
+        """(module, qualified name, code digest), computed when first asked (a pickle, a message)."""
+        if self._key is None:
+            self._key = _function_key(self.fn)
+        return self._key
+
+    def __getstate__(self) -> tuple:
+        return self.key
+
+    def __setstate__(self, key: tuple) -> None:
+        self.fn, self._key = None, key
+
+    def matches(self, fn: Any) -> bool:
+        """Whether ``fn`` is this function (after unpickling: one of its name and code)."""
+        if self.fn is not None:
+            return fn is self.fn
+        return isinstance(fn, _FUNCTIONS) and self.key[-1] is not None and _function_key(fn) == self.key
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FunctionRef):
+            return NotImplemented
+        return other.matches(self.fn) if self.fn is not None else self.key[-1] is not None and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key[:2])  # equal refs have equal names
+
+    def __repr__(self) -> str:
+        return f"<function {self.key[0]}.{self.key[1]}>"
+
+
+def _function_key(fn: Any) -> tuple:
+    """(module, qualified name, digest of the code or None where the code does not say it all)."""
+    import hashlib
+    import marshal
+
+    code = getattr(fn, "__code__", None)
+    digest: str | None = type(fn).__name__
+    if code is not None:
+        defaults = (getattr(fn, "__defaults__", None) or (), tuple(sorted((getattr(fn, "__kwdefaults__", None) or {}).items())))
+        if getattr(fn, "__closure__", None) or not _plain(defaults):
+            digest = None  # values the digest would not see
+        else:
+            try:
+                digest = hashlib.sha256(marshal.dumps(code) + repr(defaults).encode()).hexdigest()[:16]
+            except ValueError:
+                digest = None
+    return (str(getattr(fn, "__module__", None)), str(getattr(fn, "__qualname__", getattr(fn, "__name__", "?"))), digest)
+
+
+MAX_TENSOR_VALUES = 4096  # a global tensor up to this size is kept by value too (found again after unpickling)
+
+
+class TensorRef:
+    """A tensor the members' code reads as a module global or class attribute (Note [State a forward
+    reads]): export bakes its values into the graph as a constant. Guarded by identity and version
+    (``Tensor._version`` counts its in-place changes: ``MASK.mul_(2)`` fails the guard); a copy
+    of a small one's values (at most ``MAX_TENSOR_VALUES``) lets a tensor of the same values match
+    (the values changed back, or found again after unpickling).
+
+    >>> t = torch.ones(3); ref = TensorRef(t)
+    >>> ref.matches(t), ref.matches(t.clone()), ref.matches(t.mul_(2))
+    (True, True, False)
+    """
+
+    __slots__ = ("tensor", "version", "values")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor, self.version = t, t._version
+        self.values = t.detach().clone() if t.numel() <= MAX_TENSOR_VALUES and t.layout is torch.strided else None
+
+    def __getstate__(self) -> tuple:
+        return (self.values,)
+
+    def __setstate__(self, state: tuple) -> None:
+        self.tensor, self.version, self.values = None, -1, state[0]
+
+    def matches(self, t: Any) -> bool:
+        """Whether ``t`` is this tensor unchanged, or a tensor of its dtype, shape, device and values."""
+        if not isinstance(t, torch.Tensor):
+            return False
+        if t is self.tensor and t._version == self.version:
+            return True
+        v = self.values
+        return (v is not None and t.dtype == v.dtype and t.shape == v.shape and t.device == v.device
+                and t.layout == v.layout and bool(torch.equal(t.detach(), v)))
+
+    def adopt(self, t: torch.Tensor) -> None:
+        """From now on the fast check (identity and version) is of ``t`` (which :meth:`matches`)."""
+        self.tensor, self.version = t, t._version
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TensorRef) and self.matches(other.tensor)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        t = self.tensor if self.tensor is not None else self.values
+        return "a tensor" if t is None else f"a tensor {t.dtype} {list(t.shape)}"
+
+
+def _kept(v: Any) -> Any:
+    """What a guard keeps of a value the members' code reads (Note [State a forward reads]): a plain
+    value itself, a function as a :class:`FunctionRef`, a tensor as a :class:`TensorRef`, a mutable
+    container's :class:`Contents`; None when it cannot be guarded."""
+    if _plain(v):
+        return v
+    if isinstance(v, _FUNCTIONS):
+        return FunctionRef(v)
+    if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+        return TensorRef(v)
+    return Contents.of(v)
 
 
 def _plain_instance(v: Any) -> bool:
@@ -295,6 +469,20 @@ def _read(owner: Any, qualname: str, name: str, value: Any) -> Any:
     return Contents.of(now) if isinstance(value, Contents) else now
 
 
+def _matches(now: Any, value: Any) -> bool:
+    """Whether ``now`` (as :func:`_read` gives it) is the watched ``value`` for the program."""
+    if isinstance(value, (FunctionRef, TensorRef)):
+        return value.matches(now)
+    return same_value(now, value)
+
+
+def _shown(now: Any) -> str:
+    """A value read now, for a message (a tensor by its kind, not its values)."""
+    if isinstance(now, torch.Tensor):
+        return f"a tensor {now.dtype} {list(now.shape)} (another one, or changed in place)"
+    return repr(FunctionRef(now)) if isinstance(now, _FUNCTIONS) else repr(now)
+
+
 def _owner_of(module: str, qualname: str) -> Any:
     """The dict of module ``module`` (``qualname`` empty) or its class ``qualname``; None when
     neither is found (the guard then fails: the graph is captured again)."""
@@ -313,18 +501,25 @@ def _owner_of(module: str, qualname: str) -> Any:
 
 def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]], list[Any], list[str]]:
     """Note [State a forward reads]: the module globals and class attributes that the code of
-    ``model``'s module classes reads, with plain immutable values: ``(entries, owners, readers)``,
+    ``model``'s module classes reads, with values a guard can keep: ``(entries, owners, readers)``,
     ``entries`` as ``Guards.watched``, ``owners`` the live dicts and classes, ``readers`` the
     FLAG_READERS names (and ``is_grad_enabled``, ``is_inference_mode_enabled``) the code holds as
-    globals (``from torch import get_default_dtype``).
+    globals (``from torch import get_default_dtype``), and ``"requires_grad"`` where the code reads
+    an attribute of that name (a branch on an input's ``requires_grad``).
 
-    Read statically (``dis``): the ``forward`` of every module in the tree, the code objects nested
-    in it (comprehensions, inner functions), the methods and properties of the module's class it
-    names (``self.helper(x)``), the functions the module holds, and the user's functions they load
-    as globals, transitively (at most ``MAX_CODES`` code objects, ``MAX_WATCHED`` values). A name
-    loaded as an attribute (``self.SCALE``) counts as a class attribute of the module's class when
-    the instance has no attribute of that name. A name the code writes (``STORE_GLOBAL``,
-    ``STORE_ATTR``) is left out: it is state the forward keeps, not a setting.
+    Read statically (``dis``): the ``forward`` of every module in the tree and of each of its base
+    classes (``super().forward(x)``, ``Base.forward(self, x)``), the function a decorated forward
+    wraps (``__wrapped__``, and the user's functions in a wrapper's closure), the code objects nested
+    in it (comprehensions, inner functions), the methods and properties it names (``self.helper(x)``,
+    ``self.child.scale_it(h)``, ``super().helper(x)``: a name is looked up on the module's class
+    and on every module class of the tree, each of its base classes that defines it), the
+    functions the module holds, and the functions they load as globals or find in a registry (a
+    dict of functions), transitively (at most ``MAX_CODES`` code objects, ``MAX_WATCHED`` values).
+    A name loaded as an attribute (``self.SCALE``, ``mod.K`` in a helper handed the module) counts
+    as a class attribute of the module's class when the instance has no attribute of that name,
+    and of any other module class of the tree (the user's own) that defines it: over-guarding a
+    class attribute that never changes costs an ``is`` per call. A name the code writes
+    (``STORE_GLOBAL``, ``STORE_ATTR``) is left out: it is state the forward keeps, not a setting.
 
     >>> EPS = 1e-3
     >>> class Shifted(torch.nn.Module):
@@ -340,28 +535,87 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
     mutated: set[str] = set()  # globals the code changes in place: their contents are state, not settings
     readers: list[str] = []
     stored: set[str] = set()
+    reads_grad = False  # the code reads an attribute ``requires_grad`` (of an input, say)
     reader_names = {id(fn): name for name, fn in (*FLAG_READERS.items(), *_GRAD_READERS.items())}
     work: list[tuple[Any, Any]] = []  # (function, the module whose class holds it, or None)
 
+    def user_fn(fn: Any) -> bool:
+        return isinstance(fn, types.FunctionType) and is_user_file(fn.__code__.co_filename)
+
+    def cells(fn: Any) -> list[Any]:
+        out = []
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                out.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        return out
+
     def follow(v: Any, m: Any) -> None:
         fn = v.fget if isinstance(v, property) else getattr(v, "__func__", v)
-        if isinstance(fn, types.FunctionType) and is_user_file(fn.__code__.co_filename):
-            work.append((fn, m))
+        for _ in range(8):  # a decorated function: the wrapper, then each function it wraps
+            if user_fn(fn):
+                work.append((fn, m))
+            elif isinstance(fn, types.FunctionType):  # a library's wrapper (torch.no_grad()): the user's in it
+                work.extend((c, m) for c in cells(fn) if user_fn(c))
+            fn = vars(fn).get("__wrapped__") if hasattr(fn, "__dict__") else None
+            if fn is None:
+                break
 
+    user_classes: dict[type, bool] = {}
+
+    def user_class(klass: type) -> bool:
+        if klass not in user_classes:
+            home = getattr(sys.modules.get(klass.__module__), "__file__", None)
+            user_classes[klass] = (is_user_file(home, skip_stdlib=True) and "-packages" not in home) if home else \
+                not klass.__module__.startswith(("torch", "wide_compiler", "builtins"))
+        return user_classes[klass]
+
+    classes: dict[type, Any] = {}  # one instance of each module class in the tree
     for m in model.modules():
+        classes.setdefault(type(m), m)
         for v in vars(m).values():  # functions held by the instance (self.act = fn)
             if isinstance(v, types.FunctionType):
                 follow(v, None)
-        try:
-            follow(inspect.getattr_static(type(m), "forward"), m)
-        except AttributeError:
-            pass
+        for klass in type(m).__mro__:  # its forward and its base classes' (super().forward(x))
+            if "forward" in vars(klass):
+                follow(vars(klass)["forward"], m)
     work.reverse()  # the outermost module's forward first
+
+    def attribute(cls: type, name: str, v: Any, code: types.CodeType, m: Any) -> None:
+        """A class attribute ``v`` of ``cls`` the code reads: guarded, named as unguarded, or followed."""
+        if isinstance(v, (types.FunctionType, staticmethod, classmethod, property)):
+            follow(v, m)  # a method or property that the code calls
+            return
+        kept = _kept(v)
+        if kept is not None:
+            entries.setdefault((id(cls), name), ((cls.__module__, cls.__qualname__, name, kept), cls))
+        elif _users_mutable(v, code.co_filename):
+            unguarded.setdefault((id(cls), name), f"{cls.__qualname__}.{name}")
+
+    def on_classes(name: str, code: types.CodeType) -> None:
+        """``name`` read as an attribute: on every module class of the tree (the user's) defining it."""
+        for cls, rep in classes.items():
+            definers = [k for k in cls.__mro__ if name in vars(k)]
+            if not definers or not user_class(definers[0]):
+                continue
+            attribute(cls, name, vars(definers[0])[name], code, rep)
+            for k in definers[1:]:  # super().name: a base class's method
+                v = vars(k)[name]
+                if user_class(k) and isinstance(v, (types.FunctionType, staticmethod, classmethod, property)):
+                    follow(v, rep)
+
     seen: set[tuple[Any, Any]] = set()  # (code, the module's class): instances of a class read the same names
+    done: set[tuple[Any, type]] = set()  # (function, reading class) read already
+    names_seen: set[str] = set()  # attribute names looked up on every module class already
     codes = 0
     while work:
         fn, m = work.pop()
+        if (fn, type(m)) in done:
+            continue
+        done.add((fn, type(m)))
         stack = [fn.__code__]
+        work.extend((c, m) for c in cells(fn) if user_fn(c))  # a decorator's wrapper: the function it calls
         while stack:
             code = stack.pop()
             if (code, type(m)) in seen:
@@ -385,29 +639,39 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
                     stored.add(name)
                 elif ins.opname == "LOAD_GLOBAL" and name in g:
                     v = g[name]
-                    kept = v if _plain(v) else Contents.of(v)
+                    if id(v) in reader_names:
+                        if reader_names[id(v)] not in readers:
+                            readers.append(reader_names[id(v)])
+                        continue
+                    kept = _kept(v)
+                    if isinstance(kept, Contents) and "-packages" in code.co_filename and any(
+                            isinstance(x, FunctionRef) for x in _values(kept)):
+                        kept = None  # an installed package's registry of functions (its loss functions): its own
                     if kept is not None:
                         entries.setdefault((id(g), name), ((str(g.get("__name__")), "", name, kept), g))
+                        if isinstance(kept, FunctionRef):  # a global function: its identity and its code
+                            follow(v, None)
+                        elif isinstance(kept, Contents):  # a registry of functions: their code
+                            for x in _values(kept):
+                                if isinstance(x, FunctionRef):
+                                    follow(x.fn, None)
                     elif _users_mutable(v, code.co_filename):
                         unguarded.setdefault((id(g), name), f"{g.get('__name__')}.{name}")
-                    elif isinstance(v, types.FunctionType) and is_user_file(v.__code__.co_filename):
-                        work.append((v, None))
-                    elif id(v) in reader_names and reader_names[id(v)] not in readers:
-                        readers.append(reader_names[id(v)])
-                elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and m is not None and name not in m.__dict__ \
-                        and name not in m._parameters and name not in m._buffers and name not in m._modules:
-                    cls = type(m)
-                    try:
-                        v = inspect.getattr_static(cls, name)
-                    except AttributeError:
-                        continue
-                    kept = v if _plain(v) else Contents.of(v)
-                    if kept is not None:
-                        entries.setdefault((id(cls), name), ((cls.__module__, cls.__qualname__, name, kept), cls))
-                    elif _users_mutable(v, code.co_filename):
-                        unguarded.setdefault((id(cls), name), f"{cls.__qualname__}.{name}")
-                    else:  # a method or property of the module's class that its code calls
-                        follow(v, m)
+                elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                    reads_grad = reads_grad or name == "requires_grad"
+                    if m is not None and name not in m.__dict__ and name not in m._parameters \
+                            and name not in m._buffers and name not in m._modules:
+                        try:
+                            attribute(type(m), name, inspect.getattr_static(type(m), name), code, m)
+                        except AttributeError:
+                            pass
+                        for k in type(m).__mro__[1:]:  # super().name: a base class's method
+                            v = vars(k).get(name)
+                            if isinstance(v, (types.FunctionType, staticmethod, classmethod, property)):
+                                follow(v, m)
+                    if name not in names_seen:
+                        names_seen.add(name)
+                        on_classes(name, code)
     # a name the code itself writes (``global CALLS; CALLS += 1``, ``type(self).seen = True``) is state
     # the forward keeps, not a setting: guarding it would capture again at every call
     found = [(e, o) for (_, name), (e, o) in entries.items()
@@ -415,13 +679,15 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
     missed = [where for (_, name), where in unguarded.items() if name not in stored and name not in mutated]
     if missed:
         log.warning("wide_compiler: the members' code reads %s, mutable and holding more than %d values or values "
-                    "that are not plain (numbers, strings, tuples of them): a change to %s after compiling is not "
-                    "seen by the compiled graphs (Note [State a forward reads]); compile again after changing it",
-                    ", ".join(missed), MAX_CONTENTS, "it" if len(missed) == 1 else "them")
+                    "that are not plain (numbers, strings, tuples of them, functions): a change to %s after "
+                    "compiling is not seen by the compiled graphs (Note [State a forward reads]); compile again "
+                    "after changing it", ", ".join(missed), MAX_CONTENTS, "it" if len(missed) == 1 else "them")
     if len(found) > MAX_WATCHED:
         log.warning("wide_compiler: the members' code reads %d module globals and class attributes; the first %d "
                     "are guarded (Note [State a forward reads])", len(found), MAX_WATCHED)
         found = found[:MAX_WATCHED]
+    if reads_grad:
+        readers.append("requires_grad")
     return [e for e, _ in found], [o for _, o in found], readers
 
 
@@ -453,8 +719,11 @@ class Guards:
     # the parameters' device at capture (str), where the forward read a tensor's device; else None
     device: str | None = None
     # (module, class qualname or "", name, value): a module global or class attribute the members'
-    # code reads, with its value as captured (plain immutable values only)
+    # code reads, with its value as captured (a plain immutable value, Contents, FunctionRef, TensorRef)
     watched: tuple[tuple[str, str, str, Any], ...] = ()
+    # per flat user input: its requires_grad as captured (None: not a tensor), where the forward
+    # reads an attribute ``requires_grad`` (Note [State a forward reads]); else ()
+    grads: tuple[bool | None, ...] = ()
     _fn: Any = dataclasses.field(default=None, repr=False, compare=False)
     _each: Any = dataclasses.field(default=None, repr=False, compare=False)
     # the live dict or class of each ``watched`` entry (found again by name after unpickling)
@@ -487,6 +756,8 @@ class Guards:
                 head.append(f"_X{k}.device == pdev" if self.devices[k] == "" else f"_X{k}.device == _dev{k}")
             if k < len(self.layout):
                 head.append(f"member_layout(_X{k}) == _lay{k}")
+            if k < len(self.grads):
+                head.append(f"_X{k}.requires_grad is {self.grads[k]}")
         namespace = {**SYMPY_INTERP, "math": math, "member_layout": member_layout,
                      **{f"_dt{k}": d for k, d in enumerate(self.dtypes)},
                      **{f"_v{k}": v for k, v in enumerate(self.fixed) if self.dtypes[k] is None},
@@ -500,13 +771,27 @@ class Guards:
             namespace.update({f"_fr{j}": FLAG_READERS[reader], f"_fa{j}": args, f"_fv{j}": value})
         for j, ((_, qualname, name, value), owner) in enumerate(zip(self.watched, self._owners)):
             read = f"_o{j}.{name}" if qualname else f"_o{j}[{name!r}]"
-            # a mutable value's contents, compared at each call; else the value itself, by identity
-            head.append(f"_same(_contents({read}), _w{j})" if isinstance(value, Contents) else f"{read} is _w{j}")
+            # a mutable value's contents, compared at each call; a tensor by identity and version (its
+            # in-place changes); else the value itself (a function: the one captured), by identity
+            if isinstance(value, Contents):
+                head.append(f"_same(_contents({read}), _w{j})")
+            elif isinstance(value, TensorRef):
+                head.append(f"(_t{j} := {read}) is _w{j}.tensor and _t{j}._version == _w{j}.version")
+            else:
+                head.append(f"{read} is _w{j}")
             try:  # an equal object there now (after unpickling): the fast path checks that one
                 now = _read(owner, qualname, name, value)
-                value = now if same_value(now, value) else value
+                if isinstance(value, TensorRef):
+                    if value.tensor is None and value.matches(now):
+                        value.adopt(now)
+                elif isinstance(value, FunctionRef):
+                    value = now if value.matches(now) else value.fn if value.fn is not None else object()
+                else:
+                    value = now if same_value(now, value) else value
             except (AttributeError, KeyError, TypeError):
-                pass
+                value = object() if isinstance(value, FunctionRef) and value.fn is None else value
+            if isinstance(value, FunctionRef):
+                value = value.fn if value.fn is not None else object()
             namespace.update({f"_o{j}": owner, f"_w{j}": value, "_same": same_value, "_contents": Contents.of})
         body = " and ".join([*head, *(f"({wide(c)})" for c in self.code)]) or "True"
         each = ", ".join(f"lambda s: {c}" for c in self.code)
@@ -521,7 +806,7 @@ class Guards:
         return {k: v for k, v in self.__dict__.items() if k not in ("_fn", "_each", "_owners", "_ns")}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update({"_owners": None, **state})
+        self.__dict__.update({"_owners": None, "grads": (), **state})
         self.__post_init__()
 
     def holds(self, flat: Any, pdt: torch.dtype | None = None, pdev: torch.device | None = None) -> bool:
@@ -563,6 +848,9 @@ class Guards:
                 return (f"input '{name}' has another memory layout than captured (one member's strides "
                         f"{list(x.stride()[1:])}: {member_layout(x)[0]}, captured {self.layout[k][0]}), and the "
                         f"forward reads a layout (Tensor.is_contiguous or Tensor.stride)")
+            if k < len(self.grads) and x.requires_grad is not self.grads[k]:
+                return (f"input '{name}' has requires_grad={x.requires_grad}, captured with "
+                        f"requires_grad={self.grads[k]}, and the forward reads an attribute requires_grad")
             s.append(x.shape[1:])
         if self.device is not None and pdev is not None and pdev != torch.device(self.device):
             return (f"the forward reads a tensor's device, captured with the parameters on {self.device}; "
@@ -578,9 +866,12 @@ class Guards:
                 now = _read(owner, qualname, name, value)
             except (AttributeError, KeyError, TypeError):
                 return f"{where}, which the members' code reads, is no longer found (captured as {value!r})"
-            if not same_value(now, value):
-                return f"{where}, which the members' code reads, is {now!r} now, captured as {value!r}"
-            self._ns[f"_w{j}"] = now  # an equal object: the fast path checks that one from now on
+            if not _matches(now, value):
+                return f"{where}, which the members' code reads, is {_shown(now)} now, captured as {value!r}"
+            if isinstance(value, TensorRef):
+                value.adopt(now)  # the same values: the fast path checks this tensor and version from now on
+            else:
+                self._ns[f"_w{j}"] = now  # an equal object: the fast path checks that one from now on
         for holds, shown in zip(self._each, self.shown):
             try:
                 if holds(s):
@@ -598,6 +889,7 @@ class Guards:
         state += [f"torch.{r}({', '.join(map(repr, a))}) == {v!r}" for (r, a), v in self.flags]
         state += [f"parameters' device == {self.device}"] if self.device is not None else []
         state += [f"{m}.{q + '.' if q else ''}{name} == {v!r}" for m, q, name, v in self.watched]
+        state += [f"{n}.requires_grad is {g}" for n, g in zip(self.names, self.grads) if g is not None]
         return "\n".join([*dtypes, *self.shown, *state])
 
 
@@ -776,5 +1068,8 @@ def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, 
     if any(isinstance(t, torch.Tensor) and t.dtype == default for t in (getattr(ep, "constants", None) or {}).values()):
         flags.setdefault(("get_default_dtype", ()), default)
     device = str(ran) if reads.get("device") and ran is not None else None
+    # a forward that reads ``requires_grad`` (of an input, say): every tensor input's, as captured
+    grads = tuple(bool(v.requires_grad) if isinstance(v, torch.Tensor) else None
+                  for v in tree_flatten(sample)[0]) if "requires_grad" in readers else ()
     return Guards(n, dtypes, fixed, names, tuple(code), tuple(shown), reads.get("grad_mode"), follows,
-                  tuple(flags.items()), layout, devices, device, tuple(watched), _owners=tuple(owners))
+                  tuple(flags.items()), layout, devices, device, tuple(watched), grads, _owners=tuple(owners))
