@@ -270,3 +270,41 @@ def test_a_forward_that_reads_no_requires_grad_takes_both_on_one_graph():
     _assert_members(wide, members, x)
     _assert_members(wide, members, x.clone().requires_grad_())
     assert not wide._variants.get(True)
+
+
+class _Both(LinearModel):
+    def forward(self, x):
+        return act(self.fc(x)) * MASK
+
+
+def test_a_graph_from_the_compile_cache_follows_a_global_tensor_and_function(cache_dir, monkeypatch):
+    from support import cache_entries
+
+    monkeypatch.setattr(sys.modules[__name__], "MASK", MASK.clone())
+    _compile(_Both)
+    assert len(cache_entries(cache_dir)) == 1
+    from wide_compiler.fx import pipeline
+
+    def captured(*args, **kwargs):
+        raise AssertionError("captured: the compile cache missed")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "capture", captured)
+        wide, members = _compile(_Both)  # read from the cache: the guards as unpickled
+    x = _x()
+    _assert_members(wide, members, x)
+    MASK.mul_(3)
+    _assert_members(wide, members, x)
+    monkeypatch.setattr(sys.modules[__name__], "act", torch.sin)
+    _assert_members(wide, members, x)
+
+
+class _ClassRegistry(LinearModel):
+    ACTS = {"st": _scaled_tanh}  # a registry held by the class
+
+    def forward(self, x):
+        return self.ACTS["st"](self.fc(x))
+
+
+def test_a_class_attribute_registry_of_functions_is_followed(monkeypatch):
+    _check_change(_ClassRegistry, _set_global("S", 3.0), monkeypatch)

@@ -410,7 +410,7 @@ def _kept(v: Any) -> Any:
         return v
     if isinstance(v, _FUNCTIONS):
         return FunctionRef(v)
-    if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+    if isinstance(v, torch.Tensor):
         return TensorRef(v)
     return Contents.of(v)
 
@@ -590,6 +590,9 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
         kept = _kept(v)
         if kept is not None:
             entries.setdefault((id(cls), name), ((cls.__module__, cls.__qualname__, name, kept), cls))
+            for x in _values(kept) if isinstance(kept, Contents) else ():  # a registry of functions: their code
+                if isinstance(x, FunctionRef):
+                    follow(x.fn, None)
         elif _users_mutable(v, code.co_filename):
             unguarded.setdefault((id(cls), name), f"{cls.__qualname__}.{name}")
 
