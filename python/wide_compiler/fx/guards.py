@@ -198,8 +198,6 @@ def same_value(a: Any, b: Any) -> bool:
     >>> same_value(2, 2), same_value(2, 2.0), same_value(float("nan"), float("nan")), same_value((1, "a"), (1, "a"))
     (True, False, True, True)
     """
-    if a is b:
-        return True
     if type(a) is not type(b):
         return False
     if isinstance(a, Contents):
@@ -208,6 +206,8 @@ def same_value(a: Any, b: Any) -> bool:
         if isinstance(a, frozenset):
             return a == b
         return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if a is b:  # after the containers: torch.compile traces this check, and cannot trace `is` on tuples
+        return True
     if isinstance(a, (float, complex)):
         return repr(a) == repr(b)
     try:
