@@ -176,7 +176,7 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
 
     def _note_dtype(self) -> None:
         """Keep the parameters' dtype and device, which the inputs that follow them must have (Note
-        [Guards]; the device: Note [State a forward reads] in fx/guards.py)."""
+        [Guards]; the device: Note [State a forward reads] in fx/state_reads.py)."""
         ref = next(self.parameters(), None)
         self.__dict__["_param_dtype"] = ref.dtype if ref is not None else None
         ref = ref if ref is not None else next(self.buffers(), None)

@@ -259,7 +259,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                     "N-first like any output.") from e
             raise _capture_error(model, e, getattr(watch, "compiling", ())) from e
         _refuse_generators(model, ep)  # our own refusal, not wrapped as export's
-        ep.wide_reads = watch.reads()  # Note [State a forward reads] (fx/guards.py)
+        ep.wide_reads = watch.reads()  # Note [State a forward reads] (fx/state_reads.py)
         try:  # read here, where the grad mode is the capture's
             ep.wide_reads["globals"] = globals_read(model)
         except Exception as e:  # noqa: BLE001 -- code the scan does not understand: said, not a failed compile

@@ -1,0 +1,624 @@
+"""What the members' code reads besides its inputs -- module globals, class attributes, functions,
+tensors, global flags -- found by reading the code a forward reaches, and how each is kept so that
+the guards of fx/guards.py (Note [Guards]) can compare it at every call.
+
+Note [State a forward reads]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Besides its inputs' shapes, a forward's Python may read the state of the process, and export bakes
+the branch it took into the graph without a guard. What is guarded, each checked by the same
+generated function at every call (a call outside captures a graph for it, as for a new size):
+
+* **global flags** (``FLAG_READERS``: ``torch.are_deterministic_algorithms_enabled()``,
+  ``torch.is_autocast_enabled(device)``, ``torch.get_autocast_dtype(device)``,
+  ``torch.get_default_dtype()``, ``torch.get_float32_matmul_precision()`` and their kin): the calls
+  the user's code made during capture, with their arguments and answers (fx/export_watch.py's
+  ``_Watch``); a reader the code holds as a global (``from torch import get_default_dtype``) is
+  not seen when called, so every variant of it is guarded;
+* **memory layout**: where the user's code read ``Tensor.is_contiguous`` or ``Tensor.stride``
+  during capture (of any tensor: an intermediate's layout follows the inputs'), every tensor
+  input's member layout (:func:`layout_of`: the stride order of a dense tensor, else its strides)
+  must be the captured one. Export specialises on the sample's strides silently (a transposed
+  input would run the contiguous branch); the call's own layout is captured instead;
+* **device**: every tensor input must be on the device of the model's parameters (buffers for a
+  model without parameters) now, or, for one captured elsewhere (a CPU index tensor beside CUDA
+  parameters), on its captured device: a call that is not is refused naming the input (no capture
+  could take it; the members would fail too). Where the user's code read a tensor's device
+  (``.device``, ``.is_cuda``, ``.is_cpu``), the parameters' device at capture is guarded too, so
+  the graphs follow ``.to(device)`` (captured again on the new device);
+* **module globals and class attributes** (:func:`globals_read`): the plain immutable values
+  (numbers, strings, None, enum members, dtypes, devices, tuples and frozensets of them) that the
+  members' code loads as globals or reads as class attributes (``self.SCALE`` where the instance
+  has no ``SCALE``), found by reading the bytecode (``dis``) of the code a forward reaches: every
+  module's ``forward`` and its base classes' (``super().forward(x)``, ``Base.forward(self, x)``);
+  through a decorator, the function it wraps (``__wrapped__``, and the user's functions in a
+  wrapper's closure: ``functools.wraps``, ``@torch.no_grad()``); the methods and properties the
+  code names, looked up on the module's class and on every module class of the tree that defines
+  the name, with the base classes' methods of that name (``self.helper(x)``,
+  ``self.child.scale_it(h)``, ``super().helper(x)``); the functions the module holds; and the
+  functions they load as globals, transitively. An attribute read anywhere there (``mod.K`` in a
+  helper handed the module) is guarded as a class attribute of every module class of the tree
+  (the user's own, not an installed package's) that defines it: over-guarding a class attribute
+  that never changes costs an ``is`` per call, missing one would run a stale graph. Bounded:
+  ``MAX_CODES``, ``MAX_WATCHED``; 50-80 ms for a small GPT-2 or Llama on a busy machine (their
+  decorated forwards are read, and the masking functions they call). Checked by identity (an
+  ``is`` per value: tens of nanoseconds), then by type and value (:func:`same_value`: ``2`` is
+  not ``2.0``), so ``mod.SCALE = 3.0`` after compiling captures a graph with 3.0, and setting it
+  back reuses the first graph.
+* **functions** read as globals or class attributes (``act(h)`` with ``act`` a module global):
+  their identity (:class:`FunctionRef`), besides the globals their code reads, so ``act =
+  torch.sin`` after compiling captures a graph with ``sin``. A dict or list of functions (a
+  registry: ``ACTS[self.act](h)``) in the user's code is guarded by its contents (each entry's
+  identity) and each function's code is read; an installed package's registry (transformers'
+  loss functions) is left to it.
+* **tensors** read as globals or class attributes (``self.fc(x) * MASK``: export bakes them into
+  the graph as constants): their identity and ``_version`` (:class:`TensorRef`: an in-place change,
+  ``MASK.mul_(2)``, bumps the version), then their values where the tensor is small
+  (``MAX_TENSOR_VALUES``; a copy kept with the guard), so values changed back, or found again
+  after unpickling, reuse the graph. A larger one's graph is captured again in a new process.
+* **requires_grad**: where the code reads an attribute ``requires_grad`` (``2 if x.requires_grad
+  else 3``), every tensor input's ``requires_grad`` as captured (a graph for the other is captured
+  with the call's inputs as they are).
+
+The contents of a mutable global or class attribute the code reads (a dict, a list, a
+``SimpleNamespace`` or a plain object: ``CFG["act"]``, ``cfg.scale``) are guarded by value
+(:class:`Contents`: at most ``MAX_CONTENTS`` plain values, compared at each call, a few
+microseconds); one whose contents are not plain values is named in a warning at capture: a change
+to it after compiling is not seen.
+
+Not guarded (documented limits): mutable objects whose contents are not plain values (above),
+values reached through an attribute of another module
+(``helpers.SCALE``; a module global that is a module is not followed), functions called through
+such attributes or through objects other than the modules of the tree, the values in closure
+cells (the functions in them are read), ``globals()["NAME"]``, names the members' code
+writes itself (a call counter: ``global CALLS; CALLS += 1``; guarding it would capture again at
+every call), instance attributes (per-member constants cover those: Note [Per-member
+constants]), ``torch.backends.*`` flags (capture runs with cuDNN off, on purpose), and state read
+in torch's or wide_compiler's own code. ``torch.compiler.is_compiling()`` needs no guard: the
+user's code gets False at capture, as each member alone does (Note [What export does not
+capture] in fx/export_watch.py); ``torch.jit.is_scripting()`` and ``torch.jit.is_tracing()`` are False
+both in export and in a member's eager call.
+
+A :class:`Guards` pickles as plain data (a compile cache keeps it on disk): the live dicts and
+classes of the watched globals are found again by module name and class qualified name when it is
+loaded (``_owner_of``; one not found, such as a class defined inside a function, fails its guard, so
+the graph is captured again rather than run unchecked), and the device and flag readers by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import dis
+import enum
+import inspect
+import logging
+import sys
+import types
+from typing import Any
+
+import torch
+
+__all__ = ["FLAG_READERS", "Contents", "FunctionRef", "TensorRef", "globals_read", "same_value"]
+
+log = logging.getLogger(__name__)
+
+MAX_WATCHED = 128  # module globals and class attributes guarded per graph (Note [State a forward reads])
+MAX_CODES = 512  # code objects the scan for them reads per capture
+
+# Note [State a forward reads]: the global flags whose reads (from the user's code, during capture)
+# become guards; fx/export_watch.py's _Watch records the calls ``torch.<name>(*args)``
+FLAG_READERS: dict[str, Any] = {name: getattr(torch, name) for name in (
+    "are_deterministic_algorithms_enabled", "is_deterministic_algorithms_warn_only_enabled",
+    "get_deterministic_debug_mode", "is_autocast_enabled", "get_autocast_dtype", "is_autocast_cpu_enabled",
+    "get_autocast_cpu_dtype", "get_autocast_gpu_dtype", "is_autocast_cache_enabled", "get_default_dtype",
+    "get_float32_matmul_precision") if hasattr(torch, name)}
+# the grad-mode readers (Guards.grad_mode); a forward that holds one as a global reads the mode
+_GRAD_READERS = {"is_grad_enabled": torch.is_grad_enabled, "is_inference_mode_enabled": torch.is_inference_mode_enabled}
+# the arguments a reader imported by name is guarded with (its calls are not seen: every variant)
+_BOUND_ARGS = {"is_autocast_enabled": ((), ("cpu",), ("cuda",)), "get_autocast_dtype": (("cpu",), ("cuda",))}
+
+
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two plain values are the same for a program that reads them: the same type and
+    value (``2`` is not ``2.0``, ``-0.0`` is not ``0.0``, a NaN is a NaN).
+
+    >>> same_value(2, 2), same_value(2, 2.0), same_value(float("nan"), float("nan")), same_value((1, "a"), (1, "a"))
+    (True, False, True, True)
+    """
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, Contents):
+        return a.kind == b.kind and same_value(a.items, b.items)
+    if isinstance(a, (tuple, frozenset)):
+        if isinstance(a, frozenset):
+            return a == b
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if a is b:  # after the containers: torch.compile traces this check, and cannot trace `is` on tuples
+        return True
+    if isinstance(a, (float, complex)):
+        return repr(a) == repr(b)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 -- a value that cannot be compared is not the same
+        return False
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.memory_format,
+          torch.layout, enum.Enum)
+
+
+def _plain(v: Any, depth: int = 0) -> bool:
+    """A value a guard can keep and compare: immutable scalars, strings, dtypes, and tuples or
+    frozensets of them."""
+    if isinstance(v, _PLAIN):
+        return True
+    if type(v) in (tuple, frozenset) and depth < 2 and len(v) <= 16:
+        return all(_plain(x, depth + 1) for x in v)
+    return False
+
+
+MAX_CONTENTS = 64  # the values of a mutable global guarded by value (Note [State a forward reads])
+
+
+@dataclasses.dataclass(frozen=True)
+class Contents:
+    """The contents of a mutable global the members' code reads (Note [State a forward reads]):
+    ``kind`` (``dict``, ``list`` or ``object``: a namespace or plain object's attributes) and
+    its items, plain values or functions (as :class:`FunctionRef`: a registry); guarded by value."""
+
+    kind: str
+    items: tuple
+
+    def __repr__(self) -> str:
+        if self.kind == "list":
+            return repr(list(self.items))
+        shown = repr(dict(self.items))
+        return shown if self.kind == "dict" else f"an object with attributes {shown}"
+
+    @staticmethod
+    def of(v: Any) -> Contents | None:
+        """The contents of ``v``; None when it is not a dict, list, namespace or plain object of
+        at most ``MAX_CONTENTS`` plain values or functions."""
+        if type(v) is dict:
+            kind, items = "dict", tuple(v.items())
+        elif type(v) is list:
+            kind, items = "list", tuple(v)
+        elif _plain_instance(v):
+            kind, items = "object", tuple(vars(v).items())
+        else:
+            return None
+        if len(items) > MAX_CONTENTS:
+            return None
+        if kind == "list":
+            items = tuple(_plain_or_ref(x) for x in items)
+        else:
+            items = tuple((k, _plain_or_ref(x)) for k, x in items)
+        if not all(_plain(x) or isinstance(x, FunctionRef) for x in (items if kind == "list" else sum(items, ()))):
+            return None
+        return Contents(kind, items)
+
+
+def _values(c: Contents) -> list[Any]:
+    """The values of a :class:`Contents` (a dict's or an object's without their keys)."""
+    return list(c.items) if c.kind == "list" else [x for _, x in c.items]
+
+
+def _plain_or_ref(v: Any) -> Any:
+    """``v`` as a guard keeps it inside :class:`Contents`: a function as its :class:`FunctionRef`."""
+    return FunctionRef(v) if isinstance(v, _FUNCTIONS) else v
+
+
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType)
+
+
+class FunctionRef:
+    """A function the members' code reads as a global, a class attribute or an entry of a registry
+    (Note [State a forward reads]), guarded by identity: a global rebound to another function
+    (``act = torch.sin``) fails the guard. Pickles as its module, qualified name and, for a Python
+    function, a digest of its code; one loaded from a pickle matches the function of that name and
+    code (one with a closure or defaults, whose values the digest does not see, matches nothing: its
+    graph is captured again).
+
+    >>> FunctionRef(torch.sin) == FunctionRef(torch.sin), FunctionRef(torch.sin) == FunctionRef(torch.cos)
+    (True, False)
+    """
+
+    __slots__ = ("fn", "_key")
+
+    def __init__(self, fn: Any) -> None:
+        self.fn, self._key = fn, None
+
+    @property
+    def key(self) -> tuple:
+        """(module, qualified name, code digest), computed when first asked (a pickle, a message)."""
+        if self._key is None:
+            self._key = _function_key(self.fn)
+        return self._key
+
+    def __getstate__(self) -> tuple:
+        return self.key
+
+    def __setstate__(self, key: tuple) -> None:
+        self.fn, self._key = None, key
+
+    def matches(self, fn: Any) -> bool:
+        """Whether ``fn`` is this function (after unpickling: one of its name and code)."""
+        if self.fn is not None:
+            return fn is self.fn
+        return isinstance(fn, _FUNCTIONS) and self.key[-1] is not None and _function_key(fn) == self.key
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FunctionRef):
+            return NotImplemented
+        return other.matches(self.fn) if self.fn is not None else self.key[-1] is not None and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key[:2])  # equal refs have equal names
+
+    def __repr__(self) -> str:
+        return f"<function {self.key[0]}.{self.key[1]}>"
+
+
+def _function_key(fn: Any) -> tuple:
+    """(module, qualified name, digest of the code or None where the code does not say it all)."""
+    import hashlib
+    import marshal
+
+    code = getattr(fn, "__code__", None)
+    digest: str | None = type(fn).__name__
+    if code is not None:
+        defaults = (getattr(fn, "__defaults__", None) or (), tuple(sorted((getattr(fn, "__kwdefaults__", None) or {}).items())))
+        if getattr(fn, "__closure__", None) or not _plain(defaults):
+            digest = None  # values the digest would not see
+        else:
+            try:
+                digest = hashlib.sha256(marshal.dumps(code) + repr(defaults).encode()).hexdigest()[:16]
+            except ValueError:
+                digest = None
+    return (str(getattr(fn, "__module__", None)), str(getattr(fn, "__qualname__", getattr(fn, "__name__", "?"))), digest)
+
+
+MAX_TENSOR_VALUES = 4096  # a global tensor up to this size is kept by value too (found again after unpickling)
+
+
+class TensorRef:
+    """A tensor the members' code reads as a module global or class attribute (Note [State a forward
+    reads]): export bakes its values into the graph as a constant. Guarded by identity and version
+    (``Tensor._version`` counts its in-place changes: ``MASK.mul_(2)`` fails the guard); a copy
+    of a small one's values (at most ``MAX_TENSOR_VALUES``) lets a tensor of the same values match
+    (the values changed back, or found again after unpickling).
+
+    >>> t = torch.ones(3); ref = TensorRef(t)
+    >>> ref.matches(t), ref.matches(t.clone()), ref.matches(t.mul_(2))
+    (True, True, False)
+    """
+
+    __slots__ = ("tensor", "version", "values")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor, self.version = t, t._version
+        self.values = t.detach().clone() if t.numel() <= MAX_TENSOR_VALUES and t.layout is torch.strided else None
+
+    def __getstate__(self) -> tuple:
+        return (self.values,)
+
+    def __setstate__(self, state: tuple) -> None:
+        self.tensor, self.version, self.values = None, -1, state[0]
+
+    def matches(self, t: Any) -> bool:
+        """Whether ``t`` is this tensor unchanged, or a tensor of its dtype, shape, device and values."""
+        if not isinstance(t, torch.Tensor):
+            return False
+        if t is self.tensor and t._version == self.version:
+            return True
+        v = self.values
+        return (v is not None and t.dtype == v.dtype and t.shape == v.shape and t.device == v.device
+                and t.layout == v.layout and bool(torch.equal(t.detach(), v)))
+
+    def adopt(self, t: torch.Tensor) -> None:
+        """From now on the fast check (identity and version) is of ``t`` (which :meth:`matches`)."""
+        self.tensor, self.version = t, t._version
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TensorRef) and self.matches(other.tensor)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        t = self.tensor if self.tensor is not None else self.values
+        return "a tensor" if t is None else f"a tensor {t.dtype} {list(t.shape)}"
+
+
+def _kept(v: Any) -> Any:
+    """What a guard keeps of a value the members' code reads (Note [State a forward reads]): a plain
+    value itself, a function as a :class:`FunctionRef`, a tensor as a :class:`TensorRef`, a mutable
+    container's :class:`Contents`; None when it cannot be guarded."""
+    if _plain(v):
+        return v
+    if isinstance(v, _FUNCTIONS):
+        return FunctionRef(v)
+    if isinstance(v, torch.Tensor):
+        return TensorRef(v)
+    return Contents.of(v)
+
+
+def _plain_instance(v: Any) -> bool:
+    """A ``SimpleNamespace`` or an instance of a user's plain class (not a module, function, class,
+    nn.Module or tensor)."""
+    return isinstance(v, types.SimpleNamespace) or (
+        hasattr(v, "__dict__") and type(v).__module__ not in ("builtins", "torch") and not isinstance(
+            v, (types.ModuleType, type, types.FunctionType, types.MethodType, torch.nn.Module, torch.Tensor)))
+
+
+def _users_mutable(v: Any, filename: str) -> bool:
+    """A mutable object that code in ``filename`` reads, to be named in a warning when a guard
+    cannot read into it: the user's own code (not an installed package's: their registries and
+    loggers are theirs) reading a container or an instance of the user's own class."""
+    from .source import is_user_file
+
+    if "site-packages" in filename or "dist-packages" in filename:
+        return False
+    if isinstance(v, (dict, list, set, types.SimpleNamespace)):
+        return True
+    home = getattr(sys.modules.get(type(v).__module__), "__file__", None) or ""
+    return _plain_instance(v) and bool(home) and is_user_file(home, skip_stdlib=True) and "-packages" not in home
+
+
+_MUTATORS = frozenset({"append", "extend", "insert", "remove", "pop", "clear", "update", "setdefault", "popitem",
+                       "add", "discard", "sort", "reverse", "__setitem__", "__delitem__"})
+
+
+def _written_into(instructions: list[Any]) -> set[str]:
+    """The globals the code changes in place, on the line that loads them (``STATS["calls"] += 1``,
+    ``CACHE.append(x)``, ``cfg.seen = True``): state the forward keeps, as a name it assigns is
+    (guarding its contents would capture again at every call). A line that also writes into
+    another object counts too: that global's contents are then left unguarded."""
+    out: set[str] = set()
+    line: list[Any] = []
+    for ins in [*instructions, None]:
+        if ins is None or (ins.starts_line and line):
+            loaded = [i for i, x in enumerate(line) if x.opname == "LOAD_GLOBAL" and isinstance(x.argval, str)]
+            writes = any(x.opname in ("STORE_SUBSCR", "DELETE_SUBSCR", "STORE_ATTR") for x in line)
+            for i in loaded:
+                after = line[i + 1] if i + 1 < len(line) else None
+                mutator = after is not None and after.opname in ("LOAD_ATTR", "LOAD_METHOD") and after.argval in _MUTATORS
+                if writes or mutator:
+                    out.add(line[i].argval)
+            line = []
+        if ins is not None:
+            line.append(ins)
+    return out
+
+
+def _read(owner: Any, qualname: str, name: str, value: Any) -> Any:
+    """The watched entry's value now, as kept (:class:`Contents` for a mutable one)."""
+    now = getattr(owner, name) if qualname else owner[name]
+    return Contents.of(now) if isinstance(value, Contents) else now
+
+
+def _matches(now: Any, value: Any) -> bool:
+    """Whether ``now`` (as :func:`_read` gives it) is the watched ``value`` for the program."""
+    if isinstance(value, (FunctionRef, TensorRef)):
+        return value.matches(now)
+    return same_value(now, value)
+
+
+def _shown(now: Any) -> str:
+    """A value read now, for a message (a tensor by its kind, not its values)."""
+    if isinstance(now, torch.Tensor):
+        return f"a tensor {now.dtype} {list(now.shape)} (another one, or changed in place)"
+    return repr(FunctionRef(now)) if isinstance(now, _FUNCTIONS) else repr(now)
+
+
+def _owner_of(module: str, qualname: str) -> Any:
+    """The dict of module ``module`` (``qualname`` empty) or its class ``qualname``; None when
+    neither is found (the guard then fails: the graph is captured again)."""
+    mod = sys.modules.get(module)
+    if mod is None:
+        return None
+    if not qualname:
+        return vars(mod)
+    owner: Any = mod
+    for part in qualname.split("."):
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None
+    return owner
+
+
+def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]], list[Any], list[str]]:
+    """Note [State a forward reads]: the module globals and class attributes that the code of
+    ``model``'s module classes reads, with values a guard can keep: ``(entries, owners, readers)``,
+    ``entries`` as ``Guards.watched``, ``owners`` the live dicts and classes, ``readers`` the
+    FLAG_READERS names (and ``is_grad_enabled``, ``is_inference_mode_enabled``) the code holds as
+    globals (``from torch import get_default_dtype``), and ``"requires_grad"`` where the code reads
+    an attribute of that name (a branch on an input's ``requires_grad``).
+
+    Read statically (``dis``): the ``forward`` of every module in the tree and of each of its base
+    classes (``super().forward(x)``, ``Base.forward(self, x)``), the function a decorated forward
+    wraps (``__wrapped__``, and the user's functions in a wrapper's closure), the code objects nested
+    in it (comprehensions, inner functions), the methods and properties it names (``self.helper(x)``,
+    ``self.child.scale_it(h)``, ``super().helper(x)``: a name is looked up on the module's class
+    and on every module class of the tree, each of its base classes that defines it), the
+    functions the module holds, and the functions they load as globals or find in a registry (a
+    dict of functions), transitively (at most ``MAX_CODES`` code objects, ``MAX_WATCHED`` values).
+    A name loaded as an attribute (``self.SCALE``, ``mod.K`` in a helper handed the module) counts
+    as a class attribute of the module's class when the instance has no attribute of that name,
+    and of any other module class of the tree (the user's own) that defines it: over-guarding a
+    class attribute that never changes costs an ``is`` per call. A name the code writes
+    (``STORE_GLOBAL``, ``STORE_ATTR``) is left out: it is state the forward keeps, not a setting.
+
+    >>> EPS = 1e-3
+    >>> class Shifted(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return x + EPS
+    >>> [entry[2:] for entry in globals_read(Shifted())[0]]
+    [('EPS', 0.001)]
+    """
+    from .source import is_user_file
+
+    entries: dict[tuple[int, str], tuple[tuple[str, str, str, Any], Any]] = {}
+    unguarded: dict[tuple[int, str], str] = {}  # mutable values whose contents cannot be guarded
+    mutated: set[str] = set()  # globals the code changes in place: their contents are state, not settings
+    readers: list[str] = []
+    stored: set[str] = set()
+    reads_grad = False  # the code reads an attribute ``requires_grad`` (of an input, say)
+    reader_names = {id(fn): name for name, fn in (*FLAG_READERS.items(), *_GRAD_READERS.items())}
+    work: list[tuple[Any, Any]] = []  # (function, the module whose class holds it, or None)
+
+    def user_fn(fn: Any) -> bool:
+        return isinstance(fn, types.FunctionType) and is_user_file(fn.__code__.co_filename)
+
+    def cells(fn: Any) -> list[Any]:
+        out = []
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                out.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+        return out
+
+    def follow(v: Any, m: Any) -> None:
+        fn = v.fget if isinstance(v, property) else getattr(v, "__func__", v)
+        for _ in range(8):  # a decorated function: the wrapper, then each function it wraps
+            if user_fn(fn):
+                work.append((fn, m))
+            elif isinstance(fn, types.FunctionType):  # a library's wrapper (torch.no_grad()): the user's in it
+                work.extend((c, m) for c in cells(fn) if user_fn(c))
+            fn = vars(fn).get("__wrapped__") if hasattr(fn, "__dict__") else None
+            if fn is None:
+                break
+
+    user_classes: dict[type, bool] = {}
+
+    def user_class(klass: type) -> bool:
+        if klass not in user_classes:
+            home = getattr(sys.modules.get(klass.__module__), "__file__", None)
+            user_classes[klass] = (is_user_file(home, skip_stdlib=True) and "-packages" not in home) if home else \
+                not klass.__module__.startswith(("torch", "wide_compiler", "builtins"))
+        return user_classes[klass]
+
+    classes: dict[type, Any] = {}  # one instance of each module class in the tree
+    for m in model.modules():
+        classes.setdefault(type(m), m)
+        for v in vars(m).values():  # functions held by the instance (self.act = fn)
+            if isinstance(v, types.FunctionType):
+                follow(v, None)
+        for klass in type(m).__mro__:  # its forward and its base classes' (super().forward(x))
+            if "forward" in vars(klass):
+                follow(vars(klass)["forward"], m)
+    work.reverse()  # the outermost module's forward first
+
+    def attribute(cls: type, name: str, v: Any, code: types.CodeType, m: Any) -> None:
+        """A class attribute ``v`` of ``cls`` the code reads: guarded, named as unguarded, or followed."""
+        if isinstance(v, (types.FunctionType, staticmethod, classmethod, property)):
+            follow(v, m)  # a method or property that the code calls
+            return
+        kept = _kept(v)
+        if kept is not None:
+            entries.setdefault((id(cls), name), ((cls.__module__, cls.__qualname__, name, kept), cls))
+            for x in _values(kept) if isinstance(kept, Contents) else ():  # a registry of functions: their code
+                if isinstance(x, FunctionRef):
+                    follow(x.fn, None)
+        elif _users_mutable(v, code.co_filename):
+            unguarded.setdefault((id(cls), name), f"{cls.__qualname__}.{name}")
+
+    def on_classes(name: str, code: types.CodeType) -> None:
+        """``name`` read as an attribute: on every module class of the tree (the user's) defining it."""
+        for cls, rep in classes.items():
+            definers = [k for k in cls.__mro__ if name in vars(k)]
+            if not definers or not user_class(definers[0]):
+                continue
+            attribute(cls, name, vars(definers[0])[name], code, rep)
+            for k in definers[1:]:  # super().name: a base class's method
+                v = vars(k)[name]
+                if user_class(k) and isinstance(v, (types.FunctionType, staticmethod, classmethod, property)):
+                    follow(v, rep)
+
+    seen: set[tuple[Any, Any]] = set()  # (code, the module's class): instances of a class read the same names
+    done: set[tuple[Any, type]] = set()  # (function, reading class) read already
+    names_seen: set[str] = set()  # attribute names looked up on every module class already
+    codes = 0
+    while work:
+        fn, m = work.pop()
+        if (fn, type(m)) in done:
+            continue
+        done.add((fn, type(m)))
+        stack = [fn.__code__]
+        work.extend((c, m) for c in cells(fn) if user_fn(c))  # a decorator's wrapper: the function it calls
+        while stack:
+            code = stack.pop()
+            if (code, type(m)) in seen:
+                continue
+            seen.add((code, type(m)))
+            codes += 1
+            if codes > MAX_CODES:
+                log.debug("wide_compiler: more than %d code objects in the members' classes: the globals the "
+                          "rest read are not guarded", MAX_CODES)
+                work.clear()
+                break
+            stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+            g = fn.__globals__
+            instructions = list(dis.get_instructions(code))
+            mutated.update(_written_into(instructions))
+            for ins in instructions:
+                name = ins.argval
+                if not isinstance(name, str):
+                    continue
+                if ins.opname in ("STORE_GLOBAL", "STORE_ATTR", "DELETE_GLOBAL", "DELETE_ATTR"):
+                    stored.add(name)
+                elif ins.opname == "LOAD_GLOBAL" and name in g:
+                    v = g[name]
+                    if id(v) in reader_names:
+                        if reader_names[id(v)] not in readers:
+                            readers.append(reader_names[id(v)])
+                        continue
+                    kept = _kept(v)
+                    if isinstance(kept, Contents) and "-packages" in code.co_filename and any(
+                            isinstance(x, FunctionRef) for x in _values(kept)):
+                        kept = None  # an installed package's registry of functions (its loss functions): its own
+                    if kept is not None:
+                        entries.setdefault((id(g), name), ((str(g.get("__name__")), "", name, kept), g))
+                        if isinstance(kept, FunctionRef):  # a global function: its identity and its code
+                            follow(v, None)
+                        elif isinstance(kept, Contents):  # a registry of functions: their code
+                            for x in _values(kept):
+                                if isinstance(x, FunctionRef):
+                                    follow(x.fn, None)
+                    elif _users_mutable(v, code.co_filename):
+                        unguarded.setdefault((id(g), name), f"{g.get('__name__')}.{name}")
+                elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                    reads_grad = reads_grad or name == "requires_grad"
+                    if m is not None and name not in m.__dict__ and name not in m._parameters \
+                            and name not in m._buffers and name not in m._modules:
+                        try:
+                            attribute(type(m), name, inspect.getattr_static(type(m), name), code, m)
+                        except AttributeError:
+                            pass
+                        for k in type(m).__mro__[1:]:  # super().name: a base class's method
+                            v = vars(k).get(name)
+                            if isinstance(v, (types.FunctionType, staticmethod, classmethod, property)):
+                                follow(v, m)
+                    if name not in names_seen:
+                        names_seen.add(name)
+                        on_classes(name, code)
+    # a name the code itself writes (``global CALLS; CALLS += 1``, ``type(self).seen = True``) is state
+    # the forward keeps, not a setting: guarding it would capture again at every call
+    found = [(e, o) for (_, name), (e, o) in entries.items()
+             if name not in stored and not (isinstance(e[3], Contents) and name in mutated)]
+    missed = [where for (_, name), where in unguarded.items() if name not in stored and name not in mutated]
+    if missed:
+        log.warning("wide_compiler: the members' code reads %s, mutable and holding more than %d values or values "
+                    "that are not plain (numbers, strings, tuples of them, functions): a change to %s after "
+                    "compiling is not seen by the compiled graphs (Note [State a forward reads]); compile again "
+                    "after changing it", ", ".join(missed), MAX_CONTENTS, "it" if len(missed) == 1 else "them")
+    if len(found) > MAX_WATCHED:
+        log.warning("wide_compiler: the members' code reads %d module globals and class attributes; the first %d "
+                    "are guarded (Note [State a forward reads])", len(found), MAX_WATCHED)
+        found = found[:MAX_WATCHED]
+    if reads_grad:
+        readers.append("requires_grad")
+    return [e for e, _ in found], [o for _, o in found], readers
+
+
