@@ -326,8 +326,8 @@ def conjoin_guards(guards: Any, probes: list[tuple[str, Any]]) -> Any:
     :attr:`ConstantPlan.probe_guards`), as one :class:`~wide_compiler.fx.guards.Guards` that holds
     only where each of them does: member 0's guards, then each probe's guard member 0's lack (its
     shape guards and ranges, the dims it fixed), shown with its label; the state any of them read
-    (flags, layout, device, grad mode, watched globals). The inputs (names, dtypes, ranks) are
-    the same sample's for all. ``guards`` itself when no probe adds anything.
+    (flags, layout, device, grad mode, inputs' requires_grad, watched globals). The inputs (names,
+    dtypes, ranks) are the same sample's for all. ``guards`` itself when no probe adds anything.
 
     >>> from wide_compiler.fx.guards import Guards
     >>> def over_x(code, shown):  # one float input x, rank 2, no dim fixed
@@ -347,6 +347,8 @@ def conjoin_guards(guards: Any, probes: list[tuple[str, Any]]) -> Any:
     watched = {(m, q, name): (entry, owner) for entry, owner, (m, q, name, _) in
                zip(guards.watched, guards._owners or (None,) * len(guards.watched), guards.watched)}
     layout, device, grad_mode = guards.layout, guards.device, guards.grad_mode
+    grads = getattr(guards, "grads", ())  # per input requires_grad, where the code reads it
+    added = False  # (values are not compared: a watched value may be a tensor's reference)
     for label, g in probes:
         extra = []
         for k, (mine, theirs) in enumerate(zip(guards.fixed, g.fixed)):
@@ -360,19 +362,26 @@ def conjoin_guards(guards: Any, probes: list[tuple[str, Any]]) -> Any:
                 seen.add(c)
                 code.append(c)
                 shown.append(f"{s} ({label})")
+                added = True
         for key, value in g.flags:
+            added |= key not in flags
             flags.setdefault(key, value)
         for entry, owner in zip(g.watched, g._owners or (None,) * len(g.watched)):
+            added |= entry[:3] not in watched
             watched.setdefault(entry[:3], (entry, owner))
+        added |= (not layout and bool(g.layout)) or (device is None and g.device is not None) or (
+            grad_mode is None and g.grad_mode is not None) or (not grads and bool(getattr(g, "grads", ())))
+        grads = grads or getattr(g, "grads", ())
         layout = layout or g.layout
         device = device if device is not None else g.device
         grad_mode = grad_mode if grad_mode is not None else g.grad_mode
-    merged = dict(code=tuple(code), shown=tuple(shown), flags=tuple(flags.items()), layout=layout, device=device,
-                  grad_mode=grad_mode, watched=tuple(e for e, _ in watched.values()))
-    if all(getattr(guards, k) == v for k, v in merged.items()):
+    if not added:
         return guards
-    return dataclasses.replace(guards, **merged, _owners=tuple(o for _, o in watched.values()),
-                               _fn=None, _each=None, _ns=None)
+    return dataclasses.replace(guards, code=tuple(code), shown=tuple(shown), flags=tuple(flags.items()),
+                               layout=layout, device=device, grad_mode=grad_mode,
+                               **({"grads": grads} if hasattr(guards, "grads") else {}),
+                               watched=tuple(e for e, _ in watched.values()),
+                               _owners=tuple(o for _, o in watched.values()), _fn=None, _each=None, _ns=None)
 
 
 def _attribute(model: nn.Module, path: str) -> Any:
