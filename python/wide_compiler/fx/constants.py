@@ -347,7 +347,7 @@ def conjoin_guards(guards: Any, probes: list[tuple[str, Any]]) -> Any:
     watched = {(m, q, name): (entry, owner) for entry, owner, (m, q, name, _) in
                zip(guards.watched, guards._owners or (None,) * len(guards.watched), guards.watched)}
     layout, device, grad_mode = guards.layout, guards.device, guards.grad_mode
-    grads = getattr(guards, "grads", ())  # per input requires_grad, where the code reads it
+    grads = guards.grads  # per input requires_grad, where the code reads it
     added = False  # (values are not compared: a watched value may be a tensor's reference)
     for label, g in probes:
         extra = []
@@ -370,16 +370,15 @@ def conjoin_guards(guards: Any, probes: list[tuple[str, Any]]) -> Any:
             added |= entry[:3] not in watched
             watched.setdefault(entry[:3], (entry, owner))
         added |= (not layout and bool(g.layout)) or (device is None and g.device is not None) or (
-            grad_mode is None and g.grad_mode is not None) or (not grads and bool(getattr(g, "grads", ())))
-        grads = grads or getattr(g, "grads", ())
+            grad_mode is None and g.grad_mode is not None) or (not grads and bool(g.grads))
+        grads = grads or g.grads
         layout = layout or g.layout
         device = device if device is not None else g.device
         grad_mode = grad_mode if grad_mode is not None else g.grad_mode
     if not added:
         return guards
     return dataclasses.replace(guards, code=tuple(code), shown=tuple(shown), flags=tuple(flags.items()),
-                               layout=layout, device=device, grad_mode=grad_mode,
-                               **({"grads": grads} if hasattr(guards, "grads") else {}),
+                               layout=layout, device=device, grad_mode=grad_mode, grads=grads,
                                watched=tuple(e for e, _ in watched.values()),
                                _owners=tuple(o for _, o in watched.values()), _fn=None, _each=None, _ns=None)
 
