@@ -12,7 +12,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .fx.guards import MAX_GRAPHS
+from .fx.guards import MAX_GRAPHS, same_input
 from .fx.padding import PaddedMember
 from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, recapture, recapture_cached, run_pipeline
 from .fx.widen import WideGraph
@@ -248,11 +248,18 @@ class CallGraphsMixin:
 
     def _check_input(self, x: Any, inp, ranges: dict | None = None) -> None:
         if not isinstance(x, torch.Tensor):
-            if x != inp.sample_value:
+            if not same_input(x, inp.sample_value):  # by type and value: 1 is not 1.0, -0.0 not 0.0
+                was = inp.sample_value
+                other = ""
+                if type(x) is not type(was):
+                    other = f" (another type: {type(x).__name__}, compiled {type(was).__name__})"
+                elif isinstance(x, float) and x == was:
+                    other = " (another sign)"
                 raise ValueError(
                     f"wide_compiler: input '{inp.name}' is {x!r}, but the wide model was "
-                    f"compiled with {inp.sample_value!r}: non-tensor inputs are baked into "
-                    "the graph at compile time; compile again for another value")
+                    f"compiled with {was!r}{other}: non-tensor inputs are baked into the graph at "
+                    "compile time, and a forward may read their type and sign (isinstance, "
+                    "math.copysign); compile again for another value")
             return
         member = inp.member_shape
         if member is None:

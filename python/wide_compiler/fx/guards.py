@@ -59,7 +59,7 @@ from .state_reads import (FLAG_READERS, Contents, FunctionRef, TensorRef, _BOUND
                           globals_read, same_value)
 
 __all__ = ["FLAG_READERS", "MAX_GRAPHS", "Guards", "finite_bound", "globals_read", "guards_of", "layout_of",
-           "member_layout", "same_value"]
+           "member_layout", "same_input", "same_value"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,28 @@ def member_layout(x: torch.Tensor) -> tuple:
 
 def _hint(v: Any) -> int:
     return int(v.node.hint) if isinstance(v, torch.SymInt) else int(v)
+
+
+def same_input(x: Any, value: Any) -> bool:
+    """Whether a non-tensor input ``x`` is the value ``value`` it was captured with: the same
+    type and value, as :func:`same_value` says (``1`` is not ``1.0`` nor ``True``, ``-0.0`` is not
+    ``0.0``, a NaN is a NaN), with ``type``, ``==`` and ``math.copysign`` only for the scalars, as
+    torch.compile traces them (it cannot trace ``repr`` of a float it keeps symbolic).
+
+    >>> same_input(2.0, 2.0), same_input(2, 2.0), same_input(True, 1), same_input(-0.0, 0.0)
+    (True, False, False, False)
+    >>> same_input(float("nan"), float("nan")), same_input(None, None), same_input((1, 2.0), (1, 2.0))
+    (True, True, True)
+    """
+    if type(x) is not type(value):
+        return False
+    if type(value) is float:
+        if value != value:
+            return x != x
+        return x == value and (value != 0.0 or math.copysign(1.0, x) == math.copysign(1.0, value))
+    if value is None or type(value) in (bool, int, str):
+        return x == value
+    return same_value(x, value)
 
 
 @dataclasses.dataclass
@@ -152,7 +174,7 @@ class Guards:
         head = []
         for k, (dtype, fixed) in enumerate(zip(self.dtypes, self.fixed)):
             if dtype is None:
-                head.append(f"f[{k}] == _v{k}")
+                head.append(f"_same_in(f[{k}], _v{k})")
                 continue
             rank, sizes = fixed
             dt = "pdt" if k < len(self.follows) and self.follows[k] else f"_dt{k}"
@@ -165,7 +187,7 @@ class Guards:
                 head.append(f"member_layout(_X{k}) == _lay{k}")
             if k < len(self.grads):
                 head.append(f"_X{k}.requires_grad is {self.grads[k]}")
-        namespace = {**SYMPY_INTERP, "math": math, "member_layout": member_layout,
+        namespace = {**SYMPY_INTERP, "math": math, "member_layout": member_layout, "_same_in": same_input,
                      **{f"_dt{k}": d for k, d in enumerate(self.dtypes)},
                      **{f"_v{k}": v for k, v in enumerate(self.fixed) if self.dtypes[k] is None},
                      **{f"_dev{k}": torch.device(d) for k, d in enumerate(self.devices) if d},

@@ -1,0 +1,77 @@
+"""Calls a wide model must not run silently wrong, found by an independent probe (issue 44,
+probe 4: F3, F4, F1). A non-tensor input is compared by type and value (F3); a custom
+torch.autograd.Function is refused in a training graph, whose backward is the Function's own
+(F4); a call that needs a new capture under torch.compile gets a clear wide_compiler error (F1).
+Each member is compared with itself run alone, in float64.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import wide_compiler as wc
+from torch import nn
+
+FAST = wc.WideConfig.fast()
+DT = torch.float64
+
+
+# ---------------------------------------------------------------- F3: non-tensor inputs by type and value
+class Typed(nn.Module):
+    """A forward whose program depends on the type and sign of a Python scalar input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+
+    def forward(self, x, scale=1.0):
+        h = self.l(x)
+        if isinstance(scale, (list, tuple, dict)):
+            vals = list(scale.values()) if isinstance(scale, dict) else list(scale)
+            return h + sum(100.0 if isinstance(v, int) else v for v in vals)
+        if isinstance(scale, bool):
+            return h - 100
+        if isinstance(scale, int):
+            return h + 10 * scale
+        if math.isnan(scale):
+            return h * 3
+        return h * scale + math.copysign(1.0, scale)
+
+
+def _typed_wide(sample):
+    torch.manual_seed(0)
+    models = [Typed().to(DT) for _ in range(2)]
+    wide = wc.compile([copy.deepcopy(m) for m in models], torch.randn(2, 3, dtype=DT), config=FAST,
+                      sample_kwargs={"scale": sample})
+    return models, wide
+
+
+@pytest.mark.parametrize("compiled, called", [
+    (1.0, True), (1.0, 1), (2, 2.0), (True, 1), (0.0, -0.0), (0.0, False), (0.0, 0),
+    ([1.0, 2.0], [1, 2.0]), ((1.0,), (True,)), ({"a": 2}, {"a": 2.0}),
+], ids=repr)
+def test_a_non_tensor_input_equal_under_eq_but_of_another_type_or_sign_is_refused(compiled, called):
+    """Was: ``==`` let True/1 through for 1.0, 2.0 for 2, -0.0 for 0.0 (also inside lists, tuples
+    and dicts): the graph of the compiled value ran, off by 2 to 110."""
+    models, wide = _typed_wide(compiled)
+    x = torch.randn(2, 4, 3, dtype=DT)
+    with torch.no_grad():
+        out = wide(x, scale=compiled)  # the compiled value runs, exactly
+        for i, m in enumerate(models):
+            torch.testing.assert_close(out[i], m(x[i], scale=compiled), rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match=r"input 'scale.*compiled with .*another (type|sign)"):
+            wide(x, scale=called)
+
+
+def test_a_nan_input_compiled_matches_a_nan_call():
+    """A NaN is the same value as a NaN (it was refused: ``nan != nan``); 1.0 is not."""
+    models, wide = _typed_wide(float("nan"))
+    x = torch.randn(2, 4, 3, dtype=DT)
+    with torch.no_grad():
+        out = wide(x, scale=float("nan"))
+        for i, m in enumerate(models):
+            torch.testing.assert_close(out[i], m(x[i], scale=float("nan")), rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match="input 'scale'"):
+            wide(x, scale=1.0)
