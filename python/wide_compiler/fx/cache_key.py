@@ -64,6 +64,8 @@ from torch.utils._pytree import tree_flatten
 
 from .._version import __version__
 from ..measure import hardware
+from .code_digest import Digest as _Digest
+from .code_digest import code_text as _code_text
 
 __all__ = ["FORMAT", "key_of", "key_parts"]
 
@@ -73,20 +75,6 @@ FORMAT = 1  # raised when what an entry holds changes: older entries are then fo
 # WideConfig fields that do not change the compiled program
 _CONFIG_IGNORED = frozenset({"cache", "cache_dir", "compile_cache", "validate", "rtol", "atol"})
 _DEPTH = 3  # how deep the code digest follows functions and classes a forward reads
-
-
-class _Digest:
-    """The SHA-256 of a sequence of tokens (their reprs), with a memo against cycles."""
-
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-        self.seen: dict[int, int] = {}
-
-    def add(self, *tokens: Any) -> None:
-        self.parts.extend(map(repr, tokens))
-
-    def hexdigest(self) -> str:
-        return hashlib.sha256("\x1f".join(self.parts).encode()).hexdigest()
 
 
 def _torch_owned(obj: Any) -> bool:
@@ -111,31 +99,6 @@ def _lives_in(obj: Any, module: str) -> bool:
             return False
         target = getattr(target, part, None)
     return target is obj
-
-
-@functools.lru_cache(maxsize=8192)
-def _code_text(code: types.CodeType) -> str:
-    """The digest of a code object and the code objects nested in it (its bytecode, constants,
-    names), and the globals they read."""
-    d = _Digest()
-    d.add("code", code.co_name, code.co_code, code.co_names, code.co_argcount, code.co_kwonlyargcount,
-          code.co_flags)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            d.add(_code_text(c))
-        else:
-            d.add(type(c).__name__, _constant(c))
-    return d.hexdigest()
-
-
-def _constant(c: Any) -> Any:
-    """A code constant as a token that is the same in every process: a frozenset (``x in {"a",
-    "b"}``) repr's in the order of its strings' hashes, which differ by process (PYTHONHASHSEED)."""
-    if isinstance(c, frozenset):
-        return ("frozenset", sorted(repr(_constant(x)) for x in c))
-    if isinstance(c, tuple):
-        return tuple(_constant(x) for x in c)
-    return c
 
 
 def _nested_globals(code: types.CodeType) -> list[tuple[str, str | None]]:

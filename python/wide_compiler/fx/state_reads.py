@@ -89,6 +89,7 @@ from __future__ import annotations
 import dataclasses
 import dis
 import enum
+import hashlib
 import inspect
 import logging
 import sys
@@ -262,8 +263,7 @@ class FunctionRef:
 
 def _function_key(fn: Any) -> tuple:
     """(module, qualified name, digest of the code or None where the code does not say it all)."""
-    import hashlib
-    import marshal
+    from .code_digest import code_text
 
     code = getattr(fn, "__code__", None)
     digest: str | None = type(fn).__name__
@@ -272,10 +272,7 @@ def _function_key(fn: Any) -> tuple:
         if getattr(fn, "__closure__", None) or not _plain(defaults):
             digest = None  # values the digest would not see
         else:
-            try:
-                digest = hashlib.sha256(marshal.dumps(code) + repr(defaults).encode()).hexdigest()[:16]
-            except ValueError:
-                digest = None
+            digest = hashlib.sha256((code_text(code) + repr(defaults)).encode()).hexdigest()[:16]
     return (str(getattr(fn, "__module__", None)), str(getattr(fn, "__qualname__", getattr(fn, "__name__", "?"))), digest)
 
 
