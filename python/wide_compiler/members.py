@@ -4,7 +4,7 @@ onto another (population-based training)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +47,9 @@ class MemberOpsMixin:
     @torch.no_grad()
     def write_back(self, models: Sequence[nn.Module]) -> None:
         """Copy every member's weights and buffers into ``models[i]`` IN PLACE (the original
-        modules keep their identity, so optimizers and references to them stay valid).
+        modules keep their identity, so optimizers and references to them stay valid), and its
+        per-member constants (Note [Per-member constants] in fx/constants.py: a swept dropout
+        ``p`` or ``self.s``, as ``member(i)`` has them, after ``copy_member_weights`` too).
         Everything is checked before anything is written.
 
         Example:
@@ -61,6 +63,11 @@ class MemberOpsMixin:
             >>> models[0].weight is w0 and torch.equal(models[0].weight, wide.weight[0])
             True
         """
+        self._write_back_checked(models)()
+
+    def _write_back_checked(self, models: Sequence[nn.Module]) -> Callable[[], None]:
+        """:meth:`write_back` checked: raises (nothing written) unless every module can take its
+        member, else returns the write (the router checks every group before writing any)."""
         models = list(models)
         if len(models) != self.n:
             raise ValueError(f"wide_compiler.write_back: expected {self.n} modules (one per member), "
@@ -79,11 +86,20 @@ class MemberOpsMixin:
                         raise ValueError(f"wide_compiler.write_back: member {i} {kind} {name!r} has "
                                          f"shape {None if t is None else list(t.shape)}; expected "
                                          f"{list(src.shape[1:])}")
-        for i, m in enumerate(models):
-            for name in params:
-                m.get_parameter(name).copy_(self._stacked(name)[i])
-            for name in buffers:
-                m.get_buffer(name).copy_(self._stacked(name)[i])
+        constants = self._constants_to_write(models, "wide_compiler.write_back")  # type: ignore[attr-defined]
+
+        @torch.no_grad()
+        def write() -> None:
+            for i, m in enumerate(models):
+                for name in params:
+                    m.get_parameter(name).copy_(self._stacked(name)[i])
+                for name in buffers:
+                    m.get_buffer(name).copy_(self._stacked(name)[i])
+                for path, value in constants[i].items():
+                    mod_path, _, key = path.rpartition(".")
+                    setattr(m.get_submodule(mod_path) if mod_path else m, key, value)
+
+        return write
 
     def member_state_dict(self, i: int) -> dict[str, torch.Tensor]:
         """Member ``i``'s ``state_dict()``: the keys and shapes of the original module's, with

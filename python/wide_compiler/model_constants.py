@@ -10,11 +10,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fx.constants import constant_key
+from .fx.constants import constant_key, member_value
 from .fx.state import get_tensor as _get_tensor
 from .fx.widen import WideGraph
 
 __all__ = ["MemberConstantsMixin"]
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 class MemberConstantsMixin:
@@ -46,13 +50,40 @@ class MemberConstantsMixin:
 
     def _set_member_constants(self, m: nn.Module, i: int) -> nn.Module:
         """Member ``i``'s own per-member constants on ``m`` (a copy of the template): the original
-        Python value while the buffer still holds it, else the buffer's value as a float."""
-        for path, values in (self.__dict__.get("_constants") or {}).items():
-            value = float(_get_tensor(self, f"_per_member.{path}")[i])
-            original = values[i]
+        Python value while the buffer still holds it (the same value and sign: a ``-0.0`` buffer
+        is not an original ``0.0``), else the buffer's value as a float."""
+        for path in self.__dict__.get("_constants") or {}:
             mod_path, _, key = path.rpartition(".")
-            setattr(m.get_submodule(mod_path) if mod_path else m, key, original if float(original) == value else value)
+            setattr(m.get_submodule(mod_path) if mod_path else m, key, member_value(self, path, i))
         return m
+
+    def _constants_to_write(self, models: list[nn.Module], where: str) -> list[dict[str, Any]]:
+        """``write_back``'s per-member constants (Note [Per-member constants] in fx/constants.py):
+        for each ``models[i]``, ``{attribute path: member i's value}``, checked first (every path
+        an attribute holding a Python number on that module: the member's own kind of attribute);
+        raises ``ValueError`` naming the member, the attribute and what it holds, before anything
+        is written. Empty dicts when the members share every constant."""
+        paths = list(self.__dict__.get("_constants") or {})
+        out = []
+        for i, m in enumerate(models):
+            values = {}
+            for path in paths:
+                mod_path, _, key = path.rpartition(".")
+                try:
+                    owner = m.get_submodule(mod_path) if mod_path else m
+                except AttributeError:
+                    owner = None
+                held = owner.__dict__.get(key) if owner is not None else None
+                if not _is_number(held):
+                    what = ("no such submodule" if owner is None else "no such attribute" if key not in
+                            owner.__dict__ else f"a {type(held).__name__}")
+                    raise ValueError(
+                        f"{where}: member {i} ({type(m).__name__}) has no number attribute {path!r} ({what}) to "
+                        f"take the member's per-member constant {member_value(self, path, i)!r}; nothing was "
+                        "written")
+                values[path] = member_value(self, path, i)
+            out.append(values)
+        return out
 
     # Note [Per-member constants at the call]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -9,7 +9,7 @@ import copy
 import math
 import re
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -310,7 +310,13 @@ class PaddedWideModel(WideModel):
     @torch.no_grad()
     def write_back(self, models: Sequence[nn.Module]) -> None:
         """Copy every member's weights and buffers, at its own sizes, into ``models[i]`` IN
-        PLACE (the modules keep their identity); everything is checked before anything is written."""
+        PLACE (the modules keep their identity); everything is checked before anything is written.
+        (Padded members share every Python constant: members whose constants differ are refused
+        at compile, so there is none to write.)"""
+        self._write_back_checked(models)()
+
+    def _write_back_checked(self, models: Sequence[nn.Module]) -> Callable[[], None]:
+        """:meth:`write_back` checked (nothing written), the write returned (WideModel's)."""
         models = list(models)
         if len(models) != self.n:
             raise ValueError(f"wide_compiler.write_back: expected {self.n} modules (one per member), got {len(models)}")
@@ -321,10 +327,19 @@ class PaddedWideModel(WideModel):
                 if k not in own or own[k].shape != v.shape:
                     raise ValueError(f"wide_compiler.write_back: member {i} ({type(m).__name__}) has no {k!r} of "
                                      f"shape {list(v.shape)} (its own size)")
-        for m, sd in zip(models, states):
-            own = m.state_dict(keep_vars=True)
-            for k, v in sd.items():
-                own[k].copy_(v)
+        constants = self._constants_to_write(models, "wide_compiler.write_back")
+
+        @torch.no_grad()
+        def write() -> None:
+            for m, sd, values in zip(models, states, constants):
+                own = m.state_dict(keep_vars=True)
+                for k, v in sd.items():
+                    own[k].copy_(v)
+                for path, value in values.items():
+                    mod_path, _, key = path.rpartition(".")
+                    setattr(m.get_submodule(mod_path) if mod_path else m, key, value)
+
+        return write
 
     def member(self, i: int) -> nn.Module:
         """Member ``i`` as an ordinary module of its own class and sizes (a copy)."""

@@ -96,7 +96,7 @@ from .member_checks import _MODULE_INTERNALS, _describe, with_constants
 from .source import source_line
 
 __all__ = ["MAX_TENSOR_ELEMENTS", "ConstantPlan", "check_member_constants", "conjoin_guards", "constant_key",
-           "copy_member_constants", "member_constants", "plan_constants", "set_member_constants"]
+           "copy_member_constants", "member_constants", "member_value", "plan_constants", "set_member_constants"]
 
 log = logging.getLogger(__name__)
 
@@ -545,9 +545,10 @@ def _per_member_buffers(root: nn.Module) -> dict[str, torch.Tensor]:
     return {name: b for name, b in root.named_buffers() if name.startswith(BUFFER_ROOT + ".")}
 
 
-def _value(root: nn.Module, path: str, i: int) -> Any:
-    """Member ``i``'s value of the per-member constant ``path``: the original Python value while
-    the buffer still holds it, else the buffer's value as a float."""
+def member_value(root: nn.Module, path: str, i: int) -> Any:
+    """Member ``i``'s value of the per-member constant ``path`` of ``root`` (a
+    :class:`~wide_compiler.WideModel`): the original Python value while the buffer still holds it
+    (the same type's value and sign, :func:`constant_key`), else the buffer's value as a float."""
     from .state import get_tensor
 
     value = float(get_tensor(root, buffer_name(path))[i])
@@ -561,7 +562,7 @@ def member_constants(root: nn.Module, i: int) -> dict[str, Any]:
     :class:`~wide_compiler.WideModel`, ``i`` a member index of it."""
     out = _numbers(root._template)
     for path in root.__dict__.get("_constants") or {}:
-        out[path] = _value(root, path, i)
+        out[path] = member_value(root, path, i)
     return out
 
 
@@ -580,7 +581,7 @@ def check_member_constants(root: nn.Module, saved: Mapping[int, Mapping[str, Any
     consts = root.__dict__.get("_constants") or {}
     paths = list(consts)
     shared = {p: v for p, v in _numbers(root._template).items() if p not in consts}
-    current = [tuple(_value(root, p, j) for p in paths) for j in range(root.n)]
+    current = [tuple(member_value(root, p, j) for p in paths) for j in range(root.n)]
     owners: dict[tuple, int] = {}
     for j, cfg in enumerate(current):
         owners.setdefault(tuple(constant_key(float(v)) for v in cfg), j)
@@ -638,4 +639,4 @@ def copy_member_constants(root: nn.Module, src: int, dst: int) -> None:
     per-member constants and derived arguments (``copy_member_weights``)."""
     consts = root.__dict__.get("_constants") or {}
     if consts and src != dst:
-        set_member_constants(root, {dst: (src, {p: _value(root, p, src) for p in consts})})
+        set_member_constants(root, {dst: (src, {p: member_value(root, p, src) for p in consts})})

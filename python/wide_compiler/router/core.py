@@ -268,9 +268,13 @@ class WideRouter(nn.Module):
     @torch.no_grad()
     def write_back(self) -> None:
         """Copy every group's wide parameters and buffers into its original tower modules, in
-        place (they keep their identity). Ungrouped towers are live submodules already."""
-        for key, names in self._members.items():
-            self.groups[key].write_back([self._originals[n] for n in names])
+        place (they keep their identity), with each tower's per-member constants (a swept float
+        attribute, as ``unfuse()`` has them). Ungrouped towers are live submodules already. Every
+        group is checked before any tower is written."""
+        writes = [self.groups[key]._write_back_checked([self._originals[n] for n in names])
+                  for key, names in self._members.items()]
+        for write in writes:
+            write()
 
     def unfuse(self) -> dict[str, nn.Module]:
         """``{name: fresh module}`` for every tower, with the current (trained) weights and

@@ -1,0 +1,183 @@
+"""Per-member constants after the members' constants are edited (copy_member_weights, a state dict
+load, an in-place edit of a ``_per_member`` buffer) and compared (signed zeros, ints and floats,
+NaN): write_back writes them, a recapture traces what the members hold now, and two constants are
+one only when a program cannot tell them apart (Note [Per-member constants] in fx/constants.py).
+Each member is compared with itself run alone, float64."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import wide_compiler as wc
+from torch import nn
+
+from wide_compiler.errors import ArchitectureMismatchError
+from wide_compiler.router import Tower, WideRouter
+
+FAST = wc.WideConfig.fast()
+N = 3
+
+
+class Scaled(nn.Module):
+    """A float constant read twice: as an op's argument and through a LeakyReLU's slope."""
+
+    def __init__(self, s: float) -> None:
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+        self.s = s
+        self.a = nn.LeakyReLU(s / 10)
+
+    def forward(self, x):
+        return self.a(self.l(x)) * self.s
+
+
+class Branchy(nn.Module):
+    """A branch on a size and the constant together: which branch depends on T and on s."""
+
+    def __init__(self, s: float) -> None:
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+        self.s = s
+
+    def forward(self, x):
+        h = self.l(x)
+        return h * self.s if x.shape[1] * self.s > 1.5 else h - self.s
+
+
+def members(cls, values):
+    torch.manual_seed(0)
+    return [cls(v).double() for v in values]
+
+
+def run_alone(models, x, grad=False):
+    """Each member alone on its row of ``x``: outputs (and input gradients with ``grad``)."""
+    outs, grads = [], []
+    for i, m in enumerate(models):
+        xi = x[i].detach().clone().requires_grad_(grad)
+        o = m(xi)
+        if grad:
+            o.sin().sum().backward()
+            grads.append(xi.grad)
+        outs.append(o.detach())
+    return torch.stack(outs), (torch.stack(grads) if grad else None)
+
+
+def run_wide(wide, x, grad=False):
+    xw = x.detach().clone().requires_grad_(grad)
+    o = wide(xw)
+    if grad:
+        o.sin().sum().backward()
+    return o.detach(), (xw.grad if grad else None)
+
+
+def assert_members_match(wide, expected, x, grad=True):
+    ref, gref = run_alone([copy.deepcopy(m) for m in expected], x, grad)
+    got, ggot = run_wide(wide, x, grad)
+    for i in range(len(expected)):
+        torch.testing.assert_close(got[i], ref[i], rtol=1e-12, atol=1e-12, msg=f"member {i} output")
+        if grad:
+            torch.testing.assert_close(ggot[i], gref[i], rtol=1e-12, atol=1e-12, msg=f"member {i} input grad")
+
+
+# --- F7: write_back writes the per-member constants -------------------------------------------------
+def test_write_back_after_copy_member_weights_writes_the_constants():
+    models = members(Scaled, [0.5, 1.5, 2.0])
+    wide = wc.compile(copy.deepcopy(models), torch.randn(2, 3, dtype=torch.float64), config=FAST)
+    wide.copy_member_weights(src=2, dst=0)
+    targets = copy.deepcopy(models)
+    s_obj = targets[0].l.weight
+    wide.write_back(targets)
+    assert targets[0].l.weight is s_obj
+    assert [t.s for t in targets] == [2.0, 1.5, 2.0]
+    assert [t.a.negative_slope for t in targets] == [0.2, 0.15, 0.2]
+    x = torch.randn(N, 2, 3, dtype=torch.float64)
+    expected = [models[2], models[1], models[2]]
+    ref, _ = run_alone(expected, x)
+    got, _ = run_alone(targets, x)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    assert_members_match(wide.eval(), expected, x, grad=False)
+
+
+def test_write_back_refuses_a_module_without_the_constant_before_writing_anything():
+    models = members(Scaled, [0.5, 1.5, 2.0])
+    wide = wc.compile(copy.deepcopy(models), torch.randn(2, 3, dtype=torch.float64), config=FAST)
+    with torch.no_grad():
+        wide.get_parameter("l.weight").add_(1.0)
+    targets = copy.deepcopy(models)
+    targets[2].s = "two"  # not a number: cannot hold the member's constant
+    before = [t.l.weight.detach().clone() for t in targets]
+    with pytest.raises(ValueError, match=r"write_back: member 2 \(Scaled\) has no number attribute 's' \(a str\)"):
+        wide.write_back(targets)
+    for t, b in zip(targets, before):
+        assert torch.equal(t.l.weight, b)
+    assert [t.s for t in targets[:2]] == [0.5, 1.5]
+
+
+def test_padded_members_with_differing_constants_are_refused_at_compile():
+    """So a padded model's write_back has no per-member constant to lose: sizes only differ."""
+    torch.manual_seed(0)
+
+    class P(nn.Module):
+        def __init__(self, h, s):
+            super().__init__()
+            self.l, self.s = nn.Linear(3, h), s
+
+        def forward(self, x):
+            return self.l(x) * self.s
+
+    ms = [P(h, s).double() for h, s in [(3, 0.5), (4, 1.5)]]
+    with pytest.raises(ArchitectureMismatchError, match="only sizes may differ between padded members"):
+        wc.compile(ms, torch.randn(2, 3, dtype=torch.float64), pad=True, config=FAST)
+
+
+class ScaledTower(Tower):
+    def __init__(self, s: float, width: int = 3) -> None:
+        super().__init__()
+        self.l = nn.Linear(3, width)
+        self.s = s
+
+    def forward(self, x):
+        return self.l(x) * self.s
+
+
+def _router(values, towers=None):
+    torch.manual_seed(0)
+    towers = towers or {f"t{i}": ScaledTower(v).double() for i, v in enumerate(values)}
+    # run_members off: towers differing in a constant are grouped (with it on, each runs alone)
+    router = WideRouter(config=FAST.replace(run_members=False))
+    for n, t in towers.items():
+        router.attach(n, t)
+    router.discover_towers()
+    router.prepare_for_compile(torch.randn(2, 3, dtype=torch.float64))
+    return router, towers
+
+
+def test_router_write_back_writes_each_towers_constants():
+    router, towers = _router([0.5, 1.5, 2.0])
+    assert router.group_members() == {"t0": ["t0", "t1", "t2"]}
+    ref = {n: copy.deepcopy(t) for n, t in towers.items()}
+    router.groups["t0"].copy_member_weights(2, 0)
+    router.write_back()
+    assert [t.s for t in towers.values()] == [2.0, 1.5, 2.0]
+    x = torch.randn(2, 3, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(towers["t0"](x), ref["t2"](x), rtol=1e-12, atol=1e-12)
+        outs = router.wide_forward(x)
+        for n, r in zip(towers, [ref["t2"], ref["t1"], ref["t2"]]):
+            torch.testing.assert_close(outs[n], r(x), rtol=1e-12, atol=1e-12, msg=n)
+
+
+def test_router_write_back_checks_every_group_before_writing_any():
+    torch.manual_seed(0)
+    towers = {"a0": ScaledTower(0.5), "a1": ScaledTower(1.5), "b0": ScaledTower(0.5, 4), "b1": ScaledTower(1.5, 4)}
+    router, towers = _router(None, {n: t.double() for n, t in towers.items()})
+    assert router.group_members() == {"a0": ["a0", "a1"], "b0": ["b0", "b1"]}
+    before = towers["a0"].l.weight.detach().clone()
+    with torch.no_grad():
+        router.groups["a0"].get_parameter("l.weight").add_(1.0)
+    towers["b1"].s = None  # a tower of the second group cannot take its constant: nothing may be written
+    with pytest.raises(ValueError, match=r"member 1 \(ScaledTower\) has no number attribute 's'"):
+        router.write_back()
+    assert torch.equal(towers["a0"].l.weight, before)
