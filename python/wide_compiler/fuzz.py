@@ -10,12 +10,25 @@ programs and Csmith's differential testing): a chain of layers over a tensor who
 norms, Dropout, Embedding, GRU, attention), functional ops, reshapes and reductions, residual
 branches, Python branches on sizes (``T % 2``, batch parity, ``T == 1``), on per-member
 attributes and on both (``T >= self.s``), float constants that differ between members (slopes, scales, clamp bounds, dropout
-rates), a second input. :func:`run_program` compiles N members of it and calls the wide model in
+rates), a second input, Python state the forward reads (module globals, a config class's
+attribute, a dict, a list inside a tuple, a flag, a helper function, a forward hook: Note [State
+changed after compiling]). :func:`run_program` compiles N members of it and calls the wide model in
 train and eval mode at the sample's sizes and at others (another batch, a batch of 1, another
 length), comparing every member's outputs, input gradients and parameter gradients with the
 member run alone, in float64 (:data:`TOLERANCE`) or, in float32, with the noise-aware check of
 :mod:`wide_compiler.testing` (against a float64 run of the members; the long mode runs every
-fourth program in float32).
+fourth program in float32); then it changes that state, as a user would between calls, and
+compares again.
+
+Note [State changed after compiling]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A compiled graph bakes in every Python value its capture read; it may run only while they still
+hold (guards). Productions of a third stream (seeded by the seed apart from the other two, so older
+seeds draw what they drew) put such a value at the program's top level and read it in the forward
+or in a hook, and record the statement that changes it (``Program.mutations``). After the first
+round of calls, :func:`run_program` executes those statements in the program's namespace and calls
+again at the sample's sizes: the wide model must capture again, or refuse clearly, but never run
+the old value.
 
 Each program ends in one of: ``ok``; ``refused`` (a clear error of wide_compiler's, at compile or
 at a call: allowed, the library may refuse what it cannot prove); ``skipped`` (the members
@@ -76,11 +89,20 @@ class Program:
     other_shapes: list[list[tuple[int, ...]]]  # more calls' input shapes (another batch, length...)
     n: int
     random: bool = False  # the train graph draws random numbers (a dropout with p > 0 in some member)
+    #: statements that change state the forward reads, run after the first calls (Note [State changed after compiling])
+    mutations: list[str] = dataclasses.field(default_factory=list)
+    #: the namespace the last :meth:`module_class` ran the source in (the mutations run there)
+    namespace: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def module_class(self) -> type[nn.Module]:
-        namespace: dict[str, Any] = {}
-        exec(compile(self.source, f"<fuzz program {self.seed}>", "exec"), namespace)  # noqa: S102 -- generated here
-        return namespace["Fuzzed"]
+        self.namespace = {"__name__": f"fuzz_program_{self.seed}"}
+        exec(compile(self.source, f"<fuzz program {self.seed}>", "exec"), self.namespace)  # noqa: S102 -- generated here
+        return self.namespace["Fuzzed"]
+
+    def mutate(self) -> None:
+        """Run :attr:`mutations` in the namespace of the members' class."""
+        for statement in self.mutations:
+            exec(statement, self.namespace)  # noqa: S102 -- generated here
 
     def members(self, dtype: torch.dtype = torch.float64) -> list[nn.Module]:
         cls = self.module_class()
@@ -117,7 +139,8 @@ class Result:
     def report(self) -> str:
         return (f"# fuzz seed {self.program.seed}: {self.outcome}\n# {self.detail}\n"
                 f"# members: {self.program.n}, constants: {self.program.constants}\n"
-                f"# inputs: {self.program.inputs}, other calls: {self.program.other_shapes}\n{self.program.source}")
+                f"# inputs: {self.program.inputs}, other calls: {self.program.other_shapes}\n"
+                f"# after the first calls: {self.program.mutations}\n{self.program.source}")
 
 
 # --- the generator --------------------------------------------------------------------------------
@@ -134,6 +157,9 @@ class _Writer:
         # first-grammar program plus, at most, the added lines; generate(seed,
         # second_stream=False) replays a recorded finding exactly
         self.extra, self.k_extra = extra, 0
+        self.state: random.Random | None = None  # the third stream (Note [State changed after compiling])
+        self.top: list[str] = []  # module-level lines before the class
+        self.mutations: list[str] = []
         self.init: list[str] = []
         self.body: list[str] = []
         self.constants: list[dict[str, float]] = [{} for _ in range(n)]
@@ -182,6 +208,48 @@ def _size_and_constant(w: _Writer, dim: int) -> None:
         s = w.constant(0, 0, choices=[2.0, 3.0, 4.0, 6.0], rng=e)
         w.line(f"if h.shape[{dim}] {e.choice(['>=', '<'])} {s}:")
     w.line(f"    h = h * {e.choice(['0.5', '2', '-1'])}")
+
+
+def _state_read(w: _Writer, module: str | None) -> None:
+    """From the third stream: the forward (or a hook on ``module``, the last module made) reads
+    Python state at the program's top level, and a statement changing it runs after the first calls
+    (Note [State changed after compiling]; probe 4's F5 and F6 were of these kinds)."""
+    e = w.state
+    # one per program: a change another change's recapture follows would go unseen (it re-reads all)
+    if e is None or e.random() >= 0.15 or w.mutations:
+        return
+    value, new = e.choice([0.5, 1.5, 2.0]), e.choice([-1.0, 0.25, 3.0])
+    kind = e.choice(["global", "class", "dict", "tuple_list", "flag", "helper", "hook"] if module else
+                    ["global", "class", "dict", "tuple_list", "flag", "helper"])
+    if kind == "global":
+        w.top.append(f"G = {value}")
+        w.line("h = h * G")
+        w.mutations.append(f"G = {new}")
+    elif kind == "class":
+        w.top += ["class Cfg:", f"    K = {value}"]
+        w.line("h = h + Cfg.K")
+        w.mutations.append(f"Cfg.K = {new}")
+    elif kind == "dict":
+        w.top.append(f"D = {{'scale': {value}}}")
+        w.line("h = h * D['scale']")
+        w.mutations.append(f"D['scale'] = {new}")
+    elif kind == "tuple_list":
+        w.top.append(f"T = ('scale', [{value}])")
+        w.line("h = h - T[1][0]")
+        w.mutations.append(f"T[1][0] = {new}")
+    elif kind == "flag":
+        w.top.append("FLAG = True")
+        w.line("if FLAG:")
+        w.line("    h = torch.tanh(h)")
+        w.mutations.append("FLAG = False")
+    elif kind == "helper":
+        w.top += [f"H = {value}", "", "", "def helper(t):", "    return t * H + 1"]
+        w.line("h = helper(h)")
+        w.mutations.append(f"H = {new}")
+    else:
+        w.top.append(f"HOOK = {value}")
+        w.init.append(f"{module}.register_forward_hook(lambda mod, args, out: out * HOOK)")
+        w.mutations.append(f"HOOK = {new}")
 
 
 def _vec_step(w: _Writer, f: int) -> tuple[str, int]:
@@ -310,13 +378,15 @@ def _img_step(w: _Writer, c: int) -> tuple[str, int]:
     return "img", c
 
 
-def generate(seed: int, *, n: int | None = None, second_stream: bool = True) -> Program:
+def generate(seed: int, *, n: int | None = None, second_stream: bool = True, state: bool = True) -> Program:
     """A random valid program (Note [The model fuzzer]), reproducible from ``seed``; without
     ``second_stream``, the program the first grammar made of it (Note [The generator's second
-    stream]: how seeds recorded before it came are replayed)."""
+    stream]: how seeds recorded before it came are replayed); without ``state``, no productions
+    of Note [State changed after compiling] (the programs of seeds recorded before them)."""
     rng = random.Random(seed)
     n = n or rng.choice([2, 3, 4])
     w = _Writer(rng, n, random.Random(f"extra {seed}") if second_stream else None)
+    w.state = random.Random(f"state {seed}") if state else None
     kind = rng.choice(["vec", "seq", "img", "index"])
     b = rng.choice([2, 3, 4])
     inputs: list[tuple[str, tuple[int, ...]]]
@@ -341,6 +411,8 @@ def generate(seed: int, *, n: int | None = None, second_stream: bool = True) -> 
     steps = rng.randint(2, 7)
     for k in range(steps):
         kind, f = {"vec": _vec_step, "seq": _seq_step, "img": _img_step}[kind](w, f)
+        modules = [line.split(" = ")[0] for line in w.init if line.startswith("self.m") and "nn.GRU" not in line]
+        _state_read(w, modules[-1] if modules else None)
         if second and k == steps // 2 and kind == "vec":
             proj = w.module(f"nn.Linear(3, {f})")
             w.line(f"h = h + {proj}(y)")
@@ -352,6 +424,7 @@ def generate(seed: int, *, n: int | None = None, second_stream: bool = True) -> 
     args = ", ".join(["x", "y"][: len(inputs)])
     source = "\n".join([
         "import torch", "import torch.nn.functional as F", "from torch import nn", "", "",
+        *([*w.top, "", ""] if w.top else []),
         "class Fuzzed(nn.Module):",
         "    def __init__(self, c):",
         "        super().__init__()",
@@ -362,7 +435,7 @@ def generate(seed: int, *, n: int | None = None, second_stream: bool = True) -> 
         "        return h",
         "",
     ])
-    return Program(seed, source, w.constants, inputs, other, n, w.random)
+    return Program(seed, source, w.constants, inputs, other, n, w.random, w.mutations)
 
 
 # --- running one program ---------------------------------------------------------------------------
@@ -418,44 +491,51 @@ def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch
             return Result(prog, "refused", f"compile: {str(e).splitlines()[0][:300]}")
         return Result(prog, "crash", f"compile: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
     outcome = "ok"
-    for training in (True, False):
-        for m in members:
-            m.train(training)
-        wide.train(training)
-        draws = training and prog.random
-        for shapes in [sample_shapes, *prog.other_shapes]:
-            xs = prog.make_inputs(shapes, dtype, gen)
-            state = {k: v.clone() for k, v in wide.state_dict().items()}
-            member_states = [{k: v.clone() for k, v in m.state_dict().items()} for m in members]
-            try:
-                with torch.no_grad():
-                    [m(*(x[i] for x in xs)) for i, m in enumerate(members)]
-            except Exception:  # noqa: BLE001 -- the members refuse these sizes themselves
-                continue
-            finally:
-                for m, s in zip(members, member_states):
-                    m.load_state_dict(s)
-            try:
-                if draws:
+    rounds = [("", [sample_shapes, *prog.other_shapes])]
+    if prog.mutations:  # Note [State changed after compiling]
+        rounds.append(("after the state change: ", [sample_shapes, *prog.other_shapes[:1]]))
+    for when, shape_sets in rounds:
+        if when:
+            prog.mutate()
+        for training in (True, False):
+            for m in members:
+                m.train(training)
+            wide.train(training)
+            draws = training and prog.random
+            mode = f"{when}{'train' if training else 'eval'} call"
+            for shapes in shape_sets:
+                xs = prog.make_inputs(shapes, dtype, gen)
+                state = {k: v.clone() for k, v in wide.state_dict().items()}
+                member_states = [{k: v.clone() for k, v in m.state_dict().items()} for m in members]
+                try:
                     with torch.no_grad():
-                        out = wide(*xs)
-                    if not torch.isfinite(out).all():
-                        return Result(prog, "wrong", f"train call {shapes}: non-finite output")
-                    outcome = "skipped" if outcome == "ok" else outcome
-                else:
-                    why = _check(wide, members, xs, training, dtype)
-                    if why is not None:
-                        return Result(prog, "wrong", f"{'train' if training else 'eval'} call {shapes}: {why}")
-            except Exception as e:  # noqa: BLE001
-                if _is_refusal(e):
-                    outcome = "refused" if outcome != "skipped" else outcome
+                        [m(*(x[i] for x in xs)) for i, m in enumerate(members)]
+                except Exception:  # noqa: BLE001 -- the members refuse these sizes themselves
                     continue
-                return Result(prog, "crash", f"{'train' if training else 'eval'} call {shapes}: "
-                              f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
-            finally:  # batch norm's running stats: both sides start each call equal
-                wide.load_state_dict(state)
-                for m, s in zip(members, member_states):
-                    m.load_state_dict(s)
+                finally:
+                    for m, s in zip(members, member_states):
+                        m.load_state_dict(s)
+                try:
+                    if draws:
+                        with torch.no_grad():
+                            out = wide(*xs)
+                        if not torch.isfinite(out).all():
+                            return Result(prog, "wrong", f"{mode} {shapes}: non-finite output")
+                        outcome = "skipped" if outcome == "ok" else outcome
+                    else:
+                        why = _check(wide, members, xs, training, dtype)
+                        if why is not None:
+                            return Result(prog, "wrong", f"{mode} {shapes}: {why}")
+                except Exception as e:  # noqa: BLE001
+                    if _is_refusal(e):
+                        outcome = "refused" if outcome != "skipped" else outcome
+                        continue
+                    return Result(prog, "crash", f"{mode} {shapes}: "
+                                  f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
+                finally:  # batch norm's running stats: both sides start each call equal
+                    wide.load_state_dict(state)
+                    for m, s in zip(members, member_states):
+                        m.load_state_dict(s)
     return Result(prog, outcome)
 
 
