@@ -7,8 +7,10 @@ Tune after an injected failure)."""
 from __future__ import annotations
 
 import os
+import runpy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -387,23 +389,60 @@ def ray_local():
     ray.shutdown()
 
 
-def run_tuner(trainable, tmp_path, *, param_space=None, max_failures=0):
+# Note [One Tuner for the Tune tests]: each Tuner.fit starts an experiment and a trial actor (a
+# fresh worker process that imports torch and wide_compiler), which costs more than the training; so
+# the Tune tests' two trials run in ONE Tuner (a grid of two cases, side by side on the module's two
+# CPUs), each test checking its own trial's result. A trial's failure is injected into its own case
+# only; the Tuner allows one failure, which only the flaky case uses.
+def _plain_case():
+    return dict(trainable=wcray.fused_trainable(
+        build_model, full_batch_step, optimizer=sgd, sample_input=torch.randn(2, 3), metric="loss",
+        n_members=N, member_space=SPACE, max_iterations=5, checkpoint_every=0),
+        config={"hidden": 6, "seed": 11})
+
+
+def _flaky_case(marker):
+    def flaky_step(pop):
+        if pop.iteration == 3 and not os.path.exists(marker):        # after the checkpoint at 2
+            with open(marker, "w") as f:
+                f.write("x")
+            raise RuntimeError("injected failure")
+        return minibatch_step(pop)
+
+    return dict(trainable=wcray.fused_trainable(
+        build_model, flaky_step, optimizer=adam, sample_input=torch.randn(2, 3), metric="loss",
+        n_members=N, member_space=SPACE, max_iterations=6, checkpoint_every=2),
+        config={"seed": 21})
+
+
+@pytest.fixture(scope="module")
+def tune_results(ray_local, tmp_path_factory):
+    """Both Tune tests' trials, run by one Tuner (Note [One Tuner for the Tune tests]): the trial
+    result of each case, and the flaky case's failure marker."""
+    tmp = tmp_path_factory.mktemp("tune")
+    marker = tmp / "failed_once"
+    cases = {"plain": _plain_case(), "flaky": _flaky_case(str(marker))}
+    trainables = {name: c["trainable"] for name, c in cases.items()}
+    configs = {name: c["config"] for name, c in cases.items()}
+
+    def trainable(config):  # the case's own trial config, as its param_space gave it before
+        return trainables[config["case"]](dict(configs[config["case"]]))
+
     tuner = tune.Tuner(
-        trainable, param_space=param_space or {},
+        trainable, param_space={"case": tune.grid_search(list(cases))},
         tune_config=tune.TuneConfig(num_samples=1),
-        run_config=tune.RunConfig(storage_path=str(tmp_path), name="t", verbose=0,
+        run_config=tune.RunConfig(storage_path=str(tmp), name="t", verbose=0,
                                   stop={"time_total_s": 1800},  # a hang guard; max_iterations ends it
-                                  failure_config=tune.FailureConfig(max_failures=max_failures)))
+                                  failure_config=tune.FailureConfig(max_failures=1)))  # the flaky case's
     grid = tuner.fit()
     assert not grid.errors, grid.errors
-    return grid[0]
+    results = {r.config["case"]: r for r in grid}
+    assert set(results) == set(cases), results
+    return results, marker
 
 
-def test_tune_trial_reports_n_results_equal_to_separate_trainings(ray_local, tmp_path):
-    trainable = wcray.fused_trainable(
-        build_model, full_batch_step, optimizer=sgd, sample_input=torch.randn(2, 3), metric="loss",
-        n_members=N, member_space=SPACE, max_iterations=5, checkpoint_every=0)
-    result = run_tuner(trainable, tmp_path, param_space={"hidden": 6, "seed": 11})
+def test_tune_trial_reports_n_results_equal_to_separate_trainings(tune_results):
+    result = tune_results[0]["plain"]
     df = result.metrics_dataframe
     assert len(df) == 5                                              # one report per iteration
     for i in range(N):
@@ -424,19 +463,9 @@ def test_tune_trial_reports_n_results_equal_to_separate_trainings(ray_local, tmp
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_tune_trial_restored_after_a_failure_continues_identically(ray_local, tmp_path):
-    marker = tmp_path / "failed_once"
-
-    def flaky_step(pop):
-        if pop.iteration == 3 and not marker.exists():               # after the checkpoint at 2
-            marker.write_text("x")
-            raise RuntimeError("injected failure")
-        return minibatch_step(pop)
-
-    trainable = wcray.fused_trainable(
-        build_model, flaky_step, optimizer=adam, sample_input=torch.randn(2, 3), metric="loss",
-        n_members=N, member_space=SPACE, max_iterations=6, checkpoint_every=2)
-    result = run_tuner(trainable, tmp_path, param_space={"seed": 21}, max_failures=1)
+def test_tune_trial_restored_after_a_failure_continues_identically(tune_results):
+    results, marker = tune_results
+    result = results["flaky"]
     assert marker.exists()
     restored = wcray.load_checkpoint(result.checkpoint)
     ref = population(N, optimizer=adam, max_iterations=6, seed=21)
@@ -448,3 +477,23 @@ def test_tune_trial_restored_after_a_failure_continues_identically(ray_local, tm
     for i in range(N):
         for a, b in zip(restored["members"][i].values(), member_params(ref, i)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert wcray.load_checkpoint(results["plain"].checkpoint)["restores"] == []  # the failure was its own
+
+
+def test_ray_sweep_example_runs_as_documented(ray_local, monkeypatch, capsys):
+    """examples/ray_sweep.py run as a script (``__main__``: its trainables pickled by value, as
+    ``python examples/ray_sweep.py`` pickles them), shortened with its own flags to one trial of 4
+    members and 4 iterations (the member-level ASHA, the best member unfused). It runs on this
+    module's Ray instance: its own ``ray.init`` is checked to ask for the same one (2 CPUs, no
+    dashboard), instead of starting a second instance in a fresh process (test_examples.py ran it
+    so: a second Ray start and imports of torch and Ray, more than the sweep)."""
+    inits = []
+    monkeypatch.setattr(ray, "init", lambda **kwargs: inits.append(kwargs))
+    monkeypatch.setattr(ray, "shutdown", lambda: inits.append("shutdown"))
+    monkeypatch.setattr(sys, "argv", ["ray_sweep.py", "--trials", "1", "--members", "4", "--iterations", "4"])
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "ray_sweep.py"), run_name="__main__")
+    assert inits == [dict(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False),
+                     "shutdown"], inits
+    out = capsys.readouterr().out
+    assert "1 trials x 4 fused members (asha)" in out and "best: val_loss" in out, out
+    assert "best member unfused: Sequential" in out, out
