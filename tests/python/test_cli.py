@@ -403,24 +403,34 @@ def test_test_command_checks_a_users_model(tmp_path, capsys):
 # ---------------------------------------------------------------------------------- interleaved timing
 
 class _Counted:
-    """A callable that counts its calls, sleeps ``sleep_s`` each and raises from call ``fail_at`` on."""
+    """A callable that counts its calls, takes ``sleep_s`` each and raises from call ``fail_at`` on.
+    With ``clock`` (a FakeClock, support.py) it takes its time on that clock: the timings are then
+    the same however busy the machine is; without, it sleeps."""
 
-    def __init__(self, sleep_s: float = 0.0, fail_at: int | None = None):
-        self.calls, self.sleep_s, self.fail_at = 0, sleep_s, fail_at
+    def __init__(self, sleep_s: float = 0.0, fail_at: int | None = None, clock=None):
+        self.calls, self.sleep_s, self.fail_at, self.clock = 0, sleep_s, fail_at, clock
 
     def __call__(self):
         self.calls += 1
         if self.fail_at is not None and self.calls >= self.fail_at:
             raise RuntimeError(f"failed at call {self.calls}")
-        if self.sleep_s:
+        if self.clock is not None:
+            self.clock.t += self.sleep_s
+        elif self.sleep_s:
             time.sleep(self.sleep_s)
 
 
-def test_time_interleaved_one_positive_time_per_name_and_rounds_honoured():
-    fns = {"a": _Counted(), "b": _Counted(), "c": _Counted()}
+def test_time_interleaved_one_positive_time_per_name_and_rounds_honoured(monkeypatch):
+    """On a fake clock (calls of 0.1 ms): a call slowed by the machine during calibration must not
+    cut the rounds (it did with the real clock: a 50 ms pause made 3 rounds of 1 call)."""
+    from support import fake_clock
+
+    clock = fake_clock(monkeypatch)
+    fns = {"a": _Counted(1e-4, clock=clock), "b": _Counted(1e-4, clock=clock), "c": _Counted(2e-4, clock=clock)}
     ms = measure.time_interleaved(fns, min_run_time=0.003, rounds=7, warmup=2)
     assert list(ms) == ["a", "b", "c"]
     assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in ms.values())
+    assert ms == pytest.approx({"a": 0.1, "b": 0.1, "c": 0.2})  # ms per call, as the clock said
     for name, f in fns.items():
         assert f.calls >= 2 + 1 + 7, (name, f.calls)  # warm-up, calibration, one block a round
     assert measure.time_interleaved({}, min_run_time=0.01) == {}
@@ -428,13 +438,20 @@ def test_time_interleaved_one_positive_time_per_name_and_rounds_honoured():
         measure.time_interleaved(fns, rounds=0)
 
 
-def test_time_interleaved_orders_by_cost_and_rotates():
+def test_time_interleaved_orders_by_cost_and_rotates(monkeypatch):
+    from support import fake_clock
+
+    clock = fake_clock(monkeypatch)  # calls of 5 ms and 0.01 ms on a fake clock: no machine's noise
+
+    def call(k: str, s: float) -> None:
+        order.append(k)
+        clock.t += s
+
     order = []
-    fns = {k: (lambda k=k, s=s: (order.append(k), time.sleep(s) if s else None))
-           for k, s in (("slow", 0.005), ("fast", 0.0), ("mid", 0.0))}
+    fns = {k: (lambda k=k, s=s: call(k, s)) for k, s in (("slow", 0.005), ("fast", 1e-5), ("mid", 1e-5))}
     ms = measure.time_interleaved(fns, min_run_time=0.06, rounds=3, warmup=0)
-    assert ms["slow"] > ms["fast"]  # a sleep of 5 ms against nothing: no machine is that noisy
-    assert 1.0 < ms["slow"] < 1000.0  # milliseconds, not seconds or microseconds
+    assert ms["slow"] > ms["fast"]
+    assert ms["slow"] == pytest.approx(5.0)  # milliseconds, not seconds or microseconds
     # the rounds (runs of one callable = blocks) in the orders of Note [Interleaved timing], so
     # that no callable always follows the same one
     rounds = [k for one in timing._round_orders(list(fns), 3) for k in one]
