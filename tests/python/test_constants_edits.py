@@ -181,3 +181,79 @@ def test_router_write_back_checks_every_group_before_writing_any():
     with pytest.raises(ValueError, match=r"member 1 \(ScaledTower\) has no number attribute 's'"):
         router.write_back()
     assert torch.equal(towers["a0"].l.weight, before)
+
+
+# --- F8: constants compared by type and value, not == ----------------------------------------------
+class Divided(nn.Module):
+    def __init__(self, s) -> None:
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+        self.s = s
+
+    def forward(self, x):
+        return self.l(x) / self.s
+
+
+def _same_with_nans(a, b):
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def test_signed_zero_constants_are_per_member():
+    """1 / -0.0 is -inf: a -0.0 member run with 0.0 flips the sign of every infinity."""
+    models = members(Divided, [0.0, -0.0, 0.0])
+    wide = wc.compile(copy.deepcopy(models), torch.randn(2, 3, dtype=torch.float64), config=FAST)
+    assert "s" in wide.per_member_constants
+    assert [math.copysign(1.0, wide.member(i).s) for i in range(N)] == [1.0, -1.0, 1.0]
+    x = torch.randn(N, 2, 3, dtype=torch.float64)
+    with torch.no_grad():
+        ref, _ = run_alone(models, x)
+        got, _ = run_wide(wide, x)
+    assert ref[1].isinf().all()
+    assert _same_with_nans(got, ref)
+
+
+def test_nan_constant_in_every_member_is_shared_and_in_one_member_per_member():
+    models = members(Divided, [math.nan] * N)
+    wide = wc.compile(copy.deepcopy(models), torch.randn(2, 3, dtype=torch.float64), config=FAST)
+    assert wide.per_member_constants == {}  # nan is nan: nothing differs
+    x = torch.randn(N, 2, 3, dtype=torch.float64)
+    with torch.no_grad():
+        assert wide(x).isnan().all()
+    models = members(Divided, [2.0, math.nan, 2.0])
+    wide = wc.compile(copy.deepcopy(models), torch.randn(2, 3, dtype=torch.float64), config=FAST)
+    assert math.isnan(wide.member(1).s) and wide.member(0).s == 2.0
+    with torch.no_grad():
+        ref, _ = run_alone(models, x)
+        got, _ = run_wide(wide, x)
+    assert _same_with_nans(got, ref)
+    assert not got[0].isnan().any() and got[1].isnan().all()
+
+
+class TypeBranch(nn.Module):
+    def __init__(self, s) -> None:
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+        self.s = s
+
+    def forward(self, x):
+        h = self.l(x)
+        if isinstance(self.s, bool):
+            return h + 100 * self.s
+        if isinstance(self.s, int):
+            return h + 10 * self.s
+        return h * self.s
+
+
+def test_a_bool_and_a_float_constant_are_refused_naming_both():
+    with pytest.raises(ArchitectureMismatchError, match=r"member 1: s is 1\.0, member 0 has True"):
+        wc.compile(members(TypeBranch, [True, 1.0, 1.0]), torch.randn(2, 3, dtype=torch.float64), config=FAST)
+
+
+def test_an_int_and_a_float_constant_differ():
+    """1 and 1.0: per member where the program is the same, refused where the type picks a branch."""
+    models = members(Divided, [1.0, 1, 2.0])
+    wide = wc.compile(copy.deepcopy(models), torch.randn(2, 3, dtype=torch.float64), config=FAST)
+    assert [type(wide.member(i).s) for i in range(N)] == [float, int, float]
+    assert_members_match(wide, models, torch.randn(N, 2, 3, dtype=torch.float64))
+    with pytest.raises(ArchitectureMismatchError, match=r"member 1: s is 1, member 0 has 1\.0"):
+        wc.compile(members(TypeBranch, [1.0, 1, 1.0]), torch.randn(2, 3, dtype=torch.float64), config=FAST)

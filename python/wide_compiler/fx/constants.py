@@ -6,7 +6,10 @@ A sweep varies ``nn.Dropout(p)``, a LeakyReLU slope, a norm's eps or a user's ``
 between members whose program is otherwise the same. The member check (fx/member_checks.py
 ``check_members``) lets through module attributes that are Python numbers, at least one a float,
 and returns them as ``{attribute path: (member 0's value, ..., member N-1's)}``; integers (sizes),
-booleans (flags) and everything else still refuse.
+booleans (flags) and everything else still refuse. Two values differ unless they are the same type
+and value (fx/state_reads.py ``same_value``, not ``==``): ``-0.0`` is not ``0.0`` (``x / s`` gives
+``-inf`` for one, ``inf`` for the other), ``1`` is not ``1.0`` and ``True`` is not ``1.0`` (refused:
+a boolean is a flag), and a NaN in every member is one shared value.
 
 Export bakes such a float into the graph as an argument (``aten.dropout(x, 0.1, True)``,
 ``aten.div.Tensor(x, 2.0)``), or into a tensor the forward makes (``torch.tensor(self.s)``, a
@@ -236,7 +239,7 @@ def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[
     for path in constants:
         for opaque in (opaque_paths or {}).values():
             if path.startswith(opaque + "."):
-                j = next(j for j, v in enumerate(constants[path]) if v != constants[path][0])
+                j = next(j for j, v in enumerate(constants[path]) if constant_key(v) != constant_key(constants[path][0]))
                 raise ArchitectureMismatchError(
                     f"member {j}: {path} is {_describe(constants[path][j])}, member 0 has "
                     f"{_describe(constants[path][0])} (inside the registered module {opaque!r}, whose wide "

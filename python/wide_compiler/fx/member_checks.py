@@ -38,6 +38,7 @@ from .capture import batch_of_two, capture, without_cudnn
 from .sample_check import _run_on_clones, attributes_kept
 from .forms import apply_capture_forms
 from .source import source_line, user_frame
+from .state_reads import same_value
 
 __all__ = ["check_members", "check_run_members", "check_traced_members", "graph_fingerprint", "with_constants"]
 
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                "_state_dict_hooks", "_load_state_dict_pre_hooks")
+
+
+_NUMBERS = (bool, int, float, complex)
 
 
 def _same(a: Any, b: Any, depth: int = 0) -> bool:
@@ -83,6 +87,8 @@ def _same(a: Any, b: Any, depth: int = 0) -> bool:
 
         return (_same(cells(a), cells(b), depth + 1) and _same(a.__defaults__, b.__defaults__, depth + 1)
                 and _same(a.__kwdefaults__, b.__kwdefaults__, depth + 1))
+    if isinstance(a, _NUMBERS) and isinstance(b, _NUMBERS):  # 1 is not 1.0 nor True, -0.0 not 0.0, nan is nan
+        return same_value(a, b)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y, depth + 1) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
