@@ -75,3 +75,47 @@ def test_a_nan_input_compiled_matches_a_nan_call():
             torch.testing.assert_close(out[i], m(x[i], scale=float("nan")), rtol=1e-12, atol=1e-12)
         with pytest.raises(ValueError, match="input 'scale'"):
             wide(x, scale=1.0)
+
+
+# ---------------------------------------------------------------- F4: custom autograd.Functions in training
+class _OutlierGuard(torch.autograd.Function):
+    """Forward: the identity. Backward: autograd's (the identity) on ordinary values, 0 beyond 6 --
+    equal to autograd's on one random sample, not on large inputs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * torch.where(x.abs() > 6, 0.0, 1.0)
+
+
+class _Guarded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return _OutlierGuard.apply(self.l(x)).sum(-1, keepdim=True)
+
+
+def test_a_custom_function_is_refused_in_training_even_when_its_backward_matches_autograds_on_a_sample(caplog):
+    """Was: accepted when its backward equalled autograd's on one random sample; the wide model's
+    backward then was autograd's, and inputs x50 gave parameter gradients 179 off."""
+    torch.manual_seed(0)
+    models = [_Guarded().to(DT) for _ in range(2)]
+    with pytest.raises(wc.WideCompileError, match=r"(?s)custom autograd function _OutlierGuard.*"
+                                                   r"test_probe4_calls\.py:\d+ in forward.*member 0.*eval mode"):
+        wc.compile([copy.deepcopy(m) for m in models], torch.randn(2, 3, dtype=DT), config=FAST)
+    evals = [copy.deepcopy(m).eval() for m in models]
+    with caplog.at_level("WARNING", logger="wide_compiler"):
+        wide = wc.compile(evals, torch.randn(2, 3, dtype=DT), config=FAST)
+    assert any("_OutlierGuard" in r.getMessage() and "backward" in r.getMessage() for r in caplog.records)
+    x = torch.randn(2, 4, 3, dtype=DT) * 50
+    with torch.no_grad():  # the eval forward is the members'
+        out = wide(x)
+        for i, m in enumerate(evals):
+            torch.testing.assert_close(out[i], m(x[i]), rtol=1e-12, atol=1e-12)

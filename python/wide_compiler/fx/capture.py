@@ -243,7 +243,6 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         try:
             with _ForwardSignature(model, signature), without_cudnn(), _RecurrentShapes(), watch:
                 ep = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
-            watch.check(model)
         except Exception as e:  # export's own errors are many types; keep its reason whole
             found = _UNKNOWN_OUTPUT.search(str(e))
             if found and found[1] not in registered and register_output_type(found[1]):
@@ -259,6 +258,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                     "N-first like any output.") from e
             raise _capture_error(model, e, getattr(watch, "compiling", ())) from e
         _refuse_generators(model, ep)  # our own refusal, not wrapped as export's
+        watch.check(model)  # ours too: a custom Function or a backward hook (fx/export_watch.py)
         ep.wide_reads = watch.reads()  # Note [State a forward reads] (fx/state_reads.py)
         try:  # read here, where the grad mode is the capture's
             ep.wide_reads["globals"] = globals_read(model)

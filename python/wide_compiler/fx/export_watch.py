@@ -30,12 +30,12 @@ class _Watch:
     """Note [What export does not capture]: within the block (one export), records what the user's
     forward does that the exported graph cannot carry:
 
-    * a custom ``torch.autograd.Function``: export traces its forward, its backward is lost (the
+    * a custom ``torch.autograd.Function`` (one defined in the user's code or a library's, not
+      torch's or wide_compiler's own): export traces its forward, its backward is lost (the
       wide model's gradient would be autograd's of the forward: a straight-through estimator's
-      gradient becomes 0, a gradient-reversal layer's the identity). One whose backward computes
-      autograd's gradient of its forward (a memory-saving GeLU, as BLOOM's) loses nothing: that is
-      checked in float64 at the traced sizes (:func:`_backward_is_autograds`), and only the others
-      count;
+      gradient becomes 0, a gradient-reversal layer's the identity). Every one counts, also one
+      whose backward looks like autograd's gradient of its forward (a memory-saving GeLU, as
+      BLOOM's): Note [Custom Functions are not sampled];
     * ``Tensor.register_hook`` on an activation: the hook never runs in the wide model's backward;
     * what the forward reads of the state of the process, whose branch is baked in (Note [State a
       forward reads] in fx/guards.py): the grad mode (``torch.is_grad_enabled()``,
@@ -53,7 +53,7 @@ class _Watch:
       imported with ``from torch.compiler import is_compiling`` answers the same.
 
     :meth:`check` refuses a train graph with the first two (and a module's backward hooks, which
-    export drops too), naming the class or line; an eval graph only warns (its forward values are
+    export drops too), naming the class and line; an eval graph only warns (its forward values are
     the members'; a backward through it would not be). Only calls from the user's code count (not
     torch's or wide_compiler's own).
 
@@ -93,23 +93,34 @@ class _Watch:
                 "device": bool(self.device), "compiling": tuple(dict.fromkeys(self.compiling))}
 
     def check(self, model: nn.Module) -> None:
+        """Refuse a train graph whose backward would not be the members' (a custom Function, a
+        gradient hook, a module's backward hook: what, where, why, what to do), before anything
+        is built from it; warn for an eval graph. Note [Custom Functions are not sampled]."""
         hooks = [f"{name or type(model).__name__} ({type(m).__name__}) has a backward hook"
                  for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
-        unproved = [(cls, where) for cls, specs, where in self.functions
-                    if specs is None or not _backward_is_autograds(
-                        cls, specs, torch.autograd.function.Function.__dict__["apply"])]
-        found = ([f"the custom autograd function {cls.__qualname__} ({where})" for cls, where in unproved]
-                 + [f"Tensor.register_hook {h}" for h in self.hooks] + hooks)
+        paths = {id(m): name for name, m in model.named_modules()}
+        functions = [f"the custom autograd function {cls.__qualname__} ({where}"
+                     f"{'' if id(owner) not in paths else f', module {paths[id(owner)]!r}' if paths[id(owner)] else ''}"
+                     f"; class in {cls.__module__})" for cls, where, owner in self.functions]
+        found = [*functions, *(f"Tensor.register_hook {h}" for h in self.hooks), *hooks]
         if not found:
             return
         what = "; ".join(dict.fromkeys(found))
         if model.training:
+            why = ("torch.export captures the forward only: the train graph's backward would not run it (a "
+                   "custom Function's backward, a hook), so its gradients would not be the members'")
+            if functions:
+                names = ", ".join(dict.fromkeys(f"{cls.__qualname__}.backward" for cls, _, _ in self.functions))
+                why += (f": it would be autograd's gradient of the traced forward, not {names}, which may "
+                        "depend on the values, the sizes or Python state, so no sample can prove the two "
+                        "equal")
             raise WideCompileError(
-                f"wide_compiler: {what}. torch.export captures the forward only: the wide model's backward "
-                "would not run it (a custom Function's backward, a hook), so its gradients would not be the "
-                "members' (Note [What export does not capture] in fx/export_watch.py).\n"
-                "What to do: give that module a wide form with @wide_compiler.register (its own Python runs "
-                "per member), or train the members without it.")
+                f"wide_compiler: {what}, in member 0's forward (captured for every member: each runs the "
+                f"same code). {why} (Note [What export does not capture] in fx/export_watch.py).\n"
+                "What to do: compile the members in eval mode (model.eval(): the forward is exact; a backward "
+                "through it is autograd's, with a warning); or write that function with differentiable torch "
+                "ops (autograd's gradient is then the members'); or give its module a wide form with "
+                "@wide_compiler.register (its own Python runs per member); or train the members without it.")
         log.warning("wide_compiler: %s: the eval graph computes the members' outputs, but a backward through "
                     "it would not run that code (Note [What export does not capture])", what)
 
@@ -121,6 +132,17 @@ _WATCHES: dict[int, list[_Watch]] = {}  # thread id -> the watches open in that 
 _PATCHED: list[tuple[Any, str, Any]] = []  # (owner, attribute, what was there: _ABSENT if nothing)
 _ABSENT = object()
 _SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+
+
+def _calling_module() -> nn.Module | None:
+    """The innermost module whose method is running (``self`` of a frame up the stack), or None."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module):
+            return owner
+        frame = frame.f_back
+    return None
 
 
 def _watching() -> _Watch | None:
@@ -152,7 +174,7 @@ def _install_watch_patches() -> None:
             except (TypeError, OSError):  # a class without a source file
                 user = False
             if user:
-                watch.functions.append((cls, None if kwargs else [_spec(a) for a in args], user_frame_and_module()))
+                watch.functions.append((cls, user_frame_and_module(), _calling_module()))
         return apply.__func__(cls, *args, **kwargs)
 
     def watched_register_hook(t: torch.Tensor, hook: Any) -> Any:
@@ -263,53 +285,16 @@ def _compiling_wrappers() -> frozenset:
                      if isinstance(f, types.FunctionType))
 
 
-def _spec(a: Any) -> Any:
-    """An argument of a custom Function's call during export: a tensor as (shape by its size hints,
-    dtype), anything else as it is."""
-    if isinstance(a, torch.Tensor):
-        shape = [int(d.node.hint) if isinstance(d, torch.SymInt) else int(d) for d in a.shape]
-        return ("tensor", shape, a.dtype)
-    return ("value", a)
-
-
-def _backward_is_autograds(cls: type, specs: list, apply: Any) -> bool:
-    """Whether ``cls``'s backward gives autograd's gradient of its own forward (float64, random
-    inputs and cotangents of the traced sizes, 1e-6): then the traced forward's gradient is the
-    member's. Anything that fails to run counts as not."""
-    def inputs() -> list:  # the same values at each call
-        gen = torch.Generator().manual_seed(0)
-        return [torch.randn(sp[1], dtype=torch.float64, generator=gen).requires_grad_()
-                if sp[0] == "tensor" and sp[2].is_floating_point else
-                torch.zeros(sp[1], dtype=sp[2]) if sp[0] == "tensor" else sp[1] for sp in specs]
-
-    class _Ctx:  # what an old-style forward(ctx, ...) writes to
-        needs_input_grad = tuple(sp[0] == "tensor" for sp in specs)
-
-        def save_for_backward(self, *t: Any) -> None:
-            self.saved_tensors = t
-
-        def __getattr__(self, name: str) -> Any:
-            return lambda *a, **k: None  # mark_dirty, mark_non_differentiable, set_materialize_grads
-
-    try:
-        with torch.enable_grad():
-            xs = inputs()
-            leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
-            out = apply.__func__(cls, *xs)
-            ys = inputs()
-            ref_leaves = [y for y in ys if isinstance(y, torch.Tensor) and y.requires_grad]
-            if "ctx" in inspect.signature(cls.forward).parameters:
-                ref = cls.forward(_Ctx(), *ys)
-            else:
-                ref = cls.forward(*ys)
-            outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
-            pairs = [(o, r) for o, r in zip(outs, refs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
-            gen = torch.Generator().manual_seed(1)
-            cots = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o, _ in pairs]
-            got = torch.autograd.grad([o for o, _ in pairs], leaves, cots, allow_unused=True)
-            want = torch.autograd.grad([r for _, r in pairs], ref_leaves, cots, allow_unused=True)
-        return all((g is None and w is None) or (g is not None and w is not None and g.shape == w.shape
-                                                 and torch.allclose(g, w, rtol=1e-6, atol=1e-9))
-                   for g, w in zip(got, want))
-    except Exception:  # noqa: BLE001 -- not provable here: the Function counts as one whose backward differs
-        return False
+# Note [Custom Functions are not sampled]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A train graph with a custom torch.autograd.Function is refused, every one. An earlier version
+# accepted one whose backward gave autograd's gradient of its forward on one random float64
+# sample of the traced sizes; the wide model then ran autograd's gradient and never the
+# Function's backward. A backward is Python: it may test the values (`where(|x| > 6, 0, g)`, an
+# outlier guard), the sizes (`g / g.shape[0]` past some batch) or a global, and a sample sees none
+# of that -- an independent probe (issue 44, probe 4 F4) found parameter gradients 2 to 179 off.
+# Equality of two programs cannot be proved by running them; the project verifies, it does not
+# sample. torch's and wide_compiler's own Functions are not recorded (their ops are captured as
+# ATen ops with their own derivatives); a library's (transformers' BLOOM GeLU) is the user's here.
+# The eval graph keeps its forward values exact and only warns: a backward through it (input
+# gradients of an eval model) would be autograd's.
