@@ -5,6 +5,7 @@ ignored with one warning; the switches turn it off. The suite runs with the cach
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import subprocess
@@ -468,12 +469,15 @@ def test_a_code_digest_does_not_depend_on_the_hash_seed():
     of its strings' hashes, which differ by process: the key must not (transformers' BERT missed
     in every new process)."""
     script = textwrap.dedent("""
+        import json
         from wide_compiler.fx import compile_cache
         def forward(x, mode):
             return x if mode in {"absolute", "relative_key", "relative_key_query", "alibi", "rotary"} else -x
-        print(compile_cache._code_text(forward.__code__))
+        print(json.dumps([repr(forward.__code__.co_consts), compile_cache._code_text(forward.__code__)]))
     """)
-    digests = {subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
-                              timeout=300, env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout
-               for seed in (1, 2, 3)}
-    assert len(digests) == 1, digests
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
+                                      timeout=300, env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout)
+            for seed in (1, 2)]
+    # two processes suffice: these two hash seeds order the set's strings differently (checked)
+    assert runs[0][0] != runs[1][0], runs
+    assert runs[0][1] == runs[1][1], runs
