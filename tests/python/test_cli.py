@@ -33,13 +33,33 @@ def run_cli(*args: str, cache_dir, timeout: float = 120) -> subprocess.Completed
 
 # ---------------------------------------------------------------------------------- subprocess
 
-def test_info_lists_ops_and_build_info(tmp_path):
-    proc = run_cli("info", cache_dir=tmp_path)
+@pytest.fixture(scope="module")
+def info_run(tmp_path_factory):
+    """One fresh `python -m wide_compiler info` (runpy.run_module, as -m runs it, so that the
+    process can then print which of the package's modules it imported), shared by the two info
+    tests: (exit status, stdout before the module list, the modules)."""
+    code = ("import runpy, sys\n"
+            "sys.argv = ['wide_compiler', 'info']\n"
+            "try:\n"
+            "    runpy.run_module('wide_compiler', run_name='__main__', alter_sys=True)\n"
+            "except SystemExit as e:\n"
+            "    status = e.code\n"
+            "print('\\nMODULES', status, *sorted(m for m in sys.modules if m.startswith('wide_compiler')))\n")
+    env = dict(os.environ, WIDE_COMPILER_CACHE_DIR=str(tmp_path_factory.mktemp("info")), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert "wide::linear" in proc.stdout
-    assert "parallel_for_threads_used" in proc.stdout
-    assert torch.__version__ in proc.stdout
-    assert torch.backends.cpu.get_cpu_capability() in proc.stdout
+    out, _, modules = proc.stdout.rpartition("\nMODULES ")
+    status, *names = modules.split()
+    return status, out, set(names)
+
+
+def test_info_lists_ops_and_build_info(info_run):
+    status, out, _ = info_run
+    assert status == "0", out
+    assert "wide::linear" in out
+    assert "parallel_for_threads_used" in out
+    assert torch.__version__ in out
+    assert torch.backends.cpu.get_cpu_capability() in out
 
 
 @pytest.fixture(scope="module")
@@ -840,15 +860,12 @@ def test_help_imports_no_torch():
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
-def test_info_imports_torch_and_the_core_only():
-    proc = _python("import contextlib, io, sys\nfrom wide_compiler.cli import main\n"
-                   "with contextlib.redirect_stdout(io.StringIO()) as out: assert main(['info']) == 0\n"
-                   "assert 'wide::linear' in out.getvalue()\n"
-                   "print(' '.join(sorted(m for m in sys.modules if m.startswith('wide_compiler'))))")
-    assert proc.returncode == 0, proc.stderr
-    assert set(proc.stdout.split()) == {"wide_compiler", "wide_compiler._version", "wide_compiler._C",
-                                        "wide_compiler.cli", "wide_compiler.cli.parser",
-                                        "wide_compiler.cli.inputs", "wide_compiler.cli.info"}
+def test_info_imports_torch_and_the_core_only(info_run):
+    status, out, modules = info_run  # the fresh process of test_info_lists_ops_and_build_info
+    assert status == "0" and "wide::linear" in out, out
+    assert modules == {"wide_compiler", "wide_compiler._version", "wide_compiler._C",
+                       "wide_compiler.cli", "wide_compiler.cli.parser",
+                       "wide_compiler.cli.inputs", "wide_compiler.cli.info"}
 
 
 def test_lazy_root_keeps_the_api_and_the_ops():
