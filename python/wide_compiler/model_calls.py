@@ -24,6 +24,21 @@ __all__ = ["CallGraphsMixin"]
 
 log = logging.getLogger("wide_compiler.model")  # the model's records under one name (filters, tests select it)
 
+# Note [No capture under torch.compile]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under torch.compile (torch.compiler.is_compiling()), Dynamo traces the wide model's forward: the
+# check of a call's guards is traced too (Dynamo keeps its own guards on what it reads, so a changed
+# global or a new size traces the forward again), but a capture cannot be: torch.export inside a
+# Dynamo trace, the compile lock (an RLock Dynamo refuses), the logs and messages formatting the
+# call's symbolic sizes. So a traced call picks, among the graphs of its mode, one whose guards
+# hold (_covering_compiled), and otherwise raises at once, before anything else runs: which
+# assumption the call is outside (worded from what the capture knew, never the traced values), and
+# what to do -- call the wide model once outside torch.compile with such inputs (an eager call, or
+# check_inputs, captures again as always: Note [Guards], Note [Dynamic sizes on demand]); the
+# compiled model then finds that capture. It does not claim a size is fixed where an eager call
+# would capture again. (Found by probe 4 of issue 44, F1: Dynamo's "Unsupported context manager
+# RLock", and a wrapped "sizes ... were fixed at capture" for a size eager accepts.)
+
 
 class CallGraphsMixin:
     """Methods choosing (and capturing) the graph of a call. The host class has ``n``, the graphs
@@ -57,6 +72,8 @@ class CallGraphsMixin:
         captured again with the dim dynamic (Note [Dynamic sizes on demand]); a graph captured
         earlier for such inputs; else one captured now for them (:meth:`_capture_for`)."""
         wg = self._graph_for(training)
+        if torch.compiler.is_compiling():  # Note [No capture under torch.compile]
+            return self._covering_compiled(wg, training, args, kwargs)
         flat, why = self._outside(wg, args, kwargs)
         if why is None:
             return wg, flat
@@ -70,6 +87,57 @@ class CallGraphsMixin:
             if other_why is None:
                 return other, flat
         return self._capture_for(training, args, kwargs, why)
+
+    def _covering_compiled(self, wg: WideGraph, training: bool, args: tuple, kwargs: dict) -> tuple[WideGraph, Any]:
+        """Note [No capture under torch.compile]: the graph of the mode (or one captured earlier for
+        such inputs) whose guards hold for this call, traced by torch.compile; else a ValueError
+        saying which capture the call needs, before anything else runs."""
+        flat = self._user_inputs(wg, args, kwargs)
+        pdt, pdev = self.__dict__.get("_param_dtype"), self.__dict__.get("_param_device")
+        for g in (wg, *reversed(self._variants.get(training, ()))):
+            if g.guards is not None and g.guards.holds(flat, pdt, pdev):
+                return g, flat
+        if wg.guards is None:  # no guards kept (nothing to trace but the inputs' own checks)
+            flat, why = self._outside(wg, args, kwargs)
+            if why is None:
+                return wg, flat
+        mode = "train" if training else "eval"
+        raise ValueError(
+            f"wide_compiler: this call needs a new capture of the {mode} graph, for {self._why_compiled(wg, flat)}; "
+            f"a graph cannot be captured inside torch.compile. Call the wide model once outside torch.compile "
+            f"with these inputs (or its check_inputs(...)), in {mode} mode, then call the compiled model: it "
+            f"reuses that capture (Note [No capture under torch.compile] in model_calls.py)")
+
+    def _why_compiled(self, wg: WideGraph, flat: Any) -> str:
+        """Which assumption of ``wg``'s capture this call (traced by torch.compile) is outside, in
+        words made of what the capture knew (torch.compile cannot format the call's symbolic sizes
+        and values)."""
+        guards = wg.guards
+        users = [inp for inp in wg.inputs if inp.kind == "user"]
+        for k, (inp, x) in enumerate(zip(users, flat)):
+            if not isinstance(x, torch.Tensor):
+                if not same_input(x, inp.sample_value):
+                    return (f"input '{inp.name}', another value or type than the {inp.sample_value!r} it was "
+                            f"captured with (non-tensor inputs are baked into the graph)")
+                continue
+            if guards is not None and k < len(guards.dtypes) and guards.dtypes[k] is not None \
+                    and not (k < len(guards.follows) and guards.follows[k]) and x.dtype != guards.dtypes[k]:
+                return f"input '{inp.name}', another dtype than the {guards.dtypes[k]} it was captured with"
+            member = inp.member_shape
+            if member is None:
+                continue
+            if x.dim() != len(member) + 1:
+                return f"input '{inp.name}', another rank than the {len(member) + 1} it was captured with"
+            for d, m in enumerate(member):
+                if m is not None and x.shape[d + 1] != m:
+                    return (f"input '{inp.name}', another size in dim {d + 1} than the {m} it was captured with "
+                            f"(eager calls capture again with that dim dynamic)")
+        # not guards.failed(): it formats the call's values, and updates what the fast path compares
+        # with, which traced by torch.compile is replayed after the graph (it once let a changed global
+        # through): only what the capture knew is read here
+        shown = "; ".join(guards.describe().splitlines()) if guards is not None else ""
+        return ("inputs or Python state outside the guards of its capture (a size relation the forward tests, "
+                "a global, flag, layout or grad mode it reads, a dtype)" + (f": {shown}" if shown else ""))
 
     def _capture_for(self, training: bool, args: tuple, kwargs: dict, why: Any) -> tuple[WideGraph, Any]:
         """Note [Guards]: capture this mode's graph again with member 0's slice of this call as
@@ -86,11 +154,6 @@ class CallGraphsMixin:
             flat = self._user_inputs(wg, args, kwargs)
             kept = 1 + len(self._variants.get(training, ()))
             reason = str(why).removeprefix("wide_compiler: ")
-            if torch.compiler.is_dynamo_compiling():
-                raise ValueError(
-                    f"wide_compiler: this call is outside what the {mode} graph was captured for ({reason}), "
-                    "and a graph cannot be captured inside torch.compile: call the wide model (or its "
-                    "check_inputs) once with such inputs before compiling")
             if kept >= MAX_GRAPHS:
                 raise ValueError(
                     f"wide_compiler: this call is outside what each of the {kept} {mode} graphs of this model "
@@ -278,10 +341,18 @@ class CallGraphsMixin:
                         f"model refuses it rather than run the wrong one")
         if not ok:
             dims = _member_dims(member)
-            if (self._dynamic_shapes is None and x.dim() == len(member) + 1 and x.shape[0] == self.n
-                    and not torch.compiler.is_dynamo_compiling()):
+            resized = x.dim() == len(member) + 1 and x.shape[0] == self.n  # only sizes differ
+            if resized and self._dynamic_shapes is None:  # eager captures again (Note [Dynamic sizes on demand])
+                if torch.compiler.is_dynamo_compiling():  # Note [No capture under torch.compile]
+                    raise ValueError(
+                        f"wide_compiler: this call needs a new capture, for input '{inp.name}', another size "
+                        f"than the [{self.n}, {dims}] it was captured with; a graph cannot be captured inside "
+                        f"torch.compile. Call the wide model once outside torch.compile with these inputs, "
+                        f"then call the compiled model")
                 raise _NewSize(f"wide_compiler: input '{inp.name}' has shape {list(x.shape)}; "
                                f"captured as [{self.n}, {dims}]")
+            fixed = ("the dims compile's dynamic_shapes left static are fixed to the sample's sizes" if resized
+                     else "sizes given as numbers are the capture's")
             hint = ""
             if x.dim() == len(member) and member and member[0] is None and x.shape[0] == self.n:
                 hint = (" If the compile sample had the member dim too, compile with ONE member's "
@@ -289,6 +360,5 @@ class CallGraphsMixin:
             raise ValueError(
                 f"wide_compiler: input '{inp.name}' has shape {list(x.shape)}; expected N-first "
                 f"[{self.n}, {dims}] (one member's input is [{dims}] and there are {self.n} "
-                f"members; sizes given as numbers were fixed at capture by the forward's ops, "
-                f"B and * are free). Stack per-member inputs with wide_compiler.stack(xs), or "
+                f"members; {fixed}, B and * are free). Stack per-member inputs with wide_compiler.stack(xs), or "
                 f"share one input x with x.expand({self.n}, *x.shape).{hint}")

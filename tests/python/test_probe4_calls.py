@@ -119,3 +119,46 @@ def test_a_custom_function_is_refused_in_training_even_when_its_backward_matches
         out = wide(x)
         for i, m in enumerate(evals):
             torch.testing.assert_close(out[i], m(x[i]), rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- F1: a new capture needed under torch.compile
+_SC = 1.0  # a module global the forward reads (a guard of the capture)
+
+
+class _Global(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.l(x) * _SC
+
+
+def test_a_call_needing_a_new_capture_under_torch_compile_says_so_and_an_eager_call_captures_it():
+    """Was: Dynamo's "Unsupported context manager RLock" (a changed global) and a wrapped "sizes ...
+    were fixed at capture" for a size an eager call captures again."""
+    global _SC
+    torch.manual_seed(0)
+    models = [_Global().to(DT) for _ in range(2)]
+    wide = wc.compile([copy.deepcopy(m) for m in models], torch.randn(2, 4, 3, dtype=DT), config=FAST)
+    compiled = torch.compile(wide, fullgraph=True, backend="eager")
+    x4, x5 = torch.randn(2, 2, 4, 3, dtype=DT), torch.randn(2, 2, 5, 3, dtype=DT)
+
+    def members(x):
+        return torch.stack([m(x[i]) for i, m in enumerate(models)])
+
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x4), members(x4), rtol=1e-12, atol=1e-12)
+            with pytest.raises(Exception, match=r"(?s)needs a new capture.*input 'x', another size in dim 2.*"
+                                                r"once outside torch.compile") as e:
+                compiled(x5)
+            assert "fixed at capture" not in str(e.value)
+            _SC = 2.0
+            with pytest.raises(Exception, match=r"(?s)needs a new capture.*_SC == 1\.0.*once outside torch.compile"):
+                compiled(x4)
+            for x in (x4, x5):
+                torch.testing.assert_close(wide(x), members(x), rtol=1e-12, atol=1e-12)  # eager: captured
+                torch.testing.assert_close(compiled(x), members(x), rtol=1e-12, atol=1e-12)  # then compiled
+    finally:
+        _SC = 1.0
