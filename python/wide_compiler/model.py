@@ -270,6 +270,7 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
     def _compile(self, training: bool) -> Compilation:
         """Run the compiler pipeline (fx/pipeline.py) for one train/eval mode, on this model's state."""
         ref = next(self.parameters(), None)
+        self._constants_now()  # Note [Constants the members hold now] (model_constants.py)
         return run_cached(Compilation(  # Note [The compile cache] (fx/compile_cache.py)
             self._capture_template[0].train(training), self._sample, self.n, self._config,
             dynamic_shapes=self._dynamic_shapes, opaque_paths=self._capture_template[1],
@@ -356,6 +357,7 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling() and _any_packed(args, kwargs):
             return self.packed(*args, **kwargs)  # wide(wc.pack(xs)): WideCompiler 0.x's convention
+        self._constants_now()  # Note [Constants the members hold now] (model_constants.py)
         wg, flat = self._graph_covering(self.training, args, kwargs)
         if wg.constant_table is not None and not torch.compiler.is_dynamo_compiling():
             self._sync_constants(wg)

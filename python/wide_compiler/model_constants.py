@@ -85,6 +85,38 @@ class MemberConstantsMixin:
             out.append(values)
         return out
 
+    # Note [Constants the members hold now]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A capture for new inputs or a new mode traces the capture template (a copy of member 0 at
+    # compile time) and probes every configuration of ``_constants`` (Note [Per-member constants]
+    # in fx/constants.py). After copy_member_weights, load_members, load_state_dict or an in-place
+    # edit of a ``_per_member`` buffer, the members hold other constants than those: a capture of
+    # the old ones traces a program no member runs (member 0 at its compile-time s = 0.5 takes the
+    # other branch at the new size; the probes of the new s are then refused for differing from
+    # it, "member 0: s is 1.5, member 0 has 1.5"). So before any capture the row of every
+    # attribute is read back from its buffer (:func:`~wide_compiler.fx.constants.member_value`) and
+    # the template takes member 0's values: each capture traces what the members hold now. A call
+    # with unchanged buffers costs one version check per attribute.
+    def _constants_now(self) -> None:
+        consts = self.__dict__.get("_constants")
+        if not consts or torch.compiler.is_compiling():
+            return
+        bufs = [_get_tensor(self, f"_per_member.{p}") for p in consts]
+        seen = tuple((id(b), b._version) for b in bufs)
+        if self._constants_seen.get("now") == seen:
+            return
+        for path in list(consts):
+            row = tuple(member_value(self, path, i) for i in range(self.n))
+            if any(constant_key(a) != constant_key(b) for a, b in zip(row, consts[path])):
+                consts[path] = row
+        template = self.__dict__.get("_capture_template", (None,))[0]
+        for path, row in consts.items() if template is not None else ():
+            mod_path, _, key = path.rpartition(".")
+            owner = template.get_submodule(mod_path) if mod_path else template
+            if constant_key(owner.__dict__.get(key)) != constant_key(row[0]):
+                setattr(owner, key, row[0])
+        self._constants_seen["now"] = seen
+
     # Note [Per-member constants at the call]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
     # The ``_per_member.<path>`` buffers are the members' constants as the graph reads them: writing

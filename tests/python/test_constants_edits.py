@@ -257,3 +257,70 @@ def test_an_int_and_a_float_constant_differ():
     assert_members_match(wide, models, torch.randn(N, 2, 3, dtype=torch.float64))
     with pytest.raises(ArchitectureMismatchError, match=r"member 1: s is 1, member 0 has 1\.0"):
         wc.compile(members(TypeBranch, [1.0, 1, 1.0]), torch.randn(2, 3, dtype=torch.float64), config=FAST)
+
+
+# --- F2: a capture after the members' constants changed traces what they hold now -------------------
+def _branchy():
+    """s = [0.5, 1.5, 2.0], captured at T = 4 (every member multiplies there; at T = 2 member 0 subtracts)."""
+    models = members(Branchy, [0.5, 1.5, 2.0])
+    wide = wc.compile(copy.deepcopy(models), torch.randn(2, 4, 3, dtype=torch.float64), config=FAST)
+    return models, wide
+
+
+def _with_s(model, s):
+    out = copy.deepcopy(model)
+    out.s = s
+    return out
+
+
+def test_capture_at_a_new_size_after_copy_member_weights_traces_the_copied_constants():
+    models, wide = _branchy()
+    wide.copy_member_weights(src=1, dst=0)  # s = [1.5, 1.5, 2.0]: every member multiplies at T = 2
+    x = torch.randn(N, 2, 2, 3, dtype=torch.float64)
+    assert_members_match(wide, [models[1], models[1], models[2]], x)
+    assert_members_match(wide, [models[1], models[1], models[2]], torch.randn(N, 2, 4, 3, dtype=torch.float64))
+
+
+def test_capture_at_a_new_size_after_a_state_dict_load_traces_the_loaded_constants():
+    models, wide = _branchy()
+    sd = wide.state_dict()
+    sd["_per_member.s"] = torch.tensor([1.5, 1.5, 2.0], dtype=sd["_per_member.s"].dtype)
+    wide.load_state_dict(sd)
+    assert_members_match(wide, [_with_s(models[0], 1.5), models[1], models[2]],
+                         torch.randn(N, 2, 2, 3, dtype=torch.float64))
+
+
+def test_capture_at_a_new_size_after_an_in_place_edit_traces_the_edited_constants():
+    models, wide = _branchy()
+    with torch.no_grad():
+        dict(wide.named_buffers())["_per_member.s"][0] = 2.0
+    assert_members_match(wide, [_with_s(models[0], 2.0), models[1], models[2]],
+                         torch.randn(N, 2, 2, 3, dtype=torch.float64))
+    assert wide.member(0).s == 2.0
+
+
+def test_a_refused_capture_names_the_members_values_and_the_users_line():
+    """Member 0 (s = 0.5) subtracts at T = 2 where member 1 (s = 1.5) multiplies: refused, and the
+    message says so with the line of this file, never one of the library's."""
+    models, wide = _branchy()
+    wide.copy_member_weights(src=0, dst=2)
+    with pytest.raises(ValueError, match=r"member 1: s is 1\.5, member 0 has 0\.5") as e:
+        wide(torch.randn(N, 2, 2, 3, dtype=torch.float64))
+    assert "test_constants_edits.py" in str(e.value) and "wide_compiler/" not in str(e.value)
+
+
+def test_a_refused_capture_of_code_without_a_file_names_no_library_line():
+    """A forward made by exec has no user frame in the capture's stack: the message says there is
+    none instead of naming the library's line that called it."""
+    scope = {"nn": nn}
+    exec("class Made(nn.Module):\n"  # noqa: S102 -- code with no file of its own, as a notebook's or exec'd config's
+         "    def __init__(self, s):\n"
+         "        super().__init__(); self.l = nn.Linear(3, 3); self.s = s\n"
+         "    def forward(self, x):\n"
+         "        h = self.l(x)\n"
+         "        return h * self.s if x.shape[1] * self.s > 1.5 else h - self.s\n", scope)
+    models = members(scope["Made"], [0.5, 1.5, 0.5])
+    wide = wc.compile(copy.deepcopy(models), torch.randn(2, 4, 3, dtype=torch.float64), config=FAST)
+    with pytest.raises(ValueError, match=r"member 1: s is 1\.5, member 0 has 0\.5") as e:
+        wide(torch.randn(N, 2, 2, 3, dtype=torch.float64))
+    assert "wide_compiler/" not in str(e.value) and "no source line of the user's code" in str(e.value)

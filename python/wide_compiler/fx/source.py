@@ -46,14 +46,18 @@ def location(filename: str, lineno: int | str, func: str, code: str | None = Non
 
 def source_line(node: torch.fx.Node) -> str:
     """The user's source line of a captured node: the innermost stack frame outside torch and
-    wide_compiler, as ``file:line in func: code`` (``<unknown>`` when the trace has none)."""
+    wide_compiler, as ``file:line in func: code`` (``<no source line ...>`` when the trace has
+    none: a file of torch or wide_compiler is never given as the user's line)."""
     trace = node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)(?:\n(?!\s*File )\s*(.*))?', trace)
     if not frames:
         path = module_path(node)
         return f"<no source line recorded{f'; in module {path!r}' if path else ''}>"
     user = [f for f in frames if is_user_file(f[0])]
-    file, line, func, code = (user or frames)[-1]
+    if not user:  # torch's and wide_compiler's frames only (code made by exec, say): never name those as the user's
+        path = module_path(node)
+        return f"<no source line of the user's code recorded{f'; in module {path!r}' if path else ''}>"
+    file, line, func, code = user[-1]
     return location(file, line, func, code)
 
 
