@@ -326,7 +326,7 @@ def test_guards_with_globals_survive_pickling(monkeypatch):
 CFG = {"act": "tanh", "scale": 1.0}  # mutable globals: guarded by their contents
 NS = types.SimpleNamespace(shift=0.5)
 LAYERS = [1.0, 2.0]
-NOT_PLAIN = {"w": [1.0, 2.0]}  # a value that is not plain: named in a warning at capture
+NOT_PLAIN = {"w": [1.0, 2.0], "t": torch.ones(1)}  # a value that is not plain (a tensor in a dict): named in a warning at capture
 
 
 class _Contents(LinearModel):

@@ -55,8 +55,8 @@ import torch
 from torch.export import ExportedProgram
 from torch.utils._pytree import MappingKey, SequenceKey, keystr, tree_flatten, tree_flatten_with_path
 
-from .state_reads import (FLAG_READERS, Contents, FunctionRef, TensorRef, _BOUND_ARGS, _matches, _owner_of, _read, _shown,
-                          globals_read, same_value)
+from .state_reads import (FLAG_READERS, Contents, FunctionRef, TensorRef, _BOUND_ARGS, _GLOBAL_HOOKS, _access, _matches,
+                          _owner_of, _read, _shown, _where, global_hooks, globals_read, same_value)
 
 __all__ = ["FLAG_READERS", "MAX_GRAPHS", "Guards", "finite_bound", "globals_read", "guards_of", "layout_of",
            "member_layout", "same_input", "same_value"]
@@ -153,6 +153,9 @@ class Guards:
     # per flat user input: its requires_grad as captured (None: not a tensor), where the forward
     # reads an attribute ``requires_grad`` (Note [State a forward reads]); else ()
     grads: tuple[bool | None, ...] = ()
+    # per dict of torch's global module hooks (state_reads._GLOBAL_HOOKS): the hooks' handle ids at
+    # capture (code every module's call runs: Note [State a forward reads]); () reads as none
+    hooks: tuple[tuple[int, ...], ...] = ((), (), (), ())
     _fn: Any = dataclasses.field(default=None, repr=False, compare=False)
     _each: Any = dataclasses.field(default=None, repr=False, compare=False)
     # the live dict or class of each ``watched`` entry (found again by name after unpickling)
@@ -169,7 +172,7 @@ class Guards:
             return re.sub(r"s\[(\d+)\]", r"f[\1]", c)
 
         if self._owners is None:
-            self._owners = tuple(_owner_of(module, qualname) for module, qualname, _, _ in self.watched)
+            self._owners = tuple(_owner_of(module, qualname, name) for module, qualname, name, _ in self.watched)
         # the fast path (Guards.holds): the structure and fixed-size checks of the call, then the guards
         head = []
         for k, (dtype, fixed) in enumerate(zip(self.dtypes, self.fixed)):
@@ -195,11 +198,14 @@ class Guards:
         if self.device is not None:
             head.append("pdev == _pdev")
             namespace["_pdev"] = torch.device(self.device)
+        for j, (hooks, keys) in enumerate(zip(global_hooks(), self.hooks)):  # torch's global module hooks
+            head.append(f"tuple(_gh{j}) == _ghk{j}" if keys else f"not _gh{j}")
+            namespace.update({f"_gh{j}": hooks, f"_ghk{j}": keys})
         for j, ((reader, args), value) in enumerate(self.flags):
             head.append(f"_fr{j}(*_fa{j}) == _fv{j}")
             namespace.update({f"_fr{j}": FLAG_READERS[reader], f"_fa{j}": args, f"_fv{j}": value})
         for j, ((_, qualname, name, value), owner) in enumerate(zip(self.watched, self._owners)):
-            read = f"_o{j}.{name}" if qualname else f"_o{j}[{name!r}]"
+            read = _access(f"_o{j}", qualname, name)
             # a mutable value's contents, compared at each call; a tensor by identity and version (its
             # in-place changes); else the value itself (a function: the one captured), by identity
             if isinstance(value, Contents):
@@ -236,6 +242,8 @@ class Guards:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update({"_owners": None, "grads": (), **state})
+        # a handle id names a hook in its own process only: hooks kept by another process never match
+        self.hooks = tuple(keys and (-1,) for keys in state.get("hooks", ((), (), (), ())))
         self.__post_init__()
 
     def holds(self, flat: Any, pdt: torch.dtype | None = None, pdev: torch.device | None = None) -> bool:
@@ -289,8 +297,12 @@ class Guards:
             if now != value:
                 return (f"the forward reads torch.{reader}({', '.join(map(repr, args))}), {value!r} at "
                         f"capture and {now!r} now")
+        for name, hooks, keys in zip(_GLOBAL_HOOKS, global_hooks(), self.hooks):
+            if tuple(hooks) != keys:
+                return (f"torch's global module hooks (torch.nn.modules.module.{name}), code every module's call "
+                        f"runs, changed since capture: {len(keys)} then, {len(hooks)} now")
         for j, ((module, qualname, name, value), owner) in enumerate(zip(self.watched, self._owners)):
-            where = f"{module}.{qualname + '.' if qualname else ''}{name}"
+            where = _where(module, qualname, name)
             try:
                 now = _read(owner, qualname, name, value)
             except (AttributeError, KeyError, TypeError):
@@ -317,7 +329,8 @@ class Guards:
         state = [f"layout_of({n}) == {v}" for n, v in zip(self.names, self.layout) if v is not None]
         state += [f"torch.{r}({', '.join(map(repr, a))}) == {v!r}" for (r, a), v in self.flags]
         state += [f"parameters' device == {self.device}"] if self.device is not None else []
-        state += [f"{m}.{q + '.' if q else ''}{name} == {v!r}" for m, q, name, v in self.watched]
+        state += [f"{_where(m, q, name)} == {v!r}" for m, q, name, v in self.watched]
+        state += [f"torch.nn.modules.module.{h} has the hooks {list(k)}" for h, k in zip(_GLOBAL_HOOKS, self.hooks) if k]
         state += [f"{n}.requires_grad is {g}" for n, g in zip(self.names, self.grads) if g is not None]
         return "\n".join([*dtypes, *self.shown, *state])
 
@@ -500,5 +513,6 @@ def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, 
     # a forward that reads ``requires_grad`` (of an input, say): every tensor input's, as captured
     grads = tuple(bool(v.requires_grad) if isinstance(v, torch.Tensor) else None
                   for v in tree_flatten(sample)[0]) if "requires_grad" in readers else ()
+    hooks = tuple(tuple(d) for d in global_hooks())
     return Guards(n, dtypes, fixed, names, tuple(code), tuple(shown), reads.get("grad_mode"), follows,
-                  tuple(flags.items()), layout, devices, device, tuple(watched), grads, _owners=tuple(owners))
+                  tuple(flags.items()), layout, devices, device, tuple(watched), grads, hooks, _owners=tuple(owners))

@@ -34,11 +34,21 @@ generated function at every call (a call outside captures a graph for it, as for
   wrapper's closure: ``functools.wraps``, ``@torch.no_grad()``); the methods and properties the
   code names, looked up on the module's class and on every module class of the tree that defines
   the name, with the base classes' methods of that name (``self.helper(x)``,
-  ``self.child.scale_it(h)``, ``super().helper(x)``); the functions the module holds; and the
-  functions they load as globals, transitively. An attribute read anywhere there (``mod.K`` in a
-  helper handed the module) is guarded as a class attribute of every module class of the tree
-  (the user's own, not an installed package's) that defines it: over-guarding a class attribute
-  that never changes costs an ``is`` per call, missing one would run a stale graph. Bounded:
+  ``self.child.scale_it(h)``, ``super().helper(x)``); the functions the module holds; the hooks
+  of every module of the tree (forward pre-hooks, forward hooks, backward hooks: code its call
+  runs) and torch's global module hooks; and the functions they load as globals, transitively,
+  a function of another module of the user's reading that module's globals. An attribute read
+  anywhere there (``mod.K`` in a helper handed the module) is guarded as a class attribute of
+  every module class of the tree (the user's own, not an installed package's) that defines it,
+  and of every plain class of the user's the code reads (``Cfg.K`` with ``Cfg`` a global class
+  used as a namespace, ``cls.K2`` in its classmethod, the class of a plain object a global or a
+  module holds): over-guarding a class attribute that never changes costs an ``is`` per call,
+  missing one would run a stale graph. An attribute of another module of the user's
+  (``cfgmod.X``, ``cfgmod.f(h)``, ``pkg.sub.X``: the module loaded as a global and its attribute
+  read at once) is guarded as that module's global. A closure variable the code reads
+  (``LOAD_DEREF``: a value a factory closed over, a dict in a closure) is guarded by its cell's
+  contents like a global (a function there is read, not guarded: a decorator's wrapped function).
+  Bounded:
   ``MAX_CODES``, ``MAX_WATCHED``; 50-80 ms for a small GPT-2 or Llama on a busy machine (their
   decorated forwards are read, and the masking functions they call). Checked by identity (an
   ``is`` per value: tens of nanoseconds), then by type and value (:func:`same_value`: ``2`` is
@@ -59,29 +69,43 @@ generated function at every call (a call outside captures a graph for it, as for
   else 3``), every tensor input's ``requires_grad`` as captured (a graph for the other is captured
   with the call's inputs as they are).
 
-The contents of a mutable global or class attribute the code reads (a dict, a list, a
-``SimpleNamespace`` or a plain object: ``CFG["act"]``, ``cfg.scale``) are guarded by value
-(:class:`Contents`: at most ``MAX_CONTENTS`` plain values, compared at each call, a few
-microseconds); one whose contents are not plain values is named in a warning at capture: a change
-to it after compiling is not seen.
+* **torch's global module hooks** (``torch.nn.modules.module.register_module_forward_pre_hook``
+  and its kin: ``_GLOBAL_HOOKS``): the handles of each kind at capture (:attr:`Guards.hooks`),
+  checked at every call (``not d`` per kind where there were none: four times tens of
+  nanoseconds), so a global hook registered or removed after compiling captures a graph with the
+  hooks as they are. A hook added to or removed from a module of the tree of the original members
+  after compiling is not the wide model's: it is built from copies of the members (their weights
+  and hooks as at compiling).
 
-Not guarded (documented limits): mutable objects whose contents are not plain values (above),
-values reached through an attribute of another module
-(``helpers.SCALE``; a module global that is a module is not followed), functions called through
-such attributes or through objects other than the modules of the tree, the values in closure
-cells (the functions in them are read), ``globals()["NAME"]``, names the members' code
-writes itself (a call counter: ``global CALLS; CALLS += 1``; guarding it would capture again at
-every call), instance attributes (per-member constants cover those: Note [Per-member
-constants]), ``torch.backends.*`` flags (capture runs with cuDNN off, on purpose), and state read
-in torch's or wide_compiler's own code. ``torch.compiler.is_compiling()`` needs no guard: the
+The contents of a mutable global, class attribute or closure variable the code reads (a dict, a
+list, a tuple holding one, a ``SimpleNamespace`` or a plain object: ``CFG["act"]``,
+``cfg.scale``, ``TUP[1][0]``, ``{"a": {"k": 1.0}}``) are guarded by value (:class:`Contents`: at
+most ``MAX_CONTENTS`` plain values or functions per container, two levels of containers in it,
+compared at each call, a few microseconds); one whose contents are not plain values (a tensor in a
+dict, deeper nesting) is named in a warning at capture: a change to it after compiling is not seen.
+
+Not guarded (documented limits), each named in the warning at capture where the code reads it:
+mutable objects whose contents are not plain values (above), a ``functools.partial`` held as a
+global (its code is read; its arguments and rebinding are not guarded), a module of the user's
+handed on or read other than as ``module.NAME``, ``globals()`` and ``vars()`` (``globals()["NAME"]``:
+the name is not known statically). Not guarded and not warned, by design: names the members'
+code writes itself (a call counter: ``global CALLS; CALLS += 1``, ``nonlocal n; n += 1``;
+guarding it would capture again at every call), instance attributes, and objects the modules hold
+(``self.cfg.scale``: the wide model keeps copies of the members as at compiling, per-member
+constants cover what differs: Note [Per-member constants]), ``torch.backends.*`` flags (capture
+runs with cuDNN off, on purpose), and state read in torch's, an installed package's or
+wide_compiler's own code. ``torch.compiler.is_compiling()`` needs no guard: the
 user's code gets False at capture, as each member alone does (Note [What export does not
 capture] in fx/export_watch.py); ``torch.jit.is_scripting()`` and ``torch.jit.is_tracing()`` are False
 both in export and in a member's eager call.
 
 A :class:`Guards` pickles as plain data (a compile cache keeps it on disk): the live dicts and
 classes of the watched globals are found again by module name and class qualified name when it is
-loaded (``_owner_of``; one not found, such as a class defined inside a function, fails its guard, so
-the graph is captured again rather than run unchecked), and the device and flag readers by name.
+loaded (``_owner_of``; a closure variable by its function's qualified name, so a decorated method's
+is found and a factory's function's is not; one not found, such as a class defined inside a
+function, fails its guard, so the graph is captured again rather than run unchecked), and the
+device and flag readers by name. Global hooks are kept by handle id, which names a hook in its
+own process only: an unpickled guard that had any fails while hooks of that kind exist.
 """
 
 from __future__ import annotations
@@ -89,6 +113,7 @@ from __future__ import annotations
 import dataclasses
 import dis
 import enum
+import functools
 import hashlib
 import inspect
 import logging
@@ -165,49 +190,56 @@ MAX_CONTENTS = 64  # the values of a mutable global guarded by value (Note [Stat
 @dataclasses.dataclass(frozen=True)
 class Contents:
     """The contents of a mutable global the members' code reads (Note [State a forward reads]):
-    ``kind`` (``dict``, ``list`` or ``object``: a namespace or plain object's attributes) and
-    its items, plain values or functions (as :class:`FunctionRef`: a registry); guarded by value."""
+    ``kind`` (``dict``, ``list``, ``tuple`` or ``object``: a namespace or plain object's
+    attributes) and its items, plain values, functions (as :class:`FunctionRef`: a registry) or
+    the contents of containers in it (``{"a": {"k": 1.0}}``, ``(1.0, [1.0])``: two levels);
+    guarded by value.
+
+    >>> Contents.of((1.0, [2.0])), Contents.of({"a": {"k": 1.0}}), Contents.of([torch.ones(1)])
+    ((1.0, [2.0]), {'a': {'k': 1.0}}, None)
+    """
 
     kind: str
     items: tuple
 
     def __repr__(self) -> str:
-        if self.kind == "list":
-            return repr(list(self.items))
+        if self.kind in ("list", "tuple"):
+            return repr(list(self.items) if self.kind == "list" else self.items)
         shown = repr(dict(self.items))
         return shown if self.kind == "dict" else f"an object with attributes {shown}"
 
     @staticmethod
-    def of(v: Any) -> Contents | None:
-        """The contents of ``v``; None when it is not a dict, list, namespace or plain object of
-        at most ``MAX_CONTENTS`` plain values or functions."""
+    def of(v: Any, depth: int = 0) -> Contents | None:
+        """The contents of ``v``; None when it is not a dict, list, tuple, namespace or plain object
+        of at most ``MAX_CONTENTS`` plain values, functions or (two levels deep) such containers."""
         if type(v) is dict:
             kind, items = "dict", tuple(v.items())
         elif type(v) is list:
             kind, items = "list", tuple(v)
+        elif type(v) is tuple and depth < 3:  # a tuple of plain values is plain itself (_plain)
+            kind, items = "tuple", v
         elif _plain_instance(v):
             kind, items = "object", tuple(vars(v).items())
         else:
             return None
-        if len(items) > MAX_CONTENTS:
+        if len(items) > MAX_CONTENTS or depth > 2:
             return None
-        if kind == "list":
-            items = tuple(_plain_or_ref(x) for x in items)
-        else:
-            items = tuple((k, _plain_or_ref(x)) for k, x in items)
-        if not all(_plain(x) or isinstance(x, FunctionRef) for x in (items if kind == "list" else sum(items, ()))):
-            return None
-        return Contents(kind, items)
+        keyed = kind in ("dict", "object")
+        out = []
+        for item in items:
+            x = item[1] if keyed else item
+            x = FunctionRef(x) if isinstance(x, _FUNCTIONS) else x if _plain(x) else Contents.of(x, depth + 1)
+            if x is None:
+                return None
+            out.append((item[0], x) if keyed else x)
+        return Contents(kind, tuple(out))
 
 
 def _values(c: Contents) -> list[Any]:
-    """The values of a :class:`Contents` (a dict's or an object's without their keys)."""
-    return list(c.items) if c.kind == "list" else [x for _, x in c.items]
-
-
-def _plain_or_ref(v: Any) -> Any:
-    """``v`` as a guard keeps it inside :class:`Contents`: a function as its :class:`FunctionRef`."""
-    return FunctionRef(v) if isinstance(v, _FUNCTIONS) else v
+    """The values of a :class:`Contents` (a dict's or an object's without their keys), and those
+    of the containers in it."""
+    out = list(c.items) if c.kind in ("list", "tuple") else [x for _, x in c.items]
+    return [*out, *(y for x in out if isinstance(x, Contents) for y in _values(x))]
 
 
 _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType)
@@ -274,6 +306,23 @@ def _function_key(fn: Any) -> tuple:
         else:
             digest = hashlib.sha256((code_text(code) + repr(defaults)).encode()).hexdigest()[:16]
     return (str(getattr(fn, "__module__", None)), str(getattr(fn, "__qualname__", getattr(fn, "__name__", "?"))), digest)
+
+
+# torch's global module hooks (nn.modules.module.register_module_forward_pre_hook and its kin): code
+# every module's call runs, read like a forward; the guards keep their handles (Guards.hooks)
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                 "_global_backward_hooks")
+
+
+def global_hooks() -> tuple[dict, ...]:
+    """torch's dicts of global module hooks (``_GLOBAL_HOOKS``), by handle id.
+
+    >>> [len(d) for d in global_hooks()]
+    [0, 0, 0, 0]
+    """
+    from torch.nn.modules import module
+
+    return tuple(getattr(module, name) for name in _GLOBAL_HOOKS)
 
 
 MAX_TENSOR_VALUES = 4096  # a global tensor up to this size is kept by value too (found again after unpickling)
@@ -358,6 +407,8 @@ def _users_mutable(v: Any, filename: str) -> bool:
         return False
     if isinstance(v, (dict, list, set, types.SimpleNamespace)):
         return True
+    if type(v) is tuple:  # one a guard could not keep: holding a tensor or another container
+        return not all(_plain(x) or isinstance(x, (type, *_FUNCTIONS)) for x in v)
     home = getattr(sys.modules.get(type(v).__module__), "__file__", None) or ""
     return _plain_instance(v) and bool(home) and is_user_file(home, skip_stdlib=True) and "-packages" not in home
 
@@ -388,9 +439,34 @@ def _written_into(instructions: list[Any]) -> set[str]:
     return out
 
 
+_CELL = ".<cell>"  # the qualname of a watched closure variable: its function's, then this
+
+
+def _access(owner: str, qualname: str, name: str) -> str:
+    """The expression that reads a watched entry of ``owner`` (a name in generated code): a module
+    global (``qualname`` empty) by key, a closure variable as its cell's contents, else an attribute.
+
+    >>> _access("o", "", "K"), _access("o", "Cfg", "K"), _access("o", "make.<locals>.f.<cell>", "v")
+    ("o['K']", 'o.K', 'o.cell_contents')
+    """
+    if not qualname:
+        return f"{owner}[{name!r}]"
+    return f"{owner}.cell_contents" if qualname.endswith(_CELL) else f"{owner}.{name}"
+
+
+def _where(module: str, qualname: str, name: str) -> str:
+    """A watched entry for a message: ``module.Class.name``, or the closure variable it is."""
+    if qualname.endswith(_CELL):
+        return f"the closure variable {name!r} of {module}.{qualname.removesuffix(_CELL)}"
+    return f"{module}.{qualname + '.' if qualname else ''}{name}"
+
+
 def _read(owner: Any, qualname: str, name: str, value: Any) -> Any:
     """The watched entry's value now, as kept (:class:`Contents` for a mutable one)."""
-    now = getattr(owner, name) if qualname else owner[name]
+    if not qualname:
+        now = owner[name]
+    else:
+        now = owner.cell_contents if qualname.endswith(_CELL) else getattr(owner, name)
     return Contents.of(now) if isinstance(value, Contents) else now
 
 
@@ -408,19 +484,26 @@ def _shown(now: Any) -> str:
     return repr(FunctionRef(now)) if isinstance(now, _FUNCTIONS) else repr(now)
 
 
-def _owner_of(module: str, qualname: str) -> Any:
-    """The dict of module ``module`` (``qualname`` empty) or its class ``qualname``; None when
-    neither is found (the guard then fails: the graph is captured again)."""
+def _owner_of(module: str, qualname: str, name: str = "") -> Any:
+    """The dict of module ``module`` (``qualname`` empty), its class ``qualname``, or the cell of
+    the closure variable ``name`` of its function ``qualname`` + ``_CELL`` (a function found by its
+    qualified name: a decorated method, not one a factory made); None when not found (the guard
+    then fails: the graph is captured again)."""
     mod = sys.modules.get(module)
     if mod is None:
         return None
     if not qualname:
         return vars(mod)
     owner: Any = mod
-    for part in qualname.split("."):
+    for part in qualname.removesuffix(_CELL).split("."):
         owner = getattr(owner, part, None)
         if owner is None:
             return None
+    if qualname.endswith(_CELL):
+        code, closure = getattr(owner, "__code__", None), getattr(owner, "__closure__", None)
+        if code is None or closure is None or name not in code.co_freevars:
+            return None
+        return closure[code.co_freevars.index(name)]
     return owner
 
 
@@ -438,13 +521,16 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
     in it (comprehensions, inner functions), the methods and properties it names (``self.helper(x)``,
     ``self.child.scale_it(h)``, ``super().helper(x)``: a name is looked up on the module's class
     and on every module class of the tree, each of its base classes that defines it), the
-    functions the module holds, and the functions they load as globals or find in a registry (a
+    functions the module holds, its hooks and torch's global module hooks, and the functions they
+    load as globals (or as attributes of another module of the user's) or find in a registry (a
     dict of functions), transitively (at most ``MAX_CODES`` code objects, ``MAX_WATCHED`` values).
     A name loaded as an attribute (``self.SCALE``, ``mod.K`` in a helper handed the module) counts
     as a class attribute of the module's class when the instance has no attribute of that name,
-    and of any other module class of the tree (the user's own) that defines it: over-guarding a
-    class attribute that never changes costs an ``is`` per call. A name the code writes
-    (``STORE_GLOBAL``, ``STORE_ATTR``) is left out: it is state the forward keeps, not a setting.
+    and of any other module class of the tree or plain class the code reads (the user's own) that
+    defines it: over-guarding a class attribute that never changes costs an ``is`` per call. A
+    closure variable the code reads is an entry of its cell (``qualname`` ending ``_CELL``). A name
+    the code writes (``STORE_GLOBAL``, ``STORE_ATTR``, ``STORE_DEREF``) is left out: it is state the
+    forward keeps, not a setting.
 
     >>> EPS = 1e-3
     >>> class Shifted(torch.nn.Module):
@@ -477,7 +563,12 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
         return out
 
     def follow(v: Any, m: Any) -> None:
+        if isinstance(v, functools.partial):
+            v = v.func
         fn = v.fget if isinstance(v, property) else getattr(v, "__func__", v)
+        if not isinstance(fn, types.FunctionType) and not isinstance(fn, type) and user_class(type(fn)) \
+                and isinstance(getattr(type(fn), "__call__", None), types.FunctionType):
+            fn = type(fn).__call__  # a callable object of the user's class (a hook)
         for _ in range(8):  # a decorated function: the wrapper, then each function it wraps
             if user_fn(fn):
                 work.append((fn, m))
@@ -497,11 +588,20 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
         return user_classes[klass]
 
     classes: dict[type, Any] = {}  # one instance of each module class in the tree
+    held: list[type] = []  # the classes of the user's plain objects the modules hold
+    for hooks in global_hooks():  # torch's global module hooks: code each module's call runs
+        for v in list(hooks.values()):
+            follow(v, None)
     for m in model.modules():
         classes.setdefault(type(m), m)
         for v in vars(m).values():  # functions held by the instance (self.act = fn)
             if isinstance(v, types.FunctionType):
                 follow(v, None)
+            elif _plain_instance(v) and not isinstance(v, types.SimpleNamespace):
+                held.append(type(v))  # an object of the user's it holds: its class's attributes and methods
+        for hooks in (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks):
+            for v in list(hooks.values()):  # its hooks: code its call runs, read like a forward
+                follow(v, m)
         for klass in type(m).__mro__:  # its forward and its base classes' (super().forward(x))
             if "forward" in vars(klass):
                 follow(vars(klass)["forward"], m)
@@ -518,34 +618,111 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
             for x in _values(kept) if isinstance(kept, Contents) else ():  # a registry of functions: their code
                 if isinstance(x, FunctionRef):
                     follow(x.fn, None)
-        elif _users_mutable(v, code.co_filename):
+        elif _users_mutable(v, code.co_filename if code is not None else ""):
             unguarded.setdefault((id(cls), name), f"{cls.__qualname__}.{name}")
 
+    def on_class(cls: type, rep: Any, name: str, code: types.CodeType) -> None:
+        """``name`` read as an attribute, looked up on ``cls`` (the user's) and its base classes."""
+        definers = [k for k in cls.__mro__ if name in vars(k)]
+        if not definers or not user_class(definers[0]):
+            return
+        attribute(cls, name, vars(definers[0])[name], code, rep)
+        for k in definers[1:]:  # super().name: a base class's method
+            v = vars(k)[name]
+            if user_class(k) and isinstance(v, (types.FunctionType, staticmethod, classmethod, property)):
+                follow(v, rep)
+
     def on_classes(name: str, code: types.CodeType) -> None:
-        """``name`` read as an attribute: on every module class of the tree (the user's) defining it."""
-        for cls, rep in classes.items():
-            definers = [k for k in cls.__mro__ if name in vars(k)]
-            if not definers or not user_class(definers[0]):
-                continue
-            attribute(cls, name, vars(definers[0])[name], code, rep)
-            for k in definers[1:]:  # super().name: a base class's method
-                v = vars(k)[name]
-                if user_class(k) and isinstance(v, (types.FunctionType, staticmethod, classmethod, property)):
-                    follow(v, rep)
+        """``name`` read as an attribute: on every module class of the tree and every plain class
+        the code reads (the user's) defining it."""
+        for cls, rep in [*classes.items(), *plain_classes.items()]:
+            on_class(cls, rep, name, code)
+
+    plain_classes: dict[type, None] = {}  # the user's plain (non-module) classes the code reads: namespaces
+
+    def plain_class(cls: type, code: types.CodeType | None) -> None:
+        """A user's plain class the code reads (``Cfg.K``, ``Helper.scale(h)``): its attributes of
+        every name read as an attribute anywhere are guarded (or followed) like a module class's."""
+        if cls in plain_classes or cls in classes or not user_class(cls):
+            return
+        plain_classes[cls] = None
+        for name in list(names_seen):
+            on_class(cls, None, name, code)
+
+    def read_global(g: dict, name: str, v: Any, code: types.CodeType, instructions: list[Any], i: int) -> None:
+        """The value ``v`` of global ``name`` of the namespace ``g`` that instruction ``i`` loads."""
+        if isinstance(v, types.ModuleType):  # a module of the user's: the attributes the code reads of it
+            home = getattr(v, "__file__", None) or ""
+            if not home or not is_user_file(home, skip_stdlib=True) or "-packages" in home \
+                    or "-packages" in code.co_filename:
+                return
+            after = instructions[i + 1] if i + 1 < len(instructions) else None
+            if after is not None and after.opname in ("LOAD_ATTR", "LOAD_METHOD") and after.argval in vars(v):
+                read_global(vars(v), after.argval, vars(v)[after.argval], code, instructions, i + 1)
+            else:  # handed on, or an attribute it lacks now: what is read of it is not seen
+                unguarded.setdefault((id(g), name), f"{g.get('__name__')}.{name} (a module: other than as "
+                                     f"{name}.NAME)")
+            return
+        if isinstance(v, type):
+            if not issubclass(v, (torch.nn.Module, torch.Tensor, BaseException)):
+                plain_class(v, code)
+            return
+        if _plain_instance(v) and not isinstance(v, types.SimpleNamespace):
+            plain_class(type(v), code)  # its class attributes (``OBJ.K`` where OBJ has no K of its own)
+        kept = _kept(v)
+        if isinstance(kept, Contents) and "-packages" in code.co_filename and any(
+                isinstance(x, FunctionRef) for x in _values(kept)):
+            kept = None  # an installed package's registry of functions (its loss functions): its own
+        if kept is not None:
+            entries.setdefault((id(g), name), ((str(g.get("__name__")), "", name, kept), g))
+            if isinstance(kept, FunctionRef):  # a global function: its identity and its code
+                follow(v, None)
+            elif isinstance(kept, Contents):  # a registry of functions: their code
+                for x in _values(kept):
+                    if isinstance(x, FunctionRef):
+                        follow(x.fn, None)
+        elif isinstance(v, functools.partial):
+            follow(v, None)  # not guarded itself (named in the warning), but the code it runs is read
+            unguarded.setdefault((id(g), name), f"{g.get('__name__')}.{name}")
+        elif _users_mutable(v, code.co_filename):
+            unguarded.setdefault((id(g), name), f"{g.get('__name__')}.{name}")
+
+    def read_cell(fn: Any, name: str, code: types.CodeType) -> None:
+        """The closure variable ``name`` of ``fn`` (a value of the function that made it): guarded
+        by its cell's contents; a function there is followed (a decorator's wrapped function)."""
+        freevars = fn.__code__.co_freevars
+        if name not in freevars or fn.__closure__ is None:
+            return
+        cell = fn.__closure__[freevars.index(name)]
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            return
+        if isinstance(v, _FUNCTIONS) or isinstance(v, (torch.nn.Module, type)):
+            return  # a function: followed (cells()); a module or class: not a value the code branches on
+        kept = _kept(v)
+        where = (str(fn.__module__), fn.__qualname__ + _CELL, name)
+        if kept is not None:
+            entries.setdefault((id(cell), name), ((*where, kept), cell))
+        elif _users_mutable(v, code.co_filename):
+            unguarded.setdefault((id(cell), name), _where(*where))
 
     seen: set[tuple[Any, Any]] = set()  # (code, the module's class): instances of a class read the same names
     done: set[tuple[Any, type]] = set()  # (function, reading class) read already
     names_seen: set[str] = set()  # attribute names looked up on every module class already
+    for cls in held:
+        plain_class(cls, None)
     codes = 0
     while work:
         fn, m = work.pop()
         if (fn, type(m)) in done:
             continue
         done.add((fn, type(m)))
-        stack = [fn.__code__]
+        stack: list[tuple[types.CodeType, frozenset]] = [(fn.__code__, frozenset())]
         work.extend((c, m) for c in cells(fn) if user_fn(c))  # a decorator's wrapper: the function it calls
         while stack:
-            code = stack.pop()
+            # with the names local to the code between fn's and this one (not fn's closure variables)
+            code, shadowed = stack.pop()
             if (code, type(m)) in seen:
                 continue
             seen.add((code, type(m)))
@@ -555,36 +732,32 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
                           "rest read are not guarded", MAX_CODES)
                 work.clear()
                 break
-            stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+            inner = shadowed | set(code.co_cellvars) | set(code.co_varnames)
+            stack.extend((c, inner) for c in code.co_consts if isinstance(c, types.CodeType))
             g = fn.__globals__
             instructions = list(dis.get_instructions(code))
             mutated.update(_written_into(instructions))
-            for ins in instructions:
+            for i, ins in enumerate(instructions):
                 name = ins.argval
                 if not isinstance(name, str):
                     continue
                 if ins.opname in ("STORE_GLOBAL", "STORE_ATTR", "DELETE_GLOBAL", "DELETE_ATTR"):
                     stored.add(name)
+                elif ins.opname in ("STORE_DEREF", "DELETE_DEREF") and name in code.co_freevars:
+                    stored.add(name)  # ``nonlocal calls; calls += 1``: state the code keeps
+                elif ins.opname == "LOAD_DEREF" and name in code.co_freevars and name not in shadowed:
+                    read_cell(fn, name, code)
+                elif ins.opname == "LOAD_GLOBAL" and name in ("globals", "vars") and name not in g \
+                        and "-packages" not in code.co_filename:  # globals()["NAME"]: not read statically
+                    unguarded.setdefault((id(code), name), f"{name}() in {code.co_qualname} "
+                                         f"({code.co_filename}:{ins.positions.lineno if ins.positions else '?'})")
                 elif ins.opname == "LOAD_GLOBAL" and name in g:
                     v = g[name]
                     if id(v) in reader_names:
                         if reader_names[id(v)] not in readers:
                             readers.append(reader_names[id(v)])
                         continue
-                    kept = _kept(v)
-                    if isinstance(kept, Contents) and "-packages" in code.co_filename and any(
-                            isinstance(x, FunctionRef) for x in _values(kept)):
-                        kept = None  # an installed package's registry of functions (its loss functions): its own
-                    if kept is not None:
-                        entries.setdefault((id(g), name), ((str(g.get("__name__")), "", name, kept), g))
-                        if isinstance(kept, FunctionRef):  # a global function: its identity and its code
-                            follow(v, None)
-                        elif isinstance(kept, Contents):  # a registry of functions: their code
-                            for x in _values(kept):
-                                if isinstance(x, FunctionRef):
-                                    follow(x.fn, None)
-                    elif _users_mutable(v, code.co_filename):
-                        unguarded.setdefault((id(g), name), f"{g.get('__name__')}.{name}")
+                    read_global(g, name, v, code, instructions, i)
                 elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
                     reads_grad = reads_grad or name == "requires_grad"
                     if m is not None and name not in m.__dict__ and name not in m._parameters \

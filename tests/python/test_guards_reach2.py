@@ -1,0 +1,288 @@
+"""Note [State a forward reads] (fx/state_reads.py), probe 4's findings: Python state the members'
+code reads through a module's hooks (F5), a plain class used as a namespace or a tuple holding a
+list (F6), another user module's attribute or function, or a closure cell (D1), changed after
+compiling, must not leave the wide model on its old value: each call is compared, member by member
+in float64, with the member run alone after the change.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import wide_compiler as wc
+from support import LinearModel
+
+N = 2
+FAST = wc.WideConfig.fast()
+S = 1.0  # a module global the hooks and helpers below read; the tests change it (monkeypatch)
+
+
+def _members(cls):
+    torch.manual_seed(0)
+    return [cls().double() for _ in range(N)]
+
+
+def _compile(cls):
+    members = _members(cls)
+    return wc.compile(members, torch.randn(2, 4, dtype=torch.float64), config=FAST), members
+
+
+def _x():
+    return torch.randn(N, 2, 4, dtype=torch.float64)
+
+
+def _assert_members(wide, members, x):
+    out = wide(x)
+    for i, m in enumerate(members):
+        torch.testing.assert_close(out[i], m(x[i]), rtol=1e-12, atol=1e-12, msg=lambda s, i=i: f"member {i}: {s}")
+
+
+def _check_change(cls, change, monkeypatch):
+    wide, members = _compile(cls)
+    x = _x()
+    _assert_members(wide, members, x)
+    change(monkeypatch)
+    _assert_members(wide, members, x)
+
+
+def _set_global(name, value):
+    return lambda mp: mp.setattr(sys.modules[__name__], name, value)
+
+
+# --- F5: hooks of the modules of the tree -------------------------------------------------------------
+
+
+def _pre_hook(mod, args):
+    return (args[0] * S,)
+
+
+def _post_hook(mod, args, out):
+    return out + S
+
+
+class _PreHooked(LinearModel):
+    def __init__(self):
+        super().__init__()
+        self.fc.register_forward_pre_hook(_pre_hook)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class _PostHooked(LinearModel):
+    def __init__(self):
+        super().__init__()
+        self.fc.register_forward_hook(_post_hook)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("cls", [_PreHooked, _PostHooked])
+def test_a_global_a_modules_hook_reads_is_guarded(cls, monkeypatch):
+    _check_change(cls, _set_global("S", 2.5), monkeypatch)
+
+
+def _double_linear_inputs(mod, args):
+    if isinstance(mod, nn.Linear):
+        return (args[0] * 2,)
+    return None
+
+
+class _Plain(LinearModel):
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("when", ["registered", "removed"])
+def test_a_global_module_hook_changed_after_compiling_is_seen(when):
+    handle = nn.modules.module.register_module_forward_pre_hook(_double_linear_inputs) if when == "removed" else None
+    try:
+        wide, members = _compile(_Plain)
+        x = _x()
+        with torch.no_grad():
+            _assert_members(wide, members, x)
+            if when == "registered":
+                handle = nn.modules.module.register_module_forward_pre_hook(_double_linear_inputs)
+            else:
+                handle.remove()
+                handle = None
+            _assert_members(wide, members, x)
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+# --- F6: a plain class as a namespace, a tuple holding a list -------------------------------------------
+
+
+class Cfg:
+    K = 1.0
+
+
+class Helper:
+    K2 = 1.0
+
+    @classmethod
+    def cscale(cls, h):
+        return h * cls.K2
+
+
+class _ClassNamespace(LinearModel):
+    def forward(self, x):
+        return self.fc(x) * Cfg.K
+
+
+class _ClassMethod(LinearModel):
+    def forward(self, x):
+        return Helper.cscale(self.fc(x))
+
+
+def test_a_plain_class_attribute_is_guarded(monkeypatch):
+    _check_change(_ClassNamespace, lambda mp: mp.setattr(Cfg, "K", 3.0), monkeypatch)
+
+
+def test_a_class_attribute_a_classmethod_reads_is_guarded(monkeypatch):
+    _check_change(_ClassMethod, lambda mp: mp.setattr(Helper, "K2", 4.0), monkeypatch)
+
+
+TUP = (1.0, [1.0])
+
+
+class _TupleList(LinearModel):
+    def forward(self, x):
+        return self.fc(x) * TUP[1][0]
+
+
+def test_a_list_in_a_global_tuple_is_guarded(monkeypatch):
+    try:
+        _check_change(_TupleList, lambda mp: TUP[1].__setitem__(0, 2.0), monkeypatch)
+    finally:
+        TUP[1][0] = 1.0
+
+
+# --- D1: another user module's attribute and function, closure cells ---------------------------------------
+
+
+def _user_module(name, source):
+    """A module of the user's (its file beside this one), registered in sys.modules."""
+    mod = types.ModuleType(name)
+    mod.__file__ = __file__.replace("test_guards_reach2.py", f"{name}.py")
+    exec(compile(source, mod.__file__, "exec"), mod.__dict__)  # noqa: S102
+    sys.modules[name] = mod
+    return mod
+
+
+cfgmod = _user_module("_wc_reach2_cfgmod", "X = 1.0\ndef f(h):\n    return h * X\n")
+
+
+class _ModuleAttribute(LinearModel):
+    def forward(self, x):
+        return self.fc(x) * cfgmod.X
+
+
+class _ModuleFunction(LinearModel):
+    def forward(self, x):
+        return cfgmod.f(self.fc(x))
+
+
+@pytest.mark.parametrize("cls", [_ModuleAttribute, _ModuleFunction])
+def test_another_user_modules_attribute_is_guarded(cls, monkeypatch):
+    _check_change(cls, lambda mp: mp.setattr(cfgmod, "X", 4.0), monkeypatch)
+
+
+def _make_cell():
+    v = 1.0
+    box = {"v": 1.0}
+
+    def scaled(h):
+        return h * v * box["v"]
+
+    def set_v(new):
+        nonlocal v
+        v = new
+
+    return scaled, set_v, box
+
+
+CELL, SET_CELL, BOX = _make_cell()
+
+
+class _Closure(LinearModel):
+    def forward(self, x):
+        return CELL(self.fc(x))
+
+
+@pytest.mark.parametrize("what", ["cell", "dict in a cell"])
+def test_a_closure_cell_is_guarded(what, monkeypatch):
+    if what == "cell":
+        try:
+            _check_change(_Closure, lambda mp: SET_CELL(7.0), monkeypatch)
+        finally:
+            SET_CELL(1.0)
+    else:
+        _check_change(_Closure, lambda mp: mp.setitem(BOX, "v", 7.0), monkeypatch)
+
+
+NOT_PLAIN_TUPLE = (1.0, [torch.ones(4, dtype=torch.float64)])
+
+
+class _TupleOfTensors(LinearModel):
+    def forward(self, x):
+        return self.fc(x) * NOT_PLAIN_TUPLE[1][0]
+
+
+def test_a_tuple_holding_what_cannot_be_guarded_is_named_at_capture(caplog):
+    with caplog.at_level(logging.WARNING, logger="wide_compiler"):
+        _compile(_TupleOfTensors)
+    assert "NOT_PLAIN_TUPLE" in caplog.text and "is not seen by the compiled graphs" in caplog.text
+
+
+class _ReadsGlobals(LinearModel):
+    def forward(self, x):
+        return self.fc(x) * globals()["S"]
+
+
+def test_globals_read_through_globals_is_named_at_capture(caplog):
+    with caplog.at_level(logging.WARNING, logger="wide_compiler"):
+        _compile(_ReadsGlobals)
+    assert "globals() in _ReadsGlobals.forward" in caplog.text and "is not seen by the compiled graphs" in caplog.text
+
+
+def test_an_unpickled_guard_does_not_take_another_process_hooks_for_its_own():
+    import pickle
+
+    handle = nn.modules.module.register_module_forward_pre_hook(_double_linear_inputs)
+    try:
+        wide, _ = _compile(_Plain)
+        x = _x()
+        guards = wide._graph_for(True).guards
+        pdt, pdev = torch.float64, torch.device("cpu")
+        assert guards.holds((x,), pdt, pdev)
+        again = pickle.loads(pickle.dumps(guards))  # as another process reads it: handle ids are its own
+        assert not again.holds((x,), pdt, pdev)
+        assert "global module hooks" in again.failed((x,), pdt, pdev)
+    finally:
+        handle.remove()
+    assert not again.holds((x,), pdt, pdev)  # captured with a hook that no longer runs
+
+
+# --- the code digest of a function: the same in every process ------------------------------------------------
+
+
+def test_a_functions_key_does_not_depend_on_reference_counts():
+    """marshal flags an object referenced more than once, so its bytes (and a digest of them)
+    changed with the references a process happens to hold: a compile-cache miss."""
+    from wide_compiler.fx.state_reads import _function_key
+
+    ns: dict = {}
+    exec(compile("def f(x):\n    return x * 1.23456789 + 9.87654321\n", __file__, "exec"), ns)  # noqa: S102
+    before = _function_key(ns["f"])
+    held = list(ns["f"].__code__.co_consts)  # another reference to each constant
+    assert _function_key(ns["f"]) == before, held
