@@ -324,3 +324,55 @@ def test_a_refused_capture_of_code_without_a_file_names_no_library_line():
     with pytest.raises(ValueError, match=r"member 1: s is 1\.5, member 0 has 0\.5") as e:
         wide(torch.randn(N, 2, 2, 3, dtype=torch.float64))
     assert "wide_compiler/" not in str(e.value) and "no source line of the user's code" in str(e.value)
+
+
+# --- across ranks (two spawned gloo processes, as tests/python/test_constants_proved.py) -------------
+def _entry(rank, world, init_file, fn_name):
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        globals()[fn_name](rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _cross_rank_copy_then_new_size(rank, world):
+    import wide_compiler.distributed as wcd
+
+    values = (0.5, 1.5, 2.0, 1.5)  # rank 0: members 0, 1; rank 1: members 2, 3
+
+    def make(i):
+        torch.manual_seed(i)
+        return Branchy(values[i]).double()
+
+    sharded = wcd.shard(make, torch.randn(2, 4, 3, dtype=torch.float64), n=4, config=FAST)
+    wcd.copy_member_weights(sharded, 3, 0)  # rank 0's local member 0 takes s = 1.5 from rank 1
+    x = torch.randn(2, 2, 2, 3, dtype=torch.float64)  # T = 2: both of rank 0's members now multiply
+    if rank == 0:
+        assert sharded.wide.per_member_constants == {"s": [1.5, 1.5]}
+        with torch.no_grad():
+            out = sharded(x)
+            for local, ref in enumerate([make(3), make(1)]):
+                torch.testing.assert_close(out[local], ref(x[local]), rtol=1e-12, atol=1e-12)
+
+
+def test_copy_across_ranks_then_a_new_size_traces_the_copied_constants(tmp_path):
+    import os
+
+    import torch.multiprocessing as mp
+
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        mp.start_processes(_entry, args=(2, str(tmp_path / "init"), "_cross_rank_copy_then_new_size"), nprocs=2,
+                           join=True, start_method="spawn")
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
