@@ -273,6 +273,42 @@ def test_an_unpickled_guard_does_not_take_another_process_hooks_for_its_own():
     assert not again.holds((x,), pdt, pdev)  # captured with a hook that no longer runs
 
 
+def _make_counter():
+    n = 0
+    seen = {"calls": 0}
+
+    def counted(h):
+        nonlocal n
+        n += 1
+        seen["calls"] += 1
+        cfgmod.SEEN.append(1)
+        return h
+
+    return counted
+
+
+COUNTED = _make_counter()
+
+
+class _Counts(LinearModel):
+    def forward(self, x):
+        return COUNTED(self.fc(x)) * cfgmod.X
+
+
+def test_state_a_closure_or_another_module_keeps_is_not_a_guard(monkeypatch):
+    """``nonlocal n; n += 1``, ``seen["calls"] += 1`` on a closure's dict, ``cfgmod.SEEN.append``:
+    guarding them would capture again at every call (and refuse after 8); ``cfgmod.X``, which the
+    code only reads, is still guarded."""
+    monkeypatch.setattr(cfgmod, "SEEN", [], raising=False)
+    wide, members = _compile(_Counts)
+    x = _x()
+    for _ in range(10):
+        _assert_members(wide, members, x)
+    assert 1 + sum(len(v) for v in wide._variants.values()) == 1
+    watched = {e[2] for e in wide._graph_for(True).guards.watched}
+    assert "X" in watched and not watched & {"n", "seen", "SEEN"}
+
+
 # --- the code digest of a function: the same in every process ------------------------------------------------
 
 

@@ -418,21 +418,37 @@ _MUTATORS = frozenset({"append", "extend", "insert", "remove", "pop", "clear", "
 
 
 def _written_into(instructions: list[Any]) -> set[str]:
-    """The globals the code changes in place, on the line that loads them (``STATS["calls"] += 1``,
-    ``CACHE.append(x)``, ``cfg.seen = True``): state the forward keeps, as a name it assigns is
-    (guarding its contents would capture again at every call). A line that also writes into
-    another object counts too: that global's contents are then left unguarded."""
+    """The globals and closure variables the code changes in place, on the line that loads them
+    (``STATS["calls"] += 1``, ``CACHE.append(x)``, ``cfg.seen = True``, ``cfgmod.SEEN.append(x)``):
+    state the forward keeps, as a name it assigns is (guarding its contents would capture again
+    at every call). A line that also writes into another object counts too: that global's
+    contents are then left unguarded.
+
+    >>> def forward(x):
+    ...     STATS["calls"] += 1
+    ...     cfgmod.SEEN.append(x)
+    ...     return x * CFG["scale"]
+    >>> sorted(_written_into(list(dis.get_instructions(forward))))
+    ['SEEN', 'STATS', 'cfgmod']
+    """
     out: set[str] = set()
     line: list[Any] = []
     for ins in [*instructions, None]:
         if ins is None or (ins.starts_line and line):
-            loaded = [i for i, x in enumerate(line) if x.opname == "LOAD_GLOBAL" and isinstance(x.argval, str)]
+            loaded = [i for i, x in enumerate(line) if x.opname in ("LOAD_GLOBAL", "LOAD_DEREF")
+                      and isinstance(x.argval, str)]
             writes = any(x.opname in ("STORE_SUBSCR", "DELETE_SUBSCR", "STORE_ATTR") for x in line)
             for i in loaded:
-                after = line[i + 1] if i + 1 < len(line) else None
-                mutator = after is not None and after.opname in ("LOAD_ATTR", "LOAD_METHOD") and after.argval in _MUTATORS
+                names = [line[i].argval]  # the global, and the attributes read of it (``cfgmod.SEEN``)
+                j, mutator = i + 1, False
+                while j < len(line) and line[j].opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                    if line[j].argval in _MUTATORS:
+                        mutator = True
+                        break
+                    names.append(line[j].argval)
+                    j += 1
                 if writes or mutator:
-                    out.add(line[i].argval)
+                    out.update(names)
             line = []
         if ins is not None:
             line.append(ins)
