@@ -62,6 +62,12 @@ class MemberOpsMixin:
             >>> wide.write_back(models)
             >>> models[0].weight is w0 and torch.equal(models[0].weight, wide.weight[0])
             True
+            >>> sweep = [torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Dropout(p)) for p in (0.1, 0.2)]
+            >>> wide = wc.compile(sweep, torch.randn(1, 3), config=wc.WideConfig.fast())
+            >>> wide.copy_member_weights(src=1, dst=0)          # member 0 takes p = 0.2 too
+            >>> wide.write_back(sweep)
+            >>> [m[1].p for m in sweep]
+            [0.2, 0.2]
         """
         self._write_back_checked(models)()
 

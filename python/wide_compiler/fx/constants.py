@@ -55,7 +55,10 @@ per-member value the receiver shares, is refused, naming the member, the attribu
 Not covered here: writing a ``_per_member`` buffer by hand and ``WideModel.load_state_dict`` of a
 wide state dict with other constants (model.py) change the attributes' buffers alone, so a derived
 argument keeps its compiled values and a new value is not proved; :meth:`ConstantPlan.unproved`
-is the check for them (the plan's ``proved`` configurations against the model's buffers).
+is the check for them (the plan's ``proved`` configurations against the model's buffers). After
+any of these moves, a capture (new inputs, the other train/eval mode) traces the values the members
+hold then, not those of the first compile (Note [Constants the members hold now] in
+model_constants.py), and ``write_back`` writes them into the user's modules.
 
 Note [Every configuration's guards]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
