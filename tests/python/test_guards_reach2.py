@@ -89,6 +89,21 @@ def test_a_global_a_modules_hook_reads_is_guarded(cls, monkeypatch):
     _check_change(cls, _set_global("S", 2.5), monkeypatch)
 
 
+class _SelfHooked(LinearModel):
+    K = 1.0  # a class attribute the hook reads of the module it is handed
+
+    def __init__(self):
+        super().__init__()
+        self.register_forward_hook(lambda mod, args, out: out * mod.K)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_a_class_attribute_a_hook_reads_of_its_module_is_guarded(monkeypatch):
+    _check_change(_SelfHooked, lambda mp: mp.setattr(_SelfHooked, "K", 3.0), monkeypatch)
+
+
 def _double_linear_inputs(mod, args):
     if isinstance(mod, nn.Linear):
         return (args[0] * 2,)

@@ -616,8 +616,8 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
             elif _plain_instance(v) and not isinstance(v, types.SimpleNamespace):
                 held.append(type(v))  # an object of the user's it holds: its class's attributes and methods
         for hooks in (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks):
-            for v in list(hooks.values()):  # its hooks: code its call runs, read like a forward
-                follow(v, m)
+            for v in list(hooks.values()):  # its hooks: code its call runs, read like a helper (``mod.K``:
+                follow(v, None)  # looked up on the tree's module classes, as every attribute name is)
         for klass in type(m).__mro__:  # its forward and its base classes' (super().forward(x))
             if "forward" in vars(klass):
                 follow(vars(klass)["forward"], m)
