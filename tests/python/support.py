@@ -49,6 +49,12 @@ def steady_measuring_clock(monkeypatch, step_s: float = 1e-4) -> None:
     monkeypatch.setattr(timing, "_clock", lambda: next(readings) * step_s)
 
 
+#: Code for a fresh interpreter (``python -c``): import the package and touch every public name.
+#: The package root is lazy (Note [Lazy package root]): ``import wide_compiler`` alone imports
+#: nothing, so a check of what the library imports must first use what a user uses.
+USE_THE_API = "import sys, wide_compiler as wc\nfor name in wc.__all__: getattr(wc, name)\n"
+
+
 #: The benchmark targets whose whole ``ci`` preset test_bench_vision.py runs and checks.
 VISION_CI_TARGETS = ("conv", "norm", "pool", "embedding", "models", "attention", "dropout")
 

@@ -14,7 +14,7 @@ from torch import nn
 from wide_compiler import measure
 from wide_compiler.measure import timing
 
-from support import FakeClock, fake_clock
+from support import USE_THE_API, FakeClock, fake_clock
 
 
 @pytest.fixture
@@ -37,8 +37,11 @@ def recorder(clock: FakeClock, seconds: dict[str, list[float] | float], log: lis
 
 
 def test_import_wide_compiler_loads_no_benchmark_code():
-    code = ("import sys, wide_compiler; "
-            "print(sorted(m for m in sys.modules if m.startswith('wide_compiler.bench')))")
+    """Nor Lightning, Optuna, Ray or transformers (test_lightning.py and test_optuna.py checked
+    theirs each in a process of its own, on ``import wide_compiler`` alone, which imports nothing:
+    here, once, with every public name used)."""
+    code = USE_THE_API + ("print(sorted(m for m in sys.modules if m.startswith('wide_compiler.bench') or m.split('.')[0] "
+                          "in ('lightning', 'pytorch_lightning', 'optuna', 'ray', 'transformers')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
