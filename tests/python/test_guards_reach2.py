@@ -337,3 +337,29 @@ def test_a_functions_key_does_not_depend_on_reference_counts():
     before = _function_key(ns["f"])
     held = list(ns["f"].__code__.co_consts)  # another reference to each constant
     assert _function_key(ns["f"]) == before, held
+
+
+class _All(LinearModel):
+    def forward(self, x):
+        return CELL(self.fc(x)) * cfgmod.X * Cfg.K
+
+
+def test_a_graph_from_the_compile_cache_follows_a_module_attribute_a_class_and_a_cell(cache_dir, monkeypatch):
+    from support import cache_entries
+
+    _compile(_All)
+    assert len(cache_entries(cache_dir)) == 1
+    from wide_compiler.fx import pipeline
+
+    def captured(*args, **kwargs):
+        raise AssertionError("captured: the compile cache missed")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "capture", captured)
+        wide, members = _compile(_All)  # read from the cache: the guards as unpickled
+    x = _x()
+    _assert_members(wide, members, x)
+    for change in (lambda: monkeypatch.setattr(cfgmod, "X", 2.0), lambda: monkeypatch.setattr(Cfg, "K", 3.0),
+                   lambda: monkeypatch.setitem(BOX, "v", 5.0)):
+        change()
+        _assert_members(wide, members, x)
