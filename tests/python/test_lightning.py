@@ -554,7 +554,7 @@ def test_ddp_two_cpu_processes(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(script), str(out), str(Path(__file__).parent)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)  # a hang guard
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["world"] == 2 and result["steps"] == 12   # 160 rows / 2 ranks / 24 per batch -> 4 x 3
@@ -565,7 +565,7 @@ def test_ddp_two_cpu_processes(tmp_path):
 def test_example_runs(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"))
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "lightning_ensemble.py"), "--epochs", "1"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)  # a hang guard
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "best member" in proc.stdout.lower()
 

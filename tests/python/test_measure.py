@@ -40,8 +40,8 @@ def test_import_wide_compiler_loads_no_benchmark_code():
     """Nor Lightning, Optuna, Ray or transformers (test_lightning.py and test_optuna.py checked
     theirs each in a process of its own, on ``import wide_compiler`` alone, which imports nothing:
     here, once, with every public name used)."""
-    code = USE_THE_API + ("print(sorted(m for m in sys.modules if m.startswith('wide_compiler.bench') or m.split('.')[0] "
-                          "in ('lightning', 'pytorch_lightning', 'optuna', 'ray', 'transformers')))")
+    code = USE_THE_API + ("print(sorted(m for m in sys.modules if m.startswith('wide_compiler.bench') or "
+                          "m.split('.')[0] in ('lightning', 'pytorch_lightning', 'optuna', 'ray', 'transformers')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
