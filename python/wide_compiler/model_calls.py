@@ -38,8 +38,9 @@ log = logging.getLogger("wide_compiler.model")  # the model's records under one 
 # compiled model then finds that capture. It does not claim a size is fixed where an eager call
 # would capture again. Under fullgraph=True Dynamo reports the error as its own
 # ("Unsupported: Observed exception", our message in its text); without it, Dynamo breaks the graph
-# there and runs the forward eagerly, where the capture happens as in any eager call. (Found by probe 4 of issue 44, F1: Dynamo's "Unsupported context manager
-# RLock", and a wrapped "sizes ... were fixed at capture" for a size eager accepts.)
+# there and runs the forward eagerly, where the capture happens as in any eager call. (Found by
+# probe 4 of issue 44, F1: Dynamo's "Unsupported context manager RLock", and a wrapped "sizes ...
+# were fixed at capture" for a size eager accepts.)
 
 
 class CallGraphsMixin:
