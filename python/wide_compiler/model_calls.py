@@ -105,6 +105,14 @@ class CallGraphsMixin:
             if why is None:
                 return wg, flat
         mode = "train" if training else "eval"
+        users = (inp for inp in wg.inputs if inp.kind == "user")
+        for inp, x in zip(users, flat):  # refused in eager too: no capture takes another value
+            if not isinstance(x, torch.Tensor) and not same_input(x, inp.sample_value):
+                raise ValueError(
+                    f"wide_compiler: input '{inp.name}' is another value or type than the "
+                    f"{inp.sample_value!r} ({type(inp.sample_value).__name__}) the wide model was compiled with: "
+                    f"non-tensor inputs are baked into the graph at compile time, and a forward may read their "
+                    f"type and sign; compile again for another value")
         raise ValueError(
             f"wide_compiler: this call needs a new capture of the {mode} graph, for {self._why_compiled(wg, flat)}; "
             f"a graph cannot be captured inside torch.compile. Call the wide model once outside torch.compile "
@@ -119,10 +127,7 @@ class CallGraphsMixin:
         users = [inp for inp in wg.inputs if inp.kind == "user"]
         for k, (inp, x) in enumerate(zip(users, flat)):
             if not isinstance(x, torch.Tensor):
-                if not same_input(x, inp.sample_value):
-                    return (f"input '{inp.name}', another value or type than the {inp.sample_value!r} it was "
-                            f"captured with (non-tensor inputs are baked into the graph)")
-                continue
+                continue  # checked by the caller
             if guards is not None and k < len(guards.dtypes) and guards.dtypes[k] is not None \
                     and not (k < len(guards.follows) and guards.follows[k]) and x.dtype != guards.dtypes[k]:
                 return f"input '{inp.name}', another dtype than the {guards.dtypes[k]} it was captured with"

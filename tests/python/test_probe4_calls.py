@@ -165,3 +165,23 @@ def test_a_call_needing_a_new_capture_under_torch_compile_says_so_and_an_eager_c
             torch.testing.assert_close(loose(x5), members(x5), rtol=1e-12, atol=1e-12)
     finally:
         _SC = 1.0
+
+
+def test_non_tensor_inputs_under_torch_compile_are_compared_by_type_and_value():
+    """The guards' check of a non-tensor input traces under torch.compile (a float kept symbolic
+    by Dynamo: no repr); another type or sign is refused as in eager (was: 2.0 ran 2's graph)."""
+    models, wide = _typed_wide(2)
+    compiled = torch.compile(wide, fullgraph=True, backend="eager")
+    x = torch.randn(2, 4, 3, dtype=DT)
+    with torch.no_grad():
+        out = compiled(x, scale=2)
+        for i, m in enumerate(models):
+            torch.testing.assert_close(out[i], m(x[i], scale=2), rtol=1e-12, atol=1e-12)
+        for other in (2.0, 3):
+            with pytest.raises(Exception, match=r"(?s)input 'scale' is .*compiled with.*compile again"):
+                compiled(x, scale=other)
+    models, wide = _typed_wide(1.5)  # a float input: Dynamo keeps it symbolic
+    compiled = torch.compile(wide, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        out = compiled(x, scale=1.5)
+        torch.testing.assert_close(out[1], models[1](x[1], scale=1.5), rtol=1e-12, atol=1e-12)
