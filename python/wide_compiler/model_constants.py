@@ -85,6 +85,19 @@ class MemberConstantsMixin:
             out.append(values)
         return out
 
+    def _constant_buffers(self, paths: tuple[str, ...]) -> list[torch.Tensor]:
+        """The ``_per_member.<path>`` buffers of ``paths``, read through their holder modules, found
+        once per instance (``.to()`` rebinds a buffer in its holder, never the holder itself)."""
+        key = ("holders", paths)
+        holders = self._constants_seen.get(key)
+        if holders is None:
+            holders = []
+            for p in paths:
+                mod_path, _, attr = f"_per_member.{p}".rpartition(".")
+                holders.append((self.get_submodule(mod_path), attr))  # type: ignore[attr-defined]
+            self._constants_seen[key] = holders
+        return [h._buffers[attr] for h, attr in holders]
+
     # Note [Constants the members hold now]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
     # A capture for new inputs or a new mode traces the capture template (a copy of member 0 at
@@ -101,7 +114,7 @@ class MemberConstantsMixin:
         consts = self.__dict__.get("_constants")
         if not consts or torch.compiler.is_compiling():
             return
-        bufs = [_get_tensor(self, f"_per_member.{p}") for p in consts]
+        bufs = self._constant_buffers(tuple(consts))
         seen = tuple((id(b), b._version) for b in bufs)
         if self._constants_seen.get("now") == seen:
             return
@@ -137,7 +150,7 @@ class MemberConstantsMixin:
                     "traces them without values. Export it with wide.export(), which checks them first")
             return
         paths, by_key = wg.constant_table
-        bufs = [_get_tensor(self, f"_per_member.{p}") for p in paths]
+        bufs = self._constant_buffers(tuple(paths))
         seen = tuple((id(b), b._version) for b in bufs)
         if self._constants_seen.get(id(wg)) == seen:
             return

@@ -299,6 +299,17 @@ def test_capture_at_a_new_size_after_an_in_place_edit_traces_the_edited_constant
     assert wide.member(0).s == 2.0
 
 
+def test_capture_after_a_state_dict_load_that_rebinds_the_buffers_traces_the_loaded_constants():
+    """load_state_dict(assign=True) after a call puts new buffer objects in place of the ones seen."""
+    models, wide = _branchy()
+    wide(torch.randn(N, 2, 4, 3, dtype=torch.float64))
+    sd = {k: v.clone() for k, v in wide.state_dict().items()}
+    sd["_per_member.s"] = torch.tensor([2.0, 1.5, 2.0], dtype=sd["_per_member.s"].dtype)
+    wide.load_state_dict(sd, assign=True)
+    assert_members_match(wide, [_with_s(models[0], 2.0), models[1], models[2]],
+                         torch.randn(N, 2, 2, 3, dtype=torch.float64))
+
+
 def test_a_refused_capture_names_the_members_values_and_the_users_line():
     """Member 0 (s = 0.5) subtracts at T = 2 where member 1 (s = 1.5) multiplies: refused, and the
     message says so with the line of this file, never one of the library's."""
