@@ -281,6 +281,16 @@ def test_capture_at_a_new_size_after_copy_member_weights_traces_the_copied_const
     assert_members_match(wide, [models[1], models[1], models[2]], torch.randn(N, 2, 4, 3, dtype=torch.float64))
 
 
+def test_a_capture_after_copy_member_weights_leaves_the_users_modules_alone():
+    """The capture template that takes member 0's new constants is the compiler's own copy."""
+    models = members(Branchy, [0.5, 1.5, 2.0])
+    wide = wc.compile(models, torch.randn(2, 4, 3, dtype=torch.float64), config=FAST)  # the user's objects
+    wide.copy_member_weights(src=1, dst=0)
+    wide(torch.randn(N, 2, 2, 3, dtype=torch.float64))
+    wide.eval()(torch.randn(N, 2, 2, 3, dtype=torch.float64))
+    assert [m.s for m in models] == [0.5, 1.5, 2.0] and all(m.training for m in models)
+
+
 def test_capture_at_a_new_size_after_a_state_dict_load_traces_the_loaded_constants():
     models, wide = _branchy()
     sd = wide.state_dict()
