@@ -315,14 +315,15 @@ def test_the_plan_names_members_outside_the_proved_configurations():
 
 
 # --- across ranks (two spawned gloo processes, as tests/python/test_distributed.py) ---------------
-def _entry(rank, world, init_file, fn_name, args):
+def _entry(rank, world, init_file, fn_names):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))  # a hang guard, as in test_distributed.py
     try:
-        globals()[fn_name](rank, world, *args)
+        for fn_name in fn_names:  # one world for every case (a spawned world costs ~15 s)
+            globals()[fn_name](rank, world)
     finally:
         dist.destroy_process_group()
 
@@ -343,14 +344,38 @@ def _cross_rank_copy(rank, world):
         wcd.copy_member_weights(sharded, 1, 3)  # s = 0.2 is no longer on rank 1: refused on both ranks
 
 
+def _cross_rank_copy_then_new_size(rank, world):
+    """Probe 4's F2 across ranks: a call at a new size after the copy traces the copied constants
+    (it traced member 0's compile-time ones and refused 'member 0: s is 1.5, member 0 has 1.5')."""
+    from test_constants_edits import Branchy
+
+    values = (0.5, 1.5, 2.0, 1.5)  # rank 0: members 0, 1; rank 1: members 2, 3
+
+    def make(i):
+        torch.manual_seed(i)
+        return Branchy(values[i]).double()
+
+    sharded = wcd.shard(make, torch.randn(2, 4, 3, dtype=torch.float64), n=4, config=FAST)
+    wcd.copy_member_weights(sharded, 3, 0)  # rank 0's local member 0 takes s = 1.5 from rank 1
+    x = torch.randn(2, 2, 2, 3, dtype=torch.float64)  # T = 2: both of rank 0's members now multiply
+    if rank == 0:
+        assert sharded.wide.per_member_constants == {"s": [1.5, 1.5]}
+        with torch.no_grad():
+            out = sharded(x)
+            for local, ref in enumerate([make(3), make(1)]):
+                torch.testing.assert_close(out[local], ref(x[local]), rtol=1e-12, atol=1e-12)
+
+
 def test_copy_member_weights_across_ranks_carries_the_constants(tmp_path):
+    """Across two gloo ranks: the copied constants are the receiver's, a configuration no longer
+    proved on the receiving rank is refused, and a later call at a new size traces the copy."""
     import torch.multiprocessing as mp
 
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        mp.start_processes(_entry, args=(2, str(tmp_path / "init"), "_cross_rank_copy", ()), nprocs=2, join=True,
-                           start_method="spawn")
+        cases = ("_cross_rank_copy", "_cross_rank_copy_then_new_size")
+        mp.start_processes(_entry, args=(2, str(tmp_path / "init"), cases), nprocs=2, join=True, start_method="spawn")
     finally:
         if saved is None:
             os.environ.pop("OMP_NUM_THREADS", None)
