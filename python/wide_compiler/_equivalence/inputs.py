@@ -18,6 +18,32 @@ from .compare import _float_leaf
 __all__ = ["make_members", "member_inputs", "shared_input", "stack_inputs"]
 
 
+def _same_leaf(a: Any, b: Any) -> bool:
+    """Whether two non-tensor inputs are one value for a program that bakes them in: the same type
+    and value (``1`` is not ``1.0`` nor ``True``, ``-0.0`` is not ``0.0``, a NaN is a NaN; tuples
+    and lists item by item). The rule of the compiler's ``fx.guards.same_input``, which the
+    harness may not import (.importlinter: equivalence-below-compiler); ``==`` alone would pass
+    members given 1 and 1.0 as one input and compare member 1 with a program captured for 1.
+
+    >>> _same_leaf(1, 1), _same_leaf(1, 1.0), _same_leaf(True, 1), _same_leaf(-0.0, 0.0)
+    (True, False, False, False)
+    >>> _same_leaf(float("nan"), float("nan")), _same_leaf((1, 2.0), (1, 2)), _same_leaf("mean", "mean")
+    (True, False, True)
+    """
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (float, complex)):
+        return repr(a) == repr(b)  # repr tells -0.0 from 0.0 and takes NaN as NaN
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same_leaf(x, y) for x, y in zip(a, b))
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 -- a value that cannot be compared is not the same
+        return False
+
+
 def shared_input(sample: Any, n: int) -> Any:
     """One input for all ``n`` members: every tensor of ``sample`` (a tensor or a pytree of inputs)
     as ``x.expand(n, *x.shape)`` -- a stride-0 view, which the wide model recognises and never
@@ -57,9 +83,10 @@ def stack_inputs(per_member: Sequence[Any]) -> Any:
             leaves.append(torch.stack([f[0][j] for f in flats]))
         else:
             for i, f in enumerate(flats):
-                if f[0][j] != leaf:
+                if not _same_leaf(f[0][j], leaf):  # by type and value: 1 is not 1.0, -0.0 not 0.0
                     raise ValueError(f"wide_compiler.testing.stack_inputs: non-tensor input {j} is "
-                                     f"{f[0][j]!r} for member {i} but {leaf!r} for member 0; "
+                                     f"{f[0][j]!r} ({type(f[0][j]).__name__}) for member {i} but {leaf!r} "
+                                     f"({type(leaf).__name__}) for member 0; "
                                      "Python values are baked into the graph and must agree")
             leaves.append(leaf)
     return tree_unflatten(leaves, spec)
@@ -169,9 +196,10 @@ def _prepare_inputs(n: int, inputs: Any, kwargs: Any, *, shared: bool, grads: bo
     for j, leaf in enumerate(flats[0][0]):
         if not isinstance(leaf, torch.Tensor):
             for i, f in enumerate(flats):
-                if f[0][j] != leaf:
-                    raise ValueError(f"check_equivalence: non-tensor input {j} is {f[0][j]!r} for member "
-                                     f"{i} but {leaf!r} for member 0 (Python values are baked in)")
+                if not _same_leaf(f[0][j], leaf):  # by type and value: 1 is not 1.0 nor True, -0.0 not 0.0
+                    raise ValueError(f"check_equivalence: non-tensor input {j} is {f[0][j]!r} "
+                                     f"({type(f[0][j]).__name__}) for member {i} but {leaf!r} "
+                                     f"({type(leaf).__name__}) for member 0 (Python values are baked in)")
             wide_leaves.append(leaf)
             bases.append(None)
             continue

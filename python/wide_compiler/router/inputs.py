@@ -10,14 +10,40 @@ from typing import Any
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
+from ..fx.guards import same_input
+
 __all__: list[str] = []
+
+
+class _Value:
+    """A non-tensor input as a compiled program fixes it: equal to another only when
+    :func:`~wide_compiler.fx.guards.same_input` says so (``1`` is not ``1.0`` nor ``True``,
+    ``-0.0`` is not ``0.0``, a NaN is a NaN), where ``==`` would merge them and give one tower
+    the program captured with another tower's value.
+
+    >>> _Value(1) == _Value(1), _Value(1) == _Value(1.0), _Value(0.0) == _Value(-0.0)
+    (True, False, False)
+    """
+
+    __slots__ = ("v",)
+
+    def __init__(self, v: Any) -> None:
+        self.v = v
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Value) and same_input(self.v, other.v)
+
+    __hash__ = None  # type: ignore[assignment]  # compared, never hashed
+
+    def __repr__(self) -> str:
+        return repr(self.v)
 
 
 def _signature(args: tuple, kwargs: dict) -> Any:
     """The input structure of a call, tensors by shape/dtype/device, other values by value:
     towers given different signatures cannot share one wide program."""
     flat, spec = tree_flatten((args, kwargs))
-    return spec, [("tensor", tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else ("value", a)
+    return spec, [("tensor", tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else ("value", _Value(a))
                   for a in flat]
 
 
@@ -31,7 +57,7 @@ def _structure(args: tuple, kwargs: dict) -> Any:
     if _plain(args, kwargs):
         return len(args)
     flat, spec = tree_flatten((args, kwargs))
-    return spec, [None if isinstance(a, torch.Tensor) else ("value", a) for a in flat]
+    return spec, [None if isinstance(a, torch.Tensor) else ("value", _Value(a)) for a in flat]
 
 
 def _expand(tree: Any, n: int) -> Any:
@@ -76,9 +102,10 @@ def _stack(trees: list, names: list[str]) -> Any:
                     "run them in separate wide_forward calls with tower_names=[...]")
             leaves.append(torch.stack(column))
         else:
-            if any(c != first for c in column):
+            if not all(same_input(c, first) for c in column):  # 1 vs 1.0, 0.0 vs -0.0: not one program
                 raise ValueError(f"WideRouter: the towers of group {names} got different non-tensor inputs "
-                                 f"{column}; they are baked into the group's program")
+                                 f"{column!r} (types {[type(c).__name__ for c in column]}) at "
+                                 f"{_input_name(path)}; they are baked into the group's program")
             leaves.append(first)
     return tree_unflatten(leaves, spec)
 
