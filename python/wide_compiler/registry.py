@@ -9,10 +9,12 @@ When to register a wide form, and what it costs: Note [Capture special cases] in
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -100,13 +102,18 @@ def registered_wide_form(module: nn.Module) -> type | None:
 def _builtin_wide_form(module: nn.Module) -> type | None:
     """BatchNorm with ``momentum=None`` (a cumulative average) computes its update factor as
     ``1 / float(num_batches_tracked)`` in Python, a data-dependent value export cannot trace: it
-    is kept whole and run by ``wc.nn.WideBatchNorm*d``, which computes the same factor per call."""
+    is kept whole and run by ``wc.nn.WideBatchNorm*d``, which computes the same factor per call.
+    Another library's module whose forward calls a custom autograd.Function gets the form of
+    ``wc.nn.library_forms`` (transformers' BloomGelu), which runs that function's own backward."""
     from . import nn as wide_nn
+    from .nn.library_forms import library_wide_form
 
     forms = {nn.BatchNorm1d: wide_nn.WideBatchNorm1d, nn.BatchNorm2d: wide_nn.WideBatchNorm2d,
              nn.BatchNorm3d: wide_nn.WideBatchNorm3d}
     form = forms.get(type(module))
-    return form if form is not None and module.momentum is None and module.track_running_stats else None
+    if form is None:
+        return library_wide_form(module)
+    return form if module.momentum is None and module.track_running_stats else None
 
 
 def registered_paths(model: nn.Module) -> list[str]:
@@ -122,10 +129,32 @@ def _as_list(out) -> list[torch.Tensor]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
+_RUNNING = threading.local()  # .depth: registered modules' own forwards running in this thread
+
+
+@contextlib.contextmanager
+def _running_registered() -> Iterator[None]:
+    """Around a registered module's forward run during capture (for its outputs' shapes): its
+    Python is not captured (the wide form runs its own at every call), so what it calls (a custom
+    autograd.Function, a hook, a flag it reads) is none of the capture's business: the capture's
+    watch (fx/export_watch.py) asks :func:`running_registered` and records nothing meanwhile."""
+    _RUNNING.depth = getattr(_RUNNING, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _RUNNING.depth -= 1
+
+
+def running_registered() -> bool:
+    """Whether a registered module's own forward is running in this thread (during a capture)."""
+    return getattr(_RUNNING, "depth", 0) > 0
+
+
 @torch.library.custom_op("wide_compiler::opaque_module", mutates_args=())
 def opaque_module(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """One member's registered module, opaque to export (see module docstring)."""
-    return [t.clone() for t in _as_list(_OPAQUE[key](*inputs))]
+    with _running_registered():
+        return [t.clone() for t in _as_list(_OPAQUE[key](*inputs))]
 
 
 @opaque_module.register_fake
@@ -140,7 +169,8 @@ def _opaque_module_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tens
     symbols = {hint(s): s for x in inputs for s in x.shape if isinstance(s, torch.SymInt)}
     with unset_fake_temporarily(), torch.no_grad():
         real = [torch.zeros([hint(s) for s in x.shape], dtype=x.dtype, device=x.device) for x in inputs]
-        outs = _as_list(_OPAQUE[key](*real))
+        with _running_registered():
+            outs = _as_list(_OPAQUE[key](*real))
     return [inputs[0].new_empty([symbols.get(d, d) for d in o.shape], dtype=o.dtype) for o in outs]
 
 

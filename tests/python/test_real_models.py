@@ -96,3 +96,27 @@ def test_analyze_runs_on_a_transformers_model():
     row = data["speed"][0]
     assert row["n"] == 2 and row["ms"]["wide"] > 0 and row["ms"]["loop"] > 0 and row["speedup"]["vmap"] > 0
     assert data["memory"]["max_n_train"] >= 1
+
+
+def test_bloom_trains_with_its_own_gelu_backward(monkeypatch):
+    """BLOOM's GeLU is transformers' custom GeLUFunction: the built-in wide form of BloomGelu
+    (wide_compiler/nn/library_forms.py) applies it to the wide tensor, so in the wide model's
+    backward GeLUFunction.backward runs once per layer, on all members at once."""
+    from transformers.models.bloom import modeling_bloom
+
+    case = next(c for c in CASES if c.name == "BloomForCausalLM")
+    calls = []
+    own = modeling_bloom.GeLUFunction.backward
+
+    def backward(ctx, g):
+        calls.append(g.shape[0])
+        return own(ctx, g)
+
+    monkeypatch.setattr(modeling_bloom.GeLUFunction, "backward", staticmethod(backward))
+    models = members(case)
+    args, kwargs = sample(case)
+    wide = wc.compile(models, args, sample_kwargs=kwargs, strict=True, config=wc.WideConfig.fast())
+    assert wide._registered == ["transformer.h.0.mlp.gelu_impl", "transformer.h.1.mlp.gelu_impl"]
+    ids = args[0].expand(len(models), *args[0].shape)
+    wide(ids, **kwargs).logits.sum().backward()
+    assert calls == [len(models)] * 2  # N-first: one call per layer for every member

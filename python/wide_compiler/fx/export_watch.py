@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import WideCompileError
+from ..registry import running_registered
 from .source import is_user_file, location, user_frame_and_module
 
 __all__: list[str] = []
@@ -146,6 +147,8 @@ def _calling_module() -> nn.Module | None:
 
 
 def _watching() -> _Watch | None:
+    if running_registered():  # a registered module's forward, run for shapes: its wide form runs its own Python
+        return None
     mine = _WATCHES.get(threading.get_ident())
     return mine[-1] if mine else None
 
