@@ -1,9 +1,9 @@
 """The README's example programs for the distributed integration and the width sweep run as
 documented (shortened with their own flags to the least that prints what is checked: one PBT
 round, one training step; their cost is the processes and the compiles, not the steps): torchrun
-of examples/distributed_pbt.py over 2 gloo processes, examples/width_sweep.py. Each runs in a
-subprocess with a time bound. examples/ray_sweep.py runs in test_ray.py, on that file's Ray
-instance (a second Ray start here cost more than the sweep)."""
+of examples/distributed_pbt.py over 2 gloo processes (a subprocess with a time bound), and
+examples/width_sweep.py as ``__main__`` in this process. examples/ray_sweep.py runs in
+test_ray.py, on that file's Ray instance (a second Ray start here cost more than the sweep)."""
 from __future__ import annotations
 
 import os
@@ -29,7 +29,14 @@ def test_distributed_pbt_under_torchrun(tmp_path):
     assert (tmp_path / "ckpt" / "index.json").exists()
 
 
-def test_width_sweep_trains_members_of_different_widths_as_one(tmp_path):
-    out = _run([sys.executable, str(ROOT / "examples" / "width_sweep.py"), "--steps", "1"], tmp_path)
+def test_width_sweep_trains_members_of_different_widths_as_one(tmp_path, monkeypatch, capsys):
+    """Run as a script (``__main__``, its own argument parsing) in this process: it sets nothing
+    process-wide but the seed, and a fresh interpreter's imports cost more than the run."""
+    import runpy
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["width_sweep.py", "--steps", "1"])
+    runpy.run_path(str(ROOT / "examples" / "width_sweep.py"), run_name="__main__")
+    out = capsys.readouterr().out
     assert out.startswith("padded members:")
     assert out.count("width ") >= 8 and "best: width" in out
