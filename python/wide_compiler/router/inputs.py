@@ -21,8 +21,8 @@ class _Value:
     ``-0.0`` is not ``0.0``, a NaN is a NaN), where ``==`` would merge them and give one tower
     the program captured with another tower's value.
 
-    >>> _Value(1) == _Value(1), _Value(1) == _Value(1.0), _Value(0.0) == _Value(-0.0)
-    (True, False, False)
+    >>> _Value(1) == _Value(1), _Value(1) == _Value(1.0), _Value(0.0) == _Value(-0.0), ("v", 2) == ("v", _Value(2))
+    (True, False, False, True)
     """
 
     __slots__ = ("v",)
@@ -30,8 +30,8 @@ class _Value:
     def __init__(self, v: Any) -> None:
         self.v = v
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Value) and same_input(self.v, other.v)
+    def __eq__(self, other: object) -> bool:  # another _Value, or a plain value (a reflected ==)
+        return same_input(self.v, other.v if isinstance(other, _Value) else other)
 
     __hash__ = None  # type: ignore[assignment]  # compared, never hashed
 
