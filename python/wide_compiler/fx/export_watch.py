@@ -35,8 +35,9 @@ class _Watch:
       torch's or wide_compiler's own): export traces its forward, its backward is lost (the
       wide model's gradient would be autograd's of the forward: a straight-through estimator's
       gradient becomes 0, a gradient-reversal layer's the identity). Every one counts, also one
-      whose backward looks like autograd's gradient of its forward (a memory-saving GeLU, as
-      BLOOM's): Note [Custom Functions are not sampled];
+      whose backward looks like autograd's gradient of its forward (a memory-saving GeLU):
+      Note [Custom Functions are not sampled]. A registered module's wide form may call one (its
+      backward then runs: BLOOM's GeLU, nn/library_forms.py);
     * ``Tensor.register_hook`` on an activation: the hook never runs in the wide model's backward;
     * what the forward reads of the state of the process, whose branch is baked in (Note [State a
       forward reads] in fx/guards.py): the grad mode (``torch.is_grad_enabled()``,
@@ -298,6 +299,7 @@ def _compiling_wrappers() -> frozenset:
 # of that -- an independent probe (issue 44, probe 4 F4) found parameter gradients 2 to 179 off.
 # Equality of two programs cannot be proved by running them; the project verifies, it does not
 # sample. torch's and wide_compiler's own Functions are not recorded (their ops are captured as
-# ATen ops with their own derivatives); a library's (transformers' BLOOM GeLU) is the user's here.
+# ATen ops with their own derivatives); a library's is the user's here, unless a registered wide
+# form of its module calls it on the wide tensor (transformers' BLOOM GeLU: nn/library_forms.py).
 # The eval graph keeps its forward values exact and only warns: a backward through it (input
 # gradients of an eval model) would be autograd's.
