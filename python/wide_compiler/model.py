@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .config import WideConfig
 from .errors import WideCompileError
@@ -83,6 +84,21 @@ def _shared_tensors(template: nn.Module, capture_model: nn.Module) -> dict[int, 
                     and other.dtype == t.dtype and other.device == t.device):
                 memo[id(t)] = other
     return memo
+
+
+# Note [A graph runs in the dtype it was captured in]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A capture traces the forward with the parameters' dtype as it was: a branch on ``x.dtype`` or
+# on a weight's dtype, a ``torch.zeros(..., dtype=x.dtype)``, an ``x.to(self.fc.weight.dtype)``
+# are baked into the graph. So after ``wide.to(dtype)`` / ``.double()`` / ``.half()`` changed the
+# parameters' dtype, no graph captured before may run: every graph is dropped and the mode's graph
+# captured again (``WideModel._apply``), with our copy of member 0 (the capture template, never the
+# user's module) and the compile sample's inputs that were in the parameters' dtype cast to the new
+# one; the other mode's graph is captured on the switch to it, as always. A call in another dtype
+# than the new graph's then fails its guards and captures for its inputs (Note [Guards]). Found
+# by probe 5 of issue 44 (F14): after ``.double()`` a ``1.0 if x.dtype == torch.float64 else 2.0``
+# kept the float32 branch (every output 1.0 off), ``zeros(dtype=x.dtype)`` returned float32 where
+# each member returned bfloat16, and ``x.to(weight.dtype)`` crashed inside wide::linear.
 
 
 class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, InspectionMixin, DeploymentMixin,
@@ -188,6 +204,7 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         # values (a member's own .float() leaves its attribute 0.3, not 0.30000001)
         root = self._modules.get(BUFFER_ROOT)
         constants = dict(root.named_buffers()) if root is not None else {}
+        before = self.__dict__.get("_param_dtype")
         out = super()._apply(fn, recurse)
         for name, was in constants.items():
             path, _, attr = name.rpartition(".")
@@ -196,7 +213,26 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
             if now is not None and now.dtype != was.dtype:
                 holder._buffers[attr] = was.to(device=now.device)
         self._note_dtype()
+        after = self.__dict__.get("_param_dtype")
+        if self.__dict__.get("_graphs") and before is not None and after is not None and after != before:
+            self._recapture_in(before, after)
         return out
+
+    def _recapture_in(self, before: torch.dtype, after: torch.dtype) -> None:
+        """Note [A graph runs in the dtype it was captured in]: after the parameters went from
+        ``before`` to ``after`` (``.to(dtype)``, ``.double()``), every graph is dropped and the
+        mode's graph captured again in ``after``."""
+        def cast(x: Any) -> Any:  # an input captured in the parameters' dtype follows it
+            return x.to(after) if isinstance(x, torch.Tensor) and x.dtype == before else x
+
+        with COMPILE_LOCK:
+            self._capture_template[0].to(after)  # our copy of member 0 (never the user's: pipeline.py)
+            object.__setattr__(self, "_sample", tree_map(cast, self._sample))
+            for key in ("_graphs", "_variants", "_ranges", "_holder_plans", "_constants_seen"):
+                self.__dict__[key].clear()
+            log.info("wide_compiler: the parameters went from %s to %s: capturing the %s graph again in %s",
+                     before, after, "train" if self.training else "eval", after)
+            self._graph_for(self.training)
 
     # -- copying and pickling: the graphs hold no parameters (those are graph inputs) ----------
     def __deepcopy__(self, memo: dict) -> WideModel:

@@ -1,0 +1,48 @@
+"""Calls of a wide model that ran silently wrong or crashed, found by an independent probe (issue
+44, probe 5: F14, F6, F4, F16). A graph runs only in the dtype it was captured in (F14); torch's
+global module hooks do not run again on the wide model and its internal graph modules (F6); an
+eager call is not taken for a torch.compile trace while another thread exports (F4); a model
+compiled inside torch.inference_mode trains (F16). Each member is compared with itself run alone.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import wide_compiler as wc
+from torch import nn
+
+FAST = wc.WideConfig.fast()
+
+
+# ---------------------------------------------------------------- F14: .to(dtype) captures again
+class DtypeBranch(nn.Module):
+    """A forward whose program depends on the dtype: a branch, a tensor made in it, a cast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x.to(self.fc.weight.dtype))
+        return h + (1.0 if x.dtype == torch.float64 else 2.0) + torch.zeros(4, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_to_dtype_captures_the_graph_again(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    models = [DtypeBranch() for _ in range(2)]
+    wide = wc.compile(models, torch.randn(5, 4), config=FAST)
+    wide.to(dtype)
+    assert all(p.dtype == torch.float32 for m in models for p in m.parameters())  # the user's members untouched
+    refs = [copy.deepcopy(m).to(dtype) for m in models]
+    x = torch.randn(2, 5, 4).to(dtype)
+    out = wide(x)
+    for i, m in enumerate(refs):
+        want = m(x[i])
+        assert out[i].dtype == want.dtype
+        torch.testing.assert_close(out[i], want, atol=0, rtol=0)
+    wide.float()  # and back: the float32 branch again (values rounded through the dtype)
+    x = x.float()
+    torch.testing.assert_close(wide(x)[1], refs[1].float()(x[1]), atol=1e-6, rtol=1e-6)
