@@ -55,8 +55,8 @@ import torch
 from torch.export import ExportedProgram
 from torch.utils._pytree import MappingKey, SequenceKey, keystr, tree_flatten, tree_flatten_with_path
 
-from .state_reads import (FLAG_READERS, Contents, FunctionRef, TensorRef, _BOUND_ARGS, _GLOBAL_HOOKS, _access, _matches,
-                          _owner_of, _read, _shown, _where, global_hooks, globals_read, same_value)
+from .state_reads import (_BOUND_ARGS, _ENVIRON, _GLOBAL_HOOKS, FLAG_READERS, Contents, FunctionRef, TensorRef, _access,
+                          _matches, _owner_of, _read, _shown, _where, global_hooks, globals_read, same_value)
 
 __all__ = ["FLAG_READERS", "MAX_GRAPHS", "Guards", "finite_bound", "globals_read", "guards_of", "layout_of",
            "member_layout", "same_input", "same_value"]
@@ -212,6 +212,8 @@ class Guards:
                 head.append(f"_same(_contents({read}), _w{j})")
             elif isinstance(value, TensorRef):
                 head.append(f"(_t{j} := {read}) is _w{j}.tensor and _t{j}._version == _w{j}.version")
+            elif qualname == _ENVIRON:  # a new str at each read of os.environ: compared by value
+                head.append(f"{read} == _w{j}")
             else:
                 head.append(f"{read} is _w{j}")
             try:  # an equal object there now (after unpickling): the fast path checks that one

@@ -45,7 +45,10 @@ generated function at every call (a call outside captures a graph for it, as for
   module holds): over-guarding a class attribute that never changes costs an ``is`` per call,
   missing one would run a stale graph. An attribute of another module of the user's
   (``cfgmod.X``, ``cfgmod.f(h)``, ``pkg.sub.X``: the module loaded as a global and its attribute
-  read at once) is guarded as that module's global. A closure variable the code reads
+  read at once) is guarded as that module's global, and so is one reached through an import in
+  the code (``import cfgmod as c; c.X``, ``from cfgmod import X`` inside forward: ``IMPORT_NAME``
+  and ``IMPORT_FROM``) or ``sys.modules["cfgmod"].X``. A custom ``torch.autograd.Function`` the
+  code names (``F.apply(h)``) is read like a helper: its ``forward`` and ``setup_context``. A closure variable the code reads
   (``LOAD_DEREF``: a value a factory closed over, a dict in a closure) is guarded by its cell's
   contents like a global (a function there is read, not guarded: a decorator's wrapped function).
   Bounded:
@@ -65,6 +68,11 @@ generated function at every call (a call outside captures a graph for it, as for
   ``MASK.mul_(2)``, bumps the version), then their values where the tensor is small
   (``MAX_TENSOR_VALUES``; a copy kept with the guard), so values changed back, or found again
   after unpickling, reuse the graph. A larger one's graph is captured again in a new process.
+* **environment variables**: a key the user's code reads of ``os.environ`` by a constant
+  (``os.environ["K"]``, ``os.environ.get("K", d)``, ``"K" in os.environ``, ``os.getenv("K")``,
+  also with ``environ`` or ``getenv`` imported by name): its value, None where unset, compared by
+  ``==`` at every call (a read of ``os.environ`` makes a new string). Any other read of it (a
+  computed key, iterating it, handing it on) is named in the warning at capture.
 * **requires_grad**: where the code reads an attribute ``requires_grad`` (``2 if x.requires_grad
   else 3``), every tensor input's ``requires_grad`` as captured (a graph for the other is captured
   with the call's inputs as they are).
@@ -85,8 +93,9 @@ compared at each call, a few microseconds); one whose contents are not plain val
 dict, deeper nesting) is named in a warning at capture: a change to it after compiling is not seen.
 
 Not guarded (documented limits), each named in the warning at capture where the code reads it:
-mutable objects whose contents are not plain values (above), a ``functools.partial`` held as a
-global (its code is read; its arguments and rebinding are not guarded), a module of the user's
+mutable objects whose contents are not plain values (above), a numpy array (changed in place
+without a version to guard), a ``functools.partial`` held as a global (its code is read; its
+arguments and rebinding are not guarded), a module of the user's
 handed on or read other than as ``module.NAME``, ``globals()`` and ``vars()`` (``globals()["NAME"]``:
 the name is not known statically). Not guarded and not warned, by design: names the members'
 code writes itself (a call counter: ``global CALLS; CALLS += 1``, ``nonlocal n; n += 1``;
@@ -115,8 +124,10 @@ import dis
 import enum
 import functools
 import hashlib
+import importlib.util
 import inspect
 import logging
+import os
 import sys
 import types
 from typing import Any
@@ -394,7 +405,8 @@ def _plain_instance(v: Any) -> bool:
     nn.Module or tensor)."""
     return isinstance(v, types.SimpleNamespace) or (
         hasattr(v, "__dict__") and type(v).__module__ not in ("builtins", "torch") and not isinstance(
-            v, (types.ModuleType, type, types.FunctionType, types.MethodType, torch.nn.Module, torch.Tensor)))
+            v, (types.ModuleType, type, types.FunctionType, types.MethodType, torch.nn.Module, torch.Tensor,
+                functools.partial)))
 
 
 def _users_mutable(v: Any, filename: str) -> bool:
@@ -406,6 +418,8 @@ def _users_mutable(v: Any, filename: str) -> bool:
     if "site-packages" in filename or "dist-packages" in filename:
         return False
     if isinstance(v, (dict, list, set, types.SimpleNamespace)):
+        return True
+    if type(v).__module__ == "numpy" and type(v).__name__ == "ndarray":  # changed in place, no version to guard
         return True
     if type(v) is tuple:  # one a guard could not keep: holding a tensor or another container
         return not all(_plain(x) or isinstance(x, (type, *_FUNCTIONS)) for x in v)
@@ -456,6 +470,7 @@ def _written_into(instructions: list[Any]) -> set[str]:
 
 
 _CELL = ".<cell>"  # the qualname of a watched closure variable: its function's, then this
+_ENVIRON = "<environ>"  # the qualname of a watched environment variable (module "os", name the key)
 
 
 def _access(owner: str, qualname: str, name: str) -> str:
@@ -467,6 +482,8 @@ def _access(owner: str, qualname: str, name: str) -> str:
     """
     if not qualname:
         return f"{owner}[{name!r}]"
+    if qualname == _ENVIRON:
+        return f"{owner}.get({name!r})"
     return f"{owner}.cell_contents" if qualname.endswith(_CELL) else f"{owner}.{name}"
 
 
@@ -474,6 +491,8 @@ def _where(module: str, qualname: str, name: str) -> str:
     """A watched entry for a message: ``module.Class.name``, or the closure variable it is."""
     if qualname.endswith(_CELL):
         return f"the closure variable {name!r} of {module}.{qualname.removesuffix(_CELL)}"
+    if qualname == _ENVIRON:
+        return f"os.environ[{name!r}]"
     return f"{module}.{qualname + '.' if qualname else ''}{name}"
 
 
@@ -481,6 +500,8 @@ def _read(owner: Any, qualname: str, name: str, value: Any) -> Any:
     """The watched entry's value now, as kept (:class:`Contents` for a mutable one)."""
     if not qualname:
         now = owner[name]
+    elif qualname == _ENVIRON:
+        now = owner.get(name)  # None where unset
     else:
         now = owner.cell_contents if qualname.endswith(_CELL) else getattr(owner, name)
     return Contents.of(now) if isinstance(value, Contents) else now
@@ -505,6 +526,8 @@ def _owner_of(module: str, qualname: str, name: str = "") -> Any:
     the closure variable ``name`` of its function ``qualname`` + ``_CELL`` (a function found by its
     qualified name: a decorated method, not one a factory made); None when not found (the guard
     then fails: the graph is captured again)."""
+    if qualname == _ENVIRON:
+        return os.environ
     mod = sys.modules.get(module)
     if mod is None:
         return None
@@ -665,21 +688,98 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
         for name in list(names_seen):
             on_class(cls, None, name, code)
 
+    def read_environ(v: Any, code: types.CodeType, instructions: list[Any], i: int, start: int | None = None) -> None:
+        """Instruction ``i`` loads ``os.environ`` or ``os.getenv`` (``v``): the key the code reads of it
+        (``os.environ["K"]``, ``os.environ.get("K")``, ``"K" in os.environ``, ``os.getenv("K")``) is
+        guarded by its value (None where unset); any other read of it is named as unguarded."""
+        if "-packages" in code.co_filename:
+            return
+        nxt = instructions[i + 1: i + 4]
+        ops = [x.opname for x in nxt]
+        key: Any = None
+        if v is os.getenv and ops[:1] == ["LOAD_CONST"]:
+            key = nxt[0].argval
+        elif v is os.environ and ops[:2] == ["LOAD_CONST", "BINARY_SUBSCR"]:
+            key = nxt[0].argval
+        elif v is os.environ and ops[:1] in (["LOAD_ATTR"], ["LOAD_METHOD"]) and nxt[0].argval == "get" \
+                and ops[1:2] == ["LOAD_CONST"]:
+            key = nxt[1].argval
+        elif v is os.environ and ops[:1] == ["CONTAINS_OP"] and (start := i if start is None else start) \
+                and instructions[start - 1].opname == "LOAD_CONST":  # before the load of os (or environ)
+            key = instructions[start - 1].argval
+        if isinstance(key, str):
+            entries.setdefault((id(os.environ), key), (("os", _ENVIRON, key, os.environ.get(key)), os.environ))
+        else:  # handed on, iterated, a key computed at run time: not read statically
+            line = instructions[i].positions.lineno if instructions[i].positions else "?"
+            unguarded.setdefault((id(code), "environ"), f"os.environ other than by a constant key in "
+                                 f"{code.co_qualname} ({code.co_filename}:{line})")
+
+    def read_module_attr(g: dict, name: str, v: Any, code: types.CodeType, instructions: list[Any], i: int) -> None:
+        """Instruction ``i`` loads the module ``v`` (bound to ``name``): an attribute read of it at
+        once is a global of that module (the user's); ``os.environ`` and ``sys.modules["m"]`` are
+        followed; a module of the user's handed on is named as unguarded."""
+        after = instructions[i + 1] if i + 1 < len(instructions) else None
+        attr = after.argval if after is not None and after.opname in ("LOAD_ATTR", "LOAD_METHOD") else None
+        if v is os and attr in ("environ", "getenv"):  # Note [State a forward reads]: an environment variable
+            read_environ(getattr(os, attr), code, instructions, i + 1, i)
+            return
+        if v is sys and attr == "modules" and [x.opname for x in instructions[i + 2: i + 4]] == \
+                ["LOAD_CONST", "BINARY_SUBSCR"] and isinstance(instructions[i + 2].argval, str):
+            held = sys.modules.get(instructions[i + 2].argval)  # sys.modules["cfgmod"].X: cfgmod's global
+            if isinstance(held, types.ModuleType):
+                read_module_attr(g, f"sys.modules[{instructions[i + 2].argval!r}]", held, code, instructions, i + 3)
+            return
+        home = getattr(v, "__file__", None) or ""
+        if not home or not is_user_file(home, skip_stdlib=True) or "-packages" in home \
+                or "-packages" in code.co_filename:
+            return
+        if attr is not None and attr in vars(v):
+            read_global(vars(v), attr, vars(v)[attr], code, instructions, i + 1)
+        else:  # handed on, or an attribute it lacks now: what is read of it is not seen
+            unguarded.setdefault((id(g), name), f"{g.get('__name__')}.{name} (a module: other than as "
+                                 f"{name}.NAME)")
+
+    def read_import(g: dict, code: types.CodeType, instructions: list[Any], i: int, aliases: dict) -> None:
+        """``import m as c`` or ``from m import X`` inside the code (IMPORT_NAME at ``i``): ``X`` is
+        read as ``m``'s global; a name bound to a module is remembered (``aliases``), so ``c.X`` is."""
+        level = instructions[i - 2].argval if i >= 2 and instructions[i - 2].opname == "LOAD_CONST" else 0
+        full = instructions[i].argval
+        try:
+            full = importlib.util.resolve_name("." * level + full, g.get("__package__")) if level else full
+        except (ImportError, ValueError):
+            return
+        mod = sys.modules.get(full)
+        if not isinstance(mod, types.ModuleType):
+            return
+        j = i + 1
+        if j < len(instructions) and instructions[j].opname in ("STORE_FAST", "STORE_NAME"):
+            aliases[instructions[j].argval] = sys.modules.get(full.partition(".")[0])  # ``import a.b`` binds a
+        while j < len(instructions) and instructions[j].opname == "IMPORT_FROM":
+            attr = instructions[j].argval
+            v = vars(mod).get(attr, sys.modules.get(f"{full}.{attr}"))
+            target = instructions[j + 1] if j + 1 < len(instructions) else None
+            if isinstance(v, types.ModuleType):
+                if target is not None and target.opname in ("STORE_FAST", "STORE_NAME"):
+                    aliases[target.argval] = v
+            elif attr in vars(mod):
+                home = getattr(mod, "__file__", None) or ""
+                if home and is_user_file(home, skip_stdlib=True) and "-packages" not in home:
+                    read_global(vars(mod), attr, v, code, instructions, j)
+            j += 2
+
     def read_global(g: dict, name: str, v: Any, code: types.CodeType, instructions: list[Any], i: int) -> None:
         """The value ``v`` of global ``name`` of the namespace ``g`` that instruction ``i`` loads."""
+        if v is os.environ or v is os.getenv:  # ``from os import environ``
+            read_environ(v, code, instructions, i)
+            return
         if isinstance(v, types.ModuleType):  # a module of the user's: the attributes the code reads of it
-            home = getattr(v, "__file__", None) or ""
-            if not home or not is_user_file(home, skip_stdlib=True) or "-packages" in home \
-                    or "-packages" in code.co_filename:
-                return
-            after = instructions[i + 1] if i + 1 < len(instructions) else None
-            if after is not None and after.opname in ("LOAD_ATTR", "LOAD_METHOD") and after.argval in vars(v):
-                read_global(vars(v), after.argval, vars(v)[after.argval], code, instructions, i + 1)
-            else:  # handed on, or an attribute it lacks now: what is read of it is not seen
-                unguarded.setdefault((id(g), name), f"{g.get('__name__')}.{name} (a module: other than as "
-                                     f"{name}.NAME)")
+            read_module_attr(g, name, v, code, instructions, i)
             return
         if isinstance(v, type):
+            if issubclass(v, torch.autograd.Function) and user_class(v):  # ``F.apply(h)``: its forward runs
+                for part in ("forward", "setup_context"):
+                    if part in vars(v):
+                        follow(vars(v)[part], None)
             if not issubclass(v, (torch.nn.Module, torch.Tensor, BaseException)):
                 plain_class(v, code)
             return
@@ -752,6 +852,7 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
             stack.extend((c, inner) for c in code.co_consts if isinstance(c, types.CodeType))
             g = fn.__globals__
             instructions = list(dis.get_instructions(code))
+            aliases: dict[str, Any] = {}  # local names an import in the code binds to a module
             mutated.update(_written_into(instructions))
             for i, ins in enumerate(instructions):
                 name = ins.argval
@@ -761,6 +862,10 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
                     stored.add(name)
                 elif ins.opname in ("STORE_DEREF", "DELETE_DEREF") and name in code.co_freevars:
                     stored.add(name)  # ``nonlocal calls; calls += 1``: state the code keeps
+                elif ins.opname == "IMPORT_NAME" and "-packages" not in code.co_filename:
+                    read_import(g, code, instructions, i, aliases)  # ``import cfgmod as c``, ``from cfgmod import X``
+                elif ins.opname in ("LOAD_FAST", "LOAD_NAME") and isinstance(aliases.get(name), types.ModuleType):
+                    read_global(g, name, aliases[name], code, instructions, i)
                 elif ins.opname == "LOAD_DEREF" and name in code.co_freevars and name not in shadowed:
                     read_cell(fn, name, code)
                 elif ins.opname == "LOAD_GLOBAL" and name in ("globals", "vars") and name not in g \

@@ -1,0 +1,137 @@
+"""Probe 5's state reads (Note [State a forward reads] in fx/state_reads.py): a numpy array global,
+an environment variable, a functools.partial global, a custom autograd.Function's forward, another
+module of the user's reached through an import inside forward or sys.modules. Each is guarded
+(a change after compiling captures again: the wide model gives each member's own result) or named
+in the warning at capture.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import wide_compiler as wc
+from support import LinearModel
+from wide_compiler.fx.state_reads import globals_read
+
+N = 2
+FAST = wc.WideConfig.fast()
+NP = np.ones(4)
+PART = functools.partial(torch.mul, other=1.0)
+SCALE = 1.0
+
+
+def _check(wide, members, x):
+    out = wide(x)
+    for i, m in enumerate(members):
+        torch.testing.assert_close(out[i], m(x[i]), rtol=1e-12, atol=1e-12, msg=lambda s, i=i: f"member {i}: {s}")
+
+
+def _compile(cls):
+    torch.manual_seed(0)
+    members = [cls().double() for _ in range(N)]
+    return wc.compile(members, torch.randn(3, 4, dtype=torch.float64), config=FAST), members
+
+
+class _Numpy(LinearModel):
+    def forward(self, x):
+        return self.fc(x) * torch.from_numpy(NP)
+
+
+def test_a_numpy_array_global_is_named_at_capture(caplog):
+    with caplog.at_level(logging.WARNING, logger="wide_compiler"):
+        globals_read(_Numpy())
+    assert "reads test_probe5_state.NP, mutable" in caplog.text
+
+
+class _Env(LinearModel):
+    def forward(self, x):
+        h = self.fc(x)
+        a = h.relu() if os.environ.get("WC_PROBE5_ACT", "relu") == "relu" else h.tanh()
+        return a * (2.0 if os.getenv("WC_PROBE5_K") else 1.0) + ("WC_PROBE5_IN" in os.environ)
+
+
+def test_an_environment_variable_read_is_guarded(monkeypatch):
+    for key in ("WC_PROBE5_ACT", "WC_PROBE5_K", "WC_PROBE5_IN"):
+        monkeypatch.delenv(key, raising=False)
+    wide, members = _compile(_Env)
+    x = torch.randn(N, 3, 4, dtype=torch.float64)
+    _check(wide, members, x)
+    for key, value in (("WC_PROBE5_ACT", "tanh"), ("WC_PROBE5_K", "1"), ("WC_PROBE5_IN", "")):
+        monkeypatch.setenv(key, value)
+        _check(wide, members, x)
+
+
+class _Partial(LinearModel):
+    def forward(self, x):
+        return PART(self.fc(x))
+
+
+def test_a_partial_global_is_named_at_capture(caplog):
+    with caplog.at_level(logging.WARNING, logger="wide_compiler"):
+        globals_read(_Partial())
+    assert "reads test_probe5_state.PART, mutable" in caplog.text
+
+
+class _Fn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * SCALE
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * SCALE
+
+
+class _UsesFn(LinearModel):
+    def forward(self, x):
+        return _Fn.apply(self.fc(x))
+
+
+def test_a_global_read_in_a_custom_functions_forward_is_guarded():
+    assert ("test_probe5_state", "", "SCALE", 1.0) in globals_read(_UsesFn())[0]
+
+
+CFGMOD = '''
+X = 1.0
+'''
+
+
+class _LocalImport(LinearModel):
+    def forward(self, x):
+        import p5cfgmod as c
+
+        return self.fc(x) * c.X
+
+
+class _FromImport(LinearModel):
+    def forward(self, x):
+        from p5cfgmod import X
+
+        return self.fc(x) * X
+
+
+class _SysModules(LinearModel):
+    def forward(self, x):
+        return self.fc(x) * sys.modules["p5cfgmod"].X
+
+
+@pytest.mark.parametrize("cls", [_LocalImport, _FromImport, _SysModules])
+def test_a_global_of_a_module_imported_inside_forward_is_guarded(cls, tmp_path, monkeypatch):
+    (tmp_path / "p5cfgmod.py").write_text(CFGMOD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "p5cfgmod", raising=False)
+    import p5cfgmod
+
+    assert ("p5cfgmod", "", "X", 1.0) in globals_read(cls())[0]
+    if cls is _LocalImport:  # and end to end: a change after compiling captures again
+        wide, members = _compile(cls)
+        x = torch.randn(N, 3, 4, dtype=torch.float64)
+        monkeypatch.setattr(p5cfgmod, "X", 3.0)
+        _check(wide, members, x)
