@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,6 +86,36 @@ def _shared_tensors(template: nn.Module, capture_model: nn.Module) -> dict[int, 
                     and other.dtype == t.dtype and other.device == t.device):
                 memo[id(t)] = other
     return memo
+
+
+# Note [Global module hooks run on the members, not on the wide model]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's global module hooks (``torch.nn.modules.module.register_module_forward_hook`` and
+# ``_pre_hook``, the backward ones) run on every module call. The capture ran member 0 with them,
+# so their effect on the members' modules is in the graph already (and guarded: Note [State a
+# forward reads] in fx/state_reads.py). Run again on the WideModel's own call, and on the fx
+# graph module it calls inside, they would apply a second time, and to the stacked parameters the
+# graph module takes as inputs: an ``o * 2`` hook doubled the outputs again, a pre-hook scaling
+# every tensor argument scaled the parameters, one returning ``(args[0] * 1.5,)`` dropped the
+# graph's other inputs (probe 5 of issue 44, F6). So the wide model's call runs torch's own
+# ``Module._call_impl`` with the global hook tables empty (the same code object over a copy of its
+# module's globals, ``_CALL_WITHOUT_GLOBAL_HOOKS``): the hooks a user registered on the wide model
+# itself (``wide.register_forward_hook``) still run, as on any module; and the graph module is
+# called through its ``forward`` (fx/state.py's ``call_graph``), which runs no hooks. A registered
+# module's wide form is the user's own module, and runs them as any module does.
+_GLOBAL_CALL_HOOKS = ("_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_pre_hooks",
+                      "_global_forward_hooks", "_global_forward_hooks_always_called",
+                      "_global_forward_hooks_with_kwargs")
+_CALL_WITHOUT_GLOBAL_HOOKS = types.FunctionType(
+    nn.Module._call_impl.__code__,
+    {**vars(sys.modules[nn.Module.__module__]), **{name: {} for name in _GLOBAL_CALL_HOOKS}},
+    "_call_impl", nn.Module._call_impl.__defaults__, nn.Module._call_impl.__closure__)
+
+
+def _global_hooks_on() -> bool:
+    """Whether any of torch's global forward/backward module hooks is registered."""
+    module = sys.modules[nn.Module.__module__]
+    return any(getattr(module, name) for name in _GLOBAL_CALL_HOOKS)
 
 
 # Note [A graph runs in the dtype it was captured in]
@@ -390,6 +422,11 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         return super().train(mode)
 
     # -- running ----------------------------------------------------------------------------
+    def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
+        if _global_hooks_on():  # Note [Global module hooks run on the members, not on the wide model]
+            return _CALL_WITHOUT_GLOBAL_HOOKS(self, *args, **kwargs)
+        return super()._call_impl(*args, **kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling() and _any_packed(args, kwargs):
             return self.packed(*args, **kwargs)  # wide(wc.pack(xs)): WideCompiler 0.x's convention

@@ -46,3 +46,26 @@ def test_to_dtype_captures_the_graph_again(dtype: torch.dtype) -> None:
     wide.float()  # and back: the float32 branch again (values rounded through the dtype)
     x = x.float()
     torch.testing.assert_close(wide(x)[1], refs[1].float()(x[1]), atol=1e-6, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- F6: torch's global module hooks
+def test_global_forward_hooks_apply_once_and_the_wide_models_own_hooks_run() -> None:
+    from torch.nn.modules.module import register_module_forward_hook
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double() for _ in range(2)]
+    handle = register_module_forward_hook(lambda m, i, o: o * 2 if isinstance(o, torch.Tensor) else None)
+    try:
+        wide = wc.compile(models, torch.randn(5, 4, dtype=torch.float64), config=FAST)
+        seen = []
+        wide.register_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
+        x = torch.randn(2, 5, 4, dtype=torch.float64)
+        out = wide(x)
+        out.sum().backward()
+        for i, m in enumerate(models):
+            m(x[i]).sum().backward()
+            torch.testing.assert_close(out[i], m(x[i]))
+            torch.testing.assert_close(wide.get_parameter("0.weight").grad[i], m[0].weight.grad)
+    finally:
+        handle.remove()
+    assert seen == ["WideModel"]  # a hook the user put on the wide model itself runs, once

@@ -200,7 +200,8 @@ def call_graph(wg: WideGraph, root: nn.Module, plan: Sequence, user_inputs: Sequ
                 check(x, inp, ranges)
             feeds.append(x)
     gm = wg.graph_module if wg.tiled is None else wg.tiled  # Note [Member tiles] (fx/tiling.py)
-    outs = _call_cached(gm, *feeds)  # Note [The wide caching allocator] (csrc/wide/memory)
+    # its forward: no module hooks (Note [Global module hooks run on the members, not on the wide model])
+    outs = _call_cached(gm.forward, *feeds)  # Note [The wide caching allocator] (csrc/wide/memory)
     k = len(wg.mutated_buffers)
     if k:
         with torch.no_grad():
