@@ -104,6 +104,7 @@ class PaddedWideModel(WideModel):
         # (under torch.compile the hooks are in place already)
         if torch.compiler.is_compiling():
             return super().forward(*args, **kwargs)
+        self._pad.check_state(self.training)  # Note [The state a padded program was captured with]
         if self._hooks_stale():
             self._mask_gradients()
         try:
@@ -240,7 +241,9 @@ class PaddedWideModel(WideModel):
         if not templates:
             return
         args, kwargs = self._sample
-        fresh = pad_members(self._originals, tuple(args), dict(kwargs))[0][0]
+        members, info = pad_members(self._originals, tuple(args), dict(kwargs))
+        fresh = members[0]
+        self._pad.state_guards = info.state_guards  # the state these programs were captured with
         for t in templates:
             object.__setattr__(t, "_programs", fresh._programs)
             t._assumptions = fresh._assumptions

@@ -100,6 +100,11 @@ class _Watch:
         is built from it; warn for an eval graph. Note [Custom Functions are not sampled]."""
         hooks = [f"{name or type(model).__name__} ({type(m).__name__}) has a backward hook"
                  for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
+        from torch.nn.modules import module as torch_module
+        hooks += [f"torch's global module backward hook (torch.nn.modules.module.{d}: "
+                  f"register_module_{'full_backward_pre_hook' if 'pre' in d else 'full_backward_hook'}), which every "
+                  f"module's backward runs" for d in ("_global_backward_hooks", "_global_backward_pre_hooks")
+                  if getattr(torch_module, d, None)]
         paths = {id(m): name for name, m in model.named_modules()}
         functions = [f"the custom autograd function {cls.__qualname__} ({where}"
                      f"{'' if id(owner) not in paths else f', module {paths[id(owner)]!r}' if paths[id(owner)] else ''}"

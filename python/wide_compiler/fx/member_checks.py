@@ -40,7 +40,7 @@ from .forms import apply_capture_forms
 from .source import source_line, user_frame
 from .state_reads import same_value
 
-__all__ = ["check_members", "check_run_members", "check_traced_members", "graph_fingerprint", "with_constants"]
+__all__ = ["check_members", "check_modes", "check_run_members", "check_traced_members", "graph_fingerprint", "with_constants"]
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,89 @@ def _module_class(m: nn.Module) -> type:
     return type(m)
 
 
+# Note [Submodules in another mode than their member]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A wide model has one mode per graph: ``wide.train()`` and ``wide.eval()`` choose the train or
+# the eval program, as torch's ``train()``/``eval()`` set every submodule of a member to one mode.
+# A member whose submodule is in another mode than the member itself (``m.train(); m[1].eval()``:
+# a frozen BatchNorm while fine-tuning; ``m.eval(); m[2].train()``: Monte Carlo dropout) is a
+# third program, which the wide model could neither capture as the user has it nor keep across
+# its own train()/eval() (torch's would reset the submodule). So it is refused at compile, before
+# any capture, naming the member, the submodule and both modes. A submodule in another mode is
+# harmless where no code that could read its mode does: neither its own classes (and those of the
+# modules under it) nor the classes of the modules above it name ``training`` (nn.Module's own
+# methods aside). A ``nn.Linear`` head added after ``model.eval()`` is in train mode and reads no
+# mode, so it is let through; a BatchNorm, a Dropout, or any user code reading ``.training`` is not.
+def _code_names(code: Any, depth: int = 0) -> set[str]:
+    names = set(code.co_names)
+    if depth < 8:
+        for c in code.co_consts:
+            if hasattr(c, "co_names"):
+                names |= _code_names(c, depth + 1)
+    return names
+
+
+_READS_MODE: dict[type, bool] = {}
+
+
+def _reads_mode(cls: type) -> bool:
+    """Whether code of ``cls`` (its classes up to nn.Module, not nn.Module's own) names ``training``."""
+    if cls not in _READS_MODE:
+        found = False
+        for klass in cls.__mro__:
+            if klass in (nn.Module, object):
+                continue
+            for v in vars(klass).values():
+                fn = getattr(v, "__func__", v)
+                fn = getattr(fn, "fget", fn)
+                code = getattr(fn, "__code__", None)
+                if code is not None and "training" in _code_names(code):
+                    found = True
+        _READS_MODE[cls] = found
+    return _READS_MODE[cls]
+
+
+def check_modes(models: Sequence[nn.Module]) -> None:
+    """Raise :class:`ArchitectureMismatchError` when a member has a submodule in another train/eval
+    mode than the member itself where code may read it (Note [Submodules in another mode than
+    their member]): the wide model has one mode for all its modules.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)).train()
+        >>> _ = m[1].eval()
+        >>> check_modes([m])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        wide_compiler.errors.ArchitectureMismatchError: member 0: submodule '1' (BatchNorm1d) is in eval mode...
+    """
+    for i, model in enumerate(models):
+        top = model.training
+        named = list(model.named_modules(remove_duplicate=False))
+        for path, sub in named:
+            if sub.training == top:
+                continue
+            prefix = f"{path}."
+            related = [m for p, m in named if p == path or p.startswith(prefix)
+                       or path.startswith(f"{p}.") or p == ""]
+            readers = sorted({type(m).__name__ for m in related if _reads_mode(type(m))})
+            if not readers:
+                continue
+            mode, other = ("train", "eval") if sub.training else ("eval", "train")
+            raise ArchitectureMismatchError(
+                f"member {i}: submodule '{path}' ({type(sub).__name__}) is in {mode} mode, but the member "
+                f"({type(model).__name__}) is in {other} mode, and code there reads the mode "
+                f"({', '.join(readers)}). A wide model runs all its modules in one mode (wide.train() / "
+                f"wide.eval() set every module's, as torch's train()/eval() do), so it cannot keep this "
+                f"submodule's. What to do: compile members whose modules are all in one mode (call "
+                f"{'m.train()' if top else 'm.eval()'} or {'m.eval()' if top else 'm.train()'} on each member "
+                f"last), and make a mode that must not follow it part of the code: a frozen BatchNorm as a "
+                f"module that always uses its running statistics (torchvision.ops.FrozenBatchNorm2d), dropout "
+                f"that always drops as F.dropout(x, p, training=True) (Note [Submodules in another mode than "
+                f"their member] in fx/member_checks.py)")
+
+
 def check_members(models: Sequence[nn.Module]) -> dict[str, tuple]:
     """Raise :class:`ArchitectureMismatchError` unless every member is the same program as
     member 0: class, module tree and types, training mode, hyperparameters and other non-tensor
@@ -163,8 +246,10 @@ def check_members(models: Sequence[nn.Module]) -> dict[str, tuple]:
     ``_modules``, hook dicts, ...: checked structurally instead); parameters held as plain
     attributes (``nn.RNN._flat_weights``) and weak references to them (``_flat_weight_refs``),
     which are each member's own weights (compared by shape, dtype, device, requires_grad);
-    submodules held as attributes (compared by type; their contents are checked as modules)."""
+    submodules held as attributes (compared by type; their contents are checked as modules).
+    A submodule in another mode than its member is refused (:func:`check_modes`)."""
     _check_no_sharing(models)
+    check_modes(models)
     ref = models[0]
     ref_modules = list(ref.named_modules(remove_duplicate=False))
     floats: dict[str, tuple[str, str]] = {}  # attribute path -> (module path, attribute)

@@ -64,6 +64,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import ArchitectureMismatchError, UnsupportedOperationError, WideCompileError
 from .capture import capture
+from .member_checks import check_modes
 from .padding_rules import (FREE, INT_ARGS_OK, MASK_UNARY, REFUSED, RULES, ZERO_UNARY, Prefer, flat_layout,
                             layout_mask, mask_unary, prefix, same_layout, scatter, size_arith, zero_unary)
 from .source import source_line
@@ -89,6 +90,26 @@ class PadInfo:
     index_bounds: list[tuple[str, list[int], int]] = dataclasses.field(default_factory=list)
     # tied tensors (Note [Tied tensors when padding]): each other name -> the name that holds it
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    # training -> the state the members' code read at capture (Guards without inputs: Note [The
+    # state a padded program was captured with])
+    state_guards: dict[bool, Any] = dataclasses.field(default_factory=dict)
+
+    def check_state(self, training: bool) -> None:
+        """Raise ValueError, naming what changed, when state the members' code read at capture
+        (module globals, flags, torch's global hooks, the grad mode where read) is not as it was
+        (Note [The state a padded program was captured with])."""
+        guards = self.state_guards.get(training)
+        if guards is None or guards.holds(()):
+            return
+        why = guards.failed(())
+        if why is None:
+            return
+        raise ValueError(
+            f"wide_compiler: pad=True: {why}. A padded model runs the members' programs as captured at "
+            "compile, with the state their code read then, and it does not capture them again. What to do: "
+            "compile again after such a change (wc.compile(..., pad=True)), or set the state back; members "
+            "of one size (no padding) make a wide model that captures again by itself (Note [The state a "
+            "padded program was captured with] in fx/padding.py)")
 
     def member_slice(self, t: torch.Tensor, layouts: dict[int, torch.Tensor], i: int) -> torch.Tensor:
         """Member ``i``'s own values of ``t`` (one member's padded tensor, no member dim)."""
@@ -725,6 +746,28 @@ class _Padder:
         return result
 
 
+# Note [The state a padded program was captured with]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The padded programs are the members' exported programs, so a module global, a flag, a dict
+# entry or a global hook their code read is baked in as it was at ``pad_members``. The wide
+# compiler then captures the padded members, whose own forward reads none of it, so its guards
+# (Note [Guards] in fx/guards.py) cannot see such a change, and capturing the padded members again
+# would run the same baked programs anyway. So each mode keeps member 0's guards on that state
+# (``guards_of`` of its capture, without the inputs' part, which the padded members' assumptions
+# and the wide graph's guards check), and the PaddedWideModel checks them before each call: a
+# change is refused, naming it, rather than run with the old value. (Padding again on a change,
+# as the unpadded model captures again, is not done: a padded model refuses instead.)
+def _state_guards(ep: Any, model: nn.Module, args: tuple, kwargs: dict, n: int) -> Any:
+    """Member 0's guards on the state its code read (Note [The state a padded program was
+    captured with]); the inputs' part is left out."""
+    from .capture import flat_signature
+    from .guards import guards_of
+
+    g = guards_of(ep, model, (tuple(args), dict(kwargs)), n, flat_signature(model, tuple(args), dict(kwargs)))
+    return dataclasses.replace(g, dtypes=(), fixed=(), names=(), code=(), shown=(), follows=(), layout=(),
+                               devices=(), device=None, grads=())
+
+
 def _capture_member(i: int, model: nn.Module, training: bool, args: tuple, kwargs: dict,
                     batch: dict[int, frozenset[int]]) -> Any:
     """Member ``i``'s program on the sample, captured from a copy; a member that fails on the
@@ -751,6 +794,7 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
     padding did; None when every member already has the same sizes (nothing to pad). The
     members are not modified: each mode's program is captured from copies."""
     kwargs = dict(kwargs or {})
+    check_modes(models)  # each mode's program is captured with every module in that mode
     shapes = [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in models]
     if all(s == shapes[0] for s in shapes):
         return None
@@ -765,6 +809,7 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
     prefs: dict[tuple[str, int], torch.Tensor] = {}  # parameter dims laid out other than as a prefix
     tried: dict[tuple[str, int], list[torch.Tensor]] = {}
     assumptions: dict[bool, Assumptions] = {}
+    state_guards: dict[bool, Any] = {}
     # dim 0 of every input may vary (a 1-D index input too): export keeps it dynamic where the
     # program allows, and its guards say where it does not (Note [A padded program's assumptions])
     leaves = tree_flatten((args, kwargs))[0]
@@ -772,6 +817,7 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
     for training in (True, False):
         eps = [_capture_member(i, m, training, args, kwargs, batch) for i, m in enumerate(models)]
         assumptions[training] = Assumptions.of(eps[0].module(), eps, models[0].forward)
+        state_guards[training] = _state_guards(eps[0], models[0], args, kwargs, len(models))
         try:  # each guard reads only the forward's arguments (L['x'].size()[0] % 2 == 0)
             assumptions[training].check(args, kwargs, "train" if training else "eval")
         except Exception as e:  # noqa: BLE001 -- a guard this check cannot evaluate: nothing runs unchecked
@@ -798,6 +844,7 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
             raise UnsupportedOperationError(
                 f"wide_compiler: pad=True: {name} is padded differently in the train and eval programs")
     info.output_layouts = {t: outs for t, (_, outs) in infos.items()}
+    info.state_guards = state_guards
     info.index_bounds = list({b[0]: b for pd in padders.values() for b in pd.index_bounds}.values())
     members = []
     p0 = padders[True]
