@@ -135,3 +135,25 @@ def test_a_global_of_a_module_imported_inside_forward_is_guarded(cls, tmp_path, 
         x = torch.randn(N, 3, 4, dtype=torch.float64)
         monkeypatch.setattr(p5cfgmod, "X", 3.0)
         _check(wide, members, x)
+
+
+MASK = torch.ones(4, dtype=torch.float64)
+
+
+class _Mask(LinearModel):
+    def forward(self, x):
+        return self.fc(x) * MASK
+
+
+def test_a_global_tensor_is_checked_inside_torch_compile_fullgraph(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "MASK", torch.ones(4, dtype=torch.float64))
+    wide, members = _compile(_Mask)
+    x = torch.randn(N, 3, 4, dtype=torch.float64)
+    compiled = torch.compile(wide, fullgraph=True, backend="eager")
+    out = compiled(x)
+    for i, m in enumerate(members):
+        torch.testing.assert_close(out[i], m(x[i]), rtol=1e-12, atol=1e-12)
+    MASK.mul_(2)  # changed in place after the trace: never the old values
+    with pytest.raises(RuntimeError, match="test_probe5_state.MASK, a tensor the members' code reads"):
+        compiled(x)
+    _check(wide, members, x)  # eager: a graph for the new values

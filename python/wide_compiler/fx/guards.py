@@ -210,8 +210,11 @@ class Guards:
             # in-place changes); else the value itself (a function: the one captured), by identity
             if isinstance(value, Contents):
                 head.append(f"_same(_contents({read}), _w{j})")
-            elif isinstance(value, TensorRef):
-                head.append(f"(_t{j} := {read}) is _w{j}.tensor and _t{j}._version == _w{j}.version")
+            elif isinstance(value, TensorRef):  # traced: Note [A global tensor inside torch.compile]
+                head.append(f"(_w{j}.traced({read}, _wh{j}) if _compiling() else (_t{j} := {read}) is _w{j}.tensor "
+                            f"and _t{j}._version == _w{j}.version)")
+                namespace.update({f"_wh{j}": _where(self.watched[j][0], qualname, name),
+                                  "_compiling": torch.compiler.is_compiling})
             elif qualname == _ENVIRON:  # a new str at each read of os.environ: compared by value
                 head.append(f"{read} == _w{j}")
             else:

@@ -68,6 +68,7 @@ generated function at every call (a call outside captures a graph for it, as for
   ``MASK.mul_(2)``, bumps the version), then their values where the tensor is small
   (``MAX_TENSOR_VALUES``; a copy kept with the guard), so values changed back, or found again
   after unpickling, reuse the graph. A larger one's graph is captured again in a new process.
+  Inside a call torch.compile traces: Note [A global tensor inside torch.compile].
 * **environment variables**: a key the user's code reads of ``os.environ`` by a constant
   (``os.environ["K"]``, ``os.environ.get("K", d)``, ``"K" in os.environ``, ``os.getenv("K")``,
   also with ``environ`` or ``getenv`` imported by name): its value, None where unset, compared by
@@ -115,6 +116,25 @@ is found and a factory's function's is not; one not found, such as a class defin
 function, fails its guard, so the graph is captured again rather than run unchecked), and the
 device and flag readers by name. Global hooks are kept by handle id, which names a hook in its
 own process only: an unpickled guard that had any fails while hooks of that kind exist.
+
+Note [A global tensor inside torch.compile]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+When torch.compile traces a call of the wide model, the guards' check is traced with it. A
+tensor's ``_version`` is no value Dynamo knows at trace time: it becomes a symbol read at run time
+(``u0``), and a Python branch on it (``_version == 3``) fails the trace ("Could not guard on
+data-dependent expression"). Dynamo guards neither a tensor's version nor its values, so checking
+identity alone would let an in-place change after the trace (``MASK.mul_(2)``) run the graph's
+old copy silently (the wide graph holds a copy of the tensor as a constant, where a member alone
+under torch.compile reads the live tensor). So inside a trace (``torch.compiler.is_compiling()``)
+a watched tensor is checked by dtype, shape and device at trace time (Dynamo guards those; a
+rebound global is re-traced) and by its values at run time: ``torch._assert_async`` of the
+elementwise comparison with the kept copy (:meth:`TensorRef.traced`; an op in the compiled graph,
+kept by every backend, a compare of at most ``MAX_TENSOR_VALUES`` values per call). A change after
+the trace raises that assertion naming the tensor instead of running stale values: a graph cannot
+be captured inside torch.compile anyway. Limits: the first graph whose other guards hold is taken
+(where the tensor was changed in place and a second graph captured for the new values eagerly, a
+traced call may take the first and raise); a tensor over ``MAX_TENSOR_VALUES`` (no copy kept)
+fails its guard inside torch.compile, so the call is refused naming it.
 """
 
 from __future__ import annotations
@@ -364,14 +384,34 @@ class TensorRef:
         self.tensor, self.version, self.values = None, -1, state[0]
 
     def matches(self, t: Any) -> bool:
-        """Whether ``t`` is this tensor unchanged, or a tensor of its dtype, shape, device and values."""
+        """Whether ``t`` is this tensor unchanged, or a tensor of its dtype, shape, device and values.
+        Traced by torch.compile (Note [A global tensor inside torch.compile]): of its dtype, shape and
+        device, the values asserted at run time (:meth:`traced`)."""
         if not isinstance(t, torch.Tensor):
             return False
+        if torch.compiler.is_compiling():
+            v = self.values
+            return v is not None and t.dtype == v.dtype and t.shape == v.shape and t.device == v.device
         if t is self.tensor and t._version == self.version:
             return True
         v = self.values
         return (v is not None and t.dtype == v.dtype and t.shape == v.shape and t.device == v.device
                 and t.layout == v.layout and bool(torch.equal(t.detach(), v)))
+
+    def traced(self, t: Any, where: str) -> bool:
+        """The check of ``t`` in a call torch.compile traces (Note [A global tensor inside
+        torch.compile]): False where it is not a tensor of the kept dtype, shape and device (or no
+        values are kept), else True, with the values compared at run time by an assertion in the
+        compiled graph that names ``where``."""
+        if not self.matches(t):
+            return False
+        torch._assert_async((t.detach() == self.values).all(),
+                            f"wide_compiler: {where}, a tensor the members' code reads, holds other values than the "
+                            f"graph torch.compile traced was captured with (changed in place or rebound since): the "
+                            f"compiled call would run with the old values; call the wide model outside "
+                            f"torch.compile once (it captures a graph for them), then torch._dynamo.reset() and "
+                            f"compile again (Note [A global tensor inside torch.compile])")
+        return True
 
     def adopt(self, t: torch.Tensor) -> None:
         """From now on the fast check (identity and version) is of ``t`` (which :meth:`matches`)."""
