@@ -79,10 +79,13 @@ void check_channels(const char* op, const at::Tensor& x_packed,
 }
 
 // Runs fn(mean_view, var_view) with [N*C] views of the running stats that write through to the
-// caller's [N, C] buffers (Note [wide norms]).
+// caller's [N, C] buffers (Note [wide norms]). When `updated` (batch statistics used), the
+// buffers' version counters are bumped as torch's BatchNorm bumps them: ATen's kernel writes the
+// running stats without a bump, and the eval fold cache (python/wide_compiler/fx/fold.py, Note
+// [The fold cache]) tells changed statistics by their versions.
 template <typename Fn>
 at::Tensor with_running_stats(const std::optional<at::Tensor>& rm, const std::optional<at::Tensor>& rv,
-                              Fn&& fn) {
+                              bool updated, Fn&& fn) {
   auto view_of = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
     if (!t.has_value()) return std::nullopt;
     return t->is_contiguous() ? t->view_symint({t->sym_numel()}) : t->reshape_symint({t->sym_numel()}).clone();
@@ -91,6 +94,11 @@ at::Tensor with_running_stats(const std::optional<at::Tensor>& rm, const std::op
   at::Tensor out = fn(m, v);
   if (rm.has_value() && !rm->is_contiguous()) rm->copy_(m->view_symint(rm->sym_sizes()));
   if (rv.has_value() && !rv->is_contiguous()) rv->copy_(v->view_symint(rv->sym_sizes()));
+  if (updated) {
+    for (const auto* t : {&rm, &rv}) {
+      if (t->has_value() && !(*t)->is_inference()) (*t)->unsafeGetTensorImpl()->bump_version();
+    }
+  }
   return out;
 }
 
@@ -132,7 +140,7 @@ at::Tensor stat_norm(const char* op, int64_t min_spatial, const char* without_ba
               "stats ", without_batch_stats, ", got none");
   const at::Tensor x = packed_input ? input : detail::to_packed(input);
   check_channels(op, x, {&weight, &bias, &running_mean, &running_var}, input, packed_input);
-  return with_running_stats(running_mean, running_var, [&](auto& m, auto& v) {
+  return with_running_stats(running_mean, running_var, use_batch_stats, [&](auto& m, auto& v) {
     return norm(x, flat(weight), flat(bias), m, v);
   });
 }

@@ -57,13 +57,15 @@ def folded_conv_params(weight: torch.Tensor, bias: torch.Tensor | None, bn_weigh
 #     dies with the model) and per fold site, under a signature of every input: identity (a weak
 #     reference: an id or address alone can be reused by a new tensor), version
 #     counter (bumped by every in-place write through autograd's view of the tensor: optimizer
-#     steps, ``load_state_dict``, ``copy_``, ``fill_`` under ``no_grad``), storage pointer, dtype,
+#     steps, ``load_state_dict``, ``copy_``, ``fill_`` under ``no_grad``, and a train-mode
+#     ``wide::batch_norm`` updating the running statistics), storage pointer, dtype,
 #     device and shape (``.to()``, ``.data = ...`` and ``share_memory_`` change these), plus eps
 #     and whether inference mode is on (an inference tensor may not be saved for backward outside
 #     it). The cache is used only when no gradient can flow through the fold (grad mode off, or
 #     no input requires grad), outside torch.compile/export tracing and dispatch modes (those
-#     trace the computation itself). Writes through ``tensor.data`` bypass version counters, as
-#     they bypass autograd; :meth:`WideModel.clear_caches` drops the cache after such writes.
+#     trace the computation itself). Writes through ``tensor.data`` (a parameter's or a buffer's)
+#     bypass version counters, as they bypass autograd; :meth:`WideModel.clear_caches` drops the
+#     cache after such writes.
 _FOLD_CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _FOLD_LOCK = threading.Lock()
 _FOLD_SITES = itertools.count()
