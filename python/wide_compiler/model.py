@@ -37,7 +37,7 @@ from .fx.state import get_tensor as _get_tensor
 from .fx.widen import WideGraph
 from .layouts import _LAYOUT_ATTR, PackedWideModel, _any_packed, layout_of, tag_layout  # noqa: F401 (old paths)
 from .members import MemberOpsMixin
-from .model_calls import CallGraphsMixin
+from .model_calls import CallGraphsMixin, traced_here
 from .model_constants import MemberConstantsMixin
 from .model_export import DeploymentMixin
 from .model_inspection import InspectionMixin
@@ -237,6 +237,9 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         root = self._modules.get(BUFFER_ROOT)
         constants = dict(root.named_buffers()) if root is not None else {}
         before = self.__dict__.get("_param_dtype")
+        # the eval fold cache holds weak references to the tensors, which torch.utils.swap_tensors
+        # (set_swap_module_params_on_conversion) refuses to swap; a converted tensor misses it anyway
+        clear_fold_cache(list(self.parameters()))
         out = super()._apply(fn, recurse)
         for name, was in constants.items():
             path, _, attr = name.rpartition(".")
@@ -428,7 +431,8 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         return super()._call_impl(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling() and _any_packed(args, kwargs):
+        traced = torch.compiler.is_dynamo_compiling() or (torch.compiler.is_compiling() and traced_here(args, kwargs))
+        if not traced and _any_packed(args, kwargs):
             return self.packed(*args, **kwargs)  # wide(wc.pack(xs)): WideCompiler 0.x's convention
         self._constants_now()  # Note [Constants the members hold now] (model_constants.py)
         wg, flat = self._graph_covering(self.training, args, kwargs)

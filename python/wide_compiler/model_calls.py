@@ -20,13 +20,14 @@ from .measure import Stopwatch
 from .model_inputs import (_fill, _in_order_of, _member_accepts, _member_dims, _NewSize, _size_range,
                            _structure_error, _user_placeholders)
 
-__all__ = ["CallGraphsMixin"]
+__all__ = ["CallGraphsMixin", "traced_here"]
 
 log = logging.getLogger("wide_compiler.model")  # the model's records under one name (filters, tests select it)
 
 # Note [No capture under torch.compile]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Under torch.compile (torch.compiler.is_compiling()), Dynamo traces the wide model's forward: the
+# Under torch.compile (a trace of this call, in this thread: ``traced_here``; torch.compiler.is_compiling()
+# is process-wide while any thread exports or compiles), Dynamo traces the wide model's forward: the
 # check of a call's guards is traced too (Dynamo keeps its own guards on what it reads, so a changed
 # global or a new size traces the forward again), but a capture cannot be: torch.export inside a
 # Dynamo trace, the compile lock (an RLock Dynamo refuses), the logs and messages formatting the
@@ -41,6 +42,31 @@ log = logging.getLogger("wide_compiler.model")  # the model's records under one 
 # there and runs the forward eagerly, where the capture happens as in any eager call. (Found by
 # probe 4 of issue 44, F1: Dynamo's "Unsupported context manager RLock", and a wrapped "sizes ...
 # were fixed at capture" for a size eager accepts.)
+
+
+def traced_here(args: Any, kwargs: Any) -> bool:
+    """Whether this thread traces the call (Note [No capture under torch.compile]), asked where
+    ``torch.compiler.is_compiling()`` is True outside a Dynamo trace: torch.export or make_fx in
+    this thread (a fake or dispatch mode of this thread's, or fake inputs). The flag alone will not
+    do: torch sets it for the whole process while any thread exports or compiles, so an eager call
+    in another thread was taken for a traced one and refused (probe 5 of issue 44, F4); such a call
+    runs eagerly and captures (waiting for the compile lock) as any eager call. Callers test
+    ``torch.compiler.is_dynamo_compiling() or (torch.compiler.is_compiling() and traced_here(...))``
+    in their own frame (a frame Dynamo compiles on its own answers for a trace: a helper asking
+    is_dynamo_compiling() would be compiled to a constant True and run so in eager code)."""
+    global _traced_here
+    if _traced_here is None:  # torch._dynamo is imported by now (something compiles); never traced itself
+        _traced_here = torch.compiler.disable(_this_thread_traces)
+    return _traced_here(args, kwargs)
+
+
+def _this_thread_traces(args: Any, kwargs: Any) -> bool:
+    from torch._guards import detect_fake_mode  # the TracingContext and the dispatch modes are per thread
+
+    return bool(torch._C._len_torch_dispatch_stack()) or detect_fake_mode((args, kwargs)) is not None
+
+
+_traced_here: Any = None
 
 
 class CallGraphsMixin:
@@ -75,7 +101,8 @@ class CallGraphsMixin:
         captured again with the dim dynamic (Note [Dynamic sizes on demand]); a graph captured
         earlier for such inputs; else one captured now for them (:meth:`_capture_for`)."""
         wg = self._graph_for(training)
-        if torch.compiler.is_compiling():  # Note [No capture under torch.compile]
+        if torch.compiler.is_dynamo_compiling() or (  # Note [No capture under torch.compile]
+                torch.compiler.is_compiling() and traced_here(args, kwargs)):
             return self._covering_compiled(wg, training, args, kwargs)
         flat, why = self._outside(wg, args, kwargs)
         if why is None:

@@ -7,6 +7,7 @@ compiled inside torch.inference_mode trains (F16). Each member is compared with 
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -69,3 +70,52 @@ def test_global_forward_hooks_apply_once_and_the_wide_models_own_hooks_run() -> 
     finally:
         handle.remove()
     assert seen == ["WideModel"]  # a hook the user put on the wide model itself runs, once
+
+
+# ---------------------------------------------------------------- F4: another thread's export
+class ParityBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * (2.0 if x.shape[1] % 2 else 1.0)
+
+
+STARTED, GO = threading.Event(), threading.Event()
+
+
+class Blocking(nn.Module):
+    """A member whose capture (its forward traced with fake tensors) waits until told to go on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if type(x) is not torch.Tensor:  # traced by torch.export, inside wide_compiler's compile
+            STARTED.set()
+            GO.wait(60)
+        return self.fc(x)
+
+
+def test_an_eager_call_captures_while_another_thread_compiles() -> None:
+    torch.manual_seed(0)
+    models = [ParityBranch() for _ in range(2)]
+    wide = wc.compile(models, torch.randn(3, 3, 4), config=FAST)
+    STARTED.clear(), GO.clear()
+    other = threading.Thread(target=lambda: wc.compile([Blocking(), Blocking()], torch.randn(3, 4), config=FAST))
+    other.start()
+    timer = threading.Timer(1.0, GO.set)  # the other compile goes on a while later (any time will do)
+    try:
+        assert STARTED.wait(60)
+        assert torch.compiler.is_compiling()  # torch's flag is process-wide while the other thread exports
+        timer.start()
+        x = torch.randn(2, 3, 4, 4)  # a new size in a dim the forward branches on: a new capture
+        out = wide(x)  # waits for the other thread's compile, then captures: not taken for a traced call
+    finally:
+        GO.set()
+        timer.cancel()
+        other.join(60)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x[i]))
