@@ -157,3 +157,26 @@ def test_a_global_tensor_is_checked_inside_torch_compile_fullgraph(monkeypatch):
     with pytest.raises(RuntimeError, match="test_probe5_state.MASK, a tensor the members' code reads"):
         compiled(x)
     _check(wide, members, x)  # eager: a graph for the new values
+
+
+TABLE = {"w": [1.0, torch.ones(1)]}  # not plain: named at capture, not guarded
+
+
+class _Table(LinearModel):
+    def forward(self, x):
+        return self.fc(x) * TABLE["w"][0]
+
+
+def test_a_compile_cache_hit_names_what_is_not_guarded_again(cache_dir, caplog):
+    from wide_compiler.fx import pipeline
+
+    torch.manual_seed(0)
+    members = [_Table().double() for _ in range(N)]
+    wc.compile(members, torch.randn(3, 4, dtype=torch.float64), config=FAST)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="wide_compiler"), \
+            pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "capture", lambda *a, **k: pytest.fail("captured: the compile cache missed"))
+        wc.compile(members, torch.randn(3, 4, dtype=torch.float64), config=FAST)
+    assert "reads test_probe5_state.TABLE, mutable" in caplog.text
+    assert "loaded from the compile cache" in caplog.text

@@ -62,6 +62,7 @@ from .cache_key import (  # noqa: F401 -- read from here by tests (the key's cod
     _FAST_SCAN, _code_text, _globals_read, _globals_read_dis, _globals_read_fast)
 from .cache_pickle import _dumps, _wide_graph, _wide_graph_state
 from .guards import Guards
+from .state_reads import warn_unguarded
 from .widen import WideGraph
 
 __all__ = ["ENV", "CachedCapture", "enabled", "entry_path", "key_of", "key_parts", "load", "store"]
@@ -248,6 +249,8 @@ def load(c: Any, key: str) -> dict | None:
         _ignore(path, f"its body does not load: {type(e).__name__}: {e}")
         return None
     body["path"] = str(path)
+    if body["guards"] is not None:  # the capture's warning, given again (Note [State a forward reads])
+        warn_unguarded(getattr(body["guards"], "unguarded", ()), str(path))
     return body
 
 

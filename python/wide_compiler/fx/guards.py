@@ -156,6 +156,9 @@ class Guards:
     # per dict of torch's global module hooks (state_reads._GLOBAL_HOOKS): the hooks' handle ids at
     # capture (code every module's call runs: Note [State a forward reads]); () reads as none
     hooks: tuple[tuple[int, ...], ...] = ((), (), (), ())
+    # what the members' code reads that no guard follows (Note [State a forward reads]): named in the
+    # warning at capture, and again where a compile cache loads the graph (state_reads.warn_unguarded)
+    unguarded: tuple[str, ...] = ()
     _fn: Any = dataclasses.field(default=None, repr=False, compare=False)
     _each: Any = dataclasses.field(default=None, repr=False, compare=False)
     # the live dict or class of each ``watched`` entry (found again by name after unpickling)
@@ -504,7 +507,9 @@ def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, 
                     else "" if ref is not None and v.device == ran else str(v.device) for _, v in vals)
     layout = tuple(layout_of([_hint(d) for d in v.shape], [_hint(d) for d in v.stride()])
                    if isinstance(v, torch.Tensor) else None for _, v in vals) if reads.get("layout") else ()
-    watched, owners, readers = reads.get("globals") or globals_read(model)
+    found = reads.get("globals") or globals_read(model)
+    watched, owners, readers = found[:3]
+    unguarded = tuple(found[3]) if len(found) > 3 else ()
     flags = dict(reads.get("flags", ()))
     for name in readers:  # a reader imported by name: its calls were not seen, so every variant
         for args in _BOUND_ARGS.get(name, ((),)) if name in FLAG_READERS else ():
@@ -520,4 +525,5 @@ def guards_of(ep: ExportedProgram, model: torch.nn.Module, sample: tuple[tuple, 
                   for v in tree_flatten(sample)[0]) if "requires_grad" in readers else ()
     hooks = tuple(tuple(d) for d in global_hooks())
     return Guards(n, dtypes, fixed, names, tuple(code), tuple(shown), reads.get("grad_mode"), follows,
-                  tuple(flags.items()), layout, devices, device, tuple(watched), grads, hooks, _owners=tuple(owners))
+                  tuple(flags.items()), layout, devices, device, tuple(watched), grads, hooks, unguarded,
+                  _owners=tuple(owners))

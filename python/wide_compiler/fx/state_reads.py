@@ -150,6 +150,7 @@ import logging
 import os
 import sys
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -586,9 +587,10 @@ def _owner_of(module: str, qualname: str, name: str = "") -> Any:
     return owner
 
 
-def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]], list[Any], list[str]]:
+def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]], list[Any], list[str], tuple[str, ...]]:
     """Note [State a forward reads]: the module globals and class attributes that the code of
-    ``model``'s module classes reads, with values a guard can keep: ``(entries, owners, readers)``,
+    ``model``'s module classes reads, with values a guard can keep: ``(entries, owners, readers,
+    unguarded)`` (``unguarded``: what it reads that no guard follows, named in a warning),
     ``entries`` as ``Guards.watched``, ``owners`` the live dicts and classes, ``readers`` the
     FLAG_READERS names (and ``is_grad_enabled``, ``is_inference_mode_enabled``) the code holds as
     globals (``from torch import get_default_dtype``), and ``"requires_grad"`` where the code reads
@@ -939,17 +941,25 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
     found = [(e, o) for (_, name), (e, o) in entries.items()
              if name not in stored and not (isinstance(e[3], Contents) and name in mutated)]
     missed = [where for (_, name), where in unguarded.items() if name not in stored and name not in mutated]
-    if missed:
-        log.warning("wide_compiler: the members' code reads %s, mutable and holding more than %d values or values "
-                    "that are not plain (numbers, strings, tuples of them, functions): a change to %s after "
-                    "compiling is not seen by the compiled graphs (Note [State a forward reads]); compile again "
-                    "after changing it", ", ".join(missed), MAX_CONTENTS, "it" if len(missed) == 1 else "them")
+    warn_unguarded(missed)
     if len(found) > MAX_WATCHED:
         log.warning("wide_compiler: the members' code reads %d module globals and class attributes; the first %d "
                     "are guarded (Note [State a forward reads])", len(found), MAX_WATCHED)
         found = found[:MAX_WATCHED]
     if reads_grad:
         readers.append("requires_grad")
-    return [e for e, _ in found], [o for _, o in found], readers
+    return [e for e, _ in found], [o for _, o in found], readers, tuple(missed)
+
+
+def warn_unguarded(missed: Sequence[str], cached: str = "") -> None:
+    """The warning at capture naming what the members' code reads that no guard follows (Note
+    [State a forward reads]); given again for a graph loaded from the compile cache (``cached``: its
+    entry), whose guards keep the names (``Guards.unguarded``)."""
+    if missed:
+        log.warning("wide_compiler: the members' code reads %s, mutable and holding more than %d values or values "
+                    "that are not plain (numbers, strings, tuples of them, functions): a change to %s after "
+                    "compiling is not seen by the compiled graphs (Note [State a forward reads]); compile again "
+                    "after changing it%s", ", ".join(missed), MAX_CONTENTS, "it" if len(missed) == 1 else "them",
+                    f" (a graph loaded from the compile cache {cached})" if cached else "")
 
 
