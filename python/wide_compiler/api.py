@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 # wide_compiler.testing's comparisons, which sit below api (Note [The harness in two layers])
 from . import _equivalence as testing
@@ -18,7 +19,7 @@ from .errors import ValidationError
 from .fx.padding import pad_members
 from .fx.pipeline import compile_members
 from .layouts import layout_of, tag_layout
-from .model import WideModel
+from .model import WideModel, outside_inference_mode
 from .padded import PaddedWideModel
 
 __all__ = ["WideBuilder", "compile", "pack", "stack", "unpack", "unstack"]
@@ -134,22 +135,30 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
         if n is not None and n != len(members):
             raise ValueError(f"wide_compiler.compile: n={n} but {len(members)} models were given")
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
-    padded = pad_members(members, args, sample_kwargs) if pad else None
-    if padded is not None:
-        originals, (members, info) = members, padded
-    # Compile (the pipeline of fx/pipeline.py: checks, capture, widen, strategies, the stacked
-    # state), then hold the result in the model.
-    wide = WideModel._from_compilation(compile_members(members, args, sample_kwargs, config=config,
-                                                       dynamic_shapes=dynamic_shapes))
-    if padded is not None:
-        wide = PaddedWideModel._padded(wide, info, originals)
-    if config.validate:
-        _validate(wide, members, args, sample_kwargs or {}, config)
+    with outside_inference_mode():  # the stacked state made inside it could never train
+        # a sample made inside inference mode: an ordinary copy (the members run on it with gradients)
+        args, sample_kwargs = tree_map(_ordinary, (args, sample_kwargs))
+        padded = pad_members(members, args, sample_kwargs) if pad else None
+        if padded is not None:
+            originals, (members, info) = members, padded
+        # Compile (the pipeline of fx/pipeline.py: checks, capture, widen, strategies, the stacked
+        # state), then hold the result in the model.
+        wide = WideModel._from_compilation(compile_members(members, args, sample_kwargs, config=config,
+                                                           dynamic_shapes=dynamic_shapes))
+        if padded is not None:
+            wide = PaddedWideModel._padded(wide, info, originals)
+        if config.validate:
+            _validate(wide, members, args, sample_kwargs or {}, config)
     if not compile_model:
         return wide
     compiled = torch.compile(wide, **(compile_options or {}))
     compiled.__class__ = _compiled_wide_model()  # checks inputs before entering the compiled region
     return compiled
+
+
+def _ordinary(x: Any) -> Any:
+    """An inference tensor (made inside ``torch.inference_mode``) as an ordinary copy; else ``x``."""
+    return x.clone() if isinstance(x, torch.Tensor) and x.is_inference() else x
 
 
 @functools.cache

@@ -15,11 +15,12 @@ sizes on demand]), the per-member constants at the call (model_constants.py), in
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -86,6 +87,20 @@ def _shared_tensors(template: nn.Module, capture_model: nn.Module) -> dict[int, 
                     and other.dtype == t.dtype and other.device == t.device):
                 memo[id(t)] = other
     return memo
+
+
+@contextlib.contextmanager
+def outside_inference_mode() -> Iterator[None]:
+    """Build a wide model's state outside ``torch.inference_mode`` (grad mode kept as it is): the
+    stacked parameters, buffers and constants made inside it would be inference tensors, which
+    autograd refuses to save, so a model compiled there could never train (probe 5 of issue 44,
+    F16: torch's "Inference tensors cannot be saved for backward" at the first train call)."""
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    grad = torch.is_grad_enabled()  # inference_mode(False) enables gradients: put back as they were
+    with torch.inference_mode(False), torch.set_grad_enabled(grad):
+        yield
 
 
 # Note [Global module hooks run on the members, not on the wide model]
@@ -410,7 +425,7 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         a failed compile leaves nothing behind and the next call tries again)."""
         wg = self._graphs.get(training)
         if wg is None:
-            with COMPILE_LOCK:
+            with COMPILE_LOCK, outside_inference_mode():
                 wg = self._graphs.get(training)
                 if wg is None:
                     wg = self._adopt(self._compile(training))

@@ -119,3 +119,21 @@ def test_an_eager_call_captures_while_another_thread_compiles() -> None:
         other.join(60)
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x[i]))
+
+
+# ---------------------------------------------------------------- F16: compiled inside inference_mode
+def test_a_model_compiled_inside_inference_mode_trains() -> None:
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double() for _ in range(2)]
+    with torch.inference_mode():
+        wide = wc.compile(models, torch.randn(5, 4, dtype=torch.float64), config=FAST)
+        assert not torch.is_grad_enabled()
+    assert not any(t.is_inference() for t in [*wide.parameters(), *wide.buffers()])
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    out = wide(x)
+    out.sum().backward()
+    for i, m in enumerate(models):
+        want = m(x[i])
+        want.sum().backward()
+        torch.testing.assert_close(out[i], want)
+        torch.testing.assert_close(wide.get_parameter("0.weight").grad[i], m[0].weight.grad)
