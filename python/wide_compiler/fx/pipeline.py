@@ -61,6 +61,7 @@ from .eval_rewrites import (attention_kernel, fuse_residual_norms, pool_before_r
 from .fold import fold_batch_norms
 from .guards import Guards, guards_of
 from .forms import apply_capture_forms
+from .global_modules import check_global_modules
 from .layout import plan_layout
 from .member_checks import check_members, check_run_members, check_traced_members
 from .model_check import check_tuning
@@ -198,6 +199,7 @@ def _capture(c: Compilation) -> None:
     there), so a wrong sample gets PyTorch's own error; then export. With ``extra_dims`` the
     capture records where export fixed a size (``c.specialised``) for the error that names it."""
     args, kwargs = c.sample
+    check_global_modules(c.model)  # Note [A module held as a global]
     if c.members is not None:
         check_sample(c.members[0], args, kwargs, c.n)
     with torch.set_grad_enabled(c.grad_enabled):
