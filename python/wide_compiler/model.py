@@ -276,7 +276,12 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
             return x.to(after) if isinstance(x, torch.Tensor) and x.dtype == before else x
 
         with COMPILE_LOCK:
-            self._capture_template[0].to(after)  # our copy of member 0 (never the user's: pipeline.py)
+            # our copy of member 0 (never the user's: pipeline.py), converted in place through .data as
+            # Module.to does by default: under set_swap_module_params_on_conversion(True) its swap_tensors
+            # refuses tensors that export's caches hold weak references to
+            for t in [*self._capture_template[0].parameters(), *self._capture_template[0].buffers()]:
+                if t.is_floating_point():
+                    t.data = t.data.to(after)
             object.__setattr__(self, "_sample", tree_map(cast, self._sample))
             for key in ("_graphs", "_variants", "_ranges", "_holder_plans", "_constants_seen"):
                 self.__dict__[key].clear()
