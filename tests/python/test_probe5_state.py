@@ -180,3 +180,18 @@ def test_a_compile_cache_hit_names_what_is_not_guarded_again(cache_dir, caplog):
         wc.compile(members, torch.randn(3, 4, dtype=torch.float64), config=FAST)
     assert "reads test_probe5_state.TABLE, mutable" in caplog.text
     assert "loaded from the compile cache" in caplog.text
+
+
+class _Gelu(LinearModel):
+    def forward(self, x):
+        return _F.gelu(self.fc(x))  # torch.nn.functional as a global of this module
+
+
+_F = torch.nn.functional
+
+
+def test_a_torch_function_patched_after_compiling_is_followed(monkeypatch):
+    wide, members = _compile(_Gelu)
+    x = torch.randn(N, 3, 4, dtype=torch.float64)
+    monkeypatch.setattr(torch.nn.functional, "gelu", torch.tanh)
+    _check(wide, members, x)

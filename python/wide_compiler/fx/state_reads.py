@@ -45,7 +45,9 @@ generated function at every call (a call outside captures a graph for it, as for
   module holds): over-guarding a class attribute that never changes costs an ``is`` per call,
   missing one would run a stale graph. An attribute of another module of the user's
   (``cfgmod.X``, ``cfgmod.f(h)``, ``pkg.sub.X``: the module loaded as a global and its attribute
-  read at once) is guarded as that module's global, and so is one reached through an import in
+  read at once) is guarded as that module's global (a function of torch's read so in the user's
+  code, ``F.gelu(h)`` with ``F`` torch.nn.functional, by identity: a patch of it is seen; not
+  through a longer chain, ``torch.nn.functional.gelu``), and so is one reached through an import in
   the code (``import cfgmod as c; c.X``, ``from cfgmod import X`` inside forward: ``IMPORT_NAME``
   and ``IMPORT_FROM``) or ``sys.modules["cfgmod"].X``. A custom ``torch.autograd.Function`` the
   code names (``F.apply(h)``) is read like a helper: its ``forward`` and ``setup_context``. A closure variable the code reads
@@ -624,6 +626,7 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
 
     entries: dict[tuple[int, str], tuple[tuple[str, str, str, Any], Any]] = {}
     unguarded: dict[tuple[int, str], str] = {}  # mutable values whose contents cannot be guarded
+    torch_fns: set[tuple[int, str]] = set()  # entries of torch's functions the user's code reads (``F.gelu``)
     mutated: set[str] = set()  # globals the code changes in place: their contents are state, not settings
     readers: list[str] = []
     stored: set[str] = set()
@@ -770,6 +773,14 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
             held = sys.modules.get(instructions[i + 2].argval)  # sys.modules["cfgmod"].X: cfgmod's global
             if isinstance(held, types.ModuleType):
                 read_module_attr(g, f"sys.modules[{instructions[i + 2].argval!r}]", held, code, instructions, i + 3)
+            return
+        if (v.__name__ == "torch" or v.__name__.startswith("torch.")) and attr is not None \
+                and "-packages" not in code.co_filename and isinstance(vars(v).get(attr), _FUNCTIONS) \
+                and attr not in FLAG_READERS and attr not in _GRAD_READERS:
+            # ``F.gelu(h)`` in the user's code: torch's function as it is now (one rebound, a patch of
+            # the user's, fails the guard); after the user's own reads when MAX_WATCHED cuts
+            entries.setdefault((id(vars(v)), attr), ((v.__name__, "", attr, FunctionRef(vars(v)[attr])), vars(v)))
+            torch_fns.add((id(vars(v)), attr))
             return
         home = getattr(v, "__file__", None) or ""
         if not home or not is_user_file(home, skip_stdlib=True) or "-packages" in home \
@@ -938,8 +949,8 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
                         on_classes(name, code)
     # a name the code itself writes (``global CALLS; CALLS += 1``, ``type(self).seen = True``) is state
     # the forward keeps, not a setting: guarding it would capture again at every call
-    found = [(e, o) for (_, name), (e, o) in entries.items()
-             if name not in stored and not (isinstance(e[3], Contents) and name in mutated)]
+    found = [(e, o) for key, (e, o) in sorted(entries.items(), key=lambda kv: kv[0] in torch_fns)
+             if key[1] not in stored and not (isinstance(e[3], Contents) and key[1] in mutated)]
     missed = [where for (_, name), where in unguarded.items() if name not in stored and name not in mutated]
     warn_unguarded(missed)
     if len(found) > MAX_WATCHED:
