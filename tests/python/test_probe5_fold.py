@@ -110,3 +110,35 @@ def test_float_with_swapped_params_after_an_eval_call() -> None:
         out = wide(x.float())
         for i, m in enumerate(models):
             torch.testing.assert_close(out[i], m.float()(x[i].float()))
+
+
+# ------------------------------------------------ F20: TransformerEncoder's nested-tensor fast path
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 1)
+
+    def forward(self, x, mask):
+        return self.enc(x, src_key_padding_mask=mask)
+
+
+def test_nested_tensor_fast_path_is_warned_once(caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
+    """The members alone return 0.0 at padded positions in eval under no_grad; the wide model the
+    ordinary path's values: named at compile, once per process."""
+    from wide_compiler.fx import fast_paths
+
+    monkeypatch.setattr(fast_paths, "_warned", [])
+    torch.manual_seed(0)
+    models = [Encoder().eval() for _ in range(2)]
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[0, 3:] = True
+    x = torch.randn(2, 2, 5, 8)
+    with caplog.at_level("WARNING", logger="wide_compiler"):
+        wide = wc.compile(models, (x[0], mask), config=FAST).eval()
+        fast_paths.warn_nested_tensor_fast_path(models[0])  # once per process
+    said = [r.getMessage() for r in caplog.records if "nested-tensor fast path" in r.getMessage()]
+    assert len(said) == 1 and "members' enc is an nn.TransformerEncoder" in said[0]
+    with torch.no_grad():  # valid positions agree
+        out = wide(x, mask.expand(2, 2, 5))
+        for i, m in enumerate(models):
+            torch.testing.assert_close(out[i][~mask], m(x[i], mask)[~mask])

@@ -61,6 +61,7 @@ from .eval_rewrites import (attention_kernel, fuse_residual_norms, pool_before_r
 from .fold import fold_batch_norms
 from .guards import Guards, guards_of
 from .forms import apply_capture_forms
+from .fast_paths import warn_nested_tensor_fast_path
 from .global_modules import check_global_modules
 from .layout import plan_layout
 from .member_checks import check_members, check_run_members, check_traced_members
@@ -200,6 +201,7 @@ def _capture(c: Compilation) -> None:
     capture records where export fixed a size (``c.specialised``) for the error that names it."""
     args, kwargs = c.sample
     check_global_modules(c.model)  # Note [A module held as a global]
+    warn_nested_tensor_fast_path(c.model)  # Note [TransformerEncoder's nested-tensor fast path]
     if c.members is not None:
         check_sample(c.members[0], args, kwargs, c.n)
     with torch.set_grad_enabled(c.grad_enabled):
