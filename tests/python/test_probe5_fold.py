@@ -74,14 +74,17 @@ def test_global_module_or_parameter_is_refused(model: type, name: str) -> None:
     assert all(torch.equal(b[k], m.state_dict()[k]) for b, m in zip(before, models) for k in b)
 
 
-def test_global_module_without_state_and_frozen_parameter_compile() -> None:
-    """A global GELU holds nothing to train; a frozen parameter is a guarded constant."""
+def test_global_module_without_state_and_frozen_parameter_compile(caplog: pytest.LogCaptureFixture) -> None:
+    """A global GELU holds nothing to train (named in a warning: its attributes are read at
+    capture); a frozen parameter is a guarded constant."""
     torch.manual_seed(0)
     W.requires_grad_(False)
     try:
         models = [ReadsGlobalParameter() for _ in range(2)]
         x = torch.randn(2, 5, 4)
-        wide = wc.compile(models, x[0], config=FAST)
+        with caplog.at_level("WARNING", logger="wide_compiler"):
+            wide = wc.compile(models, x[0], config=FAST)
+        assert f"module global(s) {__name__}.ACT, nn.Module(s) without parameters" in caplog.text
         out = wide(x)
         for i, m in enumerate(models):
             torch.testing.assert_close(out[i], m(x[i]))

@@ -10,8 +10,9 @@ Note [A module held as a global]
     values but gets no gradient either. Both are refused at compile, naming the global, the code
     that reads it and what to do: make it a submodule (a parameter) of each member, or pass it in
     as an input. A global module without parameters or buffers (``ACT = nn.GELU()``) holds no
-    state to train and is accepted (its attributes are read as they are at capture); a global
-    tensor that is not a trainable parameter is guarded as before (Note [State a forward reads]).
+    state to train and is accepted, named in a warning: its attributes (``approximate``, a
+    Dropout's ``p``) are read as they are at capture and a change after compiling is not seen; a
+    global tensor that is not a trainable parameter is guarded as before (Note [State a forward reads]).
 
     The code read is the ``forward`` of every module class of the user's in the tree (and its base
     classes'), the methods of those classes it names (``self.helper(x)``), the user's functions it
@@ -23,6 +24,7 @@ Note [A module held as a global]
 from __future__ import annotations
 
 import dis
+import logging
 import types
 from typing import Any
 
@@ -34,6 +36,8 @@ from .cache_key import _globals_read
 from .source import is_user_file
 
 __all__ = ["check_global_modules"]
+
+log = logging.getLogger("wide_compiler")
 
 _MAX_CODES = 2000
 
@@ -92,6 +96,7 @@ def check_global_modules(model: nn.Module) -> None:
             if _user_function(fn):
                 methods.setdefault(name, []).append(fn)
     done: set[Any] = set()
+    stateless: dict[str, None] = {}  # global modules without state: named in a warning
     codes = 0
     while work and codes < _MAX_CODES:
         fn = work.pop()
@@ -120,6 +125,8 @@ def check_global_modules(model: nn.Module) -> None:
                     continue
                 what = _stateful(v)
                 if what is None:
+                    if isinstance(v, nn.Module):
+                        stateless.setdefault(f"{g.get('__name__')}.{shown}", None)
                     continue
                 line = _line(code, name)
                 raise UnsupportedOperationError(
@@ -129,3 +136,7 @@ def check_global_modules(model: nn.Module) -> None:
                     f"it no gradient and not see later changes to it (Note [A module held as a global]). "
                     f"What to do: make it a submodule (or parameter) of each member (self.proj = nn.Linear(...) "
                     f"in __init__), or pass it to forward as an input")
+    if stateless:
+        log.warning("wide_compiler: the members' code reads the module global(s) %s, nn.Module(s) without "
+                    "parameters or buffers: their attributes are read as they are at capture, and a change to "
+                    "them after compiling is not seen (Note [A module held as a global])", ", ".join(stateless))
