@@ -121,3 +121,68 @@ def test_global_backward_hook_refused_in_train_at_compile_and_at_call():
     finally:
         handle.remove()
     torch.testing.assert_close(wide(x)[1], models[1](x[1]))
+
+
+# ---------------------------------------------------------------- F17: a hook that records
+FEATS: list[list] = [[], []]
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["same-size", "padded"])
+def test_recording_hook_refused_before_anything_runs(pad):
+    from torch.nn.modules import module as torch_module
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, h), nn.Tanh(), nn.Linear(h, 2)) for h in ((4, 6) if pad else (4, 4))]
+    for i, m in enumerate(models):
+        m[0].register_forward_hook(lambda mod, inp, out, i=i: FEATS[i].append(out.detach()))
+    with pytest.raises(wc.WideCompileError, match=r"member 0's module '0' \(Linear\) has a forward hook \(.*<lambda> at "
+                                                  r".*test_probe5_modes.py:\d+\) that writes into state outside "
+                                                  r"it \(FEATS\)"):
+        wc.compile(models, torch.randn(5, 4), pad=pad, config=FAST)
+    assert FEATS == [[], []]  # nothing of the user's was changed (no placeholder tensor left there)
+    seen = {"n": 0}
+
+    def count(mod, inp):
+        seen["n"] += 1
+
+    plain = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)]
+    wide = wc.compile(plain, torch.randn(5, 4), config=FAST)
+    handle = torch_module.register_module_forward_pre_hook(count)
+    try:  # a global one registered after compiling: refused at the call, before its capture runs it
+        with pytest.raises(ValueError, match=r"global module hooks \(torch.nn.modules.module._global_forward_pre_hooks, "
+                                             r"run by every module\) hold a forward pre hook .*writes into state "
+                                             r"outside it \(seen\)"):
+            wide(torch.randn(2, 5, 4))
+    finally:
+        handle.remove()
+    assert seen["n"] == 0
+
+
+def test_hook_that_returns_a_new_output_compiles():
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)) for _ in range(2)]
+    for m in models:
+        m[0].register_forward_hook(lambda mod, inp, out: out * 2)
+    wide = wc.compile(models, torch.randn(5, 4), config=FAST)
+    x = torch.randn(2, 5, 4)
+    torch.testing.assert_close(wide(x)[1], models[1](x[1]))
+
+
+# ---------------------------------------------------------------- F10: an int that is no size
+class _IntScale(nn.Module):
+    def __init__(self, h: int, k: int) -> None:
+        super().__init__()
+        self.fc, self.out, self.k = nn.Linear(4, h), nn.Linear(h, 3), k
+
+    def forward(self, x):
+        return self.out(self.fc(x) * self.k)
+
+
+def test_differing_int_with_pad_does_not_say_use_pad():
+    with pytest.raises(ArchitectureMismatchError, match=r"member 1: k is 2, member 0 has 1; the members' tensors "
+                                                        r"have the same sizes, so this integer is not a size") as e:
+        wc.compile([_IntScale(4, 1), _IntScale(4, 2)], torch.randn(5, 4), pad=True, config=FAST)
+    assert "pad=True)" not in str(e.value)
+    with pytest.raises(wc.WideCompileError, match=r"integer arguments differ between members") as e:
+        wc.compile([_IntScale(4, 1), _IntScale(6, 2)], torch.randn(5, 4), pad=True, config=FAST)
+    assert "size arguments" not in str(e.value)

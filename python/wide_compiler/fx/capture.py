@@ -58,7 +58,7 @@ from torch.export import Dim, ExportedProgram
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..errors import WideCompileError
-from .export_watch import _Watch
+from .export_watch import _Watch, refuse_writing_hooks
 from .guards import globals_read
 from .sample_check import check_sample
 from .source import is_user_file, location, user_frame_and_module
@@ -237,6 +237,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             if extra_dims:
                 args, kwargs = _repeat_size_one((tuple(args), kwargs), extra_dims)
             args, kwargs = batch_of_two((args, kwargs))
+    refuse_writing_hooks(model, None)  # before the capture runs them (Note [Hooks that write outside themselves])
     registered: set[str] = set()
     while True:
         watch = _Watch()

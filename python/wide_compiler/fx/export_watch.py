@@ -132,6 +132,99 @@ class _Watch:
                     "it would not run that code (Note [What export does not capture])", what)
 
 
+# Note [Hooks that write outside themselves]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A forward hook (or pre-hook) is part of the program export captures: what it returns is in the
+# graph. What it does besides, to state outside itself (``feats[i].append(out)``, a counter in a
+# closure, ``ACTS[name] = out``), is not: the capture runs the hook once, on placeholder tensors
+# (it would leave a FakeTensor in the user's list), and the wide model never runs it again. So
+# such a hook is refused before anything runs the member: a hook, on a member's module or one of
+# torch's global module hooks, whose code changes a global or closure variable in place or assigns
+# one (``state_reads._written_into``, and a subscripted one: ``feats[i].append(o)``; an in-place
+# tensor method ``BUF.copy_(o)`` counts as a change). A hook that only reads state and returns a
+# new output is captured as usual.
+def _hook_code(fn: Any) -> Any:
+    """The code object a hook runs (a function, a bound method, a partial, a callable object)."""
+    for _ in range(4):
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+            continue
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is not None:
+            return code
+        fn = getattr(type(fn), "__call__", None)
+        if fn is None:
+            return None
+    return None
+
+
+def _hook_writes(code: Any) -> set[str]:
+    """The globals and closure variables a hook's code writes into (Note [Hooks that write
+    outside themselves])."""
+    import dis
+
+    from .state_reads import _MUTATORS, _written_into
+
+    ins = list(dis.get_instructions(code))
+    out = set(_written_into(ins))
+    out |= {x.argval for x in ins if x.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF")}
+    chain = ("LOAD_FAST", "LOAD_CONST", "BINARY_SUBSCR", "LOAD_ATTR", "LOAD_METHOD", "PRECALL", "CALL")
+    for k, x in enumerate(ins):  # feats[i].append(o), BUF.copy_(o): a mutator at the end of a chain of reads
+        if x.opname not in ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF") or not isinstance(x.argval, str):
+            continue
+        for y in ins[k + 1:]:
+            if y.opname not in chain:
+                break
+            name = y.argval if y.opname in ("LOAD_ATTR", "LOAD_METHOD") else None
+            if isinstance(name, str) and (name in _MUTATORS or (name.endswith("_") and not name.startswith("_"))):
+                out.add(x.argval)
+                break
+            if y.opname in ("PRECALL", "CALL"):
+                break
+    for c in code.co_consts:  # a nested function or comprehension
+        if isinstance(c, types.CodeType):
+            out |= _hook_writes(c)
+    return out
+
+
+def refuse_writing_hooks(model: nn.Module, member: int | None = 0) -> None:
+    """Raise :class:`WideCompileError` before any capture when a forward hook or pre-hook that
+    member ``member`` runs (on one of its modules, or one of torch's global module hooks) writes
+    into state outside itself (Note [Hooks that write outside themselves])."""
+    from torch.nn.modules import module as torch_module
+
+    found = []
+    for path, m in model.named_modules():
+        for kind in ("_forward_pre_hooks", "_forward_hooks"):
+            for hook in getattr(m, kind, {}).values():
+                found.append((f"{'member ' + str(member) + chr(39) + 's ' if member is not None else ''}"
+                              + (f"module {path!r} ({type(m).__name__})" if path else f"model ({type(m).__name__})")
+                              + " has", kind[1:-1].replace("_", " "), hook))
+    for kind in ("_global_forward_pre_hooks", "_global_forward_hooks"):
+        for hook in getattr(torch_module, kind, {}).values():
+            found.append((f"torch's global module hooks (torch.nn.modules.module.{kind}, run by every module) hold",
+                          kind[8:-1].replace("_", " "), hook))
+    for where, kind, hook in found:
+        code = _hook_code(hook)
+        if code is None:
+            continue
+        try:
+            written = _hook_writes(code)
+        except Exception:  # noqa: BLE001 -- code dis cannot read: not a refusal
+            continue
+        if not written:
+            continue
+        raise WideCompileError(
+            f"wide_compiler: {where} a {kind} ({getattr(hook, '__qualname__', type(hook).__name__)} at "
+            f"{code.co_filename}:{code.co_firstlineno}) that writes into state outside it "
+            f"({', '.join(sorted(written))}). The capture would run it once, on placeholder tensors, and the wide "
+            "model never runs it again: what it records would be neither the members' values nor kept up by "
+            "wide calls (Note [Hooks that write outside themselves] in fx/export_watch.py).\n"
+            "What to do: remove the hook before compiling and take what it recorded from the wide model's "
+            "outputs (return it from forward), or register it on a member copy (wide.member(i)) to inspect one "
+            "member; a hook that only returns a changed output compiles.")
+
+
 # -- the patches of _Watch (process-wide while any export runs under one) ----------------------------
 
 _WATCH_LOCK = threading.Lock()

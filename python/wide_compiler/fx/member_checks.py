@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_map
 from ..errors import ArchitectureMismatchError
 from ..measure import Stopwatch
 from .capture import batch_of_two, capture, without_cudnn
+from .export_watch import refuse_writing_hooks
 from .sample_check import _run_on_clones, attributes_kept
 from .forms import apply_capture_forms
 from .source import source_line, user_frame
@@ -250,13 +251,24 @@ def check_members(models: Sequence[nn.Module]) -> dict[str, tuple]:
     A submodule in another mode than its member is refused (:func:`check_modes`)."""
     _check_no_sharing(models)
     check_modes(models)
+    for i, model in enumerate(models):  # before anything runs a member (Note [Hooks that write outside themselves])
+        refuse_writing_hooks(model, i)
     ref = models[0]
     ref_modules = list(ref.named_modules(remove_duplicate=False))
     floats: dict[str, tuple[str, str]] = {}  # attribute path -> (module path, attribute)
+    shapes = [{k: tuple(v.shape) for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)} for m in models]
     for i, model in enumerate(models[1:], start=1):
         def fail(what: str, got: Any, want: Any) -> None:
-            hint = ("; members that differ only in sizes fuse padded: compile(..., pad=True)"
-                    if type(got) is int and type(want) is int or what.endswith(".shape") else "")
+            ints = type(got) is int and type(want) is int
+            if what.endswith(".shape") or ints and shapes[i] != shapes[0]:
+                hint = "; members that differ only in sizes fuse padded: compile(..., pad=True)"
+            elif ints:  # the tensors' sizes agree: this integer is no size padding could follow
+                hint = ("; the members' tensors have the same sizes, so this integer is not a size padding could "
+                        "follow (pad=True pads tensors only): members must agree on it, or, for a multiplier, make "
+                        f"it a float ({what.rsplit('.', 1)[-1]} = {float(got)!r}), which may differ per member "
+                        "(Note [Per-member constants] in fx/constants.py)")
+            else:
+                hint = ""
             raise ArchitectureMismatchError(
                 f"member {i}: {what} is {_describe(got)}, member 0 has {_describe(want)}{hint}")
 

@@ -64,6 +64,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import ArchitectureMismatchError, UnsupportedOperationError, WideCompileError
 from .capture import capture
+from .export_watch import refuse_writing_hooks
 from .member_checks import check_modes
 from .padding_rules import (FREE, INT_ARGS_OK, MASK_UNARY, REFUSED, RULES, ZERO_UNARY, Prefer, flat_layout,
                             layout_mask, mask_unary, prefix, same_layout, scatter, size_arith, zero_unary)
@@ -684,7 +685,9 @@ class _Padder:
                 self.refuse(node, REFUSED.get(name, "no padding rule for this op (its result on zero padding is not "
                                                     "known to be exact)"))
         if node in self.int_diffs and rule not in INT_ARGS_OK:
-            self.refuse(node, "its size arguments differ between members in a way this op's rule cannot pad")
+            self.refuse(node, "its integer arguments differ between members, and this op's rule pads only sizes "
+                              "that follow the members' tensor sizes: an integer that is no such size (a "
+                              "multiplier, a count) must be the same for every member")
         try:
             rule(self, node)
         except _SymbolicMask:
@@ -795,6 +798,8 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
     members are not modified: each mode's program is captured from copies."""
     kwargs = dict(kwargs or {})
     check_modes(models)  # each mode's program is captured with every module in that mode
+    for i, model in enumerate(models):  # before a capture runs them (Note [Hooks that write outside themselves])
+        refuse_writing_hooks(model, i)
     shapes = [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in models]
     if all(s == shapes[0] for s in shapes):
         return None
