@@ -78,27 +78,26 @@ void check_channels(const char* op, const at::Tensor& x_packed,
   }
 }
 
-// Runs fn(mean_view, var_view) with [N*C] views of the running stats that write through to the
-// caller's [N, C] buffers (Note [wide norms]). When `updated` (batch statistics used), the
-// buffers' version counters are bumped as torch's BatchNorm bumps them: ATen's kernel writes the
-// running stats without a bump, and the eval fold cache (python/wide_compiler/fx/fold.py, Note
-// [The fold cache]) tells changed statistics by their versions.
+// Runs fn(mean, var) with [N*C] running stats that write through to the caller's [N, C] buffers
+// (Note [wide norms]): views of them, or, when not contiguous or when `updated` (batch statistics
+// used), copies written back with copy_ after. The copy_ bumps the buffers' version counters as
+// torch's BatchNorm bumps them (ATen's kernel writes the running stats without a bump), and the eval
+// fold cache (python/wide_compiler/fx/fold.py, Note [The fold cache]) tells changed statistics by
+// their versions; the copies, not views of the buffers, are what autograd saves for the backward,
+// so the bump does not fail its check that saved tensors are unchanged.
 template <typename Fn>
 at::Tensor with_running_stats(const std::optional<at::Tensor>& rm, const std::optional<at::Tensor>& rv,
                               bool updated, Fn&& fn) {
-  auto view_of = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+  auto view_of = [updated](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
     if (!t.has_value()) return std::nullopt;
-    return t->is_contiguous() ? t->view_symint({t->sym_numel()}) : t->reshape_symint({t->sym_numel()}).clone();
+    return t->is_contiguous() && !updated ? t->view_symint({t->sym_numel()})
+                                          : t->reshape_symint({t->sym_numel()}).clone();
   };
   std::optional<at::Tensor> m = view_of(rm), v = view_of(rv);
   at::Tensor out = fn(m, v);
-  if (rm.has_value() && !rm->is_contiguous()) rm->copy_(m->view_symint(rm->sym_sizes()));
-  if (rv.has_value() && !rv->is_contiguous()) rv->copy_(v->view_symint(rv->sym_sizes()));
-  if (updated) {
-    for (const auto* t : {&rm, &rv}) {
-      if (t->has_value() && !(*t)->is_inference()) (*t)->unsafeGetTensorImpl()->bump_version();
-    }
-  }
+  const at::NoGradGuard no_grad;
+  if (rm.has_value() && (updated || !rm->is_contiguous())) rm->copy_(m->view_symint(rm->sym_sizes()));
+  if (rv.has_value() && (updated || !rv->is_contiguous())) rv->copy_(v->view_symint(rv->sym_sizes()));
   return out;
 }
 
