@@ -12,10 +12,11 @@ FAST = wc.WideConfig.fast()
 
 
 # ------------------------------------------------ F18: running statistics changed between eval calls
-def test_fold_cache_sees_running_stats_updated_by_a_train_call() -> None:
+@pytest.mark.parametrize("backward", [False, True])
+def test_fold_cache_sees_running_stats_updated_by_a_train_call(backward: bool) -> None:
     """A train-mode call updates only the BatchNorm running statistics (no optimizer step); the
     next eval call folds them again (the wide batch_norm bumps their version counters, as torch's
-    BatchNorm does)."""
+    BatchNorm does, and its backward still runs)."""
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).double() for _ in range(3)]
     wide = wc.compile(models, torch.randn(5, 4, dtype=torch.float64), config=FAST)
@@ -24,8 +25,10 @@ def test_fold_cache_sees_running_stats_updated_by_a_train_call() -> None:
     with torch.no_grad():
         wide(x)  # the folded weights are cached
     wide.train()
-    with torch.no_grad():
-        wide(x)
+    with torch.set_grad_enabled(backward):
+        out = wide(x)
+        if backward:
+            out.sum().backward()
         for i, m in enumerate(models):
             m.train()(x[i])
     wide.eval()
