@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -356,8 +357,10 @@ def test_model_level_check_cut_short_keeps_defaults(monkeypatch, clock, tmp_path
     config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=100)
     wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
     assert wide.strategies == defaults(wide)
-    assert "model-level check: cut short by the tuning budget after 1 tuned and 0 default runs, kept the " \
-        "defaults" in tuning_line(wide), tuning_line(wide)
+    # how many runs fit before the cut varies (a stop CI saw 0 tuned runs on a loaded machine): the
+    # point is that a cut-short check keeps the defaults and caches nothing
+    assert re.search(r"model-level check: cut short by the tuning budget after \d+ tuned and \d+ default runs, "
+                     r"kept the defaults", tuning_line(wide)), tuning_line(wide)
     assert all("model-level check kept the default (cut short" in row for row in rows(wide).values())
     cached = json.loads((tmp_path / "strategies.json").read_text())
     assert cached and not any('"op": "model_check"' in key for key in cached)
