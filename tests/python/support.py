@@ -11,6 +11,7 @@ import math
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -196,3 +197,18 @@ def cache_entries(cache_dir: Path) -> list[Path]:
     """The compile cache's entries in ``cache_dir`` (the ``cache_dir`` fixture of conftest.py)."""
     folder = cache_dir / "compiled"
     return sorted(folder.iterdir()) if folder.exists() else []
+
+
+def from_cache(compile_again: Callable[[], Any]) -> Any:
+    """``compile_again()`` with the pipeline's capture replaced by a failure: what it returns was
+    read from the compile cache (its guards as unpickled), or the test fails."""
+    import pytest
+
+    from wide_compiler.fx import pipeline
+
+    def captured(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("captured: the compile cache missed")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "capture", captured)
+        return compile_again()

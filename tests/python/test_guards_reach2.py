@@ -345,18 +345,11 @@ class _All(LinearModel):
 
 
 def test_a_graph_from_the_compile_cache_follows_a_module_attribute_a_class_and_a_cell(cache_dir, monkeypatch):
-    from support import cache_entries
+    from support import cache_entries, from_cache
 
     _compile(_All)
     assert len(cache_entries(cache_dir)) == 1
-    from wide_compiler.fx import pipeline
-
-    def captured(*args, **kwargs):
-        raise AssertionError("captured: the compile cache missed")
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pipeline, "capture", captured)
-        wide, members = _compile(_All)  # read from the cache: the guards as unpickled
+    wide, members = from_cache(lambda: _compile(_All))  # the guards as unpickled
     x = _x()
     _assert_members(wide, members, x)
     for change in (lambda: monkeypatch.setattr(cfgmod, "X", 2.0), lambda: monkeypatch.setattr(Cfg, "K", 3.0),

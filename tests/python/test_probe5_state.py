@@ -146,6 +146,9 @@ class _Mask(LinearModel):
 
 
 def test_a_global_tensor_is_checked_inside_torch_compile_fullgraph(monkeypatch):
+    # Dynamo's cache of WideModel.forward is shared by every wide model the process compiled: past
+    # its recompile limit a call runs eagerly (captures again: right, but not the traced check)
+    torch._dynamo.reset()
     monkeypatch.setattr(sys.modules[__name__], "MASK", torch.ones(4, dtype=torch.float64))
     wide, members = _compile(_Mask)
     x = torch.randn(N, 3, 4, dtype=torch.float64)

@@ -142,7 +142,12 @@ class _Watch:
 # torch's global module hooks, whose code changes a global or closure variable in place or assigns
 # one (``state_reads._written_into``, and a subscripted one: ``feats[i].append(o)``; an in-place
 # tensor method ``BUF.copy_(o)`` counts as a change). A hook that only reads state and returns a
-# new output is captured as usual.
+# new output is captured as usual. An installed library's hook (its code under site-packages) is
+# not refused: its writes are the library's design for export (transformers' output-capturing
+# hooks collect into a per-call context that forward itself returns, so export captures them as
+# graph outputs); the user's own hooks are what this guards against.
+
+
 def _hook_code(fn: Any) -> Any:
     """The code object a hook runs (a function, a bound method, a partial, a callable object)."""
     for _ in range(4):
@@ -206,8 +211,8 @@ def refuse_writing_hooks(model: nn.Module, member: int | None = 0) -> None:
                           kind[8:-1].replace("_", " "), hook))
     for where, kind, hook in found:
         code = _hook_code(hook)
-        if code is None:
-            continue
+        if code is None or any(d in code.co_filename for d in _SITE):
+            continue  # an installed library's hook (transformers' output capturing): Note [Hooks that write outside themselves]
         try:
             written = _hook_writes(code)
         except Exception:  # noqa: BLE001 -- code dis cannot read: not a refusal
