@@ -18,7 +18,7 @@ import torch
 
 import wide_compiler as wc
 from support import LinearModel
-from wide_compiler.fx.state_reads import globals_read
+from wide_compiler.fx.code_reads import globals_read
 
 N = 2
 FAST = wc.WideConfig.fast()

@@ -61,8 +61,8 @@ from .cache_key import FORMAT, _versions, key_of, key_parts
 from .cache_key import (  # noqa: F401 -- read from here by tests (the key's code digest and its globals scan)
     _FAST_SCAN, _code_text, _globals_read, _globals_read_dis, _globals_read_fast)
 from .cache_pickle import _dumps, _wide_graph, _wide_graph_state
+from .code_reads import warn_unguarded
 from .guards import Guards
-from .state_reads import warn_unguarded
 from .widen import WideGraph
 
 __all__ = ["ENV", "CachedCapture", "enabled", "entry_path", "key_of", "key_parts", "load", "store"]

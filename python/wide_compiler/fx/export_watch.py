@@ -140,7 +140,7 @@ class _Watch:
 # (it would leave a FakeTensor in the user's list), and the wide model never runs it again. So
 # such a hook is refused before anything runs the member: a hook, on a member's module or one of
 # torch's global module hooks, whose code changes a global or closure variable in place or assigns
-# one (``state_reads._written_into``, and a subscripted one: ``feats[i].append(o)``; an in-place
+# one (``code_reads._written_into``, and a subscripted one: ``feats[i].append(o)``; an in-place
 # tensor method ``BUF.copy_(o)`` counts as a change). A hook that only reads state and returns a
 # new output is captured as usual. An installed library's hook (its code under site-packages) is
 # not refused: its writes are the library's design for export (transformers' output-capturing
@@ -168,7 +168,7 @@ def _hook_writes(code: Any) -> set[str]:
     outside themselves])."""
     import dis
 
-    from .state_reads import _MUTATORS, _written_into
+    from .code_reads import _MUTATORS, _written_into
 
     ins = list(dis.get_instructions(code))
     out = set(_written_into(ins))

@@ -55,10 +55,11 @@ import torch
 from torch.export import ExportedProgram
 from torch.utils._pytree import MappingKey, SequenceKey, keystr, tree_flatten, tree_flatten_with_path
 
+from .code_reads import globals_read
 from .state_reads import (_BOUND_ARGS, _ENVIRON, _GLOBAL_HOOKS, FLAG_READERS, Contents, FunctionRef, TensorRef, _access,
-                          _matches, _owner_of, _read, _shown, _where, global_hooks, globals_read, same_value)
+                          _matches, _owner_of, _read, _shown, _where, global_hooks, same_value)
 
-__all__ = ["FLAG_READERS", "MAX_GRAPHS", "Guards", "finite_bound", "globals_read", "guards_of", "layout_of",
+__all__ = ["FLAG_READERS", "MAX_GRAPHS", "Guards", "finite_bound", "guards_of", "layout_of",
            "member_layout", "same_input", "same_value"]
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ class Guards:
     # capture (code every module's call runs: Note [State a forward reads]); () reads as none
     hooks: tuple[tuple[int, ...], ...] = ((), (), (), ())
     # what the members' code reads that no guard follows (Note [State a forward reads]): named in the
-    # warning at capture, and again where a compile cache loads the graph (state_reads.warn_unguarded)
+    # warning at capture, and again where a compile cache loads the graph (code_reads.warn_unguarded)
     unguarded: tuple[str, ...] = ()
     _fn: Any = dataclasses.field(default=None, repr=False, compare=False)
     _each: Any = dataclasses.field(default=None, repr=False, compare=False)
