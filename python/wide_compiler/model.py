@@ -38,7 +38,7 @@ from .fx.state import get_tensor as _get_tensor
 from .fx.widen import WideGraph
 from .layouts import _LAYOUT_ATTR, PackedWideModel, _any_packed, layout_of, tag_layout  # noqa: F401 (old paths)
 from .members import MemberOpsMixin
-from .model_calls import CallGraphsMixin, traced_here
+from .model_calls import CallGraphsMixin
 from .model_constants import MemberConstantsMixin
 from .model_export import DeploymentMixin
 from .model_inspection import InspectionMixin
@@ -127,10 +127,13 @@ _CALL_WITHOUT_GLOBAL_HOOKS = types.FunctionType(
     "_call_impl", nn.Module._call_impl.__defaults__, nn.Module._call_impl.__closure__)
 
 
-def _global_hooks_on() -> bool:
-    """Whether any of torch's global forward/backward module hooks is registered."""
-    module = sys.modules[nn.Module.__module__]
-    return any(getattr(module, name) for name in _GLOBAL_CALL_HOOKS)
+def _global_hooks_on(module: types.ModuleType = sys.modules[nn.Module.__module__]) -> bool:
+    """Whether any of torch's global forward/backward module hooks is registered (read by name
+    at each call: code that clears them may rebind the tables)."""
+    for name in _GLOBAL_CALL_HOOKS:
+        if getattr(module, name):
+            return True
+    return False
 
 
 # Note [A graph runs in the dtype it was captured in]
@@ -451,11 +454,11 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         return super()._call_impl(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        traced = torch.compiler.is_dynamo_compiling() or (torch.compiler.is_compiling() and traced_here(args, kwargs))
-        if not traced and _any_packed(args, kwargs):
-            return self.packed(*args, **kwargs)  # wide(wc.pack(xs)): WideCompiler 0.x's convention
         self._constants_now()  # Note [Constants the members hold now] (model_constants.py)
-        wg, flat = self._graph_covering(self.training, args, kwargs)
+        covering = self._graph_covering(self.training, args, kwargs)
+        if covering is None:
+            return self.packed(*args, **kwargs)  # wide(wc.pack(xs)): WideCompiler 0.x's convention
+        wg, flat = covering
         if wg.constant_table is not None and not torch.compiler.is_dynamo_compiling():
             self._sync_constants(wg)
         return call_graph(wg, self, self._holders(wg), flat)

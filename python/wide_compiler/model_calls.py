@@ -16,6 +16,7 @@ from .fx.guards import MAX_GRAPHS, same_input
 from .fx.padding import PaddedMember
 from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, recapture, recapture_cached, run_pipeline
 from .fx.widen import WideGraph
+from .layouts import _any_packed
 from .measure import Stopwatch
 from .model_inputs import (_fill, _in_order_of, _member_accepts, _member_dims, _NewSize, _size_range,
                            _structure_error, _user_placeholders)
@@ -95,15 +96,23 @@ class CallGraphsMixin:
             return flat, e
         return flat, wg.guards.failed(flat, pdt, pdev) if wg.guards is not None else None
 
-    def _graph_covering(self, training: bool, args: tuple, kwargs: dict) -> tuple[WideGraph, Any]:
+    def _graph_covering(self, training: bool, args: tuple, kwargs: dict) -> tuple[WideGraph, Any] | None:
         """The graph of a mode whose assumptions hold for this call, and the call's flat inputs
         (Note [Guards]): the mode's graph; after a new size in a dim captured fixed, that graph
         captured again with the dim dynamic (Note [Dynamic sizes on demand]); a graph captured
-        earlier for such inputs; else one captured now for them (:meth:`_capture_for`)."""
+        earlier for such inputs; else one captured now for them (:meth:`_capture_for`). None for
+        inputs made by :func:`~wide_compiler.pack` (a packed tensor has the member's rank, so it
+        never passes the guards: the check costs nothing on the common path)."""
         wg = self._graph_for(training)
         if torch.compiler.is_dynamo_compiling() or (  # Note [No capture under torch.compile]
                 torch.compiler.is_compiling() and traced_here(args, kwargs)):
             return self._covering_compiled(wg, training, args, kwargs)
+        flat = self._user_inputs(wg, args, kwargs)
+        if wg.guards is not None and wg.guards.holds(flat, self.__dict__.get("_param_dtype"),
+                                                     self.__dict__.get("_param_device")):
+            return wg, flat  # the common case: one generated check
+        if _any_packed(args, kwargs):
+            return None
         flat, why = self._outside(wg, args, kwargs)
         if why is None:
             return wg, flat
