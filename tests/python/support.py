@@ -212,3 +212,57 @@ def from_cache(compile_again: Callable[[], Any]) -> Any:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pipeline, "capture", captured)
         return compile_again()
+
+
+# The guard tests (test_guards_reach*.py): n float64 members of a module class, compiled on a [2, 4]
+# sample; every call of the wide model is compared, member by member, with the member run alone.
+def compile_float64(cls: type[nn.Module], n: int) -> tuple[nn.Module, list[nn.Module]]:
+    """``n`` members ``cls().double()`` (seed 0) and their wide model (``WideConfig.fast()``)."""
+    import wide_compiler as wc
+
+    torch.manual_seed(0)
+    members = [cls().double() for _ in range(n)]
+    return wc.compile(members, torch.randn(2, 4, dtype=torch.float64), config=wc.WideConfig.fast()), members
+
+
+def float64_input(n: int) -> torch.Tensor:
+    """A wide input ``[n, 2, 4]`` for :func:`compile_float64`'s models."""
+    return torch.randn(n, 2, 4, dtype=torch.float64)
+
+
+def assert_each_member(wide: nn.Module, members: list[nn.Module], x: torch.Tensor) -> None:
+    """``wide(x)[i]`` equals ``members[i](x[i])`` to 1e-12, for every member."""
+    out = wide(x)
+    for i, m in enumerate(members):
+        torch.testing.assert_close(out[i], m(x[i]), rtol=1e-12, atol=1e-12, msg=lambda s, i=i: f"member {i}: {s}")
+
+
+def check_change(cls: type[nn.Module], change: Callable[[Any], object], monkeypatch: Any, n: int) -> None:
+    """Compile ``n`` members of ``cls``, check a call, apply ``change(monkeypatch)`` (state their
+    code reads, changed after compiling) and check the same call again."""
+    wide, members = compile_float64(cls, n)
+    x = float64_input(n)
+    assert_each_member(wide, members, x)
+    change(monkeypatch)
+    assert_each_member(wide, members, x)
+
+
+def set_global(module: Any, name: str, value: Any) -> Callable[[Any], None]:
+    """A change for :func:`check_change`: the global ``name`` of ``module`` set to ``value``."""
+    return lambda mp: mp.setattr(module, name, value)
+
+
+def router_with_refs(towers: dict[str, nn.Module]) -> tuple[Any, dict[str, nn.Module]]:
+    """A ``WideRouter`` (``WideConfig.fast()``) over ``towers``, discovered, and independent
+    reference copies of the towers (test_router*.py)."""
+    import copy
+
+    import wide_compiler as wc
+    from wide_compiler.router import WideRouter
+
+    refs = {name: copy.deepcopy(t) for name, t in towers.items()}
+    router = WideRouter(config=wc.WideConfig.fast())
+    for name, t in towers.items():
+        router.attach(name, t)
+    router.discover_towers()
+    return router, refs

@@ -17,11 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-import wide_compiler as wc
-from support import LinearModel
+from support import LinearModel, assert_each_member, check_change, compile_float64, float64_input, set_global
 
 N = 3
-FAST = wc.WideConfig.fast()
 S = 2.0  # module globals the forwards below read; the tests change them (monkeypatch)
 MASK = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
 
@@ -30,36 +28,10 @@ def act(h):
     return h.tanh()
 
 
-def _members(cls):
-    torch.manual_seed(0)
-    return [cls().double() for _ in range(N)]
-
-
-def _compile(cls):
-    members = _members(cls)
-    return wc.compile(members, torch.randn(2, 4, dtype=torch.float64), config=FAST), members
-
-
-def _assert_members(wide, members, x):
-    out = wide(x)
-    for i, m in enumerate(members):
-        torch.testing.assert_close(out[i], m(x[i]), rtol=1e-12, atol=1e-12, msg=lambda s, i=i: f"member {i}: {s}")
-
-
-def _x():
-    return torch.randn(N, 2, 4, dtype=torch.float64)
-
-
-def _check_change(cls, change, monkeypatch):
-    wide, members = _compile(cls)
-    x = _x()
-    _assert_members(wide, members, x)
-    change(monkeypatch)
-    _assert_members(wide, members, x)
-
-
-def _set_global(name, value):
-    return lambda mp: mp.setattr(sys.modules[__name__], name, value)
+_compile = functools.partial(compile_float64, n=N)
+_x = functools.partial(float64_input, N)
+_check_change = functools.partial(check_change, n=N)
+_set_global = functools.partial(set_global, sys.modules[__name__])
 
 
 # --- F6: a base class's forward reached by super() or Base.forward(self, x) -----------------------
@@ -186,11 +158,11 @@ def test_a_global_tensor_changed_in_place_is_followed(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "MASK", MASK.clone())  # its own tensor, changed in place
     wide, members = _compile(_Masked)
     x = _x()
-    _assert_members(wide, members, x)
+    assert_each_member(wide, members, x)
     MASK.mul_(2)
-    _assert_members(wide, members, x)
+    assert_each_member(wide, members, x)
     MASK.div_(2)  # the captured values again: the first graph holds (no third capture)
-    _assert_members(wide, members, x)
+    assert_each_member(wide, members, x)
     assert 1 + sum(len(v) for v in wide._variants.values()) == 2
 
 
@@ -258,17 +230,17 @@ class _Grad(LinearModel):
 def test_a_branch_on_an_inputs_requires_grad_is_guarded():
     wide, members = _compile(_Grad)
     x = _x()
-    _assert_members(wide, members, x)
-    _assert_members(wide, members, x.clone().requires_grad_())
-    _assert_members(wide, members, x)
+    assert_each_member(wide, members, x)
+    assert_each_member(wide, members, x.clone().requires_grad_())
+    assert_each_member(wide, members, x)
     assert 1 + sum(len(v) for v in wide._variants.values()) == 2
 
 
 def test_a_forward_that_reads_no_requires_grad_takes_both_on_one_graph():
     wide, members = _compile(_Act)
     x = _x()
-    _assert_members(wide, members, x)
-    _assert_members(wide, members, x.clone().requires_grad_())
+    assert_each_member(wide, members, x)
+    assert_each_member(wide, members, x.clone().requires_grad_())
     assert not wide._variants.get(True)
 
 
@@ -285,11 +257,11 @@ def test_a_graph_from_the_compile_cache_follows_a_global_tensor_and_function(cac
     assert len(cache_entries(cache_dir)) == 1
     wide, members = from_cache(lambda: _compile(_Both))  # the guards as unpickled
     x = _x()
-    _assert_members(wide, members, x)
+    assert_each_member(wide, members, x)
     MASK.mul_(3)
-    _assert_members(wide, members, x)
+    assert_each_member(wide, members, x)
     monkeypatch.setattr(sys.modules[__name__], "act", torch.sin)
-    _assert_members(wide, members, x)
+    assert_each_member(wide, members, x)
 
 
 class _ClassRegistry(LinearModel):

@@ -7,6 +7,7 @@ in float64, with the member run alone after the change.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import types
@@ -15,44 +16,16 @@ import pytest
 import torch
 from torch import nn
 
-import wide_compiler as wc
-from support import LinearModel
+from support import LinearModel, assert_each_member, check_change, compile_float64, float64_input, set_global
 
 N = 2
-FAST = wc.WideConfig.fast()
 S = 1.0  # a module global the hooks and helpers below read; the tests change it (monkeypatch)
 
 
-def _members(cls):
-    torch.manual_seed(0)
-    return [cls().double() for _ in range(N)]
-
-
-def _compile(cls):
-    members = _members(cls)
-    return wc.compile(members, torch.randn(2, 4, dtype=torch.float64), config=FAST), members
-
-
-def _x():
-    return torch.randn(N, 2, 4, dtype=torch.float64)
-
-
-def _assert_members(wide, members, x):
-    out = wide(x)
-    for i, m in enumerate(members):
-        torch.testing.assert_close(out[i], m(x[i]), rtol=1e-12, atol=1e-12, msg=lambda s, i=i: f"member {i}: {s}")
-
-
-def _check_change(cls, change, monkeypatch):
-    wide, members = _compile(cls)
-    x = _x()
-    _assert_members(wide, members, x)
-    change(monkeypatch)
-    _assert_members(wide, members, x)
-
-
-def _set_global(name, value):
-    return lambda mp: mp.setattr(sys.modules[__name__], name, value)
+_compile = functools.partial(compile_float64, n=N)
+_x = functools.partial(float64_input, N)
+_check_change = functools.partial(check_change, n=N)
+_set_global = functools.partial(set_global, sys.modules[__name__])
 
 
 # --- F5: hooks of the modules of the tree -------------------------------------------------------------
@@ -69,19 +42,20 @@ def _post_hook(mod, args, out):
 class _PreHooked(LinearModel):
     def __init__(self):
         super().__init__()
-        self.fc.register_forward_pre_hook(_pre_hook)
+        self.hook(self.fc)
+
+    @staticmethod
+    def hook(fc):
+        fc.register_forward_pre_hook(_pre_hook)
 
     def forward(self, x):
         return self.fc(x)
 
 
-class _PostHooked(LinearModel):
-    def __init__(self):
-        super().__init__()
-        self.fc.register_forward_hook(_post_hook)
-
-    def forward(self, x):
-        return self.fc(x)
+class _PostHooked(_PreHooked):
+    @staticmethod
+    def hook(fc):
+        fc.register_forward_hook(_post_hook)
 
 
 @pytest.mark.parametrize("cls", [_PreHooked, _PostHooked])
@@ -122,13 +96,13 @@ def test_a_global_module_hook_changed_after_compiling_is_seen(when):
         wide, members = _compile(_Plain)
         x = _x()
         with torch.no_grad():
-            _assert_members(wide, members, x)
+            assert_each_member(wide, members, x)
             if when == "registered":
                 handle = nn.modules.module.register_module_forward_pre_hook(_double_linear_inputs)
             else:
                 handle.remove()
                 handle = None
-            _assert_members(wide, members, x)
+            assert_each_member(wide, members, x)
     finally:
         if handle is not None:
             handle.remove()
@@ -141,6 +115,11 @@ class Cfg:
     K = 1.0
 
 
+class _ClassNamespace(LinearModel):
+    def forward(self, x):
+        return self.fc(x) * Cfg.K
+
+
 class Helper:
     K2 = 1.0
 
@@ -149,22 +128,16 @@ class Helper:
         return h * cls.K2
 
 
-class _ClassNamespace(LinearModel):
-    def forward(self, x):
-        return self.fc(x) * Cfg.K
-
-
 class _ClassMethod(LinearModel):
     def forward(self, x):
         return Helper.cscale(self.fc(x))
 
 
-def test_a_plain_class_attribute_is_guarded(monkeypatch):
-    _check_change(_ClassNamespace, lambda mp: mp.setattr(Cfg, "K", 3.0), monkeypatch)
-
-
-def test_a_class_attribute_a_classmethod_reads_is_guarded(monkeypatch):
-    _check_change(_ClassMethod, lambda mp: mp.setattr(Helper, "K2", 4.0), monkeypatch)
+@pytest.mark.parametrize(("cls", "change"), [(_ClassNamespace, lambda mp: mp.setattr(Cfg, "K", 3.0)),
+                                             (_ClassMethod, lambda mp: mp.setattr(Helper, "K2", 4.0))],
+                         ids=["a plain class's attribute", "one a classmethod reads"])
+def test_a_plain_class_attribute_is_guarded(cls, change, monkeypatch):
+    _check_change(cls, change, monkeypatch)
 
 
 TUP = (1.0, [1.0])
@@ -318,7 +291,7 @@ def test_state_a_closure_or_another_module_keeps_is_not_a_guard(monkeypatch):
     wide, members = _compile(_Counts)
     x = _x()
     for _ in range(10):
-        _assert_members(wide, members, x)
+        assert_each_member(wide, members, x)
     assert 1 + sum(len(v) for v in wide._variants.values()) == 1
     watched = {e[2] for e in wide._graph_for(True).guards.watched}
     assert "X" in watched and not watched & {"n", "seen", "SEEN"}
@@ -351,8 +324,8 @@ def test_a_graph_from_the_compile_cache_follows_a_module_attribute_a_class_and_a
     assert len(cache_entries(cache_dir)) == 1
     wide, members = from_cache(lambda: _compile(_All))  # the guards as unpickled
     x = _x()
-    _assert_members(wide, members, x)
+    assert_each_member(wide, members, x)
     for change in (lambda: monkeypatch.setattr(cfgmod, "X", 2.0), lambda: monkeypatch.setattr(Cfg, "K", 3.0),
                    lambda: monkeypatch.setitem(BOX, "v", 5.0)):
         change()
-        _assert_members(wide, members, x)
+        assert_each_member(wide, members, x)
