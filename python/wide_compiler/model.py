@@ -149,6 +149,10 @@ def _global_hooks_on(module: types.ModuleType = sys.modules[nn.Module.__module__
 # by probe 5 of issue 44 (F14): after ``.double()`` a ``1.0 if x.dtype == torch.float64 else 2.0``
 # kept the float32 branch (every output 1.0 off), ``zeros(dtype=x.dtype)`` returned float32 where
 # each member returned bfloat16, and ``x.to(weight.dtype)`` crashed inside wide::linear.
+# A capture that fails in the new dtype (a forward refusing half precision) does not fail the
+# conversion: the parameters are already converted and the model has no graph, so raising would
+# leave it half-changed. ``.to()`` logs a warning instead, and the next call captures again and
+# raises that error where the user runs the model; converting back works as before.
 
 
 class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, InspectionMixin, DeploymentMixin,
@@ -267,7 +271,7 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
                 holder._buffers[attr] = was.to(device=now.device)
         self._note_dtype()
         after = self.__dict__.get("_param_dtype")
-        if self.__dict__.get("_graphs") and before is not None and after is not None and after != before:
+        if "_graphs" in self.__dict__ and before is not None and after is not None and after != before:
             self._recapture_in(before, after)
         return out
 
@@ -288,9 +292,15 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
             object.__setattr__(self, "_sample", tree_map(cast, self._sample))
             for key in ("_graphs", "_variants", "_ranges", "_holder_plans", "_constants_seen"):
                 self.__dict__[key].clear()
+            mode = "train" if self.training else "eval"
             log.info("wide_compiler: the parameters went from %s to %s: capturing the %s graph again in %s",
-                     before, after, "train" if self.training else "eval", after)
-            self._graph_for(self.training)
+                     before, after, mode, after)
+            try:
+                self._graph_for(self.training)
+            except Exception as e:  # noqa: BLE001 (raised again by the next call's capture)
+                log.warning("wide_compiler: the parameters are now %s, but the %s graph cannot be captured in "
+                            "%s (%s: %s); the next call tries again and raises this error", after, mode, after,
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
 
     # -- copying and pickling: the graphs hold no parameters (those are graph inputs) ----------
     def __deepcopy__(self, memo: dict) -> WideModel:
