@@ -184,12 +184,16 @@ def test_router_write_back_checks_every_group_before_writing_any():
 
 
 # --- F8: constants compared by type and value, not == ----------------------------------------------
-class Divided(nn.Module):
+class _Constant(nn.Module):
+    """A Linear ``l`` and the constant ``s`` (per member) the subclass's forward uses."""
+
     def __init__(self, s) -> None:
         super().__init__()
         self.l = nn.Linear(3, 3)
         self.s = s
 
+
+class Divided(_Constant):
     def forward(self, x):
         return self.l(x) / self.s
 
@@ -229,12 +233,7 @@ def test_nan_constant_in_every_member_is_shared_and_in_one_member_per_member():
     assert not got[0].isnan().any() and got[1].isnan().all()
 
 
-class TypeBranch(nn.Module):
-    def __init__(self, s) -> None:
-        super().__init__()
-        self.l = nn.Linear(3, 3)
-        self.s = s
-
+class TypeBranch(_Constant):
     def forward(self, x):
         h = self.l(x)
         if isinstance(self.s, bool):

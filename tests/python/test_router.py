@@ -14,6 +14,8 @@ from torch import nn
 from wide_compiler.router import Tower, WideRouter
 from wide_compiler.testing import assert_close, make_members
 
+from support import router_with_refs as build  # a router over the towers, and reference copies of them
+
 FAST = wc.WideConfig.fast()
 
 
@@ -66,16 +68,6 @@ class BranchyTower(Tower):
         if y.sum() > 0:
             y = -y
         return y if mask is None else y * mask
-
-
-def build(towers: dict[str, nn.Module]) -> tuple[WideRouter, dict[str, nn.Module]]:
-    """A router over ``towers`` and independent reference copies of them."""
-    refs = {n: copy.deepcopy(t) for n, t in towers.items()}
-    router = WideRouter(config=FAST)
-    for n, t in towers.items():
-        router.attach(n, t)
-    router.discover_towers()
-    return router, refs
 
 
 def mixed_towers() -> dict[str, nn.Module]:

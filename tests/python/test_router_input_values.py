@@ -4,7 +4,6 @@ value, as the guards of a compiled graph compare them (``fx.guards.same_input``)
 program captured with one of them."""
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 
@@ -15,6 +14,8 @@ from torch import nn
 from wide_compiler.router import Tower, WideRouter
 from wide_compiler.router.inputs import _stack
 from wide_compiler.testing import check_equivalence, stack_inputs
+
+from support import router_with_refs
 
 FAST = wc.WideConfig.fast()
 
@@ -33,13 +34,7 @@ class SignedTower(Tower):
 
 def _router(n: int = 2) -> tuple[WideRouter, dict[str, nn.Module]]:
     torch.manual_seed(0)
-    towers = {f"t{i}": SignedTower() for i in range(n)}
-    refs = {k: copy.deepcopy(t) for k, t in towers.items()}
-    router = WideRouter(config=FAST)
-    for k, t in towers.items():
-        router.attach(k, t)
-    router.discover_towers()
-    return router, refs
+    return router_with_refs({f"t{i}": SignedTower() for i in range(n)})
 
 
 @pytest.mark.parametrize("values", [(0.0, -0.0), (1, 1.0), (True, 1)], ids=["zero-sign", "int-float", "bool-int"])
