@@ -49,6 +49,7 @@ import contextlib
 import inspect
 import logging
 import re
+import sys
 import traceback
 from typing import Any
 
@@ -242,7 +243,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     while True:
         watch = _Watch()
         try:
-            with _ForwardSignature(model, signature), without_cudnn(), _RecurrentShapes(), watch:
+            with (_ForwardSignature(model, signature), without_cudnn(), _RecurrentShapes(),
+                  _GlobalHooksSkipExportModules(), watch):
                 ep = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as e:  # export's own errors are many types; keep its reason whole
             found = _UNKNOWN_OUTPUT.search(str(e))
@@ -295,6 +297,39 @@ def _refuse_generators(model: nn.Module, ep: ExportedProgram) -> None:
             "member at once, would have one, so its draws could not be any member's.\n"
             "What to do: draw from the default generator (seed it with torch.manual_seed), or keep the module "
             "whole with @wide_compiler.register(ModuleType).")
+
+
+# Note [Global hooks do not run on export's own modules]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's global module hooks (``register_module_forward_pre_hook`` / ``_forward_hook``) run on
+# every module call, and torch.export calls member 0 from inside a wrapper module of its own
+# (``torch.export._trace``'s ``Wrapper``): a global pre-hook that scales the tensor arguments of
+# every module ran on that wrapper and again on member 0, so the graph held the member's forward
+# of 1.5 x where the member alone computes it of x (probe 5 of issue 44: 0.3 off). During the
+# capture each such hook is replaced, in place (the tables keep their keys, so the guards on
+# their registration still hold), by one that skips modules of torch.export's own classes, and
+# put back afterwards; a hook registered or removed meanwhile is left as it is.
+class _GlobalHooksSkipExportModules:
+    """Note [Global hooks do not run on export's own modules]."""
+
+    _TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks")
+    _EXPORT_MODULES = ("torch.export.", "torch._export.")
+
+    def __enter__(self) -> None:
+        module = sys.modules[nn.Module.__module__]
+        self._saved: list[tuple[dict, Any, Any, Any]] = []
+        for name in self._TABLES:
+            table = getattr(module, name)
+            for key, hook in list(table.items()):
+                def skipping(m: nn.Module, *rest: Any, _hook: Any = hook) -> Any:
+                    return None if type(m).__module__.startswith(self._EXPORT_MODULES) else _hook(m, *rest)
+                table[key] = skipping
+                self._saved.append((table, key, hook, skipping))
+
+    def __exit__(self, *exc: Any) -> None:
+        for table, key, hook, skipping in self._saved:
+            if table.get(key) is skipping:
+                table[key] = hook
 
 
 class _RecurrentShapes:
