@@ -63,6 +63,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -252,130 +253,127 @@ def _state_read(w: _Writer, module: str | None) -> None:
         w.mutations.append(f"HOOK = {new}")
 
 
-def _vec_step(w: _Writer, f: int) -> tuple[str, int]:
-    r = w.rng
-    _size_and_constant(w, 0)
-    choice = r.choice(["linear", "act", "leaky", "norm", "bn", "dropout", "residual", "scale", "clamp",
-                       "softmax", "chunk", "branch_batch", "branch_attr", "to_seq"])
-    if choice == "linear":
-        g = r.choice([3, 4, 6, 8])
-        w.line(f"h = {w.module(f'nn.Linear({f}, {g}, bias={r.random() < 0.8})')}(h)")
-        return "vec", g
-    if choice == "act":
-        w.line(f"h = {r.choice(['torch.relu', 'torch.tanh', 'F.gelu', 'F.silu', 'torch.sigmoid', 'F.softplus'])}(h)")
-    elif choice == "leaky":
-        w.line(f"h = F.leaky_relu(h, {w.constant(0.01, 0.3)})")
-    elif choice == "norm":
-        w.line(f"h = {w.module(f'nn.LayerNorm({f}, eps={r.choice([1e-5, 1e-3])})')}(h)")
-    elif choice == "bn":
-        w.line(f"h = {w.module(f'nn.BatchNorm1d({f})')}(h)")
-    elif choice == "dropout":
-        p = w.constant(0.0, 0.5, choices=[0.0, 0.0, 0.1, 0.3])
-        w.line(f"h = F.dropout(h, {p}, self.training)")
-        w.random = w.random or any(c[p.removeprefix("self.")] > 0 for c in w.constants)
-    elif choice == "residual":
-        w.line(f"h = h + {w.module(f'nn.Linear({f}, {f})')}(torch.relu(h))")
-    elif choice == "scale":
-        w.line(f"h = h * {w.constant(-2.0, 2.0)} + {w.constant(-1.0, 1.0)}")
-    elif choice == "clamp":
-        w.line(f"h = h.clamp({w.constant(-1.0, 0.0)}, {w.constant(0.0, 1.0)})")
-    elif choice == "softmax":
-        w.line("h = torch.softmax(h, dim=-1) * h.shape[-1]")
-    elif choice == "chunk" and f % 2 == 0:
-        w.line("a, b = h.chunk(2, dim=-1)")
-        w.line("h = torch.cat([b * torch.sigmoid(a), a], dim=-1)")
-    elif choice == "branch_batch":
-        w.line("if h.shape[0] % 2 == 1:")
-        w.line("    h = h.flip(0) * 0.5")
-    elif choice == "branch_attr":
-        s = w.constant(-1.0, 1.0, choices=[0.0, 0.5, 0.5, 1.0])
-        w.line(f"if {s} != 0:")
-        w.line(f"    h = h * {s}")
-        w.line("else:")
-        w.line("    h = torch.tanh(h)")
-    elif choice == "to_seq":
-        t = r.choice([2, 3])
-        w.line(f"h = h.unsqueeze(1).expand(-1, {t}, -1) * torch.arange(1, {t + 1}, dtype=h.dtype).view(1, -1, 1)")
-        return "seq", f
-    return "vec", f
+# Note [The grammar's tables]: the productions of each kind of tensor (vec ``[B, F]``, seq
+# ``[B, T, F]``, img ``[B, C, H, W]``), name -> a function of the writer and the current size that
+# draws what it needs and gives its lines, or ``(lines, kind, size)`` where it changes the tensor's
+# kind or size; one where the size does not allow it gives no lines. A step draws a name from its
+# kind's list (a name listed twice is drawn twice as often), in the order every recorded seed was
+# drawn with: the draws of each production are those the first grammar made, in its order.
+_Production = Callable[[_Writer, int], "list[str] | tuple[list[str], str, int]"]
 
 
-def _seq_step(w: _Writer, f: int) -> tuple[str, int]:
-    r = w.rng
-    _size_and_constant(w, 1)
-    choice = r.choice(["linear", "act", "norm", "mean", "attention", "gru", "conv1d", "branch_parity",
-                       "branch_one", "pad4", "cumsum", "slice", "last"])
-    if choice == "linear":
-        g = r.choice([4, 6, 8])
-        w.line(f"h = {w.module(f'nn.Linear({f}, {g})')}(h)")
-        return "seq", g
-    if choice == "act":
-        w.line(f"h = {r.choice(['torch.relu', 'torch.tanh', 'F.gelu'])}(h)")
-    elif choice == "norm":
-        w.line(f"h = {w.module(f'nn.LayerNorm({f})')}(h)")
-    elif choice == "mean":
-        w.line("h = h.mean(1)")
-        return "vec", f
-    elif choice == "last":
-        w.line("h = h[:, -1]")
-        return "vec", f
-    elif choice == "attention" and f % 2 == 0:
-        qkv = w.module(f"nn.Linear({f}, {3 * f})")
-        heads = r.choice([1, 2])
-        w.line(f"q, k, v = {qkv}(h).chunk(3, dim=-1)")
-        w.line(f"q, k, v = (t.unflatten(-1, ({heads}, {f // heads})).transpose(1, 2) for t in (q, k, v))")
-        w.line(f"h = h + F.scaled_dot_product_attention(q, k, v, is_causal={r.random() < 0.5})"
-               ".transpose(1, 2).flatten(2)")
-    elif choice == "gru":
-        w.line(f"h, _ = {w.module(f'nn.GRU({f}, {f}, batch_first=True)')}(h)")
-    elif choice == "conv1d":
-        k = r.choice([1, 3])
-        w.line(f"h = {w.module(f'nn.Conv1d({f}, {f}, {k}, padding={k // 2})')}(h.transpose(1, 2)).transpose(1, 2)")
-    elif choice == "branch_parity":
-        w.line("if h.shape[1] % 2 == 0:")
-        w.line("    h = h * 2")
-    elif choice == "branch_one":
-        w.line("if h.shape[1] == 1:")
-        w.line("    h = h - 1")
-    elif choice == "pad4":
-        w.line("pad = (-h.shape[1]) % 4")
-        w.line("if pad:")
-        w.line("    h = F.pad(h, (0, 0, 0, pad))")
-    elif choice == "cumsum":
-        w.line("h = h.cumsum(1) / h.shape[1]")
-    elif choice == "slice":
-        w.line("h = torch.cat([h[:, :1] * 0.5, h[:, 1:]], dim=1)")
-    return "seq", f
+def _linear(kind: str, sizes: list[int], *, drawn_bias: bool = False) -> _Production:
+    """A new ``nn.Linear`` to a size drawn of ``sizes`` (its ``bias`` drawn too, or the default)."""
+
+    def production(w: _Writer, f: int) -> tuple[list[str], str, int]:
+        g = w.rng.choice(sizes)
+        layer = f"nn.Linear({f}, {g}, bias={w.rng.random() < 0.8})" if drawn_bias else f"nn.Linear({f}, {g})"
+        return [f"h = {w.module(layer)}(h)"], kind, g
+
+    return production
 
 
-def _img_step(w: _Writer, c: int) -> tuple[str, int]:
-    r = w.rng
-    choice = r.choice(["conv", "conv", "bn", "act", "pool", "residual", "odd", "gn", "to_vec", "to_vec"])
-    if choice == "conv":
-        k = r.choice([1, 3])
-        d = r.choice([4, 6])
-        w.line(f"h = {w.module(f'nn.Conv2d({c}, {d}, {k}, padding={k // 2}, stride={r.choice([1, 1, 2])})')}(h)")
-        return "img", d
-    if choice == "bn":
-        w.line(f"h = {w.module(f'nn.BatchNorm2d({c})')}(h)")
-    elif choice == "gn" and c % 2 == 0:
-        w.line(f"h = {w.module(f'nn.GroupNorm(2, {c})')}(h)")
-    elif choice == "act":
-        w.line(f"h = {r.choice(['torch.relu', 'F.hardswish', 'F.silu'])}(h)")
-    elif choice == "pool":
-        w.line(f"h = {r.choice(['F.max_pool2d', 'F.avg_pool2d'])}(h, 2, ceil_mode=True)")
-    elif choice == "residual":
-        w.line(f"h = h + {w.module(f'nn.Conv2d({c}, {c}, 3, padding=1)')}(torch.relu(h))")
-    elif choice == "odd":
-        w.line("if h.shape[-1] % 2 == 1:")
-        w.line("    h = F.pad(h, (0, 1, 0, 1))")
-    elif choice == "to_vec":
-        if r.random() < 0.5:
-            w.line("h = F.adaptive_avg_pool2d(h, 1).flatten(1)")
-        else:
-            w.line("h = h.mean((2, 3))")
-        return "vec", c
-    return "img", c
+def _dropout(w: _Writer, f: int) -> list[str]:
+    p = w.constant(0.0, 0.5, choices=[0.0, 0.0, 0.1, 0.3])
+    w.random = w.random or any(c[p.removeprefix("self.")] > 0 for c in w.constants)
+    return [f"h = F.dropout(h, {p}, self.training)"]
+
+
+def _branch_attr(w: _Writer, f: int) -> list[str]:
+    s = w.constant(-1.0, 1.0, choices=[0.0, 0.5, 0.5, 1.0])
+    return [f"if {s} != 0:", f"    h = h * {s}", "else:", "    h = torch.tanh(h)"]
+
+
+def _to_seq(w: _Writer, f: int) -> tuple[list[str], str, int]:
+    t = w.rng.choice([2, 3])
+    line = f"h = h.unsqueeze(1).expand(-1, {t}, -1) * torch.arange(1, {t + 1}, dtype=h.dtype).view(1, -1, 1)"
+    return [line], "seq", f
+
+
+def _attention(w: _Writer, f: int) -> list[str]:
+    if f % 2:
+        return []
+    qkv, heads = w.module(f"nn.Linear({f}, {3 * f})"), w.rng.choice([1, 2])
+    return [f"q, k, v = {qkv}(h).chunk(3, dim=-1)",
+            f"q, k, v = (t.unflatten(-1, ({heads}, {f // heads})).transpose(1, 2) for t in (q, k, v))",
+            f"h = h + F.scaled_dot_product_attention(q, k, v, is_causal={w.rng.random() < 0.5})"
+            ".transpose(1, 2).flatten(2)"]
+
+
+def _conv1d(w: _Writer, f: int) -> list[str]:
+    k = w.rng.choice([1, 3])
+    return [f"h = {w.module(f'nn.Conv1d({f}, {f}, {k}, padding={k // 2})')}(h.transpose(1, 2)).transpose(1, 2)"]
+
+
+def _conv2d(w: _Writer, c: int) -> tuple[list[str], str, int]:
+    k, d = w.rng.choice([1, 3]), w.rng.choice([4, 6])
+    conv = w.module(f"nn.Conv2d({c}, {d}, {k}, padding={k // 2}, stride={w.rng.choice([1, 1, 2])})")
+    return [f"h = {conv}(h)"], "img", d
+
+
+_VEC_ACTIVATIONS = ["torch.relu", "torch.tanh", "F.gelu", "F.silu", "torch.sigmoid", "F.softplus"]
+_VEC: dict[str, _Production] = {
+    "linear": _linear("vec", [3, 4, 6, 8], drawn_bias=True),
+    "act": lambda w, f: [f"h = {w.rng.choice(_VEC_ACTIVATIONS)}(h)"],
+    "leaky": lambda w, f: [f"h = F.leaky_relu(h, {w.constant(0.01, 0.3)})"],
+    "norm": lambda w, f: [f"h = {w.module(f'nn.LayerNorm({f}, eps={w.rng.choice([1e-5, 1e-3])})')}(h)"],
+    "bn": lambda w, f: [f"h = {w.module(f'nn.BatchNorm1d({f})')}(h)"],
+    "dropout": _dropout,
+    "residual": lambda w, f: [f"h = h + {w.module(f'nn.Linear({f}, {f})')}(torch.relu(h))"],
+    "scale": lambda w, f: [f"h = h * {w.constant(-2.0, 2.0)} + {w.constant(-1.0, 1.0)}"],
+    "clamp": lambda w, f: [f"h = h.clamp({w.constant(-1.0, 0.0)}, {w.constant(0.0, 1.0)})"],
+    "softmax": lambda w, f: ["h = torch.softmax(h, dim=-1) * h.shape[-1]"],
+    "chunk": lambda w, f: [] if f % 2 else ["a, b = h.chunk(2, dim=-1)",
+                                            "h = torch.cat([b * torch.sigmoid(a), a], dim=-1)"],
+    "branch_batch": lambda w, f: ["if h.shape[0] % 2 == 1:", "    h = h.flip(0) * 0.5"],
+    "branch_attr": _branch_attr,
+    "to_seq": _to_seq,
+}
+_SEQ: dict[str, _Production] = {
+    "linear": _linear("seq", [4, 6, 8]),
+    "act": lambda w, f: [f"h = {w.rng.choice(['torch.relu', 'torch.tanh', 'F.gelu'])}(h)"],
+    "norm": lambda w, f: [f"h = {w.module(f'nn.LayerNorm({f})')}(h)"],
+    "mean": lambda w, f: (["h = h.mean(1)"], "vec", f),
+    "attention": _attention,
+    "gru": lambda w, f: [f"h, _ = {w.module(f'nn.GRU({f}, {f}, batch_first=True)')}(h)"],
+    "conv1d": _conv1d,
+    "branch_parity": lambda w, f: ["if h.shape[1] % 2 == 0:", "    h = h * 2"],
+    "branch_one": lambda w, f: ["if h.shape[1] == 1:", "    h = h - 1"],
+    "pad4": lambda w, f: ["pad = (-h.shape[1]) % 4", "if pad:", "    h = F.pad(h, (0, 0, 0, pad))"],
+    "cumsum": lambda w, f: ["h = h.cumsum(1) / h.shape[1]"],
+    "slice": lambda w, f: ["h = torch.cat([h[:, :1] * 0.5, h[:, 1:]], dim=1)"],
+    "last": lambda w, f: (["h = h[:, -1]"], "vec", f),
+}
+_IMG: dict[str, _Production] = {
+    "conv": _conv2d,
+    "bn": lambda w, c: [f"h = {w.module(f'nn.BatchNorm2d({c})')}(h)"],
+    "act": lambda w, c: [f"h = {w.rng.choice(['torch.relu', 'F.hardswish', 'F.silu'])}(h)"],
+    "pool": lambda w, c: [f"h = {w.rng.choice(['F.max_pool2d', 'F.avg_pool2d'])}(h, 2, ceil_mode=True)"],
+    "residual": lambda w, c: [f"h = h + {w.module(f'nn.Conv2d({c}, {c}, 3, padding=1)')}(torch.relu(h))"],
+    "odd": lambda w, c: ["if h.shape[-1] % 2 == 1:", "    h = F.pad(h, (0, 1, 0, 1))"],
+    "gn": lambda w, c: [] if c % 2 else [f"h = {w.module(f'nn.GroupNorm(2, {c})')}(h)"],
+    "to_vec": lambda w, c: (["h = F.adaptive_avg_pool2d(h, 1).flatten(1)" if w.rng.random() < 0.5
+                             else "h = h.mean((2, 3))"], "vec", c),
+}
+# kind -> (its productions, the list a step draws from, the dim of _size_and_constant's branch or None)
+_GRAMMAR: dict[str, tuple[dict[str, _Production], list[str], int | None]] = {
+    "vec": (_VEC, list(_VEC), 0),
+    "seq": (_SEQ, list(_SEQ), 1),
+    "img": (_IMG, ["conv", "conv", "bn", "act", "pool", "residual", "odd", "gn", "to_vec", "to_vec"], None),
+}
+
+
+def _step(w: _Writer, kind: str, f: int) -> tuple[str, int]:
+    """One production of ``kind`` (Note [The grammar's tables]): its lines written; the tensor's
+    kind and size after it."""
+    productions, names, dim = _GRAMMAR[kind]
+    if dim is not None:
+        _size_and_constant(w, dim)
+    out = productions[w.rng.choice(names)](w, f)
+    lines, kind, f = out if isinstance(out, tuple) else (out, kind, f)
+    for line in lines:
+        w.line(line)
+    return kind, f
 
 
 def generate(seed: int, *, n: int | None = None, second_stream: bool = True, state: bool = True) -> Program:
@@ -410,7 +408,7 @@ def generate(seed: int, *, n: int | None = None, second_stream: bool = True, sta
     second = rng.random() < 0.3
     steps = rng.randint(2, 7)
     for k in range(steps):
-        kind, f = {"vec": _vec_step, "seq": _seq_step, "img": _img_step}[kind](w, f)
+        kind, f = _step(w, kind, f)
         modules = [line.split(" = ")[0] for line in w.init if line.startswith("self.m") and "nn.GRU" not in line]
         _state_read(w, modules[-1] if modules else None)
         if second and k == steps // 2 and kind == "vec":
