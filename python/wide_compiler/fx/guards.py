@@ -38,7 +38,7 @@ A guard of export's that names an input this module cannot map (a stride, an inp
 not know) is not dropped: the graph then holds only for inputs of exactly the captured sizes.
 
 The state a forward reads besides its inputs (globals, class attributes, functions, tensors,
-flags) is kept by fx/state_reads.py (Note [State a forward reads]).
+flags) is found by fx/code_reads.py and kept by fx/state_reads.py (Note [State a forward reads]).
 """
 
 from __future__ import annotations
