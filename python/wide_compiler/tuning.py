@@ -70,7 +70,7 @@ from torch import fx
 from . import measure
 from .config import WideConfig
 
-__all__ = ["choose_strategies", "choose_strategy", "clearly_apart", "heuristic_reason", "measure_strategy",
+__all__ = ["choose_strategies", "clearly_apart", "heuristic_reason", "measure_strategy",
            "cache_key", "Budget", "Choice"]
 
 log = logging.getLogger(__name__)
@@ -473,32 +473,6 @@ def measure_strategy(
     log.info("wide_compiler: %s strategy %s (%s)", op, best, reason)
     remember(key, {"strategy": best, "timings_ms": timings}, config)
     return Choice(best, timings, reason, "measured")
-
-
-def choose_strategy(
-    op: str,
-    key_fields: Mapping[str, Any],
-    make_candidates: Callable[[], Mapping[str, Callable[[], Any]]],
-    default: str,
-    config: WideConfig,
-    names: Sequence[str] | None = None,
-) -> tuple[str, dict[str, float] | None]:
-    """Pick the fastest strategy (:func:`measure_strategy` without a budget or reasons).
-
-    Returns ``(strategy, timings_ms)``; ``timings_ms`` is ``None`` when nothing was measured
-    (tuning off, forced strategy). Example:
-
-        >>> import torch, wide_compiler as wc
-        >>> from wide_compiler.tuning import choose_strategy
-        >>> x, w = torch.randn(4, 8, 16), torch.randn(4, 32, 16)
-        >>> make = lambda: {s: (lambda s=s: torch.ops.wide.linear(x, w, strategy=s)) for s in ("bmm", "loop")}
-        >>> choose_strategy("linear", {"x": [4, 8, 16]}, make, "bmm", wc.WideConfig(tune=False))
-        ('bmm', None)
-        >>> choose_strategy("linear", {"x": [4, 8, 16]}, make, "bmm", wc.WideConfig(cache=False))[0] in ("bmm", "loop")
-        True
-    """
-    choice = measure_strategy(op, key_fields, make_candidates, default, config, names)
-    return choice.strategy, choice.timings_ms
 
 
 # --- the strategy pass ---------------------------------------------------------------------------

@@ -233,16 +233,16 @@ def test_strategy_cache_entries_are_validated(caplog, steady_clock):
 
 
 @pytest.mark.parametrize("timings", ["fast", {"bmm": "1"}, {"bmm": -1.0}, {"bmm": True}, [1.0]])
-def test_choose_strategy_never_returns_bad_cached_timings(timings):
+def test_measure_strategy_never_returns_bad_cached_timings(timings):
     path = _cache_path(TUNED)
     names = ("bmm", "loop")
     key = tuning.cache_key("linear", x=[1], strategies=sorted(names))
     path.write_text(json.dumps({key: {"strategy": "loop", "timings_ms": timings}}))
     calls = []
     make = lambda: {s: (lambda s=s: calls.append(s)) for s in names}  # noqa: E731
-    strategy, got = tuning.choose_strategy("linear", {"x": [1]}, make, "bmm", TUNED, names)
+    choice = tuning.measure_strategy("linear", {"x": [1]}, make, "bmm", TUNED, names)
     assert calls, "a bad entry must be measured again"
-    assert isinstance(got, dict) and set(got) == set(names) and strategy in names
+    assert isinstance(choice.timings_ms, dict) and set(choice.timings_ms) == set(names) and choice.strategy in names
 
 
 # --- CLI --shape --------------------------------------------------------------------------------
