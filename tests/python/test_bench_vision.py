@@ -147,3 +147,20 @@ def test_dropout_check_catches_wrong_masks():
     assert check(loop, measure.make_step(loop, (x,), "train")()) < 1e-5
     for name, c in bad.items():
         assert check(c, measure.make_step(c, (x,), "train")()) > 0.1, name
+
+
+@pytest.mark.parametrize("at_real_size", [False, True], ids=["toy", "real"])
+def test_run_case_collects_after_each_mode_only_at_real_sizes(at_real_size, monkeypatch):
+    """A full gc.collect() after each mode frees a real-size mode's copies before the next mode
+    makes its own; at toy sizes it only costs a walk of the whole heap (Note [Collect after a mode
+    only at real sizes] in bench/vision.py). Members of 0 bytes "at real size": a threshold of 0."""
+    import types
+
+    calls = []
+    monkeypatch.setattr(vision, "gc", types.SimpleNamespace(collect=lambda *a: calls.append(a) or 0))
+    if at_real_size:
+        monkeypatch.setattr(vision, "COLLECT_BYTES", 0)
+    case = vision.pool_cases("tiny")[0]
+    records = vision.run_case(case, 2, compile_variants=(), min_run_time=0.001)
+    assert {r["mode"] for r in records} == set(measure.MODES)
+    assert len(calls) == (len(measure.MODES) if at_real_size else 0)

@@ -128,6 +128,26 @@ MODEL_PRESETS: dict[str, Preset] = {
                          "compile_variants": ("auto", "fast", "loop")}),
 }
 
+#: A set of members at least this large (parameters and buffers) is collected after each mode
+#: (Note [Collect after a mode only at real sizes]).
+COLLECT_BYTES = 64 << 20
+
+# Note [Collect after a mode only at real sizes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# run_case drops a mode's copies, wide contenders and baselines before the next mode makes its
+# own, and a full gc.collect() frees what reference cycles (compiled graphs, autograd state) still
+# hold: at real sizes (GPT-2 at N=4: 2 GB per set of members) two modes' worth do not fit in
+# memory. The collection walks the whole heap of the process (torch, transformers, every graph
+# compiled so far): 0.3-1 s a call, for nothing at the ``ci`` preset's toy sizes (kilobytes of
+# members; the test suite ran ~60 of them). So it runs only when one set of members holds at least
+# COLLECT_BYTES; below that Python's own generational collection is left to it.
+
+
+def _state_bytes(models: Sequence[nn.Module]) -> int:
+    """Bytes of the members' parameters and buffers (one set of members)."""
+    return sum(t.numel() * t.element_size() for m in models for t in (*m.parameters(), *m.buffers()))
+
+
 _CONFIGS = {
     "auto": lambda wc: wc.WideConfig(tune=True, cache=False),
     "fast": lambda wc: wc.WideConfig.fast(),
@@ -411,6 +431,7 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = measure.MODES,
 
     records = []
     build_s: dict[tuple[str, str], float] = {}
+    big = _state_bytes(master) >= COLLECT_BYTES
     for i, mode in enumerate(modes):
         training = case.train_state if case.train_state is not None else mode == "train"
         # The last mode times the master members themselves (one set of members less in memory).
@@ -471,5 +492,6 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = measure.MODES,
         # This mode's copies and baselines go before the next mode makes its own: at real sizes
         # (GPT-2 at N=4: 2 GB per set of members) two modes' worth do not fit in memory.
         del models, wides, baselines, makers
-        gc.collect()
+        if big:  # Note [Collect after a mode only at real sizes]
+            gc.collect()
     return records
