@@ -40,6 +40,22 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture(scope="module")
+def _module_cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("module_compile_cache")
+
+
+@pytest.fixture
+def module_compile_cache(_module_cache_dir, monkeypatch):
+    """The compile cache on, in one directory per test module: tests of one module that compile
+    the same members (to check something else than the capture: the trust check, validation)
+    capture each mode once, and the later ones load it (a cache hit is the fresh compile bit for
+    bit: test_compile_cache.py). Use it with ``@pytest.mark.usefixtures("module_compile_cache")``."""
+    monkeypatch.setenv("WIDE_COMPILE_CACHE", "1")
+    monkeypatch.setenv("WIDE_COMPILER_CACHE_DIR", str(_module_cache_dir))
+    return _module_cache_dir
+
+
 @pytest.fixture(autouse=True)
 def _default_dtype_guard():
     """Fail loudly if a test leaks a changed default dtype into the next one."""

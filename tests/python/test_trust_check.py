@@ -71,6 +71,12 @@ def test_stock_float32_models_pass_in_train_and_eval(name):
                                       what="train output")
 
 
+#: The tests below compile the same ResNet-18 (width 16) members, 7 times in all; they check the
+#: trust check and validation on the wide model, not its capture: one capture per mode is stored
+#: and loaded by the others (conftest's module_compile_cache).
+RESNET16_CACHE = pytest.mark.usefixtures("module_compile_cache")
+
+
 def _perturb_member_1(name: str, relative: float, monkeypatch):
     """Make check_compile's compile return a wide model whose member 1 reads ``name`` off by
     ``relative``: what a wide rule that is slightly wrong for one member would do."""
@@ -85,6 +91,7 @@ def _perturb_member_1(name: str, relative: float, monkeypatch):
     monkeypatch.setattr(testing, "wide_compile", broken_compile)
 
 
+@RESNET16_CACHE
 @pytest.mark.parametrize("relative", [0.0, 1e-3], ids=["none", "1e-3"])
 def test_a_1e_3_defect_in_one_member_fails_and_names_the_member_and_the_tensor(relative, monkeypatch):
     """A ResNet-18 in train mode on these inputs is so ill-conditioned that its own logits are 1e-3
@@ -106,6 +113,7 @@ def test_a_1e_3_defect_in_one_member_fails_and_names_the_member_and_the_tensor(r
     assert "against a float64 run" in msg and "members' own float32 error" in msg, msg
 
 
+@RESNET16_CACHE
 def test_a_1e_3_defect_in_one_members_gradient_fails(monkeypatch):
     """A backward that is wrong for one member only (its gradient of one weight 1e-3 off, the
     forward right) is caught by the gradient comparison, nudged reruns and all."""
@@ -259,6 +267,7 @@ def test_a_flip_at_a_kink_is_rounding_not_a_defect(monkeypatch):
             assert rep.own_error[kind] >= rep.wide_error[kind] / _equivalence.NOISE_FACTOR > 0, kind
 
 
+@RESNET16_CACHE
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_validate_judges_float32_against_float64(training):
     """compile(validate=True) passes on a ResNet-18 (outputs and buffers, in the models' mode), and
