@@ -71,7 +71,11 @@ def _fresh_state() -> dict[str, Any]:
 #   slice, as the optimizer starts it: zeros (moments, RMSprop's and Adadelta's averages,
 #   Rprop's ``prev``, SGD's momentum buffer), Rprop's ``step_size`` at the group's ``lr``. SGD
 #   starts its buffer at the first gradient, undamped, which a zero buffer gives only with
-#   ``dampening == 0``: with dampening, such a first step is refused too.
+#   ``dampening == 0``: with dampening, such a first step is refused too. That holds for
+#   ``wide_compiler.optim.SGD`` (and any optimizer with ``momentum`` and ``dampening`` in its
+#   groups) as well, counting only the skipped members' hyperparameters where they are per
+#   member: a member whose first step was skipped ended a quarter of an update off its own run
+#   (probe 6 of issue 44, F4).
 # * Other optimizers (``wide_compiler.optim``'s, whose state is per member, and third-party
 #   ones) keep the generic rule: fresh per-member state starts at zero, and shared state is
 #   reported with a warning.
@@ -105,13 +109,18 @@ def _shared_read(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def _fresh_refusal(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why a step that creates ``optimizer``'s state cannot leave a skipped member as never
-    stepped, or None (Note [Skipping one member's step])."""
-    if _torch_optim_class(optimizer) != "SGD":
-        return None
+def _fresh_refusal(optimizer: torch.optim.Optimizer, skipped: Sequence[int]) -> str | None:
+    """Why a step that creates ``optimizer``'s state cannot leave the ``skipped`` members as never
+    stepped, or None (Note [Skipping one member's step]): SGD's momentum buffer, torch.optim's or
+    wide_compiler.optim's (per-member hyperparameters: only the skipped members' count)."""
     for group in optimizer.param_groups:
-        if group.get("momentum", 0) == 0 or group.get("dampening", 0) == 0:
+        if "momentum" not in group or "dampening" not in group:
+            continue
+        momentum, dampening = (torch.as_tensor(group[k]).cpu() for k in ("momentum", "dampening"))
+        dampens = (momentum != 0) & (dampening != 0)
+        if dampens.dim() == 1:  # one value per member
+            dampens = dampens[torch.as_tensor(list(skipped), dtype=torch.long)]
+        if not bool(dampens.any()):
             continue
         if any(p.grad is not None and "momentum_buffer" not in optimizer.state.get(p, {}) for p in group["params"]):
             return ("starts its momentum buffer at the first gradient, undamped, and with dampening != 0 a "
@@ -365,9 +374,9 @@ class GradScaler:
         found = state["found_inf"] if unscaled else self._found_inf(optimizer)
         skip = (found > 0).cpu()
         if bool(skip.any()) and not bool(skip.all()):
-            reason = shared or _fresh_refusal(optimizer)
+            members = skip.nonzero().flatten().tolist()
+            reason = shared or _fresh_refusal(optimizer, members)
             if reason is not None:
-                members = skip.nonzero().flatten().tolist()
                 raise RuntimeError(
                     f"wc.amp.GradScaler.step: member(s) {members} found inf/NaN gradients and the others did "
                     f"not, so only theirs must be skipped, but {type(optimizer).__name__} {reason}: skipping "
@@ -419,7 +428,6 @@ class GradScaler:
                         v.index_copy_(0, i.to(v.device), slices[k])
                     else:             # state created by this step: the member's starts as the optimizer's
                         v.index_fill_(0, i.to(v.device), _fresh_value(optimizer, group, k))
-                        self._check_fresh_state(optimizer, p, k)
         return retval
 
     def _warn_shared(self, optimizer: torch.optim.Optimizer, st: Mapping[str, Any]) -> None:
@@ -433,18 +441,6 @@ class GradScaler:
             log.warning("wc.amp.GradScaler: %s keeps state %s shared by all members; a member whose step is "
                         "skipped still advances it (use wide_compiler.optim, whose state is per member, to "
                         "match torch.amp.GradScaler exactly)", type(optimizer).__name__, shared)
-
-    def _check_fresh_state(self, optimizer: torch.optim.Optimizer, p: torch.Tensor, key: str) -> None:
-        """A zeroed momentum buffer is a fresh one unless SGD dampens (torch.optim.SGD starts the
-        buffer at the first gradient, undamped): say so when a skipped member's first step needs it."""
-        if key != "momentum_buffer" or id(optimizer) in self._warned_shared:
-            return
-        for group in optimizer.param_groups:
-            if any(q is p for q in group["params"]) and bool(torch.as_tensor(group.get("dampening", 0)).ne(0).any()):
-                self._warned_shared.add(id(optimizer))
-                log.warning("wc.amp.GradScaler: a member skipped its first SGD step while others "
-                            "took it; with dampening != 0 its momentum buffer starts as zeros, not "
-                            "at its first gradient as torch.optim.SGD alone would")
 
     def update(self, new_scale: float | Sequence[float] | torch.Tensor | None = None) -> None:
         """Per member, as ``torch.amp.GradScaler.update``: a member that found an inf or NaN (in

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from numbers import Number
 from typing import Any
 
 import torch
@@ -52,7 +54,7 @@ def _pointwise(ctx: WidenContext, node: fx.Node) -> Wide:
             raise ctx.fail(node, "a per-member tensor inside a list argument")
         return v
 
-    args = tuple(convert(a) for a in node.args)
+    args = _zero_dims_promote_as_in_the_member(ctx, node, tuple(convert(a) for a in node.args))
     kwargs = {k: convert(a) for k, a in node.kwargs.items() if k not in _DROP_KWARGS}
     return Wide(ctx.emit(node.target, args, kwargs, like=node, name=node.name), rank)
 
@@ -65,6 +67,96 @@ _INPLACE = ["copy_", "fill_.Scalar", "zero_", "masked_fill_.Scalar", "abs_"]
 rule(layout="elementwise", tagged_pointwise=True)(_pointwise)  # any op tagged torch.Tag.pointwise
 rows(_pointwise, _UNARY + _BINARY, layout="elementwise")
 rows(_pointwise, _INPLACE)
+
+
+# Note [A member's 0-dim operands keep their place in type promotion]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's type promotion ranks a 0-dim tensor below tensors with dims (and Python numbers below
+# both): a float32 ``[B, 4]`` plus a float64 0-dim ``x.sum()`` is float32, computed in float32.
+# In the wide graph a per-member 0-dim value is ``[N]`` (aligned ``[N, 1, 1]``), a tensor with
+# dims, so the same add promoted to float64 (float64 where each member returned float32; under
+# bfloat16 autocast ``mm(W, W) + x.sum()`` or ``h / h.norm()`` float32 where the member returned
+# bfloat16; a comparison made in the wider dtype: probe 6 of issue 44, F3). So where a pointwise
+# op mixes such an operand with operands that have dims in the member, the operand is first cast
+# to the dtype the member's op computes in: what TensorIterator does to a 0-dim operand in the
+# member, so the values are the member's too. The dtype is found at the call
+# (:func:`as_member_promotes`), from the dtypes the operands have then: under autocast they are
+# not the capture's. Not the condition of ``where`` nor the mask of ``masked_fill`` (they take no
+# part in promotion), nor the self of an in-place op (its dtype is the result's).
+_NOT_PROMOTED = {aten.where.self: (0,), aten.masked_fill.Scalar: (1,), aten.masked_fill_.Scalar: (1,)}
+_COMPLEX = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+def _dtype_of(v: Any) -> torch.dtype:
+    if isinstance(v, torch.Tensor):
+        return v.dtype
+    if isinstance(v, bool):
+        return torch.bool
+    if isinstance(v, int):
+        return torch.int64
+    return torch.get_default_dtype() if isinstance(v, float) else _COMPLEX[torch.get_default_dtype()]
+
+
+def _tier(values: Sequence[Any]) -> torch.dtype | None:
+    """The promoted dtype of operands of one rank of torch's promotion (None: no operand)."""
+    out = None
+    for v in values:
+        out = _dtype_of(v) if out is None else torch.promote_types(out, _dtype_of(v))
+    return out
+
+
+def _combine(higher: torch.dtype | None, lower: torch.dtype | None) -> torch.dtype | None:
+    """torch's promotion between a higher rank of operands and a lower one (dims over 0-dim
+    tensors over Python numbers): the lower rank counts only when of a higher category."""
+    if higher is None or lower is None:
+        return lower if higher is None else higher
+    if higher.is_complex:
+        return higher
+    if lower.is_complex:
+        return _COMPLEX.get(higher, lower) if higher.is_floating_point else lower
+    if higher.is_floating_point:
+        return higher
+    if higher == torch.bool or lower.is_floating_point:
+        return torch.promote_types(higher, lower)
+    return higher
+
+
+def as_member_promotes(x: torch.Tensor, dims: Sequence[Any], zero_dims: Sequence[Any],
+                       numbers: Sequence[Any]) -> torch.Tensor:
+    """``x``, a value that is 0-dim in each member, cast to the dtype a member's pointwise op
+    computes in when its other operands are ``dims`` (tensors with dims in the member),
+    ``zero_dims`` (0-dim tensors) and ``numbers`` (Python numbers), at their dtypes now
+    (Note [A member's 0-dim operands keep their place in type promotion]).
+
+    >>> import torch
+    >>> as_member_promotes(torch.ones(3, dtype=torch.float64), [torch.ones(2, 4)], [], []).dtype
+    torch.float32
+    >>> as_member_promotes(torch.ones(3, dtype=torch.float64), [torch.ones(2, dtype=torch.int32)], [], []).dtype
+    torch.float64
+    """
+    dtype = _combine(_tier(dims), _combine(_tier([x, *zero_dims]), _tier(numbers)))
+    return x if dtype is None or dtype == x.dtype else x.to(dtype)
+
+
+def _zero_dims_promote_as_in_the_member(ctx: WidenContext, node: fx.Node, args: tuple) -> tuple:
+    """Note [A member's 0-dim operands keep their place in type promotion]."""
+    not_promoted = _NOT_PROMOTED.get(node.target, ())
+    schema = getattr(node.target, "_schema", None)
+    first = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
+    inplace = first is not None and first.is_write
+    member = {i: (a.meta.get("val") if isinstance(a, fx.Node) else a) for i, a in enumerate(node.args)
+              if i not in not_promoted}
+    dims = [i for i, v in member.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    zero_dims = [i for i, v in member.items() if isinstance(v, torch.Tensor) and v.dim() == 0]
+    per_member = [i for i in zero_dims if not (inplace and i == 0) and isinstance(ctx.value(node.args[i]), Wide)]
+    if not dims or not per_member:
+        return args
+    numbers = [v for v in member.values() if isinstance(v, Number) and not isinstance(v, torch.Tensor)]
+    out = list(args)
+    for i in per_member:
+        out[i] = ctx.emit(as_member_promotes, (args[i], [args[j] for j in dims],
+                                               [args[j] for j in zero_dims if j != i], numbers), like=node)
+    return tuple(out)
 
 
 @rule("type_as", layout="elementwise")
