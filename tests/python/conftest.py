@@ -21,6 +21,18 @@ def seed() -> int:
     return value
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache_dir_for_the_session(tmp_path_factory):
+    """As _isolated_cache_dir below, for what runs before a test's own fixtures: a module- or
+    session-scoped fixture is set up before the function-scoped ones, so it compiled with the
+    compile cache on, in ~/.cache (its result then depended on what earlier runs had stored there)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WIDE_COMPILER_CACHE_DIR", str(tmp_path_factory.mktemp("wide_cache_session")))
+    mp.setenv("WIDE_COMPILE_CACHE", "0")
+    yield
+    mp.undo()
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache_dir(tmp_path_factory, monkeypatch):
     """Point the tuning cache at a temporary directory: tests never touch ~/.cache. The compile

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -130,6 +131,18 @@ def test_config_cache_dir_resolution(tmp_path, monkeypatch):
     assert str(wc.WideConfig().resolved_cache_dir()) == str(tmp_path / "env")
     explicit = wc.WideConfig(cache_dir=str(tmp_path / "explicit"))
     assert str(explicit.resolved_cache_dir()) == str(tmp_path / "explicit")
+
+
+@pytest.fixture(scope="module")
+def _env_of_a_module_fixture():
+    return os.environ.get("WIDE_COMPILER_CACHE_DIR"), os.environ.get("WIDE_COMPILE_CACHE")
+
+
+def test_a_module_fixture_compiles_away_from_the_users_cache(_env_of_a_module_fixture):
+    """A module-scoped fixture is set up before the autouse function-scoped one: the session-wide
+    one (conftest) keeps it off ~/.cache and the compile cache off too."""
+    cache_dir, compile_cache = _env_of_a_module_fixture
+    assert compile_cache == "0" and cache_dir and "wide_cache_session" in cache_dir, _env_of_a_module_fixture
 
 
 def test_public_surface():
