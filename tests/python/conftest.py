@@ -53,19 +53,21 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def _module_cache_dir(tmp_path_factory):
+def module_cache_dir(tmp_path_factory):
+    """The directory of module_compile_cache (one per test module), for a module-scoped fixture
+    that compiles the same members (it turns the cache on for itself: see test_hf_trainer.py)."""
     return tmp_path_factory.mktemp("module_compile_cache")
 
 
 @pytest.fixture
-def module_compile_cache(_module_cache_dir, monkeypatch):
+def module_compile_cache(module_cache_dir, monkeypatch):
     """The compile cache on, in one directory per test module: tests of one module that compile
     the same members (to check something else than the capture: the trust check, validation)
     capture each mode once, and the later ones load it (a cache hit is the fresh compile bit for
     bit: test_compile_cache.py). Use it with ``@pytest.mark.usefixtures("module_compile_cache")``."""
     monkeypatch.setenv("WIDE_COMPILE_CACHE", "1")
-    monkeypatch.setenv("WIDE_COMPILER_CACHE_DIR", str(_module_cache_dir))
-    return _module_cache_dir
+    monkeypatch.setenv("WIDE_COMPILER_CACHE_DIR", str(module_cache_dir))
+    return module_cache_dir
 
 
 @pytest.fixture(autouse=True)

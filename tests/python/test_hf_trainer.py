@@ -24,6 +24,10 @@ from wide_compiler.integrations.transformers import (  # noqa: E402
 )
 
 N = 4
+#: Most tests train the same members (_member): they check the trainer, not the capture, so one
+#: compile cache per module stores each graph once and the later tests load it (conftest's
+#: module_compile_cache; a cache hit is the fresh compile bit for bit: test_compile_cache.py).
+pytestmark = pytest.mark.usefixtures("module_compile_cache")
 STEPS = 12  # three logging steps (logging_steps=4) after a warmup of 3: the schedules already differ
 LRS = [1e-3, 3e-3, 1e-2, 3e-2]
 WDS = [0.0, 0.01, 0.1, 0.0]
@@ -71,9 +75,16 @@ def _member_args(tmp):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One fused run of N members and N plain Trainer runs, each member alone."""
-    tmp = tmp_path_factory.mktemp("hf")
+def runs(tmp_path_factory, module_cache_dir):
+    """One fused run of N members and N plain Trainer runs, each member alone (the module's
+    compile cache on: a module-scoped fixture runs before the function-scoped ones)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WIDE_COMPILE_CACHE", "1")
+        mp.setenv("WIDE_COMPILER_CACHE_DIR", str(module_cache_dir))
+        return _runs(tmp_path_factory.mktemp("hf"))
+
+
+def _runs(tmp):
     train, evals = _data(96, 0), _data(20, 1)
     args = _member_args(tmp / "wide")
     wide = WideTrainer(model=[_member(i) for i in range(N)], args=args, train_dataset=train,
