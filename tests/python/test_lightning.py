@@ -23,6 +23,10 @@ from wide_compiler.bench._integrations_child import regressor_class  # noqa: E40
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 4
+#: The tests train the same regressor members: they check the fused module, not the capture, so one
+#: compile cache per module stores each graph once and the later tests load it (conftest's
+#: module_compile_cache; a cache hit is the fresh compile bit for bit: test_compile_cache.py).
+pytestmark = pytest.mark.usefixtures("module_compile_cache")
 
 
 @pytest.fixture(autouse=True)
@@ -551,7 +555,8 @@ def test_ddp_two_cpu_processes(tmp_path):
     script = tmp_path / "ddp_run.py"
     script.write_text(DDP_SCRIPT)
     out = tmp_path / "result.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"))
+    # each rank compiles afresh, as without the module's compile cache (pytestmark)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"), WIDE_COMPILE_CACHE="0")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            str(script), str(out), str(Path(__file__).parent)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)  # a hang guard
