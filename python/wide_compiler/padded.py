@@ -85,7 +85,7 @@ class PaddedWideModel(WideModel):
                 if p.requires_grad:
                     p.register_hook(_GradMask(self._pad, name))
                     ref = weakref.ref(p)
-                hooked.append((self.get_submodule(path), attr, ref))
+                hooked.append((name, self.get_submodule(path), attr, ref))
         self.__dict__["_hooked"] = hooked
 
     def _hooks_stale(self) -> bool:
@@ -94,11 +94,36 @@ class PaddedWideModel(WideModel):
         hooked = self.__dict__.get("_hooked")
         if hooked is None:
             return True
-        for owner, attr, ref in hooked:
+        for _, owner, attr, ref in hooked:
             p = owner._parameters.get(attr)
             if (ref() is not p) if ref is not None else (p is not None and p.requires_grad):
                 return True
         return False
+
+    # Note [Writes into the padding]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Gradients are masked, so optimizer steps keep the padding zero; a write by hand does not:
+    # population-based training's explore move (``p.add_(0.1 * torch.randn_like(p))`` over the
+    # wide parameters) or a re-initialisation (``nn.init.normal_(p)``) fills the padding too, and
+    # the wide model then computed what neither ``member(i)`` nor ``unfuse()`` gives (those cut each
+    # member's own values out: probe 6 of issue 44, F1, 0.1-1e4 off). The padding holds no
+    # member's value, so at each eager call a padded parameter written since the last call (its
+    # version counter moved) has its padding set to zero again, in place (under no_grad, as an
+    # optimizer writes): what each member holds is untouched, and the wide model computes what its
+    # members do. One version read per padded parameter per call; a masked fill after each step.
+    # Not under torch.compile (a version counter cannot be read in a trace): after such a write,
+    # call the model once outside torch.compile before its compiled calls.
+    @torch.no_grad()
+    def _zero_written_padding(self) -> None:
+        """Note [Writes into the padding]."""
+        seen = self.__dict__.setdefault("_padding_versions", {})
+        for name, owner, attr, _ in self.__dict__["_hooked"]:
+            p = owner._parameters.get(attr)
+            if p is None or seen.get(name) == (id(p), p._version):
+                continue
+            outside = self._pad.mask(name, torch.bool, p.device).logical_not_()
+            p.masked_fill_(outside, 0)
+            seen[name] = (id(p), p._version)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # (under torch.compile the hooks are in place already)
@@ -107,6 +132,7 @@ class PaddedWideModel(WideModel):
         self._pad.check_state(self.training)  # Note [The state a padded program was captured with]
         if self._hooks_stale():
             self._mask_gradients()
+        self._zero_written_padding()
         try:
             return super().forward(*args, **kwargs)
         except IndexError as e:

@@ -118,3 +118,23 @@ def test_wc_sgd_refuses_to_skip_a_dampening_members_first_step() -> None:
 def test_wc_sgd_skips_exactly_where_the_skipped_member_does_not_dampen_or_its_buffer_exists() -> None:
     _sgd_run([0.3, 0.0, 0.3], overflow_step=0)  # only the skipped member's dampening counts
     _sgd_run([0.3, 0.3, 0.3], overflow_step=1)  # buffers exist: skipping keeps the member's
+
+
+# ---------------------------------------------------------------- F1: writes into the padding
+@pytest.mark.parametrize("write", ["explore", "reinit"])
+def test_a_padded_models_parameters_written_by_hand_keep_the_padding_zero(write: str) -> None:
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, h), nn.Tanh(), nn.Linear(h, 2)).double() for h in (3, 6)]
+    wide = wc.compile(models, torch.randn(5, 4, dtype=torch.float64), pad=True, config=FAST)
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    for _ in range(2):  # a second write after a call
+        with torch.no_grad():
+            for p in wide.parameters():
+                if write == "explore":  # population-based training's perturbation of every weight
+                    p.add_(0.1 * torch.randn_like(p))
+                else:
+                    nn.init.normal_(p)
+        out = wide(x)
+        for i in range(2):
+            torch.testing.assert_close(out[i], wide.member(i)(x[i]), atol=1e-12, rtol=0)
+            torch.testing.assert_close(out[i], wide.unfuse()[i](x[i]), atol=1e-12, rtol=0)
