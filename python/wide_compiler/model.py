@@ -209,11 +209,12 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         self._config = c.config
         self._dynamic_shapes = c.dynamic_shapes
         # Note [Dynamic sizes on demand]: flat input index -> dims captured dynamic beyond the
-        # batch, (input, dim) -> the size that made it so, (training, input, dim) -> why the
-        # forward fixes it, id(graph) -> the narrow size ranges export found for its inputs.
+        # batch, (input, dim) -> the size that made it so, (training, the dims a recapture made
+        # dynamic) -> (input, dim) -> why the forward fixes it (Note [A refused size is kept for
+        # that capture only] in model_calls.py), id(graph) -> the narrow size ranges export found.
         self._extra_dims: dict[int, frozenset[int]] = {}
         self._grown: dict[tuple[int, int], int] = {}
-        self._fixed: dict[tuple[bool, int, int], str] = {}
+        self._fixed: dict[tuple[bool, frozenset[tuple[int, int]]], dict[tuple[int, int], str]] = {}
         self._ranges: dict[int, dict[str, tuple[tuple[int, int, int | None], ...]]] = {}
         self._graphs: dict[bool, WideGraph] = {}
         # Note [Guards] (fx/guards.py): per mode, the graphs captured for calls outside the

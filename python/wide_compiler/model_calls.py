@@ -73,7 +73,7 @@ _traced_here: Any = None
 class CallGraphsMixin:
     """Methods choosing (and capturing) the graph of a call. The host class has ``n``, the graphs
     (``_graphs``, ``_variants``, ``_ranges``), the dims made dynamic (``_extra_dims``, ``_grown``,
-    ``_fixed``), the compile sample and template, and compiles and adopts graphs
+    ``_fixed``: Note [A refused size is kept for that capture only]), the compile sample and template, and compiles and adopts graphs
     (``_graph_for``, ``_adopt``, ``_live_state``)."""
 
     n: int
@@ -239,6 +239,17 @@ class CallGraphsMixin:
                                  f"it ({still}); please report this with the model")
             return new, flat
 
+    # Note [A refused size is kept for that capture only]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Whether export fixes a dim depends on which other dims are dynamic with it: in
+    # ``lin(x) + y``, y's dim 1 made dynamic alone is fixed by the add (x's is the sample's 4), but
+    # x's and y's together come out dynamic and equal. So a refusal found by one recapture is kept
+    # (``_fixed``) under the whole set of dims that capture made dynamic, and refuses again at once
+    # only a call that would try that same capture (captures are deterministic for a sample and a
+    # set of dims); a call needing another set captures again. Keyed by the dim alone, a refused
+    # call made every later call that grew that dim fail with "fixed at capture", valid ones too
+    # (probe 6 of issue 44, F8: a refused y of [B, 1, 4] refused x and y of [B, 5, 4] after it).
+
     def _resized(self, training: bool, args: tuple, kwargs: dict) -> WideGraph:
         """Note [Dynamic sizes on demand]: the first capture keeps only the batch dynamic (cheap,
         and what nearly every model varies). A call whose tensor differs from the captured sizes
@@ -263,17 +274,19 @@ class CallGraphsMixin:
                                 if m is not None and m != x.shape[d + 1]})
             if not new:
                 return wg  # another thread captured it already (or another error: the call raises it)
+            extra = dict(self._extra_dims)
             for k, d in new:
-                if (training, k, d) in self._fixed:
-                    raise ValueError(_fill(self._fixed[(training, k, d)], shapes[k], new[(k, d)][0]))
+                extra[k] = extra.get(k, frozenset()) | {d}
+            # Note [A refused size is kept for that capture only]
+            tried = (training, frozenset((k, d) for k, ds in extra.items() for d in ds))
+            for (k, d), what in self._fixed.get(tried, {}).items():
+                if (k, d) in new:
+                    raise ValueError(_fill(what, shapes[k], new[(k, d)][0]))
             mode = "train" if training else "eval"
             for (k, d), (size, was) in new.items():
                 log.info("wide_compiler: input '%s' dim %d is %d in this call, %d when the %s graph was "
                          "captured: capturing the %s graph again with that dim dynamic (once: later sizes "
                          "reuse it)", users[k].name, d + 1, size, was, mode, mode)
-            extra = dict(self._extra_dims)
-            for k, d in new:
-                extra[k] = extra.get(k, frozenset()) | {d}
             ref = next(self.parameters(), None)
             watch = Stopwatch()
             c = Compilation(self._capture_template[0].train(training), self._sample, self.n,
@@ -315,7 +328,7 @@ class CallGraphsMixin:
                                  f"as you would to each member.")
                     what += (f" (Inputs are N-first: stack per-member inputs with wide_compiler.stack(xs), "
                              f"or share one input x with x.expand({self.n}, *x.shape).)")
-                    self._fixed[(training, k, d)] = what
+                    self._fixed.setdefault(tried, {})[(k, d)] = what
                     fixed[(k, d)] = _fill(what, shapes[k], size)
             if len(fixed) == len(new):
                 raise ValueError(next(iter(fixed.values())))

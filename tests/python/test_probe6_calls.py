@@ -1,0 +1,47 @@
+"""Failed calls, false refusals and internal crashes found by an independent probe (issue 44, probe
+6: F8, F14, F10, F9, F2, F7). A refused call leaves nothing behind that refuses a later valid call
+(F8). Each member is compared with itself run alone, in float64.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import wide_compiler as wc
+from torch import nn
+
+FAST = wc.WideConfig.fast()
+D = torch.float64
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------- F8: a refused call leaves nothing
+class AddSecond(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.lin(x) + y
+
+
+def test_a_refused_new_size_does_not_refuse_a_later_valid_call() -> None:
+    """F8: y's dim 1 alone made dynamic is fixed by the add with x (refused); x's and y's together
+    are not: the refusal of the first is not kept for the second."""
+    torch.manual_seed(0)
+    members = [AddSecond().to(D) for _ in range(2)]
+    wide = wc.compile(members, (torch.randn(2, 4, 4, dtype=D), torch.randn(2, 4, 4, dtype=D)), config=FAST)
+    x, y = torch.randn(2, 2, 4, 4, dtype=D), torch.randn(2, 2, 1, 4, dtype=D)
+    with pytest.raises(ValueError, match="fixed at capture to 4"):
+        wide(x, y)
+    with pytest.raises(ValueError, match="fixed at capture to 4"):  # the same capture: refused again
+        wide(x, y)
+    x, y = torch.randn(2, 2, 5, 4, dtype=D), torch.randn(2, 2, 5, 4, dtype=D)
+    out = wide(x, y)
+    for i, m in enumerate(members):
+        _close(out[i], m(x[i], y[i]))
