@@ -45,3 +45,34 @@ def test_a_refused_new_size_does_not_refuse_a_later_valid_call() -> None:
     out = wide(x, y)
     for i, m in enumerate(members):
         _close(out[i], m(x[i], y[i]))
+
+
+# ---------------------------------------------------------------- F14: detach_ of an intermediate
+class DetachInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.m = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.l(x)
+        g = h * 1
+        g.detach_()
+        return self.m(x) * g + h
+
+
+def test_detach_in_place_of_an_intermediate_runs_as_each_member() -> None:
+    """F14: compile failed with an internal error (the vmap fallback detached a view in place); the
+    values and the gradients (none through g) are each member's."""
+    torch.manual_seed(0)
+    members = [DetachInPlace().to(D) for _ in range(2)]
+    wide = wc.compile(members, torch.randn(3, 4, dtype=D), config=FAST)
+    x = torch.randn(2, 3, 4, dtype=D)
+    wide(x).square().sum().backward()
+    for i, m in enumerate(members):
+        m.zero_grad()
+        ref = m(x[i])
+        ref.square().sum().backward()
+        _close(wide(x)[i].detach(), ref.detach())
+        for name, p in m.named_parameters():
+            _close(wide.get_parameter(name).grad[i], p.grad)

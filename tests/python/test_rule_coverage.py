@@ -275,7 +275,7 @@ def _shape(m, x, y):
         h.swapdims(0, 1), h.reshape(-1, 3, 2), h[:, :1].expand_as(h), h.view_as(y), h.reshape_as(y),
         h.unsqueeze(1).expand(-1, 3, -1), h.repeat(2, 1), h3.permute(2, 0, 1), h.t(), h.T,
         torch.cat([h, y], 1), torch.stack([h, y], 1), h.roll(1, 1), h3.mT, h3.mH, h3.adjoint(), h.tril(),
-        h.triu(1), h.view(h.size(0), 2, 3), h.view(x.numel() // 6, 6), h.double(),
+        h.triu(1), h.view(h.size(0), 2, 3), h.view(x.numel() // 6, 6), h.double(), (h * 1).detach_(),
     )
 
 
@@ -286,7 +286,7 @@ _SHAPE_OPS = (
     "diagonal", "repeat_interleave.self_int", "unfold", "swapaxes", "swapdims", "view", "reshape",
     "expand_as", "view_as", "reshape_as", "expand", "repeat", "permute", "t", "numpy_T", "cat", "stack",
     "roll", "getitem", "_assert_tensor_metadata", "mT", "mH", "adjoint", "tril", "triu", "sym_size.int",
-    "sym_numel",
+    "sym_numel", "detach_",
 )
 
 

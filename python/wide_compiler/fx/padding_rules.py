@@ -34,7 +34,7 @@ FREE = "free"  # a parameter dim whose layout no consumer has fixed yet (prefix 
 ZERO_UNARY = {
     "relu", "gelu", "silu", "tanh", "neg", "leaky_relu", "hardtanh", "elu", "celu", "selu", "mish",
     "hardswish", "abs", "sin", "sinh", "asinh", "atan", "erf", "sign", "softsign", "tanhshrink",
-    "hardshrink", "softshrink", "relu6", "clone", "alias", "detach", "contiguous", "_to_copy", "to",
+    "hardshrink", "softshrink", "relu6", "clone", "alias", "detach", "detach_", "contiguous", "_to_copy", "to",
     "dropout", "native_dropout", "lift_fresh_copy", "square", "expm1", "log1p", "type_as", "rrelu",
     "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "avg_pool1d",
     "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices",

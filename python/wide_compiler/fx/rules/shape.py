@@ -194,6 +194,29 @@ def _getitem(ctx: WidenContext, node: fx.Node):
     raise ctx.fail(node, "getitem on a per-member value that is not a tuple or list")
 
 
+@rule(aten.detach_.default)
+def _detach_(ctx: WidenContext, node: fx.Node) -> Wide:
+    """``g.detach_()`` of an intermediate: Note [detach_ of an intermediate]."""
+    x = _wide(ctx, node)
+    out = ctx.emit(aten.detach.default, (x.node,), like=node)
+    src = node.args[0]
+    if isinstance(src, fx.Node):
+        ctx.env[src] = Wide(out, x.rank)  # later reads of the tensor itself see it detached too
+    return Wide(out, x.rank)
+
+
+# Note [detach_ of an intermediate]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``g = h * 1; g.detach_()`` changes only g's autograd state: later uses of g are cut from the
+# graph, earlier ones (already recorded) are not, and the values are g's. The wide tensor of g
+# may be a view where the member's is not (a rule's view after a batched op), and torch refuses
+# detach_ of a view, so the per-member vmap fallback failed at compile ("Can't detach views
+# in-place", probe 6 of issue 44, F14). The widened program is the same without the mutation: an
+# out-of-place detach (sharing the storage, as detach_ keeps it), read by every later use of g --
+# the detach_ node's users and, through the widen environment, any later reader of g itself. The
+# member's own detach_ of a view is refused by torch in the member (and at capture) already.
+
+
 @rule(aten._assert_tensor_metadata.default)
 def _drop_assert(ctx: WidenContext, node: fx.Node):
     # export's check of one member's size/dtype; the wide tensor has the member dim in front
