@@ -76,3 +76,31 @@ def test_detach_in_place_of_an_intermediate_runs_as_each_member() -> None:
         _close(wide(x)[i].detach(), ref.detach())
         for name, p in m.named_parameters():
             _close(wide.get_parameter(name).grad[i], p.grad)
+
+
+# ---------------------------------------------------------------- F10: pruned members
+def _pruned(seed: int, amount: float) -> nn.Module:
+    from torch.nn.utils import prune
+
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(D)
+    prune.l1_unstructured(m[0], "weight", amount=amount)
+    return m
+
+
+def test_pruned_members_are_refused_by_module_with_what_to_do() -> None:
+    """F10: compile crashed in copy.deepcopy with torch's "graph leaves" message; now the pruned
+    module is named, with prune.remove; after it, the members fuse exactly."""
+    from torch.nn.utils import prune
+
+    members = [_pruned(i, a) for i, a in enumerate((0.5, 0.25))]
+    with pytest.raises(wc.errors.UnsupportedOperationError,
+                       match=r"member 0's module '0' \(Linear\).*prune.remove\(module, 'weight'\)"):
+        wc.compile(members, torch.randn(3, 4, dtype=D), config=FAST)
+    assert isinstance(members[0][0].weight_mask, torch.Tensor)  # untouched
+    for m in members:
+        prune.remove(m[0], "weight")
+    wide = wc.compile(members, torch.randn(3, 4, dtype=D), config=FAST)
+    x = torch.randn(2, 3, 4, dtype=D)
+    for i, m in enumerate(members):
+        _close(wide(x)[i], m(x[i]))

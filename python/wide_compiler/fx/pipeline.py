@@ -50,6 +50,7 @@ from torch.export import ExportedProgram
 from torch.utils._pytree import tree_map
 
 from ..config import WideConfig
+from ..errors import UnsupportedOperationError
 from ..measure import Progress, Stopwatch
 from ..registry import opaque_template, registered_paths
 from ..tuning import choose_strategies
@@ -139,6 +140,7 @@ class Compilation:
         """The first compilation of ``members``, in member 0's train/eval mode: what is captured
         is a copy of member 0 whose modules with a registered wide form are opaque calls (and
         whose modules with a capture form use it, fx/forms.py); the sample is detached."""
+        _refuse_derived_tensors(members)
         template = members[0]
         detach = lambda a: a.detach() if isinstance(a, torch.Tensor) else a  # noqa: E731
         sample = tree_map(detach, (tuple(sample_args), dict(sample_kwargs or {})))
@@ -146,6 +148,44 @@ class Compilation:
                                                       forms=apply_capture_forms, memo=_aliases(template))
         return cls(capture_model.train(template.training), sample, len(members), config, members=members,
                    dynamic_shapes=dynamic_shapes, opaque_paths=opaque_paths)
+
+
+def _refuse_derived_tensors(members: Sequence[nn.Module]) -> None:
+    """Note [Tensors a hook computes on a module]: refuse, naming the member, the module and the
+    attribute, a module attribute that is a non-leaf tensor (``torch.nn.utils.prune``'s pruned
+    weight, the old ``torch.nn.utils.weight_norm``'s weight), before anything copies a member."""
+    from torch.nn.utils import prune
+
+    for i, member in enumerate(members):
+        for path, mod in member.named_modules(remove_duplicate=False):
+            for name, v in vars(mod).items():
+                if not isinstance(v, torch.Tensor) or v.is_leaf:
+                    continue
+                where = f"module '{path}' ({type(mod).__name__})" if path else f"the model ({type(mod).__name__})"
+                pruned = any(isinstance(h, prune.BasePruningMethod) for h in mod._forward_pre_hooks.values())
+                if pruned:
+                    why = (f"its '{name}' is pruned with torch.nn.utils.prune (a forward pre-hook computes it "
+                           f"as {name}_orig * {name}_mask). wide_compiler fuses parameters and buffers, not "
+                           f"tensors a hook computes: make the pruning permanent on each member first, "
+                           f"torch.nn.utils.prune.remove(module, '{name}') (the zeros stay in the weight; "
+                           f"training no longer keeps them zero), then compile")
+                else:
+                    why = (f"its attribute '{name}' is a tensor computed by autograd (not a parameter or "
+                           f"buffer), as a forward pre-hook such as the old torch.nn.utils.weight_norm "
+                           f"leaves it. wide_compiler fuses parameters and buffers, not tensors a hook "
+                           f"computes: remove the hook (torch.nn.utils.remove_weight_norm, or compute "
+                           f"the tensor in the forward) before compiling")
+                raise UnsupportedOperationError(f"wide_compiler: member {i}'s {where}: {why}")
+
+
+# Note [Tensors a hook computes on a module]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.nn.utils.prune (and the old weight_norm) replace a parameter by ``<name>_orig`` (a
+# parameter) and ``<name>_mask`` (a buffer) and keep ``<name>`` as a plain attribute that a forward
+# pre-hook recomputes from them: a non-leaf tensor. copy.deepcopy refuses it (the capture copy of
+# member 0, registry.opaque_template), which crashed compile with torch's "Only Tensors created
+# explicitly by the user (graph leaves) support the deepcopy protocol" (probe 6 of issue 44, F10),
+# saying nothing of pruning. Such tensors are refused first, by member and module, with what to do.
 
 
 def _aliases(template: nn.Module) -> dict[int, torch.Tensor]:
