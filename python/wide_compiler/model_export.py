@@ -61,10 +61,12 @@ class DeploymentMixin:
         training = self.training
         try:
             self.eval()
-            if wg.constant_table is not None:  # Note [Exporting per-member constants]
-                self._sync_constants(wg)
-                self.__dict__["_constants_checked_for_export"] = wg
             with torch.no_grad():
+                if wg.constant_table is not None:  # Note [Exporting per-member constants]
+                    covering = self._graph_covering(False, tuple(args), dict(kwargs))  # the graph the call runs
+                    runs = covering[0] if covering is not None else wg
+                    self._sync_constants(runs)
+                    self.__dict__["_constants_checked_for_export"] = runs
                 ep = torch.export.export(_PositionalCall(self, list(kwargs)), inputs, dynamic_shapes=dynamic,
                                          strict=False)
         finally:
@@ -110,7 +112,11 @@ class DeploymentMixin:
 # constants are fixed values at export time, so ``export`` checks and sets them on the real
 # buffers first, and the traced call skips the check; the program holds the buffers as they are
 # then, like every other buffer. A torch.export of the model that did not come through ``export``
-# is refused by the check itself, naming ``export``.
+# is refused by the check itself, naming ``export``. The graph checked is the one the example
+# inputs run (found, or captured, as an eager call would: Note [Guards]), not always the mode's
+# first: an example outside its guards (an odd batch where the forward tests the parity) runs
+# another graph, whose check then refused the export, telling the user to call wide.export() --
+# the call they had made (probe 6 of issue 44, F9).
 
 
 class _PositionalCall(nn.Module):

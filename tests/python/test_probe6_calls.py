@@ -104,3 +104,33 @@ def test_pruned_members_are_refused_by_module_with_what_to_do() -> None:
     x = torch.randn(2, 3, 4, dtype=D)
     for i, m in enumerate(members):
         _close(wide(x)[i], m(x[i]))
+
+
+# ---------------------------------------------------------------- F9: export after a recapture
+class ScaledParity(nn.Module):
+    def __init__(self, s: float) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.s = s
+
+    def forward(self, x):
+        h = self.l(x) * self.s
+        if x.shape[0] % 2 == 1:
+            return h.tanh()
+        return h
+
+
+@pytest.mark.parametrize("called_first", [True, False])
+def test_export_with_an_example_outside_the_first_graph_and_per_member_constants(called_first: bool) -> None:
+    """F9: the example runs the graph captured for odd batches; export checked the constants of
+    the mode's first graph only and refused with "Export it with wide.export()"."""
+    torch.manual_seed(0)
+    members = [ScaledParity(s).to(D).eval() for s in (0.5, 1.5)]
+    wide = wc.compile(members, torch.randn(4, 4, dtype=D), config=FAST).eval()
+    if called_first:  # the odd batch's graph captured by a call (the probe's case), else by export
+        wide(torch.randn(2, 5, 4, dtype=D))
+    ep = wide.export(None, torch.randn(2, 5, 4, dtype=D))
+    x = torch.randn(2, 5, 4, dtype=D)
+    out = ep.module()(x)
+    for i, m in enumerate(members):
+        _close(out[i], m(x[i]))
