@@ -134,3 +134,27 @@ def test_export_with_an_example_outside_the_first_graph_and_per_member_constants
     out = ep.module()(x)
     for i, m in enumerate(members):
         _close(out[i], m(x[i]))
+
+
+# ---------------------------------------------------------------- F2: pad=True and a batch of 1
+def _mlp(h: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(4, h), nn.ReLU(), nn.Linear(h, 2))
+
+
+def test_pad_with_a_batch_of_one_is_refused_saying_why() -> None:
+    """F2: a batch-1 sample was refused with an empty guard list and "compile with a sample of the
+    sizes you call with" (what the user did); now the refusal says a padded program takes sizes of
+    2 and more there, and a batch-1 call of a padded model says the same."""
+    torch.manual_seed(0)
+    members = [_mlp(3), _mlp(6)]
+    with pytest.raises(wc.errors.UnsupportedOperationError, match=r"dim 0 of input 0 is 1 \(the sample: \[1, 4\]\)"
+                       r".*cannot capture another program for a size of 1.*sample of 2 or more") as e:
+        wc.compile(members, torch.randn(1, 4), pad=True, config=FAST)
+    assert "([])" not in str(e.value) and "sizes you call with" not in str(e.value)
+    wide = wc.compile(members, torch.randn(2, 4), pad=True, config=FAST)
+    x = torch.randn(2, 3, 4)
+    for i, m in enumerate(members):
+        torch.testing.assert_close(wide(x)[i], m(x[i]))
+    with pytest.raises(ValueError, match=r"dim 0 of input 0 is 1 .*size of 2 or more") as e:
+        wide(torch.randn(2, 1, 4))
+    assert "sizes you call with" not in str(e.value)

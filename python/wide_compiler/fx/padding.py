@@ -208,6 +208,26 @@ class PaddedMember(nn.Module):
 # compiler captures the padded members: a call outside them captures again, and that capture
 # (or a plain call) fails here with what the program assumed, never running the sample's branch
 # at other sizes.
+class OutsidePaddedProgram(ValueError):
+    """Inputs outside a padded program's assumptions; ``small``: a size 0 or 1 in a dim the
+    program keeps dynamic (Note [A padded program and a size of 1])."""
+
+    def __init__(self, message: str, small: bool = False) -> None:
+        super().__init__(message)
+        self.small = small
+
+
+# Note [A padded program and a size of 1]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A padded program keeps the batch dynamic, and export captures a dynamic size for 2 and more only
+# (0/1 specialisation): a sample with a batch of 1 is captured at a batch of 2 (fx/capture.py's
+# batch_of_two), so the program's range is [2, inf]. An unpadded wide model captures another graph
+# for a call of batch 1 (Note [Guards]); a padded model runs programs made once, from the members,
+# and cannot. Such a call, and a batch-1 sample (which the program would not hold for), are refused
+# saying so: the message before told the user to "compile with a sample of the sizes you call
+# with", which is what they had done (probe 6 of issue 44, F2).
+
+
 @dataclasses.dataclass
 class Assumptions:
     """What a padded program assumes of its inputs (Note [A padded program's assumptions]):
@@ -255,6 +275,15 @@ class Assumptions:
                 if x.dim() <= d or x.shape[d] != size:
                     self._refuse(mode, f"dim {d} of input {k} is {size} (this call: {list(x.shape)})")
             for d, lo, hi in self.ranges[k]:
+                if x.dim() > d and x.shape[d] < 2 <= lo:  # Note [A padded program and a size of 1]
+                    raise OutsidePaddedProgram(
+                        f"wide_compiler: pad=True: dim {d} of input {k} is {int(x.shape[d])} (this call: "
+                        f"{list(x.shape)}), but the padded {mode} program holds only where it is 2 or more: it "
+                        f"keeps that dim dynamic, which torch.export captures for sizes of 2 and more only (a forward's test of a size 1 leaves no trace), "
+                        f"and a padded model cannot capture another program for a size of 1 as an unpadded one "
+                        f"does. Call it with a size of 2 or more there (compile with such a sample: the padded "
+                        f"model then takes every size from 2 up); for a size of 1, compile the members without "
+                        f"pad=True (their sizes must then be equal)", small=True)
                 if x.dim() > d and not (x.shape[d] >= lo and (hi is None or x.shape[d] <= hi)):
                     self._refuse(mode, f"dim {d} of input {k} is in [{lo}, {hi if hi is not None else 'inf'}] "
                                        f"(this call: {list(x.shape)})")
@@ -265,7 +294,7 @@ class Assumptions:
 
     @staticmethod
     def _refuse(mode: str, what: str) -> None:
-        raise ValueError(
+        raise OutsidePaddedProgram(
             f"wide_compiler: pad=True: the padded {mode} program is the members' programs captured at the "
             f"sample's sizes and holds only where {what}. Compile with a sample of the sizes you call with "
             "(a wide model per size), or pad the inputs to the sample's sizes.")
@@ -826,6 +855,9 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
         try:  # each guard reads only the forward's arguments (L['x'].size()[0] % 2 == 0)
             assumptions[training].check(args, kwargs, "train" if training else "eval")
         except Exception as e:  # noqa: BLE001 -- a guard this check cannot evaluate: nothing runs unchecked
+            if isinstance(e, OutsidePaddedProgram) and e.small:  # Note [A padded program and a size of 1]
+                raise UnsupportedOperationError(f"{str(e).replace('(this call: ', '(the sample: ')}. Compile with "
+                                                f"a sample of 2 or more there") from e
             raise UnsupportedOperationError(
                 f"wide_compiler: pad=True: export's guards on the inputs ({assumptions[training].guards}) cannot be "
                 f"checked on the sample: {type(e).__name__}: {e}") from e
