@@ -1,5 +1,6 @@
 """What the user's forward does during ``torch.export`` that the exported graph cannot carry: a
-custom ``torch.autograd.Function``'s backward, ``Tensor.register_hook``, what it reads of the
+custom ``torch.autograd.Function``'s backward, ``Tensor.register_hook``, reentrant checkpointing,
+inference mode, saved-tensor hooks, Python-level random draws, what it reads of the
 process's state (grad mode, global flags, memory layout, device) and ``is_compiling()`` questions,
 recorded by :class:`_Watch` around one export (Note [What export does not capture]).
 """
@@ -10,6 +11,7 @@ import functools
 import inspect
 import logging
 import os
+import random
 import sys
 import threading
 import types
@@ -39,6 +41,9 @@ class _Watch:
       Note [Custom Functions are not sampled]. A registered module's wide form may call one (its
       backward then runs: BLOOM's GeLU, nn/library_forms.py);
     * ``Tensor.register_hook`` on an activation: the hook never runs in the wide model's backward;
+    * reentrant activation checkpointing, a ``torch.inference_mode()`` block, ``saved_tensors_hooks``
+      with hooks not torch's own, and draws from Python's or numpy's global generator (Note
+      [Autograd contexts export drops]): refused in a train graph, warned in an eval graph;
     * what the forward reads of the state of the process, whose branch is baked in (Note [State a
       forward reads] in fx/guards.py): the grad mode (``torch.is_grad_enabled()``,
       ``torch.is_inference_mode_enabled()``), the global flags of ``guards.FLAG_READERS``
@@ -71,6 +76,12 @@ class _Watch:
         self.layout: list[str] = []  # where the user's code read a tensor's memory layout
         self.device: list[str] = []  # where it read a tensor's device
         self.compiling: list[str] = []  # where it asked is_compiling()/is_exporting() (answered False)
+        self.reentrant: list[str] = []  # where it ran torch.utils.checkpoint's reentrant checkpoint
+        self.inference: list[str] = []  # where it entered torch.inference_mode()
+        self.saved_hooks: list[str] = []  # where it entered saved_tensors_hooks with hooks of its own
+        self.draws: list[str] = []  # where it drew from Python's or numpy's global generator (seen by name)
+        self.drawn: list[str] = []  # which global generators moved during the block
+        self._rng = _global_rng_states()
         with _WATCH_LOCK:
             if not _WATCHES:
                 _install_watch_patches()
@@ -78,6 +89,8 @@ class _Watch:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        after = _global_rng_states()
+        self.drawn = [name for name, state in self._rng.items() if after.get(name) != state]
         with _WATCH_LOCK:
             mine = _WATCHES.get(threading.get_ident(), [])
             if self in mine:
@@ -96,8 +109,11 @@ class _Watch:
 
     def check(self, model: nn.Module) -> None:
         """Refuse a train graph whose backward would not be the members' (a custom Function, a
-        gradient hook, a module's backward hook: what, where, why, what to do), before anything
-        is built from it; warn for an eval graph. Note [Custom Functions are not sampled]."""
+        gradient hook, a module's backward hook, reentrant checkpointing, an inference-mode block,
+        saved-tensor hooks) or whose Python draws random numbers (what, where, why, what to do),
+        before anything is built from it; warn for an eval graph. Note [Custom Functions are not
+        sampled], Note [Autograd contexts export drops]."""
+        self._check_contexts(model)
         hooks = [f"{name or type(model).__name__} ({type(m).__name__}) has a backward hook"
                  for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
         from torch.nn.modules import module as torch_module
@@ -130,6 +146,102 @@ class _Watch:
                 "@wide_compiler.register (its own Python runs per member); or train the members without it.")
         log.warning("wide_compiler: %s: the eval graph computes the members' outputs, but a backward through "
                     "it would not run that code (Note [What export does not capture])", what)
+
+
+    def _check_contexts(self, model: nn.Module) -> None:
+        """Note [Autograd contexts export drops]: refuse (train graph) or warn (eval graph) for the
+        contexts of the forward the capture recorded that the graph does not carry."""
+        name = type(model).__name__
+        found = []  # (what, why, what to do); why says what the train graph would get wrong
+        if self.reentrant:
+            found.append((
+                "torch.utils.checkpoint's reentrant checkpointing (checkpoint(..., use_reentrant=True) or "
+                f"checkpoint_sequential(..., use_reentrant=True)) {'; '.join(dict.fromkeys(self.reentrant))}",
+                "reentrant checkpointing runs the block under torch.no_grad() inside an autograd Function of "
+                "torch's own and recomputes it in that Function's backward, which torch.export does not capture: "
+                "the train graph would carry no gradient through the block (its parameters and the inputs before "
+                "it would get none)",
+                "pass use_reentrant=False (torch's recommended mode: it is captured exactly, values and "
+                "gradients the members')"))
+        if self.inference:
+            found.append((
+                f"a torch.inference_mode() block {'; '.join(dict.fromkeys(self.inference))}",
+                "torch.export does not capture inference mode: the train graph would record autograd through the "
+                "block, where each member gives the tensors made there no autograd history (the block's "
+                "parameters would get gradients they do not get alone)",
+                "use torch.no_grad() for that block (captured exactly: the same values, and no gradient through "
+                "it, as for each member)"))
+        if self.saved_hooks:
+            found.append((
+                f"torch.autograd.graph.saved_tensors_hooks with hooks of its own {'; '.join(dict.fromkeys(self.saved_hooks))}",
+                "torch.export captures the forward's ops, not the hooks that pack and unpack the tensors autograd "
+                "saves: the wide model's backward would use the saved values as they are, where each member's "
+                "uses what its unpack hook returns",
+                "compile the members without those hooks (torch's own save_on_cpu() keeps the values and "
+                "compiles), or in eval mode"))
+        if self.drawn:
+            where = "; ".join(dict.fromkeys(self.draws)) or (
+                "somewhere in the forward (not through a module attribute such as random.random: a function "
+                "imported by name)")
+            found.append((
+                f"a draw from {' and '.join(self.drawn)} ({where})",
+                "the capture runs the forward once: the number drawn then, and every branch it chose (LayerDrop's "
+                "`random.random() < p`), would be fixed in the graph, and the wide model would take them on every "
+                "call, where each member draws anew at each call",
+                "draw with torch's generator and keep it a tensor, so that each member draws its own at each call "
+                "(the wide model draws per member): `keep = (torch.rand((), device=x.device) >= p).to(x.dtype); "
+                "return x + keep * block(x)`, or torchvision.ops.stochastic_depth; a Python branch on a torch "
+                "draw cannot be captured"))
+        if not found:
+            return
+        if model.training:
+            what, why, todo = found[0]
+            raise WideCompileError(
+                f"wide_compiler: {what}, in member 0's forward ({name}; captured for every member: each runs the "
+                f"same code): {why} (Note [Autograd contexts export drops] in "
+                f"fx/export_watch.py).\nWhat to do: {todo}.")
+        for what, why, _ in found:
+            log.warning("wide_compiler: %s, in %s's forward: the eval graph is captured, but %s (Note [Autograd "
+                        "contexts export drops])", what, name,
+                        "the values drawn at capture are fixed in it" if what.startswith("a draw") else
+                        "a backward through it would not follow the members'")
+
+
+# Note [Autograd contexts export drops]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Four things a forward may do run in the member alone and leave no trace in what torch.export
+# (non-strict) captures, so a train graph would compute other gradients or other values than the
+# members, silently (probe 6 of issue 44, F11, F12, F13, F5):
+#
+# * reentrant activation checkpointing (``checkpoint(fn, x, use_reentrant=True)``,
+#   ``checkpoint_sequential(..., use_reentrant=True)``): torch's ``CheckpointFunction`` runs the
+#   block under no_grad and recomputes it in its backward; export keeps the no_grad forward only,
+#   so no gradient reaches the block's parameters or what came before it. Its exact semantics
+#   also depend on whether an input requires grad at the call (none does: the member's block
+#   gets no gradient either), which a graph could not follow. ``use_reentrant=False`` is captured
+#   exactly (its saved-tensor hooks are torch's own, below).
+# * ``torch.inference_mode()`` (entered with mode True; the decorator form too): export drops it,
+#   and the train graph differentiates through the block. ``torch.no_grad()`` is captured (a
+#   grad-mode region of the graph) and, for every member that runs without error, gives the same
+#   values and gradients (a member can use an inference tensor in autograd only where autograd
+#   saves nothing of it, so the block's outputs are constants to it, as under no_grad). It is
+#   refused with that advice rather than rewritten: where a member raises (an inference tensor
+#   saved for backward, updated in place) the rewrite would compute instead.
+# * ``torch.autograd.graph.saved_tensors_hooks`` whose pack or unpack hook is not torch's own
+#   (``save_on_cpu`` and non-reentrant checkpointing use torch's, which give back the saved value
+#   and are not recorded): the graph's backward uses the saved tensors as they are, not what
+#   unpack returns (lossy activation compression).
+# * a draw from Python's ``random`` or numpy's global generator: seen as a change of the
+#   generator's state across the capture (any caller, a name imported with ``from random import
+#   random`` too), and located where the call went through the module attribute (``random.random``,
+#   ``np.random.rand``). The capture runs the forward once; the number and the branches it chose
+#   are baked into the graph. The state is process-wide: a draw by another thread during the
+#   capture counts too (a refusal, never a wrong result).
+#
+# A train graph is refused (what, where, why, what to do); an eval graph is kept with a warning:
+# its forward values are the members' for the first three (a backward through it would not be),
+# and for a draw the warning says the value is fixed (HF's MusicGen draws `random.uniform(0, 1)`
+# in eval too and only uses it when training).
 
 
 # Note [Hooks that write outside themselves]
@@ -282,6 +394,8 @@ def _install_watch_patches() -> None:
                 user = False
             if user:
                 watch.functions.append((cls, user_frame_and_module(), _calling_module()))
+            elif cls.__module__ == "torch.utils.checkpoint" and cls.__name__ == "CheckpointFunction":
+                watch.reentrant.append(user_frame_and_module())  # Note [Autograd contexts export drops]
         return apply.__func__(cls, *args, **kwargs)
 
     def watched_register_hook(t: torch.Tensor, hook: Any) -> Any:
@@ -325,9 +439,47 @@ def _install_watch_patches() -> None:
             return getter(self)
         return property(read)
 
+    inference_mode = torch.autograd.grad_mode.inference_mode
+    inference_enter = inference_mode.__dict__["__enter__"]
+
+    def watched_inference_enter(self: Any) -> Any:
+        watch = _watching()
+        if watch is not None and self.mode:
+            watch.inference.append(user_frame_and_module())
+        return inference_enter(self)
+
+    saved_hooks = torch.autograd.graph.saved_tensors_hooks
+    saved_enter = saved_hooks.__dict__["__enter__"]
+
+    def watched_saved_enter(self: Any) -> Any:
+        watch = _watching()
+        if watch is not None:
+            own = [h for h in (self.pack_hook, self.unpack_hook)
+                   if (code := _hook_code(h)) is not None and is_user_file(code.co_filename)]
+            if own:  # not torch's own (save_on_cpu, non-reentrant checkpointing): Note [Autograd contexts export drops]
+                names = ", ".join(getattr(h, "__qualname__", type(h).__name__) for h in own)
+                watch.saved_hooks.append(f"({type(self).__qualname__}: {names}) {user_frame_and_module()}")
+        return saved_enter(self)
+
+    def draw_read(label: str, fn: Any) -> Any:
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            watch = _watching()
+            if watch is not None:
+                watch.draws.append(f"{label}() {user_frame_and_module()}")
+            return fn(*args, **kwargs)
+        return draw
+
     from torch._subclasses.fake_tensor import FakeTensor
 
     _patch(fn_cls, "apply", classmethod(watched_apply))
+    _patch(inference_mode, "__enter__", watched_inference_enter)
+    _patch(saved_hooks, "__enter__", watched_saved_enter)
+    np_random = sys.modules.get("numpy.random")
+    for module, label, names in ((random, "random", _PY_DRAWS), (np_random, "numpy.random", _NP_DRAWS)):
+        for name in names if module is not None else ():
+            fn = module.__dict__.get(name)
+            if callable(fn):
+                _patch(module, name, draw_read(f"{label}.{name}", fn))
     _patch(torch.Tensor, "register_hook", watched_register_hook)
     _patch(torch, "is_grad_enabled", grad_read(torch.is_grad_enabled))
     _patch(torch, "is_inference_mode_enabled", grad_read(torch.is_inference_mode_enabled))
@@ -340,6 +492,30 @@ def _install_watch_patches() -> None:
     for fn, shim in _COMPILING_SHIMS:
         _PATCHED.append((fn, "__code__", fn.__code__))
         fn.__code__ = shim
+
+
+# the functions of Python's random module and numpy.random's global generator that draw; a call
+# through the module attribute is located (Note [Autograd contexts export drops])
+_PY_DRAWS = ("random", "uniform", "randint", "randrange", "choice", "choices", "sample", "shuffle", "gauss",
+             "normalvariate", "lognormvariate", "expovariate", "vonmisesvariate", "gammavariate", "betavariate",
+             "paretovariate", "weibullvariate", "triangular", "getrandbits", "randbytes", "binomialvariate")
+_NP_DRAWS = ("random", "rand", "randn", "randint", "random_sample", "ranf", "sample", "uniform", "normal",
+             "standard_normal", "choice", "permutation", "shuffle", "binomial", "poisson", "exponential", "beta",
+             "gamma", "bytes", "random_integers")
+
+
+def _global_rng_states() -> dict[str, Any]:
+    """The states of the process's global Python-level generators (Python's ``random``, numpy's
+    legacy global generator when numpy is imported), by name, comparable with ``==``."""
+    states: dict[str, Any] = {"Python's random module": random.getstate()}
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        try:
+            kind, keys, *rest = np_random.get_state()
+            states["numpy.random's global generator"] = (kind, keys.tobytes(), *rest)
+        except Exception:  # noqa: BLE001 -- a numpy without the legacy generator: nothing to compare
+            pass
+    return states
 
 
 def _remove_watch_patches() -> None:

@@ -32,10 +32,10 @@ from torch.export import ExportedProgram
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from ..errors import ArchitectureMismatchError
+from ..errors import ArchitectureMismatchError, UnsupportedOperationError
 from ..measure import Stopwatch
 from .capture import batch_of_two, capture, without_cudnn
-from .export_watch import refuse_writing_hooks
+from .export_watch import _hook_code, refuse_writing_hooks
 from .sample_check import _run_on_clones, attributes_kept
 from .forms import apply_capture_forms
 from .source import source_line, user_frame
@@ -253,6 +253,7 @@ def check_members(models: Sequence[nn.Module]) -> dict[str, tuple]:
     check_modes(models)
     for i, model in enumerate(models):  # before anything runs a member (Note [Hooks that write outside themselves])
         refuse_writing_hooks(model, i)
+    _refuse_parameter_hooks(models)
     ref = models[0]
     ref_modules = list(ref.named_modules(remove_duplicate=False))
     floats: dict[str, tuple[str, str]] = {}  # attribute path -> (module path, attribute)
@@ -324,6 +325,66 @@ def check_members(models: Sequence[nn.Module]) -> dict[str, tuple]:
                 f"member {bad}: {prefix} is {_describe(values[bad])}, member 0 has {_describe(values[0])}")
         constants[prefix] = values
     return constants
+
+
+# Note [Hooks on a member's parameters]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A hook on a member's parameter (``p.register_hook(lambda g: g * mask)``: gradient-mask pruning,
+# clipping by hook; ``p.register_post_accumulate_grad_hook``: optimizer-in-backward, zeroing) runs
+# in that member's backward. The wide model's parameters are new tensors (each stacks one
+# parameter of every member) and the capture runs a copy of member 0, which has no hooks (a deep
+# copy drops them), so no wide backward would run them: the gradients would be the un-hooked ones,
+# silently (probe 6 of issue 44, F6; and wc.testing.check_compile, comparing copies, would agree).
+# They cannot be honoured exactly in general: a hook is Python that may read its member's own
+# parameter or state through its closure, which the wide model does not update. So a train-mode
+# compile is refused naming the member, the parameter and the hook, before anything runs; an
+# eval-mode one warns (its forward values are the members'; a backward through it, or training
+# after ``wide.train()``, would not run the hooks). The way out is to put the hook on the wide
+# model's parameter, which holds every member's slice along dim 0.
+def _refuse_parameter_hooks(models: Sequence[nn.Module]) -> None:
+    """Raise :class:`~wide_compiler.errors.UnsupportedOperationError` when a train-mode member has
+    a gradient hook on a parameter (``Tensor.register_hook``, ``register_post_accumulate_grad_hook``),
+    naming the member, parameter and hook; warn for eval-mode members (Note [Hooks on a member's
+    parameters]).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> m = nn.Linear(2, 2)
+        >>> _ = m.weight.register_hook(lambda g: g * 0.5)
+        >>> _refuse_parameter_hooks([m])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        wide_compiler.errors.UnsupportedOperationError: wide_compiler: member 0's parameter 'weight' has a gradient hook...
+    """
+    for i, model in enumerate(models):
+        for name, p in model.named_parameters():
+            found = [(kind, h) for kind, table in (("gradient hook (Tensor.register_hook)", "_backward_hooks"),
+                                                   ("post-accumulate-grad hook (register_post_accumulate_grad_hook)",
+                                                    "_post_accumulate_grad_hooks"))
+                     for h in (getattr(p, table, None) or {}).values()
+                     if not type(h).__module__.startswith("wide_compiler.")]  # a padded model's gradient masks
+            if not found:
+                continue
+            kind, hook = found[0]
+            code = _hook_code(hook)
+            what = (f"member {i}'s parameter {name!r} has a {kind}, "
+                    f"{getattr(hook, '__qualname__', type(hook).__name__)}"
+                    + (f" at {code.co_filename}:{code.co_firstlineno}" if code is not None else "")
+                    + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""))
+            if not model.training:
+                log.warning("wide_compiler: %s: the wide model does not run it (its parameters are its own), so a "
+                            "backward through it, or training after wide.train(), gives the gradients without it "
+                            "(Note [Hooks on a member's parameters] in fx/member_checks.py)", what)
+                continue
+            raise UnsupportedOperationError(
+                f"wide_compiler: {what}. The wide model's parameters are its own tensors (each stacks one parameter "
+                "of every member) and no wide backward runs a member's parameter hooks: its gradients would be the "
+                "ones without the hook (Note [Hooks on a member's parameters] in fx/member_checks.py).\n"
+                "What to do: remove the hooks before compiling (keep the handle register_hook returns and call "
+                "handle.remove()), and register the hook on the wide model's parameter instead, which holds every "
+                f"member's slice along dim 0 (wide.get_parameter({name!r}).register_hook(lambda g: g * mask) with "
+                "mask stacked per member); or compile in eval mode.")
 
 
 def _is_float_constant(a: Any, b: Any) -> bool:
