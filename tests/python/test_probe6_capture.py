@@ -171,6 +171,7 @@ class LayerDrop(nn.Module):
         self.l = nn.Linear(4, 4)
         self.p = 0.5
         self.how = how
+        self.rng = random.Random(0)
 
     def forward(self, x):
         if self.how == "random":
@@ -179,6 +180,8 @@ class LayerDrop(nn.Module):
             u = float(np.random.rand())
         elif self.how == "imported":
             u = imported_random()
+        elif self.how == "instance":
+            u = self.rng.random()
         elif self.how == "eval_only_draw":  # HF MusicGen: drawn always, used only when training
             u = random.uniform(0, 1)
             if self.training and u < self.p:
@@ -194,7 +197,8 @@ class LayerDrop(nn.Module):
 
 @pytest.mark.parametrize("how,where", [("random", r"random.random\(\) at .*test_probe6_capture.py:\d+"),
                                        ("numpy", r"numpy.random.rand\(\) at .*test_probe6_capture.py:\d+"),
-                                       ("imported", r"not through a module attribute")])
+                                       ("imported", r"not through a module attribute"),
+                                       ("instance", r"Random.random\(\) at .*test_probe6_capture.py:\d+")])
 def test_python_random_draw_in_train_is_refused(how, where):
     random.seed(0)
     np.random.seed(0)

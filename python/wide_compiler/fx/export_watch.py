@@ -90,7 +90,8 @@ class _Watch:
 
     def __exit__(self, *exc: Any) -> None:
         after = _global_rng_states()
-        self.drawn = [name for name, state in self._rng.items() if after.get(name) != state]
+        self.drawn = list(dict.fromkeys([*self.drawn, *(name for name, state in self._rng.items()
+                                                        if after.get(name) != state)]))
         with _WATCH_LOCK:
             mine = _WATCHES.get(threading.get_ident(), [])
             if self in mine:
@@ -234,9 +235,12 @@ class _Watch:
 # * a draw from Python's ``random`` or numpy's global generator: seen as a change of the
 #   generator's state across the capture (any caller, a name imported with ``from random import
 #   random`` too), and located where the call went through the module attribute (``random.random``,
-#   ``np.random.rand``). The capture runs the forward once; the number and the branches it chose
-#   are baked into the graph. The state is process-wide: a draw by another thread during the
-#   capture counts too (a refusal, never a wrong result).
+#   ``np.random.rand``); and a draw from a ``random.Random`` of the user's own (``self.rng =
+#   random.Random(0)``), seen where the user's code calls its method. The capture runs the forward
+#   once; the number and the branches it chose are baked into the graph. The global state is
+#   process-wide: a draw by another thread during the capture counts too (a refusal, never a wrong
+#   result). Not seen: numpy ``Generator``/``RandomState`` objects of the user's own (their
+#   methods cannot be patched).
 #
 # A train graph is refused (what, where, why, what to do); an eval graph is kept with a warning:
 # its forward values are the members' for the first three (a backward through it would not be),
@@ -480,6 +484,20 @@ def _install_watch_patches() -> None:
             fn = module.__dict__.get(name)
             if callable(fn):
                 _patch(module, name, draw_read(f"{label}.{name}", fn))
+
+    def instance_draw(name: str, fn: Any) -> Any:  # a draw from a random.Random of the user's own
+        def draw(self: random.Random, *args: Any, **kwargs: Any) -> Any:
+            watch = _watching()
+            if watch is not None and is_user_file(sys._getframe(1).f_code.co_filename, skip_stdlib=True):
+                watch.draws.append(f"{type(self).__name__}.{name}() {user_frame_and_module()}")
+                watch.drawn.append(f"a {type(self).__name__} instance's generator")
+            return fn(self, *args, **kwargs)
+        return draw
+
+    for name in _PY_DRAWS:
+        fn = getattr(random.Random, name, None)
+        if callable(fn):
+            _patch(random.Random, name, instance_draw(name, fn))
     _patch(torch.Tensor, "register_hook", watched_register_hook)
     _patch(torch, "is_grad_enabled", grad_read(torch.is_grad_enabled))
     _patch(torch, "is_inference_mode_enabled", grad_read(torch.is_inference_mode_enabled))
