@@ -299,7 +299,17 @@ class CallGraphsMixin:
             if hit is not None:  # stored only where every new dim came out dynamic
                 c, new_items = hit, {}
             else:
-                run_pipeline(c, [p for p in PASSES if p.name == "capture"])
+                try:
+                    run_pipeline(c, [p for p in PASSES if p.name == "capture"])
+                except Exception as e:  # nothing is kept: a later call tries again (Note [A refused size ...])
+                    k, d = next(iter(new))
+                    size, was = new[(k, d)]
+                    why = (str(e).strip().splitlines() or [""])[0].removeprefix("wide_compiler: ")
+                    raise ValueError(
+                        f"wide_compiler: input '{users[k].name}' has shape {shapes[k]}: its dim {d + 1} is {size}, "
+                        f"{was} when the {mode} graph of {type(self._template).__name__} was captured, and capturing "
+                        f"the {mode} graph again with that dim dynamic (from the compile sample) failed: {why}. "
+                        f"Compile with a sample of the sizes you call with") from e
                 new_items = new
             placeholders = _user_placeholders(c.ep) if c.ep is not None else []
             fixed = {}

@@ -158,3 +158,19 @@ def test_pad_with_a_batch_of_one_is_refused_saying_why() -> None:
     with pytest.raises(ValueError, match=r"dim 0 of input 0 is 1 .*size of 2 or more") as e:
         wide(torch.randn(2, 1, 4))
     assert "sizes you call with" not in str(e.value)
+
+
+def test_a_failed_recapture_is_refused_clearly_and_leaves_nothing() -> None:
+    """F8 (related): compiled with y of [B, 1, 4] (broadcast), a call with y of [B, 4, 4] failed with
+    export's own "The size of tensor a (4) must match the size of tensor b (s94)"; now the refusal
+    names the input and the dim, and the model still runs calls like its sample."""
+    torch.manual_seed(0)
+    members = [AddSecond().to(D) for _ in range(2)]
+    wide = wc.compile(members, (torch.randn(2, 4, 4, dtype=D), torch.randn(2, 1, 4, dtype=D)), config=FAST)
+    with pytest.raises(ValueError, match=r"input 'y' has shape \[2, 2, 4, 4\]: its dim 2 is 4, 1 when the train "
+                                         r"graph of AddSecond was captured"):
+        wide(torch.randn(2, 2, 4, 4, dtype=D), torch.randn(2, 2, 4, 4, dtype=D))
+    x, y = torch.randn(2, 3, 4, 4, dtype=D), torch.randn(2, 3, 1, 4, dtype=D)
+    out = wide(x, y)
+    for i, m in enumerate(members):
+        _close(out[i], m(x[i], y[i]))
