@@ -88,11 +88,6 @@ def test_reentrant_checkpoint_eval_graph_compiles_with_a_warning(caplog):
             torch.testing.assert_close(out[i], m(x[i]))
 
 
-def test_non_reentrant_checkpoint_trains_exactly():
-    ms = _members(Ckpt, reentrant=False)
-    _same_as_members(wc.compile(ms, _sample(), config=FAST), ms)
-
-
 # -- F13: inference_mode ---------------------------------------------------------------------------
 class Inference(nn.Module):
     def __init__(self, how: str = "with") -> None:
@@ -124,13 +119,6 @@ def test_inference_mode_block_is_refused_in_train(how):
         wc.compile(ms, _sample(), config=FAST)
 
 
-def test_no_grad_block_the_advice_trains_exactly():
-    ms = _members(Inference, how="no_grad")
-    wide = wc.compile(ms, _sample(), config=FAST)
-    _same_as_members(wide, ms)
-    assert wide.get_parameter("t.weight").grad is None  # as for each member: no gradient through the block
-
-
 # -- F12: saved_tensors_hooks ----------------------------------------------------------------------
 class SavedHooks(nn.Module):
     def __init__(self, own: bool = True) -> None:
@@ -157,11 +145,6 @@ def test_saved_tensors_hooks_of_the_users_are_refused_in_train():
     with pytest.raises(wc.WideCompileError, match=r"(?s)saved_tensors_hooks with hooks of its own.*pack, "
                                                   r".*unpack\).*test_probe6_capture.py.*what its unpack hook returns"):
         wc.compile(_members(SavedHooks), _sample(), config=FAST)
-
-
-def test_save_on_cpu_torchs_own_hooks_train_exactly():
-    ms = _members(SavedHooks, own=False)
-    _same_as_members(wc.compile(ms, _sample(), config=FAST), ms)
 
 
 # -- F5: Python / numpy random draws -----------------------------------------------------------------
@@ -262,3 +245,17 @@ def test_parameter_hook_in_eval_warns(caplog):
     assert "member 0's parameter '0.weight' has a gradient hook" in caplog.text
     x = torch.randn(2, 3, 4, dtype=D)
     torch.testing.assert_close(wide(x)[1], ms[1](x[1]))
+
+
+# -- the advised forms: each trains exactly ----------------------------------------------------------
+@pytest.mark.parametrize(("cls", "kwargs", "no_grad_through"), [
+    (Ckpt, {"reentrant": False}, None),
+    (Inference, {"how": "no_grad"}, "t.weight"),  # as for each member: no gradient through the block
+    (SavedHooks, {"own": False}, None),
+], ids=["non-reentrant checkpoint", "no_grad block", "save_on_cpu (torch's own hooks)"])
+def test_the_advised_form_trains_exactly(cls, kwargs, no_grad_through):
+    ms = _members(cls, **kwargs)
+    wide = wc.compile(ms, _sample(), config=FAST)
+    _same_as_members(wide, ms)
+    if no_grad_through is not None:
+        assert wide.get_parameter(no_grad_through).grad is None
