@@ -174,3 +174,42 @@ def test_a_failed_recapture_is_refused_clearly_and_leaves_nothing() -> None:
     out = wide(x, y)
     for i, m in enumerate(members):
         _close(out[i], m(x[i], y[i]))
+
+
+# ---------------------------------------------------------------- F7: the trust check in float64
+def _resnets(seed: int) -> list[nn.Module]:
+    from wide_compiler import zoo
+
+    torch.manual_seed(seed)
+    return [zoo.ResNet18(width=8).double() for _ in range(2)]
+
+
+def test_check_compile_in_float64_takes_rounding_for_rounding() -> None:
+    """F7: a ResNet-18 in float64, train mode, batch 2 of 32x32 images (BatchNorm over 1x1 planes
+    over two values) is so ill-conditioned that its input gradient moves 3e-8 with the summation
+    order: the fixed rtol=1e-10 failed a correct wide model (as efficientnet_b0's did); judged
+    against the members' own float64 rounding it passes (Note [Rounding in a float64 model])."""
+    sample = torch.randn(2, 3, 32, 32, dtype=D, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(AssertionError, match=r"rtol=1e-10"):  # the table alone: the false alarm
+        wc.testing.check_compile(_resnets(1), sample, config=FAST, shared=(False,), modes=("train",),
+                                 rtol=1e-10, atol=1e-10)
+    _, report = wc.testing.check_compile(_resnets(1), sample, config=FAST, shared=(False,), modes=("train",))
+    assert report["train/own"]["input_grad"] > 1e-10  # outside the table, inside the member's own rounding
+
+
+@pytest.mark.parametrize("relative", [1e-6, 1e-8])
+def test_check_compile_in_float64_still_fails_a_small_defect(relative: float, monkeypatch) -> None:
+    """The same model with one weight of member 1 off by ``relative`` (a rule slightly wrong for one
+    member) fails, naming member 1, with both judgements."""
+    real = wc.testing.wide_compile
+
+    def broken_compile(*args, **kwargs):
+        wide = real(*args, **kwargs)
+        with torch.no_grad():
+            dict(wide.named_parameters())["layer3.0.conv1.weight"][1].mul_(1 + relative)
+        return wide
+
+    monkeypatch.setattr(wc.testing, "wide_compile", broken_compile)
+    with pytest.raises(AssertionError, match=r"(?s)member 1 differs.*beyond the members' own float64 rounding"):
+        wc.testing.check_compile(_resnets(1), torch.randn(2, 3, 32, 32, dtype=D), config=FAST, shared=(False,),
+                                 modes=("train",))

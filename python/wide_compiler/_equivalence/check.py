@@ -4,6 +4,7 @@ compared value by value."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Mapping, Sequence
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from .inputs import _Inputs, _prepare_inputs
-from .members import _run_members, _run_members_float64
+from .members import _own_rounding, _run_members, _run_members_float64
 from .report import EquivalenceReport
 from .wide import _padded_references, _run_wide, _Tolerance, _wide_tensors
 
@@ -144,7 +145,11 @@ def check_equivalence(
     tol = _Tolerance(dtype, rtol, atol, equal_nan)
     refs = _run_members(models, inp, grads=grads, training=training, seed=seed)
     refs64, fallback = None, None
-    if rtol is None and atol is None and _compute_dtype(dtype, models[0], inp) == torch.float32:
+    if rtol is None and atol is None and _compute_dtype(dtype, models[0], inp) == torch.float64:
+        # Note [Rounding in a float64 model]: the table first, then the members' own rounding
+        tol = dataclasses.replace(tol, own_rounding=True)
+        refs64 = _own_rounding(models, inp, refs, grads=grads, training=training)
+    elif rtol is None and atol is None and _compute_dtype(dtype, models[0], inp) == torch.float32:
         refs64, fallback = _run_members_float64(models, inp, refs, grads=grads, training=training)
         if fallback is not None:
             log.warning("wide_compiler.testing: %s: %s, so the members are compared with fixed float32 "

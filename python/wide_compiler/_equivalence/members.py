@@ -74,6 +74,33 @@ def _run_members_float64(models: Sequence[nn.Module], inp: _Inputs, refs: _Refer
     check, in float64, under phase 2's cotangents; the random stream is left as phase 2 left it.
     ``(references, None)``, or ``(None, why)`` where a member cannot run in float64."""
     cuda = sorted({t.device.index or 0 for m in models for t in m.parameters() if t.device.type == "cuda"})
+    refs64 = _Float64Run(nudged=_nudger(models, inp, refs, grads=grads, training=training))
+    for i, original in enumerate(models):
+        try:
+            with torch.random.fork_rng(devices=cuda):
+                _run_member(refs64, i, original, inp, grads=grads, training=training,
+                            cotangents=refs.cotangents[i], double=True)
+        except Exception as e:  # noqa: BLE001 -- whatever stops the float64 run, the check goes on without it
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            return None, f"member {i} cannot run in float64 ({type(e).__name__}: {first})"
+    why = _reference_mismatch(refs, refs64)
+    return (None, why) if why else (refs64, None)
+
+
+def _own_rounding(models: Sequence[nn.Module], inp: _Inputs, refs: _References, *, grads: bool,
+                  training: bool | None) -> _Float64Run:
+    """Note [Rounding in a float64 model]: the members' own results as the reference, with their
+    nudged runs (in the members' own dtype) on demand."""
+    own = _Float64Run(nudged=_nudger(models, inp, refs, grads=grads, training=training))
+    for f in dataclasses.fields(_References):
+        setattr(own, f.name, getattr(refs, f.name))
+    return own
+
+
+def _nudger(models: Sequence[nn.Module], inp: _Inputs, refs: _References, *, grads: bool,
+            training: bool | None) -> Callable[[int, int], _References | None]:
+    """``nudged(i, k)``: member ``i``'s ``k``-th nudged run (_Rerounded), cached."""
+    cuda = sorted({t.device.index or 0 for m in models for t in m.parameters() if t.device.type == "cuda"})
     nudged_runs: dict[tuple[int, int], _References] = {}
 
     def nudged(i: int, k: int) -> _References | None:
@@ -90,17 +117,7 @@ def _run_members_float64(models: Sequence[nn.Module], inp: _Inputs, refs: _Refer
             nudged_runs[i, k] = run
         return nudged_runs[i, k]
 
-    refs64 = _Float64Run(nudged=nudged)
-    for i, original in enumerate(models):
-        try:
-            with torch.random.fork_rng(devices=cuda):
-                _run_member(refs64, i, original, inp, grads=grads, training=training,
-                            cotangents=refs.cotangents[i], double=True)
-        except Exception as e:  # noqa: BLE001 -- whatever stops the float64 run, the check goes on without it
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            return None, f"member {i} cannot run in float64 ({type(e).__name__}: {first})"
-    why = _reference_mismatch(refs, refs64)
-    return (None, why) if why else (refs64, None)
+    return nudged
 
 
 def _run_member(refs: _References, i: int, original: nn.Module, inp: _Inputs, *, grads: bool,
