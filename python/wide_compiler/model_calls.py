@@ -73,8 +73,8 @@ _traced_here: Any = None
 class CallGraphsMixin:
     """Methods choosing (and capturing) the graph of a call. The host class has ``n``, the graphs
     (``_graphs``, ``_variants``, ``_ranges``), the dims made dynamic (``_extra_dims``, ``_grown``,
-    ``_fixed``: Note [A refused size is kept for that capture only]), the compile sample and template, and compiles and adopts graphs
-    (``_graph_for``, ``_adopt``, ``_live_state``)."""
+    ``_fixed``: Note [A refused size is kept for that capture only]), the compile sample and
+    template, and compiles and adopts graphs (``_graph_for``, ``_adopt``, ``_live_state``)."""
 
     n: int
 
