@@ -39,13 +39,20 @@ class FiveInputs(nn.Module):
 
 
 def _median_us(fn, repeats: int) -> float:
-    rounds = []
+    return _interleaved_us({"fn": fn}, repeats)["fn"]
+
+
+def _interleaved_us(fns: dict, repeats: int) -> dict:
+    """Median microseconds per call of each function, timed in alternating rounds (the heap and
+    caches a round leaves favour no one function)."""
+    rounds: dict = {k: [] for k in fns}
     for _ in range(7):
-        t = time.perf_counter()
-        for _ in range(repeats // 7):
-            fn()
-        rounds.append((time.perf_counter() - t) / (repeats // 7) * 1e6)
-    return statistics.median(rounds)
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(repeats // 7):
+                fn()
+            rounds[k].append((time.perf_counter() - t) / (repeats // 7) * 1e6)
+    return {k: statistics.median(v) for k, v in rounds.items()}
 
 
 def main() -> None:
@@ -69,8 +76,9 @@ def main() -> None:
             "guards_us": _median_us(lambda: wg.guards.holds(flat, wide._param_dtype, wide._param_device), args.repeats),
             "guards_hold": wg.guards.holds(flat, wide._param_dtype, wide._param_device),
             "call_check_us": _median_us(lambda: wide._graph_covering(False, xs, {}), args.repeats),
-            "forward_us": _median_us(lambda: wide(*xs), args.repeats // 10),
-            "forward_unchecked_us": _median_us(lambda: call_graph(wg, wide, holders, flat), args.repeats // 10),
+            **{f"forward{k}_us": v for k, v in _interleaved_us(
+                {"": lambda: wide(*xs), "_unchecked": lambda: call_graph(wg, wide, holders, flat)},
+                args.repeats // 10).items()},
             "torch": torch.__version__,
         }
     print(json.dumps(rec, indent=1))
