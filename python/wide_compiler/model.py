@@ -28,10 +28,11 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .config import WideConfig
-from .errors import WideCompileError
+from .errors import UnsupportedOperationError, WideCompileError
 from .fx.constants import BUFFER_ROOT
 from .fx.fold import clear_fold_cache
 from .fx import compile_cache
+from .fx.member_checks import parameter_hook_refusal
 from .fx.pipeline import COMPILE_LOCK, Compilation, compile_members, run_cached
 from .fx.state import WideState, call_graph, holders, missing_constants, persistent_buffer_names, put_tensor
 from .fx.state import get_tensor as _get_tensor
@@ -224,6 +225,10 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         self._constants_seen: dict[int, tuple] = {}
         self._timings: dict[tuple[bool, str], dict[str, float] | None] = {}  # (training, node) -> ms
         self._holder_plans: dict[int, list] = {}  # id(graph) -> _holders(graph)
+        # Note [Hooks on a member's parameters] (fx/member_checks.py): eval members with gradient
+        # hooks on parameters compile (with a warning); a train graph is refused with this message
+        hooks = parameter_hook_refusal(c.members)
+        self._parameter_hooks: str | None = hooks[0] if hooks is not None else None
 
         # Modules with a user-registered wide form are kept whole: their wide module replaces them.
         # The capture template (registered modules opaque) captures the other mode later.
@@ -374,6 +379,8 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
 
     def _compile(self, training: bool) -> Compilation:
         """Run the compiler pipeline (fx/pipeline.py) for one train/eval mode, on this model's state."""
+        if training and self.__dict__.get("_parameter_hooks"):  # Note [Hooks on a member's parameters]
+            raise UnsupportedOperationError(self._parameter_hooks)
         ref = next(self.parameters(), None)
         self._constants_now()  # Note [Constants the members hold now] (model_constants.py)
         return run_cached(Compilation(  # Note [The compile cache] (fx/compile_cache.py)

@@ -20,6 +20,7 @@ import torch
 import wide_compiler as wc
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from wide_compiler.errors import UnsupportedOperationError
 
 FAST = wc.WideConfig.fast()
 D = torch.float64
@@ -235,7 +236,7 @@ def test_post_accumulate_grad_hook_is_refused():
         wc.compile(ms, _sample(), config=FAST)
 
 
-def test_parameter_hook_in_eval_warns(caplog):
+def test_parameter_hook_in_eval_warns_and_train_is_refused(caplog):
     torch.manual_seed(0)
     ms = [_mlp().eval() for _ in range(2)]
     for m in ms:
@@ -245,6 +246,11 @@ def test_parameter_hook_in_eval_warns(caplog):
     assert "member 0's parameter '0.weight' has a gradient hook" in caplog.text
     x = torch.randn(2, 3, 4, dtype=D)
     torch.testing.assert_close(wide(x)[1], ms[1](x[1]))
+    for _ in range(2):  # the train graph would drop the hooks: refused, the model left in eval
+        with pytest.raises(UnsupportedOperationError, match=r"member 0's parameter '0.weight' has a gradient hook"):
+            wide.train()
+        assert not wide.training
+    torch.testing.assert_close(wide(x)[0], ms[0](x[0]))
 
 
 # -- the advised forms: each trains exactly ----------------------------------------------------------

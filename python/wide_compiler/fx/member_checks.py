@@ -338,9 +338,9 @@ def check_members(models: Sequence[nn.Module]) -> dict[str, tuple]:
 # They cannot be honoured exactly in general: a hook is Python that may read its member's own
 # parameter or state through its closure, which the wide model does not update. So a train-mode
 # compile is refused naming the member, the parameter and the hook, before anything runs; an
-# eval-mode one warns (its forward values are the members'; a backward through it, or training
-# after ``wide.train()``, would not run the hooks). The way out is to put the hook on the wide
-# model's parameter, which holds every member's slice along dim 0.
+# eval-mode one warns (its forward values are the members') and the wide model keeps the refusal:
+# ``wide.train()`` raises it (WideModel._compile), as a train-mode compile would. The way out is
+# to put the hook on the wide model's parameter, which holds every member's slice along dim 0.
 def _refuse_parameter_hooks(models: Sequence[nn.Module]) -> None:
     """Raise :class:`~wide_compiler.errors.UnsupportedOperationError` when a train-mode member has
     a gradient hook on a parameter (``Tensor.register_hook``, ``register_post_accumulate_grad_hook``),
@@ -357,6 +357,20 @@ def _refuse_parameter_hooks(models: Sequence[nn.Module]) -> None:
         ...
         wide_compiler.errors.UnsupportedOperationError: wide_compiler: member 0's parameter 'weight' has a gradient hook...
     """
+    found = parameter_hook_refusal(models)
+    if found is None:
+        return
+    message, training = found
+    if not training:
+        log.warning("%s (it compiles in eval mode: its forward values are the members'; a backward through "
+                    "it, or wide.train(), is refused)", message.split("\n")[0])
+        return
+    raise UnsupportedOperationError(message)
+
+
+def parameter_hook_refusal(models: Sequence[nn.Module]) -> tuple[str, bool] | None:
+    """``(message, training)`` for the first member with a gradient hook on a parameter (Note
+    [Hooks on a member's parameters]): the refusal's text and that member's mode; None without."""
     for i, model in enumerate(models):
         for name, p in model.named_parameters():
             found = [(kind, h) for kind, table in (("gradient hook (Tensor.register_hook)", "_backward_hooks"),
@@ -372,19 +386,15 @@ def _refuse_parameter_hooks(models: Sequence[nn.Module]) -> None:
                     f"{getattr(hook, '__qualname__', type(hook).__name__)}"
                     + (f" at {code.co_filename}:{code.co_firstlineno}" if code is not None else "")
                     + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""))
-            if not model.training:
-                log.warning("wide_compiler: %s: the wide model does not run it (its parameters are its own), so a "
-                            "backward through it, or training after wide.train(), gives the gradients without it "
-                            "(Note [Hooks on a member's parameters] in fx/member_checks.py)", what)
-                continue
-            raise UnsupportedOperationError(
+            return (
                 f"wide_compiler: {what}. The wide model's parameters are its own tensors (each stacks one parameter "
                 "of every member) and no wide backward runs a member's parameter hooks: its gradients would be the "
                 "ones without the hook (Note [Hooks on a member's parameters] in fx/member_checks.py).\n"
                 "What to do: remove the hooks before compiling (keep the handle register_hook returns and call "
                 "handle.remove()), and register the hook on the wide model's parameter instead, which holds every "
                 f"member's slice along dim 0 (wide.get_parameter({name!r}).register_hook(lambda g: g * mask) with "
-                "mask stacked per member); or compile in eval mode.")
+                "mask stacked per member); or compile in eval mode.", model.training)
+    return None
 
 
 def _is_float_constant(a: Any, b: Any) -> bool:
