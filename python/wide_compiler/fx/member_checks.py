@@ -363,7 +363,7 @@ def _refuse_parameter_hooks(models: Sequence[nn.Module]) -> None:
     message, training = found
     if not training:
         log.warning("%s (it compiles in eval mode: its forward values are the members'; a backward through "
-                    "it, or wide.train(), is refused)", message.split("\n")[0])
+                    "it would not run the hook, and wide.train() is refused)", message.split("\n")[0])
         return
     raise UnsupportedOperationError(message)
 
