@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .fx.padding import PaddedMember, PadInfo, pad_members
-from .fx.padding_rules import scatter
+from .fx.padding_layouts import scatter
 from .model import WideModel
 
 __all__ = ["PaddedWideModel"]
@@ -143,7 +143,7 @@ class PaddedWideModel(WideModel):
 
     def _index_error(self, e: IndexError) -> IndexError | None:
         """The wide lookup's IndexError said in the member's terms: its own table and index
-        (Note [Padded vocabularies] in fx/padding_rules.py); None when ``e`` is another error."""
+        (Note [Padded vocabularies] in fx/padding_rules_math.py); None when ``e`` is another error."""
         bounds = getattr(self._pad, "index_bounds", [])
         hit = re.search(r"index (-?\d+) of member (\d+) is not in the valid range \[0, (\d+)\)", str(e))
         if not bounds or hit is None:

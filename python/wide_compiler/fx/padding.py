@@ -25,7 +25,7 @@ forward and the backward:
   zero (weight decay included);
 * contractions (linear, matmul, conv, embedding) of clean values are clean; a kernel-size sweep
   lays each smaller kernel out centred in the largest, with the padding that makes it the
-  member's own convolution (Note [Kernel-size sweeps] in fx/padding_rules.py), and an embedding
+  member's own convolution (Note [Kernel-size sweeps] in fx/padding_rules_math.py), and an embedding
   over a padded vocabulary bounds each member's indices by its own rows, so an index past them
   raises IndexError as the member's own lookup does (Note [Padded vocabularies]);
 * pointwise ops with f(0) = 0 keep it; any other op whose result has a padded dim (sigmoid, a
@@ -66,8 +66,9 @@ from ..errors import ArchitectureMismatchError, UnsupportedOperationError, WideC
 from .capture import capture
 from .export_watch import refuse_writing_hooks
 from .member_checks import check_modes
-from .padding_rules import (FREE, INT_ARGS_OK, MASK_UNARY, REFUSED, RULES, ZERO_UNARY, Prefer, flat_layout,
-                            layout_mask, mask_unary, prefix, same_layout, scatter, size_arith, zero_unary)
+from .padding_layouts import FREE, Prefer, flat_layout, layout_mask, prefix, same_layout, scatter
+from .padding_rules import INT_ARGS_OK, MASK_UNARY, REFUSED, RULES, ZERO_UNARY, mask_unary, zero_unary
+from .padding_rules_shapes import size_arith
 from .source import source_line
 
 __all__ = ["PadInfo", "PaddedMember", "pad_members"]
@@ -87,7 +88,7 @@ class PadInfo:
     padded_shapes: dict[str, tuple[int, ...]]
     output_layouts: dict[bool, list[dict[int, torch.Tensor]]]  # training -> per flat output
     # embedding tables whose vocabulary is padded: (state name, each member's rows, padded rows)
-    # (Note [Padded vocabularies] in fx/padding_rules.py)
+    # (Note [Padded vocabularies] in fx/padding_rules_math.py)
     index_bounds: list[tuple[str, list[int], int]] = dataclasses.field(default_factory=list)
     # tied tensors (Note [Tied tensors when padding]): each other name -> the name that holds it
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
