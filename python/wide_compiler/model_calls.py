@@ -13,7 +13,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .fx.guards import MAX_GRAPHS, same_input
-from .fx.padding import PaddedMember
+from .fx.padded_members import PaddedMember
 from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, recapture, recapture_cached, run_pipeline
 from .fx.widen import WideGraph
 from .layouts import _any_packed

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .fx.padding import PaddedMember, PadInfo, pad_members
+from .fx.padded_members import PaddedMember, PadInfo
+from .fx.padding import pad_members
 from .fx.padding_layouts import scatter
 from .model import WideModel
 
@@ -261,7 +262,7 @@ class PaddedWideModel(WideModel):
 
     def _make_programs(self) -> None:
         """The padded programs of the member templates, made again from the members (Note
-        [Pickling padded members] in fx/padding.py): the same capture and padding as at compile."""
+        [Pickling padded members] in fx/padded_members.py): the same capture and padding as at compile."""
         templates = [t for t in (self._template, self._capture_template[0])
                      if isinstance(t, PaddedMember) and t.__dict__.get("_programs") is None]
         if not templates:

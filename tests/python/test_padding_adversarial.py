@@ -383,3 +383,24 @@ def test_a_pickled_padded_model_trains_and_runs_as_the_original():
     rnns = [_Recurrent(h).to(DT) for h in (2, 4)]
     wide = pickle.loads(pickle.dumps(wc.compile(rnns, torch.randn(2, 3, 3, dtype=DT), pad=True, config=FAST)))
     _same_as_alone(wide, rnns, torch.randn(2, 2, 3, 3, dtype=DT))
+
+
+def test_a_padded_model_pickled_before_the_split_into_modules_still_loads():
+    """Before fx/padding.py was split by concern, a pickle of a padded model named its padded
+    members, what padding did and their assumptions wide_compiler.fx.padding.<class>; such a
+    pickle still loads and runs the same."""
+    import pickle
+    import re
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(5, h), nn.Tanh(), nn.Linear(h, 3)).to(DT) for h in (2, 4)]
+    wide = wc.compile(models, torch.randn(4, 5, dtype=DT), pad=True, config=FAST)
+    # protocol 2 names a class as b"c<module>\n<name>\n": rewritten to the module of before the split
+    data = re.sub(rb"cwide_compiler\.fx\.padded_members\n", b"cwide_compiler.fx.padding\n",
+                  pickle.dumps(wide, protocol=2))
+    for cls in (b"PaddedMember", b"PadInfo", b"Assumptions"):
+        assert b"cwide_compiler.fx.padding\n" + cls + b"\n" in data
+    loaded = pickle.loads(data)
+    x = torch.randn(2, 4, 5, dtype=DT)
+    torch.testing.assert_close(loaded(x), wide(x), rtol=0, atol=0)
+    _same_as_alone(loaded, models, x)

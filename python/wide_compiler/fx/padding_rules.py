@@ -20,7 +20,7 @@ from .padding_rules_math import MATH_INT_ARGS_OK, MATH_RULES
 from .padding_rules_shapes import SHAPE_INT_ARGS_OK, SHAPE_RULES
 
 if TYPE_CHECKING:
-    from .padding import _Padder
+    from .padding_pass import Padder
 
 __all__ = ["BY_THE_PASS", "INT_ARGS_OK", "MASK_UNARY", "REFUSED", "RULES", "ZERO_UNARY", "mask_unary", "zero_unary"]
 
@@ -40,7 +40,7 @@ MASK_UNARY = {"sigmoid", "exp", "cos", "cosh", "hardsigmoid", "softplus", "logsi
               "clamp_min", "clamp_max", "fill", "ones_like", "full_like"}
 
 
-def zero_unary(p: _Padder, node: fx.Node) -> None:
+def zero_unary(p: Padder, node: fx.Node) -> None:
     src = node.args[0]
     lay = p.layout(src)
     val = node.meta.get("val")
@@ -52,7 +52,7 @@ def zero_unary(p: _Padder, node: fx.Node) -> None:
     p.lay[node] = lay
 
 
-def mask_unary(p: _Padder, node: fx.Node) -> None:
+def mask_unary(p: Padder, node: fx.Node) -> None:
     operands = [a for a in node.args if isinstance(a, fx.Node)]
     lay = p.operand_layouts(node, operands)
     p.lay[node] = lay
@@ -60,7 +60,7 @@ def mask_unary(p: _Padder, node: fx.Node) -> None:
 
 
 
-RULES: dict[str, Callable[[_Padder, fx.Node], None]] = {**MATH_RULES, **SHAPE_RULES}
+RULES: dict[str, Callable[[Padder, fx.Node], None]] = {**MATH_RULES, **SHAPE_RULES}
 # rules that pad integer arguments which differ between members (any other rule refuses them)
 INT_ARGS_OK = MATH_INT_ARGS_OK | SHAPE_INT_ARGS_OK
 

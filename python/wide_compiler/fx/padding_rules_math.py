@@ -17,14 +17,14 @@ from .padding_rules_shapes import same_dims
 from .source import module_path
 
 if TYPE_CHECKING:
-    from .padding import _Padder
+    from .padding_pass import Padder
 
 __all__ = ["MATH_INT_ARGS_OK", "MATH_RULES"]
 
 aten = torch.ops.aten
 
 
-def _binary(p: _Padder, node: fx.Node) -> None:
+def _binary(p: Padder, node: fx.Node) -> None:
     name = node.target.overloadpacket.__name__
     operands = [a for a in node.args[:2]]
     lay = p.operand_layouts(node, operands)
@@ -54,7 +54,7 @@ def _binary(p: _Padder, node: fx.Node) -> None:
         p.mask_after(node, lay)
 
 
-def _linear(p: _Padder, node: fx.Node) -> None:
+def _linear(p: Padder, node: fx.Node) -> None:
     x, w = node.args[0], node.args[1]
     b = node.args[2] if len(node.args) > 2 else None
     xl = p.layout(x)
@@ -73,7 +73,7 @@ def _linear(p: _Padder, node: fx.Node) -> None:
         p.mask_after(node, p.lay[node])  # padded rows get the bias
 
 
-def _matmul(p: _Padder, node: fx.Node) -> None:
+def _matmul(p: Padder, node: fx.Node) -> None:
     a, b = node.args[0], node.args[1]
     al, bl = p.layout(a), p.layout(b)
     if len(al) < 2 or len(bl) < 2:
@@ -136,7 +136,7 @@ def _conv_geometry(node: fx.Node, name: str, rank: int) -> list[Any]:
     return out
 
 
-def _conv_kernels(p: _Padder, node: fx.Node, name: str, w: Any, rank: int) -> None:
+def _conv_kernels(p: Padder, node: fx.Node, name: str, w: Any, rank: int) -> None:
     """Per-member stride, padding and dilation of a convolution, and kernel sizes that differ
     between members (Note [Kernel-size sweeps]): the kernel's spatial dims laid out centred and
     the common padding set, or a refusal."""
@@ -208,7 +208,7 @@ def _conv_kernels(p: _Padder, node: fx.Node, name: str, w: Any, rank: int) -> No
             node.kwargs = {**node.kwargs, "padding": common}
 
 
-def _conv(p: _Padder, node: fx.Node) -> None:
+def _conv(p: Padder, node: fx.Node) -> None:
     x, w = node.args[0], node.args[1]
     b = node.args[2] if len(node.args) > 2 else None
     name = node.target.overloadpacket.__name__
@@ -250,7 +250,7 @@ def _conv(p: _Padder, node: fx.Node) -> None:
         p.refuse(node, "a convolution over a padded batch dim")
 
 
-def _embedding(p: _Padder, node: fx.Node) -> None:
+def _embedding(p: Padder, node: fx.Node) -> None:
     """Note [Padded vocabularies]: a member's table of ``V_i`` rows sits in the first ``V_i`` rows
     of the padded one, where an index ``V_i <= x < V`` would read a zero row instead of raising
     IndexError as the member's own lookup does. The indices go through ``where(x < V_i, x, x + V)``
@@ -280,7 +280,7 @@ def _embedding(p: _Padder, node: fx.Node) -> None:
     p.lay[node] = [None] * len(il) + [wl[1]]
 
 
-def _norm_affine(p: _Padder, node: fx.Node, params: Sequence[Any], lays: list[Any]) -> None:
+def _norm_affine(p: Padder, node: fx.Node, params: Sequence[Any], lays: list[Any]) -> None:
     """Bind the affine parameters (weight, bias over the normalized dims) to the input's layout."""
     for prm in params:
         if isinstance(prm, fx.Node) and prm.op == "get_attr":
@@ -292,7 +292,7 @@ def _norm_affine(p: _Padder, node: fx.Node, params: Sequence[Any], lays: list[An
                     p.refuse(node, "the affine parameters are padded differently from the normalized dims")
 
 
-def _layer_norm(p: _Padder, node: fx.Node, rms: bool = False) -> None:
+def _layer_norm(p: Padder, node: fx.Node, rms: bool = False) -> None:
     x = node.args[0]
     xl = p.layout(x)
     k = len(node.args[1])
@@ -336,7 +336,7 @@ def _layer_norm(p: _Padder, node: fx.Node, rms: bool = False) -> None:
         p.mask_after(y, xl)
 
 
-def _group_norm(p: _Padder, node: fx.Node) -> None:
+def _group_norm(p: Padder, node: fx.Node) -> None:
     x, groups = node.args[0], node.args[1]
     w = node.args[2] if len(node.args) > 2 else None
     b = node.args[3] if len(node.args) > 3 else None
@@ -385,7 +385,7 @@ def _group_norm(p: _Padder, node: fx.Node) -> None:
     p.lay[y], p.pos[y] = xl, p.pos[node]
 
 
-def _batch_norm(p: _Padder, node: fx.Node) -> None:
+def _batch_norm(p: Padder, node: fx.Node) -> None:
     x = node.args[0]
     xl = p.layout(x)
     if any(v is not None for i, v in enumerate(xl) if i != 1):
@@ -394,7 +394,7 @@ def _batch_norm(p: _Padder, node: fx.Node) -> None:
     p.lay[node] = xl  # per channel: zero channels (zero weight and bias) stay zero, stats too
 
 
-def _mean(p: _Padder, node: fx.Node) -> None:
+def _mean(p: Padder, node: fx.Node) -> None:
     x = node.args[0]
     xl = p.layout(x)
     rank = len(xl)
@@ -418,7 +418,7 @@ def _mean(p: _Padder, node: fx.Node) -> None:
     p.lay[out], p.pos[out] = p.lay[node], p.pos[node]
 
 
-def _sum(p: _Padder, node: fx.Node) -> None:
+def _sum(p: Padder, node: fx.Node) -> None:
     x = node.args[0]
     xl = p.layout(x)
     rank = len(xl)
@@ -429,7 +429,7 @@ def _sum(p: _Padder, node: fx.Node) -> None:
         [v for d, v in enumerate(xl) if d not in dims]
 
 
-def _softmax(p: _Padder, node: fx.Node) -> None:
+def _softmax(p: Padder, node: fx.Node) -> None:
     """softmax / log_softmax: -inf in the padding of the reduced dim first; padded rows (other
     padded dims) come out uniform, and log_softmax's padding -inf: masked after (by ``where``,
     since -inf * 0 is NaN)."""
@@ -448,7 +448,7 @@ def _softmax(p: _Padder, node: fx.Node) -> None:
         p.mask_after(node, xl, nan_safe=True)
 
 
-def _amax(p: _Padder, node: fx.Node) -> None:
+def _amax(p: Padder, node: fx.Node) -> None:
     """max / amax over dims: the padding set to -inf first where a reduced dim is padded."""
     if len(node.args) > 1 and isinstance(node.args[1], fx.Node):  # torch.max(a, b)
         _binary(p, node)
@@ -473,7 +473,7 @@ def _amax(p: _Padder, node: fx.Node) -> None:
     node.replace_input_with(x, masked)
 
 
-def _rnn(p: _Padder, node: fx.Node) -> None:
+def _rnn(p: Padder, node: fx.Node) -> None:
     """lstm / gru / rnn_tanh / rnn_relu with a swept hidden size. Each gate's block of the weights
     is laid out as the hidden units (a prefix per gate); a padded unit's gates see zero weights
     and biases, so its state stays zero at every step (LSTM: i = f = o = 1/2, g = 0, c = h = 0;
@@ -512,7 +512,7 @@ def _rnn(p: _Padder, node: fx.Node) -> None:
     p.lay[node] = [x_lay[:-1] + [out_lay]] + [[None, None, lay_h] for _ in hx]
 
 
-def _sdpa(p: _Padder, node: fx.Node) -> None:
+def _sdpa(p: Padder, node: fx.Node) -> None:
     q, k, v = node.args[:3]
     ql, kl, vl = p.layout(q), p.layout(k), p.layout(v)
     if any(lay[-2] is not None for lay in (ql, kl, vl)):
@@ -531,7 +531,7 @@ def _sdpa(p: _Padder, node: fx.Node) -> None:
     p.lay[node] = ql[:-1] + [vl[-1]]
 
 
-MATH_RULES: dict[str, Callable[[_Padder, fx.Node], None]] = {
+MATH_RULES: dict[str, Callable[[Padder, fx.Node], None]] = {
     "add": _binary, "sub": _binary, "mul": _binary, "div": _binary, "maximum": _binary,
     "minimum": _binary, "rsub": _binary,
     "linear": _linear, "matmul": _matmul, "mm": _matmul, "bmm": _matmul,

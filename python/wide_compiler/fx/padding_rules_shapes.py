@@ -16,12 +16,12 @@ from torch import fx
 from .padding_layouts import Prefer, prefix, same_layout
 
 if TYPE_CHECKING:
-    from .padding import _Padder
+    from .padding_pass import Padder
 
 __all__ = ["SHAPE_INT_ARGS_OK", "SHAPE_RULES", "same_dims", "size_arith"]
 
 
-def same_dims(p: _Padder, node: fx.Node, positions: Sequence[int], rank: int) -> None:
+def same_dims(p: Padder, node: fx.Node, positions: Sequence[int], rank: int) -> None:
     """Refuse unless every member passes the same dims (normalised modulo ``rank``) at these
     argument positions: a reduction, permutation or flatten over other dims in one member is
     another program, not another size (it would silently run member 0's dims)."""
@@ -40,7 +40,7 @@ def same_dims(p: _Padder, node: fx.Node, positions: Sequence[int], rank: int) ->
                        "its program differs in more than sizes")
 
 
-def _view(p: _Padder, node: fx.Node) -> None:
+def _view(p: Padder, node: fx.Node) -> None:
     x = node.args[0]
     xl = p.layout(x)
     ins, outs = p.max_shape(x), p.max_shape(node)
@@ -139,7 +139,7 @@ def _view(p: _Padder, node: fx.Node) -> None:
     p.lay[node] = lay
 
 
-def _permute(p: _Padder, node: fx.Node) -> None:
+def _permute(p: Padder, node: fx.Node) -> None:
     xl = p.layout(node.args[0])
     name = node.target.overloadpacket.__name__
     rank = len(xl)
@@ -165,7 +165,7 @@ def _permute(p: _Padder, node: fx.Node) -> None:
         _view_like(p, node)
 
 
-def _view_like(p: _Padder, node: fx.Node) -> None:
+def _view_like(p: Padder, node: fx.Node) -> None:
     """flatten / unflatten through the view rule (their sizes come from the shapes)."""
     x = node.args[0]
     if node.target.overloadpacket.__name__ == "unflatten":  # the dim; its sizes may differ
@@ -179,7 +179,7 @@ def _view_like(p: _Padder, node: fx.Node) -> None:
         node.args = (x, saved[1], list(p.max_shape(node)[dim: dim + len(saved[2])]), *saved[3:])
 
 
-def size_arith(p: _Padder, node: fx.Node) -> None:
+def size_arith(p: Padder, node: fx.Node) -> None:
     """A size computed in Python from a number that differs between members, as attention's
     ``batch * num_heads``: a product of a dynamic size and a member's number uses the largest
     number (its value feeds the padded program's view shapes)."""
@@ -195,7 +195,7 @@ def size_arith(p: _Padder, node: fx.Node) -> None:
     p.lay[node] = []
 
 
-def _zeros(p: _Padder, node: fx.Node) -> None:
+def _zeros(p: Padder, node: fx.Node) -> None:
     """zeros / new_zeros / zeros_like: zero everywhere, so clean in any layout (a prefix where its
     size differs between members, the padded size in its arguments)."""
     name = node.target.overloadpacket.__name__
@@ -211,7 +211,7 @@ def _zeros(p: _Padder, node: fx.Node) -> None:
                    for d in range(len(out))]
 
 
-def _cat(p: _Padder, node: fx.Node) -> None:
+def _cat(p: Padder, node: fx.Node) -> None:
     parts = node.args[0]
     dim = node.args[1] if len(node.args) > 1 else 0
     lays = [p.layout(a) for a in parts]
@@ -233,7 +233,7 @@ def _cat(p: _Padder, node: fx.Node) -> None:
     p.lay[node] = out
 
 
-def _expand(p: _Padder, node: fx.Node) -> None:
+def _expand(p: Padder, node: fx.Node) -> None:
     x = node.args[0]
     xl = p.layout(x)
     outs = p.max_shape(node)
@@ -249,14 +249,14 @@ def _expand(p: _Padder, node: fx.Node) -> None:
         p.refuse(node, "an expand to a size that differs between members (the padding would get copies)")
 
 
-def _sym_size(p: _Padder, node: fx.Node) -> None:
+def _sym_size(p: Padder, node: fx.Node) -> None:
     xl = p.layout(node.args[0])
     if xl[node.args[1] % len(xl)] is not None:
         p.refuse(node, "the program reads the size of a padded dim")
     p.lay[node] = []
 
 
-def _copy(p: _Padder, node: fx.Node) -> None:
+def _copy(p: Padder, node: fx.Node) -> None:
     dst, src = node.args[0], node.args[1]
     sl = p.layout(src)
     if isinstance(dst, fx.Node) and dst.op == "get_attr":
@@ -265,7 +265,7 @@ def _copy(p: _Padder, node: fx.Node) -> None:
     p.lay[node] = p.layout(dst)
 
 
-def _select_slice(p: _Padder, node: fx.Node) -> None:
+def _select_slice(p: Padder, node: fx.Node) -> None:
     x = node.args[0]
     xl = p.layout(x)
     dim = (node.args[1] if len(node.args) > 1 else 0) % len(xl)
@@ -275,7 +275,7 @@ def _select_slice(p: _Padder, node: fx.Node) -> None:
     p.lay[node] = [v for d, v in enumerate(xl) if d != dim] if name == "select" else xl
 
 
-SHAPE_RULES: dict[str, Callable[[_Padder, fx.Node], None]] = {
+SHAPE_RULES: dict[str, Callable[[Padder, fx.Node], None]] = {
     "view": _view, "reshape": _view, "_unsafe_view": _view, "flatten": _permute,
     "unflatten": _view_like, "view_as": lambda p, n: _view_like(p, n),
     "permute": _permute, "transpose": _permute, "swapaxes": _permute, "t": _permute,
