@@ -31,28 +31,31 @@ aten = torch.ops.aten
 
 
 # --- the drop-path functions, as each library writes them (our own code) ----------------------
-def stochastic_depth(x: torch.Tensor, p: float, training: bool, mode: str = "row") -> torch.Tensor:
-    """torchvision's semantics: drop whole rows (or the whole batch) with probability p, scale the
-    kept ones by 1 / (1 - p)."""
+def _bernoulli_drop(x: torch.Tensor, p: float, training: bool, empty) -> torch.Tensor:
+    """``x`` times a mask drawn by ``bernoulli_(1 - p)`` into ``empty(x)`` (the tensor each library
+    makes its own way), the kept values scaled by 1 / (1 - p)."""
     if not training or p == 0.0:
         return x
-    shape = [x.shape[0]] + [1] * (x.ndim - 1) if mode == "row" else [1] * x.ndim
-    survival = 1.0 - p
-    noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(survival)
-    if survival > 0.0:
-        noise.div_(survival)
-    return x * noise
+    keep = 1.0 - p
+    mask = empty(x).bernoulli_(keep)
+    if keep > 0.0:
+        mask.div_(keep)
+    return x * mask
+
+
+def stochastic_depth(x: torch.Tensor, p: float, training: bool, mode: str = "row") -> torch.Tensor:
+    """torchvision's semantics: drop whole rows (or the whole batch) with probability p, scale the
+    kept ones by 1 / (1 - p); the mask from ``torch.empty``."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        shape = [t.shape[0]] + [1] * (t.ndim - 1) if mode == "row" else [1] * t.ndim
+        return torch.empty(shape, dtype=t.dtype, device=t.device)
+
+    return _bernoulli_drop(x, p, training, empty)
 
 
 def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     """timm's semantics: ``new_empty`` + ``bernoulli_(keep)``, scaled by keep."""
-    if p == 0.0 or not training:
-        return x
-    keep = 1 - p
-    mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
-    if keep > 0.0:
-        mask.div_(keep)
-    return x * mask
+    return _bernoulli_drop(x, p, training, lambda t: t.new_empty((t.shape[0],) + (1,) * (t.ndim - 1)))
 
 
 def hf_drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
