@@ -554,19 +554,39 @@ import torch
 from torch import nn
 
 
-class Tagger(nn.Module):
+class Bag(nn.Module):
+    """Token ids in, one label per sequence out: the mean of their embeddings, then a head."""
+
+    def __init__(self, vocab=40):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids).mean(1))
+
+
+class Tagger(Bag):
     """Token ids and a mask in, one label per sequence out."""
 
     def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(30, 8)
+        super().__init__(vocab=30)
         self.proj = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 3)
 
     def forward(self, ids, mask):
         h = torch.relu(self.proj(self.embed(ids)))
         m = mask.unsqueeze(-1).to(h.dtype)
         return self.head((h * m).sum(1) / m.sum(1).clamp_min(1.0))
+
+
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.fc(x))
 
 
 class TwoInputs(nn.Module):
@@ -901,31 +921,6 @@ def test_preset_choices_are_the_registrys():
     assert set(parser.PRESETS) == set(bench.PRESET_NAMES)
 
 
-_EMBEDDING_MODEL = '''
-from torch import nn
-
-
-class Bag(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(40, 8)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, ids):
-        return self.head(self.embed(ids).mean(1))
-
-
-class Noisy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(6, 4)
-        self.drop = nn.Dropout(0.5)
-
-    def forward(self, x):
-        return self.drop(self.fc(x))
-'''
-
-
 def _usage_error(argv, capsys) -> str:
     """Run argv: it must end as argparse ends a usage error (exit 2, the command's usage line,
     `wide_compiler COMMAND: error: ...`), with no traceback; returns stderr."""
@@ -940,43 +935,38 @@ def _usage_error(argv, capsys) -> str:
     return err
 
 
-def test_float_shape_on_an_embedding_model_suggests_int64_input(tmp_path, capsys, monkeypatch):
-    f = tmp_path / "emb.py"
-    f.write_text(_EMBEDDING_MODEL)
+def test_float_shape_on_an_embedding_model_suggests_int64_input(user_file, capsys, monkeypatch):
     analyze_mod = importlib.import_module("wide_compiler.analyze")
     monkeypatch.setattr(analyze_mod, "analyze", lambda *a, **k: pytest.fail("analyze ran on a bad input"))
-    err = _usage_error(["analyze", f"{f}:Bag", "--shape", "8,24"], capsys)
+    err = _usage_error(["analyze", f"{user_file}:Bag", "--shape", "8,24"], capsys)
     assert "--input int64:8,24" in err and "embed" in err and "[0, 40)" in err
-    err = _usage_error(["test", f"{f}:Bag", "--shape", "8,24"], capsys)
+    err = _usage_error(["test", f"{user_file}:Bag", "--shape", "8,24"], capsys)
     assert "--input int64:8,24" in err
 
 
 @pytest.mark.parametrize("argv, says", [
     (["analyze", "{tmp}/absent.py:make", "--shape", "2,3"], "absent.py"),
-    (["analyze", "{tmp}/emb.py:Nope", "--shape", "2,3"], "has no 'Nope'"),
+    (["analyze", "{tmp}/my_models.py:Nope", "--shape", "2,3"], "has no 'Nope'"),
     (["test", "mpl", "--shape", "2,3"], "did you mean 'mlp'"),
     (["analyze", "mlp", "--shape", "2,x"], "'x' is not an integer size"),
     (["analyze", "mlp", "-n", "0"], "-n '0'"),
     (["analyze", "mlp", "--modes", "infer"], "--modes 'infer'"),
     (["analyze", "mlp", "--memory", "lots"], "--memory 'lots'"),
     (["analyze", "mlp", "--repeats", "0"], "--repeats"),
-    (["trace", "{tmp}/emb.py:Bag", "--input", "float32:2,3,4"], "does not run on one member's input"),
+    (["trace", "{tmp}/my_models.py:Bag", "--input", "float32:2,3,4"], "does not run on one member's input"),
     (["test", "-n", "0"], "must be at least 1"),
     (["benchmark", "conv9d"], "unknown benchmark target 'conv9d'"),
 ])
-def test_plain_mistakes_are_usage_errors(argv, says, tmp_path, capsys, monkeypatch):
-    (tmp_path / "emb.py").write_text(_EMBEDDING_MODEL)
+def test_plain_mistakes_are_usage_errors(argv, says, user_file, capsys, monkeypatch):
     analyze_mod = importlib.import_module("wide_compiler.analyze")
     monkeypatch.setattr(analyze_mod, "analyze", lambda *a, **k: pytest.fail("analyze ran"))
-    err = _usage_error([a.format(tmp=tmp_path) for a in argv], capsys)
+    err = _usage_error([a.format(tmp=user_file.parent) for a in argv], capsys)
     assert says in err, err
 
 
-def test_test_command_says_skipped_for_checks_that_did_not_run(tmp_path, capsys):
+def test_test_command_says_skipped_for_checks_that_did_not_run(user_file, capsys):
     """A train graph with dropout cannot match its members: its checks are SKIPPED, not PASS."""
-    f = tmp_path / "noisy.py"
-    f.write_text(_EMBEDDING_MODEL)
-    assert cli.main(["test", f"{f}:Noisy", "--shape", "4,6", "-n", "2"]) == 0
+    assert cli.main(["test", f"{user_file}:Noisy", "--shape", "4,6", "-n", "2"]) == 0
     out = capsys.readouterr().out
     assert "SKIPPED  train/own: the train graph has random ops" in out and "SKIPPED  train/shared" in out
     assert "PASS  train" not in out and "PASS  eval/own" in out
