@@ -19,8 +19,8 @@ Records as :mod:`.vision` (same fields; ``shape`` is ``E=.. H=.. L=..``).
 Example::
 
     >>> from wide_compiler import bench
-    >>> sorted(bench.TARGETS["attention"].presets)
-    ['ci', 'full', 'quick']
+    >>> [(case.name, case.shape) for case in bench.attention.attention_cases("tiny")]
+    [('mha_self', 'E=16 H=2 L=8'), ('mha_self_weights', 'E=16 H=2 L=8'), ('sdpa', 'E=8 H=2 L=8')]
     >>> recs = bench.run("attention", "ci")                   # doctest: +SKIP
 """
 from __future__ import annotations
