@@ -5,7 +5,9 @@ A node whose float argument differs between members gets that argument as a ``[N
 buffer; its form here broadcasts it per member (``[N, 1, ..., 1]``, cast to the op's dtype):
 
 - ``dropout`` / ``dropout_`` / ``native_dropout`` with per-member ``p``: keep mask ``rand < 1 - p_i``,
-  kept values scaled by ``1 / (1 - p_i)`` (0 where ``p_i = 1``), as ATen's dropout on CPU;
+  kept values scaled by ``1 / (1 - p_i)`` (0 where ``p_i = 1``), as ATen's dropout on CPU; its
+  channel (``feature_dropout``: Dropout1d/2d/3d) and alpha forms (``alpha_dropout``,
+  ``feature_alpha_dropout``) with ATen's formulas (Note [Channel and alpha dropout per member]);
 - ``leaky_relu``: ``where(x > 0, x, x * slope)``; ``elu``/``celu``: ATen's formula with
   ``expm1``; ``softplus``: ``where(x * beta > threshold, x, log1p(exp(x * beta)) / beta)``;
   ``clamp``/``clamp_min``/``clamp_max`` with per-member bounds: ``clamp.Tensor`` with bound tensors;
@@ -107,10 +109,11 @@ def _result(ctx: WidenContext, node: fx.Node, x: Wide, out: fx.Node, inplace: bo
 
 
 # --- dropout ---------------------------------------------------------------------------------
-def _keep_and_scale(ctx: WidenContext, node: fx.Node, x: Wide, p: Any) -> tuple[fx.Node, fx.Node]:
+def _keep_and_scale(ctx: WidenContext, node: fx.Node, x: Wide, p: Any,
+                    noise_like: fx.Node | None = None) -> tuple[fx.Node, fx.Node]:
     q = _op(ctx, node, aten.rsub.Scalar, ctx.unwrap(p), 1.0)  # [N] keep probability, float64
     q = scalar(ctx, node, Wide(q, 0), x.rank, like=x.node)
-    noise = _op(ctx, node, aten.rand_like.default, x.node)
+    noise = _op(ctx, node, aten.rand_like.default, x.node if noise_like is None else noise_like)
     keep = _op(ctx, node, aten.lt.Tensor, noise, q)
     inv = _op(ctx, node, aten.reciprocal.default, q)
     scale = _op(ctx, node, aten.where.ScalarOther, _op(ctx, node, aten.gt.Scalar, q, 0), inv, 0.0)
@@ -127,6 +130,60 @@ def _dropout(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     keep, scale = _keep_and_scale(ctx, node, x, a["p"])
     out = _op(ctx, node, aten.mul.Tensor, _op(ctx, node, aten.mul.Tensor, x.node, keep), scale)
     return _result(ctx, node, x, out, node.target is aten.dropout_.default)
+
+
+# Note [Channel and alpha dropout per member]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ATen's dropout family on CPU (``_dropout_impl``) with keep probability q = 1 - p: the input
+# when p == 0 or not training, ``input * 0`` when p == 1, else ``input * noise`` with noise a
+# Bernoulli(q) draw scaled by 1/q. The channel forms (``feature_*``: Dropout1d/2d/3d,
+# FeatureAlphaDropout) draw one value per (sample, channel), the noise's shape being the input's
+# first two sizes then ones; the alpha forms (AlphaDropout, FeatureAlphaDropout) keep SELU's
+# statistics: with alpha = 1.7580993408473766 and a = 1 / sqrt((alpha^2 p + 1) q), they return
+# ``input * keep * a + alpha * a * (keep - q)``. Per member here, with p_i from the [N] buffer:
+# the keep mask ``rand < q_i`` (on ``[N, B, C, 1, ...]`` for the channel forms), scale 1/q_i or
+# a_i, and 0 for both where p_i == 1 (so ``input * 0``, NaN staying NaN, as ATen). p_i == 0 keeps
+# everything at scale 1 and shift 0: the member's input exactly, as ATen returns it.
+_ALPHA = 1.7580993408473766  # ATen's alpha dropout: SELU's scale times its alpha
+
+
+def _channel_dropout(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
+    """Dropout1d/2d/3d, AlphaDropout and FeatureAlphaDropout with a per-member ``p`` (Note
+    [Channel and alpha dropout per member])."""
+    x = _input(ctx, node, a["input"] if "input" in a else a["self"])
+    if isinstance(a["train"], Wide):
+        raise ctx.fail(node, "a per-member train flag")
+    if a["train"] is False:
+        return x
+    name = node.target.name().split("::")[-1].split(".")[0]
+    noise_like = None
+    if name.startswith("feature"):
+        if x.rank < 2:
+            raise ctx.fail(node, "channel dropout of a member input with fewer than 2 dims")
+        noise_like = x.node
+        for d in range(3, x.rank + 1):  # the member's dims after its channel dim: one draw each
+            noise_like = _op(ctx, node, aten.slice.Tensor, noise_like, d, 0, 1)
+    keep, scale = _keep_and_scale(ctx, node, x, a["p"], noise_like)
+    if "alpha" not in name:
+        out = _op(ctx, node, aten.mul.Tensor, _op(ctx, node, aten.mul.Tensor, x.node, keep), scale)
+        return _result(ctx, node, x, out, name.endswith("_"))
+    p = ctx.unwrap(a["p"])  # [N] float64
+    q = _op(ctx, node, aten.rsub.Scalar, p, 1.0)
+    var = _op(ctx, node, aten.mul.Tensor, _op(ctx, node, aten.add.Scalar,
+                                                _op(ctx, node, aten.mul.Scalar, p, _ALPHA * _ALPHA), 1.0), q)
+    gain = _op(ctx, node, aten.where.ScalarOther, _op(ctx, node, aten.gt.Scalar, q, 0),
+               _op(ctx, node, aten.rsqrt.default, var), 0.0)  # [N]: a, 0 where p == 1
+    shift = _op(ctx, node, aten.mul.Scalar, gain, _ALPHA)
+    gain, shift, q = (scalar(ctx, node, Wide(v, 0), x.rank, like=x.node) for v in (gain, shift, q))
+    kept = _op(ctx, node, aten.type_as.default, keep, x.node)
+    out = _op(ctx, node, aten.add.Tensor, _op(ctx, node, aten.mul.Tensor, _op(ctx, node, aten.mul.Tensor, x.node, kept),
+                                               gain),
+              _op(ctx, node, aten.mul.Tensor, _op(ctx, node, aten.sub.Tensor, kept, q), shift))
+    return _result(ctx, node, x, out, name.endswith("_"))
+
+
+for _op_name in ("feature_dropout", "alpha_dropout", "feature_alpha_dropout"):
+    form(getattr(aten, _op_name).default, getattr(aten, _op_name + "_").default)(_channel_dropout)
 
 
 @form(aten.native_dropout.default)

@@ -1,0 +1,61 @@
+"""Findings of the seventh independent probe (issue 44), each a test that failed before its fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import wide_compiler as wc
+
+FAST = wc.WideConfig.fast()
+ALPHA = 1.7580993408473766  # ATen's alpha dropout constant
+
+
+@pytest.mark.parametrize("cls,shape", [(nn.Dropout1d, (3, 7)), (nn.Dropout2d, (3, 5, 5)), (nn.Dropout3d, (3, 2, 2, 2)),
+                                       (nn.AlphaDropout, (3, 5, 5)), (nn.FeatureAlphaDropout, (3, 5, 5))])
+def test_channel_and_alpha_dropout_sweep_draws_each_members_own_rate(cls, shape):
+    """P7-2: a ``p`` sweep of Dropout1d/2d/3d, AlphaDropout and FeatureAlphaDropout was refused (no
+    per-member form of ``aten.feature_dropout``/``alpha_dropout``). Each member now draws its own
+    mask at its own rate, with ATen's scale and shift; p = 0 is the member exactly, p = 1 zero."""
+    torch.manual_seed(0)
+    ps = (0.0, 0.3, 1.0, 0.7)
+    models = [cls(p).double() for p in ps]
+    wide = wc.compile(models, torch.randn(2, *shape, dtype=torch.float64), config=FAST)
+    assert wide.fallbacks == []
+    x = torch.randn(len(ps), 400, *shape, dtype=torch.float64, requires_grad=True)
+    out = wide(x)
+    out.sum().backward()
+    grad = x.grad
+    feature = cls in (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.FeatureAlphaDropout)
+    for i, p in enumerate(ps):
+        q = 1 - p
+        if p == 0:
+            torch.testing.assert_close(out[i], x[i], rtol=0, atol=0)
+            assert bool((grad[i] == 1).all())
+            continue
+        if p == 1:
+            assert bool((out[i] == 0).all()) and bool((grad[i] == 0).all())
+            continue
+        kept = grad[i] != 0
+        if cls in (nn.AlphaDropout, nn.FeatureAlphaDropout):
+            a = 1 / ((ALPHA * ALPHA * p + 1) * q) ** 0.5
+            torch.testing.assert_close(grad[i][kept], torch.full_like(grad[i][kept], a))
+            expected = torch.where(kept, x[i] * a + ALPHA * a * p, torch.full_like(x[i], -ALPHA * a * q))
+        else:
+            torch.testing.assert_close(grad[i][kept], torch.full_like(grad[i][kept], 1 / q))
+            expected = x[i] * grad[i]
+        torch.testing.assert_close(out[i], expected.detach())
+        if feature:  # one draw per (sample, channel): a plane is kept or dropped whole
+            planes = kept.flatten(2)
+            assert bool((planes.all(-1) | ~planes.any(-1)).all())
+            rate = 1 - planes[..., 0].double().mean().item()
+        else:
+            rate = 1 - kept.double().mean().item()
+        assert abs(rate - p) < 0.1, (i, p, rate)
+    # the members' masks are drawn independently: two members at the same rate differ
+    twins = wc.compile([cls(0.5).double() for _ in range(2)], torch.randn(2, *shape, dtype=torch.float64), config=FAST)
+    y = twins(torch.ones(2, 400, *shape, dtype=torch.float64))
+    assert not torch.equal(y[0], y[1])
+    wide.eval()
+    torch.testing.assert_close(wide(x.detach()), x.detach(), rtol=0, atol=0)
