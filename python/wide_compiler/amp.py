@@ -377,14 +377,18 @@ class GradScaler:
             members = skip.nonzero().flatten().tolist()
             reason = shared or _fresh_refusal(optimizer, members)
             if reason is not None:
+                advice = ("Use the wide_compiler.optim optimizer (per-member state), or one optimizer per member."
+                          if shared else
+                          "A first momentum buffer that one tensor holds for every member cannot start for some "
+                          "members only (torch.optim's SGD and wide_compiler.optim's alike): use dampening=0, or "
+                          "one optimizer and one torch.amp.GradScaler per member.")
                 raise RuntimeError(
                     f"wc.amp.GradScaler.step: member(s) {members} found inf/NaN gradients and the others did "
                     f"not, so only theirs must be skipped, but {type(optimizer).__name__} {reason}: skipping "
                     "them could not leave them where their own torch.amp.GradScaler would (Note [Skipping "
                     "one member's step] in wide_compiler/amp.py). Nothing was changed (parameters, optimizer "
                     f"state, the gradients ({'unscaled by your unscale_()' if unscaled else 'still scaled'}) "
-                    "and this scaler are as they were before step()). Use the wide_compiler.optim optimizer "
-                    "(per-member state), or one optimizer per member.")
+                    f"and this scaler are as they were before step()). {advice}")
         if not unscaled:
             self._unscale(optimizer, state, found)
         state["stage"] = _Stage.STEPPED

@@ -59,3 +59,21 @@ def test_channel_and_alpha_dropout_sweep_draws_each_members_own_rate(cls, shape)
     assert not torch.equal(y[0], y[1])
     wide.eval()
     torch.testing.assert_close(wide(x.detach()), x.detach(), rtol=0, atol=0)
+
+
+def test_scaler_refusing_a_dampened_first_step_of_wc_sgd_gives_advice_that_applies_to_it():
+    """P7-3: wc.optim.SGD with dampening, one member overflowing at the first step: the refusal told
+    the user to "use the wide_compiler.optim optimizer", which they were using. Its advice now is
+    what works (dampening=0 is exact: test_probe6's _sgd_run), and nothing changed."""
+    torch.manual_seed(0)
+    wide = wc.compile([nn.Linear(4, 2) for _ in range(3)], torch.randn(5, 4), config=FAST)
+    before = {k: v.clone() for k, v in wide.state_dict().items()}
+    opt = wc.optim.SGD(wide.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+    scaler = wc.amp.GradScaler()
+    loss = wide(torch.randn(3, 5, 4)).square().mean((1, 2)) * torch.tensor([1.0, float("inf"), 1.0])
+    scaler.scale(loss).sum().backward()
+    with pytest.raises(RuntimeError, match=r"member\(s\) \[1\].*dampening") as err:
+        scaler.step(opt)
+    assert "Use the wide_compiler.optim optimizer" not in str(err.value)
+    assert "use dampening=0, or one optimizer and one torch.amp.GradScaler per member" in str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in wide.state_dict().items()) and not opt.state
