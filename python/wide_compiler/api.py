@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -14,6 +15,7 @@ from torch.utils._pytree import tree_map
 
 # wide_compiler.testing's comparisons, which sit below api (Note [The harness in two layers])
 from . import _equivalence as testing
+from ._equivalence.draws import fixed_draws
 from .config import WideConfig
 from .errors import ValidationError
 from .fx.padding import pad_members
@@ -74,8 +76,9 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
         n: number of members when ``models`` is a single module.
         validate: run the sample through the wide model and every member (on copies; nothing is
             modified) and raise :class:`ValidationError` if a member's outputs or buffers differ
-            (also ``config.validate``); a train graph with random ops (dropout) is compared in
-            eval mode instead, and a log message says so.
+            (also ``config.validate``); a train graph with random ops (dropout) is compared with
+            every draw fixed to one value on both sides (or in eval mode, where a draw cannot be
+            fixed, and a log message says so).
         strict: raise for an op with no wide rule instead of running it through the per-member
             fallback (also ``config.strict``).
         config: :class:`WideConfig` (default ``WideConfig.default()``).
@@ -244,29 +247,41 @@ def _validate(wide: WideModel, members: Sequence[nn.Module], args: tuple, kwargs
     and ``config.atol`` keep their defaults; with either changed, within those, fixed.
 
     Nothing is modified: members run on deep copies and the wide model's buffers are restored.
-    A train graph with random ops (dropout...) is compared in eval mode instead, since each
-    member draws its own random numbers."""
+    A train graph with random ops (dropout...) is compared with every draw fixed to one value on
+    both sides (Note [Fixed draws in the trust check] in _equivalence/draws.py), or in eval mode
+    where a draw cannot be fixed."""
     n = len(members)
     training = wide.training
     random = testing.random_ops(wide, training) if training else []
-    if random:
-        log.info("wide_compiler: validate: the train graph has random ops (%s) and every member "
-                 "draws its own random numbers, so the members are compared in eval mode (on copies)",
-                 ", ".join(random))
-        training = False
     fixed = (config.rtol, config.atol) != (WideConfig.rtol, WideConfig.atol)  # the defaults
     rtol, atol = (config.rtol, config.atol) if fixed else (None, None)
     _, per_member = testing.member_inputs((args, kwargs), n, seed=0, scale=0.01)
     checks = (("its own input", [a for a, _ in per_member], [k for _, k in per_member], False),
               ("the shared sample", args, kwargs, True))
-    for label, inputs, kw, shared in checks:
-        try:
-            testing.check_equivalence(wide, members, inputs, kwargs=kw, shared=shared, grads=False,
-                                      training=training, rtol=rtol, atol=atol,
-                                      equal_nan=True)
-        except AssertionError as e:
-            mode = "train" if training else "eval"
-            raise ValidationError(f"wide_compiler: validate ({mode} mode, on {label}): {e}") from None
+
+    def run(training: bool) -> None:
+        for label, inputs, kw, shared in checks:
+            try:
+                testing.check_equivalence(wide, members, inputs, kwargs=kw, shared=shared, grads=False,
+                                          training=training, rtol=rtol, atol=atol,
+                                          equal_nan=True)
+            except AssertionError as e:
+                mode = "train" if training else "eval"
+                raise ValidationError(f"wide_compiler: validate ({mode} mode, on {label}): {e}") from None
+
+    unfixed: set[str] = set()
+    try:
+        with fixed_draws() if random else contextlib.nullcontext(unfixed) as unfixed:
+            run(training)
+    except ValidationError:
+        if not unfixed:
+            raise
+    if unfixed:
+        log.info("wide_compiler: validate: the train graph draws random numbers with %s, which the check "
+                 "cannot fix to one value on both sides, so the members are compared in eval mode (on copies)",
+                 ", ".join(sorted(unfixed)))
+        training = False
+        run(training)
     log.info("wide_compiler: validated %d members (%s mode)", n, "train" if training else "eval")
 
 

@@ -79,6 +79,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -104,6 +105,7 @@ from ._equivalence import (  # noqa: F401
     tolerance,
     _as_args,
 )
+from ._equivalence.draws import fixed_draws
 from .api import compile as wide_compile
 
 # The harness (_equivalence/), and the whole-model check built on the compiler.
@@ -143,9 +145,11 @@ def check_compile(
     The models are never modified (members run on copies, each switched to the mode checked) and
     the wide model is returned in the models' mode.
 
-    A train graph with random ops (dropout...) cannot match its members -- each draws its own
-    random numbers -- so its train-mode checks are skipped with a warning in the log and the
-    report says why; eval mode is checked as usual.
+    A train graph with random ops (dropout, stochastic depth...) is compared with every random
+    draw fixed to one value on both sides (a dropout then keeps every element, scaled; Note
+    [Fixed draws in the trust check] in _equivalence/draws.py), so train mode is checked in full;
+    where a draw cannot be fixed (``multinomial``...), its train-mode checks are skipped with a
+    warning in the log and the report says why.
 
     Args:
         models: the N members (or one model with ``n=K``: the members are then the wide model's
@@ -197,25 +201,33 @@ def check_compile(
         random = random_ops(wide, training) if training else []
         for is_shared in layouts:
             key = f"{mode}/{'shared' if is_shared else 'own'}"
-            if random:
-                reason = (f"skipped: the train graph has random ops ({', '.join(random)}); each "
-                          "member draws its own random numbers, so train outputs cannot match")
-                log.warning("wide_compiler.testing.check_compile: %s: %s", key, reason)
-                report[key] = reason
-                continue
+            unfixed: set[str] = set()
             try:
-                if is_shared:
-                    report[key] = check_equivalence(
-                        wide, members, inputs[0], kwargs=(kwargs[0] if kwargs is not None else None),
-                        shared=True, grads=grads, buffers=buffers, seed=seed, training=training,
-                        rtol=rtol, atol=atol, what=f"{key} output")
-                else:
-                    report[key] = check_equivalence(
-                        wide, members, inputs, kwargs=kwargs, grads=grads, buffers=buffers, seed=seed,
-                        training=training, rtol=rtol, atol=atol, what=f"{key} output")
+                # a graph with random ops: every draw fixed on both sides (Note [Fixed draws in
+                # the trust check] in _equivalence/draws.py)
+                with fixed_draws() if random else contextlib.nullcontext(unfixed) as unfixed:
+                    if is_shared:
+                        report[key] = check_equivalence(
+                            wide, members, inputs[0], kwargs=(kwargs[0] if kwargs is not None else None),
+                            shared=True, grads=grads, buffers=buffers, seed=seed, training=training,
+                            rtol=rtol, atol=atol, what=f"{key} output")
+                    else:
+                        report[key] = check_equivalence(
+                            wide, members, inputs, kwargs=kwargs, grads=grads, buffers=buffers, seed=seed,
+                            training=training, rtol=rtol, atol=atol, what=f"{key} output")
             except AssertionError as e:  # name the check in every failure (a gradient's too)
-                if str(e).startswith(key):
-                    raise
-                raise AssertionError(f"{key}: {e}") from None
+                if not unfixed:
+                    if str(e).startswith(key):
+                        raise
+                    raise AssertionError(f"{key}: {e}") from None
+            if unfixed:
+                report[key] = (f"skipped: the train graph draws random numbers with {', '.join(sorted(unfixed))}, "
+                               "which the check cannot fix to one value on both sides, so train values cannot "
+                               "match")
+                log.warning("wide_compiler.testing.check_compile: %s: %s", key, report[key])
+                continue
+            if random:
+                log.info("wide_compiler.testing.check_compile: %s: random ops (%s) compared with every draw "
+                         "fixed (dropout keeps everything)", key, ", ".join(random))
             log.info("wide_compiler.testing.check_compile: %s: %s", key, report[key])
     return wide, report

@@ -77,3 +77,69 @@ def test_scaler_refusing_a_dampened_first_step_of_wc_sgd_gives_advice_that_appli
     assert "Use the wide_compiler.optim optimizer" not in str(err.value)
     assert "use dampening=0, or one optimizer and one torch.amp.GradScaler per member" in str(err.value)
     assert all(torch.equal(v, before[k]) for k, v in wide.state_dict().items()) and not opt.state
+
+
+class _Act(nn.Module):
+    def forward(self, x):
+        return torch.tanh(x)
+
+
+class _WrongInTrain(nn.Module):
+    """An injected defect: the wide form of _Act is off by 2x in train mode only."""
+
+    @classmethod
+    def from_modules(cls, modules):
+        return cls()
+
+    def forward(self, x):
+        return torch.tanh(x) * (2.0 if self.training else 1.0)
+
+    def unfuse(self):
+        return [_Act()]
+
+
+def _dropout_mlp(p: float) -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), _Act(), nn.Dropout(p), nn.Linear(16, 4))
+
+
+def test_trust_check_compares_train_mode_of_a_graph_with_dropout_and_catches_a_train_only_defect(monkeypatch):
+    """P7-4: check_compile skipped every train check of a graph with a random op, so a program wrong
+    in train mode passed on any model with a Dropout (stock mobilenet_v2, efficientnet_b0). Train
+    mode is now compared with every draw fixed on both sides: a correct dropout sweep passes in
+    train mode (compared, not skipped), and the injected train-only defect fails it and validate."""
+    torch.manual_seed(0)
+    members = [_dropout_mlp(p) for p in (0.1, 0.3, 0.5)]
+    _, report = wc.testing.check_compile(members, torch.randn(6, 8), config=FAST)
+    assert sorted(report) == ["eval/own", "eval/shared", "train/own", "train/shared"]
+    assert not any(isinstance(rep, str) for rep in report.values()), report
+    from wide_compiler import registry
+
+    monkeypatch.setitem(registry._REGISTRY, _Act, _WrongInTrain)  # wc.register(_Act), undone after
+    with pytest.raises(AssertionError, match=r"^train/own output: member 0 differs"):
+        wc.testing.check_compile(members, torch.randn(6, 8), config=FAST)
+    with pytest.raises(wc.ValidationError, match=r"validate \(train mode"):
+        wc.compile(members, torch.randn(6, 8), config=FAST, validate=True)
+    assert all(m.training for m in members)  # the users' models stay as they were
+
+
+def test_fixed_draws_agree_between_each_random_op_and_the_wide_forms_that_replace_it():
+    """The fixed values are consistent: a Bernoulli(p) draw is 1 where p > 0 (what ``rand < p``
+    gives with rand fixed at 0), uniform/normal/exponential draws sit at their low end or mean, so
+    a per-member form that moves a standard draw gives the member's own fixed value; the check's
+    own draws (an explicit generator) are untouched; an op with no fixed value is reported."""
+    from wide_compiler._equivalence.draws import fixed_draws
+
+    gen = torch.Generator().manual_seed(0)
+    with fixed_draws() as unfixed:
+        p = torch.tensor([0.0, 0.3, 1.0])
+        assert torch.equal(torch.empty(3).bernoulli_(p), (torch.rand(3) < p).float())
+        assert torch.equal(torch.bernoulli(p), torch.tensor([0.0, 1.0, 1.0]))
+        assert torch.equal(torch.empty(2).uniform_(-2.0, 3.0), torch.empty(2).uniform_(0, 1) * 5.0 - 2.0)
+        assert torch.equal(torch.empty(2).normal_(1.5, 2.0), torch.empty(2).normal_(0, 1) * 2.0 + 1.5)
+        assert torch.equal(torch.empty(2).exponential_(4.0), torch.empty(2).exponential_(1.0) / 4.0)
+        assert torch.equal(torch.nn.functional.dropout(torch.ones(3), 1.0, True), torch.zeros(3))
+        assert torch.equal(torch.randperm(4), torch.arange(4))
+        assert not torch.equal(torch.rand(8, generator=gen), torch.zeros(8))
+        assert unfixed == set()
+        torch.multinomial(torch.ones(3), 1)
+    assert unfixed == {"aten.multinomial.default"}

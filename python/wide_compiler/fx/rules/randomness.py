@@ -38,9 +38,11 @@ element draws independently, so every member does. The ops here follow the same 
 An explicit ``generator=`` is refused: members alone would each advance their own generator (export
 already makes the generator a graph input, which the widen pass refuses; the rules check again). The
 random ops of a graph are listed by ``wide_compiler.testing.random_ops`` (ATen's
-``nondeterministic_seeded`` tag, fx/widen.py ``_draws``), so ``check_compile`` does not compare
-train outputs value by value; tests/python/test_random_ops.py instead replays the wide model's
-draws into each member run alone and compares exactly.
+``nondeterministic_seeded`` tag, fx/widen.py ``_draws``), so ``check_compile`` compares train
+outputs with every draw fixed to one value on both sides (Note [Fixed draws in the trust check]
+in _equivalence/draws.py: the forms here move a fixed standard draw as the member's own op
+fixes its draw); tests/python/test_random_ops.py replays the wide model's draws into each
+member run alone and compares exactly.
 """
 
 from __future__ import annotations
