@@ -143,3 +143,218 @@ def test_fixed_draws_agree_between_each_random_op_and_the_wide_forms_that_replac
         assert unfixed == set()
         torch.multinomial(torch.ones(3), 1)
     assert unfixed == {"aten.multinomial.default"}
+
+
+# ---------------------------------------------------------------- P7-5 / P7-7: state in plain attributes
+class _Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.step = 0
+
+    def forward(self, x):
+        self.step += 1  # a warm-up weight annealed per call
+        return self.fc(x) * min(1.0, self.step / 10)
+
+
+class _CarriedHidden(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(3, 5, batch_first=True)
+        self.hidden = None
+
+    def forward(self, x):
+        y, h = self.rnn(x, self.hidden)
+        self.hidden = h.detach()  # truncated BPTT: carried to the next chunk
+        return y
+
+
+class _Appends(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.seen = []
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.seen.append(h.shape[0])
+        return h * 0 if len(self.seen) > 2 else h
+
+
+class _GrowsACache(nn.Module):
+    """Writes only on a path the capture's call does not take (inputs longer than its cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.cached = 8
+
+    def forward(self, x):
+        if x.shape[1] > self.cached:
+            self.cached = x.shape[1]
+        return self.fc(x) * self.cached
+
+
+@pytest.mark.parametrize("cls,sample,says", [
+    (_Counter, (5, 4), "self.step of the root (_Counter): 0 -> 1"),
+    (_CarriedHidden, (2, 4, 3), "self.hidden of the root (_CarriedHidden): None -> a "),
+    (_Appends, (5, 4), "self.seen of the root (_Appends): a list -> a list"),
+])
+def test_a_forward_writing_its_modules_python_attributes_is_refused(cls, sample, says):
+    """P7-5, P7-7: a forward that keeps state in a plain attribute (a counter, a carried hidden
+    state, a list) compiled, and the wide model ran the capture's value at every call: off from
+    the second call on. Refused now, naming the attribute; the users' models are untouched."""
+    torch.manual_seed(0)
+    models = [cls() for _ in range(3)]
+    before = [dict(vars(m)) for m in models]
+    with pytest.raises(wc.WideCompileError, match="writes Python attributes of its modules") as err:
+        wc.compile(models, torch.randn(*sample), config=FAST)
+    assert says in str(err.value) and "register_buffer" in str(err.value)
+    for m, b in zip(models, before):
+        assert vars(m).keys() == b.keys() and all(vars(m)[k] is v for k, v in b.items())
+        assert getattr(m, "step", 0) == 0 and getattr(m, "hidden", None) is None and getattr(m, "seen", []) == []
+
+
+def test_a_write_on_a_path_a_later_call_takes_refuses_that_call():
+    """The capture's call does not write: a call that would (a longer input) is refused, by the
+    size guard the branch left or by the write the recapture sees, never run on the old value."""
+    wide = wc.compile([_GrowsACache() for _ in range(2)], torch.randn(2, 6, 4), config=FAST)
+    wide(torch.randn(2, 2, 6, 4))
+    with pytest.raises((wc.WideCompileError, ValueError),
+                       match=r"self.cached of the root \(_GrowsACache\): 8 -> 12|holds for sizes up to 8"):
+        wide(torch.randn(2, 2, 12, 4))
+
+
+class _BufferCounter(nn.Module):
+    """The advice of the refusal: the counter as a registered buffer, updated in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.step.add_(1)
+        return self.fc(x) * torch.clamp(self.step / 10, max=1.0)
+
+
+def test_the_refusals_advice_a_buffer_counter_matches_the_members_call_after_call():
+    import copy
+
+    torch.manual_seed(0)
+    models = [_BufferCounter().double() for _ in range(3)]
+    refs = [copy.deepcopy(m) for m in models]
+    wide = wc.compile(models, torch.randn(5, 4, dtype=torch.float64), config=FAST)
+    for _ in range(4):
+        x = torch.randn(3, 5, 4, dtype=torch.float64)
+        out = wide(x)
+        for i, r in enumerate(refs):
+            torch.testing.assert_close(out[i], r(x[i]), rtol=0, atol=1e-12)
+    assert [int(wide.member(i).step) for i in range(3)] == [4, 4, 4]
+
+
+# ---------------------------------------------------------------- P7-9: numpy Generator objects
+_RNG = __import__("numpy").random.default_rng(9)
+
+
+class _NumpyLayerDrop(nn.Module):
+    def __init__(self, held: bool = False):
+        super().__init__()
+        self.fc, self.fc2, self.p = nn.Linear(4, 4), nn.Linear(4, 4), 0.5
+        self.rng = __import__("numpy").random.RandomState(0) if held else None
+
+    def forward(self, x):
+        h = self.fc(x)
+        u = self.rng.random_sample() if self.rng is not None else _RNG.random()
+        if self.training and u < self.p:
+            return h
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["global-Generator", "attribute-RandomState"])
+def test_a_draw_from_a_numpy_generator_of_the_users_own_is_refused_in_training(held):
+    """P7-9: LayerDrop on numpy's Generator API (a module global, or a RandomState the module
+    holds) compiled with the capture's branch baked in: the wide model always (or never) dropped
+    the layer, each member half the time. Such a draw is now refused in training like
+    random.random(), naming the generator; the generator's state is the capture's draw further."""
+    models = [_NumpyLayerDrop(held) for _ in range(3)]
+    with pytest.raises(wc.WideCompileError, match=r"a draw from the numpy (Generator `_RNG` \(test_probe7\)|RandomState self.rng of "
+                                                  r"the root) \(through its methods\)"):
+        wc.compile(models, torch.randn(5, 4), config=FAST)
+
+
+# ---------------------------------------------------------------- P7-12: Lightning's counters
+@pytest.mark.parametrize("counter", ["global_step", "current_epoch"])
+def test_a_lightning_step_reading_the_trainers_counters_is_refused(counter):
+    """P7-12: a training_step with a warm-up weight on self.global_step (or self.current_epoch)
+    was captured once with the counter at 0, and the fused fit never moved the weight (member
+    weights 0.15-0.2 off the members trained alone). Refused at construction now."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from wide_compiler.integrations.lightning import WideLightningModule
+
+    class Warm(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            w = min(1.0, (getattr(self, counter) + 1) / 4.0)
+            return nn.functional.mse_loss(self.net(x), y) + w * self.net.weight.square().sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(ValueError, match=rf"reads self.{counter}, which the Trainer advances"):
+        WideLightningModule([Warm() for _ in range(2)], (torch.randn(8, 4), torch.randn(8, 1)))
+
+
+def test_cli_trace_in_a_fresh_process_is_not_refused_for_sympys_import_time_draw():
+    """P7-16: `python -m wide_compiler trace -m mlp` refused every model in a fresh process: the
+    capture was the first thing to import sympy, whose import draws from a random.Random of its
+    own, and that draw was taken for one of the member's forward."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "wide_compiler", "trace", "-m", "mlp"], capture_output=True,
+                          text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "captured member graph (mlp)" in done.stdout and "wide graph (N=4)" in done.stdout
+
+
+class _InPlaceAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.decay = torch.ones(4)  # a plain tensor, not a buffer
+
+    def forward(self, x):
+        self.decay.mul_(0.5)
+        return self.fc(x) * self.decay
+
+
+class _Scratch(nn.Module):
+    """Sets an attribute at the start of every call, then reads it: no state across calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.rows = None
+
+    def forward(self, x):
+        self.rows = x.shape[0]
+        return self.fc(x) * 2 if self.rows > 1 else self.fc(x)
+
+
+def test_a_plain_tensor_attribute_written_in_place_is_refused_and_scratch_state_is_not():
+    """P7-7's variant: `self.decay.mul_(0.5)` on a plain tensor attribute was wrong from the first
+    call. Refused; an attribute every call sets before it reads it (as transformers' Funnel does)
+    still compiles and matches."""
+    with pytest.raises(wc.WideCompileError, match=r"self.decay of the root \(_InPlaceAttribute\): a Tensor"):
+        wc.compile([_InPlaceAttribute() for _ in range(2)], torch.randn(5, 4), config=FAST)
+    models = [_Scratch().double() for _ in range(2)]
+    wide = wc.compile(models, torch.randn(5, 4, dtype=torch.float64), config=FAST)
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    out = wide(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x[i]), rtol=0, atol=1e-12)

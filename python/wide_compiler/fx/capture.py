@@ -59,6 +59,7 @@ from torch.export import Dim, ExportedProgram
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..errors import WideCompileError
+from .attribute_writes import AttributeWrites
 from .code_reads import globals_read
 from .export_watch import _Watch, refuse_writing_hooks
 from .sample_check import check_sample
@@ -241,10 +242,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     refuse_writing_hooks(model, None)  # before the capture runs them (Note [Hooks that write outside themselves])
     registered: set[str] = set()
     while True:
-        watch = _Watch()
+        watch, writes = _Watch(model), AttributeWrites(model)
         try:
             with (_ForwardSignature(model, signature), without_cudnn(), _RecurrentShapes(),
-                  _GlobalHooksSkipExportModules(), watch):
+                  _GlobalHooksSkipExportModules(), watch, writes):
                 ep = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as e:  # export's own errors are many types; keep its reason whole
             found = _UNKNOWN_OUTPUT.search(str(e))
@@ -260,6 +261,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                     "the type with torch.utils._pytree.register_pytree_node so its tensors come out "
                     "N-first like any output.") from e
             raise _capture_error(model, e, getattr(watch, "compiling", ())) from e
+        writes.check(tuple(args), kwargs)  # Note [A forward that writes its module's attributes]
         _refuse_generators(model, ep)  # our own refusal, not wrapped as export's
         watch.check(model)  # ours too: a custom Function or a backward hook (fx/export_watch.py)
         ep.wide_reads = watch.reads()  # Note [State a forward reads] (fx/state_reads.py)

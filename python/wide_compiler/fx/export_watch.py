@@ -68,7 +68,14 @@ class _Watch:
     close, under a lock) and record only for the thread whose export opened a block: another
     thread's calls get the real functions' answers."""
 
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.model = model  # whose numpy generators are looked at (Note [Autograd contexts export drops])
+
     def __enter__(self) -> _Watch:
+        # torch.export imports sympy, whose import draws (the index of sympy's Dummy symbols): done
+        # before the block, so that a first capture in the process does not take it for the forward's
+        import sympy  # noqa: F401
+
         self.functions: list = []
         self.hooks: list[str] = []
         self.grad_mode: bool | None = None
@@ -82,6 +89,7 @@ class _Watch:
         self.draws: list[str] = []  # where it drew from Python's or numpy's global generator (seen by name)
         self.drawn: list[str] = []  # which global generators moved during the block
         self._rng = _global_rng_states()
+        self._generators = _numpy_generators(self.model) if self.model is not None else []
         with _WATCH_LOCK:
             if not _WATCHES:
                 _install_watch_patches()
@@ -91,7 +99,9 @@ class _Watch:
     def __exit__(self, *exc: Any) -> None:
         after = _global_rng_states()
         self.drawn = list(dict.fromkeys([*self.drawn, *(name for name, state in self._rng.items()
-                                                        if after.get(name) != state)]))
+                                                        if after.get(name) != state),
+                                         *(label for label, gen, state in self._generators
+                                           if _numpy_state(gen) != state)]))
         with _WATCH_LOCK:
             mine = _WATCHES.get(threading.get_ident(), [])
             if self in mine:
@@ -182,6 +192,7 @@ class _Watch:
                 "compiles), or in eval mode"))
         if self.drawn:
             where = "; ".join(dict.fromkeys(self.draws)) or (
+                "through its methods" if all(d.startswith("the numpy ") for d in self.drawn) else
                 "somewhere in the forward (not through a module attribute such as random.random: a function "
                 "imported by name)")
             found.append((
@@ -239,8 +250,10 @@ class _Watch:
 #   random.Random(0)``), seen where the user's code calls its method. The capture runs the forward
 #   once; the number and the branches it chose are baked into the graph. The global state is
 #   process-wide: a draw by another thread during the capture counts too (a refusal, never a wrong
-#   result). Not seen: numpy ``Generator``/``RandomState`` objects of the user's own (their
-#   methods cannot be patched).
+#   result). A numpy ``Generator``/``RandomState`` of the user's own (``RNG =
+#   np.random.default_rng(0)``), whose methods cannot be patched, is seen as a change of its state
+#   across the capture, for those a module of the tree holds and those a ``forward`` names as a
+#   global or closure variable (not one that only a helper function reads).
 #
 # A train graph is refused (what, where, why, what to do); an eval graph is kept with a warning:
 # its forward values are the members' for the first three (a backward through it would not be),
@@ -534,6 +547,53 @@ def _global_rng_states() -> dict[str, Any]:
         except Exception:  # noqa: BLE001 -- a numpy without the legacy generator: nothing to compare
             pass
     return states
+
+
+def _cell(c: Any) -> Any:
+    try:
+        return c.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _numpy_state(gen: Any) -> Any:
+    """A numpy ``Generator``'s or ``RandomState``'s state, comparable with ``==``."""
+    if hasattr(gen, "bit_generator"):
+        return repr(gen.bit_generator.state)
+    kind, keys, *rest = gen.get_state()
+    return (kind, keys.tobytes(), *rest)
+
+
+def _numpy_generators(model: nn.Module) -> list[tuple[str, Any, Any]]:
+    """The numpy ``Generator``/``RandomState`` objects of the user's own that ``model``'s code can
+    draw from, with their states: held by a module of the tree, or a global or closure variable
+    that the ``forward`` of one of its classes names (Note [Autograd contexts export drops]):
+    their methods cannot be patched, so a draw is seen as a change of state across the capture."""
+    np_random = sys.modules.get("numpy.random")
+    if np_random is None:
+        return []
+    kinds = (np_random.Generator, np_random.RandomState)
+    found: dict[int, tuple[str, Any]] = {}
+    for path, m in model.named_modules():
+        for k, v in vars(m).items():
+            if isinstance(v, kinds):
+                found.setdefault(id(v), (f"the numpy {type(v).__name__} self.{k} of {path or 'the root'}", v))
+        for cls in type(m).__mro__:
+            fn = inspect.unwrap(cls.__dict__.get("forward", None) or (lambda: None))
+            code = getattr(fn, "__code__", None)
+            if code is None or not is_user_file(code.co_filename):
+                continue
+            names, stack = set(), [code]
+            while stack:
+                c = stack.pop()
+                names.update(c.co_names)
+                stack.extend(x for x in c.co_consts if isinstance(x, types.CodeType))
+            cells = {n: _cell(c) for n, c in zip(code.co_freevars, fn.__closure__ or ())}
+            for name in names | set(cells):
+                v = cells[name] if name in cells else fn.__globals__.get(name)
+                if isinstance(v, kinds):
+                    found.setdefault(id(v), (f"the numpy {type(v).__name__} `{name}` ({fn.__module__})", v))
+    return [(label, v, _numpy_state(v)) for label, v in found.values()]
 
 
 def _remove_watch_patches() -> None:

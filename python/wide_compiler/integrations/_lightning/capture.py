@@ -249,9 +249,21 @@ def probe_steps(members: list, sample_batch: Any) -> tuple[dict, dict, tuple[set
             if fx not in ("mean", "sum", torch.mean, torch.sum):
                 raise ValueError(f"WideLightningModule: {name} logs {k!r} with reduce_fx={fx!r}; "
                                  "the fused run aggregates per member with 'mean' or 'sum' only")
+    counters = sorted(reads.attrs & _TRAINER_COUNTERS)
+    if counters:
+        raise ValueError(
+            f"WideLightningModule: {name}'s training/validation step reads "
+            f"{' and '.join('self.' + c for c in counters)}, which the Trainer advances as it trains; the "
+            "fused step is captured once and would keep the value it had then (0) for the whole fit, where "
+            "each member alone sees the live counter (a warm-up or annealing weight would never move). "
+            "Train such members each with its own Trainer, or make the weight a constant of the step")
     return ({k: o for k, o in train_opts.items() if isinstance(train_logged[k], torch.Tensor)},
             {k: o for k, o in val_opts.items() if isinstance(val_logged[k], torch.Tensor)},
             (reads.attrs, reads.hparams))
+
+
+# the LightningModule properties that change during a fit (read by a step: baked at its capture)
+_TRAINER_COUNTERS = frozenset({"global_step", "current_epoch"})
 
 def shadowed_attributes(members: list, reads: tuple[set, set]) -> dict[int, dict[str, Any]]:
     """Member attributes (on the LightningModule itself) that differ from member 0's: their

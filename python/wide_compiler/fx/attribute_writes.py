@@ -1,0 +1,226 @@
+"""What a member's forward writes into its own modules' Python attributes during the capture.
+
+Note [A forward that writes its module's attributes]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A forward may keep state across calls in plain attributes of its modules: a step counter
+(``self.step += 1`` for a warm-up weight), the hidden state of truncated BPTT
+(``self.hidden = h.detach()``), a list it appends to. Each member alone then computes another
+program at every call. The exported graph runs the capture's values for ever and writes nothing
+back (export bakes a Python number, and a tensor attribute is a constant to it), so the wide
+model would be silently wrong from its second call on. Registered buffers are different: export
+captures an in-place update or a reassignment of one as a graph output, and the wide model carries
+it per member (those are not looked at here).
+
+So the capture looks at every module's ``__dict__`` (its plain attributes: not parameters,
+buffers, submodules, hooks or ``training``) before export runs the forward and at the end of
+each run of the root's forward (export puts its own copies back before it returns): another
+object (a tensor, a new list), another number or string, a tensor written in place (its version
+counter moved), or a list, dict or set whose items changed, is a write. A write is harmful when
+the forward reads the old value first (a counter, a carried state); scratch state that every
+call sets before reading it (transformers' Funnel sets ``self.seq_len`` at the start of each
+forward) is not. To tell them apart, a copy of member 0 runs eagerly twice on the capture's
+inputs: as it is, and with each written attribute replaced by a value any use of which raises;
+an error or other outputs mean the old value is read, and the capture is refused naming the
+module, the attribute and the change, with what to do instead (a registered buffer updated in
+place, which the wide model keeps per member; or the state passed in and returned). The
+attributes are put back at the end: the captured module (a copy of member 0) is left as it was
+(a tensor written in place excepted). A write on a path the capture's call does not take (a
+cache refilled only at longer inputs) is seen when a call takes it: that call's capture refuses.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import WideCompileError
+
+__all__ = ["AttributeWrites"]
+
+# nn.Module's own bookkeeping in __dict__: not state the forward computes with
+_MODULE_KEYS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training",
+                          "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook", "_forward_hooks",
+                          "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+                          "_forward_pre_hooks_with_kwargs", "_state_dict_hooks", "_state_dict_pre_hooks",
+                          "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "forward"})
+_SCALARS = (int, float, complex, bool, str, bytes, type(None))
+_ABSENT = object()
+# what torch's recurrent layers rewrite from their parameters (export swaps them): the flat weight lists
+_RNN_KEYS = frozenset({"_flat_weights", "_flat_weights_names", "_all_weights", "_flat_weight_refs"})
+
+
+def _skipped(m: nn.Module) -> frozenset[str]:
+    return _MODULE_KEYS | _RNN_KEYS if isinstance(m, nn.RNNBase) else _MODULE_KEYS
+
+
+def _contents(v: Any) -> Any:
+    """A shallow copy of a mutable container's items (compared by identity), a tensor's version
+    counter (moved by an in-place write), else None."""
+    if isinstance(v, torch.Tensor):
+        return v._version
+    if isinstance(v, list):
+        return list(v)
+    if isinstance(v, dict):
+        return dict(v)
+    if isinstance(v, set):
+        return set(v)
+    return None
+
+
+def _same(before: Any, items: Any, after: Any) -> bool:
+    if isinstance(before, _SCALARS) or isinstance(after, _SCALARS):
+        return type(before) is type(after) and (before == after or before != before)  # NaN stays NaN
+    if before is not after:
+        return False
+    now = _contents(after)
+    if items is None or now is None:
+        return True
+    if isinstance(after, torch.Tensor):
+        return items == now
+    if isinstance(items, dict):
+        return items.keys() == now.keys() and all(items[k] is now[k] for k in items)
+    if isinstance(items, set):
+        return items == now
+    return len(items) == len(now) and all(a is b for a, b in zip(items, now))
+
+
+def _shown(v: Any) -> str:
+    text = repr(v) if isinstance(v, _SCALARS) else f"a {type(v).__name__}"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class AttributeWrites:
+    """Around one export of ``model``: records what the forward wrote into plain attributes of
+    its modules (seen at the end of each call of the root's forward: export puts the modules
+    back before it returns), puts them back at exit, and :meth:`check` then refuses (Note [A
+    forward that writes its module's attributes])."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.before: list[tuple[str, nn.Module, dict[str, tuple[Any, Any]]]] = []
+        self.writes: dict[tuple[str, str], tuple[str, str, str]] = {}  # (path, attribute) -> (class, was, now)
+        self.saved_forward: Any = None
+
+    def __enter__(self) -> AttributeWrites:
+        self.before = [(name, m, {k: (v, _contents(v)) for k, v in vars(m).items() if k not in _skipped(m)})
+                       for name, m in self.model.named_modules(remove_duplicate=True)]
+        self.saved_forward = vars(self.model).get("forward", _ABSENT)
+        inner = self.model.forward
+
+        @functools.wraps(inner)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            self._compare(restore=False)
+            return out
+
+        object.__setattr__(self.model, "forward", forward)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.saved_forward is _ABSENT:
+            del self.model.__dict__["forward"]
+        else:
+            object.__setattr__(self.model, "forward", self.saved_forward)
+        self._compare(restore=True)
+
+    def _compare(self, restore: bool) -> None:
+        """At the end of a forward: record the writes. At exit (``restore``): put the attributes
+        back, recording nothing (export has put back its own copies of them by then)."""
+        for path, m, attrs in self.before:
+            now = vars(m)
+            for k in set(now) - set(attrs) - _skipped(m):
+                if restore:
+                    delattr(m, k)
+                else:
+                    self.writes.setdefault((path, k), (type(m).__name__, "absent", _shown(now[k])))
+            for k, (v, items) in attrs.items():
+                after = now.get(k, _ABSENT)
+                if _same(v, items, after):
+                    continue
+                if not restore:
+                    self.writes.setdefault((path, k), (type(m).__name__, _shown(v),
+                                                       "deleted" if after is _ABSENT else _shown(after)))
+                    continue
+                if isinstance(items, list):
+                    v[:] = items
+                elif isinstance(items, (dict, set)):
+                    v.clear()
+                    v.update(items)
+                object.__setattr__(m, k, v)
+
+    def check(self, args: tuple, kwargs: dict) -> None:
+        """Raise :class:`WideCompileError` naming the writes whose old value the forward reads
+        (run on ``args``/``kwargs``), if there are any."""
+        if not self.writes or not _reads_what_it_wrote(self.model, args, kwargs, list(self.writes)):
+            return
+        writes = [(path, cls, k, was, now) for (path, k), (cls, was, now) in self.writes.items()]
+        shown = "; ".join(f"self.{k} of {f'`{path}`' if path else 'the root'} ({cls}): {was} -> {now}"
+                          for path, cls, k, was, now in writes[:4])
+        more = f" (and {len(writes) - 4} more)" if len(writes) > 4 else ""
+        raise WideCompileError(
+            f"wide_compiler: member 0's forward writes Python attributes of its modules: {shown}{more}. "
+            "Each member alone keeps that state across calls (a counter, a carried hidden state, a "
+            "cache), and computes with its new value at the next call; the captured graph would run "
+            "the capture's value at every call and write nothing back, so the wide model would be "
+            "wrong from its second call on.\n"
+            "What to do: keep such state in a registered buffer updated in place "
+            "(self.register_buffer('step', torch.zeros((), dtype=torch.long)); self.step.add_(1)), "
+            "which the wide model carries per member; or pass the state in as an input and return the "
+            "new one (Note [A forward that writes its module's attributes] in "
+            "wide_compiler/fx/attribute_writes.py).")
+
+
+class _Unread:
+    """Stands for a written attribute's old value in the second run of
+    :func:`_reads_what_it_wrote`: any use but ``is`` raises."""
+
+    def _used(self, *args: Any, **kwargs: Any) -> Any:
+        raise _ReadBeforeWrite
+
+    __getattr__ = __bool__ = __len__ = __iter__ = __getitem__ = __call__ = __index__ = __int__ = _used
+    __float__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __add__ = __radd__ = __iadd__ = _used
+    __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = __floordiv__ = __mod__ = _used
+    __neg__ = __contains__ = __format__ = __torch_function__ = _used
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _ReadBeforeWrite(Exception):
+    pass
+
+
+def _reads_what_it_wrote(model: nn.Module, args: tuple, kwargs: dict, written: list[tuple[str, str]]) -> bool:
+    """Whether the forward reads an attribute it writes before writing it (a counter, a carried
+    state), rather than only writing it first and reading its own write (scratch state set up at
+    the start of every call: transformers' Funnel sets ``self.seq_len`` so): a copy of ``model``
+    runs once as it is and once with every written attribute made a value any use of which
+    raises; the attributes are read first if that run raises or gives other outputs (Note [A
+    forward that writes its module's attributes])."""
+    import copy
+
+    from torch.utils._pytree import tree_flatten
+
+    def run(poisoned: bool) -> Any:
+        twin = copy.deepcopy(model)
+        if poisoned:
+            modules = dict(twin.named_modules(remove_duplicate=False))
+            for path, k in written:
+                object.__setattr__(modules[path], k, _Unread())
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(0)
+            return tree_flatten(twin(*args, **kwargs))[0]
+
+    try:
+        plain = run(False)
+        poisoned = run(True)
+    except Exception:  # noqa: BLE001 -- any failure of either run: taken as a read (a refusal, never a wrong result)
+        return True
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return a.shape == b.shape and a.dtype == b.dtype and (torch.equal(a, b) or (
+                a.is_floating_point() and bool(torch.isclose(a, b, 0, 0, equal_nan=True).all())))
+        return a is b or a == b
+
+    return len(plain) != len(poisoned) or not all(same(a, b) for a, b in zip(plain, poisoned))
