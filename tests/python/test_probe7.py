@@ -358,3 +358,49 @@ def test_a_plain_tensor_attribute_written_in_place_is_refused_and_scratch_state_
     out = wide(x)
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x[i]), rtol=0, atol=1e-12)
+
+
+def _lightning_member(step_body=None, hook=None):
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Member(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            return step_body(self, loss, batch_idx) if step_body else loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    if hook:
+        setattr(Member, hook, lambda self, *args: None)
+    return Member
+
+
+def test_a_lightning_step_computing_with_batch_idx_is_refused_and_one_passing_it_on_is_not():
+    """P7-12's batch_idx: it is 0 in the fused step, so a step computing with it is refused."""
+    from wide_compiler.integrations.lightning import WideLightningModule
+
+    batch = (torch.randn(8, 4), torch.randn(8, 1))
+    every_other = _lightning_member(lambda self, loss, i: loss * (2.0 if i % 2 else 1.0))
+    with pytest.raises(ValueError, match=r"reads batch_idx, which the Trainer advances"):
+        WideLightningModule([every_other() for _ in range(2)], batch)
+    untouched = _lightning_member(lambda self, loss, i: loss)
+    WideLightningModule([untouched() for _ in range(2)], batch)
+
+
+def test_lightning_member_hooks_the_fused_run_skips_are_refused_unless_said_to_be_skipped():
+    """P7-13: a member's on_train_batch_end (WGAN weight clipping) was skipped with a one-line
+    warning and the fused fit ended 0.4 off. Refused now; skip_member_hooks=True accepts it."""
+    from wide_compiler.integrations.lightning import WideLightningModule
+
+    batch = (torch.randn(8, 4), torch.randn(8, 1))
+    hooked = _lightning_member(hook="on_train_batch_end")
+    with pytest.raises(ValueError, match=r"overrides on_train_batch_end, which the fused run does not call"):
+        WideLightningModule([hooked() for _ in range(2)], batch)
+    with pytest.warns(UserWarning, match=r"overrides on_train_batch_end.*skip_member_hooks=True"):
+        WideLightningModule([hooked() for _ in range(2)], batch, skip_member_hooks=True)

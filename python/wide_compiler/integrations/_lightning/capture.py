@@ -210,9 +210,10 @@ def probe_steps(members: list, sample_batch: Any) -> tuple[dict, dict, tuple[set
     lm.__dict__["log"], lm.__dict__["log_dict"] = rec.log, rec.log_dict
     reads = _ReadRecorder(lm)
     name = type(lm).__name__
+    batch_idx = _BatchIndex()
     with torch.no_grad(), reads:
         lm.train()
-        out = lm.training_step(sample_batch, 0)
+        out = lm.training_step(sample_batch, batch_idx)
         loss = out.get("loss") if isinstance(out, Mapping) else out
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
             got = (f"a tensor of shape {list(loss.shape)} ({loss.dtype})" if isinstance(loss, torch.Tensor)
@@ -229,7 +230,7 @@ def probe_steps(members: list, sample_batch: Any) -> tuple[dict, dict, tuple[set
         val_opts: dict[str, dict] = {}
         if is_overridden("validation_step", lm, pl.LightningModule):
             lm.eval()
-            lm.validation_step(sample_batch, 0)
+            lm.validation_step(sample_batch, batch_idx)
             val_opts = dict(rec.options)
             val_logged = dict(rec.values)
         else:
@@ -249,11 +250,12 @@ def probe_steps(members: list, sample_batch: Any) -> tuple[dict, dict, tuple[set
             if fx not in ("mean", "sum", torch.mean, torch.sum):
                 raise ValueError(f"WideLightningModule: {name} logs {k!r} with reduce_fx={fx!r}; "
                                  "the fused run aggregates per member with 'mean' or 'sum' only")
-    counters = sorted(reads.attrs & _TRAINER_COUNTERS)
+    counters = sorted(reads.attrs & _TRAINER_COUNTERS) + (["batch_idx"] if batch_idx.used else [])
     if counters:
         raise ValueError(
             f"WideLightningModule: {name}'s training/validation step reads "
-            f"{' and '.join('self.' + c for c in counters)}, which the Trainer advances as it trains; the "
+            f"{' and '.join(c if c == 'batch_idx' else 'self.' + c for c in counters)}, which the Trainer "
+            "advances as it trains; the "
             "fused step is captured once and would keep the value it had then (0) for the whole fit, where "
             "each member alone sees the live counter (a warm-up or annealing weight would never move). "
             "Train such members each with its own Trainer, or make the weight a constant of the step")
@@ -264,6 +266,25 @@ def probe_steps(members: list, sample_batch: Any) -> tuple[dict, dict, tuple[set
 
 # the LightningModule properties that change during a fit (read by a step: baked at its capture)
 _TRAINER_COUNTERS = frozenset({"global_step", "current_epoch"})
+
+
+class _BatchIndex(int):
+    """The ``batch_idx`` (0) that :func:`probe_steps` gives a step: records whether the step
+    computes with it (arithmetic, a comparison, formatting); passed on untouched, it is not read."""
+
+    used = False
+
+    def _read(name: str) -> Any:  # noqa: N805 -- builds the methods below
+        def method(self: _BatchIndex, *args: Any) -> Any:
+            self.used = True
+            return getattr(int, name)(self, *args)
+        return method
+
+    for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__add__", "__radd__", "__sub__",
+                  "__rsub__", "__mul__", "__rmul__", "__mod__", "__rmod__", "__floordiv__", "__truediv__",
+                  "__pow__", "__bool__", "__index__", "__int__", "__float__", "__format__", "__hash__"):
+        locals()[_name] = _read(_name)
+    del _name, _read
 
 def shadowed_attributes(members: list, reads: tuple[set, set]) -> dict[int, dict[str, Any]]:
     """Member attributes (on the LightningModule itself) that differ from member 0's: their
@@ -311,7 +332,7 @@ def member_of(e: Exception) -> int:
     return int(m.group(1)) if m else 0
 
 
-def check_members(members: list) -> None:
+def check_members(members: list, skip_member_hooks: bool = False) -> None:
     check_one_class(members, pl.LightningModule, "WideLightningModule", "a lightning.pytorch.LightningModule "
                     "(or wrap a model and a loss in ModelWithLoss)", mismatch=ArchitectureMismatchError)
     for i, m in enumerate(members):
@@ -329,9 +350,15 @@ def check_members(members: list) -> None:
                          "optimizes all members in one step and cannot run a member's own version "
                          "(per-member gradient clipping is built in: Trainer(gradient_clip_val=...))")
     skipped = [h for h in _SKIPPED_HOOKS if is_overridden(h, m0, pl.LightningModule)]
+    if skipped and not skip_member_hooks:
+        raise ValueError(f"WideLightningModule: {name} overrides {', '.join(skipped)}, which the fused run "
+                         "does not call per member: what they do to a member (clip its weights, change a "
+                         "hyperparameter, save state) would not happen, and the members would train apart "
+                         "from how each trains alone. Pass skip_member_hooks=True if they only report (log, "
+                         "print) and may be skipped, or move what they report to a Trainer callback")
     if skipped:
         warnings.warn(f"WideLightningModule: {name} overrides {', '.join(skipped)}, which the fused "
-                      "run does not call per member", stacklevel=3)
+                      "run does not call per member (skip_member_hooks=True)", stacklevel=3)
     trainer_args = set(inspect.signature(pl.Trainer.__init__).parameters) - {"self"}
     h0 = hparams(m0)
     for i, m in enumerate(members[1:], start=1):

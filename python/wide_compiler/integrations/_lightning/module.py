@@ -42,13 +42,17 @@ class WideLightningModule(MemberLogging, pl.LightningModule):
             ``"min"``/``"max"``: what ranks the members (``best_member``).
         config: the :class:`~wide_compiler.WideConfig` of the fused model (default
             ``WideConfig.fast()``).
+        skip_member_hooks: the members' own batch/epoch/fit hooks (``on_train_batch_end``...) are
+            not run by the fused run, so members that override one are refused, unless this is
+            True (for hooks that only report): then a warning names them.
 
     Every batch is given to all members (``x.expand(N, ...)``: no copy). ``training_step`` returns
     the sum of the N member losses, so member ``i``'s gradient is exactly its own. Lightning's
     ``gradient_clip_val`` clips each member's gradient norm separately
-    (:func:`wide_compiler.optim.clip_grad_norm_`). ``batch_idx`` is 0 inside the fused steps; the
-    members' own hooks other than the steps and ``configure_optimizers`` are not run (a warning
-    names them; hooks that shape the optimization are refused). ``test_step``/``predict_step``
+    (:func:`wide_compiler.optim.clip_grad_norm_`). The fused steps are captured once: a step that
+    computes with ``batch_idx``, ``self.global_step`` or ``self.current_epoch`` is refused. The
+    members' own hooks other than the steps and ``configure_optimizers`` are not run (refused
+    unless ``skip_member_hooks=True``; hooks that shape the optimization are always refused). ``test_step``/``predict_step``
     run member by member (:meth:`member`), logged as ``member_<i>/<name>``.
 
     Attributes:
@@ -57,12 +61,13 @@ class WideLightningModule(MemberLogging, pl.LightningModule):
     """
 
     def __init__(self, members: Sequence[pl.LightningModule], sample_batch: Any, *,
-                 monitor: str = "val_loss", mode: str = "min", config: WideConfig | None = None) -> None:
+                 monitor: str = "val_loss", mode: str = "min", config: WideConfig | None = None,
+                 skip_member_hooks: bool = False) -> None:
         super().__init__()
         import wide_compiler as wc
 
         members = list(members)
-        check_members(members)
+        check_members(members, skip_member_hooks)
         if mode not in ("min", "max"):
             raise ValueError(f"WideLightningModule: mode must be 'min' or 'max', got {mode!r}")
         self.n = len(members)
