@@ -268,6 +268,7 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         # the eval fold cache holds weak references to the tensors, which torch.utils.swap_tensors
         # (set_swap_module_params_on_conversion) refuses to swap; a converted tensor misses it anyway
         clear_fold_cache(list(self.parameters()))
+        self._constants_seen.clear()
         out = super()._apply(fn, recurse)
         for name, was in constants.items():
             path, _, attr = name.rpartition(".")
@@ -511,10 +512,12 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
 
     def clear_caches(self) -> None:
         """Drop what the eval graph derived from this model's parameters and kept (the folded
-        conv weights of Note [The fold cache] in fx/fold.py). Never needed after writes through
-        autograd's view of a tensor (optimizer steps, ``load_state_dict``, ``.to()``, in-place ops
-        under ``no_grad``): those are detected. Needed after writes that bypass version counters,
-        such as ``param.data.mul_(2)``.
+        conv weights of Note [The fold cache] in fx/fold.py), and which per-member constants the
+        last call checked (Note [Per-member constants at the call]): the next call checks them
+        again by value. Never needed after writes through autograd's view of a tensor (optimizer
+        steps, ``load_state_dict``, ``.to()``, in-place ops under ``no_grad``): those are detected.
+        Needed after writes that bypass version counters, such as ``param.data.mul_(2)``, a
+        ``_per_member`` buffer's ``.data`` written, or a write through a numpy view of a tensor.
 
         >>> import torch, wide_compiler as wc
         >>> models = [torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval() for _ in range(2)]
@@ -528,6 +531,7 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         True
         """
         clear_fold_cache(list(self.parameters()))
+        self._constants_seen.clear()
 
     def extra_repr(self) -> str:
         return f"n={self.n}, model={type(self._template).__name__}"

@@ -404,3 +404,26 @@ def test_lightning_member_hooks_the_fused_run_skips_are_refused_unless_said_to_b
         WideLightningModule([hooked() for _ in range(2)], batch)
     with pytest.warns(UserWarning, match=r"overrides on_train_batch_end.*skip_member_hooks=True"):
         WideLightningModule([hooked() for _ in range(2)], batch, skip_member_hooks=True)
+
+
+class _SqrtOfConstant(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.s = s
+
+    def forward(self, x):
+        return self.fc(x) * __import__("math").sqrt(self.s)
+
+
+def test_a_per_member_constant_written_through_data_is_checked_after_clear_caches():
+    """P7-17: `_per_member.s` written through .data (invisible to version counters), then
+    clear_caches() as documented: the next call ran member 0 with a value no graph was compiled
+    for (2.2 off). clear_caches() now makes the next call check the constants by value."""
+    wide = wc.compile([_SqrtOfConstant(s) for s in (0.25, 1.0, 4.0)], torch.randn(5, 4), config=FAST)
+    x = torch.randn(3, 5, 4)
+    wide(x)
+    wide.get_buffer("_per_member.s").data[0] = 9.0
+    wide.clear_caches()
+    with pytest.raises(ValueError, match=r"member 0's per-member constants \(s = 9.0\) are not a configuration"):
+        wide(x)

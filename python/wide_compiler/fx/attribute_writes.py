@@ -20,7 +20,10 @@ the forward reads the old value first (a counter, a carried state); scratch stat
 call sets before reading it (transformers' Funnel sets ``self.seq_len`` at the start of each
 forward) is not. To tell them apart, a copy of member 0 runs eagerly twice on the capture's
 inputs: as it is, and with each written attribute replaced by a value any use of which raises;
-an error or other outputs mean the old value is read, and the capture is refused naming the
+an error or other outputs mean the old value is read. A flag set once (``absent``/False to True:
+transformers installs its output-capturing hooks on a first call so) is accepted where a second
+run computes the same outputs as the first (judged on the capture's inputs: the one place this
+check samples). Otherwise the capture is refused naming the
 module, the attribute and the change, with what to do instead (a registered buffer updated in
 place, which the wide model keeps per member; or the state passed in and returned). The
 attributes are put back at the end: the captured module (a copy of member 0) is left as it was
@@ -31,12 +34,15 @@ cache refilled only at longer inputs) is seen when a call takes it: that call's 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import WideCompileError
+
+log = logging.getLogger("wide_compiler.fx.capture")
 
 __all__ = ["AttributeWrites"]
 
@@ -103,10 +109,14 @@ class AttributeWrites:
         self.before: list[tuple[str, nn.Module, dict[str, tuple[Any, Any]]]] = []
         self.writes: dict[tuple[str, str], tuple[str, str, str]] = {}  # (path, attribute) -> (class, was, now)
         self.saved_forward: Any = None
+        self.hooks: list[tuple[dict, dict]] = []
 
     def __enter__(self) -> AttributeWrites:
         self.before = [(name, m, {k: (v, _contents(v)) for k, v in vars(m).items() if k not in _skipped(m)})
                        for name, m in self.model.named_modules(remove_duplicate=True)]
+        # hooks the forward installs on a first call (transformers' output capturing) go too
+        self.hooks = [(d, dict(d)) for _, m in self.model.named_modules() for k, d in vars(m).items()
+                      if k.startswith("_") and "hooks" in k and isinstance(d, dict)]
         self.saved_forward = vars(self.model).get("forward", _ABSENT)
         inner = self.model.forward
 
@@ -125,6 +135,10 @@ class AttributeWrites:
         else:
             object.__setattr__(self.model, "forward", self.saved_forward)
         self._compare(restore=True)
+        for d, items in self.hooks:
+            if d.keys() != items.keys():
+                d.clear()
+                d.update(items)
 
     def _compare(self, restore: bool) -> None:
         """At the end of a forward: record the writes. At exit (``restore``): put the attributes
@@ -154,7 +168,7 @@ class AttributeWrites:
     def check(self, args: tuple, kwargs: dict) -> None:
         """Raise :class:`WideCompileError` naming the writes whose old value the forward reads
         (run on ``args``/``kwargs``), if there are any."""
-        if not self.writes or not _reads_what_it_wrote(self.model, args, kwargs, list(self.writes)):
+        if not self.writes or not _reads_what_it_wrote(self.model, args, kwargs, self.writes):
             return
         writes = [(path, cls, k, was, now) for (path, k), (cls, was, now) in self.writes.items()]
         shown = "; ".join(f"self.{k} of {f'`{path}`' if path else 'the root'} ({cls}): {was} -> {now}"
@@ -191,36 +205,43 @@ class _ReadBeforeWrite(Exception):
     pass
 
 
-def _reads_what_it_wrote(model: nn.Module, args: tuple, kwargs: dict, written: list[tuple[str, str]]) -> bool:
+def _reads_what_it_wrote(model: nn.Module, args: tuple, kwargs: dict,
+                         writes: dict[tuple[str, str], tuple[str, str, str]]) -> bool:
     """Whether the forward reads an attribute it writes before writing it (a counter, a carried
     state), rather than only writing it first and reading its own write (scratch state set up at
-    the start of every call: transformers' Funnel sets ``self.seq_len`` so): a copy of ``model``
-    runs once as it is and once with every written attribute made a value any use of which
-    raises; the attributes are read first if that run raises or gives other outputs (Note [A
-    forward that writes its module's attributes])."""
+    the start of every call: transformers' Funnel sets ``self.seq_len`` so), or setting a flag
+    once (transformers' ``_output_capturing_hooks_installed``): a copy of ``model`` runs as it is
+    (twice where every write sets a flag: the second run must give the same outputs) and once with
+    every written attribute made a value any use of which raises; the attributes are read first
+    if that run raises or gives other outputs (Note [A forward that writes its module's
+    attributes])."""
     import copy
 
     from torch.utils._pytree import tree_flatten
 
-    def run(poisoned: bool) -> Any:
-        twin = copy.deepcopy(model)
-        if poisoned:
-            modules = dict(twin.named_modules(remove_duplicate=False))
-            for path, k in written:
-                object.__setattr__(modules[path], k, _Unread())
+    def run(twin: nn.Module) -> Any:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(0)
             return tree_flatten(twin(*args, **kwargs))[0]
 
-    try:
-        plain = run(False)
-        poisoned = run(True)
-    except Exception:  # noqa: BLE001 -- any failure of either run: taken as a read (a refusal, never a wrong result)
-        return True
-    def same(a: Any, b: Any) -> bool:
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            return a.shape == b.shape and a.dtype == b.dtype and (torch.equal(a, b) or (
-                a.is_floating_point() and bool(torch.isclose(a, b, 0, 0, equal_nan=True).all())))
-        return a is b or a == b
+    def same(a: list, b: list) -> bool:
+        def one(a: Any, b: Any) -> bool:
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                return a.shape == b.shape and a.dtype == b.dtype and (torch.equal(a, b) or (
+                    a.is_floating_point() and bool(torch.isclose(a, b, 0, 0, equal_nan=True).all())))
+            return a is b or a == b
+        return len(a) == len(b) and all(one(x, y) for x, y in zip(a, b))
 
-    return len(plain) != len(poisoned) or not all(same(a, b) for a, b in zip(plain, poisoned))
+    try:
+        twin = copy.deepcopy(model)
+        plain = run(twin)
+        if all(was in ("absent", "False") and now == "True" for _, was, now in writes.values()):
+            return not same(plain, run(twin))  # flags set once: the next call computes the same
+        twin = copy.deepcopy(model)
+        modules = dict(twin.named_modules(remove_duplicate=False))
+        for path, k in writes:
+            object.__setattr__(modules[path], k, _Unread())
+        return not same(plain, run(twin))
+    except Exception as e:  # noqa: BLE001 -- any failure of a run: taken as a read (a refusal, never a wrong result)
+        log.debug("wide_compiler: the runs that tell a read from a write failed (%s: %s)", type(e).__name__, e)
+        return True
