@@ -29,6 +29,26 @@ __all__ = ["WideBuilder", "compile", "pack", "stack", "unpack", "unstack"]
 log = logging.getLogger(__name__)
 
 
+def _plain_module(m: nn.Module, i: int) -> nn.Module:
+    """Member ``i`` as ``torch.export`` can capture it: a ``torch.compile``'d module's original
+    (the wrapper holds the same parameters); a scripted module or one with lazy modules not yet
+    run is refused, saying what to pass instead."""
+    orig = getattr(m, "_orig_mod", None)
+    if isinstance(orig, nn.Module) and type(m).__name__ == "OptimizedModule":
+        log.info("wide_compiler.compile: member %d is torch.compile'd: its original module is fused", i)
+        m = orig
+    if isinstance(m, torch.jit.ScriptModule):
+        raise TypeError(f"wide_compiler.compile: member {i} is a TorchScript module ({type(m).__name__}), which "
+                        "torch.export cannot capture; pass the nn.Module it was scripted from")
+    lazy = [name for name, t in [*m.named_parameters(), *m.named_buffers()]
+            if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+    if lazy:
+        raise ValueError(f"wide_compiler.compile: member {i} has lazy modules not yet initialised ({', '.join(lazy[:3])}"
+                         f"{', ...' if len(lazy) > 3 else ''}): run each member once on a sample input first, "
+                         "which gives them their sizes")
+    return m
+
+
 def _reinitialised_copies(model: nn.Module, n: int) -> list[nn.Module]:
     copies = []
     for _ in range(n):
@@ -135,6 +155,7 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
             if not isinstance(m, nn.Module):
                 raise TypeError(f"wide_compiler.compile: member {i} is a {type(m).__name__}, "
                                 "expected an nn.Module")
+        members = [_plain_module(m, i) for i, m in enumerate(members)]
         if n is not None and n != len(members):
             raise ValueError(f"wide_compiler.compile: n={n} but {len(members)} models were given")
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)

@@ -427,3 +427,20 @@ def test_a_per_member_constant_written_through_data_is_checked_after_clear_cache
     wide.clear_caches()
     with pytest.raises(ValueError, match=r"member 0's per-member constants \(s = 9.0\) are not a configuration"):
         wide(x)
+
+
+def test_compiled_members_are_fused_from_their_modules_and_scripted_or_lazy_ones_refused_clearly():
+    """P7-14, P7-15: torch.compile'd members were refused as if an internal id were a per-member
+    integer (advice about padding), scripted ones for their ScriptObject, and members with lazy
+    modules crashed with torch's own error blaming load_state_dict."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double() for _ in range(2)]
+    wide = wc.compile([torch.compile(m) for m in models], torch.randn(5, 4, dtype=torch.float64), config=FAST)
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(wide(x)[i], m(x[i]), rtol=0, atol=1e-12)
+    with pytest.raises(TypeError, match=r"member 0 is a TorchScript module .*pass the nn.Module it was scripted from"):
+        wc.compile([torch.jit.script(m) for m in models], torch.randn(5, 4, dtype=torch.float64), config=FAST)
+    lazy = [nn.Sequential(nn.LazyLinear(8), nn.Tanh()) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"member 0 has lazy modules not yet initialised \(0.weight, 0.bias\): run each"):
+        wc.compile(lazy, torch.randn(5, 4), config=FAST)
