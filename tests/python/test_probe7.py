@@ -444,3 +444,28 @@ def test_compiled_members_are_fused_from_their_modules_and_scripted_or_lazy_ones
     lazy = [nn.Sequential(nn.LazyLinear(8), nn.Tanh()) for _ in range(2)]
     with pytest.raises(ValueError, match=r"member 0 has lazy modules not yet initialised \(0.weight, 0.bias\): run each"):
         wc.compile(lazy, torch.randn(5, 4), config=FAST)
+
+
+def test_swa_update_bn_of_a_wide_model_recomputes_every_members_statistics_as_torchs_does():
+    """P7-8: torch.optim.swa_utils.update_bn finds no nn.BatchNorm in a wide model (its norms are
+    stacked buffers) and silently did nothing (eval 0.5-1.2 off each member's own update_bn).
+    wc.optim.swa_utils.update_bn gives each member torch's result, through an AveragedModel too."""
+    import copy
+
+    from torch.optim.swa_utils import AveragedModel
+    from torch.optim.swa_utils import update_bn as torch_update_bn
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)).double()
+              for _ in range(3)]
+    refs = [copy.deepcopy(m) for m in models]
+    wide = wc.compile(models, torch.randn(5, 4, dtype=torch.float64), config=FAST)
+    swa = AveragedModel(wide)
+    loader = [(torch.randn(3, 6, 4, dtype=torch.float64) * 3 + 1, torch.zeros(3)) for _ in range(3)]
+    wc.optim.swa_utils.update_bn(loader, swa)
+    for i, r in enumerate(refs):
+        torch_update_bn([x[i] for x, _ in loader], r)
+        for k, v in r.state_dict().items():
+            torch.testing.assert_close(swa.module.member(i).state_dict()[k], v, rtol=0, atol=1e-12)
+    with pytest.raises(TypeError, match="expected a WideModel"):
+        wc.optim.swa_utils.update_bn(loader, refs[0])

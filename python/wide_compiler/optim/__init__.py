@@ -22,7 +22,7 @@ Example:
     >>> opt.step(); sched.step(); opt.zero_grad()
 """
 
-from . import lr_scheduler
+from . import lr_scheduler, swa_utils
 from ._base import WideOptimizer, per_member
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
@@ -44,4 +44,5 @@ __all__ = [
     "member_grad_norms",
     "member_losses",
     "per_member",
+    "swa_utils",
 ]
