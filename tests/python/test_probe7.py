@@ -469,3 +469,13 @@ def test_swa_update_bn_of_a_wide_model_recomputes_every_members_statistics_as_to
             torch.testing.assert_close(swa.module.member(i).state_dict()[k], v, rtol=0, atol=1e-12)
     with pytest.raises(TypeError, match="expected a WideModel"):
         wc.optim.swa_utils.update_bn(loader, refs[0])
+
+
+def test_a_sample_that_does_not_fit_the_members_forward_is_said_so_with_the_members_own_class():
+    """P7-6: nn.MultiheadAttention members given only the query were reported as export failing
+    on an internal class (_SelfAttentionForm) with advice about data-dependent control flow."""
+    models = [nn.MultiheadAttention(6, 2, batch_first=True) for _ in range(2)]
+    with pytest.raises(wc.WideCompileError, match=r"member 0 \(MultiheadAttention\) cannot take the sample: its "
+                                                  r"forward\(query.*missing a required argument: 'key'") as err:
+        wc.compile(models, torch.randn(5, 4, 6), config=FAST)
+    assert "_SelfAttentionForm" not in str(err.value) and "control flow" not in str(err.value)

@@ -26,9 +26,15 @@ def check_sample(model: nn.Module, args: tuple, kwargs: dict, n: int) -> None:
     member runs as a deep copy (or on clones of its tensors), with the random number generators
     restored, in the caller's grad mode (a forward may take gradients inside)."""
     try:
-        inspect.signature(model.forward).bind(*args, **kwargs)
-    except TypeError:
-        return  # the capture names how the sample does not fit the forward's parameters
+        signature = inspect.signature(model.forward)
+        signature.bind(*args, **kwargs)
+    except TypeError as e:  # the sample does not fit the forward's parameters
+        name = next(c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("_"))  # not a form's
+        raise WideCompileError(
+            f"wide_compiler: member 0 ({name}) cannot take the sample: its forward{signature} says {e} (the "
+            f"sample gives {len(args)} positional input(s){', keywords ' + ', '.join(kwargs) if kwargs else ''}). "
+            "Pass one member's inputs as the forward takes them: a tuple for several positional inputs, "
+            "sample_kwargs= for keywords") from None
     except ValueError:
         pass  # no signature to read
     devices = sorted({t.device.index for t in (*model.parameters(), *model.buffers()) if t.is_cuda} - {None})
