@@ -32,7 +32,9 @@ the old value.
 
 Each program ends in one of: ``ok``; ``refused`` (a clear error of wide_compiler's, at compile or
 at a call: allowed, the library may refuse what it cannot prove); ``skipped`` (the members
-themselves fail, or the train graph draws random numbers, so only eval is compared); or a finding:
+themselves fail, or the train graph draws random numbers the check cannot fix to one value on
+both sides, so only eval is compared; dropout's are fixed and compared, Note [Fixed draws in the
+trust check]); or a finding:
 ``wrong`` (a member differs) or ``crash`` (an error that is not a clear refusal). A finding keeps
 the program's source, so it can be pasted into a regression test as it is.
 
@@ -54,6 +56,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -69,6 +72,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ._equivalence.draws import fixed_draws
 
 __all__ = ["OUTCOMES", "TOLERANCE", "Program", "Result", "generate", "main", "run_program"]
 
@@ -514,16 +519,18 @@ def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch
                     for m, s in zip(members, member_states):
                         m.load_state_dict(s)
                 try:
-                    if draws:
+                    # a train call that draws: every draw fixed on both sides (Note [Fixed draws in
+                    # the trust check]); a draw that cannot be fixed: only finite outputs, skipped
+                    with fixed_draws() if draws else contextlib.nullcontext(set()) as unfixed:
+                        why = _check(wide, members, xs, training, dtype)
+                    if unfixed:
                         with torch.no_grad():
                             out = wide(*xs)
                         if not torch.isfinite(out).all():
                             return Result(prog, "wrong", f"{mode} {shapes}: non-finite output")
                         outcome = "skipped" if outcome == "ok" else outcome
-                    else:
-                        why = _check(wide, members, xs, training, dtype)
-                        if why is not None:
-                            return Result(prog, "wrong", f"{mode} {shapes}: {why}")
+                    elif why is not None:
+                        return Result(prog, "wrong", f"{mode} {shapes}: {why}")
                 except Exception as e:  # noqa: BLE001
                     if _is_refusal(e):
                         outcome = "refused" if outcome != "skipped" else outcome

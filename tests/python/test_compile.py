@@ -402,25 +402,26 @@ def test_validate_leaves_the_models_and_the_wide_buffers_untouched(training):
     _assert_same_state(one, state, "the single model of n=K")
 
 
-def test_validate_with_dropout_compares_in_eval_mode_and_says_so(caplog):
+def test_validate_with_dropout_compares_train_mode_with_the_draws_fixed(caplog):
     """Was: members draw different dropout masks than the wide model, so validate raised a false
-    ValidationError. A train graph with random ops is validated in eval mode, with a log line."""
+    ValidationError; then it fell back to eval mode. A train graph with random ops is validated
+    in train mode with every draw fixed on both sides (Note [Fixed draws in the trust check])."""
     models = members(lambda: NormNet(p=0.5), 3)
     before = [_state(m) for m in models]
     with caplog.at_level("INFO", logger="wide_compiler.api"):
         wide = compile_fast(models, torch.randn(4, 5), validate=True)
     assert wide.training and all(m.training for m in models)
-    assert any("random ops" in r.getMessage() and "eval mode" in r.getMessage() for r in caplog.records), \
+    assert any("validated 3 members (train mode)" in r.getMessage() for r in caplog.records), \
         [r.getMessage() for r in caplog.records]
     for i, m in enumerate(models):
         _assert_same_state(m, before[i], f"original member {i}")
     assert int(wide.get_buffer("bn.num_batches_tracked").sum()) == 0
-    # Validation still checks something: a member that differs is caught in eval mode too.
+    # Validation still checks something: a member that differs is caught in train mode.
     wide = compile_fast(members(lambda: NormNet(p=0.5), 3), torch.randn(4, 5))
     with torch.no_grad():
         wide.get_parameter("out.weight")[1].mul_(-1)
     from wide_compiler.api import _validate
-    with pytest.raises(wc.ValidationError, match=r"eval mode.*member 1 differs"):
+    with pytest.raises(wc.ValidationError, match=r"train mode.*member 1 differs"):
         _validate(wide, members(lambda: NormNet(p=0.5), 3), (torch.randn(4, 5),), {}, FAST)
 
 
@@ -434,10 +435,10 @@ def test_check_compile_is_the_one_line_check():
     for i, m in enumerate(models):
         _assert_same_state(m, before[i], f"member {i}")
     assert wide.training
-    # Dropout: the train-mode checks are skipped (and say why), eval is checked.
+    # Dropout: train mode is compared with the draws fixed on both sides, eval as usual.
     _, report = wc.testing.check_compile(members(lambda: NormNet(p=0.5), 2), torch.randn(6, 5),
                                          config=FAST, shared=False)
-    assert "random ops" in report["train/own"] and report["eval/own"]["output"] is not None
+    assert report["train/own"]["param_grad"] is not None and report["eval/own"]["output"] is not None
     # Explicit per-member inputs; and the check fails on a wrong model (members in another order).
     wide, report = wc.testing.check_compile(models, torch.randn(6, 5), config=FAST, modes=("eval",),
                                             inputs=[torch.randn(4, 5) for _ in range(3)])

@@ -33,7 +33,8 @@ cache refilled only at longer inputs) is seen when a call takes it: that call's 
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import inspect
 import logging
 from typing import Any
 
@@ -120,12 +121,15 @@ class AttributeWrites:
         self.saved_forward = vars(self.model).get("forward", _ABSENT)
         inner = self.model.forward
 
-        @functools.wraps(inner)
         def forward(*args: Any, **kwargs: Any) -> Any:
             out = inner(*args, **kwargs)
             self._compare(restore=False)
             return out
 
+        # what export reads to bind the inputs: the bound forward's parameters (not __wrapped__,
+        # which a decorated forward's bound method passes on to the function, self included)
+        with contextlib.suppress(ValueError, TypeError):  # no signature to read: export reads the wrapper's
+            forward.__signature__ = inspect.signature(inner)  # type: ignore[attr-defined]
         object.__setattr__(self.model, "forward", forward)
         return self
 
