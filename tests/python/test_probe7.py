@@ -283,30 +283,39 @@ def test_a_draw_from_a_numpy_generator_of_the_users_own_is_refused_in_training(h
         wc.compile(models, torch.randn(5, 4), config=FAST)
 
 
-# ---------------------------------------------------------------- P7-12: Lightning's counters
-@pytest.mark.parametrize("counter", ["global_step", "current_epoch"])
-def test_a_lightning_step_reading_the_trainers_counters_is_refused(counter):
-    """P7-12: a training_step with a warm-up weight on self.global_step (or self.current_epoch)
-    was captured once with the counter at 0, and the fused fit never moved the weight (member
-    weights 0.15-0.2 off the members trained alone). Refused at construction now."""
+# ---------------------------------------------------------------- P7-12, P7-13: Lightning
+def _lightning_member(step_body=None, hook=None):
     pl = pytest.importorskip("lightning.pytorch")
-    from wide_compiler.integrations.lightning import WideLightningModule
 
-    class Warm(pl.LightningModule):
+    class Member(pl.LightningModule):
         def __init__(self):
             super().__init__()
             self.net = nn.Linear(4, 1)
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            w = min(1.0, (getattr(self, counter) + 1) / 4.0)
-            return nn.functional.mse_loss(self.net(x), y) + w * self.net.weight.square().sum()
+            loss = nn.functional.mse_loss(self.net(x), y)
+            return step_body(self, loss, batch_idx) if step_body else loss
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    if hook:
+        setattr(Member, hook, lambda self, *args: None)
+    return Member
+
+
+@pytest.mark.parametrize("counter", ["global_step", "current_epoch"])
+def test_a_lightning_step_reading_the_trainers_counters_is_refused(counter):
+    """P7-12: a training_step with a warm-up weight on self.global_step (or self.current_epoch)
+    was captured once with the counter at 0, and the fused fit never moved the weight (member
+    weights 0.15-0.2 off the members trained alone). Refused at construction now."""
+    from wide_compiler.integrations.lightning import WideLightningModule
+
+    warm = _lightning_member(lambda self, loss, i: loss + min(1.0, (getattr(self, counter) + 1) / 4.0)
+                             * self.net.weight.square().sum())
     with pytest.raises(ValueError, match=rf"reads self.{counter}, which the Trainer advances"):
-        WideLightningModule([Warm() for _ in range(2)], (torch.randn(8, 4), torch.randn(8, 1)))
+        WideLightningModule([warm() for _ in range(2)], (torch.randn(8, 4), torch.randn(8, 1)))
 
 
 def test_cli_trace_in_a_fresh_process_is_not_refused_for_sympys_import_time_draw():
@@ -358,27 +367,6 @@ def test_a_plain_tensor_attribute_written_in_place_is_refused_and_scratch_state_
     out = wide(x)
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x[i]), rtol=0, atol=1e-12)
-
-
-def _lightning_member(step_body=None, hook=None):
-    pl = pytest.importorskip("lightning.pytorch")
-
-    class Member(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Linear(4, 1)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = nn.functional.mse_loss(self.net(x), y)
-            return step_body(self, loss, batch_idx) if step_body else loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    if hook:
-        setattr(Member, hook, lambda self, *args: None)
-    return Member
 
 
 def test_a_lightning_step_computing_with_batch_idx_is_refused_and_one_passing_it_on_is_not():
@@ -479,3 +467,24 @@ def test_a_sample_that_does_not_fit_the_members_forward_is_said_so_with_the_memb
                                                   r"forward\(query.*missing a required argument: 'key'") as err:
         wc.compile(models, torch.randn(5, 4, 6), config=FAST)
     assert "_SelfAttentionForm" not in str(err.value) and "control flow" not in str(err.value)
+
+
+@pytest.mark.parametrize("first", ["conv2d", "conv1d"])
+def test_a_gradient_penalty_through_a_first_layer_conv_matches_the_members(first):
+    """P7-10: torch.autograd.grad(..., create_graph=True) with respect to the parameters, through a
+    wide Conv whose input needs no gradient (an input batch: a gradient penalty, a MAML inner
+    step), raised "element 0 of the input tensors does not require grad" inside the wide op."""
+    torch.manual_seed(0)
+    conv, shape = {"conv2d": (nn.Conv2d, (3, 6, 6)), "conv1d": (nn.Conv1d, (3, 7))}[first]
+    models = [nn.Sequential(conv(3, 4, 3), nn.Tanh()).double() for _ in range(2)]
+    wide = wc.compile(models, torch.randn(2, *shape, dtype=torch.float64), config=FAST)
+    x = torch.randn(2, 2, *shape, dtype=torch.float64)
+    params = dict(wide.named_parameters())
+    grads = torch.autograd.grad(wide(x).square().sum(), list(params.values()), create_graph=True)
+    sum(g.square().sum() for g in grads).backward()
+    for i, m in enumerate(models):
+        own = dict(m.named_parameters())
+        g = torch.autograd.grad(m(x[i]).square().sum(), list(own.values()), create_graph=True)
+        sum(t.square().sum() for t in g).backward()
+        for name, p in own.items():
+            torch.testing.assert_close(params[name].grad[i], p.grad, rtol=1e-10, atol=1e-12)
