@@ -109,13 +109,19 @@ class LoopConv2d : public torch::autograd::Function<LoopConv2d> {
       // create_graph=True: differentiate the composite loop, recomputed on the saved tensors.
       const std::optional<at::Tensor> b = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
       const at::Tensor y = loop_forward(input, weight, b, stride, padding, dilation, packed_input);
-      variable_list wrt{input, weight};
-      if (bias.defined()) wrt.push_back(bias);
+      // only what autograd can differentiate: an input batch (or a frozen weight) has no gradient
+      variable_list wrt;
+      std::vector<size_t> slots;
+      for (const auto& [slot, t] : {std::pair<size_t, const at::Tensor*>{0, &input}, {1, &weight}, {2, &bias}}) {
+        if (t->defined() && t->requires_grad() && ctx->needs_input_grad(slot)) {
+          wrt.push_back(*t);
+          slots.push_back(slot);
+        }
+      }
+      if (wrt.empty()) return out;
       const variable_list got = torch::autograd::grad({y}, wrt, {grad}, /*retain_graph=*/true,
                                                       /*create_graph=*/true, /*allow_unused=*/true);
-      if (need_x) out[0] = got[0];
-      if (need_w) out[1] = got[1];
-      if (need_b) out[2] = got[2];
+      for (size_t k = 0; k < slots.size(); ++k) out[slots[k]] = got[k];
       return out;
     }
 
