@@ -23,11 +23,11 @@ inputs: as it is, and with each written attribute replaced by a value any use of
 an error or other outputs mean the old value is read. A flag set once (``absent``/False to True:
 transformers installs its output-capturing hooks on a first call so) is accepted where a second
 run computes the same outputs as the first (judged on the capture's inputs: the one place this
-check samples). Otherwise the capture is refused naming the
-module, the attribute and the change, with what to do instead (a registered buffer updated in
-place, which the wide model keeps per member; or the state passed in and returned). The
-attributes are put back at the end: the captured module (a copy of member 0) is left as it was
-(a tensor written in place excepted). A write on a path the capture's call does not take (a
+check samples). Otherwise the capture is refused naming the module, the attribute and the
+change, with what to do instead (a registered buffer updated in place, which the wide model
+keeps per member; or the state passed in and returned). The attributes, and the hooks the
+forward installed, are put back at the end: the captured module (a copy of member 0) is left
+as it was (a tensor written in place excepted). A write on a path the capture's call does not take (a
 cache refilled only at longer inputs) is seen when a call takes it: that call's capture refuses.
 """
 
