@@ -119,12 +119,11 @@ class _FixedDraws(TorchDispatchMode):
         if bound.get("generator") is not None:  # the check's own draws (an explicit generator)
             return func(*args, **kwargs)
         handler = _HANDLERS.get(func.overloadpacket.__name__)
-        if handler is None and not _draws(bound):
-            return func(*args, **kwargs)
-        if handler is None:
+        if handler is not None:
+            return handler(func, bound, args, kwargs)
+        if _draws(bound):
             self.unfixed.add(str(func))
-            return func(*args, **kwargs)
-        return handler(func, bound, args, kwargs)
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
