@@ -290,7 +290,8 @@ def test_a_sample_that_does_not_fit_a_variadic_forward_says_so():
         def forward(self, x, *rest):
             return self.fc(x)
 
-    with pytest.raises(wc.WideCompileError, match=r"does not fit Positional\.forward\(x, \*rest\).*'y'"):
+    with pytest.raises(wc.WideCompileError, match=r"member 0 \(Positional\) cannot take the sample: its "
+                                                  r"forward\(x, \*rest\).*'y'"):
         wc.compile([Positional() for _ in range(N)], torch.randn(5, 4), sample_kwargs={"y": torch.randn(5, 4)},
                    config=FAST)
 

@@ -19,8 +19,10 @@ counter moved), or a list, dict or set whose items changed, is a write. A write 
 the forward reads the old value first (a counter, a carried state); scratch state that every
 call sets before reading it (transformers' Funnel sets ``self.seq_len`` at the start of each
 forward) is not. To tell them apart, a copy of member 0 runs eagerly twice on the capture's
-inputs: as it is, and with each written attribute replaced by a value any use of which raises;
-an error or other outputs mean the old value is read. A flag set once (``absent``/False to True:
+inputs: as it is, and with each written attribute replaced by a stand-in that arithmetic,
+method calls and item access keep a stand-in (so a call counter or a history list that only
+feeds itself runs through) and any use that could reach an output raises (a comparison, a
+conversion, a length, a torch op); an error or other outputs mean the old value is read. A flag set once (``absent``/False to True:
 transformers installs its output-capturing hooks on a first call so) is accepted where a second
 run computes the same outputs as the first (judged on the capture's inputs: the one place this
 check samples). Otherwise the capture is refused naming the module, the attribute and the
@@ -193,15 +195,25 @@ class AttributeWrites:
 
 class _Unread:
     """Stands for a written attribute's old value in the second run of
-    :func:`_reads_what_it_wrote`: any use but ``is`` raises."""
+    :func:`_reads_what_it_wrote`: arithmetic on it, its methods and items give another such
+    value (a counter incremented, a list appended to: state that only feeds itself), and any use
+    that could reach an output (a comparison, a conversion, a length, a torch op) raises."""
 
     def _used(self, *args: Any, **kwargs: Any) -> Any:
         raise _ReadBeforeWrite
 
-    __getattr__ = __bool__ = __len__ = __iter__ = __getitem__ = __call__ = __index__ = __int__ = _used
-    __float__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __add__ = __radd__ = __iadd__ = _used
-    __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = __floordiv__ = __mod__ = _used
-    __neg__ = __contains__ = __format__ = __torch_function__ = _used
+    def _again(self, *args: Any, **kwargs: Any) -> _Unread:
+        return _Unread()
+
+    def _set(self, *args: Any) -> None:
+        pass
+
+    __bool__ = __len__ = __iter__ = __index__ = __int__ = __float__ = __complex__ = __format__ = _used
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __contains__ = __torch_function__ = _used
+    __getattr__ = __getitem__ = __call__ = __neg__ = __pos__ = __abs__ = _again
+    __add__ = __radd__ = __iadd__ = __sub__ = __rsub__ = __isub__ = __mul__ = __rmul__ = __imul__ = _again
+    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __pow__ = __matmul__ = _again
+    __setitem__ = __delitem__ = _set
     __hash__ = None  # type: ignore[assignment]
 
 
