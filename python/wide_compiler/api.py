@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import logging
@@ -290,9 +289,8 @@ def _validate(wide: WideModel, members: Sequence[nn.Module], args: tuple, kwargs
                 mode = "train" if training else "eval"
                 raise ValidationError(f"wide_compiler: validate ({mode} mode, on {label}): {e}") from None
 
-    unfixed: set[str] = set()
     try:
-        with fixed_draws() if random else contextlib.nullcontext(unfixed) as unfixed:
+        with fixed_draws(bool(random)) as unfixed:
             run(training)
     except ValidationError:
         if not unfixed:

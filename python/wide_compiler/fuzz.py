@@ -57,7 +57,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
@@ -519,7 +518,7 @@ def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch
                 try:
                     # a train call that draws: every draw fixed on both sides (Note [Fixed draws in
                     # the trust check]); a draw that cannot be fixed: only finite outputs, skipped
-                    with fixed_draws() if draws else contextlib.nullcontext(set()) as unfixed:
+                    with fixed_draws(draws) as unfixed:
                         why = _check(wide, members, xs, training, dtype)
                     if unfixed:
                         with torch.no_grad():

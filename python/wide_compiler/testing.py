@@ -79,7 +79,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -201,11 +200,10 @@ def check_compile(
         random = random_ops(wide, training) if training else []
         for is_shared in layouts:
             key = f"{mode}/{'shared' if is_shared else 'own'}"
-            unfixed: set[str] = set()
             try:
                 # a graph with random ops: every draw fixed on both sides (Note [Fixed draws in
                 # the trust check] in _equivalence/draws.py)
-                with fixed_draws() if random else contextlib.nullcontext(unfixed) as unfixed:
+                with fixed_draws(bool(random)) as unfixed:
                     if is_shared:
                         report[key] = check_equivalence(
                             wide, members, inputs[0], kwargs=(kwargs[0] if kwargs is not None else None),

@@ -127,10 +127,11 @@ class _FixedDraws(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def fixed_draws() -> Iterator[set[str]]:
+def fixed_draws(active: bool = True) -> Iterator[set[str]]:
     """Within the block, every draw from the default generator is a fixed value (Note [Fixed
     draws in the trust check]); yields the set of random ops met that could not be fixed (their
-    names), which the caller reads after the block.
+    names), which the caller reads after the block. ``active=False``: draws as usual (a graph
+    without random ops), the set stays empty.
 
     Example:
         >>> import torch
@@ -140,6 +141,9 @@ def fixed_draws() -> Iterator[set[str]]:
         >>> y, unfixed
         (tensor([2., 2., 2., 2.]), set())
     """
+    if not active:
+        yield set()
+        return
     mode = _FixedDraws()
     with mode:
         yield mode.unfixed

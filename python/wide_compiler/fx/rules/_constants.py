@@ -155,7 +155,7 @@ def _channel_dropout(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
         raise ctx.fail(node, "a per-member train flag")
     if a["train"] is False:
         return x
-    name = node.target.name().split("::")[-1].split(".")[0]
+    name = node.target.overloadpacket.__name__  # feature_dropout_, alpha_dropout ...
     noise_like = None
     if name.startswith("feature"):
         if x.rank < 2:
