@@ -11,6 +11,8 @@ import torch
 import wide_compiler as wc
 from torch import nn
 
+from support import LinearModel
+
 FAST = wc.WideConfig.fast()
 D = torch.float64
 
@@ -107,11 +109,9 @@ def test_pruned_members_are_refused_by_module_with_what_to_do() -> None:
 
 
 # ---------------------------------------------------------------- F9: export after a recapture
-class ScaledParity(nn.Module):
-    def __init__(self, s: float) -> None:
-        super().__init__()
-        self.l = nn.Linear(4, 4)
-        self.s = s
+class ScaledParity(LinearModel):
+    linears = {"l": (4, 4)}
+    fields = ("s",)
 
     def forward(self, x):
         h = self.l(x) * self.s

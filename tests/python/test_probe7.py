@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import wide_compiler as wc
+from support import LinearModel
 
 FAST = wc.WideConfig.fast()
 ALPHA = 1.7580993408473766  # ATen's alpha dropout constant
@@ -146,10 +147,9 @@ def test_fixed_draws_agree_between_each_random_op_and_the_wide_forms_that_replac
 
 
 # ---------------------------------------------------------------- P7-5 / P7-7: state in plain attributes
-class _Counter(nn.Module):
+class _Counter(LinearModel):
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(4, 4)
         self.step = 0
 
     def forward(self, x):
@@ -169,10 +169,9 @@ class _CarriedHidden(nn.Module):
         return y
 
 
-class _Appends(nn.Module):
+class _Appends(LinearModel):
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(4, 4)
         self.seen = []
 
     def forward(self, x):
@@ -181,13 +180,11 @@ class _Appends(nn.Module):
         return h * 0 if len(self.seen) > 2 else h
 
 
-class _GrowsACache(nn.Module):
-    """Writes only on a path the capture's call does not take (inputs longer than its cache)."""
+class _GrowsACache(LinearModel):
+    """Writes only on a path the capture's call does not take (inputs longer than its cache, 8
+    at first)."""
 
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.cached = 8
+    fields = ("cached",)
 
     def forward(self, x):
         if x.shape[1] > self.cached:
@@ -218,7 +215,7 @@ def test_a_forward_writing_its_modules_python_attributes_is_refused(cls, sample,
 def test_a_write_on_a_path_a_later_call_takes_refuses_that_call():
     """The capture's call does not write: a call that would (a longer input) is refused, by the
     size guard the branch left or by the write the recapture sees, never run on the old value."""
-    wide = wc.compile([_GrowsACache() for _ in range(2)], torch.randn(2, 6, 4), config=FAST)
+    wide = wc.compile([_GrowsACache(8) for _ in range(2)], torch.randn(2, 6, 4), config=FAST)
     wide(torch.randn(2, 2, 6, 4))
     with pytest.raises((wc.WideCompileError, ValueError),
                        match=r"self.cached of the root \(_GrowsACache\): 8 -> 12|holds for sizes up to 8"):
@@ -394,11 +391,8 @@ def test_lightning_member_hooks_the_fused_run_skips_are_refused_unless_said_to_b
         WideLightningModule([hooked() for _ in range(2)], batch, skip_member_hooks=True)
 
 
-class _SqrtOfConstant(nn.Module):
-    def __init__(self, s):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.s = s
+class _SqrtOfConstant(LinearModel):
+    fields = ("s",)
 
     def forward(self, x):
         return self.fc(x) * __import__("math").sqrt(self.s)

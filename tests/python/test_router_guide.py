@@ -251,6 +251,12 @@ class SelectiveCollective(FusingCollective):
         return self.fuse(opinions)
 
 
+class MaskedCollective(FusingCollective):  # With Attention Mask, below
+    def forward(self, x, mask=None):
+        opinions = self.wide_forward(x, mask=mask)
+        return self.fuse(opinions)
+
+
 def test_selective_execution():
     collective, ref, x = seeded_with_reference(lambda: SelectiveCollective(4, DIM))
     collective.prepare_for_compile(x)
@@ -265,12 +271,6 @@ def test_selective_execution():
 
 
 # -- With Attention Mask ------------------------------------------------------------------------
-class MaskedCollective(FusingCollective):
-    def forward(self, x, mask=None):
-        opinions = self.wide_forward(x, mask=mask)
-        return self.fuse(opinions)
-
-
 def test_with_attention_mask():
     collective, ref, x = seeded_with_reference(lambda: MaskedCollective(3, DIM))
     mask = (torch.rand(8, 1, generator=torch.Generator().manual_seed(2)) > 0.4).float()
@@ -295,12 +295,16 @@ class Model(nn.Module):
         return self.collective(x)
 
 
-def test_compilation_option_1_explicit_preparation():
+def fresh_model_with_reference() -> tuple[Model, WideRouter, Tensor]:
+    """Options 1 and 3: dynamo reset, the guide's ``Model`` under seed 0, a never-grouped copy of
+    its collective (the reference) and the data."""
     torch.compiler.reset()
-    torch.manual_seed(0)
-    model = Model()
-    ref = copy.deepcopy(model.collective)
-    x = data()
+    model, ref, x = seeded_with_reference(Model)
+    return model, ref.collective, x
+
+
+def test_compilation_option_1_explicit_preparation():
+    model, ref, x = fresh_model_with_reference()
 
     # Option 1: Explicit preparation
     model.collective.prepare_for_compile()
@@ -354,11 +358,7 @@ def test_compilation_optimizer_made_before_the_first_call_is_refused_at_step():
 
 
 def test_compilation_option_3_and_integration_with_compilerouter():
-    torch.compiler.reset()
-    torch.manual_seed(0)
-    model = Model()
-    ref = copy.deepcopy(model.collective)
-    x = data()
+    model, ref, x = fresh_model_with_reference()
 
     # Option 3: With CompileRouter (call prepare first)
     model.collective.prepare_for_compile()  # ← Don't forget this!

@@ -291,11 +291,8 @@ def test_state_dict_and_to_float64_carry_the_per_member_constants():
     testing.check_equivalence(wide, models64, torch.randn(4, 3, 6, dtype=torch.float64))
 
 
-class InRegion(nn.Module):
-    def __init__(self, scale):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.scale = scale
+class InRegion(LinearModel):
+    fields = ("scale",)
 
     def forward(self, x):
         with torch.no_grad():

@@ -100,11 +100,7 @@ def test_positional_python_values_and_list_output():
         wide(torch.randn(3, 2, 4), torch.randn(3, 2, 3), None, 2.5, "list")
 
 
-class NestedInputs(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
+class NestedInputs(LinearModel):
     def forward(self, pair, extra):
         a, b = pair
         return self.fc(a) * b + extra["bias"].sum(-1, keepdim=True), (a - b).flatten(1)
