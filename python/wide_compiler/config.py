@@ -35,8 +35,8 @@ class WideConfig:
             ``grouped``, layer norm ``fused``), ``"loop"`` every op's loop over members; an op's
             own strategy name (``"bmm"``, ``"grouped"``, ...) forces it on the ops that offer it
             (the others run batched).
-        tune: time each op's candidate strategies on the sample shapes at compile time and keep
-            the fastest (cached on disk), then check the picks on the whole graph (the
+        tune: time each op's candidate strategies on the sample shapes (when: ``tune_after_runs``)
+            and keep the fastest (cached on disk), then check the picks on the whole graph (the
             model-level check). Off: each op's heuristic default (batched GEMM, grouped conv).
         tune_repeats: timed rounds per op (each runs every candidate once, interleaved; the
             median per-round speedup over the default decides).
@@ -53,6 +53,12 @@ class WideConfig:
             budget overruns by one call), 2-54 s with None, 0.5-4 s with ``fast()`` (README
             "Quick start"). A busy machine measures faster with ``OMP_WAIT_POLICY=PASSIVE`` set
             before torch loads.
+        tune_after_runs: when the measuring happens. None (the default): after the graph's first
+            runs, enough that the measuring costs at most a fifth of the time they took (80-250
+            runs; Note [Tuning after the first runs] in tuning.py), at a call boundary, so a compile
+            measures nothing and a short run never pays for tuning; picks already in the strategy
+            cache are used from the start. 0: at compile time. k >= 1: after k runs.
+            :meth:`~wide_compiler.WideModel.tune` measures at once.
         cache: read/write the strategy cache on disk (off: the compile cache is off too).
         compile_cache: keep each compiled graph (captured, widened, with its strategies and guards)
             on disk under a key of everything it depends on, so that a second compile of the same
@@ -94,6 +100,7 @@ class WideConfig:
     tune_repeats: int = 7
     tune_margin: float = 0.1
     tune_budget_s: float | None = 5.0
+    tune_after_runs: int | None = None
     cache: bool = True
     cache_dir: str | None = None
     validate: bool = False
@@ -110,6 +117,10 @@ class WideConfig:
         if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 0):
             raise ValueError(f"WideConfig.member_tile: expected None (measured), 0 (never) or a number of "
                              f"members >= 1, got {tile!r}")
+        after = self.tune_after_runs
+        if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
+            raise ValueError(f"WideConfig.tune_after_runs: expected None (after the graph's first runs), 0 (at "
+                             f"compile time) or a number of runs >= 1, got {after!r}")
         known = known_strategies()
         if self.strategy not in known:
             raise ValueError(f"WideConfig.strategy: expected one of {sorted(known)}, got {self.strategy!r}")

@@ -39,10 +39,11 @@ from .fx.state import get_tensor as _get_tensor
 from .fx.widen import WideGraph
 from .layouts import _LAYOUT_ATTR, PackedWideModel, _any_packed, layout_of, tag_layout  # noqa: F401 (old paths)
 from .members import MemberOpsMixin
-from .model_calls import CallGraphsMixin
+from .model_calls import CallGraphsMixin, traced_here
 from .model_constants import MemberConstantsMixin
 from .model_export import DeploymentMixin
 from .model_inspection import InspectionMixin
+from .model_tuning import DeferredTuningMixin, defer_tuning, pending_runs
 from .model_inputs import (  # noqa: F401 (the old import paths of the input checks)
     _describe_value,
     _fill,
@@ -157,6 +158,7 @@ def _global_hooks_on(module: types.ModuleType = sys.modules[nn.Module.__module__
 
 
 class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, InspectionMixin, DeploymentMixin,
+                DeferredTuningMixin,
                 nn.Module):
     """N models of one architecture fused into one: member ``i`` of every input and output is
     model ``i``'s. Built by :func:`wide_compiler.compile`.
@@ -443,6 +445,9 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         self._ranges[id(c.wide)] = _narrow_ranges(c.ep) if c.ep is not None else dict(c.cached.ranges)
         if c.cache_key is not None and c.ep is not None:  # a compile the cache missed: stored for the next
             compile_cache.store(c, c.cache_key, self._ranges[id(c.wide)])
+        # Note [Tuning after the first runs] (tuning.py): measured after its first runs; a graph
+        # recaptured for new sizes in place of one still waiting takes over the runs left
+        defer_tuning(c.wide, c, pending_runs(old) if old is not None else None)
         self._graphs[c.training] = c.wide
         log.debug("wide_compiler: wide graph:\n%s", c.wide.graph_module.code)
         return c.wide
@@ -478,8 +483,11 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         if covering is None:
             return self.packed(*args, **kwargs)  # wide(wc.pack(xs)): WideCompiler 0.x's convention
         wg, flat = covering
-        if wg.constant_table is not None and not torch.compiler.is_dynamo_compiling():
-            self._sync_constants(wg)
+        if not torch.compiler.is_dynamo_compiling():
+            if wg.constant_table is not None:
+                self._sync_constants(wg)
+            if pending_runs(wg) is not None and not (torch.compiler.is_compiling() and traced_here(args, kwargs)):
+                self._count_run(wg)  # Note [Tuning after the first runs] (tuning.py)
         return call_graph(wg, self, self._holders(wg), flat)
 
     @property

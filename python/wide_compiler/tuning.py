@@ -50,6 +50,29 @@ Note [Tuning that pays for itself]
     defaults still go through the model-level check where its :data:`CHECK_RUNS` runs fit in
     the budget (a warm strategy cache keeps its use), else the defaults are kept. Where R is not known (no member check,
     a recapture) the budget is ``tune_budget_s``; ``tune_budget_s=None`` is no limit, unscaled.
+
+Note [Tuning after the first runs]
+    What a measured strategy saves is a fraction of each later run, so measuring pays only over
+    many runs, and at compile time nobody knows how many will come: a cold compile of ResNet-18
+    (N=4) on a quiet machine spent up to its whole 5 s budget measuring the eval graph, 1.8x what
+    torch.export takes to capture the member, for a 10-step script that never earned it back.
+    So by default (``WideConfig.tune_after_runs=None``) a graph that would be measured is
+    compiled with its defaults and the picks already in the strategy cache (a :class:`Budget`
+    with ``defer_runs`` set: nothing measured, ``summary()`` says when it will be), and the model
+    measures it at a call boundary once it has run :func:`deferred_runs` times: enough runs that
+    the budget is at most :data:`DEFER_SHARE` of the time they took (so tuning costs a run at most
+    20% more than it would have, and only a run long enough to gain from it), then keeps the
+    result for the graph, the strategy cache and the compile cache (the entry is written again,
+    so a later process starts tuned). The passes run then are the compile's own (``strategies``,
+    the model-level check, member tiles) on the model's live state and the capture sample, with
+    grad mode on, autocast off and the random streams restored, under the compile lock; a call
+    being traced (torch.compile, torch.export, functorch transforms, a dispatch mode) only
+    counts. ``WideModel.tune()`` measures at once; ``tune_after_runs=0`` measures at compile
+    time, k >= 1 after k runs. A copy of a model (``copy.deepcopy``) shares its graphs, and so
+    their measuring: the runs of both count, and whichever runs the graph when its turn comes
+    measures it on its own state (strategies depend on the shapes, not on the values). A graph
+    captured again for new sizes in place of one still waiting takes over the runs left; a graph
+    under ``torch.compile`` is never counted (``tune()`` before compiling measures it).
 """
 
 from __future__ import annotations
@@ -83,6 +106,10 @@ MIN_ROUNDS = 3  # rounds every measured op gets; more only while no candidate is
 # fit in tune_budget_s
 PAYBACK_RUNS = 50
 TUNING_RUNS = 20
+# Note [Tuning after the first runs]: a graph is measured once its runs took 1 / DEFER_SHARE times its
+# budget (DEFER_RUNS where its run time is not known)
+DEFER_SHARE = 0.2
+DEFER_RUNS = 100
 CHECK_RUNS = 6  # the least the model-level check runs the graph (one round: two blocks of three)
 _hinted = False  # the budget's give-up was logged at WARNING in this process (once: then INFO)
 
@@ -106,6 +133,23 @@ def scaled_budget(seconds: float | None, run_seconds: float | None) -> tuple[flo
     return min(seconds, PAYBACK_RUNS * run_seconds), None
 
 
+def deferred_runs(seconds: float | None, run_seconds: float | None, after: int | None) -> int | None:
+    """Note [Tuning after the first runs]: after how many runs a graph is measured
+    (``after=WideConfig.tune_after_runs``; None: at compile time), its budget being ``seconds``
+    (already scaled: :func:`scaled_budget`) and one run ``run_seconds`` (None: not known).
+
+    >>> deferred_runs(5.0, 0.1, None), deferred_runs(0.05, 0.001, None), deferred_runs(5.0, None, None)
+    (250, 250, 100)
+    >>> deferred_runs(5.0, 0.1, 0), deferred_runs(5.0, 0.1, 3)
+    (None, 3)
+    """
+    if after is not None:
+        return after or None
+    if seconds is None or run_seconds is None or not run_seconds > 0:
+        return DEFER_RUNS
+    return max(1, math.ceil(seconds / (DEFER_SHARE * run_seconds) - 1e-9))
+
+
 def now() -> float:
     """Seconds of the clock tuning and its budget use: the measuring clock,
     :func:`wide_compiler.measure.now` (tests fake it: Note [Fake clock] in measure/timing.py)."""
@@ -119,9 +163,15 @@ class Budget:
     many), ``check`` (the model-level check's outcome, for ``summary()``); ``not_measured``: why
     nothing is measured (Note [Tuning that pays for itself]), else None."""
 
-    def __init__(self, seconds: float | None, run_seconds: float | None = None) -> None:
+    def __init__(self, seconds: float | None, run_seconds: float | None = None,
+                 after_runs: int | None = 0) -> None:
         self.limit, self.run_seconds = seconds, run_seconds
         self.seconds, self.not_measured = scaled_budget(seconds, run_seconds)
+        # Note [Tuning after the first runs]: measured after this many runs of the graph (None: now)
+        self.defer_runs = deferred_runs(self.seconds, run_seconds, after_runs) if self.not_measured is None else None
+        if self.defer_runs is not None:
+            self.not_measured = (f"deferred: measured after the graph's first {self.defer_runs} runs, or at "
+                                 f"WideModel.tune() (WideConfig.tune_after_runs)")
         self.checking = False  # the model-level check runs (on cached picks) though no op was measured
         self.start = now()
         self.measured = 0
@@ -176,6 +226,11 @@ class Budget:
         self.elapsed = self.spent()
         if check is not None:
             self.check = check
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the graph is measured later (Note [Tuning after the first runs])."""
+        return getattr(self, "defer_runs", None) is not None  # (a Budget pickled before the field: no)
 
     def describe(self) -> str:
         """One line for ``summary()``."""
@@ -458,6 +513,9 @@ def measure_strategy(
                     list(names))
     if budget is not None and budget.exhausted(MEASURE_SHARE):
         budget.give_up(where or op, op)
+        if budget.deferred:  # Note [Tuning after the first runs]
+            return Choice(default, None, because + f"; not measured yet: after the graph's first {budget.defer_runs} "
+                          "runs", "budget")
         if budget.not_measured is not None:  # Note [Tuning that pays for itself]
             return Choice(default, None, because + "; not measured: the graph is too slow to tune in the budget",
                           "budget")
@@ -508,7 +566,7 @@ def heuristic_reason(node: fx.Node, default: str) -> str:
 
 def choose_strategies(graph: fx.Graph, n: int, config: WideConfig, *, training: bool,
                       dtype: torch.dtype, device: torch.device,
-                      run_seconds: float | None = None) -> dict[str, dict[str, float] | None]:
+                      run_seconds: float | None = None, defer: bool = False) -> dict[str, dict[str, float] | None]:
     """The strategy pass: set the ``strategy`` kwarg of every tunable node of ``graph``; returns
     the measured timings (ms per candidate, or None when nothing was measured) by node name.
 
@@ -518,13 +576,15 @@ def choose_strategies(graph: fx.Graph, n: int, config: WideConfig, *, training: 
     backward for a train graph, where a strategy with a cheap forward can have a slow backward.
     Otherwise the forced strategy is used where the op offers it (``"batched"``: every op's
     default). ``run_seconds``: what one run of the graph takes, where known (the budget follows
-    it: Note [Tuning that pays for itself]). Left on the graph for ``WideModel.summary()`` and the model-level check:
+    it: Note [Tuning that pays for itself]). ``defer``: measure per ``config.tune_after_runs``
+    (Note [Tuning after the first runs]): nothing now, cached picks used. Left on the graph for ``WideModel.summary()`` and the model-level check:
     ``node.meta["wide_strategy_reason"]`` (why this strategy), ``node.meta["wide_tune_key"]``
     (the op's cache key) and ``graph.owning_module.meta["wide_tuning"]`` (the :class:`Budget`)."""
     opts = {"dtype": dtype, "device": device, "requires_grad": training}
     forced, matched = config.strategy, False
     timings_by_node: dict[str, dict[str, float] | None] = {}
-    budget = Budget(config.tune_budget_s, run_seconds) if config.tune and forced == "auto" else None
+    budget = (Budget(config.tune_budget_s, run_seconds, config.tune_after_runs if defer else 0)
+              if config.tune and forced == "auto" else None)
     for node in graph.nodes:
         spec = node.meta.get("wide_tune")
         if spec is None:

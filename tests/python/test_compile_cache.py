@@ -181,7 +181,7 @@ def test_error_messages_keep_the_source_lines(cache_dir, monkeypatch):
 def test_a_tuned_compile_round_trips_its_measurements(cache_dir, monkeypatch):
     torch.manual_seed(0)
     members = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)) for _ in range(3)]
-    config = wc.WideConfig(tune_repeats=1, tune_budget_s=None)
+    config = wc.WideConfig(tune_after_runs=0, tune_repeats=1, tune_budget_s=None)
     fresh = wc.compile(members, torch.randn(2, 4), config=config)
     _NoCapture(monkeypatch)
     cached = wc.compile(members, torch.randn(2, 4), config=config)
@@ -202,7 +202,7 @@ def test_a_tuning_cut_short_is_not_stored(cache_dir, monkeypatch):
 
     monkeypatch.setattr(tuning.Budget, "exhausted", lambda self, share=1.0: self.seconds is not None)
     members = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)) for _ in range(2)]
-    wc.compile(members, torch.randn(2, 4), config=wc.WideConfig(tune_budget_s=1.0))
+    wc.compile(members, torch.randn(2, 4), config=wc.WideConfig(tune_after_runs=0, tune_budget_s=1.0))
     assert cache_entries(cache_dir) == []
     wc.compile(members, torch.randn(2, 4), config=FAST)  # nothing measured: stored
     assert len(cache_entries(cache_dir)) == 1

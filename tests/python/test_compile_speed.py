@@ -79,7 +79,7 @@ def test_a_graph_too_slow_to_tune_in_the_budget_measures_nothing(timed, monkeypa
     original = tuning._measure
     monkeypatch.setattr(tuning, "_measure", lambda *a, **k: measured.append(1) or original(*a, **k))
     with caplog.at_level(logging.INFO, logger="wide_compiler"):
-        wide = wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig(cache_dir=str(tmp_path)))
+        wide = wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path)))
     assert not measured
     assert wide.strategies == defaults(wide)
     line = tuning_line(wide)
@@ -100,7 +100,7 @@ def test_cached_picks_of_a_graph_too_slow_to_measure_are_checked_where_the_check
     original = tuning.lookup
     monkeypatch.setattr(tuning, "lookup", lambda key, config: {"strategy": "loop", "timings_ms": None}
                         if '"op": "wide.linear"' in key else original(key, config))
-    wide = wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig(cache_dir=str(tmp_path), tune_budget_s=budget))
+    wide = wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path), tune_budget_s=budget))
     line = tuning_line(wide)
     assert "0 measured, 2 cached" in line and "nothing measured" in line, line
     if checked:
@@ -113,7 +113,7 @@ def test_cached_picks_of_a_graph_too_slow_to_measure_are_checked_where_the_check
 def test_the_budget_follows_the_graphs_run_time(timed, tmp_path):
     """A forward of 1 ms: the train graph runs ~9 ms, so the budget is 50 runs, 0.45 s, not 5 s."""
     timed(0.001)
-    wide = wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig(cache_dir=str(tmp_path)))
+    wide = wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path)))
     assert "budget 0.45 s of 5 s: 50 runs of the graph" in tuning_line(wide), tuning_line(wide)
     budget = wide._graph_for(True).graph_module.meta["wide_tuning"]
     assert budget.seconds == pytest.approx(0.45) and budget.not_measured is None
@@ -123,16 +123,16 @@ def test_the_eval_graph_budget_follows_the_members_forward(timed, tmp_path):
     """The eval graph, compiled at .eval() without the members, uses the forward timed at the
     first compile: N runs of it (no backward)."""
     timed(0.001)
-    wide = wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig(cache_dir=str(tmp_path))).eval()
+    wide = wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path))).eval()
     assert "budget 0.15 s of 5 s" in tuning_line(wide), tuning_line(wide)
 
 
 def test_no_limit_and_unknown_run_times_keep_the_budget(timed, tmp_path):
     timed(1.0)
-    wide = wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig(cache_dir=str(tmp_path), tune_budget_s=None))
+    wide = wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path), tune_budget_s=None))
     assert "(no limit)" in tuning_line(wide) and "nothing measured" not in tuning_line(wide)
     timed(0.0)  # a forward too quick for the clock: the run time is not known
-    wide = wc.compile(members(1), torch.randn(4, 6), config=wc.WideConfig(cache_dir=str(tmp_path / "b")))
+    wide = wc.compile(members(1), torch.randn(4, 6), config=wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path / "b")))
     assert "(budget 5 s)" in tuning_line(wide), tuning_line(wide)
 
 
@@ -151,7 +151,7 @@ def test_the_budget_give_up_warns_once_per_process(clock, monkeypatch, tmp_path,
 
     monkeypatch.setattr(tuning, "_timed_calls", slow)
     monkeypatch.setattr(tuning, "_hinted", False)
-    config = wc.WideConfig(cache_dir=str(tmp_path), tune_budget_s=10)
+    config = wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path), tune_budget_s=10)
     with caplog.at_level(logging.INFO, logger="wide_compiler.tuning"):
         wc.compile(members(), torch.randn(4, 6), config=config)
         wc.compile(members(1), torch.randn(4, 6), config=config.replace(cache_dir=str(tmp_path / "b")))

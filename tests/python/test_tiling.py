@@ -212,7 +212,7 @@ def test_measured_tiles_are_kept_only_when_faster_and_cached(monkeypatch, tmp_pa
     monkeypatch.setattr(tiling, "tile_candidates", lambda n, act, cache: [2])
     torch.manual_seed(0)
     models = [zoo.ResNetTiny(width=4, classes=3, pool=False).eval() for _ in range(N)]
-    config = wc.WideConfig(cache_dir=str(tmp_path), tune_budget_s=None)  # never cut short by a busy machine
+    config = wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path), tune_budget_s=None)  # never cut short by a busy machine
     wide, _ = testing.check_compile(models, torch.randn(2, 3, 12, 12), config=config, modes=("eval",))
     line = wide.summary().splitlines()[3]
     assert "member tiles: " in line and "untiled " in line and "by 2 " in line, line

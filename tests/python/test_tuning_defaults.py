@@ -148,7 +148,7 @@ def test_budget_stops_measuring_and_summary_says_so(monkeypatch, clock, tmp_path
     slow_candidates(monkeypatch, clock)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # the hint is given only when it is unset
     monkeypatch.setattr(tuning, "_hinted", False)  # the first give-up of the process warns (then INFO)
-    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=3, tune_budget_s=40)
+    config = wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path), tune_repeats=3, tune_budget_s=40)
     with caplog.at_level(logging.WARNING, logger="wide_compiler.tuning"):
         wide = wc.compile(models(mlp), torch.randn(4, 6), config=config)
     nodes = list(wide.strategies)
@@ -172,7 +172,7 @@ def test_budget_exhausted_while_measuring_keeps_defaults(monkeypatch, clock, tmp
     """A 10 s budget is spent during the first op's rounds: that op is abandoned, every op keeps
     its default, nothing is cached, and the model-level check has nothing to check."""
     slow_candidates(monkeypatch, clock)
-    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=3, tune_budget_s=10)
+    config = wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path), tune_repeats=3, tune_budget_s=10)
     wide = wc.compile(models(mlp), torch.randn(4, 6), config=config)
     assert wide.strategies == defaults(wide)
     by_node = rows(wide)
@@ -185,7 +185,7 @@ def test_budget_exhausted_while_measuring_keeps_defaults(monkeypatch, clock, tmp
 
 def test_budget_none_is_unbounded(monkeypatch, clock, tmp_path):
     slow_candidates(monkeypatch, clock, seconds=1000.0)
-    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=None)
+    config = wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=None)
     wide = wc.compile(models(mlp), torch.randn(4, 6), config=config)
     assert "budget exhausted" not in wide.summary()
     assert "tuning: 3 measured" in wide.summary() and "(no limit)" in wide.summary()
@@ -253,7 +253,7 @@ def test_interleaved_rounds_cancel_load_bursts(clock):
 
 
 def test_cached_choice_says_cached(clock, tmp_path):
-    config = wc.WideConfig(cache_dir=str(tmp_path))
+    config = wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path))
     make = fake_candidates(clock, {"bmm": 1.0, "loop": 0.5})
     first = tuning.measure_strategy("linear", {"x": 3}, make, "bmm", config, ("bmm", "loop"))
     second = tuning.measure_strategy("linear", {"x": 3}, make, "bmm", config, ("bmm", "loop"))
@@ -284,7 +284,7 @@ class ConvNet(nn.Module):
 ], ids=["measured", "fast", "loop", "batched"])
 def test_summary_gives_a_reason_for_every_strategy(tmp_path, config):
     wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8),
-                      config=wc.WideConfig(cache_dir=str(tmp_path), **config))
+                      config=wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path), **config))
     by_node = rows(wide)
     assert by_node and all(any(r in row for r in REASONS) for row in by_node.values()), wide.summary()
     assert any(ln.startswith("node ") and ln.rstrip().endswith("why") for ln in wide.summary().splitlines())
@@ -302,7 +302,7 @@ def pick_loop(monkeypatch):
 
 def test_model_level_check_outcome_in_summary_and_cached(monkeypatch, tmp_path):
     pick_loop(monkeypatch)
-    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=None)
+    config = wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=None)
     wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
     head = tuning_line(wide)
     assert "model-level check: tuned set" in head and "of the defaults' time" in head, head
@@ -330,7 +330,7 @@ def test_model_level_check_skipped_when_the_budget_is_spent(monkeypatch, clock, 
         return "loop", "measured: loop (faked)"
 
     monkeypatch.setattr(tuning, "_decide", decide)
-    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=900)
+    config = wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=900)
     wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
     assert wide.strategies == defaults(wide)
     head = tuning_line(wide)
@@ -353,7 +353,7 @@ def test_model_level_check_cut_short_keeps_defaults(monkeypatch, clock, tmp_path
         return lookup(key, config)
 
     monkeypatch.setattr(tuning, "lookup", check_starts)
-    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=100)
+    config = wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=100)
     wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
     assert wide.strategies == defaults(wide)
     # how many runs fit before the cut varies (a stop CI saw 0 tuned runs on a loaded machine): the
@@ -388,7 +388,7 @@ def test_model_level_check_ends_after_one_round_when_the_sets_are_clearly_apart(
     samples per set) decides, not three, and the tuned set is kept."""
     pick_loop(monkeypatch)
     runs = timed_check(monkeypatch, clock, 1.0, 2.0)
-    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=None)
+    config = wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=None)
     wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
     assert runs == ["tuned"] * 3 + ["default"] * 3, runs
     assert "model-level check: tuned set 1000.000 ms vs defaults 2000.000 ms" in tuning_line(wide), tuning_line(wide)
@@ -398,7 +398,7 @@ def test_model_level_check_ends_after_one_round_when_the_sets_are_clearly_apart(
 def test_model_level_check_runs_three_rounds_when_the_sets_are_level(monkeypatch, clock, tmp_path):
     pick_loop(monkeypatch)
     runs = timed_check(monkeypatch, clock, 1.0, 1.0)
-    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=None)
+    config = wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path), tune_repeats=1, tune_budget_s=None)
     wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
     assert runs == (["tuned"] * 3 + ["default"] * 3) + (["default"] * 3 + ["tuned"] * 3) + (["tuned"] * 3 + ["default"] * 3)
     assert wide.strategies == defaults(wide) and "kept the defaults" in tuning_line(wide)
@@ -418,7 +418,7 @@ def test_model_level_check_cut_short_but_clearly_apart_decides(monkeypatch, cloc
         return lookup(key, config)
 
     monkeypatch.setattr(tuning, "lookup", check_starts)
-    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=6, tune_budget_s=100)
+    config = wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path), tune_repeats=6, tune_budget_s=100)
     wide = wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)
     assert runs == ["tuned"] * 4 + ["default"] * 3, runs
     assert set(wide.strategies.values()) == {"loop"}, wide.summary()
@@ -557,7 +557,7 @@ def test_stem_layout_follows_what_comes_after_it(pool):
 def test_a_cached_pick_is_relative_to_its_default(clock, tmp_path):
     """A candidate must beat the default by the margin, so a pick cached against one default is
     not reused when the heuristic default changes (the default is in the cache key)."""
-    config = wc.WideConfig(cache_dir=str(tmp_path))
+    config = wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path))
     make = fake_candidates(clock, {"grouped_cl": 1.0, "loop": 0.95})
     first = tuning.measure_strategy("conv", {"x": 3}, make, "grouped_cl", config, ("grouped_cl", "loop"))
     other = tuning.measure_strategy("conv", {"x": 3}, make, "loop", config, ("grouped_cl", "loop"))
@@ -573,7 +573,7 @@ def test_the_strategy_cache_is_per_processor(monkeypatch, tmp_path):
     from wide_compiler import measure
 
     steady_measuring_clock(monkeypatch)  # every op measured within the budget, however busy the machine
-    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1)
+    config = wc.WideConfig(tune_after_runs=0, cache_dir=str(tmp_path), tune_repeats=1)
     here = measure.hardware("cpu")
     assert torch.backends.cpu.get_cpu_capability() in here
     wc.compile(models(ConvNet, 2), torch.randn(2, 3, 8, 8), config=config)

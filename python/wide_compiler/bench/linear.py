@@ -137,7 +137,7 @@ def _tuned_contenders(models: Sequence[nn.Linear], x: torch.Tensor, W: torch.Ten
         log.info("wide_compiler.compile is not available: no 'tuned' rows")
         return [], None
     # Fresh measurement (no disk cache): what a first compile on this machine picks.
-    wide = wc.compile(list(models), x[0], config=wc.WideConfig(tune=True, cache=False))
+    wide = wc.compile(list(models), x[0], config=wc.WideConfig(tune=True, cache=False, tune_after_runs=0))
     chosen = sorted(set(wide.strategies.values()))
     if len(chosen) != 1:
         raise RuntimeError(f"expected one wide op with one strategy, got {wide.strategies}")

@@ -424,6 +424,9 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = measure.MODES,
             sw = measure.Stopwatch()
             wide = wc.compile([copy.deepcopy(m) for m in master], sample, config=_CONFIGS[variant](wc))
             compiled[name] = (wide, sw.seconds)
+            # timed as a long run runs: its graphs measured (after their first runs by default:
+            # Note [Tuning after the first runs] in tuning.py), not in the timed calls
+            wide.tune()
             tuned[name, wide.training] = _tuner_timings(wide, wide.training)  # compile built this graph
         except Exception as e:  # noqa: BLE001 (a failed compile is a result: recorded)
             log.warning("%s/%s: wc.compile (%s) failed: %s", case.target, case.name, variant, e)
@@ -447,6 +450,7 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = measure.MODES,
             with torch.set_grad_enabled(mode == "train"):
                 wide(*xs)
             build_s[name, mode] = seconds + sw.seconds
+            wide.tune()
             if (name, training) not in tuned:  # this call captured, widened and tuned the graph
                 tuned[name, training] = _tuner_timings(wide, training)
             _reset_buffers(wide, master)

@@ -131,7 +131,9 @@ def sample_runs(c: Any) -> Iterator[Callable[[], None]]:
     the graph reads, under a stand-in module): forward, plus backward for a train graph (no
     ``.grad`` written); CUDA synchronised. The buffers the runs change are restored on exit."""
     root = state_module(c.state)
-    for name, t, persistent, _ in missing_constants(c.ep, c.constant_plan, root):
+    # the capture's constants, or those a compile-cache entry came with
+    captured = c.ep if c.ep is not None else c.cached
+    for name, t, persistent, _ in missing_constants(captured, c.constant_plan, root):
         put_tensor(root, name, t, persistent)
     wide_sample = tree_map(lambda a: a.unsqueeze(0).expand(c.n, *a.shape).clone()
                            if isinstance(a, torch.Tensor) else a, c.sample)

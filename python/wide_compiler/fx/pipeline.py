@@ -129,6 +129,9 @@ class Compilation:
     # the capture, which is then not made (``ep`` stays None)
     cache_key: str | None = None
     cached: compile_cache.CachedCapture | None = None
+    # Note [Tuning after the first runs] (tuning.py): the strategy pass leaves the measuring for
+    # after the graph's first runs (per config.tune_after_runs); the model's later run sets False
+    defer_tuning: bool = True
 
     @property
     def training(self) -> bool:
@@ -329,7 +332,7 @@ def _strategies(c: Compilation) -> None:
     member = c.member_seconds if c.member_seconds is not None else _MEMBER_SECONDS.get(c.model)
     run = None if member is None else member * c.n * (3 if c.training else 1)  # a train graph: + backward
     c.timings = choose_strategies(c.wide.graph_module.graph, c.n, c.config, training=c.training,
-                                  dtype=dtype, device=device, run_seconds=run)
+                                  dtype=dtype, device=device, run_seconds=run, defer=c.defer_tuning)
 
 
 def _lint(c: Compilation) -> None:
@@ -365,7 +368,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("strategies", _strategies, ("wide",), check=_all_chosen),
     Pass("stack_state", stack_state, ("wide",), check=check_state,
          when=lambda c: c.members is not None and c.state is None),
-    Pass("check_tuning", check_tuning, ("ep", "wide", "state"), when=lambda c: c.state is not None),
+    Pass("check_tuning", check_tuning, ("wide", "state"), when=lambda c: c.state is not None),
     Pass("tile_members", lambda c: tile_members(c, lambda k: _chunk_graph(c, k)), ("ep", "wide"),
          when=lambda c: c.n > 1 and (c.state is not None or (c.member_tile or c.config.member_tile or 0) > 0)),
 )
