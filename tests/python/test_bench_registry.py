@@ -114,12 +114,36 @@ def test_a_record_not_built_by_make_record_is_refused(monkeypatch):
 CHECKED_ELSEWHERE = (*VISION_CI_TARGETS, "real")
 
 
+def _fused_integration_runs_in_this_process(monkeypatch) -> None:
+    """``integrations``' fused runs (cold, then warm from the cold run's compile cache) in this
+    process, by the child's own ``one_run`` (test_lightning.py checks that it trains as the
+    sequential run does); its sequential run stays a fresh process, so the record still comes
+    through the child script and its JSON. Each fresh process imports torch and Lightning: three of
+    them were most of this case's time."""
+    from wide_compiler.bench import _integrations_child as child
+    from wide_compiler.bench import integrations
+
+    fresh = integrations._fresh
+
+    def run(framework, fused, n, steps, weights, cache_dir):
+        if not fused:
+            return fresh(framework, fused, n, steps, weights, cache_dir)
+        with pytest.MonkeyPatch.context() as env:  # the fresh process's environment (_fresh)
+            env.setenv("WIDE_COMPILER_CACHE_DIR", cache_dir)
+            env.delenv("WIDE_COMPILE_CACHE", raising=False)
+            return child.one_run(framework, fused, n, steps, weights)
+
+    monkeypatch.setattr(integrations, "_fresh", run)
+
+
 @pytest.mark.parametrize("name", [t for t in bench.TARGETS if t not in CHECKED_ELSEWHERE])
 def test_first_ci_case_of_every_target_has_the_design_fields(name, monkeypatch, tmp_path):
     """Every target's first ``ci`` case only: seconds per target (a new target is covered here
     without editing this file). The targets of CHECKED_ELSEWHERE are not run twice; linear's
     whole ``ci`` run is also in test_cli.py."""
     monkeypatch.setenv("WIDE_COMPILER_CACHE_DIR", str(tmp_path))
+    if name == "integrations":
+        _fused_integration_runs_in_this_process(monkeypatch)
     spec = bench.TARGETS[name]
     monkeypatch.setitem(registry._REGISTRY, name,
                         dataclasses.replace(spec, jobs=lambda p: list(spec.jobs(p))[:1]))
