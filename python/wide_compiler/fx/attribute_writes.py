@@ -31,13 +31,30 @@ keeps per member; or the state passed in and returned). The attributes, and the 
 forward installed, are put back at the end: the captured module (a copy of member 0) is left
 as it was (a tensor written in place excepted). A write on a path the capture's call does not take (a
 cache refilled only at longer inputs) is seen when a call takes it: that call's capture refuses.
+
+The same holds one level down and more: a module may keep its state in a plain object it holds
+(``self.state.step += 1`` on a dataclass, a ``SimpleNamespace`` or an instance of the user's own
+class; ``self.state.seen.append(...)``; such objects inside a list, tuple or dict attribute).
+:func:`held_objects` finds them (at most ``_MAX_DEPTH`` steps below a module's attribute and
+``_MAX_HELD`` objects: instances of classes of the standard library, torch, numpy or an installed
+package are not looked into, their writes being the library's bookkeeping, a logger's cache); their
+``__dict__`` is compared as a module's is, a write is named by its path (``self.state.step of the
+root``), judged by the same runs (the stand-in replaces the held object's attribute) and put back at
+exit. :func:`~wide_compiler.fx.sample_check.attributes_kept` puts them back the same way after a
+member ran in place (probe 8 of issue 44: P8-3, P8-4).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
+import functools
 import inspect
 import logging
+import os
+import sys
+import types
 from typing import Any
 
 import torch
@@ -47,7 +64,7 @@ from ..errors import WideCompileError
 
 log = logging.getLogger("wide_compiler.fx.capture")
 
-__all__ = ["AttributeWrites"]
+__all__ = ["AttributeWrites", "held_objects", "put_back_held"]
 
 # nn.Module's own bookkeeping in __dict__: not state the forward computes with
 _MODULE_KEYS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training",
@@ -59,6 +76,112 @@ _SCALARS = (int, float, complex, bool, str, bytes, type(None))
 _ABSENT = object()
 # what torch's recurrent layers rewrite from their parameters (export swaps them): the flat weight lists
 _RNN_KEYS = frozenset({"_flat_weights", "_flat_weights_names", "_all_weights", "_flat_weight_refs"})
+
+
+_MAX_DEPTH = 4  # steps (attributes, items) below a module's attribute looked into for held objects
+_MAX_HELD = 256  # held objects looked at per model
+_MAX_ITEMS = 64  # items of a list, tuple or dict looked through for held objects
+_SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+_LIBRARIES = frozenset({"builtins", "torch", "numpy", "wide_compiler", "typing"})
+_NOT_HELD = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
+             types.BuiltinFunctionType, functools.partial)
+
+Step = tuple[str, Any]  # ("attr", name) or ("item", key)
+
+
+def _held(v: Any) -> bool:
+    """Whether ``v`` is an object whose attributes are state a forward may keep (Note [A forward
+    that writes its module's attributes]): a dataclass instance, a namespace, or an instance of
+    the user's own class with a ``__dict__``; not a module, tensor, class, function, nor an object
+    of the standard library's, torch's, numpy's or an installed package's classes.
+
+    >>> import types
+    >>> _held(types.SimpleNamespace(step=0)), _held([1]), _held(torch.nn.Linear(1, 1))
+    (True, False, False)
+    """
+    if isinstance(v, (types.SimpleNamespace, argparse.Namespace)):
+        return True
+    if isinstance(v, _NOT_HELD) or not isinstance(getattr(v, "__dict__", None), dict):
+        return False
+    if dataclasses.is_dataclass(v):
+        return True
+    module = type(v).__module__ or ""
+    if module.partition(".")[0] in _LIBRARIES or module.partition(".")[0] in sys.stdlib_module_names:
+        return False
+    file = getattr(sys.modules.get(module), "__file__", None) or ""
+    return not any(d in file for d in _SITE)
+
+
+def held_objects(roots: list[tuple[str, nn.Module]]) -> list[tuple[str, tuple[Step, ...], Any]]:
+    """The plain objects the modules ``roots`` (``(path, module)``) hold, as ``(module path, steps
+    from the module, object)``, each once (Note [A forward that writes its module's attributes]).
+
+    >>> import types
+    >>> m = torch.nn.Linear(1, 1)
+    >>> m.state = types.SimpleNamespace(step=0, inner=[types.SimpleNamespace(n=1)])
+    >>> [(p, s) for p, s, _ in held_objects([("", m)])]
+    [('', (('attr', 'state'),)), ('', (('attr', 'state'), ('attr', 'inner'), ('item', 0)))]
+    """
+    out: list[tuple[str, tuple[Step, ...], Any]] = []
+    seen: set[int] = set()
+
+    def walk(path: str, steps: tuple[Step, ...], v: Any) -> None:
+        if len(steps) > _MAX_DEPTH or len(out) >= _MAX_HELD:
+            return
+        if type(v) in (list, tuple) and len(v) <= _MAX_ITEMS:
+            for i, x in enumerate(v):
+                walk(path, (*steps, ("item", i)), x)
+        elif type(v) is dict and len(v) <= _MAX_ITEMS:
+            for k, x in list(v.items()):
+                walk(path, (*steps, ("item", k)), x)
+        elif id(v) not in seen and _held(v):
+            seen.add(id(v))
+            out.append((path, steps, v))
+            for k, x in list(vars(v).items()):
+                walk(path, (*steps, ("attr", k)), x)
+
+    for path, m in roots:
+        for k, v in list(vars(m).items()):
+            if k not in _skipped(m):
+                walk(path, (("attr", k),), v)
+    return out
+
+
+def put_back_held(saved: list[tuple[Any, dict[str, tuple[Any, Any]]]]) -> None:
+    """Put back held objects' attributes (``saved``: ``(object, {name: (value, _contents(value))})``
+    taken before): attributes added since are removed, rebound ones get their old object, lists,
+    dicts and sets their old contents."""
+    for obj, attrs in saved:
+        now = vars(obj)
+        for k in [k for k in now if k not in attrs]:
+            del now[k]
+        for k, (v, items) in attrs.items():
+            _put_back_contents(v, items)
+            now[k] = v
+
+
+def _put_back_contents(v: Any, items: Any) -> None:
+    if isinstance(items, list) and isinstance(v, list):
+        v[:] = items
+    elif isinstance(items, (dict, set)) and isinstance(v, (dict, set)):
+        v.clear()
+        v.update(items)  # type: ignore[arg-type]
+
+
+def _snapshot(obj: Any) -> dict[str, tuple[Any, Any]]:
+    return {k: (v, _contents(v)) for k, v in vars(obj).items()}
+
+
+def _expr(steps: tuple[Step, ...]) -> str:
+    """``self.state.seen`` / ``self.st['a'].n``: where a write is, read from its module."""
+    return "self" + "".join(f".{k}" if kind == "attr" else f"[{k!r}]" for kind, k in steps)
+
+
+def _follow(m: nn.Module, steps: tuple[Step, ...]) -> Any:
+    obj: Any = m
+    for kind, k in steps:
+        obj = vars(obj)[k] if kind == "attr" else obj[k]
+    return obj
 
 
 def _skipped(m: nn.Module) -> frozenset[str]:
@@ -110,13 +233,18 @@ class AttributeWrites:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.before: list[tuple[str, nn.Module, dict[str, tuple[Any, Any]]]] = []
-        self.writes: dict[tuple[str, str], tuple[str, str, str]] = {}  # (path, attribute) -> (class, was, now)
+        # the plain objects the modules hold: (module path, steps to the object, object, its attributes)
+        self.held: list[tuple[str, tuple[Step, ...], Any, dict[str, tuple[Any, Any]]]] = []
+        # (module path, steps to the attribute written) -> (module class, was, now)
+        self.writes: dict[tuple[str, tuple[Step, ...]], tuple[str, str, str]] = {}
         self.saved_forward: Any = None
         self.hooks: list[tuple[dict, dict]] = []
 
     def __enter__(self) -> AttributeWrites:
         self.before = [(name, m, {k: (v, _contents(v)) for k, v in vars(m).items() if k not in _skipped(m)})
                        for name, m in self.model.named_modules(remove_duplicate=True)]
+        self.held = [(path, steps, obj, _snapshot(obj))
+                     for path, steps, obj in held_objects([(name, m) for name, m, _ in self.before])]
         # hooks the forward installs on a first call (transformers' output capturing) go too
         self.hooks = [(d, dict(d)) for _, m in self.model.named_modules() for k, d in vars(m).items()
                       if k.startswith("_") and "hooks" in k and isinstance(d, dict)]
@@ -149,39 +277,47 @@ class AttributeWrites:
     def _compare(self, restore: bool) -> None:
         """At the end of a forward: record the writes. At exit (``restore``): put the attributes
         back, recording nothing (export has put back its own copies of them by then)."""
+        classes = {path: type(m).__name__ for path, m, _ in self.before}
         for path, m, attrs in self.before:
-            now = vars(m)
-            for k in set(now) - set(attrs) - _skipped(m):
-                if restore:
-                    delattr(m, k)
-                else:
-                    self.writes.setdefault((path, k), (type(m).__name__, "absent", _shown(now[k])))
-            for k, (v, items) in attrs.items():
-                after = now.get(k, _ABSENT)
-                if _same(v, items, after):
-                    continue
-                if not restore:
-                    self.writes.setdefault((path, k), (type(m).__name__, _shown(v),
-                                                       "deleted" if after is _ABSENT else _shown(after)))
-                    continue
-                if isinstance(items, list):
-                    v[:] = items
-                elif isinstance(items, (dict, set)):
-                    v.clear()
-                    v.update(items)
-                object.__setattr__(m, k, v)
+            self._compare_one(path, (), m, attrs, _skipped(m), classes[path], restore)
+        for path, steps, obj, attrs in self.held:
+            self._compare_one(path, steps, obj, attrs, frozenset(), classes.get(path, "?"), restore)
+
+    def _compare_one(self, path: str, steps: tuple[Step, ...], owner: Any, attrs: dict[str, tuple[Any, Any]],
+                     skipped: frozenset[str], cls: str, restore: bool) -> None:
+        """One module's or held object's attributes (``owner``, at ``steps`` from module ``path``)."""
+        now = vars(owner)
+        for k in set(now) - set(attrs) - skipped:
+            if restore:
+                del now[k]
+            else:
+                self.writes.setdefault((path, (*steps, ("attr", k))), (cls, "absent", _shown(now[k])))
+        for k, (v, items) in attrs.items():
+            after = now.get(k, _ABSENT)
+            if _same(v, items, after):
+                continue
+            if not restore:
+                self.writes.setdefault((path, (*steps, ("attr", k))), (
+                    cls, _shown(v), "deleted" if after is _ABSENT else _shown(after)))
+                continue
+            _put_back_contents(v, items)
+            if isinstance(owner, nn.Module):
+                object.__setattr__(owner, k, v)
+            else:
+                now[k] = v
 
     def check(self, args: tuple, kwargs: dict) -> None:
         """Raise :class:`WideCompileError` naming the writes whose old value the forward reads
         (run on ``args``/``kwargs``), if there are any."""
         if not self.writes or not _reads_what_it_wrote(self.model, args, kwargs, self.writes):
             return
-        writes = [(path, cls, k, was, now) for (path, k), (cls, was, now) in self.writes.items()]
-        shown = "; ".join(f"self.{k} of {f'`{path}`' if path else 'the root'} ({cls}): {was} -> {now}"
-                          for path, cls, k, was, now in writes[:4])
+        writes = [(path, cls, steps, was, now) for (path, steps), (cls, was, now) in self.writes.items()]
+        shown = "; ".join(f"{_expr(steps)} of {f'`{path}`' if path else 'the root'} ({cls}): {was} -> {now}"
+                          for path, cls, steps, was, now in writes[:4])
         more = f" (and {len(writes) - 4} more)" if len(writes) > 4 else ""
         raise WideCompileError(
-            f"wide_compiler: member 0's forward writes Python attributes of its modules: {shown}{more}. "
+            f"wide_compiler: member 0's forward writes Python attributes of its modules (or of objects they "
+            f"hold): {shown}{more}. "
             "Each member alone keeps that state across calls (a counter, a carried hidden state, a "
             "cache), and computes with its new value at the next call; the captured graph would run "
             "the capture's value at every call and write nothing back, so the wide model would be "
@@ -222,7 +358,7 @@ class _ReadBeforeWrite(Exception):
 
 
 def _reads_what_it_wrote(model: nn.Module, args: tuple, kwargs: dict,
-                         writes: dict[tuple[str, str], tuple[str, str, str]]) -> bool:
+                         writes: dict[tuple[str, tuple[Step, ...]], tuple[str, str, str]]) -> bool:
     """Whether the forward reads an attribute it writes before writing it (a counter, a carried
     state), rather than only writing it first and reading its own write (scratch state set up at
     the start of every call: transformers' Funnel sets ``self.seq_len`` so), or setting a flag
@@ -255,8 +391,8 @@ def _reads_what_it_wrote(model: nn.Module, args: tuple, kwargs: dict,
             return not same(plain, run(twin))  # flags set once: the next call computes the same
         twin = copy.deepcopy(model)
         modules = dict(twin.named_modules(remove_duplicate=False))
-        for path, k in writes:
-            object.__setattr__(modules[path], k, _Unread())
+        for path, steps in writes:
+            object.__setattr__(_follow(modules[path], steps[:-1]), steps[-1][1], _Unread())
         return not same(plain, run(twin))
     except Exception as e:  # noqa: BLE001 -- any failure of a run: taken as a read (a refusal, never a wrong result)
         log.debug("wide_compiler: the runs that tell a read from a write failed (%s: %s)", type(e).__name__, e)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..errors import WideCompileError
+from .attribute_writes import _snapshot, held_objects, put_back_held
 
 __all__ = ["attributes_kept", "check_sample"]
 
@@ -62,7 +63,22 @@ def check_sample(model: nn.Module, args: tuple, kwargs: dict, n: int) -> None:
 def attributes_kept(model: nn.Module) -> Any:
     """Put back every module's own Python attributes when the block ends (raised or not): rebound
     values (a call counter) get their old object back, attributes the block added are removed,
-    and lists, dicts and sets changed in place get their old contents back."""
+    and lists, dicts and sets changed in place get their old contents back. The same for the
+    plain objects the modules hold (``self.state.step``, ``self.state.seen``: Note [A forward that
+    writes its module's attributes] in fx/attribute_writes.py), so a member run in place leaves
+    the user's objects as they were.
+
+    >>> import types
+    >>> m = nn.Linear(1, 1)
+    >>> m.state = types.SimpleNamespace(step=0, seen=[])
+    >>> with attributes_kept(m):
+    ...     m.state.step += 1
+    ...     m.state.seen.append(1)
+    ...     m.state.extra = True
+    >>> m.state
+    namespace(step=0, seen=[])
+    """
+    held = [(obj, _snapshot(obj)) for _, _, obj in held_objects(list(model.named_modules()))]
     saved = []
     for m in model.modules():
         attrs = dict(m.__dict__)
@@ -77,6 +93,7 @@ def attributes_kept(model: nn.Module) -> Any:
     try:
         yield
     finally:
+        put_back_held(held)
         for m, attrs, contents in saved:
             for k in [k for k in m.__dict__ if k not in attrs]:
                 del m.__dict__[k]
