@@ -275,6 +275,20 @@ class _Watch:
 # not refused: its writes are the library's design for export (transformers' output-capturing
 # hooks collect into a per-call context that forward itself returns, so export captures them as
 # graph outputs); the user's own hooks are what this guards against.
+#
+# A hook may keep its state on the object it is bound to instead: a callable object recording
+# activations (``Recorder.__call__``: ``self.items.append(out)``), a bound method counting its
+# calls (``self.n += 1; return out * self.n``), a ``functools.partial`` handing a list or an object
+# to a function. The capture runs it once on a copy, the wide model never: the recorder stays
+# empty and the counter stays at the capture's value, baked into the graph (probe 8 of issue 44,
+# P8-5: 0.18-0.33 off from the second call). So the code is also read for writes into what it is
+# bound to (``_bound_writes``: the value stack of its code is followed, and a value read from the
+# bound object, ``self``, or a partial's argument, through attributes and items, that an attribute
+# or item is assigned into or deleted from, or whose mutator or in-place tensor method is called,
+# is a write; so are those of the methods of the object's class it calls, ``self.record(out)``,
+# two calls deep), and such a hook is refused the same way. A hook that is a method of one of the model's own
+# modules is left to the capture's check of module attributes (Note [A forward that writes its
+# module's attributes] in fx/attribute_writes.py), which allows state that only feeds itself.
 
 
 def _hook_code(fn: Any) -> Any:
@@ -321,6 +335,175 @@ def _hook_writes(code: Any) -> set[str]:
     return out
 
 
+def _hook_bound(fn: Any) -> tuple[Any, dict[str, Any]]:
+    """The code a hook runs and what its parameters are bound to (the object of a bound method or
+    a callable object, a partial's arguments), as ``(code, {parameter name: object})``."""
+    args: list[Any] = []
+    keywords: dict[str, Any] = {}
+    for _ in range(4):
+        if isinstance(fn, functools.partial):
+            args[:0] = fn.args
+            keywords = {**fn.keywords, **keywords}
+            fn = fn.func
+        else:
+            break
+    if isinstance(fn, types.MethodType):
+        args.insert(0, fn.__self__)
+        fn = fn.__func__
+    elif not isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)) and not hasattr(fn, "__code__"):
+        call = getattr(type(fn), "__call__", None)
+        if not isinstance(call, types.FunctionType):
+            return None, {}
+        args.insert(0, fn)
+        fn = call
+    code = getattr(fn, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return None, {}
+    names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    bound = dict(zip(names, args))
+    bound.update({k: v for k, v in keywords.items() if k in names})
+    return code, bound
+
+
+def _bound_writes(code: Any, bound: dict[str, Any], depth: int = 0) -> set[str]:
+    """What ``code`` writes into the objects its parameters are bound to (``bound``: name ->
+    object), as ``self.items`` (Note [Hooks that write outside themselves]): the code's value
+    stack is followed line by line (:func:`_followed`), and a value read from a bound name
+    through attributes and items (``self``, ``self.state``, ``self.d['a']``) that an attribute or
+    an item is assigned into or deleted from, or whose mutator (``append``) or in-place tensor
+    method (``copy_``) is called, is a write; and, two calls deep, the methods of the object's own
+    class the code calls on it (``self.record(out)``). A nested function or comprehension reading a
+    bound name from its cell is read the same way.
+
+    >>> class Counted:
+    ...     def hook(self, mod, inp, out):
+    ...         self.n += 1
+    ...         d = {}
+    ...         d["k"] = self.scale * out  # a write into a local dict, not into self
+    ...         return out * self.n
+    >>> c = Counted()
+    >>> sorted(_bound_writes(*_hook_bound(c.hook)))
+    ['self.n']
+    """
+    out: set[str] = set()
+    for where, name in _followed(code, bound):
+        if name is None:
+            out.add(where)
+            continue
+        root = where.split(".")[0].split("[")[0]
+        method = getattr(type(bound[root]), name, None)
+        if (where == root and depth < 2 and isinstance(method, types.FunctionType)
+                and not any(d in method.__code__.co_filename for d in _SITE)):
+            inner = _bound_writes(method.__code__, {method.__code__.co_varnames[0]: bound[root]}, depth + 1)
+            out |= {root + w[len(w.split(".")[0].split("[")[0]):] for w in inner}
+    for c in code.co_consts:  # a nested function or comprehension reading a bound name from its cell
+        if isinstance(c, types.CodeType):
+            out |= _bound_writes(c, {k: v for k, v in bound.items() if k in c.co_freevars}, depth)
+    return out
+
+
+# (values popped, values pushed) of the ops :func:`_followed` meets most; others by their net effect
+_STACK = {"BINARY_OP": (2, 1), "COMPARE_OP": (2, 1), "CONTAINS_OP": (2, 1), "IS_OP": (2, 1), "POP_TOP": (1, 0),
+          "STORE_FAST": (1, 0), "STORE_DEREF": (1, 0), "STORE_GLOBAL": (1, 0), "STORE_NAME": (1, 0),
+          "RETURN_VALUE": (1, 0), "UNARY_NEGATIVE": (1, 1), "UNARY_NOT": (1, 1), "UNARY_INVERT": (1, 1),
+          "UNARY_POSITIVE": (1, 1), "GET_ITER": (1, 1), "FORMAT_VALUE": (1, 1), "PRECALL": (0, 0),
+          "KW_NAMES": (0, 0), "NOP": (0, 0), "RESUME": (0, 0), "CACHE": (0, 0), "PUSH_NULL": (0, 1),
+          "EXTENDED_ARG": (0, 0), "JUMP_FORWARD": (0, 0), "JUMP_BACKWARD": (0, 0), "MAKE_CELL": (0, 0),
+          "COPY_FREE_VARS": (0, 0), "JUMP_BACKWARD_NO_INTERRUPT": (0, 0), "LOAD_CONST": (0, 1),
+          "POP_JUMP_FORWARD_IF_FALSE": (1, 0), "POP_JUMP_FORWARD_IF_TRUE": (1, 0),
+          "POP_JUMP_BACKWARD_IF_FALSE": (1, 0), "POP_JUMP_BACKWARD_IF_TRUE": (1, 0)}
+
+
+def _followed(code: Any, bound: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """The writes into bound objects ``code`` makes, as ``(where, None)`` (``self.n``,
+    ``self.d``), and the methods it calls on a bound name or what it holds, as ``(where,
+    method)``: the value stack followed through each line (from empty at each line's start: a
+    value from an earlier line is unknown), a value labelled with where it was read from while it
+    comes from a bound name through attributes and items."""
+    import dis
+
+    from .code_reads import _MUTATORS
+
+    found: list[tuple[str, str | None]] = []
+    stack: list[str | None] = []
+
+    def pop(k: int) -> list[str | None]:
+        taken = stack[len(stack) - k:] if k else []
+        del stack[max(0, len(stack) - k):]
+        return [None] * (k - len(taken)) + taken
+
+    for ins in dis.get_instructions(code):
+        op, arg = ins.opname, ins.argval
+        if ins.starts_line:
+            stack.clear()
+        if op in ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE"):
+            stack.append(arg if arg in bound else None)
+        elif op in ("LOAD_ATTR", "LOAD_METHOD"):
+            (obj,) = pop(1)
+            if obj is not None and op == "LOAD_METHOD":
+                mutator = arg in _MUTATORS or (arg.endswith("_") and not arg.startswith("_"))
+                found.append((obj, None if mutator else arg))
+            stack.append(f"{obj}.{arg}" if obj is not None and op == "LOAD_ATTR" else None)
+            if op == "LOAD_METHOD":
+                stack.append(None)
+        elif op == "BINARY_SUBSCR":
+            obj, _ = pop(2)  # the container, under the key
+            stack.append(f"{obj}[]" if obj is not None else None)
+        elif op in ("STORE_ATTR", "DELETE_ATTR"):
+            (obj,) = pop(1)
+            if op == "STORE_ATTR":
+                pop(1)
+            if obj is not None:
+                found.append((f"{obj}.{arg}", None))
+        elif op in ("STORE_SUBSCR", "DELETE_SUBSCR"):
+            obj, _ = pop(2)  # the container, under the key
+            if op == "STORE_SUBSCR":
+                pop(1)
+            if obj is not None:
+                found.append((obj, None))
+        elif op == "COPY":
+            stack.append(stack[-arg] if 0 < arg <= len(stack) else None)
+        elif op == "SWAP":
+            if 0 < arg <= len(stack):
+                stack[-1], stack[-arg] = stack[-arg], stack[-1]
+        elif op == "CALL":
+            pop(arg + 2)
+            stack.append(None)
+        elif op in _STACK:
+            pops, pushes = _STACK[op]
+            pop(pops)
+            stack.extend([None] * pushes)
+        else:  # a load pushes values of its own; any other op uses what it pops and pushes a new value
+            try:
+                effect = dis.stack_effect(ins.opcode, ins.arg, jump=False)
+            except ValueError:
+                effect = 0
+            if effect > 0:
+                stack.extend([None] * effect)
+            else:
+                pop(1 - effect)
+                stack.append(None)
+    # ``self.d[]`` (an item read) names its container; the call of a mutator names what it is called on
+    return [(where.replace("[]", ""), name) for where, name in found]
+
+
+def _object_writes(hook: Any, model: nn.Module) -> tuple[set[str], str]:
+    """The writes of ``hook`` into what it is bound to (not one of ``model``'s own modules, whose
+    attributes the capture checks), and a phrase naming the objects (Note [Hooks that write
+    outside themselves])."""
+    code, bound = _hook_bound(hook)
+    if code is None:
+        return set(), ""
+    own = {id(m) for m in model.modules()}
+    bound = {k: v for k, v in bound.items() if id(v) not in own}
+    if not bound:
+        return set(), ""
+    written = _bound_writes(code, bound)
+    kinds = sorted({type(bound[w.split(".")[0]]).__name__ for w in written if w.split(".")[0] in bound})
+    return written, (f", state of the {' and '.join(kinds)} object{'s' if len(kinds) > 1 else ''} it is bound to"
+                     if kinds else "")
+
+
 def refuse_writing_hooks(model: nn.Module, member: int | None = 0) -> None:
     """Raise :class:`WideCompileError` before any capture when a forward hook or pre-hook that
     member ``member`` runs (on one of its modules, or one of torch's global module hooks) writes
@@ -344,14 +527,15 @@ def refuse_writing_hooks(model: nn.Module, member: int | None = 0) -> None:
             continue  # an installed library's hook (transformers' output capturing): Note [Hooks that write outside themselves]
         try:
             written = _hook_writes(code)
+            bound, whose = _object_writes(hook, model)
         except Exception:  # noqa: BLE001 -- code dis cannot read: not a refusal
             continue
-        if not written:
+        if not written and not bound:
             continue
         raise WideCompileError(
             f"wide_compiler: {where} a {kind} ({getattr(hook, '__qualname__', type(hook).__name__)} at "
             f"{code.co_filename}:{code.co_firstlineno}) that writes into state outside it "
-            f"({', '.join(sorted(written))}). The capture would run it once, on placeholder tensors, and the wide "
+            f"({', '.join(sorted(written | bound))}{whose}). The capture would run it once, on placeholder tensors, and the wide "
             "model never runs it again: what it records would be neither the members' values nor kept up by "
             "wide calls (Note [Hooks that write outside themselves] in fx/export_watch.py).\n"
             "What to do: remove the hook before compiling and take what it recorded from the wide model's "
