@@ -343,13 +343,31 @@ def test_restoring_another_trials_checkpoint_takes_its_config_and_own_generators
         restore(trial_id="c", trial_config={"momentum": 0.5, "hidden": 16})
 
 
-def test_ray_available_does_not_import_ray():
+@pytest.fixture(scope="module")
+def fresh_imports(tmp_path_factory) -> subprocess.CompletedProcess:
+    """One fresh interpreter for the two tests of what the integration imports (a fresh process
+    each cost an import of torch and wide_compiler each): it imports the integration, prints
+    ``ray_available()`` and whether ``ray`` got imported; then, with a ``ray`` that fails to import
+    put first on ``sys.path`` (as where Ray is not installed: the real one was never imported, so
+    the import finds this one), calls ``fused_trainable`` and prints its ImportError."""
+    fake = tmp_path_factory.mktemp("no_ray")
+    (fake / "ray.py").write_text("raise ModuleNotFoundError('No module named ray', name='ray')\n")
     code = ("import sys\n"
             "import wide_compiler.integrations.ray as r\n"
-            "assert r.ray_available()\n"
-            "assert 'ray' not in sys.modules, 'ray imported'\n")
+            "print('AVAILABLE', r.ray_available(), 'ray' in sys.modules)\n"
+            f"sys.path.insert(0, {str(fake)!r})\n"
+            "try:\n"
+            "    r.fused_trainable(None, None, optimizer=None, sample_input=None, metric='m', max_iterations=1)\n"
+            "except ImportError as e:\n"
+            "    print('ERROR', e)\n"
+            "print('IMPORTED', 'ray' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)  # a hang guard
     assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_ray_available_does_not_import_ray(fresh_imports):
+    assert "AVAILABLE True False" in fresh_imports.stdout, fresh_imports.stdout  # available, not imported
 
 
 def test_errors_name_the_problem():
@@ -363,19 +381,11 @@ def test_errors_name_the_problem():
                                 metric="loss", member_space=SPACE, trial_config={"lr": 0.1})
 
 
-def test_missing_ray_raises_an_import_error_naming_the_install(tmp_path):
-    (tmp_path / "ray.py").write_text("raise ModuleNotFoundError('No module named ray', name='ray')\n")
-    code = ("import sys, wide_compiler\n"
-            "import wide_compiler.integrations.ray as r\n"
-            "assert 'ray' not in sys.modules\n"
-            "try:\n"
-            "    r.fused_trainable(None, None, optimizer=None, sample_input=None, metric='m', max_iterations=1)\n"
-            "except ImportError as e:\n"
-            "    print(e)\n")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)  # a hang guard
-    assert out.returncode == 0, out.stderr
-    assert 'pip install "ray[tune]"' in out.stdout
+def test_missing_ray_raises_an_import_error_naming_the_install(fresh_imports):
+    lines = fresh_imports.stdout.splitlines()
+    error = next((line for line in lines if line.startswith("ERROR ")), "")
+    assert 'pip install "ray[tune]"' in error, fresh_imports.stdout
+    assert "IMPORTED False" in lines, fresh_imports.stdout  # the failed import left no `ray` behind
 
 
 # ------------------------------------------------------------------------------------------------
