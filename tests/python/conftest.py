@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,12 +35,24 @@ def _isolated_cache_dir_for_the_session(tmp_path_factory):
     mp.undo()
 
 
+@pytest.fixture(scope="session")
+def _cache_dirs(tmp_path_factory):
+    """The folder of every test's own cache directory (_isolated_cache_dir)."""
+    return tmp_path_factory.mktemp("wide_caches")
+
+
 @pytest.fixture(autouse=True)
-def _isolated_cache_dir(tmp_path_factory, monkeypatch):
+def _isolated_cache_dir(_cache_dirs, monkeypatch):
     """Point the tuning cache at a temporary directory: tests never touch ~/.cache. The compile
     cache is off (tests compile what they mean to compile, and storing every graph costs time);
-    tests/python/test_compile_cache.py turns it on."""
-    cache = tmp_path_factory.mktemp("wide_cache")
+    tests/python/test_compile_cache.py turns it on.
+
+    The directory is made by ``tempfile.mkdtemp`` in one folder of the session, not by
+    ``tmp_path_factory.mktemp``: that numbers its directories by listing every entry of the base
+    temporary folder at each call, so one per test cost time growing with the square of the tests
+    run (3,000 tests on a worker: ~25 s on a busy 2-core machine, and every ``tmp_path`` after them
+    listed those 3,000 entries too)."""
+    cache = Path(tempfile.mkdtemp(prefix="wide_cache", dir=_cache_dirs))
     monkeypatch.setenv("WIDE_COMPILER_CACHE_DIR", str(cache))
     monkeypatch.setenv("WIDE_COMPILE_CACHE", "0")
     return cache
