@@ -116,14 +116,16 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
     defines it: over-guarding a class attribute that never changes costs an ``is`` per call. A
     closure variable the code reads is an entry of its cell (``qualname`` ending ``_CELL``). A name
     the code writes (``STORE_GLOBAL``, ``STORE_ATTR``, ``STORE_DEREF``) is left out: it is state the
-    forward keeps, not a setting.
+    forward keeps, not a setting. The ``forward`` of every module class of the tree and the user's
+    methods the code looks up on a class are entries too, by identity (Note [A method patched on
+    its class] in fx/state_reads.py).
 
     >>> EPS = 1e-3
     >>> class Shifted(torch.nn.Module):
     ...     def forward(self, x):
     ...         return x + EPS
     >>> [entry[2:] for entry in globals_read(Shifted())[0]]
-    [('EPS', 0.001)]
+    [('forward', <function wide_compiler.fx.code_reads.Shifted.forward>), ('EPS', 0.001)]
     """
     from .source import is_user_file
 
@@ -194,10 +196,23 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
                 follow(vars(klass)["forward"], m)
     work.reverse()  # the outermost module's forward first
 
+    def method(cls: type, name: str) -> None:
+        """Note [A method patched on its class]: the function ``cls.name`` is now, guarded by identity
+        (a plain function or a static method's; a class method or property is followed, not guarded)."""
+        try:
+            fn = getattr(cls, name)
+        except AttributeError:  # a descriptor that raises on the class
+            return
+        if isinstance(fn, types.FunctionType):
+            entries.setdefault((id(cls), name), ((cls.__module__, cls.__qualname__, name, FunctionRef(fn)), cls))
+
     def attribute(cls: type, name: str, v: Any, code: types.CodeType, m: Any) -> None:
         """A class attribute ``v`` of ``cls`` the code reads: guarded, named as unguarded, or followed."""
         if isinstance(v, (types.FunctionType, staticmethod, classmethod, property)):
             follow(v, m)  # a method or property that the code calls
+            definer = next((k for k in cls.__mro__ if name in vars(k)), None)
+            if definer is not None and user_class(definer) and isinstance(v, (types.FunctionType, staticmethod)):
+                method(cls, name)  # the user's method: its identity (Note [A method patched on its class])
             return
         kept = _kept(v)
         if kept is not None:
@@ -218,6 +233,8 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
             v = vars(k)[name]
             if user_class(k) and isinstance(v, (types.FunctionType, staticmethod, classmethod, property)):
                 follow(v, rep)
+                if isinstance(v, (types.FunctionType, staticmethod)):
+                    method(k, name)  # Note [A method patched on its class]
 
     def on_classes(name: str, code: types.CodeType) -> None:
         """``name`` read as an attribute: on every module class of the tree and every plain class
@@ -379,6 +396,10 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
         elif _users_mutable(v, code.co_filename):
             unguarded.setdefault((id(cell), name), _where(*where))
 
+    for cls, rep in classes.items():  # every module class's forward, torch's too (Note [A method patched on
+        # its class]), but a container's (nn.ModuleList: Module.forward) and one the instance overrides
+        if "forward" not in vars(rep) and getattr(cls, "forward", None) is not torch.nn.Module.forward:
+            method(cls, "forward")
     seen: set[tuple[Any, Any]] = set()  # (code, the module's class): instances of a class read the same names
     done: set[tuple[Any, type]] = set()  # (function, reading class) read already
     names_seen: set[str] = set()  # attribute names looked up on every module class already
@@ -447,6 +468,8 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
                             v = vars(k).get(name)
                             if isinstance(v, (types.FunctionType, staticmethod, classmethod, property)):
                                 follow(v, m)
+                                if isinstance(v, (types.FunctionType, staticmethod)) and user_class(k):
+                                    method(k, name)  # Note [A method patched on its class]
                     if name not in names_seen:
                         names_seen.add(name)
                         on_classes(name, code)

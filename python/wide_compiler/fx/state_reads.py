@@ -63,7 +63,8 @@ generated function at every call (a call outside captures a graph for it, as for
   back reuses the first graph.
 * **functions** read as globals or class attributes (``act(h)`` with ``act`` a module global):
   their identity (:class:`FunctionRef`), besides the globals their code reads, so ``act =
-  torch.sin`` after compiling captures a graph with ``sin``. A dict or list of functions (a
+  torch.sin`` after compiling captures a graph with ``sin``; so are the methods the capture ran
+  (Note [A method patched on its class]). A dict or list of functions (a
   registry: ``ACTS[self.act](h)``) in the user's code is guarded by its contents (each entry's
   identity) and each function's code is read; an installed package's registry (transformers'
   loss functions) is left to it.
@@ -139,6 +140,29 @@ be captured inside torch.compile anyway. Limits: the first graph whose other gua
 (where the tensor was changed in place and a second graph captured for the new values eagerly, a
 traced call may take the first and raise); a tensor over ``MAX_TENSOR_VALUES`` (no copy kept)
 fails its guard inside torch.compile, so the call is refused naming it.
+
+Note [A method patched on its class]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A method is a class attribute too: ``M.act = lambda self, h: torch.sigmoid(h)`` after compiling,
+``M.forward = new_forward``, or a LoRA-style ``nn.Linear.forward = lora_forward`` changes what each
+member computes, and export baked the old code into the graph. Guarded by identity, as a global
+function is (:class:`FunctionRef`, ``getattr(cls, name) is fn``: an attribute lookup and an ``is``
+per method, tens of nanoseconds at the call):
+
+* the ``forward`` of every module class of the tree (torch's too: ``nn.Linear.forward``) that the
+  instance does not override itself, looked up on the class (a forward patched on a base class is
+  seen through the subclass); a container's (``nn.ModuleList``: ``Module.forward`` itself) is not;
+* every plain method or static method of the user's that the code looks up on a module class or a
+  plain class of the user's (``self.act(h)``, ``Helper.scale(h)``), and, for ``super().helper(x)``,
+  on each base class of the user's that defines it, wherever fx/code_reads.py's scan follows it;
+  a method torch defines (``self.parameters()``) is not.
+
+A call whose method is another function than at capture captures a graph with it (the wide model's
+copies of the members are instances of the patched class), and setting it back reuses the first.
+Not guarded: class methods and properties (their code is read, their rebinding is not followed), a
+method set on an instance (the wide model keeps copies of the members), and methods that torch's or
+an installed package's code looks up. After unpickling (the compile cache) a method matches by its
+name and the digest of its code and closure (``_function_key``: a decorated method, ``super()``).
 """
 
 from __future__ import annotations
@@ -274,9 +298,10 @@ class FunctionRef:
     """A function the members' code reads as a global, a class attribute or an entry of a registry
     (Note [State a forward reads]), guarded by identity: a global rebound to another function
     (``act = torch.sin``) fails the guard. Pickles as its module, qualified name and, for a Python
-    function, a digest of its code; one loaded from a pickle matches the function of that name and
-    code (one with a closure or defaults, whose values the digest does not see, matches nothing: its
-    graph is captured again).
+    function, a digest of its code and of what its closure holds (plain values, classes, functions:
+    a decorated method, ``super()``'s ``__class__``); one loaded from a pickle matches the function
+    of that name and digest (one whose closure or defaults hold values the digest does not see
+    matches nothing: its graph is captured again).
 
     >>> FunctionRef(torch.sin) == FunctionRef(torch.sin), FunctionRef(torch.sin) == FunctionRef(torch.cos)
     (True, False)
@@ -318,18 +343,54 @@ class FunctionRef:
         return f"<function {self.key[0]}.{self.key[1]}>"
 
 
-def _function_key(fn: Any) -> tuple:
-    """(module, qualified name, digest of the code or None where the code does not say it all)."""
+def _closure_text(fn: Any, depth: int) -> str | None:
+    """What ``fn``'s closure holds, for its digest: each cell's plain value, class (by module and
+    qualified name: ``super()``'s ``__class__`` cell) or function (by its own key: a decorator's
+    wrapped function), two levels deep; None where a cell holds anything else (its values would go
+    unseen) or is empty."""
+    parts = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            return None
+        if _plain(v):
+            parts.append(repr(v))
+        elif isinstance(v, type):
+            parts.append(f"class {v.__module__}.{v.__qualname__}")
+        elif isinstance(v, _FUNCTIONS) and depth < 2:
+            key = _function_key(v, depth + 1)
+            if key[-1] is None:
+                return None
+            parts.append(repr(key))
+        else:
+            return None
+    return ";".join(parts)
+
+
+def _function_key(fn: Any, depth: int = 0) -> tuple:
+    """(module, qualified name, digest of the code or None where the code does not say it all: a
+    closure holding other than plain values, classes and such functions, or defaults not plain).
+
+    >>> def deco(f):
+    ...     def wrapper(*a): return f(*a)
+    ...     return wrapper
+    >>> def scaled_by(box):
+    ...     return lambda h: h * box[0]
+    >>> _function_key(deco(torch.sin))[-1] is not None, _function_key(deco(scaled_by([2.0])))[-1] is None
+    (True, True)
+    """
     from .code_digest import code_text
 
     code = getattr(fn, "__code__", None)
     digest: str | None = type(fn).__name__
     if code is not None:
         defaults = (getattr(fn, "__defaults__", None) or (), tuple(sorted((getattr(fn, "__kwdefaults__", None) or {}).items())))
-        if getattr(fn, "__closure__", None) or not _plain(defaults):
+        closure = _closure_text(fn, depth)
+        if closure is None or not _plain(defaults):
             digest = None  # values the digest would not see
         else:
-            digest = hashlib.sha256((code_text(code) + repr(defaults)).encode()).hexdigest()[:16]
+            digest = hashlib.sha256((code_text(code) + repr(defaults) + closure).encode()).hexdigest()[:16]
     return (str(getattr(fn, "__module__", None)), str(getattr(fn, "__qualname__", getattr(fn, "__name__", "?"))), digest)
 
 
