@@ -344,7 +344,9 @@ def test_many_members_trace_the_extremes_so_a_threshold_branch_is_found():
 NAN, INF = float("nan"), float("inf")
 # lo > hi, NaN bounds, infinite bounds, equal bounds
 BOUNDS = [(-1.0, 1.0), (0.5, -0.5), (NAN, 1.0), (-1.0, NAN), (-INF, 0.25), (-0.25, INF), (0.0, 0.0)]
-ORDERED = [b for b in BOUNDS if not b[0] > b[1]]  # F.hardtanh refuses lo > hi
+# F.hardtanh refuses lo > hi; the wide model refuses a NaN hardtanh bound (test_probe8_guards.py: ATen's
+# own gradient there depends on the tensor's size)
+ORDERED = [b for b in BOUNDS if not b[0] > b[1] and all(v == v for v in b)]
 
 
 class _Bounded(nn.Module):

@@ -285,7 +285,7 @@ def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[
     plan.proved = frozenset(tuple(constant_key(float(v)) for v in cfg) for cfg in config)
     elapsed = time.perf_counter() - start
     from .rules import _constant_tensors  # noqa: F401 -- registers the forms of made tensors
-    from .rules._constants import FORMS
+    from .rules._constants import FORMS, refused_values
 
     varying = [p for p in paths if len(set(map(constant_key, constants[p]))) > 1]
     wanted = sorted({k_name for d in differs.values() for k_name in d})
@@ -310,6 +310,9 @@ def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[
                            "values); make the constant the same for every member, or keep it in a buffer (a "
                            "tensor) instead of a Python float")
         values = [differs[keys[j]].get((k, name), ref_args[k].get(name)) for j in range(n)]
+        refused = refused_values(node, name, values)  # a value its form cannot follow (a NaN hardtanh bound)
+        if refused is not None:
+            raise _changed(constants, paths, config, refused[0], refused[1])
         plan.args.setdefault(node.name, {})[name] = _buffer_for(
             plan, values, keys, constants, paths, varying, f"{node.name}_{name}",
             f"{_op(node)} at node '{node.name}'")

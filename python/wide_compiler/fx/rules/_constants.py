@@ -8,8 +8,9 @@ buffer; its form here broadcasts it per member (``[N, 1, ..., 1]``, cast to the 
   kept values scaled by ``1 / (1 - p_i)`` (0 where ``p_i = 1``), as ATen's dropout on CPU; its
   channel (``feature_dropout``: Dropout1d/2d/3d) and alpha forms (``alpha_dropout``,
   ``feature_alpha_dropout``) with ATen's formulas (Note [Channel and alpha dropout per member]);
-- ``leaky_relu``: ``where(x > 0, x, x * slope)``; ``elu``/``celu``: ATen's formula with
-  ``expm1``; ``softplus``: ``where(x * beta > threshold, x, log1p(exp(x * beta)) / beta)``;
+- ``leaky_relu``: ``x * where(x > 0, 1, slope)``; ``elu``/``celu``: ATen's formula with
+  ``expm1``; ``softplus``: ``where(x * beta > threshold, x, log1p(exp(x * beta)) / beta)`` with
+  ATen's gradient (Note [Per-member gradients at non-finite constants]);
   ``clamp``/``clamp_min``/``clamp_max`` with per-member bounds: ``clamp.Tensor`` with bound tensors;
   ``hardtanh``: clamp's value with hardtanh's gradient (Note [Per-member bounds]);
 - ``mul``/``div``/``add``/``sub``/``rsub``/``pow`` by a scalar: by the broadcast tensor;
@@ -59,6 +60,26 @@ def widen_per_member(ctx: WidenContext, node: fx.Node) -> Any:
     for name, buf in names.items():
         a[name] = ctx.per_member_inputs[buf]
     return fn(ctx, node, a)
+
+
+def refused_values(node: fx.Node, name: str, values: list[Any]) -> tuple[int, str] | None:
+    """``(member, why)`` where a member's value of the per-member argument ``name`` of ``node`` is
+    one its form cannot follow (Note [Per-member gradients at non-finite constants]: a NaN bound of
+    ``hardtanh``), else None; ``why`` continues "member j: s is nan, member 0 has 1.0, and ...".
+
+    >>> g = fx.Graph(); x = g.placeholder("x")
+    >>> ht = g.call_function(aten.hardtanh.default, (x, -1.0, 1.0))
+    >>> refused_values(ht, "min_val", [-1.0, float("nan")])[0], refused_values(ht, "min_val", [-1.0, -2.0])
+    (1, None)
+    """
+    if node.target in (aten.hardtanh.default, aten.hardtanh_.default) and name in ("min_val", "max_val"):
+        j = next((j for j, v in enumerate(values) if isinstance(v, float) and v != v), None)
+        if j is not None:
+            return j, (f"they change argument(s) ['{name}'] of aten.hardtanh at node '{node.name}' to NaN, where "
+                       "ATen's own hardtanh gradient depends on the tensor's size (its vectorized and scalar loops "
+                       "disagree at a NaN bound), which no per-member form can follow (Note [Per-member gradients "
+                       "at non-finite constants]); give every member a bound that is a number (inf is one)")
+    return None
 
 
 def _dtype(node: fx.Node) -> torch.dtype:
@@ -202,10 +223,18 @@ def _native_dropout(ctx: WidenContext, node: fx.Node, a: dict) -> tuple:
 # --- activations -----------------------------------------------------------------------------
 @form(aten.leaky_relu.default, aten.leaky_relu_.default)
 def _leaky_relu(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
+    """``x * where(x > 0, 1, slope)``: ATen's value (``x > 0 ? x : x * slope``) and gradient
+    (``x > 0 ? g : g * slope``) for every slope; a ``where`` between ``x`` and ``x * slope`` would
+    pass ``0 * slope`` back where ``x > 0``, NaN for an infinite or NaN slope (Note [Per-member
+    gradients at non-finite constants])."""
     x = _input(ctx, node, a["self"])
     slope = scalar(ctx, node, a["negative_slope"], x.rank, like=x.node)
     pos = _op(ctx, node, aten.gt.Scalar, x.node, 0)
-    out = _op(ctx, node, aten.where.self, pos, x.node, _mul(ctx, node, x.node, slope))
+    if isinstance(slope, fx.Node):
+        factor = _op(ctx, node, aten.where.ScalarSelf, pos, 1.0, slope)
+        out = _op(ctx, node, aten.mul.Tensor, x.node, factor)
+    else:
+        out = _op(ctx, node, aten.where.self, pos, x.node, _mul(ctx, node, x.node, slope))
     return _result(ctx, node, x, out, node.target is aten.leaky_relu_.default)
 
 
@@ -251,17 +280,48 @@ def _celu(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     return _elu_form(ctx, node, x, alpha, 1.0, inv, node.target is aten.celu_.default, grad_inv)
 
 
+# Note [Per-member gradients at non-finite constants]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A form written as a chain of ops gets the chain's gradient, which is the op's own only where
+# every factor of the chain is finite: a ``where`` passes 0 back to the branch it did not take,
+# and ``0 * inf`` or ``0 * nan`` in the chain behind it is NaN. With a per-member constant of
+# inf, -inf or nan (or 0, which a chain divides by) the member's gradient came out NaN where
+# ATen's is finite. So the forms build their gradient as ATen's backward writes it:
+#
+# * ``leaky_relu``: ``x * where(x > 0, 1, slope)``: value and gradient are ATen's
+#   (``x > 0 ? g : g * slope``) for every slope, with no factor on the branch not taken.
+# * ``softplus``: ATen's value from the chain (detached), plus a term whose value is 0 and whose
+#   gradient is ATen's ``x * beta > threshold ? g : g * z / (z + 1)`` with ``z = exp(x * beta)``:
+#   ``(xf - xf.detach()) * d`` with ``d = where(above, 0, z / (z + 1))`` detached and ``xf`` the
+#   input where it is finite (0 elsewhere, so the term's value is 0, not ``inf - inf``), and the
+#   input itself taken by a ``where`` where ``above`` (gradient ``g``). ``d`` is NaN only where
+#   ``x * beta`` is, where ATen's value and gradient are NaN too. Rounding: ``g * (z / (z + 1))``
+#   against ATen's ``g * z / (z + 1)``, an ulp at most; an infinite input's gradient is 0 (ATen's
+#   ``g * 0``). Where ``z`` overflows (``x * beta`` past ~88 in float32 but not above a threshold
+#   that large) ``d`` is 1, so the value stays ATen's ``inf`` (``0 * nan`` would make it NaN);
+#   ATen's gradient there is ``g * inf / inf``, NaN, the form's ``g``.
+# * ``hardtanh`` with a NaN bound is refused (:func:`refused_values`): its value is NaN, and ATen's
+#   own gradient there depends on the tensor's size (Note [Per-member bounds]: its vectorized and
+#   scalar loops disagree), which no form can follow.
 @form(aten.softplus.default)
 def _softplus(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
+    """ATen's softplus with a per-member beta or threshold: its value from the formula, its gradient
+    as ATen's backward (Note [Per-member gradients at non-finite constants])."""
     x = _input(ctx, node, a["self"])
     beta, threshold = (scalar(ctx, node, a[k], x.rank, like=x.node) for k in ("beta", "threshold"))
     xb = _mul(ctx, node, x.node, beta)
     above = _op(ctx, node, aten.gt.Tensor if isinstance(threshold, fx.Node) else aten.gt.Scalar, xb, threshold)
-    # log1p(exp(.)) of the elements below the threshold only: above it exp could overflow, and the
-    # gradient where passes it (0 * inf) would be NaN where ATen's is 1
-    xb = _op(ctx, node, aten.where.ScalarSelf, above, 0.0, xb)
-    soft = _op(ctx, node, aten.div.Tensor, _op(ctx, node, aten.log1p.default, _op(ctx, node, aten.exp.default, xb)),
-               beta)
+    # log1p(exp(.)) of the elements below the threshold only: above it exp could overflow
+    below = _op(ctx, node, aten.detach.default, _op(ctx, node, aten.where.ScalarSelf, above, 0.0, xb))
+    z = _op(ctx, node, aten.exp.default, below)
+    soft = _op(ctx, node, aten.div.Tensor, _op(ctx, node, aten.log1p.default, z), beta)
+    slope = _op(ctx, node, aten.div.Tensor, z, _op(ctx, node, aten.add.Scalar, z, 1.0))
+    slope = _op(ctx, node, aten.where.ScalarSelf, _op(ctx, node, aten.isinf.default, z), 1.0, slope)
+    slope = _op(ctx, node, aten.where.ScalarSelf, above, 0.0, slope)
+    finite = _op(ctx, node, aten.where.ScalarOther, _op(ctx, node, aten.isfinite.default, x.node), x.node, 0.0)
+    zero = _op(ctx, node, aten.mul.Tensor, _op(ctx, node, aten.sub.Tensor, finite,
+                                               _op(ctx, node, aten.detach.default, finite)), slope)
+    soft = _op(ctx, node, aten.add.Tensor, soft, zero)
     return Wide(_op(ctx, node, aten.where.self, above, x.node, soft), x.rank)
 
 
@@ -283,7 +343,9 @@ def _softplus(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
 #   That is the rule of ATen's vectorized CPU kernel; its scalar loop, which only takes the few
 #   elements past the last full vector, writes it as ``x <= lo || x >= hi ? 0 : grad`` and so passes
 #   the gradient at a NaN input or beside a NaN bound: ATen disagrees with itself there, and the
-#   form follows the vectorized rule (as CUDA's kernel). The form: clamp's, except at a tie
+#   form follows the vectorized rule (as CUDA's kernel) for a NaN input; a NaN bound, whose
+#   member gradient then depends on the member's tensor size, is refused (Note [Per-member
+#   gradients at non-finite constants]). The form: clamp's, except at a tie
 #   (``x == lo`` or ``x == hi``), where it takes the clamped bound (``clamp(lo, lo, hi)`` or
 #   ``clamp(hi, lo, hi)``, the same value) with no gradient path to x.
 def _bound(ctx: WidenContext, node: fx.Node, v: Any, rank: int, like: fx.Node | None, other: Any) -> Any:
