@@ -242,10 +242,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     refuse_writing_hooks(model, None)  # before the capture runs them (Note [Hooks that write outside themselves])
     registered: set[str] = set()
     while True:
-        watch, writes = _Watch(model), AttributeWrites(model)
+        watch, writes, checkpointed = _Watch(model), AttributeWrites(model), _CheckpointedUpdates(model)
         try:
             with (_ForwardSignature(model, signature), without_cudnn(), _RecurrentShapes(),
-                  _GlobalHooksSkipExportModules(), watch, writes):
+                  _GlobalHooksSkipExportModules(), watch, writes, checkpointed):
                 ep = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as e:  # export's own errors are many types; keep its reason whole
             found = _UNKNOWN_OUTPUT.search(str(e))
@@ -262,6 +262,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                     "N-first like any output.") from e
             raise _capture_error(model, e, getattr(watch, "compiling", ())) from e
         writes.check(tuple(args), kwargs)  # Note [A forward that writes its module's attributes]
+        checkpointed.check()  # Note [State updated inside a checkpoint]
         _refuse_generators(model, ep)  # our own refusal, not wrapped as export's
         watch.check(model)  # ours too: a custom Function or a backward hook (fx/export_watch.py)
         ep.wide_reads = watch.reads()  # Note [State a forward reads] (fx/state_reads.py)
@@ -332,6 +333,117 @@ class _GlobalHooksSkipExportModules:
         for table, key, hook, skipping in self._saved:
             if table.get(key) is skipping:
                 table[key] = hook
+
+
+# Note [State updated inside a checkpoint]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False)`` (torchvision's
+# ``DenseNet(memory_efficient=True)``, ``checkpoint_sequential``, transformers' gradient
+# checkpointing) saves no activations of ``fn`` and runs ``fn`` again in the backward to recompute
+# them. Export captures the forward once, so the values and gradients are the members' (Note
+# [Autograd contexts export drops] in fx/export_watch.py), but state ``fn`` updates is updated
+# again by the recompute in each member alone: a BatchNorm in training inside it updates its
+# running statistics twice per step (``num_batches_tracked`` + 2, momentum applied twice), the
+# wide graph once (probe 8 of issue 44, P8-2: running_mean 0.06 off after one step, silently).
+# Replaying the recompute's update is not exact in general (the recompute stops once the saved
+# tensors are back, so an update after the last of them is not repeated), so the capture refuses:
+# while export runs a non-reentrant checkpoint's block with gradients enabled (without them
+# nothing is saved and nothing recomputed), :class:`_CheckpointedUpdates` records the buffers of
+# the model whose version changes in the block (``num_batches_tracked.add_(1)``, a counter of
+# the user's) and the running statistics ``torch.batch_norm``/``torch.instance_norm`` update there
+# (their in-place update of a fake tensor bumps no version), and the capture raises naming the
+# modules, the buffers and the line of the checkpoint. An eval graph (BatchNorm reads its
+# statistics) and a capture under ``torch.no_grad()`` record nothing and are kept.
+class _CheckpointedUpdates:
+    """Note [State updated inside a checkpoint]: records, during the capture of ``model``, the
+    buffers updated inside a non-reentrant checkpoint's block; :meth:`check` refuses the capture
+    when there are any. Restores what it patches on exit."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.found: dict[str, str] = {}  # buffer name -> where the checkpoint was called
+        self._stack: list[tuple[dict[str, int], str]] = []
+
+    def _buffers(self) -> dict[int, str]:
+        return {id(b): name for name, b in self.model.named_buffers()}
+
+    def _enter(self, hook: Any) -> Any:
+        if torch.is_grad_enabled():
+            versions = {name: b._version for name, b in self.model.named_buffers()}
+            self._stack.append((versions, user_frame_and_module()))
+            hook._wide_watched = True
+        return self._enter_base(hook)
+
+    def _exit(self, hook: Any, *exc: Any) -> Any:
+        if hook.__dict__.pop("_wide_watched", False):
+            versions, where = self._stack.pop()
+            for name, b in self.model.named_buffers():
+                if name in versions and b._version != versions[name]:
+                    self.found.setdefault(name, where)
+        return self._exit_base(hook, *exc)
+
+    def _norm(self, fn: Any, stats_at: int, training_at: int) -> Any:
+        def norm(*args: Any, **kwargs: Any) -> Any:
+            if self._stack and len(args) > training_at and args[training_at]:
+                names = self._buffers()
+                for t in args[stats_at: stats_at + 2]:
+                    if isinstance(t, torch.Tensor) and id(t) in names:
+                        self.found.setdefault(names[id(t)], self._stack[-1][1])
+            return fn(*args, **kwargs)
+        return norm
+
+    def __enter__(self) -> None:
+        from torch.utils import checkpoint
+
+        self._hook_cls = getattr(checkpoint, "_checkpoint_hook", None)
+        self._saved: list[tuple[Any, str, Any]] = []
+        if self._hook_cls is None:  # another torch: nothing to watch
+            return
+        base = torch.autograd.graph.saved_tensors_hooks
+        self._enter_base = lambda hook: base.__enter__(hook)  # looked up at the call: others may patch it
+        self._exit_base = lambda hook, *exc: base.__exit__(hook, *exc)
+        watcher = self
+        patches = [(self._hook_cls, "__enter__", lambda hook: watcher._enter(hook)),
+                   (self._hook_cls, "__exit__", lambda hook, *exc: watcher._exit(hook, *exc)),
+                   # (input, weight, bias, running_mean, running_var, training / use_input_stats, ...)
+                   (torch, "batch_norm", self._norm(torch.batch_norm, 3, 5)),
+                   (torch, "instance_norm", self._norm(torch.instance_norm, 3, 5))]
+        for owner, name, fn in patches:
+            self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
+            setattr(owner, name, fn)
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, old in reversed(self._saved):
+            if old is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+
+    def check(self) -> None:
+        """Refuse the capture when a buffer was updated inside a checkpoint's block (Note [State
+        updated inside a checkpoint])."""
+        if not self.found:
+            return
+        modules = dict(self.model.named_modules())
+        grouped: dict[tuple[str, str], list[str]] = {}  # (module path, checkpoint's line) -> buffers
+        for name, where in self.found.items():
+            path, _, buffer = name.rpartition(".")
+            grouped.setdefault((path, where), []).append(buffer)
+        parts = [f"module '{path or '(root)'}' ({type(modules[path]).__name__ if path in modules else 'module'}: "
+                 f"{', '.join(buffers)}), checkpoint {where}" for (path, where), buffers in grouped.items()]
+        raise WideCompileError(
+            f"wide_compiler: member 0 ({type(self.model).__name__}) updates buffers inside "
+            f"torch.utils.checkpoint (use_reentrant=False) with gradients enabled: {'; '.join(parts)}. Each member "
+            "alone runs the checkpointed block again in its backward and updates them a second time (a BatchNorm's "
+            "running statistics twice per step); the wide graph runs the block once, so its buffers would differ "
+            "from the members' (Note [State updated inside a checkpoint]).\n"
+            "What to do: compile the members without activation checkpointing (torchvision: "
+            "DenseNet(memory_efficient=False); transformers: gradient_checkpointing_disable()), which computes the "
+            "same values and gradients; in eval mode (model.eval()) or under torch.no_grad() the model compiles as "
+            "it is.")
+
+
+_MISSING = object()
 
 
 class _RecurrentShapes:
