@@ -25,12 +25,6 @@ from wide_compiler.measure import timing
 from wide_compiler.bench import engine, linear
 
 
-def run_cli(*args: str, cache_dir, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = dict(os.environ, WIDE_COMPILER_CACHE_DIR=str(cache_dir))
-    return subprocess.run([sys.executable, "-m", "wide_compiler", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
-
-
 # ---------------------------------------------------------------------------------- subprocess
 
 @pytest.fixture(scope="module")
@@ -65,12 +59,22 @@ def test_info_lists_ops_and_build_info(info_run):
 
 @pytest.fixture(scope="module")
 def ci_run(tmp_path_factory):
-    """One `benchmark linear --preset ci --json` run shared by the checks below."""
+    """One `benchmark linear --preset ci --json` run shared by the checks below: ``cli.main`` in
+    this process (the fresh-process entry point, ``python -m wide_compiler``, is info_run's; a
+    fresh process here cost its imports of torch and the package); (exit status and stdout, the
+    records)."""
+    import contextlib
+    import io
+    import types
+
     tmp = tmp_path_factory.mktemp("bench")
     out = tmp / "nested" / "dir" / "linear.json"  # parent dirs do not exist yet
-    proc = run_cli("benchmark", "linear", "--preset", "ci", "--json", str(out),
-                   cache_dir=tmp / "cache")
-    assert proc.returncode == 0, proc.stderr
+    stdout = io.StringIO()
+    with pytest.MonkeyPatch.context() as env, contextlib.redirect_stdout(stdout):
+        env.setenv("WIDE_COMPILER_CACHE_DIR", str(tmp / "cache"))
+        status = cli.main(["benchmark", "linear", "--preset", "ci", "--json", str(out)])
+    proc = types.SimpleNamespace(returncode=status, stdout=stdout.getvalue())
+    assert proc.returncode == 0, proc.stdout
     return proc, json.loads(out.read_text())
 
 
