@@ -36,22 +36,33 @@ def recorder(clock: FakeClock, seconds: dict[str, list[float] | float], log: lis
     return {name: make(name) for name in seconds}
 
 
-def test_import_wide_compiler_loads_no_benchmark_code():
+@pytest.fixture(scope="module")
+def fresh_imports() -> list[str]:
+    """One fresh interpreter for the two import checks below (a fresh one each cost an import of
+    torch), in the order that keeps each check what it was alone: ``wide_compiler.measure`` first
+    (then nothing else is loaded yet), the modules above it it loaded printed; then every public
+    name used, the benchmark and framework modules loaded printed. Returns the two lines."""
+    code = ("import sys, wide_compiler.measure\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['wide_compiler', 'bench'], "
+            "['wide_compiler', 'cli'], ['wide_compiler', 'integrations'])))\n"
+            + USE_THE_API
+            + "print(sorted(m for m in sys.modules if m.startswith('wide_compiler.bench') or "
+              "m.split('.')[0] in ('lightning', 'pytorch_lightning', 'optuna', 'ray', 'transformers')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stdout + out.stderr
+    return lines
+
+
+def test_import_wide_compiler_loads_no_benchmark_code(fresh_imports):
     """Nor Lightning, Optuna, Ray or transformers (test_lightning.py and test_optuna.py checked
     theirs each in a process of its own, on ``import wide_compiler`` alone, which imports nothing:
     here, once, with every public name used)."""
-    code = USE_THE_API + ("print(sorted(m for m in sys.modules if m.startswith('wide_compiler.bench') or "
-                          "m.split('.')[0] in ('lightning', 'pytorch_lightning', 'optuna', 'ray', 'transformers')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert fresh_imports[1] == "[]", fresh_imports
 
 
-def test_measure_imports_nothing_above_it():
-    code = ("import sys, wide_compiler.measure; "
-            "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['wide_compiler', 'bench'], "
-            "['wide_compiler', 'cli'], ['wide_compiler', 'integrations'])))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+def test_measure_imports_nothing_above_it(fresh_imports):
+    assert fresh_imports[0] == "[]", fresh_imports
 
 
 def test_interleave_warmup_count_and_rotating_order(clock):
