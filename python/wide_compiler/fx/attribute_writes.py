@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import inspect
 import logging
@@ -91,9 +90,10 @@ Step = tuple[str, Any]  # ("attr", name) or ("item", key)
 
 def _held(v: Any) -> bool:
     """Whether ``v`` is an object whose attributes are state a forward may keep (Note [A forward
-    that writes its module's attributes]): a dataclass instance, a namespace, or an instance of
-    the user's own class with a ``__dict__``; not a module, tensor, class, function, nor an object
-    of the standard library's, torch's, numpy's or an installed package's classes.
+    that writes its module's attributes]): a namespace, or an instance of the user's own class
+    with a ``__dict__`` (a dataclass among them); not a module, tensor, class, function, nor an
+    object of the standard library's, torch's, numpy's or an installed package's classes (a
+    transformers config, a dataclass too, is the library's: its lazily set ``problem_type``).
 
     >>> import types
     >>> _held(types.SimpleNamespace(step=0)), _held([1]), _held(torch.nn.Linear(1, 1))
@@ -103,13 +103,11 @@ def _held(v: Any) -> bool:
         return True
     if isinstance(v, _NOT_HELD) or not isinstance(getattr(v, "__dict__", None), dict):
         return False
-    if dataclasses.is_dataclass(v):
-        return True
     module = type(v).__module__ or ""
     if module.partition(".")[0] in _LIBRARIES or module.partition(".")[0] in sys.stdlib_module_names:
         return False
     file = getattr(sys.modules.get(module), "__file__", None) or ""
-    return not any(d in file for d in _SITE)
+    return not any(d in file for d in _SITE)  # a library's (transformers' configs are dataclasses): its own
 
 
 def held_objects(roots: list[tuple[str, nn.Module]]) -> list[tuple[str, tuple[Step, ...], Any]]:
