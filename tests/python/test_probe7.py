@@ -194,7 +194,7 @@ class _GrowsACache(LinearModel):
 
 @pytest.mark.parametrize("cls,sample,says", [
     (_Counter, (5, 4), "self.step of the root (_Counter): 0 -> 1"),
-    (_CarriedHidden, (2, 4, 3), "self.hidden of the root (_CarriedHidden): None -> a "),
+    (_CarriedHidden, (2, 4, 3), "self.hidden of the root (_CarriedHidden): None -> a Tensor"),
     (_Appends, (5, 4), "self.seen of the root (_Appends): a list -> a list"),
 ])
 def test_a_forward_writing_its_modules_python_attributes_is_refused(cls, sample, says):

@@ -218,7 +218,9 @@ def _same(before: Any, items: Any, after: Any) -> bool:
 
 
 def _shown(v: Any) -> str:
-    text = repr(v) if isinstance(v, _SCALARS) else f"a {type(v).__name__}"
+    # a tensor the capture wrote is a FakeTensor (or another subclass): shown as the user sees it
+    kind = "Tensor" if isinstance(v, torch.Tensor) else type(v).__name__
+    text = repr(v) if isinstance(v, _SCALARS) else f"a {kind}"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
