@@ -20,6 +20,7 @@ copies (:func:`_run_recorded`).
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import math
 import weakref
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import ArchitectureMismatchError, UnsupportedOperationError
 from ..measure import Stopwatch
@@ -440,10 +441,63 @@ def _check_no_sharing(models: Sequence[nn.Module]) -> None:
             owner[key] = (i, name)
 
 
+# Note [Tensors held outside the member]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A forward may read tensors that are none of its member's parameters, buffers or inputs: a
+# frozen teacher kept as ``self.teacher = [nn.Linear(4, 4)]`` (to keep it out of ``.parameters()``
+# and the optimizer), a module in a tuple or dict, set with ``object.__setattr__``, reached through
+# a lambda, a bound method or ``functools.partial``, a plain list of ``nn.Parameter`` (the missing
+# ``nn.ParameterList``). torch.export lifts them as constants of member 0's program, so every member
+# ran member 0's teacher (probe 8 of issue 44, P8-6: 0.7-4.2 off, no warning). The member check's
+# recorder now knows the storages of the member's parameters, buffers (and their clones) and
+# inputs, and of every op's outputs; a tensor argument on any other storage is held outside the
+# member. Such a tensor that is an ``nn.Parameter`` is refused in every member (its values are
+# copied into the graph at compile, so later updates, an EMA teacher's, would not be seen, and
+# the members' own ones differ as a rule); another (a mask or table held in a plain attribute, a
+# global) must have member 0's values in every member, compared by their bytes, else the members
+# are refused as running different programs (a safety net: check_members compares the attributes
+# that hold such tensors first, and refuses objects it cannot compare). ``torch.tensor(...)`` made in the forward is not one
+# (its values are compared as before: ``_CONSTANT_OPS``).
+
+
+class _Held:
+    """A tensor argument held outside the member (Note [Tensors held outside the member]),
+    compared by shape, dtype and the digest of its bytes."""
+
+    __slots__ = ("parameter", "key")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.parameter = isinstance(t, nn.Parameter)
+        try:
+            data = t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+            digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+        except Exception:  # noqa: BLE001 -- a layout without plain bytes (sparse, quantized): by its shape
+            digest = None
+        self.key = (tuple(t.shape), t.dtype, digest)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Held) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return (f"a {str(self.key[1]).removeprefix('torch.')} tensor {list(self.key[0])} that is not a parameter, "
+                "buffer or input of the member")
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 -- a tensor without storage (sparse, a subclass): not tracked
+        return 0
+
+
 class _OpRecorder(TorchDispatchMode):
     """Records the ATen ops a forward runs: op name, non-tensor arguments, tensor shapes/dtypes,
-    and the values of constants the forward makes (``torch.tensor(...)``). With ``stop_at`` it
-    keeps the user's source line of that op instead."""
+    the values of constants the forward makes (``torch.tensor(...)``) and, once :meth:`know` has
+    been told the member's tensors, the bytes of tensors held outside it (Note [Tensors held
+    outside the member]). With ``stop_at`` it keeps the user's source line of that op instead."""
 
     _CONSTANT_OPS = ("aten.lift_fresh.default", "aten.lift_fresh_copy.default")
 
@@ -453,6 +507,15 @@ class _OpRecorder(TorchDispatchMode):
         self.stop_at, self.where = stop_at, None
         self.seconds: float | None = None  # how long the recorded forward took (the copy not counted)
         self.protected = protected  # storages (data pointers) no op may write (Note [Members run in place])
+        self.known: set[int] | None = None  # storages of the member's own tensors and of op outputs
+        self.held: list[tuple[str, _Held]] = []  # (op, tensor held outside the member), in order
+
+    def know(self, *tensors: Any) -> None:
+        """The storages of the member's tensors and inputs (any nesting)."""
+        self.known = self.known if self.known is not None else set()
+        for t in tree_flatten(tensors)[0]:
+            if isinstance(t, torch.Tensor):
+                self.known.add(_storage(t))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -470,6 +533,10 @@ class _OpRecorder(TorchDispatchMode):
                 if name in self._CONSTANT_OPS:
                     return ("constant", tree_map(lambda v: ("nan",) if isinstance(v, float) and math.isnan(v) else v,
                                                  a.tolist() if a.numel() <= 256 else a.sum().item()))
+                if self.known is not None and a.numel() and _storage(a) not in self.known:
+                    held = _Held(a)  # Note [Tensors held outside the member]
+                    self.held.append((name, held))
+                    return ("held", held)
                 return ("tensor", tuple(a.shape), a.dtype)
             if isinstance(a, float) and math.isnan(a):  # nan != nan: two runs with a nan argument agree
                 return ("nan",)
@@ -478,7 +545,10 @@ class _OpRecorder(TorchDispatchMode):
         if self.stop_at is not None and len(self.ops) == self.stop_at:
             self.where = user_frame()
         self.ops.append((name, tree_map(sig, (args, kwargs))))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.known is not None:
+            self.know(out)
+        return out
 
 
 class _WouldWrite(Exception):
@@ -502,6 +572,7 @@ def _run_in_place(model: nn.Module, args: tuple, kwargs: dict) -> _OpRecorder:
     data = {name: p.data for name, p in params.items()}
     try:
         clones = {name: b.clone() for name, b in buffers.items()}
+        rec.know(params, buffers, clones, args, kwargs)
         watch = Stopwatch()
         with attributes_kept(model), torch.no_grad(), rec:
             torch.func.functional_call(model, clones, args, kwargs, strict=False)
@@ -541,6 +612,7 @@ def _run_recorded(model: nn.Module, args: tuple, kwargs: dict, stop_at: int | No
                       "of its tensors and restoring its attributes", type(model).__name__, type(e).__name__, e)
             _run_on_clones(model, args, kwargs, rec)
             return rec
+        rec.know(list(member.parameters()), list(member.buffers()), args, kwargs)
         watch = Stopwatch()
         with torch.no_grad(), rec:
             member(*args, **kwargs)
@@ -569,33 +641,50 @@ def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | N
     refs: dict[tuple, list] = {}
     seconds: list[float] = []
 
-    def timed(rec: _OpRecorder) -> list:
+    def timed(rec: _OpRecorder, i: int) -> list:
         if rec.seconds is not None:
             seconds.append(rec.seconds)
+        held = next((op for op, h in rec.held if h.parameter), None)
+        if held is not None:  # Note [Tensors held outside the member]
+            k = next(k for k, (op, sig) in enumerate(rec.ops) if op == held and _holds_parameter(sig))
+            where = _run_recorded(models[i], args, kwargs, stop_at=k).where
+            raise UnsupportedOperationError(
+                f"wide_compiler: member {i}'s forward reads an nn.Parameter that is not registered in it, at "
+                f"{where} ({held}): a module or parameter held in a list, tuple or dict, a plain object, "
+                "a closure, a bound method or functools.partial, or set with object.__setattr__. wide_compiler "
+                "fuses each member's registered parameters and buffers; a tensor held outside would be "
+                "copied from member 0 into the graph for every member, and later updates (an EMA "
+                "teacher's) not seen. Register it in the member (an attribute, nn.ModuleList, "
+                "nn.ModuleDict, nn.ParameterList; a frozen one with requires_grad_(False), or as buffers), "
+                "or pass it as an input")
         return rec.ops
 
     def reference(i: int) -> list:
         key = tuple((type(constants[p][i]).__name__, repr(constants[p][i])) for p in paths)
         if key not in refs:
             if i == 0 or not paths:
-                refs[key] = timed(_run_recorded(models[0], args, kwargs))
+                refs[key] = timed(_run_recorded(models[0], args, kwargs), 0)
             else:  # a copy of member 0 with member i's values, run as it is (no second copy)
-                refs[key] = timed(_run_recorded(with_constants(models[0], constants, i), args, kwargs, private=True))
+                refs[key] = timed(_run_recorded(with_constants(models[0], constants, i), args, kwargs, private=True), 0)
         return refs[key]
 
     try:
         reference(0)
+    except UnsupportedOperationError:  # a parameter held outside the member (Note [Tensors held outside the member])
+        raise
     except Exception as e:  # the check is a safety net; export already accepted the program
         log.debug("wide_compiler: cannot run member 0 on the sample (%s); run_members check skipped", e)
         return None
     for i, model in enumerate(models[1:], start=1):
         try:
             want = reference(i)
+        except UnsupportedOperationError:
+            raise
         except Exception as e:  # noqa: BLE001 -- a safety net, as for member 0 above (tracing proved it)
             log.debug("wide_compiler: cannot run member 0 with member %d's constants on the sample (%s); "
                       "run_members check skipped for it", i, e)
             continue
-        got = timed(_run_recorded(model, args, kwargs))
+        got = timed(_run_recorded(model, args, kwargs), i)
         k = next((k for k, (g, w) in enumerate(zip(got, want)) if g != w), None)
         if k is None and len(got) == len(want):
             continue
@@ -609,6 +698,11 @@ def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | N
             f"{want[k][0]} with {_brief(want[k][1])} "
             "(a Python constant the forward reads differs between members)")
     return min(seconds) if seconds else None
+
+
+def _holds_parameter(sig: Any) -> bool:
+    return any(isinstance(leaf, _Held) and leaf.parameter
+               for leaf in tree_flatten(sig, is_leaf=lambda x: isinstance(x, _Held))[0])
 
 
 def _brief(sig: Any) -> str:
