@@ -201,9 +201,10 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
         (a plain function or a static method's; a class method or property is followed, not guarded)."""
         try:
             fn = getattr(cls, name)
+            again = getattr(cls, name)
         except AttributeError:  # a descriptor that raises on the class
             return
-        if isinstance(fn, types.FunctionType):
+        if isinstance(fn, types.FunctionType) and fn is again:  # not made anew per lookup (a partialmethod)
             entries.setdefault((id(cls), name), ((cls.__module__, cls.__qualname__, name, FunctionRef(fn)), cls))
 
     def attribute(cls: type, name: str, v: Any, code: types.CodeType, m: Any) -> None:

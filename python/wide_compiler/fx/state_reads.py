@@ -160,7 +160,8 @@ per method, tens of nanoseconds at the call):
 A call whose method is another function than at capture captures a graph with it (the wide model's
 copies of the members are instances of the patched class), and setting it back reuses the first.
 Not guarded: class methods and properties (their code is read, their rebinding is not followed), a
-method set on an instance (the wide model keeps copies of the members), and methods that torch's or
+method made anew at each lookup (a ``functools.partialmethod``: no identity to keep), a method set
+on an instance (the wide model keeps copies of the members), and methods that torch's or
 an installed package's code looks up. After unpickling (the compile cache) a method matches by its
 name and the digest of its code and closure (``_function_key``: a decorated method, ``super()``).
 """
@@ -339,8 +340,14 @@ class FunctionRef:
     def __hash__(self) -> int:
         return hash(self.key[:2])  # equal refs have equal names
 
-    def __repr__(self) -> str:
-        return f"<function {self.key[0]}.{self.key[1]}>"
+    def __repr__(self) -> str:  # its names only: no digest (torch.compile traces a message's repr)
+        module, name = _function_names(self.fn) if self._key is None else self.key[:2]
+        return f"<function {module}.{name}>"
+
+
+def _function_names(fn: Any) -> tuple[str, str]:
+    """(module, qualified name) of a function, for its key and messages."""
+    return str(getattr(fn, "__module__", None)), str(getattr(fn, "__qualname__", getattr(fn, "__name__", "?")))
 
 
 def _closure_text(fn: Any, depth: int) -> str | None:
@@ -391,7 +398,7 @@ def _function_key(fn: Any, depth: int = 0) -> tuple:
             digest = None  # values the digest would not see
         else:
             digest = hashlib.sha256((code_text(code) + repr(defaults) + closure).encode()).hexdigest()[:16]
-    return (str(getattr(fn, "__module__", None)), str(getattr(fn, "__qualname__", getattr(fn, "__name__", "?"))), digest)
+    return (*_function_names(fn), digest)
 
 
 # torch's global module hooks (nn.modules.module.register_module_forward_pre_hook and its kin): code
