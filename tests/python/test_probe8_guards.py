@@ -112,6 +112,49 @@ def test_a_method_using_super_matches_itself_after_unpickling():
     assert not ref.matches(Base.scale)
 
 
+def _local_class() -> type[nn.Module]:
+    class Local(nn.Module):  # qualname _local_class.<locals>.Local: not found by its name
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def act(self, h):
+            return torch.tanh(h)
+
+        def forward(self, x):
+            return self.act(self.l(x))
+
+    return Local
+
+
+def test_a_class_defined_in_a_function_reuses_its_cached_graph(cache_dir, caplog, monkeypatch):
+    """The forward guard of a class defined inside a function finds the class again when the compile
+    cache reads the graph back in the same process (else every cached graph was captured again at
+    its first call), and still follows a patch of its method."""
+    from support import from_cache
+
+    local = _local_class()
+
+    def build():
+        torch.manual_seed(0)
+        members = [local().double() for _ in range(2)]
+        return wc.compile(members, torch.randn(2, 4, dtype=torch.float64), config=FAST), members
+
+    build()
+    wide, members = from_cache(build)
+    x = torch.randn(2, 2, 4, dtype=torch.float64)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="wide_compiler"):
+        out = wide(x)
+    assert not [r for r in caplog.records if "captured the" in r.getMessage()]
+    for i, m in enumerate(members):
+        torch.testing.assert_close(out[i], m(x[i]))
+    monkeypatch.setattr(local, "act", _sigmoid_act)
+    out = wide(x)
+    for i, m in enumerate(members):
+        torch.testing.assert_close(out[i], m(x[i]))
+
+
 # --- P8-1: non-finite per-member constants in softplus / leaky_relu / hardtanh ---------------------
 class Act(nn.Module):
     def __init__(self, kind: str, s: float) -> None:

@@ -57,7 +57,7 @@ from torch.utils._pytree import MappingKey, SequenceKey, keystr, tree_flatten, t
 
 from .code_reads import globals_read
 from .state_reads import (_BOUND_ARGS, _ENVIRON, _GLOBAL_HOOKS, FLAG_READERS, Contents, FunctionRef, TensorRef, _access,
-                          _matches, _owner_of, _read, _shown, _where, global_hooks, same_value)
+                          _matches, _owner_of, _read, _shown, _where, global_hooks, remember_owners, same_value)
 
 __all__ = ["FLAG_READERS", "MAX_GRAPHS", "Guards", "finite_bound", "guards_of", "layout_of",
            "member_layout", "same_input", "same_value"]
@@ -177,6 +177,8 @@ class Guards:
 
         if self._owners is None:
             self._owners = tuple(_owner_of(module, qualname, name) for module, qualname, name, _ in self.watched)
+        else:  # live: a class defined inside a function is found again from them after unpickling
+            remember_owners(self._owners)
         # the fast path (Guards.holds): the structure and fixed-size checks of the call, then the guards
         head = []
         for k, (dtype, fixed) in enumerate(zip(self.dtypes, self.fixed)):

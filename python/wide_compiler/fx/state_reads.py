@@ -175,11 +175,12 @@ import hashlib
 import os
 import sys
 import types
+import weakref
 from typing import Any
 
 import torch
 
-__all__ = ["FLAG_READERS", "Contents", "FunctionRef", "TensorRef", "global_hooks", "same_value"]
+__all__ = ["FLAG_READERS", "Contents", "FunctionRef", "TensorRef", "global_hooks", "remember_owners", "same_value"]
 
 
 # Note [State a forward reads]: the global flags whose reads (from the user's code, during capture)
@@ -563,10 +564,24 @@ def _shown(now: Any) -> str:
     return repr(FunctionRef(now)) if isinstance(now, _FUNCTIONS) else repr(now)
 
 
+# classes defined inside a function (``make.<locals>.Block``) that a guard of this process watched,
+# by (module, qualified name): such a class cannot be found by its name, so a guard read back from
+# the compile cache in the process that compiled it finds it here (the latest of that name)
+_LOCAL_CLASSES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def remember_owners(owners: Any) -> None:
+    """Keep the classes among a guard's live ``owners`` that :func:`_owner_of` cannot find by name."""
+    for owner in owners:
+        if isinstance(owner, type) and "<locals>" in owner.__qualname__:
+            _LOCAL_CLASSES[(owner.__module__, owner.__qualname__)] = owner
+
+
 def _owner_of(module: str, qualname: str, name: str = "") -> Any:
     """The dict of module ``module`` (``qualname`` empty), its class ``qualname``, or the cell of
     the closure variable ``name`` of its function ``qualname`` + ``_CELL`` (a function found by its
-    qualified name: a decorated method, not one a factory made); None when not found (the guard
+    qualified name: a decorated method, not one a factory made); a class defined inside a function
+    that a guard of this process watched (``remember_owners``); None when not found (the guard
     then fails: the graph is captured again)."""
     if qualname == _ENVIRON:
         return os.environ
@@ -579,7 +594,7 @@ def _owner_of(module: str, qualname: str, name: str = "") -> Any:
     for part in qualname.removesuffix(_CELL).split("."):
         owner = getattr(owner, part, None)
         if owner is None:
-            return None
+            return None if qualname.endswith(_CELL) else _LOCAL_CLASSES.get((module, qualname))
     if qualname.endswith(_CELL):
         code, closure = getattr(owner, "__code__", None), getattr(owner, "__closure__", None)
         if code is None or closure is None or name not in code.co_freevars:
