@@ -124,6 +124,7 @@ class _Watch:
         saved-tensor hooks) or whose Python draws random numbers (what, where, why, what to do),
         before anything is built from it; warn for an eval graph. Note [Custom Functions are not
         sampled], Note [Autograd contexts export drops]."""
+        _refuse_fake_leaks(model)  # Note [Hooks that write outside themselves]: the net behind the code read
         self._check_contexts(model)
         hooks = [f"{name or type(model).__name__} ({type(m).__name__}) has a backward hook"
                  for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
@@ -286,7 +287,10 @@ class _Watch:
 # bound object, ``self``, or a partial's argument, through attributes and items, that an attribute
 # or item is assigned into or deleted from, or whose mutator or in-place tensor method is called,
 # is a write; so are those of the methods of the object's class it calls, ``self.record(out)``,
-# two calls deep), and such a hook is refused the same way. A hook that is a method of one of the model's own
+# two calls deep), and such a hook is refused the same way; so is one that calls a function of the
+# user's own (a module global or closure variable) that writes into its arguments, a global or a
+# closure variable (``record(self.items, out)``: ``_helper_writes``; probe 8 of issue 44, P8-10, a
+# global hook that left two FakeTensors in a recorder's dict that way). A hook that is a method of one of the model's own
 # modules is left to the capture's check of module attributes (Note [A forward that writes its
 # module's attributes] in fx/attribute_writes.py), which allows state that only feeds itself.
 
@@ -391,15 +395,32 @@ def _bound_writes(code: Any, bound: dict[str, Any], depth: int = 0) -> set[str]:
             out.add(where)
             continue
         root = where.split(".")[0].split("[")[0]
-        method = getattr(type(bound[root]), name, None)
-        if (where == root and depth < 2 and isinstance(method, types.FunctionType)
+        held = _resolve(bound[root], where[len(root):])  # self, or an object it holds (self.sink.write(o))
+        method = getattr(type(held), name, None) if held is not _UNRESOLVED else None
+        if (depth < 2 and isinstance(method, types.FunctionType)
                 and not any(d in method.__code__.co_filename for d in _SITE)):
-            inner = _bound_writes(method.__code__, {method.__code__.co_varnames[0]: bound[root]}, depth + 1)
-            out |= {root + w[len(w.split(".")[0].split("[")[0]):] for w in inner}
+            inner = _bound_writes(method.__code__, {method.__code__.co_varnames[0]: held}, depth + 1)
+            out |= {where + w[len(w.split(".")[0].split("[")[0]):] for w in inner}
     for c in code.co_consts:  # a nested function or comprehension reading a bound name from its cell
         if isinstance(c, types.CodeType):
             out |= _bound_writes(c, {k: v for k, v in bound.items() if k in c.co_freevars}, depth)
     return out
+
+
+_UNRESOLVED = object()
+
+
+def _resolve(obj: Any, path: str) -> Any:
+    """``obj`` followed through the attributes of ``path`` (``".sink.log"``), or ``_UNRESOLVED``
+    where it goes through an item (``[]``) or an attribute it cannot read."""
+    if "[" in path:
+        return _UNRESOLVED
+    for name in filter(None, path.split(".")):
+        try:
+            obj = inspect.getattr_static(obj, name)
+        except AttributeError:
+            return _UNRESOLVED
+    return obj
 
 
 # (values popped, values pushed) of the ops :func:`_followed` meets most; others by their net effect
@@ -487,6 +508,158 @@ def _followed(code: Any, bound: dict[str, Any]) -> list[tuple[str, str | None]]:
     return [(where.replace("[]", ""), name) for where, name in found]
 
 
+def _fake_in(obj: Any, path: str, seen: set[int], budget: list[int], depth: int = 0) -> str | None:
+    """Where a FakeTensor sits in what ``obj`` holds (a list, tuple, set or dict, an object's
+    attributes, three levels deep, a bounded number of objects), as ``path[...]``, or None."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(obj, FakeTensor):
+        return path
+    if depth > 3 or id(obj) in seen or budget[0] <= 0 or isinstance(
+            obj, (torch.Tensor, nn.Module, type, types.ModuleType, types.FunctionType, str, bytes, int, float)):
+        return None
+    seen.add(id(obj))
+    budget[0] -= 1
+    if isinstance(obj, dict):
+        items = [(f"{path}[{k!r}]", v) for k, v in list(obj.items())[:200]]
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        items = [(f"{path}[{k}]", v) for k, v in enumerate(list(obj)[:200])]
+    elif type(obj).__module__ != "builtins" and isinstance(getattr(obj, "__dict__", None), dict):
+        items = [(f"{path}.{k}", v) for k, v in list(vars(obj).items())[:200]]
+    else:
+        return None
+    for where, v in items:
+        found = _fake_in(v, where, seen, budget, depth + 1)
+        if found:
+            return found
+    return None
+
+
+def _refuse_fake_leaks(model: nn.Module) -> None:
+    """Refuse a capture that left a FakeTensor in what a forward hook or pre-hook of the user's
+    holds (on ``model``'s modules or among torch's global module hooks): the object it is bound to,
+    a partial's arguments, its closure cells and the module globals its code names. The code read
+    of :func:`refuse_writing_hooks` refuses such a hook before the capture runs it; this is the net
+    for a write it cannot see (Note [Hooks that write outside themselves])."""
+    from torch.nn.modules import module as torch_module
+
+    hooks = [(f"module {path!r} ({type(m).__name__})" if path else f"the model ({type(m).__name__})", h)
+             for path, m in model.named_modules() for kind in ("_forward_pre_hooks", "_forward_hooks")
+             for h in getattr(m, kind, {}).values()]
+    hooks += [(f"torch's global module hooks (torch.nn.modules.module.{kind})", h)
+              for kind in ("_global_forward_pre_hooks", "_global_forward_hooks")
+              for h in getattr(torch_module, kind, {}).values()]
+    seen: set[int] = set()
+    budget = [5000]
+    for where, hook in hooks:
+        fn = _hook_function(hook)
+        if fn is None or any(d in fn.__code__.co_filename for d in _SITE):
+            continue
+        held: list[tuple[str, Any]] = []
+        h: Any = hook
+        for _ in range(4):
+            if isinstance(h, functools.partial):
+                held += [("partial argument", a) for a in (*h.args, *h.keywords.values())]
+                h = h.func
+            elif isinstance(h, types.MethodType):
+                held.append(("self", h.__self__))
+                h = h.__func__
+            else:
+                break
+        if not isinstance(h, types.FunctionType):
+            held.append(("self", h))
+        held += [(name, c.cell_contents) for name, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())
+                 if _cell_full(c)]
+        held += [(name, fn.__globals__[name]) for name in fn.__code__.co_names if name in fn.__globals__]
+        for name, obj in held:
+            found = _fake_in(obj, name, seen, budget)
+            if found:
+                raise WideCompileError(
+                    f"wide_compiler: {where} hold a hook ({getattr(hook, '__qualname__', type(hook).__name__)} at "
+                    f"{fn.__code__.co_filename}:{fn.__code__.co_firstlineno}) that kept a placeholder tensor of the "
+                    f"capture in {found}: it writes into state outside it, which the wide model would never "
+                    "update (Note [Hooks that write outside themselves] in fx/export_watch.py). What it recorded "
+                    "during the capture is no member's value; remove it.\n"
+                    "What to do: remove the hook before compiling and take what it recorded from the wide "
+                    "model's outputs (return it from forward), or register it on a member copy (wide.member(i)).")
+
+
+def _cell_full(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _hook_function(fn: Any) -> types.FunctionType | None:
+    """The Python function a hook runs (a function, a bound method's, a partial's, a callable
+    object's ``__call__``), whose globals its code reads."""
+    for _ in range(4):
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif isinstance(fn, types.MethodType):
+            fn = fn.__func__
+        elif isinstance(fn, types.FunctionType):
+            return fn
+        else:
+            fn = getattr(type(fn), "__call__", None)
+            if not isinstance(fn, types.FunctionType):
+                return None
+    return None
+
+
+def _helper_writes(fn: types.FunctionType, depth: int = 0, seen: set | None = None) -> list[str]:
+    """The user's own functions a hook's code calls (read as module globals or closure variables,
+    two calls deep) that write into their arguments, a global or a closure variable, as
+    ``"helper(d)"`` (Note [Hooks that write outside themselves]: ``record(self.items, out)`` with
+    ``def record(d, o): d.setdefault("k", []).append(o)`` records as surely as the hook's own
+    ``self.items.append(out)``).
+
+    >>> def record(d, o):
+    ...     d.append(o)
+    >>> def hook(m, i, o):
+    ...     record(STORE, o)
+    >>> _helper_writes(hook)
+    ['record(d)']
+    """
+    import dis
+
+    seen = set() if seen is None else seen
+    out: list[str] = []
+    codes = [fn.__code__]
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    while codes:
+        code = codes.pop()
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        for ins in dis.get_instructions(code):
+            if ins.opname == "LOAD_GLOBAL":
+                f = fn.__globals__.get(ins.argval)
+            elif ins.opname == "LOAD_DEREF" and ins.argval in cells:
+                try:
+                    f = cells[ins.argval].cell_contents
+                except ValueError:
+                    continue
+            else:
+                continue
+            if (not isinstance(f, types.FunctionType) or f in seen or any(d in f.__code__.co_filename for d in _SITE)
+                    or not is_user_file(f.__code__.co_filename, skip_stdlib=True)):
+                continue
+            seen.add(f)
+            inner = f.__code__
+            params = inner.co_varnames[:inner.co_argcount + inner.co_kwonlyargcount]
+            written = _hook_writes(inner) | _bound_writes(inner, {p: _Placeholder() for p in params})
+            if written:
+                out.append(f"{f.__qualname__}({', '.join(sorted(written))})")
+            elif depth < 1:
+                out += _helper_writes(f, depth + 1, seen)
+    return out
+
+
+class _Placeholder:
+    """What :func:`_helper_writes` binds a helper's parameters to (a class without methods)."""
+
+
 def _object_writes(hook: Any, model: nn.Module) -> tuple[set[str], str]:
     """The writes of ``hook`` into what it is bound to (not one of ``model``'s own modules, whose
     attributes the capture checks), and a phrase naming the objects (Note [Hooks that write
@@ -528,8 +701,12 @@ def refuse_writing_hooks(model: nn.Module, member: int | None = 0) -> None:
         try:
             written = _hook_writes(code)
             bound, whose = _object_writes(hook, model)
+            fn = _hook_function(hook)
+            helpers = set(_helper_writes(fn)) if fn is not None else set()
         except Exception:  # noqa: BLE001 -- code dis cannot read: not a refusal
             continue
+        if helpers:
+            written |= {f"through {h}" for h in helpers}
         if not written and not bound:
             continue
         raise WideCompileError(
