@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
 from typing import Any
@@ -87,6 +88,107 @@ _READ_SHARED = {  # torch.optim class name -> the shared state its update reads
     "SparseAdam": "`step` (bias correction)",
     "LBFGS": "its whole state (directions, step size, iteration counts)",
 }
+
+
+# Note [torch.optim optimizers that mix members]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A wide model's parameters are the members' stacked on dim 0. An optimizer whose update is per
+# element (SGD, Adam, NAdam, RAdam, ASGD, Rprop, Adamax, Adadelta, ...) steps each member's slice
+# as it steps that member alone. Three torch.optim optimizers compute their update from values
+# across the stacked dim instead, and so couple the members silently (probe 8 of issue 44, P8-9:
+# Adafactor 0.013 off after 3 steps, LBFGS 0.5): Adafactor factors the second moment of a 2-D
+# parameter over its two dims, and a member's 1-D bias is a 2-D ``[N, O]`` parameter of the wide
+# model (factored over N; the member's own is not factored); Muon orthogonalizes a 2-D parameter
+# (the same ``[N, O]`` biases); LBFGS keeps one history and one line search over all its
+# parameters. Their first ``step()`` over a wide model's parameters is refused (nothing changes)
+# by a global optimizer step pre-hook installed when a model is compiled: one lookup by class per
+# step, and for the three, one search for the parameters' module per optimizer (cached by its
+# parameter count), so a plain model's Adafactor is not refused.
+_MIXES_MEMBERS = {  # torch.optim class name -> (which stacked parameters it mixes, how)
+    "Adafactor": (2, "factors the second moment of a 2-D parameter over both of its dims, and a member's 1-D "
+                     "parameter is a 2-D [N, ...] parameter of the wide model (its moments are shared by the "
+                     "members; the member's own is not factored)"),
+    "Muon": (2, "orthogonalizes each 2-D parameter as a whole, and a member's 1-D parameter is a 2-D [N, ...] "
+                "parameter of the wide model (its update mixes the members)"),
+    "LBFGS": (None, "keeps one curvature history and one line search over all of its parameters, so every "
+                    "member's step depends on the others' losses and gradients"),
+}
+_CLASS_NAMES: dict[type, str | None] = {}  # optimizer class -> its torch.optim class name (one lookup per step)
+_ABSENT = object()
+_STEP_HOOK: list[Any] = []  # the handle of the global step pre-hook, once installed
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> parameter count checked
+
+
+def watch_torch_optimizers() -> None:
+    """Install (once per process) torch's global optimizer step pre-hook that refuses a
+    ``torch.optim`` optimizer whose update mixes members over a wide model's parameters (Note
+    [torch.optim optimizers that mix members]); called when a model is compiled.
+
+    >>> watch_torch_optimizers(); watch_torch_optimizers()  # once, however often it is called
+    >>> len(_STEP_HOOK)
+    1
+    """
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_refuse_mixing_step))
+
+
+def _wide_owners(params: Sequence[torch.Tensor]) -> dict[int, str]:
+    """``id(p)`` -> the class name of the wide_compiler module that holds ``p`` as a parameter, for
+    those of ``params`` a wide_compiler module (a wide model) holds: found through the garbage
+    collector's referrers (the module's ``_parameters`` dict, its ``__dict__``, the module), run
+    once per optimizer of the three mixing classes only."""
+    import gc
+
+    if not params:
+        return {}
+    ids = {id(p) for p in params}
+    tables = [d for d in gc.get_referrers(*params) if type(d) is dict and any(id(v) in ids for v in d.values())]
+    found: dict[int, str] = {}
+    level = tables
+    for _ in range(2):  # the table's holder: the module itself, or its __dict__ and then the module
+        if not level:
+            break
+        nxt = []
+        for r in gc.get_referrers(*level):
+            if isinstance(r, torch.nn.Module):
+                table = vars(r).get("_parameters")
+                if any(table is d for d in tables) and type(r).__module__.startswith("wide_compiler"):
+                    found.update({id(p): type(r).__name__ for p in table.values() if p is not None and id(p) in ids})
+            elif type(r) is dict and any(r.get("_parameters") is d for d in tables):
+                nxt.append(r)
+        level = nxt
+    return found
+
+
+def _refuse_mixing_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch's global optimizer step pre-hook (Note [torch.optim optimizers that mix members])."""
+    kind = type(optimizer)
+    name = _CLASS_NAMES.get(kind, _ABSENT)
+    if name is _ABSENT:
+        name = _CLASS_NAMES[kind] = _torch_optim_class(optimizer)
+    if name not in _MIXES_MEMBERS:
+        return None
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if _CHECKED.get(optimizer) == len(params):
+        return None
+    dim, how = _MIXES_MEMBERS[name]
+    owners = _wide_owners(params)
+    mixed = [p for p in params if id(p) in owners and p.dim() >= 1 and p.shape[0] > 1
+             and (dim is None or p.dim() == dim)]
+    if mixed:
+        from .errors import UnsupportedOperationError
+
+        shapes = ", ".join(str(list(p.shape)) for p in mixed[:4]) + (", ..." if len(mixed) > 4 else "")
+        raise UnsupportedOperationError(
+            f"wide_compiler: torch.optim.{name} holds a wide model's stacked parameter(s) (shape {shapes}) "
+            f"and {how}: the members would not train as they train alone "
+            f"(Note [torch.optim optimizers that mix members] in wide_compiler/amp.py). Nothing was changed.\n"
+            f"What to do: use an optimizer whose update is per element (torch.optim.Adam/AdamW/SGD/..., or "
+            f"wide_compiler.optim's), or step each member with its own {name} (wide.member(i))")
+    _CHECKED[optimizer] = len(params)
+    return None
 
 
 def _torch_optim_class(optimizer: torch.optim.Optimizer) -> str | None:

@@ -13,7 +13,7 @@ The key (:func:`key_parts`) holds everything the compiled program depends on:
   objects held by globals otherwise by their class; the standard library, torch and
   wide_compiler by their versions), and every hook on those modules;
 - ``model``: the module tree (paths, classes, training flags, every other attribute's value, as
-  the member check compares them), parameter and buffer names, shapes, dtypes, devices and
+  the member check compares them), parameter and buffer names, shapes, strides, dtypes, devices and
   ``requires_grad``; the wide state's dtype and device;
 - ``inputs``: the sample's structure, tensor shapes, dtypes, devices, ``requires_grad`` and
   contiguity, its non-tensor values (baked in); ``dynamic_shapes``, the dims made dynamic by
@@ -251,6 +251,8 @@ def _class(d: _Digest, cls: type, depth: int) -> None:
 
 def _tensor(d: _Digest, t: torch.Tensor, values: bool) -> None:
     d.add("tensor", type(t).__name__, tuple(t.shape), t.dtype, t.device, t.requires_grad)
+    if t.layout == torch.strided:  # the run-members check depends on it (Note [Members stored in another memory layout])
+        d.add("strides", t.stride())
     if values and not isinstance(t, nn.Parameter) and t.device.type != "meta":
         try:
             d.add(hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest())

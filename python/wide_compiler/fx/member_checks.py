@@ -250,6 +250,9 @@ def check_members(models: Sequence[nn.Module]) -> dict[str, tuple]:
     which are each member's own weights (compared by shape, dtype, device, requires_grad);
     submodules held as attributes (compared by type; their contents are checked as modules).
     A submodule in another mode than its member is refused (:func:`check_modes`)."""
+    from ..amp import watch_torch_optimizers
+
+    watch_torch_optimizers()  # Note [torch.optim optimizers that mix members] (amp.py): once per process
     _check_no_sharing(models)
     check_modes(models)
     for i, model in enumerate(models):  # before anything runs a member (Note [Hooks that write outside themselves])
@@ -692,11 +695,58 @@ def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | N
             raise ArchitectureMismatchError(
                 f"member {i}: its forward runs {len(got)} ops, member 0's runs {len(want)}")
         where = _run_recorded(model, args, kwargs, stop_at=k).where
+        layout = _layout_differences(models[0], model, i)
+        why = ("(a Python constant the forward reads differs between members)" if not layout else
+               f"({layout}: an op that follows its input's memory layout, such as a view that becomes a copy, "
+               f"makes another program; Note [Members stored in another memory layout]). What to do: store "
+               f"every member's parameters and buffers in one layout (member.to(memory_format="
+               f"torch.contiguous_format), or convert every member alike)")
         raise ArchitectureMismatchError(
             f"member {i}: its forward runs a different program from member 0's at {where}: "
             f"{got[k][0]} with {_brief(got[k][1])}, member 0{' (with its constants)' if paths else ''} runs "
-            f"{want[k][0]} with {_brief(want[k][1])} "
-            "(a Python constant the forward reads differs between members)")
+            f"{want[k][0]} with {_brief(want[k][1])} {why}")
+
+
+# Note [Members stored in another memory layout]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A member converted with ``.to(memory_format=torch.channels_last)`` (or one whose parameter is a
+# transposed view of a contiguous tensor) holds the same values as member 0 in other strides.
+# Most ops give the same values and run the same ATen ops whatever the strides, and such members
+# compile (the wide model's stacked parameters are its own). Some ops follow their input's layout:
+# ``Flatten`` after a channels_last conv is a ``clone`` (a copy) where member 0's is a ``view``, so
+# the run-members check sees another program, and refuses it; its message then names the
+# parameter whose strides differ (probe 8 of issue 44, P8-8: it blamed a Python constant). The
+# compile cache key holds every member's parameter and buffer strides (fx/cache_key.py's
+# ``_tensor``), so a hit, which skips this check, is found only for members of the same layouts.
+def _layout_differences(ref: nn.Module, model: nn.Module, i: int) -> str:
+    """The parameters and buffers of member ``i`` (``model``) whose strides differ from member 0's
+    (``ref``), as a phrase for the run-members refusal, or ``""`` (Note [Members stored in another
+    memory layout]).
+
+    >>> a, b = nn.Conv2d(2, 4, 3), nn.Conv2d(2, 4, 3).to(memory_format=torch.channels_last)
+    >>> _layout_differences(a, b, 1)[:64]
+    "member 1's parameter 'weight' is stored in strides (18, 1, 6, 2)"
+    """
+    def kind(t: torch.Tensor) -> str:
+        if t.is_contiguous():
+            return "contiguous"
+        for fmt, name in ((torch.channels_last, "channels_last"), (torch.channels_last_3d, "channels_last_3d")):
+            if t.dim() == (4 if name == "channels_last" else 5) and t.is_contiguous(memory_format=fmt):
+                return name
+        return "not contiguous"
+
+    mine = dict(model.named_parameters())
+    bufs = dict(model.named_buffers())
+    found = []
+    for what, theirs, table in (("parameter", dict(ref.named_parameters()), mine),
+                                ("buffer", dict(ref.named_buffers()), bufs)):
+        for name, t0 in theirs.items():
+            t = table.get(name)
+            if (isinstance(t, torch.Tensor) and t.layout == torch.strided and t0.layout == torch.strided
+                    and t.shape == t0.shape and t.stride() != t0.stride()):
+                found.append(f"member {i}'s {what} {name!r} is stored in strides {t.stride()} ({kind(t)}), "
+                             f"member 0's in {t0.stride()} ({kind(t0)})")
+    return "; ".join(found[:3]) + ("; ..." if len(found) > 3 else "")
     return min(seconds) if seconds else None
 
 
