@@ -220,8 +220,19 @@ def wide_params_in_member_order(wide: nn.Module, member: nn.Module) -> list[torc
 
 # ---------------------------------------------------------------------------------- steps
 
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The tensor leaves of a forward's output: a non-tensor leaf (``{'h': h, 'n': x.shape[0]}``'s
+    int) is neither summed into the loss nor compared as a tensor (probe 8 of issue 44, P8-11)."""
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _others(out: Any) -> list[Any]:
+    """The non-tensor leaves of a forward's output, compared for equality by :func:`max_abs_err`."""
+    return [t for t in tree_leaves(out) if not isinstance(t, torch.Tensor)]
+
+
 def _loss(out: Any) -> torch.Tensor:
-    leaves = tree_leaves(out)
+    leaves = _tensors(out)
     if len(leaves) == 1:
         return leaves[0].sum()
     return torch.stack([t.sum() for t in leaves]).sum()
@@ -272,8 +283,8 @@ def make_step(contender: Contender, x: Any, mode: str) -> Callable[[], Any]:
 def member_outputs(contender: Contender, out: Any, n: int) -> list[list[torch.Tensor]]:
     """Every member's output tensors (pytree leaves) of one forward result of ``contender``."""
     if contender.layout == "members":
-        return [tree_leaves(o) for o in out]
-    leaves = tree_leaves(out)
+        return [_tensors(o) for o in out]
+    leaves = _tensors(out)
     return [[t[i] for t in leaves] for i in range(n)]
 
 
@@ -305,6 +316,12 @@ def max_abs_err(reference: Contender, ref_result: Any, other: Contender, result:
     else:
         ref_out, ref_grads, out, grads = ref_result, (), result, ()
     err = 0.0
+    ref_others = [_others(o) for o in ref_out] if reference.layout == "members" else [_others(ref_out)] * n
+    others = [_others(o) for o in out] if other.layout == "members" else [_others(out)] * n
+    for i, (r, o) in enumerate(zip(ref_others, others, strict=True)):
+        if r != o:  # a non-tensor output (an int, a string) the two disagree on
+            raise ValueError(f"member {i}: {other.name} returned the non-tensor outputs {o!r}, "
+                             f"{reference.name} returned {r!r}")
     ref_members = member_outputs(reference, ref_out, n)
     members = member_outputs(other, out, n)
     for i, (r, o) in enumerate(zip(ref_members, members, strict=True)):
