@@ -79,7 +79,7 @@ def _tiny_berts(layers: int) -> list:
 
 
 def test_bert_encoder_takes_every_sequence_length(caplog):
-    models = _tiny_berts(layers=1)  # every op of a layer; a second layer repeats them at the same sizes
+    models = _tiny_berts(layers=2)
     ids = lambda t, seed=0: torch.randint(3, 64, (2, t), generator=torch.Generator().manual_seed(seed))  # noqa: E731
     wide = wc.compile(models, ids(8), config=FAST)
     with caplog.at_level(logging.INFO, logger="wide_compiler"):
