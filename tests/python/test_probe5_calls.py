@@ -14,16 +14,14 @@ import torch
 import wide_compiler as wc
 from torch import nn
 
+from support import LinearModel
+
 FAST = wc.WideConfig.fast()
 
 
 # ---------------------------------------------------------------- F14: .to(dtype) captures again
-class DtypeBranch(nn.Module):
+class DtypeBranch(LinearModel):
     """A forward whose program depends on the dtype: a branch, a tensor made in it, a cast."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
 
     def forward(self, x):
         h = self.fc(x.to(self.fc.weight.dtype))
