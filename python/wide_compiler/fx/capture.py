@@ -61,7 +61,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..errors import WideCompileError
 from .attribute_writes import AttributeWrites
 from .code_reads import globals_read
-from .export_watch import _Watch, refuse_writing_hooks
+from .export_watch import _Watch
+from .hook_writes import refuse_writing_hooks
 from .sample_check import check_sample
 from .source import is_user_file, location, user_frame_and_module
 from .source import module_path, source_line  # noqa: F401 -- their old import path (model.py, analyze.py)

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..errors import ArchitectureMismatchError, UnsupportedOperationError
 from ..measure import Stopwatch
 from .capture import batch_of_two, capture, without_cudnn
-from .export_watch import _hook_code, refuse_writing_hooks
+from .hook_writes import _hook_code, refuse_writing_hooks
 from .sample_check import _run_on_clones, attributes_kept
 from .forms import apply_capture_forms
 from .source import source_line, user_frame
@@ -705,6 +705,7 @@ def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | N
             f"member {i}: its forward runs a different program from member 0's at {where}: "
             f"{got[k][0]} with {_brief(got[k][1])}, member 0{' (with its constants)' if paths else ''} runs "
             f"{want[k][0]} with {_brief(want[k][1])} {why}")
+    return min(seconds) if seconds else None
 
 
 # Note [Members stored in another memory layout]
@@ -747,7 +748,6 @@ def _layout_differences(ref: nn.Module, model: nn.Module, i: int) -> str:
                 found.append(f"member {i}'s {what} {name!r} is stored in strides {t.stride()} ({kind(t)}), "
                              f"member 0's in {t0.stride()} ({kind(t0)})")
     return "; ".join(found[:3]) + ("; ..." if len(found) > 3 else "")
-    return min(seconds) if seconds else None
 
 
 def _holds_parameter(sig: Any) -> bool:

@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import ArchitectureMismatchError, UnsupportedOperationError, WideCompileError
 from .capture import capture
-from .export_watch import refuse_writing_hooks
+from .hook_writes import refuse_writing_hooks
 from .member_checks import check_modes
 # a padded model pickled before fx/padded_members.py was split out of this module names these classes
 # wide_compiler.fx.padding.<class>: they stay importable from here, so such a pickle loads
