@@ -119,7 +119,7 @@ def test_a_stale_cache_entry_naming_a_strategy_the_op_lacks_is_measured_again(tm
 
     steady_measuring_clock(monkeypatch)  # every op measured within the budget, however busy the machine
     models = [_mlp() for _ in range(3)]
-    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1)
+    config = wc.WideConfig(cache_dir=str(tmp_path), tune_repeats=1, tune_after_runs=0)
     wc.compile(models, torch.randn(3, 4), config=config)
     path = tmp_path / "strategies.json"
     entries = json.loads(path.read_text())

@@ -454,9 +454,10 @@ def _check_no_sharing(models: Sequence[nn.Module]) -> None:
 # ran member 0's teacher (probe 8 of issue 44, P8-6: 0.7-4.2 off, no warning). The member check's
 # recorder now knows the storages of the member's parameters, buffers (and their clones) and
 # inputs, and of every op's outputs; a tensor argument on any other storage is held outside the
-# member. Such a tensor that is an ``nn.Parameter`` is refused in every member (its values are
-# copied into the graph at compile, so later updates, an EMA teacher's, would not be seen, and
-# the members' own ones differ as a rule); another (a mask or table held in a plain attribute, a
+# member. Such a tensor that is an ``nn.Parameter`` must be the very one member 0 reads there (a
+# module-level frozen parameter every member shares, as before), else it is refused: a member's
+# own (its values would be copied from member 0 into the graph, and later updates, an EMA
+# teacher's, not seen); another (a mask or table held in a plain attribute, a
 # global) must have member 0's values in every member, compared by their bytes, else the members
 # are refused as running different programs (a safety net: check_members compares the attributes
 # that hold such tensors first, and refuses objects it cannot compare). ``torch.tensor(...)`` made in the forward is not one
@@ -467,10 +468,11 @@ class _Held:
     """A tensor argument held outside the member (Note [Tensors held outside the member]),
     compared by shape, dtype and the digest of its bytes."""
 
-    __slots__ = ("parameter", "key")
+    __slots__ = ("parameter", "storage", "key")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.parameter = isinstance(t, nn.Parameter)
+        self.storage = _storage(t)
         try:
             data = t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
             digest = hashlib.blake2b(data, digest_size=16).hexdigest()
@@ -511,7 +513,7 @@ class _OpRecorder(TorchDispatchMode):
         self.seconds: float | None = None  # how long the recorded forward took (the copy not counted)
         self.protected = protected  # storages (data pointers) no op may write (Note [Members run in place])
         self.known: set[int] | None = None  # storages of the member's own tensors and of op outputs
-        self.held: list[tuple[str, _Held]] = []  # (op, tensor held outside the member), in order
+        self.held: list[tuple[int, _Held]] = []  # (op index, tensor held outside the member), in order
 
     def know(self, *tensors: Any) -> None:
         """The storages of the member's tensors and inputs (any nesting)."""
@@ -538,7 +540,7 @@ class _OpRecorder(TorchDispatchMode):
                                                  a.tolist() if a.numel() <= 256 else a.sum().item()))
                 if self.known is not None and a.numel() and _storage(a) not in self.known:
                     held = _Held(a)  # Note [Tensors held outside the member]
-                    self.held.append((name, held))
+                    self.held.append((len(self.ops), held))
                     return ("held", held)
                 return ("tensor", tuple(a.shape), a.dtype)
             if isinstance(a, float) and math.isnan(a):  # nan != nan: two runs with a nan argument agree
@@ -644,22 +646,28 @@ def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | N
     refs: dict[tuple, list] = {}
     seconds: list[float] = []
 
-    def timed(rec: _OpRecorder, i: int) -> list:
+    held0: list[tuple[int, bool]] = []  # member 0's tensors held outside it: (storage, a parameter), in order
+
+    def timed(rec: _OpRecorder, i: int, own: bool = True) -> list:
         if rec.seconds is not None:
             seconds.append(rec.seconds)
-        held = next((op for op, h in rec.held if h.parameter), None)
-        if held is not None:  # Note [Tensors held outside the member]
-            k = next(k for k, (op, sig) in enumerate(rec.ops) if op == held and _holds_parameter(sig))
-            where = _run_recorded(models[i], args, kwargs, stop_at=k).where
-            raise UnsupportedOperationError(
-                f"wide_compiler: member {i}'s forward reads an nn.Parameter that is not registered in it, at "
-                f"{where} ({held}): a module or parameter held in a list, tuple or dict, a plain object, "
-                "a closure, a bound method or functools.partial, or set with object.__setattr__. wide_compiler "
-                "fuses each member's registered parameters and buffers; a tensor held outside would be "
-                "copied from member 0 into the graph for every member, and later updates (an EMA "
-                "teacher's) not seen. Register it in the member (an attribute, nn.ModuleList, "
-                "nn.ModuleDict, nn.ParameterList; a frozen one with requires_grad_(False), or as buffers), "
-                "or pass it as an input")
+        held = [(h.storage, h.parameter) for _, h in rec.held]
+        if own and i == 0:
+            held0[:] = held
+        elif own:  # Note [Tensors held outside the member]: a parameter of member i's own
+            k = next((k for k, (a, b) in enumerate(zip(held, held0)) if (a[1] or b[1]) and a[0] != b[0]), None)
+            if k is not None:
+                at, _ = rec.held[k]
+                where = _run_recorded(models[i], args, kwargs, stop_at=at).where
+                raise UnsupportedOperationError(
+                    f"wide_compiler: member {i}'s forward reads an nn.Parameter that is not registered in it, "
+                    f"at {where} ({rec.ops[at][0]}), and not the one member 0 reads there: a module or parameter "
+                    "held in a list, tuple or dict, a plain object, a closure, a bound method or "
+                    "functools.partial, or set with object.__setattr__. wide_compiler fuses each member's "
+                    "registered parameters and buffers; a tensor held outside would be copied from member 0 "
+                    "into the graph for every member, and later updates (an EMA teacher's) not seen. Register "
+                    "it in the member (an attribute, nn.ModuleList, nn.ModuleDict, nn.ParameterList; a frozen "
+                    "one with requires_grad_(False), or as buffers), or pass it as an input")
         return rec.ops
 
     def reference(i: int) -> list:
@@ -668,7 +676,8 @@ def check_run_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | N
             if i == 0 or not paths:
                 refs[key] = timed(_run_recorded(models[0], args, kwargs), 0)
             else:  # a copy of member 0 with member i's values, run as it is (no second copy)
-                refs[key] = timed(_run_recorded(with_constants(models[0], constants, i), args, kwargs, private=True), 0)
+                refs[key] = timed(_run_recorded(with_constants(models[0], constants, i), args, kwargs, private=True),
+                                  0, own=False)
         return refs[key]
 
     try:
@@ -748,11 +757,6 @@ def _layout_differences(ref: nn.Module, model: nn.Module, i: int) -> str:
                 found.append(f"member {i}'s {what} {name!r} is stored in strides {t.stride()} ({kind(t)}), "
                              f"member 0's in {t0.stride()} ({kind(t0)})")
     return "; ".join(found[:3]) + ("; ..." if len(found) > 3 else "")
-
-
-def _holds_parameter(sig: Any) -> bool:
-    return any(isinstance(leaf, _Held) and leaf.parameter
-               for leaf in tree_flatten(sig, is_leaf=lambda x: isinstance(x, _Held))[0])
 
 
 def _brief(sig: Any) -> str:
