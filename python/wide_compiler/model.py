@@ -486,8 +486,8 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         if not torch.compiler.is_dynamo_compiling():
             if wg.constant_table is not None:
                 self._sync_constants(wg)
-            if pending_runs(wg) is not None and not (torch.compiler.is_compiling() and traced_here(args, kwargs)):
-                self._count_run(wg)  # Note [Tuning after the first runs] (tuning.py)
+            if not (torch.compiler.is_compiling() and traced_here(args, kwargs)):
+                self._count_run(wg)  # Note [Tuning after the first runs] (tuning.py): one lookup, if pending
         return call_graph(wg, self, self._holders(wg), flat)
 
     @property
