@@ -41,7 +41,7 @@ Note [Tuning that pays for itself]
     its defaults each time, two thirds of its compile.
 
     So where the graph's run time R is known (``run_seconds``: one member's eager forward, timed
-    by the member check (fx/member_checks.py), times N, times 3 for a train graph's forward and
+    by the member check (fx/member_runs.py), times N, times 3 for a train graph's forward and
     backward), the budget is ``min(tune_budget_s, PAYBACK_RUNS * R)`` (at a gain of 20% a call,
     tuning has paid for itself after 5 * PAYBACK_RUNS calls; a short run is never blocked for
     long), and when even :data:`TUNING_RUNS` runs do not fit in ``tune_budget_s`` no op is

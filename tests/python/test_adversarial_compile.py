@@ -21,7 +21,7 @@ import torch
 import wide_compiler as wc
 from torch import nn
 from wide_compiler import testing
-from wide_compiler.fx.member_checks import check_run_members
+from wide_compiler.fx.member_runs import check_run_members
 
 FAST = wc.WideConfig.fast()
 N = 3

@@ -13,7 +13,7 @@ import torch
 import wide_compiler as wc
 from torch import nn
 from wide_compiler import tuning
-from wide_compiler.fx import member_checks, pipeline
+from wide_compiler.fx import member_runs, pipeline
 from wide_compiler.measure import Progress
 
 from support import FakeClock, fake_clock
@@ -65,7 +65,7 @@ def defaults(wide) -> dict[str, str]:
 # --- Note [Tuning that pays for itself] ---------------------------------------------------------
 def test_the_member_check_times_the_quickest_forward(timed):
     timed(0.25)
-    assert member_checks.check_run_members(members(), (torch.randn(4, 6),), {}) == pytest.approx(0.25)
+    assert member_runs.check_run_members(members(), (torch.randn(4, 6),), {}) == pytest.approx(0.25)
 
 
 def test_a_graph_too_slow_to_tune_in_the_budget_measures_nothing(timed, monkeypatch, tmp_path, caplog):
@@ -236,7 +236,7 @@ def test_a_recapture_is_one_warning_with_the_dim_and_its_time(caplog):
             and said[0].endswith(" s")), said
 
 
-# --- Note [Members run in place] (fx/member_checks.py) -----------------------------------------
+# --- Note [Members run in place] (fx/member_runs.py) -------------------------------------------
 class Counting(nn.Module):
     """A BatchNorm net in train mode (its running stats change when run) that counts its calls,
     and, when asked, rebinds a weight's ``.data`` or clamps its weights in place."""
@@ -258,8 +258,8 @@ class Counting(nn.Module):
 
 def _copies(monkeypatch) -> list:
     made = []
-    original = member_checks.copy.deepcopy
-    monkeypatch.setattr(member_checks.copy, "deepcopy", lambda m, *a: made.append(m) or original(m, *a))
+    original = member_runs.copy.deepcopy
+    monkeypatch.setattr(member_runs.copy, "deepcopy", lambda m, *a: made.append(m) or original(m, *a))
     return made
 
 
@@ -270,7 +270,7 @@ def test_the_member_check_runs_members_in_place_and_leaves_them_as_they_were(mon
     before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
     data = [m.fc.weight.data_ptr() for m in models]
     made = _copies(monkeypatch)
-    assert member_checks.check_run_members(models, (torch.randn(5, 4),), {}) is not None
+    assert member_runs.check_run_members(models, (torch.randn(5, 4),), {}) is not None
     assert not any(isinstance(m, Counting) for m in made)  # no copy of any member
     for m, state, ptr in zip(models, before, data):
         assert all(torch.equal(v, state[k]) for k, v in m.state_dict().items())  # running stats too
@@ -282,7 +282,7 @@ def test_a_member_that_writes_its_weights_is_checked_on_a_copy(monkeypatch):
     models = [Counting(clamp=True) for _ in range(N)]
     before = [m.fc.weight.detach().clone() for m in models]
     made = _copies(monkeypatch)
-    member_checks.check_run_members(models, (torch.randn(5, 4),), {})
+    member_runs.check_run_members(models, (torch.randn(5, 4),), {})
     assert sum(isinstance(m, Counting) for m in made) == N  # each member's write was refused before it ran, then run on a copy
     assert all(torch.equal(m.fc.weight, w) for m, w in zip(models, before)) and models[0].calls == 0
 

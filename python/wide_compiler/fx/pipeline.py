@@ -65,7 +65,8 @@ from .forms import apply_capture_forms
 from .fast_paths import warn_nested_tensor_fast_path
 from .global_modules import check_global_modules
 from .layout import plan_layout
-from .member_checks import check_members, check_run_members, check_traced_members
+from .member_checks import check_members
+from .member_runs import check_run_members, check_traced_members
 from .model_check import check_tuning
 from .state import WideState, check_state, stack_state
 from .tiling import tile_members

@@ -14,7 +14,8 @@ from torch import nn
 
 from ..api import compile as _wide_compile
 from ..errors import ArchitectureMismatchError
-from ..fx.member_checks import check_members, check_run_members
+from ..fx.member_checks import check_members
+from ..fx.member_runs import check_run_members
 from ..model import WideModel
 from .compiling import _compile_groups
 from .inputs import _signature, _structure, _tower_inputs
