@@ -62,6 +62,15 @@ def test_stock_float32_models_pass_in_train_and_eval(name):
         for kind in ("output", "input_grad", "param_grad", "buffer"):
             assert rep.wide_error[kind] is not None and rep.own_error[kind] is not None, (key, kind)
     if name == "zoo.ResNet18":
+        # Note [A float32 judgement that cannot tell]: in train mode its last stage's 1x1 planes over
+        # two values make its own float32 gradients as far off as their size; those tensors were
+        # judged again in float64 (test_probe9.py: a defect there is caught so), eval needed none
+        for key in ("train/own", "train/shared"):
+            rep = report[key]
+            assert rep.blind and rep.float64_recheck is not None, key
+            assert "checked again with the wide model and members in float64" in str(rep)
+        assert report["eval/own"].float64_recheck is None
+        assert next(wide.parameters()).dtype == torch.float32
         # The old fixed tolerances fail on this correct model: in train mode the logits of the
         # wide model and of its member differ by ~1e-3, as the member's own differ from float64.
         _, per_member = testing.member_inputs(x, 2)

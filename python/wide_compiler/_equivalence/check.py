@@ -4,14 +4,18 @@ compared value by value."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import logging
 import sys
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .inputs import _Inputs, _prepare_inputs
 from .members import _own_rounding, _run_members, _run_members_float64
@@ -169,8 +173,68 @@ def check_equivalence(
             raise
         raise AssertionError(f"{e}\n(compared with fixed float32 tolerances: {fallback})") from None
     report.fallback = fallback
+    if report.blind:  # Note [A float32 judgement that cannot tell]
+        report.float64_recheck = _recheck_in_float64(
+            wide, models, inputs, kwargs, report.blind, wide_params=wide_params, wide_buffers=wide_buffers,
+            shared=shared, grads=grads, buffers=buffers, seed=seed, training=training, equal_nan=equal_nan,
+            what=what)
     log.debug("wide_compiler.testing: %s", report)
     return report
+
+
+def _recheck_in_float64(wide: Any, models: Sequence[nn.Module], inputs: Any, kwargs: Any,
+                        blind: Mapping[str, float], *, wide_params: Mapping[str, torch.Tensor | None] | None,
+                        wide_buffers: Mapping[str, torch.Tensor | None] | None, shared: bool, grads: bool,
+                        buffers: bool, seed: int, training: bool | None, equal_nan: bool,
+                        what: str) -> EquivalenceReport:
+    """Note [A float32 judgement that cannot tell]: the check made again on float64 deep copies of
+    ``wide`` (its parameters' gradient hooks kept; ``wide_params``/``wide_buffers`` followed to the
+    copy's tensors of the same names) and of ``models``, on the inputs cast alike; raises
+    AssertionError where it cannot be made."""
+    worst = sorted(blind.items(), key=lambda kv: -kv[1])
+    names = ", ".join(f"{name} ({100 * share:.0f}%)" for name, share in worst[:3]) + (", ..." if len(worst) > 3 else "")
+    log.info("wide_compiler.testing: %s: the float32 judgement cannot tell for %d tensor(s): %s; checking again "
+             "in float64", what, len(blind), names)
+    why, maps = None, (wide_params, wide_buffers)
+    try:
+        base = getattr(wide, "_orig_mod", wide)
+        own = {id(t): name for name, t in (*base.named_parameters(remove_duplicate=False),
+                                             *base.named_buffers(remove_duplicate=False))}
+        named = [None if m is None else {k: None if t is None else own.get(id(t)) for k, t in m.items()}
+                 for m in maps]
+        lost = [k for m, n in zip(maps, named) if m is not None for k, t in m.items() if t is not None and n[k] is None]
+        if lost:
+            why = f"the wide tensors given for {', '.join(lost[:3])} are not the wide model's own"
+        else:
+            wide64 = copy.deepcopy(base)
+            hooks = {name: p._backward_hooks for name, p in base.named_parameters() if p._backward_hooks}
+            for name, p in wide64.named_parameters():
+                if name in hooks:
+                    p._backward_hooks = OrderedDict(hooks[name])
+            wide64 = wide64.double()
+            models64 = [copy.deepcopy(m).double() for m in models]
+            now = {**dict(wide64.named_parameters(remove_duplicate=False)),
+                   **dict(wide64.named_buffers(remove_duplicate=False))}
+            maps = tuple(None if n is None else {k: None if v is None else now[v] for k, v in n.items()} for n in named)
+    except Exception as e:  # noqa: BLE001 -- any reason the copies cannot be made: said in the failure
+        why = f"{type(e).__name__}: {e}"
+    if why is not None:
+        raise AssertionError(
+            f"{what}: cannot judge in float32: the members' own float32 error is as large as a defect of "
+            f"{100 * worst[0][1]:.0f}% of the values in {names}, and the check could not be made again in "
+            f"float64 ({why}). Check the members converted with .double(), or on a sample where they are "
+            "better conditioned (BatchNorm over larger batches and planes) (Note [A float32 judgement that "
+            "cannot tell] in wide_compiler/_equivalence/reference.py)")
+    cast = functools.partial(tree_map, lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+    try:
+        return check_equivalence(wide64, models64, cast(inputs), kwargs=cast(kwargs), shared=shared, grads=grads,
+                                 buffers=buffers, seed=seed, training=training, dtype=torch.float64,
+                                 wide_params=maps[0], wide_buffers=maps[1], equal_nan=equal_nan, what=what)
+    except AssertionError as e:
+        raise AssertionError(
+            f"checked again in float64 (the members' own float32 error is as large as a defect of "
+            f"{100 * worst[0][1]:.0f}% of the values in {names}, so float32 cannot tell; the wide model and the "
+            f"members cast with .double()): {e}") from None
 
 
 def _at_wide_sizes(wide: nn.Module, models: Sequence[nn.Module]) -> bool:

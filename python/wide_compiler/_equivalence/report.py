@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .reference import BLIND_SHARE
+
 __all__ = ["EquivalenceReport"]
 
 
@@ -23,7 +25,11 @@ class EquivalenceReport(dict):
     rtol/atol) or ``"fixed"`` where against the members with fixed tolerances; ``fallback``, why a
     float32 model was compared with fixed tolerances after all (its members cannot run in float64),
     else None; with ``reference == "float64"``, ``wide_error`` and ``own_error``, per kind, the
-    largest error against the float64 run of the wide model and of the members themselves."""
+    largest error against the float64 run of the wide model and of the members themselves;
+    ``blind``, the tensors whose float32 judgement could not tell a defect of a few percent from the
+    members' own rounding (each with the share of its values its bound allowed), and
+    ``float64_recheck``, the report of the check made again in float64 for them, else None (Note
+    [A float32 judgement that cannot tell])."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -33,6 +39,14 @@ class EquivalenceReport(dict):
         self.fallback: str | None = None
         self.wide_error: dict[str, float | None] = dict.fromkeys(_REPORT_KINDS)
         self.own_error: dict[str, float | None] = dict.fromkeys(_REPORT_KINDS)
+        # Note [A float32 judgement that cannot tell]: tensor -> the share of its largest value its
+        # float32 bound allowed (over BLIND_SHARE), and the float64 check made again for them
+        self.blind: dict[str, float] = {}
+        self.float64_recheck: EquivalenceReport | None = None
+
+    def _note_blind(self, what: str, share: float) -> None:
+        if share > BLIND_SHARE:
+            self.blind[what] = max(share, self.blind.get(what, 0.0))
 
     def _note(self, kind: str, errs: Sequence[float]) -> None:
         e = max(errs, default=0.0)
@@ -54,8 +68,13 @@ class EquivalenceReport(dict):
         if self.reference == "float64":
             parts = [f"{k.replace('_', ' ')} {self.wide_error[k]:.1e} / {self.own_error[k]:.1e}"
                      for k in _REPORT_KINDS if self.wide_error[k] is not None]
-            return (f"{members} members, max abs err against a float64 run (wide / members' own "
+            text = (f"{members} members, max abs err against a float64 run (wide / members' own "
                     "float32): " + ", ".join(parts))
+            if self.float64_recheck is not None:
+                text += (f"; {len(self.blind)} tensor(s) too ill-conditioned to judge in float32 (own error up to "
+                         f"{100 * max(self.blind.values()):.0f}% of their values) checked again with the wide model "
+                         f"and members in float64: {self.float64_recheck}")
+            return text
         parts = [f"{k.replace('_', ' ')} {v:.1e}" for k, v in self.items()
                  if k != "members" and v is not None]
         text = f"{members} members, max abs err: " + ", ".join(parts)
