@@ -8,6 +8,7 @@ fc.weight gradient by 1.5 passed (the probe's ResNet-18; 3% of a BatchNorm bias'
 that cannot tell] in wide_compiler/_equivalence/reference.py)."""
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -79,3 +80,56 @@ def test_a_tensor_float32_cannot_judge_fails_where_float64_cannot_be_made():
                                              r"\(TypeError: .*lock"):
         testing.check_equivalence(_Uncopyable(layers), models, xs, wide_params={"0.weight": None},
                                   wide_buffers={})
+
+
+# --- P9-2: a buffer registered as None before a buffer updated in place (Note [A buffer registered
+# as None] in fx/capture.py): torch.export wrote the update back into the user's input --------------
+
+
+class _Counted(nn.Module):
+    def __init__(self, none_first: bool):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.register_buffer("ema", torch.randn(6))
+        if none_first:
+            self.register_buffer("none_buf", None)
+        self.register_buffer("cnt", torch.zeros(6))
+
+    def forward(self, x):
+        self.cnt += 1
+        self.ema.mul_(0.9).add_(x.detach().mean(0) * 0.1)
+        return self.fc(x) + self.ema * self.cnt + (0 if self.none_buf is None else 1)
+
+
+class _UntrackedThenTracked(nn.Module):
+    """A BatchNorm without running statistics (its buffers registered as None) before one with."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.BatchNorm1d(6, track_running_stats=False)
+        self.fc = nn.Linear(6, 6)
+        self.b = nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return self.b(self.fc(self.a(x)))
+
+
+@pytest.mark.parametrize("make", [lambda: _Counted(True), _UntrackedThenTracked], ids=["none-buffer", "batchnorm"])
+def test_a_none_buffer_before_an_updated_one_leaves_the_input_alone_and_matches(make):
+    torch.manual_seed(0)
+    models = [make().double() for _ in range(3)]
+    ref = [copy.deepcopy(m) for m in models]
+    wide = wc.compile(models, torch.randn(4, 6, dtype=torch.float64), config=FAST)
+    for _ in range(2):
+        x = torch.randn(3, 4, 6, dtype=torch.float64)
+        x0 = x.clone()
+        out = wide(x)
+        assert torch.equal(x, x0)  # the caller's input, untouched
+        for i, m in enumerate(ref):
+            torch.testing.assert_close(out[i], m(x0[i]), rtol=1e-12, atol=1e-12)
+    for i, m in enumerate(ref):
+        mine = wide.member(i)
+        for name, b in m.named_buffers():
+            torch.testing.assert_close(dict(mine.named_buffers())[name], b, rtol=1e-12, atol=1e-12)
+    assert all(m.__dict__.get("none_buf", "absent") == "absent" for m in models)  # put back as registered
+    assert all("none_buf" in m._buffers for m in models if isinstance(m, _Counted))

@@ -217,6 +217,41 @@ def batch_of_two(args: Any) -> Any:
     return args if _batched(args) else tree_map(_batch_of_two, args)
 
 
+# Note [A buffer registered as None]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``register_buffer(name, None)`` (an optional buffer left unset; BatchNorm with
+# ``track_running_stats=False`` registers its statistics so) keeps ``name`` in the module's
+# ``_buffers`` with no tensor. torch.export (2.13, non-strict) counts it when it writes a mutated
+# buffer back, so a buffer updated in place (``self.cnt += 1``) registered after it is written back
+# into the next graph input: the graph ends in ``copy_(x, cnt + 1)``, x the user's input (bare
+# export's own module does it too). The wide model then wrote into the caller's input and, with a
+# second such buffer, computed from wrong values (probe 9 of issue 44, P9-2: the input 3.3 off,
+# outputs 1.6). During the capture every None buffer is a plain attribute of value None instead
+# (what reading it gives is the same), and is put back afterwards, in its place in ``_buffers``.
+class _NoneBuffersAsAttributes:
+    """Note [A buffer registered as None]: around one export of ``model``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.moved = [(m, dict(m._buffers)) for m in model.modules() if any(v is None for v in m._buffers.values())]
+
+    def __enter__(self) -> None:
+        for m, buffers in self.moved:
+            for name, v in buffers.items():
+                if v is None:
+                    del m._buffers[name]
+                    m.__dict__[name] = None
+
+    def __exit__(self, *exc: Any) -> None:
+        for m, buffers in self.moved:
+            now = dict(m._buffers)  # the other buffers as they are now, in their order with the None ones
+            for name, v in buffers.items():
+                if v is None:
+                    m.__dict__.pop(name, None)
+            m._buffers.clear()
+            m._buffers.update({name: None if v is None else now.pop(name, v) for name, v in buffers.items()})
+            m._buffers.update(now)
+
+
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             dynamic_shapes: Any = None, extra_dims: dict[int, frozenset[int]] | None = None,
             exact_dims: dict[int, frozenset[int]] | None = None) -> ExportedProgram:
@@ -245,7 +280,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
     while True:
         watch, writes, checkpointed = _Watch(model), AttributeWrites(model), _CheckpointedUpdates(model)
         try:
-            with (_ForwardSignature(model, signature), without_cudnn(), _RecurrentShapes(),
+            with (_NoneBuffersAsAttributes(model), _ForwardSignature(model, signature), without_cudnn(), _RecurrentShapes(),
                   _GlobalHooksSkipExportModules(), watch, writes, checkpointed):
                 ep = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as e:  # export's own errors are many types; keep its reason whole

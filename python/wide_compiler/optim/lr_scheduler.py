@@ -7,6 +7,20 @@ same name gives a single model with member ``i``'s settings, and every scheduler
 float64 from the base learning rates (``group["initial_lr"]``); torch's chained forms agree to
 ~1e-16 relative. Usage is torch's: ``optimizer.step()`` then ``scheduler.step()``.
 
+Per-param-group values. Where torch takes a list as one value per param group (OneCycleLR's
+``max_lr``, ``base_momentum``, ``max_momentum``; ReduceLROnPlateau's ``min_lr``), so does this
+module, and each group's entry may itself be one value or N values (one per member):
+
+- a float, or a tensor (0-d: shared; ``[N]``: one per member), is used for every param group;
+  a tensor ``[G, N]`` gives row ``k`` to param group ``k``;
+- a list or tuple holding lists or tensors is one entry per param group (torch's meaning), each
+  entry a float or N values: ``max_lr=[[0.5, 0.4, 0.3], 0.01]``;
+- a list or tuple of numbers is per param group when its length is the number of param groups
+  (torch's meaning) and per member (every group) when its length is N. When it is both (N equals
+  the number of groups, N > 1) it is refused as ambiguous: write per-group values as a list of
+  per-group entries of N values each (``[[0.5, 0.5], [0.01, 0.01]]``) and per-member values as a
+  tensor (``torch.tensor([0.5, 0.01])``).
+
 Example:
     >>> import torch, wide_compiler as wc
     >>> w = torch.nn.Parameter(torch.zeros(3, 2))
@@ -22,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from numbers import Real
 from typing import Any
 
 import torch
@@ -56,6 +71,83 @@ def _hp(sched, value, name, *, integer=False, positive=False, nonneg=False) -> t
         raise ValueError(f"{type(sched).__name__}: invalid {name} {t[i].item()} for member {i}; "
                          f"expected {'> 0' if positive else '>= 0'}")
     return t
+
+
+def _is_number(v: Any) -> bool:
+    """A single value: a real number (not a bool) or a 0-d tensor."""
+    if isinstance(v, torch.Tensor):
+        return v.dim() == 0
+    return isinstance(v, Real) and not isinstance(v, bool)
+
+
+def _per_group(sched, value, name, optimizer: WideOptimizer, **rules) -> list[torch.Tensor]:
+    """``value`` of a hyperparameter that torch takes per param group (a float, or a list of one
+    value per param group) as one float64 tensor ``[N]`` per param group, each checked as
+    :func:`_hp` checks one. Reading (see the module's docstring): a float or a tensor ``[N]`` is
+    used for every group, a tensor ``[G, N]`` row by row; a list or tuple is one entry per group
+    (each a float or N values), except that a flat list of N numbers whose length is not the
+    number of groups G is one value per member; a flat list whose length is both N and G (N > 1)
+    is refused as ambiguous, never guessed.
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> w, b = torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(3))
+        >>> opt = wc.optim.SGD([{"params": [w]}, {"params": [b]}], lr=0.1)
+        >>> s = wc.optim.lr_scheduler.ReduceLROnPlateau(opt, min_lr=[0.01, [0.1, 0.2, 0.3]])
+        >>> [t.tolist() for t in s.min_lrs]
+        [[0.01, 0.01, 0.01], [0.1, 0.2, 0.3]]
+    """
+    n, g = sched.n, len(optimizer.param_groups)
+    cls = type(sched).__name__
+    if isinstance(value, torch.Tensor) and value.dim() == 2:
+        if value.shape[0] != g:
+            raise ValueError(f"{cls}: {name} is a tensor of shape {list(value.shape)}; a 2-d {name} is "
+                             f"one row per param group ([G, N] = [{g}, {n}])")
+        return [_hp(sched, value[k], f"{name} (param group {k})", **rules) for k in range(g)]
+    if not isinstance(value, (list, tuple)):
+        t = _hp(sched, value, name, **rules)
+        return [t.clone() for _ in range(g)]
+    items = list(value)
+    flat = all(_is_number(v) for v in items)
+    if flat and len(items) == g == n and n > 1:
+        shown = [float(v) for v in items]
+        raise ValueError(
+            f"{cls}: {name}={list(value)!r} is ambiguous: it has {len(items)} values and there are "
+            f"both N={n} members and {g} param groups. torch.optim.lr_scheduler.{cls} reads a list "
+            f"as one {name} per param group; wide_compiler.optim also takes N values as one per "
+            f"member. Write one {name} per param group as one entry per group holding N values, "
+            f"{name}={[[v] * n for v in shown]!r}, or one {name} per member (for every param "
+            f"group) as a tensor, {name}=torch.tensor({shown!r})")
+    if flat and len(items) != g:
+        if len(items) == n:
+            t = _hp(sched, items, name, **rules)  # one value per member (N != G)
+            return [t.clone() for _ in range(g)]
+        raise ValueError(
+            f"{cls}: {name} has {len(items)} values; expected one per param group ({g}, "
+            f"torch's meaning) or one per member (N={n}), or a float for all")
+    if len(items) != g:
+        raise ValueError(
+            f"{cls}: {name} is a list of {len(items)} entries holding lists or tensors, read as one "
+            f"entry per param group (each a float or {n} values, one per member), but the "
+            f"optimizer has {g} param groups; for one value per member in every group pass a "
+            f"tensor of {n} values")
+    return [_hp(sched, v, f"{name} (param group {k})", **rules) for k, v in enumerate(items)]
+
+
+def _given_per_group(value, optimizer: WideOptimizer) -> bool:
+    """Whether :func:`_per_group` read ``value`` as one entry per param group (not one value, or
+    one per member, for every group)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 2
+    if not isinstance(value, (list, tuple)):
+        return False
+    return len(value) == len(optimizer.param_groups) or not all(_is_number(v) for v in value)
+
+
+def _of_group(values, k: int) -> torch.Tensor:
+    """Param group ``k``'s entry of a per-group list (or the tensor ``[N]`` of a scheduler state
+    saved before hyperparameters were per group)."""
+    return values if isinstance(values, torch.Tensor) else values[k]
 
 
 class WideLRScheduler:
@@ -200,7 +292,28 @@ class OneCycleLR(WideLRScheduler):
     ``pct_start``, ``div_factor``, ``final_div_factor``, ``base_momentum`` and ``max_momentum``
     may each be per member; ``total_steps`` (or ``epochs * steps_per_epoch``), ``anneal_strategy``
     and ``three_phase`` are shared. With ``cycle_momentum`` the momentum (SGD, RMSprop) or
-    beta1 (Adam, AdamW) cycles inversely to the learning rate."""
+    beta1 (Adam, AdamW) cycles inversely to the learning rate.
+
+    ``max_lr``, ``base_momentum`` and ``max_momentum`` are per param group as in torch: a list or
+    tuple gives one entry per param group, each a float or N values (one per member). A flat list
+    of N numbers is one value per member only where N is not the number of param groups; where it
+    is (N > 1) the list is refused as ambiguous: give per-group values as
+    ``[[a] * N, [b] * N]`` and per-member values as ``torch.tensor([...])`` (a tensor of N values
+    is always per member; see the module's docstring).
+
+    Example:
+        >>> import torch, wide_compiler as wc
+        >>> w, b = torch.nn.Parameter(torch.zeros(2, 4)), torch.nn.Parameter(torch.zeros(2))
+        >>> opt = wc.optim.SGD([{"params": [w]}, {"params": [b]}], lr=0.1, momentum=0.9)
+        >>> sched = wc.optim.lr_scheduler.OneCycleLR(           # torch's per-group max_lr
+        ...     opt, max_lr=[[0.5, 0.5], [0.01, 0.01]], total_steps=10)
+        >>> [g["max_lr"].tolist() for g in opt.param_groups]
+        [[0.5, 0.5], [0.01, 0.01]]
+        >>> sched = wc.optim.lr_scheduler.OneCycleLR(           # one max_lr per member
+        ...     opt, max_lr=torch.tensor([0.5, 0.01]), total_steps=10)
+        >>> [g["max_lr"].tolist() for g in opt.param_groups]
+        [[0.5, 0.01], [0.5, 0.01]]
+    """
 
     def __init__(self, optimizer, max_lr, total_steps: int | None = None, epochs: int | None = None,
                  steps_per_epoch: int | None = None, pct_start=0.3, anneal_strategy: str = "cos",
@@ -222,7 +335,7 @@ class OneCycleLR(WideLRScheduler):
         self.pct_start = _hp(self, pct_start, "pct_start")
         if ((self.pct_start < 0) | (self.pct_start > 1)).any():
             raise ValueError(f"OneCycleLR: pct_start must be in [0, 1], got {self.pct_start.tolist()}")
-        max_lr_t = _hp(self, max_lr, "max_lr", nonneg=True)
+        max_lrs = _per_group(self, max_lr, "max_lr", optimizer, nonneg=True)
         div = _hp(self, div_factor, "div_factor", positive=True)
         final_div = _hp(self, final_div_factor, "final_div_factor", positive=True)
         self.cycle_momentum = cycle_momentum
@@ -231,15 +344,16 @@ class OneCycleLR(WideLRScheduler):
             if "momentum" not in optimizer.defaults and "betas" not in optimizer.defaults:
                 raise ValueError("OneCycleLR: cycle_momentum=True needs an optimizer with momentum or betas")
             self.use_beta1 = "betas" in optimizer.defaults
-            self.base_momentum = _hp(self, base_momentum, "base_momentum", nonneg=True)
-            self.max_momentum = _hp(self, max_momentum, "max_momentum", nonneg=True)
+            # one tensor [N] per param group
+            self.base_momentum = _per_group(self, base_momentum, "base_momentum", optimizer, nonneg=True)
+            self.max_momentum = _per_group(self, max_momentum, "max_momentum", optimizer, nonneg=True)
         if last_epoch == -1:
-            for g in groups:
-                g["initial_lr"] = max_lr_t / div
-                g["max_lr"] = max_lr_t.clone()
+            for k, (g, top) in enumerate(zip(groups, max_lrs)):
+                g["initial_lr"] = top / div
+                g["max_lr"] = top.clone()
                 g["min_lr"] = g["initial_lr"] / final_div
                 if cycle_momentum:
-                    self._set_momentum(g, self.max_momentum)
+                    self._set_momentum(g, self.max_momentum[k])
         super().__init__(optimizer, last_epoch)
 
     def _set_momentum(self, g, m):
@@ -248,28 +362,30 @@ class OneCycleLR(WideLRScheduler):
         else:
             g["momentum"] = m.clone()
 
-    def _phases(self, g):
+    def _phases(self, g, k: int):
         t, pct = self.total_steps, self.pct_start
+        if self.cycle_momentum:
+            top, low = _of_group(self.max_momentum, k), _of_group(self.base_momentum, k)
+        else:
+            top = low = None
         if self.three_phase:
-            return [(pct * t - 1, g["initial_lr"], g["max_lr"], self.max_momentum, self.base_momentum),
-                    (2 * pct * t - 2, g["max_lr"], g["initial_lr"], self.base_momentum, self.max_momentum),
-                    (torch.full_like(pct, t - 1.0), g["initial_lr"], g["min_lr"], self.max_momentum, self.max_momentum)]
-        return [(pct * t - 1, g["initial_lr"], g["max_lr"], self.max_momentum if self.cycle_momentum else None,
-                 self.base_momentum if self.cycle_momentum else None),
-                (torch.full_like(pct, t - 1.0), g["max_lr"], g["min_lr"],
-                 self.base_momentum if self.cycle_momentum else None, self.max_momentum if self.cycle_momentum else None)]
+            return [(pct * t - 1, g["initial_lr"], g["max_lr"], top, low),
+                    (2 * pct * t - 2, g["max_lr"], g["initial_lr"], low, top),
+                    (torch.full_like(pct, t - 1.0), g["initial_lr"], g["min_lr"], top, top)]
+        return [(pct * t - 1, g["initial_lr"], g["max_lr"], top, low),
+                (torch.full_like(pct, t - 1.0), g["max_lr"], g["min_lr"], low, top)]
 
     def _anneal(self, start, end, pct):
         if self.anneal_strategy == "cos":
             return end + (start - end) / 2.0 * (torch.cos(math.pi * pct) + 1)
         return (end - start) * pct + start
 
-    def _compute(self, g, step):
+    def _compute(self, g, k: int, step):
         lr = torch.zeros(self.n, dtype=torch.float64)
         mom = torch.zeros(self.n, dtype=torch.float64)
         done = torch.zeros(self.n, dtype=torch.bool)
         start = torch.zeros(self.n, dtype=torch.float64)
-        phases = self._phases(g)
+        phases = self._phases(g, k)
         for k, (end, lr0, lr1, m0, m1) in enumerate(phases):
             here = ~done & ((step <= end) if k < len(phases) - 1 else torch.ones_like(done))
             pct = (step - start) / (end - start)
@@ -284,13 +400,13 @@ class OneCycleLR(WideLRScheduler):
         step = self.last_epoch
         if step > self.total_steps:
             raise ValueError(f"OneCycleLR: tried to step {step} times; total_steps is {self.total_steps}")
-        return [self._compute(g, float(step))[0] for g in self.optimizer.param_groups]
+        return [self._compute(g, k, float(step))[0] for k, g in enumerate(self.optimizer.param_groups)]
 
     def step(self) -> None:
         super().step()
         if self.cycle_momentum:
-            for g in self.optimizer.param_groups:
-                self._set_momentum(g, self._compute(g, float(self.last_epoch))[1])
+            for k, g in enumerate(self.optimizer.param_groups):
+                self._set_momentum(g, self._compute(g, k, float(self.last_epoch))[1])
 
 
 class ReduceLROnPlateau:
@@ -299,6 +415,14 @@ class ReduceLROnPlateau:
     values, bad-epoch counts and cooldowns, as ``torch.optim.lr_scheduler.ReduceLROnPlateau``
     does for one model. ``factor``, ``patience``, ``threshold``, ``cooldown``, ``min_lr`` and
     ``eps`` may be per member; ``mode`` and ``threshold_mode`` are shared.
+
+    ``min_lr`` is per param group as in torch (``min_lrs``: one tensor ``[N]`` per group): a
+    list or tuple gives one entry per param group, each a float or N values. A flat list of N
+    numbers is one value per member only where N is not the number of param groups; where it is
+    (N > 1) it is refused as ambiguous: give per-group values as ``[[a] * N, [b] * N]`` and
+    per-member values as ``torch.tensor([...])`` (see the module's docstring). A ``min_lr`` given
+    as one value (or N) also covers param groups added later; one given per group does not (a
+    ``RuntimeError`` at the next reduction, as torch's).
 
     Example:
         >>> import torch, wide_compiler as wc
@@ -325,7 +449,9 @@ class ReduceLROnPlateau:
         self.patience = _hp(self, patience, "patience", integer=True, nonneg=True)
         self.threshold = _hp(self, threshold, "threshold", nonneg=True)
         self.cooldown = _hp(self, cooldown, "cooldown", integer=True, nonneg=True)
-        self.min_lr = _hp(self, min_lr, "min_lr", nonneg=True)
+        self.min_lrs = _per_group(self, min_lr, "min_lr", optimizer, nonneg=True)
+        # torch's default_min_lr: the value for param groups added later (None: given per group)
+        self.default_min_lr = None if _given_per_group(min_lr, optimizer) else self.min_lrs[0].clone()
         self.eps = _hp(self, eps, "eps", nonneg=True)
         self.mode, self.threshold_mode = mode, threshold_mode
         self.last_epoch = 0
@@ -353,9 +479,17 @@ class ReduceLROnPlateau:
         self.num_bad_epochs = torch.where(cool, torch.zeros_like(current), self.num_bad_epochs)
         reduce = self.num_bad_epochs > self.patience
         if reduce.any():
-            for g in self.optimizer.param_groups:
+            groups = self.optimizer.param_groups
+            if len(groups) != len(self.min_lrs):
+                if self.default_min_lr is None:
+                    raise RuntimeError(
+                        f"ReduceLROnPlateau: the optimizer has {len(groups)} param groups and "
+                        f"min_lr was given for {len(self.min_lrs)} (a param group added since?); "
+                        f"set min_lrs to one tensor [N] per param group")
+                self.min_lrs = [self.default_min_lr.clone() for _ in groups]
+            for g, floor in zip(groups, self.min_lrs):
                 old = g["lr"]
-                new = torch.maximum(old * self.factor, self.min_lr)
+                new = torch.maximum(old * self.factor, floor)
                 g["lr"] = torch.where(reduce & (old - new > self.eps), new, old)
             self.cooldown_counter = torch.where(reduce, self.cooldown, self.cooldown_counter)
             self.num_bad_epochs = torch.where(reduce, torch.zeros_like(current), self.num_bad_epochs)
@@ -369,3 +503,7 @@ class ReduceLROnPlateau:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.__dict__.update(state_dict)
+        if "min_lrs" not in state_dict and "min_lr" in state_dict:  # saved when min_lr was per member only
+            self.default_min_lr = state_dict["min_lr"]
+            self.min_lrs = [state_dict["min_lr"].clone() for _ in self.optimizer.param_groups]
+            del self.__dict__["min_lr"]
