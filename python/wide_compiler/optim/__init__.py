@@ -1,8 +1,10 @@
 """Training N members as one: per-member optimizers, learning-rate schedules, gradient clipping
 and losses (DESIGN §6).
 
-Every hyperparameter is a float (shared by all members) or N values, one per member; every
-parameter is a stacked ``[N, ...]`` tensor (a :class:`~wide_compiler.WideModel`'s parameters).
+Every hyperparameter is a float (shared by all members) or N values, one per member (the
+scheduler arguments torch takes as one value per param group, such as OneCycleLR's ``max_lr``,
+keep that meaning: see :mod:`wide_compiler.optim.lr_scheduler`); every parameter is a stacked
+``[N, ...]`` tensor (a :class:`~wide_compiler.WideModel`'s parameters).
 Each optimizer step is ONE fused C++ operator per parameter tensor (``torch.ops.wide.*_step``),
 and member ``i`` ends up exactly where ``torch.optim`` would take it trained alone.
 

@@ -19,7 +19,8 @@ module, and each group's entry may itself be one value or N values (one per memb
   (torch's meaning) and per member (every group) when its length is N. When it is both (N equals
   the number of groups, N > 1) it is refused as ambiguous: write per-group values as a list of
   per-group entries of N values each (``[[0.5, 0.5], [0.01, 0.01]]``) and per-member values as a
-  tensor (``torch.tensor([0.5, 0.01])``).
+  float64 tensor (``torch.tensor([0.5, 0.01], dtype=torch.float64)``; a float32 tensor's values
+  are its float32 roundings).
 
 Example:
     >>> import torch, wide_compiler as wc
@@ -117,7 +118,7 @@ def _per_group(sched, value, name, optimizer: WideOptimizer, **rules) -> list[to
             f"as one {name} per param group; wide_compiler.optim also takes N values as one per "
             f"member. Write one {name} per param group as one entry per group holding N values, "
             f"{name}={[[v] * n for v in shown]!r}, or one {name} per member (for every param "
-            f"group) as a tensor, {name}=torch.tensor({shown!r})")
+            f"group) as a tensor, {name}=torch.tensor({shown!r}, dtype=torch.float64)")
     if flat and len(items) != g:
         if len(items) == n:
             t = _hp(sched, items, name, **rules)  # one value per member (N != G)
@@ -297,9 +298,9 @@ class OneCycleLR(WideLRScheduler):
     ``max_lr``, ``base_momentum`` and ``max_momentum`` are per param group as in torch: a list or
     tuple gives one entry per param group, each a float or N values (one per member). A flat list
     of N numbers is one value per member only where N is not the number of param groups; where it
-    is (N > 1) the list is refused as ambiguous: give per-group values as
-    ``[[a] * N, [b] * N]`` and per-member values as ``torch.tensor([...])`` (a tensor of N values
-    is always per member; see the module's docstring).
+    is (N > 1) the list is refused as ambiguous: give per-group values as ``[[a] * N, [b] * N]``
+    and per-member values as a tensor, ``torch.tensor([...], dtype=torch.float64)`` (a tensor of
+    N values is always per member; see the module's docstring).
 
     Example:
         >>> import torch, wide_compiler as wc
@@ -310,7 +311,7 @@ class OneCycleLR(WideLRScheduler):
         >>> [g["max_lr"].tolist() for g in opt.param_groups]
         [[0.5, 0.5], [0.01, 0.01]]
         >>> sched = wc.optim.lr_scheduler.OneCycleLR(           # one max_lr per member
-        ...     opt, max_lr=torch.tensor([0.5, 0.01]), total_steps=10)
+        ...     opt, max_lr=torch.tensor([0.5, 0.01], dtype=torch.float64), total_steps=10)
         >>> [g["max_lr"].tolist() for g in opt.param_groups]
         [[0.5, 0.01], [0.5, 0.01]]
     """
@@ -420,9 +421,9 @@ class ReduceLROnPlateau:
     list or tuple gives one entry per param group, each a float or N values. A flat list of N
     numbers is one value per member only where N is not the number of param groups; where it is
     (N > 1) it is refused as ambiguous: give per-group values as ``[[a] * N, [b] * N]`` and
-    per-member values as ``torch.tensor([...])`` (see the module's docstring). A ``min_lr`` given
-    as one value (or N) also covers param groups added later; one given per group does not (a
-    ``RuntimeError`` at the next reduction, as torch's).
+    per-member values as a tensor, ``torch.tensor([...], dtype=torch.float64)`` (see the
+    module's docstring). A ``min_lr`` given as one value (or N) also covers param groups added
+    later; one given per group does not (a ``RuntimeError`` at the next reduction, as torch's).
 
     Example:
         >>> import torch, wide_compiler as wc
