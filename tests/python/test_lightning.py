@@ -441,6 +441,30 @@ def test_reduce_lr_on_plateau_per_member():
     assert len(set(lrs)) == N  # each member reduced on its own metric
 
 
+def test_reduce_lr_on_plateau_with_a_min_lr_per_param_group():
+    """Two members, two param groups (N equals the number of groups, where a flat list of min_lrs
+    reads both ways): the fused scheduler gets one entry per group, each member's values."""
+    class Grouped(Regressor):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD([{"params": self.net[0].parameters()}, {"params": self.net[2].parameters()}],
+                                  lr=self.hparams.lr)
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.1, patience=0,
+                                                               min_lr=[self.hparams.lr / 4, self.hparams.lr / 2])
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "monitor": "val_loss"}}
+
+    configs = [dict(lr=1e-1), dict(lr=4e-2)]
+    wide = wcl.WideLightningModule([member(i, configs, Grouped) for i in range(2)], next(iter(loaders()[0])))
+    t = trainer(max_epochs=4)
+    t.fit(wide, *loaders())
+    for i in range(2):
+        single = member(i, configs, Grouped)
+        ts = trainer(max_epochs=4)
+        ts.fit(single, *loaders())
+        assert_member_matches(wide, t, i, single, ts)
+        fused = t.lr_scheduler_configs[0].scheduler
+        assert [float(fused.min_lrs[k][i]) for k in range(2)] == pytest.approx(ts.lr_scheduler_configs[0].scheduler.min_lrs)
+
+
 # -- bad input ------------------------------------------------------------------------------------
 def test_architecture_change_is_refused_naming_key_and_member():
     configs = [dict(lr=1e-2), dict(lr=1e-2), dict(lr=1e-2, hidden=32), dict(lr=1e-2)]

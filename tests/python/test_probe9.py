@@ -133,3 +133,72 @@ def test_a_none_buffer_before_an_updated_one_leaves_the_input_alone_and_matches(
             torch.testing.assert_close(dict(mine.named_buffers())[name], b, rtol=1e-12, atol=1e-12)
     assert all(m.__dict__.get("none_buf", "absent") == "absent" for m in models)  # put back as registered
     assert all("none_buf" in m._buffers for m in models if isinstance(m, _Counted))
+
+
+# --- P9-6: the compile cache key holds which weights and submodules are one (fx/cache_key.py) -------
+
+
+class _Tied(nn.Module):
+    def __init__(self, tie: bool):
+        super().__init__()
+        self.emb, self.fc, self.head = nn.Embedding(10, 6), nn.Linear(6, 6), nn.Linear(6, 10, bias=False)
+        if tie:  # a config flag not kept on the module: the trees differ only in what is one tensor
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.fc(self.emb(ids))))
+
+
+class _Shared(nn.Module):
+    def __init__(self, share: bool):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = self.a if share else nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("make,sample", [(_Tied, lambda: torch.randint(0, 10, (5,))),
+                                         (_Shared, lambda: torch.randn(5, 6, dtype=torch.float64))],
+                         ids=["tied-weight", "shared-submodule"])
+def test_untied_members_never_get_the_tied_members_cached_program(make, sample, cache_dir):
+    for tie in (True, False):
+        torch.manual_seed(0)
+        models = [make(tie).double() for _ in range(3)]
+        ref = [copy.deepcopy(m) for m in models]
+        wide = wc.compile(models, sample(), config=FAST)
+        x = torch.stack([sample() for _ in range(3)])
+        out = wide(x)
+        out.square().sum().backward()
+        params = dict(wide.named_parameters())
+        for i, m in enumerate(ref):
+            o = m(x[i])
+            o.square().sum().backward()
+            torch.testing.assert_close(out[i], o, rtol=1e-12, atol=1e-12)
+            for name, p in m.named_parameters():
+                assert params[name].grad is not None, name
+                torch.testing.assert_close(params[name].grad[i], p.grad, rtol=1e-12, atol=1e-12)
+
+
+# --- P9-7: members made inside torch.inference_mode (fx/pipeline.py's _aliases) --------------------
+
+
+def test_members_made_inside_inference_mode_compile_and_the_wide_model_trains_outside():
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2)).double() for _ in range(3)]
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    with torch.inference_mode():
+        copies = copy.deepcopy(models)  # inference tensors
+        wide = wc.compile(copies, torch.randn(4, 6, dtype=torch.float64), config=FAST)
+        out = wide(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x[i]), rtol=1e-12, atol=1e-12)
+    assert all(p.is_inference() for m in copies for p in m.parameters())  # the user's copies as they were
+    assert not any(p.is_inference() for p in wide.parameters())
+    wide(x).square().sum().backward()  # outside: the wide model trains
+    params = dict(wide.named_parameters())
+    for i, m in enumerate(models):
+        m(x[i]).square().sum().backward()
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(params[name].grad[i], p.grad, rtol=1e-12, atol=1e-12)

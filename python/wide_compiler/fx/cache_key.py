@@ -14,7 +14,9 @@ The key (:func:`key_parts`) holds everything the compiled program depends on:
   wide_compiler by their versions), and every hook on those modules;
 - ``model``: the module tree (paths, classes, training flags, every other attribute's value, as
   the member check compares them), parameter and buffer names, shapes, strides, dtypes, devices and
-  ``requires_grad``; the wide state's dtype and device;
+  ``requires_grad``, and which modules, parameters and buffers are one and the same (a tied
+  weight, a shared submodule: another program than untied ones of the same shapes); the wide
+  state's dtype and device;
 - ``inputs``: the sample's structure, tensor shapes, dtypes, devices, ``requires_grad`` and
   contiguity, its non-tensor values (baked in); ``dynamic_shapes``, the dims made dynamic by
   earlier calls, the grad mode of the capture;
@@ -359,19 +361,25 @@ def _module_tree(model: nn.Module, code: bool = True) -> tuple[str, str]:
     with_code = code
     code, tree = _Digest(), _Digest()
     classes: set[type] = set()
+    # which modules and tensors are one and the same (tied weights, a shared submodule): another
+    # program than untied ones of the same shapes (probe 9 of issue 44, P9-6)
+    modules: dict[int, str] = {}
+    tensors: dict[int, str] = {}
     for path, mod in model.named_modules(remove_duplicate=False):
         cls = type(mod)
-        tree.add("module", path, cls.__module__, cls.__qualname__, mod.training)
+        tree.add("module", path, cls.__module__, cls.__qualname__, mod.training, modules.setdefault(id(mod), path))
         if with_code and cls not in classes:
             classes.add(cls)
             _class(code, cls, _DEPTH)
         for name, p in mod._parameters.items():
             tree.add("param", name)
             if p is not None:
+                tree.add("same as", tensors.setdefault(id(p), f"{path}.{name}"))
                 _tensor(tree, p, values=False)
         for name, b in mod._buffers.items():
             tree.add("buffer", name, name in mod._non_persistent_buffers_set)
             if b is not None:
+                tree.add("same as", tensors.setdefault(id(b), f"{path}.{name}"))
                 _tensor(tree, b, values=False)
         for name in sorted(k for k in vars(mod) if k not in _INTERNALS):
             tree.add("attr", name)

@@ -202,10 +202,14 @@ def _aliases(template: nn.Module) -> dict[int, torch.Tensor]:
         for _, t in named(remove_duplicate=False):
             if id(t) in memo:
                 continue
+            # members made inside torch.inference_mode hold inference tensors, which cannot require
+            # grad outside it (the pipeline runs outside: model.py's outside_inference_mode): an
+            # ordinary copy of their values (probe 9 of issue 44, P9-7)
+            own = t.clone() if t.is_inference() else t.detach()
             if type(t) is nn.Parameter:  # (Parameter.__deepcopy__ keeps the values and requires_grad only)
-                memo[id(t)] = nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+                memo[id(t)] = nn.Parameter(own, requires_grad=t.requires_grad)
             elif type(t) is torch.Tensor and not t.requires_grad and not getattr(t, "__dict__", None):
-                memo[id(t)] = t.detach()
+                memo[id(t)] = own
     return memo
 
 

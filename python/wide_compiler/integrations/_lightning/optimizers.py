@@ -116,16 +116,12 @@ def _fuse_scheduler(scheds: list, optimizer: Any) -> Any:
     if cls is S.LinearLR:
         return W.LinearLR(optimizer, start_factor=each("start_factor"), end_factor=each("end_factor"),
                           total_iters=each("total_iters"))
-    if cls is S.ReduceLROnPlateau:
-        for i, s in enumerate(scheds):
-            if len(set(s.min_lrs)) != 1:
-                raise ValueError(f"WideLightningModule: member {i}'s ReduceLROnPlateau has one min_lr "
-                                 "per param group; the fused one takes one per member")
+    if cls is S.ReduceLROnPlateau:  # min_lr: one entry per param group, each the members' values
+        min_lr = [[s.min_lrs[k] for s in scheds] for k in range(len(optimizer.param_groups))]
         return W.ReduceLROnPlateau(optimizer, mode=_same_flag(scheds, "mode"), factor=each("factor"),
                                    patience=each("patience"), threshold=each("threshold"),
                                    threshold_mode=_same_flag(scheds, "threshold_mode"),
-                                   cooldown=each("cooldown"), min_lr=[s.min_lrs[0] for s in scheds],
-                                   eps=each("eps"))
+                                   cooldown=each("cooldown"), min_lr=min_lr, eps=each("eps"))
     raise TypeError(f"WideLightningModule: the members' lr scheduler {cls.__name__} has no fused "
                     "per-member form here; supported: StepLR, MultiStepLR, ExponentialLR, "
                     "CosineAnnealingLR, LinearLR, ReduceLROnPlateau (or override configure_optimizers "
