@@ -202,3 +202,76 @@ def test_members_made_inside_inference_mode_compile_and_the_wide_model_trains_ou
         m(x[i]).square().sum().backward()
         for name, p in m.named_parameters():
             torch.testing.assert_close(params[name].grad[i], p.grad, rtol=1e-12, atol=1e-12)
+
+
+# --- P9-9: parameters and buffers whose memory overlaps (Note [State tensors that overlap]) ---------
+
+
+class _ViewBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        full = torch.zeros(8)
+        self.register_buffer("full", full)
+        self.register_buffer("lo", full[:4])
+
+    def forward(self, x):
+        self.lo.add_(x.mean(0))
+        return self.fc(x) + self.full[:4]
+
+
+def test_a_buffer_that_is_a_view_of_another_is_refused_naming_both():
+    models = [_ViewBuffer() for _ in range(3)]
+    with pytest.raises(wc.errors.ArchitectureMismatchError, match=r"member 0's buffer 'lo' shares memory with its buffer 'full'"):
+        wc.compile(models, torch.randn(3, 4), config=FAST)
+    assert all(m.lo.data_ptr() == m.full.data_ptr() for m in models)  # nothing of the members changed
+
+
+def test_state_shared_between_members_through_views_is_refused_and_disjoint_views_are_fine():
+    base = torch.randn(2, 4, 4)
+    layers = [nn.Linear(4, 4, bias=False) for _ in range(2)]
+    for i, layer in enumerate(layers):  # members cut from one stacked tensor: disjoint rows
+        layer.weight = nn.Parameter(base[i])
+    wide = wc.compile(layers, torch.randn(3, 4), config=FAST)
+    x = torch.randn(2, 3, 4)
+    for i, layer in enumerate(layers):
+        torch.testing.assert_close(wide(x)[i], layer(x[i]))
+    overlapping = [nn.Linear(4, 4, bias=False) for _ in range(2)]
+    overlapping[1].weight = nn.Parameter(overlapping[0].weight.detach()[:, :])  # a view of member 0's
+    with pytest.raises(wc.errors.ArchitectureMismatchError, match=r"member 1's parameter 'weight' shares memory with member 0's"):
+        wc.compile(overlapping, torch.randn(3, 4), config=FAST)
+
+
+class _Reassigned(nn.Module):
+    """P9-2's other form: buffers reassigned (``self.step = self.step + 1``) with a None buffer
+    registered between them (an internal error at compile before)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.register_buffer("ema", torch.zeros(6))
+        self.register_buffer("none_buf", None)
+        self.register_buffer("step", torch.zeros(6))
+
+    def forward(self, x):
+        self.ema = 0.9 * self.ema + 0.1 * x.detach().mean(0)
+        self.step = self.step + 1
+        return self.fc(x) * self.step + self.ema
+
+
+def test_buffers_reassigned_around_a_none_buffer_match():
+    torch.manual_seed(0)
+    models = [_Reassigned().double() for _ in range(3)]
+    ref = [copy.deepcopy(m) for m in models]
+    wide = wc.compile(models, torch.randn(4, 6, dtype=torch.float64), config=FAST)
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    x0 = x.clone()
+    for _ in range(2):
+        out = wide(x)
+        want = [m(x0[i]) for i, m in enumerate(ref)]
+        assert torch.equal(x, x0)
+        for i in range(3):
+            torch.testing.assert_close(out[i], want[i], rtol=1e-12, atol=1e-12)
+    for i, m in enumerate(ref):
+        torch.testing.assert_close(wide.member(i).step, m.step)
+        torch.testing.assert_close(wide.member(i).ema, m.ema, rtol=1e-12, atol=1e-12)

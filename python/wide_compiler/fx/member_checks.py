@@ -242,6 +242,7 @@ def check_members(models: Sequence[nn.Module]) -> dict[str, tuple]:
 
     watch_torch_optimizers()  # Note [torch.optim optimizers that mix members] (amp.py): once per process
     _check_no_sharing(models)
+    _check_no_overlap(models)
     check_modes(models)
     for i, model in enumerate(models):  # before anything runs a member (Note [Hooks that write outside themselves])
         refuse_writing_hooks(model, i)
@@ -430,3 +431,58 @@ def _check_no_sharing(models: Sequence[nn.Module]) -> None:
                     "(stacking would untie them and write_back would keep one member's values); "
                     "pass copy.deepcopy(model) for each member")
             owner[key] = (i, name)
+
+
+# Note [State tensors that overlap]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Two parameters or buffers may be views of one memory: ``register_buffer("lo", full[:4])`` beside
+# ``register_buffer("full", full)``; a write through one is seen through the other. The wide model
+# stacks each into its own ``[N, ...]`` tensor, so the tie is lost: a forward updating ``lo`` in place
+# left ``full`` unchanged (probe 9 of issue 44, P9-9: 0.36 off, and ``member(0).lo`` no longer a view).
+# So parameters and buffers of a member whose memory overlaps are refused, naming both (the same
+# tensor registered twice, a tied weight, stays allowed: it is one tensor to stack); so is memory
+# shared between members (untied by stacking, as a shared object is). Views of one storage that do
+# not overlap (cuDNN's flattened RNN weights) are two tensors and fine.
+def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(storage, first byte, end byte) of the memory ``t`` can reach, or None (no plain storage)."""
+    if t.layout != torch.strided or t.numel() == 0 or t.device.type == "meta":
+        return None
+    try:
+        base = t.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 -- a tensor subclass without storage: not compared
+        return None
+    size = t.element_size()
+    first = t.storage_offset() * size
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return base, first, first + extent * size
+
+
+def _check_no_overlap(models: Sequence[nn.Module]) -> None:
+    """Note [State tensors that overlap]: refuse parameters and buffers whose memory overlaps
+    another's (in one member, or across members)."""
+    by_storage: dict[int, list[tuple[int, int, int, str, int]]] = {}  # storage -> (first, end, member, what, id)
+    for i, model in enumerate(models):
+        seen: set[int] = set()
+        for kind, named in (("parameter", model.named_parameters), ("buffer", model.named_buffers)):
+            for name, t in named(remove_duplicate=False):
+                if id(t) in seen:
+                    continue  # the same tensor twice (tied): one tensor to stack
+                seen.add(id(t))
+                span = _span(t)
+                if span is None:
+                    continue
+                storage, first, end = span
+                for f, e, j, other, tid in by_storage.get(storage, ()):  # other: "buffer 'full'"
+                    if f < end and first < e and tid != id(t):
+                        if j == i:
+                            raise ArchitectureMismatchError(
+                                f"member {i}'s {kind} {name!r} shares memory with its {other} (a view of it, or "
+                                "both of one tensor): a write through one changes the other, which the wide "
+                                "model cannot keep (it stacks each into its own [N, ...] tensor). Register one "
+                                "of them and compute the other in forward (e.g. self.full[:4]), or register "
+                                "independent tensors (.clone())")
+                        raise ArchitectureMismatchError(
+                            f"member {i}'s {kind} {name!r} shares memory with member {j}'s {other}: members "
+                            "must be independent copies (stacking would untie them); pass copy.deepcopy(model) "
+                            "for each member")
+                by_storage.setdefault(storage, []).append((first, end, i, f"{kind} {name!r}", id(t)))
