@@ -275,3 +275,40 @@ def test_buffers_reassigned_around_a_none_buffer_match():
     for i, m in enumerate(ref):
         torch.testing.assert_close(wide.member(i).step, m.step)
         torch.testing.assert_close(wide.member(i).ema, m.ema, rtol=1e-12, atol=1e-12)
+
+
+# --- P9-11: per-member scalars of a float16/bfloat16 model (fx/rules/_constants.py) ----------------
+
+
+class _Scaled(nn.Module):
+    def __init__(self, s: float):
+        super().__init__()
+        self.s = s
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * self.s, h / self.s, h + self.s * 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_per_member_scalars_in_reduced_precision_are_bit_for_bit_the_members(dtype):
+    """ATen multiplies and divides a float16 tensor by a Python scalar in float32 (70000.0 stays
+    finite, 1e-8 is not 0) and adds it rounded to float16: the wide model gave inf and 0."""
+    torch.manual_seed(0)
+    models = [_Scaled(v).to(dtype) for v in (70000.0, 1e-8, 0.1, 3.0)]
+    for m in models:
+        with torch.no_grad():
+            m.fc.weight.mul_(0.01)
+    wide = wc.compile(models, torch.randn(3, 4, dtype=dtype), config=FAST)
+    x = torch.randn(4, 3, 4, dtype=dtype, requires_grad=True)
+    out = wide(x)
+    sum(o.float().sum() for o in out).backward()
+    for i, m in enumerate(models):
+        xi = x[i].detach().clone().requires_grad_(True)
+        mine = m(xi)
+        sum(o.float().sum() for o in mine).backward()
+        for k in range(3):
+            torch.testing.assert_close(out[k][i], mine[k], rtol=0, atol=0, msg=f"member {i}, output {k}")
+        # (member 1's gradient through h / 1e-8 overflows float16, as the member's own does)
+        torch.testing.assert_close(x.grad[i], xi.grad, rtol=0, atol=0, equal_nan=True)

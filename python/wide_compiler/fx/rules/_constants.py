@@ -13,7 +13,9 @@ buffer; its form here broadcasts it per member (``[N, 1, ..., 1]``, cast to the 
   ATen's gradient (Note [Per-member gradients at non-finite constants]);
   ``clamp``/``clamp_min``/``clamp_max`` with per-member bounds: ``clamp.Tensor`` with bound tensors;
   ``hardtanh``: clamp's value with hardtanh's gradient (Note [Per-member bounds]);
-- ``mul``/``div``/``add``/``sub``/``rsub``/``pow`` by a scalar: by the broadcast tensor;
+- ``mul``/``div``/``add``/``sub``/``rsub``/``pow`` by a scalar: by the broadcast tensor (for ``mul``
+  and ``div`` of a float16/bfloat16 tensor in float32, as ATen takes a Python scalar there, then
+  rounded to the tensor's dtype);
 - ``layer_norm``/``rms_norm`` with per-member ``eps``: the composite (``var_mean`` + eps).
 
 Not rule-table rows (the table widens ops by their tensors; hence the leading ``_``):
@@ -419,6 +421,9 @@ _TENSOR_FORM = {
 }
 
 
+_OPMATH_SCALAR = frozenset({aten.mul.Tensor, aten.mul_.Tensor, aten.div.Tensor, aten.div_.Tensor})
+
+
 @form(*_TENSOR_FORM)
 def _arithmetic(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     """``x op c`` with a per-member ``c`` (and/or ``alpha``): the same op with ``c`` a tensor
@@ -431,8 +436,11 @@ def _arithmetic(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     other_name = "exponent" if "exponent" in a else "other"
     other = a[other_name]
     alpha = a.get("alpha", 1)
+    # mul and div take a Python scalar in their opmath dtype, unrounded (float32 beside a float16 x: 70000
+    # stays finite); add, sub and pow round it to x's dtype first (ATen's CPU kernels, checked bit for bit)
+    raised = like is not None and target in _OPMATH_SCALAR
     if other_name in ctx.per_member_args[node.name]:
-        other = scalar(ctx, node, other, rank, like=like)
+        other = _opmath_scalar(ctx, node, other, rank, like) if raised else scalar(ctx, node, other, rank, like=like)
     elif isinstance(other, Wide):
         other = ctx.align(other, rank, node)
     if isinstance(alpha, Wide):
@@ -441,8 +449,28 @@ def _arithmetic(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     kwargs = {"alpha": alpha} if "alpha" in a and alpha != 1 else {}
     if "rounding_mode" in a and a["rounding_mode"] is not None:
         kwargs["rounding_mode"] = a["rounding_mode"]
-    out = ctx.emit(target, (x, other), kwargs, like=node, name=node.name)
+    back = raised and not node.target._schema.is_mutable  # an in-place op writes x's dtype itself
+    out = ctx.emit(target, (x, other), kwargs, like=node, name=None if back else node.name)
+    if back:  # a no-op where x is float32 or float64
+        out = ctx.emit(aten.type_as.default, (out, like), like=node, name=node.name)
     return Wide(out, rank)
+
+
+def opmath_like(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-member scalar ``v`` in the dtype ATen computes ``like op scalar`` in: float32 for a
+    float16/bfloat16 ``like`` (its opmath type: a Python scalar is not rounded to the tensor's dtype
+    first), else ``like``'s dtype."""
+    low = like.is_floating_point() and like.element_size() < 4
+    return v.to(torch.float32 if low else like.dtype)
+
+
+def _opmath_scalar(ctx: WidenContext, node: fx.Node, v: Any, rank: int, like: fx.Node) -> Any:
+    """:func:`scalar` in the dtype ATen computes a multiplication or division by a Python scalar in
+    (:func:`opmath_like`): a float16 member multiplied by 70000.0 is finite, where the constant cast
+    to float16 is inf (probe 9 of issue 44, P9-11)."""
+    if not isinstance(v, Wide):
+        return v
+    return ctx.align(Wide(ctx.emit(opmath_like, (v.node, like), like=node), 0), rank, node)
 
 
 # --- norms -----------------------------------------------------------------------------------
