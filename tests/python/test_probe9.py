@@ -312,3 +312,61 @@ def test_per_member_scalars_in_reduced_precision_are_bit_for_bit_the_members(dty
             torch.testing.assert_close(out[k][i], mine[k], rtol=0, atol=0, msg=f"member {i}, output {k}")
         # (member 1's gradient through h / 1e-8 overflows float16, as the member's own does)
         torch.testing.assert_close(x.grad[i], xi.grad, rtol=0, atol=0, equal_nan=True)
+
+
+# --- P9-14: a dtype conversion that changes nothing at capture (Note [A conversion that changes
+# nothing] in fx/export_aliases.py) -------------------------------------------------------------
+
+
+class _Converts(nn.Module):
+    def __init__(self, how: str):
+        super().__init__()
+        self.fc, self.how = nn.Linear(16, 16), how
+
+    def forward(self, x):
+        h = self.fc(x)
+        f = {"float": lambda: h.float(), "to": lambda: h.to(torch.float32), "type_as": lambda: h.type_as(x)}[self.how]()
+        return (h * 3.14159).sum(-1), h, f
+
+
+@pytest.mark.parametrize("how", ["float", "to", "type_as"])
+def test_a_conversion_that_changed_nothing_at_capture_keeps_the_members_dtypes_under_autocast(how):
+    torch.manual_seed(0)
+    models = [_Converts(how) for _ in range(3)]
+    wide = wc.compile(models, torch.randn(4, 16), config=FAST)
+    x = torch.randn(3, 4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = wide(x)
+        for i, m in enumerate(models):
+            mine = m(x[i])
+            for k in range(3):
+                assert out[k][i].dtype == mine[k].dtype, (how, k)
+                torch.testing.assert_close(out[k][i], mine[k], rtol=0, atol=0)
+    out = wide(x)  # and in float32, as before
+    for i, m in enumerate(models):
+        for k, o in enumerate(m(x[i])):
+            torch.testing.assert_close(out[k][i], o)
+
+
+class _ConvertsThenWrites(nn.Module):
+    """The member's alias matters: a write into h after f = h.float() changes f too."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        f = h.float()
+        h.mul_(2)
+        return f + 1
+
+
+def test_a_write_after_a_conversion_that_changed_nothing_keeps_the_members_aliasing():
+    torch.manual_seed(0)
+    models = [_ConvertsThenWrites() for _ in range(2)]  # float32: h.float() is h
+    wide = wc.compile(models, torch.randn(3, 6), config=FAST)
+    x = torch.randn(2, 3, 6)
+    out = wide(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x[i]))  # f doubled: it is h

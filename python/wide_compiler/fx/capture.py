@@ -61,6 +61,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..errors import WideCompileError
 from .attribute_writes import AttributeWrites
 from .code_reads import globals_read
+from .export_aliases import NoneBuffersAsAttributes, NoOpConversionsCopied, copies_are_safe
 from .export_watch import _Watch
 from .hook_writes import refuse_writing_hooks
 from .sample_check import check_sample
@@ -217,41 +218,6 @@ def batch_of_two(args: Any) -> Any:
     return args if _batched(args) else tree_map(_batch_of_two, args)
 
 
-# Note [A buffer registered as None]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# ``register_buffer(name, None)`` (an optional buffer left unset; BatchNorm with
-# ``track_running_stats=False`` registers its statistics so) keeps ``name`` in the module's
-# ``_buffers`` with no tensor. torch.export (2.13, non-strict) counts it when it writes a mutated
-# buffer back, so a buffer updated in place (``self.cnt += 1``) registered after it is written back
-# into the next graph input: the graph ends in ``copy_(x, cnt + 1)``, x the user's input (bare
-# export's own module does it too). The wide model then wrote into the caller's input and, with a
-# second such buffer, computed from wrong values (probe 9 of issue 44, P9-2: the input 3.3 off,
-# outputs 1.6). During the capture every None buffer is a plain attribute of value None instead
-# (what reading it gives is the same), and is put back afterwards, in its place in ``_buffers``.
-class _NoneBuffersAsAttributes:
-    """Note [A buffer registered as None]: around one export of ``model``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.moved = [(m, dict(m._buffers)) for m in model.modules() if any(v is None for v in m._buffers.values())]
-
-    def __enter__(self) -> None:
-        for m, buffers in self.moved:
-            for name, v in buffers.items():
-                if v is None:
-                    del m._buffers[name]
-                    m.__dict__[name] = None
-
-    def __exit__(self, *exc: Any) -> None:
-        for m, buffers in self.moved:
-            now = dict(m._buffers)  # the other buffers as they are now, in their order with the None ones
-            for name, v in buffers.items():
-                if v is None:
-                    m.__dict__.pop(name, None)
-            m._buffers.clear()
-            m._buffers.update({name: None if v is None else now.pop(name, v) for name, v in buffers.items()})
-            m._buffers.update(now)
-
-
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             dynamic_shapes: Any = None, extra_dims: dict[int, frozenset[int]] | None = None,
             exact_dims: dict[int, frozenset[int]] | None = None) -> ExportedProgram:
@@ -277,11 +243,13 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             args, kwargs = batch_of_two((args, kwargs))
     refuse_writing_hooks(model, None)  # before the capture runs them (Note [Hooks that write outside themselves])
     registered: set[str] = set()
+    copies = True  # Note [A conversion that changes nothing] (fx/export_aliases.py)
     while True:
         watch, writes, checkpointed = _Watch(model), AttributeWrites(model), _CheckpointedUpdates(model)
+        conversions = NoOpConversionsCopied(copies)
         try:
-            with (_NoneBuffersAsAttributes(model), _ForwardSignature(model, signature), without_cudnn(), _RecurrentShapes(),
-                  _GlobalHooksSkipExportModules(), watch, writes, checkpointed):
+            with (NoneBuffersAsAttributes(model), _ForwardSignature(model, signature), without_cudnn(),
+                  _RecurrentShapes(), _GlobalHooksSkipExportModules(), watch, writes, checkpointed, conversions):
                 ep = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as e:  # export's own errors are many types; keep its reason whole
             found = _UNKNOWN_OUTPUT.search(str(e))
@@ -297,6 +265,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                     "the type with torch.utils._pytree.register_pytree_node so its tensors come out "
                     "N-first like any output.") from e
             raise _capture_error(model, e, getattr(watch, "compiling", ())) from e
+        if conversions.count and not copies_are_safe(ep):  # the member's aliasing matters: capture as it is
+            copies = False
+            continue
         writes.check(tuple(args), kwargs)  # Note [A forward that writes its module's attributes]
         checkpointed.check()  # Note [State updated inside a checkpoint]
         _refuse_generators(model, ep)  # our own refusal, not wrapped as export's
@@ -646,6 +617,9 @@ def _capture_error(model: nn.Module, e: Exception, compiling: Any = ()) -> WideC
     packed = _packed_sequence_use(model, e)
     if packed is not None:
         return packed
+    padded = _outside_padded_program(e)
+    if padded is not None:  # a padded member refused the inputs, saying why: that alone (probe 9, P9-4)
+        return WideCompileError(str(padded))
     what = f"wide_compiler: torch.export could not capture {type(model).__name__}: {type(e).__name__}: {e}\n"
     if compiling:
         what += (f"The forward asks torch.compiler.is_compiling() ({'; '.join(dict.fromkeys(compiling))}): the "
@@ -663,6 +637,21 @@ def _capture_error(model: nn.Module, e: Exception, compiling: Any = ()) -> WideC
         "tensor values: use torch.cond, or restructure), register a wide form for the "
         "offending module with @wide_compiler.register(ModuleType) so it is kept whole, or "
         "pass dynamic_shapes= to compile() if the batch is not dim 0 of every input.")
+
+
+def _outside_padded_program(e: BaseException | None) -> BaseException | None:
+    """The OutsidePaddedProgram among ``e`` and its causes (a padded member's check of its
+    program's assumptions, Note [A padded program's assumptions] in padded_members.py), or None:
+    its message says what, where and what to do; export's advice does not apply."""
+    from .padded_members import OutsidePaddedProgram
+
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OutsidePaddedProgram):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _packed_sequence_use(model: nn.Module, e: BaseException) -> WideCompileError | None:
