@@ -13,13 +13,13 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .fx.guards import MAX_GRAPHS, same_input
-from .fx.padded_members import PaddedMember
+from .fx.padded_members import OutsidePaddedProgram, PaddedMember
 from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, recapture, recapture_cached, run_pipeline
 from .fx.widen import WideGraph
 from .layouts import _any_packed
 from .measure import Stopwatch
-from .model_inputs import (_fill, _in_order_of, _member_accepts, _member_dims, _NewSize, _size_range,
-                           _structure_error, _user_placeholders)
+from .model_inputs import (_fill, _in_order_of, _member_accepts, _member_dims, _NewSize, _outside_range,
+                           _structure_error, _tensor_expected, _user_placeholders)
 
 __all__ = ["CallGraphsMixin", "traced_here"]
 
@@ -43,6 +43,60 @@ log = logging.getLogger("wide_compiler.model")  # the model's records under one 
 # there and runs the forward eagerly, where the capture happens as in any eager call. (Found by
 # probe 4 of issue 44, F1: Dynamo's "Unsupported context manager RLock", and a wrapped "sizes ...
 # were fixed at capture" for a size eager accepts.)
+
+
+# Note [No capture under a torch.func transform]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Inside torch.func.vmap, grad, vjp, jacrev, jacfwd, jvp or functionalize, the inputs a call sees are
+# the transform's wrapped tensors (a BatchedTensor, a GradTrackingTensor): a capture for inputs
+# outside the captured graphs (Note [Guards]) takes member 0's slice of them as its sample, and
+# torch.export cannot trace those ("Expected FakeTensor, got Tensor"). Such a failure was reported
+# as a forward torch.export cannot capture, with advice to restructure it (probe 9, P9-3: the
+# per-sample-gradient recipe, batch 1 per member under vmap(grad(...))). It is said as it is, in
+# the words of Note [No capture under torch.compile]: call the wide model once outside the
+# transform with inputs of these sizes, then run the transform, which finds that capture (checked:
+# the per-sample gradients are the members'). A recapture from the compile sample (a new size in a
+# fixed dim, Note [Dynamic sizes on demand]) captures under a transform as anywhere: its sample is
+# the compile sample's plain tensors.
+
+_TRANSFORMS = {"Vmap": "torch.func.vmap", "Grad": "torch.func.grad (or vjp, jacrev)",
+               "Jvp": "torch.func.jvp (or jacfwd)", "Functionalize": "torch.func.functionalize"}
+
+
+def _functorch_transform() -> str | None:
+    """The innermost torch.func transform this call runs under (Note [No capture under a
+    torch.func transform]), or None."""
+    try:
+        interpreter = torch._C._functorch.peek_interpreter_stack()
+    except Exception:  # noqa: BLE001 -- a torch without it: no transform is known
+        return None
+    if interpreter is None:
+        return None
+    key = getattr(interpreter.key(), "name", str(interpreter.key()))
+    return _TRANSFORMS.get(key, f"a torch.func transform ({key})")
+
+
+def _no_capture_under_transform(transform: str, mode: str, reason: str, users: list, flat: Any) -> str:
+    shapes = ", ".join(f"input '{inp.name}': {list(x.shape)}" for inp, x in zip(users, flat)
+                       if isinstance(x, torch.Tensor))
+    return (f"wide_compiler: this call needs a new capture of the {mode} graph, for inputs outside what it was "
+            f"captured for ({reason}); no graph can be captured under a torch.func transform (here "
+            f"{transform}; vmap, grad, vjp, jacrev, jacfwd, jvp and functionalize alike): torch.export cannot "
+            f"trace the transform's wrapped tensors. Call the wide model once outside the transform with "
+            f"inputs of these sizes ({shapes}, as the forward sees them inside the transform), in {mode} "
+            f"mode, then run the transform: it reuses that capture (Note [No capture under a torch.func "
+            f"transform] in model_calls.py)")
+
+
+def _outside_padded(e: BaseException | None) -> BaseException | None:
+    """The OutsidePaddedProgram among ``e`` and its causes, or None."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OutsidePaddedProgram):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def traced_here(args: Any, kwargs: Any) -> bool:
@@ -144,6 +198,8 @@ class CallGraphsMixin:
         users = (inp for inp in wg.inputs if inp.kind == "user")
         for inp, x in zip(users, flat):  # refused in eager too: no capture takes another value
             if not isinstance(x, torch.Tensor) and not same_input(x, inp.sample_value):
+                if inp.member_shape is not None:  # the sample had a tensor there
+                    raise ValueError(_tensor_expected(inp.name, x, inp.member_shape, self.n))
                 raise ValueError(
                     f"wide_compiler: input '{inp.name}' is another value or type than the "
                     f"{inp.sample_value!r} ({type(inp.sample_value).__name__}) the wide model was compiled with: "
@@ -226,6 +282,12 @@ class CallGraphsMixin:
             try:
                 recapture(c, wg)
             except Exception as e:
+                padded = _outside_padded(e)
+                if padded is not None:  # the padded program's own explanation, on its own (P9-4)
+                    raise ValueError(str(padded)) from e
+                transform = _functorch_transform()
+                if transform is not None:  # Note [No capture under a torch.func transform]
+                    raise ValueError(_no_capture_under_transform(transform, mode, reason, users, flat)) from e
                 raise ValueError(
                     f"wide_compiler: this call is outside what the {mode} graph was captured for ({reason}), "
                     f"and capturing the {mode} graph for these inputs failed: {type(e).__name__}: {e}") from e
@@ -378,6 +440,8 @@ class CallGraphsMixin:
 
     def _check_input(self, x: Any, inp, ranges: dict | None = None) -> None:
         if not isinstance(x, torch.Tensor):
+            if inp.member_shape is not None:  # the sample had a tensor there (probe 9, P9-12)
+                raise ValueError(_tensor_expected(inp.name, x, inp.member_shape, self.n))
             if not same_input(x, inp.sample_value):  # by type and value: 1 is not 1.0, -0.0 not 0.0
                 was = inp.sample_value
                 other = ""
@@ -400,12 +464,7 @@ class CallGraphsMixin:
             for d, lo, hi in ranges[inp.name]:
                 size = x.shape[d + 1]
                 if size < lo or (hi is not None and size > hi):
-                    raise ValueError(
-                        f"wide_compiler: input '{inp.name}' dim {d + 1} is {size}, but the captured "
-                        f"graph holds for sizes {_size_range(lo, hi)} there only (the forward tests "
-                        f"that size: an `if` on x.shape, a table of that many rows such as a position "
-                        f"embedding); each member fails or runs another branch for {size}, so the wide "
-                        f"model refuses it rather than run the wrong one")
+                    raise ValueError(_outside_range(inp.name, d, size, lo, hi))
         if not ok:
             dims = _member_dims(member)
             resized = x.dim() == len(member) + 1 and x.shape[0] == self.n  # only sizes differ

@@ -41,7 +41,54 @@ def _describe_value(v: Any) -> str:
         return f"a dict with keys {list(v)}"
     if v is None:
         return "None"
-    return f"the {type(v).__name__} {v!r}"
+    if _array_like(v):  # a numpy array: its shape and dtype, never its whole contents
+        return f"a {type(v).__module__.split('.')[0]}.{type(v).__name__} of shape {list(v.shape)} ({v.dtype})"
+    text = repr(v)
+    return f"the {type(v).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _array_like(v: Any) -> bool:
+    """An array of another library (numpy, ...): it has a shape and a dtype, and is no tensor."""
+    return not isinstance(v, torch.Tensor) and hasattr(v, "shape") and hasattr(v, "dtype")
+
+
+def _numbers(v: Any) -> bool:
+    """A (nested) list or tuple of Python numbers."""
+    if isinstance(v, (list, tuple)):
+        return bool(v) and all(_numbers(x) for x in v)
+    return isinstance(v, (bool, int, float, complex))
+
+
+def _tensor_expected(name: str, got: Any, member: tuple, n: int) -> str:
+    """The message for a call with a non-tensor where the compile sample had a tensor (probe 9,
+    P9-12: it said the model "was compiled with None" and to compile again for another value)."""
+    dims = _member_dims(member)
+    layout = (f"a leading member dim of {n}, then one member's input as compiled, [{dims}]" if dims
+              else f"one value per member: one member's input is a 0-dim tensor")
+    what = (f"wide_compiler: input '{name}' must be a tensor [{n}{', ' + dims if dims else ''}] (N-first: "
+            f"{layout}), as in the compile sample, got "
+            f"{_describe_value(got)}")
+    if _array_like(got) or _numbers(got):
+        return what + (". Convert it with torch.as_tensor(x) (with the dtype and device of the model), "
+                       "stacking per-member inputs with wide_compiler.stack(xs)")
+    return what + (". Pass a tensor there: stack per-member inputs with wide_compiler.stack(xs), or share one "
+                   f"input x with x.expand({n}, *x.shape)")
+
+
+def _outside_range(name: str, d: int, size: int, lo: int, hi: int | None) -> str:
+    """The message for a size outside the range export found the captured graph valid for (a
+    test of that size in the forward: Note [Guards] in fx/guards.py). Probe 9, P9-10: it said each
+    member "fails or runs another branch", where members run fine at that size."""
+    side = f"under {lo}" if size < lo else f"over {hi}"  # the call's side of the range
+    return (f"wide_compiler: input '{name}' dim {d + 1} is {size}, but the captured graph holds for sizes "
+            f"{_size_range(lo, hi)} there only: the forward tests that size (dim {d} of one member's input: "
+            f"an `if` on x.shape[{d}] in the member, a table of that many rows such as a position "
+            f"embedding), and torch.export recorded the test as this range of the dim, so at {size} a member "
+            f"may take another branch than the one captured (or index past the table); the wide model refuses "
+            f"it rather than run the captured branch there. What to do: for sizes {side}, compile a separate "
+            f"wide model with a sample whose dim {d} is {side} (wide_compiler.compile(members, sample) with "
+            f"such a sample: its graph then holds on that side), and call each wide model with the sizes of "
+            f"its side; or keep calls to sizes {_size_range(lo, hi)}")
 
 
 def _structure_difference(want: Any, got: Any, where: str) -> str | None:
@@ -57,6 +104,8 @@ def _structure_difference(want: Any, got: Any, where: str) -> str | None:
         if isinstance(got, (list, tuple)) and got and all(isinstance(t, torch.Tensor) for t in got):
             why = (" (a list of per-member tensors? pass one N-first tensor: wide_compiler.stack(xs), "
                    "or x.expand(N, *x.shape) to share one)")
+        elif _array_like(got) or _numbers(got):
+            why = " (convert it to an N-first tensor with torch.as_tensor(x))"
         return differ(why)
     if isinstance(want, (tuple, list)):
         if not isinstance(got, (tuple, list)) or len(got) != len(want) or (
