@@ -370,3 +370,88 @@ def test_a_write_after_a_conversion_that_changed_nothing_keeps_the_members_alias
     out = wide(x)
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x[i]))  # f doubled: it is h
+
+
+# --- P9-16, P9-17, P9-22: buffers rebound or registered in forward (Note [A buffer rebound in
+# forward] in fx/attribute_writes.py) -------------------------------------------------------------
+
+
+class _History(nn.Module):  # P9-16: a growing history
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("hist", torch.zeros(0, 4))
+
+    def forward(self, x):
+        self.hist = torch.cat([self.hist, x.mean(0, keepdim=True).detach()])
+        return self.fc(x) + self.hist.mean(0)
+
+
+class _Cast(nn.Module):  # P9-16: an integer counter made float
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("t", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.t = self.t + 0.5
+        return self.fc(x) * self.t
+
+
+class _Lazy(nn.Module):  # P9-17: registered at the first call
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if not hasattr(self, "scale"):
+            self.register_buffer("scale", torch.ones(4) * 2)
+        return self.fc(x) * self.scale
+
+
+class _MyNorm(nn.Module):  # P9-22: a hand-written norm rebinding its statistics, in a submodule
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(4))
+
+    def forward(self, x):
+        if self.training:
+            self.running_mean = 0.9 * self.running_mean + 0.1 * x.detach().mean(0)
+        return x - self.running_mean
+
+
+@pytest.mark.parametrize("make, match", [
+    (_History, r"buffer 'hist' of the root: it rebinds it from torch.float32 \[0, 4\] to torch.float32 \[1, 4\]"),
+    (_Cast, r"buffer 't' of the root: it rebinds it from torch.int64 \[\] to torch.float32 \[\]"),
+    (_Lazy, r"buffer 'scale' of the root: it registers it at its first call"),
+    (lambda: nn.Sequential(nn.Linear(4, 4), _MyNorm()), r"buffer 'running_mean' of `1`: it rebinds it \(self.x = ...\)"),
+], ids=["growing", "dtype", "lazy", "submodule"])
+def test_a_buffer_rebound_where_the_wide_model_cannot_follow_is_refused(make, match):
+    models = [make() for _ in range(3)]
+    before = [dict(m.named_buffers()) for m in models]
+    with pytest.raises(wc.WideCompileError, match=match):
+        wc.compile(models, torch.randn(2, 4), config=FAST)
+    for m, was in zip(models, before):  # the members' buffers as they were
+        assert dict(m.named_buffers()).keys() == was.keys()
+        assert all(b is was[k] for k, b in m.named_buffers())
+
+
+def test_a_root_buffer_rebound_with_its_shape_is_still_followed_and_in_place_in_a_submodule_too():
+    class InPlaceNorm(_MyNorm):
+        def forward(self, x):
+            if self.training:
+                with torch.no_grad():
+                    self.running_mean.mul_(0.9).add_(0.1 * x.mean(0))
+            return x - self.running_mean
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 4), InPlaceNorm()).double() for _ in range(3)]
+    ref = [copy.deepcopy(m) for m in models]
+    wide = wc.compile(models, torch.randn(2, 4, dtype=torch.float64), config=FAST)
+    for _ in range(3):
+        x = torch.randn(3, 2, 4, dtype=torch.float64)
+        out = wide(x)
+        for i, m in enumerate(ref):
+            torch.testing.assert_close(out[i], m(x[i]), rtol=1e-12, atol=1e-12)
+    for i, m in enumerate(ref):
+        torch.testing.assert_close(wide.member(i)[1].running_mean, m[1].running_mean, rtol=1e-12, atol=1e-12)

@@ -224,6 +224,23 @@ def _shown(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# Note [A buffer rebound in forward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A forward may rebind a registered buffer instead of updating it in place:
+# ``self.running_mean = (1 - m) * self.running_mean + m * mean`` in a hand-written BatchNorm or
+# EMA codebook, ``self.step = self.step + 1``. torch.export records that as an update of the buffer
+# only for the root module's own buffers: in a submodule the graph writes nothing back, so the
+# wide model's statistics never moved (probe 9 of issue 44, P9-22: a hand-written BatchNorm's
+# running mean stayed 0, eval 0.4 off). A buffer rebound to another shape or dtype (a history
+# grown with ``torch.cat``, an integer counter made float by ``+ 0.5``) cannot be kept in the
+# wide model's fixed ``[N, ...]`` state either: the write-back broadcast into the old buffer and
+# kept nothing (P9-16, 0.5-1.1 off from the second call); and a buffer registered at the first
+# call of the forward (a lazy buffer) left the graph with a value of the wrong rank (P9-17, an
+# internal error). So the capture records, at the end of each forward, the buffers whose object
+# changed and refuses those three (a root buffer rebound with its shape and dtype, which export
+# records, is kept), saying what to write instead; the buffers are put back as registered.
+
+
 class AttributeWrites:
     """Around one export of ``model``: records what the forward wrote into plain attributes of
     its modules (seen at the end of each call of the root's forward: export puts the modules
@@ -239,6 +256,10 @@ class AttributeWrites:
         self.writes: dict[tuple[str, tuple[Step, ...]], tuple[str, str, str]] = {}
         self.saved_forward: Any = None
         self.hooks: list[tuple[dict, dict]] = []
+        # Note [A buffer rebound in forward]: each module's buffers as registered, and what the
+        # forward rebound or registered: (module path, buffer name) -> (was, now)
+        self.buffers: list[tuple[str, nn.Module, dict[str, Any]]] = []
+        self.rebound: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     def __enter__(self) -> AttributeWrites:
         self.before = [(name, m, {k: (v, _contents(v)) for k, v in vars(m).items() if k not in _skipped(m)})
@@ -248,12 +269,20 @@ class AttributeWrites:
         # hooks the forward installs on a first call (transformers' output capturing) go too
         self.hooks = [(d, dict(d)) for _, m in self.model.named_modules() for k, d in vars(m).items()
                       if k.startswith("_") and "hooks" in k and isinstance(d, dict)]
+        self.buffers = [(path, m, dict(m._buffers)) for path, m, _ in self.before]
         self.saved_forward = vars(self.model).get("forward", _ABSENT)
         inner = self.model.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            # Note [A buffer rebound in forward]: the buffers as this call starts (export has swapped
+            # in its own by then)
+            start = [(path, m, dict(m._buffers)) for path, m, _ in self.buffers]
             out = inner(*args, **kwargs)
             self._compare(restore=False)
+            for path, m, was in start:
+                for name, t in m._buffers.items():
+                    if t is not was.get(name, _ABSENT):
+                        self.rebound.setdefault((path, name), (was.get(name, _ABSENT), t))
             return out
 
         # what export reads to bind the inputs: the bound forward's parameters (not __wrapped__,
@@ -269,6 +298,10 @@ class AttributeWrites:
         else:
             object.__setattr__(self.model, "forward", self.saved_forward)
         self._compare(restore=True)
+        for _, m, was in self.buffers:  # the buffers as registered (export puts back only those it records)
+            if m._buffers.keys() != was.keys() or any(m._buffers[k] is not v for k, v in was.items()):
+                m._buffers.clear()
+                m._buffers.update(was)
         for d, items in self.hooks:
             if d.keys() != items.keys():
                 d.clear()
@@ -305,6 +338,34 @@ class AttributeWrites:
                 object.__setattr__(owner, k, v)
             else:
                 now[k] = v
+
+    def check_buffers(self, mutated: set[str]) -> None:
+        """Note [A buffer rebound in forward]: refuse a buffer the forward registered, rebound to
+        another shape or dtype, or rebound where the graph does not write it (``mutated``: the
+        buffers the graph writes, by their full names: export writes a root buffer rebound with
+        its shape and dtype back, a submodule's not)."""
+        for (path, name), (was, now) in self.rebound.items():
+            full = f"{path}.{name}" if path else name
+            where = f"buffer {name!r} of {f'`{path}`' if path else 'the root'}"
+            if was is _ABSENT:
+                why = ("registers it at its first call (the member before compiling did not have it): run each "
+                       "member once before compiling, or register it in __init__")
+            elif not isinstance(was, torch.Tensor) or not isinstance(now, torch.Tensor):
+                why = f"sets it from {_shown(was)} to {_shown(now)}"
+            elif was.shape != now.shape or was.dtype != now.dtype:
+                why = (f"rebinds it from {was.dtype} {list(was.shape)} to {now.dtype} {list(now.shape)} (a growing "
+                       "history, a cast): the wide model keeps each member's state in fixed [N, ...] tensors of "
+                       "the capture's shapes and dtypes, so it would keep the old one. Keep the buffer's shape and "
+                       "dtype (a fixed-size ring buffer with a count), or pass the state in and return it")
+            elif full not in mutated:
+                why = ("rebinds it (self.x = ...), which torch.export records only for the root module's own "
+                       "buffers (as a write into it), so the wide model would never update it. Update it in place instead "
+                       "(with torch.no_grad(): self.x.copy_(new), or self.x.mul_(m).add_(...))")
+            else:
+                continue
+            raise WideCompileError(
+                f"wide_compiler: member 0's forward writes the {where}: it {why} (Note [A buffer rebound in "
+                "forward] in wide_compiler/fx/attribute_writes.py).")
 
     def check(self, args: tuple, kwargs: dict) -> None:
         """Raise :class:`WideCompileError` naming the writes whose old value the forward reads

@@ -268,6 +268,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         if conversions.count and not copies_are_safe(ep):  # the member's aliasing matters: capture as it is
             copies = False
             continue
+        writes.check_buffers(_buffers_written(ep))  # Note [A buffer rebound in forward]
         writes.check(tuple(args), kwargs)  # Note [A forward that writes its module's attributes]
         checkpointed.check()  # Note [State updated inside a checkpoint]
         _refuse_generators(model, ep)  # our own refusal, not wrapped as export's
@@ -287,6 +288,20 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             log.info("wide_compiler: the forward asks torch.compiler.is_compiling() (%s): captured with the "
                      "answer False, as each member gets when called alone", "; ".join(dict.fromkeys(watch.compiling)))
         return ep
+
+
+def _buffers_written(ep: ExportedProgram) -> set[str]:
+    """The buffers (full names) the graph writes: updates export records as outputs, and in-place
+    writes into a buffer's placeholder (a root buffer rebound in forward becomes ``copy_``)."""
+    sig = ep.graph_signature
+    written = set(sig.buffers_to_mutate.values())
+    for node in ep.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is not None and schema.is_mutable:
+            for arg, a in zip(node.args, schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write and isinstance(arg, torch.fx.Node):
+                    written.add(sig.inputs_to_buffers.get(arg.name, ""))
+    return written
 
 
 def _refuse_generators(model: nn.Module, ep: ExportedProgram) -> None:
