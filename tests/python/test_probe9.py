@@ -455,3 +455,33 @@ def test_a_root_buffer_rebound_with_its_shape_is_still_followed_and_in_place_in_
             torch.testing.assert_close(out[i], m(x[i]), rtol=1e-12, atol=1e-12)
     for i, m in enumerate(ref):
         torch.testing.assert_close(wide.member(i)[1].running_mean, m[1].running_mean, rtol=1e-12, atol=1e-12)
+
+
+# --- P9-23: members wired differently (Note [Members tied alike] in fx/member_checks.py) ----------
+
+
+class _Wired(nn.Module):
+    def __init__(self, use_a: bool):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.active = self.a if use_a else self.b  # an architecture choice of a sweep
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.active(x)))
+
+
+def test_members_wired_differently_are_refused_and_a_router_keeps_them_apart():
+    torch.manual_seed(0)
+    models = [_Wired(True), _Wired(False), _Wired(True)]
+    with pytest.raises(wc.errors.ArchitectureMismatchError, match=r"member 1: 'active' is its 'b', member 0's is its 'a'"):
+        wc.compile(models, torch.randn(2, 4), config=FAST)
+    from wide_compiler.router import WideRouter
+
+    router = WideRouter(config=FAST)
+    for i, m in enumerate(models):
+        router.register_tower(f"t{i}", m)
+    x = torch.randn(2, 4)
+    outs = router.wide_forward(x)
+    assert not any({"t0", "t1"} <= set(g) or {"t1", "t2"} <= set(g) for g in router.group_members().values())
+    for i, m in enumerate(models):
+        torch.testing.assert_close(outs[f"t{i}"], m(x))

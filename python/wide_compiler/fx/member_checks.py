@@ -243,6 +243,7 @@ def check_members(models: Sequence[nn.Module]) -> dict[str, tuple]:
     watch_torch_optimizers()  # Note [torch.optim optimizers that mix members] (amp.py): once per process
     _check_no_sharing(models)
     _check_no_overlap(models)
+    _check_same_ties(models)
     check_modes(models)
     for i, model in enumerate(models):  # before anything runs a member (Note [Hooks that write outside themselves])
         refuse_writing_hooks(model, i)
@@ -486,3 +487,44 @@ def _check_no_overlap(models: Sequence[nn.Module]) -> None:
                             "must be independent copies (stacking would untie them); pass copy.deepcopy(model) "
                             "for each member")
                 by_storage.setdefault(storage, []).append((first, end, i, f"{kind} {name!r}", id(t)))
+
+
+# Note [Members tied alike]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Which paths of a member reach one and the same module or tensor is part of its program:
+# ``self.active = self.a if use_a else self.b`` (an architecture choice in a sweep) gives members
+# the same module paths and parameter names, and the graph of member 0 wires ``active`` to ``a``
+# for every member (probe 9 of issue 44, P9-23: member 1, whose ``active`` is its ``b``, 0.39 off;
+# a router grouped such towers too). Every member must tie alike: the same paths reach one
+# module (or parameter, or buffer) as in member 0, else it is refused naming the path and what it
+# reaches in each. (The compile cache key holds the same ties: fx/cache_key.py.)
+def _ties(model: nn.Module) -> dict[str, str]:
+    """Each path (module, parameter or buffer) that reaches an object an earlier path reached ->
+    that earlier path."""
+    first: dict[int, str] = {}
+    ties = {}
+    named = [*model.named_modules(remove_duplicate=False), *model.named_parameters(remove_duplicate=False),
+             *model.named_buffers(remove_duplicate=False)]
+    for path, obj in named:
+        seen = first.setdefault(id(obj), path)
+        if seen != path:
+            ties[path] = seen
+    return ties
+
+
+def _check_same_ties(models: Sequence[nn.Module]) -> None:
+    """Note [Members tied alike]."""
+    want = _ties(models[0])
+    for i, model in enumerate(models[1:], start=1):
+        got = _ties(model)
+        if got == want:
+            continue
+        path = next(p for p in sorted(set(got) | set(want)) if got.get(p) != want.get(p))
+
+        def says(ties: dict[str, str]) -> str:
+            return f"is its {ties[path]!r}" if path in ties else "is its own (reached by no other path)"
+
+        raise ArchitectureMismatchError(
+            f"member {i}: {path!r} {says(got)}, member 0's {says(want)}: the members are wired differently "
+            "(which paths reach one module or tensor is part of the program); compile members wired alike, or "
+            "one wide model per wiring")
