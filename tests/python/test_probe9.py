@@ -485,3 +485,28 @@ def test_members_wired_differently_are_refused_and_a_router_keeps_them_apart():
     assert not any({"t0", "t1"} <= set(g) or {"t1", "t2"} <= set(g) for g in router.group_members().values())
     for i, m in enumerate(models):
         torch.testing.assert_close(outs[f"t{i}"], m(x))
+
+
+# --- P9-18: a per-member lifted constant of -0.0 beside 0.0 (fx/constants.py's _same_tensor) -------
+
+
+class _SignedZero(nn.Module):
+    def __init__(self, s: float):
+        super().__init__()
+        self.s, self.fc = s, nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x).abs() + 1
+        return h / torch.tensor(self.s), torch.copysign(h, torch.tensor(self.s))
+
+
+def test_minus_zero_is_not_zero_in_a_tensor_made_in_forward():
+    torch.manual_seed(0)
+    models = [_SignedZero(v).double() for v in (0.0, -0.0, 2.0)]
+    wide = wc.compile(models, torch.randn(2, 4, dtype=torch.float64), config=FAST)
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    out = wide(x)
+    for i, m in enumerate(models):
+        for k, o in enumerate(m(x[i])):
+            torch.testing.assert_close(out[k][i], o, rtol=1e-12, atol=1e-12)
+            assert torch.equal(torch.signbit(out[k][i]), torch.signbit(o)), (i, k)

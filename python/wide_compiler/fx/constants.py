@@ -221,8 +221,14 @@ def _lifted(ep: ExportedProgram) -> dict[str, torch.Tensor]:
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b) or (
-        a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0))))
+    """The same shape, dtype and bits (``-0.0`` is not ``0.0``: ``1 / torch.tensor(s)`` is -inf for one,
+    probe 9 of issue 44, P9-18; every NaN the same, as values compare elsewhere)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        a, b = (torch.where(t.isnan(), torch.nan, t) if t.is_floating_point() else t for t in (a, b))
+        return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    return bool(torch.equal(a, b))
 
 
 def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[[torch.nn.Module], ExportedProgram],
