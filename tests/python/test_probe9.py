@@ -510,3 +510,33 @@ def test_minus_zero_is_not_zero_in_a_tensor_made_in_forward():
         for k, o in enumerate(m(x[i])):
             torch.testing.assert_close(out[k][i], o, rtol=1e-12, atol=1e-12)
             assert torch.equal(torch.signbit(out[k][i]), torch.signbit(o)), (i, k)
+
+
+# --- P9-13: a fallback op whose output size depends on the values (fx/fallback.py) ---------------
+
+
+class _Unique(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h + torch.unique(torch.round(h.detach())).numel()
+
+
+def test_a_fallback_whose_members_results_differ_in_size_says_so():
+    torch.manual_seed(0)
+    models = [_Unique() for _ in range(3)]
+    for m in models:
+        with torch.no_grad():
+            m.fc.bias.zero_()
+    with pytest.warns(UserWarning):
+        wide = wc.compile(models, torch.zeros(2, 4), config=FAST)
+    x = torch.zeros(3, 2, 4)
+    out = wide(x)  # equal sizes: stacked, as each member computes
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x[i]))
+    with pytest.raises(RuntimeError, match=r"aten._unique2.default \(.*test_probe9.py.*\) gives the members results "
+                                           r"of different sizes on this call"):
+        wide(torch.randn(3, 2, 4) * 3)

@@ -40,8 +40,8 @@ class MemberFallback:
     """The callable a fallback node runs: ``op`` applied per member to the flattened arguments
     ``leaves`` (``in_dims[k]`` is 0 for N-first tensors, None for shared values)."""
 
-    def __init__(self, op, spec, in_dims: tuple, n: int, label: str) -> None:
-        self.op, self.spec, self.in_dims, self.n = op, spec, in_dims, n
+    def __init__(self, op, spec, in_dims: tuple, n: int, label: str, where: str = "") -> None:
+        self.op, self.spec, self.in_dims, self.n, self.where = op, spec, in_dims, n, where
         self.mode = "vmap" if any(d == 0 for d in in_dims) else "loop"
         self.__name__ = self.__qualname__ = f"wide_fallback_{label}"
         self.__module__ = __name__
@@ -60,7 +60,17 @@ class MemberFallback:
                 self.mode = "loop"
         outs = [self._call(*(leaf[i] if d == 0 else leaf for leaf, d in zip(leaves, self.in_dims)))
                 for i in range(self.n)]
-        if isinstance(outs[0], (tuple, list)):
+        many = isinstance(outs[0], (tuple, list))
+        for k in range(len(outs[0]) if many else 1):
+            shapes = [tuple((o[k] if many else o).shape) for o in outs]
+            if len(set(shapes)) > 1:  # an output size that depends on the values (torch.unique, nonzero)
+                raise RuntimeError(
+                    f"wide_compiler: {self.op} ({self.where or 'a fallback op'}) gives the members results of "
+                    f"different sizes on this call ({', '.join(f'member {i}: {list(sh)}' for i, sh in enumerate(shapes))}): "
+                    "an op whose output size depends on the values cannot be stacked over members, so this call "
+                    "cannot run wide. Keep the size fixed (a mask instead of torch.unique/nonzero/masked_select), "
+                    "or run these members one by one")
+        if many:
             return type(outs[0])(torch.stack([o[k] for o in outs]) for k in range(len(outs[0])))
         return torch.stack(outs)
 
@@ -81,9 +91,9 @@ def fallback(ctx: WidenContext, node: fx.Node, reason: str = "no widen rule for 
                              "a per-member fallback would overwrite N times")
     leaves, spec = tree_flatten((ctx.value(node.args), ctx.value(node.kwargs)))
     in_dims = tuple(0 if isinstance(leaf, Wide) else None for leaf in leaves)
-    fn = MemberFallback(node.target, spec, in_dims, ctx.n, node.name)
-    out = ctx.emit(fn, tuple(ctx.unwrap(leaf) for leaf in leaves), like=node, name=node.name)
     where = source_line(node)
+    fn = MemberFallback(node.target, spec, in_dims, ctx.n, node.name, where)
+    out = ctx.emit(fn, tuple(ctx.unwrap(leaf) for leaf in leaves), like=node, name=node.name)
     ctx.fallbacks.append({"op": op_name(node), "node": node.name, "source": where, "how": fn.mode,
                           "reason": reason})
     warnings.warn(f"wide_compiler: {op_name(node)} at {where} runs through a per-member "
