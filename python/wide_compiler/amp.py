@@ -132,6 +132,144 @@ def watch_torch_optimizers() -> None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         _STEP_HOOK.append(register_optimizer_step_pre_hook(_refuse_mixing_step))
+        _watch_torch_clipping()
+
+
+# Note [torch's norm clipping over a wide model]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``torch.nn.utils.clip_grad_norm_(wide.parameters(), max_norm)`` computes ONE norm over all the
+# stacked gradients, i.e. over all members together, and scales every member by it: each member is
+# clipped by the others' gradients (probe 9, P9-20: 0.06-0.43 off, silently). The per-member form is
+# ``wc.optim.clip_grad_norm_`` (one norm per member, as torch's on that member alone). So torch's
+# norm clipping refuses a wide model's parameters, before anything is changed, naming it:
+# ``clip_grad_norm_`` (and the deprecated ``clip_grad_norm``), ``clip_grads_with_norm_`` (and the
+# ``_clip_grads_with_norm_`` the original ``clip_grad_norm_`` calls through its module's globals, so
+# a ``from torch.nn.utils import clip_grad_norm_`` made before the first compile refuses too) and
+# ``get_total_norm`` given a wide model's gradients (or parameters). A mix of wide and plain
+# parameters is refused as well (the plain ones clip by the wide ones' norm). ``clip_grad_value_``
+# is elementwise (exact per member) and is left alone. The wrappers are installed with the step
+# hook above, when the first model is compiled, never at import, and call torch's function
+# unchanged for anything else. Which parameters are a wide model's: those ``wc.compile`` made
+# (``note_wide_parameters``), or found held by a wide_compiler module (``_wide_owners``: a
+# ``wc.nn`` layer; searched once per parameter, the answer kept by identity, so a plain model's
+# clipping costs one search at its first call, then a lookup per parameter). ``get_total_norm``
+# is given gradients, whose parameter cannot be searched for: it refuses the gradients (or the
+# parameters) of those parameters found so far. Not checked: a function imported from torch before
+# the first compile other than ``clip_grad_norm_`` (``from torch.nn.utils import get_total_norm``
+# or ``clip_grads_with_norm_`` at the top of a script: the name holds torch's own function), and a call traced by ``torch.compile`` (the check is skipped there, so that a
+# compiled training step of a plain model traces as before).
+_WRAPPED = "_wide_compiler_wraps"  # attribute of a wrapper: the torch function it wraps
+_WRAPPERS: dict[int, Any] = {}  # id(torch function) -> its wrapper (one per function, for all its names)
+_TABLES: list[Any] = []  # [checked, wide]: torch.utils.weak.WeakIdKeyDictionary's, made at first use
+
+
+def _tables() -> tuple[Any, Any]:
+    """(every parameter checked -> whether a wide model's, the wide models' parameters -> True)."""
+    if not _TABLES:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        _TABLES.extend([WeakIdKeyDictionary(), WeakIdKeyDictionary()])
+    return _TABLES[0], _TABLES[1]
+
+
+def note_wide_parameters(params: Iterable[torch.Tensor]) -> None:
+    """Remember ``params`` as a wide model's stacked parameters (Note [torch's norm clipping over a
+    wide model]); called by ``wc.compile``."""
+    checked, wide = _tables()
+    for p in params:
+        checked[p] = wide[p] = True
+
+
+def _wide_among(tensors: Sequence[torch.Tensor], *, grads: bool = False) -> list[torch.Tensor]:
+    """Those of ``tensors`` that are a wide model's parameters, or (``grads``) a wide model's
+    parameters or their gradients: those are found among the parameters seen (no search for the
+    parameter a gradient belongs to)."""
+    checked, wide = _tables()
+    if grads:
+        wide_grads = {id(p.grad) for p in list(wide.keys()) if p.grad is not None}
+        return [t for t in tensors if t in wide or id(t) in wide_grads]
+    unknown = [t for t in tensors if isinstance(t, torch.Tensor) and t not in checked]
+    if unknown:
+        owners = _wide_owners(unknown)
+        for t in unknown:
+            checked[t] = id(t) in owners
+            if id(t) in owners:
+                wide[t] = True
+    return [t for t in tensors if isinstance(t, torch.Tensor) and checked.get(t)]
+
+
+def _refuse_wide_clipping(name: str, tensors: Any, *, grads: bool = False) -> None:
+    """Raise for torch's ``name`` over a wide model's parameters (Note [torch's norm clipping over a
+    wide model]); return for anything else."""
+    ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if not ts:
+        return
+    wide = _wide_among(ts, grads=grads)
+    if not wide:
+        return
+    from .errors import UnsupportedOperationError
+
+    shapes = ", ".join(str(list(t.shape)) for t in wide[:4]) + (", ..." if len(wide) > 4 else "")
+    plain = len(ts) - len(wide)
+    mixed = (f" together with {plain} tensor(s) that are not a wide model's (clipped by the norm of "
+             f"all of them)") if plain else ""
+    what = "gradients" if grads else "parameters"
+    fix = ("wide_compiler.optim.member_grad_norms(wide.parameters()) (a norm per member, [N])" if grads else
+           "wide_compiler.optim.clip_grad_norm_(wide.parameters(), max_norm) (a norm per member, each "
+           "member clipped as torch clips it alone; max_norm a float or N values)")
+    raise UnsupportedOperationError(
+        f"wide_compiler: torch.nn.utils.{name} was given a wide model's stacked {what} (shape {shapes}){mixed}: "
+        f"it computes ONE norm over all of them, i.e. over all members together, so each member would be "
+        f"clipped by the others' gradients, not as it is alone (Note [torch's norm clipping over a wide "
+        f"model] in wide_compiler/amp.py). Nothing was changed.\n"
+        f"What to do: use {fix}"
+        + ("; clip other parameters with torch's own call on them alone" if plain else "")
+        + ". torch.nn.utils.clip_grad_value_ is elementwise and fine as it is.")
+
+
+def _wrap_clipping(fn: Any, name: str, *, grads: bool = False) -> Any:
+    """``fn`` (a torch.nn.utils clipping function) refusing a wide model's parameters first."""
+    import functools
+
+    if getattr(fn, _WRAPPED, None) is not None:
+        return fn
+    if id(fn) in _WRAPPERS:
+        return _WRAPPERS[id(fn)]
+    first = "tensors" if grads else "parameters"
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            tensors = args[0] if isinstance(args[0], torch.Tensor) else list(args[0])  # a generator: read once
+            args = (tensors, *args[1:])
+        elif first in kwargs:
+            tensors = kwargs[first] if isinstance(kwargs[first], torch.Tensor) else list(kwargs[first])
+            kwargs[first] = tensors
+        else:
+            return fn(*args, **kwargs)  # torch's own error
+        if not torch.compiler.is_compiling():  # nothing for torch.compile to trace into (a fullgraph step)
+            _refuse_wide_clipping(name, tensors, grads=grads)
+        return fn(*args, **kwargs)
+
+    setattr(wrapper, _WRAPPED, fn)
+    _WRAPPERS[id(fn)] = wrapper
+    return wrapper
+
+
+def _watch_torch_clipping() -> None:
+    """Wrap torch's norm clipping functions (Note [torch's norm clipping over a wide model])."""
+    import torch.nn.utils as nn_utils
+    from torch.nn.utils import clip_grad
+
+    for module in (nn_utils, clip_grad):
+        for attr, name, grads in (("clip_grad_norm_", "clip_grad_norm_", False),
+                                  ("clip_grad_norm", "clip_grad_norm", False),
+                                  ("clip_grads_with_norm_", "clip_grads_with_norm_", False),
+                                  ("_clip_grads_with_norm_", "clip_grads_with_norm_", False),
+                                  ("get_total_norm", "get_total_norm", True)):
+            fn = vars(module).get(attr)
+            if callable(fn):
+                setattr(module, attr, _wrap_clipping(fn, name, grads=grads))
 
 
 def _wide_owners(params: Sequence[torch.Tensor]) -> dict[int, str]:

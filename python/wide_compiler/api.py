@@ -14,9 +14,10 @@ from torch.utils._pytree import tree_map
 
 # wide_compiler.testing's comparisons, which sit below api (Note [The harness in two layers])
 from . import _equivalence as testing
+from .amp import note_wide_parameters
 from ._equivalence.draws import fixed_draws
 from .config import WideConfig
-from .errors import ValidationError
+from .errors import ValidationError, WideCompileError
 from .fx.padding import pad_members
 from .fx.pipeline import compile_members
 from .layouts import layout_of, tag_layout
@@ -48,9 +49,41 @@ def _plain_module(m: nn.Module, i: int) -> nn.Module:
     return m
 
 
+# Note [One model and n=K]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# ``compile(model, sample, n=K)`` makes K copies of ``model`` and calls every ``reset_parameters()``
+# in each, so that the K members start independently. A tensor no ``reset_parameters()`` draws
+# again (a raw ``nn.Parameter``: a ViT's cls token or position embedding, a custom weight; a buffer
+# filled at random in ``__init__``) would be copied: the same in all K members (probe 9, P9-21).
+# After the resets of the first copy, a parameter or floating-point buffer whose values are
+# exactly the model's and not all equal (a constant such as LayerNorm's ones or a zero token is
+# what a fresh construction gives too) was not drawn again. Parameters are refused, naming them,
+# as a model with no reset_parameters() at all is. Buffers are only warned about: a buffer with the
+# same values in every fresh model (a sinusoidal position table, a causal mask) is common and
+# right, a buffer drawn at random is rare, and the two cannot be told apart. The model itself is
+# never changed.
+def _not_reinitialised(model: nn.Module, copy_: nn.Module, which: str) -> list[str]:
+    """Names of ``model``'s parameters (``which="parameters"``) or floating buffers the resets of
+    ``copy_`` left at the model's non-constant values (Note [One model and n=K])."""
+    def named(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        return list(m.named_parameters() if which == "parameters" else m.named_buffers())
+
+    left = []
+    for (name, t), (_, c) in zip(named(model), named(copy_)):
+        if (isinstance(t, nn.parameter.UninitializedTensorMixin) or t.is_meta or t.numel() < 2
+                or not (t.is_floating_point() or t.is_complex())):
+            continue
+        with torch.no_grad():
+            flat = t.detach().reshape(-1)
+            if torch.equal(c.detach(), t.detach()) and not bool((flat == flat[0]).all()):
+                left.append(name)
+    return left
+
+
 def _reinitialised_copies(model: nn.Module, n: int) -> list[nn.Module]:
+    """K copies of ``model``, each with every ``reset_parameters()`` called (Note [One model and n=K])."""
     copies = []
-    for _ in range(n):
+    for k in range(n):
         m = copy.deepcopy(model)
         reset = [sub for sub in m.modules() if callable(getattr(sub, "reset_parameters", None))]
         if not reset and any(True for _ in m.parameters()):
@@ -60,8 +93,49 @@ def _reinitialised_copies(model: nn.Module, n: int) -> list[nn.Module]:
                 "list of models instead")
         for sub in reset:
             sub.reset_parameters()
+        if k == 0:
+            _check_all_reset(model, m, n)
         copies.append(m)
     return copies
+
+
+def _check_all_reset(model: nn.Module, first: nn.Module, n: int) -> None:
+    """Refuse a parameter, and warn about a buffer, that no reset_parameters() draws again (Note
+    [One model and n=K])."""
+    def names(xs: list[str]) -> str:
+        return ", ".join(xs[:6]) + (f", ... ({len(xs)} in all)" if len(xs) > 6 else "")
+
+    params = _not_reinitialised(model, first, "parameters")
+    if params:
+        raise ValueError(
+            f"wide_compiler.compile(model, n={n}): no reset_parameters() of {type(model).__name__} draws "
+            f"the parameter(s) {names(params)} again, so all {n} members would start with the model's same "
+            f"values (not independently). Pass a list of {n} models made as you make one (each draws its "
+            f"own), or give the module holding them a reset_parameters() that initialises them")
+    buffers = _not_reinitialised(model, first, "buffers")
+    if buffers:
+        import warnings
+
+        warnings.warn(
+            f"wide_compiler.compile(model, n={n}): no reset_parameters() of {type(model).__name__} sets the "
+            f"buffer(s) {names(buffers)}, so all {n} members hold the model's values. Right for a buffer "
+            f"every fresh model has the same (a position table, a mask); a buffer drawn at random is the same "
+            f"in all members: pass a list of {n} models instead", UserWarning, stacklevel=4)
+
+
+def _refuse_reserved_names(members: Sequence[nn.Module]) -> None:
+    """A member's top-level ``_per_member``: the name under which the wide model keeps the
+    per-member constants' buffers (Note [Per-member constants], fx/constants.py), refused with the
+    fix like the other reserved names (probe 9, P9-24: a bare KeyError at the first call)."""
+    from .fx.constants import BUFFER_ROOT
+
+    for i, m in enumerate(members):
+        if BUFFER_ROOT in m._modules or BUFFER_ROOT in m._parameters or BUFFER_ROOT in m._buffers \
+                or BUFFER_ROOT in vars(m):
+            raise WideCompileError(
+                f"wide_compiler.compile: member {i}'s top-level attribute {BUFFER_ROOT!r} has the name under "
+                f"which the wide model keeps its per-member constants, so its stacked form cannot be "
+                f"installed; rename it in the model (e.g. self.{BUFFER_ROOT}_ = ...)")
 
 
 def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.compile)
@@ -157,6 +231,7 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
         members = [_plain_module(m, i) for i, m in enumerate(members)]
         if n is not None and n != len(members):
             raise ValueError(f"wide_compiler.compile: n={n} but {len(members)} models were given")
+    _refuse_reserved_names(members)
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
     with outside_inference_mode():  # the stacked state made inside it could never train
         # a sample made inside inference mode: an ordinary copy (the members run on it with gradients)
@@ -170,6 +245,7 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
                                                            dynamic_shapes=dynamic_shapes))
         if padded is not None:
             wide = PaddedWideModel._padded(wide, info, originals)
+        note_wide_parameters(wide.parameters())  # Note [torch's norm clipping over a wide model] (amp.py)
         if config.validate:
             _validate(wide, members, args, sample_kwargs or {}, config)
     if not compile_model:
