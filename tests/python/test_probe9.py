@@ -540,3 +540,35 @@ def test_a_fallback_whose_members_results_differ_in_size_says_so():
     with pytest.raises(RuntimeError, match=r"aten._unique2.default \(.*test_probe9.py.*\) gives the members results "
                                            r"of different sizes on this call"):
         wide(torch.randn(3, 2, 4) * 3)
+
+
+# --- P9-19: a forward writing into its input, called with a stride-0 shared input (fx/state.py) --
+
+
+class _WritesInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.fc(x)
+        x.mul_(2)
+        return y + x
+
+
+def test_a_shared_stride_0_input_the_forward_writes_into_is_refused_and_own_inputs_work():
+    torch.manual_seed(0)
+    models = [_WritesInput() for _ in range(3)]
+    wide = wc.compile(models, torch.randn(4, 6), config=FAST)
+    base = torch.randn(4, 6)
+    before = base.clone()
+    with pytest.raises(ValueError, match=r"writes in place into its input 'x', which this call passes with stride 0"):
+        wide(base.expand(3, 4, 6))
+    assert torch.equal(base, before)
+    x = torch.randn(3, 4, 6)
+    x0 = x.clone()
+    out = wide(x)
+    for i, m in enumerate(models):
+        xi = x0[i].clone()
+        torch.testing.assert_close(out[i], m(xi))
+        torch.testing.assert_close(x[i], xi)  # the caller's input written as each member writes its own

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils._pytree import tree_unflatten
 
 from ..allocator import cached
@@ -178,6 +178,21 @@ def holders(root: nn.Module, wg: WideGraph) -> list:
     return plan
 
 
+def _inputs_written(wg: WideGraph) -> frozenset[str]:
+    """The names of the user-input placeholders an op of ``wg`` writes in place (once per graph)."""
+    found = wg.__dict__.get("_inputs_written")
+    if found is None:
+        found = set()
+        for node in wg.graph_module.graph.nodes:
+            schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+            if schema is not None and schema.is_mutable:
+                found |= {arg.name for arg, a in zip(node.args, schema.arguments)
+                          if a.alias_info is not None and a.alias_info.is_write and isinstance(arg, fx.Node)
+                          and arg.op == "placeholder"}
+        found = wg.__dict__["_inputs_written"] = frozenset(found)
+    return found
+
+
 def call_graph(wg: WideGraph, root: nn.Module, plan: Sequence, user_inputs: Sequence,
                check: Callable[[Any, GraphInput, Any], None] | None = None, ranges: Any = None) -> Any:
     """Run ``wg`` on the state under ``root`` and the flat ``user_inputs``: each state input is
@@ -198,6 +213,13 @@ def call_graph(wg: WideGraph, root: nn.Module, plan: Sequence, user_inputs: Sequ
             x = next(user)
             if check is not None:
                 check(x, inp, ranges)
+            if (isinstance(x, torch.Tensor) and inp.node.name in _inputs_written(wg)
+                    and any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride()))):
+                raise ValueError(
+                    f"wide_compiler: the forward writes in place into its input {inp.node.name!r}, which this call "
+                    f"passes with stride 0 (an input shared by all members, x.expand(N, ...): strides "
+                    f"{list(x.stride())}), so the members' writes would land on one memory. Pass each member its own "
+                    "input (x.expand(N, ...).clone(), or torch.stack of per-member tensors)")
             feeds.append(x)
     gm = wg.graph_module if wg.tiled is None else wg.tiled  # Note [Member tiles] (fx/tiling.py)
     # its forward: no module hooks (Note [Global module hooks run on the members, not on the wide model])
