@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.utils._pytree import tree_unflatten
 
 from ..allocator import cached
@@ -178,21 +178,6 @@ def holders(root: nn.Module, wg: WideGraph) -> list:
     return plan
 
 
-def _inputs_written(wg: WideGraph) -> frozenset[str]:
-    """The names of the user-input placeholders an op of ``wg`` writes in place (once per graph)."""
-    found = wg.__dict__.get("_inputs_written")
-    if found is None:
-        found = set()
-        for node in wg.graph_module.graph.nodes:
-            schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-            if schema is not None and schema.is_mutable:
-                found |= {arg.name for arg, a in zip(node.args, schema.arguments)
-                          if a.alias_info is not None and a.alias_info.is_write and isinstance(arg, fx.Node)
-                          and arg.op == "placeholder"}
-        found = wg.__dict__["_inputs_written"] = frozenset(found)
-    return found
-
-
 def call_graph(wg: WideGraph, root: nn.Module, plan: Sequence, user_inputs: Sequence,
                check: Callable[[Any, GraphInput, Any], None] | None = None, ranges: Any = None) -> Any:
     """Run ``wg`` on the state under ``root`` and the flat ``user_inputs``: each state input is
@@ -213,7 +198,7 @@ def call_graph(wg: WideGraph, root: nn.Module, plan: Sequence, user_inputs: Sequ
             x = next(user)
             if check is not None:
                 check(x, inp, ranges)
-            if (isinstance(x, torch.Tensor) and inp.node.name in _inputs_written(wg)
+            if (isinstance(x, torch.Tensor) and inp.node.name in wg.inputs_written
                     and any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride()))):
                 raise ValueError(
                     f"wide_compiler: the forward writes in place into its input {inp.node.name!r}, which this call "

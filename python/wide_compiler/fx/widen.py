@@ -78,6 +78,8 @@ class WideGraph:
     guards: Any = None
     # Note [Per-member constants at the call] (model_constants.py): ConstantPlan.table() of the graph's capture
     constant_table: Any = None
+    # the names of the user inputs the forward writes in place (a call may not pass them with stride 0)
+    inputs_written: frozenset = frozenset()
 
 
 
@@ -184,8 +186,14 @@ def widen(ep: ExportedProgram, n: int, *, strict: bool = False,
     users = [i for i in inputs if i.kind == "user"]
     arity = len(users) if all(i.member_shape is not None for i in users) and \
         tree_flatten((tuple(range(len(users))), {}))[1] == ep.call_spec.in_spec else None
+    users = {i.node.name for i in inputs if i.kind == "user"}
+    written = frozenset(arg.name for node in ep.graph.nodes if node.op == "call_function"
+                        and getattr(getattr(node.target, "_schema", None), "is_mutable", False)
+                        for arg, a in zip(node.args, node.target._schema.arguments)
+                        if a.alias_info is not None and a.alias_info.is_write and isinstance(arg, fx.Node)
+                        and arg.name in users)
     return WideGraph(gm, inputs, mutated, ep.call_spec.in_spec, ep.call_spec.out_spec, ctx.fallbacks, arity,
-                     ctx.rules_used, ctx.random_ops)
+                     ctx.rules_used, ctx.random_ops, inputs_written=written)
 
 
 def _per_member_placeholders(ctx: WidenContext, inputs: list[GraphInput]) -> None:
