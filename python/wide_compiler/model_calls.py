@@ -12,8 +12,9 @@ import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .fx.capture import outside_padded_program
 from .fx.guards import MAX_GRAPHS, same_input
-from .fx.padded_members import OutsidePaddedProgram, PaddedMember
+from .fx.padded_members import PaddedMember
 from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, recapture, recapture_cached, run_pipeline
 from .fx.widen import WideGraph
 from .layouts import _any_packed
@@ -86,17 +87,6 @@ def _no_capture_under_transform(transform: str, mode: str, reason: str, users: l
             f"inputs of these sizes ({shapes}, as the forward sees them inside the transform), in {mode} "
             f"mode, then run the transform: it reuses that capture (Note [No capture under a torch.func "
             f"transform] in model_calls.py)")
-
-
-def _outside_padded(e: BaseException | None) -> BaseException | None:
-    """The OutsidePaddedProgram among ``e`` and its causes, or None."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, OutsidePaddedProgram):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 def traced_here(args: Any, kwargs: Any) -> bool:
@@ -282,7 +272,7 @@ class CallGraphsMixin:
             try:
                 recapture(c, wg)
             except Exception as e:
-                padded = _outside_padded(e)
+                padded = outside_padded_program(e)
                 if padded is not None:  # the padded program's own explanation, on its own (P9-4)
                     raise ValueError(str(padded)) from e
                 transform = _functorch_transform()

@@ -632,7 +632,7 @@ def _capture_error(model: nn.Module, e: Exception, compiling: Any = ()) -> WideC
     packed = _packed_sequence_use(model, e)
     if packed is not None:
         return packed
-    padded = _outside_padded_program(e)
+    padded = outside_padded_program(e)
     if padded is not None:  # a padded member refused the inputs, saying why: that alone (probe 9, P9-4)
         return WideCompileError(str(padded))
     what = f"wide_compiler: torch.export could not capture {type(model).__name__}: {type(e).__name__}: {e}\n"
@@ -654,7 +654,7 @@ def _capture_error(model: nn.Module, e: Exception, compiling: Any = ()) -> WideC
         "pass dynamic_shapes= to compile() if the batch is not dim 0 of every input.")
 
 
-def _outside_padded_program(e: BaseException | None) -> BaseException | None:
+def outside_padded_program(e: BaseException | None) -> BaseException | None:
     """The OutsidePaddedProgram among ``e`` and its causes (a padded member's check of its
     program's assumptions, Note [A padded program's assumptions] in padded_members.py), or None:
     its message says what, where and what to do; export's advice does not apply."""
