@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_map
 
 # wide_compiler.testing's comparisons, which sit below api (Note [The harness in two layers])
 from . import _equivalence as testing
-from .amp import note_wide_parameters
+from .torch_guards import note_wide_parameters
 from ._equivalence.draws import fixed_draws
 from .config import WideConfig
 from .errors import ValidationError, WideCompileError
@@ -245,7 +245,7 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
                                                            dynamic_shapes=dynamic_shapes))
         if padded is not None:
             wide = PaddedWideModel._padded(wide, info, originals)
-        note_wide_parameters(wide.parameters())  # Note [torch's norm clipping over a wide model] (amp.py)
+        note_wide_parameters(wide.parameters())  # Note [torch's norm clipping over a wide model] (torch_guards.py)
         if config.validate:
             _validate(wide, members, args, sample_kwargs or {}, config)
     if not compile_model:

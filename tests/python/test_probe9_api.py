@@ -2,7 +2,7 @@
 
 - P9-20: ``torch.nn.utils.clip_grad_norm_`` (and ``clip_grads_with_norm_``, ``get_total_norm``) over
   a wide model's parameters took ONE norm over all members, silently; refused now, pointing to
-  ``wc.optim.clip_grad_norm_`` (Note [torch's norm clipping over a wide model], amp.py).
+  ``wc.optim.clip_grad_norm_`` (Note [torch's norm clipping over a wide model], torch_guards.py).
 - P9-21: ``compile(model, sample, n=K)`` left a raw ``nn.Parameter`` no ``reset_parameters()``
   covers the same in all K members, silently; refused now, naming it (Note [One model and n=K]).
 - P9-24: a member's top-level submodule named ``_per_member`` with a per-member constant: a bare

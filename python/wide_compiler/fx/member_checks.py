@@ -238,9 +238,9 @@ def check_members(models: Sequence[nn.Module]) -> dict[str, tuple]:
     which are each member's own weights (compared by shape, dtype, device, requires_grad);
     submodules held as attributes (compared by type; their contents are checked as modules).
     A submodule in another mode than its member is refused (:func:`check_modes`)."""
-    from ..amp import watch_torch_optimizers
+    from ..torch_guards import watch_torch_optimizers
 
-    watch_torch_optimizers()  # Note [torch.optim optimizers that mix members] (amp.py): once per process
+    watch_torch_optimizers()  # Note [torch.optim optimizers that mix members] (torch_guards.py): once per process
     _check_no_sharing(models)
     _check_no_overlap(models)
     _check_same_ties(models)
