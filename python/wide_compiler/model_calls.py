@@ -12,7 +12,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .fx.capture import outside_padded_program
+from .fx.capture_errors import outside_padded_program
 from .fx.guards import MAX_GRAPHS, same_input
 from .fx.padded_members import PaddedMember
 from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, recapture, recapture_cached, run_pipeline
