@@ -55,16 +55,18 @@ def _plain_module(m: nn.Module, i: int) -> nn.Module:
 # in each, so that the K members start independently. A tensor no ``reset_parameters()`` draws
 # again (a raw ``nn.Parameter``: a ViT's cls token or position embedding, a custom weight; a buffer
 # filled at random in ``__init__``) would be copied: the same in all K members (probe 9, P9-21).
-# After the resets of the first copy, a parameter or floating-point buffer whose values are
-# exactly the model's and not all equal (a constant such as LayerNorm's ones or a zero token is
-# what a fresh construction gives too) was not drawn again. Parameters are refused, naming them,
+# A parameter or floating-point buffer with the same values, not all equal, in the first two
+# copies, each reset after the other (the random stream moves between them), was not drawn again
+# (a constant such as LayerNorm's ones or a zero token is what a fresh construction gives too; the
+# model is not what the copies are compared with: a seed set before the model was made and again
+# before compiling makes the first copy's draws the model's own). Parameters are refused, naming them,
 # as a model with no reset_parameters() at all is. Buffers are only warned about: a buffer with the
 # same values in every fresh model (a sinusoidal position table, a causal mask) is common and
 # right, a buffer drawn at random is rare, and the two cannot be told apart. The model itself is
 # never changed.
 def _not_reinitialised(model: nn.Module, copy_: nn.Module, which: str) -> list[str]:
-    """Names of ``model``'s parameters (``which="parameters"``) or floating buffers the resets of
-    ``copy_`` left at the model's non-constant values (Note [One model and n=K])."""
+    """Names of ``model``'s parameters (``which="parameters"``) or floating buffers that ``copy_``
+    holds with the same non-constant values (Note [One model and n=K])."""
     def named(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
         return list(m.named_parameters() if which == "parameters" else m.named_buffers())
 
@@ -93,31 +95,33 @@ def _reinitialised_copies(model: nn.Module, n: int) -> list[nn.Module]:
                 "list of models instead")
         for sub in reset:
             sub.reset_parameters()
-        if k == 0:
-            _check_all_reset(model, m, n)
+        if k == 1:  # two copies reset one after the other: what was drawn again differs between them
+            _check_all_reset(copies[0], m, n, type(model).__name__)
         copies.append(m)
     return copies
 
 
-def _check_all_reset(model: nn.Module, first: nn.Module, n: int) -> None:
-    """Refuse a parameter, and warn about a buffer, that no reset_parameters() draws again (Note
-    [One model and n=K])."""
+def _check_all_reset(first: nn.Module, second: nn.Module, n: int, name: str) -> None:
+    """Refuse a parameter, and warn about a buffer, that no reset_parameters() draws again: the
+    same non-constant values in the first two copies, each reset after the other (a seed set
+    before the model was made and again before compiling would make the first copy's draws the
+    model's own, so the model is not what they are compared with; Note [One model and n=K])."""
     def names(xs: list[str]) -> str:
         return ", ".join(xs[:6]) + (f", ... ({len(xs)} in all)" if len(xs) > 6 else "")
 
-    params = _not_reinitialised(model, first, "parameters")
+    params = _not_reinitialised(first, second, "parameters")
     if params:
         raise ValueError(
-            f"wide_compiler.compile(model, n={n}): no reset_parameters() of {type(model).__name__} draws "
+            f"wide_compiler.compile(model, n={n}): no reset_parameters() of {name} draws "
             f"the parameter(s) {names(params)} again, so all {n} members would start with the model's same "
             f"values (not independently). Pass a list of {n} models made as you make one (each draws its "
             f"own), or give the module holding them a reset_parameters() that initialises them")
-    buffers = _not_reinitialised(model, first, "buffers")
+    buffers = _not_reinitialised(first, second, "buffers")
     if buffers:
         import warnings
 
         warnings.warn(
-            f"wide_compiler.compile(model, n={n}): no reset_parameters() of {type(model).__name__} sets the "
+            f"wide_compiler.compile(model, n={n}): no reset_parameters() of {name} sets the "
             f"buffer(s) {names(buffers)}, so all {n} members hold the model's values. Right for a buffer "
             f"every fresh model has the same (a position table, a mask); a buffer drawn at random is the same "
             f"in all members: pass a list of {n} models instead", UserWarning, stacklevel=4)
@@ -245,7 +249,7 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
                                                            dynamic_shapes=dynamic_shapes))
         if padded is not None:
             wide = PaddedWideModel._padded(wide, info, originals)
-        note_wide_parameters(wide.parameters())  # Note [torch's norm clipping over a wide model] (torch_guards.py)
+        note_wide_parameters(wide)  # Note [torch's norm clipping over a wide model] (torch_guards.py)
         if config.validate:
             _validate(wide, members, args, sample_kwargs or {}, config)
     if not compile_model:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -79,8 +79,8 @@ def watch_torch_optimizers() -> None:
 # hook above, when the first model is compiled, never at import, and call torch's function
 # unchanged for anything else. Which parameters are a wide model's: those ``wc.compile`` made
 # (``note_wide_parameters``), or found held by a wide_compiler module (``_wide_owners``: a
-# ``wc.nn`` layer; searched once per parameter, the answer kept by identity, so a plain model's
-# clipping costs one search at its first call, then a lookup per parameter). ``get_total_norm``
+# ``wc.nn`` layer; searched once per parameter: the modules found are kept by weak reference, the
+# plain parameters by id, so a plain model's clipping costs one search at its first call). ``get_total_norm``
 # is given gradients, whose parameter cannot be searched for: it refuses the gradients (or the
 # parameters) of those parameters found so far. Not checked: a function imported from torch before
 # the first compile other than ``clip_grad_norm_`` (``from torch.nn.utils import get_total_norm``
@@ -88,42 +88,39 @@ def watch_torch_optimizers() -> None:
 # compiled training step of a plain model traces as before).
 _WRAPPED = "_wide_compiler_wraps"  # attribute of a wrapper: the torch function it wraps
 _WRAPPERS: dict[int, Any] = {}  # id(torch function) -> its wrapper (one per function, for all its names)
-_TABLES: list[Any] = []  # [checked, wide]: torch.utils.weak.WeakIdKeyDictionary's, made at first use
+# The modules known to hold wide parameters (compiled models; wc.nn layers found by _wide_owners):
+# weak references to the MODULES, never to their tensors (a weak reference to a tensor makes
+# torch.utils.swap_tensors, which .to()/.float() use under swap_module_params_on_conversion, refuse
+# it); and the ids of tensors found to be no wide model's (a plain model's clipping searches once).
+_WIDE_MODULES: weakref.WeakSet = weakref.WeakSet()
+_PLAIN: set[int] = set()
+_PLAIN_MAX = 100_000  # forgotten past this many: a later search finds them again
 
 
-def _tables() -> tuple[Any, Any]:
-    """(every parameter checked -> whether a wide model's, the wide models' parameters -> True)."""
-    if not _TABLES:
-        from torch.utils.weak import WeakIdKeyDictionary
-
-        _TABLES.extend([WeakIdKeyDictionary(), WeakIdKeyDictionary()])
-    return _TABLES[0], _TABLES[1]
-
-
-def note_wide_parameters(params: Iterable[torch.Tensor]) -> None:
-    """Remember ``params`` as a wide model's stacked parameters (Note [torch's norm clipping over a
-    wide model]); called by ``wc.compile``."""
-    checked, wide = _tables()
-    for p in params:
-        checked[p] = wide[p] = True
+def note_wide_parameters(model: torch.nn.Module) -> None:
+    """Remember ``model`` as one holding a wide model's stacked parameters (Note [torch's norm
+    clipping over a wide model]); called by ``wc.compile``."""
+    _WIDE_MODULES.add(model)
 
 
 def _wide_among(tensors: Sequence[torch.Tensor], *, grads: bool = False) -> list[torch.Tensor]:
     """Those of ``tensors`` that are a wide model's parameters, or (``grads``) a wide model's
-    parameters or their gradients: those are found among the parameters seen (no search for the
-    parameter a gradient belongs to)."""
-    checked, wide = _tables()
+    parameters or their gradients: those of the modules known (no search for the parameter a
+    gradient belongs to)."""
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    known = {id(p) for m in list(_WIDE_MODULES) for p in m.parameters()}
     if grads:
-        wide_grads = {id(p.grad) for p in list(wide.keys()) if p.grad is not None}
-        return [t for t in tensors if t in wide or id(t) in wide_grads]
-    unknown = [t for t in tensors if isinstance(t, torch.Tensor) and t not in checked]
+        known |= {id(p.grad) for m in list(_WIDE_MODULES) for p in m.parameters() if p.grad is not None}
+        return [t for t in tensors if id(t) in known]
+    unknown = [t for t in tensors if id(t) not in known and id(t) not in _PLAIN]
     if unknown:
         owners = _wide_owners(unknown)
-        for t in unknown:
-            checked[t] = id(t) in owners
-            if id(t) in owners:
-                wide[t] = True
-    return [t for t in tensors if isinstance(t, torch.Tensor) and checked.get(t)]
+        _WIDE_MODULES.update(owners.values())
+        known |= owners.keys()
+        if len(_PLAIN) > _PLAIN_MAX:
+            _PLAIN.clear()
+        _PLAIN.update(id(t) for t in unknown if id(t) not in owners)
+    return [t for t in tensors if id(t) in known]
 
 
 def _refuse_wide_clipping(name: str, tensors: Any, *, grads: bool = False) -> None:
@@ -200,8 +197,8 @@ def _watch_torch_clipping() -> None:
                 setattr(module, attr, _wrap_clipping(fn, name, grads=grads))
 
 
-def _wide_owners(params: Sequence[torch.Tensor]) -> dict[int, str]:
-    """``id(p)`` -> the class name of the wide_compiler module that holds ``p`` as a parameter, for
+def _wide_owners(params: Sequence[torch.Tensor]) -> dict[int, torch.nn.Module]:
+    """``id(p)`` -> the wide_compiler module that holds ``p`` as a parameter, for
     those of ``params`` a wide_compiler module (a wide model) holds: found through the garbage
     collector's referrers (the module's ``_parameters`` dict, its ``__dict__``, the module), run
     once per optimizer of the three mixing classes only."""
@@ -211,7 +208,7 @@ def _wide_owners(params: Sequence[torch.Tensor]) -> dict[int, str]:
         return {}
     ids = {id(p) for p in params}
     tables = [d for d in gc.get_referrers(*params) if type(d) is dict and any(id(v) in ids for v in d.values())]
-    found: dict[int, str] = {}
+    found: dict[int, torch.nn.Module] = {}
     level = tables
     for _ in range(2):  # the table's holder: the module itself, or its __dict__ and then the module
         if not level:
@@ -221,7 +218,7 @@ def _wide_owners(params: Sequence[torch.Tensor]) -> dict[int, str]:
             if isinstance(r, torch.nn.Module):
                 table = vars(r).get("_parameters")
                 if any(table is d for d in tables) and type(r).__module__.startswith("wide_compiler"):
-                    found.update({id(p): type(r).__name__ for p in table.values() if p is not None and id(p) in ids})
+                    found.update({id(p): r for p in table.values() if p is not None and id(p) in ids})
             elif type(r) is dict and any(r.get("_parameters") is d for d in tables):
                 nxt.append(r)
         level = nxt

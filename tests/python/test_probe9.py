@@ -325,11 +325,11 @@ class _Converts(nn.Module):
 
     def forward(self, x):
         h = self.fc(x)
-        f = {"float": lambda: h.float(), "to": lambda: h.to(torch.float32), "type_as": lambda: h.type_as(x)}[self.how]()
+        f = {"float": lambda: h.float(), "to": lambda: h.to(torch.float32), "to-kw": lambda: h.to(dtype=torch.float32)}[self.how]()
         return (h * 3.14159).sum(-1), h, f
 
 
-@pytest.mark.parametrize("how", ["float", "to", "type_as"])
+@pytest.mark.parametrize("how", ["float", "to", "to-kw"])
 def test_a_conversion_that_changed_nothing_at_capture_keeps_the_members_dtypes_under_autocast(how):
     torch.manual_seed(0)
     models = [_Converts(how) for _ in range(3)]

@@ -57,15 +57,17 @@ class NoneBuffersAsAttributes:
 # of its linear in bfloat16, the ``to`` node is then a real cast, and every later use of ``h`` ran
 # in float32 where the member's stays bfloat16 (probe 9 of issue 44, P9-14: other outputs in
 # another dtype, 2e-3 off). So during the capture a dtype conversion that would return its tensor
-# itself (``to``/``type_as`` with the tensor's own dtype, ``float()`` of a float32 tensor...) asks
-# for a copy (``copy=True``): ``f`` is a node of its own and the later uses of ``h`` stay ``h``'s;
+# itself (``to(torch.float32)`` or ``float()`` of a float32 tensor...: a dtype named in the code,
+# not ``type_as(x)`` or ``to(x)``, whose dtype follows ``x`` at run time) asks for a copy
+# (``copy=True``): ``f`` is a node of its own and the later uses of ``h`` stay ``h``'s;
 # under autocast the copy converts and ``h`` keeps its dtype, as in the member. A copy differs from
 # the member's alias only where something writes into one of them (or into a tensor they view)
 # afterwards; :func:`copies_are_safe` looks for such a write in the graph, and where there is one
 # the capture is made again without the copies (the graph as before, its aliasing the member's).
 # Where there is none, the copies are made conversions again (``copy=False``): nodes of their own,
 # so the later uses of ``h`` stay ``h``'s, that cost nothing where the dtype does not change.
-_CONVERSIONS = ("to", "type_as", "float", "double", "half", "bfloat16")
+_CONVERSIONS = ("to", "float", "double", "half", "bfloat16")  # to a dtype named in the code (not type_as(x), to(x):
+# their dtype is x's at run time, which a copy to a fixed dtype would lose)
 
 
 class NoOpConversionsCopied:
@@ -119,14 +121,11 @@ def _no_op_dtype(name: str, t: torch.Tensor, args: tuple, kwargs: dict) -> bool:
         return False
     if name in _FIXED:
         return not args and _FIXED[name] == t.dtype
-    if name == "type_as":
-        other = args[0] if args else kwargs.get("other")
-        return isinstance(other, torch.Tensor) and other.dtype == t.dtype and other.device == t.device
     dtype, device = kwargs.get("dtype"), kwargs.get("device")
     for a in args:
         if isinstance(a, torch.Tensor):
-            dtype, device = a.dtype, a.device
-        elif isinstance(a, torch.dtype):
+            return False  # to(x): x's dtype at run time
+        if isinstance(a, torch.dtype):
             dtype = a
         elif isinstance(a, (str, torch.device, int)) and not isinstance(a, bool):
             device = a
