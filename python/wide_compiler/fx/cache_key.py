@@ -68,6 +68,7 @@ from .._version import __version__
 from ..measure import hardware
 from .code_digest import Digest as _Digest
 from .code_digest import code_text as _code_text
+from .member_checks import _ties
 
 __all__ = ["FORMAT", "key_of", "key_parts"]
 
@@ -361,25 +362,19 @@ def _module_tree(model: nn.Module, code: bool = True) -> tuple[str, str]:
     with_code = code
     code, tree = _Digest(), _Digest()
     classes: set[type] = set()
-    # which modules and tensors are one and the same (tied weights, a shared submodule): another
-    # program than untied ones of the same shapes (probe 9 of issue 44, P9-6)
-    modules: dict[int, str] = {}
-    tensors: dict[int, str] = {}
     for path, mod in model.named_modules(remove_duplicate=False):
         cls = type(mod)
-        tree.add("module", path, cls.__module__, cls.__qualname__, mod.training, modules.setdefault(id(mod), path))
+        tree.add("module", path, cls.__module__, cls.__qualname__, mod.training)
         if with_code and cls not in classes:
             classes.add(cls)
             _class(code, cls, _DEPTH)
         for name, p in mod._parameters.items():
             tree.add("param", name)
             if p is not None:
-                tree.add("same as", tensors.setdefault(id(p), f"{path}.{name}"))
                 _tensor(tree, p, values=False)
         for name, b in mod._buffers.items():
             tree.add("buffer", name, name in mod._non_persistent_buffers_set)
             if b is not None:
-                tree.add("same as", tensors.setdefault(id(b), f"{path}.{name}"))
                 _tensor(tree, b, values=False)
         for name in sorted(k for k in vars(mod) if k not in _INTERNALS):
             tree.add("attr", name)
@@ -388,6 +383,9 @@ def _module_tree(model: nn.Module, code: bool = True) -> tuple[str, str]:
             for h in (getattr(mod, hooks, None) or {}).values():
                 tree.add("hook", path, hooks)
                 _value(tree, h, _DEPTH)
+    # which modules and tensors are one and the same (tied weights, a shared submodule): another
+    # program than untied ones of the same shapes (probe 9 of issue 44, P9-6; Note [Members tied alike])
+    tree.add("ties", sorted(_ties(model).items()))
     for hooks in (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks):
         for h in hooks.values():
             code.add("global hook")
