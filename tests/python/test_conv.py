@@ -163,26 +163,48 @@ def test_compile_conv_net_train_step(padding_mode):
     assert "2 layout conversions" in wide.summary(), wide.report()
 
 
-@pytest.mark.xfail("AVX512" in torch.backends.cpu.get_cpu_capability(), strict=False,
-                   reason="with torch's AVX512 kernels oneDNN's channels-last grouped weight gradient of a "
-                          "3-channel stem is 1.5e-3 from float64 (of 1.2) against the members' 3.9e-6 "
-                          "(2026-11-29): the stem default needs the per-member loop there (open defect)")
 def test_rgb_stem_weight_gradients_stay_accurate_behind_a_training_batch_norm():
     """Note [wide::conv strategies], accuracy: 3 input channels per group never take channels-first
-    grouped by default; the stem's weight gradient (a small difference of large terms behind a
-    training BatchNorm) is as close to float64 as the members' own (grouped: 1e-2 of 1.5)."""
+    grouped by default, and the default's weight gradient, given the gradient a training BatchNorm
+    hands back (a small difference of large terms), is as close to float64 as the members' own
+    kernel. The kernel is tested alone, fed the float64 members' own upstream gradient: a whole
+    float32 network's gradient also differs from float64 wherever a value within rounding of
+    ReLU's kink takes the other side, in the wide model and the members alike but at other
+    elements, which says nothing about the kernel (an end-to-end test failed on an AVX512 CPU by
+    one such element, 1.5e-3 of 1.2)."""
     import copy
 
     from wide_compiler.bench.vision_models import ResNetTiny
 
-    models = wc.testing.make_members(lambda: ResNetTiny(width=16, classes=10), 8)
-    x = torch.randn(8, 8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    n = 8
+    models = wc.testing.make_members(lambda: ResNetTiny(width=16, classes=10), n)
+    x = torch.randn(n, 8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     wide = wc.compile([m.train() for m in models], x[0], config=FAST).train()
-    (got,) = torch.autograd.grad(wide(x).sum(), [wide.get_parameter("stem.0.weight")])
-    want = torch.stack([torch.autograd.grad(m(x[i].double()).sum(), [m.stem[0].weight])[0]
-                        for i, m in enumerate(copy.deepcopy(m).double() for m in models)])
-    assert (got.double() - want).abs().max() < 1e-4 * want.abs().max()
-    assert wide.strategies[next(n for n in wide.strategies if n.startswith("conv"))] != "grouped"
+    strategy = wide.strategies[next(k for k in wide.strategies if k.startswith("conv"))]
+    assert strategy != "grouped"
+    upstream = []  # the float64 gradient at each member's stem conv output
+    for i, m in enumerate(copy.deepcopy(m).double() for m in models):
+        out = {}
+        m.stem[0].register_forward_hook(lambda mod, args, y: out.setdefault("y", y).retain_grad())
+        m(x[i].double()).sum().backward()
+        upstream.append(out["y"].grad)
+    w = torch.stack([m.stem[0].weight.detach() for m in models])
+    g = torch.cat(upstream, 1)
+
+    def weight_grad(dtype, strategy=None):
+        wi = w.to(dtype, copy=True).requires_grad_()
+        if strategy is None:  # the members' own kernel, one member at a time
+            ys = [nn.functional.conv2d(x[i].to(dtype), wi[i], padding=1) for i in range(n)]
+            torch.autograd.backward(ys, list(g.to(dtype).split(16, 1)))
+        else:
+            y = torch.ops.wide.conv(x.to(dtype), wi, None, [1, 1], [1, 1], [1, 1], 1, strategy=strategy)
+            y.backward(g.to(dtype))
+        return wi.grad.double()
+
+    want = weight_grad(torch.float64, None)
+    members = (weight_grad(torch.float32, None) - want).abs().max()
+    got = (weight_grad(torch.float32, strategy) - want).abs().max()
+    assert got <= 10 * members + 1e-6 * want.abs().max(), (strategy, got, members)
 
 
 # Note [Loop conv gradients]: in training the 2-d 'loop' strategy writes weight gradients into one
