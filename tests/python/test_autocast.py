@@ -153,6 +153,40 @@ def test_compiled_recurrent_models_under_autocast(name, mode):
     assert_trees_members_close(out, refs, BF16)
 
 
+_FLOAT32_STATE = {"gru": lambda: nn.GRU(4, 6, batch_first=True), "gru_2_layers_bidirectional":
+                  lambda: nn.GRU(4, 6, num_layers=2, bidirectional=True), "gru_cell": lambda: nn.GRUCell(4, 6),
+                  "lstm_cell": lambda: nn.LSTMCell(4, 6)}
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("name", sorted(_FLOAT32_STATE))
+def test_recurrent_ops_with_a_float32_state_under_cpu_autocast_are_the_members_bit_for_bit(name, mode):
+    """Note [A float32 recurrent state under CPU autocast] (csrc/wide/ops/autocast.cpp): ATen's
+    CPU GRU and LSTM/GRU cells compute their gates in bfloat16 and carry a float32 state; the
+    wide model returns the members' values exactly, and their input and weight gradients (an
+    independent probe, P10-1: the wide kernel run in float32 was 5e-3 off; weight gradients
+    summed over time steps in float32 instead of the members' bfloat16 were 1e-2 off)."""
+    shape = (2, 5, 4) if "cell" not in name else (2, 4)
+    members = make_members(_FLOAT32_STATE[name], 2)
+    for m in members:
+        m.train(mode == "train")
+    wide = wc.compile(members, torch.randn(shape), config=FAST).train(mode == "train")
+    xs = (torch.randn(2, *shape) * 3).requires_grad_()
+    leaves = [x.detach().clone().requires_grad_() for x in xs]
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+    with autocast():
+        out = first(wide(xs))
+        refs = [first(m(x)) for m, x in zip(members, leaves)]
+    assert out.dtype == refs[0].dtype == torch.float32
+    out.sum().backward()
+    sum(ref.sum() for ref in refs).backward()
+    for i, (m, ref) in enumerate(zip(members, refs)):
+        assert torch.equal(out[i], ref), (i, (out[i] - ref).abs().max())
+        assert torch.equal(xs.grad[i], leaves[i].grad)
+        for pname, p in m.named_parameters():
+            assert torch.equal(wide.get_parameter(pname).grad[i], p.grad), (pname, i)
+
+
 def test_default_config_conv_net_returns_members_dtype():
     """The measured strategies (the default config) under autocast, eval graph with its folds."""
     members = make_members(cnn, N)

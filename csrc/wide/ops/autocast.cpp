@@ -37,12 +37,19 @@
 // "state dtype": ATen's CPU GRU and LSTM/GRU cells compute the gates in lower precision but
 // carry the recurrent state in the dtype it came in (a float32 h0, or zeros of the input's
 // dtype), so their outputs are float32 for a float32 state and lower precision for a
-// lower-precision one; the wide op runs all in float32 or all in lower precision accordingly.
+// lower-precision one. With a lower-precision state the wide op runs all in lower precision.
+// With a float32 state each member runs ATen's own op on its slice, under the autocast
+// (Note [A float32 recurrent state under CPU autocast]).
 // (ATen's CPU LSTM runs through mkldnn_rnn_layer, on the lower-precision list: all lower; with
 // projections, which oneDNN lacks, the cell state keeps its dtype and the projected h is lower.)
 // Ops with no entry here (embedding, embedding_bag: ATen does not cast them; layout, allocator
 // and optimizer ops) fall through to their kernels, as autocast does for every op by default.
 #include <ATen/autocast_mode.h>
+#include <ATen/ops/gru.h>
+#include <ATen/ops/gru_cell.h>
+#include <ATen/ops/lstm_cell.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
@@ -333,12 +340,89 @@ at::ScalarType recurrent_dtype(std::string_view mode, bool cell, const at::Tenso
   return state_dtype<D>(hx.size() > which ? hx[which] : input);
 }
 
+// Note [A float32 recurrent state under CPU autocast]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// ATen's CPU GRU and LSTM/GRU cells under autocast run their gate GEMMs through at::linear,
+// which autocast casts: the gates come out in lower precision, are combined in lower precision
+// in place, and meet the float32 state only in the last update (h' = (h - n) * z + n). The wide
+// kernels compute the gates with one batched GEMM and their own fusion of the bias and the
+// update, so run in float32 they return float32 values that differ from the member's by the
+// gates' lower-precision rounding (GRU, 2 members: 5e-3, found by an independent probe), and
+// run in lower precision they would round the state. So with a float32 state each member runs
+// ATen's own op (at::gru, at::gru_cell, at::lstm_cell) on its slice with the autocast left on:
+// the member's own computation, cast for cast; autograd records it as for the member. A member's
+// float32 parameters are leaves whose lower-precision casts autocast caches, so the gradient of a
+// weight used at every time step is summed in lower precision before its one cast back: each
+// member's slice of a stacked weight (a view, which autocast does not cache) is cast once here
+// for the same sums (without it the GRU's weight gradients differed by 1e-2), and so is an input
+// the member's autocast would cache. (Slower than the
+// fused time loop: exact first. A lower-precision state runs the wide kernel.)
+template <DeviceType D>
+std::tuple<at::Tensor, std::vector<at::Tensor>> gru_per_member(const at::Tensor& input, at::TensorList hx,
+                                                               at::TensorList params, int64_t num_layers,
+                                                               bool bidirectional, bool batch_first, double dropout,
+                                                               bool train, bool has_biases) {
+  const int64_t members = input.size(0);
+  // An input autocast would cache in the member (a float32 leaf that requires grad, read by both
+  // directions) is cast once per member too
+  const bool cached_input = at::autocast::is_autocast_cache_enabled() && input.is_leaf() && input.requires_grad() &&
+                            !input.is_view() && input.scalar_type() == at::kFloat;
+  std::vector<at::Tensor> outputs, states;
+  for (int64_t i = 0; i < members; ++i) {
+    const at::Tensor x = cached_input ? cast<D>(lower<D>(), input.select(0, i)) : input.select(0, i);
+    std::vector<at::Tensor> ps;
+    ps.reserve(params.size());
+    for (const at::Tensor& p : params) ps.push_back(cast<D>(lower<D>(), p.select(0, i)));
+    // nn.GRU's zeros when no state is given: [layers * directions, batch, hidden] of the input's dtype
+    const at::Tensor h = hx.empty() ? at::zeros_symint({c10::SymInt(num_layers * (bidirectional ? 2 : 1)),
+                                                        x.sym_size(batch_first ? 0 : 1), params[1].sym_size(-1)},
+                                                       input.options())
+                                    : hx[0].select(0, i);
+    auto [o, h_n] = at::gru(x, h, ps, has_biases, num_layers, dropout, train, bidirectional, batch_first);
+    outputs.push_back(o);
+    states.push_back(h_n);
+  }
+  return {at::stack(outputs), {at::stack(states)}};
+}
+
+std::vector<at::Tensor> cell_per_member(const at::Tensor& input, at::TensorList hx, const at::Tensor& w_ih,
+                                        const at::Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
+                                        bool lstm) {
+  const int64_t members = input.size(0);
+  const bool batched = input.dim() == 3;  // [N, B, I], else [N, I]: the cell's own unsqueeze and squeeze
+  std::vector<at::Tensor> hs, cs;
+  for (int64_t i = 0; i < members; ++i) {
+    const at::Tensor x = batched ? input.select(0, i) : input.select(0, i).unsqueeze(0);
+    const auto state = [&](size_t k) {  // nn.*Cell's zeros when no state is given: [batch, hidden], input's dtype
+      if (hx.empty()) return at::zeros_symint({x.sym_size(0), w_hh.sym_size(-1)}, x.options());
+      return batched ? hx[k].select(0, i) : hx[k].select(0, i).unsqueeze(0);
+    };
+    const OptTensor bi = b_ih.has_value() ? OptTensor(b_ih->select(0, i)) : std::nullopt;
+    const OptTensor bh = b_hh.has_value() ? OptTensor(b_hh->select(0, i)) : std::nullopt;
+    if (lstm) {
+      auto [h, c] = at::lstm_cell(x, {state(0), state(1)}, w_ih.select(0, i), w_hh.select(0, i), bi, bh);
+      hs.push_back(batched ? h : h.squeeze(0));
+      cs.push_back(batched ? c : c.squeeze(0));
+    } else {
+      const at::Tensor h = at::gru_cell(x, state(0), w_ih.select(0, i), w_hh.select(0, i), bi, bh);
+      hs.push_back(batched ? h : h.squeeze(0));
+    }
+  }
+  std::vector<at::Tensor> result{at::stack(hs)};
+  if (lstm) result.push_back(at::stack(cs));
+  return result;
+}
+
 template <DeviceType D>
 std::tuple<at::Tensor, std::vector<at::Tensor>> rnn(const at::Tensor& input, at::TensorList hx,
                                                     at::TensorList params, std::string_view mode,
                                                     int64_t num_layers, bool bidirectional, bool batch_first,
                                                     double dropout, bool train, bool has_biases,
                                                     int64_t proj_size, std::string_view strategy) {
+  if (D == DeviceType::CPU && mode == "GRU" && recurrent_dtype<D>(mode, /*cell=*/false, input, hx) == at::kFloat) {
+    // Note [A float32 recurrent state under CPU autocast]: the autocast stays on
+    return gru_per_member<D>(input, hx, params, num_layers, bidirectional, batch_first, dropout, train, has_biases);
+  }
   NoAutocast<D> guard;
   if (D == DeviceType::CPU && mode == "LSTM" && proj_size > 0) {
     // oneDNN has no projections: ATen's composite LSTM runs, whose cell state keeps its dtype and
@@ -361,8 +445,12 @@ template <DeviceType D>
 std::vector<at::Tensor> rnn_cell(const at::Tensor& input, at::TensorList hx, const at::Tensor& w_ih,
                                  const at::Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
                                  std::string_view mode) {
-  NoAutocast<D> guard;
   const auto to = recurrent_dtype<D>(mode, /*cell=*/true, input, hx);
+  if (D == DeviceType::CPU && (mode == "GRU" || mode == "LSTM") && to == at::kFloat) {
+    // Note [A float32 recurrent state under CPU autocast]: the autocast stays on
+    return cell_per_member(input, hx, w_ih, w_hh, b_ih, b_hh, mode == "LSTM");
+  }
+  NoAutocast<D> guard;
   return wide::rnn_cell(cast<D>(to, input), cast<D>(to, hx), cast<D>(to, w_ih), cast<D>(to, w_hh),
                         cast<D>(to, b_ih), cast<D>(to, b_hh), mode);
 }
