@@ -318,16 +318,16 @@ def _install_watch_patches() -> None:
         return apply.__func__(cls, *args, **kwargs)
 
     def watched_register_hook(t: torch.Tensor, hook: Any) -> Any:
-        watch = _watching()
-        if watch is not None and _user_caller():
+        watch = _watching() if _user_caller() else None
+        if watch is not None:
             watch.hooks.append(user_frame_and_module())
         return register_hook(t, hook)
 
     def grad_read(fn: Any) -> Any:
         def read() -> bool:
             value = fn()
-            watch = _watching()
-            if watch is not None and _user_caller():
+            watch = _watching() if _user_caller() else None  # the caller first: most calls are torch's
+            if watch is not None:
                 watch.grad_mode = torch._C.is_grad_enabled()
             return value
         return read
@@ -335,8 +335,8 @@ def _install_watch_patches() -> None:
     def flag_read(name: str, fn: Any) -> Any:
         def read(*args: Any) -> Any:
             value = fn(*args)
-            watch = _watching()
-            if watch is not None and _user_caller():
+            watch = _watching() if _user_caller() else None  # the caller first: most calls are torch's
+            if watch is not None:
                 watch.flags[(name, tuple(args))] = value
             return value
         read.__name__ = read.__qualname__ = name
@@ -344,16 +344,16 @@ def _install_watch_patches() -> None:
 
     def layout_read(fn: Any) -> Any:
         def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            watch = _watching()
-            if watch is not None and _user_caller():
+            watch = _watching() if _user_caller() else None  # the caller first: most calls are torch's
+            if watch is not None:
                 watch.layout.append(user_frame_and_module())
             return fn(self, *args, **kwargs)
         return read
 
     def device_read(getter: Any) -> property:
         def read(self: torch.Tensor) -> Any:
-            watch = _watching()
-            if watch is not None and _user_caller():
+            watch = _watching() if _user_caller() else None  # the caller first: most calls are torch's
+            if watch is not None:
                 watch.device.append(user_frame_and_module())
             return getter(self)
         return property(read)
@@ -402,8 +402,8 @@ def _install_watch_patches() -> None:
 
     def instance_draw(name: str, fn: Any) -> Any:  # a draw from a random.Random of the user's own
         def draw(self: random.Random, *args: Any, **kwargs: Any) -> Any:
-            watch = _watching()
-            if watch is not None and is_user_file(sys._getframe(1).f_code.co_filename, skip_stdlib=True):
+            watch = _watching() if is_user_file(sys._getframe(1).f_code.co_filename, skip_stdlib=True) else None
+            if watch is not None:
                 watch.draws.append(f"{type(self).__name__}.{name}() {user_frame_and_module()}")
                 watch.drawn.append(f"a {type(self).__name__} instance's generator")
             return fn(self, *args, **kwargs)
@@ -511,14 +511,14 @@ def _answer_compiling(frame: Any, which: int) -> bool:
     """The answer of ``torch.compiler.is_compiling`` (``which`` 0) or ``is_exporting`` (1) while
     a :class:`_Watch` is open: False to the user's own code in the watching thread (what a member
     alone sees), recorded; the real answer to anything else."""
-    watch = _watching()
+    while frame is not None and frame.f_code in _compiling_wrappers():
+        frame = frame.f_back
+    filename = frame.f_code.co_filename if frame is not None else ""
+    # the caller first: most calls are torch's (and a _Watch is open whenever this runs)
+    watch = _watching() if is_user_file(filename) and not any(s in filename for s in _SITE) else None
     if watch is not None:
-        while frame is not None and frame.f_code in _compiling_wrappers():
-            frame = frame.f_back
-        filename = frame.f_code.co_filename if frame is not None else ""
-        if is_user_file(filename) and not any(s in filename for s in _SITE):
-            watch.compiling.append(location(filename, frame.f_lineno, frame.f_code.co_name))
-            return False
+        watch.compiling.append(location(filename, frame.f_lineno, frame.f_code.co_name))
+        return False
     return _COMPILING_ORIGINALS[which]()
 
 
