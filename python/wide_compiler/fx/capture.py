@@ -272,7 +272,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         writes.check(tuple(args), kwargs)  # Note [A forward that writes its module's attributes]
         checkpointed.check()  # Note [State updated inside a checkpoint]
         _refuse_generators(model, ep)  # our own refusal, not wrapped as export's
-        watch.check(model)  # ours too: a custom Function or a backward hook (fx/export_watch.py)
+        # ours too: a custom Function or a backward hook (fx/export_watch.py); an eval graph's refuse a backward
+        ep.wide_no_backward = watch.check(model)
         ep.wide_reads = watch.reads()  # Note [State a forward reads] (fx/state_reads.py)
         try:  # read here, where the grad mode is the capture's
             ep.wide_reads["globals"] = globals_read(model)

@@ -61,7 +61,7 @@ class _Watch:
 
     :meth:`check` refuses a train graph with the first two (and a module's backward hooks, which
     export drops too), naming the class and line; an eval graph only warns (its forward values are
-    the members'; a backward through it would not be). Only calls from the user's code count (not
+    the members'; a backward through it would not be, and is refused). Only calls from the user's code count (not
     torch's or wide_compiler's own).
 
     The patches are process-wide (installed by the first block to open, removed by the last to
@@ -118,14 +118,16 @@ class _Watch:
         return {"grad_mode": self.grad_mode, "flags": tuple(self.flags.items()), "layout": bool(self.layout),
                 "device": bool(self.device), "compiling": tuple(dict.fromkeys(self.compiling))}
 
-    def check(self, model: nn.Module) -> None:
+    def check(self, model: nn.Module) -> str | None:
         """Refuse a train graph whose backward would not be the members' (a custom Function, a
         gradient hook, a module's backward hook, reentrant checkpointing, an inference-mode block,
         saved-tensor hooks) or whose Python draws random numbers (what, where, why, what to do),
-        before anything is built from it; warn for an eval graph. Note [Custom Functions are not
-        sampled], Note [Autograd contexts export drops]."""
+        before anything is built from it; warn for an eval graph, and return what its backward
+        would not follow (None when nothing): the wide model refuses a backward through it (Note
+        [An eval graph whose backward is not the members'] in fx/state.py). Note [Custom Functions
+        are not sampled], Note [Autograd contexts export drops]."""
         _refuse_fake_leaks(model)  # Note [Hooks that write outside themselves]: the net behind the code read
-        self._check_contexts(model)
+        contexts = self._check_contexts(model)
         hooks = [f"{name or type(model).__name__} ({type(m).__name__}) has a backward hook"
                  for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
         from torch.nn.modules import module as torch_module
@@ -139,7 +141,7 @@ class _Watch:
                      f"; class in {cls.__module__})" for cls, where, owner in self.functions]
         found = [*functions, *(f"Tensor.register_hook {h}" for h in self.hooks), *hooks]
         if not found:
-            return
+            return "; ".join(contexts) or None
         what = "; ".join(dict.fromkeys(found))
         if model.training:
             why = ("torch.export captures the forward only: the train graph's backward would not run it (a "
@@ -157,12 +159,15 @@ class _Watch:
                 "ops (autograd's gradient is then the members'); or give its module a wide form with "
                 "@wide_compiler.register (its own Python runs per member); or train the members without it.")
         log.warning("wide_compiler: %s: the eval graph computes the members' outputs, but a backward through "
-                    "it would not run that code (Note [What export does not capture])", what)
+                    "it would not run that code, so the wide model refuses one (Note [What export does not "
+                    "capture])", what)
+        return "; ".join([what, *contexts])
 
 
-    def _check_contexts(self, model: nn.Module) -> None:
+    def _check_contexts(self, model: nn.Module) -> list[str]:
         """Note [Autograd contexts export drops]: refuse (train graph) or warn (eval graph) for the
-        contexts of the forward the capture recorded that the graph does not carry."""
+        contexts of the forward the capture recorded that the graph does not carry; returns those
+        (of an eval graph) a backward would not follow."""
         name = type(model).__name__
         found = []  # (what, why, what to do); why says what the train graph would get wrong
         if self.reentrant:
@@ -206,7 +211,7 @@ class _Watch:
                 "return x + keep * block(x)`, or torchvision.ops.stochastic_depth; a Python branch on a torch "
                 "draw cannot be captured"))
         if not found:
-            return
+            return []
         if model.training:
             what, why, todo = found[0]
             raise WideCompileError(
@@ -217,7 +222,8 @@ class _Watch:
             log.warning("wide_compiler: %s, in %s's forward: the eval graph is captured, but %s (Note [Autograd "
                         "contexts export drops])", what, name,
                         "the values drawn at capture are fixed in it" if what.startswith("a draw") else
-                        "a backward through it would not follow the members'")
+                        "a backward through it would not follow the members', so the wide model refuses one")
+        return [what for what, _, _ in found if not what.startswith("a draw")]
 
 
 # Note [Autograd contexts export drops]
@@ -257,7 +263,8 @@ class _Watch:
 #   global or closure variable (not one that only a helper function reads).
 #
 # A train graph is refused (what, where, why, what to do); an eval graph is kept with a warning:
-# its forward values are the members' for the first three (a backward through it would not be),
+# its forward values are the members' for the first three (a backward through it would not be,
+# and raises: Note [An eval graph whose backward is not the members'] in fx/state.py),
 # and for a draw the warning says the value is fixed (HF's MusicGen draws `random.uniform(0, 1)`
 # in eval too and only uses it when training).
 
@@ -560,5 +567,6 @@ def _compiling_wrappers() -> frozenset:
 # sample. torch's and wide_compiler's own Functions are not recorded (their ops are captured as
 # ATen ops with their own derivatives); a library's is the user's here, unless a registered wide
 # form of its module calls it on the wide tensor (transformers' BLOOM GeLU: nn/library_forms.py).
-# The eval graph keeps its forward values exact and only warns: a backward through it (input
-# gradients of an eval model) would be autograd's.
+# The eval graph keeps its forward values exact and warns; a backward through it (input gradients
+# of an eval model) would be autograd's, so it is refused at the backward (Note [An eval graph
+# whose backward is not the members'] in fx/state.py).

@@ -300,6 +300,7 @@ def _widen(c: Compilation) -> None:
     c.wide = widen(c.ep, c.n, strict=c.config.strict, opaque_paths=c.opaque_paths,
                    per_member_args=c.constant_plan.args if c.constant_plan is not None else None)
     c.wide.guards = c.guards
+    c.wide.no_backward = getattr(c.ep, "wide_no_backward", None)  # Note [An eval graph whose backward is not ...]
 
 
 def _dtype_device(c: Compilation) -> tuple[torch.dtype, torch.device]:

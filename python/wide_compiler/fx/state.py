@@ -214,8 +214,38 @@ def call_graph(wg: WideGraph, root: nn.Module, plan: Sequence, user_inputs: Sequ
         with torch.no_grad():
             for name, new in zip(wg.mutated_buffers, outs[:k]):
                 get_tensor(root, name).copy_(new)
-    outs = [tag_layout(o.contiguous(), "nfirst") if isinstance(o, torch.Tensor) else o for o in outs[k:]]
+    outs = [o.contiguous() if isinstance(o, torch.Tensor) else o for o in outs[k:]]
+    if wg.no_backward is not None and torch.is_grad_enabled():  # Note [An eval graph whose backward is not ...]
+        outs = [_NoBackward.apply(o, wg.no_backward) if isinstance(o, torch.Tensor) and o.requires_grad else o
+                for o in outs]
+    outs = [tag_layout(o, "nfirst") if isinstance(o, torch.Tensor) else o for o in outs]
     return tree_unflatten(outs, wg.out_spec)
+
+
+# Note [An eval graph whose backward is not the members']
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An eval graph is captured where the member's forward runs something torch.export does not keep
+# for the backward (a custom autograd Function such as a straight-through estimator, a tensor
+# hook, a module backward hook, reentrant checkpointing...: fx/export_watch.py): its outputs are the
+# members', but autograd's gradient of the traced forward is not what the member's backward
+# computes (a rounding STE: zero where the member passes the gradient through). A backward through
+# such a graph (saliency maps, adversarial inputs) would be silently wrong, so the outputs carry a
+# node whose backward raises, naming what and why; the forward stays exact (probe 10 of issue 44,
+# P10-2: input gradients 0 where the members' were up to 26).
+class _NoBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, why: str) -> torch.Tensor:
+        ctx.why = why
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        raise RuntimeError(
+            f"wide_compiler: a backward through this wide model's eval graph is refused: {ctx.why}, in the members' "
+            "forward, which torch.export does not capture for the backward, so its gradients would be autograd's "
+            "of the traced forward, not the members' (Note [An eval graph whose backward is not the members'] in "
+            "fx/state.py). Take gradients through the members themselves (wide.member(i)), or through a train "
+            "graph where that code is written with differentiable torch ops")
 
 
 # a call and its backward pass in the wide caching allocator (not under torch.compile: compiled code allocates itself)

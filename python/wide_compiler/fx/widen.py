@@ -80,6 +80,9 @@ class WideGraph:
     constant_table: Any = None
     # the names of the user inputs the forward writes in place (a call may not pass them with stride 0)
     inputs_written: frozenset = frozenset()
+    # what an eval graph's backward would not follow (a custom Function...): Note [An eval graph whose
+    # backward is not the members'] (fx/state.py)
+    no_backward: str | None = None
 
 
 
