@@ -61,3 +61,36 @@ def test_an_eval_graph_without_such_code_keeps_its_backward():
         xi = x.detach()[i].clone().requires_grad_()
         m(xi).sum().backward()
         torch.testing.assert_close(x.grad[i], xi.grad)
+
+
+class _Powered(nn.Module):
+    def __init__(self, width: int, exponent: float) -> None:
+        super().__init__()
+        self.lin, self.exponent = nn.Linear(5, width), exponent
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h if float(self.exponent).is_integer() and self.exponent >= 1 else h.abs()).pow(self.exponent).mean(-1)
+
+
+@pytest.mark.parametrize("exponent", [1, 2, 3, 1.5])
+def test_a_padded_power_of_at_least_one_is_exact(exponent):
+    """P10-4: pad=True refused ``h ** 2`` (a variance, an L2 term) as 'infinite at 0', which only
+    an exponent below 1 is; 0 ** e = 0 with a finite derivative for e >= 1."""
+    members = [_Powered(w, exponent).double() for w in (3, 5)]
+    wide = wc.compile(copy.deepcopy(members), torch.randn(4, 5, dtype=torch.float64), pad=True, config=FAST)
+    x = torch.randn(2, 4, 5, dtype=torch.float64)
+    out = wide(x)
+    out.sum().backward()
+    for i, m in enumerate(members):
+        want = m(x[i])
+        want.sum().backward()
+        torch.testing.assert_close(out[i], want)
+        torch.testing.assert_close(wide.get_parameter("lin.weight").grad[i, :m.lin.weight.shape[0]], m.lin.weight.grad)
+
+
+@pytest.mark.parametrize("exponent", [0.5, -1.0, 0])
+def test_a_padded_power_below_one_is_refused(exponent):
+    members = [_Powered(w, exponent) for w in (3, 5)]
+    with pytest.raises(wc.UnsupportedOperationError, match="pad=True.*exponent is not a number of at least 1"):
+        wc.compile(members, torch.randn(4, 5), pad=True, config=FAST)

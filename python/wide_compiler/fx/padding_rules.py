@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
 from torch import fx
 
 from .padding_rules_math import MATH_INT_ARGS_OK, MATH_RULES
@@ -60,7 +61,19 @@ def mask_unary(p: Padder, node: fx.Node) -> None:
 
 
 
-RULES: dict[str, Callable[[Padder, fx.Node], None]] = {**MATH_RULES, **SHAPE_RULES}
+def pow_rule(p: Padder, node: fx.Node) -> None:
+    """``x ** e`` with a number ``e >= 1`` keeps zero padding clean (0 ** e = 0, derivative
+    e * 0 ** (e - 1) finite: ``h ** 2`` of a variance or an L2 term); any other exponent, or a
+    tensor one, is refused (0 ** e is inf for e < 0, 1 for e = 0, with an infinite derivative
+    for 0 < e < 1)."""
+    exponent = node.args[1] if len(node.args) > 1 else node.kwargs.get("exponent")
+    if node.target is not torch.ops.aten.pow.Tensor_Scalar or isinstance(exponent, bool) \
+            or not isinstance(exponent, (int, float)) or not exponent >= 1:
+        p.refuse(node, "its exponent is not a number of at least 1, and " + _NOT_FINITE)
+    zero_unary(p, node)
+
+
+RULES: dict[str, Callable[[Padder, fx.Node], None]] = {**MATH_RULES, **SHAPE_RULES, "pow": pow_rule}
 # rules that pad integer arguments which differ between members (any other rule refuses them)
 INT_ARGS_OK = MATH_INT_ARGS_OK | SHAPE_INT_ARGS_OK
 
@@ -83,7 +96,7 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(("abs_", "add_", "celu_", "clamp_", "div_", "elu_", "fill_", "hardsigmoid_", "hardswish_",
                      "hardtanh_", "leaky_relu_", "masked_fill_", "mish_", "mul_", "relu_", "selu_", "sigmoid_",
                      "silu_", "sub_", "tanh_", "zero_", "dropout_", "embedding_renorm_"), _IN_PLACE),
-    **dict.fromkeys(("log", "rsqrt", "reciprocal", "sqrt", "pow"), _NOT_FINITE),
+    **dict.fromkeys(("log", "rsqrt", "reciprocal", "sqrt"), _NOT_FINITE),
     **dict.fromkeys(("gather", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_",
                      "index_put", "index_put_", "index_select", "scatter", "scatter_", "scatter_add", "scatter_add_",
                      "scatter_reduce", "scatter_reduce_", "where", "masked_fill", "index", "narrow", "chunk", "split",
