@@ -94,3 +94,25 @@ def test_a_padded_power_below_one_is_refused(exponent):
     members = [_Powered(w, exponent) for w in (3, 5)]
     with pytest.raises(wc.UnsupportedOperationError, match="pad=True.*exponent is not a number of at least 1"):
         wc.compile(members, torch.randn(4, 5), pad=True, config=FAST)
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, width), nn.Linear(width, 2)
+
+    def forward(self, *x):
+        return self.b(self.a(x[0]) * x[1])
+
+
+def test_a_padded_forward_with_varargs_checks_exports_guards():
+    """P10-3: pad=True refused ``forward(self, *x)`` with two inputs with an internal KeyError:
+    export names the inputs x_0 and x_1 in its guards (``L['x_0'].size()[0] == L['x_1'].size()[0]``),
+    which the check of the padded program's assumptions looked up among the forward's parameters."""
+    members = [_TwoInputs(w).double() for w in (3, 5)]
+    sample = (torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64))
+    wide = wc.compile(copy.deepcopy(members), sample, pad=True, config=FAST)
+    x, s = torch.randn(2, 6, 5, dtype=torch.float64), torch.randn(2, 6, 1, dtype=torch.float64)
+    out = wide(x, s)
+    for i, m in enumerate(members):
+        torch.testing.assert_close(out[i], m(x[i], s[i]))

@@ -234,9 +234,15 @@ class Assumptions:
                 if x.dim() > d and not (x.shape[d] >= lo and (hi is None or x.shape[d] <= hi)):
                     self._refuse(mode, f"dim {d} of input {k} is in [{lo}, {hi if hi is not None else 'inf'}] "
                                        f"(this call: {list(x.shape)})")
-        bound = self.signature.bind(*args, **kwargs)
+        arguments = dict(self.signature.bind(*args, **kwargs).arguments)
+        for p in self.signature.parameters.values():  # export names a forward(*x)'s inputs x_0, x_1, ...
+            if p.kind is inspect.Parameter.VAR_POSITIONAL and p.name in arguments:
+                arguments.update({f"{p.name}_{k}": v for k, v in enumerate(arguments[p.name])})
+            elif p.kind is inspect.Parameter.VAR_KEYWORD and p.name in arguments:
+                for k, v in arguments[p.name].items():
+                    arguments.setdefault(k, v)
         for code in self.guards:
-            if not eval(code, {"__builtins__": {}}, {"L": bound.arguments}):  # noqa: S307 -- export's own guard code
+            if not eval(code, {"__builtins__": {}}, {"L": arguments}):  # noqa: S307 -- export's own guard code
                 self._refuse(mode, f"{code}, with L the forward's arguments")
 
     @staticmethod
