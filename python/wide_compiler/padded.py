@@ -109,9 +109,12 @@ class PaddedWideModel(WideModel):
     # the wide model then computed what neither ``member(i)`` nor ``unfuse()`` gives (those cut each
     # member's own values out: probe 6 of issue 44, F1, 0.1-1e4 off). The padding holds no
     # member's value, so at each eager call a padded parameter written since the last call (its
-    # version counter moved) has its padding set to zero again, in place (under no_grad, as an
-    # optimizer writes): what each member holds is untouched, and the wide model computes what its
-    # members do. One version read per padded parameter per call; a masked fill after each step.
+    # version counter moved, or its memory: ``p.data = ...``, ``vector_to_parameters``) has its
+    # padding set to zero again, in place (under no_grad, as an optimizer writes): what each member
+    # holds is untouched, and the wide model computes what its members do. One version read per
+    # padded parameter per call; a masked fill after each step. A write through ``p.data``'s own
+    # view (``p.data.add_(...)``) moves neither: ``clear_caches()`` then zeroes every padding at
+    # the next call (probe 10 of issue 44, P10-6: 0.7-1.4 off after either kind of write).
     # Not under torch.compile (a version counter cannot be read in a trace): after such a write,
     # call the model once outside torch.compile before its compiled calls.
     @torch.no_grad()
@@ -120,11 +123,15 @@ class PaddedWideModel(WideModel):
         seen = self.__dict__.setdefault("_padding_versions", {})
         for name, owner, attr, _ in self.__dict__["_hooked"]:
             p = owner._parameters.get(attr)
-            if p is None or seen.get(name) == (id(p), p._version):
+            if p is None or seen.get(name) == (id(p), p._version, p.data_ptr()):
                 continue
             outside = self._pad.mask(name, torch.bool, p.device).logical_not_()
             p.masked_fill_(outside, 0)
-            seen[name] = (id(p), p._version)
+            seen[name] = (id(p), p._version, p.data_ptr())
+
+    def clear_caches(self) -> None:
+        super().clear_caches()
+        self.__dict__.pop("_padding_versions", None)  # Note [Writes into the padding]: all zeroed at the next call
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # (under torch.compile the hooks are in place already)

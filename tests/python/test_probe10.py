@@ -116,3 +116,33 @@ def test_a_padded_forward_with_varargs_checks_exports_guards():
     out = wide(x, s)
     for i, m in enumerate(members):
         torch.testing.assert_close(out[i], m(x[i], s[i]))
+
+
+def _padded_mlp(width: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(5, width), nn.Tanh(), nn.Linear(width, 2)).double()
+
+
+@pytest.mark.parametrize("write", ["vector_to_parameters", "assign_data", "data_in_place_then_clear_caches"])
+def test_a_padded_parameter_written_through_data_has_its_padding_zeroed(write):
+    """P10-6: ``vector_to_parameters`` (ES/PBT perturbations) and ``p.data = ...`` replace a
+    parameter's memory without moving its version counter; the padding they filled stayed (0.7-
+    1.4 off member(i)), and clear_caches() did not zero it either."""
+    members = [_padded_mlp(w) for w in (3, 6)]
+    wide = wc.compile(copy.deepcopy(members), torch.randn(4, 5, dtype=torch.float64), pad=True, config=FAST)
+    x = torch.randn(2, 4, 5, dtype=torch.float64)
+    wide(x)
+    torch.manual_seed(0)
+    params = list(wide.parameters())
+    if write == "vector_to_parameters":
+        vec = nn.utils.parameters_to_vector(params)
+        nn.utils.vector_to_parameters(vec + 0.5 * torch.randn_like(vec), params)
+    elif write == "assign_data":
+        for p in params:
+            p.data = p.data + 0.5 * torch.randn_like(p)
+    else:
+        for p in params:
+            p.data.add_(0.5 * torch.randn_like(p))
+        wide.clear_caches()
+    out = wide(x)
+    for i in range(2):
+        torch.testing.assert_close(out[i], wide.member(i)(x[i]))
