@@ -146,3 +146,29 @@ def test_a_padded_parameter_written_through_data_has_its_padding_zeroed(write):
     out = wide(x)
     for i in range(2):
         torch.testing.assert_close(out[i], wide.member(i)(x[i]))
+
+
+class _ResizedScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        scale = x.new()
+        scale.resize_as_(h)
+        scale.fill_(1.0)
+        scale.select(1, 0).mul_(2.0)
+        return h * scale
+
+
+@pytest.mark.parametrize("model", ["resize_as_", "CrossMapLRN2d"])
+def test_an_in_place_resize_is_refused_by_name(model):
+    """P10-7: ``x.new()`` then ``resize_as_`` (torch's CrossMapLRN2d) failed at compile with an
+    internal error at a later node ('the wide graph fails at node select ... IndexError'); it is
+    refused at the resize, naming it and what to write instead."""
+    make = _ResizedScale if model == "resize_as_" else lambda: nn.Sequential(nn.Conv2d(4, 4, 1), nn.CrossMapLRN2d(3))
+    sample = torch.randn(3, 4, 5) if model == "resize_as_" else torch.randn(3, 4, 6, 6)
+    with pytest.raises(wc.UnsupportedOperationError, match="resizes a tensor in place") as info:
+        wc.compile([make() for _ in range(2)], sample, config=FAST)
+    assert "internal error" not in str(info.value)

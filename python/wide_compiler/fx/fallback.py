@@ -78,6 +78,9 @@ class MemberFallback:
         return f"<{self.__name__} ({self.mode})>"
 
 
+_RESIZES = (torch.ops.aten.resize_, torch.ops.aten.resize_as_, torch.ops.aten.set_)
+
+
 def fallback(ctx: WidenContext, node: fx.Node, reason: str = "no widen rule for this op") -> Any:
     """Emit a fallback node for ``node`` (or raise in strict mode) and return its wide value."""
     val = node.meta.get("val")
@@ -86,6 +89,10 @@ def fallback(ctx: WidenContext, node: fx.Node, reason: str = "no widen rule for 
         raise ctx.fail(node, f"{reason}, and its output is not a tensor, so it cannot run per member")
     if ctx.strict:
         raise ctx.fail(node, f"{reason} (strict=True forbids the per-member fallback)")
+    if getattr(node.target, "overloadpacket", None) in _RESIZES:  # vmap resizes the batched tensor, not each member's
+        raise ctx.fail(node, "it resizes a tensor in place (x.new() then resize_as_(h), as torch's CrossMapLRN2d does), "
+                             "which cannot run per member: make the tensor at its size instead (torch.ones_like(h), "
+                             "h.new_zeros(h.shape))")
     if any(isinstance(t, fx.Node) and not isinstance(ctx.env.get(t), Wide) for t in written_args(node)):
         raise ctx.fail(node, f"{reason}, and it writes in place into a value shared by all members, which "
                              "a per-member fallback would overwrite N times")
