@@ -172,3 +172,55 @@ def test_an_in_place_resize_is_refused_by_name(model):
     with pytest.raises(wc.UnsupportedOperationError, match="resizes a tensor in place") as info:
         wc.compile([make() for _ in range(2)], sample, config=FAST)
     assert "internal error" not in str(info.value)
+
+
+class _Tower(wc.Tower):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, width), nn.Linear(width, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _router(pad, monkeypatch=None, padded_faster=None):
+    import wide_compiler.router.padding as router_padding
+
+    if monkeypatch is not None:  # pin the measured choice
+        fast, slow = 0.5, 0.6
+        monkeypatch.setattr(router_padding, "time_interleaved", lambda fns, **kw: {
+            "padded": fast if padded_faster else slow, "by_size": slow if padded_faster else fast})
+    router = wc.WideRouter(config=FAST, pad=pad)
+    for name, width in {"a": 4, "b": 8, "c": 4, "d": 8}.items():
+        router.attach(name, _Tower(width))
+    router.discover_towers()
+    router.prepare_for_compile({name: (torch.randn(4, 5),) for name in "abcd"})
+    return router
+
+
+def test_a_padded_router_checkpoint_loads_into_a_router_built_with_pad_always(monkeypatch):
+    """P10-8: with pad=True the grouping is measured, so a rebuilt router may group by size where
+    the saved one was padded, and its checkpoint was refused with advice that could not help. The
+    refusal now names the cause and pad='always' (padded wherever exact, nothing measured) loads
+    it; the loaded router computes what the saved one did."""
+    saved = _router(True, monkeypatch, padded_faster=True)
+    assert saved.group_members() == {"a": ["a", "c", "b", "d"]}  # one padded group
+    state = saved.state_dict()
+    again = _router(True, monkeypatch, padded_faster=False)
+    assert again.group_members() != saved.group_members()
+    with pytest.raises(ValueError, match="pad='always'"):
+        again.load_state_dict(state)
+    monkeypatch.undo()
+    always = _router("always")
+    assert always.group_members() == saved.group_members()
+    assert "not measured" in next(iter(always.pad_decisions.values()))
+    always.load_state_dict(state)
+    x = torch.randn(4, 5)
+    with torch.no_grad():
+        for name in "abcd":
+            torch.testing.assert_close(always[name](x), saved[name](x))
+
+
+def test_a_router_refuses_an_unknown_pad_value():
+    with pytest.raises(ValueError, match="pad must be False, True .measured. or 'always'"):
+        wc.WideRouter(pad="sometimes")

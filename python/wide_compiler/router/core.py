@@ -50,7 +50,9 @@ class WideRouter(nn.Module):
         pad: towers of one program up to sizes (a width sweep) may run as ONE padded wide model
             (``compile(pad=True)``) instead of one wide model per size: grouping compiles both,
             times them on the sample inputs, keeps the faster and says which in :meth:`report`
-            (and ``pad_decisions``).
+            (and ``pad_decisions``). ``pad="always"`` keeps the padded model wherever padding is
+            exact, without measuring: a grouping that does not depend on timings (a checkpoint of
+            a padded grouping loads into a router built so).
 
     Subclass it (attach towers and heads in ``__init__``, call :meth:`wide_forward` in
     ``forward``, reach any attached component as ``self[name]``) or use it as a container.
@@ -65,7 +67,7 @@ class WideRouter(nn.Module):
     """
 
     def __init__(self, name: str | None = None, *, auto_discover: bool = False, config: WideConfig | None = None,
-                 compile_options: Mapping[str, Any] | None = None, pad: bool = False) -> None:
+                 compile_options: Mapping[str, Any] | None = None, pad: bool | str = False) -> None:
         super().__init__()
         if name is not None and not isinstance(name, str):
             raise TypeError(f"WideRouter: name must be a string or None, got {type(name).__name__} {name!r} "
@@ -87,7 +89,9 @@ class WideRouter(nn.Module):
         self._compile_opts: dict[str, Any] | None = None  # torch.compile options of compile()
         self._compiled: dict[str, Any] = {}  # group key -> its torch.compile'd wide model (compile())
         self._views: dict[str, _FusedTowerView] = {}  # router[name] of fused towers
-        self._pad_sizes = bool(pad)
+        if pad not in (False, True, "always"):
+            raise ValueError(f"WideRouter: pad must be False, True (measured) or 'always', got {pad!r}")
+        self._pad_sizes = pad
         self.pad_decisions: dict[tuple[str, ...], str] = {}  # towers of one program up to sizes -> verdict
         self._grouped = False
 
@@ -302,6 +306,10 @@ class WideRouter(nn.Module):
         if want != have:
             hint = (" This router is not grouped yet: call prepare_for_compile(sample) first."
                     if not self._grouped else "")
+            if self._pad_sizes is True and self._grouped:  # Note: the measured choice may differ between builds
+                hint += (" With pad=True grouping measures whether one padded model is faster than a model per "
+                         "size, so two builds may group differently: build the router with pad='always' to group "
+                         "as a padded checkpoint was saved, or pad=False for one saved by size.")
             raise ValueError(f"WideRouter.load_state_dict: the state was saved from groups {want}, this router "
                              f"has groups {have}; build and group it the same way (same towers, same order, "
                              f"same sample).{hint}")

@@ -91,6 +91,11 @@ def _pad_partition(router: WideRouter, partition: list[list[str]], inputs: dict[
             router.pad_decisions[tuple(names)] = f"by size (padding refused: {str(e).splitlines()[0]})"
             out += cluster
             continue
+        if router._pad_sizes == "always":  # a grouping that does not depend on timings
+            router.pad_decisions[tuple(names)] = "padded (pad='always': not measured)"
+            built[tuple(names)] = padded
+            out.append(names)
+            continue
         for group in cluster:
             if len(group) > 1:
                 built[tuple(group)] = _wide_compile([router._tower(n) for n in group], args, sample_kwargs=kwargs,
