@@ -390,7 +390,8 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
             self._capture_template[0].train(training), self._sample, self.n, self._config,
             dynamic_shapes=self._dynamic_shapes, opaque_paths=self._capture_template[1],
             dtype=ref.dtype if ref is not None else None, device=ref.device if ref is not None else None,
-            constants=self.__dict__.get("_constants"), extra_dims=dict(self._extra_dims), state=self._live_state()))
+            constants=self.__dict__.get("_constants"), earlier_constants=self._earlier_constants(),
+            extra_dims=dict(self._extra_dims), state=self._live_state()))
 
     def _own_constant_names(self, c: Compilation) -> None:
         """A lifted constant of ``c``'s graph that has the name of one this model holds for another
@@ -433,6 +434,7 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         if c.constant_plan is not None:
             self.__dict__["_constants"] = c.constant_plan.constants
             self.__dict__["_constant_readers"] = c.constant_plan.readers
+            self._remember_constants(c.constant_plan)  # Note [Configurations proved before] (fx/constants.py)
         c.wide.constant_table = c.constant_plan.table() if c.constant_plan is not None else None
         if variant:
             self._ranges[id(c.wide)] = _narrow_ranges(c.ep)

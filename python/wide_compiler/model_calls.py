@@ -268,7 +268,8 @@ class CallGraphsMixin:
                             exact_dims=exact, grad_enabled=torch.is_grad_enabled(),
                             dtype=ref.dtype if ref is not None else None,
                             device=ref.device if ref is not None else None,
-                            constants=self.__dict__.get("_constants"), member_tile=wg.member_tile)
+                            constants=self.__dict__.get("_constants"), earlier_constants=self._earlier_constants(),
+                            member_tile=wg.member_tile)
             try:
                 recapture(c, wg)
             except Exception as e:
@@ -346,7 +347,8 @@ class CallGraphsMixin:
                             opaque_paths=self._capture_template[1], extra_dims=extra,
                             dtype=ref.dtype if ref is not None else None,
                             device=ref.device if ref is not None else None,
-                            constants=self.__dict__.get("_constants"), member_tile=wg.member_tile)
+                            constants=self.__dict__.get("_constants"), earlier_constants=self._earlier_constants(),
+                            member_tile=wg.member_tile)
             key, hit = recapture_cached(c, wg, self._live_state())  # Note [The compile cache]
             if hit is not None:  # stored only where every new dim came out dynamic
                 c, new_items = hit, {}

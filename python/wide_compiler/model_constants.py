@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fx.constants import constant_key, member_value
+from .fx.constants import EARLIER_AT_MOST, constant_key, member_value
 from .fx.state import get_tensor as _get_tensor
 from .fx.widen import WideGraph
 
@@ -129,6 +129,22 @@ class MemberConstantsMixin:
             if constant_key(owner.__dict__.get(key)) != constant_key(row[0]):
                 setattr(owner, key, row[0])
         self._constants_seen["now"] = seen
+
+    def _earlier_constants(self) -> tuple:
+        """The configurations of the per-member constants this model's graphs proved (Note
+        [Configurations proved before] in fx/constants.py): a later graph proves them too."""
+        return tuple(self.__dict__.get("_proved_configurations", {}).values())
+
+    def _remember_constants(self, plan: Any) -> None:
+        """Note [Configurations proved before]: keep what ``plan`` (a ConstantPlan) proved, the
+        most recent last, at most EARLIER_AT_MOST."""
+        proved = self.__dict__.setdefault("_proved_configurations", {})
+        for cfg in plan.configurations_proved():
+            key = tuple(sorted((p, constant_key(v)) for p, v in cfg.items()))
+            proved.pop(key, None)
+            proved[key] = dict(cfg)
+        while len(proved) > EARLIER_AT_MOST:
+            proved.pop(next(iter(proved)))
 
     # Note [Per-member constants at the call]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -224,3 +224,61 @@ def test_a_padded_router_checkpoint_loads_into_a_router_built_with_pad_always(mo
 def test_a_router_refuses_an_unknown_pad_value():
     with pytest.raises(ValueError, match="pad must be False, True .measured. or 'always'"):
         wc.WideRouter(pad="sometimes")
+
+
+class _Scaled(nn.Module):
+    """A per-member constant read in arithmetic, a slope, a rounded argument and a made tensor."""
+
+    def __init__(self, s: float) -> None:
+        super().__init__()
+        self.s, self.fc = s, nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return nn.functional.leaky_relu(h, self.s / 10) * self.s ** 2 + torch.tensor([self.s, 1.0, 2.0, round(self.s, 1)])
+
+
+@pytest.mark.parametrize("later_graph", ["eval graph", "recapture at a new size"])
+def test_a_checkpoint_of_configurations_proved_before_restores_after_a_later_graph(later_graph):
+    """P10-5, P9-15: a graph made after copy_member_weights (the eval graph at its first call, a
+    capture for a new size) proved only the members' configurations of that moment, so restoring
+    the state saved at compile (member 0's own constants, proved by the first graph) was refused,
+    depending on when each graph was made. Later graphs now prove the earlier configurations too
+    (Note [Configurations proved before]); the restored model computes the members' values."""
+    members = [_Scaled(s).double() for s in (0.5, 2.0, 3.25)]
+    wide = wc.compile(copy.deepcopy(members), torch.randn(2, 5, 4, dtype=torch.float64), config=FAST)
+    saved = {k: v.clone() for k, v in wide.state_dict().items()}
+    wide.copy_member_weights(src=1, dst=0)  # a PBT exploit: member 0 now has s = 2.0
+    x = torch.randn(3, 2, 7 if later_graph != "eval graph" else 5, 4, dtype=torch.float64)
+    if later_graph == "eval graph":
+        wide.eval()
+    wide(x)
+    wide.load_state_dict(saved)  # member 0 back to s = 0.5
+    out = wide(x)
+    for i, m in enumerate(members):
+        torch.testing.assert_close(out[i], m.train(wide.training)(x[i]))
+
+
+def test_a_configuration_the_later_graph_cannot_prove_is_refused_there_not_wrong():
+    """Note [Configurations proved before]: an earlier configuration that takes another branch in
+    the later graph is not proved for it; setting a member to it is refused, naming it."""
+    class Branchy(nn.Module):
+        def __init__(self, s: float) -> None:
+            super().__init__()
+            self.s, self.fc = s, nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if not self.training and self.s < 1:  # an eval-only branch on the constant
+                return torch.tanh(h)
+            return h * self.s
+
+    members = [Branchy(s) for s in (0.5, 2.0)]
+    wide = wc.compile(copy.deepcopy(members), torch.randn(3, 4), config=FAST)
+    saved = {k: v.clone() for k, v in wide.state_dict().items()}
+    wide.copy_member_weights(src=1, dst=0)
+    wide.eval()
+    x = torch.randn(2, 3, 4)
+    wide(x)
+    with pytest.raises(ValueError, match="not a configuration this graph was compiled for"):
+        wide.load_state_dict(saved)

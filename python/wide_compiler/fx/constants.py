@@ -89,7 +89,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -102,7 +102,7 @@ from .member_checks import _MODULE_INTERNALS, _describe, with_constants
 from .source import source_line
 
 __all__ = ["MAX_TENSOR_ELEMENTS", "ConstantPlan", "check_member_constants", "conjoin_guards", "constant_key",
-           "copy_member_constants", "member_constants", "member_value", "plan_constants", "set_member_constants"]
+           "EARLIER_AT_MOST", "copy_member_constants", "member_constants", "member_value", "plan_constants", "set_member_constants"]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,10 @@ class ConstantPlan:
     # of every configuration traced; for :func:`conjoin_guards`, not kept (a compile cache keeps the
     # conjoined guards of the graph)
     probe_guards: list = dataclasses.field(default_factory=list, repr=False, compare=False)
+    # Note [Configurations proved before]: configurations no member held at planning, proved too
+    # ({attribute path: value} each), and their derived buffers' values by configuration key
+    earlier: list = dataclasses.field(default_factory=list)
+    earlier_table: dict = dataclasses.field(default_factory=dict)
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "probe_guards"}
@@ -169,7 +173,16 @@ class ConstantPlan:
         for j in range(len(self.constants[paths[0]])):
             key = tuple(constant_key(float(self.constants[p][j])) for p in paths)
             by_key.setdefault(key, {name: self.buffers[name][0][j] for name in derived})
+        for key, values in self.earlier_table.items():  # Note [Configurations proved before]
+            by_key.setdefault(key, values)
         return paths, by_key
+
+    def configurations_proved(self) -> list[dict[str, Any]]:
+        """Every configuration this plan proved, ``{attribute path: value}`` each (the values as
+        the members hold them: 1 and 1.0 differ), the members' and the earlier ones."""
+        paths = list(self.constants)
+        n = len(self.constants[paths[0]]) if paths else 0
+        return [*({p: self.constants[p][j] for p in paths} for j in range(n)), *self.earlier]
 
     def describe(self) -> str:
         parts = []
@@ -231,9 +244,67 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a, b))
 
 
+# Note [Configurations proved before]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each graph is proved for the configurations its plan traced, and a member may be set only to one
+# of those (Note [Per-member constants at the call] in model_constants.py). A graph made later
+# (the other train/eval mode at its first call, a capture for new sizes) traced the members'
+# configurations of that moment only: after copy_member_weights (a PBT exploit) had given member 0
+# member 1's constants, restoring the state saved before was refused though the first graph had
+# proved it (probes 9 and 10 of issue 44, P9-15, P10-5), depending on when each graph was made. So
+# a later plan also traces the configurations the model's earlier graphs proved (``earlier``, as
+# extra columns no member holds: each traced and aligned as a member's); their derived values go
+# to ``earlier_table``. Where one of them cannot be proved for the new graph (it takes another
+# branch there), the plan is made for the members' own configurations, as before: that
+# configuration is then refused for this graph, clearly, when a member is set to it.
+EARLIER_AT_MOST = 32  # configurations carried from earlier graphs (each costs a trace)
+
+
 def plan_constants(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[[torch.nn.Module], ExportedProgram],
                    constants: dict[str, tuple], opaque_paths: dict[str, str] | None = None,
-                   guards_of: Callable[[ExportedProgram], Any] | None = None) -> ConstantPlan:
+                   guards_of: Callable[[ExportedProgram], Any] | None = None,
+                   earlier: Sequence[dict[str, Any]] = ()) -> ConstantPlan:
+    """:func:`_plan`, and the configurations ``earlier`` (``{attribute path: value}``, proved by
+    other graphs of the model) too where they can be proved (Note [Configurations proved before])."""
+    n = len(next(iter(constants.values()))) if constants else 0
+    seen = {tuple(constant_key(constants[p][j]) for p in constants) for j in range(n)}
+    extra = []
+    for cfg in earlier:
+        key = tuple(constant_key(cfg.get(p)) for p in constants)
+        if set(cfg) == set(constants) and key not in seen:
+            seen.add(key)
+            extra.append(cfg)
+    extra = extra[-EARLIER_AT_MOST:]
+    if extra:
+        wider = {p: (*constants[p], *(cfg[p] for cfg in extra)) for p in constants}
+        try:
+            plan = _plan(model, ep, trace, wider, opaque_paths, guards_of)
+        except Exception as e:  # noqa: BLE001 -- not provable for this graph: the members' own, as before
+            log.info("wide_compiler: per-member constants: configuration(s) proved by the model's other graphs "
+                     "are not proved for this one (%s); planned for the members' own",
+                     str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        else:
+            return _keep_members(plan, n, extra)
+    return _plan(model, ep, trace, constants, opaque_paths, guards_of)
+
+
+def _keep_members(plan: ConstantPlan, n: int, extra: list[dict[str, Any]]) -> ConstantPlan:
+    """A plan made with ``extra`` configurations as columns after the ``n`` members': the
+    members' columns kept, the others' derived values moved to ``earlier_table``."""
+    paths = list(plan.constants)
+    derived = [name for name, (_, persistent) in plan.buffers.items() if not persistent]
+    for j, cfg in enumerate(extra, start=n):
+        key = tuple(constant_key(float(plan.constants[p][j])) for p in paths)
+        plan.earlier_table.setdefault(key, {name: plan.buffers[name][0][j] for name in derived})
+    plan.earlier = list(extra)
+    plan.constants = {p: tuple(v[:n]) for p, v in plan.constants.items()}
+    plan.buffers = {name: (tuple(v[:n]), persistent) for name, (v, persistent) in plan.buffers.items()}
+    return plan
+
+
+def _plan(model: torch.nn.Module, ep: ExportedProgram, trace: Callable[[torch.nn.Module], ExportedProgram],
+          constants: dict[str, tuple], opaque_paths: dict[str, str] | None = None,
+          guards_of: Callable[[ExportedProgram], Any] | None = None) -> ConstantPlan:
     """Trace ``model`` (member 0's capture template, captured as ``ep``) with every other distinct
     configuration of the per-member ``constants`` and find the graph arguments and tensor
     constants they change (Note [Per-member constants]); ``trace(model)`` captures as ``ep`` was.

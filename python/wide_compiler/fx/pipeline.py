@@ -104,6 +104,9 @@ class Compilation:
     # constants] in fx/constants.py) and where the graph reads them (check_programs)
     constants: dict[str, tuple] | None = None
     constant_plan: ConstantPlan | None = None
+    # configurations of the constants the model's other graphs proved, {attribute path: value} each:
+    # proved for this graph too where they can be (Note [Configurations proved before] in fx/constants.py)
+    earlier_constants: tuple = ()
     # where the wide parameters live (strategies are measured there); default: the model's
     dtype: torch.dtype | None = None
     device: torch.device | None = None
@@ -282,7 +285,8 @@ def _check_programs(c: Compilation) -> None:
             args, kwargs = c.sample
             return guards_of(probe, c.model, c.sample, c.n, flat_signature(c.model, tuple(args), dict(kwargs)))
 
-        c.constant_plan = plan_constants(c.model, c.ep, trace, c.constants, c.opaque_paths, guards_of=guards)
+        c.constant_plan = plan_constants(c.model, c.ep, trace, c.constants, c.opaque_paths, guards_of=guards,
+                                         earlier=c.earlier_constants)
         # Note [Every configuration's guards] (fx/constants.py): the graph holds only where every
         # configuration's capture does
         c.guards = conjoin_guards(c.guards, c.constant_plan.probe_guards)
