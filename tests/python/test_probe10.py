@@ -282,3 +282,37 @@ def test_a_configuration_the_later_graph_cannot_prove_is_refused_there_not_wrong
     wide(x)
     with pytest.raises(ValueError, match="not a configuration this graph was compiled for"):
         wide.load_state_dict(saved)
+
+
+class _Attention(nn.Module):
+    def __init__(self, head_dim: int, scale: str) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(4, 2 * head_dim) for _ in range(3))
+        self.o = nn.Linear(2 * head_dim, 2)
+        self.head_dim = head_dim
+        self.scale = {"default": None, "head dim": head_dim ** -0.5, "temperature": 0.3 * head_dim}[scale]
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, 2, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        return self.o(a.transpose(1, 2).reshape(b, t, 2 * self.head_dim))
+
+
+@pytest.mark.parametrize("scale", ["default", "head dim", "temperature"])
+def test_a_padded_head_dim_sweep_takes_each_members_attention_scale(scale):
+    """P10-9: pad=True refused a head-dim sweep whose attention passes scale=head_dim ** -0.5 (as
+    transformers' BERT and Llama do): the scales differ between members. Each member's scale
+    (its own, or the default at its own head dim) now scales its queries, outputs and gradients
+    the members'."""
+    members = [_Attention(d, scale).double() for d in (2, 4)]
+    wide = wc.compile(copy.deepcopy(members), torch.randn(2, 5, 4, dtype=torch.float64), pad=True, config=FAST)
+    x = torch.randn(2, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+    out = wide.member_outputs(wide(x))
+    sum(o.sum() for o in out).backward()
+    for i, m in enumerate(members):
+        xi = x.detach()[i].clone().requires_grad_()
+        want = m(xi)
+        want.sum().backward()
+        torch.testing.assert_close(out[i], want)
+        torch.testing.assert_close(x.grad[i], xi.grad)

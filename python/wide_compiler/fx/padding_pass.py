@@ -79,6 +79,11 @@ def _same_place(u: fx.Node, b: fx.Node, a: fx.Node) -> Any:
     return next((v for w, v in zip(xs, ys) if w is a), None)
 
 
+def _without_scale(node: fx.Node) -> tuple[tuple, dict]:
+    """An attention call's arguments but its ``scale`` (which the padding rule makes per member)."""
+    return node.args, {k: v for k, v in node.kwargs.items() if k != "scale"}
+
+
 def _full_args(node: fx.Node) -> tuple[tuple, dict]:
     """An ATen call's arguments with the positional defaults its schema fills in spelled out
     (export leaves out trailing defaults: ``conv1d(x, w, b)`` for padding 0, ``conv1d(x, w, b,
@@ -198,6 +203,8 @@ class Padder:
                 x, y = (a.args, a.kwargs), (b.args, b.kwargs)
                 if len(a.args) != len(b.args):  # one member's call spells out a default the other's leaves out
                     x, y = _full_args(a), _full_args(b)
+                if a.target is torch.ops.aten.scaled_dot_product_attention.default:
+                    x, y = _without_scale(a), _without_scale(b)  # a scale per member: its padding rule's
                 self._compare(a, x, y, i, diffs, [0])
                 if diffs:
                     self.int_diffs.setdefault(a, set()).update(diffs)
@@ -211,6 +218,8 @@ class Padder:
             "does)")
 
     def _compare(self, node: fx.Node, x: Any, y: Any, i: int, diffs: set[int], counter: list[int]) -> None:
+        """Raise unless ``y`` (member ``i``'s arguments of ``node``) is ``x`` (member 0's) up to
+        integers, whose positions go to ``diffs``."""
         if isinstance(x, fx.Node) or isinstance(y, fx.Node):
             if not (isinstance(x, fx.Node) and isinstance(y, fx.Node)) or self.nodes[i][self.pos[x]] is not y:
                 if any(isinstance(v, fx.Node) and _size_arith(v) for v in (x, y)):

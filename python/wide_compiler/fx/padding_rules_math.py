@@ -519,11 +519,17 @@ def _sdpa(p: Padder, node: fx.Node) -> None:
         p.refuse(node, "attention over a padded sequence length")
     if not (same_layout(ql[-1], kl[-1]) and all(same_layout(a, b) for a, b in zip(ql[:-2], kl[:-2]))):
         p.refuse(node, "query and key padded differently")
-    if ql[-1] is not None:
-        scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
-        if scale is None:  # SDPA's default 1 / sqrt(E) with each member's own head dim
-            dtype = p.val(q).dtype
-            r = (ql[-1].shape[1] / ql[-1].sum(1).to(dtype)).sqrt()
+    # each member's scale: its own (a member may pass one: transformers' scale=head_dim ** -0.5, or
+    # a temperature), else SDPA's default 1 / sqrt(E) with its own head dim E; the padded call's is
+    # member 0's, or the default at the padded head dim, so q is scaled per member by the ratio
+    scales = [nodes[p.pos[node]].kwargs.get("scale") for nodes in p.nodes]
+    if ql[-1] is not None or len(set(scales)) > 1:
+        dtype, padded_dim = p.val(q).dtype, ql[-1].shape[1] if ql[-1] is not None else int(p.val(q).shape[-1])
+        dims = ql[-1].sum(1).tolist() if ql[-1] is not None else [padded_dim] * p.n
+        own = torch.tensor([s if s is not None else 1 / math.sqrt(e) for s, e in zip(scales, dims)], dtype=torch.float64)
+        used = scales[0] if scales[0] is not None else 1 / math.sqrt(padded_dim)
+        r = (own / used).to(dtype)
+        if not torch.equal(r, torch.ones_like(r)):
             rb = p.buffer(r.view(p.n, *([1] * len(ql))), node)
             with p.g.inserting_before(node):
                 q2 = p.g.call_function(aten.mul.Tensor, (q, rb))
