@@ -316,3 +316,28 @@ def test_a_padded_head_dim_sweep_takes_each_members_attention_scale(scale):
         want.sum().backward()
         torch.testing.assert_close(out[i], want)
         torch.testing.assert_close(x.grad[i], xi.grad)
+
+
+class _SharedQKV(nn.Module):
+    def __init__(self, head_dim: int, shared: str) -> None:
+        super().__init__()
+        self.h, self.other, self.shared = nn.Linear(4, head_dim), nn.Linear(4, head_dim), shared
+
+    def forward(self, x):
+        h, o = self.h(x), self.other(x)
+        q, k, v = {"qkv": (h, h, h), "qk": (h, h, o), "qv": (h, o, h)}[self.shared]
+        return nn.functional.scaled_dot_product_attention(q, k, v).sum(-1)
+
+
+@pytest.mark.parametrize("shared", ["qkv", "qk", "qv"])
+def test_a_padded_attention_whose_query_is_also_its_key_or_value(shared):
+    """P10-10: the per-member scale of a padded head dim was applied by replacing the query
+    everywhere in the call, so a query that is also the key or the value (self-attention of a
+    representation over itself) was scaled twice or its values scaled: the smaller member 0.1-0.5
+    off, silently."""
+    members = [_SharedQKV(d, shared).double() for d in (2, 4)]
+    wide = wc.compile(copy.deepcopy(members), torch.randn(3, 5, 4, dtype=torch.float64), pad=True, config=FAST)
+    x = torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    out = wide(x)
+    for i, m in enumerate(members):
+        torch.testing.assert_close(out[i], m(x[i]))

@@ -533,7 +533,7 @@ def _sdpa(p: Padder, node: fx.Node) -> None:
             rb = p.buffer(r.view(p.n, *([1] * len(ql))), node)
             with p.g.inserting_before(node):
                 q2 = p.g.call_function(aten.mul.Tensor, (q, rb))
-            node.replace_input_with(q, q2)
+            node.update_arg(0, q2)  # the query alone: the same node may be the key or value too (P10-10)
     p.lay[node] = ql[:-1] + [vl[-1]]
 
 
