@@ -341,3 +341,42 @@ def test_a_padded_attention_whose_query_is_also_its_key_or_value(shared):
     out = wide(x)
     for i, m in enumerate(members):
         torch.testing.assert_close(out[i], m(x[i]))
+
+
+class _PoolHidden(nn.Module):
+    def __init__(self, width: int, pool: str) -> None:
+        super().__init__()
+        self.a, self.o, self.pool = nn.Linear(5, width), nn.Linear(width, 2), pool
+
+    def forward(self, x):
+        h = self.a(x).unsqueeze(1)
+        if self.pool == "max":
+            h = nn.functional.max_pool1d(h, 3, 1, 1)
+        elif self.pool == "avg":
+            h = nn.functional.avg_pool1d(h, 3, 1, 1, count_include_pad=False)
+        else:
+            h = nn.functional.max_pool2d(h.unsqueeze(1), 3, 1, 1).squeeze(1)
+        return self.o(h.squeeze(1))
+
+
+@pytest.mark.parametrize("pool", ["max", "avg", "max2d"])
+def test_a_pool_along_a_padded_dim_is_refused(pool):
+    """P10-11: pooling was taken as zero-preserving whatever dims it pools, so a window along the
+    swept (padded) dim read the padding as values: a max with 0 where the member pads with -inf,
+    an average counting it (0.05-1.7 off, silently). Refused now; pooling over dims that are not
+    padded (a CNN's channels swept) is unchanged."""
+    members = [_PoolHidden(w, pool) for w in (3, 6)]
+    with pytest.raises(wc.UnsupportedOperationError, match="pools or resamples along a padded dim"):
+        wc.compile(members, torch.randn(4, 5), pad=True, config=FAST)
+
+
+def test_a_pool_over_unpadded_dims_of_a_channel_sweep_stays_exact():
+    def make(c):
+        return nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 1, 1), nn.AvgPool2d(2),
+                             nn.Conv2d(c, 2, 1)).double()
+    members = [make(c) for c in (3, 5)]
+    wide = wc.compile(copy.deepcopy(members), torch.randn(2, 3, 8, 8, dtype=torch.float64), pad=True, config=FAST)
+    x = torch.randn(2, 2, 3, 8, 8, dtype=torch.float64)
+    out = wide(x)
+    for i, m in enumerate(members):
+        torch.testing.assert_close(out[i], m(x[i]))

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import re
+
 import torch
 from torch import fx
 
@@ -41,9 +43,19 @@ MASK_UNARY = {"sigmoid", "exp", "cos", "cosh", "hardsigmoid", "softplus", "logsi
               "clamp_min", "clamp_max", "fill", "ones_like", "full_like"}
 
 
+_SPATIAL = re.compile(r"(pool|upsample_\w+?)([123])d")  # pooling and resampling over the last 1-3 dims
+
+
 def zero_unary(p: Padder, node: fx.Node) -> None:
     src = node.args[0]
     lay = p.layout(src)
+    name = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+    spatial = _SPATIAL.search(name)
+    if spatial and any(v is not None for v in lay[len(lay) - int(spatial[2]):]):
+        # a window over a padded dim reads the padding as values (a max with 0 where the member's own
+        # edge pads with -inf, an average counting it) and spreads values into it (P10-11)
+        p.refuse(node, "it pools or resamples along a padded dim, where each member's window would meet the "
+                       "other members' padding instead of its own edge")
     val = node.meta.get("val")
     if isinstance(val, (tuple, list)):  # (result, mask/indices): both shaped like the input
         p.lay[node] = [list(lay) for _ in val]
