@@ -492,6 +492,13 @@ class Padder:
             lay = self.layout(a)
             for d, v in enumerate(lay):
                 od = out_rank - len(lay) + d
+                if v is not None and result[od] is not None and not same_layout(result[od], v):
+                    # one operand's dim laid out in blocks (a cat of padded parts, heads) and the other's
+                    # as a prefix (a Linear's output, zeros of the member's size): no position is both
+                    # (probe 10 of issue 44, P10-12, P10-13: misplaced values, 0.2-2.3 off, silently)
+                    self.refuse(node, f"its operands are padded differently in dim {od} (one laid out in blocks, "
+                                      "a cat of padded parts or a view into heads, the other as one part), so "
+                                      "each member's values would meet another position's")
                 if v is not None:
                     result[od] = v
         for a in operands:

@@ -262,7 +262,14 @@ def _copy(p: Padder, node: fx.Node) -> None:
     if isinstance(dst, fx.Node) and dst.op == "get_attr":
         for d, v in enumerate(sl):
             p.bind(dst, d, v)
-    p.lay[node] = p.layout(dst)
+    dl = p.layout(dst)
+    for d, v in enumerate(sl):  # the destination laid out as its source, or values land elsewhere (P10-12)
+        od = len(dl) - len(sl) + d
+        if v is not None and 0 <= od and dl[od] is not None and not same_layout(dl[od], v):
+            p.refuse(node, f"it copies a value into a tensor padded differently in dim {od} (one laid out in blocks, "
+                           "a cat of padded parts or a view into heads, the other as one part): make the "
+                           "destination from the value (torch.zeros_like(h), h.clone())")
+    p.lay[node] = dl
 
 
 def _select_slice(p: Padder, node: fx.Node) -> None:
