@@ -250,8 +250,8 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
         if padded is not None:
             wide = PaddedWideModel._padded(wide, info, originals)
         note_wide_parameters(wide)  # Note [torch's norm clipping over a wide model] (torch_guards.py)
-        if config.validate:
-            _validate(wide, members, args, sample_kwargs or {}, config)
+        if config.validate:  # a padded model against the user's own members (not their padded copies)
+            _validate(wide, originals if padded is not None else members, args, sample_kwargs or {}, config)
     if not compile_model:
         return wide
     compiled = torch.compile(wide, **(compile_options or {}))

@@ -437,3 +437,22 @@ def test_blocks_that_meet_no_other_layout_stay_exact(how):
     out = wide(x)
     for i, m in enumerate(members):
         torch.testing.assert_close(out[i], m(x[i]))
+
+
+def test_validate_checks_a_padded_model_against_the_users_members(monkeypatch):
+    """P10-14: ``compile(pad=True, validate=True)`` compared the wide model with the padded
+    copies of the members, which run the padded program themselves, so a padding defect could not
+    show; it is compared with the members as given (each at its own size)."""
+    from wide_compiler import _equivalence as testing  # what compile's validate calls
+
+    members = [_padded_mlp(w) for w in (3, 6)]
+    seen = []
+    real = testing.check_equivalence
+
+    def recording(wide, models, *args, **kwargs):
+        seen.append(list(models))
+        return real(wide, models, *args, **kwargs)
+
+    monkeypatch.setattr(testing, "check_equivalence", recording)
+    wc.compile(members, torch.randn(4, 5, dtype=torch.float64), pad=True, validate=True, config=FAST)
+    assert seen and all(len(ms) == 2 and all(a is b for a, b in zip(ms, members)) for ms in seen)
