@@ -79,12 +79,15 @@ class PaddedWideModel(WideModel):
         after anything that may replace parameters (compile, copies, pickles, ``_apply``,
         ``load_state_dict``) and, when :meth:`_hooks_stale`, at a call."""
         hooked = []  # (module holding a padded parameter, its name there, weakref to the hooked one or None)
+        masked = self.__dict__.setdefault("_masked", weakref.WeakValueDictionary())  # id -> hooked: never twice
         for name, p in self.named_parameters():
             if self._pad.state_layouts.get(name):
                 path, _, attr = name.rpartition(".")
                 ref = None
-                if p.requires_grad:
-                    p.register_hook(_GradMask(self._pad, name))
+                if p.requires_grad and isinstance(p, nn.Parameter):  # not a caller's tensor (Note [Tensors of a functional_call])
+                    if masked.get(id(p)) is not p:
+                        p.register_hook(_GradMask(self._pad, name))
+                        masked[id(p)] = p
                     ref = weakref.ref(p)
                 hooked.append((name, self.get_submodule(path), attr, ref))
         self.__dict__["_hooked"] = hooked
@@ -123,8 +126,8 @@ class PaddedWideModel(WideModel):
         seen = self.__dict__.setdefault("_padding_versions", {})
         for name, owner, attr, _ in self.__dict__["_hooked"]:
             p = owner._parameters.get(attr)
-            if p is None or seen.get(name) == (id(p), p._version, p.data_ptr()):
-                continue
+            if p is None or not isinstance(p, nn.Parameter) or seen.get(name) == (id(p), p._version, p.data_ptr()):
+                continue  # (a caller's tensor: Note [Tensors of a functional_call])
             outside = self._pad.mask(name, torch.bool, p.device).logical_not_()
             p.masked_fill_(outside, 0)
             seen[name] = (id(p), p._version, p.data_ptr())
@@ -141,6 +144,7 @@ class PaddedWideModel(WideModel):
         if self._hooks_stale():
             self._mask_gradients()
         self._zero_written_padding()
+        swapped = self._mask_callers_tensors()
         try:
             return super().forward(*args, **kwargs)
         except IndexError as e:
@@ -148,6 +152,29 @@ class PaddedWideModel(WideModel):
             if better is None:
                 raise
             raise better from e
+        finally:
+            for owner, attr, t in swapped:
+                owner._parameters[attr] = t
+
+    # Note [Tensors of a functional_call]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # torch.func.functional_call (an ES population row, MAML's fast weights) puts the caller's
+    # plain tensors where the parameters are for one call. Zeroing their padding in place and
+    # hooking their gradients (Note [Writes into the padding]) wrote into the caller's tensors and
+    # left hooks on them, and hooked the model's own parameters once more at each call after
+    # (probe 10 of issue 44, P10-15). A tensor that is not an nn.Parameter is the caller's: for the
+    # call it is replaced by a copy with zero padding (out of place, so its gradient in the padding
+    # is zero as the hook's would be) and put back after; a Parameter is hooked once, ever.
+    def _mask_callers_tensors(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
+        swapped = []
+        for name, owner, attr, _ in self.__dict__["_hooked"]:
+            t = owner._parameters.get(attr)
+            if t is None or isinstance(t, nn.Parameter):
+                continue
+            inside = self._pad.mask(name, torch.bool, t.device)
+            owner._parameters[attr] = t.where(inside, torch.zeros((), dtype=t.dtype, device=t.device))
+            swapped.append((owner, attr, t))
+        return swapped
 
     def _index_error(self, e: IndexError) -> IndexError | None:
         """The wide lookup's IndexError said in the member's terms: its own table and index
@@ -254,12 +281,14 @@ class PaddedWideModel(WideModel):
 
     def __deepcopy__(self, memo: dict) -> PaddedWideModel:
         new = super().__deepcopy__(memo)
+        new.__dict__.pop("_masked", None)  # the copy's parameters have no hooks yet
         new._mask_gradients()
         return new
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state.pop("_hooked", None)  # weak references: registered again on load
+        state.pop("_masked", None)
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -456,3 +456,41 @@ def test_validate_checks_a_padded_model_against_the_users_members(monkeypatch):
     monkeypatch.setattr(testing, "check_equivalence", recording)
     wc.compile(members, torch.randn(4, 5, dtype=torch.float64), pad=True, validate=True, config=FAST)
     assert seen and all(len(ms) == 2 and all(a is b for a, b in zip(ms, members)) for ms in seen)
+
+
+def test_functional_call_of_a_padded_model_leaves_the_callers_tensors_alone():
+    """P10-15: torch.func.functional_call put the caller's tensors in the parameters' places, and
+    the padded model zeroed their padding in place, hooked their gradients, and hooked its own
+    parameters once more at each call after. The caller's tensors are now masked out of place
+    for the call (values and gradients as with the model's own), and no hook is added twice."""
+    from torch.func import functional_call
+
+    members = [_padded_mlp(w) for w in (3, 6)]
+    wide = wc.compile(copy.deepcopy(members), torch.randn(4, 5, dtype=torch.float64), pad=True, config=FAST)
+    x = torch.randn(2, 4, 5, dtype=torch.float64)
+    flat = torch.randn(sum(p.numel() for p in wide.parameters()), dtype=torch.float64)  # an ES population row
+    params, offset = {}, 0
+    for name, p in wide.named_parameters():
+        params[name] = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    before = flat.clone()
+    out = functional_call(wide, params, (x,))
+    assert torch.equal(flat, before)
+    masked = {name: t.clone() for name, t in params.items()}
+    with torch.no_grad():
+        for name, p in wide.named_parameters():
+            p.copy_(masked[name])
+    torch.testing.assert_close(out, wide(x))  # what the model computes with those weights (padding zeroed)
+    leaves = {name: t.detach().clone().requires_grad_() for name, t in wide.named_parameters()}
+    functional_call(wide, leaves, (x,)).sum().backward()
+    assert all(not t._backward_hooks for t in leaves.values())
+    own = wide.get_parameter("0.weight")
+    hooks = len(own._backward_hooks or {})
+    for _ in range(3):
+        functional_call(wide, {k: v.detach().clone().requires_grad_() for k, v in wide.named_parameters()}, (x,))
+        wide(x)
+    assert len(own._backward_hooks or {}) == hooks
+    for name, t in leaves.items():  # the gradient in the padding is zero, as the model's own gets
+        inside = wide._pad.mask(name, torch.bool, t.device)
+        if inside is not None:  # a padded parameter
+            assert not t.grad[~inside].any(), name
