@@ -47,6 +47,7 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/gru.h>
 #include <ATen/ops/gru_cell.h>
+#include <ATen/ops/lstm.h>
 #include <ATen/ops/lstm_cell.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
@@ -349,7 +350,7 @@ at::ScalarType recurrent_dtype(std::string_view mode, bool cell, const at::Tenso
 // update, so run in float32 they return float32 values that differ from the member's by the
 // gates' lower-precision rounding (GRU, 2 members: 5e-3, found by an independent probe), and
 // run in lower precision they would round the state. So with a float32 state each member runs
-// ATen's own op (at::gru, at::gru_cell, at::lstm_cell) on its slice with the autocast left on:
+// ATen's own op (at::gru, at::lstm with projections, at::gru_cell, at::lstm_cell) on its slice with the autocast left on:
 // the member's own computation, cast for cast; autograd records it as for the member. A member's
 // float32 parameters are leaves whose lower-precision casts autocast caches, so the gradient of a
 // weight used at every time step is summed in lower precision before its one cast back: each
@@ -358,31 +359,51 @@ at::ScalarType recurrent_dtype(std::string_view mode, bool cell, const at::Tenso
 // the member's autocast would cache. (Slower than the
 // fused time loop: exact first. A lower-precision state runs the wide kernel.)
 template <DeviceType D>
-std::tuple<at::Tensor, std::vector<at::Tensor>> gru_per_member(const at::Tensor& input, at::TensorList hx,
+std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_per_member(bool lstm, const at::Tensor& input, at::TensorList hx,
                                                                at::TensorList params, int64_t num_layers,
                                                                bool bidirectional, bool batch_first, double dropout,
-                                                               bool train, bool has_biases) {
+                                                               bool train, bool has_biases, int64_t proj_size) {
   const int64_t members = input.size(0);
   // An input autocast would cache in the member (a float32 leaf that requires grad, read by both
   // directions) is cast once per member too
   const bool cached_input = at::autocast::is_autocast_cache_enabled() && input.is_leaf() && input.requires_grad() &&
                             !input.is_view() && input.scalar_type() == at::kFloat;
-  std::vector<at::Tensor> outputs, states;
+  // nn.LSTM's / nn.GRU's zeros when no state is given: [layers * directions, batch, size], the input's dtype
+  const c10::SymInt layers = num_layers * (bidirectional ? 2 : 1);
+  const c10::SymInt hidden = params[0].sym_size(1) / (lstm ? 4 : 3);  // w_ih_l0 [N, G*H, I]
+  const c10::SymInt h_size = proj_size > 0 ? c10::SymInt(proj_size) : hidden;
+  std::vector<at::Tensor> outputs;
+  std::vector<std::vector<at::Tensor>> states(lstm ? 2 : 1);
   for (int64_t i = 0; i < members; ++i) {
     const at::Tensor x = cached_input ? cast<D>(lower<D>(), input.select(0, i)) : input.select(0, i);
     std::vector<at::Tensor> ps;
     ps.reserve(params.size());
-    for (const at::Tensor& p : params) ps.push_back(cast<D>(lower<D>(), p.select(0, i)));
-    // nn.GRU's zeros when no state is given: [layers * directions, batch, hidden] of the input's dtype
-    const at::Tensor h = hx.empty() ? at::zeros_symint({c10::SymInt(num_layers * (bidirectional ? 2 : 1)),
-                                                        x.sym_size(batch_first ? 0 : 1), params[1].sym_size(-1)},
-                                                       input.options())
-                                    : hx[0].select(0, i);
-    auto [o, h_n] = at::gru(x, h, ps, has_biases, num_layers, dropout, train, bidirectional, batch_first);
-    outputs.push_back(o);
-    states.push_back(h_n);
+    const size_t per_dir = 2 + (has_biases ? 2 : 0) + (proj_size > 0 ? 1 : 0);
+    for (size_t k = 0; k < params.size(); ++k) {
+      // w_hr is read as matmul(h, w_hr.t()), a view, which autocast does not cache: cast at each step
+      const bool projection = proj_size > 0 && k % per_dir == per_dir - 1;
+      ps.push_back(projection ? params[k].select(0, i) : cast<D>(lower<D>(), params[k].select(0, i)));
+    }
+    const c10::SymInt batch = input.sym_size(batch_first ? 1 : 2);
+    const auto state = [&](size_t k, const c10::SymInt& size) {
+      return hx.empty() ? at::zeros_symint({layers, batch, size}, input.options()) : hx[k].select(0, i);
+    };
+    if (lstm) {
+      auto [o, h_n, c_n] = at::lstm(x, {state(0, h_size), state(1, hidden)}, ps, has_biases, num_layers, dropout,
+                                    train, bidirectional, batch_first);
+      outputs.push_back(o);
+      states[0].push_back(h_n);
+      states[1].push_back(c_n);
+    } else {
+      auto [o, h_n] = at::gru(x, state(0, hidden), ps, has_biases, num_layers, dropout, train, bidirectional,
+                              batch_first);
+      outputs.push_back(o);
+      states[0].push_back(h_n);
+    }
   }
-  return {at::stack(outputs), {at::stack(states)}};
+  std::vector<at::Tensor> final_states;
+  for (const auto& s : states) final_states.push_back(at::stack(s));
+  return {at::stack(outputs), std::move(final_states)};
 }
 
 std::vector<at::Tensor> cell_per_member(const at::Tensor& input, at::TensorList hx, const at::Tensor& w_ih,
@@ -419,23 +440,15 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn(const at::Tensor& input, at:
                                                     int64_t num_layers, bool bidirectional, bool batch_first,
                                                     double dropout, bool train, bool has_biases,
                                                     int64_t proj_size, std::string_view strategy) {
-  if (D == DeviceType::CPU && mode == "GRU" && recurrent_dtype<D>(mode, /*cell=*/false, input, hx) == at::kFloat) {
-    // Note [A float32 recurrent state under CPU autocast]: the autocast stays on
-    return gru_per_member<D>(input, hx, params, num_layers, bidirectional, batch_first, dropout, train, has_biases);
+  if (D == DeviceType::CPU && ((mode == "GRU" && recurrent_dtype<D>(mode, /*cell=*/false, input, hx) == at::kFloat) ||
+                                (mode == "LSTM" && proj_size > 0))) {
+    // Note [A float32 recurrent state under CPU autocast]: the autocast stays on. (oneDNN has no
+    // projections: ATen's composite LSTM runs there, its gates and projections in lower precision,
+    // its cell state in the state's dtype, as the GRU's.)
+    return rnn_per_member<D>(mode == "LSTM", input, hx, params, num_layers, bidirectional, batch_first, dropout, train,
+                             has_biases, proj_size);
   }
   NoAutocast<D> guard;
-  if (D == DeviceType::CPU && mode == "LSTM" && proj_size > 0) {
-    // oneDNN has no projections: ATen's composite LSTM runs, whose cell state keeps its dtype and
-    // whose projected h (the output, h_n) comes out of a lower-precision linear.
-    const auto to = state_dtype<D>(hx.size() > 1 ? hx[1] : input);
-    auto result = wide::rnn(cast<D>(to, input), cast<D>(to, hx), cast<D>(to, params), mode, num_layers,
-                            bidirectional, batch_first, dropout, train, has_biases, proj_size, strategy);
-    if (to != lower<D>()) {
-      std::get<0>(result) = std::get<0>(result).to(lower<D>());
-      std::get<1>(result)[0] = std::get<1>(result)[0].to(lower<D>());
-    }
-    return result;
-  }
   const auto to = recurrent_dtype<D>(mode, /*cell=*/false, input, hx);
   return wide::rnn(cast<D>(to, input), cast<D>(to, hx), cast<D>(to, params), mode, num_layers, bidirectional,
                    batch_first, dropout, train, has_biases, proj_size, strategy);
