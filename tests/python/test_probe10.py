@@ -1,4 +1,4 @@
-"""Probe 10 of issue 44 (an independent re-run of the adversarial probe): each finding as a test
+"""Probes 10 and 11 of issue 44 (independent re-runs of the adversarial probe): each finding as a test
 that failed before its fix (P10-1, a recurrent op under CPU autocast, is in test_autocast.py)."""
 from __future__ import annotations
 
@@ -494,3 +494,39 @@ def test_functional_call_of_a_padded_model_leaves_the_callers_tensors_alone():
         inside = wide._pad.mask(name, torch.bool, t.device)
         if inside is not None:  # a padded parameter
             assert not t.grad[~inside].any(), name
+
+
+# -- probe 11 ------------------------------------------------------------------------------------
+def _judged(wide, member, ref, unit=None):
+    """_assert_near_reference on one member's tensors (no nudged runs): its blind/chaotic share."""
+    from wide_compiler._equivalence.reference import _assert_near_reference
+
+    return _assert_near_reference(wide.unsqueeze(0), [member], [ref], what="t", equal_nan=False, unit=unit)[-1]
+
+
+def test_a_tensor_too_chaotic_to_judge_goes_to_float64_not_failed():
+    """P11-3, P11-4 (Note [A member too chaotic to judge]): torchvision's EfficientNet-B0 and
+    MobileNetV2 in train mode on batches of 2 of 32x32 images move their input gradients by as
+    much as their values under rounding, even in float64; check_compile reported such a tensor as
+    a defect. In float32 it is now handed to the float64 judgement; in float64 it is not judged
+    (reported); a tensor that is only rounding, and any tensor whose members agree, is judged as
+    before."""
+    ref = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+    member = ref * 4  # the members' own float32 run: 300% off (chaotic)
+    assert _judged(ref * 20, member, ref) > 1  # float32: blind, judged again in float64
+    f64 = torch.finfo(torch.float64).eps
+    member64 = ref * 1.01  # the members' own float64 runs spread 1% of the values
+    assert _judged(ref * 2, member64, ref, unit=f64) > 0  # not judged (no raise)
+    rounding = torch.full((3,), 1e-18, dtype=torch.float64)  # exact values 0: only rounding
+    with pytest.raises(AssertionError, match="is not rounding"):
+        _judged(rounding + 1e-3, rounding * 20, rounding, unit=f64)
+    with pytest.raises(AssertionError, match="is not rounding"):  # members that agree: a defect fails
+        _judged(ref * 1.5, ref * (1 + 1e-7), ref)
+
+
+def test_the_report_names_what_it_did_not_judge():
+    from wide_compiler._equivalence.report import EquivalenceReport
+
+    report = EquivalenceReport(members=2)
+    report._note_unjudged("grad of input 0", 0.2)
+    assert "not judged: grad of input 0" in str(report) and "20%" in str(report)

@@ -106,6 +106,23 @@ __all__ = ["BLIND_SHARE", "NOISE_FACTOR", "NOISE_FLOOR_EPS", "NUDGE_EPS", "RESAM
 # ROUNDING_ONLY (10) times its float64 values (the gradient of an attention key's bias, 0 exactly
 # since softmax ignores a shift: 1e-9 in float32, 1e-18 in float64): it has no values a defect
 # could be a share of, and one of any size shows above its 1e-9 bound in float32 already.
+#
+# Note [A member too chaotic to judge]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A few rounding-sized nudges estimate the members' own error; where that error is itself a large
+# share of a tensor's values (BLIND_SHARE or more) the model is chaotic there, and a wide error
+# above NOISE_FACTOR times it is one more draw from the same spread, not evidence of a defect:
+# torchvision's EfficientNet-B0 and MobileNetV2 in train mode on batches of 2 of 32x32 images move
+# their input gradients by 1e6-1e10 (as large as the values) when the input moves by 1e-13, even in
+# float64, and the check reported such a gradient as a defect (probe 11 of issue 44, P11-3, P11-4).
+# So such a tensor fails no judgement: in float32 (own error BLIND_SHARE of the values or more,
+# EfficientNet-B0's summed input gradient 300 times them) it is judged again in float64 (above: a
+# defect shows there when the model is not chaotic in float64 too), and in float64 (own error
+# CHAOTIC_SHARE_FLOAT64 of the values or more: rounding amplified 1e12 times and more; MobileNetV2's
+# input gradient spread 3.7% over 6 nudged runs and 57% in the wide model's) it is reported as not
+# judged (``report.unjudged``, with that share), unless it is only rounding (ROUNDING_ONLY: a
+# defect there shows far above its float64 bound). Every other tensor is judged as before.
+CHAOTIC_SHARE_FLOAT64 = 1e-3
 NOISE_FACTOR = 4.0
 NOISE_FLOOR_EPS = 8.0
 BLIND_SHARE = 0.05
@@ -190,6 +207,12 @@ def _assert_near_reference(wide_out: torch.Tensor, member_outs: Sequence[torch.T
         if w <= bound:
             if 0 < max(own, o) < ROUNDING_ONLY * scale:  # Note [A float32 judgement that cannot tell]
                 blind = max(blind, bound / scale)
+            continue
+        # Note [A member too chaotic to judge]: float32 hands it to the float64 judgement (whatever the share:
+        # a tensor that is only rounding is judged there too); float64 does not judge it, unless it is only rounding
+        if (max(own, o) >= BLIND_SHARE * scale if unit is None or unit > torch.finfo(torch.float64).eps
+                else CHAOTIC_SHARE_FLOAT64 * scale <= max(own, o) < ROUNDING_ONLY * scale):
+            blind = max(blind, NOISE_FACTOR * max(own, o) / scale)
             continue
         who = ("the wide gradient differs from the sum of the members' gradients" if summed else
                f"member {i} differs from its own model (member {i} of {n})")

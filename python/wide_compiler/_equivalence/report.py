@@ -43,10 +43,17 @@ class EquivalenceReport(dict):
         # float32 bound allowed (over BLIND_SHARE), and the float64 check made again for them
         self.blind: dict[str, float] = {}
         self.float64_recheck: EquivalenceReport | None = None
+        # Note [A member too chaotic to judge]: tensor -> the share of its values the members' own
+        # float64 runs spread over, where that spread is too wide to judge even in float64
+        self.unjudged: dict[str, float] = {}
 
     def _note_blind(self, what: str, share: float) -> None:
         if share > BLIND_SHARE:
             self.blind[what] = max(share, self.blind.get(what, 0.0))
+
+    def _note_unjudged(self, what: str, share: float) -> None:
+        if share > BLIND_SHARE:
+            self.unjudged[what] = max(share, self.unjudged.get(what, 0.0))
 
     def _note(self, kind: str, errs: Sequence[float]) -> None:
         e = max(errs, default=0.0)
@@ -75,6 +82,15 @@ class EquivalenceReport(dict):
                          f"{100 * max(self.blind.values()):.0f}% of their values) checked again with the wide model "
                          f"and members in float64: {self.float64_recheck}")
             return text
+        if self.unjudged:
+            names = ", ".join(sorted(self.unjudged)[:3]) + (", ..." if len(self.unjudged) > 3 else "")
+            return (f"{self._plain()}; not judged: {names} (the members' own float64 runs spread over up to "
+                    f"{100 * max(self.unjudged.values()):.0f}% of their values: chaotic at this sample, Note "
+                    "[A member too chaotic to judge])")
+        return self._plain()
+
+    def _plain(self) -> str:
+        members = self.get("members", "?")
         parts = [f"{k.replace('_', ' ')} {v:.1e}" for k, v in self.items()
                  if k != "members" and v is not None]
         text = f"{members} members, max abs err: " + ", ".join(parts)

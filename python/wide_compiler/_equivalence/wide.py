@@ -55,11 +55,13 @@ class _Tolerance:
         in ``report`` under ``report_kind``; ``resample`` as for _assert_near_reference) for a
         floating tensor when given, else by the table."""
         if refs64 is not None and _float_leaf(wide) and self.own_rounding:
-            _table_then_own_rounding(
+            judged = _table_then_own_rounding(
                 lambda: assert_members_close(wide, refs, self.dtype, kind=kind, what=what, rtol=self.rtol,
                                              atol=self.atol, equal_nan=self.equal_nan),
                 lambda: _assert_near_reference(wide, refs, refs64, what=what, equal_nan=self.equal_nan,
                                                resample=resample, unit=torch.finfo(torch.float64).eps))
+            if judged is not None and report is not None:  # Note [A member too chaotic to judge]
+                report._note_unjudged(what, judged[-1])
             return
         if refs64 is not None and _float_leaf(wide):
             *errs, blind = _assert_near_reference(wide, refs, refs64, what=what, equal_nan=self.equal_nan,
@@ -73,16 +75,17 @@ class _Tolerance:
 
 
 
-def _table_then_own_rounding(table: Callable[[], None], own: Callable[[], Any]) -> None:
-    """Note [Rounding in a float64 model]: ``table()``; where it fails, ``own()`` judges again,
-    and a failure of both raises both messages."""
+def _table_then_own_rounding(table: Callable[[], None], own: Callable[[], Any]) -> Any:
+    """Note [Rounding in a float64 model]: ``table()``; where it fails, ``own()`` judges again
+    (its result returned; None where the table passed), and a failure of both raises both messages."""
     try:
         table()
     except AssertionError as first:
         try:
-            own()
+            return own()
         except AssertionError as second:
             raise AssertionError(f"{first}\n(and beyond the members' own float64 rounding: {second})") from None
+    return None
 
 
 def _wide_tensors(wide: Any, member: nn.Module, wide_params: Mapping[str, torch.Tensor | None] | None,
@@ -272,12 +275,14 @@ def _compare_input_grad(report: EquivalenceReport, j: int, base: torch.Tensor, g
                 return None if any(r is None for r in runs) else torch.stack(runs).sum(0)
 
             if tol.own_rounding:  # Note [Rounding in a float64 model]
-                _table_then_own_rounding(
+                judged = _table_then_own_rounding(
                     lambda: assert_close(g, want, tol.dtype, kind="grad", rtol=tol.rtol, atol=tol.atol,
                                          equal_nan=tol.equal_nan, msg=what),
                     lambda: _assert_near_reference(
                         g.unsqueeze(0), [want], [torch.stack(ref64).sum(0)], what=what, equal_nan=tol.equal_nan,
                         summed=True, resample=summed, unit=torch.finfo(torch.float64).eps))
+                if judged is not None:  # Note [A member too chaotic to judge]
+                    report._note_unjudged(what, judged[-1])
             else:
                 *errs, blind = _assert_near_reference(
                     g.unsqueeze(0), [want], [torch.stack(ref64).sum(0)], what=what, equal_nan=tol.equal_nan,
