@@ -260,6 +260,18 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         ref = ref if ref is not None else next(self.buffers(), None)
         self.__dict__["_param_device"] = ref.device if ref is not None else None
 
+    def to(self, *args: Any, **kwargs: Any) -> WideModel:
+        """``nn.Module.to``: a device and a dtype as for any module. A ``memory_format`` is not
+        applied to the stacked tensors (N-first: a conv's weight is 5-D, which channels-last does not
+        take): each wide conv runs in the layout its strategy names (``summary()``), so it is
+        skipped, with a log line (probe 11 of issue 44, P11-6: torch's rank error)."""
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format is None:
+            return super().to(*args, **kwargs)
+        log.info("wide_compiler: .to(memory_format=%s) is not applied to a wide model's stacked tensors: each "
+                 "wide conv runs in the layout its strategy names (see summary())", memory_format)
+        return super().to(device=device, dtype=dtype, non_blocking=non_blocking)
+
     def _apply(self, fn: Any, recurse: bool = True) -> WideModel:
         # the per-member constants are the members' Python numbers, held in float64 (the graph casts
         # them to its input's dtype where it reads them): .to(dtype) moves them, but keeps their

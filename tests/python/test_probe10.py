@@ -530,3 +530,18 @@ def test_the_report_names_what_it_did_not_judge():
     report = EquivalenceReport(members=2)
     report._note_unjudged("grad of input 0", 0.2)
     assert "not judged: grad of input 0" in str(report) and "20%" in str(report)
+
+
+def test_to_channels_last_keeps_a_wide_conv_model_working():
+    """P11-6: ``wide.to(memory_format=torch.channels_last)`` (a member's usual call) raised torch's
+    'required rank 4 tensor' on the 5-D stacked conv weights; it now leaves the layout to the wide
+    ops, still moving a dtype given with it."""
+    members = [nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1)) for _ in range(3)]
+    wide = wc.compile(copy.deepcopy(members), torch.randn(2, 3, 8, 8), config=FAST)
+    assert wide.to(memory_format=torch.channels_last) is wide
+    x = torch.randn(3, 2, 3, 8, 8)
+    out = wide(x)
+    for i, m in enumerate(members):
+        torch.testing.assert_close(out[i], m(x[i]), rtol=1e-4, atol=1e-5)
+    wide.to(torch.float64, memory_format=torch.channels_last)
+    assert next(wide.parameters()).dtype == torch.float64
