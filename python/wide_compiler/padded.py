@@ -84,7 +84,8 @@ class PaddedWideModel(WideModel):
             if self._pad.state_layouts.get(name):
                 path, _, attr = name.rpartition(".")
                 ref = None
-                if p.requires_grad and isinstance(p, nn.Parameter):  # not a caller's tensor (Note [Tensors of a functional_call])
+                # not a caller's tensor (Note [Tensors of a functional_call])
+                if p.requires_grad and isinstance(p, nn.Parameter):
                     if masked.get(id(p)) is not p:
                         p.register_hook(_GradMask(self._pad, name))
                         masked[id(p)] = p

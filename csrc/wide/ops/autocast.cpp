@@ -350,8 +350,9 @@ at::ScalarType recurrent_dtype(std::string_view mode, bool cell, const at::Tenso
 // update, so run in float32 they return float32 values that differ from the member's by the
 // gates' lower-precision rounding (GRU, 2 members: 5e-3, found by an independent probe), and
 // run in lower precision they would round the state. So with a float32 state each member runs
-// ATen's own op (at::gru, at::lstm with projections, at::gru_cell, at::lstm_cell) on its slice with the autocast left on:
-// the member's own computation, cast for cast; autograd records it as for the member. A member's
+// ATen's own op (at::gru, at::gru_cell, at::lstm_cell; and at::lstm with projections, which runs
+// ATen's composite LSTM whatever the state) on its slice with the autocast left on: the member's
+// own computation, cast for cast; autograd records it as for the member. A member's
 // float32 parameters are leaves whose lower-precision casts autocast caches, so the gradient of a
 // weight used at every time step is summed in lower precision before its one cast back: each
 // member's slice of a stacked weight (a view, which autocast does not cache) is cast once here

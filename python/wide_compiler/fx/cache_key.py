@@ -487,7 +487,8 @@ def key_parts(c: Any) -> dict[str, Any]:
         "registered": registered.hexdigest(),
         "config": {k: repr(v) for k, v in config.items()},
         "constants": repr(constants),
-        "earlier_constants": repr([sorted((p, constant_key(v)) for p, v in cfg.items()) for cfg in c.earlier_constants]),
+        "earlier_constants": repr([sorted((p, constant_key(v)) for p, v in cfg.items())
+                                   for cfg in c.earlier_constants]),
         "versions": _versions(),
         "machine": [hardware(str(device)), torch.get_num_threads(), str(torch.get_default_dtype())],
     }

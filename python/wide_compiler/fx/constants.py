@@ -101,8 +101,9 @@ from ..errors import ArchitectureMismatchError
 from .member_checks import _MODULE_INTERNALS, _describe, with_constants
 from .source import source_line
 
-__all__ = ["MAX_TENSOR_ELEMENTS", "ConstantPlan", "check_member_constants", "conjoin_guards", "constant_key",
-           "EARLIER_AT_MOST", "copy_member_constants", "member_constants", "member_value", "plan_constants", "set_member_constants"]
+__all__ = ["EARLIER_AT_MOST", "MAX_TENSOR_ELEMENTS", "ConstantPlan", "check_member_constants", "conjoin_guards",
+           "constant_key", "copy_member_constants", "member_constants", "member_value", "plan_constants",
+           "set_member_constants"]
 
 log = logging.getLogger(__name__)
 

@@ -90,9 +90,9 @@ def fallback(ctx: WidenContext, node: fx.Node, reason: str = "no widen rule for 
     if ctx.strict:
         raise ctx.fail(node, f"{reason} (strict=True forbids the per-member fallback)")
     if getattr(node.target, "overloadpacket", None) in _RESIZES:  # vmap resizes the batched tensor, not each member's
-        raise ctx.fail(node, "it resizes a tensor in place (x.new() then resize_as_(h), as torch's CrossMapLRN2d does), "
-                             "which cannot run per member: make the tensor at its size instead (torch.ones_like(h), "
-                             "h.new_zeros(h.shape))")
+        raise ctx.fail(node, "it resizes a tensor in place (x.new() then resize_as_(h), as torch's CrossMapLRN2d "
+                             "does), which cannot run per member: make the tensor at its size instead "
+                             "(torch.ones_like(h), h.new_zeros(h.shape))")
     if any(isinstance(t, fx.Node) and not isinstance(ctx.env.get(t), Wide) for t in written_args(node)):
         raise ctx.fail(node, f"{reason}, and it writes in place into a value shared by all members, which "
                              "a per-member fallback would overwrite N times")

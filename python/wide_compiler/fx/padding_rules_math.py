@@ -526,7 +526,8 @@ def _sdpa(p: Padder, node: fx.Node) -> None:
     if ql[-1] is not None or len(set(scales)) > 1:
         dtype, padded_dim = p.val(q).dtype, ql[-1].shape[1] if ql[-1] is not None else int(p.val(q).shape[-1])
         dims = ql[-1].sum(1).tolist() if ql[-1] is not None else [padded_dim] * p.n
-        own = torch.tensor([s if s is not None else 1 / math.sqrt(e) for s, e in zip(scales, dims)], dtype=torch.float64)
+        own = torch.tensor([s if s is not None else 1 / math.sqrt(e) for s, e in zip(scales, dims)],
+                           dtype=torch.float64)
         used = scales[0] if scales[0] is not None else 1 / math.sqrt(padded_dim)
         r = (own / used).to(dtype)
         if not torch.equal(r, torch.ones_like(r)):
