@@ -545,3 +545,26 @@ def test_to_channels_last_keeps_a_wide_conv_model_working():
         torch.testing.assert_close(out[i], m(x[i]), rtol=1e-4, atol=1e-5)
     wide.to(torch.float64, memory_format=torch.channels_last)
     assert next(wide.parameters()).dtype == torch.float64
+
+
+class _NoOpTo(nn.Module):
+    def __init__(self, width: int, to: str) -> None:
+        super().__init__()
+        self.a, self.o, self.to_what = nn.Linear(5, width), nn.Linear(width, 2), to
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h.to(x.device) if self.to_what == "device" else h.to(torch.float64)
+        return self.o(h)
+
+
+@pytest.mark.parametrize("to", ["device", "dtype"])
+def test_a_padded_no_op_conversion_compiles(to):
+    """P11-7: a no-op ``.to(device)`` / ``.to(its own dtype)`` of a padded tensor (GPT-2's position
+    embeddings, Llama's RMSNorm) was refused at export's _assert_tensor_metadata ('no padding rule')."""
+    members = [_NoOpTo(w, to).double() for w in (4, 8)]
+    wide = wc.compile(copy.deepcopy(members), torch.randn(3, 5, dtype=torch.float64), pad=True, config=FAST)
+    x = torch.randn(2, 3, 5, dtype=torch.float64)
+    out = wide(x)
+    for i, m in enumerate(members):
+        torch.testing.assert_close(out[i], m(x[i]))

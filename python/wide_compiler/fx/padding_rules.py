@@ -85,7 +85,15 @@ def pow_rule(p: Padder, node: fx.Node) -> None:
     zero_unary(p, node)
 
 
-RULES: dict[str, Callable[[Padder, fx.Node], None]] = {**MATH_RULES, **SHAPE_RULES, "pow": pow_rule}
+def _no_value(p: Padder, node: fx.Node) -> None:
+    """An op that checks and returns nothing (export's ``_assert_tensor_metadata`` of a no-op
+    ``.to(device)`` or ``.to(dtype)``: GPT-2's position embeddings, Llama's RMSNorm); the widen rule
+    drops it (probe 11 of issue 44, P11-7: refused with 'no padding rule')."""
+    p.lay[node] = []
+
+
+RULES: dict[str, Callable[[Padder, fx.Node], None]] = {**MATH_RULES, **SHAPE_RULES, "pow": pow_rule,
+                                                       "_assert_tensor_metadata": _no_value}
 # rules that pad integer arguments which differ between members (any other rule refuses them)
 INT_ARGS_OK = MATH_INT_ARGS_OK | SHAPE_INT_ARGS_OK
 
@@ -126,7 +134,7 @@ REFUSED: dict[str, str] = {
         "multiply", "nan_to_num", "adaptive_max_pool1d", "adaptive_max_pool3d", "max_pool1d_with_indices",
         "max_pool3d_with_indices", "feature_dropout", "special_log_softmax", "special_softmax",
         "opaque_module", "gru_cell", "lstm_cell",
-        "rnn_relu_cell", "rnn_tanh_cell", "_assert_tensor_metadata", "adjoint", "expand_as", "mH", "mT",
+        "rnn_relu_cell", "rnn_tanh_cell", "adjoint", "expand_as", "mH", "mT",
         "matrix_H", "movedim", "numpy_T", "reshape_as", "stack", "swapdims", "sym_numel",
         "_upsample_bicubic2d_aa", "_upsample_bilinear2d_aa", "_upsample_nearest_exact1d",
         "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_bicubic2d", "upsample_linear1d",
