@@ -568,3 +568,14 @@ def test_a_padded_no_op_conversion_compiles(to):
     out = wide(x)
     for i, m in enumerate(members):
         torch.testing.assert_close(out[i], m(x[i]))
+
+
+def test_a_padded_batch_norm_with_cumulative_momentum_is_refused_by_name():
+    """P11-1: pad=True over a BatchNorm1d(momentum=None) (run whole by its wide form, which
+    padding cannot follow) failed with torch.export's raw data-dependent-guard error and a graph
+    dump; refused naming the module and why."""
+    def make(w):
+        return nn.Sequential(nn.Linear(5, w), nn.BatchNorm1d(w, momentum=None), nn.Linear(w, 2))
+
+    with pytest.raises(wc.UnsupportedOperationError, match=r"pad=True: the module '1' \(BatchNorm1d\) runs whole"):
+        wc.compile([make(w) for w in (3, 5)], torch.randn(4, 5), pad=True, config=FAST)

@@ -59,6 +59,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..errors import ArchitectureMismatchError, UnsupportedOperationError, WideCompileError
+from ..registry import registered_paths, registered_wide_form
 from .capture import capture
 from .hook_writes import refuse_writing_hooks
 from .member_checks import check_modes
@@ -128,6 +129,14 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
     shapes = [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in models]
     if all(s == shapes[0] for s in shapes):
         return None
+    for path in registered_paths(models[0]):  # a module run whole, by its wide form (probe 11, P11-1)
+        module = models[0].get_submodule(path)
+        raise UnsupportedOperationError(
+            f"wide_compiler: pad=True: the module {path!r} ({type(module).__name__}) runs whole, through its wide "
+            f"form {registered_wide_form(module).__name__} (a module export cannot capture, such as BatchNorm "
+            "with momentum=None, or one registered with @wide_compiler.register), and padding follows captured "
+            "ops only. Compile the members in groups of one size (the router does), or give that module a "
+            "momentum / no registered form")
     if any(s.keys() != shapes[0].keys() for s in shapes):
         bad = next(i for i, s in enumerate(shapes) if s.keys() != shapes[0].keys())
         raise ArchitectureMismatchError(
