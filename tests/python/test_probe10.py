@@ -579,3 +579,27 @@ def test_a_padded_batch_norm_with_cumulative_momentum_is_refused_by_name():
 
     with pytest.raises(wc.UnsupportedOperationError, match=r"pad=True: the module '1' \(BatchNorm1d\) runs whole"):
         wc.compile([make(w) for w in (3, 5)], torch.randn(4, 5), pad=True, config=FAST)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", ["leaky_relu", "elu", "celu"])
+def test_a_low_precision_activation_with_per_member_slopes_is_bit_exact(act, dtype):
+    """P11-8: a float16/bfloat16 LeakyReLU/ELU with per-member slopes computed in the model's
+    dtype with the slope rounded to it first (1 ulp off the member in 30% of negative values);
+    ATen computes in float32 and rounds once. Values bit for bit; LeakyReLU's gradient too (the
+    ELUs' is autograd's of the same formula, within rounding)."""
+    cls = {"leaky_relu": nn.LeakyReLU, "elu": nn.ELU, "celu": nn.CELU}[act]
+    members = [nn.Sequential(nn.Identity(), cls(s)).to(dtype) for s in (0.01, 0.2, 0.15)]
+    wide = wc.compile(copy.deepcopy(members), torch.randn(64, 16, dtype=dtype), config=FAST)
+    x = (3 * torch.randn(3, 64, 16)).to(dtype).requires_grad_()
+    out = wide(x)
+    out.float().sum().backward()
+    for i, m in enumerate(members):
+        xi = x.detach()[i].clone().requires_grad_()
+        want = m(xi)
+        want.float().sum().backward()
+        assert torch.equal(out[i], want), (i, (out[i].float() - want.float()).abs().max())
+        if act == "leaky_relu":
+            assert torch.equal(x.grad[i], xi.grad)
+        else:
+            torch.testing.assert_close(x.grad[i], xi.grad)

@@ -230,23 +230,34 @@ def _leaky_relu(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     pass ``0 * slope`` back where ``x > 0``, NaN for an infinite or NaN slope (Note [Per-member
     gradients at non-finite constants])."""
     x = _input(ctx, node, a["self"])
-    slope = scalar(ctx, node, a["negative_slope"], x.rank, like=x.node)
-    pos = _op(ctx, node, aten.gt.Scalar, x.node, 0)
+    xf = _opmath(ctx, node, x)
+    slope = scalar(ctx, node, a["negative_slope"], x.rank, like=xf)
+    pos = _op(ctx, node, aten.gt.Scalar, xf, 0)
     if isinstance(slope, fx.Node):
         factor = _op(ctx, node, aten.where.ScalarSelf, pos, 1.0, slope)
-        out = _op(ctx, node, aten.mul.Tensor, x.node, factor)
+        out = _op(ctx, node, aten.mul.Tensor, xf, factor)
     else:
-        out = _op(ctx, node, aten.where.self, pos, x.node, _mul(ctx, node, x.node, slope))
-    return _result(ctx, node, x, out, node.target is aten.leaky_relu_.default)
+        out = _op(ctx, node, aten.where.self, pos, xf, _mul(ctx, node, xf, slope))
+    return _result(ctx, node, x, _op(ctx, node, aten.type_as.default, out, x.node),
+                   node.target is aten.leaky_relu_.default)
 
 
-def _elu_form(ctx: WidenContext, node: fx.Node, x: Wide, alpha: Any, scale: Any, input_scale: Any,
+def _opmath(ctx: WidenContext, node: fx.Node, x: Wide) -> fx.Node:
+    """``x`` in the dtype ATen's activation kernels compute in: float32 for a float16/bfloat16
+    ``x`` (the result rounded once, at the end), else ``x`` itself. The forms computed in ``x``'s
+    dtype with the constant rounded to it first: 1 ulp off the member in 30% of the negative
+    values of a bfloat16 LeakyReLU or ELU with per-member slopes (probe 11 of issue 44, P11-8)."""
+    return _op(ctx, node, at_least_float32, x.node)
+
+
+def _elu_form(ctx: WidenContext, node: fx.Node, x: Wide, xf: fx.Node, alpha: Any, scale: Any, input_scale: Any,
               inplace: bool, grad_input_scale: Any = None) -> Wide:
-    """ATen's elu; ``grad_input_scale``: the input scale its gradient takes instead (celu's)."""
+    """ATen's elu on ``xf`` (``x`` in its compute dtype, :func:`_opmath`), returned in ``x``'s
+    dtype; ``grad_input_scale``: the input scale its gradient takes instead (celu's)."""
     # the negative branch on min(x, 0): where x > 0 its exp could overflow, and the gradient
     # where passes it (0 * inf) would be NaN where ATen's is finite
-    le = _op(ctx, node, aten.le.Scalar, x.node, 0)
-    neg_x = _op(ctx, node, aten.where.ScalarOther, le, x.node, 0.0)
+    le = _op(ctx, node, aten.le.Scalar, xf, 0)
+    neg_x = _op(ctx, node, aten.where.ScalarOther, le, xf, 0.0)
 
     def negative(s: Any) -> Any:
         return _mul(ctx, node, _op(ctx, node, aten.expm1.default, _mul(ctx, node, neg_x, s)), _mul(ctx, node, alpha, scale))
@@ -256,21 +267,23 @@ def _elu_form(ctx: WidenContext, node: fx.Node, x: Wide, alpha: Any, scale: Any,
         g = negative(grad_input_scale)  # finite: expm1 of a value <= 0, so g - g is 0
         neg = _op(ctx, node, aten.add.Tensor, _op(ctx, node, aten.detach.default, neg),
                   _op(ctx, node, aten.sub.Tensor, g, _op(ctx, node, aten.detach.default, g)))
-    out = _op(ctx, node, aten.where.self, le, neg, _mul(ctx, node, x.node, scale))
-    return _result(ctx, node, x, out, inplace)
+    out = _op(ctx, node, aten.where.self, le, neg, _mul(ctx, node, xf, scale))
+    return _result(ctx, node, x, _op(ctx, node, aten.type_as.default, out, x.node), inplace)
 
 
 @form(aten.elu.default, aten.elu_.default)
 def _elu(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     x = _input(ctx, node, a["self"])
-    s = {k: scalar(ctx, node, a[k], x.rank, like=x.node) for k in ("alpha", "scale", "input_scale")}
-    return _elu_form(ctx, node, x, s["alpha"], s["scale"], s["input_scale"], node.target is aten.elu_.default)
+    xf = _opmath(ctx, node, x)
+    s = {k: scalar(ctx, node, a[k], x.rank, like=xf) for k in ("alpha", "scale", "input_scale")}
+    return _elu_form(ctx, node, x, xf, s["alpha"], s["scale"], s["input_scale"], node.target is aten.elu_.default)
 
 
 @form(aten.celu.default, aten.celu_.default)
 def _celu(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     x = _input(ctx, node, a["self"])
-    alpha = scalar(ctx, node, a["alpha"], x.rank, like=x.node)
+    xf = _opmath(ctx, node, x)
+    alpha = scalar(ctx, node, a["alpha"], x.rank, like=xf)
     inv = _op(ctx, node, aten.reciprocal.default, alpha) if isinstance(alpha, fx.Node) else 1.0 / alpha
     grad_inv = None
     if isinstance(alpha, fx.Node) and _dtype(node) == torch.float64:
@@ -279,7 +292,7 @@ def _celu(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
         alpha32 = _op(ctx, node, aten._to_copy.default, _op(ctx, node, aten._to_copy.default, alpha, dtype=torch.float32),
                       dtype=torch.float64)
         grad_inv = _op(ctx, node, aten.reciprocal.default, alpha32)
-    return _elu_form(ctx, node, x, alpha, 1.0, inv, node.target is aten.celu_.default, grad_inv)
+    return _elu_form(ctx, node, x, xf, alpha, 1.0, inv, node.target is aten.celu_.default, grad_inv)
 
 
 # Note [Per-member gradients at non-finite constants]
