@@ -323,8 +323,9 @@ def _softplus(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     """ATen's softplus with a per-member beta or threshold: its value from the formula, its gradient
     as ATen's backward (Note [Per-member gradients at non-finite constants])."""
     x = _input(ctx, node, a["self"])
-    beta, threshold = (scalar(ctx, node, a[k], x.rank, like=x.node) for k in ("beta", "threshold"))
-    xb = _mul(ctx, node, x.node, beta)
+    xf = _opmath(ctx, node, x)  # float16/bfloat16 in float32, rounded once (probe 11, P11-8b: 10x the member's error)
+    beta, threshold = (scalar(ctx, node, a[k], x.rank, like=xf) for k in ("beta", "threshold"))
+    xb = _mul(ctx, node, xf, beta)
     above = _op(ctx, node, aten.gt.Tensor if isinstance(threshold, fx.Node) else aten.gt.Scalar, xb, threshold)
     # log1p(exp(.)) of the elements below the threshold only: above it exp could overflow
     below = _op(ctx, node, aten.detach.default, _op(ctx, node, aten.where.ScalarSelf, above, 0.0, xb))
@@ -333,11 +334,12 @@ def _softplus(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     slope = _op(ctx, node, aten.div.Tensor, z, _op(ctx, node, aten.add.Scalar, z, 1.0))
     slope = _op(ctx, node, aten.where.ScalarSelf, _op(ctx, node, aten.isinf.default, z), 1.0, slope)
     slope = _op(ctx, node, aten.where.ScalarSelf, above, 0.0, slope)
-    finite = _op(ctx, node, aten.where.ScalarOther, _op(ctx, node, aten.isfinite.default, x.node), x.node, 0.0)
+    finite = _op(ctx, node, aten.where.ScalarOther, _op(ctx, node, aten.isfinite.default, xf), xf, 0.0)
     zero = _op(ctx, node, aten.mul.Tensor, _op(ctx, node, aten.sub.Tensor, finite,
                                                _op(ctx, node, aten.detach.default, finite)), slope)
     soft = _op(ctx, node, aten.add.Tensor, soft, zero)
-    return Wide(_op(ctx, node, aten.where.self, above, x.node, soft), x.rank)
+    out = _op(ctx, node, aten.where.self, above, xf, soft)
+    return Wide(_op(ctx, node, aten.type_as.default, out, x.node), x.rank)
 
 
 # --- bounds: clamp, clamp_min, clamp_max, hardtanh -----------------------------------------
