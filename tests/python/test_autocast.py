@@ -158,29 +158,34 @@ _FLOAT32_STATE = {"gru": lambda: nn.GRU(4, 6, batch_first=True), "gru_2_layers_b
                   "lstm_cell": lambda: nn.LSTMCell(4, 6),
                   # ATen's composite LSTM (oneDNN has no projections): probe 11, P11-2, 3.7e-3 off before
                   "lstm_projections": lambda: nn.LSTM(4, 6, proj_size=3, batch_first=True),
-                  "lstm_projections_2_layers": lambda: nn.LSTM(4, 6, num_layers=2, proj_size=3)}
+                  "lstm_projections_2_layers": lambda: nn.LSTM(4, 6, num_layers=2, proj_size=3),
+                  # a step's rounding in 40-50% of the elements before (probe 11, P11-2 addendum)
+                  "rnn": lambda: nn.RNN(4, 6, batch_first=True),
+                  "rnn_relu_2_layers": lambda: nn.RNN(4, 6, num_layers=2, nonlinearity="relu"),
+                  "rnn_cell": lambda: nn.RNNCell(4, 6)}
 
 
+@pytest.mark.parametrize("input_dtype", [torch.float32, BF16], ids=["f32_input", "bf16_input"])
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("name", sorted(_FLOAT32_STATE))
-def test_recurrent_ops_with_a_float32_state_under_cpu_autocast_are_the_members_bit_for_bit(name, mode):
-    """Note [A float32 recurrent state under CPU autocast] (csrc/wide/ops/autocast.cpp): ATen's
-    CPU GRU and LSTM/GRU cells compute their gates in bfloat16 and carry a float32 state; the
-    wide model returns the members' values exactly, and their input and weight gradients (an
-    independent probe, P10-1: the wide kernel run in float32 was 5e-3 off; weight gradients
-    summed over time steps in float32 instead of the members' bfloat16 were 1e-2 off)."""
+def test_recurrent_ops_under_cpu_autocast_are_the_members_bit_for_bit(name, mode, input_dtype):
+    """Note [Recurrent ops under CPU autocast] (csrc/wide/ops/autocast.cpp): ATen's CPU GRU,
+    Elman RNNs, LSTM with projections and cells compute their gates in bfloat16 and carry a state
+    of its own dtype; the wide model returns the members' values exactly, and their input and
+    weight gradients (independent probes, P10-1: the wide kernel run in float32 was 5e-3 off;
+    weight gradients summed over time steps in float32 instead of the members' bfloat16 were 1e-2
+    off; P11-2: an LSTM with projections 3.7e-3; Elman RNNs a step's rounding)."""
     shape = (2, 5, 4) if "cell" not in name else (2, 4)
     members = make_members(_FLOAT32_STATE[name], 2)
     for m in members:
         m.train(mode == "train")
     wide = wc.compile(members, torch.randn(shape), config=FAST).train(mode == "train")
-    xs = (torch.randn(2, *shape) * 3).requires_grad_()
+    xs = (torch.randn(2, *shape) * 3).to(input_dtype).requires_grad_()
     leaves = [x.detach().clone().requires_grad_() for x in xs]
     with autocast():
         outs = tree_flatten(wide(xs))[0]  # the output and every final state
         refs = [tree_flatten(m(x))[0] for m, x in zip(members, leaves)]
     assert [t.dtype for t in outs] == [t.dtype for t in refs[0]]
-    assert torch.float32 in {t.dtype for t in outs}  # a float32 state
     sum(t.float().sum() for t in outs).backward()
     sum(t.float().sum() for ref in refs for t in ref).backward()
     for i, (m, ref) in enumerate(zip(members, refs)):

@@ -20,10 +20,10 @@
 //   group_norm, layer_norm, rms_norm, group_norm, layer_norm,   activation dtype    float32
 //   add_layer_norm, fused_norm,       rms_norm (of x + r)
 //   group_norm_nfirst, fused_group_norm
-//   rnn                               lstm, rnn_tanh/relu       lower precision      lower precision
-//                                     gru                       state dtype          lower precision
-//   rnn_cell                          rnn_tanh/relu_cell        lower precision      lower precision
-//                                     lstm_cell, gru_cell       state dtype          lower precision
+//   rnn                               lstm                      lower precision      lower precision
+//                                     gru, rnn_tanh/relu, lstm  per member           lower precision
+//                                     with projections
+//   rnn_cell                          every cell                per member           lower precision
 //
 // "lower precision": every floating argument is cast to the autocast dtype (float64 ones are
 // left alone), as ATen's lower_precision_fp policy. "float32": every floating argument is cast
@@ -34,14 +34,9 @@
 // back to the activation's dtype (for add_layer_norm / fused_norm the dtype of input + residual,
 // which type promotion gives in the member: a bfloat16 sublayer output plus a float32 residual
 // is float32 there). Running statistics are never cast: they are updated in place.
-// "state dtype": ATen's CPU GRU and LSTM/GRU cells compute the gates in lower precision but
-// carry the recurrent state in the dtype it came in (a float32 h0, or zeros of the input's
-// dtype), so their outputs are float32 for a float32 state and lower precision for a
-// lower-precision one. With a lower-precision state the wide op runs all in lower precision.
-// With a float32 state each member runs ATen's own op on its slice, under the autocast
-// (Note [A float32 recurrent state under CPU autocast]).
-// (ATen's CPU LSTM runs through mkldnn_rnn_layer, on the lower-precision list: all lower; with
-// projections, which oneDNN lacks, the cell state keeps its dtype and the projected h is lower.)
+// "per member": each member runs ATen's own op on its slice, under the autocast (Note [Recurrent
+// ops under CPU autocast]). (ATen's CPU LSTM without projections runs through mkldnn_rnn_layer,
+// on the lower-precision list: all lower, as the wide op.)
 // Ops with no entry here (embedding, embedding_bag: ATen does not cast them; layout, allocator
 // and optimizer ops) fall through to their kernels, as autocast does for every op by default.
 #include <ATen/autocast_mode.h>
@@ -49,6 +44,10 @@
 #include <ATen/ops/gru_cell.h>
 #include <ATen/ops/lstm.h>
 #include <ATen/ops/lstm_cell.h>
+#include <ATen/ops/rnn_relu.h>
+#include <ATen/ops/rnn_relu_cell.h>
+#include <ATen/ops/rnn_tanh.h>
+#include <ATen/ops/rnn_tanh_cell.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
@@ -113,13 +112,6 @@ std::vector<at::Tensor> cast(at::ScalarType to, at::TensorList ts) {
 
 bool is_float(const at::Tensor& t, DeviceType device) {
   return t.defined() && at::autocast::is_eligible(t, device);  // floating, not float64, on device
-}
-
-// The dtype a lower-precision-or-float32 value ends up in when it meets a state of dtype `state`
-// (ATen's recurrent cells: state - new_gate etc.): float32 wins, else lower precision.
-template <DeviceType D>
-at::ScalarType state_dtype(const at::Tensor& state) {
-  return is_float(state, D) && state.scalar_type() == at::kFloat ? at::kFloat : lower<D>();
 }
 
 // The activation dtype of a norm under the "activation dtype" policy, or nullopt when every
@@ -326,41 +318,29 @@ at::Tensor fused_norm(const at::Tensor& input, const OptTensor& residual, int64_
 
 // --- recurrent ops ---
 
-// The dtype a recurrent op runs in (Note [wide autocast]): lower precision, except where ATen's
-// CPU kernel carries the state in its own dtype (GRU, LSTM/GRU cells): then the state's (the
-// given h0 / c0, else the input's, of which the zeros are made) promoted with lower precision.
-template <DeviceType D>
-at::ScalarType recurrent_dtype(std::string_view mode, bool cell, const at::Tensor& input, at::TensorList hx) {
-  if constexpr (D != DeviceType::CPU) {
-    return lower<D>();
-  }
-  const bool carries_state = mode == "GRU" || (cell && mode == "LSTM");
-  if (!carries_state) return lower<D>();
-  // The carried state: GRU's h, the LSTM cell's c.
-  const size_t which = mode == "LSTM" ? 1 : 0;
-  return state_dtype<D>(hx.size() > which ? hx[which] : input);
-}
-
-// Note [A float32 recurrent state under CPU autocast]
-// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// ATen's CPU GRU and LSTM/GRU cells under autocast run their gate GEMMs through at::linear,
-// which autocast casts: the gates come out in lower precision, are combined in lower precision
-// in place, and meet the float32 state only in the last update (h' = (h - n) * z + n). The wide
-// kernels compute the gates with one batched GEMM and their own fusion of the bias and the
-// update, so run in float32 they return float32 values that differ from the member's by the
-// gates' lower-precision rounding (GRU, 2 members: 5e-3, found by an independent probe), and
-// run in lower precision they would round the state. So with a float32 state each member runs
-// ATen's own op (at::gru, at::gru_cell, at::lstm_cell; and at::lstm with projections, which runs
-// ATen's composite LSTM whatever the state) on its slice with the autocast left on: the member's
-// own computation, cast for cast; autograd records it as for the member. A member's
+// Note [Recurrent ops under CPU autocast]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// ATen's CPU GRU, Elman RNN, LSTM with projections and every cell under autocast run their gate
+// GEMMs through at::linear, which autocast casts: the gates come out in lower precision, are
+// combined in lower precision in place, and meet a float32 state only in the last update
+// (GRU: h' = (h - n) * z + n). The wide kernels compute the gates with one batched GEMM and their
+// own fusion of the bias and the update, so run in float32 they returned values off the member's
+// by the gates' lower-precision rounding (GRU, 2 members: 5e-3; LSTM with projections: 3.7e-3),
+// and run in lower precision a step's rounding in 40-50% of the elements (Elman RNNs, cells'
+// gradients; independent probes 10 and 11 of issue 44). So on the CPU each member runs ATen's own
+// op (at::gru, at::rnn_tanh/relu, at::lstm with projections, at::*_cell) on its slice with the
+// autocast left on: the member's own computation, cast for cast; autograd records it as for the
+// member. A member's
 // float32 parameters are leaves whose lower-precision casts autocast caches, so the gradient of a
 // weight used at every time step is summed in lower precision before its one cast back: each
 // member's slice of a stacked weight (a view, which autocast does not cache) is cast once here
 // for the same sums (without it the GRU's weight gradients differed by 1e-2), and so is an input
 // the member's autocast would cache. (Slower than the
-// fused time loop: exact first. A lower-precision state runs the wide kernel.)
+// fused time loop: exact first. ATen's LSTM without projections runs all in lower precision
+// through oneDNN, as the wide kernel does: that one stays fused.)
 template <DeviceType D>
-std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_per_member(bool lstm, const at::Tensor& input, at::TensorList hx,
+std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_per_member(std::string_view mode, const at::Tensor& input,
+                                                               at::TensorList hx,
                                                                at::TensorList params, int64_t num_layers,
                                                                bool bidirectional, bool batch_first, double dropout,
                                                                bool train, bool has_biases, int64_t proj_size) {
@@ -371,7 +351,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_per_member(bool lstm, const 
                             !input.is_view() && input.scalar_type() == at::kFloat;
   // nn.LSTM's / nn.GRU's zeros when no state is given: [layers * directions, batch, size], the input's dtype
   const c10::SymInt layers = num_layers * (bidirectional ? 2 : 1);
-  const c10::SymInt hidden = params[0].sym_size(1) / (lstm ? 4 : 3);  // w_ih_l0 [N, G*H, I]
+  const bool lstm = mode == "LSTM";
+  const c10::SymInt hidden = params[0].sym_size(1) / (lstm ? 4 : mode == "GRU" ? 3 : 1);  // w_ih_l0 [N, G*H, I]
   const c10::SymInt h_size = proj_size > 0 ? c10::SymInt(proj_size) : hidden;
   std::vector<at::Tensor> outputs;
   std::vector<std::vector<at::Tensor>> states(lstm ? 2 : 1);
@@ -396,8 +377,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_per_member(bool lstm, const 
       states[0].push_back(h_n);
       states[1].push_back(c_n);
     } else {
-      auto [o, h_n] = at::gru(x, state(0, hidden), ps, has_biases, num_layers, dropout, train, bidirectional,
-                              batch_first);
+      using Single = std::tuple<at::Tensor, at::Tensor> (*)(const at::Tensor&, const at::Tensor&, at::TensorList,
+                                                            bool, int64_t, double, bool, bool, bool);
+      const Single single = mode == "GRU"        ? static_cast<Single>(&at::gru)
+                            : mode == "RNN_TANH" ? static_cast<Single>(&at::rnn_tanh)
+                                                 : static_cast<Single>(&at::rnn_relu);
+      auto [o, h_n] = single(x, state(0, hidden), ps, has_biases, num_layers, dropout, train, bidirectional,
+                             batch_first);
       outputs.push_back(o);
       states[0].push_back(h_n);
     }
@@ -409,7 +395,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn_per_member(bool lstm, const 
 
 std::vector<at::Tensor> cell_per_member(const at::Tensor& input, at::TensorList hx, const at::Tensor& w_ih,
                                         const at::Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
-                                        bool lstm) {
+                                        std::string_view mode) {
+  const bool lstm = mode == "LSTM";
   const int64_t members = input.size(0);
   const bool batched = input.dim() == 3;  // [N, B, I], else [N, I]: the cell's own unsqueeze and squeeze
   std::vector<at::Tensor> hs, cs;
@@ -426,7 +413,10 @@ std::vector<at::Tensor> cell_per_member(const at::Tensor& input, at::TensorList 
       hs.push_back(batched ? h : h.squeeze(0));
       cs.push_back(batched ? c : c.squeeze(0));
     } else {
-      const at::Tensor h = at::gru_cell(x, state(0), w_ih.select(0, i), w_hh.select(0, i), bi, bh);
+      const at::Tensor w_i = w_ih.select(0, i), w_h = w_hh.select(0, i);
+      const at::Tensor h = mode == "GRU"        ? at::gru_cell(x, state(0), w_i, w_h, bi, bh)
+                           : mode == "RNN_TANH" ? at::rnn_tanh_cell(x, state(0), w_i, w_h, bi, bh)
+                                                : at::rnn_relu_cell(x, state(0), w_i, w_h, bi, bh);
       hs.push_back(batched ? h : h.squeeze(0));
     }
   }
@@ -441,16 +431,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn(const at::Tensor& input, at:
                                                     int64_t num_layers, bool bidirectional, bool batch_first,
                                                     double dropout, bool train, bool has_biases,
                                                     int64_t proj_size, std::string_view strategy) {
-  if (D == DeviceType::CPU && ((mode == "GRU" && recurrent_dtype<D>(mode, /*cell=*/false, input, hx) == at::kFloat) ||
-                                (mode == "LSTM" && proj_size > 0))) {
-    // Note [A float32 recurrent state under CPU autocast]: the autocast stays on. (oneDNN has no
-    // projections: ATen's composite LSTM runs there, its gates and projections in lower precision,
-    // its cell state in the state's dtype, as the GRU's.)
-    return rnn_per_member<D>(mode == "LSTM", input, hx, params, num_layers, bidirectional, batch_first, dropout, train,
+  if (D == DeviceType::CPU && !(mode == "LSTM" && proj_size == 0)) {
+    // Note [Recurrent ops under CPU autocast]: the autocast stays on
+    return rnn_per_member<D>(mode, input, hx, params, num_layers, bidirectional, batch_first, dropout, train,
                              has_biases, proj_size);
   }
   NoAutocast<D> guard;
-  const auto to = recurrent_dtype<D>(mode, /*cell=*/false, input, hx);
+  const auto to = lower<D>();
   return wide::rnn(cast<D>(to, input), cast<D>(to, hx), cast<D>(to, params), mode, num_layers, bidirectional,
                    batch_first, dropout, train, has_biases, proj_size, strategy);
 }
@@ -459,12 +446,11 @@ template <DeviceType D>
 std::vector<at::Tensor> rnn_cell(const at::Tensor& input, at::TensorList hx, const at::Tensor& w_ih,
                                  const at::Tensor& w_hh, const OptTensor& b_ih, const OptTensor& b_hh,
                                  std::string_view mode) {
-  const auto to = recurrent_dtype<D>(mode, /*cell=*/true, input, hx);
-  if (D == DeviceType::CPU && (mode == "GRU" || mode == "LSTM") && to == at::kFloat) {
-    // Note [A float32 recurrent state under CPU autocast]: the autocast stays on
-    return cell_per_member(input, hx, w_ih, w_hh, b_ih, b_hh, mode == "LSTM");
+  if (D == DeviceType::CPU) {  // Note [Recurrent ops under CPU autocast]: the autocast stays on
+    return cell_per_member(input, hx, w_ih, w_hh, b_ih, b_hh, mode);
   }
   NoAutocast<D> guard;
+  const auto to = lower<D>();
   return wide::rnn_cell(cast<D>(to, input), cast<D>(to, hx), cast<D>(to, w_ih), cast<D>(to, w_hh),
                         cast<D>(to, b_ih), cast<D>(to, b_hh), mode);
 }

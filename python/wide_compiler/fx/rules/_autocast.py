@@ -23,7 +23,8 @@ __all__ = ["listed", "AsATenOp", "NormResult", "at_least_float32", "POLICIES", "
 LOWER = "lower precision"  # every floating argument cast to the autocast dtype (linear, conv, SDPA)
 ACTIVATION = "activation dtype"  # ATen does not cast; computed in float32, returned in the input's dtype
 FLOAT32_ON_CUDA = "activation dtype on CPU, float32 on CUDA"  # ATen's CUDA fp32 list (layer/group/rms norm)
-BY_MODE = "lower precision; on CPU the state's dtype for GRU and the LSTM/GRU cells"  # recurrent ops
+# recurrent ops (Note [Recurrent ops under CPU autocast] in csrc/wide/ops/autocast.cpp)
+BY_MODE = "lower precision; on CPU ATen's own op per member, but for an LSTM without projections"
 NOT_CAST = "not cast"  # no autocast kernel: the op runs on its arguments as they are (embedding, layout)
 POLICIES = (LOWER, ACTIVATION, FLOAT32_ON_CUDA, BY_MODE, NOT_CAST)
 

@@ -24,8 +24,9 @@ from ._autocast import BY_MODE
 
 aten = torch.ops.aten
 wide = torch.ops.wide
-# Under torch.autocast (Note [wide autocast]), as ATen runs each mode: lower precision, except on
-# CPU where GRU and the LSTM/GRU cells carry the state in the dtype it came in.
+# Under torch.autocast (Note [wide autocast]), as ATen runs each mode: lower precision, and on the
+# CPU ATen's own op per member, exact, but for an LSTM without projections (Note [Recurrent ops
+# under CPU autocast] in csrc/wide/ops/autocast.cpp).
 AUTOCAST = {"rnn": BY_MODE, "rnn_cell": BY_MODE}
 
 _MODES = {aten.lstm.input: "LSTM", aten.gru.input: "GRU", aten.rnn_tanh.input: "RNN_TANH",
