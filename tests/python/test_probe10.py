@@ -607,3 +607,27 @@ def test_a_low_precision_activation_with_per_member_slopes_is_bit_exact(act, dty
             assert torch.equal(x.grad[i], xi.grad)
         else:
             torch.testing.assert_close(x.grad[i], xi.grad)
+
+
+def test_a_float64_failure_leads_with_the_judgement_that_failed(monkeypatch):
+    """P12-1 (probe 12): where both float64 judgements fail, the message led with the fixed
+    table's, which named member 0 at an error within its own float64 rounding, and put the
+    defective member 1 in a trailing parenthesis. It now leads with the own-rounding judgement."""
+    real = wc.testing.wide_compile
+
+    def broken_compile(*args, **kwargs):
+        wide = real(*args, **kwargs)
+        wide.get_parameter("conv1.weight").register_hook(
+            lambda g: torch.cat([g[:1], g[1:] * (1 + 1e-4)]))  # member 1's gradient a little off
+        return wide
+
+    from wide_compiler import zoo
+
+    monkeypatch.setattr(wc.testing, "wide_compile", broken_compile)
+    torch.manual_seed(0)  # member 0's float64 gradient is outside the 1e-10 table: rounding, BatchNorm over 2 images
+    members = [zoo.ResNet18(width=8, classes=5).double() for _ in range(2)]
+    with pytest.raises(AssertionError) as info:
+        wc.testing.check_compile(members, torch.randn(2, 3, 32, 32, dtype=torch.float64), config=FAST,
+                                 modes=("train",), shared=(False,))
+    first = str(info.value).splitlines()[0]
+    assert "member 1 differs" in first and "member 0" not in first.split("member 1 differs")[0], first

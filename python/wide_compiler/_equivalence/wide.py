@@ -83,8 +83,9 @@ def _table_then_own_rounding(table: Callable[[], None], own: Callable[[], Any]) 
     except AssertionError as first:
         try:
             return own()
-        except AssertionError as second:
-            raise AssertionError(f"{first}\n(and beyond the members' own float64 rounding: {second})") from None
+        except AssertionError as second:  # the judgement that failed first: the table's may name a member within noise
+            raise AssertionError(f"{second}\n(the fixed float64 table, which the members' own rounding overrules: "
+                                 f"{first})") from None
     return None
 
 
