@@ -3,6 +3,8 @@ that failed before its fix (P10-1, a recurrent op under CPU autocast, is in test
 from __future__ import annotations
 
 import copy
+import math
+import warnings
 
 import pytest
 import torch
@@ -631,3 +633,57 @@ def test_a_float64_failure_leads_with_the_judgement_that_failed(monkeypatch):
                                  modes=("train",), shared=(False,))
     first = str(info.value).splitlines()[0]
     assert "member 1 differs" in first and "member 0" not in first.split("member 1 differs")[0], first
+
+
+# -- probe 12 ------------------------------------------------------------------------------------
+class _PerCount(nn.Module):
+    def __init__(self, width: int, how: str) -> None:
+        super().__init__()
+        self.lin, self.how = nn.Linear(6, width), how
+
+    def forward(self, x):
+        h = self.lin(x)
+        count = h.numel() if self.how == "numel" else math.prod(h.shape)
+        return h.sum(-1, keepdim=True) / count
+
+
+@pytest.mark.parametrize("how", ["numel", "prod"])
+def test_a_padded_count_read_as_a_value_is_refused(how):
+    """P12-5: pad=True divided every member by the padded tensor's numel() (7/4 of the smallest
+    member's own, silently): a size that differs between members, computed with the dynamic
+    batch, is taken at the largest member's value, right for a view's shape but not for a value."""
+    members = [_PerCount(w, how) for w in (4, 7, 6)]
+    with pytest.raises(wc.UnsupportedOperationError, match="read as a value"):
+        wc.compile(members, torch.randn(3, 5, 6), pad=True, config=FAST)
+
+
+@pytest.mark.parametrize("op", ["mask", "nonzero"])
+def test_a_data_dependent_size_with_the_default_config_is_not_an_internal_error(op):
+    """P12-3: a forward with a size only the data gives (h[h > 0], nonzero) compiled with the
+    default config failed in the member-tile pass with an internal TypeError (an unbacked size has
+    no sample value); it compiles as with fast(), and a call whose members get different sizes
+    is refused clearly."""
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h[h > 0].sum() if op == "mask" else h[torch.nonzero(x[:, 0] > 0).squeeze(1)].sum()
+
+    members = [Masked() for _ in range(3)]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the per-member fallback's
+            wide = wc.compile(copy.deepcopy(members), torch.randn(4, 6))
+    except (wc.ArchitectureMismatchError, wc.UnsupportedOperationError):
+        return  # refused clearly (the member check saw the sizes differ)
+    x = torch.randn(3, 4, 6)
+    try:
+        out = wide(x)
+    except RuntimeError as e:  # the members' sizes differ on this call: said so
+        assert "different sizes" in str(e)
+    else:
+        for i, m in enumerate(members):
+            torch.testing.assert_close(out[i], m(x[i]))

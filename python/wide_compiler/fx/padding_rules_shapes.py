@@ -14,6 +14,7 @@ import torch
 from torch import fx
 
 from .padding_layouts import Prefer, prefix, same_layout
+from .source import source_line
 
 if TYPE_CHECKING:
     from .padding_pass import Padder
@@ -179,6 +180,10 @@ def _view_like(p: Padder, node: fx.Node) -> None:
         node.args = (x, saved[1], list(p.max_shape(node)[dim: dim + len(saved[2])]), *saved[3:])
 
 
+# the ops that read a size computed by size_arith as a shape (its padded value is right there)
+_SHAPE_READERS = frozenset({"view", "reshape", "_unsafe_view", "expand", "unflatten", "zeros", "new_zeros", "sym_size"})
+
+
 def size_arith(p: Padder, node: fx.Node) -> None:
     """A size computed in Python from a number that differs between members, as attention's
     ``batch * num_heads``: a product of a dynamic size and a member's number uses the largest
@@ -189,6 +194,12 @@ def size_arith(p: Padder, node: fx.Node) -> None:
     k = next((t for t, a in enumerate(node.args) if isinstance(a, int)), None)
     if k is None or not isinstance(node.args[1 - k], fx.Node):
         p.refuse(node, "a product of two sizes that both differ between members")
+    for user in node.users:  # the largest number is right for a shape only, not for a value (P12-5)
+        name = getattr(getattr(user.target, "overloadpacket", None), "__name__", None)
+        if name not in _SHAPE_READERS and getattr(user.target, "__module__", None) not in ("_operator", "operator"):
+            p.refuse(node, f"a size that differs between members (a count: numel(), a product of sizes) is read as a "
+                           f"value by {user.target} at {source_line(user)}, where padding would give every member "
+                           "the largest")
     args = list(node.args)
     args[k] = max(nodes[p.pos[node]].args[k] for nodes in p.nodes)
     node.args = tuple(args)

@@ -93,6 +93,8 @@ def _largest_activation(ep: Any) -> int:
     for node in ep.graph.nodes:
         val = node.meta.get("val")
         if node.op == "call_function" and isinstance(val, torch.Tensor):
+            if any(isinstance(s, torch.SymInt) and s.node.hint is None for s in val.shape):
+                continue  # a size only the data gives (h[h > 0], nonzero): no sample size (probe 12, P12-3)
             numel = math.prod(int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in val.shape)
             largest = max(largest, numel * val.element_size())
     return largest
