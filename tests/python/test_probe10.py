@@ -687,3 +687,21 @@ def test_a_data_dependent_size_with_the_default_config_is_not_an_internal_error(
     else:
         for i, m in enumerate(members):
             torch.testing.assert_close(out[i], m(x[i]))
+
+
+class _TensorOfSize(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, width)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h / torch.tensor(h.shape[-1]).sqrt()
+
+
+def test_a_padded_tensor_made_from_a_size_is_refused():
+    """P12-7: ``torch.tensor(h.shape[-1])`` of a padded size became a lifted constant holding
+    member 0's size for every member (0.16-0.31 off, silently); refused, naming the line."""
+    members = [_TensorOfSize(w) for w in (4, 8, 6)]
+    with pytest.raises(wc.UnsupportedOperationError, match="a tensor made in the forward from a number"):
+        wc.compile(members, torch.randn(3, 6), pad=True, config=FAST)

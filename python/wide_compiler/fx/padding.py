@@ -117,6 +117,36 @@ def _capture_member(i: int, model: nn.Module, training: bool, args: tuple, kwarg
         raise
 
 
+def _refuse_differing_constants(eps: Sequence[Any]) -> None:
+    """A tensor made in the forward from a number (``torch.tensor(h.shape[-1])``, ``h.new_tensor(d)``)
+    is a lifted constant of each member's capture; the padded program holds member 0's, so one that
+    differs between members is refused, naming where it is read (probe 12 of issue 44, P12-7: every
+    member divided by member 0's head dim, silently)."""
+    from torch.export.graph_signature import InputKind
+
+    from .source import source_line
+
+    names = {spec.target: spec.arg.name for spec in eps[0].graph_signature.input_specs
+             if spec.kind == InputKind.CONSTANT_TENSOR}
+    for target, mine in eps[0].constants.items():
+        if not isinstance(mine, torch.Tensor):
+            continue
+        for i, ep in enumerate(eps[1:], start=1):
+            theirs = ep.constants.get(target)
+            if isinstance(theirs, torch.Tensor) and theirs.shape == mine.shape and theirs.dtype == mine.dtype and \
+                    bool(((theirs == mine) | (theirs != theirs) & (mine != mine)).all()):  # NaN as NaN
+                continue
+            node = next((n for n in eps[0].graph.nodes if n.op == "placeholder" and n.name == names.get(target)), None)
+            where = source_line(next(iter(node.users))) if node is not None and node.users else "in the forward"
+            raise UnsupportedOperationError(
+                f"wide_compiler: pad=True: member {i}: a tensor made in the forward from a number ({where}) holds "
+                f"{theirs.tolist() if isinstance(theirs, torch.Tensor) and theirs.numel() < 9 else 'other values'} where "
+                f"member 0's holds {mine.tolist() if mine.numel() < 9 else 'its own'} (a size that differs between "
+                "members, such as torch.tensor(h.shape[-1])): the padded program would give every member member 0's. "
+                "Compute it with Python numbers (math.sqrt(d)) or from the tensor itself, or compile the members in "
+                "groups of one size (the router does)")
+
+
 def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = None
                 ) -> tuple[list[PaddedMember], PadInfo] | None:
     """The padded members of a population whose sizes differ (Note [Padded members]), and what
@@ -155,6 +185,7 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
     batch = {k: frozenset({0}) for k, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.dim() >= 1}
     for training in (True, False):
         eps = [_capture_member(i, m, training, args, kwargs, batch) for i, m in enumerate(models)]
+        _refuse_differing_constants(eps)
         assumptions[training] = Assumptions.of(eps[0].module(), eps, models[0].forward)
         state_guards[training] = _state_guards(eps[0], models[0], args, kwargs, len(models))
         try:  # each guard reads only the forward's arguments (L['x'].size()[0] % 2 == 0)
