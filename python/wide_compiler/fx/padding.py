@@ -56,11 +56,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.export.graph_signature import InputKind
 from torch.utils._pytree import tree_flatten
 
 from ..errors import ArchitectureMismatchError, UnsupportedOperationError, WideCompileError
 from ..registry import registered_paths, registered_wide_form
 from .capture import capture
+from .constants import _same_tensor
 from .hook_writes import refuse_writing_hooks
 from .member_checks import check_modes
 # a padded model pickled before fx/padded_members.py was split out of this module names these classes
@@ -69,6 +71,7 @@ from .member_checks import check_modes
 from .padded_members import Assumptions, OutsidePaddedProgram, PaddedMember, PadInfo
 from .padding_layouts import Prefer
 from .padding_pass import Padder
+from .source import source_line
 
 __all__ = ["pad_members"]
 
@@ -122,10 +125,6 @@ def _refuse_differing_constants(eps: Sequence[Any]) -> None:
     is a lifted constant of each member's capture; the padded program holds member 0's, so one that
     differs between members is refused, naming where it is read (probe 12 of issue 44, P12-7: every
     member divided by member 0's head dim, silently)."""
-    from torch.export.graph_signature import InputKind
-
-    from .source import source_line
-
     names = {spec.target: spec.arg.name for spec in eps[0].graph_signature.input_specs
              if spec.kind == InputKind.CONSTANT_TENSOR}
     for target, mine in eps[0].constants.items():
@@ -133,8 +132,7 @@ def _refuse_differing_constants(eps: Sequence[Any]) -> None:
             continue
         for i, ep in enumerate(eps[1:], start=1):
             theirs = ep.constants.get(target)
-            if isinstance(theirs, torch.Tensor) and theirs.shape == mine.shape and theirs.dtype == mine.dtype and \
-                    bool(((theirs == mine) | (theirs != theirs) & (mine != mine)).all()):  # NaN as NaN
+            if isinstance(theirs, torch.Tensor) and _same_tensor(theirs, mine):
                 continue
             node = next((n for n in eps[0].graph.nodes if n.op == "placeholder" and n.name == names.get(target)), None)
             where = source_line(next(iter(node.users))) if node is not None and node.users else "in the forward"
@@ -159,8 +157,9 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
     shapes = [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in models]
     if all(s == shapes[0] for s in shapes):
         return None
-    for path in registered_paths(models[0]):  # a module run whole, by its wide form (probe 11, P11-1)
-        module = models[0].get_submodule(path)
+    whole = next(iter(registered_paths(models[0])), None)  # a module run whole, by its wide form (probe 11, P11-1)
+    if whole is not None:
+        path, module = whole, models[0].get_submodule(whole)
         raise UnsupportedOperationError(
             f"wide_compiler: pad=True: the module {path!r} ({type(module).__name__}) runs whole, through its wide "
             f"form {registered_wide_form(module).__name__} (a module export cannot capture, such as BatchNorm "
