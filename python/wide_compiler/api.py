@@ -19,9 +19,10 @@ from ._equivalence.draws import fixed_draws
 from .config import WideConfig
 from .errors import ValidationError, WideCompileError
 from .fx.padding import pad_members
-from .fx.pipeline import compile_members
+from .fx.pipeline import aliases, compile_members, stack_members
 from .layouts import layout_of, tag_layout
 from .model import WideModel, outside_inference_mode
+from .model_deferred import deferred_members
 from .padded import PaddedWideModel
 
 __all__ = ["WideBuilder", "compile", "pack", "stack", "unpack", "unstack"]
@@ -245,8 +246,14 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
             originals, (members, info) = members, padded
         # Compile (the pipeline of fx/pipeline.py: checks, capture, widen, strategies, the stacked
         # state), then hold the result in the model.
-        wide = WideModel._from_compilation(compile_members(members, args, sample_kwargs, config=config,
-                                                           dynamic_shapes=dynamic_shapes))
+        # Note [Running the members until compiling pays] (model_deferred.py): no capture yet
+        stacked = (stack_members(members, args, sample_kwargs, config=config, dynamic_shapes=dynamic_shapes)
+                   if config.defer and padded is None and not config.validate and not compile_model else None)
+        if stacked is not None:
+            wide = WideModel._from_compilation(stacked, deferred=deferred_members(members, aliases))
+        else:
+            wide = WideModel._from_compilation(compile_members(members, args, sample_kwargs, config=config,
+                                                               dynamic_shapes=dynamic_shapes))
         if padded is not None:
             wide = PaddedWideModel._padded(wide, info, originals)
         note_wide_parameters(wide)  # Note [torch's norm clipping over a wide model] (torch_guards.py)

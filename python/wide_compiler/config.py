@@ -86,6 +86,14 @@ class WideConfig:
             small run faster in chunks whose activations stay in cache); the last chunk may be
             smaller. None (the default): measured at compile time when ``tune`` is on, on a CPU,
             and kept only when faster by more than ``tune_margin``; 0: never; k >= 1: always, by k.
+        defer: compile without capturing: each member runs its own program on its slices of the
+            stacked weights (exact by construction) until compiling a mode's graph pays, judged from
+            the calls the run still expects (:meth:`~wide_compiler.WideModel.expect_calls`, which the
+            Lightning and transformers integrations call from their trainers' step counts; without
+            it the first call compiles). For short runs, where a capture costs more than fusing
+            saves (Note [Running the members until compiling pays] in model_deferred.py). Members
+            with per-member constants or registered wide forms, one member, ``pad``, ``validate``
+            and ``compile_model`` compile at once.
 
     Example:
         >>> import wide_compiler as wc
@@ -111,6 +119,7 @@ class WideConfig:
     atol: float = 1e-5
     member_tile: int | None = None
     compile_cache: bool = True
+    defer: bool = False
 
     def __post_init__(self) -> None:
         tile = self.member_tile
@@ -121,6 +130,8 @@ class WideConfig:
         if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
             raise ValueError(f"WideConfig.tune_after_runs: expected None (after the graph's first runs), 0 (at "
                              f"compile time) or a number of runs >= 1, got {after!r}")
+        if not isinstance(self.defer, bool):
+            raise ValueError(f"WideConfig.defer: expected True or False, got {self.defer!r}")
         known = known_strategies()
         if self.strategy not in known:
             raise ValueError(f"WideConfig.strategy: expected one of {sorted(known)}, got {self.strategy!r}")

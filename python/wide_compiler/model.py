@@ -41,6 +41,7 @@ from .layouts import _LAYOUT_ATTR, PackedWideModel, _any_packed, layout_of, tag_
 from .members import MemberOpsMixin
 from .model_calls import CallGraphsMixin, traced_here
 from .model_constants import MemberConstantsMixin
+from .model_deferred import Deferred, DeferredCompileMixin
 from .model_export import DeploymentMixin
 from .model_inspection import InspectionMixin
 from .model_tuning import DeferredTuningMixin, defer_tuning, pending_runs
@@ -158,7 +159,7 @@ def _global_hooks_on(module: types.ModuleType = sys.modules[nn.Module.__module__
 
 
 class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, InspectionMixin, DeploymentMixin,
-                DeferredTuningMixin,
+                DeferredTuningMixin, DeferredCompileMixin,
                 nn.Module):
     """N models of one architecture fused into one: member ``i`` of every input and output is
     model ``i``'s. Built by :func:`wide_compiler.compile`.
@@ -193,16 +194,19 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         self._hold(compile_members(models, sample_args, sample_kwargs, config=config, dynamic_shapes=dynamic_shapes))
 
     @classmethod
-    def _from_compilation(cls, c: Compilation) -> WideModel:
+    def _from_compilation(cls, c: Compilation, *, deferred: Deferred | None = None) -> WideModel:
         """The wide model of a first compilation (:func:`~wide_compiler.fx.pipeline.compile_members`,
-        run with the members: ``c.state`` holds their stacked tensors)."""
+        run with the members: ``c.state`` holds their stacked tensors; or with ``deferred``,
+        :func:`~wide_compiler.fx.pipeline.stack_members`: no graph yet)."""
         wide = cls.__new__(cls)
         super(WideModel, wide).__init__()
-        wide._hold(c)
+        wide._hold(c, deferred=deferred)
         return wide
 
-    def _hold(self, c: Compilation) -> None:
-        """Take the wide state (installed under the members' names) and the graph of ``c``."""
+    def _hold(self, c: Compilation, *, deferred: Deferred | None = None) -> None:
+        """Take the wide state (installed under the members' names) and the graph of ``c``; with
+        ``deferred``, ``c`` has no graph and the members run their own programs until one is
+        compiled (Note [Running the members until compiling pays] in model_deferred.py)."""
         template = c.members[0]
         self.n = c.n
         # Hidden from nn.Module registration: a structural copy of member 0 (for unfuse and for
@@ -248,7 +252,10 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
             self._install(name, p)
         for name, b in c.state.buffers.items():
             self._install(name, b, persistent=name not in c.state.non_persistent)
-        self._adopt(c)
+        if deferred is None:
+            self._adopt(c)
+        else:
+            self._deferred = deferred
         self._note_dtype()
         self.train(template.training)
 
@@ -284,6 +291,9 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         clear_fold_cache(list(self.parameters()))
         self._constants_seen.clear()
         out = super()._apply(fn, recurse)
+        deferred = self.__dict__.get("_deferred")
+        for m in deferred.members if deferred is not None else ():  # checked at the first compile, as the model is
+            m._apply(fn, recurse)
         for name, was in constants.items():
             path, _, attr = name.rpartition(".")
             holder = root.get_submodule(path) if path else root
@@ -311,8 +321,11 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
                 if t.is_floating_point():
                     t.data = t.data.to(after)
             object.__setattr__(self, "_sample", tree_map(cast, self._sample))
+            had_graphs = bool(self._graphs)
             for key in ("_graphs", "_variants", "_ranges", "_holder_plans", "_constants_seen"):
                 self.__dict__[key].clear()
+            if not had_graphs:  # deferred (Note [Running the members until compiling pays]): nothing to capture again
+                return
             mode = "train" if self.training else "eval"
             log.info("wide_compiler: the parameters went from %s to %s: capturing the %s graph again in %s",
                      before, after, mode, after)
@@ -396,14 +409,26 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         """Run the compiler pipeline (fx/pipeline.py) for one train/eval mode, on this model's state."""
         if training and self.__dict__.get("_parameter_hooks"):  # Note [Hooks on a member's parameters]
             raise UnsupportedOperationError(self._parameter_hooks)
-        ref = next(self.parameters(), None)
         self._constants_now()  # Note [Constants the members hold now] (model_constants.py)
-        return run_cached(Compilation(  # Note [The compile cache] (fx/compile_cache.py)
-            self._capture_template[0].train(training), self._sample, self.n, self._config,
+        c = self._compilation(training)
+        c = run_cached(c)  # Note [The compile cache] (fx/compile_cache.py)
+        if c.members is not None:
+            self._deferred.checked = True
+        return c
+
+    def _compilation(self, training: bool) -> Compilation:
+        """The compilation of one train/eval mode on this model's state; with the members (checked
+        by the pipeline) at the first compile of a deferred model (Note [Running the members until
+        compiling pays] in model_deferred.py)."""
+        ref = next(self.parameters(), None)
+        d = self.__dict__.get("_deferred")
+        members = None if d is None or d.checked else [m.train(training) for m in d.members]
+        return Compilation(
+            self._capture_template[0].train(training), self._sample, self.n, self._config, members=members,
             dynamic_shapes=self._dynamic_shapes, opaque_paths=self._capture_template[1],
             dtype=ref.dtype if ref is not None else None, device=ref.device if ref is not None else None,
             constants=self.__dict__.get("_constants"), earlier_constants=self._earlier_constants(),
-            extra_dims=dict(self._extra_dims), state=self._live_state()))
+            extra_dims=dict(self._extra_dims), state=self._live_state())
 
     def _own_constant_names(self, c: Compilation) -> None:
         """A lifted constant of ``c``'s graph that has the name of one this model holds for another
@@ -481,7 +506,8 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         """Switch to the train (``mode=True``) or eval graph; the graph of a mode is captured and
         widened on the first switch to it, here rather than inside a later forward (so a forward
         under ``torch.compile(fullgraph=True)`` never has to capture)."""
-        if "_graphs" in self.__dict__ and self._graphs:  # constructed (not inside __init__/unpickling)
+        if "_graphs" in self.__dict__ and self._graphs and "_deferred" not in self.__dict__:
+            # constructed (not inside __init__/unpickling), and not deferred (its forward decides)
             self._graph_for(mode)  # raises (with the mode unchanged) if that graph cannot be built
         return super().train(mode)
 
@@ -493,6 +519,9 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._constants_now()  # Note [Constants the members hold now] (model_constants.py)
+        deferred, out = self._call_deferred(args, kwargs)  # Note [Running the members until compiling pays]
+        if deferred:
+            return out
         covering = self._graph_covering(self.training, args, kwargs)
         if covering is None:
             return self.packed(*args, **kwargs)  # wide(wc.pack(xs)): WideCompiler 0.x's convention

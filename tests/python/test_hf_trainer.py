@@ -299,7 +299,8 @@ def test_one_capture_per_mode_for_the_loops_inputs(tmp_path, monkeypatch):
     monkeypatch.setattr(model_module, "run_cached", counted)  # the model's (the other mode's graph)
     train, evals = _data(16, 0), _data(6, 1)
     args = _args(tmp_path, max_steps=2, learning_rate=1e-2)
-    wide = WideTrainer(model=[_member(i) for i in range(2)], args=args, train_dataset=train, eval_dataset=evals)
+    wide = WideTrainer(model=[_member(i) for i in range(2)], args=args, train_dataset=train, eval_dataset=evals,
+                       wide_config=wc.WideConfig.fast())  # compiled at once (not deferred)
     wide.train()
     metrics = wide.evaluate()
     assert sorted(compiled) == [False, True] and len(wide.model._graphs) == 1, compiled
@@ -337,3 +338,28 @@ def test_a_positional_device_runs_on_meta_tensors(monkeypatch):
     assert not ran
     xs, masks = torch.randn(2, 3, 4), torch.tensor([[1, 0, 1], [0, 1, 1]])
     torch.testing.assert_close(wide(xs, masks), torch.stack([m(xs[i], masks[i]) for i, m in enumerate(models)]))
+
+
+@pytest.mark.parametrize("switch", [False, True])
+def test_a_short_run_never_compiles_and_a_long_one_switches_exactly(tmp_path, monkeypatch, switch):
+    """Note [Running the members until compiling pays] (model_deferred.py): by default a WideTrainer
+    run too short to earn a capture back runs each member's own program (nothing captured), and one
+    that earns it (here: a compile made to look free) compiles the train graph after the measured
+    calls and goes on fused; either way every member ends where its plain Trainer run does."""
+    from wide_compiler import model_deferred
+
+    if switch:
+        monkeypatch.setattr(model_deferred, "COLD_SECONDS", 0.0)
+        monkeypatch.setattr(model_deferred, "COLD_SECONDS_PER_MODULE", 0.0)
+        monkeypatch.setattr(model_deferred, "WARM_SECONDS", 0.0)
+    train = _data(24, 0)
+    args = _args(tmp_path, max_steps=4, learning_rate=1e-2)
+    wide = WideTrainer(model=[_member(i) for i in range(2)], args=args, train_dataset=train)
+    wide.train()
+    assert wide.model.wide.compiled_modes() == (["train"] if switch else [])
+    for i in range(2):
+        t = transformers.Trainer(model=_member(i), args=dataclasses.replace(args, output_dir=str(tmp_path / f"a{i}")),
+                                 train_dataset=train)
+        t.train()
+        got, want = wide.model.member(i).state_dict(), t.model.state_dict()
+        assert max(_rel(got[k], want[k]) for k in want if want[k].is_floating_point()) <= 1e-6

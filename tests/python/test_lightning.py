@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 L = pytest.importorskip("lightning", reason="lightning is not installed (pip install 'wide_compiler[lightning]')")
 wcl = pytest.importorskip("wide_compiler.integrations.lightning")
+import wide_compiler as wc  # noqa: E402
 from wide_compiler.bench._integrations_child import regressor_class  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,12 +104,22 @@ def fit_single(i, configs=CONFIGS, callbacks=(), **kw):
 
 
 # ------------------------------------------------------------------------------------------------
-def test_members_match_single_lightning_runs():
-    """N=4, AdamW + StepLR per member, per-member gradient clipping: 7 batches x 6 epochs."""
-    wide = wide_module()
+@pytest.mark.parametrize("how", ["deferred", "switched", "compiled"])
+def test_members_match_single_lightning_runs(how, monkeypatch):
+    """N=4, AdamW + StepLR per member, per-member gradient clipping: 7 batches x 6 epochs. By
+    default a fit this short runs each member's own steps (Note [Running the members until
+    compiling pays]); with a compile made to look free both graphs are compiled after their
+    measured calls, mid-fit; compiled: at construction."""
+    from wide_compiler import model_deferred
+
+    if how == "switched":
+        for name in ("COLD_SECONDS", "COLD_SECONDS_PER_MODULE", "WARM_SECONDS"):
+            monkeypatch.setattr(model_deferred, name, 0.0)
+    wide = wide_module(**({"config": wc.WideConfig.fast()} if how == "compiled" else {}))
     t = trainer(gradient_clip_val=0.5, log_every_n_steps=1)
     t.fit(wide, *loaders())
     assert t.global_step == 42
+    assert wide.wide.compiled_modes() == ([] if how == "deferred" else ["train", "eval"])
     for i in range(N):
         single, ts = fit_single(i, gradient_clip_val=0.5)
         assert_member_matches(wide, t, i, single, ts)

@@ -76,7 +76,7 @@ log = logging.getLogger("wide_compiler.fx.compile_cache")  # the compile cache's
 
 FORMAT = 1  # raised when what an entry holds changes: older entries are then foreign
 # WideConfig fields that do not change the compiled program
-_CONFIG_IGNORED = frozenset({"cache", "cache_dir", "compile_cache", "validate", "rtol", "atol"})
+_CONFIG_IGNORED = frozenset({"cache", "cache_dir", "compile_cache", "validate", "rtol", "atol", "defer"})
 _DEPTH = 3  # how deep the code digest follows functions and classes a forward reads
 
 

@@ -152,7 +152,7 @@ class Compilation:
         detach = lambda a: a.detach() if isinstance(a, torch.Tensor) else a  # noqa: E731
         sample = tree_map(detach, (tuple(sample_args), dict(sample_kwargs or {})))
         capture_model, opaque_paths = opaque_template(template, registered_paths(template),
-                                                      forms=apply_capture_forms, memo=_aliases(template))
+                                                      forms=apply_capture_forms, memo=aliases(template))
         return cls(capture_model.train(template.training), sample, len(members), config, members=members,
                    dynamic_shapes=dynamic_shapes, opaque_paths=opaque_paths)
 
@@ -195,7 +195,7 @@ def _refuse_derived_tensors(members: Sequence[nn.Module]) -> None:
 # saying nothing of pruning. Such tensors are refused first, by member and module, with what to do.
 
 
-def _aliases(template: nn.Module) -> dict[int, torch.Tensor]:
+def aliases(template: nn.Module) -> dict[int, torch.Tensor]:
     """A ``copy.deepcopy`` memo giving the capture copy of member 0 new tensor objects on member
     0's own storage (Note [The capture copy shares member 0's storage]): ``nn.Parameter`` and plain
     buffers; other tensor types (and buffers with attributes of their own, or requiring grad) are
@@ -544,3 +544,21 @@ def compile_members(members: Sequence[nn.Module], sample_args: tuple, sample_kwa
     :meth:`wide_compiler.WideModel._from_compilation` builds the model from the result."""
     return run_cached(Compilation.of_members(members, sample_args, sample_kwargs, config=config,
                                              dynamic_shapes=dynamic_shapes))
+
+
+def stack_members(members: Sequence[nn.Module], sample_args: tuple, sample_kwargs: dict | None = None,
+                  *, config: WideConfig, dynamic_shapes: Any = None) -> Compilation | None:
+    """The first compilation of ``members`` without a capture (``WideConfig(defer=True)``, Note
+    [Running the members until compiling pays] in model_deferred.py): the members checked
+    (``check_members``) and their state stacked; no graph. None where they cannot run deferred:
+    one member, per-member constants, registered wide forms."""
+    if len(members) < 2:
+        return None
+    c = Compilation.of_members(members, sample_args, sample_kwargs, config=config, dynamic_shapes=dynamic_shapes)
+    if c.opaque_paths:
+        return None
+    run_pipeline(c, [p for p in PASSES if p.name == "check_members"])
+    if c.constants:
+        return None
+    stack_state(c)
+    return c

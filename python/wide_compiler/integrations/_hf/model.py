@@ -111,7 +111,9 @@ class WideTransformersModel(nn.Module):
         members: N ``PreTrainedModel`` instances of one class whose configs agree on every key
             that shapes the model (initialisation keys and label names may differ).
         wide_config: :class:`~wide_compiler.WideConfig` of the fused graphs (default
-            ``WideConfig.fast()``).
+            ``WideConfig.fast().replace(defer=True)``: a run compiles only when its length, which
+            :class:`WideTrainer` gives :meth:`expect_calls`, earns the capture back; until then
+            each member runs its own program on its slices of the fused weights, exactly).
     """
 
     def __init__(self, members: Sequence[nn.Module], *, wide_config: WideConfig | None = None) -> None:
@@ -122,7 +124,8 @@ class WideTransformersModel(nn.Module):
         self.n = len(members)
         object.__setattr__(self, "_members", members)       # not submodules: their weights are stale
         object.__setattr__(self, "_graphs", {})              # signature -> WideModel sharing self.wide's tensors
-        self._wide_config = wide_config or WideConfig.fast()
+        self._wide_config = wide_config or WideConfig.fast().replace(defer=True)
+        self._expected: dict[str, int | None] = {}  # WideModel.expect_calls of every graph
         self.wide: nn.Module | None = None
         first = members[0]
         self.config = first.config
@@ -208,10 +211,17 @@ class WideTransformersModel(nn.Module):
                     except AttributeError:
                         pass      # a constant of this graph only
             self._graphs[key] = g
+            g.expect_calls(**self._expected)
         if g.training != self.training:
             with torch.random.fork_rng(devices=[]), _quiet_fallbacks():
                 g.train(self.training)        # captures that mode's graph on first use
         return g
+
+    def expect_calls(self, *, train_calls: int | None = None, eval_calls: int | None = None) -> None:
+        """:meth:`wide_compiler.WideModel.expect_calls` of every fused graph, built or to come."""
+        self._expected = {"train_calls": train_calls, "eval_calls": eval_calls}
+        for g in self._graphs.values():
+            g.expect_calls(**self._expected)
 
     # -- running ---------------------------------------------------------------------------------
     def train(self, mode: bool = True) -> WideTransformersModel:

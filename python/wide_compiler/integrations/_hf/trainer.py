@@ -200,6 +200,10 @@ class WideTrainer(hf.Trainer):
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        # the run's length, known here (Note [Running the members until compiling pays] in
+        # model_deferred.py): a run too short to earn a capture back never captures
+        calls = int(num_training_steps) * max(int(self.args.gradient_accumulation_steps), 1)
+        self.model.expect_calls(train_calls=calls, eval_calls=calls)
         if self.lr_scheduler is None:
             self.lr_scheduler = MemberSchedules(optimizer or self.optimizer, self.member_args,
                                                 num_training_steps)

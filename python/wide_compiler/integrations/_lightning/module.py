@@ -41,7 +41,9 @@ class WideLightningModule(MemberLogging, pl.LightningModule):
         monitor, mode: the per-member metric (as the members log it in ``validation_step``) and
             ``"min"``/``"max"``: what ranks the members (``best_member``).
         config: the :class:`~wide_compiler.WideConfig` of the fused model (default
-            ``WideConfig.fast()``).
+            ``WideConfig.fast().replace(defer=True)``: a fit compiles the fused steps only when
+            its length earns the capture back; until then each member runs its own steps on its
+            slices of the fused weights, exactly).
         skip_member_hooks: the members' own batch/epoch/fit hooks (``on_train_batch_end``...) are
             not run by the fused run, so members that override one are refused, unless this is
             True (for hooks that only report): then a warning names them.
@@ -93,7 +95,7 @@ class WideLightningModule(MemberLogging, pl.LightningModule):
             steps = [Steps(m, layout) for m in members]
             for s in steps:
                 s.train(True)
-            self.wide = wc.compile(steps, tuple(tensors), config=config or WideConfig.fast())
+            self.wide = wc.compile(steps, tuple(tensors), config=config or WideConfig.fast().replace(defer=True))
         except ArchitectureMismatchError as e:
             mismatch = e
         finally:
@@ -218,6 +220,16 @@ class WideLightningModule(MemberLogging, pl.LightningModule):
             raise ValueError(
                 f"WideLightningModule: lightning.Trainer(strategy=...) gave {strategy}; the fused "
                 "members run under a single device or DDP (the data axis) only")
+
+    def on_fit_start(self) -> None:
+        """The fit's length for the fused model (``WideConfig(defer=True)``, the default here:
+        Note [Running the members until compiling pays] in model_deferred.py): its training steps
+        (Lightning's ``estimated_stepping_batches`` times the accumulated batches), and as many
+        validation steps at most. A fit too short to earn a capture back never captures."""
+        steps = self.trainer.estimated_stepping_batches
+        calls = (int(steps) * max(int(self.trainer.accumulate_grad_batches), 1)
+                 if isinstance(steps, (int, float)) and math.isfinite(steps) else None)
+        self.wide.expect_calls(train_calls=calls, eval_calls=calls)
 
     # -- optimization --------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
