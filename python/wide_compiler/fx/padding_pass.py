@@ -327,24 +327,31 @@ class Padder:
         with ctx:
             return self.g.call_function(target, args)
 
-    def mask_after(self, node: fx.Node, lay: list[Any], *, nan_safe: bool = False) -> None:
+    def mask_after(self, node: fx.Node, lay: list[Any]) -> None:
         """Zero ``node``'s result outside its layout (every later use reads the masked value): a
-        multiply by the mask, or with ``nan_safe`` (a result that may be infinite there) a
-        ``where`` on it."""
+        ``where`` on the mask, never a multiply by it (Note [Padding is zeroed by where])."""
         val = self.val(node)
-        mask = self.mask_of(lay, val.dtype if isinstance(val, torch.Tensor) else torch.float32)
+        dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
+        mask = self.mask_of(lay, dtype)
         if mask is None:
             return
         users = list(node.users)
-        if nan_safe:
-            m = self.buffer(mask > 0, node, after=True)
-            out = self.call(aten.where.ScalarOther, m, node, 0.0, after=m)
-        else:
-            m = self.buffer(mask, node, after=True)
-            out = self.call(aten.mul.Tensor, node, m, after=m)
+        zero = False if dtype == torch.bool else 0.0 if dtype.is_floating_point or dtype.is_complex else 0
+        m = self.buffer(mask > 0, node, after=True)
+        out = self.call(aten.where.ScalarOther, m, node, zero, after=m)
         for u in users:
             u.replace_input_with(node, out)
         self.lay[out], self.pos[out] = lay, self.pos[node]
+
+    # Note [Padding is zeroed by where]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A result whose padding is not zero (a bias added to padded rows, exp(0) = 1, a value added
+    # from an operand that covers only the member's own positions) is zeroed outside each member's
+    # layout. Multiplying by a 0/1 mask did that until probe 13 of issue 44 (P13-2, P13-3): an
+    # additive attention mask holding -inf (``scores + causal``, ``h + mask`` before a max over
+    # time) put -inf into the padded heads or units, -inf * 0 is NaN, and the NaN reached the
+    # padded members' gradients (a softmax backward) or outputs (the next Linear's zero rows:
+    # 0 * NaN). ``where(mask, x, 0)`` gives 0 there whatever x holds, and its backward an exact 0.
 
     # ---------------------------------------------------------------- the pass
     def run(self) -> tuple[PadInfo, list[dict[int, torch.Tensor]]]:

@@ -29,7 +29,7 @@ __all__ = ["BY_THE_PASS", "INT_ARGS_OK", "MASK_UNARY", "REFUSED", "RULES", "ZERO
 
 # f(0) = 0 and f'(0) finite: a clean input gives a clean output
 ZERO_UNARY = {
-    "relu", "gelu", "silu", "tanh", "neg", "leaky_relu", "hardtanh", "elu", "celu", "selu", "mish",
+    "relu", "gelu", "silu", "tanh", "neg", "leaky_relu", "elu", "celu", "selu", "mish",
     "hardswish", "abs", "sin", "sinh", "asinh", "atan", "erf", "sign", "softsign", "tanhshrink",
     "hardshrink", "softshrink", "relu6", "clone", "alias", "detach", "detach_", "contiguous", "_to_copy", "to",
     "dropout", "native_dropout", "lift_fresh_copy", "square", "expm1", "log1p", "type_as", "rrelu",
@@ -85,6 +85,35 @@ def pow_rule(p: Padder, node: fx.Node) -> None:
     zero_unary(p, node)
 
 
+def hardtanh_rule(p: Padder, node: fx.Node) -> None:
+    """``hardtanh(x, min_val, max_val)`` is ``clamp``: 0 stays 0 only where ``min_val <= 0 <=
+    max_val`` (ReLU6, the default [-1, 1]); ``Hardtanh(0.2, 0.8)`` makes the padding 0.2, which a
+    sum or a norm over the padded dim then counts, so it is masked after (probe 13, P13-4)."""
+    bounds = [node.args[k] if len(node.args) > k else node.kwargs.get(key, default)
+              for k, key, default in ((1, "min_val", -1.0), (2, "max_val", 1.0))]
+    numbers = all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)
+    if numbers and bounds[0] <= 0 <= bounds[1]:
+        zero_unary(p, node)
+    else:
+        mask_unary(p, node)
+
+
+def select_rule(p: Padder, node: fx.Node) -> None:
+    """``masked_fill(x, mask, value)`` and ``where(cond, a, b)`` are elementwise: a mask over the
+    members' own dims (a causal or sequence mask broadcast over padded heads or units) or laid out
+    as the values are picks the same positions in every member, so they are padded as a binary op
+    is (operands padded differently are refused). The padding gets the fill value or the other
+    operand where the mask holds there: zeroed after (by ``where``: a fill of -inf), unless what
+    masked_fill writes is 0 (probe 13 of issue 44, P13-3: refused as a positional op)."""
+    operands = [a for a in node.args if isinstance(a, fx.Node)]
+    lay = p.operand_layouts(node, operands)
+    p.lay[node] = lay
+    value = node.args[2] if len(node.args) > 2 else None
+    zero_fill = node.target is torch.ops.aten.masked_fill.Scalar and isinstance(value, (int, float)) and value == 0
+    if not zero_fill:
+        p.mask_after(node, lay)
+
+
 def _no_value(p: Padder, node: fx.Node) -> None:
     """An op that checks and returns nothing (export's ``_assert_tensor_metadata`` of a no-op
     ``.to(device)`` or ``.to(dtype)``: GPT-2's position embeddings, Llama's RMSNorm); the widen rule
@@ -93,7 +122,8 @@ def _no_value(p: Padder, node: fx.Node) -> None:
 
 
 RULES: dict[str, Callable[[Padder, fx.Node], None]] = {**MATH_RULES, **SHAPE_RULES, "pow": pow_rule,
-                                                       "_assert_tensor_metadata": _no_value}
+                                                       "hardtanh": hardtanh_rule, "masked_fill": select_rule,
+                                                       "where": select_rule, "_assert_tensor_metadata": _no_value}
 # rules that pad integer arguments which differ between members (any other rule refuses them)
 INT_ARGS_OK = MATH_INT_ARGS_OK | SHAPE_INT_ARGS_OK
 
@@ -119,7 +149,7 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(("log", "rsqrt", "reciprocal", "sqrt"), _NOT_FINITE),
     **dict.fromkeys(("gather", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_",
                      "index_put", "index_put_", "index_select", "scatter", "scatter_", "scatter_add", "scatter_add_",
-                     "scatter_reduce", "scatter_reduce_", "where", "masked_fill", "index", "narrow", "chunk", "split",
+                     "scatter_reduce", "scatter_reduce_", "index", "narrow", "chunk", "split",
                      "split_with_sizes", "tensor_split", "unbind", "flip", "roll", "diagonal", "tril", "triu",
                      "unfold", "diag_embed", "diagonal_scatter", "select_scatter", "slice_scatter", "glu",
                      "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "repeat", "repeat_interleave"),

@@ -445,7 +445,7 @@ def _softmax(p: Padder, node: fx.Node) -> None:
             masked = p.g.call_function(aten.add.Tensor, (x, fill))
         node.replace_input_with(x, masked)
     if "log" in node.target.overloadpacket.__name__ or any(v is not None for k, v in enumerate(xl) if k != d):
-        p.mask_after(node, xl, nan_safe=True)
+        p.mask_after(node, xl)
 
 
 def _amax(p: Padder, node: fx.Node) -> None:

@@ -1,0 +1,145 @@
+"""Probe 13 of issue 44 (an independent re-run of the adversarial probe, on pad=True): each finding
+as a test that failed before its fix."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import wide_compiler as wc
+
+FAST = wc.WideConfig.fast()
+WIDTHS = (2, 3, 5)
+
+
+def padded_members_match(members, x, *, backward=True):
+    """``compile(pad=True)`` of ``members`` (float64) against each member alone on ``x[i]``:
+    outputs, and with ``backward`` the input and weight gradients of a weighted sum."""
+    wide = wc.compile(copy.deepcopy(members), x[0], config=FAST, pad=True)
+    xw = x.clone().requires_grad_(backward)
+    out = wide.member_outputs(wide(xw))
+    total = 0
+    for i, m in enumerate(members):
+        xi = x[i].clone().requires_grad_(backward)
+        own = m(xi)
+        assert torch.allclose(out[i], own, atol=1e-12, rtol=0), (i, out[i], own)
+        if not backward:
+            continue
+        w = torch.linspace(0.3, 1.7, own.numel(), dtype=own.dtype).reshape(own.shape)
+        (own * w).sum().backward()
+        total = total + (out[i] * w).sum()
+        assert torch.isfinite(xi.grad).all()
+        m.__dict__["_input_grad"] = xi.grad
+    if backward:
+        total.backward()
+        for i, m in enumerate(members):
+            assert torch.allclose(xw.grad[i], m.__dict__.pop("_input_grad"), atol=1e-12, rtol=0), i
+            for name, p in m.named_parameters():
+                got = wide.get_parameter(name).grad[i]
+                assert torch.allclose(got, wide.member_padded(i, p.grad, state=name), atol=1e-12, rtol=0), (i, name)
+    return wide
+
+
+class _Hardtanh(nn.Module):
+    def __init__(self, h, bounds, post):
+        super().__init__()
+        self.a = nn.Linear(4, h)
+        self.bounds, self.post = bounds, post
+
+    def forward(self, x):
+        return self.post(F.hardtanh(self.a(x), *self.bounds))
+
+
+@pytest.mark.parametrize("bounds", [(0.2, 0.8), (-0.8, -0.2), (-1.0, 1.0), (0.0, 6.0)])
+@pytest.mark.parametrize("post", ["sum", "mean", "layer_norm"])
+def test_hardtanh_whose_range_leaves_out_zero_keeps_the_padding_zero(bounds, post):
+    """P13-4: hardtanh(0) is min_val when min_val > 0 (max_val when max_val < 0): the padding
+    became 0.2 and a sum over the padded dim counted it (0.6 off; LayerNorm 1.56 off)."""
+    reduce = {"sum": lambda h: h.sum(-1), "mean": lambda h: h.mean(-1),
+              "layer_norm": lambda h: F.layer_norm(h, h.shape[-1:])}[post]
+    torch.manual_seed(0)
+    members = [_Hardtanh(h, bounds, reduce).double() for h in WIDTHS]
+    padded_members_match(members, torch.randn(3, 2, 4, dtype=torch.float64))
+
+
+class _Heads(nn.Module):
+    """Attention over swept heads (head dim 2) with a causal mask given as ``how``: added (0 or
+    -inf), or written by masked_fill; ``where`` picks between the scores and -inf."""
+
+    def __init__(self, heads, how):
+        super().__init__()
+        self.q = nn.Linear(4, heads * 2)
+        self.o = nn.Linear(heads * 2, 2)
+        self.how = how
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, -1, 2).transpose(1, 2)
+        causal = torch.ones(t, t, dtype=torch.bool).triu(1)
+        att = q @ q.transpose(-1, -2)
+        if self.how == "add":
+            att = att + torch.zeros(t, t, dtype=x.dtype).masked_fill(causal, float("-inf"))
+        elif self.how == "masked_fill":
+            att = att.masked_fill(causal, float("-inf"))
+        else:
+            att = torch.where(causal, torch.full_like(att, float("-inf")), att)
+        return self.o((torch.softmax(att, -1) @ q).transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("how", ["add", "masked_fill", "where"])
+def test_a_causal_mask_over_padded_heads(how):
+    """P13-2: scores + an additive causal mask (-inf) over padded heads: exact outputs, NaN
+    gradients for every padded member (-inf * 0 in the padding's mask, through softmax's
+    backward); P13-3: the same mask by masked_fill or where was refused as a positional op."""
+    torch.manual_seed(1)
+    members = [_Heads(h, how).double() for h in WIDTHS]
+    padded_members_match(members, torch.randn(3, 2, 5, 4, dtype=torch.float64))
+
+
+class _SequenceMask(nn.Module):
+    """Hidden units swept; a sequence mask over [B, T] written into every unit (masked_fill of 0,
+    or an additive -inf mask before a max over time)."""
+
+    def __init__(self, h, additive):
+        super().__init__()
+        self.a = nn.Linear(4, h)
+        self.b = nn.Linear(h, 2)
+        self.additive = additive
+
+    def forward(self, x, keep):
+        h = self.a(x)
+        if self.additive:
+            return self.b((h + torch.zeros_like(keep, dtype=h.dtype).masked_fill(~keep, float("-inf"))
+                           .unsqueeze(-1)).amax(1))
+        return self.b(h.masked_fill(~keep.unsqueeze(-1), 0.0).sum(1))
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_a_sequence_mask_over_padded_units(additive):
+    """P13-3: h.masked_fill(mask[B, T, None], 0) with the hidden size swept was refused; an
+    additive -inf mask before a max over time gave NaN outputs for the padded members (the next
+    Linear's zero rows times -inf * 0)."""
+    torch.manual_seed(2)
+    members = [_SequenceMask(h, additive).double() for h in WIDTHS]
+    x = torch.randn(3, 2, 5, 4, dtype=torch.float64)
+    keep = torch.tensor([[True, True, True, False, False], [True, True, True, True, True]]).expand(3, 2, 5)
+    wide = wc.compile(copy.deepcopy(members), (x[0], keep[0]), config=FAST, pad=True)
+    xw = x.clone().requires_grad_(True)
+    out = wide.member_outputs(wide(xw, keep))
+    total = 0
+    for i, m in enumerate(members):
+        xi = x[i].clone().requires_grad_(True)
+        own = m(xi, keep[i])
+        assert torch.allclose(out[i], own, atol=1e-12, rtol=0), i
+        own.sum().backward()
+        total = total + out[i].sum()
+        m.__dict__["_input_grad"] = xi.grad
+    total.backward()
+    for i, m in enumerate(members):
+        assert torch.allclose(xw.grad[i], m.__dict__.pop("_input_grad"), atol=1e-12, rtol=0), i
+        for name, p in m.named_parameters():
+            assert torch.allclose(wide.get_parameter(name).grad[i], wide.member_padded(i, p.grad, state=name),
+                                  atol=1e-12, rtol=0), (i, name)
