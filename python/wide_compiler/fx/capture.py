@@ -505,6 +505,9 @@ def _recurrent_out(input: torch.Tensor, hidden: int, bidirectional: bool, batch_
     # [B, T, D*H] / [T, B, D*H] keep dims 0 and 1 of the input whatever batch_first; unbatched [T, D*H]
     shape = [*input.shape[:-1], (2 if bidirectional else 1) * hidden]
     tie = sum(x.sum() for x in tensors) * 0  # every input feeds the result (autograd, as the op's)
+    if batch_first and input.dim() == 3:  # ATen's: [T, B, D*H] transposed, not contiguous, which a
+        # Linear after it reads (Note [A bias added after the product] in fx/rules/linear.py)
+        return input.new_zeros([shape[1], shape[0], shape[2]]).transpose(0, 1) + tie
     return input.new_zeros(shape) + tie
 
 

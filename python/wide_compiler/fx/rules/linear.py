@@ -36,11 +36,37 @@ def _linear(ctx: WidenContext, node: fx.Node) -> Wide:
     rank = member_rank(x)
     if rank == 0:
         raise ctx.fail(node, "linear of a 0-dim input")
+    add_bias = b is not None and rank >= 3 and not _contiguous(x)  # Note [A bias added after the product]
     args = [ctx.as_wide(xv, rank, node).node, ctx.as_wide(wv, 2, node).node]
-    args.append(ctx.as_wide(bv, 1, node).node if b is not None else None)
-    shapes = {"input": concrete_shape(x), "weight": concrete_shape(w), "bias": b is not None}
+    args.append(ctx.as_wide(bv, 1, node).node if b is not None and not add_bias else None)
+    shapes = {"input": concrete_shape(x), "weight": concrete_shape(w), "bias": args[2] is not None}
     tune = TuneSpec(default=_OP.default, strategies=_STRATEGIES,
                     make=lambda n, opts, s=shapes: _linear_candidates(n, s, s["bias"], opts))
     out = ctx.emit_wide(torch.ops.wide.linear.default, tuple(args), {"strategy": "auto"}, like=node, name=node.name,
                         shapes=shapes, tune=tune)
+    if add_bias:
+        bias = ctx.align(ctx.as_wide(bv, 1, node), rank, node)
+        out = ctx.emit(aten.add.Tensor, (out, ctx.emit(aten.type_as.default, (bias, out), like=node)), like=node)
     return Wide(out, member_rank(node))
+
+
+# Note [A bias added after the product]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ATen's linear adds the bias inside the product (one rounding: addmm) for a 2-D input or a
+# contiguous one, but for a non-contiguous input of 3 or more dims (a batch_first RNN's output
+# transposed, x.transpose(0, 1)) it runs matmul and then adds the bias: two roundings, which under
+# bfloat16 autocast differ from one in a third of the outputs by one bfloat16 ulp (probe 13 of issue
+# 44, P13-5: a GRU followed by a Linear head). So the member's own order is kept: the wide product
+# without the bias, then the bias added in the product's dtype (autocast casts linear's bias with
+# its inputs).
+
+
+def _contiguous(x: fx.Node) -> bool:
+    """Whether the member's input (its traced value) is contiguous; True where unknown."""
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return True
+    try:
+        return bool(val.is_contiguous())
+    except Exception:  # noqa: BLE001 (a symbolic stride that does not decide it)
+        return True
