@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 __all__ = ["PackedWideModel", "layout_of", "tag_layout"]
 
 _LAYOUT_ATTR = "_wide_layout"
+# On an output of a padded model whose members' sizes differ (PaddedWideModel._tag_padded_outputs):
+# its layouts, {dim: [N, padded size] 0/1 of where each member's own values are} (member_part)
+PADDED_OUTPUT = "_wide_padded_layouts"
 
 
 def tag_layout(t: Any, layout: str) -> Any:
@@ -40,6 +43,14 @@ def tag_layout(t: Any, layout: str) -> Any:
 def layout_of(t: torch.Tensor) -> str | None:
     """``"nfirst"``/``"packed"`` for a tensor tagged by :func:`tag_layout`, else None."""
     return getattr(t, _LAYOUT_ATTR, None)
+
+
+def member_part(t: torch.Tensor, layouts: dict[int, torch.Tensor], i: int) -> torch.Tensor:
+    """Member ``i``'s own values of ``t`` (one member's padded tensor, no member dim), given the
+    padded dims' ``layouts`` (a padded model's output layouts)."""
+    for d, lay in sorted(layouts.items()):
+        t = t.index_select(d, lay[i].nonzero().flatten().to(t.device))
+    return t
 
 
 def _any_packed(args: tuple, kwargs: dict) -> bool:

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .fx.padded_members import PaddedMember, PadInfo
 from .fx.padding import pad_members
 from .fx.padding_layouts import scatter
+from .layouts import PADDED_OUTPUT
 from .model import WideModel
 
 __all__ = ["PaddedWideModel"]
@@ -147,7 +148,7 @@ class PaddedWideModel(WideModel):
         self._zero_written_padding()
         swapped = self._mask_callers_tensors()
         try:
-            return super().forward(*args, **kwargs)
+            return self._tag_padded_outputs(super().forward(*args, **kwargs))
         except IndexError as e:
             better = self._index_error(e)
             if better is None:
@@ -156,6 +157,18 @@ class PaddedWideModel(WideModel):
         finally:
             for owner, attr, t in swapped:
                 owner._parameters[attr] = t
+
+    def _tag_padded_outputs(self, output: Any) -> Any:
+        """Mark each output tensor whose members' sizes differ with what cuts each member's part
+        (``PADDED_OUTPUT``: wc.optim.member_losses reads it, so a loss over a padded class dim
+        counts each member's own classes only; probe 13 of issue 44, P13-6). A Python attribute:
+        ops on the tensor drop it."""
+        leaves, spec = tree_flatten(output)
+        layouts = self._pad.output_layouts[self.training]
+        for t, lay in zip(leaves, layouts):
+            if isinstance(t, torch.Tensor) and lay:
+                setattr(t, PADDED_OUTPUT, lay)
+        return output
 
     # Note [Tensors of a functional_call]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -177,3 +177,34 @@ def test_a_linear_on_a_non_contiguous_input_under_bfloat16_autocast(kind):
                 own = m.train(training)(x[i])
                 assert y.dtype == own.dtype == torch.bfloat16
                 assert torch.equal(y[i], own), (training, i, int((y[i] != own).sum()))
+
+
+@pytest.mark.parametrize("criterion", ["cross_entropy", "module", "mse", "shared"])
+def test_member_losses_of_a_padded_class_sweep(criterion):
+    """P13-6: wc.optim.member_losses(F.cross_entropy, wide(x), y) on a padded model whose output
+    width (classes) differs between members counted the zero padding as extra classes (2.12 where
+    the member's loss is 1.51). Each member's loss is now on its own classes: losses and gradients."""
+    torch.manual_seed(4)
+    members = [nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, v)).double() for v in (5, 7, 9)]
+    x = torch.randn(3, 8, 4, dtype=torch.float64)
+    wide = wc.compile(copy.deepcopy(members), x[0], config=FAST, pad=True)
+    if criterion == "mse":  # a padded target: each member's own width
+        y = torch.stack([wide.member_padded(i, torch.randn(8, m[2].out_features, dtype=torch.float64), output=0)
+                         for i, m in enumerate(members)])
+        fn, targets = F.mse_loss, [y[i][:, : m[2].out_features] for i, m in enumerate(members)]
+    else:
+        y = torch.randint(0, 5, (3, 8))
+        fn = nn.CrossEntropyLoss(label_smoothing=0.1) if criterion == "module" else F.cross_entropy
+        targets = list(y)
+    if criterion == "shared":
+        y = y[0].expand(3, 8)
+        targets = [y[0]] * 3
+    losses = wc.optim.member_losses(fn, wide(x), y)
+    own = torch.stack([fn(m(x[i]), targets[i]) for i, m in enumerate(members)])
+    assert torch.allclose(losses, own, atol=1e-12, rtol=0)
+    losses.sum().backward()
+    own.sum().backward()
+    for i, m in enumerate(members):
+        for name, p in m.named_parameters():
+            assert torch.allclose(wide.get_parameter(name).grad[i], wide.member_padded(i, p.grad, state=name),
+                                  atol=1e-12, rtol=0), (i, name)

@@ -18,6 +18,7 @@ from torch.fx._pytree import tree_flatten_spec
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..errors import UnsupportedOperationError
+from ..layouts import member_part
 from .padding_layouts import layout_mask, scatter
 
 __all__ = ["Assumptions", "OutsidePaddedProgram", "PadInfo", "PaddedMember"]
@@ -61,9 +62,7 @@ class PadInfo:
 
     def member_slice(self, t: torch.Tensor, layouts: dict[int, torch.Tensor], i: int) -> torch.Tensor:
         """Member ``i``'s own values of ``t`` (one member's padded tensor, no member dim)."""
-        for d, lay in sorted(layouts.items()):
-            t = t.index_select(d, lay[i].nonzero().flatten().to(t.device))
-        return t
+        return member_part(t, layouts, i)
 
     def member_padded(self, t: torch.Tensor, name: str, i: int) -> torch.Tensor:
         """Member ``i``'s own tensor ``t`` of state ``name`` placed in its padded shape (zeros

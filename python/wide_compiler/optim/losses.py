@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layouts import PADDED_OUTPUT, member_part
+
 __all__ = ["member_losses"]
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,9 @@ def member_losses(criterion: Callable[..., torch.Tensor], input: torch.Tensor,
         raise ValueError("wide_compiler.optim.member_losses: expected a wide input [N, ...], got "
                          f"{type(input).__name__} of shape {getattr(input, 'shape', None)}")
     n = input.shape[0]
+    layouts = getattr(input, PADDED_OUTPUT, None)
+    if layouts is not None:
+        return _padded_losses(criterion, input, target, layouts, shared_target, kwargs)
     if shared_target is None:
         shared_target = (n > 1 and target.dim() >= 1 and target.shape[0] == n
                          and target.stride(0) == 0)
@@ -107,6 +112,32 @@ def member_losses(criterion: Callable[..., torch.Tensor], input: torch.Tensor,
             return fast
     return _vmapped(criterion if fn is None else fn, kw if fn is not None else kwargs,
                     reduction if fn is not None else None, input, target, shared_target)
+
+
+def _padded_losses(criterion, input, target, layouts, shared_target, kwargs):
+    """Per-member losses of a padded model's output whose members' sizes differ (a class or
+    vocabulary sweep): each member's loss on its own part (``member_part``), and its target (cut
+    the same way where it has the output's padded shape), one call per member. The zero padding
+    entered the softmax as extra classes before (probe 13 of issue 44, P13-6)."""
+    n = input.shape[0]
+    if shared_target is None:
+        shared_target = n > 1 and target.dim() >= 1 and target.shape[0] == n and target.stride(0) == 0
+        if shared_target:
+            target = target[0]
+    if not shared_target and (target.dim() == 0 or target.shape[0] != n):
+        raise ValueError(f"wide_compiler.optim.member_losses: target has shape {list(target.shape)}; expected "
+                         f"per-member targets [N={n}, ...], or pass shared_target=True")
+    losses = []
+    for i in range(n):
+        t = target if shared_target else target[i]
+        if t.shape == input.shape[1:]:
+            t = member_part(t, layouts, i)
+        loss = criterion(member_part(input[i], layouts, i), t, **kwargs)
+        if loss.dim() != 0:
+            raise ValueError("wide_compiler.optim.member_losses: the criterion's reduction must be 'mean' or "
+                             f"'sum' (one loss per member), got a loss of shape {list(loss.shape)}")
+        losses.append(loss)
+    return torch.stack(losses)
 
 
 def _resolve(criterion, kwargs):
