@@ -56,7 +56,9 @@ log = logging.getLogger("wide_compiler.model")
 # captures on a 2-core machine: 0.5-0.7 s for an MLP step, 2-4 s for a 2-layer BERT). Two calls
 # are measured before the first decision (the first pays one-off costs), the fastest kept. Without
 # an expectation the first call compiles, as without ``defer``; so does every use that needs the
-# graph (``summary``, ``tune``, ``export``, ``check_inputs``).
+# graph (``summary``, ``tune``, ``export``, ``check_inputs``). A compile that pays but fails (an op
+# the compiler refuses) leaves the members running their own programs, exact, with one warning
+# naming the refusal, rather than ending a run that ran until then.
 #
 # Not deferred (compiled at once, as without ``defer``): one member; members with per-member
 # constants (the graph reads them from ``_per_member`` buffers that a capture's constant plan
@@ -84,6 +86,7 @@ class Deferred:
         self.seconds: dict[bool, float] = {}  # the fastest call measured
         self.calls: dict[bool, int] = {}  # calls run
         self.warm: dict[bool, bool] = {}  # whether the compile cache holds the mode's graph
+        self.failed: dict[bool, str] = {}  # why a mode's compile, when it paid, failed (never tried again)
         self.lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -167,23 +170,31 @@ class DeferredCompileMixin:
                 "graph yet, and a graph cannot be captured inside torch.compile. Call it once outside "
                 "torch.compile in this mode first, without expect_calls (or with expect_calls(train_calls=None, "
                 "eval_calls=None)): that call compiles it")
-        if not self._compile_pays(d, training):
-            start = time.perf_counter()
-            out = self._run_members(d, args, kwargs)
-            seconds = time.perf_counter() - start
-            d.seconds[training] = min(seconds, d.seconds.get(training, seconds))
-            d.calls[training] = d.calls.get(training, 0) + 1
-            left = d.calls_left[training]
-            if left is not None:
-                d.calls_left[training] = max(left - 1, 0)
-            return True, out
-        return False, None
+        if self._compile_pays(d, training):
+            if d.calls_left[training] is None:
+                return False, None  # compiled by the graph's call, as without defer: its errors raise
+            try:
+                self._graph_for(training)  # type: ignore[attr-defined]
+                return False, None
+            except Exception as e:  # noqa: BLE001 (any refusal: the members' own programs are exact)
+                d.failed[training] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                log.warning("wide_compiler: the %s graph cannot be compiled (%s); the members go on running their "
+                            "own programs (exact, not fused)", "train" if training else "eval", d.failed[training])
+        start = time.perf_counter()
+        out = self._run_members(d, args, kwargs)
+        seconds = time.perf_counter() - start
+        d.seconds[training] = min(seconds, d.seconds.get(training, seconds))
+        d.calls[training] = d.calls.get(training, 0) + 1
+        left = d.calls_left[training]
+        if left is not None:
+            d.calls_left[training] = max(left - 1, 0)
+        return True, out
 
     def _compile_pays(self, d: Deferred, training: bool) -> bool:
         left = d.calls_left[training]
         if left is None:
             return True
-        if d.calls.get(training, 0) < MEASURED_CALLS:
+        if training in d.failed or d.calls.get(training, 0) < MEASURED_CALLS:
             return False  # measured first (the first call pays one-off costs)
         factor = 3.0 if training and torch.is_grad_enabled() else 1.0
         saving = left * factor * d.seconds[training] * (1 - 1 / self.n)

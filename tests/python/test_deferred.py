@@ -307,3 +307,36 @@ def test_a_buffer_assigned_anew_in_the_forward():
     with pytest.raises(wc.UnsupportedOperationError, match="member 0's forward assigned 'w' anew"):
         wide(torch.randn(2, 5, 4))
     assert torch.equal(wide.w, torch.ones(2, 4))  # nothing changed
+
+
+def test_a_compile_that_pays_but_fails_leaves_the_members_running(monkeypatch, caplog):
+    """A forward the compiler refuses (a branch on a value: no capture) runs its members' own
+    programs until the compile pays; then the failed compile is logged once and the members go
+    on, exact, instead of the run ending there. Without an expectation the error raises."""
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return y if y.sum() > 0 else -y
+
+    for name in ("COLD_SECONDS", "COLD_SECONDS_PER_MODULE", "WARM_SECONDS"):
+        monkeypatch.setattr(model_deferred, name, 0.0)
+    torch.manual_seed(9)
+    given = [Branchy() for _ in range(2)]
+    wide = wc.compile(copy.deepcopy(given), torch.randn(5, 4), config=DEFER)
+    wide.expect_calls(train_calls=100)
+    with caplog.at_level("WARNING", logger="wide_compiler.model"):
+        for _ in range(4):
+            x = torch.randn(2, 5, 4)
+            y = wide(x)
+            for i, m in enumerate(given):
+                assert torch.equal(y[i], m(x[i]))
+    assert wide.compiled_modes() == []
+    assert sum("cannot be compiled" in r.getMessage() for r in caplog.records) == 1
+    fresh = wc.compile(copy.deepcopy(given), torch.randn(5, 4), config=DEFER)
+    with pytest.raises(Exception):
+        fresh(torch.randn(2, 5, 4))
