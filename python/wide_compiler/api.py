@@ -21,7 +21,7 @@ from .errors import ValidationError, WideCompileError
 from .fx.padding import pad_members
 from .fx.pipeline import aliases, compile_members, stack_members
 from .layouts import layout_of, tag_layout
-from .model import WideModel, outside_inference_mode
+from .model import WideModel, outside_inference_mode, refuse_reserved_names
 from .model_deferred import deferred_members
 from .padded import PaddedWideModel
 
@@ -128,21 +128,6 @@ def _check_all_reset(first: nn.Module, second: nn.Module, n: int, name: str) -> 
             f"in all members: pass a list of {n} models instead", UserWarning, stacklevel=4)
 
 
-def _refuse_reserved_names(members: Sequence[nn.Module]) -> None:
-    """A member's top-level ``_per_member``: the name under which the wide model keeps the
-    per-member constants' buffers (Note [Per-member constants], fx/constants.py), refused with the
-    fix like the other reserved names (probe 9, P9-24: a bare KeyError at the first call)."""
-    from .fx.constants import BUFFER_ROOT
-
-    for i, m in enumerate(members):
-        if BUFFER_ROOT in m._modules or BUFFER_ROOT in m._parameters or BUFFER_ROOT in m._buffers \
-                or BUFFER_ROOT in vars(m):
-            raise WideCompileError(
-                f"wide_compiler.compile: member {i}'s top-level attribute {BUFFER_ROOT!r} has the name under "
-                f"which the wide model keeps its per-member constants, so its stacked form cannot be "
-                f"installed; rename it in the model (e.g. self.{BUFFER_ROOT}_ = ...)")
-
-
 def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.compile)
     models: nn.Module | Sequence[nn.Module],
     sample_input: torch.Tensor | tuple,
@@ -236,7 +221,7 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
         members = [_plain_module(m, i) for i, m in enumerate(members)]
         if n is not None and n != len(members):
             raise ValueError(f"wide_compiler.compile: n={n} but {len(members)} models were given")
-    _refuse_reserved_names(members)
+    refuse_reserved_names(members)
     args = sample_input if isinstance(sample_input, tuple) else (sample_input,)
     with outside_inference_mode():  # the stacked state made inside it could never train
         # a sample made inside inference mode: an ordinary copy (the members run on it with gradients)

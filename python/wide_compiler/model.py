@@ -191,6 +191,7 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         """Compile ``models`` (:func:`~wide_compiler.fx.pipeline.compile_members`) and hold the
         result, as :func:`wide_compiler.compile` does after checking its arguments."""
         super().__init__()
+        refuse_reserved_names(models)
         self._hold(compile_members(models, sample_args, sample_kwargs, config=config, dynamic_shapes=dynamic_shapes))
 
     @classmethod
@@ -612,6 +613,19 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
                 self._set_member_constants(m, i)
                 out.append(m.train(self.training))
         return out
+
+
+def refuse_reserved_names(members: Sequence[nn.Module]) -> None:
+    """A member's top-level ``_per_member``: the name under which the wide model keeps the
+    per-member constants' buffers (Note [Per-member constants], fx/constants.py), refused with the
+    fix like the other reserved names (probe 9, P9-24: a bare KeyError at the first call)."""
+    for i, m in enumerate(members):
+        if BUFFER_ROOT in m._modules or BUFFER_ROOT in m._parameters or BUFFER_ROOT in m._buffers \
+                or BUFFER_ROOT in vars(m):
+            raise WideCompileError(
+                f"wide_compiler: member {i}'s top-level attribute {BUFFER_ROOT!r} has the name under "
+                f"which the wide model keeps its per-member constants, so its stacked form cannot be "
+                f"installed; rename it in the model (e.g. self.{BUFFER_ROOT}_ = ...)")
 
 
 def _join(a: str, b: str) -> str:

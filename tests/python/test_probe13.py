@@ -208,3 +208,21 @@ def test_member_losses_of_a_padded_class_sweep(criterion):
         for name, p in m.named_parameters():
             assert torch.allclose(wide.get_parameter(name).grad[i], wide.member_padded(i, p.grad, state=name),
                                   atol=1e-12, rtol=0), (i, name)
+
+
+def test_the_wide_model_constructor_refuses_a_member_attribute_named_per_member():
+    """P9-24's other door: ``wc.WideModel(members, sample)`` (not through wc.compile) with a member
+    whose top-level ``_per_member`` collides with the per-member constants' buffers: the same
+    refusal with the fix, not a bare KeyError."""
+
+    class Net(nn.Module):
+        def __init__(self, s):
+            super().__init__()
+            self._per_member = nn.Linear(4, 4)
+            self.bias = s
+
+        def forward(self, x):
+            return self._per_member(x) * self.bias
+
+    with pytest.raises(wc.WideCompileError, match="_per_member.*rename it"):
+        wc.WideModel([Net(0.5), Net(2.0)], (torch.randn(3, 4),), config=FAST)
