@@ -67,6 +67,16 @@ log = logging.getLogger("wide_compiler.model")
 # ``compile_model`` (which run the graph at once). Under torch.compile, a mode without a graph is
 # refused with what to do (modules whose slots are swapped per member are not a graph to trace).
 
+# Note [Recurrent modules' flat weights]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# nn.RNNBase keeps its weights twice: as parameters, and in _flat_weights with weak references to
+# them (_flat_weight_refs), which its forward checks and rebuilds when a parameter changed. A call
+# with the slots swapped rebuilt them on the slices, and once the slots were put back the copy kept
+# references to those dead slices, which the member checks of the first compile then compared
+# between members (probe 14 of issue 44, P14-1: the switch refused GRU members as different
+# architectures). After each call the flat weights are rebuilt on the copy's own parameters, as
+# RNNBase.__setattr__ does when a weight is assigned.
+
 MEASURED_CALLS = 2
 WARM_SECONDS = 0.3
 COLD_SECONDS = 0.4
@@ -81,6 +91,7 @@ class Deferred:
     def __init__(self, members: Sequence[nn.Module]) -> None:
         self.members = list(members)
         self.slots: list | None = None  # per member, where it holds its tensors (_slots), found at the first call
+        self.rnns: list = []  # per member, its recurrent modules (Note [Recurrent modules' flat weights])
         self.checked = False  # whether a compile has run the member checks
         self.calls_left: dict[bool, int | None] = {True: None, False: None}
         self.seconds: dict[bool, float] = {}  # the fastest call measured
@@ -227,6 +238,7 @@ class DeferredCompileMixin:
         with d.lock:
             if d.slots is None:
                 d.slots = [_slots(m) for m in d.members]
+                d.rnns = [[m for m in member.modules() if isinstance(m, nn.RNNBase)] for member in d.members]
             stacked = {name: _get(self, name) for _, _, name in d.slots[0]}
             for i, member in enumerate(d.members):
                 if member.training != training:
@@ -249,6 +261,8 @@ class DeferredCompileMixin:
                 finally:
                     for table, attr, original, _, _ in swapped:
                         table[attr] = original
+                    for rnn in d.rnns[i]:  # its flat weights back on its own (Note [Recurrent modules' flat weights])
+                        rnn._init_flat_weights()
         return _stacked_outputs(outs)
 
 

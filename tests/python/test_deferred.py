@@ -340,3 +340,40 @@ def test_a_compile_that_pays_but_fails_leaves_the_members_running(monkeypatch, c
     fresh = wc.compile(copy.deepcopy(given), torch.randn(5, 4), config=DEFER)
     with pytest.raises(Exception):
         fresh(torch.randn(2, 5, 4))
+
+
+class Recurrent(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.r = getattr(nn, kind)(4, 6, num_layers=2, bidirectional=True, batch_first=True)
+        self.o = nn.Linear(12, 2)
+
+    def forward(self, x):
+        return self.o(self.r(x)[0])
+
+
+@pytest.mark.parametrize("kind", ["GRU", "LSTM", "RNN"])
+def test_recurrent_members_train_across_the_switch(kind, monkeypatch):
+    """P14-1 (probe 14): a call with the slots swapped left an RNN copy's flat weights on dead
+    slices, and the first compile's member checks refused the members as different architectures
+    (the training run died at the switch). Trained by SGD across the switch: every member exact."""
+    for name in ("COLD_SECONDS", "COLD_SECONDS_PER_MODULE", "WARM_SECONDS"):
+        monkeypatch.setattr(model_deferred, name, 0.0)
+    torch.manual_seed(10)
+    given = [Recurrent(kind).double() for _ in range(3)]
+    refs = copy.deepcopy(given)
+    wide = wc.compile(copy.deepcopy(given), torch.randn(2, 5, 4, dtype=torch.float64), config=DEFER)
+    wide.expect_calls(train_calls=100)
+    opt = wc.optim.SGD(wide.parameters(), lr=[0.05, 0.1, 0.2])
+    ref_opts = [torch.optim.SGD(m.parameters(), lr=lr) for m, lr in zip(refs, (0.05, 0.1, 0.2))]
+    for _ in range(model_deferred.MEASURED_CALLS + 2):
+        x = torch.randn(3, 2, 5, 4, dtype=torch.float64)
+        wide(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        for i, (m, o) in enumerate(zip(refs, ref_opts)):
+            m(x[i]).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    assert wide.compiled_modes() == ["train"]
+    assert_state_matches(wide, refs, tol=1e-10)
