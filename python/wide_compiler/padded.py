@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .fx.padded_members import PaddedMember, PadInfo
 from .fx.padding import pad_members
@@ -210,9 +210,28 @@ class PaddedWideModel(WideModel):
             "row")
 
     def _apply(self, fn: Any, recurse: bool = True) -> PaddedWideModel:
+        for m in self.__dict__.get("_originals", ()):  # our copies: member(i) and the padded programs follow
+            m._apply(fn, recurse)
         out = super()._apply(fn, recurse)
         self._mask_gradients()
         return out
+
+    def _recapture_in(self, before: torch.dtype, after: torch.dtype) -> None:
+        """Note [A graph runs in the dtype it was captured in], for padded members: the padded
+        programs the capture template runs are captures of the members too, in the old dtype (a
+        zero state a recurrent layer makes holds it: every call then failed inside the graph, probe
+        14 of issue 44, P14-2), so they are made again from the (converted) members first."""
+        def cast(x: Any) -> Any:
+            return x.to(after) if isinstance(x, torch.Tensor) and x.dtype == before else x
+
+        args, kwargs = tree_map(cast, self._sample)
+        members, info = pad_members(self._originals, tuple(args), dict(kwargs))
+        self._pad.state_guards = info.state_guards
+        for t in (self._template, self._capture_template[0]):
+            if isinstance(t, PaddedMember):
+                object.__setattr__(t, "_programs", members[0]._programs)
+                t._assumptions = members[0]._assumptions
+        super()._recapture_in(before, after)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """``nn.Module.load_state_dict``, checked first (Note [Loading a padded state]): a state

@@ -1,5 +1,5 @@
-"""Probe 13 of issue 44 (an independent re-run of the adversarial probe, on pad=True): each finding
-as a test that failed before its fix."""
+"""Probes 13 and 14 of issue 44 (independent re-runs of the adversarial probe, on pad=True): each
+finding as a test that failed before its fix (P14-1, of the deferred compile, is in test_deferred.py)."""
 from __future__ import annotations
 
 import copy
@@ -226,3 +226,22 @@ def test_the_wide_model_constructor_refuses_a_member_attribute_named_per_member(
 
     with pytest.raises(wc.WideCompileError, match="_per_member.*rename it"):
         wc.WideModel([Net(0.5), Net(2.0)], (torch.randn(3, 4),), config=FAST)
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("before, after", [(torch.float64, torch.float32), (torch.float32, torch.float64)])
+def test_padded_recurrent_members_after_a_dtype_change(kind, before, after):
+    """P14-2: pad=True with a recurrent layer, then wide.to(dtype): every call failed inside the
+    graph (the zero state the layer makes was captured in the padded programs' old dtype). Now
+    the padded programs are made again in the new dtype; member(i) follows it too."""
+    torch.manual_seed(5)
+    members = [nn.Sequential(nn.Linear(5, h), getattr(nn, kind)(h, h, batch_first=True)).to(before) for h in (4, 7)]
+    wide = wc.compile(copy.deepcopy(members), torch.randn(2, 4, 5, dtype=before), config=FAST, pad=True).to(after)
+    x = torch.randn(2, 2, 4, 5, dtype=after)
+    for training in (True, False):
+        out = wide.train(training).member_outputs(wide(x))
+        for i, m in enumerate(members):
+            own = copy.deepcopy(m).to(after).train(training)(x[i])
+            assert out[i][0].dtype == after
+            assert torch.allclose(out[i][0], own[0], atol=1e-6, rtol=0), (training, i)
+    assert next(wide.member(0).parameters()).dtype == after
