@@ -25,7 +25,9 @@ def _in_order_of(sample: Any, given: Any) -> Any:
             return given
         return {k: _in_order_of(sample[k], given[k]) for k in sample}
     if isinstance(sample, (tuple, list)) and type(given) is type(sample) and len(given) == len(sample):
-        return type(given)(_in_order_of(a, b) for a, b in zip(sample, given))
+        items = [_in_order_of(a, b) for a, b in zip(sample, given)]
+        # a namedtuple takes its fields as arguments (probe 14 of issue 44, P14-3: a TypeError)
+        return type(given)(*items) if hasattr(given, "_fields") else type(given)(items)
     return given
 
 

@@ -245,3 +245,61 @@ def test_padded_recurrent_members_after_a_dtype_change(kind, before, after):
             assert out[i][0].dtype == after
             assert torch.allclose(out[i][0], own[0], atol=1e-6, rtol=0), (training, i)
     assert next(wide.member(0).parameters()).dtype == after
+
+
+class _Scaled(nn.Module):
+    def __init__(self, t, slope):
+        super().__init__()
+        self.a, self.act, self.b, self.t = nn.Linear(4, 6), nn.LeakyReLU(slope), nn.Linear(6, 2), t
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x))) / self.t
+
+
+@pytest.mark.parametrize("eval_first", [False, True])
+def test_load_members_restores_a_configuration_no_member_holds_now(tmp_path, eval_first):
+    """P14-4: wcd.load_members of a checkpoint saved before copy_member_weights refused member 1's
+    own compiled configuration (no member held it any more); load_state_dict restored it. Now both
+    restore it, in train and eval, with its derived arguments (LeakyReLU's slope)."""
+    import wide_compiler.distributed as wcd
+
+    torch.manual_seed(6)
+    members = [_Scaled(t, s) for t, s in ((1.0, 0.01), (2.0, 0.1), (0.5, 0.2))]
+    wide = wc.compile(copy.deepcopy(members), torch.randn(5, 4), config=FAST)
+    opt = wc.optim.Adam(wide.parameters(), lr=0.01)
+    x = torch.randn(3, 5, 4)
+    if eval_first:
+        wide.eval()(x)
+        wide.train()
+    wcd.save_members(wide, tmp_path, opt)
+    wide.copy_member_weights(0, 1, optimizer=opt)
+    assert wide.member(1).t == 1.0
+    wcd.load_members(wide, tmp_path, opt)
+    assert wide.member(1).t == 2.0 and wide.member(1).act.negative_slope == 0.1
+    for training in (True, False):
+        out = wide.train(training)(x)
+        for i, m in enumerate(members):
+            assert torch.allclose(out[i], m.train(training)(x[i]), atol=1e-6), (training, i)
+
+
+def test_a_call_with_a_keyword_the_sample_lacks_and_a_namedtuple_input():
+    """P14-3: with a namedtuple input, a call with a keyword the sample lacks raised a TypeError
+    from inside the library (rebuilding the namedtuple) instead of the structure error."""
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, p, scale=1.0):
+            return self.fc(p.a + p.b) * scale
+
+    wide = wc.compile([Net() for _ in range(2)], (Pair(torch.randn(3, 4), torch.randn(3, 4)),), config=FAST)
+    p = Pair(torch.randn(2, 3, 4), torch.randn(2, 3, 4))
+    assert wide(p).shape == (2, 3, 2)
+    for kw in ({"scale": 2.0}, {"bogus": 1}):
+        with pytest.raises(ValueError, match="nested as in the sample"):
+            wide(p, **kw)

@@ -661,7 +661,7 @@ def check_member_constants(root: nn.Module, saved: Mapping[int, Mapping[str, Any
     an attribute the model shares must be that shared value, and a member's per-member values must
     be the configuration of some member of the model (whose derived arguments it then takes).
     Returns the moves for :func:`set_member_constants`: ``{i: (the member whose configuration it
-    takes, {attribute path: value})}``. Raises ``ValueError`` naming ``label(i)``, the attribute and
+    takes, or None for one a graph proved that no member holds now, {attribute path: value})}``. Raises ``ValueError`` naming ``label(i)``, the attribute and
     the values (that come from ``source``); nothing changes here."""
     fix = ("compile the receiving model from members with these values (for a checkpoint, "
            "wide_compiler.distributed.load_member_constants reads them)")
@@ -689,6 +689,12 @@ def check_member_constants(root: nn.Module, saved: Mapping[int, Mapping[str, Any
                              "(its members are not this model's members: another module tree)")
         key = tuple(constant_key(float(values[p])) for p in paths)
         j = owners.get(key)
+        if j is None and key in _proved_keys(root, paths):
+            # a configuration a graph proved that no member holds now (a checkpoint saved before
+            # copy_member_weights: probe 14 of issue 44, P14-4): its derived arguments come from the
+            # graphs' constant tables at the next call
+            moves[i] = (None, {p: values[p] for p in paths})
+            continue
         if j is None:
             have = sorted({", ".join(f"{p} = {v!r}" for p, v in zip(paths, cfg)) for cfg in current})
             shown = "; ".join(f"({c})" for c in have[:4]) + ("; ..." if len(have) > 4 else "")
@@ -699,6 +705,13 @@ def check_member_constants(root: nn.Module, saved: Mapping[int, Mapping[str, Any
                 f"another one cannot be set on it: {fix}")
         moves[i] = (j, {p: values[p] for p in paths})
     return moves
+
+
+def _proved_keys(root: nn.Module, paths: list[str]) -> set[tuple]:
+    """The configurations of ``paths`` that ``root``'s graphs were compiled for (Note
+    [Configurations proved before]), as :func:`constant_key` tuples."""
+    earlier = getattr(root, "_earlier_constants", lambda: ())()
+    return {tuple(constant_key(float(cfg[p])) for p in paths) for cfg in earlier if all(p in cfg for p in paths)}
 
 
 @torch.no_grad()
@@ -713,8 +726,12 @@ def set_member_constants(root: nn.Module, moves: Mapping[int, tuple[int, Mapping
     before = {name: b.clone() for name, b in buffers.items()}
     consts = root.__dict__.get("_constants") or {}
     for i, (j, values) in moves.items():
-        for name, b in buffers.items():
-            b[i] = before[name][j]
+        if j is None:  # a proved configuration no member holds: the constants only (Note [Per-member constants at the call])
+            for path, v in values.items():
+                buffers[buffer_name(path)][i] = float(v)
+        else:
+            for name, b in buffers.items():
+                b[i] = before[name][j]
         for path, v in values.items():
             row = list(consts[path])
             row[i] = v
