@@ -331,7 +331,7 @@ def _entry(rank, world, init_file, fn_names):
 def _cross_rank_copy(rank, world):
     def make(i):
         torch.manual_seed(i)
-        return Doubled((0.1, 0.2, 0.2, 0.1)[i]).double()
+        return Doubled((0.1, 0.3, 0.2, 0.1)[i]).double()
 
     sharded = wcd.shard(make, torch.randn(3, 4, dtype=torch.float64), n=4, config=FAST)
     wcd.copy_member_weights(sharded, 0, 2)  # rank 1 holds member 3 with s = 0.1: a proved configuration
@@ -339,9 +339,9 @@ def _cross_rank_copy(rank, world):
         assert sharded.wide.per_member_constants == {"s": [0.1, 0.1]}
         x = torch.randn(2, 5, 4, dtype=torch.float64)
         torch.testing.assert_close(sharded(x)[0], make(0)(x[0]), rtol=1e-12, atol=1e-12)
-    refused = r"member 3: its constants in member 1 \(rank 0\) \(s = 0\.2\) are not a configuration"
+    refused = r"member 3: its constants in member 1 \(rank 0\) \(s = 0\.3\) are not a configuration"
     with pytest.raises(ValueError, match=refused):
-        wcd.copy_member_weights(sharded, 1, 3)  # s = 0.2 is no longer on rank 1: refused on both ranks
+        wcd.copy_member_weights(sharded, 1, 3)  # s = 0.3 was never on rank 1: refused on both ranks
 
 
 def _cross_rank_copy_then_new_size(rank, world):
@@ -367,8 +367,8 @@ def _cross_rank_copy_then_new_size(rank, world):
 
 
 def test_copy_member_weights_across_ranks_carries_the_constants(tmp_path):
-    """Across two gloo ranks: the copied constants are the receiver's, a configuration no longer
-    proved on the receiving rank is refused, and a later call at a new size traces the copy."""
+    """Across two gloo ranks: the copied constants are the receiver's, a configuration the
+    receiving rank never proved is refused, and a later call at a new size traces the copy."""
     import torch.multiprocessing as mp
 
     saved = os.environ.get("OMP_NUM_THREADS")
