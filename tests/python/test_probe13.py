@@ -303,3 +303,22 @@ def test_a_call_with_a_keyword_the_sample_lacks_and_a_namedtuple_input():
     for kw in ({"scale": 2.0}, {"bogus": 1}):
         with pytest.raises(ValueError, match="nested as in the sample"):
             wide(p, **kw)
+
+
+def test_a_head_dim_sweep_with_attention_weights_is_refused_saying_why():
+    """P14-6: nn.MultiheadAttention over a head-dim sweep with need_weights=True was refused as a
+    member 'called with 0.5 where member 0 has 0.707', pointing at a hyperparameter nobody set:
+    the message now names a float computed from a size (head_dim ** -0.5) and what to do."""
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.i, self.att, self.o = nn.Linear(5, d), nn.MultiheadAttention(d, 2, batch_first=True), nn.Linear(d, 2)
+
+        def forward(self, x):
+            h = self.i(x)
+            a, w = self.att(h, h, h, need_weights=True)
+            return self.o(a), w
+
+    with pytest.raises(wc.ArchitectureMismatchError, match=r"(?s)head_dim \*\* -0\.5.*WideRouter groups them"):
+        wc.compile([Block(d) for d in (4, 8)], torch.randn(2, 3, 5), config=FAST, pad=True)

@@ -242,9 +242,15 @@ class Padder:
                 diffs.add(k)
             return
         if type(x) is not type(y) or x != y:
+            why = ("a float computed from a size that differs between them (a scale such as head_dim ** -0.5, "
+                   "which nn.MultiheadAttention computes itself with need_weights=True), or a hyperparameter "
+                   "that differs" if isinstance(x, float) and isinstance(y, float)
+                   else "a value that differs between them")
             raise ArchitectureMismatchError(
                 f"pad=True: member {i}: {node.target} at {source_line(node)} is called with {y!r} where "
-                f"member 0 has {x!r}: only sizes may differ between padded members")
+                f"member 0 has {x!r}: {why}; only sizes may differ between padded members (as tensor shapes: "
+                "such a number is baked into each member's program, so these members cannot share one padded "
+                "program); compile each size on its own (WideRouter groups them)")
 
     # ---------------------------------------------------------------- shapes and layouts
     def shapes(self, node: fx.Node) -> list[tuple[int, ...]]:
