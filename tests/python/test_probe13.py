@@ -3,6 +3,7 @@ finding as a test that failed before its fix (P14-1, of the deferred compile, is
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -322,3 +323,31 @@ def test_a_head_dim_sweep_with_attention_weights_is_refused_saying_why():
 
     with pytest.raises(wc.ArchitectureMismatchError, match=r"(?s)head_dim \*\* -0\.5.*WideRouter groups them"):
         wc.compile([Block(d) for d in (4, 8)], torch.randn(2, 3, 5), config=FAST, pad=True)
+
+
+def test_a_router_call_of_part_of_a_group_with_gradients_warns():
+    """P15-1 (probe 15): wide_forward(tower_names=[...]) with gradients on gives the towers left out
+    zero gradients in their slices (a tower that did not run has None), so SGD with momentum moved
+    a tower that was never called (0.28 off), silently. Warned once per group, naming the towers;
+    no warning without gradients."""
+
+    class Tower(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.o = nn.Linear(6, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.o(torch.tanh(self.a(x)))
+
+    router = wc.WideRouter(config=FAST)
+    for k in range(3):
+        router.register_tower(f"t{k}", Tower())
+    router.prepare_for_compile(torch.randn(5, 6))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        router.wide_forward(torch.randn(5, 6), tower_names=["t0", "t1"])
+    with pytest.warns(UserWarning, match=r"towers \['t2'\] .* were not called with gradients on"):
+        router.wide_forward(torch.randn(5, 6), tower_names=["t0", "t1"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per group
+        router.wide_forward(torch.randn(5, 6), tower_names=["t0", "t1"])

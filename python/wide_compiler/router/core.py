@@ -265,7 +265,9 @@ class WideRouter(nn.Module):
         after it (one made before raises at its ``step()``). A group whose towers
         are all selected runs as one wide call (shared inputs as stride-0 ``expand`` views,
         per-tower inputs stacked); a selected part of a group runs member by member on the wide
-        parameters (unselected members are not touched)."""
+        parameters (unselected members are not run; with gradients on, their slices get zero
+        gradients, which an optimizer with momentum, weight decay or Adam's state still applies:
+        warned once per group)."""
         return _wide_forward(self, args, kwargs, tower_names)
 
     # -- back to the towers -------------------------------------------------------------------

@@ -37,6 +37,8 @@ def _wide_forward(router: WideRouter, args: tuple, kwargs: dict,
         if not chosen:
             continue
         wide: WideModel = router.groups[key]
+        if len(chosen) < len(members) and torch.is_grad_enabled():
+            _warn_uncalled(router, key, members, chosen, wide)
         distinct = {id(inputs[members[i]]): inputs[members[i]] for i in chosen}  # shared input: one
         for k, a in distinct.items():
             if k not in structures:
@@ -59,6 +61,24 @@ def _wide_forward(router: WideRouter, args: tuple, kwargs: dict,
             a, k = inputs[n]
             out[n] = router._modules[n](*a, **k)
     return {n: out[n] for n in names}
+
+
+def _warn_uncalled(router: WideRouter, key: Any, members: list[str], chosen: list[int], wide: WideModel) -> None:
+    """A call of part of a group with gradients on: the other towers' slices of the stacked
+    parameters get zero gradients, not the None a tower that did not run has, and an optimizer
+    with state or decay still moves them (probe 15 of issue 44, P15-1: 0.28 off after one
+    momentum step). Warned once per group, naming the towers."""
+    warned = router.__dict__.setdefault("_warned_subsets", set())
+    if key in warned or not any(p.requires_grad for p in wide.parameters()):
+        return
+    warned.add(key)
+    left_out = [n for i, n in enumerate(members) if i not in chosen]
+    warnings.warn(
+        f"WideRouter: towers {left_out} of the group {members} were not called with gradients on: their slices "
+        "of the group's stacked parameters get zero gradients where a tower that did not run has none, so an "
+        "optimizer with momentum, weight decay or per-parameter state (Adam) still moves them at its next step "
+        "(plain SGD without them does not). To train towers as themselves, call every tower of a group between "
+        "optimizer steps, or give the towers that sit out an optimizer step of their own later", stacklevel=3)
 
 
 def _run_group(router: WideRouter, wide: WideModel, members: list[str], inputs: dict[str, tuple],
