@@ -253,7 +253,7 @@ class DeferredCompileMixin:
                             v = views[id(t)] = t[i]
                         swapped.append((table, attr, table[attr], v, name))
                         table[attr] = v
-                    a, kw = tree_unflatten([x[i] if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+                    a, kw = tree_unflatten([_member_input(x, i) for x in leaves], spec)
                     outs.append(member(*a, **kw))
                     for table, attr, original, v, name in swapped:
                         if table[attr] is not v:
@@ -290,6 +290,16 @@ class DeferredCompileMixin:
                     f"({type(want).__name__}): a non-tensor input is baked into the graph a compile makes of the "
                     "sample; compile again for another value")
         return leaves, spec
+
+
+def _member_input(x: Any, i: int) -> Any:
+    """Member ``i``'s slice of an input; of a shared one (stride 0 on the member dim, ``x.expand(N,
+    ...)``) a copy, so that a forward writing into its input (``x.mul_(2)``) writes into its own and
+    the next member still gets x, as each member alone does (probe 15 of issue 44, P15-3: members
+    1 and 2 computed on member 0's writes, 3.1 and 10.1 off). Gradients reach x through the copy."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return x[i].clone() if x.stride(0) == 0 and x.shape[0] > 1 else x[i]
 
 
 def _take_assigned(new: Any, parameter: bool, view: torch.Tensor, name: str, i: int) -> None:

@@ -377,3 +377,45 @@ def test_recurrent_members_train_across_the_switch(kind, monkeypatch):
             o.zero_grad()
     assert wide.compiled_modes() == ["train"]
     assert_state_matches(wide, refs, tol=1e-10)
+
+
+def test_a_forward_writing_into_a_shared_input():
+    """P15-3 (probe 15): a forward that writes into its input (``x.mul_(2)``), called with one input
+    shared by every member (``x.expand(N, ...)``): members 1 and 2 computed on member 0's writes
+    (3.1 and 10.1 off). Each member now gets its own copy of a shared input: exact, input
+    gradients summed over the members, the caller's tensor unchanged."""
+
+    class Scaling(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            x = x * 1.0
+            x.mul_(2)
+            return self.fc(x)
+
+    class InPlace(Scaling):
+        def forward(self, x):
+            x.mul_(2)
+            return self.fc(x)
+
+    torch.manual_seed(11)
+    given = [InPlace() for _ in range(3)]
+    wide = wc.compile(copy.deepcopy(given), torch.randn(5, 4), config=DEFER)
+    wide.expect_calls(train_calls=5)
+    x = torch.randn(5, 4)
+    kept = x.clone()
+    with torch.no_grad():
+        y = wide(x.expand(3, 5, 4))
+        for i, m in enumerate(given):
+            assert torch.equal(y[i], m(kept.clone()))
+    assert torch.equal(x, kept)
+    grads = [Scaling() for _ in range(3)]
+    wide = wc.compile(copy.deepcopy(grads), torch.randn(5, 4), config=DEFER)
+    wide.expect_calls(train_calls=5)
+    xg = x.clone().requires_grad_(True)
+    wide(xg.expand(3, 5, 4)).sum().backward()
+    xr = x.clone().requires_grad_(True)
+    sum(m(xr).sum() for m in grads).backward()
+    assert torch.allclose(xg.grad, xr.grad, atol=1e-6)
