@@ -66,7 +66,7 @@ def _tensor_expected(name: str, got: Any, member: tuple, n: int) -> str:
     P9-12: it said the model "was compiled with None" and to compile again for another value)."""
     dims = _member_dims(member)
     layout = (f"a leading member dim of {n}, then one member's input as compiled, [{dims}]" if dims
-              else f"one value per member: one member's input is a 0-dim tensor")
+              else "one value per member: one member's input is a 0-dim tensor")
     what = (f"wide_compiler: input '{name}' must be a tensor [{n}{', ' + dims if dims else ''}] (N-first: "
             f"{layout}), as in the compile sample, got "
             f"{_describe_value(got)}")
