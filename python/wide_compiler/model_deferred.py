@@ -19,6 +19,7 @@ from .fx import compile_cache
 from .fx.cache_key import key_of
 from .errors import UnsupportedOperationError
 from .fx.guards import same_input
+from .fx.state import get_tensor
 from .layouts import tag_layout
 from .model_inputs import _in_order_of, _structure_error
 
@@ -239,7 +240,7 @@ class DeferredCompileMixin:
             if d.slots is None:
                 d.slots = [_slots(m) for m in d.members]
                 d.rnns = [[m for m in member.modules() if isinstance(m, nn.RNNBase)] for member in d.members]
-            stacked = {name: _get(self, name) for _, _, name in d.slots[0]}
+            stacked = {name: get_tensor(self, name) for _, _, name in d.slots[0]}
             for i, member in enumerate(d.members):
                 if member.training != training:
                     member.train(training)
@@ -315,13 +316,6 @@ def _take_assigned(new: Any, parameter: bool, view: torch.Tensor, name: str, i: 
             "update it in place (copy_, add_) or keep its shape and dtype")
     with torch.no_grad():
         view.copy_(new)
-
-
-def _get(model: nn.Module, name: str) -> torch.Tensor:
-    path, _, attr = name.rpartition(".")
-    mod = model.get_submodule(path) if path else model
-    t = mod._parameters.get(attr)
-    return t if t is not None else mod._buffers[attr]
 
 
 def _stacked_outputs(outs: list[Any]) -> Any:

@@ -159,12 +159,14 @@ class PaddedWideModel(WideModel):
                 owner._parameters[attr] = t
 
     def _tag_padded_outputs(self, output: Any) -> Any:
-        """Mark each output tensor whose members' sizes differ with what cuts each member's part
-        (``PADDED_OUTPUT``: wc.optim.member_losses reads it, so a loss over a padded class dim
+        """Mark each output tensor whose members' sizes differ with its layouts (``PADDED_OUTPUT``:
+        wc.optim.member_losses cuts each member's part with them, so a loss over a padded class dim
         counts each member's own classes only; probe 13 of issue 44, P13-6). A Python attribute:
         ops on the tensor drop it."""
-        leaves, spec = tree_flatten(output)
         layouts = self._pad.output_layouts[self.training]
+        if not any(layouts):  # no output whose members' sizes differ: nothing to mark (no walk per call)
+            return output
+        leaves, _ = tree_flatten(output)
         for t, lay in zip(leaves, layouts):
             if isinstance(t, torch.Tensor) and lay:
                 setattr(t, PADDED_OUTPUT, lay)

@@ -710,8 +710,8 @@ def check_member_constants(root: nn.Module, saved: Mapping[int, Mapping[str, Any
 def _proved_keys(root: nn.Module, paths: list[str]) -> set[tuple]:
     """The configurations of ``paths`` that ``root``'s graphs were compiled for (Note
     [Configurations proved before]), as :func:`constant_key` tuples."""
-    earlier = getattr(root, "_earlier_constants", lambda: ())()
-    return {tuple(constant_key(float(cfg[p])) for p in paths) for cfg in earlier if all(p in cfg for p in paths)}
+    return {tuple(constant_key(float(cfg[p])) for p in paths) for cfg in root._earlier_constants()
+            if all(p in cfg for p in paths)}
 
 
 @torch.no_grad()

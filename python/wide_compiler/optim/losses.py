@@ -78,9 +78,6 @@ def member_losses(criterion: Callable[..., torch.Tensor], input: torch.Tensor,
         raise ValueError("wide_compiler.optim.member_losses: expected a wide input [N, ...], got "
                          f"{type(input).__name__} of shape {getattr(input, 'shape', None)}")
     n = input.shape[0]
-    layouts = getattr(input, PADDED_OUTPUT, None)
-    if layouts is not None:
-        return _padded_losses(criterion, input, target, layouts, shared_target, kwargs)
     if shared_target is None:
         shared_target = (n > 1 and target.dim() >= 1 and target.shape[0] == n
                          and target.stride(0) == 0)
@@ -95,6 +92,9 @@ def member_losses(criterion: Callable[..., torch.Tensor], input: torch.Tensor,
                 f"expected per-member targets [N={n}, ...], or pass shared_target=True for one "
                 f"target shared by all members")
         wide_target = target
+    layouts = getattr(input, PADDED_OUTPUT, None)
+    if layouts is not None:
+        return _padded_losses(criterion, input, wide_target, layouts, kwargs)
 
     fn, kw, reduction = _resolve(criterion, kwargs)
     if reduction == "none" or (fn is not None and reduction not in ("mean", "sum")):
@@ -114,22 +114,15 @@ def member_losses(criterion: Callable[..., torch.Tensor], input: torch.Tensor,
                     reduction if fn is not None else None, input, target, shared_target)
 
 
-def _padded_losses(criterion, input, target, layouts, shared_target, kwargs):
+def _padded_losses(criterion, input, target, layouts, kwargs):
     """Per-member losses of a padded model's output whose members' sizes differ (a class or
-    vocabulary sweep): each member's loss on its own part (``member_part``), and its target (cut
-    the same way where it has the output's padded shape), one call per member. The zero padding
-    entered the softmax as extra classes before (probe 13 of issue 44, P13-6)."""
-    n = input.shape[0]
-    if shared_target is None:
-        shared_target = n > 1 and target.dim() >= 1 and target.shape[0] == n and target.stride(0) == 0
-        if shared_target:
-            target = target[0]
-    if not shared_target and (target.dim() == 0 or target.shape[0] != n):
-        raise ValueError(f"wide_compiler.optim.member_losses: target has shape {list(target.shape)}; expected "
-                         f"per-member targets [N={n}, ...], or pass shared_target=True")
+    vocabulary sweep): each member's loss on its own part (``member_part``), and its target
+    ``target[i]`` (N-first; cut the same way where it has the output's padded shape), one call per
+    member. The zero padding entered the softmax as extra classes before (probe 13 of issue 44,
+    P13-6)."""
     losses = []
-    for i in range(n):
-        t = target if shared_target else target[i]
+    for i in range(input.shape[0]):
+        t = target[i]
         if t.shape == input.shape[1:]:
             t = member_part(t, layouts, i)
         loss = criterion(member_part(input[i], layouts, i), t, **kwargs)
