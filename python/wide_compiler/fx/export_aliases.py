@@ -5,6 +5,8 @@ nothing (Note [A conversion that changes nothing])."""
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from typing import Any
 
 import torch
@@ -86,7 +88,8 @@ class NoOpConversionsCopied:
         def conversion(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             # decided before converting: a conversion that returns its tensor has already made the
             # tracer take the tensor for its result
-            if isinstance(t, torch.Tensor) and _no_op_dtype(name, t, args, kwargs):
+            if isinstance(t, torch.Tensor) and _no_op_dtype(name, t, args, kwargs) \
+                    and not sys._getframe(1).f_code.co_filename.startswith(_BELOW_THE_TRACER):
                 watcher.count += 1
                 return to(t, dtype=t.dtype, copy=True)
             return original(t, *args, **kwargs)
@@ -111,6 +114,8 @@ class NoOpConversionsCopied:
 
 
 _MISSING = object()
+_BELOW_THE_TRACER = tuple(os.path.join(os.path.dirname(torch.__file__), d) for d in (
+    "_decomp", "_refs", "_prims", "_subclasses", "_meta_registrations.py", "_functorch", "_higher_order_ops"))
 _FIXED = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
 
 
