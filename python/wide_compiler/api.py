@@ -12,18 +12,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-# wide_compiler.testing's comparisons, which sit below api (Note [The harness in two layers])
-from . import _equivalence as testing
-from .torch_guards import note_wide_parameters
-from ._equivalence.draws import fixed_draws
 from .config import WideConfig
 from .errors import ValidationError, WideCompileError
-from .fx.padding import pad_members
-from .fx.pipeline import aliases, compile_members, stack_members
+from .fx.compilation import aliases, stack_members
 from .layouts import layout_of, tag_layout
 from .model import WideModel, outside_inference_mode, refuse_reserved_names
 from .model_deferred import deferred_members
-from .padded import PaddedWideModel
+from .torch_guards import note_wide_parameters
 
 __all__ = ["WideBuilder", "compile", "pack", "stack", "unpack", "unstack"]
 
@@ -226,7 +221,12 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
     with outside_inference_mode():  # the stacked state made inside it could never train
         # a sample made inside inference mode: an ordinary copy (the members run on it with gradients)
         args, sample_kwargs = tree_map(_ordinary, (args, sample_kwargs))
-        padded = pad_members(members, args, sample_kwargs) if pad else None
+        padded = None
+        if pad:
+            from .fx.padding import pad_members  # Note [The compiler imported when it compiles] (fx/compilation.py)
+            from .padded import PaddedWideModel
+
+            padded = pad_members(members, args, sample_kwargs)
         if padded is not None:
             originals, (members, info) = members, padded
         # Compile (the pipeline of fx/pipeline.py: checks, capture, widen, strategies, the stacked
@@ -237,6 +237,8 @@ def compile(  # noqa: A001 (the natural name; torch.compile is reached as torch.
         if stacked is not None:
             wide = WideModel._from_compilation(stacked, deferred=deferred_members(members, aliases))
         else:
+            from .fx.pipeline import compile_members
+
             wide = WideModel._from_compilation(compile_members(members, args, sample_kwargs, config=config,
                                                                dynamic_shapes=dynamic_shapes))
         if padded is not None:
@@ -342,6 +344,10 @@ def _validate(wide: WideModel, members: Sequence[nn.Module], args: tuple, kwargs
     A train graph with random ops (dropout...) is compared with every draw fixed to one value on
     both sides (Note [Fixed draws in the trust check] in _equivalence/draws.py), or in eval mode
     where a draw cannot be fixed."""
+    # wide_compiler.testing's comparisons, which sit below api (Note [The harness in two layers])
+    from . import _equivalence as testing
+    from ._equivalence.draws import fixed_draws
+
     n = len(members)
     training = wide.training
     random = testing.random_ops(wide, training) if training else []

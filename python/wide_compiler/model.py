@@ -21,7 +21,7 @@ import logging
 import sys
 import types
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,12 +31,10 @@ from .config import WideConfig
 from .errors import UnsupportedOperationError, WideCompileError
 from .fx.constants import BUFFER_ROOT
 from .fx.fold import clear_fold_cache
-from .fx import compile_cache
+from .fx.compilation import COMPILE_LOCK, Compilation
 from .fx.member_checks import parameter_hook_refusal
-from .fx.pipeline import COMPILE_LOCK, Compilation, compile_members, run_cached
 from .fx.state import WideState, call_graph, holders, missing_constants, persistent_buffer_names, put_tensor
 from .fx.state import get_tensor as _get_tensor
-from .fx.widen import WideGraph
 from .layouts import _LAYOUT_ATTR, PackedWideModel, _any_packed, layout_of, tag_layout  # noqa: F401 (old paths)
 from .members import MemberOpsMixin
 from .model_calls import CallGraphsMixin, traced_here
@@ -58,6 +56,9 @@ from .model_inputs import (  # noqa: F401 (the old import paths of the input che
     _structure_error,
     _user_placeholders,
 )
+
+if TYPE_CHECKING:
+    from .fx.widen import WideGraph
 
 __all__ = ["WideModel"]
 
@@ -192,13 +193,15 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         result, as :func:`wide_compiler.compile` does after checking its arguments."""
         super().__init__()
         refuse_reserved_names(models)
+        from .fx.pipeline import compile_members  # Note [The compiler imported when it compiles]
+
         self._hold(compile_members(models, sample_args, sample_kwargs, config=config, dynamic_shapes=dynamic_shapes))
 
     @classmethod
     def _from_compilation(cls, c: Compilation, *, deferred: Deferred | None = None) -> WideModel:
         """The wide model of a first compilation (:func:`~wide_compiler.fx.pipeline.compile_members`,
         run with the members: ``c.state`` holds their stacked tensors; or with ``deferred``,
-        :func:`~wide_compiler.fx.pipeline.stack_members`: no graph yet)."""
+        :func:`~wide_compiler.fx.compilation.stack_members`: no graph yet)."""
         wide = cls.__new__(cls)
         super(WideModel, wide).__init__()
         wide._hold(c, deferred=deferred)
@@ -412,6 +415,8 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
             raise UnsupportedOperationError(self._parameter_hooks)
         self._constants_now()  # Note [Constants the members hold now] (model_constants.py)
         c = self._compilation(training)
+        from .fx.pipeline import run_cached  # Note [The compiler imported when it compiles]
+
         c = run_cached(c)  # Note [The compile cache] (fx/compile_cache.py)
         if c.members is not None:
             self._deferred.checked = True
@@ -484,6 +489,8 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
             self._ranges.pop(id(old), None)
         self._ranges[id(c.wide)] = _narrow_ranges(c.ep) if c.ep is not None else dict(c.cached.ranges)
         if c.cache_key is not None and c.ep is not None:  # a compile the cache missed: stored for the next
+            from .fx import compile_cache
+
             compile_cache.store(c, c.cache_key, self._ranges[id(c.wide)])
         # Note [Tuning after the first runs] (tuning.py): measured after its first runs; a graph
         # recaptured for new sizes in place of one still waiting takes over the runs left

@@ -6,7 +6,7 @@ mode captured for inputs outside those assumptions."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
@@ -15,12 +15,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .fx.capture_errors import outside_padded_program
 from .fx.guards import MAX_GRAPHS, same_input
 from .fx.padded_members import PaddedMember
-from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, recapture, recapture_cached, run_pipeline
-from .fx.widen import WideGraph
+from .fx.compilation import COMPILE_LOCK, Compilation
 from .layouts import _any_packed
 from .measure import Stopwatch
 from .model_inputs import (_fill, _in_order_of, _member_accepts, _member_dims, _NewSize, _outside_range,
                            _structure_error, _tensor_expected, _user_placeholders)
+
+if TYPE_CHECKING:
+    from .fx.widen import WideGraph
 
 __all__ = ["CallGraphsMixin", "traced_here"]
 
@@ -234,6 +236,8 @@ class CallGraphsMixin:
         the sample: the dims captured dynamic before stay dynamic (but a size 0 or 1 is captured as
         the fixed size it is), dtypes are the call's. Kept beside the mode's graph (at most
         ``MAX_GRAPHS`` per mode); strategies are the mode's graph's (nothing is measured)."""
+        from .fx.pipeline import recapture  # Note [The compiler imported when it compiles]
+
         mode = "train" if training else "eval"
         with COMPILE_LOCK:
             for other in reversed(self._variants.get(training, ())):  # another thread captured it
@@ -313,6 +317,8 @@ class CallGraphsMixin:
         constant): the error names the size, and where export found it when it can. Strategies
         are not measured again: ops keep the current graph's choices (by node and op), new ones
         their defaults. Under the compile lock, so two threads never build a graph twice."""
+        from .fx.pipeline import PASSES, recapture, recapture_cached, run_pipeline  # Note [The compiler imported ...]
+
         with COMPILE_LOCK:
             wg = self._graph_for(training)
             users = [inp for inp in wg.inputs if inp.kind == "user"]

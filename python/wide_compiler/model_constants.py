@@ -5,14 +5,16 @@ constants at the call]); each member's own values put back on its copy by ``unfu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .fx.constants import EARLIER_AT_MOST, constant_key, member_value
 from .fx.state import get_tensor as _get_tensor
-from .fx.widen import WideGraph
+
+if TYPE_CHECKING:
+    from .fx.widen import WideGraph
 
 __all__ = ["MemberConstantsMixin"]
 

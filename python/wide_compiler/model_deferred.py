@@ -15,8 +15,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .fx import compile_cache
-from .fx.cache_key import key_of
 from .errors import UnsupportedOperationError
 from .fx.guards import same_input
 from .fx.state import get_tensor
@@ -224,6 +222,9 @@ class DeferredCompileMixin:
 
     def _in_compile_cache(self, training: bool) -> bool:
         """Whether the compile cache holds the mode's graph (a compile then costs WARM_SECONDS)."""
+        from .fx import compile_cache  # Note [The compiler imported when it compiles] (fx/compilation.py)
+        from .fx.cache_key import key_of
+
         c = self._compilation(training)  # type: ignore[attr-defined]
         if not compile_cache.enabled(c.config):
             return False

@@ -4,9 +4,13 @@ their dynamic dims, the per-member constants, the tuning), the fallbacks and ``r
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .fx.source import module_path
-from .fx.widen import WideGraph
 from .model_inputs import _member_dims, _size_range
+
+if TYPE_CHECKING:
+    from .fx.widen import WideGraph
 
 __all__ = ["InspectionMixin"]
 

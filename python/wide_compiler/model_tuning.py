@@ -8,15 +8,16 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .fx import compile_cache
-from .fx.pipeline import COMPILE_LOCK, PASSES, Compilation, run_pipeline
+from .fx.compilation import COMPILE_LOCK, Compilation
 from .fx.state import WideState
-from .fx.widen import WideGraph
+
+if TYPE_CHECKING:
+    from .fx.widen import WideGraph
 
 __all__ = ["DeferredTuningMixin", "defer_tuning"]
 
@@ -127,6 +128,9 @@ class DeferredTuningMixin:
         """Run the strategy pass, the model-level check and the member-tile trial of ``wg`` now, on
         the live state (detached) and the capture sample; keep what they chose, store it in the
         compile cache. A failure keeps the strategies the graph had (logged), never fails a call."""
+        from .fx import compile_cache  # Note [The compiler imported when it compiles]
+        from .fx.pipeline import PASSES, run_pipeline
+
         ref = next(self.parameters(), None)
         device = ref.device.type if ref is not None else "cpu"
         # (inference_mode(False) turns grad mode on, as run_pipeline does; both put it back on exit)

@@ -756,7 +756,7 @@ def test_validate_catches_a_member_that_differs(monkeypatch):
     switched off, members differing in a constant must be caught by validation."""
     import sys
 
-    monkeypatch.setattr(sys.modules["wide_compiler.fx.pipeline"], "check_members", lambda models: None)
+    monkeypatch.setattr(sys.modules["wide_compiler.fx.compilation"], "check_members", lambda models: None)
     models = [Signed(1), Signed(-1)]
     no_run = FAST.replace(run_members=False)
     compile_fast(models, torch.randn(4, 5), config=no_run)  # without validation nothing notices

@@ -13,7 +13,7 @@ import torch
 import wide_compiler as wc
 from torch import nn
 from wide_compiler import tuning
-from wide_compiler.fx import member_runs, pipeline
+from wide_compiler.fx import compilation, member_runs
 from wide_compiler.measure import Progress
 
 from support import FakeClock, fake_clock
@@ -205,7 +205,7 @@ def test_progress_elsewhere_logs_each_step_and_the_end(clock, caplog):
 
 
 def test_a_long_compile_says_what_it_is_doing(monkeypatch, caplog):
-    monkeypatch.setattr(pipeline, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(compilation, "PROGRESS_AFTER_S", 0.0)
     with caplog.at_level(logging.INFO, logger="wide_compiler.progress"):
         wc.compile(members(), torch.randn(4, 6), config=wc.WideConfig.fast())
     said = [r.getMessage() for r in caplog.records]
@@ -362,7 +362,7 @@ class BNNet(nn.Module):
 
 
 def test_the_capture_copy_shares_member_0s_storage_and_leaves_member_0_as_it_was():
-    """Note [The capture copy shares member 0's storage] (fx/pipeline.py): the capture model and the
+    """Note [The capture copy shares member 0's storage] (fx/compilation.py): the capture model and the
     wide model's template hold new tensor objects on member 0's storage (no clone); compiling and
     running both modes, and the capture of a new size, write nothing into member 0."""
     torch.manual_seed(0)

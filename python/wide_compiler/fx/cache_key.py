@@ -459,7 +459,7 @@ class _Uncacheable(Exception):
 
 def key_parts(c: Any) -> dict[str, Any]:
     """The parts of the compile cache key of the compilation ``c`` (a
-    :class:`~wide_compiler.fx.pipeline.Compilation` after ``check_members``), by name (Note [The
+    :class:`~wide_compiler.fx.compilation.Compilation` after ``check_members``), by name (Note [The
     compile cache key]); raises ``_Uncacheable`` when a part has no stable description."""
     from .constants import constant_key
 
