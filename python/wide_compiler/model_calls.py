@@ -12,6 +12,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .errors import ArchitectureMismatchError
 from .fx.capture_errors import outside_padded_program
 from .fx.guards import MAX_GRAPHS, same_input
 from .fx.padded_members import PaddedMember
@@ -296,6 +297,18 @@ class CallGraphsMixin:
                                  f"it ({still}); please report this with the model")
             return new, flat
 
+    # Note [Per-member constants a size meets]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A capture with a dim made dynamic runs at the compile sample's size, and a sample size of 1 as 2
+    # (export specialises 1). Per-member constants that a size meets (``T >= self.min_len``, 3.0 and
+    # 2.0) are proved for every member at that size: at T = 2 the members take different branches,
+    # so that capture is refused (ArchitectureMismatchError), though at the call's T = 10 every member
+    # takes the same one (probe 15 of issue 44, P15-2: the call was refused). Then the call's own
+    # sizes are captured (:meth:`_capture_for`, as for inputs outside the guards): proved at T = 10,
+    # kept beside the mode's graph, its size fixed; a call where the members do differ is refused
+    # there, naming the constant. ``_unproved`` keeps the set of dims tried, so later new sizes go
+    # straight to their own capture.
+
     # Note [A refused size is kept for that capture only]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
     # Whether export fixes a dim depends on which other dims are dynamic with it: in
@@ -338,6 +351,8 @@ class CallGraphsMixin:
                 extra[k] = extra.get(k, frozenset()) | {d}
             # Note [A refused size is kept for that capture only]
             tried = (training, frozenset((k, d) for k, ds in extra.items() for d in ds))
+            if tried in self.__dict__.get("_unproved", ()):
+                return wg  # Note [Per-member constants a size meets]: the caller captures the call's sizes
             for (k, d), what in self._fixed.get(tried, {}).items():
                 if (k, d) in new:
                     raise ValueError(_fill(what, shapes[k], new[(k, d)][0]))
@@ -403,7 +418,17 @@ class CallGraphsMixin:
             if len(fixed) == len(new):
                 raise ValueError(next(iter(fixed.values())))
             if hit is None:
-                recapture(c, wg, captured=True)  # the old graph's strategies and tile
+                try:
+                    recapture(c, wg, captured=True)  # the old graph's strategies and tile
+                except ArchitectureMismatchError:
+                    if not c.constants:
+                        raise
+                    # Note [Per-member constants a size meets]
+                    self.__dict__.setdefault("_unproved", set()).add(tried)
+                    log.info("wide_compiler: the %s graph with %s dynamic is not one program for every member's "
+                             "constants at the compile sample's sizes; capturing it for this call's sizes instead",
+                             mode, ", ".join(f"input '{users[k].name}' dim {d + 1}" for k, d in new))
+                    return wg
                 if not fixed:
                     c.cache_key = key  # stored by _adopt
             for (k, d), (size, _) in new.items():

@@ -215,3 +215,21 @@ def test_conjoined_guards_hold_only_where_each_does_and_the_plan_pickles_without
     assert conjoin_guards(base, [("member 1's constants: s = 0.2", base)]) is base
     plan = ConstantPlan({"s": (0.1, 0.3)}, probe_guards=[("member 1's constants: s = 0.3", probe)])
     assert pickle.loads(pickle.dumps(plan)).probe_guards == []
+
+
+@MODES
+def test_a_length_test_against_constants_from_a_sample_of_length_one_follows_every_member(train):
+    """Probe 15 of issue 44, P15-2 (Note [Per-member constants a size meets] in model_calls.py): a
+    sample of T = 1 is recaptured at T = 2 (export specialises 1), where members 0 and 1 (3.0, 2.0)
+    differ, so a call at T = 10, where every member takes the same branch, was refused. It is now
+    captured at its own size and runs; a size where members differ is still refused, naming the
+    member."""
+    models = _members(MinLen, (3.0, 2.0, 4.0))
+    wide = wc.compile(models, torch.randn(2, 1, 4, dtype=torch.float64), config=FAST)
+    for k, (T, expected) in enumerate([(1, OK), (10, OK), (2, 1), (3, 2), (12, OK), (10, OK), (1, OK)]):
+        x = torch.randn(3, 2, T, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
+        if expected is OK:
+            _call(wide, models, x, train)
+        else:
+            with pytest.raises(ValueError, match=rf"member {expected}\b.*min_len"):
+                _call(wide, models, x, train)
