@@ -1,4 +1,4 @@
-"""What the compiler's passes share (:class:`Compilation`), how they run (:func:`run_pipeline`) and
+"""What the compiler's passes share (:class:`Compilation`), how they run (:func:`run_passes`) and
 the compilation a deferred model starts from (:func:`stack_members`), without the passes
 themselves (fx/pipeline.py): a model built with ``WideConfig(defer=True)`` runs its members
 until compiling pays (Note [Running the members until compiling pays] in model_deferred.py), and
