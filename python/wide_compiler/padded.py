@@ -93,6 +93,9 @@ class PaddedWideModel(WideModel):
                     ref = weakref.ref(p)
                 hooked.append((name, self.get_submodule(path), attr, ref))
         self.__dict__["_hooked"] = hooked
+        self.__dict__["_padded_buffers"] = [  # Note [Writes into the padding]: (name, owner, attribute)
+            (name, self.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
+            for name, _ in self.named_buffers() if self._pad.state_layouts.get(name)]
 
     def _hooks_stale(self) -> bool:
         """Whether a padded parameter was replaced (by hand) or made trainable since it was hooked:
@@ -112,14 +115,21 @@ class PaddedWideModel(WideModel):
     # population-based training's explore move (``p.add_(0.1 * torch.randn_like(p))`` over the
     # wide parameters) or a re-initialisation (``nn.init.normal_(p)``) fills the padding too, and
     # the wide model then computed what neither ``member(i)`` nor ``unfuse()`` gives (those cut each
-    # member's own values out: probe 6 of issue 44, F1, 0.1-1e4 off). The padding holds no
+    # member's own values out: probe 6 of issue 44, F1, 0.1-1e4 off). Buffers too: a reset of the
+    # BatchNorm statistics over ``wide.buffers()`` (``running_mean.fill_(0.3)``) filled their padding,
+    # which a LayerNorm or a sum over the channels then counted (probe 16, P16-7: 2.2 off), and made
+    # the model's own ``state_dict()`` refused by ``load_state_dict`` (P16-6). The padding holds no
     # member's value, so at each eager call a padded parameter written since the last call (its
     # version counter moved, or its memory: ``p.data = ...``, ``vector_to_parameters``) has its
     # padding set to zero again, in place (under no_grad, as an optimizer writes): what each member
     # holds is untouched, and the wide model computes what its members do. One version read per
     # padded parameter per call; a masked fill after each step. A write through ``p.data``'s own
     # view (``p.data.add_(...)``) moves neither: ``clear_caches()`` then zeroes every padding at
-    # the next call (probe 10 of issue 44, P10-6: 0.7-1.4 off after either kind of write).
+    # the next call (probe 10 of issue 44, P10-6: 0.7-1.4 off after either kind of write). A
+    # buffer's version moves at the graph's own updates too (running statistics, which keep the
+    # padding zero): each call records its buffers' versions after it runs, so only a write in
+    # between counts. ``state_dict()`` zeroes written padding first, so a state saved after such
+    # a write loads (Note [Loading a padded state]).
     # Not under torch.compile (a version counter cannot be read in a trace): after such a write,
     # call the model once outside torch.compile before its compiled calls.
     @torch.no_grad()
@@ -133,6 +143,21 @@ class PaddedWideModel(WideModel):
             outside = self._pad.mask(name, torch.bool, p.device).logical_not_()
             p.masked_fill_(outside, 0)
             seen[name] = (id(p), p._version, p.data_ptr())
+        for name, owner, attr in self.__dict__.get("_padded_buffers", ()):
+            b = owner._buffers.get(attr)
+            if b is None or seen.get(name) == (id(b), b._version, b.data_ptr()):
+                continue
+            b.masked_fill_(self._pad.mask(name, torch.bool, b.device).logical_not_(), 0)
+            seen[name] = (id(b), b._version, b.data_ptr())
+
+    def _note_buffer_versions(self) -> None:
+        """Note [Writes into the padding]: the padded buffers as the call left them (its own updates
+        keep their padding zero)."""
+        seen = self.__dict__.setdefault("_padding_versions", {})
+        for name, owner, attr in self.__dict__.get("_padded_buffers", ()):
+            b = owner._buffers.get(attr)
+            if b is not None:
+                seen[name] = (id(b), b._version, b.data_ptr())
 
     def clear_caches(self) -> None:
         super().clear_caches()
@@ -148,7 +173,9 @@ class PaddedWideModel(WideModel):
         self._zero_written_padding()
         swapped = self._mask_callers_tensors()
         try:
-            return self._tag_padded_outputs(super().forward(*args, **kwargs))
+            out = super().forward(*args, **kwargs)
+            self._note_buffer_versions()
+            return self._tag_padded_outputs(out)
         except IndexError as e:
             better = self._index_error(e)
             if better is None:
@@ -258,6 +285,8 @@ class PaddedWideModel(WideModel):
     _SIZES = "wide_compiler.pad.member_shapes"
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        if "_hooked" in self.__dict__:
+            self._zero_written_padding()  # Note [Writes into the padding]: the state as the next call sees it
         super()._save_to_state_dict(destination, prefix, keep_vars)
         meta = getattr(destination, "_metadata", None)
         if meta is not None:

@@ -1,0 +1,97 @@
+"""Probe 16 of issue 44 (an independent re-run of the adversarial probe): each finding as a test
+that failed before its fix (P15-2, a false refusal of probe 15, is in test_constants_sizes.py)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import wide_compiler as wc
+
+FAST = wc.WideConfig.fast()
+WIDTHS = (4, 8, 12)
+
+
+class Offset(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.a = nn.Linear(6, h)
+        self.register_buffer("offset", torch.zeros(h))
+
+    def forward(self, x):
+        return (self.a(x) + self.offset).sum(-1, keepdim=True)
+
+
+class NormThenLayerNorm(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(6, h), nn.BatchNorm1d(h, affine=False), nn.Linear(h, 3)
+
+    def forward(self, x):
+        h = self.bn(self.a(x))
+        return self.b(F.layer_norm(h, (h.shape[-1],)))
+
+
+def _edit_buffers(model, value):
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith(("offset", "running_mean")):
+                b.fill_(value)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("cls", [Offset, NormThenLayerNorm])
+def test_a_buffer_written_by_hand_has_its_padding_zeroed_at_the_next_call(cls, train):
+    """P16-7: ``b.fill_(v)`` over a padded model's buffers filled their padding, which a sum or a
+    LayerNorm over the padded dim then counted (2.2-5.6 off), silently. Now the padding is zeroed
+    at the next call, as for a parameter written by hand (Note [Writes into the padding])."""
+    torch.manual_seed(0)
+    members = [cls(h).double() for h in WIDTHS]
+    refs = copy.deepcopy(members)
+    x = torch.randn(3, 5, 6, dtype=torch.float64)
+    wide = wc.compile(members, x[0], pad=True, config=FAST).train(train)
+    for r in refs:
+        r.train(train)
+    wide(x)  # a call first: its own buffer updates are not writes by hand
+    for r, xi in zip(refs, x):
+        r(xi)
+    for k, value in enumerate((0.7, -0.3)):
+        _edit_buffers(wide, value)
+        for r in refs:
+            _edit_buffers(r, value)
+        out = wide(x)
+        for i, r in enumerate(refs):
+            torch.testing.assert_close(out[i], r(x[i]), rtol=1e-9, atol=1e-9, msg=lambda s, i=i, k=k: f"{k}, {i}: {s}")
+        for i, r in enumerate(refs):  # each member's own values are the ones written
+            mine = dict(wide.member(i).named_buffers())
+            for name, own in r.named_buffers():
+                torch.testing.assert_close(mine[name], own, rtol=1e-9, atol=1e-9)
+
+
+def test_a_padded_state_saved_after_a_buffer_write_loads():
+    """P16-6: after ``running_var.fill_(1)`` over the buffers the model's own ``state_dict()`` was
+    refused by its ``load_state_dict`` (padding not zero), though the model computed each member
+    exactly. ``state_dict()`` now zeroes written padding first."""
+    torch.manual_seed(0)
+
+    def cnn(c):
+        return nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                             nn.Flatten(), nn.Linear(c, 2))
+
+    wide = wc.compile([cnn(c) for c in (4, 8)], torch.randn(2, 3, 8, 8), pad=True, config=FAST)
+    wide(torch.randn(2, 4, 3, 8, 8))
+    with torch.no_grad():
+        for name, b in wide.named_buffers():
+            if name.endswith("running_var"):
+                b.fill_(1.0)
+    state = copy.deepcopy(wide.state_dict())
+    assert state["1.running_var"][0, 4:].eq(0).all()  # member 0's padding (its own 4 channels are 1)
+    assert state["1.running_var"][0, :4].eq(1).all()
+    wide.load_state_dict(state)
+    fresh = wc.compile([cnn(c) for c in (4, 8)], torch.randn(2, 3, 8, 8), pad=True, config=FAST)
+    fresh.load_state_dict(state)
+    x = torch.randn(2, 2, 3, 8, 8)
+    torch.testing.assert_close(fresh.eval()(x), wide.eval()(x))
