@@ -128,8 +128,9 @@ class PaddedWideModel(WideModel):
     # the next call (probe 10 of issue 44, P10-6: 0.7-1.4 off after either kind of write). A
     # buffer's version moves at the graph's own updates too (running statistics, which keep the
     # padding zero): each call records its buffers' versions after it runs, so only a write in
-    # between counts. ``state_dict()`` zeroes written padding first, so a state saved after such
-    # a write loads (Note [Loading a padded state]).
+    # between counts. ``state_dict()`` and ``export()`` zero written padding first (a state saved,
+    # or a program exported, right after such a write: P16-8, P16-9), so the state loads (Note
+    # [Loading a padded state]) and the program computes what the model does.
     # Not under torch.compile (a version counter cannot be read in a trace): after such a write,
     # call the model once outside torch.compile before its compiled calls.
     @torch.no_grad()
@@ -158,6 +159,14 @@ class PaddedWideModel(WideModel):
             b = owner._buffers.get(attr)
             if b is not None:
                 seen[name] = (id(b), b._version, b.data_ptr())
+
+    def export(self, path: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if self._hooks_stale():
+            self._mask_gradients()
+        self._zero_written_padding()  # Note [Writes into the padding]: export traces the forward, which skips it
+        return super().export(path, *args, **kwargs)
+
+    export.__doc__ = WideModel.export.__doc__
 
     def clear_caches(self) -> None:
         super().clear_caches()

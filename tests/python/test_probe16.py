@@ -95,3 +95,45 @@ def test_a_padded_state_saved_after_a_buffer_write_loads():
     fresh.load_state_dict(state)
     x = torch.randn(2, 2, 3, 8, 8)
     torch.testing.assert_close(fresh.eval()(x), wide.eval()(x))
+
+
+class SigmoidSum(nn.Module):  # sigmoid(0) = 0.5: padded units that hold weights would count
+    def __init__(self, h):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, h), nn.Linear(h, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.tanh(h)) + torch.sigmoid(h).sum(-1, keepdim=True)
+
+
+def _explored(seed=0):
+    """A padded model after one call and an explore move over its parameters (no call since)."""
+    torch.manual_seed(seed)
+    x = torch.randn(3, 5, 6, dtype=torch.float64)
+    wide = wc.compile([SigmoidSum(h).double() for h in WIDTHS], x[0], pad=True, config=FAST).eval()
+    wide(x)
+    with torch.no_grad():
+        for p in wide.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return wide, x
+
+
+def test_a_program_exported_right_after_a_parameter_write_is_the_models():
+    """P16-9: ``export()`` right after ``p.add_(noise)`` over the parameters (no call in between)
+    traced the written padding: the exported program was 2.06 off each member, silently."""
+    wide, x = _explored()
+    program = wide.export(None, x).module()
+    got = program(x)
+    for i in range(3):
+        torch.testing.assert_close(got[i], wide.member(i).eval()(x[i]), rtol=1e-9, atol=1e-9)
+
+
+def test_a_state_saved_right_after_a_parameter_write_loads_into_a_model_of_the_same_sizes():
+    """P16-8: a ``state_dict()`` right after an explore move was refused by a padded model of the
+    same sizes (padding not zero)."""
+    wide, x = _explored()
+    state = copy.deepcopy(wide.state_dict())
+    fresh, _ = _explored(seed=1)
+    fresh.load_state_dict(state)
+    torch.testing.assert_close(fresh(x), wide(x), rtol=1e-12, atol=1e-12)
