@@ -15,6 +15,7 @@ tensors (``WideModel.packed``, WideCompiler 0.x's convention).
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,57 @@ def tag_layout(t: Any, layout: str) -> Any:
 def layout_of(t: torch.Tensor) -> str | None:
     """``"nfirst"``/``"packed"`` for a tensor tagged by :func:`tag_layout`, else None."""
     return getattr(t, _LAYOUT_ATTR, None)
+
+
+# Note [A padded output after an op]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The mark of a padded output is a Python attribute, so ``out * 2`` (a logit scale, a
+# temperature), ``out.clone()`` or ``out[..., :]`` lose it, and ``member_losses`` then counted each
+# narrower member's padded classes as its own (probe 16 of issue 44, P16-5: cross-entropy 0.86
+# off, with wrong gradients, silently). The marked outputs alive are kept (weakly, by id); a loss
+# input of a marked output's shape that is not marked is looked for among what it was computed
+# from (its view base, its autograd graph, at most ``_SEARCHED`` nodes): made from one, it is
+# refused; with no graph to search (``torch.no_grad``, ``detach``) it is warned about. A tensor of
+# another shape (a reduction over the padded dim) is not: it no longer holds the padded dim.
+_MARKED: dict[int, weakref.ref] = {}  # id -> a padded output alive (PaddedWideModel._tag_padded_outputs)
+_SEARCHED = 4096
+
+
+def mark_padded_output(t: torch.Tensor, layouts: dict[int, torch.Tensor]) -> None:
+    """Mark ``t``, an output of a padded model, with its ``layouts`` (``PADDED_OUTPUT``); Note [A
+    padded output after an op]."""
+    setattr(t, PADDED_OUTPUT, layouts)
+    key = id(t)
+    _MARKED[key] = weakref.ref(t, lambda _, key=key: _MARKED.pop(key, None))
+
+
+def unmarked_padded_source(t: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """Note [A padded output after an op]: ``(output, found)`` for an unmarked ``t``: a marked
+    padded output alive of ``t``'s shape (None: none, and nothing to say), and whether ``t`` was
+    found to be computed from it (False: ``t`` has no graph to search, or it was not)."""
+    same = [o for o in (r() for r in list(_MARKED.values())) if o is not None and o.shape == t.shape]
+    if not same or getattr(t, PADDED_OUTPUT, None) is not None:
+        return None, False
+    if t._base is not None:
+        base = next((o for o in same if t._base is o or t._base is o._base), None)
+        if base is not None:
+            return base, True
+    nodes = {id(o.grad_fn): o for o in same if o.grad_fn is not None}
+    if t.grad_fn is not None and nodes:
+        seen, todo = set(), [t.grad_fn]
+        while todo and len(seen) < _SEARCHED:
+            node = todo.pop()
+            if node is None or id(node) in seen:
+                continue
+            if id(node) in nodes:
+                return nodes[id(node)], True
+            seen.add(id(node))
+            todo.extend(f for f, _ in node.next_functions)
+        if len(nodes) == len(same):
+            return None, False  # searched: not made from them
+    if t.grad_fn is None and t.requires_grad:
+        return None, False  # a leaf of the caller's
+    return same[0], False  # no graph links them: cannot tell
 
 
 def member_part(t: torch.Tensor, layouts: dict[int, torch.Tensor], i: int) -> torch.Tensor:

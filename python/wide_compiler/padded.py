@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .fx.padded_members import PaddedMember, PadInfo
 from .fx.padding import pad_members
 from .fx.padding_layouts import scatter
-from .layouts import PADDED_OUTPUT
+from .layouts import mark_padded_output
 from .model import WideModel
 
 __all__ = ["PaddedWideModel"]
@@ -205,7 +205,7 @@ class PaddedWideModel(WideModel):
         leaves, _ = tree_flatten(output)
         for t, lay in zip(leaves, layouts):
             if isinstance(t, torch.Tensor) and lay:
-                setattr(t, PADDED_OUTPUT, lay)
+                mark_padded_output(t, lay)
         return output
 
     # Note [Tensors of a functional_call]

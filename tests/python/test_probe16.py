@@ -137,3 +137,38 @@ def test_a_state_saved_right_after_a_parameter_write_loads_into_a_model_of_the_s
     fresh, _ = _explored(seed=1)
     fresh.load_state_dict(state)
     torch.testing.assert_close(fresh(x), wide(x), rtol=1e-12, atol=1e-12)
+
+
+CLASSES = (3, 5, 7)
+
+
+def _classifiers():
+    torch.manual_seed(0)
+    members = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, c)).double() for c in CLASSES]
+    x = torch.randn(3, 6, 4, dtype=torch.float64)
+    y = torch.stack([torch.randint(0, 3, (6,)) for _ in CLASSES])
+    want = torch.stack([F.cross_entropy(m(x[i]) * 2, y[i]) for i, m in enumerate(members)])
+    return wc.compile(copy.deepcopy(members), x[0], pad=True, config=FAST), x, y, want
+
+
+@pytest.mark.parametrize("op", [lambda o: o * 2, lambda o: o.clone() * 2, lambda o: o[..., :] * 2, lambda o: o[..., :]],
+                         ids=["scale", "clone", "slice-scale", "slice"])
+def test_member_losses_refuses_an_op_of_a_padded_output_that_keeps_its_shape(op):
+    """P16-5: ``member_losses(F.cross_entropy, out * 2, y)`` on a padded class sweep counted each
+    narrower member's padded classes (0.86 off, wrong gradients), silently: an op drops the mark."""
+    wide, x, y, _ = _classifiers()
+    out = wide(x)
+    with pytest.raises(ValueError, match="computed by an op from the output of a padded model"):
+        wc.optim.member_losses(F.cross_entropy, op(out), y)
+
+
+def test_member_losses_warns_about_a_padded_output_changed_without_a_graph_and_takes_the_op_inside():
+    wide, x, y, want = _classifiers()
+    out = wide(x)
+    with pytest.warns(UserWarning, match="the shape of a padded model's output"):
+        wc.optim.member_losses(F.cross_entropy, out.detach() * 2, y)
+    got = wc.optim.member_losses(lambda o, t: F.cross_entropy(o * 2, t), out, y)  # what the messages advise
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    got.sum().backward()
+    reduced = wc.optim.member_losses(F.mse_loss, wide(x).sum(-1), torch.zeros(3, 6, dtype=torch.float64))
+    assert reduced.shape == (3,)  # another shape (the padded dim reduced): no refusal

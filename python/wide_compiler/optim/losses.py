@@ -4,6 +4,7 @@ it would be trained alone."""
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layouts import PADDED_OUTPUT, member_part
+from ..layouts import PADDED_OUTPUT, member_part, unmarked_padded_source
 
 __all__ = ["member_losses"]
 
@@ -39,6 +40,27 @@ _MODULES: dict[type, tuple[Callable, tuple[str, ...]]] = {
     nn.CrossEntropyLoss: (F.cross_entropy, ("weight", "ignore_index", "label_smoothing")),
     nn.NLLLoss: (F.nll_loss, ("weight", "ignore_index")),
 }
+
+
+def _check_not_padded(input: torch.Tensor) -> None:
+    """Note [A padded output after an op] (layouts.py): refuse a loss input computed by an op from a
+    padded model's output that still has its shape; warn where that cannot be told."""
+    source, made_from = unmarked_padded_source(input)
+    if source is None:
+        return
+    how = ("Pass the output itself (put the op inside the criterion: member_losses(lambda o, t: "
+           "F.cross_entropy(o * 2, t), out, y)), or take each member's own part first with "
+           "wide.member_outputs(out)")
+    if made_from:
+        raise ValueError(
+            "wide_compiler.optim.member_losses: the input was computed by an op from the output of a padded "
+            f"model (pad=True) and has its shape {list(input.shape)}; an op drops the mark that says where each "
+            "member's own values end, so each narrower member's loss would count the padding (padded classes, "
+            f"features) as its own. {how}")
+    warnings.warn(
+        "wide_compiler.optim.member_losses: the input has the shape of a padded model's output "
+        f"{list(input.shape)} but not its mark (made from it by an op under torch.no_grad or after detach()?): "
+        "if so, each narrower member's loss counts the padding as its own. " + how, UserWarning, stacklevel=3)
 
 
 def member_losses(criterion: Callable[..., torch.Tensor], input: torch.Tensor,
@@ -95,6 +117,7 @@ def member_losses(criterion: Callable[..., torch.Tensor], input: torch.Tensor,
     layouts = getattr(input, PADDED_OUTPUT, None)
     if layouts is not None:
         return _padded_losses(criterion, input, wide_target, layouts, kwargs)
+    _check_not_padded(input)
 
     fn, kw, reduction = _resolve(criterion, kwargs)
     if reduction == "none" or (fn is not None and reduction not in ("mean", "sum")):
