@@ -172,3 +172,72 @@ def test_member_losses_warns_about_a_padded_output_changed_without_a_graph_and_t
     got.sum().backward()
     reduced = wc.optim.member_losses(F.mse_loss, wide(x).sum(-1), torch.zeros(3, 6, dtype=torch.float64))
     assert reduced.shape == (3,)  # another shape (the padded dim reduced): no refusal
+
+
+class InPlaceBlock(nn.Module):
+    """Linear -> an in-place activation -> Linear, with an in-place residual: torchvision's
+    ResNet block pattern (``relu_``, ``out += identity``) over a swept width."""
+
+    def __init__(self, h, act):
+        super().__init__()
+        self.a, self.b, self.c, self.act = nn.Linear(6, h), nn.Linear(h, h), nn.Linear(h, 3), act
+
+    def forward(self, x):
+        h = self.act(self.a(x))
+        out = self.b(h)
+        out += h
+        out.mul_(0.5)
+        return self.c(self.act(out))
+
+
+@pytest.mark.parametrize("act", [lambda: nn.ReLU(inplace=True), lambda: nn.SiLU(inplace=True),
+                                 lambda: nn.ReLU6(inplace=True), lambda: nn.Hardswish(inplace=True),
+                                 lambda: nn.ELU(inplace=True)], ids=["relu_", "silu_", "relu6_", "hardswish_", "elu_"])
+def test_in_place_activations_and_residuals_are_padded_as_their_out_of_place_forms(act):
+    """P16-1: pad=True refused ``relu_``, ``silu_`` and ``out += identity`` (every stock torchvision
+    ResNet, EfficientNet, ShuffleNet width sweep), though they keep zero padding zero
+    (Note [In-place ops on padded values] in fx/padding_rules.py)."""
+    torch.manual_seed(0)
+    members = [InPlaceBlock(h, act()).double() for h in WIDTHS]
+    refs = copy.deepcopy(members)
+    x = torch.randn(3, 5, 6, dtype=torch.float64)
+    wide = wc.compile(members, x[0], pad=True, config=FAST)
+    opt = torch.optim.SGD(wide.parameters(), lr=0.1, momentum=0.9)
+    ref_opts = [torch.optim.SGD(r.parameters(), lr=0.1, momentum=0.9) for r in refs]
+    for train in (True, False, True):
+        wide.train(train)
+        out = wide.member_outputs(wide(x))
+        for i, r in enumerate(refs):
+            own = r.train(train)(x[i])
+            torch.testing.assert_close(out[i], own, rtol=1e-9, atol=1e-9)
+            if train:
+                ref_opts[i].zero_grad()
+                own.square().sum().backward()
+                ref_opts[i].step()
+        if train:
+            opt.zero_grad()
+            sum(o.square().sum() for o in out).backward()
+            opt.step()
+    for i, r in enumerate(refs):
+        for (name, p), q in zip(wide.member(i).named_parameters(), r.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-9, msg=lambda s, name=name: f"{i} {name}: {s}")
+
+
+class ShiftInPlace(nn.Module):
+    def __init__(self, h, write):
+        super().__init__()
+        self.a, self.b, self.write = nn.Linear(6, h), nn.Linear(h, 3), write
+
+    def forward(self, x):
+        h = self.a(x)
+        self.write(h)
+        return self.b(h.sum(-1, keepdim=True) * h)
+
+
+@pytest.mark.parametrize("write", [lambda h: h.add_(1.0), lambda h: F.hardtanh(h, 0.2, 0.8, inplace=True),
+                                   lambda h: h.sigmoid_()], ids=["add_ scalar", "hardtanh_ 0.2-0.8", "sigmoid_"])
+def test_an_in_place_op_that_writes_into_the_padding_is_refused(write):
+    """What a mask after could not take back from the input's later uses (here ``h.sum(-1)``)."""
+    members = [ShiftInPlace(h, write) for h in WIDTHS]
+    with pytest.raises(wc.UnsupportedOperationError, match="in place"):
+        wc.compile(members, torch.randn(5, 6), pad=True, config=FAST)

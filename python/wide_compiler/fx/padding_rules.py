@@ -65,6 +65,31 @@ def zero_unary(p: Padder, node: fx.Node) -> None:
     p.lay[node] = lay
 
 
+# Note [In-place ops on padded values]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# export keeps in-place ops (``relu_`` of ``nn.ReLU(inplace=True)``, ``silu_``, a residual
+# ``out += identity``): their result is their input itself, and the input's later uses read the
+# written values. Where the op keeps zero padding zero (f(0) = 0 for an activation; operands
+# that all cover the padding for an add, one for a multiply), the input's layout holds after the
+# write as before it, and the op is padded as its out-of-place form. Where it would not (an
+# activation with f(0) != 0, a scalar added), a mask after the op would reach its own users
+# only, not the input's: refused. Every stock torchvision ResNet, ShuffleNet, EfficientNet and
+# MNASNet width sweep was refused on ``relu_``/``silu_`` (probe 16 of issue 44, P16-1).
+ZERO_IN_PLACE = {f"{name}_" for name in ("relu", "silu", "elu", "celu", "selu", "leaky_relu", "hardswish", "mish",
+                                         "tanh", "abs", "neg", "zero", "dropout")}
+
+
+def hardtanh_in_place(p: Padder, node: fx.Node) -> None:
+    """``hardtanh_`` (ReLU6(inplace=True)): clean where its bounds hold 0 (Note [In-place ops on
+    padded values])."""
+    bounds = [node.args[k] if len(node.args) > k else node.kwargs.get(key, default)
+              for k, key, default in ((1, "min_val", -1.0), (2, "max_val", 1.0))]
+    if not (all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds) and bounds[0] <= 0 <= bounds[1]):
+        p.refuse(node, "its bounds do not hold 0, so it writes them into the padding of its input in place, which "
+                       "no mask after the op can take back from the input's later uses")
+    zero_unary(p, node)
+
+
 def mask_unary(p: Padder, node: fx.Node) -> None:
     operands = [a for a in node.args if isinstance(a, fx.Node)]
     lay = p.operand_layouts(node, operands)
@@ -123,7 +148,9 @@ def _no_value(p: Padder, node: fx.Node) -> None:
 
 RULES: dict[str, Callable[[Padder, fx.Node], None]] = {**MATH_RULES, **SHAPE_RULES, "pow": pow_rule,
                                                        "hardtanh": hardtanh_rule, "masked_fill": select_rule,
-                                                       "where": select_rule, "_assert_tensor_metadata": _no_value}
+                                                       "where": select_rule, "_assert_tensor_metadata": _no_value,
+                                                       "hardtanh_": hardtanh_in_place,
+                                                       **dict.fromkeys(ZERO_IN_PLACE, zero_unary)}
 # rules that pad integer arguments which differ between members (any other rule refuses them)
 INT_ARGS_OK = MATH_INT_ARGS_OK | SHAPE_INT_ARGS_OK
 
@@ -134,7 +161,8 @@ _NEW = "it makes values whose padding would not be zero (random, uninitialised o
 _REGION = ("it runs a region that export captured as a graph of its own (a torch.no_grad(), enable_grad() or "
            "autocast block inside the forward, or a parametrization's, such as spectral_norm's power iteration), "
            "and the padding rules do not reach into such regions")
-_IN_PLACE = "it writes into its input in place, and the padding rules follow results, not writes"
+_IN_PLACE = ("it writes into its input in place values that are not zero where the input is zero (its padding), "
+             "which no mask after the op can take back from the input's later uses (Note [In-place ops on padded values])")
 _NOT_FINITE = "it is infinite, or has an infinite derivative, at 0: it would put inf or NaN into the padding"
 _POSITIONS = "it reads or writes positions given by indices, a mask or an offset, which padding moves"
 _WHOLE_DIM = ("its result depends on every position of the dim it reduces or scans (a count, an order, "
@@ -143,9 +171,7 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(("bernoulli", "empty_like", "new_empty", "new_full", "new_ones", "normal", "rand",
                      "rand_like", "randint", "randint_like", "randn", "randn_like", "bernoulli_", "exponential_",
                      "normal_", "uniform_", "alpha_dropout", "feature_alpha_dropout"), _NEW),
-    **dict.fromkeys(("abs_", "add_", "celu_", "clamp_", "div_", "elu_", "fill_", "hardsigmoid_", "hardswish_",
-                     "hardtanh_", "leaky_relu_", "masked_fill_", "mish_", "mul_", "relu_", "selu_", "sigmoid_",
-                     "silu_", "sub_", "tanh_", "zero_", "dropout_", "embedding_renorm_"), _IN_PLACE),
+    **dict.fromkeys(("clamp_", "fill_", "hardsigmoid_", "masked_fill_", "sigmoid_", "embedding_renorm_"), _IN_PLACE),
     **dict.fromkeys(("log", "rsqrt", "reciprocal", "sqrt"), _NOT_FINITE),
     **dict.fromkeys(("gather", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_",
                      "index_put", "index_put_", "index_select", "scatter", "scatter_", "scatter_add", "scatter_add_",

@@ -25,10 +25,34 @@ aten = torch.ops.aten
 
 
 def _binary(p: Padder, node: fx.Node) -> None:
-    name = node.target.overloadpacket.__name__
+    lay, clean = _binary_layout(p, node)
+    p.lay[node] = lay
+    if not clean:
+        p.mask_after(node, lay)
+
+
+def _binary_in_place(p: Padder, node: fx.Node) -> None:
+    """``a.add_(b)``, ``sub_``, ``mul_``, ``div_`` (a residual ``out += identity``, a scale): the
+    result is ``a`` itself, so it must keep ``a``'s layout and come out clean (zero padding): a
+    mask after would reach the op's users but not ``a``'s later ones (Note [In-place ops on
+    padded values] in fx/padding_rules.py)."""
+    lay, clean = _binary_layout(p, node)
+    own = p.layout(node.args[0])
+    if len(own) != len(lay) or not all(same_layout(a, b) if a is not None and b is not None else a is b
+                                       for a, b in zip(own, lay)):
+        p.refuse(node, "it writes in place into a tensor padded otherwise than its result")
+    if not clean:
+        p.refuse(node, "it writes values into the padding of its input in place (a scalar added, an operand "
+                       "that does not cover the padding), which no mask after the op can take back from the "
+                       "input's later uses")
+    p.lay[node] = lay
+
+
+def _binary_layout(p: Padder, node: fx.Node) -> tuple[list[Any], bool]:
+    """A binary op's result layout, and whether its padding comes out zero (clean)."""
+    name = node.target.overloadpacket.__name__.removesuffix("_")
     operands = [a for a in node.args[:2]]
     lay = p.operand_layouts(node, operands)
-    p.lay[node] = lay
     rank = len(lay)
 
     def covers(a: Any) -> bool:  # operand zero wherever the result is padded
@@ -50,8 +74,7 @@ def _binary(p: Padder, node: fx.Node) -> None:
         else any(covers(a) for a in operands)
     if name in ("div", "true_divide"):
         clean = covers(operands[0])
-    if not clean:
-        p.mask_after(node, lay)
+    return lay, clean
 
 
 def _linear(p: Padder, node: fx.Node) -> None:
@@ -541,6 +564,7 @@ def _sdpa(p: Padder, node: fx.Node) -> None:
 MATH_RULES: dict[str, Callable[[Padder, fx.Node], None]] = {
     "add": _binary, "sub": _binary, "mul": _binary, "div": _binary, "maximum": _binary,
     "minimum": _binary, "rsub": _binary,
+    "add_": _binary_in_place, "sub_": _binary_in_place, "mul_": _binary_in_place, "div_": _binary_in_place,
     "linear": _linear, "matmul": _matmul, "mm": _matmul, "bmm": _matmul,
     "conv1d": _conv, "conv2d": _conv, "conv3d": _conv, "convolution": _conv,
     "conv_transpose1d": _conv, "conv_transpose2d": _conv, "conv_transpose3d": _conv,
