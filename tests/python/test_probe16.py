@@ -241,3 +241,24 @@ def test_an_in_place_op_that_writes_into_the_padding_is_refused(write):
     members = [ShiftInPlace(h, write) for h in WIDTHS]
     with pytest.raises(wc.UnsupportedOperationError, match="in place"):
         wc.compile(members, torch.randn(5, 6), pad=True, config=FAST)
+
+
+class SpareNorm(nn.Module):
+    def __init__(self, h, spare):
+        super().__init__()
+        self.a, self.b, self.spare = nn.Linear(6, h), nn.Linear(h, 3), spare
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))  # self.spare never runs
+
+
+def test_an_unused_module_with_a_wide_form_of_its_own_does_not_stop_padding():
+    """P16-4: a spare ``BatchNorm1d(momentum=None)`` that the forward never calls made pad=True
+    refuse the members (the module runs whole when used: still refused then, test_probe10.py)."""
+    members = [SpareNorm(h, nn.BatchNorm1d(4, momentum=None)).double() for h in WIDTHS]
+    x = torch.randn(3, 5, 6, dtype=torch.float64)
+    wide = wc.compile(copy.deepcopy(members), x[0], pad=True, config=FAST)
+    out = wide.member_outputs(wide(x))
+    for i, m in enumerate(members):
+        torch.testing.assert_close(out[i], m(x[i]), rtol=1e-12, atol=1e-12)
+    assert [m.spare.momentum for m in wide.unfuse()] == [None] * 3

@@ -145,6 +145,25 @@ def _refuse_differing_constants(eps: Sequence[Any]) -> None:
                 "groups of one size (the router does)")
 
 
+def _modules_run(ep: Any, paths: Sequence[str]) -> list[str]:
+    """Which of ``paths`` (modules with a wide form of their own) the captured program runs: an
+    unused one (a spare ``BatchNorm(momentum=None)``) does not stop padding (probe 16, P16-4)."""
+    if not paths:
+        return []
+    ran = {fqn for node in ep.graph.nodes for fqn, _ in (node.meta.get("nn_module_stack") or {}).values()}
+    return [p for p in paths if any(f == p or f.startswith(p + ".") for f in ran)]
+
+
+def _runs_whole(model: nn.Module, path: str) -> UnsupportedOperationError:
+    module = model.get_submodule(path)
+    return UnsupportedOperationError(
+        f"wide_compiler: pad=True: the module {path!r} ({type(module).__name__}) runs whole, through its wide "
+        f"form {registered_wide_form(module).__name__} (a module export cannot capture, such as BatchNorm "
+        "with momentum=None, or one registered with @wide_compiler.register), and padding follows captured "
+        "ops only. Compile the members in groups of one size (the router does), or give that module a "
+        "momentum / no registered form")
+
+
 def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = None
                 ) -> tuple[list[PaddedMember], PadInfo] | None:
     """The padded members of a population whose sizes differ (Note [Padded members]), and what
@@ -157,15 +176,7 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
     shapes = [{k: tuple(v.shape) for k, v in m.state_dict().items()} for m in models]
     if all(s == shapes[0] for s in shapes):
         return None
-    whole = next(iter(registered_paths(models[0])), None)  # a module run whole, by its wide form (probe 11, P11-1)
-    if whole is not None:
-        path, module = whole, models[0].get_submodule(whole)
-        raise UnsupportedOperationError(
-            f"wide_compiler: pad=True: the module {path!r} ({type(module).__name__}) runs whole, through its wide "
-            f"form {registered_wide_form(module).__name__} (a module export cannot capture, such as BatchNorm "
-            "with momentum=None, or one registered with @wide_compiler.register), and padding follows captured "
-            "ops only. Compile the members in groups of one size (the router does), or give that module a "
-            "momentum / no registered form")
+    whole = list(registered_paths(models[0]))  # modules run whole, by their wide forms (probe 11, P11-1)
     if any(s.keys() != shapes[0].keys() for s in shapes):
         bad = next(i for i, s in enumerate(shapes) if s.keys() != shapes[0].keys())
         raise ArchitectureMismatchError(
@@ -183,7 +194,15 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
     leaves = tree_flatten((args, kwargs))[0]
     batch = {k: frozenset({0}) for k, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.dim() >= 1}
     for training in (True, False):
-        eps = [_capture_member(i, m, training, args, kwargs, batch) for i, m in enumerate(models)]
+        try:
+            eps = [_capture_member(i, m, training, args, kwargs, batch) for i, m in enumerate(models)]
+        except Exception as e:
+            if whole:  # the capture of a module export cannot capture failed: that module is why
+                raise _runs_whole(models[0], whole[0]) from e
+            raise
+        used = _modules_run(eps[0], whole)
+        if used:
+            raise _runs_whole(models[0], used[0])
         _refuse_differing_constants(eps)
         assumptions[training] = Assumptions.of(eps[0].module(), eps, models[0].forward)
         state_guards[training] = _state_guards(eps[0], models[0], args, kwargs, len(models))
