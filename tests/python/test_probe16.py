@@ -262,3 +262,23 @@ def test_an_unused_module_with_a_wide_form_of_its_own_does_not_stop_padding():
     for i, m in enumerate(members):
         torch.testing.assert_close(out[i], m(x[i]), rtol=1e-12, atol=1e-12)
     assert [m.spare.momentum for m in wide.unfuse()] == [None] * 3
+
+
+class MaybeResidual(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.a, self.b, self.res = nn.Linear(6, 6), nn.Linear(6, h), h == 4
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.res:
+            h = h + x
+        return self.b(h)
+
+
+def test_members_whose_programs_part_are_refused_naming_where():
+    """P16-2: the refusal said only "member 1 runs 10 graph nodes, member 0 runs 11" (torchvision's
+    mobilenet_v2 at two widths: 522 and 523), naming no op, module or line."""
+    with pytest.raises(wc.ArchitectureMismatchError, match=r"they part at node \d+, where member 1 runs aten\.linear"
+                                                           r".* in module 'b' .* member 0 runs aten\.add\.Tensor .*h = h \+ x"):
+        wc.compile([MaybeResidual(h) for h in (4, 8)], torch.randn(5, 6), pad=True, config=FAST)

@@ -17,7 +17,7 @@ from .padded_members import PadInfo
 from .padding_layouts import FREE, flat_layout, layout_mask, prefix, same_layout
 from .padding_rules import INT_ARGS_OK, MASK_UNARY, REFUSED, RULES, ZERO_UNARY, mask_unary, zero_unary
 from .padding_rules_shapes import size_arith
-from .source import source_line
+from .source import module_path, source_line
 
 __all__ = ["Padder"]
 
@@ -143,6 +143,16 @@ class _SymbolicMask(Exception):  # noqa: N818 -- raised by mask_of, turned into 
     pass
 
 
+def _said(nodes: list[fx.Node], k: int) -> str:
+    """Node ``k`` of a member's program in words, with its module and line (probe 16, P16-2: the
+    refusal named only the numbers of nodes)."""
+    if k >= len(nodes) or nodes[k].op == "output":
+        return "nothing more (its program ends there)"
+    node = nodes[k]
+    path = module_path(node)
+    return f"{node.target}{f' in module {path!r}' if path else ''} ({source_line(node)})"
+
+
 class Padder:
     """One pass over member 0's captured graph, aligned node by node with the others'."""
 
@@ -179,9 +189,13 @@ class Padder:
         for i, nodes in enumerate(self.nodes[1:], start=1):
             core = [b for b in nodes if not _size_arith(b)]
             if len(core) != len(core0):
+                k = next((k for k, (a, b) in enumerate(zip(core0, core)) if a.op != b.op or a.target != b.target),
+                         min(len(core), len(core0)))
                 raise ArchitectureMismatchError(
-                    f"pad=True: member {i} runs {len(core)} graph nodes, member 0 runs {len(core0)}: "
-                    "its program differs in more than sizes")
+                    f"pad=True: member {i} runs {len(core)} graph nodes, member 0 runs {len(core0)}; they part at "
+                    f"node {k}, where member {i} runs {_said(core, k)} and member 0 runs {_said(core0, k)}: its "
+                    "program differs in more than sizes (a branch on an attribute or on a size, such as a "
+                    "residual taken only where two widths are equal)")
             for a, b in zip(core0, core):
                 if a.op != b.op or a.target != b.target:
                     raise ArchitectureMismatchError(
