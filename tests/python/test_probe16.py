@@ -282,3 +282,24 @@ def test_members_whose_programs_part_are_refused_naming_where():
     with pytest.raises(wc.ArchitectureMismatchError, match=r"they part at node \d+, where member 1 runs aten\.linear"
                                                            r".* in module 'b' .* member 0 runs aten\.add\.Tensor .*h = h \+ x"):
         wc.compile([MaybeResidual(h) for h in (4, 8)], torch.randn(5, 6), pad=True, config=FAST)
+
+
+class TwoBranches(nn.Module):
+    def __init__(self, h1, h2):
+        super().__init__()
+        self.a, self.b, self.o = nn.Linear(5, h1), nn.Linear(5, h2), nn.Linear(h1 + h2, 2)
+
+    def forward(self, z):
+        return self.o(torch.cat([self.a(z), self.b(z)], -1))
+
+
+def test_a_cat_of_parts_swept_in_opposite_directions_is_refused_saying_why():
+    """P16-3: widths (4, 6) and (8, 3) were refused as "internal: the padding of dim 1 does not
+    match the sizes [10, 11]"; parts swept together run (exact)."""
+    with pytest.raises(wc.UnsupportedOperationError, match=r"aten\.cat.*swept in different directions.* 14 wide"):
+        wc.compile([TwoBranches(4, 6), TwoBranches(8, 3)], torch.randn(4, 5), pad=True, config=FAST)
+    members = [TwoBranches(4, 3).double(), TwoBranches(8, 6).double()]
+    z = torch.randn(2, 4, 5, dtype=torch.float64)
+    wide = wc.compile(copy.deepcopy(members), z[0], pad=True, config=FAST)
+    for i, m in enumerate(members):
+        torch.testing.assert_close(wide(z)[i], m(z[i]), rtol=1e-12, atol=1e-12)

@@ -234,8 +234,16 @@ def _cat(p: Padder, node: fx.Node) -> None:
             if all(lay[d] is None for lay in lays):
                 out.append(None)
             else:
-                out.append(torch.cat([lay[d] if lay[d] is not None else torch.ones(p.n, p.max_shape(a)[d], dtype=torch.bool)
-                                      for lay, a in zip(lays, parts)], dim=1))
+                joined = torch.cat([lay[d] if lay[d] is not None else torch.ones(p.n, p.max_shape(a)[d], dtype=torch.bool)
+                                    for lay, a in zip(lays, parts)], dim=1)
+                own = joined.sum(1).tolist()
+                if joined.shape[1] != max(own):  # probe 16, P16-3: refused as an internal mismatch
+                    p.refuse(node, f"a concatenation of parts whose widths are swept in different directions (each "
+                                   f"part padded to its own largest member): the result is {joined.shape[1]} wide, "
+                                   f"no member's own width ({own}), and what follows it is padded to the widest "
+                                   f"member's. Sweep the parts' widths together (the widest member widest in every "
+                                   f"part), or compile the members in groups of one size (the router does)")
+                out.append(joined)
         else:
             vals = [lay[d] for lay in lays]
             if any(v is not None for v in vals) and not all(same_layout(v, vals[0]) for v in vals):
