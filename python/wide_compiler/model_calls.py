@@ -307,7 +307,10 @@ class CallGraphsMixin:
     # sizes are captured (:meth:`_capture_for`, as for inputs outside the guards): proved at T = 10,
     # kept beside the mode's graph, its size fixed; a call where the members do differ is refused
     # there, naming the constant. ``_unproved`` keeps the set of dims tried, so later new sizes go
-    # straight to their own capture.
+    # straight to their own capture. The same holds where the dynamic capture cannot be proved at
+    # all: a size and a constant in one Python number (``h * (T / self.c)``: a division of a
+    # symbolic size has no per-member form) ran at the sample's T only (probe 12, P12-6); each T
+    # now gets a capture of its own (at most ``MAX_GRAPHS`` per mode).
 
     # Note [A refused size is kept for that capture only]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

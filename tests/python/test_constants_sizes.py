@@ -233,3 +233,21 @@ def test_a_length_test_against_constants_from_a_sample_of_length_one_follows_eve
         else:
             with pytest.raises(ValueError, match=rf"member {expected}\b.*min_len"):
                 _call(wide, models, x, train)
+
+
+class LengthOverConstant(LinearModel):  # probe 12, P12-6: a size and a constant in one Python number
+    fields = ("c",)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * (h.shape[1] / self.c) + h * (h.shape[1] ** -0.5 / self.c)
+
+
+@MODES
+def test_a_size_divided_by_a_constant_runs_at_every_size(train):
+    """P12-6: ``h * (T / self.c)`` ran at the sample's T and was refused at every other (the
+    recapture with T dynamic has no per-member form for a Python division of a size by a
+    constant); each new T is now captured at its own size (Note [Per-member constants a size
+    meets] in model_calls.py)."""
+    _sweep(LengthOverConstant, (0.6, 1.1, 2.3), (2, 5, 4),
+           [((2, 5, 4), OK), ((2, 7, 4), OK), ((2, 3, 4), OK), ((2, 7, 4), OK), ((2, 5, 4), OK)], train)
