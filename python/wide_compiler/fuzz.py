@@ -31,6 +31,19 @@ round of calls, :func:`run_program` executes those statements in the program's n
 again at the sample's sizes: the wide model must capture again, or refuse clearly, but never run
 the old value.
 
+Note [The generator's fourth stream]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Probes of issue 44 found most silent errors in size sweeps (``compile(..., pad=True)``), which the
+first three streams never made. A fourth stream (``generate(seed, fourth=True)``, what the long mode
+runs; recorded seeds keep their programs) draws, for half the programs, a width offset per member
+(0, 2, 4 or 6, at least two different): every width a production makes (a Linear's outputs, a
+conv's channels, an embedding's dim) is that width plus the member's offset (``c['pad']`` in its
+``__init__``), so the members differ in sizes only and compile padded (``Program.sizes``); offsets
+are even, so a size's parity (``chunk(2)``, ``GroupNorm(2, c)``) is every member's. Attention,
+whose source splits a width by a number, is left out there. The stream also writes in-place ops
+after a step (an activation with ``inplace=True``, a residual ``add_``, ``mul_``), which export
+keeps as such and padding must follow (probe 16, P16-1).
+
 Each program ends in one of: ``ok``; ``refused`` (a clear error of wide_compiler's, at compile or
 at a call: allowed, the library may refuse what it cannot prove); ``skipped`` (the members
 themselves fail, or the train graph draws random numbers the check cannot fix to one value on
@@ -96,6 +109,9 @@ class Program:
     random: bool = False  # the train graph draws random numbers (a dropout with p > 0 in some member)
     #: statements that change state the forward reads, run after the first calls (Note [State changed after compiling])
     mutations: list[str] = dataclasses.field(default_factory=list)
+    #: the members differ in sizes (Note [The generator's fourth stream]): compiled with pad=True
+    sizes: bool = False
+    fourth: bool = False  # made by generate(seed, fourth=True)
     #: the namespace the last :meth:`module_class` ran the source in (the mutations run there)
     namespace: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -143,6 +159,8 @@ class Result:
 
     def report(self) -> str:
         return (f"# fuzz seed {self.program.seed}: {self.outcome}\n# {self.detail}\n"
+                f"# fuzz.generate({self.program.seed}, fourth={self.program.fourth}); members differ in sizes "
+                f"(pad=True): {self.program.sizes}\n"
                 f"# members: {self.program.n}, constants: {self.program.constants}\n"
                 f"# inputs: {self.program.inputs}, other calls: {self.program.other_shapes}\n"
                 f"# after the first calls: {self.program.mutations}\n{self.program.source}")
@@ -163,6 +181,8 @@ class _Writer:
         # second_stream=False) replays a recorded finding exactly
         self.extra, self.k_extra = extra, 0
         self.state: random.Random | None = None  # the third stream (Note [State changed after compiling])
+        self.fourth: random.Random | None = None  # Note [The generator's fourth stream]
+        self.sizes = False  # widths differ between members (c['pad'])
         self.top: list[str] = []  # module-level lines before the class
         self.mutations: list[str] = []
         self.init: list[str] = []
@@ -184,6 +204,7 @@ class _Writer:
             self.k_extra += 1
             rng, name = rng, f"s{self.k_extra}"
         differ = rng.random() < 0.6 if differ is None else differ
+        differ = differ and not self.sizes  # padded members differ in sizes only (Note [The generator's fourth stream])
         pick = (lambda: rng.choice(choices)) if choices else (lambda: round(rng.uniform(lo, hi), 3))
         first = pick()
         for c in self.constants:
@@ -266,11 +287,23 @@ def _state_read(w: _Writer, module: str | None) -> None:
 _Production = Callable[[_Writer, int], "list[str] | tuple[list[str], str, int]"]
 
 
+class _Width(int):
+    """A width that is ``int(self)`` plus the member's offset where the source writes it (Note [The
+    generator's fourth stream]); arithmetic on it is the base width's (offsets keep its parity)."""
+
+    def __format__(self, spec: str) -> str:
+        return f"({int(self)} + c['pad'])"
+
+
+def _width(w: _Writer, size: int) -> int:
+    return _Width(size) if w.sizes else size
+
+
 def _linear(kind: str, sizes: list[int], *, drawn_bias: bool = False) -> _Production:
     """A new ``nn.Linear`` to a size drawn of ``sizes`` (its ``bias`` drawn too, or the default)."""
 
     def production(w: _Writer, f: int) -> tuple[list[str], str, int]:
-        g = w.rng.choice(sizes)
+        g = _width(w, w.rng.choice(sizes))
         layer = f"nn.Linear({f}, {g}, bias={w.rng.random() < 0.8})" if drawn_bias else f"nn.Linear({f}, {g})"
         return [f"h = {w.module(layer)}(h)"], kind, g
 
@@ -295,7 +328,7 @@ def _to_seq(w: _Writer, f: int) -> tuple[list[str], str, int]:
 
 
 def _attention(w: _Writer, f: int) -> list[str]:
-    if f % 2:
+    if f % 2 or w.sizes:  # its source splits the width by a number: one member's only
         return []
     qkv, heads = w.module(f"nn.Linear({f}, {3 * f})"), w.rng.choice([1, 2])
     return [f"q, k, v = {qkv}(h).chunk(3, dim=-1)",
@@ -310,7 +343,7 @@ def _conv1d(w: _Writer, f: int) -> list[str]:
 
 
 def _conv2d(w: _Writer, c: int) -> tuple[list[str], str, int]:
-    k, d = w.rng.choice([1, 3]), w.rng.choice([4, 6])
+    k, d = w.rng.choice([1, 3]), _width(w, w.rng.choice([4, 6]))
     conv = w.module(f"nn.Conv2d({c}, {d}, {k}, padding={k // 2}, stride={w.rng.choice([1, 1, 2])})")
     return [f"h = {conv}(h)"], "img", d
 
@@ -367,6 +400,17 @@ _GRAMMAR: dict[str, tuple[dict[str, _Production], list[str], int | None]] = {
 }
 
 
+def _in_place(w: _Writer, kind: str) -> None:
+    """From the fourth stream: an in-place op after a step (Note [The generator's fourth stream]);
+    on a copy, so that the sample (a leaf that may require grad) is never written."""
+    e = w.fourth
+    if e is None or e.random() >= 0.2:
+        return
+    act = e.choice(["F.relu", "F.silu", "F.hardswish", "F.elu"] if kind != "img" else ["F.relu", "F.silu"])
+    for line in e.choice([[f"h = {act}(h.clone(), inplace=True)"], ["r = h.clone()", "r += h", "h = r.mul_(0.5)"]]):
+        w.line(line)
+
+
 def _step(w: _Writer, kind: str, f: int) -> tuple[str, int]:
     """One production of ``kind`` (Note [The grammar's tables]): its lines written; the tensor's
     kind and size after it."""
@@ -377,18 +421,30 @@ def _step(w: _Writer, kind: str, f: int) -> tuple[str, int]:
     lines, kind, f = out if isinstance(out, tuple) else (out, kind, f)
     for line in lines:
         w.line(line)
+    _in_place(w, kind)
     return kind, f
 
 
-def generate(seed: int, *, n: int | None = None, second_stream: bool = True, state: bool = True) -> Program:
+def generate(seed: int, *, n: int | None = None, second_stream: bool = True, state: bool = True,
+             fourth: bool = False) -> Program:
     """A random valid program (Note [The model fuzzer]), reproducible from ``seed``; without
     ``second_stream``, the program the first grammar made of it (Note [The generator's second
     stream]: how seeds recorded before it came are replayed); without ``state``, no productions
-    of Note [State changed after compiling] (the programs of seeds recorded before them)."""
+    of Note [State changed after compiling] (the programs of seeds recorded before them); with
+    ``fourth``, Note [The generator's fourth stream] (members of different sizes, in-place ops)."""
     rng = random.Random(seed)
     n = n or rng.choice([2, 3, 4])
     w = _Writer(rng, n, random.Random(f"extra {seed}") if second_stream else None)
     w.state = random.Random(f"state {seed}") if state else None
+    if fourth:
+        w.fourth = random.Random(f"fourth {seed}")
+        w.sizes = w.fourth.random() < 0.5
+        if w.sizes:
+            offsets = [w.fourth.choice([0, 2, 4, 6]) for _ in range(n)]
+            offsets[w.fourth.randrange(n)] = 0  # at least two sizes: one member at 0, another not
+            offsets[(offsets.index(0) + 1) % n] = w.fourth.choice([2, 4, 6])
+            for c, offset in zip(w.constants, offsets):
+                c["pad"] = offset
     kind = rng.choice(["vec", "seq", "img", "index"])
     b = rng.choice([2, 3, 4])
     inputs: list[tuple[str, tuple[int, ...]]]
@@ -405,6 +461,7 @@ def generate(seed: int, *, n: int | None = None, second_stream: bool = True, sta
     else:
         vocab, t, f = rng.choice([7, 11]), rng.choice([3, 4]), rng.choice([4, 6])
         inputs, other = [(f"index:{vocab}", (b, t))], [[(b, t + 2)], [(1, t)]]
+        f = _width(w, f)
         w.line(f"h = {w.module(f'nn.Embedding({vocab}, {f})')}(x)")
         kind = "seq"
     if not w.body:
@@ -437,7 +494,7 @@ def generate(seed: int, *, n: int | None = None, second_stream: bool = True, sta
         "        return h",
         "",
     ])
-    return Program(seed, source, w.constants, inputs, other, n, w.random, w.mutations)
+    return Program(seed, source, w.constants, inputs, other, n, w.random, w.mutations, sizes=w.sizes, fourth=fourth)
 
 
 # --- running one program ---------------------------------------------------------------------------
@@ -485,7 +542,7 @@ def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch
     except Exception as e:  # noqa: BLE001 -- the program itself is invalid: not a finding
         return Result(prog, "skipped", f"a member fails on the sample: {type(e).__name__}: {e}")
     try:
-        wide = api.compile(members, tuple(sample), config=config)
+        wide = api.compile(members, tuple(sample), config=config, pad=prog.sizes)
     except Exception as e:  # noqa: BLE001
         if _is_refusal(e):
             return Result(prog, "refused", f"compile: {str(e).splitlines()[0][:300]}")
@@ -572,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = tempfile.TemporaryDirectory(prefix="wide-fuzz-cache-")
     config = WideConfig.fast().replace(cache_dir=cache.name)
     while time.monotonic() < end and (args.programs is None or ran < args.programs):
-        result = run_program(generate(seed + ran), dtype=torch.float32 if ran % 4 == 3 else torch.float64,
+        result = run_program(generate(seed + ran, fourth=True), dtype=torch.float32 if ran % 4 == 3 else torch.float64,
                              config=config)
         counts[result.outcome] += 1
         ran += 1

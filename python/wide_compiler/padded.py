@@ -560,6 +560,14 @@ class PaddedWideModel(WideModel):
         lay = layouts[output]
         if not lay:
             return t
+        for d, where in lay.items():  # a member's output at other sizes than the sample's (the fuzzer's fourth stream)
+            own = int(where[i].sum())
+            if d >= t.dim() or t.shape[d] != own:
+                raise ValueError(
+                    f"wide_compiler: member_padded: member {i}'s output {output} has shape {list(t.shape)}; the "
+                    f"padded model's output {output} holds {own} of member {i}'s values in dim {d} (its sizes at the "
+                    "compile sample): a padded model runs at the sample's sizes but the batch, so an output of "
+                    "other sizes has no place in it")
         return scatter(t, lay, i, tuple(lay[d].shape[1] if d in lay else n for d, n in enumerate(t.shape)))
 
     def unfuse(self) -> list[nn.Module]:

@@ -105,3 +105,24 @@ def test_a_relu_whose_input_is_zero_up_to_rounding_is_not_a_finding(seed):
     float64 model]), which moves the member's gradient as much."""
     result = fuzz.run_program(fuzz.generate(seed))
     assert result.outcome == "ok", result.report()
+
+
+@pytest.mark.parametrize("seed", [13, 20, 22, 23])
+def test_generated_program_of_the_fourth_stream_matches_its_members(seed):
+    """Note [The generator's fourth stream]: members of different widths compiled with pad=True
+    (20, 22, 23) and in-place ops (all four); each compiles, and every call it takes is exact (a call
+    at a size the padded program does not hold for is refused)."""
+    program = fuzz.generate(seed, fourth=True)
+    assert ("c['pad']" in program.source) == (seed != 13)
+    assert "inplace=True" in program.source or "r += h" in program.source
+    result = fuzz.run_program(program)
+    assert result.outcome in ("ok", "refused"), result.report()
+    assert not result.detail.startswith("compile"), result.report()
+
+
+def test_a_padded_programs_call_at_other_sizes_is_refused_by_the_check_not_crashed():
+    """generate(89, fourth=True): convolutions over widths 4-10 flattened, called at another image
+    size (which the padded model refuses): the harness padded the members' outputs first and
+    crashed in ``member_padded`` (IndexError); it now raises a clear error there too."""
+    result = fuzz.run_program(fuzz.generate(89, fourth=True))
+    assert result.outcome in ("ok", "refused"), result.report()

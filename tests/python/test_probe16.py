@@ -303,3 +303,38 @@ def test_a_cat_of_parts_swept_in_opposite_directions_is_refused_saying_why():
     wide = wc.compile(copy.deepcopy(members), z[0], pad=True, config=FAST)
     for i, m in enumerate(members):
         torch.testing.assert_close(wide(z)[i], m(z[i]), rtol=1e-12, atol=1e-12)
+
+
+class HalfBatchBranch(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, h), nn.Linear(h, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        if x.shape[0] * 0.5 > 1:  # export's guard: 0.5*torch.sym_float(L['x'].size()[0]) > 1.0
+            h = torch.tanh(h)
+        return self.b(h)
+
+
+def test_a_padded_programs_guard_that_calls_torch_is_checked():
+    """The fuzzer's fourth stream (generate(17, fourth=True)): a guard of export's that calls
+    ``torch.sym_float`` was evaluated without ``torch`` in scope, and the members were refused with
+    a NameError."""
+    members = [HalfBatchBranch(h).double() for h in WIDTHS]
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    wide = wc.compile(copy.deepcopy(members), x[0], pad=True, config=FAST)
+    out = wide.member_outputs(wide(x))
+    for i, m in enumerate(members):
+        torch.testing.assert_close(out[i], m(x[i]), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="pad=True: the padded train program"):
+        wide(torch.randn(3, 2, 6, dtype=torch.float64))  # a batch where the branch is not the sample's
+
+
+def test_member_padded_refuses_an_output_of_other_sizes_than_the_samples():
+    members = [nn.Sequential(nn.Conv2d(3, c, 1, stride=2), nn.Flatten()).double() for c in (4, 6)]
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    wide = wc.compile(copy.deepcopy(members), x, pad=True, config=FAST)
+    assert wide.member_padded(0, members[0](x), output=0).shape == (2, 6 * 9)
+    with pytest.raises(ValueError, match="runs at the sample's sizes but the batch"):
+        wide.member_padded(0, members[0](torch.randn(2, 3, 9, 9, dtype=torch.float64)), output=0)
