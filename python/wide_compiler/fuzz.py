@@ -75,6 +75,7 @@ import json
 import logging
 import math
 import random
+import re
 import sys
 import tempfile
 import time
@@ -547,7 +548,7 @@ def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch
         if _is_refusal(e):
             return Result(prog, "refused", f"compile: {str(e).splitlines()[0][:300]}")
         return Result(prog, "crash", f"compile: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
-    outcome = "ok"
+    outcome, refused = "ok", ""
     rounds = [("", [sample_shapes, *prog.other_shapes])]
     if prog.mutations:  # Note [State changed after compiling]
         rounds.append(("after the state change: ", [sample_shapes, *prog.other_shapes[:1]]))
@@ -588,6 +589,7 @@ def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch
                 except Exception as e:  # noqa: BLE001
                     if _is_refusal(e):
                         outcome = "refused" if outcome != "skipped" else outcome
+                        refused = refused or f"{mode} {shapes}: {str(e).splitlines()[0][:300]}"
                         continue
                     return Result(prog, "crash", f"{mode} {shapes}: "
                                   f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
@@ -595,7 +597,7 @@ def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch
                     wide.load_state_dict(state)
                     for m, s in zip(members, member_states):
                         m.load_state_dict(s)
-    return Result(prog, outcome)
+    return Result(prog, outcome, refused if outcome == "refused" else "")
 
 
 # --- the long mode ---------------------------------------------------------------------------------
@@ -615,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     counts = dict.fromkeys(OUTCOMES, 0)
+    reasons: dict[str, int] = {}  # the refusals' reasons, numbers and names left out: a false refusal shows here
     end = time.monotonic() + args.minutes * 60
     ran = 0
     try:
@@ -633,12 +636,16 @@ def main(argv: list[str] | None = None) -> int:
                              config=config)
         counts[result.outcome] += 1
         ran += 1
+        if result.outcome == "refused" and result.detail:
+            reason = re.sub(r"<fuzz program \d+>:\d+|\d+", "#", result.detail)[:160]
+            reasons[reason] = reasons.get(reason, 0) + 1
         if result.outcome in ("wrong", "crash"):
             (out / f"finding-{result.program.seed}.py").write_text(result.report())
         if bar is not None:
             bar.update(1)
             bar.set_postfix(counts)
-        summary = {"programs": ran, "first_seed": seed, **counts}  # after each program: a stopped run keeps it
+        summary = {"programs": ran, "first_seed": seed, **counts,  # after each program: a stopped run keeps it
+                   "refusals": dict(sorted(reasons.items(), key=lambda kv: -kv[1])[:20])}
         (out / f"summary-{seed}.json").write_text(json.dumps(summary, indent=1))
     cache.cleanup()
     log.warning("wide_compiler.fuzz: %s", json.dumps({"programs": ran, "first_seed": seed, **counts}))
