@@ -19,7 +19,9 @@ import contextlib
 import copy
 import logging
 import sys
+import threading
 import types
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +76,25 @@ class _Stacked(nn.Module):
 
     def extra_repr(self) -> str:
         return f"stacked {self._original_type}"
+
+    def train(self, mode: bool = True) -> _Stacked:
+        """Set by the wide model's ``train()``/``eval()`` only: the wide model runs one graph per
+        mode for all its modules, so ``wide.bn.eval()`` under ``wide.train()`` (a frozen BatchNorm)
+        would change nothing but this flag; it warns and leaves the mode as it is (probe 17 of
+        issue 44, P17-3: the flag read False while the train graph updated the statistics)."""
+        if mode != self.training and not getattr(_SETTING_MODE, "on", False):
+            warnings.warn(
+                f"wide_compiler: {'train' if mode else 'eval'}() on a stacked {self._original_type} of a wide "
+                f"model changes nothing: the wide model runs one graph per mode, for all its modules "
+                f"(wide.train() / wide.eval()). Set a submodule's mode on the members before compiling (a "
+                f"member whose {self._original_type} is in another mode than the member is refused where "
+                f"its code reads the mode), or use wide.member(i) / unfuse()", UserWarning,
+                stacklevel=3 if sys._getframe(1).f_code.co_name == "eval" else 2)  # the user's line
+            return self
+        return super().train(mode)
+
+
+_SETTING_MODE = threading.local()  # inside a wide model's own train(): _Stacked.train sets its flag
 
 
 def _shared_tensors(template: nn.Module, capture_model: nn.Module) -> dict[int, torch.Tensor]:
@@ -517,7 +538,11 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
         if "_graphs" in self.__dict__ and self._graphs and "_deferred" not in self.__dict__:
             # constructed (not inside __init__/unpickling), and not deferred (its forward decides)
             self._graph_for(mode)  # raises (with the mode unchanged) if that graph cannot be built
-        return super().train(mode)
+        outer, _SETTING_MODE.on = getattr(_SETTING_MODE, "on", False), True
+        try:
+            return super().train(mode)
+        finally:
+            _SETTING_MODE.on = outer
 
     # -- running ----------------------------------------------------------------------------
     def _call_impl(self, *args: Any, **kwargs: Any) -> Any:

@@ -78,7 +78,9 @@ def _view(ctx: WidenContext, node: fx.Node) -> Wide:
 
 @rule(aten.expand_as.default, aten.view_as.default, aten.reshape_as.default)
 def _as_other(ctx: WidenContext, node: fx.Node) -> Wide:
-    x, other = _wide(ctx, node), ctx.value(node.args[1])
+    x, other = ctx.value(node.args[0]), ctx.value(node.args[1])
+    if not isinstance(x, Wide):  # a shared tensor (an index or constant made in the forward) shaped as a
+        x = ctx.as_wide(x, member_rank(node.args[0]), node)  # per-member one: every member's is it (probe 17, P17-2)
     rank = member_rank(node.args[1])
     other = ctx.as_wide(other, rank, node)
     base = ctx.align(x, rank, node) if node.target is aten.expand_as.default else x.node
