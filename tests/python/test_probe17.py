@@ -94,3 +94,61 @@ def test_a_stacked_submodules_mode_set_apart_from_the_model_warns_and_changes_no
         assert not wide.get_submodule("1").training
         wide.train()
         assert wide.get_submodule("1").training
+
+
+class AlongTime(nn.Module):
+    def __init__(self, h, op):
+        super().__init__()
+        self.a, self.o, self.op = nn.Linear(3, h), nn.Linear(h, 2), op
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))  # [B, T, h]: only h differs between members
+        op = self.op
+        if op == "flip":
+            h = h.flip(1)
+        elif op == "roll":
+            h = h.roll(2, 1)
+        elif op == "index_select":
+            h = h.index_select(1, torch.tensor([4, 0, 2]))
+        elif op == "cumsum":
+            h = h.cumsum(1) + h.cumprod(1)
+        elif op == "chunk":
+            h = torch.cat(h.chunk(5, 1)[::-1], 1)
+        elif op == "split":
+            a, b = h.split([2, 3], 1)
+            h = torch.cat([b, a * 2], 1)
+        elif op == "unbind_stack":
+            h = torch.stack(h.unbind(1)[::-1], 1)
+        elif op == "clamp_":
+            h = self.a(x).clamp_(min=0) + self.a(x).clamp_(-0.5, 0.5)
+        return self.o(h)
+
+
+@pytest.mark.parametrize("op", ["flip", "roll", "index_select", "cumsum", "chunk", "split", "unbind_stack", "clamp_"])
+def test_positional_ops_along_a_dim_no_member_pads_and_in_place_clamps_holding_zero(op):
+    """P17-4: with pad=True over a hidden-size sweep, flip/roll/index_select/cumsum/chunk/split/unbind/
+    stack along the time dim (not padded) were refused, blaming padding in that dim (Note [Positions
+    along a dim that is not padded]); P17-5: ``clamp_(min=0)`` and ``clamp_(-0.5, 0.5)`` were
+    refused though 0 stays 0."""
+    torch.manual_seed(0)
+    members = [AlongTime(h, op).double() for h in (4, 8, 6)]
+    x = torch.randn(3, 2, 5, 3, dtype=torch.float64, requires_grad=True)
+    wide = wc.compile(copy.deepcopy(members), x[0].detach(), pad=True, config=FAST)
+    out = wide.member_outputs(wide(x))
+    sum(o.square().sum() for o in out).backward()
+    for i, m in enumerate(members):
+        xi = x[i].detach().requires_grad_()
+        own = m(xi)
+        own.square().sum().backward()
+        torch.testing.assert_close(out[i], own, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x.grad[i], xi.grad, rtol=1e-10, atol=1e-10)
+
+
+class AlongWidth(AlongTime):
+    def forward(self, x):
+        return self.o(torch.tanh(self.a(x)).flip(-1))
+
+
+def test_a_positional_op_along_a_padded_dim_is_still_refused_naming_the_dim():
+    with pytest.raises(wc.UnsupportedOperationError, match=r"flip.*along dim 2, which is padded: it reads or writes"):
+        wc.compile([AlongWidth(h, "") for h in (4, 8)], torch.randn(2, 5, 3), pad=True, config=FAST)

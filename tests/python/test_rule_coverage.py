@@ -832,8 +832,9 @@ def test_every_rule_row_states_its_padding() -> None:
 
 
 def test_a_refused_op_says_why_with_padded_members() -> None:
-    """A refusal with ``pad=True`` gives the op's stated reason, not only "no rule"."""
-    from wide_compiler.fx.padding_rules import REFUSED
+    """A refusal with ``pad=True`` gives the op's stated reason, not only "no rule" (a scan along
+    the padded dim: Note [Positions along a dim that is not padded])."""
+    from wide_compiler.fx.padding_rules_shapes import REFUSED_ALONG_PADDED as REFUSED
 
     class Scan(nn.Module):
         def __init__(self, width: int) -> None:

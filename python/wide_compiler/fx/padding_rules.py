@@ -14,13 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import math
 import re
 
 import torch
 from torch import fx
 
 from .padding_rules_math import MATH_INT_ARGS_OK, MATH_RULES
-from .padding_rules_shapes import SHAPE_INT_ARGS_OK, SHAPE_RULES
+from .padding_rules_shapes import _POSITIONS, _WHOLE_DIM, SHAPE_INT_ARGS_OK, SHAPE_RULES
 
 if TYPE_CHECKING:
     from .padding_pass import Padder
@@ -80,10 +81,17 @@ ZERO_IN_PLACE = {f"{name}_" for name in ("relu", "silu", "elu", "celu", "selu", 
 
 
 def hardtanh_in_place(p: Padder, node: fx.Node) -> None:
-    """``hardtanh_`` (ReLU6(inplace=True)): clean where its bounds hold 0 (Note [In-place ops on
-    padded values])."""
-    bounds = [node.args[k] if len(node.args) > k else node.kwargs.get(key, default)
-              for k, key, default in ((1, "min_val", -1.0), (2, "max_val", 1.0))]
+    """``hardtanh_`` (ReLU6(inplace=True)) and ``clamp_`` (``clamp_min_``, ``clamp_max_``): clean
+    where their bounds hold 0 (Note [In-place ops on padded values]; probe 17, P17-5: ``clamp_(min=0)``
+    was refused)."""
+    name = node.target.overloadpacket.__name__
+    keys = {"hardtanh_": (("min_val", -1.0), ("max_val", 1.0)), "clamp_": (("min", None), ("max", None)),
+            "clamp_min_": (("min", None),), "clamp_max_": (("max", None),)}[name]
+    given = [node.args[k + 1] if len(node.args) > k + 1 else node.kwargs.get(key, default)
+             for k, (key, default) in enumerate(keys)]
+    if name == "clamp_max_":
+        given = [None, *given]
+    bounds = [-math.inf if given[0] is None else given[0], math.inf if len(given) < 2 or given[1] is None else given[1]]
     if not (all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds) and bounds[0] <= 0 <= bounds[1]):
         p.refuse(node, "its bounds do not hold 0, so it writes them into the padding of its input in place, which "
                        "no mask after the op can take back from the input's later uses")
@@ -149,7 +157,8 @@ def _no_value(p: Padder, node: fx.Node) -> None:
 RULES: dict[str, Callable[[Padder, fx.Node], None]] = {**MATH_RULES, **SHAPE_RULES, "pow": pow_rule,
                                                        "hardtanh": hardtanh_rule, "masked_fill": select_rule,
                                                        "where": select_rule, "_assert_tensor_metadata": _no_value,
-                                                       "hardtanh_": hardtanh_in_place,
+                                                       **dict.fromkeys(("hardtanh_", "clamp_", "clamp_min_",
+                                                                        "clamp_max_"), hardtanh_in_place),
                                                        **dict.fromkeys(ZERO_IN_PLACE, zero_unary)}
 # rules that pad integer arguments which differ between members (any other rule refuses them)
 INT_ARGS_OK = MATH_INT_ARGS_OK | SHAPE_INT_ARGS_OK
@@ -164,24 +173,20 @@ _REGION = ("it runs a region that export captured as a graph of its own (a torch
 _IN_PLACE = ("it writes into its input in place values that are not zero where the input is zero (its padding), "
              "which no mask after the op can take back from the input's later uses (Note [In-place ops on padded values])")
 _NOT_FINITE = "it is infinite, or has an infinite derivative, at 0: it would put inf or NaN into the padding"
-_POSITIONS = "it reads or writes positions given by indices, a mask or an offset, which padding moves"
-_WHOLE_DIM = ("its result depends on every position of the dim it reduces or scans (a count, an order, "
-              "a product), the padding included")
 REFUSED: dict[str, str] = {
     **dict.fromkeys(("bernoulli", "empty_like", "new_empty", "new_full", "new_ones", "normal", "rand",
                      "rand_like", "randint", "randint_like", "randn", "randn_like", "bernoulli_", "exponential_",
                      "normal_", "uniform_", "alpha_dropout", "feature_alpha_dropout"), _NEW),
-    **dict.fromkeys(("clamp_", "fill_", "hardsigmoid_", "masked_fill_", "sigmoid_", "embedding_renorm_"), _IN_PLACE),
+    **dict.fromkeys(("fill_", "hardsigmoid_", "masked_fill_", "sigmoid_", "embedding_renorm_"), _IN_PLACE),
     **dict.fromkeys(("log", "rsqrt", "reciprocal", "sqrt"), _NOT_FINITE),
     **dict.fromkeys(("gather", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_",
-                     "index_put", "index_put_", "index_select", "scatter", "scatter_", "scatter_add", "scatter_add_",
-                     "scatter_reduce", "scatter_reduce_", "index", "narrow", "chunk", "split",
-                     "split_with_sizes", "tensor_split", "unbind", "flip", "roll", "diagonal", "tril", "triu",
+                     "index_put", "index_put_", "scatter", "scatter_", "scatter_add", "scatter_add_",
+                     "scatter_reduce", "scatter_reduce_", "index", "narrow", "tensor_split", "diagonal", "tril", "triu",
                      "unfold", "diag_embed", "diagonal_scatter", "select_scatter", "slice_scatter", "glu",
                      "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "repeat", "repeat_interleave"),
                     _POSITIONS),
-    **dict.fromkeys(("all", "amin", "aminmax", "any", "argmax", "argmin", "argsort", "cummax", "cummin", "cumprod",
-                     "cumsum", "kthvalue", "linalg_vector_norm", "logcumsumexp", "logsumexp", "median", "min", "mode",
+    **dict.fromkeys(("all", "amin", "aminmax", "any", "argmax", "argmin", "argsort", "cummax", "cummin",
+                     "kthvalue", "linalg_vector_norm", "logcumsumexp", "logsumexp", "median", "min", "mode",
                      "nansum", "norm", "prod", "sort", "std", "std_mean", "topk", "var", "var_mean"), _WHOLE_DIM),
     **dict.fromkeys((
         "embedding_bag", "addmm", "baddbmm", "dot", "einsum", "mv", "outer", "vdot", "_weight_norm", "prelu",
@@ -191,7 +196,7 @@ REFUSED: dict[str, str] = {
         "max_pool3d_with_indices", "feature_dropout", "special_log_softmax", "special_softmax",
         "opaque_module", "gru_cell", "lstm_cell",
         "rnn_relu_cell", "rnn_tanh_cell", "adjoint", "expand_as", "mH", "mT",
-        "matrix_H", "movedim", "numpy_T", "reshape_as", "stack", "swapdims", "sym_numel",
+        "matrix_H", "movedim", "numpy_T", "reshape_as", "swapdims", "sym_numel",
         "_upsample_bicubic2d_aa", "_upsample_bilinear2d_aa", "_upsample_nearest_exact1d",
         "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_bicubic2d", "upsample_linear1d",
         "upsample_nearest1d", "upsample_nearest3d", "upsample_trilinear3d", "constant_pad_nd", "pad", "col2im",

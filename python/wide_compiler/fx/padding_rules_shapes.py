@@ -301,6 +301,70 @@ def _select_slice(p: Padder, node: fx.Node) -> None:
     p.lay[node] = [v for d, v in enumerate(xl) if d != dim] if name == "select" else xl
 
 
+# Note [Positions along a dim that is not padded]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Ops that move, pick or scan positions (flip, roll, index_select, cumsum, chunk, split, unbind,
+# stack) are refused along a padded dim: each member's own positions are another prefix of it.
+# Along a dim no member's size differs (the time of a hidden-size sweep) nothing is padded: every
+# member's positions are the same, the padded positions of the other dims move with them and stay
+# zero (a cumsum or cumprod of zeros is zero), so the result keeps the input's layout; an index
+# tensor must be the same for all members (not padded). Refused along a padded dim as before, now
+# saying which (probe 17 of issue 44, P17-4: all were refused, the time dim blamed).
+_POSITIONS = "it reads or writes positions given by indices, a mask or an offset, which padding moves"
+_WHOLE_DIM = ("its result depends on every position of the dim it reduces or scans (a count, an order, "
+              "a product), the padding included")
+# the reason of each refused along a padded dim
+REFUSED_ALONG_PADDED = {**dict.fromkeys(("flip", "roll", "index_select", "chunk", "split", "split_with_sizes",
+                                         "unbind", "stack"), _POSITIONS),
+                        **dict.fromkeys(("cumsum", "cumprod"), _WHOLE_DIM)}
+_ALONG = {"flip": "dims", "roll": "dims", "index_select": "dim", "cumsum": "dim", "cumprod": "dim",
+          "chunk": "dim", "split": "dim", "split_with_sizes": "dim", "unbind": "dim", "stack": "dim"}
+
+
+def _along_dims(node: fx.Node, rank: int) -> list[int] | None:
+    """The dims a positional op of ``_ALONG`` works along (None: all of them, a roll without dims)."""
+    name = node.target.overloadpacket.__name__
+    key = _ALONG[name]
+    schema = [a.name for a in node.target._schema.arguments]
+    at = schema.index(key)
+    v = node.args[at] if at < len(node.args) else node.kwargs.get(key, 0 if key == "dim" else None)
+    if v is None or (isinstance(v, (list, tuple)) and not v):
+        return None
+    dims = list(v) if isinstance(v, (list, tuple)) else [v]
+    return [d % rank for d in dims]
+
+
+def _along_unpadded(p: Padder, node: fx.Node) -> None:
+    """Note [Positions along a dim that is not padded]."""
+    name = node.target.overloadpacket.__name__
+    x = node.args[0]
+    parts = list(x) if name == "stack" else [x]
+    lays = [p.layout(a) for a in parts]
+    lay = lays[0]
+    rank = len(lay) + (1 if name == "stack" else 0)
+    dims = _along_dims(node, rank)
+    if name == "stack":
+        if any(not all(same_layout(a, b) if a is not None and b is not None else a is b for a, b in zip(la, lay))
+               for la in lays[1:]):
+            p.refuse(node, "a stack whose parts are padded differently")
+        d = dims[0]
+        p.lay[node] = [*lay[:d], None, *lay[d:]]
+        return
+    if dims is None or any(lay[d] is not None for d in dims):
+        where = "all its dims" if dims is None else f"dim {next(d for d in dims if lay[d] is not None)}"
+        p.refuse(node, f"along {where}, which is padded: {REFUSED_ALONG_PADDED[name]}")
+    index = node.args[2] if name == "index_select" else None
+    if isinstance(index, fx.Node) and any(v is not None for v in p.layout(index)):
+        p.refuse(node, "its index differs between members (padded)")
+    if name == "unbind":
+        d = dims[0]
+        p.lay[node] = [[*lay[:d], *lay[d + 1:]] for _ in node.meta.get("val", ())]
+    elif name in ("chunk", "split", "split_with_sizes"):
+        p.lay[node] = [list(lay) for _ in node.meta.get("val", ())]
+    else:
+        p.lay[node] = list(lay)
+
+
 SHAPE_RULES: dict[str, Callable[[Padder, fx.Node], None]] = {
     "view": _view, "reshape": _view, "_unsafe_view": _view, "flatten": _permute,
     "unflatten": _view_like, "view_as": lambda p, n: _view_like(p, n),
@@ -309,6 +373,7 @@ SHAPE_RULES: dict[str, Callable[[Padder, fx.Node], None]] = {
     "zeros": _zeros, "new_zeros": _zeros, "zeros_like": _zeros,
     "cat": _cat, "expand": _expand, "sym_size": _sym_size,
     "copy_": _copy, "select": _select_slice, "slice": _select_slice,
+    **dict.fromkeys(_ALONG, _along_unpadded),
 }
 # rules that pad integer arguments which differ between members (INT_ARGS_OK in fx/padding_rules.py)
 SHAPE_INT_ARGS_OK = {size_arith, _zeros, _view, _expand, _view_like, _permute}
