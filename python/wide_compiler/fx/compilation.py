@@ -42,8 +42,8 @@ log = logging.getLogger("wide_compiler.fx.pipeline")  # the passes' records unde
 # Note [The compiler imported when it compiles]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # A short Lightning fit of three small members (10 steps, 0.12 s run one after the other) spent
-# 45 ms importing wide_compiler, 30 of them in the capture, the rules, padding and the compile
-# cache, which its deferred model never runs (Note [Running the members until compiling pays] in
+# about 55 ms importing wide_compiler, 26 of them in the capture, the rules, padding and the
+# compile cache, which its deferred model never runs (Note [Running the members until compiling pays] in
 # model_deferred.py). So the model and the API import this module (the compilation the passes
 # share, the lock, and the member checks and stacking a deferred model starts from), and import
 # fx/pipeline.py, fx/compile_cache.py, fx/padding.py and the trust check's harness inside the
