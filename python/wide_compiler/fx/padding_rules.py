@@ -80,7 +80,7 @@ ZERO_IN_PLACE = {f"{name}_" for name in ("relu", "silu", "elu", "celu", "selu", 
                                          "tanh", "abs", "neg", "zero", "dropout")}
 
 
-def hardtanh_in_place(p: Padder, node: fx.Node) -> None:
+def clamp_in_place(p: Padder, node: fx.Node) -> None:
     """``hardtanh_`` (ReLU6(inplace=True)) and ``clamp_`` (``clamp_min_``, ``clamp_max_``): clean
     where their bounds hold 0 (Note [In-place ops on padded values]; probe 17, P17-5: ``clamp_(min=0)``
     was refused)."""
@@ -158,7 +158,7 @@ RULES: dict[str, Callable[[Padder, fx.Node], None]] = {**MATH_RULES, **SHAPE_RUL
                                                        "hardtanh": hardtanh_rule, "masked_fill": select_rule,
                                                        "where": select_rule, "_assert_tensor_metadata": _no_value,
                                                        **dict.fromkeys(("hardtanh_", "clamp_", "clamp_min_",
-                                                                        "clamp_max_"), hardtanh_in_place),
+                                                                        "clamp_max_"), clamp_in_place),
                                                        **dict.fromkeys(ZERO_IN_PLACE, zero_unary)}
 # rules that pad integer arguments which differ between members (any other rule refuses them)
 INT_ARGS_OK = MATH_INT_ARGS_OK | SHAPE_INT_ARGS_OK
