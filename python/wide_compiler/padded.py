@@ -160,10 +160,15 @@ class PaddedWideModel(WideModel):
             if b is not None:
                 seen[name] = (id(b), b._version, b.data_ptr())
 
-    def export(self, path: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def _padding_kept(self) -> None:
+        """Before the padded state is read: gradient hooks on every padded parameter, and padding
+        written by hand zeroed (Note [Writes into the padding])."""
         if self._hooks_stale():
             self._mask_gradients()
-        self._zero_written_padding()  # Note [Writes into the padding]: export traces the forward, which skips it
+        self._zero_written_padding()
+
+    def export(self, path: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self._padding_kept()  # export traces the forward, which skips it
         return super().export(path, *args, **kwargs)
 
     export.__doc__ = WideModel.export.__doc__
@@ -177,9 +182,7 @@ class PaddedWideModel(WideModel):
         if torch.compiler.is_compiling():
             return super().forward(*args, **kwargs)
         self._pad.check_state(self.training)  # Note [The state a padded program was captured with]
-        if self._hooks_stale():
-            self._mask_gradients()
-        self._zero_written_padding()
+        self._padding_kept()
         swapped = self._mask_callers_tensors()
         try:
             out = super().forward(*args, **kwargs)

@@ -14,6 +14,23 @@ import wide_compiler as wc
 FAST = wc.WideConfig.fast()
 
 
+def _matches_its_members(members, x, *, pad, grad_tol=1e-10):
+    """Compile ``members`` (float64) on ``x[0]``, then each member's output and input gradient
+    (of the sum of squares) against the member alone on ``x[i]``; returns the wide model."""
+    x = x.detach().requires_grad_()
+    wide = wc.compile(copy.deepcopy(members), x[0].detach(), pad=pad, config=FAST)
+    out = wide(x)
+    out = wide.member_outputs(out) if pad else list(out)
+    sum(o.square().sum() for o in out).backward()
+    for i, m in enumerate(members):
+        xi = x[i].detach().requires_grad_()
+        own = m(xi)
+        own.square().sum().backward()
+        torch.testing.assert_close(out[i], own, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x.grad[i], xi.grad, rtol=grad_tol, atol=grad_tol)
+    return wide
+
+
 class NonPersistent(nn.Module):
     def __init__(self, h, used):
         super().__init__()
@@ -33,16 +50,8 @@ def test_a_non_persistent_buffer_of_a_swept_size_is_padded_as_state(used):
     tensor made in the forward from a number" (export lists it among its constants)."""
     torch.manual_seed(0)
     members = [NonPersistent(h, used).double() for h in (4, 8)]
-    x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
-    wide = wc.compile(copy.deepcopy(members), x[0].detach(), pad=True, config=FAST)
-    out = wide.member_outputs(wide(x))
-    sum(o.square().sum() for o in out).backward()
+    wide = _matches_its_members(members, torch.randn(2, 3, 5, dtype=torch.float64), pad=True)
     for i, m in enumerate(members):
-        xi = x[i].detach().requires_grad_()
-        own = m(xi)
-        own.square().sum().backward()
-        torch.testing.assert_close(out[i], own, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(x.grad[i], xi.grad, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(wide.member(i).nb, m.nb)
     assert "nb" not in wide.state_dict() and "nb" not in wide.member_state_dict(0)
 
@@ -67,16 +76,7 @@ def test_a_shared_tensor_shaped_as_a_per_member_one_is_widened(kind):
     the forward, shaped as a per-member activation) was refused: "expected a per-member tensor"."""
     torch.manual_seed(0)
     members = [SharedShapedAs(kind).double() for _ in range(3)]
-    x = torch.randn(3, 3, 5, 6, dtype=torch.float64, requires_grad=True)
-    wide = wc.compile(copy.deepcopy(members), x[0].detach(), config=FAST)
-    out = wide(x)
-    out.square().sum().backward()
-    for i, m in enumerate(members):
-        xi = x[i].detach().requires_grad_()
-        own = m(xi)
-        own.square().sum().backward()
-        torch.testing.assert_close(out[i], own, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(x.grad[i], xi.grad, rtol=1e-12, atol=1e-12)
+    _matches_its_members(members, torch.randn(3, 3, 5, 6, dtype=torch.float64), pad=False, grad_tol=1e-12)
 
 
 def test_a_stacked_submodules_mode_set_apart_from_the_model_warns_and_changes_nothing():
@@ -132,16 +132,7 @@ def test_positional_ops_along_a_dim_no_member_pads_and_in_place_clamps_holding_z
     refused though 0 stays 0."""
     torch.manual_seed(0)
     members = [AlongTime(h, op).double() for h in (4, 8, 6)]
-    x = torch.randn(3, 2, 5, 3, dtype=torch.float64, requires_grad=True)
-    wide = wc.compile(copy.deepcopy(members), x[0].detach(), pad=True, config=FAST)
-    out = wide.member_outputs(wide(x))
-    sum(o.square().sum() for o in out).backward()
-    for i, m in enumerate(members):
-        xi = x[i].detach().requires_grad_()
-        own = m(xi)
-        own.square().sum().backward()
-        torch.testing.assert_close(out[i], own, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(x.grad[i], xi.grad, rtol=1e-10, atol=1e-10)
+    _matches_its_members(members, torch.randn(3, 2, 5, 3, dtype=torch.float64), pad=True)
 
 
 class AlongWidth(AlongTime):

@@ -38,8 +38,7 @@ def _binary_in_place(p: Padder, node: fx.Node) -> None:
     padded values] in fx/padding_rules.py)."""
     lay, clean = _binary_layout(p, node)
     own = p.layout(node.args[0])
-    if len(own) != len(lay) or not all(same_layout(a, b) if a is not None and b is not None else a is b
-                                       for a, b in zip(own, lay)):
+    if len(own) != len(lay) or not all(same_layout(a, b) for a, b in zip(own, lay)):
         p.refuse(node, "it writes in place into a tensor padded otherwise than its result")
     if not clean:
         p.refuse(node, "it writes values into the padding of its input in place (a scalar added, an operand "

@@ -344,8 +344,7 @@ def _along_unpadded(p: Padder, node: fx.Node) -> None:
     rank = len(lay) + (1 if name == "stack" else 0)
     dims = _along_dims(node, rank)
     if name == "stack":
-        if any(not all(same_layout(a, b) if a is not None and b is not None else a is b for a, b in zip(la, lay))
-               for la in lays[1:]):
+        if any(not all(same_layout(a, b) for a, b in zip(la, lay)) for la in lays[1:]):
             p.refuse(node, "a stack whose parts are padded differently")
         d = dims[0]
         p.lay[node] = [*lay[:d], None, *lay[d:]]
