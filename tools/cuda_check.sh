@@ -1,49 +1,84 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with an NVIDIA GPU and a CUDA build of torch already installed
-# (nothing is downloaded): build the C++ core against that torch, run the op database and the
-# whole-model tests on the GPU, then the quick benchmarks of the targets that run there.
-# Logs (gpu.txt, build.log, tests.log, bench.log) and JSON records (bench-TARGET.json) go to
-# $OUT (default: cuda-check/).
+# (nothing is downloaded): build the C++ core against that torch, run the test suite on the GPU
+# (WIDE_TEST_DEVICE=cuda: every test that is not the CPU's alone; Note [The device-generic suite]
+# in tests/python/conftest.py), then the quick benchmarks of the targets that run there.
 #
-#   bash tools/cuda_check.sh            # everything (about 8 minutes on one H100)
-#   CUDA_CHECK_BENCH=0 bash tools/cuda_check.sh   # build and tests only
+#   bash tools/cuda_check.sh                          # everything
+#   CUDA_CHECK_STEPS="build tests" bash tools/cuda_check.sh
+#   CUDA_CHECK_PREBUILT=DIR bash tools/cuda_check.sh  # the core of an earlier run (DIR/lib.tar)
+#
+# Settings (environment): CUDA_CHECK_STEPS (build tests bench), CUDA_CHECK_TESTS (the pytest
+# selection: tests/python), CUDA_CHECK_TEST_S (the suite's time box, seconds: 360; what ran by
+# then is reported), CUDA_CHECK_WORKERS (pytest-xdist workers: the cores less two),
+# CUDA_CHECK_TARGETS (benchmark targets: models real), CUDA_CHECK_BENCH_ARGS (more arguments of
+# each benchmark). Everything goes to $OUT (default: cuda-check/), at most eight files: gpu.txt,
+# build.log, lib.tar (the built core, for CUDA_CHECK_PREBUILT), tests.log, failures.txt (each
+# failure's report, written as it happens), bench.log and bench.json (every record).
 set -uo pipefail
+cd "$(dirname "$0")/.."
 OUT=${OUT:-cuda-check}
 PY=${PYTHON:-python3}
+STEPS=${CUDA_CHECK_STEPS:-build tests bench}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
+status=0
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+elapsed() { echo "$1: $(( $(date +%s) - $2 )) s" | tee -a "$OUT/gpu.txt"; }
+
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())' \
   | tee -a "$OUT/gpu.txt"
 
+# The core: built here (pip, in build/cuda), or the libraries of an earlier run put beside the
+# sources (python/wide_compiler, imported through PYTHONPATH).
 start=$(date +%s)
-if ! $PY -m pip install -q --no-build-isolation --no-deps -e . -Cbuild-dir=build/cuda >"$OUT/build.log" 2>&1; then
-  echo "build failed:"; tail -60 "$OUT/build.log"; exit 1
+if [ -n "${CUDA_CHECK_PREBUILT:-}" ]; then
+  tar -xf "$CUDA_CHECK_PREBUILT/lib.tar" -C python/wide_compiler || exit 1
+  export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+elif has build; then
+  if ! $PY -m pip install -q --no-build-isolation --no-deps -e . -Cbuild-dir=build/cuda >"$OUT/build.log" 2>&1; then
+    echo "build failed:"; tail -60 "$OUT/build.log"; exit 1
+  fi
+  site=$($PY -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("wide_compiler._C").origin))')
+  (cd "$site" && tar -cf "$OUT/lib.tar" libwide.so _C.*.so)
 fi
-echo "build: $(( $(date +%s) - start )) s"
-$PY -c 'import torch, wide_compiler; print(torch.ops.wide._build_info())' | tee -a "$OUT/gpu.txt"
+elapsed build "$start"
+$PY -c 'import torch, wide_compiler; print(torch.ops.wide._build_info())' >>"$OUT/gpu.txt" || exit 1
 
-status=0
-start=$(date +%s)
-WIDE_TEST_DEVICE=cuda $PY -m pytest -q -rfE --maxfail=40 -p no:cacheprovider tests/python/test_op_db.py \
-  -k "not every_schema and not library_table and not utility_ops" 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
-$PY -m pytest -q -rfE -p no:cacheprovider tests/python/test_cuda.py 2>&1 | tee -a "$OUT/tests.log" | tail -25 || status=1
-echo "tests: $(( $(date +%s) - start )) s"
+if has tests; then
+  start=$(date +%s)
+  workers=${CUDA_CHECK_WORKERS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}
+  # shellcheck disable=SC2086  # the selection is words
+  WIDE_TEST_DEVICE=cuda WIDE_TEST_FAILURES="$OUT/failures.txt" OMP_NUM_THREADS=1 \
+    timeout -s INT -k 30 "${CUDA_CHECK_TEST_S:-360}" $PY -m pytest -q -rfE -n "$workers" --dist loadfile \
+    -p no:cacheprovider --timeout=180 --durations=20 ${CUDA_CHECK_TESTS:-tests/python} \
+    >"$OUT/tests.log" 2>&1 || status=1
+  tail -40 "$OUT/tests.log"
+  elapsed tests "$start"
+fi
 
-if [ "${CUDA_CHECK_BENCH:-1}" != 0 ]; then
-  for t in ${CUDA_CHECK_TARGETS:-linear models real}; do
+if has bench; then
+  for t in ${CUDA_CHECK_TARGETS:-models real}; do
     start=$(date +%s)
+    # shellcheck disable=SC2086
     $PY -m wide_compiler benchmark "$t" --preset quick --device cuda -q --json "$OUT/bench-$t.json" \
-      >>"$OUT/bench.log" 2>&1 || { status=1; tail -20 "$OUT/bench.log"; }
-    echo "benchmark $t: $(( $(date +%s) - start )) s"
+      ${CUDA_CHECK_BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1 || { status=1; tail -20 "$OUT/bench.log"; }
+    elapsed "benchmark $t" "$start"
   done
   $PY - "$OUT" <<'PY'
-import json, pathlib, statistics, sys
-for path in sorted(pathlib.Path(sys.argv[1]).glob("bench-*.json")):
-    for r in json.load(open(path)):
-        sp = r.get("speedup") or {}
-        print(f"{r['target']:8} {r.get('case', ''):28} N={r['n']:<3} {r['mode']:9} {r['strategy']:14} "
-              f"wide {r['wide_ms']:.3f} ms  " + "  ".join(f"{k} {v:.2f}x" for k, v in sp.items()))
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+records = []
+for path in sorted(out.glob("bench-*.json")):
+    records += json.load(open(path))
+    path.unlink()
+json.dump(records, open(out / "bench.json", "w"), indent=1)
+for r in records:
+    sp = r.get("speedup") or {}
+    print(f"{r['target']:8} {r.get('case', ''):28} N={r['n']:<3} {r['mode']:9} {r['strategy']:14} "
+          f"wide {r['wide_ms']:.3f} ms  " + "  ".join(f"{k} {v:.2f}x" for k, v in sp.items()))
 PY
 fi
 exit $status

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import DEVICE as TEST_DEVICE
 
 
 # --------------------------------------------------------------------------------------------
@@ -94,10 +95,68 @@ def _default_dtype_guard():
     assert after == before, f"test changed the default dtype from {before} to {after}"
 
 
+# --------------------------------------------------------------------------------------------
+# The device the suite runs on (Note [The device-generic suite])
+# --------------------------------------------------------------------------------------------
+# Note [The device-generic suite]
+# ``WIDE_TEST_DEVICE=cuda pytest tests/python`` runs the suite on a GPU: every tensor and module a
+# test makes without naming a device is made there (``torch.set_default_device``), so the tests
+# need no device argument of their own. What is the CPU's alone is skipped there: a test marked
+# ``cpu_only`` (``support.cpu_only``: the C++ CPU kernels, thread counts, OpenMP, the CPU's tuning
+# tables, CPU autocast), and the files of CPU_ONLY_FILES. Float32 is compared in true float32
+# there: TF32 (cuDNN's default for convolutions and RNNs) rounds to 10-bit mantissas, so a
+# grouped convolution and N separate ones would differ at ~1e-3 for the wide model and the loop
+# alike. ``WIDE_TEST_FAILURES=FILE`` appends each failure's report to FILE as it happens (a GPU
+# run that is cut off at its time limit still says what failed).
+#: Whether tests make their tensors on TEST_DEVICE by default (``WIDE_TEST_DEVICE=cpu`` checks
+#: the mechanism itself on a machine without a GPU).
+ON_DEFAULT_DEVICE = "WIDE_TEST_DEVICE" in os.environ
+
+#: Files that test what only the CPU has, or run their work in processes of their own (the
+#: README, examples, CLI, benchmarks, Ray, Optuna, torch.distributed on gloo), which run on the
+#: CPU whatever the suite's device: skipped when the suite runs on another device.
+CPU_ONLY_FILES = (
+    "test_readme.py", "test_examples.py", "test_cli.py", "test_bench_registry.py", "test_bench_vision.py",
+    "test_ray.py", "test_optuna.py", "test_distributed.py", "test_compile_speed.py", "test_allocator.py",
+)
+#: Files that place their tensors themselves (the op database draws its samples on the CPU and
+#: moves them to WIDE_TEST_DEVICE; test_cuda.py names "cuda"): no default device in their tests.
+DEVICE_AWARE_FILES = ("test_op_db.py", "test_cuda.py")
+
+
 def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only: tests what only the CPU has (skipped on "
+                            "WIDE_TEST_DEVICE=cuda; Note [The device-generic suite])")
     # Two shared cores: keep intra-op threads modest so parallel sessions stay usable.
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(min(2, torch.get_num_threads()))
+    if ON_DEFAULT_DEVICE:  # module- and session-scoped fixtures make theirs there too
+        torch.set_default_device(TEST_DEVICE)
+    if TEST_DEVICE.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture(autouse=True)
+def _on_the_test_device(request):
+    """Skip a ``cpu_only`` test off the CPU; make the test's tensors on the test device (the
+    default device is thread-local: set again for each test, in the thread that runs it)."""
+    if not ON_DEFAULT_DEVICE:
+        yield
+        return
+    name = request.node.path.name
+    if TEST_DEVICE.type != "cpu" and (request.node.get_closest_marker("cpu_only") or name in CPU_ONLY_FILES):
+        pytest.skip(f"tests the CPU alone (not run on {TEST_DEVICE.type})")
+    torch.set_default_device(None if name in DEVICE_AWARE_FILES else TEST_DEVICE)
+    yield
+    torch.set_default_device(TEST_DEVICE)
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("WIDE_TEST_FAILURES")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as f:
+            f.write(f"\n===== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
 # The test files that take longest (``pytest --durations=0``; seconds on a 2-core machine), longest

@@ -8,16 +8,24 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from wide_compiler.testing import assert_members_close
+
+#: The device the suite runs on: ``WIDE_TEST_DEVICE=cuda`` makes it the default device of every
+#: test (Note [The device-generic suite] in conftest.py).
+DEVICE = torch.device(os.environ.get("WIDE_TEST_DEVICE", "cpu"))
+#: A test of what only the CPU has (a C++ CPU kernel, thread counts, the CPU's autocast lists).
+cpu_only = pytest.mark.cpu_only
 
 
 class FakeClock:

@@ -7,9 +7,12 @@ from __future__ import annotations
 import copy
 import logging
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
+from support import DEVICE
 
 import wide_compiler as wc
 
@@ -71,9 +74,14 @@ def _compare_members(wide, opt, refs, ref_opts, tol, step):
 
 
 def _run(make_model, dtype, make_opt, make_ref_opt, *, steps, init_scale, growth_interval,
-         inject=None, tol, unscale_and_clip=False):
+         inject=None, tol, unscale_and_clip=False, autocast=None):
     """Train N members fused with wc.amp.GradScaler and each alone with torch.amp.GradScaler on
-    the same data; compare every member after every step. Returns the per-step scales and skips."""
+    the same data (on the suite's device; forwards under ``torch.autocast`` to the dtype
+    ``autocast`` if given); compare every member after every step. Returns the per-step scales and
+    skips."""
+    def mixed():
+        return torch.autocast(DEVICE.type, dtype=autocast) if autocast else contextlib.nullcontext()
+
     torch.manual_seed(0)
     models = [make_model() for _ in range(N)]
     refs = [copy.deepcopy(m) for m in models]
@@ -81,16 +89,17 @@ def _run(make_model, dtype, make_opt, make_ref_opt, *, steps, init_scale, growth
     opt = make_opt(list(wide.parameters()))
     ref_opts = [make_ref_opt(list(m.parameters()), i) for i, m in enumerate(refs)]
     scaler = wc.amp.GradScaler(init_scale=init_scale, growth_interval=growth_interval)
-    ref_scalers = [torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    ref_scalers = [torch.amp.GradScaler(DEVICE.type, init_scale=init_scale, growth_interval=growth_interval)
                    for _ in range(N)]
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(DEVICE).manual_seed(1)
     scales, skips = [], []
     for step in range(steps):
-        x = torch.randn(N, 16, 3, generator=g, dtype=dtype)
-        y = torch.randn(N, 16, 1, generator=g, dtype=dtype)
+        x = torch.randn(N, 16, 3, generator=g, dtype=dtype, device=DEVICE)
+        y = torch.randn(N, 16, 1, generator=g, dtype=dtype, device=DEVICE)
         if inject is not None:
             inject(step, x)
-        losses = wc.optim.member_losses(F.mse_loss, wide(x), y)
+        with mixed():
+            losses = wc.optim.member_losses(F.mse_loss, wide(x), y)
         opt.zero_grad()
         scaler.scale(losses).sum().backward()
         if unscale_and_clip:
@@ -100,7 +109,8 @@ def _run(make_model, dtype, make_opt, make_ref_opt, *, steps, init_scale, growth
         skips.append(scaler.found_inf(opt).tolist())
         scaler.update()
         for i in range(N):
-            loss = F.mse_loss(refs[i](x[i]), y[i])
+            with mixed():
+                loss = F.mse_loss(refs[i](x[i]), y[i])
             ref_opts[i].zero_grad()
             ref_scalers[i].scale(loss).backward()
             if unscale_and_clip:
@@ -179,6 +189,28 @@ def test_float16_gradients_overflow_naturally():
     n_skips = [sum(s[i] for s in skips) for i in range(N)]
     assert all(k >= 1 for k in n_skips), n_skips             # every member overflowed at least once
     assert any(sum(s) not in (0, N) for s in skips), skips    # ... and not all at the same steps
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_float16_autocast_each_member_with_its_own_scaler(optimizer):
+    """The recipe of mixed precision on a GPU (the suite's device; CPU autocast has float16
+    too): forwards under ``torch.autocast(float16)``, float32 losses, one scaler. A first scale so
+    large that every member's float16 activation gradients overflow, then each backs off on its
+    own; member 2's input holds an inf at step 9: every member follows its own
+    ``torch.amp.GradScaler`` (same skips and scales, parameters to float16 rounding)."""
+    lrs = [0.01, 0.02, 0.05, 0.1]
+    make, make_ref = {
+        "sgd": (lambda ps: wc.optim.SGD(ps, lr=lrs, momentum=0.9),
+                lambda ps, i: torch.optim.SGD(ps, lr=lrs[i], momentum=0.9)),
+        "adamw": (lambda ps: wc.optim.AdamW(ps, lr=[lr / 10 for lr in lrs]),
+                  lambda ps, i: torch.optim.AdamW(ps, lr=lrs[i] / 10)),
+    }[optimizer]
+    scales, skips = _run(lambda: _mlp(torch.float32), torch.float32, make, make_ref, steps=16,
+                         init_scale=2.0 ** 24, growth_interval=3, tol=2e-3, autocast=torch.float16,
+                         inject=_overflow_at({9: [2]}))
+    assert all(skips[0]), skips[0]                      # 2**24 overflows float16 for everyone
+    assert skips[9][2] and not skips[9][0], skips[9]
+    assert any(sum(s) not in (0, N) for s in skips), skips   # members back off at their own steps
 
 
 def test_torch_optim_on_stacked_parameters():

@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from support import OpRecorder
+from support import DEVICE, OpRecorder
 from torch import nn
 from torch.library import opcheck
 from torch.utils._pytree import tree_flatten
@@ -34,7 +34,9 @@ def _skip_without_bf16_lstm(float32_input: bool, state_given: bool) -> None:
         pytest.skip("PyTorch's own LSTM under CPU autocast fails on this CPU (no oneDNN bfloat16)")
 
 
-def autocast(device: str = "cpu", dtype: torch.dtype = BF16):
+def autocast(device: str = DEVICE.type, dtype: torch.dtype = BF16):
+    """Autocast on the suite's device (bfloat16 by default: CPU autocast's, and CUDA's other
+    dtype; the CUDA section below runs float16)."""
     return torch.autocast(device, dtype=dtype)
 
 
