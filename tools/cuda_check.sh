@@ -43,6 +43,11 @@ elif has build; then
   fi
   site=$($PY -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("wide_compiler._C").origin))')
   (cd "$site" && tar -cf "$OUT/lib.tar" libwide.so _C.*.so)
+  # Note [One C++ runtime] (CMakeLists.txt): a libstdc++ linked in statically crashes every error
+  if ! readelf -d "$site/libwide.so" | grep -q 'libstdc++'; then
+    echo "libwide.so does not load the shared libstdc++ (c++: $(c++ -print-file-name=libstdc++.so)," \
+         "LDFLAGS: ${LDFLAGS:-})"; exit 1
+  fi
 fi
 elapsed build "$start"
 $PY -c 'import torch, wide_compiler; print(torch.ops.wide._build_info())' >>"$OUT/gpu.txt" || exit 1
@@ -52,7 +57,7 @@ if has tests; then
   workers=${CUDA_CHECK_WORKERS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}
   # shellcheck disable=SC2086  # the selection is words
   WIDE_TEST_DEVICE=cuda WIDE_TEST_FAILURES="$OUT/failures.txt" OMP_NUM_THREADS=1 \
-    timeout -s INT -k 30 "${CUDA_CHECK_TEST_S:-360}" $PY -m pytest -q -rfE -n "$workers" --dist loadfile \
+    timeout -s INT -k 30 "${CUDA_CHECK_TEST_S:-360}" $PY -m pytest -q -rfE -n "$workers" --dist load \
     -p no:cacheprovider --timeout=180 --durations=20 ${CUDA_CHECK_TESTS:-tests/python} \
     >"$OUT/tests.log" 2>&1 || status=1
   tail -40 "$OUT/tests.log"

@@ -151,7 +151,7 @@ def _wide_inputs(sample: tuple, n: int, seed: int = 0, kwargs: dict[str, Any] | 
         x = a.unsqueeze(0).expand(n, *a.shape).clone()
         if x.is_floating_point():
             std = a.float().std().clamp_min(1e-3) if a.numel() > 1 else torch.tensor(1.0)
-            x = (torch.randn(x.shape, generator=g).to(x.device) * std + a.float().mean()).to(x.dtype)
+            x = (torch.randn(x.shape, generator=g, device=g.device).to(x.device) * std + a.float().mean()).to(x.dtype)
         return x
 
     return measure.CallInputs(tuple(widen(a) for a in sample), {k: widen(v) for k, v in (kwargs or {}).items()})

@@ -143,10 +143,10 @@ class Program:
                 # batch norm's variance 0 and put a ReLU exactly at its kink, where any rounding
                 # picks another subgradient (a tie, not a defect: seed 100166 of the long mode)
                 vocab, (b, *rest) = int(kind.split(":")[1]), shape
-                cols = [torch.randperm(vocab, generator=gen)[:b] for _ in range(self.n * max(1, math.prod(rest)))]
+                cols = [torch.randperm(vocab, generator=gen, device=gen.device)[:b] for _ in range(self.n * max(1, math.prod(rest)))]
                 xs.append(torch.stack(cols, -1).reshape(b, self.n, *rest).movedim(0, 1).contiguous())
             else:
-                xs.append(torch.randn((self.n, *shape), generator=gen, dtype=dtype))
+                xs.append(torch.randn((self.n, *shape), generator=gen, device=gen.device, dtype=dtype))
         return xs
 
 

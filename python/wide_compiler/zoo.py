@@ -276,7 +276,7 @@ def spirals(n: int, *, classes: int = 3, noise: float = 0.15, seed: int = 0) -> 
     ((5, 2), (5,), torch.int64, True)
     """
     g = torch.Generator().manual_seed(seed)
-    k = torch.randint(0, classes, (n,), generator=g)
-    r = torch.rand(n, generator=g)
-    theta = 4 * r + k * (2 * math.pi / classes) + noise * torch.randn(n, generator=g)
+    k = torch.randint(0, classes, (n,), generator=g, device=g.device)
+    r = torch.rand(n, generator=g, device=g.device)
+    theta = 4 * r + k * (2 * math.pi / classes) + noise * torch.randn(n, generator=g, device=g.device)
     return torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=1), k

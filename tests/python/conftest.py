@@ -139,15 +139,12 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def _on_the_test_device(request):
-    """Skip a ``cpu_only`` test off the CPU; make the test's tensors on the test device (the
-    default device is thread-local: set again for each test, in the thread that runs it)."""
+    """Make the test's tensors on the test device (the default device is thread-local: set again
+    for each test, in the thread that runs it); none in DEVICE_AWARE_FILES."""
     if not ON_DEFAULT_DEVICE:
         yield
         return
-    name = request.node.path.name
-    if TEST_DEVICE.type != "cpu" and (request.node.get_closest_marker("cpu_only") or name in CPU_ONLY_FILES):
-        pytest.skip(f"tests the CPU alone (not run on {TEST_DEVICE.type})")
-    torch.set_default_device(None if name in DEVICE_AWARE_FILES else TEST_DEVICE)
+    torch.set_default_device(None if request.node.path.name in DEVICE_AWARE_FILES else TEST_DEVICE)
     yield
     torch.set_default_device(TEST_DEVICE)
 
@@ -178,6 +175,13 @@ HEAVY_FIRST = (  # busy-machine seconds per file, issue 46's run: 990, 450, 425,
 
 
 def pytest_collection_modifyitems(config, items):
-    """The files of HEAVY_FIRST first, in its order; the rest after them in their own order."""
+    """The files of HEAVY_FIRST first, in its order; the rest after them in their own order. Off
+    the CPU, the tests of CPU_ONLY_FILES and those marked ``cpu_only`` are skipped (before any of
+    their fixtures runs)."""
     rank = {name: k for k, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    if TEST_DEVICE.type != "cpu":
+        skip = pytest.mark.skip(reason=f"tests the CPU alone (not run on {TEST_DEVICE.type})")
+        for item in items:
+            if item.path.name in CPU_ONLY_FILES or item.get_closest_marker("cpu_only"):
+                item.add_marker(skip)

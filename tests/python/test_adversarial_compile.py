@@ -22,6 +22,7 @@ import wide_compiler as wc
 from torch import nn
 from wide_compiler import testing
 from wide_compiler.fx.member_runs import check_run_members
+from support import DEVICE
 
 FAST = wc.WideConfig.fast()
 N = 3
@@ -113,7 +114,7 @@ class _GCN(nn.Module):
 
     def __init__(self, seed: int, nodes: int = 10, edges: int = 20) -> None:
         super().__init__()
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator(DEVICE).manual_seed(seed)
         self.register_buffer("edge_index", torch.randint(0, nodes, (2, edges), generator=g))
         self.lin = nn.Linear(8, 8)
 
@@ -139,7 +140,7 @@ class _Indexed(nn.Module):
 
     def __init__(self, seed: int, op: str) -> None:
         super().__init__()
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator(DEVICE).manual_seed(seed)
         self.register_buffer("pos", torch.randperm(6, generator=g))  # distinct positions
         self.fc = nn.Linear(6, 6)
         self.op = op

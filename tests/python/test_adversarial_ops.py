@@ -14,6 +14,7 @@ import wide_compiler as wc
 from torch import nn
 from wide_compiler import blocks as wb
 from wide_compiler import cli, tuning
+from support import cpu_only
 
 
 # --- fused optimizer steps: no aliasing between what a step writes and anything else ------------
@@ -87,6 +88,7 @@ def test_step_refuses_step_counter_shared_with_a_hyperparameter(op):
         fn(**kw)
 
 
+@cpu_only
 def test_adam_step_refuses_partially_overlapping_state():
     """Two views of one buffer that share some elements (not the same tensor) are caught too."""
     buf = torch.zeros(N, D + 1)
@@ -95,6 +97,7 @@ def test_adam_step_refuses_partially_overlapping_state():
         fn(**kw)
 
 
+@cpu_only
 def test_step_refuses_an_expanded_parameter():
     """A stride-0 (expanded) parameter would be written once per member into the same memory."""
     fn, kw = _step_call("sgd_step", param=torch.randn(1, D).expand(N, D))
@@ -103,6 +106,7 @@ def test_step_refuses_an_expanded_parameter():
         fn(**kw)
 
 
+@cpu_only
 def test_step_accepts_state_interleaved_in_one_buffer():
     """Views of one buffer that never touch the same element are fine (told apart exactly), and so
     is an expanded gradient (read only): the result is that of separate tensors."""

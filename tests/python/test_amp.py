@@ -439,7 +439,7 @@ def test_two_optimizers_skip_separately():
     ref_b = [torch.optim.SGD(m[2].parameters(), lr=0.1, momentum=0.9) for m in refs]
     scaler = wc.amp.GradScaler(init_scale=2.0 ** 8, growth_interval=3)
     ref_s = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3) for _ in range(N)]
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(DEVICE).manual_seed(1)
     for step in range(12):
         x = torch.randn(N, 16, 3, generator=g, dtype=torch.float64)
         y = torch.randn(N, 16, 1, generator=g, dtype=torch.float64)

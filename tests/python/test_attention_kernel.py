@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
-from support import run_in_threads
+from support import DEVICE, run_in_threads
 from torch import nn
 from wide_compiler.fx.eval_rewrites import attention_kernel
 from wide_compiler.testing import check_compile, make_members
@@ -31,7 +31,7 @@ def _reference(q, k, v, causal=False, scale=None):
 
 @pytest.mark.parametrize("seed", range(12))
 def test_small_attention_random_shapes(seed):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(DEVICE).manual_seed(seed)
     r = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=g))  # noqa: E731
     hkv = r(1, 3)
     shape = (r(1, 3), hkv * r(1, 3), hkv, r(1, 70), r(1, 70), r(1, 72), r(1, 72))

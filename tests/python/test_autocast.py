@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from support import DEVICE, OpRecorder
+from support import DEVICE, OpRecorder, cpu_only
 from torch import nn
 from torch.library import opcheck
 from torch.utils._pytree import tree_flatten
@@ -167,6 +167,7 @@ _FLOAT32_STATE = {"gru": lambda: nn.GRU(4, 6, batch_first=True), "gru_2_layers_b
                   "rnn_cell": lambda: nn.RNNCell(4, 6)}
 
 
+@cpu_only
 @pytest.mark.parametrize("input_dtype", [torch.float32, BF16], ids=["f32_input", "bf16_input"])
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("name", sorted(_FLOAT32_STATE))
@@ -242,6 +243,7 @@ def test_training_steps_under_autocast_match_members(name):
                              kind="grad", what=pname)
 
 
+@cpu_only
 def test_autocast_inside_forward_is_kept():
     """An autocast region captured inside a member's forward runs as it does in the member."""
 

@@ -15,6 +15,7 @@ import wide_compiler as wc
 from torch import nn
 from wide_compiler import blocks as wb
 from wide_compiler.errors import ArchitectureMismatchError
+from support import DEVICE
 from wide_compiler.testing import (
     assert_trees_members_close,
     check_equivalence,
@@ -23,7 +24,7 @@ from wide_compiler.testing import (
 
 
 def perturbed(m: nn.Module, seed: int) -> nn.Module:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(DEVICE).manual_seed(seed)
     with torch.no_grad():
         for p in m.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
@@ -100,7 +101,7 @@ def members(name: str, s: SimpleNamespace, seed: int = 0, dtype=torch.float32) -
 
 
 def inputs(name: str, s: SimpleNamespace, seed: int = 0) -> list[tuple]:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(DEVICE).manual_seed(seed)
     return [CASES[name][3](s, g) for _ in range(s.n)]
 
 
@@ -268,7 +269,7 @@ def test_compile_matches_hand_built_blocks():
     s = sizes(9, n=3, b=2, heads=2, head_dim=4)
     torch.manual_seed(0)
     ms = [perturbed(Tiny(s.d, s.heads), i) for i in range(s.n)]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(DEVICE).manual_seed(0)
     img, txt, vec = rand(g, s.n, s.b, s.t, s.d), rand(g, s.n, s.b, s.t_txt, s.d), rand(g, s.n, s.b, s.d)
     pe = pe_table(s, s.t_txt + s.t, g)
     wide = wc.compile(ms, (img[0], txt[0], vec[0], pe), config=wc.WideConfig.fast())

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
-from support import Call, LinearModel, OpRecorder, assert_members_trained_alike
+from support import Call, LinearModel, OpRecorder, assert_members_trained_alike, cpu_only
 from torch import nn
 from wide_compiler.testing import assert_close, assert_members_close, check_equivalence
 
@@ -1000,6 +1000,7 @@ def test_outputs_are_contiguous_like_the_members():
         assert out.view(3, -1).shape[1] == out[0].numel()
 
 
+@cpu_only
 def test_forced_strategies_apply_per_op_and_unknown_names_are_rejected():
     from wide_compiler.zoo import ConvNet
     models = members(lambda: ConvNet(channels=8), 2)

@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 import wide_compiler as wc
-from support import cache_entries
+from support import cache_entries, cpu_only
 from torch import nn
 from wide_compiler.fx import cache_key, compile_cache, pipeline
 from wide_compiler.fx.pipeline import PASSES, Compilation, run_pipeline
@@ -208,6 +208,7 @@ def test_a_tuning_cut_short_is_not_stored(cache_dir, monkeypatch):
     assert len(cache_entries(cache_dir)) == 1
 
 
+@cpu_only
 def test_a_new_process_hits(cache_dir, monkeypatch):
     """The key is the same in another process (no addresses, ids or hash seeds in it). wide_compiler's
     source digest is pinned in both: other work on the sources between the two must not miss."""

@@ -12,7 +12,7 @@ import pickle
 import pytest
 import torch
 import wide_compiler as wc
-from support import LinearModel
+from support import DEVICE, LinearModel
 from wide_compiler.fx.constants import ConstantPlan, conjoin_guards
 
 FAST = wc.WideConfig.fast()
@@ -101,7 +101,7 @@ def _sweep(cls, values, sample, calls, train, config=FAST):
     models = _members(cls, values)
     wide = wc.compile(models, torch.randn(*sample, dtype=torch.float64), config=config)
     for k, (shape, expected) in enumerate(calls):
-        x = torch.randn(len(values), *shape, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
+        x = torch.randn(len(values), *shape, dtype=torch.float64, generator=torch.Generator(DEVICE).manual_seed(k))
         if expected is OK:
             _call(wide, models, x, train)
         else:
@@ -227,7 +227,7 @@ def test_a_length_test_against_constants_from_a_sample_of_length_one_follows_eve
     models = _members(MinLen, (3.0, 2.0, 4.0))
     wide = wc.compile(models, torch.randn(2, 1, 4, dtype=torch.float64), config=FAST)
     for k, (T, expected) in enumerate([(1, OK), (10, OK), (2, 1), (3, 2), (12, OK), (10, OK), (1, OK)]):
-        x = torch.randn(3, 2, T, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
+        x = torch.randn(3, 2, T, 4, dtype=torch.float64, generator=torch.Generator(DEVICE).manual_seed(k))
         if expected is OK:
             _call(wide, models, x, train)
         else:

@@ -6,6 +6,7 @@ import torch
 import wide_compiler as wc
 from torch import nn
 from wide_compiler.testing import assert_members_close, check_equivalence
+from support import DEVICE
 
 FAST = wc.WideConfig.fast()  # no strategy timing: these tests check values, not speed
 
@@ -178,7 +179,7 @@ def test_rgb_stem_weight_gradients_stay_accurate_behind_a_training_batch_norm():
 
     n = 8
     models = wc.testing.make_members(lambda: ResNetTiny(width=16, classes=10), n)
-    x = torch.randn(n, 8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(n, 8, 3, 32, 32, generator=torch.Generator(DEVICE).manual_seed(0))
     wide = wc.compile([m.train() for m in models], x[0], config=FAST).train()
     strategy = wide.strategies[next(k for k in wide.strategies if k.startswith("conv"))]
     assert strategy != "grouped"
@@ -249,7 +250,7 @@ def test_loop_conv_training_gradients_match_members(case, layout, bias):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_loop_conv_training_gradcheck_and_gradgradcheck(packed):
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(DEVICE).manual_seed(0)
     x = torch.randn(2, 2, 3, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(2, 8, 3, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)
     b = torch.randn(2, 8, generator=g, dtype=torch.float64, requires_grad=True)
@@ -292,7 +293,7 @@ def test_depthwise_weight_gradients_stay_accurate_behind_a_training_batch_norm()
                              nn.Conv2d(16, 8, 1))
 
     models = wc.testing.make_members(make, 8)
-    x = torch.randn(8, 8, 16, 32, 32, generator=torch.Generator().manual_seed(0)) * 5 + 3
+    x = torch.randn(8, 8, 16, 32, 32, generator=torch.Generator(DEVICE).manual_seed(0)) * 5 + 3
     wide = wc.compile([m.train() for m in models], x[0], config=FAST).train()
     assert wide.strategies["conv_default"] == "grouped"
     (got,) = torch.autograd.grad(wide(x).sum(), [wide.get_parameter("0.weight")])

@@ -14,6 +14,7 @@ from torch import nn
 
 import wide_compiler as wc
 from wide_compiler import model_deferred
+from support import DEVICE
 
 N = 3
 DEFER = wc.WideConfig.fast().replace(defer=True)
@@ -55,7 +56,7 @@ def sgd_steps(wide, refs, steps, lrs=(0.01, 0.02, 0.03), seed=1):
     """``steps`` SGD steps of the wide model and of each member alone on the same data."""
     opt = wc.optim.SGD(wide.parameters(), lr=list(lrs), momentum=0.9)
     ref_opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m, lr in zip(refs, lrs)]
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(DEVICE).manual_seed(seed)
     for _ in range(steps):
         x = torch.randn(N, 5, 4, generator=g, dtype=torch.float64)
         s = torch.rand(N, 5, 1, generator=g, dtype=torch.float64)

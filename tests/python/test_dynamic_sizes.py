@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 import wide_compiler as wc
-from support import run_in_threads
+from support import DEVICE, run_in_threads
 from torch import nn
 from wide_compiler import testing
 
@@ -47,7 +47,7 @@ class TokenEncoder(nn.Module):
 
 
 def _ids(t: int, seed: int = 0, b: int = 4) -> torch.Tensor:
-    return torch.randint(0, 50, (b, t), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, 50, (b, t), generator=torch.Generator(DEVICE).manual_seed(seed))
 
 
 def test_transformer_encoder_takes_every_sequence_length(caplog):
@@ -80,7 +80,7 @@ def _tiny_berts(layers: int) -> list:
 
 def test_bert_encoder_takes_every_sequence_length(caplog):
     models = _tiny_berts(layers=2)
-    ids = lambda t, seed=0: torch.randint(3, 64, (2, t), generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    ids = lambda t, seed=0: torch.randint(3, 64, (2, t), generator=torch.Generator(DEVICE).manual_seed(seed))  # noqa: E731
     wide = wc.compile(models, ids(8), config=FAST)
     with caplog.at_level(logging.INFO, logger="wide_compiler"):
         _check_lengths(wide, models, ids)
@@ -99,7 +99,7 @@ class GRUClassifier(nn.Module):
 
 
 def _seq(t: int, seed: int = 0, b: int = 4) -> torch.Tensor:
-    return torch.randn(b, t, 6, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(b, t, 6, generator=torch.Generator(DEVICE).manual_seed(seed))
 
 
 @pytest.mark.parametrize("rnn, kw", [(nn.GRU, {}), (nn.LSTM, {"num_layers": 2}),
@@ -129,7 +129,7 @@ def test_fully_convolutional_net_takes_other_image_sizes(caplog):
     torch.manual_seed(0)
     models = [FullyConvolutional() for _ in range(N)]
     wide = wc.compile(models, torch.randn(2, 3, 16, 16), config=FAST)
-    img = lambda hw, seed=0: torch.randn(2, 3, *hw, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    img = lambda hw, seed=0: torch.randn(2, 3, *hw, generator=torch.Generator(DEVICE).manual_seed(seed))  # noqa: E731
     with caplog.at_level(logging.INFO, logger="wide_compiler"):
         _check_lengths(wide, models, img, lengths=((16, 16), (24, 20), (10, 30)))
     got = _recaptures(caplog)

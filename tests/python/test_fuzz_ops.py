@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 import wide_compiler  # noqa: F401  (registers torch.ops.wide)
 from wide_compiler.testing import assert_close, assert_members_close, max_member_error
+from support import DEVICE
 
 W = torch.ops.wide
 DTYPES = (torch.float32, torch.float64)
@@ -117,7 +118,7 @@ class Gen:
     def __init__(self, op: str, seed: int):
         self.op, self.seed = op, seed
         self.rng = random.Random(f"{op}/{seed}")
-        self.g = torch.Generator().manual_seed(seed)
+        self.g = torch.Generator(DEVICE).manual_seed(seed)
         self.cfg: dict = {}
 
     def pick(self, name: str, options):
@@ -253,7 +254,7 @@ def run_case(case: Case, isolate: int | None = None, clean: tuple | None = None)
     if not leaves:
         return
     assert out.requires_grad, f"{label}: the wide output lost its autograd graph"
-    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(case.gen.seed), dtype=out.dtype)
+    cot = torch.randn(out.shape, generator=torch.Generator(DEVICE).manual_seed(case.gen.seed), dtype=out.dtype)
     got = torch.autograd.grad(out, [a.t for _, a in leaves], cot, allow_unused=True)
     member_grads = [torch.autograd.grad(refs[i], [margs[i][k] for k, _ in leaves], cot[i], allow_unused=True)
                     for i in range(n)]
@@ -898,7 +899,7 @@ def test_functional_negative_padding_idx_means_from_the_end(fn):
 
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 def test_batch_norm_strided_weight_input_grad(training):
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(DEVICE).manual_seed(0)
     n, b, c = 2, 2, 2
     x = torch.randn(n, b, c, generator=g, dtype=torch.float64, requires_grad=True)
     w = (torch.rand(n, 2 * c, generator=g, dtype=torch.float64) + 0.5)[:, ::2].detach().requires_grad_()

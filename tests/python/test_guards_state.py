@@ -21,7 +21,7 @@ from torch import nn
 from torch.compiler import is_compiling as _is_compiling  # a name bound at import
 
 import wide_compiler as wc
-from support import LinearModel, all_to_eval
+from support import DEVICE, LinearModel, all_to_eval, cpu_only
 
 N = 3
 FAST = wc.WideConfig.fast()
@@ -310,6 +310,7 @@ def test_an_equal_value_is_not_a_change_but_an_int_for_a_float_is(monkeypatch):
     assert _graphs(wide) == 2
 
 
+@cpu_only
 def test_guards_with_globals_survive_pickling(monkeypatch):
     wide, _ = _compile(_Globals, 2, 4)
     x = _x(2, 4)
@@ -337,6 +338,7 @@ class _Contents(LinearModel):
         return torch.tanh(h) if CFG["act"] == "tanh" else torch.relu(h)
 
 
+@cpu_only
 @pytest.mark.parametrize("change", ["dict item", "dict branch", "namespace", "list", "class dict"])
 def test_the_contents_of_a_mutable_global_are_followed(change):
     """A dict item, a namespace attribute, a list item, a class attribute's item changed after
@@ -401,6 +403,7 @@ def test_a_mutable_global_the_forward_changes_is_state_not_a_guard():
 # --- 5. devices -------------------------------------------------------------------------------------
 
 
+@cpu_only
 def test_an_input_on_another_device_than_the_parameters_is_refused_naming_it():
     wide, _ = _compile(_Contiguous, 2, 4)
     with pytest.raises(ValueError, match=r"input 'x' is on meta, but the model's parameters are on cpu"):
@@ -413,6 +416,7 @@ class _DeviceBranch(LinearModel):
         return h * 2 if x.device.type == "cpu" else h * 3
 
 
+@cpu_only
 def test_a_device_branch_is_guarded_on_the_parameters_device():
     wide, members = _compile(_DeviceBranch, 2, 4)
     x = _x(2, 4)
@@ -511,13 +515,13 @@ def test_a_bernoulli_with_p_0_or_1_does_not_draw_and_is_compared(p):
                                             config=FAST)) != []
 
 
-GENERATOR = torch.Generator().manual_seed(0)
+GENERATOR = torch.Generator(DEVICE).manual_seed(0)
 
 
 class _Generator(LinearModel):
     def __init__(self, own: bool) -> None:
         super().__init__()
-        self.gen = torch.Generator().manual_seed(0) if own else GENERATOR
+        self.gen = torch.Generator(DEVICE).manual_seed(0) if own else GENERATOR
 
     def forward(self, x):
         h = self.fc(x)

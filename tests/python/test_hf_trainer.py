@@ -17,6 +17,7 @@ pytest.importorskip("accelerate")
 
 import wide_compiler as wc  # noqa: E402
 from wide_compiler.errors import ArchitectureMismatchError  # noqa: E402
+from support import DEVICE  # noqa: E402
 from wide_compiler.integrations.transformers import (  # noqa: E402
     WideTrainer,
     WideTransformersModel,
@@ -47,7 +48,7 @@ def _member(seed: int, config=None):
 
 
 def _data(n: int, seed: int) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(DEVICE).manual_seed(seed)
     out = []
     for _ in range(n):
         ids = torch.randint(3, 64, (8,), generator=g)

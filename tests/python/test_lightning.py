@@ -21,6 +21,7 @@ L = pytest.importorskip("lightning", reason="lightning is not installed (pip ins
 wcl = pytest.importorskip("wide_compiler.integrations.lightning")
 import wide_compiler as wc  # noqa: E402
 from wide_compiler.bench._integrations_child import regressor_class  # noqa: E402
+from support import DEVICE
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 4
@@ -48,7 +49,7 @@ Regressor = regressor_class()
 CONFIGS = [dict(lr=3e-3, weight_decay=0.0), dict(lr=1e-2, weight_decay=1e-2, gamma=0.7),
            dict(lr=3e-2, weight_decay=0.1, step_size=2), dict(lr=1e-1, weight_decay=0.0, gamma=0.9)]
 
-g = torch.Generator().manual_seed(0)
+g = torch.Generator(DEVICE).manual_seed(0)
 X = torch.randn(160, 4, generator=g, dtype=torch.float64)
 Y = torch.sin(X[:, :1]) + 0.1 * torch.randn(160, 1, generator=g, dtype=torch.float64)
 XV, YV = X[:48] + 0.05, Y[:48]

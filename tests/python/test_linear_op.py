@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import wide_compiler  # noqa: F401  (registers torch.ops.wide)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import OpRecorder
+from support import OpRecorder, cpu_only
 from wide_compiler.testing import assert_close, assert_members_close, tolerance
 
 wide_linear = torch.ops.wide.linear
@@ -292,6 +292,7 @@ def test_backward_hands_parameters_gradients_in_their_own_layout(strategy, bias)
         torch.testing.assert_close(bb.grad, (g1 + g2).sum(1))
 
 
+@cpu_only
 def test_bmm_training_gradient_layout_is_free_of_weight_copies():
     """The bmm strategy's backward runs two batched GEMMs and no copy of the weight or its gradient
     (the composite's transposed weight gradient cost one strided copy per step in AccumulateGrad)."""

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 import wide_compiler as wc
 from torch import nn
+from support import DEVICE
 
 N = 4
 
@@ -22,7 +23,7 @@ def make(n=N):
 
 def train(wide, opt, steps=3):
     for s in range(steps):
-        g = torch.Generator().manual_seed(s)
+        g = torch.Generator(DEVICE).manual_seed(s)
         x, y = torch.randn(N, 6, 5, generator=g), torch.randn(N, 6, 2, generator=g)
         opt.zero_grad()
         wc.optim.member_losses(F.mse_loss, wide(x), y).sum().backward()

@@ -12,6 +12,7 @@ import pytest
 import torch
 import wide_compiler as wc
 from torch import nn
+from support import DEVICE, cpu_only
 from wide_compiler.testing import (
     assert_members_close,
     assert_trees_members_close,
@@ -290,7 +291,7 @@ def _check_mha(wide, members, q, k, v, wide_kw=None, member_kws=None, *, same=""
         ref = m(*ins, **member_kws[i])
         refs.append(ref)
         if grads:
-            cot = [None if t is None else torch.randn(t.shape, generator=torch.Generator().manual_seed(i + 7 * j))
+            cot = [None if t is None else torch.randn(t.shape, generator=torch.Generator(DEVICE).manual_seed(i + 7 * j))
                    for j, t in enumerate(ref)]
             ref_grads.append((cot, grads_of(ref, ins, dict(m.named_parameters()), cot)))
     assert_trees_members_close(out, refs, equal_nan=equal_nan)
@@ -505,6 +506,7 @@ def test_mha_constructor_and_repr():
         wc.nn.WideMultiheadAttention(0, 8, 2)
 
 
+@cpu_only
 def test_mha_member_mismatch_errors():
     base = {"embed_dim": 8, "num_heads": 2}
     for kw, msg in [({"num_heads": 4}, r"member 1: num_heads is 4, member 0 has 2"),

@@ -8,6 +8,7 @@ import wide_compiler as wc
 import torch.nn.functional as F
 from torch import nn
 from wide_compiler.testing import assert_members_close, check_equivalence, make_members
+from support import DEVICE, cpu_only
 
 FAST = wc.WideConfig.fast()  # no strategy timing: these tests check values, not speed
 
@@ -208,7 +209,7 @@ def test_fused_norm_gradients_match_members(dtype, rms, residual):
     """With a gradient wanted, wide.fused_norm is the kernel with its own backward
     (wide.fused_norm_backward): input, residual, weight and bias gradients per member, members
     on very different scales, against each member's own F.layer_norm / F.rms_norm."""
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(DEVICE).manual_seed(1)
     n, d = 4, 37  # d across vector widths (tails)
     x = (torch.randn(n, 3, 5, d, generator=g, dtype=dtype)
          * torch.tensor([1e-2, 1.0, 30.0, 1e3], dtype=dtype).view(n, 1, 1, 1)).requires_grad_()
@@ -229,7 +230,7 @@ def test_fused_norm_gradients_match_members(dtype, rms, residual):
 
 
 def test_fused_norm_gradcheck_and_double_backward():
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator(DEVICE).manual_seed(2)
     c = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
     x, r, w, b = c(2, 3, 5), c(2, 3, 5), c(2, 5), c(2, 5)
     fn = lambda x, r, w, b: torch.ops.wide.fused_norm(x, r, 5, w, b, 1e-5, False)  # noqa: E731
@@ -256,7 +257,7 @@ def test_fused_norm_nan_member_and_partial_grads():
 
 
 def _bn_args(n=3, b=4, c=5, spatial=(6, 7), dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(DEVICE).manual_seed(seed)
     x = torch.randn(n, b, c, *spatial, generator=g, dtype=dtype) * 3 + 1
     w, bias = torch.rand(n, c, generator=g, dtype=dtype) + 0.5, torch.randn(n, c, generator=g, dtype=dtype)
     rm, rv = torch.randn(n, c, generator=g, dtype=dtype), torch.rand(n, c, generator=g, dtype=dtype) + 0.5
@@ -357,7 +358,7 @@ def test_norm_kernels_leave_forward_mode_ad_to_aten(op):
     """The norms' CPU kernels (BatchNorm in training, the fused LayerNorm, the N-first GroupNorm)
     have no forward derivative; with a forward-mode tangent (torch.func.jvp) the norms take
     ATen's ops instead, and the tangent is each member's own."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(DEVICE).manual_seed(0)
     x, t = torch.randn(2, 3, 4, 5, 5, generator=g), torch.randn(2, 3, 4, 5, 5, generator=g)
     w, b = torch.rand(2, 4, generator=g) + 0.5, torch.randn(2, 4, generator=g)
     if op == "batch_norm":  # 25 values per (sample, channel): the kernel's size
@@ -385,6 +386,7 @@ def test_norm_kernels_leave_forward_mode_ad_to_aten(op):
         torch.testing.assert_close(tangent[i], want)
 
 
+@cpu_only
 def test_layer_norm_training_takes_the_kernel():
     """wide.layer_norm with a gradient wanted runs wide.fused_norm and its backward kernel on the
     CPU (strategy fused/auto), and the per-member loop with strategy loop."""
@@ -399,6 +401,7 @@ def test_layer_norm_training_takes_the_kernel():
     assert "wide::fused_norm_backward" not in names("loop")
 
 
+@cpu_only
 @pytest.mark.parametrize("layout", ["nfirst", "packed_cl"])
 def test_instance_norm_without_running_stats_runs_group_norm_and_matches_members(layout):
     """Note [wide norms]: InstanceNorm with instance statistics and no running statistics runs as

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
-from support import OpRecorder
+from support import DEVICE, OpRecorder
 from torch import nn
 from torch.func import functional_call
 from wide_compiler.testing import assert_members_close
@@ -100,7 +100,7 @@ def per_member_kwargs(shared, per, lrs=LRS, wds=WDS):
 
 
 def data(step):
-    g = torch.Generator().manual_seed(100 + step)
+    g = torch.Generator(DEVICE).manual_seed(100 + step)
     return torch.randn(N, 10, 6, generator=g), torch.randint(0, 3, (N, 10), generator=g)
 
 

@@ -6,12 +6,13 @@ import torch
 import torch.nn.functional as F
 import wide_compiler as wc
 from torch import nn
+from support import DEVICE
 
 N = 6
 
 
 def grads(seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(DEVICE).manual_seed(seed)
     ps = [nn.Parameter(torch.zeros(N, 4, 3)), nn.Parameter(torch.zeros(N, 5))]
     scale = torch.tensor([0.01, 0.1, 1.0, 10.0, 100.0, 0.5])
     for p in ps:

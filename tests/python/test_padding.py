@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import wide_compiler as wc
 from torch import nn
 from wide_compiler.errors import ArchitectureMismatchError, UnsupportedOperationError
+from support import DEVICE
 
 FAST = wc.WideConfig.fast()
 DT = torch.float64
@@ -147,7 +148,7 @@ def test_a_size_sweep_trains_like_each_member_alone(sweep):
     n = len(models)
     before = [copy.deepcopy(m.state_dict()) for m in models]
     refs = [copy.deepcopy(m).train() for m in models]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(DEVICE).manual_seed(0)
     sample = tuple(t[0] for t in inputs(g, n))
     wide = wc.compile(models, sample, pad=True, config=FAST)
     assert isinstance(wide, wc.PaddedWideModel)

@@ -11,7 +11,7 @@ import torch
 import wide_compiler as wc
 from torch import nn
 
-from support import LinearModel
+from support import DEVICE, LinearModel
 
 FAST = wc.WideConfig.fast()
 D = torch.float64
@@ -189,7 +189,7 @@ def test_check_compile_in_float64_takes_rounding_for_rounding() -> None:
     over two values) is so ill-conditioned that its input gradient moves 3e-8 with the summation
     order: the fixed rtol=1e-10 failed a correct wide model (as efficientnet_b0's did); judged
     against the members' own float64 rounding it passes (Note [Rounding in a float64 model])."""
-    sample = torch.randn(2, 3, 32, 32, dtype=D, generator=torch.Generator().manual_seed(0))
+    sample = torch.randn(2, 3, 32, 32, dtype=D, generator=torch.Generator(DEVICE).manual_seed(0))
     with pytest.raises(AssertionError, match=r"rtol=1e-10"):  # the table alone: the false alarm
         wc.testing.check_compile(_resnets(1), sample, config=FAST, shared=(False,), modes=("train",),
                                  rtol=1e-10, atol=1e-10)

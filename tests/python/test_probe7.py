@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import wide_compiler as wc
-from support import LinearModel
+from support import DEVICE, LinearModel
 
 FAST = wc.WideConfig.fast()
 ALPHA = 1.7580993408473766  # ATen's alpha dropout constant
@@ -130,7 +130,7 @@ def test_fixed_draws_agree_between_each_random_op_and_the_wide_forms_that_replac
     own draws (an explicit generator) are untouched; an op with no fixed value is reported."""
     from wide_compiler._equivalence.draws import fixed_draws
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(DEVICE).manual_seed(0)
     with fixed_draws() as unfixed:
         p = torch.tensor([0.0, 0.3, 1.0])
         assert torch.equal(torch.empty(3).bernoulli_(p), (torch.rand(3) < p).float())

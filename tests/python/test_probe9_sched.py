@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 import wide_compiler as wc
 from wide_compiler.optim import lr_scheduler as wls
+from support import DEVICE
 
 STEPS = 10
 
@@ -32,7 +33,7 @@ def _groups(params):
 
 def _stacked(n, seed=0):
     """Stacked ``[N, ...]`` parameters of N members of two layers, and each member's own copy."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(DEVICE).manual_seed(seed)
     wide = [("fc.weight", nn.Parameter(torch.randn(n, 4, 3, generator=g, dtype=torch.float64))),
             ("out.weight", nn.Parameter(torch.randn(n, 2, 4, generator=g, dtype=torch.float64)))]
     members = [[(name, nn.Parameter(p[i].detach().clone())) for name, p in wide] for i in range(n)]
@@ -53,7 +54,7 @@ def _train_against_torch(n, opt_name, wide_sched, member_sched, steps=STEPS, see
     topts = [topt_cls(_groups(m), **okw) for m in members]
     wsched = wide_sched(wopt)
     tscheds = [member_sched(o, i) for i, o in enumerate(topts)]
-    g = torch.Generator().manual_seed(seed + 1)
+    g = torch.Generator(DEVICE).manual_seed(seed + 1)
     for step in range(steps):
         for name, p in wide:
             p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)

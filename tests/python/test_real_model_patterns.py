@@ -8,6 +8,7 @@ import torch
 import wide_compiler as wc
 from torch import nn
 from wide_compiler.testing import assert_members_close, check_compile, make_members
+from support import DEVICE
 
 FAST = wc.WideConfig.fast()
 
@@ -309,10 +310,10 @@ def test_advanced_indices_per_member_and_split_by_slices(factory, sample):
     models = make_members(factory, 3)
     if factory is RelativeBias:  # the members' index buffers differ: each reads its own
         for k, m in enumerate(models):
-            m.index.copy_(torch.randint(0, 9, (4, 4), generator=torch.Generator().manual_seed(k)))
+            m.index.copy_(torch.randint(0, 9, (4, 4), generator=torch.Generator(DEVICE).manual_seed(k)))
     inputs = None
     if factory is not RelativeBias:  # integer inputs: a different index per member
-        g = torch.Generator().manual_seed(1)
+        g = torch.Generator(DEVICE).manual_seed(1)
         inputs = [tuple(torch.randint(0, 2 if t.dim() == 2 and factory is Indexing else 16, t.shape, generator=g)
                         if t.dtype == torch.long else t + k for t in sample) for k in range(3)]
     wide, _ = check_compile(models, sample, inputs=inputs, strict=True, config=FAST)

@@ -14,6 +14,7 @@ from torch import nn
 from wide_compiler.router import Tower, WideRouter
 from wide_compiler.testing import assert_close, make_members
 
+from support import DEVICE
 from support import router_with_refs as build  # a router over the towers, and reference copies of them
 
 FAST = wc.WideConfig.fast()
@@ -80,7 +81,7 @@ def mixed_towers() -> dict[str, nn.Module]:
 
 
 def sample(batch: int = 5, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(DEVICE).manual_seed(seed)
     return torch.randn(batch, 6, generator=g), (torch.rand(batch, 1, generator=g) > 0.3).float()
 
 
@@ -113,7 +114,7 @@ def check_call(router, refs, inputs: dict[str, tuple], kwargs: dict, names=None,
     router.zero_grad(set_to_none=True)
     outs = router.wide_forward(*args, tower_names=names, **kwargs)
     assert list(outs) == names
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator(DEVICE).manual_seed(7)
     cot = {n: torch.randn(outs[n].shape, generator=g) for n in names}
     if grads:
         sum((outs[n] * cot[n]).sum() for n in names).backward()

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from wide_compiler.router import Tower as BaseTower
 from wide_compiler.router import CompileRouter, WideRouter
 from wide_compiler.testing import assert_close
+from support import DEVICE
 
 DIM = 16
 
@@ -93,7 +94,7 @@ def alone(router: WideRouter, x: Tensor, names=None, **kwargs) -> dict[str, Tens
 
 
 def data(batch: int = 8, seed: int = 0) -> Tensor:
-    return torch.randn(batch, DIM, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(batch, DIM, generator=torch.Generator(DEVICE).manual_seed(seed))
 
 
 def seeded_with_reference(make) -> tuple[WideRouter, WideRouter, Tensor]:
@@ -273,7 +274,7 @@ def test_selective_execution():
 # -- With Attention Mask ------------------------------------------------------------------------
 def test_with_attention_mask():
     collective, ref, x = seeded_with_reference(lambda: MaskedCollective(3, DIM))
-    mask = (torch.rand(8, 1, generator=torch.Generator().manual_seed(2)) > 0.4).float()
+    mask = (torch.rand(8, 1, generator=torch.Generator(DEVICE).manual_seed(2)) > 0.4).float()
     collective.prepare_for_compile(x, mask=mask)
     assert_close(collective(x, mask=mask), ref["fusion"](alone(ref, x, mask=mask)), msg="masked")
     x7, mask7 = data(7, seed=3), torch.ones(7, 1)  # another batch size

@@ -36,7 +36,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
-from support import LinearModel, StackedScalar
+from support import LinearModel, StackedScalar, cpu_only
 from test_autocast import OP_CASES as AUTOCAST_CASES  # each wide op's call under autocast (the op checklist)
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -901,6 +901,7 @@ def _stated_with_a_case() -> list[tuple[str, str]]:
                   if policy != BY_MODE and name in AUTOCAST_CASES)
 
 
+@cpu_only
 @pytest.mark.parametrize(("name", "policy"), _stated_with_a_case(), ids=[n for n, _ in _stated_with_a_case()])
 def test_stated_autocast_policy_holds_on_cpu(name: str, policy: str) -> None:
     """Each op's stated policy, run through its case of test_autocast.py under CPU autocast on a
@@ -956,6 +957,7 @@ def _packed_calls() -> dict[Any, Callable[[torch.Tensor], torch.Tensor]]:
     }
 
 
+@cpu_only
 def test_followed_packed_ops_keep_channels_last() -> None:
     """A packed row stated as layout-keeping really returns a channels-last result for a
     channels-last packed input."""

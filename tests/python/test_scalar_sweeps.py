@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
-from support import LinearModel
+from support import DEVICE, LinearModel
 from torch import nn
 from wide_compiler import testing
 
@@ -375,7 +375,7 @@ def _bound_inputs(n: int) -> torch.Tensor:
     at NaN differs between its vectorized loop and its scalar tail, Note [Per-member bounds]):
     every bound of BOUNDS exactly, NaN, +-inf, values between, then random ones."""
     special = sorted({v for b in BOUNDS for v in b if v == v}) + [NAN, INF, -INF, -2.0, -0.75, 0.1, 0.75, 2.0]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(DEVICE).manual_seed(0)
     rows = []
     for i in range(n):
         head = torch.tensor(special, dtype=torch.float64).roll(i)
@@ -394,7 +394,7 @@ def test_per_member_bounds_follow_aten_exactly(op):
     assert wide.fallbacks == [] and wide.per_member_constants
     xs = _bound_inputs(len(models)).requires_grad_()
     out = wide(xs)
-    cot = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    cot = torch.randn(out.shape, generator=torch.Generator(DEVICE).manual_seed(1), dtype=torch.float64)
     (grad,) = torch.autograd.grad(out, xs, cot)
     for i, m in enumerate(models):
         x = xs[i].detach().clone().requires_grad_()

@@ -9,6 +9,7 @@ import torch
 import wide_compiler as wc
 from torch import nn
 from torch.func import functional_call, grad, jvp
+from support import DEVICE
 
 W = torch.ops.wide
 F64 = torch.float64
@@ -20,7 +21,7 @@ def _r(g, *shape):
 
 def _case(name):
     """(loss of a parameter w, w): each op at a size that takes its kernel without a transform."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(DEVICE).manual_seed(0)
     if name == "batch_norm":  # 25 values per (sample, channel)
         x = _r(g, 2, 3, 4, 5, 5)
         return (lambda w: W.batch_norm(x, w, None, None, None, True, 0.1, 1e-5).pow(3).sum()), _r(g, 2, 4) + 2
@@ -63,7 +64,7 @@ def test_hessian_vector_products(name):
     differences of the gradient in float64. (Attention and the LSTM are left out: ATen's CPU SDPA
     and oneDNN's LSTM have no forward derivative, for the members either.)"""
     loss, w = _case(name)
-    v = torch.randn(w.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    v = torch.randn(w.shape, generator=torch.Generator(DEVICE).manual_seed(1), dtype=F64)
     _, hv = jvp(grad(loss), (w,), (v,))
     eps = 1e-6
     fd = (grad(loss)(w + eps * v) - grad(loss)(w - eps * v)) / (2 * eps)

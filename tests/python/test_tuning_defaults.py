@@ -19,6 +19,7 @@ from torch import nn
 import wide_compiler as wc
 from wide_compiler import tuning
 from wide_compiler.measure import timing
+from support import cpu_only
 
 REASONS = ("default (heuristic", "measured:", "kept default: within margin", "cached:", "model-level check",
            "forced:")
@@ -565,6 +566,7 @@ def test_a_cached_pick_is_relative_to_its_default(clock, tmp_path):
     assert first.source == other.source == "measured"
 
 
+@cpu_only
 def test_the_strategy_cache_is_per_processor(monkeypatch, tmp_path):
     """A cache directory shared by machines (or carried to a new one) never hands one processor's
     measured choices to another: the key names the processor, so another CPU measures again and

@@ -17,12 +17,12 @@
 //   prelu, attention, small_attention conv_transpose*d, prelu,
 //                                     scaled_dot_product_attention
 //   batch_norm, instance_norm         batch_norm, instance_norm activation dtype    activation dtype
-//   group_norm, layer_norm, rms_norm, group_norm, layer_norm,   activation dtype    float32
-//   add_layer_norm, fused_norm,       rms_norm (of x + r)
+//   group_norm, layer_norm, rms_norm, group_norm, layer_norm,   activation dtype    float32 (rms_norm:
+//   add_layer_norm, fused_norm,       rms_norm (of x + r)                            where ATen lists it)
 //   group_norm_nfirst, fused_group_norm
 //   rnn                               lstm                      lower precision      lower precision
-//                                     gru, rnn_tanh/relu, lstm  per member           lower precision
-//                                     with projections
+//                                     gru, rnn_tanh/relu, lstm  per member           (float16 with
+//                                     with projections                               cuDNN on)
 //   rnn_cell                          every cell                per member           lower precision
 //
 // "lower precision": every floating argument is cast to the autocast dtype (float64 ones are
@@ -39,7 +39,9 @@
 // on the lower-precision list: all lower, as the wide op.)
 // Ops with no entry here (embedding, embedding_bag: ATen does not cast them; layout, allocator
 // and optimizer ops) fall through to their kernels, as autocast does for every op by default.
+#include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/gru.h>
 #include <ATen/ops/gru_cell.h>
 #include <ATen/ops/lstm.h>
@@ -274,10 +276,20 @@ at::Tensor layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_sh
   });
 }
 
+// Whether ATen casts aten::rms_norm under CUDA autocast (the float32 list): torch 2.11 does not,
+// so a member's F.rms_norm returns its activation's dtype there, as on the CPU.
+bool aten_lists_rms_norm_on_cuda() {
+  static const bool listed = [] {
+    const auto op = c10::Dispatcher::singleton().findOp({"aten::rms_norm", ""});
+    return op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::AutocastCUDA);
+  }();
+  return listed;
+}
+
 template <DeviceType D>
 at::Tensor rms_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape, const OptTensor& weight,
                     std::optional<double> eps) {
-  if constexpr (kFloat32Norms<D>) {
+  if (kFloat32Norms<D> && aten_lists_rms_norm_on_cuda()) {
     NoAutocast<D> guard;
     return wide::rms_norm(cast<D>(at::kFloat, input), normalized_shape, cast<D>(at::kFloat, weight), eps);
   }
@@ -304,7 +316,7 @@ at::Tensor add_layer_norm(const at::Tensor& input, const at::Tensor& residual,
 template <DeviceType D>
 at::Tensor fused_norm(const at::Tensor& input, const OptTensor& residual, int64_t normalized_numel,
                       const OptTensor& weight, const OptTensor& bias, double eps, bool rms) {
-  if constexpr (kFloat32Norms<D>) {
+  if (kFloat32Norms<D> && (!rms || aten_lists_rms_norm_on_cuda())) {
     NoAutocast<D> guard;
     return wide::fused_norm(cast<D>(at::kFloat, input), cast<D>(at::kFloat, residual), normalized_numel,
                             cast<D>(at::kFloat, weight), cast<D>(at::kFloat, bias), eps, rms);
@@ -425,6 +437,15 @@ std::vector<at::Tensor> cell_per_member(const at::Tensor& input, at::TensorList 
   return result;
 }
 
+// Note [cuDNN's RNN under CUDA autocast]: on CUDA, ATen's recurrent layers run cuDNN's RNN where
+// cuDNN is on, and its autocast kernel (_cudnn_rnn, aten/src/ATen/native/cudnn/AutocastRNN.cpp)
+// casts to float16 whatever the autocast dtype: under bfloat16 autocast a member's LSTM returns
+// float16 (seen on an H200, torch 2.11). Without cuDNN the layers run their cells in the autocast
+// dtype. The wide op casts as the member's layer does.
+bool cudnn_runs_rnns() {
+  return at::globalContext().userEnabledCuDNN() && at::globalContext().hasCuDNN();
+}
+
 template <DeviceType D>
 std::tuple<at::Tensor, std::vector<at::Tensor>> rnn(const at::Tensor& input, at::TensorList hx,
                                                     at::TensorList params, std::string_view mode,
@@ -437,7 +458,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> rnn(const at::Tensor& input, at:
                              has_biases, proj_size);
   }
   NoAutocast<D> guard;
-  const auto to = lower<D>();
+  const auto to = D == DeviceType::CUDA && cudnn_runs_rnns() ? at::kHalf : lower<D>();
   return wide::rnn(cast<D>(to, input), cast<D>(to, hx), cast<D>(to, params), mode, num_layers, bidirectional,
                    batch_first, dropout, train, has_biases, proj_size, strategy);
 }

@@ -140,7 +140,7 @@ def member_inputs(sample: Any, n: int, *, seed: int = 0, shared: bool = False,
         std = t.float().std().item() if t.numel() > 1 else float("nan")
         if not math.isfinite(std) or std == 0.0:
             std = 1.0
-        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+        noise = torch.randn(t.shape, generator=gen, device=gen.device, dtype=torch.float32)
         return (t.float() + scale * std * noise.to(t.device)).to(t.dtype)
 
     per_member = [tree_map(perturb, sample) for _ in range(n)]

@@ -151,7 +151,7 @@ def _run_member(refs: _References, i: int, original: nn.Module, inp: _Inputs, *,
         out = m(*args, **kw)
     out_leaves = tree_flatten(out)[0]
     if cotangents is None:
-        cot = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype).to(t.device)
+        cot = [torch.randn(t.shape, generator=gen, device=gen.device, dtype=torch.float64).to(t.dtype).to(t.device)
                if _float_leaf(t) and t.requires_grad else None for t in out_leaves]
     elif len(cotangents) != len(out_leaves):
         raise ValueError(f"{len(out_leaves)} output leaves in this run, {len(cotangents)} in the first")

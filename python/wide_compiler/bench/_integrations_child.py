@@ -67,7 +67,7 @@ def _lightning(fused: bool, n: int, steps: int, weights: str) -> tuple[float, fl
     t0 = time.perf_counter()
     Regressor = regressor_class()
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(512, 4, generator=g)
+    x = torch.randn(512, 4, generator=g, device=g.device)
     y = x.sum(1, keepdim=True).sin()
 
     def data():
@@ -109,9 +109,9 @@ def _transformers(fused: bool, n: int, steps: int, weights: str) -> tuple[float,
     g = torch.Generator().manual_seed(0)
     data = []
     for _ in range(32 * steps):  # examples/hf_trainer_seeds.py's task
-        ids = torch.randint(3, vocab, (length,), generator=g)
+        ids = torch.randint(3, vocab, (length,), generator=g, device=g.device)
         mask = torch.ones(length, dtype=torch.long)
-        mask[int(torch.randint(length // 2, length + 1, (), generator=g)):] = 0
+        mask[int(torch.randint(length // 2, length + 1, (), generator=g, device=g.device)):] = 0
         ids = ids.masked_fill(mask == 0, 0)
         data.append({"input_ids": ids, "attention_mask": mask, "labels": int((ids == 5).sum() > (ids == 6).sum())})
     config = transformers.BertConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

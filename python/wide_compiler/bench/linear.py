@@ -101,10 +101,10 @@ def build_case(case: LinearCase, *, seed: int = 0
     models = [engine.to_device(nn.Linear(case.in_features, case.out_features, dtype=case.dtype))
               for _ in range(case.n)]
     if case.shared:
-        x0 = engine.to_device(torch.randn(case.batch, case.in_features, generator=g, dtype=case.dtype))
+        x0 = engine.to_device(torch.randn(case.batch, case.in_features, generator=g, device=g.device, dtype=case.dtype))
         x = x0.expand(case.n, *x0.shape)
     else:
-        x = engine.to_device(torch.randn(case.n, case.batch, case.in_features, generator=g, dtype=case.dtype))
+        x = engine.to_device(torch.randn(case.n, case.batch, case.in_features, generator=g, device=g.device, dtype=case.dtype))
     return models, x, measure.stacked_params(models)
 
 

@@ -202,11 +202,11 @@ def _vision_target(name: str, description: str, presets: dict[str, Preset] = PRE
 # ------------------------------------------------------------------------------------ cases
 
 def _randn(*shape: int) -> Callable[[tuple[int, ...], torch.Generator], Inputs]:
-    return lambda lead, g: (torch.randn(*lead, *shape, generator=g),)
+    return lambda lead, g: (torch.randn(*lead, *shape, generator=g, device=g.device),)
 
 
 def _randint(high: int, *shape: int) -> Callable[[tuple[int, ...], torch.Generator], Inputs]:
-    return lambda lead, g: (torch.randint(0, high, (*lead, *shape), generator=g),)
+    return lambda lead, g: (torch.randint(0, high, (*lead, *shape), generator=g, device=g.device),)
 
 
 def _conv_module(models: list[nn.Module], strategy: str) -> nn.Module:

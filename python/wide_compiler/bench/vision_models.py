@@ -65,7 +65,7 @@ class ModelSpec:
 
 def _image(c: int, hw: dict[str, int]):
     def inputs(lead, size, g):
-        return (torch.randn(*lead, c, hw[size], hw[size], generator=g),)
+        return (torch.randn(*lead, c, hw[size], hw[size], generator=g, device=g.device),)
     return inputs
 
 
@@ -75,12 +75,12 @@ _TAB = {"tiny": {"cards": (10, 10), "dim": 4, "n_num": 3, "hidden": 8},
 
 def _tab_inputs(lead, size, g):
     cfg = _TAB[size]
-    idx = torch.stack([torch.randint(0, c, lead, generator=g) for c in cfg["cards"]], dim=-1)
-    return idx, torch.randn(*lead, cfg["n_num"], generator=g)
+    idx = torch.stack([torch.randint(0, c, lead, generator=g, device=g.device) for c in cfg["cards"]], dim=-1)
+    return idx, torch.randn(*lead, cfg["n_num"], generator=g, device=g.device)
 
 
 def _audio_inputs(lead, size, g):
-    return (torch.randn(*lead, 1, {"tiny": 64, "small": 1024}[size], generator=g),)
+    return (torch.randn(*lead, 1, {"tiny": 64, "small": 1024}[size], generator=g, device=g.device),)
 
 
 def _spec(name: str, factory: Callable[..., nn.Module], kwargs: dict[str, dict], inputs,
@@ -96,7 +96,7 @@ _TOKENS = {"tiny": 8, "small": 32}
 
 
 def _transformer_inputs(lead, size, g):
-    return (torch.randn(*lead, _TOKENS[size], _TRANSFORMER[size]["d_model"], generator=g),)
+    return (torch.randn(*lead, _TOKENS[size], _TRANSFORMER[size]["d_model"], generator=g, device=g.device),)
 
 
 #: Flux blocks: hidden size, heads, image and text tokens per size.
@@ -123,12 +123,12 @@ def _flux_inputs(kind: str):
 
         c = _FLUX[size]
         d, t = c["hidden_size"], c["img"] + c["txt"]
-        pe = rope(10 * torch.rand(*lead, t, generator=g), d // c["num_heads"]).unsqueeze(-5)
-        vec = torch.randn(*lead, d, generator=g)
+        pe = rope(10 * torch.rand(*lead, t, generator=g, device=g.device), d // c["num_heads"]).unsqueeze(-5)
+        vec = torch.randn(*lead, d, generator=g, device=g.device)
         if kind == "double":
-            return (torch.randn(*lead, c["img"], d, generator=g),
-                    torch.randn(*lead, c["txt"], d, generator=g), vec, pe)
-        return torch.randn(*lead, t, d, generator=g), vec, pe
+            return (torch.randn(*lead, c["img"], d, generator=g, device=g.device),
+                    torch.randn(*lead, c["txt"], d, generator=g, device=g.device), vec, pe)
+        return torch.randn(*lead, t, d, generator=g, device=g.device), vec, pe
     return inputs
 
 
@@ -176,7 +176,7 @@ MODELS: dict[str, ModelSpec] = {s.name: s for s in (
     _spec("dcgan_g", dcgan_g,
           {"tiny": {"nz": 6, "ngf": 4, "img": 16}, "small": {"nz": 32, "ngf": 16, "img": 32}},
           lambda lead, size, g: (torch.randn(*lead, {"tiny": 6, "small": 32}[size], 1, 1,
-                                             generator=g),),
+                                             generator=g, device=g.device),),
           {"tiny": 2, "small": 8}, "DCGAN generator, 16x16 / 32x32 output"),
     _spec("dcgan_d", dcgan_d, {"tiny": {"ndf": 8, "img": 16}, "small": {"ndf": 16, "img": 32}},
           _image(3, {"tiny": 16, "small": 32}), {"tiny": 2, "small": 8},

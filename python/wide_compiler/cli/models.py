@@ -52,9 +52,9 @@ def make_inputs(specs: Sequence[InputSpec], model: Any = None, *, seed: int = 0
             t = torch.full(s.shape, s.fill, dtype=dtype)
         elif dtype.is_floating_point:
             if s.low is None:
-                t = torch.randn(s.shape, generator=gen).to(dtype)
+                t = torch.randn(s.shape, generator=gen, device=gen.device).to(dtype)
             else:
-                t = (torch.rand(s.shape, generator=gen) * (s.high - s.low) + s.low).to(dtype)
+                t = (torch.rand(s.shape, generator=gen, device=gen.device) * (s.high - s.low) + s.low).to(dtype)
         else:
             low, high = (s.low, s.high) if s.low is not None else (0, 2)
             if s.low is None and dtype != torch.bool:
@@ -69,7 +69,7 @@ def make_inputs(specs: Sequence[InputSpec], model: Any = None, *, seed: int = 0
             if info is not None and (low < info.min or high - 1 > info.max):
                 raise ValueError(f"{s.text!r}: values [{int(low)}, {int(high)}) do not fit {s.dtype} "
                                  f"([{info.min}, {info.max}])")
-            t = torch.randint(int(low), int(high), s.shape, generator=gen).to(dtype)
+            t = torch.randint(int(low), int(high), s.shape, generator=gen, device=gen.device).to(dtype)
         if s.name is None:
             args.append(t)
         else:
@@ -205,7 +205,7 @@ def _sample_for(args: argparse.Namespace, loaded: _Loaded, member: Callable[[], 
             raise UsageError(f"{args.model}: give one member's input: --shape 32,64 (one float input), "
                              f"--input NAME:DTYPE:SHAPE (repeatable, e.g. --input ids:int64:4,16) or "
                              f"--sample FILE.py:FUNC (see {command} --help)")
-        sample = Sample((torch.randn(*shape, generator=torch.Generator().manual_seed(0)),), {})
+        sample = Sample((torch.randn(*shape, generator=torch.Generator().manual_seed(0), device="cpu"),), {})
     for note in sample.notes:
         print(f"note  {note}")
     return sample

@@ -478,8 +478,10 @@ class _RecurrentShapes:
     op); the graph still holds the one whole op, which the wide form runs on real tensors for
     whatever length it gets. Every capture uses them: the decomposition also gets shapes wrong
     (torch 2.11's LSTM on CUDA gave final states [L, 1, B, H] for [L, B, H], which the rank check
-    then refused), and it unrolls every step on fake tensors for nothing. Restored afterwards (the
-    kernels are process-wide)."""
+    then refused), and it unrolls every step on fake tensors for nothing. ``aten.gru_cell`` (no
+    Python kernel of torch's) is given one too: on CUDA its C++ decomposition calls
+    ``_thnn_fused_gru_cell``, which has no fake kernel, and export refused every GRUCell member on
+    a GPU (torch 2.11 and 2.13). Restored afterwards (the kernels are process-wide)."""
 
     _KEYS = (torch._C.DispatchKey.CompositeImplicitAutograd, torch._C.DispatchKey.Autograd)
 
@@ -487,16 +489,20 @@ class _RecurrentShapes:
         aten = torch.ops.aten
         self._saved = []
         for op, fn in ((aten.gru.input, _rnn_shape), (aten.rnn_tanh.input, _rnn_shape),
-                       (aten.rnn_relu.input, _rnn_shape), (aten.lstm.input, _lstm_shape)):
+                       (aten.rnn_relu.input, _rnn_shape), (aten.lstm.input, _lstm_shape),
+                       (aten.gru_cell.default, _gru_cell_shape)):
             for key in self._KEYS:
-                if key in op.py_kernels:
-                    self._saved.append((op, key, op.py_kernels[key]))
+                if key in op.py_kernels or op is aten.gru_cell.default:
+                    self._saved.append((op, key, op.py_kernels.get(key, _MISSING)))
                     op.py_kernels[key] = fn
             op._dispatch_cache.clear()
 
     def __exit__(self, *exc: Any) -> None:
         for op, key, fn in self._saved:
-            op.py_kernels[key] = fn
+            if fn is _MISSING:
+                del op.py_kernels[key]
+            else:
+                op.py_kernels[key] = fn
             op._dispatch_cache.clear()
 
 
@@ -521,6 +527,11 @@ def _lstm_shape(input, hx, params, has_biases, num_layers, dropout, train, bidir
     out = _recurrent_out(input, h.shape[-1], bidirectional, batch_first, [input, h, c, *params])
     tie = out.sum() * 0
     return out, h.new_zeros(h.shape) + tie, c.new_zeros(c.shape) + tie
+
+
+def _gru_cell_shape(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    tie = sum(t.sum() for t in (input, hx, w_ih, w_hh, b_ih, b_hh) if t is not None) * 0
+    return hx.new_zeros(hx.shape) + tie
 
 
 def _repeat_size_one(sample: tuple[tuple, dict], extra_dims: dict[int, frozenset[int]]) -> tuple[tuple, dict]:
