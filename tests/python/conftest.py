@@ -112,12 +112,14 @@ def _default_dtype_guard():
 #: the mechanism itself on a machine without a GPU).
 ON_DEFAULT_DEVICE = "WIDE_TEST_DEVICE" in os.environ
 
-#: Files that test what only the CPU has, or run their work in processes of their own (the
-#: README, examples, CLI, benchmarks, Ray, Optuna, torch.distributed on gloo), which run on the
-#: CPU whatever the suite's device: skipped when the suite runs on another device.
+#: Files that test what only the CPU has, run their work in processes of their own (the README,
+#: examples, CLI, benchmarks, Ray, Optuna, torch.distributed on gloo), or train with trainers
+#: pinned to the CPU (Lightning's accelerator="cpu", transformers' use_cpu=True): skipped when the
+#: suite runs on another device.
 CPU_ONLY_FILES = (
     "test_readme.py", "test_examples.py", "test_cli.py", "test_bench_registry.py", "test_bench_vision.py",
     "test_ray.py", "test_optuna.py", "test_distributed.py", "test_compile_speed.py", "test_allocator.py",
+    "test_lightning.py", "test_hf_trainer.py",
 )
 #: Files that place their tensors themselves (the op database draws its samples on the CPU and
 #: moves them to WIDE_TEST_DEVICE; test_cuda.py names "cuda"): no default device in their tests.
