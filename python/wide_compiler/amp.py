@@ -113,7 +113,7 @@ def _fresh_refusal(optimizer: torch.optim.Optimizer, skipped: Sequence[int]) -> 
         momentum, dampening = (torch.as_tensor(group[k]).cpu() for k in ("momentum", "dampening"))
         dampens = (momentum != 0) & (dampening != 0)
         if dampens.dim() == 1:  # one value per member
-            dampens = dampens[torch.as_tensor(list(skipped), dtype=torch.long)]
+            dampens = dampens[torch.as_tensor(list(skipped), dtype=torch.long, device=dampens.device)]
         if not bool(dampens.any()):
             continue
         if any(p.grad is not None and "momentum_buffer" not in optimizer.state.get(p, {}) for p in group["params"]):
