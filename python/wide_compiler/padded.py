@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .errors import UnsupportedOperationError
 from .fx.padded_members import PaddedMember, PadInfo
 from .fx.padding import pad_members
 from .fx.padding_layouts import scatter
@@ -96,6 +97,16 @@ class PaddedWideModel(WideModel):
         self.__dict__["_padded_buffers"] = [  # Note [Writes into the padding]: (name, owner, attribute)
             (name, self.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
             for name, _ in self.named_buffers() if self._pad.state_layouts.get(name)]
+        # Note [The padding's own constants]: (name, owner, attribute), and their exact values
+        exact = self.__dict__.setdefault("_pad_constants_exact", {})
+        constants = []
+        for name, b in self.named_buffers():
+            path, _, attr = name.rpartition(".")
+            if attr.startswith("_wc_pad_"):
+                constants.append((name, self.get_submodule(path), attr))
+                if name not in exact:
+                    exact[name] = b.detach().to("cpu", torch.float64 if b.is_floating_point() else b.dtype, copy=True)
+        self.__dict__["_pad_constants"] = constants
 
     def _hooks_stale(self) -> bool:
         """Whether a padded parameter was replaced (by hand) or made trainable since it was hooked:
@@ -161,11 +172,75 @@ class PaddedWideModel(WideModel):
                 seen[name] = (id(b), b._version, b.data_ptr())
 
     def _padding_kept(self) -> None:
-        """Before the padded state is read: gradient hooks on every padded parameter, and padding
-        written by hand zeroed (Note [Writes into the padding])."""
+        """Before the padded state is read: gradient hooks on every padded parameter, padding
+        written by hand zeroed (Note [Writes into the padding]) and the padding's own constants
+        exact (Note [The padding's own constants])."""
         if self._hooks_stale():
             self._mask_gradients()
         self._zero_written_padding()
+        self._restore_pad_constants()
+
+    # Note [The padding's own constants]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A padded program reads constants the padding made (Note [Padded members] in fx/padding.py):
+    # each member's masks, its true counts and sizes over a padded dim, the ratios that rescale a
+    # mean, the -inf that keeps the padding out of a softmax. They are buffers of the wide model
+    # (``_wc_pad_<k>``, non-persistent, stacked like any buffer), so they are in ``wide.buffers()``,
+    # and they followed every write and conversion: a reset of "every buffer" (``b.zero_()`` or
+    # ``b.fill_(1.0)`` over ``wide.buffers()``, as for BatchNorm statistics) made every output NaN
+    # or let the padding into a LayerNorm (probe 18 of issue 44, P18-1: 0.93 off), and a dtype round
+    # trip (``wide.bfloat16().float()``) left the counts rounded for good (P18-4: 257 read as 256,
+    # 5.5e-3 off in float32). No checkpoint restores them (they are not state). Their exact values
+    # are kept when the model is made (float64, on the CPU), and before each eager call,
+    # ``state_dict()`` and ``export()`` a constant that was written (its version counter, memory or
+    # dtype moved) is set back to them, in its current dtype and device.
+    #
+    # Note [A padded reduction runs in float32 or float64]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Those counts and ratios are floating constants that the decompositions of a norm, mean or
+    # softmax over a padded dim compute with: in bfloat16 or float16 they are rounded (257 is 256
+    # in bfloat16) and the statistics are computed in that dtype, where each member's own op
+    # accumulates in float32 (P18-2: 50x the member's own rounding); under autocast the float32
+    # constants promoted the member's bfloat16 values (P18-3: a float32 result where the member
+    # returns bfloat16). A padded model with such constants refuses a call in a lower precision or
+    # under autocast (before anything runs or changes) rather than return what no member computes;
+    # a padded model without them (Linear, Conv, pointwise ops, sums over a padded dim) runs in
+    # every dtype and under autocast as any wide model does.
+    @torch.no_grad()
+    def _restore_pad_constants(self) -> None:
+        """Note [The padding's own constants]."""
+        exact = self.__dict__.get("_pad_constants_exact", {})
+        seen = self.__dict__.setdefault("_pad_constant_versions", {})
+        for name, owner, attr in self.__dict__.get("_pad_constants", ()):
+            b = owner._buffers.get(attr)
+            if b is None or name not in exact:
+                continue
+            key = (id(b), b._version, b.data_ptr(), b.dtype, b.device)
+            if seen.get(name) == key:
+                continue
+            want = exact[name]
+            if not torch.equal(b.detach().to("cpu", want.dtype), want):
+                b.copy_(want)
+            seen[name] = (id(b), b._version, b.data_ptr(), b.dtype, b.device)
+
+    def _refuse_low_precision_padding(self) -> None:
+        """Note [A padded reduction runs in float32 or float64]."""
+        floats = [b for _, owner, attr in self.__dict__.get("_pad_constants", ())
+                  if (b := owner._buffers.get(attr)) is not None and b.is_floating_point()]
+        if not floats:
+            return
+        low = next((b.dtype for b in floats if b.dtype not in (torch.float32, torch.float64)), None)
+        device = floats[0].device.type
+        if low is None and not torch.is_autocast_enabled(device):
+            return
+        where = f"in {low}" if low is not None else f"under {device} autocast"
+        raise UnsupportedOperationError(
+            f"wide_compiler: this padded model (pad=True) reduces over a padded dim (a norm, mean, softmax or max "
+            f"over the members' different sizes), which it computes with each member's count and runs in float32 "
+            f"or float64 only: {where} its counts and statistics would be computed in lower precision than each "
+            f"member's own op, and it would return what no member computes (Note [A padded reduction runs in "
+            f"float32 or float64]). Run the padded model in float32 outside autocast, or compile each width's "
+            f"members without pad (one wide model per width).")
 
     def export(self, path: Any = None, *args: Any, **kwargs: Any) -> Any:
         self._padding_kept()  # export traces the forward, which skips it
@@ -182,6 +257,7 @@ class PaddedWideModel(WideModel):
         if torch.compiler.is_compiling():
             return super().forward(*args, **kwargs)
         self._pad.check_state(self.training)  # Note [The state a padded program was captured with]
+        self._refuse_low_precision_padding()
         self._padding_kept()
         swapped = self._mask_callers_tensors()
         try:

@@ -61,7 +61,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import ArchitectureMismatchError, UnsupportedOperationError, WideCompileError
 from ..registry import registered_paths, registered_wide_form
-from .capture import capture
+from .capture import _batched, capture
 from .constants import _same_tensor
 from .hook_writes import refuse_writing_hooks
 from .member_checks import check_modes
@@ -192,9 +192,14 @@ def pad_members(models: Sequence[nn.Module], args: tuple, kwargs: dict | None = 
     assumptions: dict[bool, Assumptions] = {}
     state_guards: dict[bool, Any] = {}
     # dim 0 of every input may vary (a 1-D index input too): export keeps it dynamic where the
-    # program allows, and its guards say where it does not (Note [A padded program's assumptions])
+    # program allows, and its guards say where it does not (Note [A padded program's assumptions]).
+    # Not a dim 0 of size 1 in a batched sample: it is no batch (a recurrent layer's initial state
+    # [layers, B, H] of one layer), and the capture would repeat it to 2 (probe 18 of issue 44, P18-5:
+    # a GRU given h0 was refused with export's "Expected hidden size (1, s77, 4), got [s48, 3, 4]").
     leaves = tree_flatten((args, kwargs))[0]
-    batch = {k: frozenset({0}) for k, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.dim() >= 1}
+    batched = _batched((args, kwargs))
+    batch = {k: frozenset({0}) for k, a in enumerate(leaves)
+             if isinstance(a, torch.Tensor) and a.dim() >= 1 and not (batched and a.dim() >= 2 and a.shape[0] == 1)}
     for training in (True, False):
         try:
             eps = [_capture_member(i, m, training, args, kwargs, batch) for i, m in enumerate(models)]
