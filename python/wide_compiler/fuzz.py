@@ -135,7 +135,7 @@ class Program:
         return out
 
     def make_inputs(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
-        """N-first inputs for one call: ``[N, *shape]`` per input."""
+        """N-first inputs for one call: ``[N, *shape]`` per input, on the default device."""
         xs = []
         for (kind, _), shape in zip(self.inputs, shapes):
             if kind.startswith("index:"):
@@ -143,11 +143,13 @@ class Program:
                 # batch norm's variance 0 and put a ReLU exactly at its kink, where any rounding
                 # picks another subgradient (a tie, not a defect: seed 100166 of the long mode)
                 vocab, (b, *rest) = int(kind.split(":")[1]), shape
-                cols = [torch.randperm(vocab, generator=gen, device=gen.device)[:b] for _ in range(self.n * max(1, math.prod(rest)))]
+                cols = [torch.randperm(vocab, generator=gen, device=gen.device)[:b]
+                        for _ in range(self.n * max(1, math.prod(rest)))]
                 xs.append(torch.stack(cols, -1).reshape(b, self.n, *rest).movedim(0, 1).contiguous())
             else:
                 xs.append(torch.randn((self.n, *shape), generator=gen, device=gen.device, dtype=dtype))
-        return xs
+        # drawn from the CPU generator, then where the members are made (the default device)
+        return [x.to(torch.get_default_device()) for x in xs]
 
 
 @dataclasses.dataclass

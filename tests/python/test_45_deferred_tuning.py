@@ -10,7 +10,7 @@ from torch import nn
 
 import wide_compiler as wc
 from wide_compiler import model_tuning, tuning
-from support import steady_measuring_clock
+from support import cpu_only, steady_measuring_clock
 
 N = 3
 
@@ -36,6 +36,7 @@ def _close(wide, members, x):
     return all(torch.allclose(out[i], m(x[i]), atol=1e-5) for i, m in enumerate(members))
 
 
+@cpu_only
 def test_compile_measures_nothing_and_the_graph_is_measured_after_its_runs(measured, tmp_path):
     members = _members()
     wide = wc.compile(members, torch.randn(4, 6), config=wc.WideConfig(cache_dir=str(tmp_path), tune_after_runs=3))
@@ -72,6 +73,7 @@ def test_tune_after_runs_zero_measures_at_compile(measured, tmp_path):
     assert measured
 
 
+@cpu_only
 def test_the_measuring_run_leaves_the_callers_state_alone(measured, tmp_path):
     """Under no_grad, autocast and a seeded stream: grad mode, the random stream, the buffers, the
     parameters' gradients and the hooks on them are as if nothing had been measured."""
@@ -103,6 +105,7 @@ def test_the_measuring_run_leaves_the_callers_state_alone(measured, tmp_path):
             assert torch.allclose(a, b, atol=1e-6)
 
 
+@cpu_only
 def test_the_tuned_graph_is_stored_for_the_next_compile(measured, cache_dir):
     config = wc.WideConfig(tune_after_runs=1)
     wide = wc.compile(_members(), torch.randn(4, 6), config=config)
@@ -117,6 +120,7 @@ def test_the_tuned_graph_is_stored_for_the_next_compile(measured, cache_dir):
     assert len(measured) == count
 
 
+@cpu_only
 def test_a_copy_shares_the_graphs_and_their_measuring(measured, tmp_path):
     members = _members()
     wide = wc.compile(members, torch.randn(4, 6), config=wc.WideConfig(cache_dir=str(tmp_path), tune_after_runs=2))
@@ -127,6 +131,7 @@ def test_a_copy_shares_the_graphs_and_their_measuring(measured, tmp_path):
     assert measured and model_tuning.pending_runs(wide._graphs[True]) is None
 
 
+@cpu_only
 def test_a_failed_measuring_keeps_the_graph_and_is_not_retried(tmp_path, monkeypatch, caplog):
     members = _members()
     wide = wc.compile(members, torch.randn(4, 6), config=wc.WideConfig(cache_dir=str(tmp_path), tune_after_runs=1))

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 from wide_compiler import testing, zoo
+from support import cpu_only
 from wide_compiler.analyze import (
     AnalysisReport,
     _max_n,
@@ -120,6 +121,7 @@ def test_memory_search_small_budget():
     assert "LINEARLY" in mem["method"]
 
 
+@cpu_only
 def test_load_factory_and_cli(tmp_path, capsys):
     f = tmp_path / "my_model.py"
     f.write_text("import torch\n\ndef make():\n    return torch.nn.Sequential(torch.nn.Linear(6, 5), "

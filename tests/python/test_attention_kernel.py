@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
-from support import DEVICE, run_in_threads
+from support import DEVICE, cpu_only, run_in_threads
 from torch import nn
 from wide_compiler.fx.eval_rewrites import attention_kernel
 from wide_compiler.testing import check_compile, make_members
@@ -102,6 +102,7 @@ def _kernel_ran(fn) -> bool:
     return any(e.name == "wide::small_attention" for e in prof.events())
 
 
+@cpu_only
 def test_attention_dispatch():
     q, k, v = _qkv(2, 4, 4, 5, 5, 8, 8)
     assert _kernel_ran(lambda: wide.attention(q, k, v))
@@ -129,6 +130,7 @@ def test_attention_dispatch():
         wide.attention(q, kg, vg)
 
 
+@cpu_only
 def test_attention_with_a_forward_mode_tangent_is_sdpas():
     """torch.func.jvp through wide.attention: the small kernel has no forward derivative (an op
     without one hands back no tangent, silently), so a tangent sends it to SDPA, which computes
@@ -158,6 +160,7 @@ class Encoder(nn.Module):
         return self.layer(x)
 
 
+@cpu_only
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
 def test_encoder_eval_uses_the_kernel(norm_first):
     models = [m.eval() for m in make_members(lambda: Encoder(norm_first), 3)]

@@ -6,7 +6,7 @@ import torch
 import wide_compiler as wc
 from torch import nn
 from wide_compiler.testing import assert_members_close, check_equivalence
-from support import DEVICE
+from support import DEVICE, cpu_only
 
 FAST = wc.WideConfig.fast()  # no strategy timing: these tests check values, not speed
 
@@ -220,6 +220,7 @@ LOOP_GRAD_CASES = [
 ]
 
 
+@cpu_only
 @pytest.mark.parametrize("case", LOOP_GRAD_CASES, ids=lambda c: f"{c[0]}-{c[1]}-s{c[3]}-{c[6][0]}x{c[6][1]}")
 @pytest.mark.parametrize("layout", ["nfirst", "packed"])
 @pytest.mark.parametrize("bias", [True, False])
@@ -248,6 +249,7 @@ def test_loop_conv_training_gradients_match_members(case, layout, bias):
             torch.testing.assert_close(bs.grad[i], m.bias.grad, rtol=1e-4, atol=1e-5)
 
 
+@cpu_only
 @pytest.mark.parametrize("packed", [False, True])
 def test_loop_conv_training_gradcheck_and_gradgradcheck(packed):
     g = torch.Generator(DEVICE).manual_seed(0)

@@ -14,7 +14,7 @@ from torch import nn
 
 import wide_compiler as wc
 from wide_compiler import model_deferred
-from support import DEVICE
+from support import DEVICE, cpu_only
 
 N = 3
 DEFER = wc.WideConfig.fast().replace(defer=True)
@@ -78,6 +78,7 @@ def assert_state_matches(wide, refs, tol=1e-12):
             assert torch.allclose(sd[k][i].double(), v.double(), atol=tol, rtol=0), (i, k)
 
 
+@cpu_only
 def test_members_run_their_own_programs_exactly():
     """Outputs (a dict with a non-tensor value), input and parameter gradients, a tied weight and
     BatchNorm's running statistics after train steps; then eval mode; nothing compiled."""
@@ -235,6 +236,7 @@ def test_clear_errors():
         run(compiled, torch.randn(N, 5, 4, dtype=torch.float64))
 
 
+@cpu_only
 def test_threads_share_a_deferred_model():
     """Calls from two threads at once (each member's copy is swapped per call, under a lock)."""
     given = members(6)

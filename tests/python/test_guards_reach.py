@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from support import LinearModel, assert_each_member, check_change, compile_float64, float64_input, set_global
+from support import LinearModel, assert_each_member, check_change, compile_float64, cpu_only, float64_input, set_global
 
 N = 3
 S = 2.0  # module globals the forwards below read; the tests change them (monkeypatch)
@@ -184,6 +184,7 @@ def test_a_global_function_rebound_is_followed(new, monkeypatch):
     _check_change(_Act, _set_global("act", new), monkeypatch)
 
 
+@cpu_only
 def test_guards_on_a_function_and_a_tensor_survive_pickling():
     wide, _ = _compile(_Act)
     x = _x()

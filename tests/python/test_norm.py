@@ -271,6 +271,7 @@ def _bn_members(x, w, b, rm, rv, momentum=0.1, eps=1e-5):
     return torch.stack(ys), rm, rv
 
 
+@cpu_only
 def test_batch_norm_training_takes_the_kernel_and_matches_members():
     """Note [Batch norm training kernel]: wide.batch_norm in training on a contiguous CPU input
     with 16+ values per (sample, channel) runs wide::fused_batch_norm and its backward (the

@@ -10,7 +10,7 @@ import pytest
 import torch
 import wide_compiler as wc
 import wide_compiler.functional as WF
-from support import run_in_threads
+from support import cpu_only, run_in_threads
 from torch import nn
 from wide_compiler import registry, testing
 from wide_compiler.fx import rules, table
@@ -283,6 +283,7 @@ def _trained_members(n):
     return models
 
 
+@cpu_only  # the CPU's strategy table (CUDA prefers channels-last convolutions)
 def test_a_lone_conv_stays_channels_first_in_eval():
     """rewrite_channels_last (fx/eval_rewrites.py) leaves a graph with a single conv alone: nothing
     downstream gains from channels-last, and the N-first output would cost a transposing copy."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 import wide_compiler as wc
 from torch import nn
+from support import cpu_only
 
 FAST = wc.WideConfig.fast()
 
@@ -71,6 +72,7 @@ def test_a_per_member_zero_dim_operand_promotes_as_in_the_member(kind: str) -> N
     _check(kind, torch.float64, autocast=False, train=True)
 
 
+@cpu_only
 @pytest.mark.parametrize("kind", ["mm", "norm", "add"])
 @pytest.mark.parametrize("train", [False, True])
 def test_under_autocast_the_dtype_is_the_members(kind: str, train: bool) -> None:

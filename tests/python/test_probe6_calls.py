@@ -11,7 +11,7 @@ import torch
 import wide_compiler as wc
 from torch import nn
 
-from support import DEVICE, LinearModel
+from support import DEVICE, LinearModel, cpu_only
 
 FAST = wc.WideConfig.fast()
 D = torch.float64
@@ -184,6 +184,7 @@ def _resnets(seed: int) -> list[nn.Module]:
     return [zoo.ResNet18(width=8).double() for _ in range(2)]
 
 
+@cpu_only
 def test_check_compile_in_float64_takes_rounding_for_rounding() -> None:
     """F7: a ResNet-18 in float64, train mode, batch 2 of 32x32 images (BatchNorm over 1x1 planes
     over two values) is so ill-conditioned that its input gradient moves 3e-8 with the summation

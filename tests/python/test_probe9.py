@@ -17,6 +17,7 @@ from torch import nn
 
 import wide_compiler as wc
 from wide_compiler import testing, zoo
+from support import cpu_only
 
 FAST = wc.WideConfig.fast()
 IMAGE = (2, 3, 32, 32)
@@ -329,6 +330,7 @@ class _Converts(nn.Module):
         return (h * 3.14159).sum(-1), h, f
 
 
+@cpu_only
 @pytest.mark.parametrize("how", ["float", "to", "to-kw"])
 def test_a_conversion_that_changed_nothing_at_capture_keeps_the_members_dtypes_under_autocast(how):
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
-from support import DEVICE, LinearModel
+from support import DEVICE, LinearModel, cpu_only
 from torch import nn
 from wide_compiler import testing
 
@@ -170,6 +170,7 @@ def test_a_norm_eps_sweep(norm):
     testing.check_equivalence(wide, models, torch.randn(3, 5, 4) * 0.05)  # small: eps matters
 
 
+@cpu_only
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_a_norm_eps_sweep_under_autocast_returns_the_members_dtype(norm):
     """Under CPU autocast the norm gets a bfloat16 activation (a Linear's) with float32 weights:

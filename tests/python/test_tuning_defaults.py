@@ -510,6 +510,7 @@ def test_conv_defaults_follow_the_device():
     assert all("on cuda" in why for _, why in picks["cuda"]), picks["cuda"]
 
 
+@cpu_only
 @pytest.mark.parametrize("pool", [True, False])
 def test_stem_layout_follows_what_comes_after_it(pool):
     """Note [Stem layout]: a train graph's RGB stem (no channels-first grouped: accuracy) runs

@@ -210,8 +210,9 @@ def _assert_near_reference(wide_out: torch.Tensor, member_outs: Sequence[torch.T
             continue
         # Note [A member too chaotic to judge]: float32 hands it to the float64 judgement (whatever the share:
         # a tensor that is only rounding is judged there too); float64 does not judge it, unless it is only rounding
-        if (max(own, o) >= BLIND_SHARE * scale if unit is None or unit > torch.finfo(torch.float64).eps
-                else CHAOTIC_SHARE_FLOAT64 * scale <= max(own, o) < ROUNDING_ONLY * scale):
+        # (a reference of zeros, scale 0, is judged: no share of it is rounding; a GPU run divided by it)
+        if scale > 0 and (max(own, o) >= BLIND_SHARE * scale if unit is None or unit > torch.finfo(torch.float64).eps
+                          else CHAOTIC_SHARE_FLOAT64 * scale <= max(own, o) < ROUNDING_ONLY * scale):
             blind = max(blind, NOISE_FACTOR * max(own, o) / scale)
             continue
         who = ("the wide gradient differs from the sum of the members' gradients" if summed else

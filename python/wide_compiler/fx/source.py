@@ -96,3 +96,10 @@ def user_frame_and_module() -> str:
         frame = frame.f_back
     parts = ([f"at {user}"] if user else []) + ([f"in a {module}"] if module else [])
     return ", ".join(parts)
+
+
+def assert_message(msg: str) -> str:
+    """``msg`` cut to what ``torch._assert_async`` takes on every device: CUDA's refuses a message
+    of 255 characters or more at every call, its condition true or not (every per-member random op
+    failed so on an H200). Messages put the source line last, so a cut loses it first."""
+    return msg if len(msg) < 255 else msg[:250] + " ..."

@@ -180,6 +180,8 @@ from typing import Any
 
 import torch
 
+from .source import assert_message
+
 __all__ = ["FLAG_READERS", "Contents", "FunctionRef", "TensorRef", "global_hooks", "remember_owners", "same_value"]
 
 
@@ -468,12 +470,10 @@ class TensorRef:
         compiled graph that names ``where``."""
         if not self.matches(t):
             return False
-        torch._assert_async((t.detach() == self.values).all(),
-                            f"wide_compiler: {where}, a tensor the members' code reads, holds other values than the "
-                            f"graph torch.compile traced was captured with (changed in place or rebound since): the "
-                            f"compiled call would run with the old values; call the wide model outside "
-                            f"torch.compile once (it captures a graph for them), then torch._dynamo.reset() and "
-                            f"compile again (Note [A global tensor inside torch.compile])")
+        torch._assert_async((t.detach() == self.values).all(), assert_message(
+            f"wide_compiler: {where}, a tensor the members' code reads, changed since torch.compile traced this "
+            f"graph: call the wide model once outside torch.compile, then torch._dynamo.reset() (Note [A global "
+            f"tensor inside torch.compile])"))
         return True
 
     def adopt(self, t: torch.Tensor) -> None:

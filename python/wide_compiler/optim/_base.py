@@ -56,7 +56,7 @@ def per_member(value: Any, n: int, *, what: str) -> torch.Tensor:
                 f"tensor of shape {list(t.shape)}")
         t = t.clone()
     elif isinstance(value, Real):
-        t = torch.full((n,), float(value), dtype=torch.float64)
+        t = torch.full((n,), float(value), dtype=torch.float64, device="cpu")
     elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
         values = list(value)
         if len(values) != n:
@@ -66,7 +66,7 @@ def per_member(value: Any, n: int, *, what: str) -> torch.Tensor:
         for i, v in enumerate(values):
             if isinstance(v, bool) or not isinstance(v, (Real, torch.Tensor)):
                 raise TypeError(f"{what}: value {i} is {v!r}; expected a float")
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device="cpu")
     else:
         raise TypeError(f"{what}: expected a float or {n} floats (one per member), got {value!r}")
     i = first_member(~torch.isfinite(t))

@@ -239,7 +239,8 @@ class MultiStepLR(WideLRScheduler):
 
     def _lr(self, group, base, epoch):
         import bisect
-        count = torch.tensor([bisect.bisect_right(m, epoch) for m in self.milestones], dtype=torch.float64)
+        count = torch.tensor([bisect.bisect_right(m, epoch) for m in self.milestones], dtype=torch.float64,
+                             device="cpu")
         return base * self.gamma ** count
 
 
@@ -382,8 +383,8 @@ class OneCycleLR(WideLRScheduler):
         return (end - start) * pct + start
 
     def _compute(self, g, k: int, step):
-        lr = torch.zeros(self.n, dtype=torch.float64)
-        mom = torch.zeros(self.n, dtype=torch.float64)
+        lr = torch.zeros(self.n, dtype=torch.float64, device="cpu")
+        mom = torch.zeros(self.n, dtype=torch.float64, device="cpu")
         done = torch.zeros(self.n, dtype=torch.bool)
         start = torch.zeros(self.n, dtype=torch.float64)
         phases = self._phases(g, k)

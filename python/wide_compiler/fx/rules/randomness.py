@@ -53,7 +53,7 @@ import torch
 from torch import fx
 
 from ..context import Wide, WidenContext, member_rank
-from ..source import source_line
+from ..source import assert_message, source_line
 from ..table import rule
 from ._constants import form, scalar
 
@@ -105,9 +105,9 @@ def _check(ctx: WidenContext, node: fx.Node, ok: fx.Node | None, what: str) -> N
     if ok is None:
         return
     bufs = ", ".join(ctx.per_member_args.get(node.name, {}).values())
-    msg = (f"wide_compiler: {node.target} at node '{node.name}' ({source_line(node)}): {what} for some member "
-           f"(per-member values in {bufs}); that member alone would fail here too")
-    ctx.emit(aten._assert_async.msg, (ctx.emit(aten.all.default, (ok,), like=node), msg), like=node)
+    msg = (f"wide_compiler: {node.target} at node '{node.name}': {what} for some member (per-member values in "
+           f"{bufs}); that member alone would fail here too ({source_line(node)})")
+    ctx.emit(aten._assert_async.msg, (ctx.emit(aten.all.default, (ok,), like=node), assert_message(msg)), like=node)
 
 
 def _cmp(ctx: WidenContext, node: fx.Node, v: Any, op: str, c: float) -> fx.Node | None:
