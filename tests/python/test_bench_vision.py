@@ -164,3 +164,21 @@ def test_run_case_collects_after_each_mode_only_at_real_sizes(at_real_size, monk
     records = vision.run_case(case, 2, compile_variants=(), min_run_time=0.001)
     assert {r["mode"] for r in records} == set(measure.MODES)
     assert len(calls) == (len(measure.MODES) if at_real_size else 0)
+
+
+def test_baselines_chosen_on_the_command_line_replace_each_cases_own():
+    """``benchmark --baselines``: the compiled loop and the compiled vmapped members (torch.compile of
+    each) are timed and checked against the members like any baseline; unknown names are refused."""
+    from wide_compiler.cli.parser import build_parser
+
+    with bench.engine.with_baselines(("loop", "compile_loop", "compile_vmap")):
+        records = bench.run("models", "ci", cases=["tabular N=4"])
+    assert records and all(set(r["baseline_ms"]) == {"loop", "compile_loop", "compile_vmap"} for r in records), records
+    for r in records:
+        assert all(err < MAX_ERR for err in r["baseline_max_abs_err"].values()), r["baseline_max_abs_err"]
+        assert not r["errors"], r["errors"]
+    assert bench.engine.BASELINES is None
+    args = build_parser().parse_args(["benchmark", "models", "--baselines", "loop, compile_vmap"])
+    assert args.baselines == ("loop", "compile_vmap")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["benchmark", "models", "--baselines", "loop,jit"])

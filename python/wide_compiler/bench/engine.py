@@ -95,6 +95,7 @@ from ..measure import (  # noqa: F401
 __all__ = [
     "MODES",
     "RECORD_KEYS",
+    "BASELINES",
     "COMPILE_OPTIONS",
     "DEVICE",
     "Contender",
@@ -124,6 +125,7 @@ __all__ = [
     "to_device",
     "vmap_contender",
     "wide_params_in_member_order",
+    "with_baselines",
 ]
 
 log = logging.getLogger(__name__)
@@ -213,6 +215,24 @@ def device_name() -> str:
     if DEVICE.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(DEVICE)}"
     return DEVICE.type
+
+
+#: The baselines the targets that name theirs (``models``, ``real`` and the other vision targets)
+#: time instead of their own: the CLI's ``--baselines``; None: each case's. Set with
+#: :func:`with_baselines`.
+BASELINES: tuple[str, ...] | None = None
+
+
+@contextlib.contextmanager
+def with_baselines(names: Iterable[str] | None) -> Iterator[None]:
+    """Within the block, the vision targets time the baselines ``names`` (``loop``, ``loop_cl``,
+    ``vmap``, ``compile_loop``, ``compile_vmap``) instead of each case's own; None keeps those."""
+    global BASELINES
+    before, BASELINES = BASELINES, (tuple(names) if names is not None else None)
+    try:
+        yield
+    finally:
+        BASELINES = before
 
 
 #: ``torch.compile`` options applied to every contender of :func:`run_case` (the CLI's

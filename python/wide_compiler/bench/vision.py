@@ -106,7 +106,7 @@ class Case:
     module_strategies: tuple[str, ...] = ("",)
     compile: tuple[str, ...] = ("auto",)
     train_state: bool | None = None
-    baselines: tuple[str, ...] = ("loop", "vmap")  # also "compile_loop", "loop_cl" (channels-last)
+    baselines: tuple[str, ...] = ("loop", "vmap")  # also "compile_loop", "compile_vmap", "loop_cl" (channels-last)
     check: Callable[[list[nn.Module], Inputs, str], Callable[[Contender, Any], float]] | None = None
 
 
@@ -460,8 +460,9 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = measure.MODES,
         makers = {"loop": lambda: measure.loop_contender(models),
                   "loop_cl": lambda: measure.loop_contender(models, channels_last=True),
                   "vmap": lambda: measure.vmap_contender(models, randomness="different"),
-                  "compile_loop": lambda: measure.compiled_loop_contender(models)}
-        baselines = [makers[b]() for b in case.baselines]
+                  "compile_loop": lambda: measure.compiled_loop_contender(models),
+                  "compile_vmap": lambda: measure.compiled_vmap_contender(models, randomness="different")}
+        baselines = [makers[b]() for b in (engine.BASELINES if engine.BASELINES is not None else case.baselines)]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if wides:

@@ -27,6 +27,8 @@ __all__ = ["PRESETS", "build_parser", "main"]
 
 #: The benchmark presets (wide_compiler.bench.PRESET_NAMES; a test keeps the two equal).
 PRESETS = ("ci", "quick", "full")
+#: The baselines ``benchmark --baselines`` names (wide_compiler.bench.vision makes them).
+BASELINE_NAMES = ("loop", "loop_cl", "vmap", "compile_loop", "compile_vmap")
 
 
 class _Command:
@@ -52,6 +54,15 @@ def _with_targets(format_help: Callable[[], str]) -> Callable[[], str]:
         return f"{head}{targets}\n\n{sep}{examples}" if sep else f"{text}\n{targets}\n"
 
     return with_targets
+
+
+def _baseline_names(text: str) -> tuple[str, ...]:
+    """argparse ``type`` of ``--baselines``: known names, comma-separated, at least one."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in BASELINE_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated names of {', '.join(BASELINE_NAMES)}")
+    return names
 
 
 def _positive_int(text: str) -> int:
@@ -211,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="run the wide model and every baseline under torch.compile (targets on the "
                         "shared engine: all but optim and train), checked against the eager loop")
+    p.add_argument("--baselines", metavar="NAMES", type=_baseline_names,
+                   help="comma-separated baselines the vision targets (models, real, conv, ...) time instead of "
+                        f"each case's own: {', '.join(BASELINE_NAMES)} (compile_*: torch.compile of the loop or of "
+                        "the vmapped members)")
     p.add_argument("--save", action="store_true",
                    help="also write them to bench-results/TARGET-PRESET-YYYYmmdd-HHMMSS.json")
     p.add_argument("--top", type=_positive_int, metavar="K",

@@ -42,6 +42,7 @@ from .contenders import (
     Contender,
     compiled,
     compiled_loop_contender,
+    compiled_vmap_contender,
     loop_contender,
     make_step,
     max_abs_err,
@@ -70,7 +71,7 @@ from .timing import (
 
 __all__ = [
     "MODES", "CallInputs", "Contender", "Progress", "Rounds", "Stopwatch", "TimingError", "compiled",
-    "compiled_loop_contender", "contenders", "contention_note", "end_of_run", "error_text", "fmt_ms", "fmt_x", "hardware",
+    "compiled_loop_contender", "compiled_vmap_contender", "contenders", "contention_note", "end_of_run", "error_text", "fmt_ms", "fmt_x", "hardware",
     "interleave", "loop_contender", "machine", "machine_info", "make_step", "max_abs_err",
     "member_inputs", "now", "params_max_abs_err", "peak_gflops", "progress", "stacked_params", "stored_grads",
     "time_interleaved", "time_with_baselines", "timing", "vmap_contender", "wide_contender",

@@ -4,7 +4,8 @@ A contender runs N same-architecture members on N-first inputs: the wide model (
 all N), and the baselines a user would otherwise write: N separate modules in a Python loop
 (:func:`loop_contender`, optionally channels-last), ``torch.func`` ensembling
 (:func:`vmap_contender`: ``stack_module_state`` + ``functional_call`` + ``vmap``) and
-``torch.compile`` of any of them (:func:`compiled`, :func:`compiled_loop_contender`).
+``torch.compile`` of any of them (:func:`compiled`, :func:`compiled_loop_contender`,
+:func:`compiled_vmap_contender`).
 :func:`make_step` turns one into the timed callable of a mode (``"inference"``: forward under
 ``no_grad``; ``"train"``: forward, sum of the outputs, ``.backward()`` into the parameters'
 ``.grad``, cleared first as ``optimizer.zero_grad()`` does) and
@@ -26,8 +27,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["MODES", "CallInputs", "Contender", "compiled", "compiled_loop_contender", "loop_contender",
-           "make_step", "max_abs_err", "member_inputs", "params_max_abs_err", "stacked_params",
+__all__ = ["MODES", "CallInputs", "Contender", "compiled", "compiled_loop_contender", "compiled_vmap_contender",
+           "loop_contender", "make_step", "max_abs_err", "member_inputs", "params_max_abs_err", "stacked_params",
            "stored_grads", "vmap_contender", "wide_contender", "wide_params_in_member_order"]
 
 #: A step's modes: forward under ``no_grad``, or forward + gradients of the parameters.
@@ -178,6 +179,12 @@ def compiled_loop_contender(models: Sequence[nn.Module], name: str = "compile_lo
                             **compile_kwargs: Any) -> Contender:
     """``torch.compile`` of the Python loop (:func:`compiled` of :func:`loop_contender`)."""
     return compiled(loop_contender(models), name, **compile_kwargs)
+
+
+def compiled_vmap_contender(models: Sequence[nn.Module], name: str = "compile_vmap", *,
+                            randomness: str = "error", **compile_kwargs: Any) -> Contender:
+    """``torch.compile`` of the vmapped members (:func:`compiled` of :func:`vmap_contender`)."""
+    return compiled(vmap_contender(models, randomness=randomness), name, **compile_kwargs)
 
 
 def wide_contender(name: str, wide: nn.Module, member: nn.Module) -> Contender:
