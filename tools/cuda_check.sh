@@ -11,7 +11,7 @@
 # Settings (environment): CUDA_CHECK_STEPS (build tests bench), CUDA_CHECK_TESTS (the pytest
 # selection: tests/python), CUDA_CHECK_TEST_S (the suite's time box, seconds: 360; what ran by
 # then is reported), CUDA_CHECK_WORKERS (pytest-xdist workers: the cores less two),
-# CUDA_CHECK_TARGETS (benchmark targets: models real), CUDA_CHECK_BENCH_ARGS (more arguments of
+# CUDA_CHECK_TARGETS (benchmark targets: models real mlp), CUDA_CHECK_BENCH_ARGS (more arguments of
 # each benchmark). Everything goes to $OUT (default: cuda-check/), at most eight files: gpu.txt,
 # build.log, lib.tar (the built core, for CUDA_CHECK_PREBUILT), tests.log, failures.txt (each
 # failure's report, written as it happens), bench.log and bench.json (every record).
@@ -65,7 +65,7 @@ if has tests; then
 fi
 
 if has bench; then
-  for t in ${CUDA_CHECK_TARGETS:-models real}; do
+  for t in ${CUDA_CHECK_TARGETS:-models real mlp}; do
     start=$(date +%s)
     # shellcheck disable=SC2086
     $PY -m wide_compiler benchmark "$t" --preset quick --device cuda -q --json "$OUT/bench-$t.json" \

@@ -7,7 +7,7 @@ Every ``python -m wide_compiler benchmark <target>`` is one function decorated w
 :func:`.registry.target` in a module of this package (:mod:`.linear`: ``linear``;
 :mod:`.vision`: ``conv``, ``norm``, ``pool``, ``embedding``, ``models``; :mod:`.optim`: ``optim``,
 ``train``; :mod:`.rnn`: ``rnn``; :mod:`.router`: ``router``; :mod:`.attention`: ``attention``;
-:mod:`.dropout`: ``dropout``; :mod:`.real_models`: ``real``; :mod:`.sweep`: ``sweep``; :mod:`.compile`: ``compile``; :mod:`.integrations`: ``integrations``); a new target is one such function in its own module, imported below. :data:`TARGETS` is the read-only registry (name -> :class:`Target`,
+:mod:`.dropout`: ``dropout``; :mod:`.real_models`: ``real``; :mod:`.sweep`: ``sweep``; :mod:`.compile`: ``compile``; :mod:`.integrations`: ``integrations``; :mod:`.mlp`: ``mlp``); a new target is one such function in its own module, imported below. :data:`TARGETS` is the read-only registry (name -> :class:`Target`,
 with its presets ``ci``, ``quick`` and ``full`` and its description), :func:`run` runs a target,
 :func:`format_records` prints its records; every record is built by :func:`.engine.make_record`.
 
@@ -46,7 +46,8 @@ from . import real_models  # isort: skip
 from . import sweep  # isort: skip
 from . import compile  # isort: skip  # noqa: A004
 from . import integrations  # isort: skip
+from . import mlp  # isort: skip
 
 __all__ = ["PRESET_NAMES", "RECORD_KEYS", "TARGETS", "Job", "Preset", "Target", "attention",
-           "dropout", "engine", "format_records", "format_table", "linear", "machine_info", "optim",
+           "dropout", "engine", "format_records", "format_table", "linear", "machine_info", "mlp", "optim",
            "real_models", "registry", "run", "rnn", "router", "target", "vision"]

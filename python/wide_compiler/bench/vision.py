@@ -369,13 +369,15 @@ def _member_gflop(model: nn.Module, xs: Inputs, train: bool) -> float | None:
 
 def _add_rates(r: dict[str, Any], gflop: float | None) -> None:
     """``gflop`` (all N members' FLOPs per call), the rate each contender achieved
-    (``gflops_per_s``: ``"wide"`` and each baseline) and the machine's ``peak_gflops``."""
+    (``gflops_per_s``: ``"wide"`` and each baseline) and the machine's ``peak_gflops`` (its GEMM
+    peak in the record's dtype on the benchmark's device)."""
     if not gflop:
         return
     times = {"wide": r.get("wide_ms"), **(r.get("baseline_ms") or {})}
     r["gflop"] = gflop
     r["gflops_per_s"] = {k: gflop / (ms / 1e3) for k, ms in times.items() if ms and math.isfinite(ms)}
-    r["peak_gflops"] = measure.peak_gflops()
+    dtype = getattr(torch, str(r.get("dtype", "float32")).removeprefix("torch."), torch.float32)
+    r["peak_gflops"] = measure.peak_gflops(device=str(engine.DEVICE), dtype=dtype)
 
 
 def format_rates(records: Sequence[dict[str, Any]]) -> list[str]:

@@ -77,15 +77,19 @@ def end_of_run(machine: Mapping[str, Any]) -> dict[str, Any]:
 
 
 @functools.cache
-def peak_gflops(size: int = 1024, reps: int = 9) -> float:
-    """The machine's practical float32 peak, GFLOP/s: the median rate of one ``size``-cubed
-    ``torch.mm`` (BLAS at its best: large, square, in cache-friendly tiles) with the current
-    threads. Measured once per process; records compare a model's achieved rate against it.
+def peak_gflops(size: int | None = None, reps: int = 9, *, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> float:
+    """The machine's practical GEMM peak in ``dtype`` on ``device``, GFLOP/s: the median rate of
+    one ``size``-cubed ``torch.mm`` (BLAS or cuBLAS at its best: large and square; ``size``
+    1024 on the CPU, 8192 on a GPU by default) with the current threads. Measured once per
+    process and setting; records compare a model's achieved rate against it.
 
     >>> peak_gflops(size=64, reps=3) > 0
     True
     """
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    size = size or (8192 if torch.device(device).type == "cuda" else 1024)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     seconds = interleave({"mm": lambda: torch.mm(a, b)}, reps, warmup=2).samples["mm"]
     return 2 * size**3 / max(statistics.median(seconds), 1e-12) / 1e9
 
