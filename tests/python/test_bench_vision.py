@@ -182,3 +182,18 @@ def test_baselines_chosen_on_the_command_line_replace_each_cases_own():
     assert args.baselines == ("loop", "compile_vmap")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["benchmark", "models", "--baselines", "loop,jit"])
+
+
+def test_the_processes_baseline_times_n_processes_and_says_why_when_it_cannot():
+    """``--baselines processes``: N processes, one member each, started together; its time is in
+    every record of the case (no output to compare). A case built outside a target's jobs cannot
+    be rebuilt by name in the processes: recorded as an error, the other contenders timed."""
+    with bench.engine.with_baselines(("loop", "processes")):
+        records = bench.run("models", "ci", cases=["tabular N=4"])
+        direct = vision.run_case(next(c for c in vision.model_cases("tiny") if c.name == "tabular"), 2,
+                                 modes=("inference",), min_run_time=0.01)
+    for r in records:
+        assert r["baseline_ms"]["processes"] > 0 and r["speedup"]["processes"] > 0, r
+        assert "processes" not in r["errors"], r["errors"]
+    assert all("needs a case of a target's jobs" in r["errors"]["processes"] for r in direct)
+    assert all(set(r["baseline_ms"]) == {"loop"} for r in direct)

@@ -226,7 +226,8 @@ BASELINES: tuple[str, ...] | None = None
 @contextlib.contextmanager
 def with_baselines(names: Iterable[str] | None) -> Iterator[None]:
     """Within the block, the vision targets time the baselines ``names`` (``loop``, ``loop_cl``,
-    ``vmap``, ``compile_loop``, ``compile_vmap``) instead of each case's own; None keeps those."""
+    ``vmap``, ``compile_loop``, ``compile_vmap``, ``processes``: :mod:`.processes`) instead of each
+    case's own; None keeps those."""
     global BASELINES
     before, BASELINES = BASELINES, (tuple(names) if names is not None else None)
     try:

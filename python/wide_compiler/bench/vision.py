@@ -108,6 +108,9 @@ class Case:
     train_state: bool | None = None
     baselines: tuple[str, ...] = ("loop", "vmap")  # also "compile_loop", "compile_vmap", "loop_cl" (channels-last)
     check: Callable[[list[nn.Module], Inputs, str], Callable[[Contender, Any], float]] | None = None
+    #: the ``size`` its target's builder made it for (set by the registry's jobs; the ``processes``
+    #: baseline builds the case again by name in each process)
+    size: str = ""
 
 
 PRESETS: dict[str, Preset] = {  # conv, norm, pool, embedding
@@ -159,7 +162,21 @@ _CONFIGS = {
 
 def _jobs(cases: Callable[[str], list[Case]], p: Preset) -> list[Job]:
     """One job per case of ``cases(p.grid["size"])`` and N of ``p.grid["ns"]``."""
-    return jobs_per_n(_run_job, cases(p.grid["size"]), p, label=lambda case: case.name)
+    size = p.grid["size"]
+    return jobs_per_n(_run_job, [dataclasses.replace(c, size=size) for c in cases(size)], p,
+                      label=lambda case: case.name)
+
+
+#: The case builders of the vision targets, by target name (:func:`case_by_name`).
+_BUILDERS: dict[str, Callable[[str], list[Case]]] = {}
+
+
+def case_by_name(target: str, size: str, name: str) -> Case:
+    """The case ``name`` of vision target ``target`` at ``size`` (as its jobs make it)."""
+    for case in _BUILDERS[target](size):
+        if case.name == name:
+            return dataclasses.replace(case, size=size)
+    raise KeyError(f"benchmark {target}: no case {name!r} at size {size!r}")
 
 
 def _run_job(case: Case, n: int, p: Preset, machine: dict[str, Any]) -> list[dict[str, Any]]:
@@ -195,6 +212,7 @@ def _vision_target(name: str, description: str, presets: dict[str, Preset] = PRE
     def register(cases: Callable[[str], list[Case]]) -> Callable[[str], list[Case]]:
         target(name, presets=presets, formatter=format_records, description=description,
                devices=("cpu", "cuda"))(functools.partial(_jobs, cases))
+        _BUILDERS[name] = cases
         return cases
     return register
 
@@ -367,6 +385,25 @@ def _member_gflop(model: nn.Module, xs: Inputs, train: bool) -> float | None:
         return None
 
 
+def _add_processes(records: list[dict[str, Any]], case: Case, n: int, mode: str, min_run_time: float) -> None:
+    """The ``processes`` baseline (:mod:`.processes`) of one case and mode into its records."""
+    from .processes import processes_ms
+
+    try:
+        if not case.size:
+            raise ValueError("the processes baseline needs a case of a target's jobs (it builds it by name)")
+        ms = processes_ms(case.target, case.size, case.name, n, mode, str(engine.DEVICE),
+                          steps=max(5, round(50 * min_run_time)))
+    except Exception as e:  # noqa: BLE001 (a baseline that cannot run is a result: recorded)
+        for r in records:
+            r["errors"] = {**r["errors"], "processes": measure.error_text(e)}
+        return
+    for r in records:
+        r["baseline_ms"] = {**r["baseline_ms"], "processes": ms}
+        if r.get("wide_ms") and math.isfinite(r["wide_ms"]):
+            r["speedup"] = {**(r.get("speedup") or {}), "processes": ms / r["wide_ms"]}
+
+
 def _add_rates(r: dict[str, Any], gflop: float | None) -> None:
     """``gflop`` (all N members' FLOPs per call), the rate each contender achieved
     (``gflops_per_s``: ``"wide"`` and each baseline) and the machine's ``peak_gflops`` (its GEMM
@@ -464,7 +501,8 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = measure.MODES,
                   "vmap": lambda: measure.vmap_contender(models, randomness="different"),
                   "compile_loop": lambda: measure.compiled_loop_contender(models),
                   "compile_vmap": lambda: measure.compiled_vmap_contender(models, randomness="different")}
-        baselines = [makers[b]() for b in (engine.BASELINES if engine.BASELINES is not None else case.baselines)]
+        names = engine.BASELINES if engine.BASELINES is not None else case.baselines
+        baselines = [makers[b]() for b in names if b != "processes"]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if wides:
@@ -477,6 +515,8 @@ def run_case(case: Case, n: int, *, modes: Sequence[str] = measure.MODES,
                                            wide_ms=math.nan, baseline_ms={}, max_abs_err=math.nan,
                                            machine=machine)]
         notes = sorted({str(w.message).splitlines()[0][:200] for w in caught})
+        if "processes" in names:
+            _add_processes(recs, case, n, mode, min_run_time)
         for r in recs:
             _add_rates(r, gflop)
             r["errors"] = {**r["errors"], **compile_errors}

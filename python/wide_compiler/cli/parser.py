@@ -28,7 +28,7 @@ __all__ = ["PRESETS", "build_parser", "main"]
 #: The benchmark presets (wide_compiler.bench.PRESET_NAMES; a test keeps the two equal).
 PRESETS = ("ci", "quick", "full")
 #: The baselines ``benchmark --baselines`` names (wide_compiler.bench.vision makes them).
-BASELINE_NAMES = ("loop", "loop_cl", "vmap", "compile_loop", "compile_vmap")
+BASELINE_NAMES = ("loop", "loop_cl", "vmap", "compile_loop", "compile_vmap", "processes")
 
 
 class _Command:
@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baselines", metavar="NAMES", type=_baseline_names,
                    help="comma-separated baselines the vision targets (models, real, conv, ...) time instead of "
                         f"each case's own: {', '.join(BASELINE_NAMES)} (compile_*: torch.compile of the loop or of "
-                        "the vmapped members)")
+                        "the vmapped members; processes: N processes side by side, one member each)")
     p.add_argument("--save", action="store_true",
                    help="also write them to bench-results/TARGET-PRESET-YYYYmmdd-HHMMSS.json")
     p.add_argument("--top", type=_positive_int, metavar="K",
