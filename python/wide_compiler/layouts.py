@@ -79,9 +79,13 @@ def unmarked_padded_source(t: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
         base = next((o for o in same if t._base is o or t._base is o._base), None)
         if base is not None:
             return base, True
-    nodes = {id(o.grad_fn): o for o in same if o.grad_fn is not None}
+    # The graph's nodes are compared by identity while they are held: a node's Python object is
+    # the same one only while one is alive (``o.grad_fn`` makes a new one each time otherwise, and
+    # an id of a dead one can be another's; the search found no source on a GPU run, P16-5 there).
+    held = [(o.grad_fn, o) for o in same if o.grad_fn is not None]
+    nodes = {id(fn): o for fn, o in held}
     if t.grad_fn is not None and nodes:
-        seen, todo = set(), [t.grad_fn]
+        seen, visited, todo = set(), [], [t.grad_fn]
         while todo and len(seen) < _SEARCHED:
             node = todo.pop()
             if node is None or id(node) in seen:
@@ -89,6 +93,7 @@ def unmarked_padded_source(t: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
             if id(node) in nodes:
                 return nodes[id(node)], True
             seen.add(id(node))
+            visited.append(node)
             todo.extend(f for f, _ in node.next_functions)
         if len(nodes) == len(same):
             return None, False  # searched: not made from them
