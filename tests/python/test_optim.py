@@ -27,7 +27,9 @@ from torch.func import functional_call
 from wide_compiler.testing import assert_members_close
 
 N, STEPS = 8, 20
-RTOL, ATOL = 1e-6, 1e-7
+# On a GPU the fused step and torch.optim's CUDA kernels contract different multiply-adds (FMA):
+# 20 RMSprop steps differed by 5.9e-7 of a 0.55 weight on an H200 (the CPU's bound is 1e-6 relative)
+RTOL, ATOL = (1e-6 if DEVICE.type == "cpu" else 2e-6), 1e-7
 
 
 def assert_rel(got, want, msg=""):
