@@ -45,6 +45,7 @@ from .model_deferred import Deferred, DeferredCompileMixin
 from .model_export import DeploymentMixin
 from .model_inspection import InspectionMixin
 from .model_tuning import DeferredTuningMixin, defer_tuning, pending_runs
+from .registry import template_tensors
 from .model_inputs import (  # noqa: F401 (the old import paths of the input checks)
     _describe_value,
     _fill,
@@ -342,7 +343,7 @@ class WideModel(MemberOpsMixin, MemberConstantsMixin, CallGraphsMixin, Inspectio
             # our copy of member 0 (never the user's: pipeline.py), converted in place through .data as
             # Module.to does by default: under set_swap_module_params_on_conversion(True) its swap_tensors
             # refuses tensors that export's caches hold weak references to
-            for t in [*self._capture_template[0].parameters(), *self._capture_template[0].buffers()]:
+            for t in template_tensors(self._capture_template[0]):
                 if t.is_floating_point():
                     t.data = t.data.to(after)
             object.__setattr__(self, "_sample", tree_map(cast, self._sample))

@@ -222,6 +222,18 @@ def opaque_template(template: nn.Module, paths: list[str], *,
     return copy_, keys
 
 
+def template_tensors(template: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer a capture template runs with: its own, and those of the
+    registered modules it calls opaquely (held outside its submodules, so export never sees into
+    them). A conversion of the template converts them all (``wide.double()`` left a
+    ``BatchNorm(momentum=None)``'s in float32: every capture then failed, probe 19 of issue 44)."""
+    out = [*template.parameters(), *template.buffers()]
+    for m in template.modules():
+        if isinstance(m, _OpaqueCall):
+            out += [*m.module.parameters(), *m.module.buffers()]
+    return out
+
+
 def call_registered(root: nn.Module, path: str, *inputs: torch.Tensor) -> list[torch.Tensor]:
     """Run the wide form at ``root.<path>`` (called from the wide graph)."""
     return _as_list(root.get_submodule(path)(*inputs))

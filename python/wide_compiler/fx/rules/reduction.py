@@ -58,6 +58,18 @@ def dim_rule(ctx: WidenContext, node: fx.Node):
     rank = self_v.rank
     reduction = "keepdim" in values
     flattened = False
+    # Note [A dim op on a 0-d member value]: torch takes dim 0 or -1 (and all dims) of a 0-d tensor
+    # as its one element; on the wide [N] those would be the member dim (a reduction over all dims
+    # with no member dims left, ``sum(x, [])``, summed over the members: ``h.sum().sum()``, probe 19
+    # of issue 44, P19-1). The op runs on the [N, 1] view instead, its result back to [N].
+    zero_d = rank == 0
+    if zero_d:
+        values[first] = Wide(ctx.emit(aten.reshape.default, (self_v.node, [ctx.n, 1]), like=node), 1)
+        rank = 1
+        for name in DIM_ARGS:
+            v = values.get(name)
+            if name in values and not is_tensor_arg(node.target, name) and v is not None:
+                values[name] = [0] * len(v) if isinstance(v, (list, tuple)) else 0
     for name in DIM_ARGS:
         if name not in values or is_tensor_arg(node.target, name):  # index_add's `source` is a tensor
             continue
@@ -81,6 +93,9 @@ def dim_rule(ctx: WidenContext, node: fx.Node):
             continue  # a shared 0-d tensor (index_fill's value) is the same scalar for every member
         values[name] = ctx.as_wide(v, arg_rank, node)
     out = ctx.outputs(node, ctx.emit_schema(node.target, values, like=node, name=node.name))
+    if zero_d:  # Note [A dim op on a 0-d member value]: [N, ...] -> [N]
+        back = lambda w: Wide(ctx.emit(aten.reshape.default, (w.node, [ctx.n]), like=node), 0) if w.rank == 0 else w  # noqa: E731
+        return type(out)(back(w) for w in out) if isinstance(out, (tuple, list)) else back(out)
     if flattened and values.get("keepdim"):  # [N, 1] -> [N, 1, ..., 1] (member rank dims)
         reshape = lambda w: Wide(ctx.emit(aten.reshape.default, (w.node, [ctx.n] + [1] * rank), like=node), rank)  # noqa: E731
         out = type(out)(reshape(w) for w in out) if isinstance(out, (tuple, list)) else reshape(out)
@@ -113,24 +128,28 @@ rows(dim_rule, _DIM_OPS)
 
 
 # Reductions with no dim at all: reduce over the member's dims, per member.
-def _all_dims(rank: int) -> list[int]:
-    return list(range(1, rank + 1))
+def _member_dims(ctx: WidenContext, x: Wide, node: fx.Node) -> tuple[fx.Node, list[int]]:
+    """``x`` and its member dims to reduce over all of: a 0-d member value as [N, 1] and dim 1 (an
+    empty list would reduce over the members too: Note [A dim op on a 0-d member value])."""
+    if x.rank == 0:
+        return ctx.emit(aten.reshape.default, (x.node, [ctx.n, 1]), like=node), [1]
+    return x.node, list(range(1, x.rank + 1))
 
 
 @rule(aten.sum.default, aten.mean.default)
 def _reduce_all(ctx: WidenContext, node: fx.Node) -> Wide:
-    x = ctx.value(node.args[0])
+    x, dims = _member_dims(ctx, ctx.value(node.args[0]), node)
     target = aten.sum.dim_IntList if node.target is aten.sum.default else aten.mean.dim
     kwargs = {"dtype": node.kwargs["dtype"]} if node.kwargs.get("dtype") is not None else {}
-    out = ctx.emit(target, (x.node, _all_dims(x.rank), False), kwargs, like=node, name=node.name)
+    out = ctx.emit(target, (x, dims, False), kwargs, like=node, name=node.name)
     return Wide(out, 0)
 
 
 @rule(aten.max.default, aten.min.default)
 def _extreme_all(ctx: WidenContext, node: fx.Node) -> Wide:
-    x = ctx.value(node.args[0])
+    x, dims = _member_dims(ctx, ctx.value(node.args[0]), node)
     target = aten.amax.default if node.target is aten.max.default else aten.amin.default
-    return Wide(ctx.emit(target, (x.node, _all_dims(x.rank)), like=node, name=node.name), 0)
+    return Wide(ctx.emit(target, (x, dims), like=node, name=node.name), 0)
 
 
 @rule(aten.prod.default, aten.all.default, aten.any.default)

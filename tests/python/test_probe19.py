@@ -1,0 +1,87 @@
+"""Probe 19 of issue 44 (an independent re-run of the adversarial probe): each finding is a test
+that failed before its fix. A dim op on a 0-d member value (Note [A dim op on a 0-d member value]
+in fx/rules/reduction.py), and a conversion of a model whose capture template runs a registered
+module opaquely (``BatchNorm(momentum=None)``)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import wide_compiler as wc
+
+FAST = wc.WideConfig.fast()
+D = torch.float64
+
+ON_A_SCALAR = {  # the member's 0-d value s = h.sum() (or a full reduction over dims), then a dim op on it
+    "sum.sum": lambda h: h.sum().sum(),
+    "sum01.sum": lambda h: h.sum((0, 1)).sum(),
+    "mean01.sum": lambda h: h.mean((0, 1)).sum(),
+    "sum.sum(-1)": lambda h: h.sum().sum(-1),
+    "sum.sum(0, keepdim)": lambda h: h.sum().sum(0, keepdim=True),
+    "sum.mean": lambda h: h.sum().mean(),
+    "sum.amax": lambda h: h.sum().amax(),
+    "sum.max": lambda h: h.sum().max(),
+    "sum.max(0)": lambda h: h.sum().max(0)[0],
+    "sum.softmax(0)": lambda h: h.sum().softmax(0),
+    "sum.logsumexp(0)": lambda h: h.sum().logsumexp(0),
+    "sum.cumsum(0)": lambda h: h.sum().cumsum(0),
+}
+
+
+class _OnAScalar(nn.Module):
+    def __init__(self, f) -> None:
+        super().__init__()
+        self.a, self.f = nn.Linear(8, 6), f
+
+    def forward(self, x):
+        h = self.a(x)
+        return h + self.f(h)
+
+
+@pytest.mark.parametrize("name", sorted(ON_A_SCALAR))
+def test_a_dim_op_on_a_0d_member_value_is_per_member(name):
+    """P19-1: ``h + h.sum().sum()``: the second sum reduced the wide [N] over all its dims (the
+    members too) and compile stopped with an internal error; softmax(0) of it raised IndexError."""
+    torch.manual_seed(0)
+    models = [_OnAScalar(ON_A_SCALAR[name]).double() for _ in range(3)]
+    wide = wc.compile(copy.deepcopy(models), torch.randn(5, 8, dtype=D), config=FAST)
+    x = torch.randn(3, 5, 8, dtype=D, requires_grad=True)
+    out = wide(x)
+    out.sum().backward()
+    for i, m in enumerate(models):
+        xi = x[i].detach().requires_grad_()
+        want = m(xi)
+        want.sum().backward()
+        torch.testing.assert_close(out[i], want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x.grad[i], xi.grad, rtol=1e-12, atol=1e-12)
+
+
+class _CumulativeNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(6, 8), nn.BatchNorm1d(8, momentum=None)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_conversion_converts_the_registered_modules_the_capture_runs_opaquely(defer):
+    """P19-2: after ``wide.double()`` of float32 members with ``BatchNorm1d(momentum=None)`` (kept
+    whole, run opaquely during capture), every call was refused with export's "mixed dtype (CPU)":
+    the opaque module's tensors stayed float32."""
+    torch.manual_seed(0)
+    models = [_CumulativeNorm() for _ in range(3)]
+    wide = wc.compile(copy.deepcopy(models), torch.randn(4, 6), config=wc.WideConfig(tune=False, defer=defer))
+    wide.double()
+    refs = [copy.deepcopy(m).double() for m in models]
+    for mode in ("train", "eval"):
+        for m in [wide, *refs]:
+            m.train(mode == "train")
+        x = torch.randn(3, 4, 6, dtype=D)
+        out = wide(x)
+        for i, m in enumerate(refs):
+            torch.testing.assert_close(out[i], m(x[i]), rtol=1e-10, atol=1e-10)
