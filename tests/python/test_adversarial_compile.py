@@ -22,7 +22,7 @@ import wide_compiler as wc
 from torch import nn
 from wide_compiler import testing
 from wide_compiler.fx.member_runs import check_run_members
-from support import DEVICE
+from support import DEVICE, cpu_only
 
 FAST = wc.WideConfig.fast()
 N = 3
@@ -205,6 +205,7 @@ def test_a_shared_position_list_on_a_1d_tensor_stays_shared():
     assert all(isinstance(r, testing.EquivalenceReport) for r in report.values()), report
 
 
+@cpu_only  # out of range on CUDA is a device-side assert, which ends the process's CUDA context
 def test_a_per_member_position_out_of_range_raises_and_reads_no_other_member():
     torch.manual_seed(0)
     models = [_Indexed(seed, "index_select") for seed in range(N)]

@@ -645,6 +645,8 @@ ISOLATION = [(op, s) for op in GENERATORS for s in range(1000, 1000 + ISOLATION_
 def test_fuzz_member_isolation(op, seed):
     # The first configuration from this seed on with two members, a valid call and an argument
     # that belongs to one member alone (a shared input feeds everybody by definition).
+    if op == "embedding_renorm_" and DEVICE.type != "cpu":  # a NaN table row there tripped a device-side
+        pytest.skip("assert on an H200 (torch 2.11), which ends the worker's CUDA context")
     for s in range(seed, seed + 100_000, 1000):
         case = GENERATORS[op](s)
         j = None if case.raises else _poison(case, random.Random(s))
