@@ -11,6 +11,7 @@ import wide_compiler as wc
 from torch import nn
 from wide_compiler.bench import vision_models
 from wide_compiler.testing import assert_members_close, check_equivalence
+from support import DEVICE
 
 FAST = wc.WideConfig.fast()  # no strategy timing: these tests check values, not speed
 
@@ -56,7 +57,9 @@ class _Pool(nn.Module):
 @pytest.mark.parametrize("kind", ["max_indices", "max_dilated", "avg", "avg_div", "adaptive_max", "adaptive_avg"])
 def test_pool2d(kind):
     wide = _compile_and_check(lambda: _Pool(kind), torch.randn(2, 2, 7, 6))
-    assert "1 layout conversions" in wide.summary() or "2 layout conversions" in wide.summary()
+    # (on CUDA a padded average pool reads its input channels-first: Note [A padded average pool on CUDA])
+    conversions = (1, 2) if DEVICE.type == "cpu" or kind != "avg" else (1, 2, 3)
+    assert any(f"{k} layout conversions" in wide.summary() for k in conversions), wide.summary()
 
 
 @pytest.mark.parametrize("pool", [nn.MaxPool1d(2), nn.AvgPool1d(3, 1, 1), nn.AdaptiveAvgPool1d(2), nn.AdaptiveMaxPool1d(3),
@@ -215,3 +218,18 @@ def test_resnet_shared_input_float64_and_b1():
                        x=torch.randn(1, 3, 16, 16, dtype=torch.float64), shared=True, dtype=torch.float64,
                        training=False)
     _compile_and_check(ResNetTiny, torch.randn(2, 3, 16, 16), x=torch.randn(3, 1, 3, 16, 16), training=False)
+
+
+def test_a_padded_average_pool_in_a_cuda_train_graph_reads_its_input_channels_first(monkeypatch):
+    """Note [A padded average pool on CUDA] (fx/layout.py): ATen's CUDA avg_pool2d backward of a
+    channels-last input with padding returns wrong gradients (pytorch#188344; the H200 run of the
+    suite: test_pool2d[avg] 1.05 off), so a CUDA train graph hands such a pool its input through
+    wide.to_channels_first. Planned here as for CUDA: the pool reads it, and the members match."""
+    from wide_compiler.fx import layout, pipeline
+
+    plan = layout.plan_layout
+    monkeypatch.setattr(pipeline, "plan_layout", lambda *a, **k: plan(*a, **{**k, "device": "cuda"}))
+    wide = _compile_and_check(lambda: _Pool("avg"), torch.randn(2, 2, 7, 6))
+    graph = wide._graph_for(True).graph_module.graph
+    pools = [n for n in graph.nodes if n.target is torch.ops.aten.avg_pool2d.default]
+    assert pools and all(p.args[0].target is torch.ops.wide.to_channels_first.default for p in pools)

@@ -264,7 +264,34 @@ def plan_layout(graph: fx.Graph, n: int, old_graph: fx.Graph | None = None, *, t
     for node in list(graph.nodes):
         if node.op == "call_function" and not _run_nfirst(graph, node) and channels_first:
             _to_channels_first(graph, node, packed)
+    if training and device == "cuda":
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target is aten.avg_pool2d.default and _pads(node):
+                _pool_channels_first(graph, node)
     return count_conversions(graph)
+
+
+# Note [A padded average pool on CUDA]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ATen's CUDA avg_pool2d backward for a channels-last input with padding > 0 returns wrong input
+# gradients (pytorch/pytorch#188344: its NHWC kernel forgets the padding offset; torch 2.11 has it).
+# A member runs its pool on its conv's channels-first output; the wide model runs it on the packed
+# value, channels-last after a grouped_cl conv (the CUDA default): the H200 run of the suite saw a
+# gradient 1.05 off (test_pool2d[avg]). In a CUDA train graph such a pool reads its input through
+# wide.to_channels_first (a no-op for a channels-first value; its gradient goes back in the input's
+# layout), so both the pool and its backward run the channels-first kernels, as each member's do.
+def _pads(node: fx.Node) -> bool:
+    padding = node.args[3] if len(node.args) > 3 else node.kwargs.get("padding", 0)
+    return any(p != 0 for p in (padding if isinstance(padding, (list, tuple)) else [padding]))
+
+
+def _pool_channels_first(graph: fx.Graph, node: fx.Node) -> None:
+    """Note [A padded average pool on CUDA]: ``node`` reads its input channels-first."""
+    x = node.args[0]
+    with graph.inserting_before(node):
+        new = graph.call_function(TO_CHANNELS_FIRST, (x,))
+    new.meta.update({k: v for k, v in x.meta.items() if k in ("val", "wide_source", "wide_member_shape")})
+    node.replace_input_with(x, new)
 
 
 def count_conversions(graph: fx.Graph) -> dict[str, int]:
