@@ -19,6 +19,16 @@ if TYPE_CHECKING:
 __all__ = ["MemberConstantsMixin"]
 
 
+_ABSENT = object()
+
+
+def _plain(value: Any) -> bool:
+    """A plain Python value (Note [Attributes a deferred member's forward changed])."""
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -57,7 +67,38 @@ class MemberConstantsMixin:
         for path in self.__dict__.get("_constants") or {}:
             mod_path, _, key = path.rpartition(".")
             setattr(m.get_submodule(mod_path) if mod_path else m, key, member_value(self, path, i))
+        for path, value in self._deferred_attributes(i).items():
+            mod_path, _, key = path.rpartition(".")
+            setattr(m.get_submodule(mod_path) if mod_path else m, key, value)
         return m
+
+    # Note [Attributes a deferred member's forward changed]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A deferred model runs our copies of the members (Note [Running the members until compiling
+    # pays] in model_deferred.py). A forward that changes a Python attribute of its module
+    # (``self.calls += 1``) changes the copy's, which each of its later calls reads, as the member
+    # alone would; member(i), unfuse() and write_back() built from the template then gave the value
+    # the attribute had at compile (probe 19 of issue 44, P19-4: the extracted member 4.29 off at its
+    # next call). They take member i's copy's current value of each plain attribute (a number, a
+    # string, a bool or None, or a tuple of them) that differs from the template's. (A compile
+    # refuses such a forward, so a model that switched to its graph holds none.)
+    def _deferred_attributes(self, i: int) -> dict[str, Any]:
+        """``{attribute path: value}``: Note [Attributes a deferred member's forward changed]."""
+        deferred = self.__dict__.get("_deferred")
+        if deferred is None:
+            return {}
+        template = dict(self._template.named_modules())
+        out = {}
+        for path, mod in deferred.members[i].named_modules():
+            base = template.get(path)
+            if base is None:
+                continue
+            for key, value in mod.__dict__.items():
+                if key.startswith("_") or key == "training" or not _plain(value):
+                    continue
+                if base.__dict__.get(key, _ABSENT) != value or type(base.__dict__.get(key)) is not type(value):
+                    out[f"{path}.{key}" if path else key] = value
+        return out
 
     def _constants_to_write(self, models: list[nn.Module], where: str) -> list[dict[str, Any]]:
         """``write_back``'s per-member constants (Note [Per-member constants] in fx/constants.py):
@@ -84,6 +125,7 @@ class MemberConstantsMixin:
                         f"take the member's per-member constant {member_value(self, path, i)!r}; nothing was "
                         "written")
                 values[path] = member_value(self, path, i)
+            values.update(self._deferred_attributes(i))
             out.append(values)
         return out
 

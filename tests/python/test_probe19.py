@@ -85,3 +85,36 @@ def test_a_conversion_converts_the_registered_modules_the_capture_runs_opaquely(
         out = wide(x)
         for i, m in enumerate(refs):
             torch.testing.assert_close(out[i], m(x[i]), rtol=1e-10, atol=1e-10)
+
+
+class _Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.calls, self.tag = nn.Linear(4, 3), 0, ("a", 1)
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x) * self.calls
+
+
+def test_a_deferred_members_changed_attributes_come_back_with_it():
+    """P19-4: a deferred model runs our copies of the members; a forward that counts its calls in
+    ``self.calls`` changed the copies', but member(i), unfuse() and write_back() gave the count at
+    compile (0): the extracted member 4.29 off at its next call. They carry the copy's value."""
+    torch.manual_seed(0)
+    models = [_Counting() for _ in range(3)]
+    refs = copy.deepcopy(models)
+    wide = wc.compile(copy.deepcopy(models), torch.randn(2, 4), config=wc.WideConfig(tune=False, defer=True))
+    wide.expect_calls(train_calls=3)
+    for _ in range(3):
+        x = torch.randn(3, 2, 4)
+        out = wide(x)
+        for i, m in enumerate(refs):
+            torch.testing.assert_close(out[i], m(x[i]))
+    back = copy.deepcopy(models)
+    wide.write_back(back)
+    x = torch.randn(2, 4)
+    for i, m in enumerate(refs):
+        assert wide.member(i).calls == wide.unfuse()[i].calls == back[i].calls == m.calls == 3
+        assert back[i].tag == ("a", 1)
+        torch.testing.assert_close(wide.member(i)(x), m(x))
