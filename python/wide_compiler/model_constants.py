@@ -79,9 +79,10 @@ class MemberConstantsMixin:
     # (``self.calls += 1``) changes the copy's, which each of its later calls reads, as the member
     # alone would; member(i), unfuse() and write_back() built from the template then gave the value
     # the attribute had at compile (probe 19 of issue 44, P19-4: the extracted member 4.29 off at its
-    # next call). They take member i's copy's current value of each plain attribute (a number, a
-    # string, a bool or None, or a tuple of them) that differs from the template's. (A compile
-    # refuses such a forward, so a model that switched to its graph holds none.)
+    # next call; a GRU keeping its hidden state in ``self.hidden`` came back with None). They take
+    # member i's copy's current value of each plain attribute (a number, a string, a bool or None,
+    # or a tuple of them) and tensor attribute (a copy) that differs from the template's. (A
+    # compile refuses such a forward, so a model that switched to its graph holds none.)
     def _deferred_attributes(self, i: int) -> dict[str, Any]:
         """``{attribute path: value}``: Note [Attributes a deferred member's forward changed]."""
         deferred = self.__dict__.get("_deferred")
@@ -94,9 +95,13 @@ class MemberConstantsMixin:
             if base is None:
                 continue
             for key, value in mod.__dict__.items():
-                if key.startswith("_") or key == "training" or not _plain(value):
+                if key.startswith("_") or key == "training":
                     continue
-                if base.__dict__.get(key, _ABSENT) != value or type(base.__dict__.get(key)) is not type(value):
+                held = base.__dict__.get(key, _ABSENT)
+                if isinstance(value, torch.Tensor):  # a state tensor the forward keeps (TBPTT's hidden state)
+                    if not (isinstance(held, torch.Tensor) and held.shape == value.shape and torch.equal(held, value)):
+                        out[f"{path}.{key}" if path else key] = value.detach().clone()
+                elif _plain(value) and (held != value or type(held) is not type(value)):
                     out[f"{path}.{key}" if path else key] = value
         return out
 

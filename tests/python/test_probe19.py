@@ -118,3 +118,36 @@ def test_a_deferred_members_changed_attributes_come_back_with_it():
         assert wide.member(i).calls == wide.unfuse()[i].calls == back[i].calls == m.calls == 3
         assert back[i].tag == ("a", 1)
         torch.testing.assert_close(wide.member(i)(x), m(x))
+
+
+class _Stateful(nn.Module):
+    """A GRU carrying its hidden state across calls in a plain attribute (truncated BPTT)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru, self.o, self.hidden = nn.GRU(4, 5, batch_first=True), nn.Linear(5, 2), None
+
+    def forward(self, x):
+        y, h = self.gru(x, self.hidden)
+        self.hidden = h.detach()
+        return self.o(y)
+
+
+def test_a_deferred_members_hidden_state_tensor_comes_back_with_it():
+    """P19-4, the tensor form: ``self.hidden`` came back as None from member(i) (0.061 off)."""
+    torch.manual_seed(0)
+    models = [_Stateful().double() for _ in range(3)]
+    refs = copy.deepcopy(models)
+    wide = wc.compile(copy.deepcopy(models), torch.randn(2, 3, 4, dtype=D),
+                      config=wc.WideConfig(tune=False, defer=True))
+    wide.expect_calls(train_calls=3)
+    for _ in range(3):
+        x = torch.randn(3, 2, 3, 4, dtype=D)
+        out = wide(x)
+        for i, m in enumerate(refs):
+            torch.testing.assert_close(out[i], m(x[i]))
+    x = torch.randn(2, 3, 4, dtype=D)
+    for i, m in enumerate(refs):
+        mine = wide.member(i)
+        torch.testing.assert_close(mine.hidden, m.hidden)
+        torch.testing.assert_close(mine(x), m(x))
