@@ -151,3 +151,25 @@ def test_a_deferred_members_hidden_state_tensor_comes_back_with_it():
         mine = wide.member(i)
         torch.testing.assert_close(mine.hidden, m.hidden)
         torch.testing.assert_close(mine(x), m(x))
+
+
+class _CountsOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.calls = nn.Linear(4, 3), 0
+
+    def forward(self, x):
+        self.calls += 1  # feeds no output: accepted
+        return self.a(x)
+
+
+def test_a_counter_that_feeds_nothing_is_warned_of_at_compile():
+    """Probe 20, P20-2: a call counter that feeds no output is accepted (the outputs are every
+    member's), but the compiled graph does not run it: member(i) keeps the count at compile. The
+    capture says so, naming the attribute (Note [State that feeds nothing])."""
+    models = [_CountsOnly() for _ in range(2)]
+    with pytest.warns(UserWarning, match=r"self.calls of the root \(_CountsOnly\): 0 -> 1.*hold their values at compile"):
+        wide = wc.compile(models, torch.randn(2, 4), config=FAST)
+    x = torch.randn(2, 2, 4)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(wide(x)[i], m(x[i]))

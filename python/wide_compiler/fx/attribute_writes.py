@@ -54,6 +54,7 @@ import logging
 import os
 import sys
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -370,7 +371,10 @@ class AttributeWrites:
     def check(self, args: tuple, kwargs: dict) -> None:
         """Raise :class:`WideCompileError` naming the writes whose old value the forward reads
         (run on ``args``/``kwargs``), if there are any."""
-        if not self.writes or not _reads_what_it_wrote(self.model, args, kwargs, self.writes):
+        if not self.writes:
+            return
+        if not _reads_what_it_wrote(self.model, args, kwargs, self.writes):
+            self._warn_unfollowed()
             return
         writes = [(path, cls, steps, was, now) for (path, steps), (cls, was, now) in self.writes.items()]
         shown = "; ".join(f"{_expr(steps)} of {f'`{path}`' if path else 'the root'} ({cls}): {was} -> {now}"
@@ -388,6 +392,33 @@ class AttributeWrites:
             "which the wide model carries per member; or pass the state in as an input and return the "
             "new one (Note [A forward that writes its module's attributes] in "
             "wide_compiler/fx/attribute_writes.py).")
+
+
+    def _warn_unfollowed(self) -> None:
+        """Note [State that feeds nothing]: warn of the writes a compiled graph does not follow."""
+        kept = [(path, cls, steps, was, now) for (path, steps), (cls, was, now) in self.writes.items()
+                if was != "absent" and not (was in ("False", "None") and now == "True")]
+        if not kept:
+            return
+        shown = "; ".join(f"{_expr(steps)} of {f'`{path}`' if path else 'the root'} ({cls}): {was} -> {now}"
+                          for path, cls, steps, was, now in kept[:4])
+        warnings.warn(
+            f"wide_compiler: member 0's forward writes Python attributes that feed none of its outputs: {shown}. "
+            "The compiled wide model computes every output exactly but does not run those writes, so "
+            "member(i), unfuse() and write_back() hold their values at compile, not each member's count "
+            "since (Note [State that feeds nothing] in wide_compiler/fx/attribute_writes.py). Keep such state "
+            "in a registered buffer updated in place (self.step.add_(1)) to have it per member.", stacklevel=2)
+
+
+# Note [State that feeds nothing]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A write whose old value no output reads (a call counter, a history list) is accepted: the
+# outputs are every member's. But the compiled graph does not run it, so the attribute keeps the
+# capture's value in the wide model's template, and member(i), unfuse() and write_back() hand that
+# back where each member alone would hold its count (probe 20 of issue 44, P20-2; a deferred model
+# carries them until it compiles: Note [Attributes a deferred member's forward changed] in
+# model_constants.py). The capture warns, naming the attributes; a flag set on a first call
+# (absent or False to True: transformers' hooks) and an attribute the call creates are not warned of.
 
 
 class _Unread:
