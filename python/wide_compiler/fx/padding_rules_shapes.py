@@ -312,7 +312,8 @@ def _select_slice(p: Padder, node: fx.Node) -> None:
 # saying which (probe 17 of issue 44, P17-4: all were refused, the time dim blamed).
 _POSITIONS = "it reads or writes positions given by indices, a mask or an offset, which padding moves"
 _WHOLE_DIM = ("its result depends on every position of the dim it reduces or scans (a count, an order, "
-              "a product), the padding included")
+              "a product): along a padded dim the padding would count, and along a dim no member pads it has "
+              "no padding rule yet")
 # the reason of each refused along a padded dim
 REFUSED_ALONG_PADDED = {**dict.fromkeys(("flip", "roll", "index_select", "chunk", "split", "split_with_sizes",
                                          "unbind", "stack"), _POSITIONS),
