@@ -173,3 +173,44 @@ def test_a_counter_that_feeds_nothing_is_warned_of_at_compile():
     x = torch.randn(2, 2, 4)
     for i, m in enumerate(models):
         torch.testing.assert_close(wide(x)[i], m(x[i]))
+
+
+_TENSOR_CONSTANT = {
+    "mul": lambda h, t: h * torch.tensor(t),
+    "div": lambda h, t: h / torch.tensor(t),
+    "mul_": lambda h, t: h.clone().mul_(torch.tensor(t)),
+    "mul float64": lambda h, t: h * torch.tensor(t, dtype=torch.float64),
+    "left mul": lambda h, t: torch.tensor(t) * h,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form", sorted(_TENSOR_CONSTANT))
+def test_a_per_member_0d_multiplier_is_used_unrounded_as_aten_does(form, dtype):
+    """Probe 20, P20-7: ``h * torch.tensor(self.t)`` with t per member, in bfloat16/float16: ATen
+    multiplies by the float32 0-d operand unrounded (its opmath) and rounds once; the wide model
+    rounded t to the tensor's dtype first: 1 ulp off in a quarter of the values (Note [A 0-dim
+    multiplier in opmath] in fx/rules/pointwise.py). Bit for bit now, values and input gradients."""
+    f = _TENSOR_CONSTANT[form]
+
+    class M(nn.Module):
+        def __init__(self, t) -> None:
+            super().__init__()
+            self.w, self.t = nn.Parameter(torch.randn(5)), t
+
+        def forward(self, x):
+            return f(x * self.w, self.t)
+
+    torch.manual_seed(0)
+    models = [M(t).to(dtype) for t in (0.3001, 1.7003, 2.9999, 0.1234567)]
+    wide = wc.compile(copy.deepcopy(models), torch.randn(4, 5).to(dtype), config=FAST)
+    x = (4 * torch.randn(4, 16, 5)).to(dtype).requires_grad_()
+    out = wide(x)
+    out.float().sum().backward()
+    for i, m in enumerate(models):
+        xi = x[i].detach().requires_grad_()
+        want = m(xi)
+        want.float().sum().backward()
+        assert out[i].dtype == want.dtype
+        assert torch.equal(out[i], want), (out[i] - want).abs().max()
+        assert torch.equal(x.grad[i], xi.grad)

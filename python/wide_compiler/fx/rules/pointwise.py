@@ -56,7 +56,15 @@ def _pointwise(ctx: WidenContext, node: fx.Node) -> Wide:
 
     args = _zero_dims_promote_as_in_the_member(ctx, node, tuple(convert(a) for a in node.args))
     kwargs = {k: convert(a) for k, a in node.kwargs.items() if k not in _DROP_KWARGS}
+    if node.target in _SCALAR_IN_OPMATH and _emitted_by(args[1], as_member_opmath):
+        # Note [A 0-dim multiplier in opmath]: the result back in the member's dtype
+        out = ctx.emit(node.target, args, kwargs, like=node)
+        return Wide(ctx.emit(as_input_dtype, (out, args[0]), like=node, name=node.name), rank)
     return Wide(ctx.emit(node.target, args, kwargs, like=node, name=node.name), rank)
+
+
+def _emitted_by(a: Any, fn: Any) -> bool:
+    return isinstance(a, fx.Node) and a.op == "call_function" and a.target is fn
 
 
 # In-place writes that ATen does not tag pointwise; the target is per member (see Note [Per-member
@@ -154,9 +162,50 @@ def _zero_dims_promote_as_in_the_member(ctx: WidenContext, node: fx.Node, args: 
     numbers = [v for v in member.values() if isinstance(v, Number) and not isinstance(v, torch.Tensor)]
     out = list(args)
     for i in per_member:
-        out[i] = ctx.emit(as_member_promotes, (args[i], [args[j] for j in dims],
-                                               [args[j] for j in zero_dims if j != i], numbers), like=node)
+        cast = as_member_promotes
+        if node.target in _CAST_IN_OPMATH and i == 1 and 0 in dims and member[1].is_floating_point() \
+                and member[1].element_size() >= 4:  # Note [A 0-dim multiplier in opmath]
+            cast = as_member_opmath
+        out[i] = ctx.emit(cast, (args[i], [args[j] for j in dims],
+                                 [args[j] for j in zero_dims if j != i], numbers), like=node)
     return tuple(out)
+
+
+# Note [A 0-dim multiplier in opmath]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ATen's CPU mul and div of a float16/bfloat16 tensor by a 0-dim float32 (or float64) tensor on
+# the right read that operand as a scalar in their opmath type, float32, unrounded: the product is
+# rounded once, to the tensor's dtype. Cast to the result's dtype first, a per-member multiplier
+# (``h * torch.tensor(self.t)``) was rounded twice: 1 ulp off in a quarter of the values of a
+# bfloat16 member (probe 20 of issue 44, P20-7). It is cast to float32 instead (as_member_opmath),
+# and the product back to the tensor's dtype (as_input_dtype); elsewhere both are what
+# as_member_promotes does. (On the left, and for add and sub, ATen rounds the operand first.)
+_SCALAR_IN_OPMATH = frozenset({aten.mul.Tensor, aten.div.Tensor})
+_CAST_IN_OPMATH = _SCALAR_IN_OPMATH | {aten.mul_.Tensor, aten.div_.Tensor}  # in place: written in x's dtype
+
+
+def as_member_opmath(x: torch.Tensor, dims: Sequence[Any], zero_dims: Sequence[Any],
+                     numbers: Sequence[Any]) -> torch.Tensor:
+    """Note [A 0-dim multiplier in opmath]: ``x`` in float32 beside a float16/bfloat16 tensor
+    (``dims[0]``), else as :func:`as_member_promotes` casts it.
+
+    >>> import torch
+    >>> as_member_opmath(torch.ones(3, dtype=torch.float64), [torch.ones(2, dtype=torch.bfloat16)], [], []).dtype
+    torch.float32
+    """
+    first = dims[0] if dims else None
+    if isinstance(first, torch.Tensor) and first.is_floating_point() and first.element_size() < 4 \
+            and x.is_floating_point():
+        return x.to(torch.float32)
+    return as_member_promotes(x, dims, zero_dims, numbers)
+
+
+def as_input_dtype(out: torch.Tensor, x: Any) -> torch.Tensor:
+    """Note [A 0-dim multiplier in opmath]: ``out`` back in ``x``'s float16/bfloat16 dtype (else as
+    it is)."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.element_size() < 4 and out.dtype != x.dtype:
+        return out.to(x.dtype)
+    return out
 
 
 @rule("type_as", layout="elementwise")
