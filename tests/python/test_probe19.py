@@ -214,3 +214,31 @@ def test_a_per_member_0d_multiplier_is_used_unrounded_as_aten_does(form, dtype):
         assert out[i].dtype == want.dtype
         assert torch.equal(out[i], want), (out[i] - want).abs().max()
         assert torch.equal(x.grad[i], xi.grad)
+
+
+class _CausalEncoder(nn.Module):
+    def __init__(self, is_causal=None) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+        self.e, self.is_causal = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), is_causal
+
+    def forward(self, x):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.e(x, mask=mask) if self.is_causal is None else self.e(x, mask=mask, is_causal=self.is_causal)
+
+
+def test_a_causal_mask_without_is_causal_is_refused_saying_the_one_word_fix():
+    """Probe 20, P20-6: TransformerEncoder(x, mask=causal) checks the mask's values to decide
+    whether it is causal, which export cannot trace: its raw data-dependent-guard error said
+    nothing of that; the refusal names the check and the fix (is_causal=True), which compiles."""
+    torch.manual_seed(0)
+    members = [_CausalEncoder().eval() for _ in range(2)]
+    with pytest.raises(wc.WideCompileError, match=r"(?s)_detect_is_causal_mask.*is_causal=True"):
+        wc.compile(copy.deepcopy(members), torch.randn(2, 5, 8), config=FAST)
+    fixed = [_CausalEncoder(is_causal=True).eval() for _ in range(2)]
+    for m, src in zip(fixed, members):
+        m.load_state_dict(src.state_dict())
+    wide = wc.compile(copy.deepcopy(fixed), torch.randn(2, 5, 8), config=FAST)
+    x = torch.randn(2, 2, 5, 8)
+    for i, m in enumerate(members):
+        torch.testing.assert_close(wide(x)[i], m(x[i]), rtol=1e-5, atol=1e-5)

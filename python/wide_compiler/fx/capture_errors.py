@@ -29,6 +29,12 @@ def capture_error(model: nn.Module, e: Exception, compiling: Any = ()) -> WideCo
         what += (f"The forward asks torch.compiler.is_compiling() ({'; '.join(dict.fromkeys(compiling))}): the "
                  "capture follows the branch each member takes when called alone (the answer False, Note [What "
                  "export does not capture] in fx/export_watch.py), and that branch is what failed above.\n")
+    if _in_frames(e, "_detect_is_causal_mask"):  # probe 20 of issue 44, P20-6
+        return WideCompileError(
+            what + "It fails in torch's _detect_is_causal_mask: nn.TransformerEncoder (and nn.Transformer) given a "
+            "float mask but no is_causal compares the mask's values with a causal mask to decide, a check on "
+            "tensor values that export cannot trace.\nWhat to do: say it in the call, enc(x, mask=mask, "
+            "is_causal=True) for a causal mask (the same values), or is_causal=False for another.")
     if "dynamic_shapes" in str(e) or "tree_name" in str(e):
         return WideCompileError(
             what + "What to do: the dynamic_shapes given to torch.export do not match the forward's "
@@ -41,6 +47,17 @@ def capture_error(model: nn.Module, e: Exception, compiling: Any = ()) -> WideCo
         "tensor values: use torch.cond, or restructure), register a wide form for the "
         "offending module with @wide_compiler.register(ModuleType) so it is kept whole, or "
         "pass dynamic_shapes= to compile() if the batch is not dim 0 of every input.")
+
+
+def _in_frames(e: BaseException | None, name: str) -> bool:
+    """Whether a function called ``name`` is among the frames ``e`` (or one of its causes) was raised through."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if any(f.f_code.co_name == name for f, _ in traceback.walk_tb(e.__traceback__)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def outside_padded_program(e: BaseException | None) -> BaseException | None:
