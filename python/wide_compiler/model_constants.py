@@ -99,9 +99,11 @@ class MemberConstantsMixin:
                     continue
                 held = base.__dict__.get(key, _ABSENT)
                 if isinstance(value, torch.Tensor):  # a state tensor the forward keeps (TBPTT's hidden state)
-                    if not (isinstance(held, torch.Tensor) and held.shape == value.shape and torch.equal(held, value)):
+                    same = (isinstance(held, torch.Tensor) and (held.shape, held.dtype, held.device)
+                            == (value.shape, value.dtype, value.device) and torch.equal(held, value))
+                    if not same:
                         out[f"{path}.{key}" if path else key] = value.detach().clone()
-                elif _plain(value) and (held != value or type(held) is not type(value)):
+                elif _plain(value) and (type(held) is not type(value) or held != value):
                     out[f"{path}.{key}" if path else key] = value
         return out
 
