@@ -242,3 +242,43 @@ def test_a_causal_mask_without_is_causal_is_refused_saying_the_one_word_fix():
     x = torch.randn(2, 2, 5, 8)
     for i, m in enumerate(members):
         torch.testing.assert_close(wide(x)[i], m(x[i]), rtol=1e-5, atol=1e-5)
+
+
+class _MaxNormEmbedding(nn.Module):
+    def __init__(self, d: int, norm_type: float = 2.0) -> None:
+        super().__init__()
+        self.e, self.o = nn.Embedding(9, d, max_norm=1.0, norm_type=norm_type), nn.Linear(d, 2)
+
+    def forward(self, i):
+        return self.o(self.e(i))
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0])
+def test_a_max_norm_embedding_pads_its_swept_dim(norm_type):
+    """Probe 20, P20-5: ``nn.Embedding(max_norm=...)`` with a swept embedding dim was refused as a
+    write into the padding; a zero padding column adds nothing to a row's norm and is scaled to
+    zero, so the renormalised tables, outputs and gradients are every member's, through steps."""
+    torch.manual_seed(0)
+    models = [_MaxNormEmbedding(d, norm_type).double() for d in (4, 8, 6)]
+    for m in models:
+        with torch.no_grad():
+            m.e.weight.mul_(3)  # most rows above max_norm
+    refs = copy.deepcopy(models)
+    wide = wc.compile(copy.deepcopy(models), torch.randint(0, 9, (5, 3)), pad=True, config=FAST)
+    opt = torch.optim.SGD(wide.parameters(), lr=0.1)
+    ref_opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in refs]
+    for _ in range(3):
+        idx = torch.randint(0, 9, (3, 5, 3))
+        outs = wide.member_outputs(wide(idx))
+        opt.zero_grad()
+        sum(o.square().sum() for o in outs).backward()
+        opt.step()
+        for i, (m, o) in enumerate(zip(refs, ref_opts)):
+            out = m(idx[i])
+            torch.testing.assert_close(outs[i], out, rtol=1e-12, atol=1e-12)
+            o.zero_grad()
+            out.square().sum().backward()
+            o.step()
+    for i, m in enumerate(refs):
+        for k, v in m.state_dict().items():
+            torch.testing.assert_close(wide.member_state_dict(i)[k], v, rtol=1e-12, atol=1e-12)

@@ -177,7 +177,7 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(("bernoulli", "empty_like", "new_empty", "new_full", "new_ones", "normal", "rand",
                      "rand_like", "randint", "randint_like", "randn", "randn_like", "bernoulli_", "exponential_",
                      "normal_", "uniform_", "alpha_dropout", "feature_alpha_dropout"), _NEW),
-    **dict.fromkeys(("fill_", "hardsigmoid_", "masked_fill_", "sigmoid_", "embedding_renorm_"), _IN_PLACE),
+    **dict.fromkeys(("fill_", "hardsigmoid_", "masked_fill_", "sigmoid_"), _IN_PLACE),
     **dict.fromkeys(("log", "rsqrt", "reciprocal", "sqrt"), _NOT_FINITE),
     **dict.fromkeys(("gather", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_",
                      "index_put", "index_put_", "scatter", "scatter_", "scatter_add", "scatter_add_",

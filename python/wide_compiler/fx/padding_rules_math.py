@@ -302,6 +302,25 @@ def _embedding(p: Padder, node: fx.Node) -> None:
     p.lay[node] = [None] * len(il) + [wl[1]]
 
 
+def _embedding_renorm(p: Padder, node: fx.Node) -> None:
+    """``nn.Embedding(max_norm=...)``: ``embedding_renorm_`` scales each looked-up row whose
+    ``norm_type``-norm exceeds ``max_norm`` down to it, in place. Over a padded embedding dim a
+    zero padding column adds nothing to a row's norm (``norm_type > 0``) and is scaled to zero:
+    exact, the table keeps its layout (probe 20 of issue 44, P20-5: refused as a write into the
+    padding). A padded vocabulary (rows) is refused: an index past a member's own rows would
+    renormalise a padded row before the lookup after it raises."""
+    w, idx = node.args[0], node.args[1]
+    wl = p.layout(w)
+    if any(v is not None for v in p.layout(idx)):
+        p.refuse(node, "padded indices")
+    norm_type = node.args[3] if len(node.args) > 3 else node.kwargs.get("norm_type", 2.0)
+    if not (isinstance(norm_type, (int, float)) and norm_type > 0):
+        p.refuse(node, f"norm_type {norm_type!r}: zeros in the padding count in a norm of a non-positive order")
+    if wl[0] is not None:
+        p.refuse(node, "a renormalised embedding table whose vocabulary (rows) is padded")
+    p.lay[node] = list(wl)
+
+
 def _norm_affine(p: Padder, node: fx.Node, params: Sequence[Any], lays: list[Any]) -> None:
     """Bind the affine parameters (weight, bias over the normalized dims) to the input's layout."""
     for prm in params:
@@ -567,7 +586,7 @@ MATH_RULES: dict[str, Callable[[Padder, fx.Node], None]] = {
     "linear": _linear, "matmul": _matmul, "mm": _matmul, "bmm": _matmul,
     "conv1d": _conv, "conv2d": _conv, "conv3d": _conv, "convolution": _conv,
     "conv_transpose1d": _conv, "conv_transpose2d": _conv, "conv_transpose3d": _conv,
-    "embedding": _embedding,
+    "embedding": _embedding, "embedding_renorm_": _embedding_renorm,
     "layer_norm": _layer_norm, "rms_norm": lambda p, n: _layer_norm(p, n, rms=True),
     "group_norm": _group_norm, "batch_norm": _batch_norm, "instance_norm": _batch_norm,
     "mean": _mean, "sum": _sum, "amax": _amax, "max": _amax, "softmax": _softmax, "log_softmax": _softmax, "_softmax": _softmax,
