@@ -85,7 +85,7 @@ def unmarked_padded_source(t: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
     held = [(o.grad_fn, o) for o in same if o.grad_fn is not None]
     nodes = {id(fn): o for fn, o in held}
     if t.grad_fn is not None and nodes:
-        seen, visited, todo = set(), [], [t.grad_fn]
+        seen, visited, todo = set(), [], [t.grad_fn]  # visited: held, so their ids stay theirs
         while todo and len(seen) < _SEARCHED:
             node = todo.pop()
             if node is None or id(node) in seen:

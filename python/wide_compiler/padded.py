@@ -211,17 +211,14 @@ class PaddedWideModel(WideModel):
         """Note [The padding's own constants]."""
         exact = self.__dict__.get("_pad_constants_exact", {})
         seen = self.__dict__.setdefault("_pad_constant_versions", {})
+        def written(b: torch.Tensor) -> tuple:
+            return id(b), b._version, b.data_ptr(), b.dtype, b.device
+
         for name, owner, attr in self.__dict__.get("_pad_constants", ()):
             b = owner._buffers.get(attr)
-            if b is None or name not in exact:
-                continue
-            key = (id(b), b._version, b.data_ptr(), b.dtype, b.device)
-            if seen.get(name) == key:
-                continue
-            want = exact[name]
-            if not torch.equal(b.detach().to("cpu", want.dtype), want):
-                b.copy_(want)
-            seen[name] = (id(b), b._version, b.data_ptr(), b.dtype, b.device)
+            if b is not None and name in exact and seen.get(name) != written(b):
+                b.copy_(exact[name])
+                seen[name] = written(b)
 
     def _refuse_low_precision_padding(self) -> None:
         """Note [A padded reduction runs in float32 or float64]."""

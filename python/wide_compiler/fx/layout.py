@@ -230,12 +230,18 @@ def _to_channels_first(graph: fx.Graph, node: fx.Node, packed: frozenset) -> boo
     packed op reads the pool: a pool read N-first alone is handed on as a view)."""
     if not _ends_channels_last_run(node) or not any(u.target in packed for u in node.users):
         return False
-    with graph.inserting_after(node):
-        new = graph.call_function(TO_CHANNELS_FIRST, (node,))
-    new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "stack_trace", "nn_module_stack",
-                                                                  "wide_source", "wide_member_shape")})
+    new = _channels_first_of(graph, node)
     node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
     return True
+
+
+def _channels_first_of(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    """A ``wide.to_channels_first`` of ``x`` right after it, with its metadata."""
+    with graph.inserting_after(x):
+        new = graph.call_function(TO_CHANNELS_FIRST, (x,))
+    new.meta.update({k: v for k, v in x.meta.items() if k in ("val", "stack_trace", "nn_module_stack",
+                                                               "wide_source", "wide_member_shape")})
+    return new
 
 
 def plan_layout(graph: fx.Graph, n: int, old_graph: fx.Graph | None = None, *, training: bool = False,
@@ -267,7 +273,7 @@ def plan_layout(graph: fx.Graph, n: int, old_graph: fx.Graph | None = None, *, t
     if training and device == "cuda":
         for node in list(graph.nodes):
             if node.op == "call_function" and node.target is aten.avg_pool2d.default and _pads(node):
-                _pool_channels_first(graph, node)
+                node.replace_input_with(node.args[0], _channels_first_of(graph, node.args[0]))
     return count_conversions(graph)
 
 
@@ -285,13 +291,6 @@ def _pads(node: fx.Node) -> bool:
     return any(p != 0 for p in (padding if isinstance(padding, (list, tuple)) else [padding]))
 
 
-def _pool_channels_first(graph: fx.Graph, node: fx.Node) -> None:
-    """Note [A padded average pool on CUDA]: ``node`` reads its input channels-first."""
-    x = node.args[0]
-    with graph.inserting_before(node):
-        new = graph.call_function(TO_CHANNELS_FIRST, (x,))
-    new.meta.update({k: v for k, v in x.meta.items() if k in ("val", "wide_source", "wide_member_shape")})
-    node.replace_input_with(x, new)
 
 
 def count_conversions(graph: fx.Graph) -> dict[str, int]:
