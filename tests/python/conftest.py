@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import tempfile
 from pathlib import Path
 
@@ -111,6 +112,15 @@ def _default_dtype_guard():
 # eval mode, its batch norm backward fails without a weight), and the first GPU run failed ~50
 # tests on those references alone. ``WIDE_TEST_FAILURES=FILE`` appends each failure's report to
 # FILE as it happens (a GPU run that is cut off at its time limit still says what failed).
+#
+# Note [A kernel fault ends its worker]
+# A CUDA kernel that faults (a misaligned address, an illegal access) leaves its process's CUDA
+# context unusable, and CUDA reports the fault at a later call, often in a later test: the second
+# GPU run failed ~480 tests of one worker after one fault, none of them its cause. So each test on
+# CUDA ends by waiting for its kernels; a fault there is this test's, and its worker ends at once
+# (pytest-xdist starts another and names the test as the one that crashed it). The test's id goes
+# to FILE.faulted too: tools/cuda_check.sh runs those again with CUDA_LAUNCH_BLOCKING=1, where the
+# traceback points at the kernel's launch.
 #: Whether tests make their tensors on TEST_DEVICE by default (``WIDE_TEST_DEVICE=cpu`` checks
 #: the mechanism itself on a machine without a GPU).
 ON_DEFAULT_DEVICE = "WIDE_TEST_DEVICE" in os.environ
@@ -154,6 +164,26 @@ def _on_the_test_device(request):
     with torch.backends.cudnn.flags(enabled=aware, deterministic=False, benchmark=False, allow_tf32=False):
         yield
     torch.set_default_device(TEST_DEVICE)
+    if TEST_DEVICE.type == "cuda":
+        _check_the_context(request.node.nodeid)
+
+
+def _check_the_context(nodeid: str) -> None:
+    """Note [A kernel fault ends its worker]: wait for the test's kernels; if one faulted, say
+    which test launched it and end this process."""
+    try:
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 (torch.AcceleratorError, or RuntimeError on older torch)
+        report = f"\n===== {nodeid} (a CUDA kernel of this test faulted; its worker ends)\n{e}\n"
+        path = os.environ.get("WIDE_TEST_FAILURES")
+        if path:
+            with open(path, "a") as f:
+                f.write(report)
+            with open(path + ".faulted", "a") as f:
+                f.write(nodeid + "\n")
+        sys.stderr.write(report)
+        sys.stderr.flush()
+        os._exit(3)
 
 
 def pytest_runtest_logreport(report):

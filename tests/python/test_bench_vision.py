@@ -197,3 +197,27 @@ def test_the_processes_baseline_times_n_processes_and_says_why_when_it_cannot():
         assert "processes" not in r["errors"], r["errors"]
     assert all("needs a case of a target's jobs" in r["errors"]["processes"] for r in direct)
     assert all(set(r["baseline_ms"]) == {"loop"} for r in direct)
+
+
+def test_the_processes_baseline_refuses_more_processes_than_its_cap(monkeypatch):
+    """Above MAX_PROCESSES the baseline starts nothing and says so in every record of the case
+    (N=256 processes took the first GPU run's whole benchmark time)."""
+    from wide_compiler.bench import processes
+
+    started = []
+    monkeypatch.setattr(processes, "MAX_PROCESSES", 3)
+    monkeypatch.setattr(processes.subprocess, "Popen", lambda *a, **k: started.append(a))
+    with bench.engine.with_baselines(("loop", "processes")):
+        records = bench.run("models", "ci", cases=["tabular N=4"])
+    assert not started
+    assert records and all("more than MAX_PROCESSES=3" in r["errors"]["processes"] for r in records)
+    assert all(r["baseline_ms"]["loop"] > 0 for r in records)
+
+
+def test_each_job_is_handed_on_as_it_ends():
+    """``bench.run(on_job=...)`` gets every job's records when it ends, in order: the CLI logs
+    them and rewrites --json, so a run cut short keeps what it measured."""
+    seen = []
+    records = bench.run("models", "ci", cases=["tabular"], on_job=lambda recs: seen.append(list(recs)))
+    assert seen and all(seen)
+    assert [r["case"] for recs in seen for r in recs] == [r["case"] for r in records]

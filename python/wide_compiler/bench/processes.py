@@ -17,13 +17,22 @@ import subprocess
 import sys
 import time
 
-__all__ = ["processes_ms"]
+__all__ = ["MAX_PROCESSES", "processes_ms"]
+
+#: The most processes the baseline starts: each holds its own torch and CUDA context (~0.5 GB of
+#: GPU memory and seconds to start), so N=256 would take minutes to start and most of a GPU's
+#: memory before the first step. Above it the baseline is recorded as not run, saying why.
+MAX_PROCESSES = 32
 
 
 def processes_ms(target: str, size: str, case: str, n: int, mode: str, device: str, *, steps: int = 20,
                  warmup: int = 3, timeout: float = 900.0) -> float:
     """Milliseconds per step of ``n`` processes, member ``i`` in process ``i``, started together
-    (see the module's docstring). Raises RuntimeError naming the process that failed."""
+    (see the module's docstring). Raises RuntimeError naming the process that failed, and
+    ValueError for ``n`` above :data:`MAX_PROCESSES`."""
+    if n > MAX_PROCESSES:
+        raise ValueError(f"N={n} processes: more than MAX_PROCESSES={MAX_PROCESSES} (each holds its own "
+                         f"torch and device context); not run")
     threads = max(1, (os.cpu_count() or 1) // n)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     procs = []

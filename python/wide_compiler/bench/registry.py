@@ -138,10 +138,12 @@ def get(name: str) -> Target:
 
 
 def run(name: str, preset: str | Preset = "quick", *, progress: bool = False,
-        cases: Sequence[str] | None = None) -> list[Record]:
+        cases: Sequence[str] | None = None,
+        on_job: Callable[[list[Record]], None] | None = None) -> list[Record]:
     """Run target ``name`` with ``preset`` (a preset name, or a :class:`Preset` of your own grid,
     stamped ``"custom"``); returns its records (:mod:`.engine`). ``cases``: run only the jobs
-    whose label starts with one of these names (``"resnet18"``, ``"resnet18 N=4"``)."""
+    whose label starts with one of these names (``"resnet18"``, ``"resnet18 N=4"``). ``on_job``
+    is called with each job's records as soon as it ends (a run cut short keeps what it measured)."""
     spec = get(name)
     p, label = (preset, "custom") if isinstance(preset, Preset) else (spec.preset(preset), preset)
     if engine.DEVICE.type not in spec.devices:
@@ -164,12 +166,15 @@ def run(name: str, preset: str | Preset = "quick", *, progress: bool = False,
         for job in jobs:
             if bar is not None:
                 bar.set_postfix_str(job.label)
-            for r in job.run(machine):
+            done = list(job.run(machine))
+            for r in done:
                 missing = [k for k in engine.RECORD_KEYS if k not in r]
                 if missing:
                     raise RuntimeError(f"benchmark {name}/{job.label}: a record lacks {missing} "
                                        f"(build records with engine.make_record)")
-                records.append(r)
+            records += done
+            if on_job is not None:
+                on_job(done)
             if bar is not None:
                 bar.update()
     finally:

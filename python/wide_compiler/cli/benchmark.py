@@ -73,14 +73,26 @@ def run(args: argparse.Namespace) -> int:
 
         tune_cpu_allocator()
     records = []
-    bar = not args.quiet and progress.interactive()  # a CI log gets one line per target instead
+    bar = not args.quiet and progress.interactive()  # a CI log gets one line per job instead
+    paths = [Path(args.json)] if args.json else []
+
+    def job_done(recs: list[dict]) -> None:
+        """A log line per record and the records so far in the --json file, as each job ends."""
+        if not args.quiet and not bar:
+            for r in recs:
+                print(_record_line(r), file=sys.stderr, flush=True)
+        for path in paths:
+            _write_json(path, [*records, *done, *recs])
+        done.extend(recs)
+
     for name in targets:
         if not args.quiet and not bar:
             print(f"benchmark {name}/{args.preset} ...", file=sys.stderr, flush=True)
+        done: list[dict] = []
         with (bench.engine.compile_all() if args.compile else contextlib.nullcontext(),
               bench.engine.on_device(args.device), bench.engine.with_baselines(args.baselines)):
             try:
-                recs = bench.run(name, args.preset, progress=bar, cases=args.case)
+                recs = bench.run(name, args.preset, progress=bar, cases=args.case, on_job=job_done)
             except ValueError as e:
                 if not str(e).startswith(f"benchmark {name}/"):
                     raise
@@ -88,15 +100,11 @@ def run(args: argparse.Namespace) -> int:
         records += recs
         if not args.quiet:
             print(bench.format_records(name, top_records(recs, args.top) if args.top else recs))
-    paths = [Path(args.json)] if args.json else []
     if args.save:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         paths.append(Path("bench-results") / f"{args.target}-{args.preset}-{stamp}.json")
     for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(_finite(records), f, indent=1, default=str, allow_nan=False)
-            f.write("\n")
+        _write_json(path, records)
         if not args.quiet:
             print(f"wrote {len(records)} records to {path}")
     if args.plot:
@@ -104,6 +112,20 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"wrote {args.plot}")
     return 0
+
+
+def _write_json(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(_finite(records), f, indent=1, default=str, allow_nan=False)
+        f.write("\n")
+
+
+def _record_line(r: dict) -> str:
+    """One record in a line of a log: case, N, mode, strategy, wide ms, the speedup per baseline."""
+    speedups = "  ".join(f"{k} {v:.2f}x" for k, v in (r.get("speedup") or {}).items() if v is not None)
+    return (f"  {r.get('case', '')} N={r.get('n')} {r.get('mode', '')} {r.get('strategy', '')}: "
+            f"wide {r['wide_ms']:.3f} ms  {speedups}")
 
 
 def _best_speedup(record: dict) -> float:
