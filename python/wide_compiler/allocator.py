@@ -130,13 +130,23 @@ class _BackwardScope:
         self._open = True
 
     def close(self) -> None:
-        if self._open:
+        """Leave the scope, on the thread that entered it; elsewhere, leave that to ``__del__``
+        (Note [A backward pass that ends on another thread])."""
+        if self._open and threading.get_ident() == self._thread:  # a scope is per thread
             self._open = False
             _scope(False)
 
     def __del__(self) -> None:
-        if self._open and threading.get_ident() == self._thread:  # a scope is per thread
-            self.close()
+        self.close()
+
+
+# Note [A backward pass that ends on another thread]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The engine runs a graph task's final callbacks on whichever thread finished its last node: with
+# CUDA nodes in the pass, that can be the device's worker thread, and leaving there a scope the
+# calling thread entered failed ("left a caching scope that was not entered", seen on a GPU). So
+# close() leaves only on the entering thread, and otherwise the graph task's release does
+# (the calling thread holds the task until backward returns).
 
 
 def _enter_backward_scope(_grad_outputs: Any) -> None:

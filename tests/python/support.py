@@ -28,6 +28,26 @@ DEVICE = torch.device(os.environ.get("WIDE_TEST_DEVICE", "cpu"))
 cpu_only = pytest.mark.cpu_only
 
 
+def _aminmax_has_a_derivative() -> bool:
+    x = torch.ones(2, device=DEVICE, requires_grad=True)
+    try:
+        torch.aminmax(x)[0].backward()
+    except RuntimeError:  # "derivative for aten::aminmax is not implemented" (CUDA, torch 2.11)
+        return False
+    return True
+
+
+#: Whether this torch differentiates ``torch.aminmax`` on the suite's device (torch 2.11's CUDA
+#: build does not: a member's own backward fails, so a test has nothing to compare with).
+AMINMAX_HAS_A_DERIVATIVE = _aminmax_has_a_derivative()
+
+
+def aminmax_operand(h: torch.Tensor) -> torch.Tensor:
+    """``h``, detached where torch has no derivative of ``aminmax`` (AMINMAX_HAS_A_DERIVATIVE):
+    the rule is still run, its gradient not asked for."""
+    return h if AMINMAX_HAS_A_DERIVATIVE else h.detach()
+
+
 class FakeClock:
     """A clock that moves only when a test sets ``t`` (Note [Fake clock] in measure/timing.py)."""
 
@@ -184,11 +204,14 @@ def all_to_eval(wide: nn.Module, models: list[nn.Module]) -> None:
 
 def run_in_threads(fn: Callable[[int], object], n: int) -> list[Exception]:
     """Call ``fn(k)`` for k in range(n), each on its own thread, all started before any is joined;
-    returns the exceptions they raised (empty when every call succeeded)."""
+    returns the exceptions they raised (empty when every call succeeded). The threads make their
+    tensors on the caller's default device (it is per thread: Note [The device-generic suite])."""
     errors: list[Exception] = []
+    device = torch.get_default_device()
 
     def call(k: int) -> None:
         try:
+            torch.set_default_device(device)
             fn(k)
         except Exception as e:  # noqa: BLE001 (returned to the test, which asserts on it)
             errors.append(e)

@@ -72,6 +72,30 @@ def test_scopes_are_per_thread():
     del keep
 
 
+def test_a_backward_scope_closed_on_another_thread_is_left_by_its_own():
+    """The engine may run a backward pass's final callback on a device's worker thread (Note [A
+    backward pass that ends on another thread]): closing there neither fails nor leaves the
+    worker's scope; the entering thread leaves it when the scope object goes."""
+    scope = allocator._BackwardScope()
+    errors = []
+
+    def close_elsewhere():
+        try:
+            scope.close()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    th = threading.Thread(target=close_elsewhere)
+    th.start()
+    th.join()
+    assert not errors
+    assert torch.ops.wide._caching_scope(True) == 1  # still inside it here: now two deep
+    torch.ops.wide._caching_scope(False)
+    del scope
+    with pytest.raises(RuntimeError, match="not entered"):
+        torch.ops.wide._caching_scope(False)
+
+
 def test_outputs_are_never_reused_while_alive():
     """Two calls in a row: the first output keeps its values and its memory."""
     models = testing.make_members(_net, 3)

@@ -411,6 +411,16 @@ def _stats_norm(g: Gen, batch_stats_name: str, min_spatial_dims: int, *, broadca
     return _StatsNorm(n, dtype, b, spatial, batch_stats, momentum, eps, packed, args)
 
 
+def _norm_member(norm, x, rm, rv, w, b, *rest):
+    """``norm(x, rm, rv, w, b, *rest)`` (batch or instance norm) of one member; off the CPU, a bias
+    without a weight is added after the norm: PyTorch's CUDA batch norm backward without cuDNN
+    returns no bias gradient then (torch 2.11: "invalid gradient at index 2 - got [0]", or a zero
+    one), so the member had nothing to compare with."""
+    if w is not None or b is None or x.device.type == "cpu":
+        return norm(x, rm, rv, w, b, *rest)
+    return norm(x, rm, rv, None, None, *rest) + b.reshape(-1, *[1] * (x.dim() - 2))
+
+
 def gen_batch_norm(seed: int) -> Case:
     g = Gen("batch_norm", seed)
     # No batch_broadcast input: a batch of identical samples has zero variance, and x - mean (pure
@@ -419,7 +429,8 @@ def gen_batch_norm(seed: int) -> Case:
     return Case(g, s.n, s.dtype, s.args,
                 lambda a: W.to_nfirst(W.batch_norm(a["x"], a["w"], a["b"], a["rm"], a["rv"], s.batch_stats,
                                                    s.momentum, s.eps, packed_input=s.packed), s.n),
-                lambda i, a: F.batch_norm(a["x"], a["rm"], a["rv"], a["w"], a["b"], s.batch_stats, s.momentum, s.eps),
+                lambda i, a: _norm_member(F.batch_norm, a["x"], a["rm"], a["rv"], a["w"], a["b"], s.batch_stats,
+                                          s.momentum, s.eps),
                 raises=s.batch_stats and s.b * math.prod(s.spatial) == 1)
 
 
@@ -429,8 +440,8 @@ def gen_instance_norm(seed: int) -> Case:
     return Case(g, s.n, s.dtype, s.args,
                 lambda a: W.to_nfirst(W.instance_norm(a["x"], a["w"], a["b"], a["rm"], a["rv"], s.batch_stats,
                                                       s.momentum, s.eps, packed_input=s.packed), s.n),
-                lambda i, a: F.instance_norm(a["x"], a["rm"], a["rv"], a["w"], a["b"], s.batch_stats, s.momentum,
-                                             s.eps),
+                lambda i, a: _norm_member(F.instance_norm, a["x"], a["rm"], a["rv"], a["w"], a["b"], s.batch_stats,
+                                          s.momentum, s.eps),
                 raises=s.batch_stats and math.prod(s.spatial) == 1)
 
 
@@ -586,7 +597,14 @@ def gen_embedding_renorm_(seed: int) -> Case:
 
     def member(i, a):
         with torch.no_grad():
-            return torch.embedding_renorm_(a["w"], a["idx"], max_norm, norm_type)
+            w = a["w"]
+            if w.device.type == "cpu" or w.is_contiguous():
+                return torch.embedding_renorm_(w, a["idx"], max_norm, norm_type)
+            # PyTorch's CUDA renorm of a strided table renormalises the wrong elements (torch
+            # 2.11; the wide op works around it the same way: csrc/wide/ops/embedding.cpp)
+            rows = w.contiguous()
+            torch.embedding_renorm_(rows, a["idx"], max_norm, norm_type)
+            return w.copy_(rows)
     return Case(g, n, dtype, args, wide, member, grads=False)
 
 

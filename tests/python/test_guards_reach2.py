@@ -251,7 +251,7 @@ def test_an_unpickled_guard_does_not_take_another_process_hooks_for_its_own():
         wide, _ = _compile(_Plain)
         x = _x()
         guards = wide._graph_for(True).guards
-        pdt, pdev = torch.float64, torch.device("cpu")
+        pdt, pdev = torch.float64, x.device  # the parameters' dtype and device
         assert guards.holds((x,), pdt, pdev)
         again = pickle.loads(pickle.dumps(guards))  # as another process reads it: handle ids are its own
         assert not again.holds((x,), pdt, pdev)

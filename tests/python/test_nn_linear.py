@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
+from support import DEVICE
 from torch import nn
 from wide_compiler.testing import assert_close, assert_members_close
 
@@ -115,8 +116,9 @@ def test_reset_parameters_reinitialises():
 
 
 def test_constructor_dtype_and_device():
-    wide = WideLinear(2, 3, 4, dtype=torch.float64, device="cpu")
+    wide = WideLinear(2, 3, 4, dtype=torch.float64, device=DEVICE)
     assert wide.weight.dtype == torch.float64 and wide.bias.dtype == torch.float64
+    assert wide.weight.device.type == DEVICE.type
     x = torch.randn(2, 5, 3, dtype=torch.float64)
     assert wide(x).dtype == torch.float64
 

@@ -109,3 +109,30 @@ def test_scheduler_argument_errors():
     sched = wls.ReduceLROnPlateau(opt)
     with pytest.raises(ValueError, match="metrics"):
         sched.step([1.0, 2.0])
+
+
+def _lrs_after_steps(make, metrics: bool) -> list[list[float]]:
+    w = nn.Parameter(torch.zeros(N, 2, device="cpu"))
+    opt = wc.optim.SGD([w], lr=LRS, momentum=0.9)
+    sched = make(opt)
+    seen = []
+    for step in range(6):
+        opt.step()
+        sched.step(torch.tensor([step % 3, -step, 1.0, step, 0.5], device="cpu")) if metrics else sched.step()
+        seen.append(opt.param_groups[0]["lr"].tolist())
+    return seen
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["plateau"])
+def test_schedules_keep_their_state_on_the_cpu_under_another_default_device(name):
+    """Per-member schedule state lives on the CPU, beside the optimizer's per-member
+    hyperparameters, whatever ``torch.set_default_device`` says: a GPU run under a CUDA default
+    device mixed devices in OneCycleLR and ReduceLROnPlateau. The meta device stands in for it."""
+    if name == "plateau":
+        make, metrics = (lambda opt: wls.ReduceLROnPlateau(opt, patience=[0, 1, 2, 0, 1], factor=0.5)), True
+    else:
+        _, wide_cls, _, kw, _ = next(c for c in CASES if c[0] == name)
+        make, metrics = (lambda opt: wide_cls(opt, **kw)), False
+    expected = _lrs_after_steps(make, metrics)
+    with torch.device("meta"):
+        assert _lrs_after_steps(make, metrics) == expected

@@ -13,6 +13,7 @@ from torch import nn
 
 import wide_compiler as wc
 from wide_compiler.errors import UnsupportedOperationError
+from support import DEVICE
 
 FAST = wc.WideConfig.fast()
 
@@ -108,11 +109,12 @@ def test_a_padded_reduction_under_autocast_is_refused_and_padding_without_one_ru
     models = [NormHead(h) for h in (8, 12, 16)]
     wide = wc.compile(copy.deepcopy(models), torch.randn(3, 4), pad=True, config=FAST)
     xs = [torch.randn(3, 4) for _ in models]
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(UnsupportedOperationError, match="under cpu autocast"):
+    with (torch.autocast(DEVICE.type, dtype=torch.bfloat16),
+          pytest.raises(UnsupportedOperationError, match=f"under {DEVICE.type} autocast")):
         wide(torch.stack(xs))
     plain = [nn.Sequential(nn.Linear(4, h), nn.ReLU(), nn.Linear(h, 3)) for h in (8, 12, 16)]
     wide = wc.compile(copy.deepcopy(plain), torch.randn(3, 4), pad=True, config=FAST)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         _members_match(wide, plain, xs, 2e-2)
 
 

@@ -185,7 +185,8 @@ def test_a_hook_writing_the_object_it_is_bound_to_is_refused(hook, says):
     for m in models:
         hooks.append(hook())
         m[0].register_forward_hook(hooks[-1])
-    with pytest.raises(wc.WideCompileError, match="that writes into state outside it") as err:
+    # (on a GPU the capture's placeholder is found in the recorder first: "...: it writes into ...")
+    with pytest.raises(wc.WideCompileError, match="writes into state outside it") as err:
         wc.compile(models, torch.randn(3, 4), config=FAST)
     assert says in str(err.value)
     for h in hooks:

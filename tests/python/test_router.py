@@ -520,9 +520,9 @@ def test_compile_options_and_sample_keywords():
 
 def test_prepare_for_compile_with_a_device_groups_at_the_first_call():
     router, refs = build(mixed_towers())
-    router.prepare_for_compile(torch.device("cpu"))
+    router.prepare_for_compile(torch.device(DEVICE))
     assert not router.groups
-    router.prepare_for_compile("cpu")
+    router.prepare_for_compile(str(DEVICE))
     x, mask = sample()
     router.eval()
     outs = router.wide_forward(x, mask=mask)

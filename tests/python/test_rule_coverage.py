@@ -36,7 +36,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
-from support import LinearModel, StackedScalar, cpu_only
+from support import LinearModel, StackedScalar, aminmax_operand, cpu_only
 from test_autocast import OP_CASES as AUTOCAST_CASES  # each wide op's call under autocast (the op checklist)
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -186,7 +186,7 @@ def _reduce_all(m, x):
     return (
         h.sum(), h.mean(), h.max(), h.min(), h.prod(), p.all(), p.any(), h.std(unbiased=False),
         h.var(unbiased=False), h.nansum(), h.argmax(), h.argmin(), h.argmax(keepdim=True),
-        torch.var_mean(h), torch.std_mean(h), torch.aminmax(h), h.var(), h.std(),
+        torch.var_mean(h), torch.std_mean(h), torch.aminmax(aminmax_operand(h)), h.var(), h.std(),
     )
 
 
@@ -200,7 +200,7 @@ def _reduce_dim(m, x):
         torch.linalg.vector_norm(h, 2, 1), h.max(1), h.min(1), h.logsumexp(1), h.prod(1), p.any(1),
         p.any((0, 1)), p.all(1), p.all((0, 1)), h.topk(3, 1), h.sort(1), h.sort(dim=1, stable=True),
         h.argsort(1), h.argsort(dim=1, stable=True), h.cummax(1), h.cummin(1), h.median(1), h.mode(1),
-        h.kthvalue(2, 1), h.nansum(1), torch.aminmax(h, dim=1), h.softmax(1), h.log_softmax(-1),
+        h.kthvalue(2, 1), h.nansum(1), torch.aminmax(aminmax_operand(h), dim=1), h.softmax(1), h.log_softmax(-1),
         h.cumsum(1), h.cumprod(1), h.logcumsumexp(1), F.glu(h, 1), h.gather(1, idx),
     )
 

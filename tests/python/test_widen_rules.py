@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import wide_compiler as wc
-from support import LinearModel
+from support import LinearModel, aminmax_operand
 from torch import nn
 from wide_compiler.testing import check_compile, check_equivalence, make_members
 
@@ -102,7 +102,9 @@ def _cases(table: dict):
 # ---------------------------------------------------------------------------------------------
 POINTWISE = {
     "exp": (lambda s, h, x: torch.exp(h), B2),
-    "unary-chain": (lambda s, h, x: F.gelu(h).abs().sqrt() + torch.erf(h) * h.sigmoid(), B3),
+    # sqrt(|gelu(h)| + 0.01): sqrt's derivative is unbounded at 0, where two correct float32
+    # programs (cuBLAS's batched and single GEMMs) differed 5x their own rounding on a GPU
+    "unary-chain": (lambda s, h, x: (F.gelu(h).abs() + 0.01).sqrt() + torch.erf(h) * h.sigmoid(), B3),
     "clamp-scalars": (lambda s, h, x: torch.clamp(h, -0.3, 0.3) + F.hardtanh(h, -0.2, 0.2), B2),
     "scalar-arith": (lambda s, h, x: 2.0 - (0.5 * h + 1.0) / 3.0 + h ** 2, B2),
     "mul-param": (lambda s, h, x: h * s.scale, B3),
@@ -179,7 +181,7 @@ DIMS = {
     "logsumexp": (lambda s, h, x: torch.logsumexp(h, dim=1), B3),
     "topk": (lambda s, h, x: torch.topk(h, 3, dim=-1), B3),
     "sort-dim1": (lambda s, h, x: torch.sort(h, dim=1), B3),
-    "aminmax": (lambda s, h, x: torch.aminmax(h, dim=1), B3),
+    "aminmax": (lambda s, h, x: torch.aminmax(aminmax_operand(h), dim=1), B3),
     "any-all-bool": (lambda s, h, x: h * (h > 0).any() + (h > -1).all(dim=1).float().sum(), B3),
     "cummax": (lambda s, h, x: torch.cummax(h, dim=1), B3),
     "median-dim": (lambda s, h, x: h.median(dim=-1), B3),

@@ -483,6 +483,7 @@ void register_kernels(torch::Library& m) {
   m.impl("conv_transpose", &conv_transpose<D>);
   m.impl("prelu", &prelu<D>);
   m.impl("attention", &attention<D>);
+  m.impl("small_attention", &small_attention<D>);  // off the CPU the kernel is SDPA: as attention
   m.impl("batch_norm", &batch_norm<D>);
   m.impl("instance_norm", &instance_norm<D>);
   m.impl("group_norm", &group_norm<D>);
@@ -501,7 +502,6 @@ void register_kernels(torch::Library& m) {
 
 TORCH_LIBRARY_IMPL(wide, AutocastCPU, m) {
   wide::autocast::register_kernels<c10::DeviceType::CPU>(m);
-  m.impl("small_attention", &wide::autocast::small_attention<c10::DeviceType::CPU>);  // a CPU kernel only
 }
 
 TORCH_LIBRARY_IMPL(wide, AutocastCUDA, m) {

@@ -24,6 +24,14 @@ def capture_error(model: nn.Module, e: Exception, compiling: Any = ()) -> WideCo
     padded = outside_padded_program(e)
     if padded is not None:  # a padded member refused the inputs, saying why: that alone (probe 9, P9-4)
         return WideCompileError(str(padded))
+    if "argument of type: <class 'torch._C.Generator'>" in str(e):  # a GPU's generator: export stops at it
+        return WideCompileError(
+            f"wide_compiler: member 0 ({type(model).__name__}) draws random numbers with an explicit generator= "
+            f"({_user_line(e) or 'a torch.Generator argument'}), which torch.export cannot take ({e}); and each "
+            "member alone advances its own generator, where the wide model, which draws for every member at "
+            "once, would have one, so its draws could not be any member's.\n"
+            "What to do: draw from the default generator (seed it with torch.manual_seed), or keep the module "
+            "whole with @wide_compiler.register(ModuleType).")
     what = f"wide_compiler: torch.export could not capture {type(model).__name__}: {type(e).__name__}: {e}\n"
     if compiling:
         what += (f"The forward asks torch.compiler.is_compiling() ({'; '.join(dict.fromkeys(compiling))}): the "
@@ -47,6 +55,14 @@ def capture_error(model: nn.Module, e: Exception, compiling: Any = ()) -> WideCo
         "tensor values: use torch.cond, or restructure), register a wide form for the "
         "offending module with @wide_compiler.register(ModuleType) so it is kept whole, or "
         "pass dynamic_shapes= to compile() if the batch is not dim 0 of every input.")
+
+
+def _user_line(e: BaseException) -> str | None:
+    """``at file:line in func: code`` of the innermost frame of the user's code ``e`` was raised
+    through (None when there is none)."""
+    frames = [(f.f_code.co_filename, line, f.f_code.co_name) for f, line in traceback.walk_tb(e.__traceback__)]
+    user = [f for f in frames if is_user_file(f[0], skip_stdlib=True)]
+    return f"at {location(*user[-1])}" if user else None
 
 
 def _in_frames(e: BaseException | None, name: str) -> bool:

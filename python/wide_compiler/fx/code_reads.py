@@ -434,6 +434,13 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
             mutated.update(_written_into(instructions))
             for i, ins in enumerate(instructions):
                 name = ins.argval
+                if ins.opname == "LOAD_FAST_LOAD_FAST":  # 3.13: two locals at once, the second on top
+                    first, second = name
+                    if isinstance(aliases.get(first), types.ModuleType):  # handed on, not read from
+                        read_global(g, first, aliases[first], code, [ins, ins], 0)
+                    if isinstance(aliases.get(second), types.ModuleType):
+                        read_global(g, second, aliases[second], code, instructions, i)
+                    continue
                 if not isinstance(name, str):
                     continue
                 if ins.opname in ("STORE_GLOBAL", "STORE_ATTR", "DELETE_GLOBAL", "DELETE_ATTR"):
@@ -442,7 +449,8 @@ def globals_read(model: torch.nn.Module) -> tuple[list[tuple[str, str, str, Any]
                     stored.add(name)  # ``nonlocal calls; calls += 1``: state the code keeps
                 elif ins.opname == "IMPORT_NAME" and "-packages" not in code.co_filename:
                     read_import(g, code, instructions, i, aliases)  # ``import cfgmod as c``, ``from cfgmod import X``
-                elif ins.opname in ("LOAD_FAST", "LOAD_NAME") and isinstance(aliases.get(name), types.ModuleType):
+                elif ins.opname in ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_NAME") \
+                        and isinstance(aliases.get(name), types.ModuleType):
                     read_global(g, name, aliases[name], code, instructions, i)
                 elif ins.opname == "LOAD_DEREF" and name in code.co_freevars and name not in shadowed:
                     read_cell(fn, name, code)

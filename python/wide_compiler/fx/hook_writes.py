@@ -11,6 +11,7 @@ import functools
 import inspect
 import logging
 import os
+import sys
 import types
 from typing import Any
 
@@ -84,7 +85,8 @@ def _hook_writes(code: Any) -> set[str]:
     ins = list(dis.get_instructions(code))
     out = set(_written_into(ins))
     out |= {x.argval for x in ins if x.opname in ("STORE_GLOBAL", "STORE_DEREF", "DELETE_GLOBAL", "DELETE_DEREF")}
-    chain = ("LOAD_FAST", "LOAD_CONST", "BINARY_SUBSCR", "LOAD_ATTR", "LOAD_METHOD", "PRECALL", "CALL")
+    chain = (*_LOAD_LOCAL, "LOAD_FAST_LOAD_FAST", "LOAD_CONST", "BINARY_SUBSCR", "LOAD_ATTR", "LOAD_METHOD",
+             "PRECALL", "CALL")
     for k, x in enumerate(ins):  # feats[i].append(o), BUF.copy_(o): a mutator at the end of a chain of reads
         if x.opname not in ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF") or not isinstance(x.argval, str):
             continue
@@ -187,6 +189,19 @@ def _resolve(obj: Any, path: str) -> Any:
     return obj
 
 
+#: The ops that push one local (or cell) variable: 3.12's checked and clearing loads too.
+_LOAD_LOCAL = frozenset({"LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR"})
+
+
+def is_method_load(ins: Any) -> bool:
+    """Whether ``ins`` loads a method to call (``obj.append`` of ``obj.append(x)``): 3.11's
+    LOAD_METHOD, or from 3.12 on a LOAD_ATTR with the low bit of its argument set (Note [Hooks
+    that write outside themselves]: on 3.12 the method calls of a hook were read as attribute
+    reads, so ``self.items.append(out)`` was no write, seen on the GPU machine's Python 3.12)."""
+    return ins.opname == "LOAD_METHOD" or (ins.opname == "LOAD_ATTR" and sys.version_info >= (3, 12)
+                                           and bool(ins.arg & 1))
+
+
 # (values popped, values pushed) of the ops :func:`_followed` meets most; others by their net effect
 _STACK = {"BINARY_OP": (2, 1), "COMPARE_OP": (2, 1), "CONTAINS_OP": (2, 1), "IS_OP": (2, 1), "POP_TOP": (1, 0),
           "STORE_FAST": (1, 0), "STORE_DEREF": (1, 0), "STORE_GLOBAL": (1, 0), "STORE_NAME": (1, 0),
@@ -221,15 +236,18 @@ def _followed(code: Any, bound: dict[str, Any]) -> list[tuple[str, str | None]]:
         op, arg = ins.opname, ins.argval
         if ins.starts_line:
             stack.clear()
-        if op in ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE"):
+        if op in _LOAD_LOCAL:
             stack.append(arg if arg in bound else None)
+        elif op == "LOAD_FAST_LOAD_FAST":  # 3.13: two locals at once
+            stack.extend(a if a in bound else None for a in arg)
         elif op in ("LOAD_ATTR", "LOAD_METHOD"):
             (obj,) = pop(1)
-            if obj is not None and op == "LOAD_METHOD":
+            method = is_method_load(ins)
+            if obj is not None and method:
                 mutator = arg in _MUTATORS or (arg.endswith("_") and not arg.startswith("_"))
                 found.append((obj, None if mutator else arg))
-            stack.append(f"{obj}.{arg}" if obj is not None and op == "LOAD_ATTR" else None)
-            if op == "LOAD_METHOD":
+            stack.append(f"{obj}.{arg}" if obj is not None and not method else None)
+            if method:
                 stack.append(None)
         elif op == "BINARY_SUBSCR":
             obj, _ = pop(2)  # the container, under the key

@@ -385,8 +385,8 @@ class OneCycleLR(WideLRScheduler):
     def _compute(self, g, k: int, step):
         lr = torch.zeros(self.n, dtype=torch.float64, device="cpu")
         mom = torch.zeros(self.n, dtype=torch.float64, device="cpu")
-        done = torch.zeros(self.n, dtype=torch.bool)
-        start = torch.zeros(self.n, dtype=torch.float64)
+        done = torch.zeros(self.n, dtype=torch.bool, device="cpu")
+        start = torch.zeros(self.n, dtype=torch.float64, device="cpu")
         phases = self._phases(g, k)
         for k, (end, lr0, lr1, m0, m1) in enumerate(phases):
             here = ~done & ((step <= end) if k < len(phases) - 1 else torch.ones_like(done))
@@ -457,9 +457,10 @@ class ReduceLROnPlateau:
         self.eps = _hp(self, eps, "eps", nonneg=True)
         self.mode, self.threshold_mode = mode, threshold_mode
         self.last_epoch = 0
-        self.best = torch.full((self.n,), math.inf if mode == "min" else -math.inf, dtype=torch.float64)
-        self.num_bad_epochs = torch.zeros(self.n, dtype=torch.float64)
-        self.cooldown_counter = torch.zeros(self.n, dtype=torch.float64)
+        self.best = torch.full((self.n,), math.inf if mode == "min" else -math.inf, dtype=torch.float64,
+                               device="cpu")
+        self.num_bad_epochs = torch.zeros(self.n, dtype=torch.float64, device="cpu")
+        self.cooldown_counter = torch.zeros(self.n, dtype=torch.float64, device="cpu")
         self._last_lr = [g["lr"].clone() for g in optimizer.param_groups]
 
     def _is_better(self, a: torch.Tensor) -> torch.Tensor:

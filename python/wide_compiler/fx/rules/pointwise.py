@@ -180,6 +180,9 @@ def _zero_dims_promote_as_in_the_member(ctx: WidenContext, node: fx.Node, args: 
 # bfloat16 member (probe 20 of issue 44, P20-7). It is cast to float32 instead (as_member_opmath),
 # and the product back to the tensor's dtype (as_input_dtype); elsewhere both are what
 # as_member_promotes does. (On the left, and for add and sub, ATen rounds the operand first.)
+# Only on the CPU: CUDA's kernels read a 0-dim operand as a scalar only when it lives on the CPU;
+# one on the GPU is cast to the common dtype first, like any operand (rounded: a GPU run found the
+# float32 operand 1 ulp off there), and a per-member value is on the model's device.
 _SCALAR_IN_OPMATH = frozenset({aten.mul.Tensor, aten.div.Tensor})
 _CAST_IN_OPMATH = _SCALAR_IN_OPMATH | {aten.mul_.Tensor, aten.div_.Tensor}  # in place: written in x's dtype
 
@@ -195,7 +198,7 @@ def as_member_opmath(x: torch.Tensor, dims: Sequence[Any], zero_dims: Sequence[A
     """
     first = dims[0] if dims else None
     if isinstance(first, torch.Tensor) and first.is_floating_point() and first.element_size() < 4 \
-            and x.is_floating_point():
+            and x.is_floating_point() and x.device.type == "cpu":
         return x.to(torch.float32)
     return as_member_promotes(x, dims, zero_dims, numbers)
 
