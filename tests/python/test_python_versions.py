@@ -43,6 +43,7 @@ def test_this_python_reads_every_hook_write():
     assert got["global"][0] == ["G"] and got["global list"][0] == ["FEATS"] and got["in place"][0] == ["BUF"]
     assert got["comprehension"][0] == ["FEATS"]
     assert got["pure"] == [[], [], "", []]
+    assert {"CFG", "STATS", "seen"} <= set(got["forward's writes"])
 
 
 @cpu_only  # other interpreters in subprocesses, reading code: nothing of a device

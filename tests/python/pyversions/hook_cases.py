@@ -81,6 +81,16 @@ def pure(mod, inp, out):
     return out * 2
 
 
+STATS: dict = {}
+CFG = types.SimpleNamespace(scale=2.0, seen=[])
+
+
+def forward_that_keeps_state(x):
+    STATS["calls"] = STATS.get("calls", 0) + 1
+    CFG.seen.append(x)
+    return x * CFG.scale
+
+
 HOOKS = {"recorder": Recorder(), "counted.hook": Counted().hook, "counted.via_method": Counted().via_method,
          "partial": functools.partial(record, []), "helper": RecordsThroughAHelper(), "global": into_a_global,
          "global list": into_a_global_list, "in place": in_place, "nested": Nested(),
@@ -97,6 +107,11 @@ def readings(hook_writes) -> dict:
         fn = hook_writes._hook_function(hook)
         out[name] = [sorted(hook_writes._hook_writes(hook_writes._hook_code(hook))), sorted(bound), whose,
                      sorted(hook_writes._helper_writes(fn)) if fn is not None else []]
+    import dis
+
+    from wide_compiler.fx.code_reads import _written_into
+
+    out["forward's writes"] = sorted(_written_into(list(dis.get_instructions(forward_that_keeps_state))))
     return out
 
 
