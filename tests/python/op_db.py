@@ -203,16 +203,16 @@ class Maker:
 
     def randn(self, *shape, layout="contiguous", scale=1.0, shift=0.0, grad=None) -> torch.Tensor:
         grad = self.requires_grad if grad is None else grad
-        return self._layout(lambda s: torch.randn(s, generator=self.g, dtype=self.dtype) * scale + shift,
+        return self._layout(lambda s: torch.randn(s, generator=self.g, dtype=self.dtype, device="cpu") * scale + shift,
                             shape, layout, grad)
 
     def pos(self, *shape, layout="contiguous", lo=0.5, grad=None) -> torch.Tensor:
         """Values in [lo, lo + 1): variances, slopes, second moments."""
         grad = self.requires_grad if grad is None else grad
-        return self._layout(lambda s: torch.rand(s, generator=self.g, dtype=self.dtype) + lo, shape, layout, grad)
+        return self._layout(lambda s: torch.rand(s, generator=self.g, dtype=self.dtype, device="cpu") + lo, shape, layout, grad)
 
     def ints(self, high, *shape, layout="contiguous", dtype=torch.int64) -> torch.Tensor:
-        return self._layout(lambda s: torch.randint(0, high, s, generator=self.g, dtype=dtype), shape, layout, False)
+        return self._layout(lambda s: torch.randint(0, high, s, generator=self.g, dtype=dtype, device="cpu"), shape, layout, False)
 
     def maybe(self, flag: bool, *shape, **kw) -> torch.Tensor | None:
         return self.randn(*shape, **kw) if flag else None
@@ -847,7 +847,7 @@ def attention_samples(dtype, rg):
     yield SampleInput("gqa-causal", 2, (*_qkv(m, 2, 4, 2, 7, 9, 8, 12),), {"is_causal": True, "enable_gqa": True})
     yield SampleInput("float-mask-scale", 3, (*_qkv(m, 3, 2, 2, 3, 5, 4, 4),),
                       {"attn_mask": m.randn(3, 1, 3, 5, grad=False), "scale": 0.5}, aot=True)
-    mask = (torch.rand(1, 2, 4, 4, generator=m.g) < 0.7) | torch.eye(4, dtype=torch.bool)  # no row fully masked
+    mask = (torch.rand(1, 2, 4, 4, generator=m.g, device="cpu") < 0.7) | torch.eye(4, dtype=torch.bool)  # no row fully masked
     yield SampleInput("bool-mask-B1", 1, (*_qkv(m, 1, 2, 2, 4, 4, 3, 3), mask))
 
 

@@ -71,7 +71,8 @@ def _params(test: str, cases):
     return out
 
 
-SAMPLES = [(op, k, s.desc) for op in OP_DB.values() for k, s in enumerate(op.samples())]
+with torch.device("cpu"):  # drawn as its tests draw them: no default device (DEVICE_AWARE_FILES)
+    SAMPLES = [(op, k, s.desc) for op in OP_DB.values() for k, s in enumerate(op.samples())]
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from torch.nn.modules import module as torch_module
 
 import wide_compiler as wc
 from wide_compiler.errors import UnsupportedOperationError
+from support import cpu_only
 
 FAST = wc.WideConfig.fast()
 
@@ -189,6 +190,7 @@ def _conv_members(n=3):
     return [nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(36, 2)).double() for _ in range(n)]
 
 
+@cpu_only  # the suite's CUDA convs (cuDNN off) return contiguous outputs: one program for both layouts
 def test_member_in_another_memory_layout_is_named(cache_dir):
     """P8-8: a member converted to channels_last runs another program (Flatten copies where member
     0's views): the refusal names the parameter's strides and layout, not a Python constant; and the

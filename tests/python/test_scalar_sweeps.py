@@ -444,3 +444,40 @@ def test_hardtanh_with_lo_above_hi_in_one_member_is_refused_as_alone():
     with pytest.raises(wc.ArchitectureMismatchError, match=r"member 1: .*min_val cannot be greater than max_val"):
         wc.compile([_Bounded("hardtanh", -1.0, 1.0), _Bounded("hardtanh", 0.5, -0.5)],
                    torch.randn(64, dtype=torch.float64), config=FAST)
+
+
+def _as_off_the_cpu_one_sided(bound, x):
+    return bound.isnan()
+
+
+def _as_off_the_cpu_hardtanh(x):
+    return x.isnan()
+
+
+@cpu_only  # emulates CUDA's kernels on the CPU; on a GPU the test above compares with them directly
+def test_off_the_cpu_the_bounds_follow_cudas_kernels(monkeypatch):
+    """Note [Per-member bounds]: CUDA's kernels differ from the CPU's at NaN (a GPU run, torch
+    2.11): ``x.clamp(max=nan)`` is ``x`` there, with no gradient, and hardtanh's gradient passes at
+    a NaN input. The forms ask the device at the call; answering as off the CPU, they give that."""
+    from wide_compiler.fx.rules import _constants
+
+    monkeypatch.setattr(_constants, "one_sided_nan_bound", _as_off_the_cpu_one_sided)
+    monkeypatch.setattr(_constants, "nan_passes_gradient", _as_off_the_cpu_hardtanh)
+    xs = _bound_inputs(2).requires_grad_()
+    nan = xs.detach().isnan()
+    wide = wc.compile([_Bounded("clamp_max", -1.0, hi) for hi in (1.0, NAN)], torch.randn(64, dtype=torch.float64),
+                      config=FAST)
+    out = wide(xs)
+    (grad,) = torch.autograd.grad(out.sum(), xs)
+    torch.testing.assert_close(out[0], xs[0].detach().clamp(max=1.0), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out[1], xs[1].detach(), rtol=0, atol=0, equal_nan=True)
+    assert grad[1].eq(0).all() and grad[0].eq((xs[0] <= 1.0).double()).all()
+    wide = wc.compile([_Bounded("hardtanh", lo, hi) for lo, hi in ((-1.0, 1.0), (-0.5, 0.25))],
+                      torch.randn(64, dtype=torch.float64), config=FAST)
+    out = wide(xs)
+    (grad,) = torch.autograd.grad(out.sum(), xs)
+    assert grad[nan].eq(1).all() and out.detach()[nan].isnan().all()
+    for i, (lo, hi) in enumerate(((-1.0, 1.0), (-0.5, 0.25))):
+        x = xs[i].detach()
+        inside = ((x > lo) & (x < hi)).double()
+        torch.testing.assert_close(grad[i][~nan[i]], inside[~nan[i]], rtol=0, atol=0)
