@@ -65,8 +65,8 @@ if has tests; then
   # faulted, again one by one with every launch synchronous, so the traceback names the kernel.
   if [ -s "$OUT/failures.txt.faulted" ]; then
     echo "== kernel faults, again with CUDA_LAUNCH_BLOCKING=1:" >>"$OUT/tests.log"
-    sort -u "$OUT/failures.txt.faulted" | head -5 | while read -r id; do
-      WIDE_TEST_DEVICE=cuda CUDA_LAUNCH_BLOCKING=1 timeout 120 $PY -m pytest -q -p no:cacheprovider \
+    sort -u "$OUT/failures.txt.faulted" | head -3 | while read -r id; do
+      WIDE_TEST_DEVICE=cuda CUDA_LAUNCH_BLOCKING=1 timeout 60 $PY -m pytest -q -p no:cacheprovider \
         -p no:xdist --tb=long "$id" 2>&1 | tail -80 >>"$OUT/tests.log"
     done
     rm -f "$OUT/failures.txt.faulted"

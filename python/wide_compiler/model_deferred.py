@@ -76,6 +76,22 @@ log = logging.getLogger("wide_compiler.model")
 # architectures). After each call the flat weights are rebuilt on the copy's own parameters, as
 # RNNBase.__setattr__ does when a weight is assigned.
 
+def member_slice(t: torch.Tensor, i: int, *, param: bool) -> torch.Tensor:
+    """``t[i]``, a view; off the CPU a parameter's slice that does not start on a 16-byte
+    boundary is a (differentiable) copy: CUDA's linear fuses its bias through cuBLASLt, which faults
+    on such a pointer (Note [A member's bias slice on the GPU] in csrc/wide/ops/linear.cpp).
+    Buffers stay views: the forward's in-place updates must reach the stacked buffer.
+
+    >>> t = torch.zeros(3, 27, device="meta")  # 27 float32 values: member 1 starts 108 bytes in
+    >>> member_slice(t, 1, param=True).storage_offset(), member_slice(t, 1, param=False).storage_offset()
+    (0, 27)
+    """
+    v = t[i]
+    if param and t.device.type != "cpu" and (v.storage_offset() * v.element_size()) % 16:
+        return v.clone()
+    return v
+
+
 MEASURED_CALLS = 2
 WARM_SECONDS = 0.3
 COLD_SECONDS = 0.4
@@ -252,7 +268,7 @@ class DeferredCompileMixin:
                         t = stacked[name]
                         v = views.get(id(t))
                         if v is None:
-                            v = views[id(t)] = t[i]
+                            v = views[id(t)] = member_slice(t, i, param=isinstance(table[attr], nn.Parameter))
                         swapped.append((table, attr, table[attr], v, name))
                         table[attr] = v
                     a, kw = tree_unflatten([_member_input(x, i) for x in leaves], spec)

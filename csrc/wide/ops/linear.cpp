@@ -52,6 +52,21 @@ LinearStrategy parse_linear_strategy(std::string_view name) {
 
 namespace {
 
+// Note [A member's bias slice on the GPU]
+// ---------------------------------------
+// The loop strategy hands member k's bias as a slice of the stacked [N, out] bias, which starts
+// k * out elements into its storage. CUDA's addmm fuses a 1-d bias into cuBLASLt's epilogue, which
+// is told the alignment of the matrices but not of the bias pointer: a slice off a 16-byte
+// boundary (out = 27 float32 values, say) faulted with "misaligned address" on an H200 (torch
+// 2.11), and a fault ends the process's CUDA context. Off the CPU such a slice is passed as a copy
+// (an allocation of its own); a symbolic offset (tracing) is assumed unaligned.
+at::Tensor aligned_bias(const at::Tensor& bias) {
+  if (bias.is_cpu()) return bias;
+  const auto offset = bias.sym_storage_offset().maybe_as_int();
+  return offset.has_value() && (*offset * static_cast<int64_t>(bias.element_size())) % 16 == 0 ? bias
+                                                                                              : bias.clone();
+}
+
 void check_linear_args(const at::Tensor& input, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.dim() == 3, "wide::linear: expected weight of shape [N, out, in], got ",
@@ -118,7 +133,8 @@ at::Tensor linear_impl(const at::Tensor& input, const at::Tensor& weight,
     std::vector<at::Tensor> outs;
     outs.reserve(ws.size());
     for (size_t k = 0; k < ws.size(); ++k) {
-      outs.push_back(at::linear(xs[k], ws[k], bs.empty() ? std::nullopt : std::optional<at::Tensor>(bs[k])));
+      outs.push_back(at::linear(xs[k], ws[k], bs.empty() ? std::nullopt
+                                                         : std::optional<at::Tensor>(aligned_bias(bs[k]))));
     }
     return at::stack(outs);
   }
