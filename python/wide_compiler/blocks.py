@@ -98,8 +98,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pe: torch.Tenso
     """
     if pe is not None:
         q, k = apply_rope(q, pe), apply_rope(k, pe)
+    if q.device.type != "cpu":  # Note [Strided attention inputs on a GPU]
+        q, k, v = (t if _aligned(t) else t.contiguous() for t in (q, k, v))
     x = F.scaled_dot_product_attention(q.flatten(0, -4), k.flatten(0, -4), v.flatten(0, -4))
     return x.unflatten(0, q.shape[:-3]).transpose(-3, -2).flatten(-2)
+
+
+# Note [Strided attention inputs on a GPU]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# q, k and v are views of one projection (the single-stream block's holds the MLP's input too), so
+# a token's row starts 3*D + mlp_hidden values after the previous one. ATen's memory-efficient
+# attention kernel (torch 2.11, float32, head dim 4) reads rows in 16-byte vectors without checking
+# that they start on 16-byte boundaries: with rows 18 float32 values apart it faulted with
+# "misaligned address" on an H200, in the member block and so in every wide one. Off the CPU a
+# view whose offset or strides are not 16-byte multiples is copied first.
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether every row of ``t`` (its offset and its strides but the last) starts on a 16-byte
+    boundary.
+
+    >>> proj = torch.zeros(2, 5, 18)   # a token's row: 18 float32 values (72 bytes)
+    >>> _aligned(proj[..., 8:12]), _aligned(torch.zeros(2, 5, 16)[..., 8:12])
+    (False, True)
+    """
+    size = t.element_size()
+    return all((s * size) % 16 == 0 for s in (t.storage_offset(), *t.stride()[:-1]))
 
 
 def _split_heads(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -118,7 +118,8 @@ def _default_dtype_guard():
 # context unusable, and CUDA reports the fault at a later call, often in a later test: the second
 # GPU run failed ~480 tests of one worker after one fault, none of them its cause. So each test on
 # CUDA ends by waiting for its kernels; a fault there is this test's, and its worker ends at once
-# (pytest-xdist starts another and names the test as the one that crashed it). The test's id goes
+# (pytest-xdist starts another and names the test as the one that crashed it; a run without
+# workers reports the failure and goes on). The test's id goes
 # to FILE.faulted too: tools/cuda_check.sh runs those again with CUDA_LAUNCH_BLOCKING=1, where the
 # traceback points at the kernel's launch.
 #: Whether tests make their tensors on TEST_DEVICE by default (``WIDE_TEST_DEVICE=cpu`` checks
@@ -183,7 +184,9 @@ def _check_the_context(nodeid: str) -> None:
                 f.write(nodeid + "\n")
         sys.stderr.write(report)
         sys.stderr.flush()
-        os._exit(3)
+        if os.environ.get("PYTEST_XDIST_WORKER"):  # alone (the CUDA_LAUNCH_BLOCKING rerun) it reports
+            os._exit(3)
+        raise
 
 
 def pytest_runtest_logreport(report):

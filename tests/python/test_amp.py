@@ -185,7 +185,10 @@ def test_float16_gradients_overflow_naturally():
         HalfMLP, torch.float32,
         lambda ps: wc.optim.SGD(ps, lr=[0.01, 0.02, 0.05, 0.1], momentum=0.9),
         lambda ps, i: torch.optim.SGD(ps, lr=[0.01, 0.02, 0.05, 0.1][i], momentum=0.9),
-        steps=24, init_scale=2.0 ** 20, growth_interval=2, tol=1e-6, unscale_and_clip=True)
+        # bit for bit on the CPU; a GPU's batched and single float16 GEMMs round apart (1.8e-4 of a
+        # momentum seen on an H200): there, to float16 rounding, as the autocast test below
+        steps=24, init_scale=2.0 ** 20, growth_interval=2, tol=1e-6 if DEVICE.type == "cpu" else 2e-3,
+        unscale_and_clip=True)
     n_skips = [sum(s[i] for s in skips) for i in range(N)]
     assert all(k >= 1 for k in n_skips), n_skips             # every member overflowed at least once
     assert any(sum(s) not in (0, N) for s in skips), skips    # ... and not all at the same steps

@@ -412,13 +412,14 @@ def _stats_norm(g: Gen, batch_stats_name: str, min_spatial_dims: int, *, broadca
 
 
 def _norm_member(norm, x, rm, rv, w, b, *rest):
-    """``norm(x, rm, rv, w, b, *rest)`` (batch or instance norm) of one member; off the CPU, a bias
-    without a weight is added after the norm: PyTorch's CUDA batch norm backward without cuDNN
-    returns no bias gradient then (torch 2.11: "invalid gradient at index 2 - got [0]", or a zero
-    one), so the member had nothing to compare with."""
-    if w is not None or b is None or x.device.type == "cpu":
-        return norm(x, rm, rv, w, b, *rest)
-    return norm(x, rm, rv, None, None, *rest) + b.reshape(-1, *[1] * (x.dim() - 2))
+    """``norm(x, rm, rv, w, b, *rest)`` (batch or instance norm) of one member; off the CPU, no
+    weight is a weight of ones (the same norm): PyTorch's CUDA batch norm backward without cuDNN
+    fails without one (torch 2.11: "tensor does not have a device", "invalid gradient at index 2 -
+    got [0]", or a zero bias gradient), so the member had nothing to compare with. The wide op
+    does the same there."""
+    if w is None and x.device.type != "cpu":
+        w = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
+    return norm(x, rm, rv, w, b, *rest)
 
 
 def gen_batch_norm(seed: int) -> Case:
@@ -598,11 +599,11 @@ def gen_embedding_renorm_(seed: int) -> Case:
     def member(i, a):
         with torch.no_grad():
             w = a["w"]
-            if w.device.type == "cpu" or w.is_contiguous():
+            if w.device.type == "cpu" or w.stride(0) == w.size(1):
                 return torch.embedding_renorm_(w, a["idx"], max_norm, norm_type)
-            # PyTorch's CUDA renorm of a strided table renormalises the wrong elements (torch
-            # 2.11; the wide op works around it the same way: csrc/wide/ops/embedding.cpp)
-            rows = w.contiguous()
+            # PyTorch's CUDA renorm reads a row as stride(0) elements, wrong for a strided table
+            # (torch 2.11; the wide op works around it the same way: csrc/wide/ops/embedding.cpp)
+            rows = w.clone(memory_format=torch.contiguous_format)
             torch.embedding_renorm_(rows, a["idx"], max_norm, norm_type)
             return w.copy_(rows)
     return Case(g, n, dtype, args, wide, member, grads=False)

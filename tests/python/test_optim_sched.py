@@ -136,3 +136,21 @@ def test_schedules_keep_their_state_on_the_cpu_under_another_default_device(name
     expected = _lrs_after_steps(make, metrics)
     with torch.device("meta"):
         assert _lrs_after_steps(make, metrics) == expected
+
+
+def test_a_state_made_under_another_default_device_loads_onto_the_cpu():
+    """A plateau state whose tensors were made elsewhere (a GPU run's test built its old-style
+    min_lr under a CUDA default device) loads onto the CPU and steps (meta stands in)."""
+    w = nn.Parameter(torch.zeros(N, 2, device="cpu"))
+    opt = wc.optim.SGD([w], lr=1.0)
+    sched = wls.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+    state = sched.state_dict()
+    state["best"] = state["best"].to("meta")
+    state["min_lrs"] = [t.to("meta") for t in state["min_lrs"]]
+    with pytest.raises(NotImplementedError):  # meta tensors cannot become CPU ones: the load moved them
+        sched.load_state_dict(state)
+    state = sched.state_dict()
+    with torch.device("meta"):
+        sched.load_state_dict({**state, "best": torch.full((N,), 1.0, device="cpu")})
+        sched.step(torch.zeros(N, device="cpu"))
+    assert all(t.device.type == "cpu" for t in (sched.best, *sched.min_lrs))

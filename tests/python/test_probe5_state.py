@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import wide_compiler as wc
-from support import LinearModel
+from support import LinearModel, cpu_only
 from wide_compiler.fx.code_reads import globals_read
 
 N = 2
@@ -145,6 +145,9 @@ class _Mask(LinearModel):
         return self.fc(x) * MASK
 
 
+# CPU only: inside torch.compile the check is torch._assert_async on the tensor's device; on a GPU a
+# failed one is a device-side assert, which ends the process's CUDA context (guide: On CUDA)
+@cpu_only
 def test_a_global_tensor_is_checked_inside_torch_compile_fullgraph(monkeypatch):
     # Dynamo's cache of WideModel.forward is shared by every wide model the process compiled: past
     # its recompile limit a call runs eagerly (captures again: right, but not the traced check)

@@ -68,7 +68,7 @@ class Bf16Block(nn.Module):
 
     def forward(self, x):
         h = torch.relu(self.a(x))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
             y = self.b(h)
             with torch.no_grad():
                 scale = y.detach().abs().mean(-1, keepdim=True) + 1

@@ -108,7 +108,7 @@ at::Tensor& embedding_renorm_impl(at::Tensor& weight, const at::Tensor& indices,
               "stride-0 tensor, strides ", weight.strides(), "), so members' rows cannot be "
               "renormalised in place independently: pass a table that owns its rows (e.g. "
               "weight.contiguous())");
-  if (weight.is_contiguous()) {
+  if (weight.is_contiguous() && (weight.is_cpu() || weight.sym_stride(-2) == dim)) {
     at::Tensor table = weight.view_symint({n * v, dim});
     at::embedding_renorm_(table, offset_indices("embedding_renorm_", indices, n, v), max_norm, norm_type);
   } else {
@@ -116,15 +116,16 @@ at::Tensor& embedding_renorm_impl(at::Tensor& weight, const at::Tensor& indices,
     // per member on its own [V, D] table, with the same index checks as the one-call path.
     check_indices("embedding_renorm_", indices, v);
     const int64_t members = n.guard_int(__FILE__, __LINE__);
-    // ATen's CUDA renorm of a strided table renormalised the wrong elements (up to 1.09 off in the
-    // op fuzzer on an H200, torch 2.11; its CPU kernel follows strides): off the CPU each member's
-    // table is renormalised as a contiguous copy, written back.
+    // ATen's CUDA renorm reads a row as stride(0) elements (its CPU kernel follows the strides):
+    // a strided table renormalised the wrong elements, and other members' (up to 1.09 off in the
+    // op fuzzer on an H200, torch 2.11; a [1, D] table is "contiguous" whatever its stride(0)).
+    // Off the CPU such a table is renormalised as a contiguous copy, written back.
     for (int64_t k = 0; k < members; ++k) {
       at::Tensor table = weight.select(0, k);
-      if (table.is_cpu() || table.is_contiguous()) {
+      if (table.is_cpu() || table.sym_stride(0) == table.sym_size(1)) {
         at::embedding_renorm_(table, indices.select(0, k), max_norm, norm_type);
       } else {
-        at::Tensor rows = table.contiguous();
+        at::Tensor rows = table.clone(at::MemoryFormat::Contiguous);
         at::embedding_renorm_(rows, indices.select(0, k), max_norm, norm_type);
         table.copy_(rows);
       }

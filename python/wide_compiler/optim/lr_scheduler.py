@@ -200,9 +200,19 @@ class WideLRScheduler:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume: the schedule's position and the learning rates it last set, which are written
         back into the optimizer (constructing the scheduler reset them to the base rates)."""
-        self.__dict__.update(state_dict)
+        self.__dict__.update(_on_the_cpu(state_dict))
         for g, lr in zip(self.optimizer.param_groups, self._last_lr):
             g["lr"] = lr.clone()
+
+
+def _on_the_cpu(state: dict[str, Any]) -> dict[str, Any]:
+    """A schedule's state with its tensors on the CPU, where schedules keep them whatever the
+    default device (a state made or saved elsewhere mixed devices at the next step)."""
+    def cpu(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.cpu()
+        return type(v)(cpu(x) for x in v) if isinstance(v, (list, tuple)) else v
+    return {k: cpu(v) for k, v in state.items()}
 
 
 class StepLR(WideLRScheduler):
@@ -505,6 +515,7 @@ class ReduceLROnPlateau:
         return {k: v for k, v in self.__dict__.items() if k != "optimizer"}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = _on_the_cpu(state_dict)
         self.__dict__.update(state_dict)
         if "min_lrs" not in state_dict and "min_lr" in state_dict:  # saved when min_lr was per member only
             self.default_min_lr = state_dict["min_lr"]
