@@ -78,8 +78,9 @@ log = logging.getLogger("wide_compiler.model")
 
 def member_slice(t: torch.Tensor, i: int, *, param: bool) -> torch.Tensor:
     """``t[i]``, a view; off the CPU a parameter's slice that does not start on a 16-byte
-    boundary is a (differentiable) copy: CUDA's linear fuses its bias through cuBLASLt, which faults
-    on such a pointer (Note [A member's bias slice on the GPU] in csrc/wide/ops/linear.cpp).
+    boundary is a (differentiable) copy, as a member's own parameter is an allocation of its own:
+    CUDA's linear hands its bias to cuBLASLt unchecked (Note [A member's bias slice on the GPU] in
+    csrc/wide/ops/linear.cpp).
     Buffers stay views: the forward's in-place updates must reach the stacked buffer.
 
     >>> t = torch.zeros(3, 27, device="meta")  # 27 float32 values: member 1 starts 108 bytes in

@@ -56,10 +56,11 @@ namespace {
 // ---------------------------------------
 // The loop strategy hands member k's bias as a slice of the stacked [N, out] bias, which starts
 // k * out elements into its storage. CUDA's addmm fuses a 1-d bias into cuBLASLt's epilogue, which
-// is told the alignment of the matrices but not of the bias pointer: a slice off a 16-byte
-// boundary (out = 27 float32 values, say) faulted with "misaligned address" on an H200 (torch
-// 2.11), and a fault ends the process's CUDA context. Off the CPU such a slice is passed as a copy
-// (an allocation of its own); a symbolic offset (tracing) is assumed unaligned.
+// is told the alignment of the matrices but not of the bias pointer, and a fault there would end
+// the process's CUDA context. A member's own bias is an allocation of its own; so, off the CPU, a
+// slice off a 16-byte boundary (out = 27 float32 values, say) is passed as a copy (a symbolic
+// offset, while tracing, is assumed unaligned). A precaution: the misaligned-address fault of the
+// GPU runs was the attention's (Note [Strided attention inputs on a GPU] in blocks.py).
 at::Tensor aligned_bias(const at::Tensor& bias) {
   if (bias.is_cpu()) return bias;
   const auto offset = bias.sym_storage_offset().maybe_as_int();
