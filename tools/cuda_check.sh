@@ -9,13 +9,15 @@
 #   CUDA_CHECK_PREBUILT=DIR bash tools/cuda_check.sh  # the core of an earlier run (DIR/lib.tar)
 #
 # Settings (environment): CUDA_CHECK_STEPS (build tests bench), CUDA_CHECK_TESTS (the pytest
-# selection: tests/python), CUDA_CHECK_TEST_S (the suite's time box, seconds: 360; what ran by
-# then is reported), CUDA_CHECK_WORKERS (pytest-xdist workers: the cores less two),
-# CUDA_CHECK_TARGETS (benchmark targets: models real mlp), CUDA_CHECK_BENCH_S (each target's time
-# box, seconds: 150), CUDA_CHECK_BENCH_ARGS (more arguments of each benchmark; a --baselines there
-# replaces the target's own). Everything goes to $OUT (default: cuda-check/), at most eight files: gpu.txt,
-# build.log, lib.tar (the built core, for CUDA_CHECK_PREBUILT), tests.log, failures.txt (each
-# failure's report, written as it happens), bench.log and bench.json (every record).
+# selection: tests/python; WIDE_TEST_ONLY=FILE keeps the test ids FILE lists), CUDA_CHECK_TEST_S
+# (the suite's time box, seconds: 180; what ran by then is reported), CUDA_CHECK_WORKERS
+# (pytest-xdist workers: the cores less two), CUDA_CHECK_TARGETS (benchmark targets: models real
+# mlp), CUDA_CHECK_BENCH_S (each target's time box, seconds: 45; models twice that),
+# CUDA_CHECK_BENCH_ARGS (more arguments of each benchmark; a --baselines there replaces the
+# target's own). The defaults take ~7 minutes with the start of a machine: twice in a 15-minute
+# loan. Everything goes to $OUT (default: cuda-check/), at most eight files: gpu.txt, build.log,
+# lib.tar (the built core, for CUDA_CHECK_PREBUILT), tests.log, failures.txt (each failure's
+# report, written as it happens), bench.log and bench.json (every record).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-cuda-check}
@@ -58,7 +60,7 @@ if has tests; then
   workers=${CUDA_CHECK_WORKERS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}
   # shellcheck disable=SC2086  # the selection is words
   WIDE_TEST_DEVICE=cuda WIDE_TEST_FAILURES="$OUT/failures.txt" OMP_NUM_THREADS=1 \
-    timeout -s INT -k 30 "${CUDA_CHECK_TEST_S:-360}" $PY -m pytest -q -rfE -n "$workers" --dist load \
+    timeout -s INT -k 30 "${CUDA_CHECK_TEST_S:-180}" $PY -m pytest -q -rfE -n "$workers" --dist load \
     -p no:cacheprovider --timeout=180 --durations=20 ${CUDA_CHECK_TESTS:-tests/python} \
     >"$OUT/tests.log" 2>&1 || status=1
   # Note [A kernel fault ends its worker] (tests/python/conftest.py): the tests whose kernels
@@ -81,11 +83,15 @@ if has bench; then
     # The baselines the issue's targets compare with: all of them for the small models (N=16);
     # the loop and vmap at real sizes and for the MLP (N processes at N=256, or a compiled loop
     # of 256 members, would take the whole time box).
-    case $t in models) baselines=loop,vmap,compile_loop,compile_vmap,processes ;; *) baselines=loop,vmap ;; esac
+    box=${CUDA_CHECK_BENCH_S:-45}
+    case $t in
+      models) baselines=loop,vmap,compile_loop,compile_vmap,processes box=$((box * 2)) ;;
+      *) baselines=loop,vmap ;;
+    esac
     # Each record is logged, and the JSON rewritten, as its case ends: a target cut off at its
     # time box (CUDA_CHECK_BENCH_S seconds) keeps what it measured.
     # shellcheck disable=SC2086
-    timeout -s INT -k 20 "${CUDA_CHECK_BENCH_S:-150}" $PY -m wide_compiler benchmark "$t" --preset quick \
+    timeout -s INT -k 20 "$box" $PY -m wide_compiler benchmark "$t" --preset quick \
       --device cuda --baselines "$baselines" --json "$OUT/bench-$t.json" ${CUDA_CHECK_BENCH_ARGS:-} \
       >>"$OUT/bench.log" 2>&1 || { status=1; tail -20 "$OUT/bench.log"; }
     elapsed "benchmark $t" "$start"
