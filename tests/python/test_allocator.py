@@ -91,7 +91,7 @@ def test_a_backward_scope_closed_on_another_thread_is_left_by_its_own():
     assert not errors
     assert torch.ops.wide._caching_scope(True) == 1  # still inside it here: now two deep
     torch.ops.wide._caching_scope(False)
-    del scope
+    scope = None  # its last reference: __del__ leaves the scope here
     with pytest.raises(RuntimeError, match="not entered"):
         torch.ops.wide._caching_scope(False)
 
