@@ -193,7 +193,7 @@ def _resolve(obj: Any, path: str) -> Any:
 _LOAD_LOCAL = frozenset({"LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR"})
 
 
-def is_method_load(ins: Any) -> bool:
+def _is_method_load(ins: Any) -> bool:
     """Whether ``ins`` loads a method to call (``obj.append`` of ``obj.append(x)``): 3.11's
     LOAD_METHOD, or from 3.12 on a LOAD_ATTR with the low bit of its argument set (Note [Hooks
     that write outside themselves]: on 3.12 the method calls of a hook were read as attribute
@@ -242,7 +242,7 @@ def _followed(code: Any, bound: dict[str, Any]) -> list[tuple[str, str | None]]:
             stack.extend(a if a in bound else None for a in arg)
         elif op in ("LOAD_ATTR", "LOAD_METHOD"):
             (obj,) = pop(1)
-            method = is_method_load(ins)
+            method = _is_method_load(ins)
             if obj is not None and method:
                 mutator = arg in _MUTATORS or (arg.endswith("_") and not arg.startswith("_"))
                 found.append((obj, None if mutator else arg))
