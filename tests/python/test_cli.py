@@ -143,10 +143,33 @@ def test_benchmark_without_target_lists_targets(capsys):
     assert "ci" in out and "quick" in out and "full" in out
 
 
-def _fake_records(name, preset, progress=False, cases=None):
-    return [{"target": name, "case": c, "n": n, "mode": "inference", "strategy": "s", "wide_ms": 1.0,
-             "baseline_ms": {"loop": x, "vmap": 2 * x}, "speedup": {"loop": x, "vmap": 2 * x}}
-            for c, n, x in (("a", 4, 1.5), ("a", 16, 3.0), ("b", 4, 0.5))]
+def _fake_records(name, preset, progress=False, cases=None, on_job=None):
+    records = [{"target": name, "case": c, "n": n, "mode": "inference", "strategy": "s", "wide_ms": 1.0,
+                "baseline_ms": {"loop": x, "vmap": 2 * x}, "speedup": {"loop": x, "vmap": 2 * x}}
+               for c, n, x in (("a", 4, 1.5), ("a", 16, 3.0), ("b", 4, 0.5))]
+    for r in records:  # one job per record
+        if on_job is not None:
+            on_job([r])
+    return records
+
+
+def test_benchmark_logs_and_writes_each_job_as_it_ends(tmp_path, monkeypatch, capsys):
+    """A run cut short (a GPU loan's time box) keeps what it measured: each job's records are logged
+    and the --json file rewritten as the job ends."""
+    from wide_compiler import bench
+
+    def cut_after_two(name, preset, progress=False, cases=None, on_job=None):
+        records = _fake_records(name, preset)
+        on_job(records[:1])
+        on_job(records[1:2])
+        raise KeyboardInterrupt  # the time box's SIGINT
+    monkeypatch.setattr(bench, "run", cut_after_two)
+    out = tmp_path / "r.json"
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["benchmark", "linear", "--preset", "ci", "--json", str(out)])
+    assert [(r["case"], r["n"]) for r in json.loads(out.read_text())] == [("a", 4), ("a", 16)]
+    err = capsys.readouterr().err
+    assert "  a N=4 inference s: wide 1.000 ms  loop 1.50x  vmap 3.00x" in err and "a N=16" in err
 
 
 def test_benchmark_all_save_and_top(tmp_path, monkeypatch, capsys):
@@ -155,7 +178,8 @@ def test_benchmark_all_save_and_top(tmp_path, monkeypatch, capsys):
     from wide_compiler import bench
 
     ran = []
-    monkeypatch.setattr(bench, "run", lambda name, preset, progress=False, cases=None: ran.append(name) or _fake_records(name, preset))
+    monkeypatch.setattr(bench, "run", lambda name, preset, progress=False, cases=None, on_job=None:
+                        ran.append(name) or _fake_records(name, preset))
     monkeypatch.setattr(bench, "format_records", lambda name, recs: "\n".join(
         f"{r['target']} {r['case']} N={r['n']} x{r['speedup']['loop']}" for r in recs))
     monkeypatch.chdir(tmp_path)
