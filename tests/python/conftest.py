@@ -115,13 +115,13 @@ def _default_dtype_guard():
 #
 # Note [A kernel fault ends its worker]
 # A CUDA kernel that faults (a misaligned address, an illegal access) leaves its process's CUDA
-# context unusable, and CUDA reports the fault at a later call, often in a later test: the second
-# GPU run failed ~480 tests of one worker after one fault, none of them its cause. So each test on
-# CUDA ends by waiting for its kernels; a fault there is this test's, and its worker ends at once
-# (pytest-xdist starts another and names the test as the one that crashed it; a run without
-# workers reports the failure and goes on). The test's id goes
-# to FILE.faulted too: tools/cuda_check.sh runs those again with CUDA_LAUNCH_BLOCKING=1, where the
-# traceback points at the kernel's launch.
+# context unusable, and CUDA reports the fault at a later call, often in a later test: a GPU run
+# of 2026-11-30 failed ~480 tests of one worker after one fault, none of them its cause. So each
+# test on CUDA ends by waiting for its kernels; a fault there is this test's, and its worker ends
+# at once (pytest-xdist starts another and names the test as the one that crashed it; a run
+# without workers reports it as the test's teardown error). The test's id goes to FILE.faulted
+# too: tools/cuda_check.sh runs those again, one process each, with CUDA_LAUNCH_BLOCKING=1, where
+# the traceback points at the kernel's launch.
 #: Whether tests make their tensors on TEST_DEVICE by default (``WIDE_TEST_DEVICE=cpu`` checks
 #: the mechanism itself on a machine without a GPU).
 ON_DEFAULT_DEVICE = "WIDE_TEST_DEVICE" in os.environ
