@@ -11,13 +11,14 @@
 # Settings (environment): CUDA_CHECK_STEPS (build tests bench), CUDA_CHECK_TESTS (the pytest
 # selection: tests/python; WIDE_TEST_ONLY=FILE keeps the test ids FILE lists), CUDA_CHECK_TEST_S
 # (the suite's time box, seconds: 180; what ran by then is reported), CUDA_CHECK_WORKERS
-# (pytest-xdist workers: the cores less two), CUDA_CHECK_TARGETS (benchmark targets: models real
-# mlp), CUDA_CHECK_BENCH_S (each target's time box, seconds: 45; models twice that),
-# CUDA_CHECK_BENCH_ARGS (more arguments of each benchmark; a --baselines there replaces the
-# target's own). The defaults take ~7 minutes with the start of a machine: twice in a 15-minute
-# loan. Everything goes to $OUT (default: cuda-check/), at most eight files: gpu.txt, build.log,
-# lib.tar (the built core, for CUDA_CHECK_PREBUILT), tests.log, failures.txt (each failure's
-# report, written as it happens), bench.log and bench.json (every record).
+# (pytest-xdist workers: the cores less two), CUDA_CHECK_BENCH (the benchmarks, one a line: time
+# box in seconds, target, arguments; see below), CUDA_CHECK_BENCH_ARGS (more arguments of each),
+# CUDA_CHECK_PRESET (quick), CUDA_CHECK_DEVICE (cuda; cpu for a dry run of the bench step:
+# CUDA_CHECK_STEPS=bench CUDA_CHECK_DEVICE=cpu CUDA_CHECK_PRESET=ci). The defaults take ~8
+# minutes with the start of a machine. Everything goes to $OUT (default: cuda-check/), at most
+# eight files: gpu.txt, build.log, lib.tar (the built core, for CUDA_CHECK_PREBUILT), tests.log,
+# failures.txt (each failure's report, written as it happens), bench.log and bench.json (every
+# record).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-cuda-check}
@@ -30,9 +31,10 @@ status=0
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 elapsed() { echo "$1: $(( $(date +%s) - $2 )) s" | tee -a "$OUT/gpu.txt"; }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-$PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())' \
-  | tee -a "$OUT/gpu.txt"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"; } \
+  | tee "$OUT/gpu.txt"
+$PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+           torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")' | tee -a "$OUT/gpu.txt"
 
 # The core: built here (pip, in build/cuda), or the libraries of an earlier run put beside the
 # sources (python/wide_compiler, imported through PYTHONPATH).
@@ -78,24 +80,26 @@ if has tests; then
 fi
 
 if has bench; then
-  for t in ${CUDA_CHECK_TARGETS:-models real mlp}; do
-    start=$(date +%s)
-    # The baselines the issue's targets compare with: all of them for the small models (N=16);
-    # the loop and vmap at real sizes and for the MLP (N processes at N=256, or a compiled loop
-    # of 256 members, would take the whole time box).
-    box=${CUDA_CHECK_BENCH_S:-45}
-    case $t in
-      models) baselines=loop,vmap,compile_loop,compile_vmap,processes box=$((box * 2)) ;;
-      *) baselines=loop,vmap ;;
-    esac
-    # Each record is logged, and the JSON rewritten, as its case ends: a target cut off at its
-    # time box (CUDA_CHECK_BENCH_S seconds) keeps what it measured.
-    # shellcheck disable=SC2086
-    timeout -s INT -k 20 "$box" $PY -m wide_compiler benchmark "$t" --preset quick \
-      --device cuda --baselines "$baselines" --json "$OUT/bench-$t.json" ${CUDA_CHECK_BENCH_ARGS:-} \
-      >>"$OUT/bench.log" 2>&1 || { status=1; tail -20 "$OUT/bench.log"; }
-    elapsed "benchmark $t" "$start"
-  done
+  # One benchmark a line: its time box (seconds), the target, its arguments. The issue's comparisons:
+  # every small model at N=16 against the loop and vmap; one of them (the ResNet-style net) also
+  # against the compiled loop, the compiled vmap and N processes (a compile of 16 members' loop
+  # takes minutes: all eleven would take the loan); real sizes at N=4; the MLP up to N=256.
+  jobs=${CUDA_CHECK_BENCH:-"45 models --baselines loop,vmap
+120 models --case resnet --baselines loop,vmap,compile_loop,compile_vmap,processes
+45 real --baselines loop,vmap
+30 mlp --baselines loop,vmap"}
+  k=0
+  while read -r box target args; do
+    [ -z "$target" ] && continue
+    k=$((k + 1)) start=$(date +%s)
+    # Each record is logged, and the JSON rewritten, as its case ends: a benchmark cut off at its
+    # time box keeps what it measured.
+    # shellcheck disable=SC2086  # the arguments are words
+    timeout -s INT -k 20 "$box" $PY -m wide_compiler benchmark "$target" --preset "${CUDA_CHECK_PRESET:-quick}" \
+      --device "${CUDA_CHECK_DEVICE:-cuda}" --json "$OUT/bench-$k.json" $args ${CUDA_CHECK_BENCH_ARGS:-} \
+      >>"$OUT/bench.log" 2>&1 </dev/null || { status=1; tail -20 "$OUT/bench.log"; }
+    elapsed "benchmark $target $args" "$start"
+  done <<<"$jobs"
   $PY - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
