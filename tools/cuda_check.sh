@@ -10,15 +10,15 @@
 #
 # Settings (environment): CUDA_CHECK_STEPS (build tests bench), CUDA_CHECK_TESTS (the pytest
 # selection: tests/python; WIDE_TEST_ONLY=FILE keeps the test ids FILE lists), CUDA_CHECK_TEST_S
-# (the suite's time box, seconds: 180; what ran by then is reported), CUDA_CHECK_WORKERS
+# (the suite's time box, seconds: 240; what ran by then is reported), CUDA_CHECK_WORKERS
 # (pytest-xdist workers: the cores less two), CUDA_CHECK_BENCH (the benchmarks, one a line: time
 # box in seconds, target, arguments; see below), CUDA_CHECK_BENCH_ARGS (more arguments of each),
 # CUDA_CHECK_PRESET (quick), CUDA_CHECK_DEVICE (cuda; cpu for a dry run of the bench step:
-# CUDA_CHECK_STEPS=bench CUDA_CHECK_DEVICE=cpu CUDA_CHECK_PRESET=ci). The defaults take ~8
-# minutes with the start of a machine. Everything goes to $OUT (default: cuda-check/), at most
-# eight files: gpu.txt, build.log, lib.tar (the built core, for CUDA_CHECK_PREBUILT), tests.log,
-# failures.txt (each failure's report, written as it happens), bench.log and bench.json (every
-# record).
+# CUDA_CHECK_STEPS=bench CUDA_CHECK_DEVICE=cpu CUDA_CHECK_PRESET=ci). The defaults take ~10
+# minutes with the start of a machine; CUDA_CHECK_STEPS splits them into two runs. Everything goes
+# to $OUT (default: cuda-check/), at most eight files: gpu.txt, build.log, lib.tar (the built
+# core, for CUDA_CHECK_PREBUILT), tests.log, failures.txt (each failure's report, written as it
+# happens), bench.log and bench.json (every record).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-cuda-check}
@@ -62,7 +62,7 @@ if has tests; then
   workers=${CUDA_CHECK_WORKERS:-$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))}
   # shellcheck disable=SC2086  # the selection is words
   WIDE_TEST_DEVICE=cuda WIDE_TEST_FAILURES="$OUT/failures.txt" OMP_NUM_THREADS=1 \
-    timeout -s INT -k 30 "${CUDA_CHECK_TEST_S:-180}" $PY -m pytest -q -rfE -n "$workers" --dist load \
+    timeout -s INT -k 30 "${CUDA_CHECK_TEST_S:-240}" $PY -m pytest -q -rfE -n "$workers" --dist load \
     -p no:cacheprovider --timeout=180 --durations=20 ${CUDA_CHECK_TESTS:-tests/python} \
     >"$OUT/tests.log" 2>&1 || status=1
   # Note [A kernel fault ends its worker] (tests/python/conftest.py): the tests whose kernels
@@ -83,9 +83,11 @@ if has bench; then
   # One benchmark a line: its time box (seconds), the target, its arguments. The issue's comparisons:
   # every small model at N=16 against the loop and vmap; one of them (the ResNet-style net) also
   # against the compiled loop, the compiled vmap and N processes (a compile of 16 members' loop
-  # takes minutes: all eleven would take the loan); real sizes at N=4; the MLP up to N=256.
+  # takes minutes: all eleven would take the loan), and with CUDA graphs for every contender
+  # (--compile reduce-overhead); real sizes at N=4; the MLP up to N=256.
   jobs=${CUDA_CHECK_BENCH:-"45 models --baselines loop,vmap
-120 models --case resnet --baselines loop,vmap,compile_loop,compile_vmap,processes
+100 models --case resnet --baselines loop,vmap,compile_loop,compile_vmap,processes
+60 models --case resnet --compile reduce-overhead --baselines loop,vmap
 45 real --baselines loop,vmap
 30 mlp --baselines loop,vmap"}
   k=0

@@ -1010,3 +1010,17 @@ def test_lazy_root_pickles_by_reference():
     cloudpickle = pytest.importorskip("ray.cloudpickle")
     uses_wc = eval("lambda: wc.WideConfig", {"wc": wc})  # a global `wc`, as in a user's script
     assert cloudpickle.loads(cloudpickle.dumps(uses_wc))() is wc.WideConfig
+
+
+@pytest.mark.parametrize(("argv", "options"), [([], None), (["--compile"], {}),
+                                               (["--compile", "reduce-overhead"], {"mode": "reduce-overhead"})])
+def test_benchmark_compile_takes_torch_compiles_mode(argv, options, monkeypatch):
+    """`--compile [MODE]`: every contender under torch.compile, with MODE as its mode
+    (reduce-overhead: CUDA graphs on a GPU for the wide model and the baselines alike)."""
+    from wide_compiler import bench
+
+    seen = []
+    monkeypatch.setattr(bench, "run", lambda name, preset, progress=False, cases=None, on_job=None:
+                        seen.append(engine.COMPILE_OPTIONS) or [])
+    assert cli.main(["benchmark", "linear", "--preset", "ci", "--quiet", *argv]) == 0
+    assert seen == [options]

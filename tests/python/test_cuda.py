@@ -146,3 +146,49 @@ def test_a_loss_per_member_on_cuda():
     assert losses.shape == (N,) and losses.is_cuda
     want = torch.stack([F.mse_loss(m(x), torch.zeros_like(m(x))) for m, x in zip(models, xs)])
     torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mlp", "convnet"])
+def test_cuda_graphs_through_reduce_overhead_match_each_member(name):
+    """CUDA graphs for small members (issue 47): ``torch.compile(wide, mode="reduce-overhead")``
+    records the wide model's graphs as CUDA graphs (inputs copied into static buffers, the graph
+    replayed). Five training steps with SGD between them and a fresh input each call, then eval
+    calls: every output, and the parameters after, match each member's own eager run. The MLP's
+    training graph is replayed as a CUDA graph (no cudagraph skip); the conv net's BatchNorm
+    updates its running statistics, which may keep inductor from graphing that one."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    models, xs = _members(name)
+    refs = [copy.deepcopy(m).train() for m in models]
+    wide = wc.compile(models, xs[0], config=FAST).train()
+    graphed = torch.compile(wide, mode="reduce-overhead", fullgraph=True)
+    lrs = [0.01 * (i + 1) for i in range(N)]
+    opt = wc.optim.SGD(wide.parameters(), lr=lrs, momentum=0.9)
+    ref_opts = [torch.optim.SGD(r.parameters(), lr=lr, momentum=0.9) for r, lr in zip(refs, lrs)]
+    g = torch.Generator("cuda").manual_seed(2)
+    for _ in range(5):
+        x = torch.randn(N, *xs[0].shape, device="cuda", generator=g)
+        opt.zero_grad()
+        y = graphed(x)
+        want = [r(xi) for r, xi in zip(refs, x)]
+        assert_members_close(y.detach(), [w.detach() for w in want], kind="grad")  # trained weights differ by rounding
+        y.square().mean(dim=tuple(range(1, y.dim()))).sum().backward()
+        opt.step()
+        for o in ref_opts:
+            o.zero_grad()
+        sum(w.square().mean() for w in want).backward()  # each member's loss reaches its own weights only
+        for o in ref_opts:
+            o.step()
+    for pname, p in wide.named_parameters():
+        assert_members_close(p.detach(), [r.get_parameter(pname).detach() for r in refs], kind="grad", what=pname)
+    if name == "mlp":
+        assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    wide.eval()
+    for r in refs:
+        r.eval()
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(N, *xs[0].shape, device="cuda", generator=g)
+            assert_members_close(graphed(x), [r(xi) for r, xi in zip(refs, x)], kind="grad")

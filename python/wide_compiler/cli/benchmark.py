@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.target is None:
         print("usage: python -m wide_compiler benchmark TARGET|all [--preset ci|quick|full] "
-              "[--json FILE] [--save] [--top K] [--plot FILE.png] [--compile] [--baselines NAMES]\n")
+              "[--json FILE] [--save] [--top K] [--plot FILE.png] [--compile [MODE]] [--baselines NAMES]\n")
         print(targets_help())
         return 0
     targets = list(bench.TARGETS) if args.target == "all" else [args.target]
@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet and not bar:
             print(f"benchmark {name}/{args.preset} ...", file=sys.stderr, flush=True)
         done: list[dict] = []
-        with (bench.engine.compile_all() if args.compile else contextlib.nullcontext(),
+        compile_mode = {} if args.compile in (None, "default") else {"mode": args.compile}
+        with (bench.engine.compile_all(**compile_mode) if args.compile else contextlib.nullcontext(),
               bench.engine.on_device(args.device), bench.engine.with_baselines(args.baselines)):
             try:
                 recs = bench.run(name, args.preset, progress=bar, cases=args.case, on_job=job_done)

@@ -219,9 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="quick", choices=PRESETS,
                    help="ci: tiny smoke run; quick: the headline case (default); full: the grid")
     p.add_argument("--json", metavar="FILE", help="write the records (a JSON list) to FILE")
-    p.add_argument("--compile", action="store_true",
+    p.add_argument("--compile", nargs="?", const="default", metavar="MODE",
                    help="run the wide model and every baseline under torch.compile (targets on the "
-                        "shared engine: all but optim and train), checked against the eager loop")
+                        "shared engine: all but optim and train), checked against the eager loop; MODE "
+                        "is torch.compile's mode (reduce-overhead: CUDA graphs on a GPU, for every contender)")
     p.add_argument("--baselines", metavar="NAMES", type=_baseline_names,
                    help="comma-separated baselines the vision targets (models, real, conv, ...) time instead of "
                         f"each case's own: {', '.join(BASELINE_NAMES)} (compile_*: torch.compile of the loop or of "
