@@ -446,14 +446,6 @@ def test_hardtanh_with_lo_above_hi_in_one_member_is_refused_as_alone():
                    torch.randn(64, dtype=torch.float64), config=FAST)
 
 
-def _as_off_the_cpu_one_sided(bound, x):
-    return bound.isnan()
-
-
-def _as_off_the_cpu_hardtanh(x):
-    return x.isnan()
-
-
 @cpu_only  # emulates CUDA's kernels on the CPU; on a GPU the test above compares with them directly
 def test_off_the_cpu_the_bounds_follow_cudas_kernels(monkeypatch):
     """Note [Per-member bounds]: CUDA's kernels differ from the CPU's at NaN (a GPU run, torch
@@ -461,8 +453,7 @@ def test_off_the_cpu_the_bounds_follow_cudas_kernels(monkeypatch):
     a NaN input. The forms ask the device at the call; answering as off the CPU, they give that."""
     from wide_compiler.fx.rules import _constants
 
-    monkeypatch.setattr(_constants, "one_sided_nan_bound", _as_off_the_cpu_one_sided)
-    monkeypatch.setattr(_constants, "nan_passes_gradient", _as_off_the_cpu_hardtanh)
+    monkeypatch.setattr(_constants, "_off_the_cpu", lambda x: True)
     xs = _bound_inputs(2).requires_grad_()
     nan = xs.detach().isnan()
     wide = wc.compile([_Bounded("clamp_max", -1.0, hi) for hi in (1.0, NAN)], torch.randn(64, dtype=torch.float64),

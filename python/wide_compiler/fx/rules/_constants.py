@@ -371,21 +371,26 @@ def _softplus(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
 # * ``clamp(x, max=nan)`` (one bound given, NaN) returns the input on CUDA: ATen's clamp fills NaN
 #   for a NaN bound only when both are given (clamp_min and clamp_max always do), and hands one
 #   bound to the device's kernel, where ``min(v, nan)`` is ``v`` (the CPU's is NaN). Its gradient
-#   is clamp's, 0 (``x <= nan`` is false): :func:`one_sided_nan_bound` marks those members, which
-#   take the input, detached.
+#   is clamp's, 0 (``x <= nan`` is false): :func:`one_sided_nan_bound` gives those members the
+#   input, detached.
 # * CUDA's hardtanh backward is ``x <= lo || x >= hi ? 0 : grad``: at a NaN input it passes the
-#   gradient (the CPU's vectorized kernel does not): :func:`nan_passes_gradient` marks those
-#   elements, which take the input itself (its value is NaN either way).
-def one_sided_nan_bound(bound: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Note [Per-member bounds]: where the one bound of a ``clamp`` is NaN off the CPU (its members
-    return their input there); nowhere on the CPU."""
-    return bound.isnan() if x.device.type != "cpu" else torch.zeros((), dtype=torch.bool, device=x.device)
+#   gradient (the CPU's vectorized kernel does not): :func:`nan_passes_gradient` gives those
+#   elements the input itself (its value is NaN either way).
+# On the CPU both return the form's value as it is: no kernel more.
+def _off_the_cpu(x: torch.Tensor) -> bool:
+    return x.device.type != "cpu"
 
 
-def nan_passes_gradient(x: torch.Tensor) -> torch.Tensor:
-    """Note [Per-member bounds]: the NaN elements of a hardtanh's input off the CPU (where the
-    member's gradient passes through them); none on the CPU."""
-    return x.isnan() if x.device.type != "cpu" else torch.zeros((), dtype=torch.bool, device=x.device)
+def one_sided_nan_bound(out: torch.Tensor, x: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Note [Per-member bounds]: a one-bound ``clamp``'s value ``out``, off the CPU with the input
+    ``x`` (detached) for the members whose bound is NaN."""
+    return torch.where(bound.isnan(), x.detach(), out) if _off_the_cpu(x) else out
+
+
+def nan_passes_gradient(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Note [Per-member bounds]: a hardtanh's value ``out``, off the CPU with its input ``x`` (and
+    so its gradient) where ``x`` is NaN."""
+    return torch.where(x.isnan(), x, out) if _off_the_cpu(x) else out
 
 def _bound(ctx: WidenContext, node: fx.Node, v: Any, rank: int, like: fx.Node | None, other: Any) -> Any:
     """A bound as a per-member ``[N, 1, ..., 1]`` tensor: a per-member one cast (``scalar``), a
@@ -432,8 +437,7 @@ def _clamp(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     xn = _unaliased(ctx, node, x, inplace)
     out = _op(ctx, node, aten.clamp.Tensor, xn, lo, hi)
     if lo_key is not None and hi_key is not None and (lo is None) != (hi is None):  # clamp(x, max=...)
-        ignored = _op(ctx, node, one_sided_nan_bound, lo if hi is None else hi, xn)
-        out = _op(ctx, node, aten.where.self, ignored, _op(ctx, node, aten.detach.default, xn), out)
+        out = _op(ctx, node, one_sided_nan_bound, out, xn, lo if hi is None else hi)
     return _result(ctx, node, x, out, inplace)
 
 
@@ -448,7 +452,7 @@ def _hardtanh(ctx: WidenContext, node: fx.Node, a: dict) -> Wide:
     tie = _op(ctx, node, aten.logical_or.default, at_lo, _op(ctx, node, aten.eq.Tensor, xn, hi))
     at_bound = _op(ctx, node, aten.clamp.Tensor, _op(ctx, node, aten.where.self, at_lo, lo, hi), lo, hi)
     out = _op(ctx, node, aten.where.self, tie, at_bound, _op(ctx, node, aten.clamp.Tensor, xn, lo, hi))
-    out = _op(ctx, node, aten.where.self, _op(ctx, node, nan_passes_gradient, xn), xn, out)
+    out = _op(ctx, node, nan_passes_gradient, out, xn)
     return _result(ctx, node, x, out, node.target is aten.hardtanh_.default)
 
 
