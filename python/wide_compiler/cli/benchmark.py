@@ -81,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet and not bar:
             for r in recs:
                 print(_record_line(r), file=sys.stderr, flush=True)
-        for path in paths:
-            _write_json(path, [*records, *done, *recs])
         done.extend(recs)
+        for path in paths:
+            _write_json(path, [*records, *done])
 
     for name in targets:
         if not args.quiet and not bar:

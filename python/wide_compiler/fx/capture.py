@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..errors import WideCompileError
 from .attribute_writes import AttributeWrites
 from .code_reads import globals_read
-from .capture_errors import capture_error
+from .capture_errors import capture_error, explicit_generator_error
 from .export_aliases import NoneBuffersAsAttributes, NoOpConversionsCopied, copies_are_safe
 from .export_watch import _Watch
 from .hook_writes import refuse_writing_hooks
@@ -317,12 +317,7 @@ def _refuse_generators(model: nn.Module, ep: ExportedProgram) -> None:
         if node.op != "placeholder" or node.name not in lifted:
             continue
         uses = "; ".join(dict.fromkeys(f"{u.target} at {source_line(u)}" for u in node.users)) or "no op"
-        raise WideCompileError(
-            f"wide_compiler: member 0 ({type(model).__name__}) draws random numbers with an explicit generator= "
-            f"({uses}): each member alone advances its own generator, and the wide model, which draws for every "
-            "member at once, would have one, so its draws could not be any member's.\n"
-            "What to do: draw from the default generator (seed it with torch.manual_seed), or keep the module "
-            "whole with @wide_compiler.register(ModuleType).")
+        raise explicit_generator_error(model, uses)
 
 
 # Note [Global hooks do not run on export's own modules]

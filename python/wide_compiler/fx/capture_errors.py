@@ -12,7 +12,19 @@ from torch import nn
 from ..errors import WideCompileError
 from .source import is_user_file, location
 
-__all__ = ["capture_error", "outside_padded_program"]
+__all__ = ["capture_error", "explicit_generator_error", "outside_padded_program"]
+
+
+def explicit_generator_error(model: nn.Module, where: str) -> WideCompileError:
+    """The refusal of a member that draws random numbers with an explicit ``generator=`` (``where``:
+    the ops and lines, or why export stopped): Note [Random ops per member] in
+    fx/rules/randomness.py."""
+    return WideCompileError(
+        f"wide_compiler: member 0 ({type(model).__name__}) draws random numbers with an explicit generator= "
+        f"({where}): each member alone advances its own generator, and the wide model, which draws for every "
+        "member at once, would have one, so its draws could not be any member's.\n"
+        "What to do: draw from the default generator (seed it with torch.manual_seed), or keep the module "
+        "whole with @wide_compiler.register(ModuleType).")
 
 
 def capture_error(model: nn.Module, e: Exception, compiling: Any = ()) -> WideCompileError:
@@ -25,13 +37,8 @@ def capture_error(model: nn.Module, e: Exception, compiling: Any = ()) -> WideCo
     if padded is not None:  # a padded member refused the inputs, saying why: that alone (probe 9, P9-4)
         return WideCompileError(str(padded))
     if "argument of type: <class 'torch._C.Generator'>" in str(e):  # a GPU's generator: export stops at it
-        return WideCompileError(
-            f"wide_compiler: member 0 ({type(model).__name__}) draws random numbers with an explicit generator= "
-            f"({_user_line(e) or 'a torch.Generator argument'}), which torch.export cannot take ({e}); and each "
-            "member alone advances its own generator, where the wide model, which draws for every member at "
-            "once, would have one, so its draws could not be any member's.\n"
-            "What to do: draw from the default generator (seed it with torch.manual_seed), or keep the module "
-            "whole with @wide_compiler.register(ModuleType).")
+        return explicit_generator_error(model, f"{_user_line(e) or 'a torch.Generator argument'}, which torch.export "
+                                               f"cannot take: {e}")
     what = f"wide_compiler: torch.export could not capture {type(model).__name__}: {type(e).__name__}: {e}\n"
     if compiling:
         what += (f"The forward asks torch.compiler.is_compiling() ({'; '.join(dict.fromkeys(compiling))}): the "
