@@ -21,10 +21,23 @@ def _run(args: list[str], tmp_path: Path, timeout: int = 900) -> str:  # a hang 
     return proc.stdout
 
 
+#: What a gloo process prints when it aborts at interpreter exit, after destroy_process_group and
+#: after every line of its work: a race in PyTorch's shutdown (a C++ thread destroyed while
+#: joinable; pytorch#190489), about one run in ten here on 2026-11-30, with this session's code and the
+#: one before it alike. One such run is run again; any other failure, or a second one, stands.
+EXIT_RACE = "terminate called without an active exception"
+
+
 def test_distributed_pbt_under_torchrun(tmp_path):
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                str(ROOT / "examples" / "distributed_pbt.py"), "--members", "8", "--steps", "20", "--interval", "20",
-                "--save", str(tmp_path / "ckpt")], tmp_path)
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            str(ROOT / "examples" / "distributed_pbt.py"), "--members", "8", "--steps", "20", "--interval", "20",
+            "--save", str(tmp_path / "ckpt")]
+    try:
+        out = _run(args, tmp_path)
+    except AssertionError as e:
+        if EXIT_RACE not in str(e) or "done in" not in str(e):
+            raise
+        out = _run(args, tmp_path)
     assert "best" in out.lower()
     assert (tmp_path / "ckpt" / "index.json").exists()
 
