@@ -10,7 +10,8 @@
 #
 # Settings (environment): CUDA_CHECK_STEPS (build tests bench), CUDA_CHECK_TESTS (the pytest
 # selection: tests/python; WIDE_TEST_ONLY=FILE keeps the test ids FILE lists), CUDA_CHECK_TEST_S
-# (the suite's time box, seconds: 240; what ran by then is reported), CUDA_CHECK_WORKERS
+# (the suite's time box, seconds: 240; what ran by then is reported), CUDA_CHECK_RERUN_S (the time
+# box of the reruns of faulted and crashed tests: 150), CUDA_CHECK_WORKERS
 # (pytest-xdist workers: the cores less two), CUDA_CHECK_BENCH (the benchmarks, one a line: time
 # box in seconds, target, arguments; see below), CUDA_CHECK_BENCH_ARGS (more arguments of each),
 # CUDA_CHECK_PRESET (quick), CUDA_CHECK_DEVICE (cuda; cpu for a dry run of the bench step:
@@ -66,12 +67,20 @@ if has tests; then
     -p no:cacheprovider --timeout=180 --durations=20 ${CUDA_CHECK_TESTS:-tests/python} \
     >"$OUT/tests.log" 2>&1 || status=1
   # Note [A kernel fault ends its worker] (tests/python/conftest.py): the tests whose kernels
-  # faulted, again one by one with every launch synchronous, so the traceback names the kernel.
+  # faulted, and those whose worker died otherwise (pytest-xdist: "worker 'gw3' crashed while
+  # running 'ID'": a segfault, an abort), again one by one with every launch synchronous and
+  # Python's fault handler on, so the traceback names the kernel or the frame; at most three,
+  # within CUDA_CHECK_RERUN_S (150 s) together.
+  grep -o "crashed while running '[^']*'" "$OUT/tests.log" | cut -d"'" -f2 >>"$OUT/failures.txt.faulted"
   if [ -s "$OUT/failures.txt.faulted" ]; then
-    echo "== kernel faults, again with CUDA_LAUNCH_BLOCKING=1:" >>"$OUT/tests.log"
+    echo "== kernel faults and crashed workers, again with CUDA_LAUNCH_BLOCKING=1:" >>"$OUT/tests.log"
+    until=$(( $(date +%s) + ${CUDA_CHECK_RERUN_S:-150} ))
     sort -u "$OUT/failures.txt.faulted" | head -3 | while read -r id; do
-      WIDE_TEST_DEVICE=cuda CUDA_LAUNCH_BLOCKING=1 timeout 60 $PY -m pytest -q -p no:cacheprovider \
-        -p no:xdist --tb=long "$id" 2>&1 | tail -80 >>"$OUT/tests.log"
+      left=$(( until - $(date +%s) ))
+      [ "$left" -lt 10 ] && break
+      echo "== $id" >>"$OUT/tests.log"
+      WIDE_TEST_DEVICE=cuda CUDA_LAUNCH_BLOCKING=1 timeout "$left" $PY -X faulthandler -m pytest -q \
+        -p no:cacheprovider -p no:xdist --tb=long "$id" 2>&1 | tail -80 >>"$OUT/tests.log"
     done
     rm -f "$OUT/failures.txt.faulted"
   fi

@@ -18,8 +18,10 @@ length), comparing every member's outputs, input gradients and parameter gradien
 member run alone, by the noise-aware check of :mod:`wide_compiler.testing` (float64: within
 1e-10, and a tensor outside that judged against the member's own float64 rounding, so that a ReLU
 whose input is 0 up to rounding is not a finding; float32: against a float64 run of the members;
-the long mode runs every fourth program in float32); then it changes that state, as a user would
-between calls, and compares again.
+the long mode runs every fourth program in float32), buffers after each call included; then it
+changes that state, as a user would between calls, and compares again; then it trains: a few SGD
+steps with per-member hyperparameters, after which the members the wide model gives back must hold
+what each member trained alone holds (Note [Training steps in the fuzzer]).
 
 Note [State changed after compiling]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -515,16 +517,123 @@ def _is_refusal(e: BaseException) -> bool:
 def _check(wide: nn.Module, members: list[nn.Module], xs: list[torch.Tensor], training: bool,
            dtype: torch.dtype) -> str | None:
     """None when every member of ``wide`` computes what the member computes alone on ``xs``
-    (outputs, input and parameter gradients), by the project's harness
+    (outputs, input and parameter gradients, buffers after the call), by the project's harness
     (:func:`wide_compiler.testing.check_equivalence`'s noise-aware rule: Note [The float64
     reference] and Note [Rounding in a float64 model] in _equivalence/reference.py)."""
     from ._equivalence import check_equivalence
 
     per_member = [tuple(x[i] for x in xs) for i in range(len(members))]
     try:
-        check_equivalence(wide, members, per_member, training=training, dtype=dtype, buffers=False, equal_nan=True)
+        check_equivalence(wide, members, per_member, training=training, dtype=dtype, equal_nan=True)
     except AssertionError as e:
         return str(e).splitlines()[0][:500]
+    return None
+
+
+# Note [Training steps in the fuzzer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The calls above compare one forward and backward from equal states; what users run is training:
+# steps, each member with its own hyperparameters, the state moving on (weights, BatchNorm's
+# running statistics, momentum buffers), and the members taken out at the end. So after them, at
+# the sample's sizes in train mode, the wide model takes TRAIN_STEPS steps of wc.optim.SGD with
+# per-member learning rates, momenta and weight decays drawn from the seed, on the loss
+# sum_i <member i's output, a random cotangent of its shape> (a padded model's members' own parts,
+# ``member_outputs``); each member takes the same steps alone with torch.optim.SGD and its own
+# values. The members the wide model gives back (``unfuse``) must then hold what each member holds,
+# weights and buffers, within TRAIN_TOLERANCE. SGD's update is linear in the gradient, so
+# rounding-sized gradient differences stay rounding-sized in the weights (Adam divides by a root of
+# the squares: a gradient that is 0 up to rounding moves its weight by lr). A flip (a ReLU whose
+# input is 0 up to rounding, Note [The float64 reference]) moves a gradient by a whole term, and the
+# steps carry it into the weights; so a tensor outside the tolerance is judged as the check judges
+# a call: member i trains again, up to RESAMPLES times, from its state before the steps with its
+# inputs and every op's result re-rounded at random (_Rerounded), and the tensor passes if the wide
+# model is within NOISE_FACTOR times as far from the member as those runs are. A defect -- a member
+# stepped with another's value, a padded weight that moved, statistics not given back -- is in none
+# of them. A train graph with draws the check cannot fix (Note [Fixed draws in the trust check])
+# takes no steps.
+TRAIN_STEPS = 2
+TRAIN_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}  # rtol; atol the same times 0.01
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max abs difference of two tensors of one shape over the places both are finite; inf where
+    their shapes, dtypes or non-finite places differ."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return math.inf
+    if not a.is_floating_point():
+        return 0.0 if torch.equal(a, b) else math.inf
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    if not torch.equal(a[~finite].nan_to_num(posinf=1, neginf=-1), b[~finite].nan_to_num(posinf=1, neginf=-1)):
+        return math.inf
+    return float((a - b)[finite].abs().max()) if finite.any() else 0.0
+
+
+def _train_steps(prog: Program, wide: nn.Module, members: list[nn.Module], dtype: torch.dtype,
+                 gen: torch.Generator) -> str | None:
+    """Note [Training steps in the fuzzer]: None when every member of ``wide`` trains as the member
+    does alone (or no step could be compared), else what differs."""
+    from contextlib import nullcontext
+
+    from . import optim as wide_optim
+    from ._equivalence.reference import NOISE_FACTOR, RESAMPLES, _Rerounded
+
+    params = [p for p in wide.parameters() if p.requires_grad]
+    if not params:
+        return None
+    rng = random.Random(prog.seed * 7919 + 1)  # apart from the generator's streams
+    n = len(members)
+    hp = {"lr": [rng.choice([0.01, 0.1, 0.5]) for _ in range(n)],
+          "momentum": [rng.choice([0.0, 0.5, 0.9]) for _ in range(n)],
+          "weight_decay": [rng.choice([0.0, 0.01]) for _ in range(n)]}
+    opt = wide_optim.SGD(params, **hp)
+    wide.train()
+    xs = prog.make_inputs([shape for _, shape in prog.inputs], dtype, gen)
+    split = getattr(wide, "member_outputs", None) or (lambda out: list(out.unbind(0)))
+    cotangents = []
+    for _ in range(TRAIN_STEPS):
+        with fixed_draws(prog.random) as unfixed:
+            outs = split(wide(*xs))
+            cots = [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in outs]
+            sum((o * c).sum() for o, c in zip(outs, cots)).backward()
+        if unfixed:
+            return None
+        opt.step()
+        opt.zero_grad()
+        cotangents.append(cots)
+
+    def trained(i: int, nudge: torch.Generator | None) -> dict[str, torch.Tensor]:
+        """Member i's state after the steps alone, from its state now (kept), nudged or not."""
+        m, start = members[i], {k: v.clone() for k, v in members[i].state_dict().items()}
+        rerounded = _Rerounded(nudge) if nudge is not None else nullcontext()
+        x = [rerounded._nudge(t[i]) if nudge is not None else t[i] for t in xs]
+        member_opt = torch.optim.SGD(m.train().parameters(), **{k: v[i] for k, v in hp.items()})
+        for cots in cotangents:
+            with fixed_draws(prog.random), rerounded:
+                (m(*x) * cots[i]).sum().backward()
+            member_opt.step()
+            member_opt.zero_grad()
+        out = {k: v.clone() for k, v in m.state_dict().items()}
+        m.load_state_dict(start)
+        return out
+
+    rtol = TRAIN_TOLERANCE.get(dtype, 1e-3)
+    for i, got in enumerate(wide.unfuse()):
+        have, want = got.state_dict(), trained(i, None)
+        if have.keys() != want.keys():
+            return f"after {TRAIN_STEPS} SGD steps, member {i} given back holds {sorted(have)}, its model {sorted(want)}"
+        far = {k: _distance(have[k], v) for k, v in want.items()
+               if not torch.allclose(have[k], v, rtol=rtol, atol=rtol * 0.01, equal_nan=True)}
+        own = dict.fromkeys(far, 0.0)
+        for r in range(RESAMPLES):
+            if all(far[k] <= NOISE_FACTOR * own[k] for k in far):
+                break
+            nudged = trained(i, torch.Generator().manual_seed(prog.seed * 100 + r))
+            own = {k: max(own[k], _distance(nudged[k], want[k])) for k in far}
+        for k in far:
+            if far[k] > NOISE_FACTOR * own[k]:
+                return (f"after {TRAIN_STEPS} SGD steps, member {i}'s {k} given back is {far[k]:.3g} from the "
+                        f"member's own (max abs), its own re-rounded training {own[k]:.3g} ({RESAMPLES} runs); "
+                        f"lr {hp['lr'][i]}, momentum {hp['momentum'][i]}, weight_decay {hp['weight_decay'][i]}")
     return None
 
 
@@ -599,6 +708,16 @@ def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch
                     wide.load_state_dict(state)
                     for m, s in zip(members, member_states):
                         m.load_state_dict(s)
+    try:
+        why = _train_steps(prog, wide, members, dtype, gen)
+    except Exception as e:  # noqa: BLE001
+        if not _is_refusal(e):
+            return Result(prog, "crash", f"train steps: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
+        outcome, refused = ("refused", refused or f"train steps: {str(e).splitlines()[0][:300]}") \
+            if outcome == "ok" else (outcome, refused)
+    else:
+        if why is not None:
+            return Result(prog, "wrong", why)
     return Result(prog, outcome, refused if outcome == "refused" else "")
 
 

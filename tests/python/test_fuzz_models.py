@@ -86,6 +86,47 @@ def test_a_wrong_wide_model_is_caught(monkeypatch, dtype):
     assert result.outcome == "wrong" and "member 1" in result.detail, result.report()
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_member_trained_with_another_learning_rate_is_caught(monkeypatch, dtype):
+    """Note [Training steps in the fuzzer]: a wide optimizer that steps member 1 with twice its
+    learning rate passes every call of the program (the calls take no step) and is reported by the
+    training steps, naming the member and the weight, far above its own re-rounded training."""
+    import torch
+
+    import wide_compiler as wc
+
+    class Off(wc.optim.SGD):
+        def __init__(self, params, lr, **kwargs):
+            super().__init__(params, lr=[v * 2 if i == 1 else v for i, v in enumerate(lr)], **kwargs)
+
+    monkeypatch.setattr(wc.optim, "SGD", Off)
+    result = fuzz.run_program(fuzz.generate(0), dtype=getattr(torch, dtype))
+    assert result.outcome == "wrong", result.report()
+    assert result.detail.startswith("after 2 SGD steps, member 1's ") and "re-rounded" in result.detail, result.report()
+
+
+def test_running_statistics_lost_when_members_are_given_back_are_caught(monkeypatch):
+    """The training steps compare what ``unfuse`` gives back, buffers too: BatchNorm statistics
+    left at their start in the members given back (generate(13): two BatchNorm2d) are a finding."""
+    import torch
+
+    from wide_compiler.model import WideModel
+
+    real = WideModel.unfuse
+
+    def stale(self):
+        out = real(self)
+        for m in out:
+            for mod in m.modules():
+                if isinstance(mod, torch.nn.BatchNorm2d):
+                    mod.reset_running_stats()
+        return out
+
+    monkeypatch.setattr(WideModel, "unfuse", stale)
+    result = fuzz.run_program(fuzz.generate(13))
+    assert result.outcome == "wrong" and "running_" in result.detail, result.report()
+
+
 def test_the_long_mode_keeps_its_compile_cache_to_itself(tmp_path, monkeypatch):
     """Every program of a run is new: the run's compile cache is a directory of its own, removed
     at the end (a hit is then two programs sharing a key), and the user's is not filled."""
