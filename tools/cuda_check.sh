@@ -15,7 +15,7 @@
 # (pytest-xdist workers: the cores less two), CUDA_CHECK_BENCH (the benchmarks, one a line: time
 # box in seconds, target, arguments; see below), CUDA_CHECK_BENCH_ARGS (more arguments of each),
 # CUDA_CHECK_PRESET (quick), CUDA_CHECK_DEVICE (cuda; cpu for a dry run of the bench step:
-# CUDA_CHECK_STEPS=bench CUDA_CHECK_DEVICE=cpu CUDA_CHECK_PRESET=ci). The defaults take ~10
+# CUDA_CHECK_STEPS=bench CUDA_CHECK_DEVICE=cpu CUDA_CHECK_PRESET=ci). The defaults take ~12
 # minutes with the start of a machine; CUDA_CHECK_STEPS splits them into two runs. Everything goes
 # to $OUT (default: cuda-check/), at most eight files: gpu.txt, build.log, lib.tar (the built
 # core, for CUDA_CHECK_PREBUILT), tests.log, failures.txt (each failure's report, written as it
@@ -93,12 +93,15 @@ if has bench; then
   # every small model at N=16 against the loop and vmap; one of them (the ResNet-style net) also
   # against the compiled loop, the compiled vmap and N processes (a compile of 16 members' loop
   # takes minutes: all eleven would take the loan), and with CUDA graphs for every contender
-  # (--compile reduce-overhead); real sizes at N=4; the MLP up to N=256.
+  # (--compile reduce-overhead); real sizes at N=4; the MLP up to N=256; then every target once at
+  # its smallest (--preset ci: 62 s on the 2-core CPU machine), so that none is left that never ran
+  # on a GPU (recurrent, norm, attention, optimizer, router, ...).
   jobs=${CUDA_CHECK_BENCH:-"45 models --baselines loop,vmap
 100 models --case resnet --baselines loop,vmap,compile_loop,compile_vmap,processes
 60 models --case resnet --compile reduce-overhead --baselines loop,vmap
 45 real --baselines loop,vmap
-30 mlp --baselines loop,vmap"}
+30 mlp --baselines loop,vmap
+90 all --preset ci"}
   k=0
   while read -r box target args; do
     [ -z "$target" ] && continue
