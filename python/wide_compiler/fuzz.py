@@ -19,9 +19,10 @@ member run alone, by the noise-aware check of :mod:`wide_compiler.testing` (floa
 1e-10, and a tensor outside that judged against the member's own float64 rounding, so that a ReLU
 whose input is 0 up to rounding is not a finding; float32: against a float64 run of the members;
 the long mode runs every fourth program in float32), buffers after each call included; then it
-changes that state, as a user would between calls, and compares again; then it trains: a few SGD
-steps with per-member hyperparameters, after which the members the wide model gives back must hold
-what each member trained alone holds (Note [Training steps in the fuzzer]).
+changes that state, as a user would between calls, and compares again; a float32 program is called
+under bfloat16 autocast too (Note [Autocast in the fuzzer]); then it trains: a few steps
+of a wide optimizer with per-member hyperparameters, after which the members the wide model gives
+back must hold what each member trained alone holds (Note [Training steps in the fuzzer]).
 
 Note [State changed after compiling]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -72,7 +73,9 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -530,29 +533,51 @@ def _check(wide: nn.Module, members: list[nn.Module], xs: list[torch.Tensor], tr
     return None
 
 
+# Note [Autocast in the fuzzer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A float32 program is also called under bfloat16 autocast on its device, in train and eval mode at
+# the sample's sizes and one other, after the calls outside it: the wide model captured outside
+# autocast must return each member's dtype and values there (or capture again, or refuse), judged
+# by the same check, whose float64 run of the members autocast leaves alone (it casts float32 and
+# float16 only) and whose float32 judgement takes the bfloat16 rounding of the members' own run.
+# Its first runs found graphs that kept a dtype the forward read at capture (float32 where the
+# member returned bfloat16: Note [A dtype the forward reads] in fx/export_watch.py).
+#
 # Note [Training steps in the fuzzer]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The calls above compare one forward and backward from equal states; what users run is training:
 # steps, each member with its own hyperparameters, the state moving on (weights, BatchNorm's
-# running statistics, momentum buffers), and the members taken out at the end. So after them, at
-# the sample's sizes in train mode, the wide model takes TRAIN_STEPS steps of wc.optim.SGD with
-# per-member learning rates, momenta and weight decays drawn from the seed, on the loss
-# sum_i <member i's output, a random cotangent of its shape> (a padded model's members' own parts,
-# ``member_outputs``); each member takes the same steps alone with torch.optim.SGD and its own
-# values. The members the wide model gives back (``unfuse``) must then hold what each member holds,
-# weights and buffers, within TRAIN_TOLERANCE. SGD's update is linear in the gradient, so
-# rounding-sized gradient differences stay rounding-sized in the weights (Adam divides by a root of
-# the squares: a gradient that is 0 up to rounding moves its weight by lr). A flip (a ReLU whose
-# input is 0 up to rounding, Note [The float64 reference]) moves a gradient by a whole term, and the
-# steps carry it into the weights; so a tensor outside the tolerance is judged as the check judges
-# a call: member i trains again, up to RESAMPLES times, from its state before the steps with its
-# inputs and every op's result re-rounded at random (_Rerounded), and the tensor passes if the wide
-# model is within NOISE_FACTOR times as far from the member as those runs are. A defect -- a member
-# stepped with another's value, a padded weight that moved, statistics not given back -- is in none
-# of them. A train graph with draws the check cannot fix (Note [Fixed draws in the trust check])
-# takes no steps.
+# running statistics, optimizer state), and the members taken out at the end. So after them, at
+# the sample's sizes in train mode, the wide model takes TRAIN_STEPS steps of one of the wide
+# optimizers (TRAIN_OPTIMIZERS: SGD, Adam, AdamW, RMSprop or Adagrad, with per-member
+# hyperparameters and shared flags drawn from the seed) on the loss sum_i <member i's output, a
+# random cotangent of its shape> (a padded model's members' own parts, ``member_outputs``); each
+# member takes the same steps alone with the torch.optim optimizer of that name and its own values.
+# The members the wide model gives back (``unfuse``) must then hold what each member holds, weights
+# and buffers, within TRAIN_TOLERANCE. Rounding-sized gradient differences do not always stay
+# rounding-sized in the weights: a flip (a ReLU whose input is 0 up to rounding, Note [The float64
+# reference]) moves a gradient by a whole term, and Adam moves a weight whose gradient is rounding
+# noise by about lr whatever the noise's size. So a tensor outside the tolerance is judged as the
+# check judges a call: member i trains again, up to RESAMPLES times, from its state before the
+# steps with its inputs and every op's result re-rounded at random (_Rerounded), and the tensor
+# passes if the wide model is within NOISE_FACTOR times as far from the member as those runs are.
+# A defect -- a member stepped with another's value, a padded weight that moved, statistics not
+# given back -- is in none of them. A train graph with draws the check cannot fix (Note [Fixed
+# draws in the trust check]) takes no steps.
 TRAIN_STEPS = 2
 TRAIN_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}  # rtol; atol the same times 0.01
+#: optimizer name (in wc.optim and torch.optim) -> (per-member hyperparameters' choices, a tuple of
+#: choices for a pair; shared flags' choices), drawn from the seed
+TRAIN_OPTIMIZERS: dict[str, tuple[dict[str, Any], dict[str, list]]] = {
+    "SGD": ({"lr": [0.01, 0.1, 0.5], "momentum": [0.0, 0.5, 0.9], "weight_decay": [0.0, 0.01]}, {}),
+    "Adam": ({"lr": [1e-3, 1e-2], "betas": ([0.8, 0.9], [0.99, 0.999]), "eps": [1e-8, 1e-6],
+              "weight_decay": [0.0, 0.01]}, {"amsgrad": [False, True]}),
+    "AdamW": ({"lr": [1e-3, 1e-2], "betas": ([0.8, 0.9], [0.99, 0.999]), "weight_decay": [0.0, 0.1]}, {}),
+    "RMSprop": ({"lr": [1e-3, 1e-2], "alpha": [0.9, 0.99], "momentum": [0.0, 0.9], "weight_decay": [0.0, 0.01]},
+                {"centered": [False, True]}),
+    "Adagrad": ({"lr": [0.01, 0.1], "lr_decay": [0.0, 0.01], "weight_decay": [0.0, 0.01],
+                 "initial_accumulator_value": [0.0, 0.1]}, {}),
+}
 
 
 def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -582,10 +607,14 @@ def _train_steps(prog: Program, wide: nn.Module, members: list[nn.Module], dtype
         return None
     rng = random.Random(prog.seed * 7919 + 1)  # apart from the generator's streams
     n = len(members)
-    hp = {"lr": [rng.choice([0.01, 0.1, 0.5]) for _ in range(n)],
-          "momentum": [rng.choice([0.0, 0.5, 0.9]) for _ in range(n)],
-          "weight_decay": [rng.choice([0.0, 0.01]) for _ in range(n)]}
-    opt = wide_optim.SGD(params, **hp)
+    name = rng.choice(sorted(TRAIN_OPTIMIZERS))
+    values, flags = TRAIN_OPTIMIZERS[name]
+    hp = {k: [tuple(rng.choice(c) for c in choices) if isinstance(choices, tuple) else rng.choice(choices)
+              for _ in range(n)] for k, choices in values.items()}
+    shared = {k: rng.choice(choices) for k, choices in flags.items()}
+    opt = getattr(wide_optim, name)(params, **{k: tuple(zip(*v)) if isinstance(values[k], tuple) else v
+                                               for k, v in hp.items()}, **shared)
+    what = f"{TRAIN_STEPS} {name} steps"
     wide.train()
     xs = prog.make_inputs([shape for _, shape in prog.inputs], dtype, gen)
     split = getattr(wide, "member_outputs", None) or (lambda out: list(out.unbind(0)))
@@ -606,7 +635,7 @@ def _train_steps(prog: Program, wide: nn.Module, members: list[nn.Module], dtype
         m, start = members[i], {k: v.clone() for k, v in members[i].state_dict().items()}
         rerounded = _Rerounded(nudge) if nudge is not None else nullcontext()
         x = [rerounded._nudge(t[i]) if nudge is not None else t[i] for t in xs]
-        member_opt = torch.optim.SGD(m.train().parameters(), **{k: v[i] for k, v in hp.items()})
+        member_opt = getattr(torch.optim, name)(m.train().parameters(), **{k: v[i] for k, v in hp.items()}, **shared)
         for cots in cotangents:
             with fixed_draws(prog.random), rerounded:
                 (m(*x) * cots[i]).sum().backward()
@@ -620,7 +649,7 @@ def _train_steps(prog: Program, wide: nn.Module, members: list[nn.Module], dtype
     for i, got in enumerate(wide.unfuse()):
         have, want = got.state_dict(), trained(i, None)
         if have.keys() != want.keys():
-            return f"after {TRAIN_STEPS} SGD steps, member {i} given back holds {sorted(have)}, its model {sorted(want)}"
+            return f"after {what}, member {i} given back holds {sorted(have)}, its model {sorted(want)}"
         far = {k: _distance(have[k], v) for k, v in want.items()
                if not torch.allclose(have[k], v, rtol=rtol, atol=rtol * 0.01, equal_nan=True)}
         own = dict.fromkeys(far, 0.0)
@@ -631,9 +660,9 @@ def _train_steps(prog: Program, wide: nn.Module, members: list[nn.Module], dtype
             own = {k: max(own[k], _distance(nudged[k], want[k])) for k in far}
         for k in far:
             if far[k] > NOISE_FACTOR * own[k]:
-                return (f"after {TRAIN_STEPS} SGD steps, member {i}'s {k} given back is {far[k]:.3g} from the "
-                        f"member's own (max abs), its own re-rounded training {own[k]:.3g} ({RESAMPLES} runs); "
-                        f"lr {hp['lr'][i]}, momentum {hp['momentum'][i]}, weight_decay {hp['weight_decay'][i]}")
+                return (f"after {what}, member {i}'s {k} given back is {far[k]:.3g} from the member's own "
+                        f"(max abs), its own re-rounded training {own[k]:.3g} ({RESAMPLES} runs); its "
+                        f"hyperparameters {({k: v[i] for k, v in hp.items()} | shared)}")
     return None
 
 
@@ -660,11 +689,15 @@ def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch
             return Result(prog, "refused", f"compile: {str(e).splitlines()[0][:300]}")
         return Result(prog, "crash", f"compile: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
     outcome, refused = "ok", ""
-    rounds = [("", [sample_shapes, *prog.other_shapes])]
+    plain, bfloat16 = contextlib.nullcontext, functools.partial(
+        torch.autocast, torch.get_default_device().type, dtype=torch.bfloat16)
+    rounds = [("", [sample_shapes, *prog.other_shapes], plain)]
     if prog.mutations:  # Note [State changed after compiling]
-        rounds.append(("after the state change: ", [sample_shapes, *prog.other_shapes[:1]]))
-    for when, shape_sets in rounds:
-        if when:
+        rounds.append(("after the state change: ", [sample_shapes, *prog.other_shapes[:1]], plain))
+    if dtype == torch.float32:  # Note [Autocast in the fuzzer]
+        rounds.append(("under autocast: ", [sample_shapes, *prog.other_shapes[:1]], bfloat16))
+    for when, shape_sets, amp in rounds:
+        if when.startswith("after the state change"):
             prog.mutate()
         for training in (True, False):
             for m in members:
@@ -687,10 +720,10 @@ def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch
                 try:
                     # a train call that draws: every draw fixed on both sides (Note [Fixed draws in
                     # the trust check]); a draw that cannot be fixed: only finite outputs, skipped
-                    with fixed_draws(draws) as unfixed:
+                    with fixed_draws(draws) as unfixed, amp():
                         why = _check(wide, members, xs, training, dtype)
                     if unfixed:
-                        with torch.no_grad():
+                        with torch.no_grad(), amp():
                             out = wide(*xs)
                         if not torch.isfinite(out).all():
                             return Result(prog, "wrong", f"{mode} {shapes}: non-finite output")

@@ -266,6 +266,76 @@ def test_autocast_inside_forward_is_kept():
     assert_trees_members_close(out, refs, BF16)
 
 
+# Note [A dtype the forward reads] (fx/export_watch.py): each form reads the dtype of a Linear's
+# output, float32 at capture and bfloat16 under autocast; before, the graph kept float32 (or the
+# branch float32 took) and member 0 was 0.002 to 2.4 off, silently
+DTYPE_READS = {
+    "dtype": lambda h, x: h * torch.arange(1, 5, dtype=h.dtype, device=h.device),
+    "to(other)": lambda h, x: h + x.to(h),
+    "new_tensor": lambda h, x: h * h.new_tensor([1.0, 2.0, 3.0, 4.0]),
+    "branch": lambda h, x: h * 2 if h.dtype == BF16 else h,
+    "element_size": lambda h, x: h * h.element_size(),
+    "itemsize": lambda h, x: h * h.itemsize,
+    "nbytes": lambda h, x: h * h[0, 0].nbytes,
+    "type()": lambda h, x: h * 2 if h.type().endswith("BFloat16Tensor") else h,
+    "finfo": lambda h, x: h + torch.finfo(h.dtype).eps * 1000,
+}
+
+
+class _ReadsADtype(nn.Module):
+    def __init__(self, read):
+        super().__init__()
+        self.lin, self.read = nn.Linear(4, 4), read
+
+    def forward(self, x):
+        return self.read(self.lin(x), x)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("read", sorted(DTYPE_READS))
+def test_a_dtype_the_forward_reads_follows_autocast(read, mode):
+    """Note [A dtype the forward reads]: a graph captured outside autocast is captured again under
+    it, where the forward reads the dtype the member reads: outputs (dtype included) and gradients
+    are the members', in calls in and out of autocast in turn."""
+    members = make_members(lambda: _ReadsADtype(DTYPE_READS[read]), N)
+    model = wc.compile(members, torch.randn(3, 4), config=FAST).train(mode == "train")
+    for m in members:
+        m.train(mode == "train")
+    for enabled in (False, True, False, True):
+        xs = torch.randn(N, 3, 4, requires_grad=True)
+        with torch.autocast(DEVICE.type, dtype=BF16, enabled=enabled):
+            out = model(xs)
+            refs = [m(xs[i]) for i, m in enumerate(members)]
+        assert out.dtype == refs[0].dtype, (enabled, out.dtype, refs[0].dtype)
+        assert_members_close(out, refs, out.dtype)
+        if mode == "train":
+            (g,) = torch.autograd.grad(out.float().sum(), xs)
+            for i, r in enumerate(refs):
+                (gi,) = torch.autograd.grad(r.float().sum(), xs)
+                assert_members_close(g[i:i + 1], [gi[i]], BF16 if enabled else torch.float32, kind="grad")
+
+
+def test_a_padded_model_that_reads_a_dtype_refuses_autocast_naming_the_read():
+    """A padded model does not capture again: under autocast it refuses, saying that a dtype
+    read counts, rather than run the dtype of capture time."""
+    members = [_Widths(h) for h in (4, 6)]
+    model = wc.compile(members, torch.randn(3, 4), config=FAST, pad=True)
+    xs = torch.randn(2, 3, 4)
+    model(xs)  # outside autocast: runs
+    with torch.autocast(DEVICE.type, dtype=BF16), pytest.raises(ValueError, match="or a tensor's dtype, which autocast changes"):
+        model(xs)
+
+
+class _Widths(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.lin = nn.Linear(4, h)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h * torch.tensor(2.0, dtype=h.dtype, device=h.device)
+
+
 # --------------------------------------------------------------------------------------------
 # Hand-built wide modules (wc.nn)
 # --------------------------------------------------------------------------------------------

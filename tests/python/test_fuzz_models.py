@@ -86,8 +86,9 @@ def test_a_wrong_wide_model_is_caught(monkeypatch, dtype):
     assert result.outcome == "wrong" and "member 1" in result.detail, result.report()
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_a_member_trained_with_another_learning_rate_is_caught(monkeypatch, dtype):
+@pytest.mark.parametrize(("name", "dtype"), [(name, "float64") for name in sorted(fuzz.TRAIN_OPTIMIZERS)]
+                         + [("SGD", "float32")])
+def test_a_member_trained_with_another_learning_rate_is_caught(monkeypatch, name, dtype):
     """Note [Training steps in the fuzzer]: a wide optimizer that steps member 1 with twice its
     learning rate passes every call of the program (the calls take no step) and is reported by the
     training steps, naming the member and the weight, far above its own re-rounded training."""
@@ -95,14 +96,16 @@ def test_a_member_trained_with_another_learning_rate_is_caught(monkeypatch, dtyp
 
     import wide_compiler as wc
 
-    class Off(wc.optim.SGD):
+    class Off(getattr(wc.optim, name)):
         def __init__(self, params, lr, **kwargs):
             super().__init__(params, lr=[v * 2 if i == 1 else v for i, v in enumerate(lr)], **kwargs)
 
-    monkeypatch.setattr(wc.optim, "SGD", Off)
+    monkeypatch.setattr(wc.optim, name, Off)
+    monkeypatch.setattr(fuzz, "TRAIN_OPTIMIZERS", {name: fuzz.TRAIN_OPTIMIZERS[name]})
     result = fuzz.run_program(fuzz.generate(0), dtype=getattr(torch, dtype))
     assert result.outcome == "wrong", result.report()
-    assert result.detail.startswith("after 2 SGD steps, member 1's ") and "re-rounded" in result.detail, result.report()
+    assert result.detail.startswith(f"after 2 {name} steps, member 1's ") and "re-rounded" in result.detail, \
+        result.report()
 
 
 def test_running_statistics_lost_when_members_are_given_back_are_caught(monkeypatch):

@@ -22,7 +22,7 @@ from torch import nn
 from ..errors import WideCompileError
 from ..registry import running_registered
 from .hook_writes import _SITE, _hook_code, _refuse_fake_leaks
-from .source import is_user_file, location, user_frame_and_module
+from .source import _OUR_DIR, is_user_file, location, user_frame_and_module
 
 __all__: list[str] = []
 
@@ -48,8 +48,9 @@ class _Watch:
       forward reads] in fx/guards.py): the grad mode (``torch.is_grad_enabled()``,
       ``torch.is_inference_mode_enabled()``), the global flags of ``guards.FLAG_READERS``
       (determinism, autocast, the default dtype, matmul precision), an input's memory layout
-      (``Tensor.is_contiguous``, ``Tensor.stride``) and a tensor's device (``.device``,
-      ``.is_cuda``, ``.is_cpu``): each becomes a guard of the graph, checked at every call;
+      (``Tensor.is_contiguous``, ``Tensor.stride``), a tensor's device (``.device``,
+      ``.is_cuda``, ``.is_cpu``) and a tensor's dtype, which autocast changes (Note [A dtype the
+      forward reads]): each becomes a guard of the graph, checked at every call;
     * ``torch.compiler.is_compiling()`` / ``is_exporting()`` (and ``torch._dynamo.is_compiling``,
       ``torch._utils.is_compiling``, which call it), called from the user's own code (not a
       library's under site-packages, not torch's): export runs the forward with them True, each
@@ -295,9 +296,34 @@ def _watching() -> _Watch | None:
     return mine[-1] if mine else None
 
 
-def _user_caller(depth: int = 2) -> bool:
-    """Whether the caller of the patched function (``depth`` frames up) is the user's code."""
-    return is_user_file(sys._getframe(depth).f_code.co_filename)
+def _user_caller(depth: int = 2, *, ours: bool = True) -> bool:
+    """Whether the caller of the patched function (``depth`` frames up) is the user's code;
+    ``ours=False``: the first caller outside wide_compiler's own code."""
+    frame = sys._getframe(depth)
+    while not ours and frame.f_back is not None and frame.f_code.co_filename.startswith(_OUR_DIR):
+        frame = frame.f_back
+    return is_user_file(frame.f_code.co_filename)
+
+
+# Note [A dtype the forward reads]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Export fixes every dtype the forward reads from a tensor to the one it had at capture:
+# ``torch.arange(n, dtype=h.dtype)``, ``x.to(h)``, ``h.new_tensor(...)``, ``if h.dtype ==
+# torch.bfloat16``, ``h * h.element_size()`` leave the sample's dtype in the graph. Under autocast
+# the member reads another one there (a Linear's output is bfloat16 under CPU autocast), so a graph
+# captured outside autocast and run inside it returned float32 where the member returned bfloat16,
+# or took the other branch (0.004 to 2.4 off in member 0, silently). So a read of a tensor's dtype
+# from the user's code during capture (the ``dtype``, ``itemsize`` and ``nbytes`` of a fake tensor,
+# ``element_size()``, ``type()``, ``new_tensor``/``new_zeros``/``new_ones``/``new_empty``/``new_full``
+# and ``to(other)``) counts as a read of the autocast state, every device's (``is_autocast_enabled``,
+# ``get_autocast_dtype``: a model moves with ``.to()``): a call under another autocast state fails
+# that guard and the graph is captured again under the call's state, where export reads the dtype
+# the member reads, as for a forward that asks ``torch.is_autocast_enabled()`` itself. Only the
+# user's reads count (torch reads dtypes everywhere); a forward that reads none keeps one graph for
+# every autocast state, the wide ops casting as ATen's autocast casts the ops they replace. (The
+# parameters' own dtype changing: Note [A graph runs in the dtype it was captured in], model.py.)
+_DTYPE_PROPERTIES = ("dtype", "itemsize", "nbytes")
+_DTYPE_METHODS = ("element_size", "type", "new_tensor", "new_zeros", "new_ones", "new_empty", "new_full")
 
 
 def _patch(owner: Any, name: str, value: Any) -> None:
@@ -307,6 +333,7 @@ def _patch(owner: Any, name: str, value: Any) -> None:
 
 def _install_watch_patches() -> None:
     from .guards import FLAG_READERS
+    from .state_reads import _AUTOCAST_READERS, _BOUND_ARGS
 
     fn_cls = torch.autograd.function.Function
     apply, register_hook = fn_cls.__dict__["apply"], torch.Tensor.register_hook
@@ -364,6 +391,28 @@ def _install_watch_patches() -> None:
                 watch.device.append(user_frame_and_module())
             return getter(self)
         return property(read)
+
+    def autocast_read(watch: _Watch) -> None:  # Note [A dtype the forward reads]
+        for name in _AUTOCAST_READERS:
+            for args in _BOUND_ARGS[name]:
+                watch.flags.setdefault((name, args), FLAG_READERS[name](*args))
+
+    def dtype_property(getter: Any) -> property:
+        def read(self: torch.Tensor) -> Any:
+            watch = _watching() if _user_caller() else None  # the caller first: most calls are torch's
+            if watch is not None:
+                autocast_read(watch)
+            return getter(self)
+        return property(read)
+
+    def dtype_method(fn: Any, *, of_other: bool = False) -> Any:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            # past our own wrappers (export_aliases' conversions wrap .to and .type after this)
+            watch = _watching() if _user_caller(ours=False) else None
+            if watch is not None and (not of_other or any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))):
+                autocast_read(watch)
+            return fn(self, *args, **kwargs)
+        return read
 
     inference_mode = torch.autograd.grad_mode.inference_mode
     inference_enter = inference_mode.__dict__["__enter__"]
@@ -429,6 +478,11 @@ def _install_watch_patches() -> None:
         _patch(torch.Tensor, name, layout_read(getattr(torch._C.TensorBase, name)))
     for owner, name in ((FakeTensor, "device"), (torch.Tensor, "is_cuda"), (torch.Tensor, "is_cpu")):
         _patch(owner, name, device_read(getattr(owner, name).__get__))
+    for name in _DTYPE_PROPERTIES:
+        _patch(FakeTensor, name, dtype_property(getattr(torch._C.TensorBase, name).__get__))
+    for name in _DTYPE_METHODS:
+        _patch(torch.Tensor, name, dtype_method(getattr(torch._C.TensorBase, name)))
+    _patch(torch.Tensor, "to", dtype_method(torch._C.TensorBase.to, of_other=True))
     for fn, shim in _COMPILING_SHIMS:
         _PATCHED.append((fn, "__code__", fn.__code__))
         fn.__code__ = shim

@@ -56,8 +56,8 @@ from torch.export import ExportedProgram
 from torch.utils._pytree import MappingKey, SequenceKey, keystr, tree_flatten, tree_flatten_with_path
 
 from .code_reads import globals_read
-from .state_reads import (_BOUND_ARGS, _ENVIRON, _GLOBAL_HOOKS, FLAG_READERS, Contents, FunctionRef, TensorRef, _access,
-                          _matches, _owner_of, _read, _shown, _where, global_hooks, remember_owners, same_value)
+from .state_reads import (_AUTOCAST_READERS, _BOUND_ARGS, _ENVIRON, _GLOBAL_HOOKS, FLAG_READERS, Contents, FunctionRef,
+                          TensorRef, _access, _matches, _owner_of, _read, _shown, _where, global_hooks, remember_owners, same_value)
 
 __all__ = ["FLAG_READERS", "MAX_GRAPHS", "Guards", "finite_bound", "guards_of", "layout_of",
            "member_layout", "same_input", "same_value"]
@@ -306,7 +306,9 @@ class Guards:
         for (reader, args), value in self.flags:
             now = FLAG_READERS[reader](*args)
             if now != value:
-                return (f"the forward reads torch.{reader}({', '.join(map(repr, args))}), {value!r} at "
+                # a tensor's dtype read counts as a read of the autocast state (Note [A dtype the forward reads])
+                dtype = " (or a tensor's dtype, which autocast changes)" if reader in _AUTOCAST_READERS else ""
+                return (f"the forward reads torch.{reader}({', '.join(map(repr, args))}){dtype}, {value!r} at "
                         f"capture and {now!r} now")
         for name, hooks, keys in zip(_GLOBAL_HOOKS, global_hooks(), self.hooks):
             if tuple(hooks) != keys:

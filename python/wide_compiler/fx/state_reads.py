@@ -196,6 +196,8 @@ FLAG_READERS: dict[str, Any] = {name: getattr(torch, name) for name in (
 _GRAD_READERS = {"is_grad_enabled": torch.is_grad_enabled, "is_inference_mode_enabled": torch.is_inference_mode_enabled}
 # the arguments a reader imported by name is guarded with (its calls are not seen: every variant)
 _BOUND_ARGS = {"is_autocast_enabled": ((), ("cpu",), ("cuda",)), "get_autocast_dtype": (("cpu",), ("cuda",))}
+# the readers a read of a tensor's dtype counts as (Note [A dtype the forward reads] in fx/export_watch.py)
+_AUTOCAST_READERS = ("is_autocast_enabled", "get_autocast_dtype")
 
 
 def same_value(a: Any, b: Any) -> bool:
