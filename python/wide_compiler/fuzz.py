@@ -20,9 +20,10 @@ member run alone, by the noise-aware check of :mod:`wide_compiler.testing` (floa
 whose input is 0 up to rounding is not a finding; float32: against a float64 run of the members;
 the long mode runs every fourth program in float32), buffers after each call included; then it
 changes that state, as a user would between calls, and compares again; a float32 program is called
-under bfloat16 autocast too (Note [Autocast in the fuzzer]); then it trains: a few steps
-of a wide optimizer with per-member hyperparameters, after which the members the wide model gives
-back must hold what each member trained alone holds (Note [Training steps in the fuzzer]).
+under bfloat16 autocast too (Note [Autocast in the fuzzer]); both sides are converted to the other
+of float32 and float64 and called again (Note [A dtype change in the fuzzer]); then it trains: a few
+steps of a wide optimizer with per-member hyperparameters, after which the members the wide model
+gives back must hold what each member trained alone holds (Note [Training steps in the fuzzer]).
 
 Note [State changed after compiling]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -543,6 +544,13 @@ def _check(wide: nn.Module, members: list[nn.Module], xs: list[torch.Tensor], tr
 # Its first runs found graphs that kept a dtype the forward read at capture (float32 where the
 # member returned bfloat16: Note [A dtype the forward reads] in fx/export_watch.py).
 #
+# Note [A dtype change in the fuzzer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Last, the wide model and its members are converted with ``.to()`` to the other of float32 and
+# float64 and called again at the sample's sizes in train and eval mode: a graph captured in one
+# dtype must not run in another (Note [A graph runs in the dtype it was captured in], model.py),
+# and the training steps below then run in the new dtype.
+#
 # Note [Training steps in the fuzzer]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The calls above compare one forward and backward from equal states; what users run is training:
@@ -691,14 +699,29 @@ def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch
     outcome, refused = "ok", ""
     plain, bfloat16 = contextlib.nullcontext, functools.partial(
         torch.autocast, torch.get_default_device().type, dtype=torch.bfloat16)
-    rounds = [("", [sample_shapes, *prog.other_shapes], plain)]
+    other = torch.float32 if dtype == torch.float64 else torch.float64
+
+    def convert() -> None:  # Note [A dtype change in the fuzzer]
+        wide.to(other)
+        for m in members:
+            m.to(other)
+
+    # (what, the calls' input shapes, autocast or not, what happens first, the dtype after it)
+    rounds = [("", [sample_shapes, *prog.other_shapes], plain, None, dtype)]
     if prog.mutations:  # Note [State changed after compiling]
-        rounds.append(("after the state change: ", [sample_shapes, *prog.other_shapes[:1]], plain))
+        rounds.append(("after the state change: ", [sample_shapes, *prog.other_shapes[:1]], plain, prog.mutate, dtype))
     if dtype == torch.float32:  # Note [Autocast in the fuzzer]
-        rounds.append(("under autocast: ", [sample_shapes, *prog.other_shapes[:1]], bfloat16))
-    for when, shape_sets, amp in rounds:
-        if when.startswith("after the state change"):
-            prog.mutate()
+        rounds.append(("under autocast: ", [sample_shapes, *prog.other_shapes[:1]], bfloat16, None, dtype))
+    rounds.append((f"after .to({other}): ", [sample_shapes], plain, convert, other))
+    for when, shape_sets, amp, before, dtype in rounds:
+        if before is not None:
+            try:
+                before()
+            except Exception as e:  # noqa: BLE001 -- what follows would run on a half-changed model
+                if _is_refusal(e):
+                    return Result(prog, "refused" if outcome == "ok" else outcome,
+                                  refused or f"{when}{str(e).splitlines()[0][:300]}")
+                return Result(prog, "crash", f"{when}{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
         for training in (True, False):
             for m in members:
                 m.train(training)

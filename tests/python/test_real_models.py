@@ -38,6 +38,29 @@ def test_real_model_matches_its_members(case):
         assert report["train/own"]["param_grad"] is not None
 
 
+@pytest.mark.parametrize("name", ["Wav2Vec2Model", "DebertaV2Model"])
+def test_real_model_compiled_outside_autocast_runs_under_it_as_its_members(name):
+    """Note [A dtype the forward reads]: compiled outside autocast, called under CPU bfloat16
+    autocast (the suite's device's). Both read dtypes of their activations; before, Wav2Vec2 returned float32 where each
+    member returns bfloat16, and DeBERTa-v2 failed filling float32's minimum into a bfloat16 mask."""
+    from torch.utils._pytree import tree_flatten
+
+    from support import DEVICE
+
+    from wide_compiler.testing import assert_trees_members_close
+
+    case = next(c for c in CASES if c.name == name)
+    models = [m.eval() for m in members(case)]
+    args, kwargs = sample(case)
+    wide = wc.compile(models, args, sample_kwargs=kwargs or None, config=wc.WideConfig.fast()).eval()
+    stack = lambda t: t.expand(len(models), *t.shape)  # noqa: E731
+    with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        out = wide(*map(stack, args), **{k: stack(v) for k, v in kwargs.items()})
+        refs = [m(*args, **kwargs) for m in models]
+    assert [t.dtype for t in tree_flatten(out)[0]] == [t.dtype for t in tree_flatten(refs[0])[0]]
+    assert_trees_members_close(out, refs, torch.bfloat16)
+
+
 def test_decoder_cache_comes_out_n_first():
     """A decoder as it comes (use_cache=True) returns its DynamicCache; every key/value tensor of
     the wide cache is N-first and member i's slice is member i's own cache."""
