@@ -20,7 +20,8 @@ member run alone, by the noise-aware check of :mod:`wide_compiler.testing` (floa
 whose input is 0 up to rounding is not a finding; float32: against a float64 run of the members;
 the long mode runs every fourth program in float32), buffers after each call included; then it
 changes that state, as a user would between calls, and compares again; a float32 program is called
-under bfloat16 autocast too (Note [Autocast in the fuzzer]); both sides are converted to the other
+under bfloat16 autocast too (Note [Autocast in the fuzzer]); the wide model is called under
+``torch.compile(fullgraph=True)`` (Note [torch.compile in the fuzzer]); both sides are converted to the other
 of float32 and float64 and called again (Note [A dtype change in the fuzzer]); then it trains: a few
 steps of a wide optimizer with per-member hyperparameters, after which the members the wide model
 gives back must hold what each member trained alone holds (Note [Training steps in the fuzzer]).
@@ -514,6 +515,8 @@ def _is_refusal(e: BaseException) -> bool:
     error whose message it wrote."""
     from .errors import ArchitectureMismatchError, WideCompileError
 
+    if isinstance(e, torch._dynamo.exc.Unsupported):  # ours, raised inside torch.compile(fullgraph=True)
+        return re.search(r'raised exception \w+\("wide_compiler', str(e)) is not None
     return isinstance(e, (WideCompileError, ArchitectureMismatchError)) or (
         isinstance(e, (ValueError, TypeError, RuntimeError, IndexError)) and str(e).startswith("wide_compiler"))
 
@@ -543,6 +546,18 @@ def _check(wide: nn.Module, members: list[nn.Module], xs: list[torch.Tensor], tr
 # float16 only) and whose float32 judgement takes the bfloat16 rounding of the members' own run.
 # Its first runs found graphs that kept a dtype the forward read at capture (float32 where the
 # member returned bfloat16: Note [A dtype the forward reads] in fx/export_watch.py).
+#
+# Note [torch.compile in the fuzzer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A wide model runs under ``torch.compile(fullgraph=True)`` (the project's promise for every
+# compiled model): so the fuzzer calls ``torch.compile(wide, backend="aot_eager", fullgraph=True)``
+# at the sample's sizes and one other, in train and eval mode, with the same check. Dynamo traces
+# the wide model's own Python (its guards, per-member constants, graph choice) and aot_eager its
+# graph and backward, without inductor's code generation (seconds a program; inductor would take
+# minutes, and its kernels are ATen's own ops here). A graph break is a crash: fullgraph refuses it;
+# a refusal of ours raised inside the trace (a call that needs a capture: Note [No capture under
+# torch.compile]) is a refusal. A train graph that draws is called in eval mode only (the check's
+# fixed draws are a dispatch mode, which Dynamo does not trace).
 #
 # Note [A dtype change in the fuzzer]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -674,9 +689,11 @@ def _train_steps(prog: Program, wide: nn.Module, members: list[nn.Module], dtype
     return None
 
 
-def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch.float64) -> Result:
+def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch.float64,
+                compile_too: bool = True) -> Result:
     """Compile ``prog``'s members in ``dtype`` and compare them with the wide model (Note [The
-    model fuzzer]) by the noise-aware check."""
+    model fuzzer]) by the noise-aware check; ``compile_too``: under ``torch.compile`` too (Note
+    [torch.compile in the fuzzer])."""
     from . import api
     from .config import WideConfig
 
@@ -706,14 +723,24 @@ def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch
         for m in members:
             m.to(other)
 
-    # (what, the calls' input shapes, autocast or not, what happens first, the dtype after it)
-    rounds = [("", [sample_shapes, *prog.other_shapes], plain, None, dtype)]
+    compiled: list[nn.Module] = []
+
+    def under_compile() -> None:  # Note [torch.compile in the fuzzer]
+        torch._dynamo.reset()  # every program's wide model has the same forward: its own budget of recompiles
+        compiled[:] = [torch.compile(wide, backend="aot_eager", fullgraph=True)]
+
+    # (what, the calls' input shapes, autocast or not, what happens first, the dtype after it, what is called)
+    rounds = [("", [sample_shapes, *prog.other_shapes], plain, None, dtype, lambda: wide)]
     if prog.mutations:  # Note [State changed after compiling]
-        rounds.append(("after the state change: ", [sample_shapes, *prog.other_shapes[:1]], plain, prog.mutate, dtype))
+        rounds.append(("after the state change: ", [sample_shapes, *prog.other_shapes[:1]], plain, prog.mutate, dtype,
+                       lambda: wide))
     if dtype == torch.float32:  # Note [Autocast in the fuzzer]
-        rounds.append(("under autocast: ", [sample_shapes, *prog.other_shapes[:1]], bfloat16, None, dtype))
-    rounds.append((f"after .to({other}): ", [sample_shapes], plain, convert, other))
-    for when, shape_sets, amp, before, dtype in rounds:
+        rounds.append(("under autocast: ", [sample_shapes, *prog.other_shapes[:1]], bfloat16, None, dtype, lambda: wide))
+    if compile_too:
+        rounds.append(("under torch.compile: ", [sample_shapes, *prog.other_shapes[:1]], plain, under_compile, dtype,
+                       lambda: compiled[0]))
+    rounds.append((f"after .to({other}): ", [sample_shapes], plain, convert, other, lambda: wide))
+    for when, shape_sets, amp, before, dtype, called in rounds:
         if before is not None:
             try:
                 before()
@@ -727,6 +754,8 @@ def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch
                 m.train(training)
             wide.train(training)
             draws = training and prog.random
+            if draws and before is under_compile:  # the fixed draws are a dispatch mode, which Dynamo refuses
+                continue
             mode = f"{when}{'train' if training else 'eval'} call"
             for shapes in shape_sets:
                 xs = prog.make_inputs(shapes, dtype, gen)
@@ -744,10 +773,10 @@ def run_program(prog: Program, *, config: Any = None, dtype: torch.dtype = torch
                     # a train call that draws: every draw fixed on both sides (Note [Fixed draws in
                     # the trust check]); a draw that cannot be fixed: only finite outputs, skipped
                     with fixed_draws(draws) as unfixed, amp():
-                        why = _check(wide, members, xs, training, dtype)
+                        why = _check(called(), members, xs, training, dtype)
                     if unfixed:
                         with torch.no_grad(), amp():
-                            out = wide(*xs)
+                            out = called()(*xs)
                         if not torch.isfinite(out).all():
                             return Result(prog, "wrong", f"{mode} {shapes}: non-finite output")
                         outcome = "skipped" if outcome == "ok" else outcome

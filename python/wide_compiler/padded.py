@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .errors import UnsupportedOperationError
+from .fx.guards import autocast_enabled
 from .fx.padded_members import PaddedMember, PadInfo
 from .fx.padding import pad_members
 from .fx.padding_layouts import scatter
@@ -222,13 +223,16 @@ class PaddedWideModel(WideModel):
 
     def _refuse_low_precision_padding(self) -> None:
         """Note [A padded reduction runs in float32 or float64]."""
-        floats = [b for _, owner, attr in self.__dict__.get("_pad_constants", ())
-                  if (b := owner._buffers.get(attr)) is not None and b.is_floating_point()]
+        floats = []  # a loop, not a comprehension with :=, which Dynamo cannot trace
+        for _, owner, attr in self.__dict__.get("_pad_constants", ()):
+            b = owner._buffers.get(attr)
+            if b is not None and b.is_floating_point():
+                floats.append(b)
         if not floats:
             return
         low = next((b.dtype for b in floats if b.dtype not in (torch.float32, torch.float64)), None)
         device = floats[0].device.type
-        if low is None and not torch.is_autocast_enabled(device):
+        if low is None and not autocast_enabled(device):
             return
         where = f"in {low}" if low is not None else f"under {device} autocast"
         raise UnsupportedOperationError(
@@ -250,11 +254,12 @@ class PaddedWideModel(WideModel):
         self.__dict__.pop("_padding_versions", None)  # Note [Writes into the padding]: all zeroed at the next call
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # (under torch.compile the hooks are in place already)
-        if torch.compiler.is_compiling():
-            return super().forward(*args, **kwargs)
+        # the refusals under torch.compile too (traced: a changed global is a guard of Dynamo's, which
+        # traces again and this raises; it ran the padded program of the old state, silently)
         self._pad.check_state(self.training)  # Note [The state a padded program was captured with]
         self._refuse_low_precision_padding()
+        if torch.compiler.is_compiling():  # the hooks are in place already
+            return super().forward(*args, **kwargs)
         self._padding_kept()
         swapped = self._mask_callers_tensors()
         try:

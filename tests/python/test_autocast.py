@@ -315,6 +315,26 @@ def test_a_dtype_the_forward_reads_follows_autocast(read, mode):
                 assert_members_close(g[i:i + 1], [gi[i]], BF16 if enabled else torch.float32, kind="grad")
 
 
+def test_a_dtype_the_forward_reads_under_torch_compile_fullgraph():
+    """The autocast guard a dtype read adds is read as a constant under torch.compile (Dynamo
+    cannot trace ``torch.is_autocast_enabled("cpu")``: fullgraph=True failed on such forwards), and
+    Dynamo traces again when the autocast state changes: the compiled model takes the graph
+    captured (eagerly) for each state."""
+    members = make_members(lambda: _ReadsADtype(DTYPE_READS["dtype"]), N)
+    model = wc.compile(members, torch.randn(3, 4), config=FAST)
+    xs = torch.randn(N, 3, 4)
+    for enabled in (False, True):  # each state's graph captured outside torch.compile
+        with torch.autocast(DEVICE.type, dtype=BF16, enabled=enabled):
+            model(xs)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for enabled in (False, True, False):
+        with torch.autocast(DEVICE.type, dtype=BF16, enabled=enabled):
+            out = compiled(xs)
+            refs = [m(xs[i]) for i, m in enumerate(members)]
+        assert out.dtype == refs[0].dtype
+        assert_members_close(out, refs, out.dtype)
+
+
 def test_a_padded_model_that_reads_a_dtype_refuses_autocast_naming_the_read():
     """A padded model does not capture again: under autocast it refuses, saying that a dtype
     read counts, rather than run the dtype of capture time."""

@@ -356,6 +356,48 @@ def test_torch_compile_fullgraph_of_a_padded_model():
         torch.testing.assert_close(torch.compile(wide, fullgraph=True, backend="eager")(x), wide(x))
 
 
+SCALE = 2.0
+
+
+class _ReadsAGlobal(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.lin = nn.Linear(4, h)
+
+    def forward(self, x):
+        return self.lin(x) * SCALE
+
+
+def test_torch_compile_of_a_padded_model_refuses_a_changed_global_as_eager_does(monkeypatch):
+    """Note [The state a padded program was captured with] under torch.compile(fullgraph=True): a
+    global the members read, changed after compiling, is refused as in an eager call (the compiled
+    model ran the program of the old value, silently: found by the fuzzer's torch.compile round)."""
+    models = [_ReadsAGlobal(h) for h in (3, 5)]
+    wide = wc.compile(models, torch.randn(2, 4), pad=True, config=FAST)
+    compiled = torch.compile(wide, fullgraph=True, backend="eager")
+    x = torch.randn(2, 3, 4)
+    outs = wide.member_outputs(compiled(x))
+    for i, m in enumerate(models):
+        torch.testing.assert_close(outs[i], m(x[i]))
+    monkeypatch.setattr(__import__(__name__), "SCALE", 3.0)
+    with pytest.raises(ValueError, match="SCALE, which the members' code reads, is 3.0 now, captured as 2.0"):
+        wide(x)
+    with pytest.raises(Exception, match="SCALE, which the members' code reads, is 3.0 now, captured as 2.0"):
+        compiled(x)
+
+
+def test_torch_compile_of_a_padded_model_with_a_padded_reduction_refuses_autocast():
+    """Note [A padded reduction runs in float32 or float64] under torch.compile too: a padded
+    LayerNorm under autocast is refused, not run with counts in bfloat16."""
+    models = [nn.Sequential(nn.Linear(4, h), nn.LayerNorm(h)) for h in (3, 5)]
+    wide = wc.compile(models, torch.randn(2, 4), pad=True, config=FAST)
+    compiled = torch.compile(wide, fullgraph=True, backend="eager")
+    x = torch.randn(2, 3, 4)
+    compiled(x)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16), pytest.raises(Exception, match="padded reduction"):
+        compiled(x)
+
+
 def test_a_second_compile_after_a_refused_one_works_and_models_are_untouched():
     good = _small_sweep()
     before = copy.deepcopy(good[0].state_dict())

@@ -239,7 +239,9 @@ def _recheck_in_float64(wide: Any, models: Sequence[nn.Module], inputs: Any, kwa
 
 def _at_wide_sizes(wide: nn.Module, models: Sequence[nn.Module]) -> bool:
     """Whether every member's state tensors have the wide model's member shapes (``validate=True``
-    of a padded model compares it with its padded members: nothing to place)."""
+    of a padded model compares it with its padded members: nothing to place); a torch.compile
+    wrapper's names are its model's."""
+    wide = getattr(wide, "_orig_mod", wide)
     wide_state = {**dict(wide.named_parameters()), **dict(wide.named_buffers())}
     return all(name not in wide_state or tuple(t.shape) == tuple(wide_state[name].shape[1:])
                for m in models for name, t in (*m.named_parameters(), *m.named_buffers()))

@@ -59,6 +59,25 @@ from .code_reads import globals_read
 from .state_reads import (_AUTOCAST_READERS, _BOUND_ARGS, _ENVIRON, _GLOBAL_HOOKS, FLAG_READERS, Contents, FunctionRef,
                           TensorRef, _access, _matches, _owner_of, _read, _shown, _where, global_hooks, remember_owners, same_value)
 
+def _autocast_flag(reader: str) -> Any:
+    """The autocast reader ``reader`` as a guard calls it: under torch.compile its value at trace
+    time is a constant (Dynamo cannot put ``torch.is_autocast_enabled("cpu")`` in a graph, and
+    ``fullgraph=True`` failed on every forward that reads a tensor's dtype: Note [A dtype the forward
+    reads] in fx/export_watch.py); Dynamo's own guard on the global autocast state traces again
+    when it changes."""
+    fn = FLAG_READERS[reader]
+
+    @torch.compiler.assume_constant_result
+    def read(*args: Any) -> Any:
+        return fn(*args)
+
+    return read
+
+
+_AUTOCAST_FLAGS = {reader: _autocast_flag(reader) for reader in _AUTOCAST_READERS}
+#: ``torch.is_autocast_enabled(device)`` for checks that torch.compile traces (a constant there)
+autocast_enabled = _AUTOCAST_FLAGS["is_autocast_enabled"]
+
 __all__ = ["FLAG_READERS", "MAX_GRAPHS", "Guards", "finite_bound", "guards_of", "layout_of",
            "member_layout", "same_input", "same_value"]
 
@@ -209,7 +228,8 @@ class Guards:
             namespace.update({f"_gh{j}": hooks, f"_ghk{j}": keys})
         for j, ((reader, args), value) in enumerate(self.flags):
             head.append(f"_fr{j}(*_fa{j}) == _fv{j}")
-            namespace.update({f"_fr{j}": FLAG_READERS[reader], f"_fa{j}": args, f"_fv{j}": value})
+            namespace.update({f"_fr{j}": _AUTOCAST_FLAGS.get(reader, FLAG_READERS[reader]), f"_fa{j}": args,
+                              f"_fv{j}": value})
         for j, ((_, qualname, name, value), owner) in enumerate(zip(self.watched, self._owners)):
             read = _access(f"_o{j}", qualname, name)
             # a mutable value's contents, compared at each call; a tensor by identity and version (its
