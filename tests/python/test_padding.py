@@ -379,7 +379,7 @@ def test_torch_compile_of_a_padded_model_refuses_a_changed_global_as_eager_does(
     outs = wide.member_outputs(compiled(x))
     for i, m in enumerate(models):
         torch.testing.assert_close(outs[i], m(x[i]))
-    monkeypatch.setattr(__import__(__name__), "SCALE", 3.0)
+    monkeypatch.setitem(globals(), "SCALE", 3.0)  # the global the members' forward reads
     with pytest.raises(ValueError, match="SCALE, which the members' code reads, is 3.0 now, captured as 2.0"):
         wide(x)
     with pytest.raises(Exception, match="SCALE, which the members' code reads, is 3.0 now, captured as 2.0"):

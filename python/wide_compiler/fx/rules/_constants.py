@@ -392,6 +392,7 @@ def nan_passes_gradient(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     so its gradient) where ``x`` is NaN."""
     return torch.where(x.isnan(), x, out) if _off_the_cpu(x) else out
 
+
 def _bound(ctx: WidenContext, node: fx.Node, v: Any, rank: int, like: fx.Node | None, other: Any) -> Any:
     """A bound as a per-member ``[N, 1, ..., 1]`` tensor: a per-member one cast (``scalar``), a
     shared Python number filled into the shape of ``other`` (a per-member bound's tensor)."""
